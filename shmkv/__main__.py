@@ -1,0 +1,7 @@
+"""``python -m shmkv``: the same command line as ``shmkv``."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

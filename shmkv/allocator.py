@@ -1,0 +1,196 @@
+"""Block bookkeeping: free blocks, ref counts, the prefix index and LRU eviction.
+
+Owns which physical block is free, cached or referenced, how many references each
+has, which published prefix key names it, and which sequence may write it in place.
+Does not know about sequences, connections or memory; ``shmkv.sequences`` builds on
+it. Pure: lists, ints and dicts only, no torch, no I/O.
+
+Every block is in exactly one state:
+
+* free: ``ref_cnt == 0``, no key, on the free stack;
+* cached: ``ref_cnt == 0``, published key, in the LRU (oldest first);
+* referenced: ``ref_cnt > 0`` (published or not).
+
+Allocation takes free blocks first and evicts cached blocks, least recently used
+first, only when no free block is left. Running short is a normal outcome:
+``allocate`` returns None and changes nothing; only misuse raises.
+
+``owner`` is shared with workers (a read-only shared-memory array in their
+processes): ``owner[b] == cache_id`` means sequence ``cache_id`` may write block
+``b`` in place; 0 means a write must first ask the coordinator (the block is shared,
+published, free, or not yet claimed). Only the coordinator writes it.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from typing import Iterable, List, Optional, Sequence
+
+NO_OWNER = 0
+
+
+class BlockPool:
+    """Ref-counted block allocator with a prefix index and LRU eviction.
+
+    Args:
+        num_blocks: blocks in the pool.
+        owner: a writable int64 sequence of ``num_blocks`` (shared memory in the
+            coordinator); a private array when omitted.
+    """
+
+    def __init__(self, num_blocks: int, owner: Optional[Sequence[int]] = None):
+        self.num_blocks = num_blocks
+        self.ref_cnt: List[int] = [0] * num_blocks
+        self.block_key: List[Optional[bytes]] = [None] * num_blocks
+        # Free blocks as a stack: allocating k blocks is one slice, no per-block object.
+        # Reversed so that a fresh pool hands out block 0 first.
+        self._free: List[int] = list(range(num_blocks - 1, -1, -1))
+        # ref_cnt == 0 blocks with a key, oldest first. OrderedDict gives O(1)
+        # pop-oldest, move and remove-by-id (a plain dict degrades when popped from
+        # the front repeatedly).
+        self._cached: "OrderedDict[int, None]" = OrderedDict()
+        self.prefix_index: dict = {}
+        self.owner = owner if owner is not None else array("q", bytes(8 * num_blocks))
+        self.num_evictions = 0
+
+    # -- counts ------------------------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        """Blocks with no key and no reference."""
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        """Unreferenced blocks that keep a published key (evictable)."""
+        return len(self._cached)
+
+    @property
+    def num_available(self) -> int:
+        """Blocks an allocation can take now (free + evictable)."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_referenced(self) -> int:
+        return self.num_blocks - self.num_available
+
+    # -- allocation --------------------------------------------------------------------
+
+    def allocate(self, num: int, owner_id: int) -> Optional[List[int]]:
+        """Take ``num`` blocks with ``ref_cnt = 1`` writable by ``owner_id``.
+
+        Returns None, changing nothing, when fewer than ``num`` blocks are available.
+        """
+        if num > len(self._free) + len(self._cached):
+            return None
+        if num == 0:
+            return []
+        take = min(num, len(self._free))
+        ids = self._free[len(self._free) - take:]
+        del self._free[len(self._free) - take:]
+        ids.reverse()  # ascending ids from a fresh pool
+        for _ in range(num - take):
+            block_id, _unused = self._cached.popitem(last=False)
+            del self.prefix_index[self.block_key[block_id]]
+            self.block_key[block_id] = None
+            self.num_evictions += 1
+            ids.append(block_id)
+        ref_cnt, owner = self.ref_cnt, self.owner
+        for block_id in ids:
+            ref_cnt[block_id] = 1
+            owner[block_id] = owner_id
+        return ids
+
+    def incref(self, block_ids: Iterable[int]) -> None:
+        """Add a reference to each block (prefix hit, fork). Cached blocks leave the LRU."""
+        ref_cnt, owner, cached = self.ref_cnt, self.owner, self._cached
+        for block_id in block_ids:
+            if ref_cnt[block_id] == 0:
+                assert block_id in cached, f"incref of free block {block_id}"
+                del cached[block_id]
+            ref_cnt[block_id] += 1
+            owner[block_id] = NO_OWNER  # shared or published: writes must copy first
+
+    def decref(self, block_ids: Iterable[int]) -> None:
+        """Drop a reference from each block; a block at 0 becomes free or cached.
+
+        Callers pass a sequence's blocks last-first, so that its tail is evicted
+        before its head (a prefix is worthless once its first block is gone).
+        """
+        ref_cnt, owner = self.ref_cnt, self.owner
+        for block_id in block_ids:
+            count = ref_cnt[block_id] - 1
+            assert count >= 0, f"decref of unreferenced block {block_id}"
+            ref_cnt[block_id] = count
+            if count == 0:
+                owner[block_id] = NO_OWNER
+                if self.block_key[block_id] is None:
+                    self._free.append(block_id)
+                else:
+                    self._cached[block_id] = None
+
+    def claim(self, block_id: int, owner_id: int) -> bool:
+        """Make ``owner_id`` the in-place writer of a block only it references.
+
+        Returns False when the block is shared or published (the caller must copy).
+        """
+        if self.ref_cnt[block_id] == 1 and self.block_key[block_id] is None:
+            self.owner[block_id] = owner_id
+            return True
+        return False
+
+    # -- prefix index ------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes]) -> List[int]:
+        """Blocks of the longest published prefix of ``keys`` (references unchanged)."""
+        hits = []
+        index = self.prefix_index
+        for key in keys:
+            block_id = index.get(key)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Mark cached (unreferenced) blocks as recently used."""
+        cached = self._cached
+        for block_id in block_ids:
+            if block_id in cached:
+                cached.move_to_end(block_id)
+
+    def publish(self, block_id: int, key: bytes) -> bool:
+        """Give a referenced, fully written block its prefix key; it becomes immutable.
+
+        Returns False when the key already names another block (a concurrent writer
+        of the same prefix won) or this block already has a key.
+        """
+        if key in self.prefix_index or self.block_key[block_id] is not None:
+            return False
+        assert self.ref_cnt[block_id] > 0, f"publish of unreferenced block {block_id}"
+        self.block_key[block_id] = key
+        self.prefix_index[key] = block_id
+        self.owner[block_id] = NO_OWNER
+        return True
+
+    # -- checking ----------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Assert that every block is in exactly one state (for tests and stress)."""
+        free = set(self._free)
+        assert len(free) == len(self._free), "a block is twice on the free stack"
+        cached = set(self._cached)
+        assert not free & cached, "a block is both free and cached"
+        for block_id in range(self.num_blocks):
+            count = self.ref_cnt[block_id]
+            key = self.block_key[block_id]
+            if count == 0:
+                assert (block_id in free) != (block_id in cached), f"block {block_id} lost"
+                assert (key is None) == (block_id in free), f"block {block_id} key/state"
+                assert self.owner[block_id] == NO_OWNER
+            else:
+                assert block_id not in free and block_id not in cached
+            if key is not None:
+                assert self.prefix_index.get(key) == block_id
+        assert len(self.prefix_index) == sum(k is not None for k in self.block_key)

@@ -1,0 +1,348 @@
+"""The worker side: one connection to a coordinator and the pool mapped into this process.
+
+Owns the client socket (request ids, timeouts, detecting a gone coordinator), the
+handshake that maps the pool without copying, the batched operations of a
+scheduler step, and the per-process registry that lets pickled handles find a
+client when they are unpickled. Handles themselves are in ``shmkv.handle``.
+
+A :class:`Client` is thread-safe: one request is on the wire at a time (a lock),
+and data-plane reads and writes on handles need no lock at all.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import threading
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+from . import protocol
+from .errors import (CoordinatorGone, CoordinatorTimeout, HandleClosed, InvalidArgument,
+                     WrongType)
+from .layout import PoolConfig
+from .memory import PoolMemory, attach_pool
+
+DEFAULT_TIMEOUT = 30.0
+DEFAULT_PICKLE_TTL = 300.0
+_RECV_SIZE = 1 << 18
+
+
+class Client:
+    """A connection to a coordinator, with its pool mapped zero copy.
+
+    Use :func:`connect` to make one. Attributes: ``address``, ``config``
+    (:class:`PoolConfig`), ``tp_rank`` / ``tp_size`` (None when this client sees all
+    heads), ``pool`` (this client's 6-d view of the pool: its head shard under
+    tensor parallelism), ``timeout`` (seconds per request).
+    """
+
+    def __init__(self, address: str, tp_rank: Optional[int] = None,
+                 tp_size: Optional[int] = None, timeout: float = DEFAULT_TIMEOUT,
+                 pickle_ttl: float = DEFAULT_PICKLE_TTL):
+        if (tp_rank is None) != (tp_size is None):
+            raise InvalidArgument("pass both tp_rank= and tp_size=, or neither")
+        if tp_size is not None and (not isinstance(tp_size, int) or tp_size < 1
+                                    or not isinstance(tp_rank, int)
+                                    or not 0 <= tp_rank < tp_size):
+            raise InvalidArgument(f"tp_rank={tp_rank!r} must lie in [0, tp_size={tp_size!r})")
+        self.address = str(address)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.timeout = timeout
+        self.pickle_ttl = pickle_ttl
+        self._lock = threading.Lock()
+        self._next_id = 1
+        self._decoder = protocol.FrameDecoder(protocol.DEFAULT_MAX_FRAME * 4)
+        self._pending: list = []
+        self._sock: Optional[socket.socket] = None
+        self._poll = None
+        self._memory: Optional[PoolMemory] = None
+        self._gone = False
+        self._closed = False
+        self._pid = os.getpid()
+        self._handles: "set" = set()
+        try:
+            self._handshake()
+        except BaseException:
+            self._teardown()
+            raise
+
+    # -- connection ------------------------------------------------------------------------
+
+    def _handshake(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock = sock
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.address)
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            raise CoordinatorGone(f"no coordinator at {self.address} ({exc.strerror})") from None
+        args = {"version": protocol.PROTOCOL_VERSION, "pid": os.getpid()}
+        if self.tp_rank is not None:
+            args.update(tp_rank=self.tp_rank, tp_size=self.tp_size)
+        sock.sendall(protocol.encode_request(0, "hello", args))
+        fds: List[int] = []
+        response = None
+        try:
+            while response is None:
+                data, got, _flags, _addr = socket.recv_fds(sock, _RECV_SIZE, 4)
+                fds += got
+                if not data:
+                    raise CoordinatorGone(f"coordinator at {self.address} closed the "
+                                          "connection during the handshake")
+                for obj in self._decoder.feed(data):
+                    response = protocol.parse_response(obj)
+                    break
+            hello = response.unwrap()
+            config = PoolConfig.from_wire(hello["pool"])
+            self.config = config
+            self.coordinator_pid = hello["coordinator_pid"]
+            from .coordinator import LOCAL_POOLS
+            local = LOCAL_POOLS.get(self.address)
+            if local is not None and config.is_cuda:
+                for fd in fds:
+                    os.close(fd)
+                fds = []
+                self._memory = local
+                self._owns_memory = False
+            else:
+                self._memory = attach_pool(config, hello["memory"], fds)
+                self._owns_memory = True
+                fds = []
+        except socket.timeout:
+            raise CoordinatorTimeout(f"handshake with {self.address} timed out after "
+                                     f"{self.timeout} s") from None
+        finally:
+            for fd in fds:
+                os.close(fd)
+        self.pool = self._memory.rank_view(self.tp_rank, self.tp_size)
+        self.owner = self._memory.owner
+        self._poll = select.poll()
+        self._poll.register(sock, select.POLLHUP | select.POLLERR)
+
+    def is_alive(self) -> bool:
+        """False once the coordinator has hung up or this client was closed (no round trip)."""
+        if self._closed or self._gone:
+            return False
+        if self._poll.poll(0):
+            self._gone = True
+            return False
+        return True
+
+    def check(self) -> None:
+        """Raise ``HandleClosed`` or ``CoordinatorGone`` unless the client is usable."""
+        if self._closed:
+            raise HandleClosed("client is closed")
+        if self._gone or (os.getpid() != self._pid):
+            raise CoordinatorGone(self._gone_message())
+        if self._poll.poll(0):
+            self._gone = True
+            raise CoordinatorGone(self._gone_message())
+
+    def _gone_message(self) -> str:
+        if os.getpid() != self._pid:
+            return ("this client was made in another process (fork); connect again in this "
+                    "process (use the spawn start method)")
+        return f"the coordinator at {self.address} is gone; its handles are no longer valid"
+
+    def request(self, op: str, **args):
+        """Send one request and wait for its result (raises the mapped error)."""
+        self.check()
+        with self._lock:
+            request_id = self._next_id
+            self._next_id += 1
+            try:
+                self._sock.sendall(protocol.encode_request(request_id, op, args))
+                while True:
+                    while self._pending:
+                        response = protocol.parse_response(self._pending.pop(0))
+                        if response.request_id == request_id:
+                            return response.unwrap()
+                        if response.request_id == -1:  # the coordinator dropped us
+                            self._gone = True
+                            response.unwrap()
+                    data = self._sock.recv(_RECV_SIZE)
+                    if not data:
+                        self._gone = True
+                        raise CoordinatorGone(self._gone_message())
+                    self._pending.extend(self._decoder.feed(data))
+            except socket.timeout:
+                self._gone = True  # the stream is out of step now; stop using it
+                raise CoordinatorTimeout(f"{op} got no answer within {self.timeout} s") from None
+            except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError):
+                self._gone = True
+                raise CoordinatorGone(self._gone_message()) from None
+
+    # -- handles -----------------------------------------------------------------------------
+
+    def _handle(self, info: dict, view_len: Optional[int] = None):
+        from .handle import KvCacheHandle
+        return KvCacheHandle(self, info, view_len)
+
+    def allocate(self, num_tokens: int = 0, prompt: Optional[Sequence[int]] = None,
+                 cache_salt: Optional[bytes] = None, request_id: Optional[str] = None):
+        """A new sequence with ``num_tokens`` reserved slots (one round trip).
+
+        With ``prompt`` (token ids), ``num_tokens`` defaults to ``len(prompt)``, the
+        longest cached prefix of full blocks is reused, and ``handle.num_cached_tokens``
+        says how many tokens are already present: write K/V from there on. Call
+        ``handle.commit()`` once written so other requests can reuse it.
+        ``cache_salt`` namespaces the prefix keys (model, adapter, tenant).
+
+        Raises:
+            PoolExhausted: not enough free or evictable blocks (nothing changed).
+        """
+        return self.allocate_many([dict(num_tokens=num_tokens, prompt=prompt,
+                                        cache_salt=cache_salt, request_id=request_id)])[0]
+
+    def allocate_many(self, requests: Iterable) -> list:
+        """Allocate several sequences in one round trip, all or none.
+
+        Each request is an int (``num_tokens``) or a dict of :meth:`allocate`'s arguments.
+        """
+        wire = []
+        for req in requests:
+            if isinstance(req, int) and not isinstance(req, bool):
+                req = {"num_tokens": req}
+            if not isinstance(req, dict):
+                raise WrongType("each request must be an int or a dict of allocate arguments")
+            req = dict(req)
+            prompt = req.get("prompt")
+            if prompt is not None:
+                req["prompt"] = _token_list(prompt)
+                if not req.get("num_tokens"):
+                    req["num_tokens"] = len(req["prompt"])
+            req.setdefault("num_tokens", 0)
+            wire.append({k: v for k, v in req.items() if v is not None})
+        infos = self.request("allocate_many", requests=wire)
+        return [self._handle(info) for info in infos]
+
+    def extend_many(self, items: Iterable[Tuple]) -> List[int]:
+        """Reserve slots in several sequences in one round trip, all or none.
+
+        ``items`` are ``(handle, num_tokens)`` or ``(handle, num_tokens, token_ids)``.
+        Returns the start position of each reservation.
+        """
+        handles, wire = [], []
+        for item in items:
+            handle, num = item[0], item[1]
+            handle._check_open()
+            entry = [handle._cache_id, num]
+            if len(item) > 2 and item[2] is not None:
+                entry.append(_token_list(item[2]))
+            handles.append(handle)
+            wire.append(entry)
+        results = self.request("extend_many", items=wire)
+        return [handle._apply_extend(result) for handle, result in zip(handles, results)]
+
+    def close_many(self, handles: Iterable) -> None:
+        """Close several handles in one round trip (already closed ones are skipped)."""
+        live = [h for h in handles if not h._closed]
+        if not live:
+            return
+        try:
+            self.request("release_many", cache_ids=[h._cache_id for h in live])
+        finally:
+            for h in live:
+                h._closed = True
+                self._handles.discard(h)
+
+    def open(self, token: bytes):
+        """Open a hand-off token from :meth:`KvCacheHandle.export`; returns a handle.
+
+        Raises:
+            HandoffError: the token is malformed, forged, already used or expired.
+        """
+        if not isinstance(token, (bytes, bytearray)):
+            raise WrongType(f"token must be bytes, got {type(token).__name__}")
+        return self._handle(self.request("open", token=bytes(token)))
+
+    def stats(self) -> dict:
+        """The coordinator's counters (pool, prefix cache, connections, operations)."""
+        return self.request("stats")
+
+    def ping(self) -> None:
+        """One empty round trip."""
+        self.request("ping")
+
+    # -- teardown ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Disconnect. The coordinator drops every reference this client held; handles
+        turn invalid. Idempotent. Pool views already handed out stay readable (their
+        storage keeps the mapping) but no longer belong to any sequence."""
+        if self._closed:
+            return
+        self._closed = True
+        for handle in list(self._handles):
+            handle._closed = True
+        self._handles.clear()
+        self._teardown()
+        _forget(self)
+
+    def _teardown(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+        if self._memory is not None and getattr(self, "_owns_memory", False):
+            self._memory.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("gone" if self._gone else "open")
+        return f"<shmkv.Client {self.address} {state}>"
+
+
+def _token_list(tokens) -> list:
+    if hasattr(tokens, "tolist"):
+        tokens = tokens.tolist()
+    tokens = list(tokens)
+    if not all(type(t) is int for t in tokens):
+        raise WrongType("token ids must be ints")
+    return tokens
+
+
+# -- per-process registry, for unpickling handles --------------------------------------------
+
+_registry: Dict[tuple, Client] = {}
+_registry_lock = threading.Lock()
+
+
+def connect(address, tp_rank: Optional[int] = None, tp_size: Optional[int] = None,
+            timeout: float = DEFAULT_TIMEOUT, pickle_ttl: float = DEFAULT_PICKLE_TTL) -> Client:
+    """Connect to the coordinator at ``address`` and map its pool (zero copy).
+
+    Args:
+        address: the coordinator's socket path (``coord.address``).
+        tp_rank, tp_size: see only this tensor-parallel rank's head shard.
+        timeout: seconds to wait for any answer before ``CoordinatorTimeout``.
+        pickle_ttl: how long a pickled handle waits to be unpickled, in seconds.
+
+    Raises:
+        CoordinatorGone: nothing serves ``address``.
+    """
+    client = Client(address, tp_rank, tp_size, timeout, pickle_ttl)
+    with _registry_lock:
+        _registry.setdefault((client.address, tp_rank, tp_size, os.getpid()), client)
+    return client
+
+
+def _forget(client: Client) -> None:
+    with _registry_lock:
+        for key, value in list(_registry.items()):
+            if value is client:
+                del _registry[key]
+
+
+def process_client(address: str, tp_rank: Optional[int], tp_size: Optional[int]) -> Client:
+    """A live client of this process for ``address``, connecting one if there is none."""
+    key = (address, tp_rank, tp_size, os.getpid())
+    with _registry_lock:
+        client = _registry.get(key)
+        if client is not None and client.is_alive():
+            return client
+    return connect(address, tp_rank, tp_size)

@@ -1,0 +1,501 @@
+"""The coordinator: owns the pool and serves its metadata over a Unix socket.
+
+Owns the socket (address, permissions, peer checks, stale-file cleanup), the
+single-threaded select loop, connection limits, the handshake that passes the pool's
+descriptors, and dispatching requests to :class:`~shmkv.sequences.SequenceTable`.
+It is the only writer of block metadata. Framing and validation are in
+``shmkv.protocol``; block and sequence rules in ``shmkv.allocator`` and
+``shmkv.sequences``; memory in ``shmkv.memory``.
+
+Three ways to run it: :meth:`Coordinator.start` (a thread of this process),
+:meth:`Coordinator.spawn` (its own process, tied to this one's lifetime), and
+``shmkv serve`` (the foreground of a terminal).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import selectors
+import socket
+import struct
+import tempfile
+import threading
+import time
+from typing import Dict, Optional
+
+from . import protocol, shm
+from .allocator import BlockPool
+from .errors import (AccessDenied, InvalidArgument, LimitExceeded, ProtocolError, ShmkvError,
+                     WrongType)
+from .layout import PoolConfig
+from .memory import PoolMemory, create_pool
+from .sequences import SequenceTable
+
+_UCRED = struct.Struct("3i")
+_RECV_SIZE = 1 << 18
+_MAX_OUTBUF = 64 << 20
+# Pools of coordinators running in this process, by address: a client here uses the
+# original tensors (required for CUDA, whose IPC handles cannot be opened by their
+# exporter).
+LOCAL_POOLS: Dict[str, PoolMemory] = {}
+
+
+def runtime_dir() -> str:
+    """The per-user directory for sockets: ``$XDG_RUNTIME_DIR/shmkv`` or a 0700 temp dir."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if base and os.path.isdir(base) and os.access(base, os.W_OK):
+        path = os.path.join(base, "shmkv")
+    else:
+        path = os.path.join(tempfile.gettempdir(), f"shmkv-{os.getuid()}")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.stat(path)
+    if st.st_uid != os.getuid():
+        raise AccessDenied(f"{path} belongs to uid {st.st_uid}, not to this user")
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
+def default_address(name: str) -> str:
+    """The socket path a coordinator called ``name`` listens on."""
+    if not name or "/" in name or name.startswith(".") or len(name) > 64:
+        raise InvalidArgument(f"coordinator name {name!r} must be 1-64 characters "
+                              "without '/' and not start with '.'")
+    return os.path.join(runtime_dir(), f"{name}.sock")
+
+
+def _lock_name(address: str) -> bytes:
+    """An abstract-namespace socket name that marks ``address`` as served (Linux).
+
+    Held by binding it; the kernel drops it when the holder dies, so a lock can
+    never be left behind by a killed coordinator, and no file is ever created.
+    """
+    digest = hashlib.blake2b(os.path.realpath(address).encode(), digest_size=12).hexdigest()
+    return f"\0shmkv-lock-{os.getuid()}-{digest}".encode()
+
+
+class _Conn:
+    __slots__ = ("sock", "conn_id", "decoder", "outbuf", "pid", "greeted", "closing")
+
+    def __init__(self, sock: socket.socket, conn_id: int, pid: int, max_frame: int):
+        self.sock = sock
+        self.conn_id = conn_id
+        self.decoder = protocol.FrameDecoder(max_frame)
+        self.outbuf = bytearray()
+        self.pid = pid
+        self.greeted = False
+        self.closing = False
+
+
+class Coordinator:
+    """Owns a KV block pool and serves it to worker processes.
+
+    Args:
+        config: the pool to allocate.
+        name: derive the socket address from a name (``default_address``).
+        address: an explicit socket path (instead of ``name``).
+        max_connections: clients connected at once; more are refused.
+        max_frame: largest request frame in bytes.
+        max_handoffs: hand-off tokens outstanding at once.
+        max_handoff_ttl: the longest hand-off ttl in seconds.
+
+    Use as a context manager, or call :meth:`start` and :meth:`stop`.
+
+    Raises:
+        ShmkvError: the address is served by a live coordinator, or the pool cannot
+            be allocated (with what to change).
+    """
+
+    def __init__(self, config: PoolConfig, name: Optional[str] = None,
+                 address: Optional[str] = None, max_connections: int = 1024,
+                 max_frame: int = protocol.DEFAULT_MAX_FRAME, max_handoffs: int = 65536,
+                 max_handoff_ttl: float = 3600.0):
+        if not isinstance(config, PoolConfig):
+            raise WrongType(f"config must be a PoolConfig, got {type(config).__name__}")
+        if (name is None) == (address is None):
+            raise InvalidArgument("pass exactly one of name= and address=")
+        for label, value in (("max_connections", max_connections), ("max_frame", max_frame),
+                             ("max_handoffs", max_handoffs)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise InvalidArgument(f"{label} must be a positive int, got {value!r}")
+        self.config = config
+        self.address = address if address is not None else default_address(name)
+        self.max_connections = max_connections
+        self.max_frame = max_frame
+        self.max_handoffs = max_handoffs
+        self.max_handoff_ttl = float(max_handoff_ttl)
+        # Fields that teardown may meet half-built default to "nothing to release".
+        self.memory: Optional[PoolMemory] = None
+        self.table: Optional[SequenceTable] = None
+        self._listener: Optional[socket.socket] = None
+        self._lock_sock: Optional[socket.socket] = None
+        self._wake_r: Optional[socket.socket] = None
+        self._wake_w: Optional[socket.socket] = None
+        self._thread: Optional[threading.Thread] = None
+        self._conns: Dict[int, _Conn] = {}
+        self._next_conn_id = 1
+        self._stopping = False
+        self._serving = False
+        self._started_at = 0.0
+        self.num_ops = 0
+        self.ops_by_type: Dict[str, int] = {}
+        self.num_refused = 0
+        self.num_dropped = 0
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Allocate the pool and bind the socket, without serving yet."""
+        try:
+            self._claim_address()
+            shm.sweep_stale()
+            self.memory = create_pool(self.config)
+            self.table = SequenceTable(
+                BlockPool(self.config.num_blocks, owner=self.memory.owner),
+                self.config.block_size, self.config.tp_size,
+                copy_block=self.memory.copy_block, max_handoffs=self.max_handoffs,
+                max_handoff_ttl=self.max_handoff_ttl)
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._listener = listener
+            old_umask = os.umask(0o177)
+            try:
+                listener.bind(self.address)
+            finally:
+                os.umask(old_umask)
+            os.chmod(self.address, 0o600)
+            listener.listen(128)
+            listener.setblocking(False)
+            self._wake_r, self._wake_w = socket.socketpair()
+            self._wake_r.setblocking(False)
+            self._started_at = time.monotonic()
+            LOCAL_POOLS[self.address] = self.memory
+        except BaseException:
+            self.close()
+            raise
+
+    def _claim_address(self) -> None:
+        lock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            lock.bind(_lock_name(self.address))
+        except OSError as exc:
+            lock.close()
+            if exc.errno == errno.EADDRINUSE:
+                raise ShmkvError(f"{self.address} is served by a live coordinator; stop it "
+                                 "or choose another name") from None
+            raise
+        self._lock_sock = lock
+        directory = os.path.dirname(self.address) or "."
+        if not os.path.isdir(directory):
+            raise InvalidArgument(f"socket directory {directory} does not exist")
+        if os.path.lexists(self.address):  # left by a dead coordinator: we hold the lock
+            os.unlink(self.address)
+
+    def start(self) -> "Coordinator":
+        """Serve from a daemon thread of this process; returns self."""
+        if self._thread is not None:
+            raise ShmkvError("coordinator already started")
+        if self._listener is None:
+            self.open()
+        self._thread = threading.Thread(target=self.serve_forever, name="shmkv-coordinator",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop serving, drop every connection, free the pool, remove the socket.
+
+        Idempotent. Clients see ``CoordinatorGone`` on their next call.
+        """
+        self._stopping = True
+        if self._wake_w is not None:
+            try:
+                self._wake_w.send(b"x")
+            except OSError:
+                pass
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise ShmkvError(f"coordinator thread did not stop within {timeout} s")
+        if not self._serving:  # a running loop closes everything itself as it exits
+            self.close()
+
+    def close(self) -> None:
+        """Release everything this object holds. Safe on a half-built coordinator."""
+        for conn in list(self._conns.values()):
+            self._drop(conn, count=False)
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+            try:
+                os.unlink(self.address)
+            except FileNotFoundError:
+                pass
+        for name in ("_wake_r", "_wake_w", "_lock_sock"):
+            sock = getattr(self, name)
+            if sock is not None:
+                sock.close()
+                setattr(self, name, None)
+        if self.memory is not None:
+            if LOCAL_POOLS.get(self.address) is self.memory:
+                del LOCAL_POOLS[self.address]
+            self.memory.close()
+            self.memory = None
+
+    def __enter__(self) -> "Coordinator":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @classmethod
+    def spawn(cls, config: PoolConfig, name: Optional[str] = None,
+              address: Optional[str] = None, timeout: float = 60.0, **options):
+        """Serve from a new process (spawn context); returns a :class:`SpawnedCoordinator`.
+
+        The process stops when :meth:`SpawnedCoordinator.stop` is called or when this
+        process dies.
+        """
+        from .spawned import SpawnedCoordinator
+        return SpawnedCoordinator.start(config, name=name, address=address, timeout=timeout,
+                                        **options)
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def serve_forever(self) -> None:
+        """Serve until :meth:`stop` (from another thread or a signal handler)."""
+        if self._listener is None:
+            self.open()
+        self._serving = True
+        selector = selectors.DefaultSelector()
+        selector.register(self._listener, selectors.EVENT_READ, None)
+        selector.register(self._wake_r, selectors.EVENT_READ, None)
+        try:
+            while not self._stopping:
+                deadline = self.table.next_deadline()
+                wait = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
+                for key, events in selector.select(wait):
+                    sock = key.fileobj
+                    if sock is self._listener:
+                        self._accept(selector)
+                    elif sock is self._wake_r:
+                        try:
+                            self._wake_r.recv(64)
+                        except BlockingIOError:
+                            pass
+                    else:
+                        conn = key.data
+                        if events & selectors.EVENT_READ:
+                            self._on_readable(conn, selector)
+                        if events & selectors.EVENT_WRITE and not conn.closing:
+                            self._flush(conn, selector)
+                if deadline is not None:
+                    self.table.expire()
+        finally:
+            selector.close()
+            self.close()
+            self._serving = False
+
+    def _accept(self, selector) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    return
+                raise
+            pid, uid, _gid = _UCRED.unpack(
+                sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+            refusal = None
+            if uid != os.getuid():
+                refusal = AccessDenied(f"uid {uid} may not use a coordinator of uid "
+                                       f"{os.getuid()}")
+            elif len(self._conns) >= self.max_connections:
+                refusal = LimitExceeded(f"{len(self._conns)} connections open, the limit is "
+                                        f"{self.max_connections}")
+            if refusal is not None:
+                self.num_refused += 1
+                try:
+                    sock.setblocking(False)
+                    sock.send(protocol.encode_error(-1, refusal))
+                except OSError:
+                    pass
+                sock.close()
+                continue
+            sock.setblocking(False)
+            conn = _Conn(sock, self._next_conn_id, pid, self.max_frame)
+            self._next_conn_id += 1
+            self._conns[conn.conn_id] = conn
+            self.table.add_connection(conn.conn_id)
+            selector.register(sock, selectors.EVENT_READ, conn)
+
+    def _drop(self, conn: _Conn, selector=None, count: bool = True) -> None:
+        if self._conns.pop(conn.conn_id, None) is None:
+            return
+        if selector is not None:
+            try:
+                selector.unregister(conn.sock)
+            except (KeyError, ValueError):
+                pass
+        conn.sock.close()
+        if self.table is not None:
+            self.table.drop_connection(conn.conn_id)
+        if count:
+            self.num_dropped += 1
+
+    def _on_readable(self, conn: _Conn, selector) -> None:
+        try:
+            data = conn.sock.recv(_RECV_SIZE)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(conn, selector)
+            return
+        try:
+            for obj in conn.decoder.feed(data):
+                self._handle(conn, obj)
+                if conn.closing:
+                    break
+        except ProtocolError as exc:  # the stream cannot be trusted any more
+            conn.outbuf += protocol.encode_error(-1, exc)
+            conn.closing = True
+        self._flush(conn, selector)
+
+    def _flush(self, conn: _Conn, selector) -> None:
+        try:
+            while conn.outbuf:
+                sent = conn.sock.send(conn.outbuf)
+                del conn.outbuf[:sent]
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:
+            self._drop(conn, selector)
+            return
+        if conn.closing or len(conn.outbuf) > _MAX_OUTBUF:
+            self._drop(conn, selector)  # a best-effort error frame was tried above
+            return
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.outbuf else 0)
+        selector.modify(conn.sock, events, conn)
+
+    # -- requests ------------------------------------------------------------------------
+
+    def _handle(self, conn: _Conn, obj) -> None:
+        request_id = protocol.request_id_of(obj)
+        try:
+            request = protocol.parse_request(obj)
+            if not conn.greeted and request.op != "hello":
+                raise ProtocolError("the first request must be hello")
+            handler = getattr(self, "_op_" + request.op)
+            result = handler(conn, **request.args)
+        except ProtocolError as exc:
+            conn.outbuf += protocol.encode_error(request_id, exc)
+            conn.closing = True
+            return
+        except ShmkvError as exc:
+            conn.outbuf += protocol.encode_error(request_id, exc)
+            return
+        self.num_ops += 1
+        self.ops_by_type[request.op] = self.ops_by_type.get(request.op, 0) + 1
+        if request.op == "hello":
+            self._send_hello(conn, request_id, result)
+        else:
+            conn.outbuf += protocol.encode_ok(request_id, result)
+
+    def _send_hello(self, conn: _Conn, request_id: int, result: dict) -> None:
+        """The handshake answer carries the pool's descriptors (SCM_RIGHTS)."""
+        frame = protocol.encode_ok(request_id, result)
+        conn.sock.setblocking(True)
+        conn.sock.settimeout(5.0)
+        try:
+            if self.config.is_cuda:
+                sent = socket.send_fds(conn.sock, [frame], self.memory.fds[:1])
+            else:
+                sent = socket.send_fds(conn.sock, [frame], self.memory.fds)
+            conn.sock.sendall(frame[sent:])
+        except OSError:
+            conn.closing = True
+        finally:
+            conn.sock.setblocking(False)
+
+    def _op_hello(self, conn, version, tp_rank=None, tp_size=None, pid=None):
+        if version != protocol.PROTOCOL_VERSION:
+            raise ProtocolError(f"protocol version {version} is not supported; the "
+                                f"coordinator speaks {protocol.PROTOCOL_VERSION}")
+        if conn.greeted:
+            raise ProtocolError("hello sent twice")
+        if tp_rank is not None or tp_size is not None:
+            if tp_size != self.config.tp_size or tp_rank is None or not (
+                    0 <= tp_rank < self.config.tp_size):
+                raise InvalidArgument(
+                    f"tp_rank={tp_rank}, tp_size={tp_size} do not fit a pool with "
+                    f"tp_size={self.config.tp_size}")
+        conn.greeted = True
+        return {"version": protocol.PROTOCOL_VERSION, "pool": self.config.to_wire(),
+                "memory": self.memory.descriptor, "coordinator_pid": os.getpid(),
+                "conn_id": conn.conn_id}
+
+    def _op_ping(self, conn):
+        return {}
+
+    def _op_allocate(self, conn, num_tokens, prompt=None, cache_salt=None, request_id=None):
+        return self.table.allocate(conn.conn_id, num_tokens, prompt, cache_salt, request_id)
+
+    def _op_allocate_many(self, conn, requests):
+        checked = []
+        for req in requests:
+            args = protocol.validate_args("allocate", req)
+            checked.append(args)
+        return self.table.allocate_many(conn.conn_id, checked)
+
+    def _op_extend(self, conn, cache_id, num_tokens, tokens=None):
+        return self.table.extend(conn.conn_id, cache_id, num_tokens, tokens)
+
+    def _op_extend_many(self, conn, items):
+        return self.table.extend_many(conn.conn_id, items)
+
+    def _op_commit(self, conn, cache_id, num_tokens, tp_rank=None):
+        return self.table.commit(conn.conn_id, cache_id, num_tokens, tp_rank)
+
+    def _op_prepare_write(self, conn, cache_id, start, num_tokens):
+        return self.table.prepare_write(conn.conn_id, cache_id, start, num_tokens)
+
+    def _op_info(self, conn, cache_id):
+        return self.table.info(conn.conn_id, cache_id)
+
+    def _op_clone(self, conn, cache_id):
+        return self.table.clone(conn.conn_id, cache_id)
+
+    def _op_fork(self, conn, cache_id):
+        return self.table.fork(conn.conn_id, cache_id)
+
+    def _op_release(self, conn, cache_id):
+        self.table.release(conn.conn_id, cache_id)
+
+    def _op_release_many(self, conn, cache_ids):
+        self.table.release_many(conn.conn_id, cache_ids)
+
+    def _op_export(self, conn, cache_id, ttl):
+        return self.table.export(conn.conn_id, cache_id, ttl)
+
+    def _op_open(self, conn, token):
+        return self.table.open(conn.conn_id, token)
+
+    def _op_stats(self, conn):
+        return self.stats()
+
+    def stats(self) -> dict:
+        """Counters of the pool, the prefix cache, connections and operations."""
+        out = self.table.stats()
+        uptime = max(time.monotonic() - self._started_at, 1e-9)
+        out.update({"address": self.address, "pid": os.getpid(), "uptime_s": uptime,
+                    "ops": self.num_ops, "ops_per_s": self.num_ops / uptime,
+                    "ops_by_type": dict(self.ops_by_type), "refused_connections":
+                    self.num_refused, "dropped_connections": self.num_dropped,
+                    "pool_bytes": self.config.nbytes, "block_bytes": self.config.block_nbytes,
+                    "config": self.config.to_wire()})
+        return out

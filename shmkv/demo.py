@@ -1,0 +1,195 @@
+"""``shmkv demo``: prefill in DataLoader workers, decode in the main process, all verified.
+
+Starts an embedded coordinator with a CPU pool. A ``torch.utils.data.DataLoader``
+with several ``spawn`` worker processes is the prefill stage: each worker allocates
+a sequence for its prompt (prompts share a system prefix, so later ones reuse
+cached blocks), writes K/V for every layer into the pool, commits it, and returns
+the handle, which pickles through the hand-off path. The main process then decodes:
+one batched extend per step for all sequences, K/V written per layer, and finally
+every value of every sequence is read back and compared with what was written.
+
+K/V values are small integers computed from (prompt, layer, position, head, dim),
+exact in every supported dtype, so any process can verify any slot.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+SYSTEM_PREFIX = 48  # tokens every prompt shares
+
+
+def expected_kv(layers: int, positions: torch.Tensor, heads: int, head_dim: int, tokens,
+                dtype) -> torch.Tensor:
+    """K/V ``[layers, 2, n, heads, head_dim]`` for token ids ``tokens`` at ``positions``.
+
+    A function of the token ids and positions only, so a shared prefix has identical
+    K/V in every sequence (as a real model's would).
+    """
+    tok = torch.as_tensor(tokens, dtype=torch.int64)[None, None, :, None, None]
+    pos = positions.to(torch.int64)[None, None, :, None, None]
+    layer = torch.arange(layers)[:, None, None, None, None]
+    kv = torch.arange(2)[None, :, None, None, None]
+    head = torch.arange(heads)[None, None, None, :, None]
+    dim = torch.arange(head_dim)[None, None, None, None, :]
+    value = (tok * 7 + pos * 3 + layer * 11 + kv * 29 + head * 5 + dim) % 251 - 125
+    return value.to(dtype)
+
+
+def prompt_tokens(index: int, length: int) -> list:
+    """A system prefix shared by every prompt, then tokens of this prompt."""
+    return [1000 + (i % 97) for i in range(SYSTEM_PREFIX)] + [
+        (index * 131 + i * 17) % 32000 for i in range(length - SYSTEM_PREFIX)]
+
+
+class PrefillDataset(torch.utils.data.Dataset):
+    """Prompt i -> a handle whose K/V for the whole prompt is written and committed."""
+
+    def __init__(self, address: str, lengths: list):
+        self.address = address
+        self.lengths = lengths
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, index: int):
+        from .client import process_client
+        client = process_client(self.address, None, None)
+        cfg = client.config
+        tokens = prompt_tokens(index, self.lengths[index])
+        handle = client.allocate(prompt=tokens)
+        start = handle.num_cached_tokens
+        n = len(tokens) - start
+        if n:
+            kv = expected_kv(cfg.num_layers, torch.arange(start, len(tokens)),
+                             cfg.num_kv_heads, cfg.head_dim, tokens[start:],
+                             client.pool.dtype)
+            t0 = time.perf_counter()
+            handle.write_all(kv.contiguous(), start=start)
+            elapsed = time.perf_counter() - t0
+        else:
+            elapsed = 0.0
+        handle.commit()
+        return {"index": index, "tokens": tokens, "handle": handle,
+                "cached": start, "write_bytes": n * cfg.block_nbytes // cfg.block_size,
+                "write_s": elapsed, "pid": os.getpid()}
+
+
+def run(num_prompts: int = 24, workers: int = 3, decode_steps: int = 32, num_layers: int = 4,
+        num_kv_heads: int = 8, head_dim: int = 64, block_size: int = 16,
+        num_blocks: int = 2048, dtype: str = "float16", quiet: bool = False) -> dict:
+    """Run the demo; returns its summary. Raises AssertionError on any wrong value."""
+    from .client import connect
+    from .coordinator import Coordinator
+    from .layout import PoolConfig
+
+    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    cfg = PoolConfig(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     num_blocks=num_blocks, block_size=block_size, dtype=dtype)
+    lengths = [SYSTEM_PREFIX + 16 + (i * 37) % 200 for i in range(num_prompts)]
+    name = f"demo-{os.getpid()}"
+    started = time.perf_counter()
+    with Coordinator(cfg, name=name) as coord, connect(coord.address) as client:
+        say(f"coordinator at {coord.address}: {cfg.num_blocks} blocks x {cfg.block_size} "
+            f"tokens, {cfg.num_layers} layers, {cfg.num_kv_heads}x{cfg.head_dim} {cfg.dtype}, "
+            f"{cfg.nbytes / 2**20:.1f} MiB shared")
+        loader = torch.utils.data.DataLoader(
+            PrefillDataset(coord.address, lengths), batch_size=None, num_workers=workers,
+            multiprocessing_context="spawn", timeout=120)
+        items, write_bytes, write_s, worker_pids = [], 0, 0.0, set()
+        for item in loader:
+            items.append(item)
+            write_bytes += item["write_bytes"]
+            write_s += item["write_s"]
+            worker_pids.add(item["pid"])
+        prefill_s = time.perf_counter() - started
+        cached = sum(item["cached"] for item in items)
+        say(f"prefill: {len(items)} prompts in {len(worker_pids)} DataLoader worker processes, "
+            f"{sum(map(len, (i['tokens'] for i in items)))} tokens, {cached} reused from the "
+            f"prefix cache, {prefill_s:.2f} s")
+
+        handles = [item["handle"] for item in items]
+        rng = torch.Generator().manual_seed(0)
+        decode_tokens = [item["tokens"] for item in items]
+        t0 = time.perf_counter()
+        for _step in range(decode_steps):
+            new = [int(torch.randint(0, 32000, (1,), generator=rng)) for _ in handles]
+            starts = client.extend_many([(h, 1, [t]) for h, t in zip(handles, new)])
+            t_write = time.perf_counter()
+            for h, start, tok, toks in zip(handles, starts, new, decode_tokens):
+                toks.append(tok)
+                kv = expected_kv(num_layers, torch.tensor([start]), num_kv_heads, head_dim,
+                                 [tok], client.pool.dtype)
+                for layer in range(num_layers):
+                    h.write(layer, kv[layer, 0], kv[layer, 1], start=start)
+            write_s += time.perf_counter() - t_write
+            write_bytes += len(handles) * cfg.block_nbytes // cfg.block_size
+        decode_s = time.perf_counter() - t0
+
+        read_bytes, read_s, checked = 0, 0.0, 0
+        for h, toks in zip(handles, decode_tokens):
+            t_read = time.perf_counter()
+            got = h.gather_all()
+            read_s += time.perf_counter() - t_read
+            want = expected_kv(num_layers, torch.arange(len(toks)), num_kv_heads, head_dim,
+                               toks, client.pool.dtype)
+            assert h.num_tokens == len(toks), (h.num_tokens, len(toks))
+            assert torch.equal(got, want), f"{h.cache_id}: K/V differs from what was written"
+            for layer in range(num_layers):  # the per-layer API agrees with the bulk read
+                assert torch.equal(h.key_cache(layer), want[layer, 0])
+                assert torch.equal(h.value_cache(layer), want[layer, 1])
+            read_bytes += got.numel() * got.element_size()
+            checked += got.numel()
+        stats = client.stats()
+        client.close_many(handles)
+        after = client.stats()
+        assert after["referenced_blocks"] == 0, f"blocks still referenced: {after}"
+    elapsed = time.perf_counter() - started
+    leftovers = [n for n in os.listdir("/dev/shm") if n.startswith(f"shmkv-{os.getpid()}-")]
+    assert not leftovers, f"left in /dev/shm: {leftovers}"
+    assert not os.path.exists(coord.address), "socket file left behind"
+    summary = {
+        "sequences": len(handles), "tokens": sum(map(len, decode_tokens)),
+        "prefix_cached_tokens": cached, "decode_steps": decode_steps,
+        "bytes_written": write_bytes, "bytes_read": read_bytes, "values_verified": checked,
+        "write_GBps": write_bytes / write_s / 1e9 if write_s else 0.0,
+        "read_GBps": read_bytes / read_s / 1e9 if read_s else 0.0,
+        "coordinator_ops": stats["ops"], "coordinator_ops_per_s": stats["ops"] / elapsed,
+        "decode_step_ms": 1e3 * decode_s / max(decode_steps, 1), "elapsed_s": elapsed,
+    }
+    say(f"decode: {decode_steps} steps x {len(handles)} sequences, one batched extend per "
+        f"step, {summary['decode_step_ms']:.2f} ms/step")
+    say(f"verified {checked:,} K/V values in {len(handles)} sequences, "
+        f"{summary['tokens']:,} tokens: all equal to what was written")
+    say(f"bytes written {write_bytes / 2**20:.1f} MiB at {summary['write_GBps']:.2f} GB/s, "
+        f"read {read_bytes / 2**20:.1f} MiB at {summary['read_GBps']:.2f} GB/s; coordinator "
+        f"{stats['ops']} ops, {summary['coordinator_ops_per_s']:.0f} ops/s over the run")
+    say("nothing left in /dev/shm, socket removed: OK")
+    return summary
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("demo", help="prefill in DataLoader workers, decode here, verify all")
+    p.add_argument("--prompts", type=int, default=24)
+    p.add_argument("--workers", type=int, default=3)
+    p.add_argument("--decode-steps", type=int, default=32)
+    p.add_argument("--dtype", default="float16")
+    p.add_argument("--model", default=None,
+                   help="'tiny': cross-process generation with a small random model")
+    p.set_defaults(func=_cmd)
+
+
+def _cmd(args) -> int:
+    if args.model:
+        from .integrations import demo_model
+        return demo_model.main(args)
+    try:
+        run(num_prompts=args.prompts, workers=args.workers, decode_steps=args.decode_steps,
+            dtype=args.dtype)
+    except AssertionError as exc:
+        print(f"shmkv demo: FAILED: {exc}", flush=True)
+        return 1
+    return 0

@@ -1,0 +1,442 @@
+"""KV cache handles: a reference to one sequence whose block table resolves into the pool.
+
+Owns :class:`KvCacheHandle` (the Python form of the seed's ``KvCacheHandle``
+trait), :class:`BlockTable` and :class:`CacheHandleStats`, the data plane (writing
+K/V into the slots the block table names and gathering it back, in place, with no
+round trip) and the pickling of handles through the hand-off path.
+
+Metadata changes (extend, clone, fork, export, close) are one round trip each to
+the coordinator, which is the only writer of block metadata. Before writing, a
+handle checks the shared ``owner`` array: a block this sequence may not write in
+place (shared with a fork or a prefix hit, or published) first gets a private copy
+through the coordinator (copy-on-write).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Optional, Tuple
+
+import torch
+
+from .errors import (HandleClosed, InvalidArgument, OutOfRange, WrongType)
+from .sequences import format_cache_id
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockTable:
+    """The physical blocks of a sequence, in token order.
+
+    ``physical_blocks[i]`` holds tokens ``[i * block_size, (i + 1) * block_size)``.
+    """
+
+    physical_blocks: Tuple[int, ...]
+    block_size: int
+    sequence_length: int
+
+    def num_blocks(self) -> int:
+        return len(self.physical_blocks)
+
+    def free_tokens(self) -> int:
+        """Slots left in the last block before another block is needed."""
+        return len(self.physical_blocks) * self.block_size - self.sequence_length
+
+    def to_tensor(self, device="cpu") -> torch.Tensor:
+        """The table as an int32 tensor (what paged attention kernels take)."""
+        return torch.tensor(self.physical_blocks, dtype=torch.int32, device=device)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheHandleStats:
+    """What one handle's view of a sequence holds."""
+
+    memory_bytes: int
+    blocks_allocated: int
+    tokens_stored: int
+    utilization: float
+    last_access: float
+
+
+class KvCacheHandle:
+    """A reference to one cached sequence in a shared pool.
+
+    Made by :meth:`Client.allocate`, :meth:`Client.open`, :meth:`clone_handle`,
+    :meth:`fork`, :meth:`with_sequence_length`, or by unpickling. The sequence lives
+    while any reference to it exists, in any process; :meth:`close` drops this one
+    (also on ``with`` exit, and when the client's connection closes).
+    """
+
+    def __init__(self, client, info: dict, view_len: Optional[int] = None):
+        self._client = client
+        self._cache_id: int = info["cache_id"]
+        self._blocks = list(info["blocks"])
+        self._seq_len: int = info["num_tokens"]
+        self._num_cached: int = info["num_cached"]
+        self._request_id: str = info["request_id"]
+        self._view_len = view_len
+        self._closed = False
+        self._version = 0            # bumps whenever _blocks changes; keys the index cache
+        self._index_cache: dict = {}
+        self._last_access = time.time()
+        client._handles.add(self)
+
+    # -- identity and shape ----------------------------------------------------------------
+
+    @property
+    def cache_id(self) -> str:
+        """Unique id of the sequence (shared by clones, not by forks)."""
+        return format_cache_id(self._cache_id)
+
+    def request_cache_id(self) -> str:
+        """The request id given at allocate (defaults to the cache id)."""
+        return self._request_id
+
+    @property
+    def num_tokens(self) -> int:
+        """Token slots this handle sees (reserved by extend/allocate, or its fixed view)."""
+        return self._seq_len if self._view_len is None else self._view_len
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Tokens reused from the prefix cache when the sequence was allocated."""
+        return self._num_cached
+
+    @property
+    def num_layers(self) -> int:
+        return self._client.config.num_layers
+
+    @property
+    def num_heads(self) -> int:
+        """KV heads this handle sees (its rank's shard under tensor parallelism)."""
+        return self._client.pool.shape[4]
+
+    @property
+    def head_dim(self) -> int:
+        return self._client.config.head_dim
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._client.pool.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._client.pool.device
+
+    @property
+    def block_table(self) -> BlockTable:
+        n = self.num_tokens
+        bs = self._client.config.block_size
+        return BlockTable(tuple(self._blocks[:-(-n // bs)]), bs, n)
+
+    def stats(self) -> CacheHandleStats:
+        pool = self._client.pool
+        blocks = -(-self.num_tokens // self._client.config.block_size)
+        per_block = pool[0].numel() * pool.element_size()
+        capacity = blocks * self._client.config.block_size
+        return CacheHandleStats(memory_bytes=blocks * per_block, blocks_allocated=blocks,
+                                tokens_stored=self.num_tokens,
+                                utilization=self.num_tokens / capacity if capacity else 0.0,
+                                last_access=self._last_access)
+
+    def is_valid(self) -> bool:
+        """True while this reference is open and its coordinator is alive (no round trip)."""
+        return not self._closed and self._client.is_alive()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise HandleClosed(f"handle on {self.cache_id} is closed")
+        self._client.check()
+
+    # -- metadata (one round trip each) ----------------------------------------------------
+
+    def _apply_info(self, info: dict) -> None:
+        self._blocks = list(info["blocks"])
+        self._seq_len = info["num_tokens"]
+        self._version += 1
+        self._index_cache.clear()
+
+    def _apply_extend(self, result: dict) -> int:
+        table_from = result["table_from"]
+        if table_from > len(self._blocks):  # another handle extended it meanwhile
+            self._apply_info(self._client.request("info", cache_id=self._cache_id))
+        else:
+            self._blocks[table_from:] = result["blocks"]
+            self._seq_len = result["num_tokens"]
+            self._version += 1
+            self._index_cache.clear()
+        return result["start"]
+
+    def refresh(self) -> None:
+        """Fetch the sequence's current length and block table (after other processes
+        extended it)."""
+        self._check_open()
+        self._apply_info(self._client.request("info", cache_id=self._cache_id))
+
+    def extend(self, num_tokens: int, tokens=None) -> int:
+        """Reserve ``num_tokens`` more slots at the end; returns the first new position.
+
+        ``tokens`` (their token ids) keep the sequence's prefix keys going, so blocks
+        filled during decode can be reused too. A shared, partly filled last block
+        gets a private copy first (copy-on-write).
+
+        Raises:
+            PoolExhausted: not enough blocks (nothing changed).
+        """
+        self._check_open()
+        if self._view_len is not None:
+            raise InvalidArgument("this handle views a fixed length (with_sequence_length); "
+                                  "extend a handle on the whole sequence")
+        return self._client.extend_many([(self, num_tokens, tokens)])[0]
+
+    def commit(self, num_tokens: Optional[int] = None) -> int:
+        """Declare the first ``num_tokens`` (default: all) slots fully written by this
+        client (its rank, under tensor parallelism). Full blocks with known token ids
+        become prefix-cache hits for other requests once every rank has committed.
+        Returns the number of leading blocks published."""
+        self._check_open()
+        n = self.num_tokens if num_tokens is None else num_tokens
+        return self._client.request("commit", cache_id=self._cache_id, num_tokens=n,
+                                    tp_rank=self._client.tp_rank)
+
+    def clone_handle(self) -> "KvCacheHandle":
+        """A new reference to the same sequence (no copy)."""
+        self._check_open()
+        return KvCacheHandle(self._client,
+                             self._client.request("clone", cache_id=self._cache_id),
+                             self._view_len)
+
+    def fork(self) -> "KvCacheHandle":
+        """A new sequence (new cache id) sharing every block; writes copy first."""
+        self._check_open()
+        return KvCacheHandle(self._client, self._client.request("fork", cache_id=self._cache_id))
+
+    def with_sequence_length(self, num_tokens: int) -> "KvCacheHandle":
+        """A new reference to the same sequence that views its first ``num_tokens``."""
+        self._check_open()
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+            raise WrongType(f"num_tokens must be an int, got {type(num_tokens).__name__}")
+        if num_tokens > self._seq_len:
+            self.refresh()
+        if not 0 <= num_tokens <= self._seq_len:
+            raise OutOfRange(f"with_sequence_length({num_tokens}) outside [0, {self._seq_len}]")
+        return KvCacheHandle(self._client,
+                             self._client.request("clone", cache_id=self._cache_id), num_tokens)
+
+    def export(self, ttl: float = 60.0) -> bytes:
+        """A one-shot hand-off token; ``client.open(token)`` in any process of this user
+        gives a new reference. The sequence stays alive until opened or ``ttl`` expires,
+        even if this process exits."""
+        self._check_open()
+        return self._client.request("export", cache_id=self._cache_id, ttl=ttl)
+
+    def close(self) -> None:
+        """Drop this reference. Idempotent; a no-op once the coordinator is gone."""
+        if self._closed:
+            return
+        self._closed = True
+        self._client._handles.discard(self)
+        if self._client.is_alive():
+            self._client.request("release", cache_id=self._cache_id)
+
+    def __enter__(self) -> "KvCacheHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __reduce__(self):
+        token = self.export(self._client.pickle_ttl)
+        return (_unpickle, (self._client.address, token, self._client.tp_rank,
+                            self._client.tp_size, self._view_len))
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{self.num_tokens} tokens"
+        return f"<KvCacheHandle {self.cache_id} {state}>"
+
+    # -- data plane (no round trip) --------------------------------------------------------
+
+    def _check_layer(self, layer) -> int:
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise WrongType(f"layer must be an int, got {type(layer).__name__}")
+        if not 0 <= layer < self.num_layers:
+            raise OutOfRange(f"layer {layer} outside [0, {self.num_layers})")
+        return layer
+
+    def _check_tensor(self, name: str, t, shape_tail: tuple) -> int:
+        if not isinstance(t, torch.Tensor):
+            raise WrongType(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        pool = self._client.pool
+        if t.dtype != pool.dtype:
+            raise InvalidArgument(f"{name} has dtype {t.dtype}, the pool holds {pool.dtype}; "
+                                  f"convert with .to({pool.dtype})")
+        if t.device != pool.device:
+            raise InvalidArgument(f"{name} is on {t.device}, the pool is on {pool.device}")
+        if t.dim() != len(shape_tail) + 1 or tuple(t.shape[1:]) != shape_tail:
+            raise InvalidArgument(f"{name} has shape {tuple(t.shape)}, expected "
+                                  f"[n, {', '.join(map(str, shape_tail))}]")
+        if not t.is_contiguous():
+            raise InvalidArgument(f"{name} is not contiguous; pass {name}.contiguous()")
+        return t.shape[0]
+
+    def _check_range(self, start, n: int) -> int:
+        if start is None:
+            start = self._seq_len - n
+        if isinstance(start, bool) or not isinstance(start, int):
+            raise WrongType(f"start must be an int, got {type(start).__name__}")
+        limit = self._seq_len if self._view_len is None else self._view_len
+        if start + n > limit and self._view_len is None:
+            self.refresh()
+            limit = self._seq_len
+        if start < 0 or start + n > limit:
+            raise OutOfRange(f"write of {n} tokens at {start} goes past the {limit} slots "
+                             f"reserved in {self.cache_id}; extend first")
+        return start
+
+    def _ensure_writable(self, start: int, n: int) -> None:
+        bs = self._client.config.block_size
+        owner, cid, blocks = self._client.owner, self._cache_id, self._blocks
+        for i in range(start // bs, (start + n - 1) // bs + 1):
+            if owner[blocks[i]] != cid:
+                self._apply_info(self._client.request(
+                    "prepare_write", cache_id=cid, start=start, num_tokens=n))
+                return
+
+    def _base_rows(self, start: int, n: int) -> torch.Tensor:
+        """Row of each position's layer-0 K slot in the pool seen as [rows, heads, dim]."""
+        key = (start, n)
+        rows = self._index_cache.get(key)
+        if rows is None:
+            cfg = self._client.config
+            bs = cfg.block_size
+            pos = torch.arange(start, start + n)
+            table = torch.tensor(self._blocks, dtype=torch.int64)
+            rows = table[pos // bs] * (cfg.num_layers * 2 * bs) + pos % bs
+            rows = rows.to(self.device)
+            if len(self._index_cache) > 8:
+                self._index_cache.clear()
+            self._index_cache[key] = rows
+        return rows
+
+    def _all_rows(self, start: int, n: int) -> torch.Tensor:
+        """Rows for every (layer, K/V, position), in [layer, 2, position] order."""
+        key = ("all", start, n)
+        rows = self._index_cache.get(key)
+        if rows is None:
+            cfg = self._client.config
+            offsets = torch.arange(2 * cfg.num_layers, device=self.device) * cfg.block_size
+            rows = (offsets[:, None] + self._base_rows(start, n)[None, :]).reshape(-1)
+            self._index_cache[key] = rows
+        return rows
+
+    def _flat(self) -> torch.Tensor:
+        pool = self._client.pool
+        return pool.view(-1, pool.shape[4], pool.shape[5])
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+              start: Optional[int] = None) -> None:
+        """Write K and V (each ``[n, num_heads, head_dim]``) of one layer at positions
+        ``[start, start + n)``; ``start`` defaults to the last ``n`` reserved slots.
+
+        In place, no round trip (one round trip first only when a block is shared).
+
+        Raises:
+            OutOfRange: bad layer, or positions past the reserved slots.
+            InvalidArgument / WrongType: wrong dtype, device, shape, or a non-contiguous
+                tensor. Nothing is written in any of these cases.
+        """
+        self._check_open()
+        layer = self._check_layer(layer)
+        tail = (self.num_heads, self.head_dim)
+        n = self._check_tensor("k", k, tail)
+        if self._check_tensor("v", v, tail) != n:
+            raise InvalidArgument(f"k has {n} tokens, v has {v.shape[0]}")
+        start = self._check_range(start, n)
+        if n == 0:
+            return
+        self._ensure_writable(start, n)
+        self._last_access = time.time()
+        bs = self._client.config.block_size
+        if start // bs == (start + n - 1) // bs:  # one block: two slice copies
+            block = self._client.pool[self._blocks[start // bs], layer]
+            offset = start % bs
+            block[0, offset:offset + n].copy_(k)
+            block[1, offset:offset + n].copy_(v)
+            return
+        rows = self._base_rows(start, n)
+        flat = self._flat()
+        flat.index_copy_(0, rows + (2 * layer) * bs, k)
+        flat.index_copy_(0, rows + (2 * layer + 1) * bs, v)
+
+    def write_all(self, kv: torch.Tensor, start: Optional[int] = None) -> None:
+        """Write every layer at once: ``kv`` is ``[num_layers, 2, n, num_heads, head_dim]``
+        (one copy kernel for the whole step). Same checks as :meth:`write`."""
+        self._check_open()
+        if not isinstance(kv, torch.Tensor) or kv.dim() != 5:
+            raise InvalidArgument("kv must be a tensor [num_layers, 2, n, num_heads, head_dim]")
+        if tuple(kv.shape[:2]) != (self.num_layers, 2):
+            raise InvalidArgument(f"kv has shape {tuple(kv.shape)}, expected "
+                                  f"[{self.num_layers}, 2, n, {self.num_heads}, {self.head_dim}]")
+        n = kv.shape[2]
+        if not kv.is_contiguous():
+            raise InvalidArgument("kv is not contiguous; pass kv.contiguous()")
+        self._check_tensor("kv", kv.view(-1, *kv.shape[3:]), (self.num_heads, self.head_dim))
+        start = self._check_range(start, n)
+        if n == 0:
+            return
+        self._ensure_writable(start, n)
+        self._last_access = time.time()
+        self._flat().index_copy_(0, self._all_rows(start, n),
+                                 kv.view(-1, self.num_heads, self.head_dim))
+
+    def _gather(self, layer: int, which: int) -> torch.Tensor:
+        self._check_open()
+        layer = self._check_layer(layer)
+        self._last_access = time.time()
+        n = self.num_tokens
+        bs = self._client.config.block_size
+        if n <= bs:
+            if n == 0:
+                return self._client.pool.new_empty((0, self.num_heads, self.head_dim))
+            return self._client.pool[self._blocks[0], layer, which, :n].clone()
+        return self._flat().index_select(0, self._base_rows(0, n) + (2 * layer + which) * bs)
+
+    def key_cache(self, layer: int) -> torch.Tensor:
+        """K of one layer, gathered: ``[num_tokens, num_heads, head_dim]`` (a copy)."""
+        return self._gather(layer, 0)
+
+    def value_cache(self, layer: int) -> torch.Tensor:
+        """V of one layer, gathered: ``[num_tokens, num_heads, head_dim]`` (a copy)."""
+        return self._gather(layer, 1)
+
+    def kv_cache(self, layer: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(key_cache(layer), value_cache(layer))``."""
+        return self._gather(layer, 0), self._gather(layer, 1)
+
+    def gather_all(self) -> torch.Tensor:
+        """Every layer's K and V: ``[num_layers, 2, num_tokens, num_heads, head_dim]``,
+        gathered with one copy kernel."""
+        self._check_open()
+        self._last_access = time.time()
+        n = self.num_tokens
+        out = self._flat().index_select(0, self._all_rows(0, n))
+        return out.view(self.num_layers, 2, n, self.num_heads, self.head_dim)
+
+    def paged_kv(self, layer: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Zero-copy ``(k_pages, v_pages, block_table)`` for paged attention kernels.
+
+        ``k_pages`` and ``v_pages`` are ``[num_blocks, block_size, num_heads, head_dim]``
+        views of the whole pool (last dimension contiguous); ``block_table`` is int32
+        on the pool's device. Writes through the views bypass copy-on-write.
+        """
+        self._check_open()
+        layer = self._check_layer(layer)
+        pool = self._client.pool
+        return pool[:, layer, 0], pool[:, layer, 1], self.block_table.to_tensor(pool.device)
+
+
+def _unpickle(address, token, tp_rank, tp_size, view_len):
+    from .client import process_client
+    handle = process_client(address, tp_rank, tp_size).open(token)
+    handle._view_len = view_len
+    return handle

@@ -1,0 +1,176 @@
+"""Pool configuration and memory layout.
+
+Owns :class:`PoolConfig` (what a user asks for), its validation, the block-major
+pool shape, byte sizes, and the layout fingerprint that a client checks at attach.
+Does not allocate memory (see ``shmkv.shm`` and ``shmkv.cuda``) and does not import
+torch at module import time: dtypes are carried by name, and torch is imported
+only when a caller asks for a ``torch.dtype``.
+
+Layout (one allocation per device, block-major, so one block is one contiguous
+chunk)::
+
+    pool: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+    K of layer l: pool[:, l, 0]   V of layer l: pool[:, l, 1]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any, Optional, Sequence
+
+from .errors import InvalidArgument, WrongType
+
+LAYOUT_VERSION = 1
+
+# name -> bytes per element. The names are torch's attribute names.
+DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+def dtype_name(dtype: Any) -> str:
+    """Return the canonical name of a dtype given as a string or a ``torch.dtype``."""
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        name = {"half": "float16", "float": "float32", "double": "float64", "fp16": "float16",
+                "bf16": "bfloat16", "fp32": "float32"}.get(name, name)
+    else:
+        name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_SIZES:
+        raise InvalidArgument(
+            f"unsupported dtype {dtype!r}: use one of {', '.join(sorted(DTYPE_SIZES))}")
+    return name
+
+
+def torch_dtype(name: str):
+    """Return the ``torch.dtype`` for a canonical dtype name."""
+    import torch
+    return getattr(torch, name)
+
+
+def _check_positive(field: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise WrongType(f"PoolConfig.{field} must be an int, got {type(value).__name__}")
+    if value <= 0:
+        raise InvalidArgument(f"PoolConfig.{field} must be positive, got {value}")
+
+
+def normalize_device(device: Any) -> str:
+    """Return ``"cpu"`` or ``"cuda:N"`` for a device given as a string or ``torch.device``."""
+    text = str(device)
+    if text == "cpu":
+        return "cpu"
+    if text == "cuda":
+        return "cuda:0"
+    if text.startswith("cuda:") and text[5:].isdigit():
+        return text
+    raise InvalidArgument(f"unsupported device {device!r}: use 'cpu' or 'cuda:N'")
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolConfig:
+    """Shape and placement of a KV block pool.
+
+    Args:
+        num_layers: transformer layers cached per block.
+        num_kv_heads: key/value heads (all ranks together when ``tp_size > 1``).
+        head_dim: elements per head.
+        num_blocks: blocks in the pool.
+        block_size: tokens per block.
+        dtype: ``torch.float32``, ``torch.float16`` or ``torch.bfloat16`` (or their names).
+        device: ``"cpu"`` (POSIX shared memory) or ``"cuda:N"`` (CUDA IPC).
+        tp_size: tensor-parallel ranks; each rank owns ``num_kv_heads // tp_size`` heads.
+        devices: with ``tp_size > 1`` on CUDA, one device per rank.
+
+    Raises:
+        InvalidArgument / WrongType: for a nonsense value, before anything is allocated.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_blocks: int
+    block_size: int = 16
+    dtype: Any = "float16"
+    device: Any = "cpu"
+    tp_size: int = 1
+    devices: Optional[Sequence[str]] = None
+
+    def __post_init__(self) -> None:
+        for field in ("num_layers", "num_kv_heads", "head_dim", "num_blocks", "block_size",
+                      "tp_size"):
+            _check_positive(field, getattr(self, field))
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        object.__setattr__(self, "device", normalize_device(self.device))
+        if self.num_kv_heads % self.tp_size:
+            raise InvalidArgument(
+                f"num_kv_heads={self.num_kv_heads} is not divisible by tp_size={self.tp_size}")
+        if self.devices is not None:
+            devices = tuple(normalize_device(d) for d in self.devices)
+            if len(devices) != self.tp_size:
+                raise InvalidArgument(
+                    f"devices has {len(devices)} entries, tp_size={self.tp_size} needs one per rank")
+            if any(d == "cpu" for d in devices) != (self.device == "cpu"):
+                raise InvalidArgument("devices and device must be all 'cpu' or all CUDA")
+            object.__setattr__(self, "devices", devices)
+        if self.num_blocks >= 2**31:
+            raise InvalidArgument(f"num_blocks={self.num_blocks} does not fit int32 block tables")
+
+    # -- derived sizes -------------------------------------------------------------------
+
+    @property
+    def heads_per_rank(self) -> int:
+        return self.num_kv_heads // self.tp_size
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def shape(self) -> tuple:
+        """Shape of the whole pool (all heads)."""
+        return (self.num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads,
+                self.head_dim)
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block: all layers, K and V, all heads."""
+        return (self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
+                * self.itemsize)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.block_nbytes
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device != "cpu"
+
+    def rank_devices(self) -> tuple:
+        """The device of each tensor-parallel rank's pool."""
+        if self.devices is not None:
+            return tuple(self.devices)
+        return (self.device,) * (self.tp_size if self.is_cuda else 1)
+
+    # -- wire form -------------------------------------------------------------------------
+
+    def to_wire(self) -> dict:
+        """A msgpack-able dict of this config (names and ints only)."""
+        return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
+                "head_dim": self.head_dim, "num_blocks": self.num_blocks,
+                "block_size": self.block_size, "dtype": self.dtype, "device": self.device,
+                "tp_size": self.tp_size,
+                "devices": list(self.devices) if self.devices is not None else None}
+
+    @classmethod
+    def from_wire(cls, data: dict) -> "PoolConfig":
+        """Rebuild a config sent by :meth:`to_wire`; validates like the constructor."""
+        if not isinstance(data, dict):
+            raise WrongType("pool descriptor must be a map")
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def fingerprint(self) -> str:
+        """A hex digest of everything that decides where a byte lives in the pool."""
+        text = repr((LAYOUT_VERSION, self.shape, self.dtype, self.tp_size,
+                     "block-major[num_blocks,num_layers,2,block_size,heads,head_dim]"))
+        return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()

@@ -1,0 +1,143 @@
+"""Pool memory: create it in the coordinator, attach to it in workers.
+
+Owns the choice between the CPU backend (``shmkv.shm``) and the CUDA backend
+(``shmkv.cuda``), the typed 6-d views of the raw allocation, and the small metadata
+segment that every pool has (the ``owner`` array, always in host shared memory).
+Does not decide which block holds what (``shmkv.allocator``) and does no socket I/O.
+
+A pool is a list of device pools: one on CPU (every tensor-parallel rank sees its
+head slice of it), one per rank on CUDA (each with ``num_kv_heads // tp_size`` heads).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import List, Optional
+
+from .errors import LayoutMismatch
+from .layout import PoolConfig, torch_dtype
+from . import shm
+
+
+class PoolMemory:
+    """The memory of one pool as seen by one process.
+
+    ``device_pools[i]`` is a tensor ``[num_blocks, num_layers, 2, block_size, heads_i,
+    head_dim]``. ``owner`` is the int64 metadata array (writable in the coordinator,
+    read-only in workers). ``fds`` are the descriptors a worker needs (coordinator
+    side); ``descriptor`` is the msgpack-able description sent in the handshake.
+
+    ``close()`` releases this process's descriptors and metadata mapping; the pool
+    tensors stay valid for as long as Python references them (their storage owns
+    the mapping), so closing can never leave a dangling view.
+    """
+
+    def __init__(self, config: PoolConfig):
+        self.config = config
+        self.device_pools: List = []
+        self.owner = None
+        self._meta_map = None
+        self.fds: List[int] = []
+        self.descriptor: dict = {}
+
+    def rank_view(self, tp_rank: Optional[int], tp_size: Optional[int]):
+        """The 6-d pool view of one tensor-parallel rank (all heads when rank is None)."""
+        cfg = self.config
+        if tp_rank is None:
+            if cfg.is_cuda and cfg.tp_size > 1:
+                raise LayoutMismatch("a CUDA pool with tp_size > 1 has one pool per rank: "
+                                     "connect with tp_rank= and tp_size=")
+            return self.device_pools[0]
+        if tp_size != cfg.tp_size:
+            raise LayoutMismatch(f"tp_size={tp_size} but the pool was built with "
+                                 f"tp_size={cfg.tp_size}")
+        if cfg.is_cuda:
+            return self.device_pools[tp_rank]
+        heads = cfg.heads_per_rank
+        return self.device_pools[0][..., tp_rank * heads:(tp_rank + 1) * heads, :]
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one block (all layers, K and V, every rank). Block-major: one memcpy each."""
+        for pool in self.device_pools:
+            pool[dst].copy_(pool[src])
+
+    def close_fds(self) -> None:
+        """Close this process's descriptors (mappings stay). Idempotent."""
+        for fd in self.fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.fds = []
+
+    def close(self) -> None:
+        """Release descriptors and the metadata mapping. Idempotent."""
+        self.close_fds()
+        if self.owner is not None:
+            self.owner.release()
+            self.owner = None
+        if self._meta_map is not None:
+            self._meta_map.close()
+            self._meta_map = None
+
+
+def _typed(raw, config: PoolConfig, heads: int):
+    dtype = torch_dtype(config.dtype)
+    return raw.view(dtype).view(config.num_blocks, config.num_layers, 2, config.block_size,
+                                heads, config.head_dim)
+
+
+def create_pool(config: PoolConfig) -> PoolMemory:
+    """Allocate a pool and its metadata (coordinator side). Nothing leaks on failure."""
+    memory = PoolMemory(config)
+    meta_bytes = 8 * config.num_blocks
+    try:
+        meta_fd = shm.create_segment(meta_bytes, "metadata")
+        memory.fds.append(meta_fd)
+        memory._meta_map, memory.owner = shm.map_array(meta_fd, meta_bytes, writable=True)
+        memory.descriptor = {"meta_bytes": meta_bytes, "fingerprint": config.fingerprint()}
+        if config.is_cuda:
+            from . import cuda
+            memory.device_pools = cuda.allocate_pools(config)
+            memory.descriptor["cuda"] = [cuda.export_tensor(t) for t in memory.device_pools]
+        else:
+            pool_fd = shm.create_segment(config.nbytes, "pool")
+            memory.fds.append(pool_fd)
+            memory.device_pools = [_typed(shm.map_tensor(pool_fd, config.nbytes), config,
+                                          config.num_kv_heads)]
+            memory.descriptor["pool_bytes"] = config.nbytes
+    except BaseException:
+        memory.close()
+        raise
+    return memory
+
+
+def attach_pool(config: PoolConfig, descriptor: dict, fds: List[int]) -> PoolMemory:
+    """Map a pool described by the coordinator's handshake (worker side), zero copy.
+
+    Takes ownership of ``fds`` (they are closed once mapped).
+    """
+    memory = PoolMemory(config)
+    memory.fds = list(fds)
+    try:
+        if descriptor.get("fingerprint") != config.fingerprint():
+            raise LayoutMismatch("pool layout fingerprint differs from the coordinator's "
+                                 "description; client and coordinator versions disagree")
+        expected_fds = 1 if config.is_cuda else 2
+        if len(fds) != expected_fds:
+            raise LayoutMismatch(f"handshake passed {len(fds)} descriptors, expected "
+                                 f"{expected_fds}")
+        memory._meta_map, memory.owner = shm.map_array(fds[0], descriptor["meta_bytes"],
+                                                       writable=False)
+        if config.is_cuda:
+            from . import cuda
+            memory.device_pools = [cuda.open_tensor(d) for d in descriptor["cuda"]]
+        else:
+            memory.device_pools = [_typed(shm.map_tensor(fds[1], config.nbytes), config,
+                                          config.num_kv_heads)]
+    except BaseException:
+        memory.close()
+        raise
+    memory.close_fds()
+    return memory
+

@@ -1,0 +1,259 @@
+"""The wire protocol between clients and the coordinator, without any I/O.
+
+Owns framing (4-byte big-endian length prefix + one msgpack body), strict decoding,
+the table of message types with the arguments each takes, and the table of error
+codes. Bytes go in, validated messages come out, bytes to send come back; sockets,
+threads and selectors live in ``shmkv.coordinator`` and ``shmkv.client``.
+
+Envelopes::
+
+    request:  [request_id, op, {arg: value, ...}]
+    response: [request_id, 0, result]           success
+              [request_id, code, message]       failure, code from ERROR_CODES
+
+Only descriptors travel: ints, strings, bytes, lists and maps. Never tensor bytes,
+never pickle. Decoding uses ``raw=False`` and ``strict_map_key=True`` and refuses
+frames over the configured maximum before buffering them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from typing import Any, Iterator, Optional
+
+import msgpack
+
+from . import errors
+
+PROTOCOL_VERSION = 1
+DEFAULT_MAX_FRAME = 16 * 1024 * 1024
+_HEADER = struct.Struct(">I")
+HEADER_SIZE = _HEADER.size
+
+# -- error codes: one table, both directions ---------------------------------------------
+
+ERROR_CODES = {
+    1: errors.ShmkvError,
+    2: errors.PoolExhausted,
+    3: errors.UnknownCache,
+    4: errors.ProtocolError,
+    5: errors.InvalidArgument,
+    6: errors.OutOfRange,
+    7: errors.WrongType,
+    8: errors.HandoffError,
+    9: errors.LimitExceeded,
+    10: errors.AccessDenied,
+    11: errors.LayoutMismatch,
+}
+_CODE_OF = {cls: code for code, cls in ERROR_CODES.items()}
+
+
+def error_code(exc: BaseException) -> int:
+    """The wire code for an exception (the nearest listed base class)."""
+    for cls in type(exc).__mro__:
+        if cls in _CODE_OF:
+            return _CODE_OF[cls]
+    return 1
+
+
+def exception_for(code: int, message: str) -> errors.ShmkvError:
+    """The exception a client raises for an error response."""
+    cls = ERROR_CODES.get(code, errors.ShmkvError)
+    if cls is errors.ProtocolError:
+        return errors.ProtocolError(message, remote=False)
+    return cls(message)
+
+
+# -- message types -----------------------------------------------------------------------
+# op -> {arg: (kind, required)}. Kinds: "int", "num", "bytes", "str", "ints" (list of
+# ints), "list", "map", "bool". None is accepted for optional arguments.
+
+OPS = {
+    "hello": {"version": ("int", True), "tp_rank": ("int", False), "tp_size": ("int", False),
+              "pid": ("int", False)},
+    "ping": {},
+    "allocate": {"num_tokens": ("int", True), "prompt": ("ints", False),
+                 "cache_salt": ("bytes", False), "request_id": ("str", False)},
+    "allocate_many": {"requests": ("list", True)},
+    "extend": {"cache_id": ("int", True), "num_tokens": ("int", True),
+               "tokens": ("ints", False)},
+    "extend_many": {"items": ("list", True)},
+    "commit": {"cache_id": ("int", True), "num_tokens": ("int", True),
+               "tp_rank": ("int", False)},
+    "prepare_write": {"cache_id": ("int", True), "start": ("int", True),
+                      "num_tokens": ("int", True)},
+    "info": {"cache_id": ("int", True)},
+    "clone": {"cache_id": ("int", True)},
+    "fork": {"cache_id": ("int", True)},
+    "release": {"cache_id": ("int", True)},
+    "release_many": {"cache_ids": ("ints", True)},
+    "export": {"cache_id": ("int", True), "ttl": ("num", True)},
+    "open": {"token": ("bytes", True)},
+    "stats": {},
+}
+
+# Sub-requests of allocate_many take the allocate arguments.
+SUB_OPS = {"allocate_many": "allocate"}
+
+
+def _check_kind(op: str, name: str, kind: str, value: Any) -> None:
+    ok = True
+    if kind == "int":
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind == "num":
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif kind == "bytes":
+        ok = isinstance(value, bytes)
+    elif kind == "str":
+        ok = isinstance(value, str)
+    elif kind == "bool":
+        ok = isinstance(value, bool)
+    elif kind == "list":
+        ok = isinstance(value, list)
+    elif kind == "map":
+        ok = isinstance(value, dict)
+    elif kind == "ints":
+        ok = isinstance(value, list) and all(
+            type(v) is int for v in value)  # bool is not a token id
+    if not ok:
+        raise errors.WrongType(f"{op}: argument {name!r} must be {kind}, got "
+                               f"{type(value).__name__}")
+
+
+def validate_args(op: str, args: Any) -> dict:
+    """Check ``args`` against the table for ``op``; returns them with defaults filled."""
+    spec = OPS.get(op)
+    if spec is None:
+        raise errors.ProtocolError(f"unknown op {op!r}")
+    if not isinstance(args, dict):
+        raise errors.ProtocolError(f"{op}: arguments must be a map")
+    unknown = set(args) - set(spec)
+    if unknown:
+        raise errors.ProtocolError(f"{op}: unknown argument(s) {sorted(unknown)}")
+    out = {}
+    for name, (kind, required) in spec.items():
+        value = args.get(name)
+        if value is None:
+            if required:
+                raise errors.ProtocolError(f"{op}: missing argument {name!r}")
+            out[name] = None
+            continue
+        _check_kind(op, name, kind, value)
+        out[name] = value
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """A validated request."""
+    request_id: int
+    op: str
+    args: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class Response:
+    """A response: ``code == 0`` carries ``result``, otherwise ``message``."""
+    request_id: int
+    code: int
+    result: Any = None
+    message: str = ""
+
+    def unwrap(self) -> Any:
+        """Return the result, or raise the exception the error code names."""
+        if self.code:
+            raise exception_for(self.code, self.message)
+        return self.result
+
+
+# -- framing -----------------------------------------------------------------------------
+
+def encode(obj: Any) -> bytes:
+    """One frame: length prefix + msgpack body."""
+    body = msgpack.packb(obj, use_bin_type=True)
+    return _HEADER.pack(len(body)) + body
+
+
+def encode_request(request_id: int, op: str, args: Optional[dict] = None) -> bytes:
+    return encode([request_id, op, args or {}])
+
+
+def encode_ok(request_id: int, result: Any) -> bytes:
+    return encode([request_id, 0, result])
+
+
+def encode_error(request_id: int, exc: BaseException) -> bytes:
+    return encode([request_id, error_code(exc), str(exc)])
+
+
+class FrameDecoder:
+    """Turns a byte stream into decoded msgpack objects, one per frame.
+
+    ``feed`` raises :class:`ProtocolError` for an oversized length prefix (before
+    buffering the body) or a body that is not exactly one valid msgpack object; the
+    connection should then be dropped, as the stream can no longer be trusted.
+    """
+
+    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME):
+        self.max_frame = max_frame
+        self._buf = bytearray()
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf)
+
+    def feed(self, data: bytes) -> Iterator[Any]:
+        self._buf += data
+        while True:
+            if len(self._buf) < HEADER_SIZE:
+                return
+            (length,) = _HEADER.unpack_from(self._buf)
+            if length > self.max_frame:
+                raise errors.ProtocolError(
+                    f"frame of {length} bytes exceeds the maximum of {self.max_frame}")
+            end = HEADER_SIZE + length
+            if len(self._buf) < end:
+                return
+            body = bytes(self._buf[HEADER_SIZE:end])
+            del self._buf[:end]
+            yield decode_body(body)
+
+
+def decode_body(body: bytes) -> Any:
+    """Strictly decode one msgpack object that must fill ``body`` exactly."""
+    try:
+        return msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True,
+                               timestamp=0)
+    except Exception as exc:  # msgpack raises several unrelated classes
+        raise errors.ProtocolError(f"undecodable frame: {type(exc).__name__}: {exc}") from None
+
+
+def parse_request(obj: Any) -> Request:
+    """Validate a decoded request envelope and its arguments."""
+    if not (isinstance(obj, list) and len(obj) == 3):
+        raise errors.ProtocolError("request must be [request_id, op, args]")
+    request_id, op, args = obj
+    if not isinstance(request_id, int) or isinstance(request_id, bool):
+        raise errors.ProtocolError("request_id must be an int")
+    if not isinstance(op, str):
+        raise errors.ProtocolError("op must be a string")
+    return Request(request_id, op, validate_args(op, args))
+
+
+def request_id_of(obj: Any) -> int:
+    """The request id of a possibly malformed envelope, or -1 if there is none."""
+    if isinstance(obj, list) and obj and isinstance(obj[0], int) and not isinstance(obj[0], bool):
+        return obj[0]
+    return -1
+
+
+def parse_response(obj: Any) -> Response:
+    """Validate a decoded response envelope."""
+    if not (isinstance(obj, list) and len(obj) == 3 and isinstance(obj[0], int)
+            and isinstance(obj[1], int)):
+        raise errors.ProtocolError("response must be [request_id, code, result_or_message]")
+    request_id, code, payload = obj
+    if code == 0:
+        return Response(request_id, 0, payload)
+    return Response(request_id, code, None, str(payload))

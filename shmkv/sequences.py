@@ -1,0 +1,530 @@
+"""Sequences, references, hand-offs, prefix reuse and copy-on-write.
+
+Owns the coordinator's metadata above the block level: which sequences (cache ids)
+exist, their block tables and lengths, which connection holds how many references
+to each, the hand-off tokens waiting to be opened, prefix keys and their commit,
+and copy-on-write. Every public method is one wire operation and either succeeds
+completely or raises and changes nothing (all-or-nothing).
+
+Does not do I/O and does not touch K/V bytes: copy-on-write calls the
+``copy_block(src, dst)`` callback the coordinator provides. Pure: no torch, no
+sockets, so the whole state machine is testable in one process.
+"""
+
+from __future__ import annotations
+
+import heapq
+import hmac
+import os
+import time
+from typing import Callable, Dict, List, Optional, Sequence as Seq
+
+from . import hashing
+from .allocator import BlockPool
+from .errors import (HandoffError, InvalidArgument, LimitExceeded, OutOfRange, PoolExhausted,
+                     UnknownCache, WrongType)
+
+TOKEN_VERSION = 1
+TOKEN_SIZE = 1 + 8 + 16
+MAX_SALT_BYTES = 1024
+MAX_REQUEST_ID = 256
+
+
+def format_cache_id(cache_id: int) -> str:
+    """The user-facing form of a cache id."""
+    return f"kv-{cache_id:x}"
+
+
+class Sequence:
+    """One cached sequence. Plain slots: this is on every hot path."""
+
+    __slots__ = ("cache_id", "block_ids", "num_tokens", "num_refs", "keys", "tail_tokens",
+                 "root", "num_committed", "rank_tokens", "num_cached", "request_id")
+
+    def __init__(self, cache_id: int, root: Optional[bytes], tp_size: int, request_id: str):
+        self.cache_id = cache_id
+        self.block_ids: List[int] = []
+        self.num_tokens = 0
+        self.num_refs = 0
+        # Prefix keys of full blocks whose token ids are known; None once an extend
+        # without token ids makes the rest unknowable.
+        self.keys: Optional[List[bytes]] = [] if root is not None else None
+        self.tail_tokens: List[int] = []   # token ids after the last keyed block
+        self.root = root
+        self.num_committed = 0             # leading blocks already published/committed
+        self.rank_tokens = [0] * tp_size   # tokens each tensor-parallel rank committed
+        self.num_cached = 0                # tokens reused from the prefix cache at allocate
+        self.request_id = request_id
+
+    def info(self) -> dict:
+        return {"cache_id": self.cache_id, "blocks": list(self.block_ids),
+                "num_tokens": self.num_tokens, "num_cached": self.num_cached,
+                "request_id": self.request_id}
+
+
+class _Handoff:
+    __slots__ = ("secret", "cache_id", "deadline")
+
+    def __init__(self, secret: bytes, cache_id: int, deadline: float):
+        self.secret, self.cache_id, self.deadline = secret, cache_id, deadline
+
+
+def _check_count(name: str, value, lo: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise WrongType(f"{name} must be an int, got {type(value).__name__}")
+    if value < lo:
+        raise InvalidArgument(f"{name} must be >= {lo}, got {value}")
+    return value
+
+
+class SequenceTable:
+    """The coordinator's sequence-level state machine.
+
+    Args:
+        pool: the block pool.
+        block_size: tokens per block.
+        tp_size: tensor-parallel ranks that must all commit a block before it is published.
+        copy_block: ``copy_block(src, dst)`` copies one block's K/V bytes (all ranks).
+        max_handoffs: outstanding hand-off tokens allowed at once.
+        max_handoff_ttl: the longest ``ttl`` an export may ask for, in seconds.
+        clock: monotonic clock (seconds), injectable for tests.
+    """
+
+    def __init__(self, pool: BlockPool, block_size: int, tp_size: int = 1,
+                 copy_block: Callable[[int, int], None] = lambda src, dst: None,
+                 max_handoffs: int = 65536, max_handoff_ttl: float = 3600.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.pool = pool
+        self.block_size = block_size
+        self.tp_size = tp_size
+        self.copy_block = copy_block
+        self.max_handoffs = max_handoffs
+        self.max_handoff_ttl = max_handoff_ttl
+        self.clock = clock
+        self.sequences: Dict[int, Sequence] = {}
+        self.conn_refs: Dict[int, Dict[int, int]] = {}
+        self.handoffs: Dict[int, _Handoff] = {}
+        self._handoff_heap: list = []
+        self._next_cache_id = 1
+        self._next_handoff_id = 1
+        self.counters = {"prefix_hit_tokens": 0, "prefix_miss_tokens": 0,
+                         "prefix_hit_blocks": 0, "prefix_miss_blocks": 0,
+                         "cow_copies": 0, "published_blocks": 0, "expired_handoffs": 0}
+
+    # -- connections and references ------------------------------------------------------
+
+    def add_connection(self, conn_id: int) -> None:
+        self.conn_refs[conn_id] = {}
+
+    def drop_connection(self, conn_id: int) -> int:
+        """Drop every reference the connection holds; returns how many were dropped."""
+        refs = self.conn_refs.pop(conn_id, {})
+        dropped = 0
+        for cache_id, count in refs.items():
+            dropped += count
+            self._unref(self.sequences[cache_id], count)
+        return dropped
+
+    def _held(self, conn_id: int, cache_id) -> Sequence:
+        """The sequence, if this connection holds a reference to it."""
+        if isinstance(cache_id, bool) or not isinstance(cache_id, int):
+            raise WrongType(f"cache_id must be an int, got {type(cache_id).__name__}")
+        refs = self.conn_refs.get(conn_id)
+        if refs is None or cache_id not in refs:
+            raise UnknownCache(f"cache {format_cache_id(cache_id) if cache_id >= 0 else cache_id}"
+                               " is not held by this connection (closed, never opened, or"
+                               " another connection's)")
+        return self.sequences[cache_id]
+
+    def _ref(self, conn_id: int, seq: Sequence) -> None:
+        refs = self.conn_refs[conn_id]
+        refs[seq.cache_id] = refs.get(seq.cache_id, 0) + 1
+        seq.num_refs += 1
+
+    def _unref(self, seq: Sequence, count: int = 1) -> None:
+        seq.num_refs -= count
+        if seq.num_refs == 0:
+            del self.sequences[seq.cache_id]
+            self.pool.decref(reversed(seq.block_ids))  # tail first into the LRU
+
+    def _new_sequence(self, root: Optional[bytes], request_id: Optional[str]) -> Sequence:
+        cache_id = self._next_cache_id
+        self._next_cache_id += 1
+        seq = Sequence(cache_id, root, self.tp_size,
+                       request_id if request_id is not None else format_cache_id(cache_id))
+        self.sequences[cache_id] = seq
+        return seq
+
+    # -- allocate ------------------------------------------------------------------------
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _plan_allocate(self, req: dict) -> tuple:
+        num_tokens = _check_count("num_tokens", req.get("num_tokens", 0))
+        prompt = req.get("prompt")
+        salt = req.get("cache_salt")
+        request_id = req.get("request_id")
+        if salt is not None and (not isinstance(salt, bytes) or len(salt) > MAX_SALT_BYTES):
+            raise InvalidArgument(f"cache_salt must be bytes of at most {MAX_SALT_BYTES}")
+        if request_id is not None and (not isinstance(request_id, str)
+                                       or len(request_id) > MAX_REQUEST_ID):
+            raise InvalidArgument(f"request_id must be a str of at most {MAX_REQUEST_ID} chars")
+        keys, tail, root = None, [], None
+        if prompt is not None:
+            if not isinstance(prompt, list):
+                raise WrongType("prompt must be a list of token ids")
+            if num_tokens not in (0, len(prompt)):
+                raise InvalidArgument(f"num_tokens={num_tokens} disagrees with a prompt of "
+                                      f"{len(prompt)} tokens; pass one or make them equal")
+            num_tokens = len(prompt)
+            root = hashing.root_key(salt)
+            try:
+                keys = hashing.block_keys(prompt, self.block_size, root)
+            except (OverflowError, TypeError):
+                raise InvalidArgument("prompt token ids must be ints in the int64 range") from None
+            tail = prompt[len(keys) * self.block_size:]
+        elif salt is not None:
+            raise InvalidArgument("cache_salt needs a prompt")
+        hits = self.pool.lookup(keys) if keys else []
+        need = self._blocks_for(num_tokens) - len(hits)
+        if need > self.pool.num_blocks:
+            raise PoolExhausted(f"pool exhausted: need {need} blocks for {num_tokens} tokens, "
+                                f"the whole pool has {self.pool.num_blocks}; raise num_blocks")
+        return num_tokens, keys, tail, root, hits, need, request_id
+
+    def allocate_many(self, conn_id: int, requests: Seq[dict]) -> List[dict]:
+        """Allocate one sequence per request, all or none.
+
+        A request is ``{"num_tokens": n, "prompt": [ids] | None, "cache_salt": bytes,
+        "request_id": str}``. With a prompt, the longest published prefix of full
+        blocks is reused and ``num_cached`` says how many tokens are already present.
+        """
+        plans = [self._plan_allocate(req) for req in requests]
+        need = sum(plan[5] for plan in plans)
+        cached_hits = {b for plan in plans for b in plan[4] if self.pool.ref_cnt[b] == 0}
+        available = self.pool.num_available - len(cached_hits)
+        if need > available:
+            raise PoolExhausted(
+                f"pool exhausted: need {need} blocks, {available} free or evictable "
+                f"(num_blocks={self.pool.num_blocks}); free handles or raise num_blocks")
+        for plan in plans:  # take every hit before any allocation can evict it
+            self.pool.incref(plan[4])
+        results = []
+        for num_tokens, keys, tail, root, hits, need_blocks, request_id in plans:
+            seq = self._new_sequence(root, request_id)
+            new = self.pool.allocate(need_blocks, seq.cache_id)
+            assert new is not None
+            seq.block_ids = hits + new
+            seq.num_tokens = num_tokens
+            seq.num_cached = len(hits) * self.block_size
+            seq.num_committed = len(hits)
+            seq.rank_tokens = [seq.num_cached] * self.tp_size
+            if keys is not None:
+                seq.keys = keys
+                seq.tail_tokens = list(tail)
+                counters = self.counters
+                counters["prefix_hit_blocks"] += len(hits)
+                counters["prefix_miss_blocks"] += len(keys) - len(hits)
+                counters["prefix_hit_tokens"] += seq.num_cached
+                counters["prefix_miss_tokens"] += num_tokens - seq.num_cached
+            self._ref(conn_id, seq)
+            results.append(seq.info())
+        return results
+
+    def allocate(self, conn_id: int, num_tokens: int = 0, prompt=None, cache_salt=None,
+                 request_id=None) -> dict:
+        """Allocate one sequence (see :meth:`allocate_many`)."""
+        return self.allocate_many(conn_id, [{"num_tokens": num_tokens, "prompt": prompt,
+                                             "cache_salt": cache_salt,
+                                             "request_id": request_id}])[0]
+
+    # -- extend --------------------------------------------------------------------------
+
+    def _writable(self, seq: Sequence, index: int) -> bool:
+        """Whether block ``index`` of ``seq`` can be written in place (claims it if so)."""
+        block_id = seq.block_ids[index]
+        return self.pool.owner[block_id] == seq.cache_id or self.pool.claim(block_id, seq.cache_id)
+
+    def _cow(self, seq: Sequence, index: int) -> None:
+        old = seq.block_ids[index]
+        new = self.pool.allocate(1, seq.cache_id)
+        assert new is not None
+        self.copy_block(old, new[0])
+        seq.block_ids[index] = new[0]
+        self.pool.decref((old,))
+        self.counters["cow_copies"] += 1
+
+    def _plan_extend(self, conn_id: int, item) -> tuple:
+        if not (isinstance(item, (list, tuple)) and len(item) in (2, 3)):
+            raise WrongType("extend item must be [cache_id, num_tokens] or "
+                            "[cache_id, num_tokens, tokens]")
+        seq = self._held(conn_id, item[0])
+        num = _check_count("num_tokens", item[1])
+        tokens = item[2] if len(item) == 3 else None
+        if tokens is not None:
+            if not isinstance(tokens, list) or len(tokens) != num:
+                raise InvalidArgument(f"tokens must be a list of {num} token ids")
+            try:
+                hashing.pack_tokens(tokens)
+            except (OverflowError, TypeError):
+                raise InvalidArgument("token ids must be ints in the int64 range") from None
+        partial = seq.num_tokens % self.block_size
+        need = self._blocks_for(seq.num_tokens + num) - len(seq.block_ids)
+        copy_last = bool(num and partial and seq.block_ids
+                         and self.pool.owner[seq.block_ids[-1]] != seq.cache_id
+                         and not (self.pool.ref_cnt[seq.block_ids[-1]] == 1
+                                  and self.pool.block_key[seq.block_ids[-1]] is None))
+        return seq, num, tokens, need, copy_last
+
+    def extend_many(self, conn_id: int, items: Seq) -> List[dict]:
+        """Reserve token slots in several sequences, all or none.
+
+        ``items`` are ``[cache_id, num_tokens]`` or ``[cache_id, num_tokens, tokens]``.
+        Returns, per item, ``{"start", "num_tokens", "table_from", "blocks"}``:
+        ``blocks`` replaces the block table from index ``table_from`` on. A shared
+        partly filled last block gets a private copy first (copy-on-write).
+        """
+        plans = [self._plan_extend(conn_id, item) for item in items]
+        if len({id(plan[0]) for plan in plans}) != len(plans):
+            raise InvalidArgument("extend_many names a sequence twice")
+        need = sum(plan[3] + plan[4] for plan in plans)
+        if need > self.pool.num_available:
+            raise PoolExhausted(
+                f"pool exhausted: need {need} blocks, {self.pool.num_available} free or "
+                f"evictable (num_blocks={self.pool.num_blocks}); free handles or raise num_blocks")
+        results = []
+        for seq, num, tokens, need_blocks, copy_last in plans:
+            table_from = len(seq.block_ids)
+            if num and seq.num_tokens % self.block_size:
+                table_from -= 1
+                if copy_last:
+                    self._cow(seq, table_from)
+                else:
+                    self._writable(seq, table_from)
+            start = seq.num_tokens
+            if need_blocks:
+                seq.block_ids += self.pool.allocate(need_blocks, seq.cache_id)
+            seq.num_tokens += num
+            self._extend_keys(seq, num, tokens)
+            results.append({"start": start, "num_tokens": seq.num_tokens,
+                            "table_from": table_from, "blocks": seq.block_ids[table_from:]})
+        return results
+
+    def extend(self, conn_id: int, cache_id: int, num_tokens: int, tokens=None) -> dict:
+        """Reserve ``num_tokens`` more slots at the end of a sequence (see :meth:`extend_many`)."""
+        item = [cache_id, num_tokens] if tokens is None else [cache_id, num_tokens, tokens]
+        return self.extend_many(conn_id, [item])[0]
+
+    def _extend_keys(self, seq: Sequence, num: int, tokens) -> None:
+        if seq.keys is None or not num:
+            return
+        if tokens is None:  # token ids of this stretch are unknown: no further prefix keys
+            seq.keys, seq.tail_tokens = None, []
+            return
+        tail = seq.tail_tokens + tokens
+        parent = seq.keys[-1] if seq.keys else seq.root
+        new_keys = hashing.block_keys(tail, self.block_size, parent)
+        seq.keys += new_keys
+        seq.tail_tokens = tail[len(new_keys) * self.block_size:]
+
+    # -- writes and commits ----------------------------------------------------------------
+
+    def prepare_write(self, conn_id: int, cache_id: int, start: int, num_tokens: int) -> dict:
+        """Make the blocks of slots ``[start, start + num_tokens)`` writable in place.
+
+        Blocks only this sequence references are claimed; shared or published blocks
+        get a private copy (copy-on-write). Returns the sequence's info (full table).
+        """
+        seq = self._held(conn_id, cache_id)
+        _check_count("start", start)
+        _check_count("num_tokens", num_tokens)
+        if start + num_tokens > seq.num_tokens:
+            raise OutOfRange(f"slots [{start}, {start + num_tokens}) lie past the "
+                             f"{seq.num_tokens} reserved in {format_cache_id(cache_id)}; "
+                             f"extend first")
+        if num_tokens:
+            first, last = start // self.block_size, (start + num_tokens - 1) // self.block_size
+            pool, cid = self.pool, seq.cache_id
+            copies = [i for i in range(first, last + 1)
+                      if pool.owner[seq.block_ids[i]] != cid
+                      and not (pool.ref_cnt[seq.block_ids[i]] == 1
+                               and pool.block_key[seq.block_ids[i]] is None)]
+            if len(copies) > pool.num_available:
+                raise PoolExhausted(f"pool exhausted: copy-on-write needs {len(copies)} "
+                                    f"blocks, {pool.num_available} free or evictable")
+            for i in range(first, last + 1):
+                if i in copies:
+                    self._cow(seq, i)
+                else:
+                    self._writable(seq, i)
+        return seq.info()
+
+    def commit(self, conn_id: int, cache_id: int, num_tokens: int,
+               tp_rank: Optional[int] = None) -> int:
+        """Declare the first ``num_tokens`` slots fully written (by ``tp_rank``, or all ranks).
+
+        Full blocks with known token ids become prefix-cache hits once every rank has
+        committed them. Returns how many leading blocks are published now.
+        """
+        seq = self._held(conn_id, cache_id)
+        _check_count("num_tokens", num_tokens)
+        if num_tokens > seq.num_tokens:
+            raise OutOfRange(f"commit of {num_tokens} tokens, only {seq.num_tokens} reserved")
+        if tp_rank is None:
+            ranks = range(self.tp_size)
+        else:
+            if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not (
+                    0 <= tp_rank < self.tp_size):
+                raise InvalidArgument(f"tp_rank must be in [0, {self.tp_size}), got {tp_rank}")
+            ranks = (tp_rank,)
+        for rank in ranks:
+            seq.rank_tokens[rank] = max(seq.rank_tokens[rank], num_tokens)
+        if seq.keys is None:
+            return seq.num_committed
+        ready = min(min(seq.rank_tokens) // self.block_size, len(seq.keys))
+        for index in range(seq.num_committed, ready):
+            if self.pool.publish(seq.block_ids[index], seq.keys[index]):
+                self.counters["published_blocks"] += 1
+        seq.num_committed = max(seq.num_committed, ready)
+        return seq.num_committed
+
+    # -- references ----------------------------------------------------------------------
+
+    def info(self, conn_id: int, cache_id: int) -> dict:
+        return self._held(conn_id, cache_id).info()
+
+    def clone(self, conn_id: int, cache_id: int) -> dict:
+        """A new reference to the same sequence (no copy)."""
+        seq = self._held(conn_id, cache_id)
+        self._ref(conn_id, seq)
+        return seq.info()
+
+    def fork(self, conn_id: int, cache_id: int) -> dict:
+        """A new sequence sharing every block of ``cache_id`` (copy-on-write on writes)."""
+        parent = self._held(conn_id, cache_id)
+        child = self._new_sequence(parent.root, None)
+        self.pool.incref(parent.block_ids)
+        child.block_ids = list(parent.block_ids)
+        child.num_tokens = parent.num_tokens
+        child.keys = list(parent.keys) if parent.keys is not None else None
+        child.tail_tokens = list(parent.tail_tokens)
+        child.num_committed = parent.num_committed
+        child.rank_tokens = list(parent.rank_tokens)
+        self._ref(conn_id, child)
+        return child.info()
+
+    def release(self, conn_id: int, cache_id: int) -> None:
+        """Drop one reference this connection holds."""
+        self.release_many(conn_id, [cache_id])
+
+    def release_many(self, conn_id: int, cache_ids: Seq[int]) -> None:
+        """Drop one reference per listed id (an id may repeat); all or none."""
+        refs = self.conn_refs.get(conn_id, {})
+        wanted: Dict[int, int] = {}
+        for cache_id in cache_ids:
+            self._held(conn_id, cache_id)
+            wanted[cache_id] = wanted.get(cache_id, 0) + 1
+        for cache_id, count in wanted.items():
+            if refs[cache_id] < count:
+                raise UnknownCache(f"release of {count} references to "
+                                   f"{format_cache_id(cache_id)}, this connection holds "
+                                   f"{refs[cache_id]}")
+        for cache_id, count in wanted.items():
+            refs[cache_id] -= count
+            if not refs[cache_id]:
+                del refs[cache_id]
+            self._unref(self.sequences[cache_id], count)
+
+    # -- hand-off ------------------------------------------------------------------------
+
+    def export(self, conn_id: int, cache_id: int, ttl: float) -> bytes:
+        """A one-shot token that gives its opener a reference, until ``ttl`` seconds pass.
+
+        The token holds its own reference, so the sequence outlives its producer.
+        It carries a 128-bit random secret: knowing the cache id is not enough.
+        """
+        seq = self._held(conn_id, cache_id)
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not (
+                0 < ttl <= self.max_handoff_ttl):
+            raise InvalidArgument(f"ttl must be in (0, {self.max_handoff_ttl}] seconds, "
+                                  f"got {ttl!r}")
+        self.expire()
+        if len(self.handoffs) >= self.max_handoffs:
+            raise LimitExceeded(f"{len(self.handoffs)} hand-offs outstanding, the limit is "
+                                f"{self.max_handoffs}; open or let some expire first")
+        handoff_id = self._next_handoff_id
+        self._next_handoff_id += 1
+        secret = os.urandom(16)
+        deadline = self.clock() + float(ttl)
+        self.handoffs[handoff_id] = _Handoff(secret, seq.cache_id, deadline)
+        heapq.heappush(self._handoff_heap, (deadline, handoff_id))
+        seq.num_refs += 1
+        return bytes([TOKEN_VERSION]) + handoff_id.to_bytes(8, "big") + secret
+
+    def open(self, conn_id: int, token: bytes) -> dict:
+        """Turn a hand-off token into a reference held by this connection."""
+        if not isinstance(token, bytes):
+            raise WrongType("hand-off token must be bytes")
+        if len(token) != TOKEN_SIZE or token[0] != TOKEN_VERSION:
+            raise HandoffError("malformed hand-off token")
+        self.expire()
+        handoff_id = int.from_bytes(token[1:9], "big")
+        handoff = self.handoffs.get(handoff_id)
+        if handoff is None or not hmac.compare_digest(handoff.secret, token[9:]):
+            raise HandoffError("unknown hand-off token: forged, already opened, or expired")
+        del self.handoffs[handoff_id]
+        seq = self.sequences[handoff.cache_id]
+        seq.num_refs -= 1  # the token's reference moves to the connection
+        self._ref(conn_id, seq)
+        return seq.info()
+
+    def expire(self, now: Optional[float] = None) -> int:
+        """Drop hand-offs past their deadline; returns how many expired."""
+        now = self.clock() if now is None else now
+        heap, expired = self._handoff_heap, 0
+        while heap and heap[0][0] <= now:
+            _deadline, handoff_id = heapq.heappop(heap)
+            handoff = self.handoffs.pop(handoff_id, None)
+            if handoff is not None:
+                expired += 1
+                self._unref(self.sequences[handoff.cache_id])
+        self.counters["expired_handoffs"] += expired
+        return expired
+
+    def next_deadline(self) -> Optional[float]:
+        """The earliest hand-off deadline, for the server loop's select timeout."""
+        while self._handoff_heap and self._handoff_heap[0][1] not in self.handoffs:
+            heapq.heappop(self._handoff_heap)
+        return self._handoff_heap[0][0] if self._handoff_heap else None
+
+    # -- stats and checks ----------------------------------------------------------------
+
+    def stats(self) -> dict:
+        pool = self.pool
+        out = {"num_blocks": pool.num_blocks, "free_blocks": pool.num_free,
+               "cached_blocks": pool.num_cached, "referenced_blocks": pool.num_referenced,
+               "evictions": pool.num_evictions, "sequences": len(self.sequences),
+               "connections": len(self.conn_refs), "handoffs": len(self.handoffs),
+               "prefix_index_blocks": len(pool.prefix_index)}
+        out.update(self.counters)
+        return out
+
+    def check_invariants(self) -> None:
+        """Assert ref counts equal the references that exist (tests and stress)."""
+        self.pool.check_invariants()
+        expected = [0] * self.pool.num_blocks
+        for seq in self.sequences.values():
+            assert seq.num_refs > 0
+            assert len(seq.block_ids) == self._blocks_for(seq.num_tokens)
+            for block_id in seq.block_ids:
+                expected[block_id] += 1
+        assert expected == self.pool.ref_cnt, "ref counts differ from the block tables"
+        refs = {}
+        for conn in self.conn_refs.values():
+            for cache_id, count in conn.items():
+                refs[cache_id] = refs.get(cache_id, 0) + count
+        for handoff in self.handoffs.values():
+            refs[handoff.cache_id] = refs.get(handoff.cache_id, 0) + 1
+        assert refs == {cid: s.num_refs for cid, s in self.sequences.items()}
+
