@@ -27,10 +27,19 @@ def shm_entries() -> set:
 
 
 def _children() -> list:
+    """Child processes, less multiprocessing's own long-lived resource tracker."""
     try:
-        return psutil.Process().children(recursive=True)
+        procs = psutil.Process().children(recursive=True)
     except psutil.Error:
         return []
+    out = []
+    for proc in procs:
+        try:
+            if "resource_tracker" not in " ".join(proc.cmdline()):
+                out.append(proc)
+        except psutil.Error:
+            pass
+    return out
 
 
 def _reap(grace: float) -> list:

@@ -1,0 +1,67 @@
+"""PoolConfig validation, sizes and the fingerprint (no processes)."""
+
+import pytest
+import torch
+
+import shmkv
+from shmkv.layout import PoolConfig
+
+
+def test_shape_and_sizes():
+    cfg = PoolConfig(num_layers=2, num_kv_heads=4, head_dim=8, num_blocks=10, block_size=16,
+                     dtype=torch.bfloat16)
+    assert cfg.shape == (10, 2, 2, 16, 4, 8)
+    assert cfg.dtype == "bfloat16"
+    assert cfg.block_nbytes == 2 * 2 * 16 * 4 * 8 * 2
+    assert cfg.nbytes == 10 * cfg.block_nbytes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, "float16",
+                                   "bf16"])
+def test_supported_dtypes(dtype):
+    assert PoolConfig(1, 1, 1, 1, dtype=dtype).dtype in ("float32", "float16", "bfloat16")
+
+
+@pytest.mark.parametrize("field", ["num_layers", "num_kv_heads", "head_dim", "num_blocks",
+                                   "block_size", "tp_size"])
+@pytest.mark.parametrize("value", [0, -3])
+def test_nonpositive_sizes_rejected(field, value):
+    args = dict(num_layers=1, num_kv_heads=2, head_dim=4, num_blocks=8)
+    args[field] = value
+    with pytest.raises(shmkv.InvalidArgument, match=field):
+        PoolConfig(**args)
+
+
+def test_wrong_types_rejected():
+    with pytest.raises(shmkv.WrongType, match="num_blocks"):
+        PoolConfig(1, 1, 1, num_blocks=2.5)
+    with pytest.raises(TypeError):  # also a TypeError, as Python users expect
+        PoolConfig(1, 1, True, 4)
+
+
+def test_bad_dtype_device_tp():
+    with pytest.raises(shmkv.InvalidArgument, match="unsupported dtype"):
+        PoolConfig(1, 1, 1, 1, dtype=torch.int8)
+    with pytest.raises(ValueError, match="unsupported device"):
+        PoolConfig(1, 1, 1, 1, device="tpu")
+    with pytest.raises(shmkv.InvalidArgument, match="divisible"):
+        PoolConfig(1, 6, 1, 1, tp_size=4)
+
+
+def test_fingerprint_depends_on_layout():
+    a = PoolConfig(2, 4, 8, 16)
+    assert a.fingerprint() == PoolConfig(2, 4, 8, 16).fingerprint()
+    assert a.fingerprint() != PoolConfig(2, 4, 8, 16, block_size=8).fingerprint()
+    assert a.fingerprint() != PoolConfig(2, 4, 8, 16, dtype="float32").fingerprint()
+    assert PoolConfig.from_wire(a.to_wire()) == a
+
+
+def test_pool_larger_than_dev_shm_fails_before_allocating(unique_name):
+    from shmkv.shm import shm_free_bytes
+    free = shm_free_bytes()
+    blocks = free // (2 * 2 * 16 * 8 * 128 * 2) + 1024
+    cfg = PoolConfig(num_layers=2, num_kv_heads=8, head_dim=128, num_blocks=blocks)
+    assert cfg.nbytes > free
+    with pytest.raises(shmkv.InvalidArgument, match="does not fit"):
+        shmkv.Coordinator(cfg, name=unique_name).start()
+    assert not [n for n in __import__("os").listdir("/dev/shm") if n.startswith("shmkv-")]
