@@ -61,6 +61,7 @@ class Client:
         self._closed = False
         self._pid = os.getpid()
         self._handles: "set" = set()
+        self._states: dict = {}
         try:
             self._handshake()
         except BaseException:
@@ -175,6 +176,25 @@ class Client:
 
     # -- handles -----------------------------------------------------------------------------
 
+    def _sequence_state(self, info: dict):
+        """The shared per-sequence state for a new handle (refreshed from ``info``)."""
+        from .handle import SequenceState
+        state = self._states.get(info["cache_id"])
+        if state is None:
+            state = self._states[info["cache_id"]] = SequenceState(info["blocks"],
+                                                                   info["num_tokens"])
+        elif state.seq_len != info["num_tokens"] or state.blocks != info["blocks"]:
+            state.update(info["blocks"], info["num_tokens"])
+        state.num_handles += 1
+        return state
+
+    def _release_state(self, cache_id: int) -> None:
+        state = self._states.get(cache_id)
+        if state is not None:
+            state.num_handles -= 1
+            if state.num_handles <= 0:
+                del self._states[cache_id]
+
     def _handle(self, info: dict, view_len: Optional[int] = None):
         from .handle import KvCacheHandle
         return KvCacheHandle(self, info, view_len)
@@ -246,6 +266,7 @@ class Client:
             for h in live:
                 h._closed = True
                 self._handles.discard(h)
+                self._release_state(h._cache_id)
 
     def open(self, token: bytes):
         """Open a hand-off token from :meth:`KvCacheHandle.export`; returns a handle.

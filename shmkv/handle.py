@@ -14,14 +14,66 @@ through the coordinator (copy-on-write).
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import sys
 import time
+from operator import itemgetter
 from typing import Optional, Tuple
 
 import torch
 
 from .errors import (HandleClosed, InvalidArgument, OutOfRange, WrongType)
 from .sequences import format_cache_id
+
+# Widest plain element types K/V rows are reinterpreted as for indexed copies: torch's
+# CPU index_copy_ moves one element per step, so 16-byte elements make it 8x fewer
+# steps than bf16 (close to memcpy speed). The bits are moved, never computed on.
+_COPY_UNITS = ((16, torch.complex128), (8, torch.int64), (4, torch.int32))
+
+
+def _as_copy_units(*tensors):
+    """The tensors (last dim contiguous, same element size) viewed as the widest
+    element type that divides their rows and offsets; unchanged if none does."""
+    itemsize = tensors[0].element_size()
+    row_bytes = tensors[0].shape[-1] * itemsize
+    for size, dtype in _COPY_UNITS:
+        if size > itemsize and row_bytes % size == 0 and all(
+                t.data_ptr() % size == 0 and (t.storage_offset() * itemsize) % size == 0
+                for t in tensors):
+            return tuple(t.view(dtype) for t in tensors)
+    return tensors
+
+
+def _find_madvise():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+_madvise = _find_madvise()
+_MADV_HUGEPAGE = 14
+_HUGE_PAGE = 2 << 20
+# Outputs at least this large come from fresh mmap'd pages (glibc's largest mmap
+# threshold), where first-touch faults on 4 KiB pages cost about 3x the copy itself.
+_HUGE_OUTPUT = 32 << 20
+
+
+def _new_output(shape, like: torch.Tensor) -> torch.Tensor:
+    """An empty tensor for gathered K/V; large CPU ones are advised to use huge pages."""
+    out = torch.empty(shape, dtype=like.dtype, device=like.device)
+    nbytes = out.numel() * out.element_size()
+    if _madvise is not None and nbytes >= _HUGE_OUTPUT and out.device.type == "cpu":
+        begin = -(-out.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
+        end = (out.data_ptr() + nbytes) // _HUGE_PAGE * _HUGE_PAGE
+        _madvise(begin, end - begin, _MADV_HUGEPAGE)  # advice only: failure changes nothing
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +99,23 @@ class BlockTable:
         return torch.tensor(self.physical_blocks, dtype=torch.int32, device=device)
 
 
+class SequenceState:
+    """A client's view of one sequence, shared by all its handles on it."""
+
+    __slots__ = ("blocks", "seq_len", "index_cache", "num_handles")
+
+    def __init__(self, blocks, seq_len: int):
+        self.blocks = list(blocks)
+        self.seq_len = seq_len
+        self.index_cache: dict = {}   # position-to-row index tensors for this table
+        self.num_handles = 0
+
+    def update(self, blocks, seq_len: int) -> None:
+        self.blocks = list(blocks)
+        self.seq_len = seq_len
+        self.index_cache.clear()
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheHandleStats:
     """What one handle's view of a sequence holds."""
@@ -70,16 +139,27 @@ class KvCacheHandle:
     def __init__(self, client, info: dict, view_len: Optional[int] = None):
         self._client = client
         self._cache_id: int = info["cache_id"]
-        self._blocks = list(info["blocks"])
-        self._seq_len: int = info["num_tokens"]
+        # Handles of one sequence in one client share its table, so a copy-on-write or
+        # extend made through one of them is seen by all of them.
+        self._state = client._sequence_state(info)
         self._num_cached: int = info["num_cached"]
         self._request_id: str = info["request_id"]
         self._view_len = view_len
         self._closed = False
-        self._version = 0            # bumps whenever _blocks changes; keys the index cache
-        self._index_cache: dict = {}
         self._last_access = time.time()
         client._handles.add(self)
+
+    @property
+    def _blocks(self) -> list:
+        return self._state.blocks
+
+    @property
+    def _seq_len(self) -> int:
+        return self._state.seq_len
+
+    @property
+    def _index_cache(self) -> dict:
+        return self._state.index_cache
 
     # -- identity and shape ----------------------------------------------------------------
 
@@ -151,20 +231,15 @@ class KvCacheHandle:
     # -- metadata (one round trip each) ----------------------------------------------------
 
     def _apply_info(self, info: dict) -> None:
-        self._blocks = list(info["blocks"])
-        self._seq_len = info["num_tokens"]
-        self._version += 1
-        self._index_cache.clear()
+        self._state.update(info["blocks"], info["num_tokens"])
 
     def _apply_extend(self, result: dict) -> int:
         table_from = result["table_from"]
-        if table_from > len(self._blocks):  # another handle extended it meanwhile
+        if table_from > len(self._blocks):  # another process extended it meanwhile
             self._apply_info(self._client.request("info", cache_id=self._cache_id))
         else:
-            self._blocks[table_from:] = result["blocks"]
-            self._seq_len = result["num_tokens"]
-            self._version += 1
-            self._index_cache.clear()
+            self._state.update(self._blocks[:table_from] + result["blocks"],
+                               result["num_tokens"])
         return result["start"]
 
     def refresh(self) -> None:
@@ -236,6 +311,7 @@ class KvCacheHandle:
             return
         self._closed = True
         self._client._handles.discard(self)
+        self._client._release_state(self._cache_id)
         if self._client.is_alive():
             self._client.request("release", cache_id=self._cache_id)
 
@@ -295,12 +371,15 @@ class KvCacheHandle:
 
     def _ensure_writable(self, start: int, n: int) -> None:
         bs = self._client.config.block_size
-        owner, cid, blocks = self._client.owner, self._cache_id, self._blocks
-        for i in range(start // bs, (start + n - 1) // bs + 1):
-            if owner[blocks[i]] != cid:
-                self._apply_info(self._client.request(
-                    "prepare_write", cache_id=cid, start=start, num_tokens=n))
-                return
+        owner, cid = self._client.owner, self._cache_id
+        blocks = self._blocks[start // bs:(start + n - 1) // bs + 1]
+        if len(blocks) == 1:
+            writable = owner[blocks[0]] == cid
+        else:  # one C-level pass over the shared owner array, not a Python loop per block
+            writable = itemgetter(*blocks)(owner).count(cid) == len(blocks)
+        if not writable:
+            self._apply_info(self._client.request(
+                "prepare_write", cache_id=cid, start=start, num_tokens=n))
 
     def _base_rows(self, start: int, n: int) -> torch.Tensor:
         """Row of each position's layer-0 K slot in the pool seen as [rows, heads, dim]."""
@@ -364,7 +443,7 @@ class KvCacheHandle:
             block[1, offset:offset + n].copy_(v)
             return
         rows = self._base_rows(start, n)
-        flat = self._flat()
+        flat, k, v = _as_copy_units(self._flat(), k, v)
         flat.index_copy_(0, rows + (2 * layer) * bs, k)
         flat.index_copy_(0, rows + (2 * layer + 1) * bs, v)
 
@@ -386,8 +465,8 @@ class KvCacheHandle:
             return
         self._ensure_writable(start, n)
         self._last_access = time.time()
-        self._flat().index_copy_(0, self._all_rows(start, n),
-                                 kv.view(-1, self.num_heads, self.head_dim))
+        flat, src = _as_copy_units(self._flat(), kv.view(-1, *kv.shape[3:]))
+        flat.index_copy_(0, self._all_rows(start, n), src)
 
     def _gather(self, layer: int, which: int) -> torch.Tensor:
         self._check_open()
@@ -399,7 +478,11 @@ class KvCacheHandle:
             if n == 0:
                 return self._client.pool.new_empty((0, self.num_heads, self.head_dim))
             return self._client.pool[self._blocks[0], layer, which, :n].clone()
-        return self._flat().index_select(0, self._base_rows(0, n) + (2 * layer + which) * bs)
+        flat = self._flat()
+        out = _new_output((n, flat.shape[1], flat.shape[2]), flat)
+        src, dst = _as_copy_units(flat, out)
+        torch.index_select(src, 0, self._base_rows(0, n) + (2 * layer + which) * bs, out=dst)
+        return out
 
     def key_cache(self, layer: int) -> torch.Tensor:
         """K of one layer, gathered: ``[num_tokens, num_heads, head_dim]`` (a copy)."""
@@ -419,8 +502,11 @@ class KvCacheHandle:
         self._check_open()
         self._last_access = time.time()
         n = self.num_tokens
-        out = self._flat().index_select(0, self._all_rows(0, n))
-        return out.view(self.num_layers, 2, n, self.num_heads, self.head_dim)
+        flat = self._flat()
+        out = _new_output((self.num_layers, 2, n, flat.shape[1], flat.shape[2]), flat)
+        src, dst = _as_copy_units(flat, out.view(-1, flat.shape[1], flat.shape[2]))
+        torch.index_select(src, 0, self._all_rows(0, n), out=dst)
+        return out
 
     def paged_kv(self, layer: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Zero-copy ``(k_pages, v_pages, block_table)`` for paged attention kernels.

@@ -60,6 +60,8 @@ def die_by_sigkill_mid_write(address, prompt, queue):
     h.write(0, torch.full((n, h.num_heads, h.head_dim), 7.0),
             torch.full((n, h.num_heads, h.head_dim), 7.0), start=0)
     queue.put("written")
+    queue.close()
+    queue.join_thread()
     os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -1,0 +1,126 @@
+"""Prefix caching, fork with copy-on-write and LRU eviction, across real processes."""
+
+import time
+
+import pytest
+import torch
+
+import shmkv
+from conftest import SPAWN, join_or_kill
+import workers
+
+
+def test_prefix_written_in_a_is_reused_by_b_with_identical_kv(coord, client):
+    prompt = list(range(100, 123))            # 5 full blocks of 4 + 3 tokens
+    q = SPAWN.Queue()
+    a = SPAWN.Process(target=workers.prefix_writer, args=(coord.address, prompt, q))
+    a.start()
+    published, cached_a = q.get(timeout=30)
+    assert join_or_kill(a) == 0
+    assert (published, cached_a) == (5, 0)
+    b = SPAWN.Process(target=workers.prefix_reader, args=(coord.address, prompt + [7, 8], q))
+    b.start()
+    cached_b, same = q.get(timeout=30)
+    assert join_or_kill(b) == 0
+    assert cached_b == 20 and same
+    st = client.stats()
+    assert st["prefix_hit_blocks"] == 5 and st["prefix_hit_tokens"] == 20
+
+
+def test_writer_killed_mid_write_publishes_nothing(coord, client):
+    prompt = list(range(500, 516))
+    q = SPAWN.Queue()
+    p = SPAWN.Process(target=workers.die_by_sigkill_mid_write, args=(coord.address, prompt, q))
+    p.start()
+    assert q.get(timeout=30) == "written"
+    join_or_kill(p, 10)
+    deadline = time.monotonic() + 5
+    while client.stats()["referenced_blocks"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    st = client.stats()
+    assert st["referenced_blocks"] == 0 and st["cached_blocks"] == 0
+    assert st["prefix_index_blocks"] == 0
+    h = client.allocate(prompt=prompt)
+    assert h.num_cached_tokens == 0
+
+
+def test_forks_diverge_without_seeing_each_other(client):
+    parent = client.allocate(6)                 # blocks: one full, one half full
+    base = torch.randn(6, 4, 8)
+    for layer in range(3):
+        parent.write(layer, base, -base, start=0)
+    child = parent.fork()
+    grandchild = child.fork()
+    assert child.cache_id != parent.cache_id
+    a, b, c = torch.randn(3, 1, 4, 8)
+    for h, x in ((parent, a), (child, b), (grandchild, c)):
+        start = h.extend(1)
+        for layer in range(3):
+            h.write(layer, x, x, start=start)
+    child.write(0, a * 9, a * 9, start=1)       # overwrite inside the shared full block
+    for h, x in ((parent, a), (child, b), (grandchild, c)):
+        assert torch.equal(h.key_cache(1), torch.cat([base, x]))
+    assert torch.equal(parent.key_cache(0), torch.cat([base, a]))      # prefix intact
+    assert torch.equal(child.key_cache(0)[1], (a * 9)[0])
+    assert torch.equal(grandchild.key_cache(0)[:6], base)
+    assert client.stats()["cow_copies"] >= 3
+    for order in ((child, parent, grandchild),):
+        for h in order:
+            h.close()
+    assert client.stats()["referenced_blocks"] == 0
+
+
+def test_fork_across_processes_is_private(coord, client):
+    h = client.allocate(5)
+    h.write(0, torch.ones(5, 4, 8), torch.ones(5, 4, 8), start=0)
+    f = h.fork()
+    token = f.export(ttl=30)
+    f.close()
+    results, go = SPAWN.Queue(), SPAWN.Event()
+    reader = SPAWN.Process(target=workers.read_back,
+                           args=(coord.address, token, 5, 0, results, go))
+    reader.start()
+    results.get(timeout=30)
+    h.write(0, torch.full((1, 4, 8), 5.0), torch.full((1, 4, 8), 5.0), start=4)
+    go.set()
+    _tag, row = results.get(timeout=30)
+    assert row == torch.ones(4, 8).tolist()     # the fork never sees the parent's write
+    assert join_or_kill(reader) == 0
+
+
+def test_eviction_picks_lru_unreferenced_and_never_referenced(unique_name):
+    cfg = shmkv.PoolConfig(num_layers=1, num_kv_heads=1, head_dim=4, num_blocks=8,
+                           block_size=2, dtype=torch.float32)
+    with shmkv.Coordinator(cfg, name=unique_name) as coord, shmkv.connect(coord.address) as c:
+        old = c.allocate(prompt=[1, 2, 3, 4])       # 2 blocks
+        old.commit()
+        new = c.allocate(prompt=[9, 8, 7, 6])
+        new.commit()
+        held = c.allocate(prompt=[5, 5, 5, 5])
+        held.commit()                                # referenced: must never be evicted
+        old.close()
+        new.close()
+        c.allocate(prompt=[9, 8, 7, 6]).close()      # touch "new": now more recent than "old"
+        assert c.stats()["cached_blocks"] == 4
+        big = c.allocate(8)                          # 4 blocks: 2 free + 2 evicted
+        assert c.stats()["evictions"] == 2
+        assert c.stats()["prefix_index_blocks"] == 4  # old's keys are forgotten at once
+        probe = c.allocate(prompt=[9, 8, 7, 6])      # new survived (a full hit, no allocation)
+        assert probe.num_cached_tokens == 4
+        probe.close()
+        assert c.allocate(prompt=[5, 5, 5, 5]).num_cached_tokens == 4   # held survived
+        with pytest.raises(shmkv.PoolExhausted):
+            c.allocate(16)                           # cannot take referenced blocks
+        assert c.stats()["evictions"] == 2
+        big.close()
+
+
+def test_stats_count_hits_misses_evictions_copies(client, coord):
+    h = client.allocate(prompt=list(range(8)))
+    h.commit()
+    client.allocate(prompt=list(range(10)))
+    st = client.stats()
+    assert st["prefix_hit_blocks"] == 2 and st["prefix_miss_blocks"] == 2
+    assert st["prefix_hit_tokens"] == 8 and st["prefix_miss_tokens"] == 10
+    for key in ("cached_blocks", "evictions", "cow_copies"):
+        assert key in st

@@ -1,0 +1,216 @@
+"""Property test: random allocate/extend/write/fork/clone/close/commit/prefix-allocate
+sequences against a simple model of ref counts and contents.
+
+After every step: every block is free, cached or referenced (never two), ref counts
+equal the references that exist, and every live sequence reads back exactly what
+the model says (slots never written are unconstrained).
+"""
+
+import uuid
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initialize,
+                                 invariant, rule)
+
+import shmkv
+
+L, H, D, BS, NUM_BLOCKS = 2, 1, 2, 2, 24
+VOCAB = [3, 5, 7]          # a tiny vocabulary, so prompts share prefixes often
+
+
+def token_value(tokens, positions, layer):
+    """K/V of prompt tokens: a function of the token, its position, layer and K/V."""
+    t = torch.tensor(tokens, dtype=torch.float32)[None, :, None, None]
+    p = torch.tensor(positions, dtype=torch.float32)[None, :, None, None]
+    kv = torch.tensor([0.0, 1.0])[:, None, None, None]
+    return (t * 10 + p * 0.5 + layer * 100 + kv * 1000).expand(2, len(tokens), H, D).clone()
+
+
+class Seq:
+    """The model of one sequence: expected K/V and which slots were written."""
+
+    def __init__(self, n, prompt=None):
+        self.values = torch.zeros(L, 2, n, H, D)
+        self.written = torch.zeros(L, n, dtype=torch.bool)   # per layer
+        self.prompt = prompt or []
+
+    def copy(self):
+        other = Seq(0, list(self.prompt))
+        other.values, other.written = self.values.clone(), self.written.clone()
+        return other
+
+    def grow(self, n):
+        self.values = torch.cat([self.values, torch.zeros(L, 2, n, H, D)], dim=2)
+        self.written = torch.cat([self.written, torch.zeros(L, n, dtype=torch.bool)], dim=1)
+
+
+class PoolMachine(RuleBasedStateMachine):
+    handles = Bundle("handles")
+
+    def __init__(self):
+        super().__init__()
+        cfg = shmkv.PoolConfig(num_layers=L, num_kv_heads=H, head_dim=D, num_blocks=NUM_BLOCKS,
+                               block_size=BS, dtype=torch.float32)
+        self.coord = shmkv.Coordinator(cfg, name=f"prop-{uuid.uuid4().hex[:12]}").start()
+        self.client = shmkv.connect(self.coord.address, timeout=20)
+        self.seqs = {}      # cache id -> Seq (shared by clones)
+        self.refs = {}      # cache id -> live handles
+        self.values_rng = torch.Generator().manual_seed(0)
+
+    def teardown(self):
+        self.client.close()
+        self.coord.stop()
+
+    def _track(self, h, seq):
+        self.seqs.setdefault(h.cache_id, seq)
+        self.refs[h.cache_id] = self.refs.get(h.cache_id, 0) + 1
+        return h
+
+    @initialize(target=handles, n=st.integers(0, 9))
+    def first(self, n):
+        return self._track(self.client.allocate(n), Seq(n))
+
+    @rule(target=handles, n=st.integers(0, 9))
+    def allocate(self, n):
+        try:
+            h = self.client.allocate(n)
+        except shmkv.PoolExhausted:
+            return shmkv_none()
+        return self._track(h, Seq(n))
+
+    @rule(target=handles, prompt=st.lists(st.sampled_from(VOCAB), min_size=1, max_size=9))
+    def allocate_prompt(self, prompt):
+        try:
+            h = self.client.allocate(prompt=prompt)
+        except shmkv.PoolExhausted:
+            return shmkv_none()
+        seq = Seq(len(prompt), prompt)
+        cached = h.num_cached_tokens
+        assert cached % BS == 0 and cached <= len(prompt)
+        for layer in range(L):   # a hit carries the K/V its publisher committed
+            seq.values[layer, :, :cached] = token_value(prompt[:cached], range(cached), layer)
+        seq.written[:, :cached] = True
+        return self._track(h, seq)
+
+    @rule(target=handles, prompt=st.lists(st.sampled_from(VOCAB), min_size=2, max_size=9))
+    def prefill_and_commit(self, prompt):
+        """What a model does: allocate a prompt, write the uncached rest, commit."""
+        h = self.allocate_prompt(prompt)
+        if h is None:
+            return None
+        seq = self.seqs[h.cache_id]
+        cached = h.num_cached_tokens
+        if cached < len(prompt):
+            for layer in range(L):
+                kv = token_value(prompt[cached:], range(cached, len(prompt)), layer)
+                h.write(layer, kv[0].contiguous(), kv[1].contiguous(), start=cached)
+                seq.values[layer, :, cached:] = kv
+                seq.written[layer, cached:] = True
+        h.commit()
+        return h
+
+    @rule(h=handles, n=st.integers(0, 5))
+    def extend(self, h, n):
+        if h is None or h._closed:
+            return
+        try:
+            start = h.extend(n)
+        except shmkv.PoolExhausted:
+            return
+        seq = self.seqs[h.cache_id]
+        assert start == seq.written.shape[1]
+        seq.grow(n)
+
+    @rule(h=handles, data=st.data())
+    def write(self, h, data):
+        if h is None or h._closed or h.num_tokens == 0:
+            return
+        seq = self.seqs[h.cache_id]
+        total = h.num_tokens
+        start = data.draw(st.integers(0, total - 1))
+        n = data.draw(st.integers(1, total - start))
+        layer = data.draw(st.integers(0, L - 1))
+        kv = torch.randn(2, n, H, D, generator=self.values_rng)
+        in_prompt = max(0, min(len(seq.prompt), start + n) - start)
+        if in_prompt:   # prompt slots always get the prompt's K/V, as a model would write
+            kv[:, :in_prompt] = token_value(seq.prompt[start:start + in_prompt],
+                                            range(start, start + in_prompt), layer)
+        try:
+            h.write(layer, kv[0].contiguous(), kv[1].contiguous(), start=start)
+        except shmkv.PoolExhausted:   # copy-on-write needed a block and none was left
+            return
+        seq.values[layer, :, start:start + n] = kv
+        seq.written[layer, start:start + n] = True
+
+    @rule(h=handles)
+    def commit(self, h):
+        if h is None or h._closed:
+            return
+        seq = self.seqs[h.cache_id]
+        # commit only what is written in every layer: a correct caller's rule
+        ok = self._fully_written(seq)
+        h.commit(ok)
+
+    def _fully_written(self, seq):
+        everywhere = seq.written.all(dim=0)
+        n = 0
+        while n < everywhere.numel() and everywhere[n]:
+            n += 1
+        return n
+
+    @rule(target=handles, h=handles)
+    def fork(self, h):
+        if h is None or h._closed:
+            return shmkv_none()
+        child = h.fork()
+        return self._track(child, self.seqs[h.cache_id].copy())
+
+    @rule(target=handles, h=handles)
+    def clone(self, h):
+        if h is None or h._closed:
+            return shmkv_none()
+        return self._track(h.clone_handle(), self.seqs[h.cache_id])
+
+    @rule(h=consumes(handles))
+    def close(self, h):
+        if h is None or h._closed:
+            return
+        h.close()
+        self.refs[h.cache_id] -= 1
+        if not self.refs[h.cache_id]:
+            del self.refs[h.cache_id]
+            del self.seqs[h.cache_id]
+
+    @invariant()
+    def metadata_consistent(self):
+        table = self.coord.table
+        table.check_invariants()
+        assert {shmkv.sequences.format_cache_id(c) for c in table.sequences} == set(self.seqs)
+        for cid, count in self.refs.items():
+            assert table.sequences[int(cid[3:], 16)].num_refs == count
+
+    @invariant()
+    def contents_match(self):
+        for h in self._live_handles():
+            seq = self.seqs[h.cache_id]
+            assert h.num_tokens == seq.written.shape[1]
+            got = h.gather_all()
+            for layer in range(L):
+                mask = seq.written[layer]
+                assert torch.equal(got[layer][:, mask], seq.values[layer][:, mask]), h
+
+    def _live_handles(self):
+        return [h for h in self.client._handles if not h._closed]
+
+
+def shmkv_none():
+    return None
+
+
+PoolMachine.TestCase.settings = settings(
+    max_examples=int(__import__("os").environ.get("SHMKV_PROPERTY_EXAMPLES", 40)),
+    stateful_step_count=30, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+test_pool_model = pytest.mark.timeout(600)(PoolMachine.TestCase)
