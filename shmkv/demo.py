@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 
 import torch
 
@@ -96,12 +97,14 @@ def run(num_prompts: int = 24, workers: int = 3, decode_steps: int = 32, num_lay
         say(f"coordinator at {coord.address}: {cfg.num_blocks} blocks x {cfg.block_size} "
             f"tokens, {cfg.num_layers} layers, {cfg.num_kv_heads}x{cfg.head_dim} {cfg.dtype}, "
             f"{cfg.nbytes / 2**20:.1f} MiB shared")
-        loader = torch.utils.data.DataLoader(
-            PrefillDataset(coord.address, lengths), batch_size=None, num_workers=workers,
-            multiprocessing_context="spawn", timeout=120)
-        items, write_bytes, write_s, worker_pids = [], 0, 0.0, set()
-        for item in loader:
-            items.append(item)
+        with warnings.catch_warnings():  # more workers than cores is fine: they wait on I/O
+            warnings.filterwarnings("ignore", message=".*worker processes in total.*")
+            loader = torch.utils.data.DataLoader(
+                PrefillDataset(coord.address, lengths), batch_size=None, num_workers=workers,
+                multiprocessing_context="spawn", timeout=120)
+            items = list(loader)
+        write_bytes, write_s, worker_pids = 0, 0.0, set()
+        for item in items:
             write_bytes += item["write_bytes"]
             write_s += item["write_s"]
             worker_pids.add(item["pid"])
