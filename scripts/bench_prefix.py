@@ -1,0 +1,94 @@
+"""Prefix-cache benchmarks: lookup + allocation of a 4k-token prompt (coordinator-side
+time per block), hashing throughput, and fork cost against sequence length.
+
+Coordinator-side figures drive ``SequenceTable`` directly (what the coordinator runs
+per request, without the socket); each is a median over repeats after a warm-up.
+Fork is also timed end to end through a live coordinator. Writes
+``benchmarks/results/prefix.json``.
+"""
+
+import json
+import os
+import statistics
+import sys
+import time
+import uuid
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import torch  # noqa: E402
+
+import shmkv  # noqa: E402
+from shmkv import hashing  # noqa: E402
+from shmkv.allocator import BlockPool  # noqa: E402
+from shmkv.sequences import SequenceTable  # noqa: E402
+
+BS = 16
+
+
+def median_time(fn, repeat=15, warmup=3):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main():
+    out = {}
+    prompt = [(i * 7919) % 32000 for i in range(4096)]
+    blocks = len(prompt) // BS
+
+    root = hashing.root_key()
+    t_hash = median_time(lambda: hashing.block_keys(prompt, BS, root))
+    out["hash_tokens_per_s"] = len(prompt) / t_hash
+
+    table = SequenceTable(BlockPool(8192), BS)
+    table.add_connection(1)
+    first = table.allocate(1, prompt=prompt)
+    table.commit(1, first["cache_id"], len(prompt))
+
+    def hit():
+        info = table.allocate(1, prompt=prompt)
+        assert info["num_cached"] == len(prompt)
+        table.release(1, info["cache_id"])
+
+    miss_prompt = [t + 1 for t in prompt]
+    t_miss = median_time(lambda: (table.release(1, table.allocate(1, prompt=miss_prompt)
+                                                ["cache_id"])))
+    t_hit = median_time(hit)
+    out["alloc_4k_miss_us_per_block"] = 1e6 * t_miss / blocks
+    out["alloc_4k_hit_us_per_block"] = 1e6 * t_hit / blocks
+    out["alloc_4k_hit_hash_share"] = t_hash / t_hit
+
+    fork_in_process, fork_e2e = {}, {}
+    cfg = shmkv.PoolConfig(num_layers=4, num_kv_heads=2, head_dim=16, num_blocks=8192,
+                           block_size=BS, dtype=torch.float16)
+    with shmkv.Coordinator(cfg, name=f"bp-{uuid.uuid4().hex[:8]}") as coord, \
+            shmkv.connect(coord.address) as client:
+        for tokens in (256, 1024, 4096, 16384, 65536):
+            info = table.allocate(1, tokens)
+            t = median_time(lambda: table.release(1, table.fork(1, info["cache_id"])
+                                                  ["cache_id"]))
+            fork_in_process[tokens] = 1e6 * t
+            table.release(1, info["cache_id"])
+            h = client.allocate(tokens)
+            t = median_time(lambda: h.fork().close())
+            fork_e2e[tokens] = 1e6 * t
+            h.close()
+    out["fork_us_in_coordinator"] = fork_in_process
+    out["fork_and_close_us_round_trips"] = fork_e2e
+    per_block = {t: fork_in_process[t] / (t // BS) for t in fork_in_process}
+    out["fork_us_per_block_table_entry"] = per_block
+    print(json.dumps(out, indent=2))
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "prefix.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
