@@ -409,18 +409,13 @@ class Coordinator:
     def _send_hello(self, conn: _Conn, request_id: int, result: dict) -> None:
         """The handshake answer carries the pool's descriptors (SCM_RIGHTS)."""
         frame = protocol.encode_ok(request_id, result)
-        conn.sock.setblocking(True)
-        conn.sock.settimeout(5.0)
-        try:
-            if self.config.is_cuda:
-                sent = socket.send_fds(conn.sock, [frame], self.memory.fds[:1])
-            else:
-                sent = socket.send_fds(conn.sock, [frame], self.memory.fds)
-            conn.sock.sendall(frame[sent:])
+        fds = self.memory.fds[:1] if self.config.is_cuda else self.memory.fds
+        try:  # a new connection's send buffer is empty, so this never waits
+            sent = socket.send_fds(conn.sock, [frame], fds)
         except OSError:
             conn.closing = True
-        finally:
-            conn.sock.setblocking(False)
+            return
+        conn.outbuf += frame[sent:]
 
     def _op_hello(self, conn, version, tp_rank=None, tp_size=None, pid=None):
         if version != protocol.PROTOCOL_VERSION:
