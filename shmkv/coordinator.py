@@ -121,7 +121,10 @@ class Coordinator:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidArgument(f"{label} must be a positive int, got {value!r}")
         self.config = config
-        self.address = address if address is not None else default_address(name)
+        self.address = str(address) if address is not None else default_address(name)
+        if len(os.fsencode(self.address)) > 107:
+            raise InvalidArgument(f"socket path {self.address!r} is longer than the 107 bytes "
+                                  "a Unix socket address can hold; use a shorter path or name=")
         self.max_connections = max_connections
         self.max_frame = max_frame
         self.max_handoffs = max_handoffs
