@@ -19,7 +19,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from . import protocol
 from .errors import (CoordinatorGone, CoordinatorTimeout, HandleClosed, InvalidArgument,
-                     WrongType)
+                     ProtocolError, WrongType)
 from .layout import PoolConfig
 from .memory import PoolMemory, attach_pool
 
@@ -51,6 +51,7 @@ class Client:
         self.timeout = timeout
         self.pickle_ttl = pickle_ttl
         self._lock = threading.Lock()
+        self._poll_lock = threading.Lock()
         self._next_id = 1
         self._decoder = protocol.FrameDecoder(protocol.DEFAULT_MAX_FRAME * 4)
         self._pending: list = []
@@ -81,7 +82,10 @@ class Client:
         args = {"version": protocol.PROTOCOL_VERSION, "pid": os.getpid()}
         if self.tp_rank is not None:
             args.update(tp_rank=self.tp_rank, tp_size=self.tp_size)
-        sock.sendall(protocol.encode_request(0, "hello", args))
+        try:
+            sock.sendall(protocol.encode_request(0, "hello", args))
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # refused before the hello arrived: the reason waits below, to be read
         fds: List[int] = []
         response = None
         try:
@@ -113,6 +117,9 @@ class Client:
         except socket.timeout:
             raise CoordinatorTimeout(f"handshake with {self.address} timed out after "
                                      f"{self.timeout} s") from None
+        except ConnectionResetError:
+            raise CoordinatorGone(f"coordinator at {self.address} reset the connection "
+                                  "during the handshake") from None
         finally:
             for fd in fds:
                 os.close(fd)
@@ -121,23 +128,25 @@ class Client:
         self._poll = select.poll()
         self._poll.register(sock, select.POLLHUP | select.POLLERR)
 
+    def _hung_up(self) -> bool:
+        # A poll object may not be polled by two threads at once; the lock is uncontended
+        # in the common one-thread case.
+        with self._poll_lock:
+            if self._poll.poll(0):
+                self._gone = True
+        return self._gone
+
     def is_alive(self) -> bool:
         """False once the coordinator has hung up or this client was closed (no round trip)."""
         if self._closed or self._gone:
             return False
-        if self._poll.poll(0):
-            self._gone = True
-            return False
-        return True
+        return not self._hung_up()
 
     def check(self) -> None:
         """Raise ``HandleClosed`` or ``CoordinatorGone`` unless the client is usable."""
         if self._closed:
             raise HandleClosed("client is closed")
-        if self._gone or (os.getpid() != self._pid):
-            raise CoordinatorGone(self._gone_message())
-        if self._poll.poll(0):
-            self._gone = True
+        if self._gone or (os.getpid() != self._pid) or self._hung_up():
             raise CoordinatorGone(self._gone_message())
 
     def _gone_message(self) -> str:
@@ -172,7 +181,34 @@ class Client:
                 raise CoordinatorTimeout(f"{op} got no answer within {self.timeout} s") from None
             except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError):
                 self._gone = True
-                raise CoordinatorGone(self._gone_message()) from None
+                raise self._drop_reason() from None
+
+    def _drop_reason(self) -> Exception:
+        """Why the connection broke: the coordinator's last error frame if it sent one
+        before closing (an oversized request, say), else ``CoordinatorGone``."""
+        frames = list(self._pending)
+        try:
+            self._sock.setblocking(False)
+            while True:
+                data = self._sock.recv(_RECV_SIZE)
+                if not data:
+                    break
+                frames.extend(self._decoder.feed(data))
+        except (OSError, ProtocolError):
+            pass
+        for obj in frames:
+            try:
+                response = protocol.parse_response(obj)
+            except ProtocolError:
+                continue
+            if response.request_id == -1 and response.code:
+                return protocol.exception_for(response.code, response.message)
+        return CoordinatorGone(self._gone_message())
+
+    def _check_own(self, handle) -> None:
+        if getattr(handle, "_client", None) is not self:
+            raise InvalidArgument(f"{handle!r} is not a handle of this client ({self.address});"
+                                  " use the client that made it")
 
     # -- handles -----------------------------------------------------------------------------
 
@@ -242,10 +278,14 @@ class Client:
 
         ``items`` are ``(handle, num_tokens)`` or ``(handle, num_tokens, token_ids)``.
         Returns the start position of each reservation.
+
+        Raises:
+            InvalidArgument: a handle was made by another client (nothing is sent).
         """
         handles, wire = [], []
         for item in items:
             handle, num = item[0], item[1]
+            self._check_own(handle)
             handle._check_open()
             entry = [handle._cache_id, num]
             if len(item) > 2 and item[2] is not None:
@@ -256,7 +296,14 @@ class Client:
         return [handle._apply_extend(result) for handle, result in zip(handles, results)]
 
     def close_many(self, handles: Iterable) -> None:
-        """Close several handles in one round trip (already closed ones are skipped)."""
+        """Close several handles in one round trip (already closed ones are skipped).
+
+        Raises:
+            InvalidArgument: a handle was made by another client (nothing is closed).
+        """
+        handles = list(handles)
+        for h in handles:
+            self._check_own(h)
         live = [h for h in handles if not h._closed]
         if not live:
             return

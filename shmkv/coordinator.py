@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import logging
 import os
 import selectors
 import socket
@@ -33,6 +34,7 @@ from .layout import PoolConfig
 from .memory import PoolMemory, create_pool
 from .sequences import SequenceTable
 
+log = logging.getLogger("shmkv.coordinator")
 _UCRED = struct.Struct("3i")
 _RECV_SIZE = 1 << 18
 _MAX_OUTBUF = 64 << 20
@@ -77,7 +79,7 @@ def _lock_name(address: str) -> bytes:
 
 
 class _Conn:
-    __slots__ = ("sock", "conn_id", "decoder", "outbuf", "pid", "greeted", "closing")
+    __slots__ = ("sock", "conn_id", "decoder", "outbuf", "pid", "greeted", "closing", "events")
 
     def __init__(self, sock: socket.socket, conn_id: int, pid: int, max_frame: int):
         self.sock = sock
@@ -87,6 +89,7 @@ class _Conn:
         self.pid = pid
         self.greeted = False
         self.closing = False
+        self.events = selectors.EVENT_READ  # what the selector watches for this socket
 
 
 class Coordinator:
@@ -383,7 +386,9 @@ class Coordinator:
             self._drop(conn, selector)  # a best-effort error frame was tried above
             return
         events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.outbuf else 0)
-        selector.modify(conn.sock, events, conn)
+        if events != conn.events:  # a syscall per request otherwise
+            selector.modify(conn.sock, events, conn)
+            conn.events = events
 
     # -- requests ------------------------------------------------------------------------
 
@@ -401,6 +406,12 @@ class Coordinator:
             return
         except ShmkvError as exc:
             conn.outbuf += protocol.encode_error(request_id, exc)
+            return
+        except Exception as exc:  # a bug here must not take the coordinator down
+            log.exception("internal error while serving %r", obj)
+            conn.outbuf += protocol.encode_error(
+                request_id, ShmkvError(f"internal coordinator error: {type(exc).__name__}: "
+                                       f"{exc}"))
             return
         self.num_ops += 1
         self.ops_by_type[request.op] = self.ops_by_type.get(request.op, 0) + 1

@@ -130,7 +130,7 @@ def validate_args(op: str, args: Any) -> dict:
         raise errors.ProtocolError(f"{op}: arguments must be a map")
     unknown = set(args) - set(spec)
     if unknown:
-        raise errors.ProtocolError(f"{op}: unknown argument(s) {sorted(unknown)}")
+        raise errors.ProtocolError(f"{op}: unknown argument(s) {sorted(map(str, unknown))}")
     out = {}
     for name, (kind, required) in spec.items():
         value = args.get(name)

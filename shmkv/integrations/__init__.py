@@ -1,0 +1,1 @@
+"""Integrations of shmkv with model libraries (imported on demand, never by ``shmkv``)."""
