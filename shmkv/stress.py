@@ -1,0 +1,1052 @@
+"""``shmkv stress``: many worker processes hammer one coordinator, with kills, and verify.
+
+Owns the stress program: a coordinator in its own process, N worker processes
+(``spawn`` context) that run a random mix of every handle operation, a parent that
+routes hand-off tokens between workers, SIGKILLs and restarts workers (and, when
+asked, the coordinator), shows progress on stderr, and writes the final report.
+It uses only the public API; it does not reach into the coordinator's state.
+
+Every K/V value a worker writes is a function of a per-position *tag* and the
+(layer, K/V, position, head, dim) coordinates. A worker keeps the tag of every
+position of each of its sequences (forks copy their parent's tags, hand-offs carry
+them along), so every read, of its own sequences, its forks, opened hand-offs and
+prefix-cache hits, is checked against what was written. Tags of prompt positions
+come from the token id alone, so a prefix written by any process can be verified
+by any other.
+
+The run passes when no read was corrupted, no block is leaked once the dead are
+reclaimed, the survivors have closed and the outstanding hand-offs have expired,
+no ``/dev/shm`` entry is left behind, no worker crashed, hung or hit an unexpected
+error, and, with ``--kill-coordinator``, every surviving worker saw
+``CoordinatorGone`` promptly with all its handles invalid.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing
+import os
+import random
+import signal
+import sys
+import time
+import traceback
+from multiprocessing.connection import wait as mp_wait
+from typing import Dict, List, Optional
+
+EXPECTED_ERRORS = ("PoolExhausted", "HandoffError")
+TOKEN_TAG_BASE = 1 << 30
+# Values must be exact in the pool dtype: integers below 2**(mantissa bits + 1).
+_MODULUS = {"float32": 65521, "float64": 65521, "float16": 2039, "bfloat16": 251}
+_NUM_PREFIXES = 4
+_STATS_EVERY_S = 0.25
+
+
+def expected_kv(tags: List[int], start: int, num_layers: int, num_heads: int, head_dim: int,
+                dtype):
+    """K/V ``[num_layers, 2, len(tags), num_heads, head_dim]`` for positions from ``start``.
+
+    Position ``start + i`` holds the values of tag ``tags[i]``.
+    """
+    import torch
+    mod = _MODULUS[str(dtype).removeprefix("torch.")]
+    tag = torch.tensor(tags, dtype=torch.int64)[None, None, :, None, None]
+    pos = torch.arange(start, start + len(tags))[None, None, :, None, None]
+    layer = torch.arange(num_layers)[:, None, None, None, None]
+    kv = torch.arange(2)[None, :, None, None, None]
+    head = torch.arange(num_heads)[None, None, None, :, None]
+    dim = torch.arange(head_dim)[None, None, None, None, :]
+    value = (tag * 40503 + pos * 9973 + layer * 7919 + kv * 104729 + head * 613
+             + dim * 31) % mod
+    return value.to(dtype)
+
+
+def prefix_tokens(index: int, length: int) -> List[int]:
+    """Token ids of shared prompt prefix ``index`` (the same in every process)."""
+    return [(index * 7919 + i * 31 + 11) % 50000 for i in range(length)]
+
+
+def token_tags(tokens: List[int]) -> List[int]:
+    """The tags of prompt positions: a function of the token id only."""
+    return [TOKEN_TAG_BASE + t for t in tokens]
+
+
+# -- worker ------------------------------------------------------------------------------
+
+
+class _Tracked:
+    """A handle this worker owns and the tag of each of its positions."""
+
+    __slots__ = ("handle", "tags")
+
+    def __init__(self, handle, tags: List[int]):
+        self.handle = handle
+        self.tags = tags
+
+
+class _Worker:
+    """One stress worker: a random mix of operations, every read verified."""
+
+    WEIGHTS = {"allocate": 10, "prefix_allocate": 8, "extend": 14, "extend_many": 4,
+               "write": 12, "read": 20, "fork": 6, "clone": 5, "export": 5,
+               "self_handoff": 2, "close": 9}
+
+    def __init__(self, slot: int, client, conn, rng: random.Random, opts: dict):
+        self.slot = slot
+        self.client = client
+        self.conn = conn
+        self.rng = rng
+        self.opts = opts
+        cfg = client.config
+        self.num_layers, self.head_dim = cfg.num_layers, cfg.head_dim
+        self.num_heads = client.pool.shape[4]
+        self.block_size = cfg.block_size
+        self.dtype = client.pool.dtype
+        self.seqs: List[_Tracked] = []
+        self.inbox: list = []
+        self.quota: Optional[int] = opts.get("quota")
+        self.num_done = 0
+        self.stopping = False
+        self._ops: Dict[str, int] = {}
+        self._errors: Dict[str, int] = {}
+        self._latency: Dict[str, List[float]] = {}
+        self._corrupted = 0
+        self._verified = 0
+        self._samples: List[str] = []
+        self._last_flush = time.monotonic()
+        self.last_op = "connect"
+        names = list(self.WEIGHTS)
+        self._op_names = names
+        self._op_weights = [self.WEIGHTS[n] for n in names]
+
+    # -- bookkeeping ---------------------------------------------------------------------
+
+    def timed(self, name: str, fn, *args, **kwargs):
+        """Run one API call, recording its latency and outcome; re-raises errors."""
+        from .errors import CoordinatorGone
+        self.last_op = name
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        except CoordinatorGone:
+            raise
+        except Exception as exc:
+            key = type(exc).__name__
+            self._errors[key] = self._errors.get(key, 0) + 1
+            raise
+        finally:
+            self._latency.setdefault(name, []).append(time.perf_counter() - t0)
+            self._ops[name] = self._ops.get(name, 0) + 1
+            self.num_done += 1
+
+    def flush(self, force: bool = False) -> None:
+        """Send the counters gathered since the last flush to the parent."""
+        now = time.monotonic()
+        if not force and now - self._last_flush < _STATS_EVERY_S:
+            return
+        self._last_flush = now
+        self.conn.send(("stats", self.slot, self._ops, self._errors, self._latency,
+                        self._corrupted, self._verified, self._samples))
+        self._ops, self._errors, self._latency = {}, {}, {}
+        self._corrupted = self._verified = 0
+        self._samples = []
+
+    def poll_parent(self) -> None:
+        while self.conn.poll():
+            message = self.conn.recv()
+            if message[0] == "stop":
+                self.stopping = True
+            elif message[0] == "token":
+                self.inbox.append((message[1], message[2]))
+
+    # -- data ----------------------------------------------------------------------------
+
+    def kv(self, tags: List[int], start: int):
+        return expected_kv(tags, start, self.num_layers, self.num_heads, self.head_dim,
+                           self.dtype)
+
+    def verify(self, tracked: _Tracked, handle=None) -> bool:
+        """Read through ``handle`` (default: the tracked one) and compare with the tags."""
+        import torch
+        h = handle if handle is not None else tracked.handle
+        n = h.num_tokens
+        want = self.kv(tracked.tags[:n], 0)
+        if self.rng.random() < 0.5:
+            got = self.timed("read", h.gather_all)
+        else:
+            layer = self.rng.randrange(self.num_layers)
+            which = self.rng.randrange(2)
+            fn = h.key_cache if which == 0 else h.value_cache
+            got = self.timed("read", fn, layer)
+            want = want[layer, which]
+        self._verified += want.numel()
+        if got.shape == want.shape and torch.equal(got, want):
+            return True
+        self._corrupted += 1
+        if len(self._samples) < 5:
+            if got.shape != want.shape:
+                where = f"shape {tuple(got.shape)} != {tuple(want.shape)}"
+            else:
+                bad = (got != want).nonzero()
+                where = f"{bad.shape[0]} values differ, first at {bad[0].tolist()}"
+            self._samples.append(f"worker {self.slot} pid {os.getpid()}: {h.cache_id} "
+                                 f"({n} tokens): {where}")
+        return False
+
+    def write_range(self, tracked: _Tracked, start: int, tags: List[int]) -> None:
+        """Write positions ``[start, start + len(tags))`` with the values of ``tags``."""
+        h = tracked.handle
+        kv = self.kv(tags, start)
+        if self.rng.random() < 0.5:
+            self.timed("write_all", h.write_all, kv, start=start)
+        else:
+            for layer in range(self.num_layers):
+                self.timed("write", h.write, layer, kv[layer, 0], kv[layer, 1], start=start)
+        tracked.tags[start:start + len(tags)] = tags
+
+    def new_tag(self) -> int:
+        return self.rng.randrange(1, TOKEN_TAG_BASE)
+
+    def pick(self) -> Optional[_Tracked]:
+        return self.rng.choice(self.seqs) if self.seqs else None
+
+    def drop(self, tracked: _Tracked) -> None:
+        """Close a tracked handle and forget it."""
+        self.seqs.remove(tracked)
+        self.timed("close", tracked.handle.close)
+
+    def relieve_pressure(self) -> None:
+        """After PoolExhausted: close one of our sequences, if we have any."""
+        if self.seqs:
+            self.drop(self.rng.choice(self.seqs))
+
+    # -- operations ----------------------------------------------------------------------
+
+    def op_allocate(self) -> None:
+        from .errors import PoolExhausted
+        n = self.rng.randrange(0, 3 * self.block_size + 1)
+        try:
+            h = self.timed("allocate", self.client.allocate, n)
+        except PoolExhausted:
+            return self.relieve_pressure()
+        tracked = _Tracked(h, [0] * n)
+        self.seqs.append(tracked)
+        if n:
+            self.write_range(tracked, 0, [self.new_tag()] * n)
+
+    def op_prefix_allocate(self) -> None:
+        from .errors import PoolExhausted
+        index = self.rng.randrange(_NUM_PREFIXES)
+        prefix = prefix_tokens(index, (2 + index % 3) * self.block_size)
+        tokens = prefix + [self.rng.randrange(50000)
+                           for _ in range(self.rng.randrange(0, 2 * self.block_size))]
+        try:
+            h = self.timed("prefix_allocate", self.client.allocate, prompt=tokens)
+        except PoolExhausted:
+            return self.relieve_pressure()
+        tags = token_tags(tokens)
+        cached = h.num_cached_tokens
+        tracked = _Tracked(h, list(tags))
+        self.seqs.append(tracked)
+        if cached:
+            self.verify(tracked, _Prefix(h, cached))
+        if cached < len(tokens):
+            self.write_range(tracked, cached, tags[cached:])
+        self.timed("commit", h.commit)
+
+    def op_extend(self) -> None:
+        from .errors import PoolExhausted
+        tracked = self.pick()
+        if tracked is None or len(tracked.tags) >= self.opts["max_tokens"]:
+            return self.op_allocate()
+        n = self.rng.randrange(1, 2 * self.block_size + 1)
+        try:
+            start = self.timed("extend", tracked.handle.extend, n)
+        except PoolExhausted:
+            return self.relieve_pressure()
+        tracked.tags += [0] * n
+        self.write_range(tracked, start, [self.new_tag()] * n)
+
+    def op_extend_many(self) -> None:
+        from .errors import PoolExhausted
+        room = [t for t in self.seqs if len(t.tags) < self.opts["max_tokens"]]
+        if len(room) < 2:
+            return self.op_extend()
+        chosen = self.rng.sample(room, min(len(room), self.rng.randrange(2, 5)))
+        items = [(t.handle, self.rng.randrange(1, self.block_size + 1)) for t in chosen]
+        try:
+            starts = self.timed("extend_many", self.client.extend_many, items)
+        except PoolExhausted:
+            return self.relieve_pressure()
+        for tracked, (_h, n), start in zip(chosen, items, starts):
+            tracked.tags += [0] * n
+            self.write_range(tracked, start, [self.new_tag()] * n)
+
+    def op_write(self) -> None:
+        from .errors import PoolExhausted
+        tracked = self.pick()
+        if tracked is None or not tracked.tags:
+            return self.op_allocate()
+        n = len(tracked.tags)
+        start = self.rng.randrange(n)
+        end = self.rng.randrange(start + 1, min(n, start + 2 * self.block_size) + 1)
+        try:
+            self.write_range(tracked, start, [self.new_tag()] * (end - start))
+        except PoolExhausted:  # copy-on-write found no block: nothing was written
+            return self.relieve_pressure()
+
+    def op_read(self) -> None:
+        tracked = self.pick()
+        if tracked is not None:
+            self.verify(tracked)
+
+    def op_fork(self) -> None:
+        tracked = self.pick()
+        if tracked is None:
+            return self.op_allocate()
+        child = self.timed("fork", tracked.handle.fork)
+        self.seqs.append(_Tracked(child, list(tracked.tags)))
+
+    def op_clone(self) -> None:
+        tracked = self.pick()
+        if tracked is None:
+            return self.op_allocate()
+        clone = self.timed("clone", tracked.handle.clone_handle)
+        try:
+            self.verify(tracked, clone)
+        finally:
+            self.timed("close", clone.close)
+
+    def op_export(self) -> None:
+        tracked = self.pick()
+        if tracked is None:
+            return self.op_allocate()
+        token = self.timed("export", tracked.handle.export, self.opts["handoff_ttl"])
+        self.drop(tracked)
+        self.conn.send(("token", self.slot, token, tracked.tags))
+
+    def op_self_handoff(self) -> None:
+        tracked = self.pick()
+        if tracked is None:
+            return self.op_allocate()
+        token = self.timed("export", tracked.handle.export, self.opts["handoff_ttl"])
+        self.drop(tracked)
+        self.open_token(token, tracked.tags)
+
+    def op_close(self) -> None:
+        tracked = self.pick()
+        if tracked is not None:
+            self.drop(tracked)
+
+    def open_token(self, token: bytes, tags: List[int]) -> None:
+        from .errors import HandoffError
+        try:
+            h = self.timed("open", self.client.open, token)
+        except HandoffError:  # expired while in flight, or its opener died after opening
+            return
+        tracked = _Tracked(h, list(tags))
+        self.seqs.append(tracked)
+        self.verify(tracked)
+
+    # -- loop ----------------------------------------------------------------------------
+
+    def step(self) -> None:
+        if self.inbox:
+            token, tags = self.inbox.pop(0)
+            return self.open_token(token, tags)
+        if len(self.seqs) >= self.opts["max_seqs"]:
+            return self.op_close()
+        name = self.rng.choices(self._op_names, self._op_weights)[0]
+        getattr(self, "op_" + name)()
+
+    def run(self) -> None:
+        while True:
+            self.poll_parent()
+            if self.stopping or (self.quota is not None and self.num_done >= self.quota):
+                break
+            self.step()
+            self.flush()
+        while self.seqs:
+            self.drop(self.seqs[-1])
+        for token, tags in self.inbox:  # never opened: give them back to the parent
+            self.conn.send(("token", self.slot, token, tags))
+        self.inbox = []
+        self.flush(force=True)
+
+
+class _Prefix:
+    """A read-only view of the first ``n`` tokens of a handle, for checking prefix hits."""
+
+    def __init__(self, handle, n: int):
+        self._handle, self.num_tokens = handle, n
+        self.cache_id = handle.cache_id
+
+    def gather_all(self):
+        return self._handle.gather_all()[:, :, :self.num_tokens]
+
+    def key_cache(self, layer: int):
+        return self._handle.key_cache(layer)[:self.num_tokens]
+
+    def value_cache(self, layer: int):
+        return self._handle.value_cache(layer)[:self.num_tokens]
+
+
+def _worker_main(slot: int, address: str, conn, seed: int, opts: dict) -> None:
+    """Entry point of a worker process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
+    from .client import connect
+    from .errors import CoordinatorGone
+    worker = None
+    try:
+        try:
+            client = connect(address, timeout=opts["timeout"])
+        except CoordinatorGone:
+            conn.send(("gone", slot, time.time(), "connect", 0))
+            return
+        conn.send(("ready", slot, os.getpid()))
+        worker = _Worker(slot, client, conn, random.Random(seed), opts)
+        try:
+            worker.run()
+        except CoordinatorGone:
+            seen = time.time()
+            valid = sum(t.handle.is_valid() for t in worker.seqs)
+            worker.flush(force=True)
+            conn.send(("gone", slot, seen, worker.last_op, valid))
+            return
+        client.close()
+        conn.send(("done", slot))
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        return  # the parent is gone
+    except BaseException:
+        try:
+            if worker is not None:
+                worker.flush(force=True)
+            conn.send(("crash", slot, traceback.format_exc()))
+        except OSError:
+            pass
+        sys.exit(1)
+
+
+# -- parent ------------------------------------------------------------------------------
+
+
+def shm_entries() -> List[str]:
+    """``/dev/shm`` entries named by shmkv."""
+    try:
+        return sorted(n for n in os.listdir("/dev/shm") if n.startswith("shmkv-"))
+    except OSError:
+        return []
+
+
+def _percentile(sorted_values: List[float], q: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    index = min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))
+    return sorted_values[index]
+
+
+class _Slot:
+    __slots__ = ("index", "process", "conn", "pid", "ready", "finished", "generation",
+                 "ops_reported", "gone")
+
+    def __init__(self, index: int):
+        self.index = index
+        self.process = None
+        self.conn = None
+        self.pid = None
+        self.ready = False
+        self.finished = False
+        self.generation = 0
+        self.ops_reported = 0
+        self.gone = None
+
+
+class StressRun:
+    """The parent of a stress run: starts, routes, kills, restarts, checks, reports.
+
+    Args:
+        args: the parsed command line (see :func:`add_parser`).
+    """
+
+    def __init__(self, args):
+        self.args = args
+        self.rng = random.Random(args.seed)
+        self.ctx = multiprocessing.get_context("spawn")
+        self.slots = [_Slot(i) for i in range(args.workers)]
+        self.ops: Dict[str, int] = {}
+        self.errors: Dict[str, int] = {}
+        self.latency: Dict[str, List[float]] = {}
+        self.corrupted = 0
+        self.verified = 0
+        self.samples: List[str] = []
+        self.crashes: List[str] = []
+        self.pending_tokens: list = []
+        self.handoffs = {"sent": 0, "routed": 0, "drained": 0, "drain_expired": 0}
+        self.kills = 0
+        self.restarts = 0
+        self.hung = 0
+        self.unexpected_exits: List[str] = []
+        self.gone_reports: List[dict] = []
+        self.coordinator_killed_at: Optional[float] = None
+        self.failures: List[str] = []
+        self.coord = None
+        self.client = None
+        self._progress_at = 0.0
+        self._progress_line_at = 0.0
+        self.started = 0.0
+        self.ended = 0.0
+        self._stopping = False
+
+    # -- worker processes ----------------------------------------------------------------
+
+    def _quota(self, slot: _Slot) -> Optional[int]:
+        if self.args.ops is None:
+            return None
+        base, extra = divmod(self.args.ops, self.args.workers)
+        return base + (1 if slot.index < extra else 0) - slot.ops_reported
+
+    def _start_worker(self, slot: _Slot) -> None:
+        parent_end, child_end = self.ctx.Pipe(duplex=True)
+        opts = {"timeout": self.args.client_timeout, "handoff_ttl": self.args.handoff_ttl,
+                "max_seqs": self.args.max_seqs, "max_tokens": self.args.max_tokens,
+                "quota": self._quota(slot)}
+        seed = self.args.seed * 1_000_003 + slot.index * 1009 + slot.generation
+        proc = self.ctx.Process(target=_worker_main, name=f"shmkv-stress-{slot.index}",
+                                args=(slot.index, self.coord.address, child_end, seed, opts),
+                                daemon=True)
+        proc.start()
+        child_end.close()
+        slot.process, slot.conn, slot.pid = proc, parent_end, None
+        slot.ready = False
+        slot.generation += 1
+
+    def _close_slot(self, slot: _Slot) -> None:
+        self._drain(slot)
+        if slot.conn is not None:
+            slot.conn.close()
+        slot.conn = None
+        slot.process = None
+        slot.ready = False
+
+    def _drain(self, slot: _Slot) -> None:
+        """Take every complete message a (possibly dead) worker left in its pipe."""
+        if slot.conn is None:
+            return
+        try:
+            while slot.conn.poll(0):
+                self._on_message(slot, slot.conn.recv())
+        except (EOFError, OSError):
+            pass
+
+    def _kill_worker(self, slot: _Slot) -> None:
+        os.kill(slot.process.pid, signal.SIGKILL)
+        slot.process.join(10)
+        self.kills += 1
+        self._close_slot(slot)
+
+    # -- messages ------------------------------------------------------------------------
+
+    def _on_message(self, slot: _Slot, message) -> None:
+        kind = message[0]
+        if kind == "stats":
+            _, _, ops, errors, latency, corrupted, verified, samples = message
+            for name, count in ops.items():
+                self.ops[name] = self.ops.get(name, 0) + count
+                slot.ops_reported += count
+            for name, count in errors.items():
+                self.errors[name] = self.errors.get(name, 0) + count
+            for name, values in latency.items():
+                self.latency.setdefault(name, []).extend(values)
+            self.corrupted += corrupted
+            self.verified += verified
+            self.samples += samples[:max(0, 10 - len(self.samples))]
+        elif kind == "ready":
+            slot.ready, slot.pid = True, message[2]
+        elif kind == "token":
+            self.handoffs["sent"] += 1
+            self._route(message[1], message[2], message[3])
+        elif kind == "done":
+            slot.finished = True
+        elif kind == "gone":
+            slot.gone = {"slot": slot.index, "seen_at": message[2], "op": message[3],
+                         "valid_handles_after": message[4]}
+            self.gone_reports.append(slot.gone)
+        elif kind == "crash":
+            self.crashes.append(f"worker {slot.index}: {message[2]}")
+
+    def _retry_pending(self) -> None:
+        pending, self.pending_tokens = self.pending_tokens, []
+        for token, tags in pending:
+            self._route(-1, token, tags)
+
+    def _route(self, sender: int, token: bytes, tags: List[int]) -> None:
+        """Send a token to a random other ready worker, or keep it for later."""
+        if self.coordinator_killed_at is not None:
+            return
+        if self._stopping:
+            return self._open_here(token, tags)
+        targets = [s for s in self.slots if s.ready and not s.finished and s.conn is not None
+                   and (s.index != sender or len(self.slots) == 1)]
+        while targets:
+            target = self.rng.choice(targets)
+            try:
+                target.conn.send(("token", token, tags))
+                self.handoffs["routed"] += 1
+                return
+            except OSError:
+                targets.remove(target)
+        self.pending_tokens.append((token, tags))
+
+    # -- the run -------------------------------------------------------------------------
+
+    def _config(self):
+        from .layout import PoolConfig
+        a = self.args
+        return PoolConfig(num_layers=a.num_layers, num_kv_heads=a.num_kv_heads,
+                          head_dim=a.head_dim, num_blocks=a.num_blocks,
+                          block_size=a.block_size, dtype=a.dtype)
+
+    def _say(self, text: str) -> None:
+        if not self.args.quiet:
+            print(text, file=sys.stderr, flush=True)
+
+    def run(self) -> dict:
+        """Run the stress test; returns the report."""
+        from .client import connect
+        from .coordinator import Coordinator
+        a = self.args
+        shm_before = set(shm_entries())
+        config = self._config()
+        name = a.name or f"stress-{os.getpid()}"
+        self.coord = Coordinator.spawn(config, name=name,
+                                       max_handoff_ttl=max(60.0, a.handoff_ttl))
+        address = self.coord.address
+        self.client = connect(address, timeout=a.client_timeout)
+        self._say(f"shmkv stress: coordinator pid {self.coord.pid} at {address}, "
+                  f"{config.num_blocks} blocks; starting {a.workers} workers")
+        try:
+            for slot in self.slots:
+                self._start_worker(slot)
+            self._wait_ready(timeout=a.start_timeout)
+            self.started = time.monotonic()
+            self._loop()
+            if self.coordinator_killed_at is None:
+                self._stop_workers()
+        finally:
+            for slot in self.slots:
+                if slot.process is not None and slot.process.is_alive():
+                    slot.process.kill()
+                    slot.process.join(5)
+                if slot.process is not None:
+                    self._close_slot(slot)
+        elapsed = self.ended - self.started
+        if self.coordinator_killed_at is None:
+            leak = self._final_check()
+            self.client.close()
+            self.coord.stop()
+            restart = None
+        else:
+            leak = {"blocks_leaked": None, "note": "the coordinator was killed: its pool "
+                                                  "died with it"}
+            restart = self._check_restart(config, name)
+        socket_left = os.path.exists(address)
+        shm_left = sorted(set(shm_entries()) - shm_before)
+        return self._report(config, elapsed, leak, shm_left, socket_left, restart)
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not all(s.ready or s.gone for s in self.slots):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"workers not ready within {timeout} s")
+            self._pump(0.1)
+
+    def _pump(self, timeout: float) -> None:
+        """Wait for messages or exits for up to ``timeout`` s and handle them."""
+        live = [s for s in self.slots if s.conn is not None]
+        waitables = [s.conn for s in live] + [s.process.sentinel for s in live]
+        ready = set(mp_wait(waitables, timeout)) if waitables else set()
+        if not waitables:
+            time.sleep(timeout)
+        for slot in live:
+            if slot.conn in ready:
+                try:
+                    while slot.conn.poll(0):
+                        self._on_message(slot, slot.conn.recv())
+                except (EOFError, OSError):
+                    pass
+            if slot.process.sentinel in ready and not slot.process.is_alive():
+                slot.process.join(1)
+                self._drain(slot)
+                code = slot.process.exitcode
+                if code != 0 and not slot.finished:
+                    self.unexpected_exits.append(f"worker {slot.index} (pid "
+                                                 f"{slot.process.pid}) exit code {code}")
+                if not slot.finished and slot.gone is None and code == 0:
+                    self.unexpected_exits.append(f"worker {slot.index} exited without "
+                                                 "reporting")
+                self._close_slot(slot)
+                if not slot.finished and slot.gone is None and \
+                        self.coordinator_killed_at is None and not self._stopping:
+                    self._start_worker(slot)
+                    self.restarts += 1
+
+    def _total_ops(self) -> int:
+        return sum(self.ops.values())
+
+    def _loop(self) -> None:
+        a = self.args
+        duration = a.duration
+        deadline = self.started + duration if duration is not None else None
+        kill_interval = 1.0 / a.kill_rate if a.kill_rate > 0 else None
+        next_kill = self.started + kill_interval if kill_interval else None
+        kill_coord_at = None
+        if a.kill_coordinator:
+            kill_coord_at = self.started + (duration or 10.0) * a.kill_coordinator_at
+        while True:
+            now = time.monotonic()
+            if self.coordinator_killed_at is None:
+                if deadline is not None and now >= deadline:
+                    break
+                if a.ops is not None and all(s.finished for s in self.slots):
+                    break
+            self._pump(0.05)
+            now = time.monotonic()
+            if kill_coord_at is not None and self.coordinator_killed_at is None and (
+                    now >= kill_coord_at or (a.ops is not None
+                                             and self._total_ops() >= a.ops // 2)):
+                self._kill_coordinator()
+                break
+            if next_kill is not None and now >= next_kill:
+                next_kill += kill_interval
+                victims = [s for s in self.slots if s.ready and not s.finished
+                           and s.process is not None and s.process.is_alive()]
+                if victims:
+                    victim = self.rng.choice(victims)
+                    self._kill_worker(victim)
+                    self._start_worker(victim)
+                    self.restarts += 1
+            self._retry_pending()
+            self._progress(deadline)
+        self.ended = time.monotonic()
+        if self.coordinator_killed_at is not None:
+            self._await_gone()
+        self._progress(deadline, final=True)
+
+    def _kill_coordinator(self) -> None:
+        self._say(f"\nSIGKILL coordinator pid {self.coord.pid}")
+        self.coordinator_killed_at = time.time()
+        self.coord.kill()
+
+    def _await_gone(self) -> None:
+        """Every worker alive at the kill must report CoordinatorGone and exit."""
+        deadline = time.monotonic() + max(10.0, self.args.gone_deadline * 5)
+        while time.monotonic() < deadline:
+            if all(s.conn is None for s in self.slots):
+                break
+            self._pump(0.05)
+        self._stopping = True
+
+    def _stop_workers(self) -> None:
+        self._stopping = True
+        for slot in self.slots:
+            if slot.conn is not None:
+                try:
+                    slot.conn.send(("stop",))
+                except OSError:
+                    pass
+        deadline = time.monotonic() + self.args.stop_timeout
+        while any(s.conn is not None for s in self.slots):
+            if time.monotonic() > deadline:
+                for slot in self.slots:
+                    if slot.conn is not None:
+                        self.hung += 1
+                        self._kill_worker(slot)
+                        self.kills -= 1
+                break
+            self._pump(0.05)
+
+    def _open_here(self, token: bytes, tags: List[int]) -> None:
+        """Open an undeliverable token in the parent, verify it, and close it."""
+        import torch
+        from .errors import HandoffError
+        try:
+            h = self.client.open(token)
+        except HandoffError:
+            self.handoffs["drain_expired"] += 1
+            return
+        self.handoffs["drained"] += 1
+        want = expected_kv(tags[:h.num_tokens], 0, h.num_layers, h.num_heads, h.head_dim,
+                           h.dtype)
+        got = h.gather_all()
+        self.verified += want.numel()
+        if not torch.equal(got, want):
+            self.corrupted += 1
+            self.samples.append(f"parent: hand-off {h.cache_id} differs from its tags")
+        h.close()
+
+    def _final_check(self) -> dict:
+        """Drain undelivered tokens, wait out hand-offs in flight, measure leaks."""
+        pending, self.pending_tokens = self.pending_tokens, []
+        for token, tags in pending:
+            self._open_here(token, tags)
+        deadline = time.monotonic() + self.args.handoff_ttl + 10.0
+        stats = self.client.stats()
+        while (stats["handoffs"] or stats["referenced_blocks"] or stats["sequences"]) \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+            stats = self.client.stats()
+        keys = ("num_blocks", "free_blocks", "cached_blocks", "referenced_blocks",
+                "sequences", "handoffs", "connections", "evictions", "cow_copies",
+                "published_blocks", "expired_handoffs", "prefix_hit_tokens",
+                "prefix_miss_tokens", "ops", "dropped_connections")
+        unaccounted = stats["num_blocks"] - stats["free_blocks"] - stats["cached_blocks"]
+        return {"blocks_leaked": max(unaccounted, stats["referenced_blocks"]),
+                "sequences_left": stats["sequences"], "handoffs_left": stats["handoffs"],
+                "final_stats": {k: stats.get(k) for k in keys}}
+
+    def _check_restart(self, config, name: str) -> dict:
+        """After the coordinator's death: stale socket, fresh start, clean stop."""
+        from .client import connect
+        from .coordinator import Coordinator, default_address
+        from .errors import CoordinatorGone
+        out = {"parent_client_saw_gone": False, "stale_socket": os.path.exists(
+            default_address(name))}
+        try:
+            self.client.stats()
+        except CoordinatorGone:
+            out["parent_client_saw_gone"] = True
+        self.client.close()
+        try:
+            coord = Coordinator.spawn(config, name=name)
+        except Exception as exc:
+            out["restart"] = f"failed: {type(exc).__name__}: {exc}"
+            return out
+        try:
+            with connect(coord.address, timeout=10) as client:
+                stats = client.stats()
+                out["restart"] = "ok" if stats["free_blocks"] == config.num_blocks else \
+                    f"unexpected stats {stats}"
+        finally:
+            coord.stop()
+        out["socket_removed_after_stop"] = not os.path.exists(coord.address)
+        return out
+
+    # -- output --------------------------------------------------------------------------
+
+    def _progress(self, deadline: Optional[float], final: bool = False) -> None:
+        if self.args.quiet:
+            return
+        now = time.monotonic()
+        tty = sys.stderr.isatty()
+        if not final and now - self._progress_at < (0.5 if tty else 5.0):
+            return
+        self._progress_at = now
+        elapsed = now - self.started
+        total = self._total_ops()
+        if deadline is not None:
+            frac = min(1.0, elapsed / max(deadline - self.started, 1e-9))
+            where = f"{elapsed:5.1f}/{deadline - self.started:.0f} s"
+        else:
+            frac = min(1.0, total / max(self.args.ops or 1, 1))
+            where = f"{total}/{self.args.ops} ops"
+        bar = "#" * int(frac * 30) + "." * (30 - int(frac * 30))
+        errors = sum(self.errors.values())
+        line = (f"[{bar}] {where}  ops {total} ({total / max(elapsed, 1e-9):.0f}/s)  "
+                f"errors {errors}  kills {self.kills}  corrupted {self.corrupted}")
+        if tty:
+            print("\r" + line, end="\n" if final else "", file=sys.stderr, flush=True)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    def _report(self, config, elapsed: float, leak: dict, shm_left: List[str],
+                socket_left: bool, restart: Optional[dict]) -> dict:
+        a = self.args
+        latency = {}
+        for name, values in sorted(self.latency.items()):
+            values.sort()
+            latency[name] = {"n": len(values), "p50_ms": 1e3 * _percentile(values, 0.50),
+                             "p99_ms": 1e3 * _percentile(values, 0.99),
+                             "max_ms": 1e3 * values[-1]}
+        unexpected = {k: v for k, v in self.errors.items() if k not in EXPECTED_ERRORS}
+        report = {
+            "args": {k: v for k, v in vars(a).items() if k not in ("func",)},
+            "pool": config.to_wire(), "elapsed_s": elapsed,
+            "ops_total": self._total_ops(),
+            "ops_per_s": self._total_ops() / max(elapsed, 1e-9),
+            "ops": dict(sorted(self.ops.items())),
+            "errors": dict(sorted(self.errors.items())),
+            "unexpected_errors": unexpected,
+            "latency_ms": latency,
+            "values_verified": self.verified,
+            "corrupted_reads": self.corrupted, "corruption_samples": self.samples,
+            "handoffs": self.handoffs,
+            "worker_kills": self.kills, "worker_restarts": self.restarts,
+            "worker_crashes": self.crashes, "unexpected_exits": self.unexpected_exits,
+            "hung_workers": self.hung,
+            "shm_entries_left": shm_left, "socket_left": socket_left,
+        }
+        report.update(leak)
+        failures = []
+        if self.corrupted:
+            failures.append(f"{self.corrupted} corrupted reads")
+        if leak.get("blocks_leaked"):
+            failures.append(f"{leak['blocks_leaked']} blocks leaked")
+        if shm_left:
+            failures.append(f"/dev/shm entries left: {shm_left}")
+        if unexpected:
+            failures.append(f"unexpected errors: {unexpected}")
+        if self.crashes or self.unexpected_exits:
+            failures.append(f"{len(self.crashes)} worker crashes, "
+                            f"{len(self.unexpected_exits)} unexpected exits")
+        if self.hung:
+            failures.append(f"{self.hung} workers did not stop")
+        if self.coordinator_killed_at is None:
+            if socket_left:
+                failures.append("socket file left after a clean stop")
+            if self.gone_reports:
+                failures.append(f"{len(self.gone_reports)} workers saw CoordinatorGone")
+            if leak.get("sequences_left") or leak.get("handoffs_left"):
+                failures.append(f"{leak.get('sequences_left')} sequences and "
+                                f"{leak.get('handoffs_left')} hand-offs left")
+        else:
+            lat = [g["seen_at"] - self.coordinator_killed_at for g in self.gone_reports]
+            missing = [s.index for s in self.slots if s.gone is None]
+            report["coordinator_kill"] = {
+                "workers_saw_gone": len(self.gone_reports), "workers_missing": missing,
+                "detect_s_max": max(lat) if lat else None,
+                "detect_s_p50": sorted(lat)[len(lat) // 2] if lat else None,
+                "valid_handles_after_gone": sum(g["valid_handles_after"]
+                                                for g in self.gone_reports),
+                "ops_seen_in": sorted({g["op"] for g in self.gone_reports}),
+            }
+            report["coordinator_kill"].update(restart or {})
+            if missing:
+                failures.append(f"workers {missing} did not report CoordinatorGone")
+            late = [x for x in lat if x > a.gone_deadline]
+            if late:
+                failures.append(f"{len(late)} workers saw CoordinatorGone after more than "
+                                f"{a.gone_deadline} s (max {max(late):.2f} s)")
+            if report["coordinator_kill"]["valid_handles_after_gone"]:
+                failures.append("handles still valid after CoordinatorGone")
+            if restart and restart.get("restart") != "ok":
+                failures.append(f"restart after the kill: {restart.get('restart')}")
+            if restart and not restart.get("parent_client_saw_gone"):
+                failures.append("the parent's client did not see CoordinatorGone")
+            if restart and not restart.get("socket_removed_after_stop", True):
+                failures.append("socket left after the restarted coordinator stopped")
+        report["failures"] = failures
+        report["passed"] = not failures
+        return report
+
+
+def format_report(report: dict) -> str:
+    """The report as plain text."""
+    ran = f"{report['elapsed_s']:.1f} s"
+    if "coordinator_kill" in report:
+        ran += " until the coordinator was SIGKILLed"
+    lines = [f"shmkv stress: {report['args']['workers']} workers, {ran}, "
+             f"{report['ops_total']} ops ({report['ops_per_s']:.0f}/s), kill rate "
+             f"{report['args']['kill_rate']}/s, {report['worker_kills']} worker kills, "
+             f"{report['worker_restarts']} restarts"]
+    lines.append("ops by type:")
+    width = max([len(k) for k in report["latency_ms"]] + [10])
+    for name, count in report["ops"].items():
+        lat = report["latency_ms"].get(name, {})
+        lines.append(f"  {name:<{width}} {count:>9}   p50 {lat.get('p50_ms', 0):8.3f} ms   "
+                     f"p99 {lat.get('p99_ms', 0):8.3f} ms")
+    lines.append("errors by type: " + (", ".join(f"{k} {v}" for k, v in
+                                                  report["errors"].items()) or "none")
+                 + f" (expected under pressure: {', '.join(EXPECTED_ERRORS)})")
+    h = report["handoffs"]
+    lines.append(f"hand-offs between workers: {h['sent']} sent, {h['routed']} routed, "
+                 f"{h['drained']} opened by the parent at the end, {h['drain_expired']} "
+                 "expired before that")
+    lines.append(f"values verified: {report['values_verified']:,}")
+    lines.append(f"corrupted reads: {report['corrupted_reads']}")
+    for sample in report["corruption_samples"]:
+        lines.append(f"  {sample}")
+    leaked = report.get("blocks_leaked")
+    lines.append("blocks leaked: " + ("n/a (" + report.get("note", "") + ")" if leaked is None
+                                      else str(leaked)))
+    if "final_stats" in report:
+        fs = report["final_stats"]
+        lines.append(f"  final: free {fs['free_blocks']} + cached {fs['cached_blocks']} of "
+                     f"{fs['num_blocks']}, referenced {fs['referenced_blocks']}, sequences "
+                     f"{fs['sequences']}, hand-offs {fs['handoffs']}, evictions "
+                     f"{fs['evictions']}, copy-on-write {fs['cow_copies']}, expired hand-offs "
+                     f"{fs['expired_handoffs']}, dropped connections "
+                     f"{fs['dropped_connections']}")
+    lines.append(f"/dev/shm entries left: {len(report['shm_entries_left'])}"
+                 + (f" {report['shm_entries_left']}" if report["shm_entries_left"] else ""))
+    lines.append(f"socket file left: {report['socket_left']}")
+    if "coordinator_kill" in report:
+        ck = report["coordinator_kill"]
+        det = ck["detect_s_max"]
+        lines.append(f"coordinator SIGKILLed: {ck['workers_saw_gone']} workers saw "
+                     f"CoordinatorGone (missing: {ck['workers_missing'] or 'none'}), "
+                     f"detection p50 {ck['detect_s_p50'] or 0:.3f} s, max "
+                     f"{det if det is not None else float('nan'):.3f} s, in ops "
+                     f"{ck['ops_seen_in']}; valid handles after: "
+                     f"{ck['valid_handles_after_gone']}")
+        lines.append(f"  parent client saw CoordinatorGone: {ck.get('parent_client_saw_gone')}"
+                     f"; stale socket: {ck.get('stale_socket')}; new coordinator on the "
+                     f"same name: {ck.get('restart')}; its socket removed at stop: "
+                     f"{ck.get('socket_removed_after_stop')}")
+    if report["worker_crashes"] or report["unexpected_exits"]:
+        lines += ["worker crashes:"] + [f"  {c}" for c in report["worker_crashes"]]
+        lines += [f"  {c}" for c in report["unexpected_exits"]]
+    lines.append("PASSED" if report["passed"] else "FAILED: " + "; ".join(report["failures"]))
+    return "\n".join(lines)
+
+
+def add_parser(sub) -> None:
+    """Register the ``stress`` subcommand on an argparse subparsers object."""
+    p = sub.add_parser("stress", help="many processes, random ops, kills; everything verified")
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--duration", type=float, default=None,
+                   help="seconds to run (default 30, or until --ops are done)")
+    p.add_argument("--ops", type=int, default=None, help="total operations to run")
+    p.add_argument("--kill-rate", type=float, default=0.0,
+                   help="SIGKILL this many random workers per second (and restart them)")
+    p.add_argument("--kill-coordinator", action="store_true",
+                   help="SIGKILL the coordinator partway; every worker must see "
+                        "CoordinatorGone")
+    p.add_argument("--kill-coordinator-at", type=float, default=0.5,
+                   help="when to kill it, as a fraction of --duration")
+    p.add_argument("--gone-deadline", type=float, default=2.0,
+                   help="seconds within which workers must see CoordinatorGone")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the report here")
+    p.add_argument("--name", default=None, help="coordinator name (default stress-PID)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-blocks", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--num-kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=16)
+    p.add_argument("--dtype", default="float32", choices=sorted(_MODULUS))
+    p.add_argument("--max-seqs", type=int, default=12, help="live sequences per worker")
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens per sequence")
+    p.add_argument("--handoff-ttl", type=float, default=5.0)
+    p.add_argument("--client-timeout", type=float, default=30.0)
+    p.add_argument("--start-timeout", type=float, default=120.0)
+    p.add_argument("--stop-timeout", type=float, default=30.0)
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.set_defaults(func=_cmd)
+
+
+def _cmd(args) -> int:
+    if args.duration is None and args.ops is None:
+        args.duration = 30.0
+    if args.workers < 1:
+        print("shmkv stress: --workers must be at least 1", file=sys.stderr)
+        return 2
+    report = StressRun(args).run()
+    text = format_report(report)
+    print(text, flush=True)
+    if args.json:
+        directory = os.path.dirname(os.path.abspath(args.json))
+        os.makedirs(directory, exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2, sort_keys=True, default=str)
+    return 0 if report["passed"] else 1

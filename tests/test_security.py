@@ -1,0 +1,429 @@
+"""Security: socket and directory permissions, private segments, peer uid checks,
+hand-off tokens, configured limits, and bad API input that must change nothing."""
+
+import math
+import os
+import shutil
+import stat
+import tempfile
+import time
+
+import pytest
+import torch
+
+import shmkv
+from shmkv.coordinator import runtime_dir
+from conftest import SPAWN, join_or_kill
+
+STATE_KEYS = ("num_blocks", "free_blocks", "cached_blocks", "referenced_blocks", "sequences",
+              "handoffs", "prefix_index_blocks", "evictions", "cow_copies", "published_blocks")
+NOBODY = 65534
+
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch uid")
+
+
+def state(client) -> dict:
+    stats = client.stats()
+    return {k: stats[k] for k in STATE_KEYS}
+
+
+class Unchanged:
+    """Asserts that the coordinator's metadata and every byte of the pool are unchanged
+    across the ``with`` block."""
+
+    def __init__(self, client):
+        self.client = client
+
+    def __enter__(self):
+        self.state = state(self.client)
+        self.pool = self.client.pool.clone()
+        return self
+
+    def __exit__(self, exc_type, *_):
+        if exc_type is None:
+            assert state(self.client) == self.state
+            assert torch.equal(self.client.pool, self.pool), "the pool changed"
+
+
+def wait_until(predicate, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"not true within {timeout} s"
+        time.sleep(0.01)
+
+
+# -- permissions -------------------------------------------------------------------------
+
+def test_socket_dir_is_0700_and_socket_0600(coord):
+    directory = os.path.dirname(coord.address)
+    st_dir = os.stat(directory)
+    assert stat.S_ISDIR(st_dir.st_mode) and stat.S_IMODE(st_dir.st_mode) == 0o700
+    assert st_dir.st_uid == os.getuid()
+    st_sock = os.stat(coord.address)
+    assert stat.S_ISSOCK(st_sock.st_mode) and stat.S_IMODE(st_sock.st_mode) == 0o600
+    assert st_sock.st_uid == os.getuid()
+
+
+def test_runtime_dir_is_tightened_and_must_be_ours(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    loose = tmp_path / "shmkv"
+    loose.mkdir(mode=0o755)
+    os.chmod(loose, 0o755)
+    assert runtime_dir() == str(loose)
+    assert stat.S_IMODE(os.stat(loose).st_mode) == 0o700
+    if os.geteuid() == 0:
+        os.chown(loose, NOBODY, NOBODY)
+        with pytest.raises(shmkv.AccessDenied, match="belongs to uid"):
+            runtime_dir()
+
+
+def test_segments_have_no_names_and_are_private(coord, client):
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("shmkv-")]
+    fd_dir = "/proc/self/fd"
+    segments = []
+    for fd in os.listdir(fd_dir):
+        try:
+            target = os.readlink(os.path.join(fd_dir, fd))
+        except OSError:
+            continue
+        if target.startswith("/dev/shm/shmkv-"):
+            segments.append((target, os.stat(os.path.join(fd_dir, fd))))
+    assert segments, "the coordinator's segment descriptors were not found"
+    for target, st in segments:
+        assert target.endswith("(deleted)"), target
+        assert stat.S_IMODE(st.st_mode) == 0o600
+    with open("/proc/self/maps") as maps:
+        mapped = [line for line in maps if "/dev/shm/shmkv-" in line]
+    assert mapped and all(line.rstrip().endswith("(deleted)") for line in mapped)
+
+
+def connect_as_nobody(addresses, queue):
+    """Drop to uid/gid 65534, try to connect to each address, report what happened."""
+    os.setgroups([])
+    os.setgid(NOBODY)
+    os.setuid(NOBODY)
+    for address in addresses:
+        try:
+            shmkv.connect(address, timeout=5).close()
+            queue.put(("connected", "", os.getuid()))
+        except Exception as exc:
+            queue.put((type(exc).__name__, str(exc), os.getuid()))
+    queue.close()
+    queue.join_thread()
+
+
+@root_only
+def test_other_users_are_refused(small_config, unique_name, coord):
+    """The directory keeps other users out; behind it, SO_PEERCRED refuses them too."""
+    directory = tempfile.mkdtemp(prefix="shmkv-peer-")
+    try:
+        os.chmod(directory, 0o755)
+        address = os.path.join(directory, "c.sock")
+        with shmkv.Coordinator(small_config, address=address) as open_coord:
+            os.chmod(address, 0o666)   # loosen the file layer to reach the peer check
+            with shmkv.connect(address, timeout=10) as mine:
+                h = mine.allocate(4)
+                q = SPAWN.Queue()
+                child = SPAWN.Process(target=connect_as_nobody, args=([coord.address, address], q))
+                child.start()
+                default_result = q.get(timeout=60)
+                peer_result = q.get(timeout=30)
+                assert join_or_kill(child) == 0
+                assert default_result[0] == "PermissionError" and default_result[2] == NOBODY
+                assert peer_result[0] == "AccessDenied", peer_result
+                assert f"uid {NOBODY} may not use" in peer_result[1]
+                stats = mine.stats()
+                assert stats["refused_connections"] == 1 and stats["connections"] == 1
+                h.write(0, torch.ones(4, 4, 8), torch.ones(4, 4, 8), start=0)
+                assert torch.equal(h.key_cache(0), torch.ones(4, 4, 8))
+        assert open_coord.num_refused == 1
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+# -- hand-off tokens ---------------------------------------------------------------------
+
+def test_forged_and_malformed_tokens_fail(client):
+    h = client.allocate(6)
+    h.write(0, torch.ones(6, 4, 8), torch.ones(6, 4, 8), start=0)
+    token = h.export(ttl=30)
+    with Unchanged(client):
+        wrong_secret = token[:-1] + bytes([token[-1] ^ 1])
+        forged = [wrong_secret, token[:9] + os.urandom(16), b"\x01" + os.urandom(24),
+                  token[:1] + (2).to_bytes(8, "big") + token[9:],
+                  b"\x02" + token[1:], token[:-1], token + b"\x00", b""]
+        for bad in forged:
+            with pytest.raises(shmkv.HandoffError):
+                client.open(bad)
+        with pytest.raises(shmkv.WrongType):
+            client.open(token.hex())
+        assert client.stats()["handoffs"] == 1
+    opened = client.open(token)         # the failed attempts did not consume it
+    assert torch.equal(opened.key_cache(0), torch.ones(6, 4, 8))
+
+
+def test_a_token_opens_once_only(coord, client):
+    h = client.allocate(3)
+    token = h.export(ttl=30)
+    with shmkv.connect(coord.address, timeout=10) as other:
+        first = other.open(token)
+        with Unchanged(client):
+            with pytest.raises(shmkv.HandoffError, match="already opened"):
+                other.open(token)
+            with pytest.raises(shmkv.HandoffError):
+                client.open(token)
+        assert first.num_tokens == 3 and client.stats()["handoffs"] == 0
+
+
+def test_expired_token_fails_and_its_reference_is_gone(client):
+    before = state(client)
+    h = client.allocate(8)
+    token = h.export(ttl=0.3)
+    h.close()
+    assert client.stats()["referenced_blocks"] == 2
+    time.sleep(0.5)
+    with pytest.raises(shmkv.HandoffError, match="expired"):
+        client.open(token)
+    after = state(client)
+    assert after["handoffs"] == 0 and after["referenced_blocks"] == 0
+    assert after["sequences"] == before["sequences"]
+
+
+def test_a_token_of_another_coordinator_fails(small_config, unique_name, client):
+    token = client.allocate(2).export(ttl=30)
+    with shmkv.Coordinator(small_config, name=unique_name + "-b") as other_coord, \
+            shmkv.connect(other_coord.address, timeout=10) as other:
+        theirs = other.allocate(2).export(ttl=30)   # the same hand-off id over there
+        assert theirs[:9] == token[:9]
+        with Unchanged(other):
+            with pytest.raises(shmkv.HandoffError):
+                other.open(token)
+        other.open(theirs).close()
+
+
+def test_bad_ttl_is_refused(client):
+    h = client.allocate(2)
+    with Unchanged(client):
+        for ttl in (0, -1.0, math.nan, math.inf, 3601.0):
+            with pytest.raises(shmkv.InvalidArgument):
+                h.export(ttl=ttl)
+        with pytest.raises(shmkv.WrongType):
+            h.export(ttl="10")
+
+
+# -- limits ------------------------------------------------------------------------------
+
+def test_max_connections(small_config, unique_name):
+    with shmkv.Coordinator(small_config, name=unique_name, max_connections=2) as coord:
+        a = shmkv.connect(coord.address, timeout=10)
+        b = shmkv.connect(coord.address, timeout=10)
+        h = a.allocate(4)
+        with Unchanged(a):
+            for _ in range(40):   # refused before or after the hello is sent: same error
+                with pytest.raises(shmkv.LimitExceeded, match="the limit is 2"):
+                    shmkv.connect(coord.address, timeout=10)
+        a.ping()
+        b.ping()
+        assert a.stats()["refused_connections"] == 40
+        b.close()
+        wait_until(lambda: a.stats()["connections"] == 1, 2.0)
+        with shmkv.connect(coord.address, timeout=10) as c:
+            c.ping()
+        h.close()
+        a.close()
+
+
+def test_max_frame(small_config, unique_name):
+    with shmkv.Coordinator(small_config, name=unique_name, max_frame=4096) as coord, \
+            shmkv.connect(coord.address, timeout=10) as keeper:
+        h = keeper.allocate(4)
+        h.write(0, torch.ones(4, 4, 8), torch.ones(4, 4, 8), start=0)
+        with Unchanged(keeper):
+            for n in (2000, 300_000):   # below, and far above, the socket buffer
+                sender = shmkv.connect(coord.address, timeout=10)
+                with pytest.raises(shmkv.ProtocolError, match="exceeds the maximum of 4096"):
+                    sender.allocate(prompt=list(range(n)))
+                with pytest.raises(shmkv.CoordinatorGone):   # that connection was dropped
+                    sender.ping()
+                sender.close()
+            keeper.ping()
+            wait_until(lambda: keeper.stats()["connections"] == 1, 2.0)
+        assert torch.equal(h.key_cache(0), torch.ones(4, 4, 8))
+        with shmkv.connect(coord.address, timeout=10) as again:
+            again.allocate(prompt=list(range(100))).close()
+
+
+def test_max_handoffs(small_config, unique_name):
+    with shmkv.Coordinator(small_config, name=unique_name, max_handoffs=3) as coord, \
+            shmkv.connect(coord.address, timeout=10) as client:
+        handles = [client.allocate(1) for _ in range(5)]
+        tokens = [h.export(ttl=30) for h in handles[:3]]
+        with Unchanged(client):
+            with pytest.raises(shmkv.LimitExceeded, match="3 hand-offs outstanding, the limit"):
+                handles[3].export(ttl=30)
+        with shmkv.connect(coord.address, timeout=10) as other:
+            other.ping()
+            with pytest.raises(shmkv.LimitExceeded):
+                other.allocate(1).export(ttl=30)
+            other.open(tokens[0]).close()
+        tokens.append(handles[3].export(ttl=30))
+        assert client.stats()["handoffs"] == 3
+        for token in tokens[1:]:
+            client.open(token).close()
+        assert client.stats()["handoffs"] == 0
+
+
+# -- bad API input -----------------------------------------------------------------------
+
+def test_bad_tensors_raise_and_write_nothing(client):
+    h = client.allocate(6)
+    h.write_all(torch.randn(3, 2, 6, 4, 8), start=0)
+    good = torch.randn(2, 4, 8)
+    cases = [
+        (shmkv.InvalidArgument, "dtype", good.double(), good),
+        (shmkv.InvalidArgument, "dtype", good, good.half()),
+        (shmkv.InvalidArgument, "on meta", torch.empty(2, 4, 8, device="meta"), good),
+        (shmkv.InvalidArgument, "shape", torch.randn(2, 3, 8), good),
+        (shmkv.InvalidArgument, "shape", good, torch.randn(2, 4, 9)),
+        (shmkv.InvalidArgument, "shape", torch.randn(2, 32), good),
+        (shmkv.InvalidArgument, "shape", torch.randn(1, 2, 4, 8), good),
+        (shmkv.InvalidArgument, "not contiguous", torch.randn(8, 4, 2).permute(2, 1, 0), good),
+        (shmkv.InvalidArgument, "not contiguous", good, torch.randn(4, 8, 2).permute(2, 0, 1)),
+        (shmkv.InvalidArgument, "k has 2 tokens", good, torch.randn(3, 4, 8)),
+        (shmkv.WrongType, "torch.Tensor", good.tolist(), good),
+        (shmkv.WrongType, "torch.Tensor", good, None),
+    ]
+    with Unchanged(client):
+        for exc, match, k, v in cases:
+            with pytest.raises(exc, match=match):
+                h.write(0, k, v, start=0)
+        for bad_kv in (torch.randn(3, 2, 2, 4, 8).double(), torch.randn(2, 2, 2, 4, 8),
+                       torch.randn(3, 2, 2, 4, 8).transpose(3, 4).contiguous(),
+                       torch.randn(3, 2, 4, 2, 8).transpose(2, 3), torch.randn(3, 2, 4, 8)):
+            with pytest.raises(shmkv.InvalidArgument):
+                h.write_all(bad_kv, start=0)
+
+
+def test_bad_layers_and_positions_raise_and_write_nothing(client):
+    h = client.allocate(6)
+    kv = torch.randn(2, 4, 8)
+    with Unchanged(client):
+        for layer in (-1, 3, 100):
+            for call in (lambda: h.write(layer, kv, kv, start=0), lambda: h.key_cache(layer),
+                         lambda: h.value_cache(layer), lambda: h.paged_kv(layer)):
+                with pytest.raises(shmkv.OutOfRange):
+                    call()
+        for layer in (True, 1.0, "0", None):
+            with pytest.raises(shmkv.WrongType):
+                h.write(layer, kv, kv, start=0)
+        for start in (5, 6, 100, -1, -2):
+            with pytest.raises(shmkv.OutOfRange, match="extend first|goes past"):
+                h.write(0, kv, kv, start=start)
+        with pytest.raises(shmkv.OutOfRange):
+            h.write(0, torch.randn(7, 4, 8), torch.randn(7, 4, 8))
+        with pytest.raises(shmkv.OutOfRange):
+            h.write_all(torch.randn(3, 2, 2, 4, 8), start=5)
+        for start in ("0", 1.0, True):
+            with pytest.raises(shmkv.WrongType):
+                h.write(0, kv, kv, start=start)
+        with pytest.raises(shmkv.OutOfRange):
+            h.with_sequence_length(7)
+        with pytest.raises(shmkv.WrongType):
+            h.with_sequence_length(2.0)
+    assert h.num_tokens == 6
+
+
+def test_bad_sizes_raise_and_allocate_nothing(client):
+    h = client.allocate(6)
+    empty = client.allocate(0)
+    with Unchanged(client):
+        with pytest.raises(shmkv.InvalidArgument):
+            client.allocate(-1)
+        with pytest.raises(shmkv.WrongType):
+            client.allocate("3")
+        with pytest.raises(shmkv.WrongType):
+            client.allocate(prompt=[1, 2.5])
+        with pytest.raises(shmkv.InvalidArgument, match="disagrees"):
+            client.allocate(3, prompt=[1, 2])
+        with pytest.raises(shmkv.InvalidArgument):
+            h.extend(-1)
+        with pytest.raises(shmkv.WrongType):
+            h.extend(1.5)
+        with pytest.raises(shmkv.InvalidArgument, match="tokens must be a list of 2"):
+            h.extend(2, tokens=[1])
+        with pytest.raises(shmkv.PoolExhausted):
+            client.allocate_many([4, 4, 64 * 4])
+        with pytest.raises(shmkv.PoolExhausted):
+            h.extend(64 * 4)
+        with pytest.raises(shmkv.PoolExhausted):
+            client.extend_many([(h, 4), (empty, 64 * 4)])
+        with pytest.raises(shmkv.OutOfRange):
+            h.commit(7)
+    assert h.num_tokens == 6
+
+
+def test_closed_handles_and_clients_raise(coord, client):
+    h = client.allocate(4)
+    keep = client.allocate(4)
+    h.close()
+    kv = torch.randn(1, 4, 8)
+    with Unchanged(client):
+        calls = [lambda: h.write(0, kv, kv, start=0),
+                 lambda: h.write_all(torch.randn(3, 2, 1, 4, 8), start=0),
+                 lambda: h.key_cache(0), lambda: h.value_cache(0), lambda: h.gather_all(),
+                 lambda: h.paged_kv(0), lambda: h.extend(1), lambda: h.fork(),
+                 lambda: h.clone_handle(), lambda: h.export(), lambda: h.commit(),
+                 lambda: h.refresh(), lambda: h.with_sequence_length(1),
+                 lambda: client.extend_many([(keep, 1), (h, 1)])]
+        for call in calls:
+            with pytest.raises(shmkv.HandleClosed):
+                call()
+        h.close()
+        client.close_many([h])
+    assert keep.num_tokens == 4 and not h.is_valid()
+    other = shmkv.connect(coord.address, timeout=10)
+    g = other.allocate(4)
+    other.close()
+    with pytest.raises(shmkv.HandleClosed):
+        g.key_cache(0)
+    with pytest.raises(shmkv.HandleClosed):
+        other.allocate(1)
+    wait_until(lambda: client.stats()["referenced_blocks"] == 1, 2.0)
+
+
+def test_foreign_handles_are_refused(coord, client, small_config, unique_name):
+    mine = client.allocate(4)
+    mine.write(0, torch.ones(4, 4, 8), torch.ones(4, 4, 8), start=0)
+    with shmkv.connect(coord.address, timeout=10) as other:
+        theirs = other.allocate(4)
+        shared = other.open(mine.export(ttl=30))    # the same sequence, another client
+        with Unchanged(client):
+            with pytest.raises(shmkv.InvalidArgument, match="not a handle of this client"):
+                other.extend_many([(mine, 4)])
+            with pytest.raises(shmkv.InvalidArgument, match="not a handle of this client"):
+                other.close_many([theirs, mine])
+            with pytest.raises(shmkv.InvalidArgument):
+                client.close_many([shared])
+            with pytest.raises(shmkv.InvalidArgument):
+                other.extend_many([("kv-1", 1)])
+        assert mine.is_valid() and theirs.is_valid() and shared.is_valid()
+        assert mine.num_tokens == 4 and shared.num_tokens == 4
+        shared.close()
+        theirs.close()
+    mine.close()
+    wait_until(lambda: client.stats()["referenced_blocks"] == 0, 2.0)
+
+    # a handle of another coordinator whose cache id exists here too
+    with shmkv.Coordinator(small_config, name=unique_name + "-b") as coord_b, \
+            shmkv.connect(coord_b.address, timeout=10) as client_b:
+        here = client.allocate(4)
+        there = [client_b.allocate(4) for _ in range(here._cache_id)]
+        assert there[-1]._cache_id == here._cache_id
+        with Unchanged(client), Unchanged(client_b):
+            with pytest.raises(shmkv.InvalidArgument):
+                client_b.extend_many([(here, 4)])
+            with pytest.raises(shmkv.InvalidArgument):
+                client_b.close_many([here])
+        assert here.num_tokens == 4 and here.block_table.num_blocks() == 1
+        here.close()
+        client_b.close_many(there)
