@@ -125,6 +125,7 @@ class Client:
                 os.close(fd)
         self.pool = self._memory.rank_view(self.tp_rank, self.tp_size)
         self.owner = self._memory.owner
+        self.epoch = self._memory.epoch
         self._poll = select.poll()
         self._poll.register(sock, select.POLLHUP | select.POLLERR)
 
@@ -217,10 +218,10 @@ class Client:
         from .handle import SequenceState
         state = self._states.get(info["cache_id"])
         if state is None:
-            state = self._states[info["cache_id"]] = SequenceState(info["blocks"],
-                                                                   info["num_tokens"])
+            state = self._states[info["cache_id"]] = SequenceState(
+                info["blocks"], info["num_tokens"], info["epoch"])
         elif state.seq_len != info["num_tokens"] or state.blocks != info["blocks"]:
-            state.update(info["blocks"], info["num_tokens"])
+            state.update(info["blocks"], info["num_tokens"], info["epoch"])
         state.num_handles += 1
         return state
 

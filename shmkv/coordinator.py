@@ -162,7 +162,7 @@ class Coordinator:
                 BlockPool(self.config.num_blocks, owner=self.memory.owner),
                 self.config.block_size, self.config.tp_size,
                 copy_block=self.memory.copy_block, max_handoffs=self.max_handoffs,
-                max_handoff_ttl=self.max_handoff_ttl)
+                max_handoff_ttl=self.max_handoff_ttl, epoch=self.memory.epoch)
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self._listener = listener
             old_umask = os.umask(0o177)

@@ -2,7 +2,8 @@
 
 Owns the choice between the CPU backend (``shmkv.shm``) and the CUDA backend
 (``shmkv.cuda``), the typed 6-d views of the raw allocation, and the small metadata
-segment that every pool has (the ``owner`` array, always in host shared memory).
+segment that every pool has (the ``owner`` array and the copy-on-write ``epoch``,
+always in host shared memory).
 Does not decide which block holds what (``shmkv.allocator``) and does no socket I/O.
 
 A pool is a list of device pools: one on CPU (every tensor-parallel rank sees its
@@ -23,9 +24,11 @@ class PoolMemory:
     """The memory of one pool as seen by one process.
 
     ``device_pools[i]`` is a tensor ``[num_blocks, num_layers, 2, block_size, heads_i,
-    head_dim]``. ``owner`` is the int64 metadata array (writable in the coordinator,
-    read-only in workers). ``fds`` are the descriptors a worker needs (coordinator
-    side); ``descriptor`` is the msgpack-able description sent in the handshake.
+    head_dim]``. ``owner`` is the int64 per-block metadata array and ``epoch`` a
+    one-element int64 array that counts block-table replacements (copy-on-write);
+    both are writable in the coordinator and read-only in workers. ``fds`` are the
+    descriptors a worker needs (coordinator side); ``descriptor`` is the msgpack-able
+    description sent in the handshake.
 
     ``close()`` releases this process's descriptors and metadata mapping; the pool
     tensors stay valid for as long as Python references them (their storage owns
@@ -36,6 +39,8 @@ class PoolMemory:
         self.config = config
         self.device_pools: List = []
         self.owner = None
+        self.epoch = None
+        self._meta_view = None
         self._meta_map = None
         self.fds: List[int] = []
         self.descriptor: dict = {}
@@ -61,6 +66,14 @@ class PoolMemory:
         for pool in self.device_pools:
             pool[dst].copy_(pool[src])
 
+    def _map_meta(self, fd: int, nbytes: int, writable: bool) -> None:
+        n = self.config.num_blocks
+        if nbytes != 8 * (n + 1):
+            raise LayoutMismatch(f"metadata segment of {nbytes} bytes, expected {8 * (n + 1)}")
+        self._meta_map, self._meta_view = shm.map_array(fd, nbytes, writable)
+        self.owner = self._meta_view[:n]
+        self.epoch = self._meta_view[n:]
+
     def close_fds(self) -> None:
         """Close this process's descriptors (mappings stay). Idempotent."""
         for fd in self.fds:
@@ -73,9 +86,11 @@ class PoolMemory:
     def close(self) -> None:
         """Release descriptors and the metadata mapping. Idempotent."""
         self.close_fds()
-        if self.owner is not None:
-            self.owner.release()
-            self.owner = None
+        for name in ("owner", "epoch", "_meta_view"):  # every export before the unmap
+            view = getattr(self, name)
+            if view is not None:
+                view.release()
+                setattr(self, name, None)
         if self._meta_map is not None:
             self._meta_map.close()
             self._meta_map = None
@@ -90,11 +105,11 @@ def _typed(raw, config: PoolConfig, heads: int):
 def create_pool(config: PoolConfig) -> PoolMemory:
     """Allocate a pool and its metadata (coordinator side). Nothing leaks on failure."""
     memory = PoolMemory(config)
-    meta_bytes = 8 * config.num_blocks
+    meta_bytes = 8 * (config.num_blocks + 1)
     try:
         meta_fd = shm.create_segment(meta_bytes, "metadata")
         memory.fds.append(meta_fd)
-        memory._meta_map, memory.owner = shm.map_array(meta_fd, meta_bytes, writable=True)
+        memory._map_meta(meta_fd, meta_bytes, writable=True)
         memory.descriptor = {"meta_bytes": meta_bytes, "fingerprint": config.fingerprint()}
         if config.is_cuda:
             from . import cuda
@@ -127,7 +142,7 @@ def attach_pool(config: PoolConfig, descriptor: dict, fds: List[int]) -> PoolMem
         if len(fds) != expected_fds:
             raise LayoutMismatch(f"handshake passed {len(fds)} descriptors, expected "
                                  f"{expected_fds}")
-        memory._meta_map, memory.owner = shm.map_array(fds[0], descriptor["meta_bytes"],
+        memory._map_meta(fds[0], descriptor["meta_bytes"],
                                                        writable=False)
         if config.is_cuda:
             from . import cuda

@@ -170,8 +170,18 @@ class Response:
 # -- framing -----------------------------------------------------------------------------
 
 def encode(obj: Any) -> bytes:
-    """One frame: length prefix + msgpack body."""
-    body = msgpack.packb(obj, use_bin_type=True)
+    """One frame: length prefix + msgpack body.
+
+    Raises:
+        InvalidArgument: an int outside the 64-bit range msgpack carries.
+        WrongType: a value of a type the wire does not carry (tensors, objects).
+    """
+    try:
+        body = msgpack.packb(obj, use_bin_type=True)
+    except (OverflowError, ValueError) as exc:
+        raise errors.InvalidArgument(f"a value does not fit the wire format: {exc}") from None
+    except TypeError as exc:
+        raise errors.WrongType(f"a value cannot be sent to the coordinator: {exc}") from None
     return _HEADER.pack(len(body)) + body
 
 

@@ -14,6 +14,7 @@ sockets, so the whole state machine is testable in one process.
 from __future__ import annotations
 
 import heapq
+from array import array
 import hmac
 import os
 import time
@@ -88,12 +89,15 @@ class SequenceTable:
         max_handoffs: outstanding hand-off tokens allowed at once.
         max_handoff_ttl: the longest ``ttl`` an export may ask for, in seconds.
         clock: monotonic clock (seconds), injectable for tests.
+        epoch: a writable one-element int64 array (shared memory in the coordinator),
+            bumped whenever an existing block-table entry is replaced, so that readers
+            in other processes know to refresh their tables.
     """
 
     def __init__(self, pool: BlockPool, block_size: int, tp_size: int = 1,
                  copy_block: Callable[[int, int], None] = lambda src, dst: None,
                  max_handoffs: int = 65536, max_handoff_ttl: float = 3600.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, epoch=None):
         self.pool = pool
         self.block_size = block_size
         self.tp_size = tp_size
@@ -101,6 +105,7 @@ class SequenceTable:
         self.max_handoffs = max_handoffs
         self.max_handoff_ttl = max_handoff_ttl
         self.clock = clock
+        self.epoch = epoch if epoch is not None else array("q", [0])
         self.sequences: Dict[int, Sequence] = {}
         self.conn_refs: Dict[int, Dict[int, int]] = {}
         self.handoffs: Dict[int, _Handoff] = {}
@@ -229,7 +234,7 @@ class SequenceTable:
                 counters["prefix_hit_tokens"] += seq.num_cached
                 counters["prefix_miss_tokens"] += num_tokens - seq.num_cached
             self._ref(conn_id, seq)
-            results.append(seq.info())
+            results.append(self._info(seq))
         return results
 
     def allocate(self, conn_id: int, num_tokens: int = 0, prompt=None, cache_salt=None,
@@ -252,6 +257,7 @@ class SequenceTable:
         assert new is not None
         self.copy_block(old, new[0])
         seq.block_ids[index] = new[0]
+        self.epoch[0] += 1
         self.pool.decref((old,))
         self.counters["cow_copies"] += 1
 
@@ -294,6 +300,7 @@ class SequenceTable:
                 f"pool exhausted: need {need} blocks, {self.pool.num_available} free or "
                 f"evictable (num_blocks={self.pool.num_blocks}); free handles or raise num_blocks")
         results = []
+        epoch_before = self.epoch[0]
         for seq, num, tokens, need_blocks, copy_last in plans:
             table_from = len(seq.block_ids)
             if num and seq.num_tokens % self.block_size:
@@ -308,7 +315,8 @@ class SequenceTable:
             seq.num_tokens += num
             self._extend_keys(seq, num, tokens)
             results.append({"start": start, "num_tokens": seq.num_tokens,
-                            "table_from": table_from, "blocks": seq.block_ids[table_from:]})
+                            "table_from": table_from, "blocks": seq.block_ids[table_from:],
+                            "epoch_before": epoch_before, "epoch": self.epoch[0]})
         return results
 
     def extend(self, conn_id: int, cache_id: int, num_tokens: int, tokens=None) -> dict:
@@ -358,7 +366,7 @@ class SequenceTable:
                     self._cow(seq, i)
                 else:
                     self._writable(seq, i)
-        return seq.info()
+        return self._info(seq)
 
     def commit(self, conn_id: int, cache_id: int, num_tokens: int,
                tp_rank: Optional[int] = None) -> int:
@@ -392,13 +400,19 @@ class SequenceTable:
     # -- references ----------------------------------------------------------------------
 
     def info(self, conn_id: int, cache_id: int) -> dict:
-        return self._held(conn_id, cache_id).info()
+        return self._info(self._held(conn_id, cache_id))
+
+    def _info(self, seq: Sequence) -> dict:
+        """A sequence's table and length, with the copy-on-write epoch they are valid for."""
+        out = seq.info()
+        out["epoch"] = self.epoch[0]
+        return out
 
     def clone(self, conn_id: int, cache_id: int) -> dict:
         """A new reference to the same sequence (no copy)."""
         seq = self._held(conn_id, cache_id)
         self._ref(conn_id, seq)
-        return seq.info()
+        return self._info(seq)
 
     def fork(self, conn_id: int, cache_id: int) -> dict:
         """A new sequence sharing every block of ``cache_id`` (copy-on-write on writes)."""
@@ -412,7 +426,7 @@ class SequenceTable:
         child.num_committed = parent.num_committed
         child.rank_tokens = list(parent.rank_tokens)
         self._ref(conn_id, child)
-        return child.info()
+        return self._info(child)
 
     def release(self, conn_id: int, cache_id: int) -> None:
         """Drop one reference this connection holds."""
@@ -477,7 +491,7 @@ class SequenceTable:
         seq = self.sequences[handoff.cache_id]
         seq.num_refs -= 1  # the token's reference moves to the connection
         self._ref(conn_id, seq)
-        return seq.info()
+        return self._info(seq)
 
     def expire(self, now: Optional[float] = None) -> int:
         """Drop hand-offs past their deadline; returns how many expired."""

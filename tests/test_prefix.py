@@ -124,3 +124,21 @@ def test_stats_count_hits_misses_evictions_copies(client, coord):
     assert st["prefix_hit_tokens"] == 8 and st["prefix_miss_tokens"] == 10
     for key in ("cached_blocks", "evictions", "cow_copies"):
         assert key in st
+
+
+def test_other_clients_of_a_sequence_see_its_copy_on_write(coord, client):
+    """A copy-on-write made through one client moves the sequence to a new block; a
+    handle of the same sequence in another client must follow, never read the fork's."""
+    with shmkv.connect(coord.address) as other:
+        p = client.allocate(2)
+        p.write(0, torch.ones(2, 4, 8), torch.ones(2, 4, 8), start=0)
+        pb = other.open(p.export(10))
+        assert torch.equal(pb.key_cache(0), torch.ones(2, 4, 8))
+        c = p.fork()
+        p.write(0, torch.full((2, 4, 8), 2.0), torch.full((2, 4, 8), 2.0), start=0)
+        c.write(0, torch.full((2, 4, 8), 9.0), torch.full((2, 4, 8), 9.0), start=0)
+        assert torch.equal(pb.key_cache(0), torch.full((2, 4, 8), 2.0))
+        assert torch.equal(pb.gather_all()[0, 0], torch.full((2, 4, 8), 2.0))
+        k_pages, _v, table = pb.paged_kv(0)
+        assert table.tolist() == p.block_table.to_tensor().tolist()
+        assert torch.equal(c.key_cache(0), torch.full((2, 4, 8), 9.0))
