@@ -3,8 +3,10 @@ bytes. Whatever a peer sends, the coordinator answers with an error or drops onl
 connection, stays up, keeps serving another client unchanged, and its metadata is
 unchanged once the fuzzing connection is gone."""
 
+import os
 import random
 import socket
+import sys
 import struct
 import time
 
@@ -15,6 +17,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import shmkv
 from shmkv import protocol
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+from fuzz import frame, raw_connect  # noqa: E402  (one copy of the raw-socket helpers)
 
 MAX_FRAME = 64 * 1024
 STATE_KEYS = ("num_blocks", "free_blocks", "cached_blocks", "referenced_blocks", "sequences",
@@ -63,26 +68,6 @@ def fuzzed(small_config, unique_name):
         f = Fuzzed(coord)
         yield f
         f.close()
-
-
-def raw_connect(address: str, hello: bool = True) -> socket.socket:
-    """A raw socket to the coordinator, greeted with a valid hello (fds closed)."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(5)
-    sock.connect(address)
-    if hello:
-        sock.sendall(protocol.encode_request(0, "hello", {"version": protocol.PROTOCOL_VERSION}))
-        decoder = protocol.FrameDecoder()
-        while True:
-            data, fds, _flags, _addr = socket.recv_fds(sock, 1 << 16, 4)
-            for fd in fds:
-                socket.close(fd)
-            assert data, "coordinator closed the connection during hello"
-            frames = list(decoder.feed(data))
-            if frames:
-                assert protocol.parse_response(frames[0]).code == 0
-                break
-    return sock
 
 
 def exchange(sock: socket.socket, payload: bytes) -> list:
@@ -183,11 +168,6 @@ def envelopes(draw, ref_ids):
     if shape == 2:
         return [request_id, op, args, draw(values)]  # too long
     return [request_id, op, args]
-
-
-def frame(obj) -> bytes:
-    body = msgpack.packb(obj, use_bin_type=True)
-    return struct.pack(">I", len(body)) + body
 
 
 def refused_for_others(request, ref_ids) -> bool:
