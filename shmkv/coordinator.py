@@ -78,6 +78,26 @@ def _lock_name(address: str) -> bytes:
     return f"\0shmkv-lock-{os.getuid()}-{digest}".encode()
 
 
+def remove_stale_socket(address: str) -> bool:
+    """Remove the socket file at ``address`` if no live coordinator serves it.
+
+    For whoever supervises a coordinator that died without cleaning up (SIGKILL).
+    Returns True when a stale file was removed.
+    """
+    lock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        lock.bind(_lock_name(address))
+    except OSError:
+        return False  # a live coordinator holds it
+    try:
+        os.unlink(address)
+        return True
+    except FileNotFoundError:
+        return False
+    finally:
+        lock.close()
+
+
 class _Conn:
     __slots__ = ("sock", "conn_id", "decoder", "outbuf", "pid", "greeted", "closing", "events")
 

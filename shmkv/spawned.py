@@ -89,7 +89,10 @@ class SpawnedCoordinator:
         return self.process.is_alive()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Ask the process to stop; kill it if it has not within ``timeout``. Idempotent."""
+        """Ask the process to stop; kill it if it has not within ``timeout``. Idempotent.
+
+        Also removes the socket file a coordinator killed earlier left behind.
+        """
         if self._pipe is not None:
             try:
                 self._pipe.send("stop")
@@ -102,9 +105,14 @@ class SpawnedCoordinator:
         if self._pipe is not None:
             self._pipe.close()
             self._pipe = None
+        if not self.process.is_alive():
+            from .coordinator import remove_stale_socket
+            remove_stale_socket(self.address)
 
     def kill(self) -> None:
-        """SIGKILL the coordinator (for crash tests) and reap it."""
+        """SIGKILL the coordinator (for crash tests) and reap it. Like a real crash, this
+        leaves its socket file; :meth:`stop` or the next coordinator on the address
+        removes it."""
         self.process.kill()
         self.process.join(5)
         if self._pipe is not None:

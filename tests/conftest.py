@@ -60,14 +60,21 @@ def _reap(grace: float) -> list:
     return leaked
 
 
+def socket_files() -> set:
+    from shmkv.coordinator import runtime_dir
+    return set(os.listdir(runtime_dir()))
+
+
 @pytest.fixture(autouse=True)
 def _no_leaks():
-    before = shm_entries()
+    before, sockets_before = shm_entries(), socket_files()
     yield
     leaked = _reap(grace=5.0)
     new_shm = shm_entries() - before
+    new_sockets = socket_files() - sockets_before
     assert not leaked, f"child processes outlived the test: {leaked}"
     assert not new_shm, f"/dev/shm entries outlived the test: {sorted(new_shm)}"
+    assert not new_sockets, f"socket files outlived the test: {sorted(new_sockets)}"
 
 
 @pytest.fixture(scope="session", autouse=True)
