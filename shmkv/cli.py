@@ -87,18 +87,9 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=5.0)
     p.set_defaults(func=cmd_stats)
 
-    from . import demo
-    demo.add_parser(sub)
-    try:
-        from . import stress
-        stress.add_parser(sub)
-    except ImportError:  # pragma: no cover - module not present in a partial install
-        pass
-    try:
-        from . import bench
-        bench.add_parser(sub)
-    except ImportError:  # pragma: no cover
-        pass
+    from . import bench, demo, stress
+    for module in (demo, stress, bench):
+        module.add_parser(sub)
 
     args = parser.parse_args(argv)
     from .errors import ShmkvError

@@ -553,10 +553,10 @@ class KvCacheHandle:
             if out is not None:
                 return out.copy_(block) if n else out
             return block.clone() if n else self._client.pool.new_empty(shape)
-        if out is None:
-            out = self._client.pool.new_empty(shape)
-        _, (middle, middle_rows), (tail_row, tail_len) = self._spans(0, n)
         views = _views(self._client)  # index_select copies whole rows: no copy unit needed
+        if out is None:  # into fresh pages, token rows copy faster than whole blocks
+            return views.rows.index_select(0, self._rows(0, n)[2 * layer + which])
+        _, (middle, middle_rows), (tail_row, tail_len) = self._spans(0, n)
         full = middle.shape[1]
         dst = out[:full * bs] if tail_len else out
         torch.index_select(views.chunks, 0, middle_rows[2 * layer + which],
@@ -596,11 +596,11 @@ class KvCacheHandle:
         if out is not None:
             self._check_out(out, shape)
         self._last_access = time.time()
-        if out is None:
-            out = self._client.pool.new_empty(shape)
         if n == 0:
-            return out
+            return out if out is not None else self._client.pool.new_empty(shape)
         views = _views(self._client)  # index_select copies whole rows: no copy unit needed
+        if out is None:  # into fresh pages, token rows copy faster than whole blocks
+            return views.rows.index_select(0, self._rows(0, n).view(-1)).view(shape)
         _, (middle, _), (_, tail_len) = self._spans(0, n)
         if not tail_len:  # whole blocks: one memcpy per block and layer
             bs = self._client.config.block_size
