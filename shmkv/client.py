@@ -58,6 +58,7 @@ class Client:
         self._sock: Optional[socket.socket] = None
         self._poll = None
         self._memory: Optional[PoolMemory] = None
+        self._owns_memory = False
         self._gone = False
         self._closed = False
         self._pid = os.getpid()
@@ -111,9 +112,9 @@ class Client:
                 self._memory = local
                 self._owns_memory = False
             else:
-                self._memory = attach_pool(config, hello["memory"], fds)
+                owned, fds = fds, []  # attach_pool closes them, on failure too
+                self._memory = attach_pool(config, hello["memory"], owned)
                 self._owns_memory = True
-                fds = []
         except socket.timeout:
             raise CoordinatorTimeout(f"handshake with {self.address} timed out after "
                                      f"{self.timeout} s") from None
@@ -180,6 +181,9 @@ class Client:
             except socket.timeout:
                 self._gone = True  # the stream is out of step now; stop using it
                 raise CoordinatorTimeout(f"{op} got no answer within {self.timeout} s") from None
+            except ProtocolError:
+                self._gone = True  # an undecodable answer: the stream cannot be trusted
+                raise
             except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError):
                 self._gone = True
                 raise self._drop_reason() from None
@@ -222,6 +226,8 @@ class Client:
                 info["blocks"], info["num_tokens"], info["epoch"])
         elif state.seq_len != info["num_tokens"] or state.blocks != info["blocks"]:
             state.update(info["blocks"], info["num_tokens"], info["epoch"])
+        else:
+            state.epoch = max(state.epoch, info["epoch"])
         state.num_handles += 1
         return state
 
@@ -305,7 +311,7 @@ class Client:
         handles = list(handles)
         for h in handles:
             self._check_own(h)
-        live = [h for h in handles if not h._closed]
+        live = list({id(h): h for h in handles if not h._closed}.values())  # once each
         if not live:
             return
         try:
@@ -352,7 +358,7 @@ class Client:
     def _teardown(self) -> None:
         if self._sock is not None:
             self._sock.close()
-        if self._memory is not None and getattr(self, "_owns_memory", False):
+        if self._memory is not None and self._owns_memory:
             self._memory.close()
 
     def __enter__(self) -> "Client":
@@ -414,4 +420,9 @@ def process_client(address: str, tp_rank: Optional[int], tp_size: Optional[int])
         client = _registry.get(key)
         if client is not None and client.is_alive():
             return client
-    return connect(address, tp_rank, tp_size)
+    if client is not None:  # its coordinator is gone: replace it
+        client.close()
+    client = Client(address, tp_rank, tp_size)
+    with _registry_lock:
+        _registry[key] = client
+    return client

@@ -20,6 +20,7 @@ import logging
 import os
 import selectors
 import socket
+import stat
 import struct
 import tempfile
 import threading
@@ -90,6 +91,8 @@ def remove_stale_socket(address: str) -> bool:
     except OSError:
         return False  # a live coordinator holds it
     try:
+        if not stat.S_ISSOCK(os.lstat(address).st_mode):
+            return False
         os.unlink(address)
         return True
     except FileNotFoundError:
@@ -164,6 +167,8 @@ class Coordinator:
         self._next_conn_id = 1
         self._stopping = False
         self._serving = False
+        self._accept_paused_until = 0.0
+        self._close_lock = threading.Lock()
         self._started_at = 0.0
         self.num_ops = 0
         self.ops_by_type: Dict[str, int] = {}
@@ -216,6 +221,9 @@ class Coordinator:
         if not os.path.isdir(directory):
             raise InvalidArgument(f"socket directory {directory} does not exist")
         if os.path.lexists(self.address):  # left by a dead coordinator: we hold the lock
+            if not stat.S_ISSOCK(os.lstat(self.address).st_mode):
+                raise InvalidArgument(f"{self.address} exists and is not a socket; "
+                                      "choose another address")
             os.unlink(self.address)
 
     def start(self) -> "Coordinator":
@@ -248,7 +256,12 @@ class Coordinator:
             self.close()
 
     def close(self) -> None:
-        """Release everything this object holds. Safe on a half-built coordinator."""
+        """Release everything this object holds. Safe on a half-built coordinator, and
+        when a signal handler's stop() races the loop's own exit."""
+        with self._close_lock:
+            self._close()
+
+    def _close(self) -> None:
         for conn in list(self._conns.values()):
             self._drop(conn, count=False)
         if self._listener is not None:
@@ -301,6 +314,12 @@ class Coordinator:
             while not self._stopping:
                 deadline = self.table.next_deadline()
                 wait = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
+                if self._accept_paused_until:
+                    if time.monotonic() >= self._accept_paused_until:
+                        self._accept_paused_until = 0.0
+                        selector.register(self._listener, selectors.EVENT_READ, None)
+                    else:
+                        wait = min(wait, 0.1)
                 for key, events in selector.select(wait):
                     sock = key.fileobj
                     if sock is self._listener:
@@ -331,6 +350,10 @@ class Coordinator:
                 return
             except OSError as exc:
                 if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    # Out of descriptors: stop listening for a moment instead of spinning
+                    # on a listener that stays readable; connected clients are served.
+                    selector.unregister(self._listener)
+                    self._accept_paused_until = time.monotonic() + 0.1
                     return
                 raise
             pid, uid, _gid = _UCRED.unpack(
@@ -393,6 +416,8 @@ class Coordinator:
         self._flush(conn, selector)
 
     def _flush(self, conn: _Conn, selector) -> None:
+        if conn.conn_id not in self._conns:  # dropped while reading this round
+            return
         try:
             while conn.outbuf:
                 sent = conn.sock.send(conn.outbuf)
@@ -477,8 +502,10 @@ class Coordinator:
     def _op_allocate_many(self, conn, requests):
         checked = []
         for req in requests:
-            args = protocol.validate_args("allocate", req)
-            checked.append(args)
+            try:
+                checked.append(protocol.validate_args("allocate", req))
+            except ProtocolError as exc:  # a bad sub-request is a bad argument, not a bad stream
+                raise WrongType(f"allocate_many: {exc}") from None
         return self.table.allocate_many(conn.conn_id, checked)
 
     def _op_extend(self, conn, cache_id, num_tokens, tokens=None):

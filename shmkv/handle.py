@@ -266,7 +266,9 @@ class KvCacheHandle:
     def refresh(self) -> None:
         """Fetch the sequence's current length and block table (after other processes
         extended it)."""
-        self._check_open()
+        if self._closed:
+            raise HandleClosed(f"handle on {self.cache_id} is closed")
+        self._client.check()
         self._apply_info(self._client.request("info", cache_id=self._cache_id))
 
     def extend(self, num_tokens: int, tokens=None) -> int:

@@ -93,9 +93,6 @@ OPS = {
     "stats": {},
 }
 
-# Sub-requests of allocate_many take the allocate arguments.
-SUB_OPS = {"allocate_many": "allocate"}
-
 
 def _check_kind(op: str, name: str, kind: str, value: Any) -> None:
     ok = True

@@ -354,10 +354,10 @@ class SequenceTable:
         if num_tokens:
             first, last = start // self.block_size, (start + num_tokens - 1) // self.block_size
             pool, cid = self.pool, seq.cache_id
-            copies = [i for i in range(first, last + 1)
+            copies = {i for i in range(first, last + 1)
                       if pool.owner[seq.block_ids[i]] != cid
                       and not (pool.ref_cnt[seq.block_ids[i]] == 1
-                               and pool.block_key[seq.block_ids[i]] is None)]
+                               and pool.block_key[seq.block_ids[i]] is None)}
             if len(copies) > pool.num_available:
                 raise PoolExhausted(f"pool exhausted: copy-on-write needs {len(copies)} "
                                     f"blocks, {pool.num_available} free or evictable")

@@ -77,6 +77,9 @@ class SpawnedCoordinator:
                                               f"(exit code {process.exitcode})")
         if message[0] != "ready":
             process.join(5)
+            if process.is_alive():
+                process.kill()
+                process.join(5)
             parent_end.close()
             from . import errors
             cls_ = getattr(errors, message[1], ShmkvError)

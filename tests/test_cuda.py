@@ -1,5 +1,7 @@
 """CUDA IPC pool: run on a machine with an NVIDIA GPU (skipped cleanly without one)."""
 
+import time
+
 import pytest
 import torch
 
@@ -56,13 +58,15 @@ def test_handles_turn_invalid_when_the_coordinator_dies(unique_name):
                            block_size=16, dtype=torch.float16, device="cuda:0")
     coord = shmkv.Coordinator.spawn(cfg, name=unique_name)
     client = shmkv.connect(coord.address)
-    h = client.allocate(4)
-    coord.kill()
-    import time
-    deadline = time.monotonic() + 2
-    while h.is_valid() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not h.is_valid()
-    with pytest.raises(shmkv.CoordinatorGone):
-        h.key_cache(0)
-    client.close()
+    try:
+        h = client.allocate(4)
+        coord.kill()
+        deadline = time.monotonic() + 2
+        while h.is_valid() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not h.is_valid()
+        with pytest.raises(shmkv.CoordinatorGone):
+            h.key_cache(0)
+    finally:
+        client.close()
+        coord.stop()            # reaps it and removes the socket file the kill left

@@ -57,11 +57,13 @@ def test_fingerprint_depends_on_layout():
 
 
 def test_pool_larger_than_dev_shm_fails_before_allocating(unique_name):
+    import os
     from shmkv.shm import shm_free_bytes
+    before = set(os.listdir("/dev/shm"))
     free = shm_free_bytes()
     blocks = free // (2 * 2 * 16 * 8 * 128 * 2) + 1024
     cfg = PoolConfig(num_layers=2, num_kv_heads=8, head_dim=128, num_blocks=blocks)
     assert cfg.nbytes > free
     with pytest.raises(shmkv.InvalidArgument, match="does not fit"):
         shmkv.Coordinator(cfg, name=unique_name).start()
-    assert not [n for n in __import__("os").listdir("/dev/shm") if n.startswith("shmkv-")]
+    assert set(os.listdir("/dev/shm")) == before

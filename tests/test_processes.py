@@ -224,3 +224,23 @@ def test_second_coordinator_on_a_live_name_is_refused(coord, small_config):
 def test_connect_to_nothing_is_coordinator_gone(unique_name):
     with pytest.raises(shmkv.CoordinatorGone, match="no coordinator"):
         shmkv.connect(shmkv.default_address(unique_name))
+
+
+def test_close_many_drops_each_handle_once(client):
+    h = client.allocate(4)
+    keep = h.clone_handle()
+    k = torch.randn(4, 4, 8)
+    h.write(0, k, k, start=0)
+    client.close_many([h, h])              # the same handle twice: one reference dropped
+    assert client.stats()["referenced_blocks"] == 1
+    assert torch.equal(keep.key_cache(0), k)
+    keep.close()
+    assert client.stats()["referenced_blocks"] == 0
+
+
+def test_a_regular_file_at_the_address_is_never_removed(small_config, tmp_path):
+    path = tmp_path / "not-a-socket"
+    path.write_text("precious")
+    with pytest.raises(shmkv.InvalidArgument, match="not a socket"):
+        shmkv.Coordinator(small_config, address=str(path)).start()
+    assert path.read_text() == "precious"

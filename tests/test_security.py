@@ -187,6 +187,7 @@ def test_expired_token_fails_and_its_reference_is_gone(client):
     after = state(client)
     assert after["handoffs"] == 0 and after["referenced_blocks"] == 0
     assert after["sequences"] == before["sequences"]
+    assert client.stats()["expired_handoffs"] == 1      # it expired, not something else
 
 
 def test_a_token_of_another_coordinator_fails(small_config, unique_name, client):
