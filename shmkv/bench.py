@@ -40,6 +40,20 @@ GIB = 1 << 30
 MODEL = dict(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
 
 
+
+CHILD_IDLE_TIMEOUT = 600.0
+
+
+def _next_command(conn, timeout: float = CHILD_IDLE_TIMEOUT):
+    """The parent's next message to a measuring child, or None (stop) when the parent
+    has said nothing for ``timeout`` seconds or is gone."""
+    try:
+        if not conn.poll(timeout):
+            return None
+        return conn.recv()
+    except (EOFError, OSError):
+        return None
+
 class BenchError(RuntimeError):
     """A benchmark step failed or a helper process did not answer in time."""
 
@@ -364,7 +378,7 @@ def _child_attach(conn, address: str, baseline: str, repeats: int, touch: bool) 
     import gc
     import torch
     from .client import connect
-    ready = conn.recv()  # start timing only when the parent says so
+    ready = _next_command(conn)  # start timing only when the parent says so
     if ready is None:
         return
     t0 = time.perf_counter()
@@ -392,7 +406,7 @@ def _child_attach(conn, address: str, baseline: str, repeats: int, touch: bool) 
     result["warm_s"] = times["pool"]
     result["baseline_s"] = times["baseline"]
     conn.send(("ok", result))
-    conn.recv()  # hold the process until the parent is done with it
+    _next_command(conn)  # hold the process until the parent is done with it
 
 
 def _pool_sweep(opts: Options, cleanup: _Cleanup, cache: dict) -> list:
@@ -443,7 +457,7 @@ def _child_attach_wait(conn) -> None:
     """A fresh worker: import everything, then attach when told (see ``_child_attach``)."""
     import torch  # noqa: F401  (imports are outside the timed region)
     from . import client  # noqa: F401
-    args = conn.recv()
+    args = _next_command(conn)
     if args is None:
         return
     conn.send("ready")
@@ -560,7 +574,10 @@ class _EchoClient:
         self.next_id += 1
         self.sock.sendall(self.protocol.encode_request(request_id, "ping", {}))
         while True:
-            for obj in self.decoder.feed(self.sock.recv(1 << 18)):
+            data = self.sock.recv(1 << 18)
+            if not data:
+                raise BenchError("the echo server closed the connection")
+            for obj in self.decoder.feed(data):
                 return self.protocol.parse_response(obj).unwrap()
 
     def close(self):
@@ -732,7 +749,7 @@ def _child_producer(conn, address: str, tokens: int, threads: int, torch_queue,
     try:
         conn.send("ready")
         while True:
-            command = conn.recv()
+            command = _next_command(conn)
             if command is None:
                 return
             method, rep = command
@@ -785,7 +802,7 @@ def _child_consumer(conn, address: str, tokens: int, threads: int, torch_queue,
                       dtype=client.pool.dtype)
     conn.send("ready")
     while True:
-        method = conn.recv()
+        method = _next_command(conn)
         if method is None:
             break
         if method == "shmkv":
@@ -885,7 +902,7 @@ def _child_scaling(conn, address: str) -> None:
     step_bytes = 2 * kv.numel() * kv.element_size()
     conn.send("ready")
     while True:
-        command = conn.recv()
+        command = _next_command(conn)
         if command is None:
             break
         kind, start, end = command
