@@ -293,7 +293,8 @@ class Client:
         for item in items:
             handle, num = item[0], item[1]
             self._check_own(handle)
-            handle._check_open()
+            if handle._closed:  # liveness is checked once, by request()
+                raise HandleClosed(f"handle on {handle.cache_id} is closed")
             entry = [handle._cache_id, num]
             if len(item) > 2 and item[2] is not None:
                 entry.append(_token_list(item[2]))

@@ -129,6 +129,14 @@ class SequenceState:
         self.epoch = epoch
         self.index_cache.clear()
 
+    def extend(self, table_from: int, blocks, seq_len: int, epoch: int) -> None:
+        """Replace the table from ``table_from`` on (an extend's answer)."""
+        del self.blocks[table_from:]
+        self.blocks.extend(blocks)
+        self.seq_len = seq_len
+        self.epoch = epoch
+        self.index_cache.clear()
+
 
 @dataclasses.dataclass(frozen=True)
 class CacheHandleStats:
@@ -258,9 +266,9 @@ class KvCacheHandle:
         if table_from > len(self._blocks) or result["epoch_before"] != self._state.epoch:
             # another process extended it or replaced blocks meanwhile: the tail is not enough
             self._apply_info(self._client.request("info", cache_id=self._cache_id))
-        else:
-            self._state.update(self._blocks[:table_from] + result["blocks"],
-                               result["num_tokens"], result["epoch"])
+        else:  # in place: O(new blocks), not O(table), per decode step
+            self._state.extend(table_from, result["blocks"], result["num_tokens"],
+                               result["epoch"])
         return result["start"]
 
     def refresh(self) -> None:
@@ -281,7 +289,6 @@ class KvCacheHandle:
         Raises:
             PoolExhausted: not enough blocks (nothing changed).
         """
-        self._check_open()
         if self._view_len is not None:
             raise InvalidArgument("this handle views a fixed length (with_sequence_length); "
                                   "extend a handle on the whole sequence")

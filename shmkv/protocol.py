@@ -94,6 +94,10 @@ OPS = {
 }
 
 
+_REQUIRED = {op: tuple(name for name, (_kind, required) in spec.items() if required)
+             for op, spec in OPS.items()}
+
+
 def _check_kind(op: str, name: str, kind: str, value: Any) -> None:
     ok = True
     if kind == "int":
@@ -125,19 +129,18 @@ def validate_args(op: str, args: Any) -> dict:
         raise errors.ProtocolError(f"unknown op {op!r}")
     if not isinstance(args, dict):
         raise errors.ProtocolError(f"{op}: arguments must be a map")
-    unknown = set(args) - set(spec)
-    if unknown:
-        raise errors.ProtocolError(f"{op}: unknown argument(s) {sorted(map(str, unknown))}")
-    out = {}
-    for name, (kind, required) in spec.items():
-        value = args.get(name)
-        if value is None:
-            if required:
-                raise errors.ProtocolError(f"{op}: missing argument {name!r}")
-            out[name] = None
-            continue
-        _check_kind(op, name, kind, value)
-        out[name] = value
+    out = dict.fromkeys(spec)  # every argument, None where not given
+    for name, value in args.items():
+        entry = spec.get(name)
+        if entry is None:
+            unknown = sorted(map(str, set(args) - set(spec)))
+            raise errors.ProtocolError(f"{op}: unknown argument(s) {unknown}")
+        if value is not None:
+            _check_kind(op, name, entry[0], value)
+            out[name] = value
+    for name in _REQUIRED[op]:
+        if out[name] is None:
+            raise errors.ProtocolError(f"{op}: missing argument {name!r}")
     return out
 
 
