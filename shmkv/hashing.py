@@ -10,10 +10,12 @@ collision practically impossible. Pure: no I/O, no torch.
 from __future__ import annotations
 
 import hashlib
+import sys
 from array import array
 from typing import List, Optional, Sequence
 
 KEY_SIZE = 16
+_BIG_ENDIAN = sys.byteorder == "big"
 _ROOT_TAG = b"shmkv-prefix-v1"
 
 
@@ -27,9 +29,7 @@ def root_key(extra_key: Optional[bytes] = None) -> bytes:
 def pack_tokens(tokens: Sequence[int]) -> bytes:
     """Token ids as little-endian int64 bytes (the bytes that get hashed)."""
     packed = array("q", tokens)
-    if packed.itemsize != 8:  # pragma: no cover - every CPython platform has 8-byte 'q'
-        raise RuntimeError("array('q') is not 64-bit here")
-    if array("h", [1]).tobytes()[0] != 1:  # big-endian host
+    if _BIG_ENDIAN:
         packed.byteswap()
     return packed.tobytes()
 

@@ -251,6 +251,13 @@ class SequenceTable:
         block_id = seq.block_ids[index]
         return self.pool.owner[block_id] == seq.cache_id or self.pool.claim(block_id, seq.cache_id)
 
+    def _needs_copy(self, seq: Sequence, index: int) -> bool:
+        """Whether writing block ``index`` of ``seq`` needs a private copy first: it is
+        neither this sequence's to write nor claimable (shared or published)."""
+        pool, block_id = self.pool, seq.block_ids[index]
+        return pool.owner[block_id] != seq.cache_id and not (
+            pool.ref_cnt[block_id] == 1 and pool.block_key[block_id] is None)
+
     def _cow(self, seq: Sequence, index: int) -> None:
         old = seq.block_ids[index]
         new = self.pool.allocate(1, seq.cache_id)
@@ -277,10 +284,7 @@ class SequenceTable:
                 raise InvalidArgument("token ids must be ints in the int64 range") from None
         partial = seq.num_tokens % self.block_size
         need = self._blocks_for(seq.num_tokens + num) - len(seq.block_ids)
-        copy_last = bool(num and partial and seq.block_ids
-                         and self.pool.owner[seq.block_ids[-1]] != seq.cache_id
-                         and not (self.pool.ref_cnt[seq.block_ids[-1]] == 1
-                                  and self.pool.block_key[seq.block_ids[-1]] is None))
+        copy_last = bool(num and partial and self._needs_copy(seq, len(seq.block_ids) - 1))
         return seq, num, tokens, need, copy_last
 
     def extend_many(self, conn_id: int, items: Seq) -> List[dict]:
@@ -353,14 +357,10 @@ class SequenceTable:
                              f"extend first")
         if num_tokens:
             first, last = start // self.block_size, (start + num_tokens - 1) // self.block_size
-            pool, cid = self.pool, seq.cache_id
-            copies = {i for i in range(first, last + 1)
-                      if pool.owner[seq.block_ids[i]] != cid
-                      and not (pool.ref_cnt[seq.block_ids[i]] == 1
-                               and pool.block_key[seq.block_ids[i]] is None)}
-            if len(copies) > pool.num_available:
+            copies = {i for i in range(first, last + 1) if self._needs_copy(seq, i)}
+            if len(copies) > self.pool.num_available:
                 raise PoolExhausted(f"pool exhausted: copy-on-write needs {len(copies)} "
-                                    f"blocks, {pool.num_available} free or evictable")
+                                    f"blocks, {self.pool.num_available} free or evictable")
             for i in range(first, last + 1):
                 if i in copies:
                     self._cow(seq, i)
