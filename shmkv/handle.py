@@ -130,12 +130,14 @@ class SequenceState:
         self.index_cache.clear()
 
     def extend(self, table_from: int, blocks, seq_len: int, epoch: int) -> None:
-        """Replace the table from ``table_from`` on (an extend's answer)."""
-        del self.blocks[table_from:]
-        self.blocks.extend(blocks)
+        """Replace the table from ``table_from`` on (an extend's answer). Indexes stay
+        cached while the table itself is unchanged (most decode steps)."""
+        if self.blocks[table_from:] != blocks:
+            del self.blocks[table_from:]
+            self.blocks.extend(blocks)
+            self.index_cache.clear()
         self.seq_len = seq_len
         self.epoch = epoch
-        self.index_cache.clear()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -411,21 +413,31 @@ class KvCacheHandle:
             self._apply_info(self._client.request(
                 "prepare_write", cache_id=cid, start=start, num_tokens=n))
 
-    def _rows(self, start: int, n: int) -> torch.Tensor:
-        """Rows of positions ``[start, start + n)`` in the pool's ``rows`` view:
-        ``[2 * num_layers, n]``, row ``2 * layer + (0 for K, 1 for V)``. Cached per table."""
-        key = ("rows", start, n)
-        rows = self._index_cache.get(key)
-        if rows is None:
+    def _base(self) -> torch.Tensor:
+        """Row of layer 0's K slot, in the pool's ``rows`` view, of every position the
+        table covers: ``[num_blocks * block_size]``. Cached per table, so a growing
+        sequence rebuilds it once per new block, not once per step."""
+        base = self._index_cache.get("base")
+        if base is None:
             cfg = self._client.config
             bs = cfg.block_size
-            pos = torch.arange(start, start + n)
             table = torch.tensor(self._blocks, dtype=torch.int64)
-            base = table[pos // bs] * (cfg.num_layers * 2 * bs) + pos % bs
-            offsets = torch.arange(2 * cfg.num_layers) * bs
-            rows = (offsets[:, None] + base[None, :]).to(self.device)
-            self._cache_index(key, rows)
-        return rows
+            base = (table[:, None] * (cfg.num_layers * 2 * bs) + torch.arange(bs)).reshape(-1)
+            base = base.to(self.device)
+            self._cache_index("base", base)
+        return base
+
+    def _layer_rows(self, start: int, n: int, layer: int, which: int) -> torch.Tensor:
+        """Rows of positions ``[start, start + n)`` of one layer's K (0) or V (1)."""
+        bs = self._client.config.block_size
+        return self._base()[start:start + n] + (2 * layer + which) * bs
+
+    def _rows(self, start: int, n: int) -> torch.Tensor:
+        """Rows of positions ``[start, start + n)`` in the pool's ``rows`` view:
+        ``[2 * num_layers, n]``, row ``2 * layer + (0 for K, 1 for V)``."""
+        cfg = self._client.config
+        offsets = torch.arange(2 * cfg.num_layers, device=self.device) * cfg.block_size
+        return offsets[:, None] + self._base()[None, start:start + n]
 
     def _spans(self, start: int, n: int) -> tuple:
         """How positions ``[start, start + n)`` lie in blocks: ``(head, middle, tail)``.
@@ -460,9 +472,13 @@ class KvCacheHandle:
         return spans
 
     def _cache_index(self, key, value) -> None:
-        if len(self._index_cache) > 8:
-            self._index_cache.clear()
-        self._index_cache[key] = value
+        cache = self._index_cache
+        if len(cache) > 8:  # per-range entries come and go; the table's base stays
+            base = cache.get("base")
+            cache.clear()
+            if base is not None:
+                cache["base"] = base
+        cache[key] = value
 
     def _check_out(self, out, shape: tuple) -> None:
         if not isinstance(out, torch.Tensor):
@@ -564,7 +580,7 @@ class KvCacheHandle:
             return block.clone() if n else self._client.pool.new_empty(shape)
         views = _views(self._client)  # index_select copies whole rows: no copy unit needed
         if out is None:  # into fresh pages, token rows copy faster than whole blocks
-            return views.rows.index_select(0, self._rows(0, n)[2 * layer + which])
+            return views.rows.index_select(0, self._layer_rows(0, n, layer, which))
         _, (middle, middle_rows), (tail_row, tail_len) = self._spans(0, n)
         full = middle.shape[1]
         dst = out[:full * bs] if tail_len else out
