@@ -416,9 +416,9 @@ class Gen:
         return "split pings", ping * rng.randrange(1, 10), rng.random() < 0.9
 
 
-def names_reference(envelope, ref_ids) -> bool:
-    if not (isinstance(envelope, list) and len(envelope) == 3 and isinstance(envelope[2], dict)
-            and envelope[1] in MUTATING):
+def names_any(envelope, ref_ids) -> bool:
+    """Whether a request envelope names one of ``ref_ids`` (any op)."""
+    if not (isinstance(envelope, list) and len(envelope) == 3 and isinstance(envelope[2], dict)):
         return False
     args = envelope[2]
     named = [args.get("cache_id")]
@@ -427,6 +427,11 @@ def names_reference(envelope, ref_ids) -> bool:
     if isinstance(args.get("items"), list):
         named += [i[0] for i in args["items"] if isinstance(i, list) and i]
     return any(type(x) is int and x in ref_ids for x in named)
+
+
+def names_reference(envelope, ref_ids) -> bool:
+    """Whether a mutating request names one of ``ref_ids``."""
+    return names_any(envelope, ref_ids) and envelope[1] in MUTATING
 
 
 # -- the run -----------------------------------------------------------------------------

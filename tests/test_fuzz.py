@@ -19,7 +19,7 @@ import shmkv
 from shmkv import protocol
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
-from fuzz import frame, raw_connect  # noqa: E402  (one copy of the raw-socket helpers)
+from fuzz import frame, names_any, raw_connect  # noqa: E402  (one copy of the raw-socket helpers)
 
 MAX_FRAME = 64 * 1024
 STATE_KEYS = ("num_blocks", "free_blocks", "cached_blocks", "referenced_blocks", "sequences",
@@ -172,15 +172,7 @@ def envelopes(draw, ref_ids):
 
 def refused_for_others(request, ref_ids) -> bool:
     """Whether a request names one of the reference client's sequences."""
-    if not (isinstance(request, list) and len(request) == 3 and isinstance(request[2], dict)):
-        return False
-    args = request[2]
-    named = [args.get("cache_id")]
-    if isinstance(args.get("cache_ids"), list):
-        named += args["cache_ids"]
-    if isinstance(args.get("items"), list):
-        named += [item[0] for item in args["items"] if isinstance(item, list) and item]
-    return any(type(x) is int and x in ref_ids for x in named)
+    return names_any(request, ref_ids)
 
 
 @settings(max_examples=200, deadline=None, database=None,
