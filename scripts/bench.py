@@ -11,7 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from shmkv.cli import main  # noqa: E402  (after the path is set)
+from shmkv.tools.cli import main  # noqa: E402  (after the path is set)
 
 if __name__ == "__main__":
     sys.exit(main(["bench", *sys.argv[1:]]))

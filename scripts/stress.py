@@ -3,7 +3,7 @@
 
 import sys
 
-from shmkv.cli import main
+from shmkv.tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["stress", *sys.argv[1:]]))

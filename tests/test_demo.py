@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from shmkv import demo
+from shmkv.tools import demo
 
 
 def test_demo_verifies_everything_and_reuses_the_shared_prefix():

@@ -291,7 +291,7 @@ def test_prefill_in_child_decode_in_parent(model_coord):
 def test_demo_model_main(capsys):
     """``shmkv demo --model tiny``: prefill in a spawned DataLoader worker, decode here,
     every token verified; exit code 0 and nothing left behind (the leak check)."""
-    from shmkv.integrations import demo_model
+    from shmkv.tools import demo_model
     args = argparse.Namespace(model="tiny", prompts=3, workers=1, decode_steps=4,
                               dtype="float32")
     code = demo_model.main(args)

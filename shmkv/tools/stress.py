@@ -124,7 +124,7 @@ class _Worker:
 
     def timed(self, name: str, fn, *args, **kwargs):
         """Run one API call, recording its latency and outcome; re-raises errors."""
-        from .errors import CoordinatorGone
+        from ..errors import CoordinatorGone
         self.last_op = name
         t0 = time.perf_counter()
         try:
@@ -224,7 +224,7 @@ class _Worker:
     # -- operations ----------------------------------------------------------------------
 
     def op_allocate(self) -> None:
-        from .errors import PoolExhausted
+        from ..errors import PoolExhausted
         n = self.rng.randrange(0, 3 * self.block_size + 1)
         try:
             h = self.timed("allocate", self.client.allocate, n)
@@ -236,7 +236,7 @@ class _Worker:
             self.write_range(tracked, 0, [self.new_tag()] * n)
 
     def op_prefix_allocate(self) -> None:
-        from .errors import PoolExhausted
+        from ..errors import PoolExhausted
         index = self.rng.randrange(_NUM_PREFIXES)
         prefix = prefix_tokens(index, (2 + index % 3) * self.block_size)
         tokens = prefix + [self.rng.randrange(50000)
@@ -256,7 +256,7 @@ class _Worker:
         self.timed("commit", h.commit)
 
     def op_extend(self) -> None:
-        from .errors import PoolExhausted
+        from ..errors import PoolExhausted
         tracked = self.pick()
         if tracked is None or len(tracked.tags) >= self.opts["max_tokens"]:
             return self.op_allocate()
@@ -269,7 +269,7 @@ class _Worker:
         self.write_range(tracked, start, [self.new_tag()] * n)
 
     def op_extend_many(self) -> None:
-        from .errors import PoolExhausted
+        from ..errors import PoolExhausted
         room = [t for t in self.seqs if len(t.tags) < self.opts["max_tokens"]]
         if len(room) < 2:
             return self.op_extend()
@@ -284,7 +284,7 @@ class _Worker:
             self.write_range(tracked, start, [self.new_tag()] * n)
 
     def op_write(self) -> None:
-        from .errors import PoolExhausted
+        from ..errors import PoolExhausted
         tracked = self.pick()
         if tracked is None or not tracked.tags:
             return self.op_allocate()
@@ -340,7 +340,7 @@ class _Worker:
             self.drop(tracked)
 
     def open_token(self, token: bytes, tags: List[int]) -> None:
-        from .errors import HandoffError
+        from ..errors import HandoffError
         try:
             h = self.timed("open", self.client.open, token)
         except HandoffError:  # expired while in flight, or its opener died after opening
@@ -395,8 +395,8 @@ class _Prefix:
 def _worker_main(slot: int, address: str, conn, seed: int, opts: dict) -> None:
     """Entry point of a worker process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
-    from .client import connect
-    from .errors import CoordinatorGone
+    from ..client import connect
+    from ..errors import CoordinatorGone
     worker = None
     try:
         try:
@@ -601,7 +601,7 @@ class StressRun:
     # -- the run -------------------------------------------------------------------------
 
     def _config(self):
-        from .layout import PoolConfig
+        from ..layout import PoolConfig
         a = self.args
         return PoolConfig(num_layers=a.num_layers, num_kv_heads=a.num_kv_heads,
                           head_dim=a.head_dim, num_blocks=a.num_blocks,
@@ -613,8 +613,8 @@ class StressRun:
 
     def run(self) -> dict:
         """Run the stress test; returns the report."""
-        from .client import connect
-        from .coordinator import Coordinator
+        from ..client import connect
+        from ..coordinator import Coordinator
         a = self.args
         shm_before = set(shm_entries())
         config = self._config()
@@ -769,7 +769,7 @@ class StressRun:
     def _open_here(self, token: bytes, tags: List[int]) -> None:
         """Open an undeliverable token in the parent, verify it, and close it."""
         import torch
-        from .errors import HandoffError
+        from ..errors import HandoffError
         try:
             h = self.client.open(token)
         except HandoffError:
@@ -807,9 +807,9 @@ class StressRun:
 
     def _check_restart(self, config, name: str) -> dict:
         """After the coordinator's death: stale socket, fresh start, clean stop."""
-        from .client import connect
-        from .coordinator import Coordinator, default_address
-        from .errors import CoordinatorGone
+        from ..client import connect
+        from ..coordinator import Coordinator, default_address
+        from ..errors import CoordinatorGone
         out = {"parent_client_saw_gone": False, "stale_socket": os.path.exists(
             default_address(name))}
         try:

@@ -242,7 +242,7 @@ def _unique(tag: str) -> str:
 
 
 def _model_config(num_blocks: int, block_size: int = 16, **overrides):
-    from .layout import PoolConfig
+    from ..layout import PoolConfig
     shape = dict(MODEL, **overrides)
     return PoolConfig(num_blocks=num_blocks, block_size=block_size, device="cpu", **shape)
 
@@ -279,8 +279,8 @@ _REFERENCE = {"copy_all": "clone_all", "copy_layer": "clone_layer"}
 def bench_data(opts: Options, cleanup: _Cleanup, series: dict) -> List[Figure]:
     """Write and gather bandwidth against a contiguous copy of the same bytes."""
     import torch
-    from .client import connect
-    from .coordinator import Coordinator
+    from ..client import connect
+    from ..coordinator import Coordinator
 
     lengths = (128, 1024, 4096) if opts.quick else (128, 256, 512, 1024, 2048, 4096, 8192)
     block_sizes = (8, 16, 32, 64)
@@ -377,7 +377,7 @@ def _child_attach(conn, address: str, baseline: str, repeats: int, touch: bool) 
     connects to ``address`` alternating with connects to the ``baseline`` pool."""
     import gc
     import torch
-    from .client import connect
+    from ..client import connect
     ready = _next_command(conn)  # start timing only when the parent says so
     if ready is None:
         return
@@ -413,8 +413,8 @@ def _pool_sweep(opts: Options, cleanup: _Cleanup, cache: dict) -> list:
     """For each pool size: spawn a coordinator, attach a fresh worker, read memory."""
     if "pools" in cache:
         return cache["pools"]
-    from .coordinator import Coordinator
-    from .shm import shm_free_bytes
+    from ..coordinator import Coordinator
+    from ..shm import shm_free_bytes
     sizes = [64 * MIB, 256 * MIB, GIB] + ([] if opts.quick else [4 * GIB, 8 * GIB])
     block_size = 16
     block_bytes = _model_config(1, block_size).block_nbytes
@@ -456,7 +456,7 @@ def _pool_sweep(opts: Options, cleanup: _Cleanup, cache: dict) -> list:
 def _child_attach_wait(conn) -> None:
     """A fresh worker: import everything, then attach when told (see ``_child_attach``)."""
     import torch  # noqa: F401  (imports are outside the timed region)
-    from . import client  # noqa: F401
+    from .. import client  # noqa: F401
     args = _next_command(conn)
     if args is None:
         return
@@ -530,7 +530,7 @@ def _size(nbytes: int) -> str:
 
 def _child_echo(conn, path: str) -> None:
     """A raw msgpack echo server with the coordinator's framing, one connection."""
-    from . import protocol
+    from .. import protocol
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         listener.bind(path)
@@ -561,7 +561,7 @@ class _EchoClient:
     """The baseline client: encode, send, receive and decode one frame, nothing else."""
 
     def __init__(self, path: str):
-        from . import protocol
+        from .. import protocol
         self.protocol = protocol
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(30)
@@ -587,10 +587,10 @@ class _EchoClient:
 def bench_control(opts: Options, cleanup: _Cleanup, series: dict) -> List[Figure]:
     """Round-trip latency against a raw echo server, batched allocate/free throughput,
     and the in-process allocator alone."""
-    from .allocator import BlockPool
-    from .client import connect
-    from .coordinator import Coordinator, runtime_dir
-    from .layout import PoolConfig
+    from ..allocator import BlockPool
+    from ..client import connect
+    from ..coordinator import Coordinator, runtime_dir
+    from ..layout import PoolConfig
 
     # The coordinator's work does not depend on block bytes: a tiny block keeps the pool small.
     cfg = PoolConfig(num_layers=1, num_kv_heads=1, head_dim=8, num_blocks=16384, block_size=16,
@@ -739,7 +739,7 @@ def _child_producer(conn, address: str, tokens: int, threads: int, torch_queue,
     """Prefill side: fresh K/V each round (untimed), then hand it off by one method."""
     import torch
     from multiprocessing import shared_memory
-    from .client import connect
+    from ..client import connect
     torch.set_num_threads(threads)
     client = connect(address)
     cfg = client.config
@@ -793,7 +793,7 @@ def _child_consumer(conn, address: str, tokens: int, threads: int, torch_queue,
     K/V buffer of its own."""
     import torch
     from multiprocessing import shared_memory
-    from .client import connect
+    from ..client import connect
     torch.set_num_threads(threads)
     client = connect(address)
     cfg = client.config
@@ -829,7 +829,7 @@ def _child_consumer(conn, address: str, tokens: int, threads: int, torch_queue,
 def bench_handoff(opts: Options, cleanup: _Cleanup, series: dict) -> List[Figure]:
     """End-to-end hand-off of one sequence's K/V from a producer to a consumer process."""
     import torch.multiprocessing as tmp
-    from .coordinator import Coordinator
+    from ..coordinator import Coordinator
     tokens = 2048
     cfg = _model_config(2 * (tokens // 16) + 8, 16)
     coord = cleanup.add(Coordinator.spawn(cfg, name=_unique("handoff"), timeout=120))
@@ -890,7 +890,7 @@ SCALING_TOKENS = 1024  # 128 MiB of K/V per worker: more than the caches hold
 def _child_scaling(conn, address: str) -> None:
     """One worker of the scaling run: control-plane ops or data-plane bytes until a deadline."""
     import torch
-    from .client import connect
+    from ..client import connect
     torch.set_num_threads(1)  # one thread per worker: the workers share the machine
     client = connect(address)
     cfg = client.config
@@ -929,7 +929,7 @@ def _child_scaling(conn, address: str) -> None:
 
 def bench_scaling(opts: Options, cleanup: _Cleanup, series: dict) -> List[Figure]:
     """Aggregate ops/s and bandwidth with several workers on one coordinator."""
-    from .coordinator import Coordinator
+    from ..coordinator import Coordinator
     counts = (1, 2, 4) if opts.quick else (1, 2, 4, 8)
     duration = 0.3 if opts.quick else 1.0
     repeats = 2 if opts.quick else 3

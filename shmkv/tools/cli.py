@@ -24,7 +24,7 @@ def _pool_args(p: argparse.ArgumentParser, blocks: int = 1024) -> None:
 
 
 def _config(args):
-    from .layout import PoolConfig
+    from ..layout import PoolConfig
     return PoolConfig(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads,
                       head_dim=args.head_dim, num_blocks=args.num_blocks,
                       block_size=args.block_size, dtype=args.dtype, device=args.device,
@@ -32,12 +32,12 @@ def _config(args):
 
 
 def _address(args) -> str:
-    from .coordinator import default_address
+    from ..coordinator import default_address
     return args.address or default_address(args.name)
 
 
 def cmd_serve(args) -> int:
-    from .coordinator import Coordinator
+    from ..coordinator import Coordinator
     coord = Coordinator(_config(args), address=_address(args),
                         max_connections=args.max_connections)
     coord.open()
@@ -54,7 +54,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_stats(args) -> int:
-    from .client import connect
+    from ..client import connect
     with connect(_address(args), timeout=args.timeout) as client:
         stats = client.stats()
     if args.json:
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
         module.add_parser(sub)
 
     args = parser.parse_args(argv)
-    from .errors import ShmkvError
+    from ..errors import ShmkvError
     try:
         return args.func(args)
     except ShmkvError as exc:

@@ -66,7 +66,7 @@ class PrefillDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int) -> dict:
         from ..client import process_client
-        from .transformers import ShmkvCache, prefill
+        from ..integrations.transformers import ShmkvCache, prefill
         global _worker_model
         if _worker_model is None:
             _worker_model = build_model(self.dtype)
@@ -95,7 +95,7 @@ def reference(model, prompts: list, steps: int) -> tuple:
     flow."""
     from transformers import DynamicCache
 
-    from .transformers import cache_argument
+    from ..integrations.transformers import cache_argument
     key = cache_argument(model)
     outputs, decode_s = [], []
     for tokens in prompts:
@@ -128,7 +128,7 @@ def run(num_prompts: int = 8, workers: int = 2, decode_steps: int = 16, dtype: s
     """Run the demo; returns its summary. Raises AssertionError when anything differs
     from single-process generation or is left behind."""
     from .. import Coordinator, connect
-    from .transformers import ShmkvCache, cache_argument, pool_config
+    from ..integrations.transformers import ShmkvCache, cache_argument, pool_config
 
     if num_prompts < 1 or decode_steps < 1 or workers < 1:
         raise ValueError("--prompts, --decode-steps and --workers must be at least 1")

@@ -57,7 +57,7 @@ class PrefillDataset(torch.utils.data.Dataset):
         return len(self.lengths)
 
     def __getitem__(self, index: int):
-        from .client import process_client
+        from ..client import process_client
         client = process_client(self.address, None, None)
         cfg = client.config
         tokens = prompt_tokens(index, self.lengths[index])
@@ -83,9 +83,9 @@ def run(num_prompts: int = 24, workers: int = 3, decode_steps: int = 32, num_lay
         num_kv_heads: int = 8, head_dim: int = 64, block_size: int = 16,
         num_blocks: int = 2048, dtype: str = "float16", quiet: bool = False) -> dict:
     """Run the demo; returns its summary. Raises AssertionError on any wrong value."""
-    from .client import connect
-    from .coordinator import Coordinator
-    from .layout import PoolConfig
+    from ..client import connect
+    from ..coordinator import Coordinator
+    from ..layout import PoolConfig
 
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     cfg = PoolConfig(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -204,7 +204,7 @@ def add_parser(sub) -> None:
 
 def _cmd(args) -> int:
     if args.model:
-        from .integrations import demo_model
+        from . import demo_model
         return demo_model.main(args)
     try:
         run(num_prompts=args.prompts, workers=args.workers, decode_steps=args.decode_steps,

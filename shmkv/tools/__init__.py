@@ -1,0 +1,1 @@
+"""Programs that exercise the library: the CLI, the demo, the stress tool, the benchmarks."""
