@@ -46,7 +46,8 @@ from shmkv import protocol
 MAX_FRAME = 64 * 1024
 MAX_TTL = 0.2
 MUTATING = {"info", "clone", "fork", "release", "release_many", "export", "commit",
-            "prepare_write", "extend", "extend_many"}
+            "prepare_write", "extend", "extend_many", "extend_batch", "prepare_batch",
+            "commit_batch"}
 
 
 class Failure(Exception):
@@ -300,6 +301,15 @@ class Gen:
             return self.cache_id()
         if name == "cache_ids":
             return [self.cache_id() for _ in range(rng.randrange(4))]
+        if kind == "i64s":  # batch arrays: ids of sequences, or counts, starts, lengths
+            count = rng.randrange(5)
+            if name == "ids":
+                values = [self.cache_id() for _ in range(count)]
+            else:
+                values = [rng.choice([0, 1, 2, 7, -1, 2**40]) for _ in range(count)]
+            values = [v if type(v) is int and -2**63 <= v < 2**63 else 0 for v in values]
+            data = protocol.pack_i64s(values)
+            return data if rng.random() > 0.1 else data[:rng.randrange(len(data) + 1)]
         if name in ("num_tokens", "start"):
             return self.int_()
         if name == "prompt":
@@ -426,6 +436,9 @@ def names_any(envelope, ref_ids) -> bool:
         named += args["cache_ids"]
     if isinstance(args.get("items"), list):
         named += [i[0] for i in args["items"] if isinstance(i, list) and i]
+    ids = args.get("ids")
+    if isinstance(ids, bytes) and len(ids) % 8 == 0:
+        named += list(protocol.unpack_i64s(ids))
     return any(type(x) is int and x in ref_ids for x in named)
 
 

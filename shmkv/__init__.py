@@ -5,11 +5,13 @@ IPC on GPU) and all metadata about them; workers :func:`connect` once, zero copy
 and hold :class:`KvCacheHandle` objects whose block tables resolve into the pool.
 """
 
+from .batch import Batch, Step
 from .client import Client, connect
 from .coordinator import Coordinator, default_address
 from .errors import (AccessDenied, CoordinatorGone, CoordinatorTimeout, HandleClosed,
                      HandoffError, InvalidArgument, LayoutMismatch, LimitExceeded, OutOfRange,
-                     PoolExhausted, ProtocolError, ShmkvError, UnknownCache, WrongType)
+                     PoolExhausted, ProtocolError, ShmkvError, StaleStep, UnknownCache,
+                     WrongType)
 from .handle import BlockTable, CacheHandleStats, KvCacheHandle
 from .layout import PoolConfig
 from .spawned import SpawnedCoordinator
@@ -17,9 +19,9 @@ from .spawned import SpawnedCoordinator
 __version__ = "0.1.0"
 
 __all__ = [
-    "AccessDenied", "BlockTable", "CacheHandleStats", "Client", "Coordinator",
+    "AccessDenied", "Batch", "BlockTable", "CacheHandleStats", "Client", "Coordinator",
     "CoordinatorGone", "CoordinatorTimeout", "HandleClosed", "HandoffError", "InvalidArgument",
     "KvCacheHandle", "LayoutMismatch", "LimitExceeded", "OutOfRange", "PoolConfig",
-    "PoolExhausted", "ProtocolError", "ShmkvError", "SpawnedCoordinator", "UnknownCache",
+    "PoolExhausted", "ProtocolError", "ShmkvError", "SpawnedCoordinator", "StaleStep", "Step", "UnknownCache",
     "WrongType", "connect", "default_address", "__version__",
 ]

@@ -18,7 +18,10 @@ first, only when no free block is left. Running short is a normal outcome:
 ``owner`` is shared with workers (a read-only shared-memory array in their
 processes): ``owner[b] == cache_id`` means sequence ``cache_id`` may write block
 ``b`` in place; 0 means a write must first ask the coordinator (the block is shared,
-published, free, or not yet claimed). Only the coordinator writes it.
+published, free, or not yet claimed). Only the coordinator writes it. ``epoch[0]``
+moves whenever a block stops being writable by the sequence that owned it (shared by
+a fork or a prefix hit, or published), so a writer that checked ``owner`` need not
+check again until the epoch moves.
 """
 
 from __future__ import annotations
@@ -37,9 +40,12 @@ class BlockPool:
         num_blocks: blocks in the pool.
         owner: a writable int64 sequence of ``num_blocks`` (shared memory in the
             coordinator); a private array when omitted.
+        epoch: a writable int64 sequence whose item 0 is the ownership epoch; a
+            private one when omitted.
     """
 
-    def __init__(self, num_blocks: int, owner: Optional[Sequence[int]] = None):
+    def __init__(self, num_blocks: int, owner: Optional[Sequence[int]] = None,
+                 epoch: Optional[Sequence[int]] = None):
         self.num_blocks = num_blocks
         self.ref_cnt: List[int] = [0] * num_blocks
         self.block_key: List[Optional[bytes]] = [None] * num_blocks
@@ -52,6 +58,7 @@ class BlockPool:
         self._cached: "OrderedDict[int, None]" = OrderedDict()
         self.prefix_index: dict = {}
         self.owner = owner if owner is not None else array("q", bytes(8 * num_blocks))
+        self.epoch = epoch if epoch is not None else array("q", [0])
         self.num_evictions = 0
 
     # -- counts ------------------------------------------------------------------------
@@ -110,7 +117,9 @@ class BlockPool:
                 assert block_id in cached, f"incref of free block {block_id}"
                 del cached[block_id]
             ref_cnt[block_id] += 1
-            owner[block_id] = NO_OWNER  # shared or published: writes must copy first
+            if owner[block_id] != NO_OWNER:  # shared now: writes must copy first
+                owner[block_id] = NO_OWNER
+                self.epoch[0] += 1
 
     def decref(self, block_ids: Iterable[int]) -> None:
         """Drop a reference from each block; a block at 0 becomes free or cached.
@@ -171,7 +180,9 @@ class BlockPool:
         assert self.ref_cnt[block_id] > 0, f"publish of unreferenced block {block_id}"
         self.block_key[block_id] = key
         self.prefix_index[key] = block_id
-        self.owner[block_id] = NO_OWNER
+        if self.owner[block_id] != NO_OWNER:  # published blocks are immutable
+            self.owner[block_id] = NO_OWNER
+            self.epoch[0] += 1
         return True
 
     # -- checking ----------------------------------------------------------------------

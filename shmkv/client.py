@@ -3,7 +3,15 @@
 Owns the client socket (request ids, timeouts, detecting a gone coordinator), the
 handshake that maps the pool without copying, the batched operations of a
 scheduler step, and the per-process registry that lets pickled handles find a
-client when they are unpickled. Handles themselves are in ``shmkv.handle``.
+client when they are unpickled. Handles themselves are in ``shmkv.handle``, batches
+and steps in ``shmkv.batch``.
+
+Unpickling rule: a pickled handle is opened by a client of *the receiving process*
+for the same coordinator, so it gets the receiver's tensor-parallel rank, never the
+sender's. The client is, in order: the one made current in this thread with
+``with client.as_unpickle_target():``; else the only open client of that coordinator
+in this process; else a new full-view client (``connect(address)``) when there is
+none. With several and none made current, unpickling raises ``InvalidArgument``.
 
 A :class:`Client` is thread-safe: one request is on the wire at a time (a lock),
 and data-plane reads and writes on handles need no lock at all.
@@ -11,6 +19,7 @@ and data-plane reads and writes on handles need no lock at all.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import socket
@@ -18,8 +27,11 @@ import threading
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from . import protocol
+from .hashing import token_list
+from .batch import Batch, Step
 from .errors import (CoordinatorGone, CoordinatorTimeout, HandleClosed, InvalidArgument,
                      ProtocolError, WrongType)
+from .handle import KvCacheHandle, SequenceView
 from .layout import PoolConfig
 from .memory import PoolMemory, attach_pool
 
@@ -64,11 +76,13 @@ class Client:
         self._pid = os.getpid()
         self._handles: "set" = set()
         self._states: dict = {}
+        self.num_closed = 0   # handles closed so far (a batch re-checks its handles when it moves)
         try:
             self._handshake()
         except BaseException:
             self._teardown()
             raise
+        _remember(self)
 
     # -- connection ------------------------------------------------------------------------
 
@@ -103,6 +117,9 @@ class Client:
             config = PoolConfig.from_wire(hello["pool"])
             self.config = config
             self.coordinator_pid = hello["coordinator_pid"]
+            self.instance = hello["instance"]
+            # Stay under the coordinator's limit, so pickling never fails on the ttl.
+            self.pickle_ttl = min(self.pickle_ttl, float(hello["max_handoff_ttl"]))
             from .coordinator import LOCAL_POOLS
             local = LOCAL_POOLS.get(self.address)
             if local is not None and config.is_cuda:
@@ -126,7 +143,6 @@ class Client:
                 os.close(fd)
         self.pool = self._memory.rank_view(self.tp_rank, self.tp_size)
         self.owner = self._memory.owner
-        self.epoch = self._memory.epoch
         self._poll = select.poll()
         self._poll.register(sock, select.POLLHUP | select.POLLERR)
 
@@ -217,30 +233,24 @@ class Client:
 
     # -- handles -----------------------------------------------------------------------------
 
-    def _sequence_state(self, info: dict):
-        """The shared per-sequence state for a new handle (refreshed from ``info``)."""
-        from .handle import SequenceState
-        state = self._states.get(info["cache_id"])
-        if state is None:
-            state = self._states[info["cache_id"]] = SequenceState(
-                info["blocks"], info["num_tokens"], info["epoch"])
-        elif state.seq_len != info["num_tokens"] or state.blocks != info["blocks"]:
-            state.update(info["blocks"], info["num_tokens"], info["epoch"])
-        else:
-            state.epoch = max(state.epoch, info["epoch"])
-        state.num_handles += 1
-        return state
+    def _sequence_view(self, cache_id: int, slot: int) -> SequenceView:
+        """The view of a sequence's shared row that this client's handles on it share."""
+        view = self._states.get(cache_id)
+        if view is None:
+            view = self._states[cache_id] = SequenceView(cache_id, slot)
+        view.num_handles += 1
+        return view
 
     def _release_state(self, cache_id: int) -> None:
-        state = self._states.get(cache_id)
-        if state is not None:
-            state.num_handles -= 1
-            if state.num_handles <= 0:
+        view = self._states.get(cache_id)
+        if view is not None:
+            view.num_handles -= 1
+            if view.num_handles <= 0:
                 del self._states[cache_id]
+        self.num_closed += 1
 
-    def _handle(self, info: dict, view_len: Optional[int] = None):
-        from .handle import KvCacheHandle
-        return KvCacheHandle(self, info, view_len)
+    def _handle(self, info: dict, view_len: Optional[int] = None) -> KvCacheHandle:
+        return KvCacheHandle._from_info(self, info, view_len)
 
     def allocate(self, num_tokens: int = 0, prompt: Optional[Sequence[int]] = None,
                  cache_salt: Optional[bytes] = None, request_id: Optional[str] = None):
@@ -272,7 +282,7 @@ class Client:
             req = dict(req)
             prompt = req.get("prompt")
             if prompt is not None:
-                req["prompt"] = _token_list(prompt)
+                req["prompt"] = token_list(prompt)
                 if not req.get("num_tokens"):
                     req["num_tokens"] = len(req["prompt"])
             req.setdefault("num_tokens", 0)
@@ -289,19 +299,21 @@ class Client:
         Raises:
             InvalidArgument: a handle was made by another client (nothing is sent).
         """
-        handles, wire = [], []
+        wire = []
         for item in items:
             handle, num = item[0], item[1]
             self._check_own(handle)
             if handle._closed:  # liveness is checked once, by request()
                 raise HandleClosed(f"handle on {handle.cache_id} is closed")
+            if handle._view_len is not None:
+                raise InvalidArgument("a handle viewing a fixed length (with_sequence_length) "
+                                      "cannot extend; extend a handle on the whole sequence")
             entry = [handle._cache_id, num]
             if len(item) > 2 and item[2] is not None:
-                entry.append(_token_list(item[2]))
-            handles.append(handle)
+                entry.append(token_list(item[2]))
             wire.append(entry)
-        results = self.request("extend_many", items=wire)
-        return [handle._apply_extend(result) for handle, result in zip(handles, results)]
+        # The new lengths and blocks are in the shared tables: only the starts are used.
+        return [result["start"] for result in self.request("extend_many", items=wire)]
 
     def close_many(self, handles: Iterable) -> None:
         """Close several handles in one round trip (already closed ones are skipped).
@@ -332,6 +344,46 @@ class Client:
         if not isinstance(token, (bytes, bytearray)):
             raise WrongType(f"token must be bytes, got {type(token).__name__}")
         return self._handle(self.request("open", token=bytes(token)))
+
+    # -- batches -----------------------------------------------------------------------------
+
+    def batch(self, handles: Iterable[KvCacheHandle]) -> Batch:
+        """A :class:`~shmkv.batch.Batch` over open handles of this client: one round trip
+        per step for all of them, and the step's tensors built without a loop per
+        sequence.
+
+        Raises:
+            InvalidArgument: a handle of another client, a fixed-length view, or two
+                handles on one sequence.
+            HandleClosed: a closed handle.
+        """
+        self.check()
+        return Batch(self, list(handles))
+
+    def step_from(self, descriptor: bytes) -> Step:
+        """Rebuild a step another process made (``step.descriptor()``) with no round
+        trip: the same ``slot_mapping``, ``block_tables``, ``seq_lens`` and
+        ``query_start_loc``, writing this client's head shard. For tensor-parallel
+        ranks: rank 0 (or the scheduler) makes the round trip, every rank steps.
+
+        Raises:
+            InvalidArgument: the descriptor is malformed or from another coordinator.
+            StaleStep: a sequence of the step was closed since it was made.
+        """
+        self.check()
+        return Step.from_descriptor(self, descriptor)
+
+    @contextlib.contextmanager
+    def as_unpickle_target(self):
+        """Within this ``with`` block, handles of this client's coordinator unpickled
+        in this thread are opened by this client (for a process with several clients
+        of one coordinator, e.g. a rank connection and a full-view reader)."""
+        stack = _unpickle_targets.__dict__.setdefault("stack", [])
+        stack.append(self)
+        try:
+            yield self
+        finally:
+            stack.pop()
 
     def stats(self) -> dict:
         """The coordinator's counters (pool, prefix cache, connections, operations)."""
@@ -373,19 +425,30 @@ class Client:
         return f"<shmkv.Client {self.address} {state}>"
 
 
-def _token_list(tokens) -> list:
-    if hasattr(tokens, "tolist"):
-        tokens = tokens.tolist()
-    tokens = list(tokens)
-    if not all(type(t) is int for t in tokens):
-        raise WrongType("token ids must be ints")
-    return tokens
-
-
 # -- per-process registry, for unpickling handles --------------------------------------------
 
-_registry: Dict[tuple, Client] = {}
+_registry: List[Client] = []          # open clients made in this process, oldest first
 _registry_lock = threading.Lock()
+_unpickle_targets = threading.local()
+
+
+def _remember(client: Client) -> None:
+    with _registry_lock:
+        _registry.append(client)
+
+
+def _forget(client: Client) -> None:
+    with _registry_lock:
+        if client in _registry:
+            _registry.remove(client)
+
+
+def _clients_of(address: str) -> List[Client]:
+    """Live clients of this process for ``address`` (a forked child inherits none)."""
+    pid = os.getpid()
+    with _registry_lock:
+        found = [c for c in _registry if c.address == address and c._pid == pid]
+    return [c for c in found if c.is_alive()]
 
 
 def connect(address, tp_rank: Optional[int] = None, tp_size: Optional[int] = None,
@@ -396,34 +459,47 @@ def connect(address, tp_rank: Optional[int] = None, tp_size: Optional[int] = Non
         address: the coordinator's socket path (``coord.address``).
         tp_rank, tp_size: see only this tensor-parallel rank's head shard.
         timeout: seconds to wait for any answer before ``CoordinatorTimeout``.
-        pickle_ttl: how long a pickled handle waits to be unpickled, in seconds.
+        pickle_ttl: how long a pickled handle waits to be unpickled, in seconds (kept
+            under the coordinator's ``max_handoff_ttl``).
 
     Raises:
         CoordinatorGone: nothing serves ``address``.
     """
-    client = Client(address, tp_rank, tp_size, timeout, pickle_ttl)
-    with _registry_lock:
-        _registry.setdefault((client.address, tp_rank, tp_size, os.getpid()), client)
-    return client
+    return Client(address, tp_rank, tp_size, timeout, pickle_ttl)
 
 
-def _forget(client: Client) -> None:
-    with _registry_lock:
-        for key, value in list(_registry.items()):
-            if value is client:
-                del _registry[key]
-
-
-def process_client(address: str, tp_rank: Optional[int], tp_size: Optional[int]) -> Client:
-    """A live client of this process for ``address``, connecting one if there is none."""
-    key = (address, tp_rank, tp_size, os.getpid())
-    with _registry_lock:
-        client = _registry.get(key)
-        if client is not None and client.is_alive():
+def process_client(address: str, tp_rank: Optional[int] = None,
+                   tp_size: Optional[int] = None) -> Client:
+    """A live client of this process for ``address`` with this rank (None: full view),
+    connecting one if there is none."""
+    for client in _clients_of(str(address)):
+        if client.tp_rank == tp_rank and client.tp_size == tp_size:
             return client
-    if client is not None:  # its coordinator is gone: replace it
-        client.close()
-    client = Client(address, tp_rank, tp_size)
-    with _registry_lock:
-        _registry[key] = client
-    return client
+    return Client(address, tp_rank, tp_size)
+
+
+def open_pickled(address: str, token: bytes, view_len: Optional[int]) -> KvCacheHandle:
+    """Open a pickled handle in this process (see the module's unpickling rule)."""
+    stack = getattr(_unpickle_targets, "stack", None)
+    client = None
+    if stack:
+        for candidate in reversed(stack):
+            if candidate.address == address:
+                client = candidate
+                break
+    if client is None:
+        clients = _clients_of(address)
+        if len(clients) > 1:
+            ranks = ", ".join("full view" if c.tp_rank is None else f"tp_rank={c.tp_rank}"
+                              for c in clients)
+            raise InvalidArgument(
+                f"this process has {len(clients)} clients of {address} ({ranks}); unpickling "
+                "cannot choose: wrap it in `with client.as_unpickle_target():`")
+        client = clients[0] if clients else Client(address)
+    handle = client.open(token)
+    handle._view_len = view_len
+    return handle
+
+
+# Handles reach this through their client (``shmkv.handle`` does not import this module).
+Client.open_pickled = staticmethod(open_pickled)

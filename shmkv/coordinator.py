@@ -25,6 +25,7 @@ import struct
 import tempfile
 import threading
 import time
+import weakref
 from typing import Dict, Optional
 
 from . import protocol, shm
@@ -34,6 +35,7 @@ from .errors import (AccessDenied, InvalidArgument, LimitExceeded, ProtocolError
 from .layout import PoolConfig
 from .memory import PoolMemory, create_pool
 from .sequences import SequenceTable
+from .tables import TableWriter
 
 log = logging.getLogger("shmkv.coordinator")
 _UCRED = struct.Struct("3i")
@@ -46,9 +48,20 @@ LOCAL_POOLS: Dict[str, PoolMemory] = {}
 
 
 def runtime_dir() -> str:
-    """The per-user directory for sockets: ``$XDG_RUNTIME_DIR/shmkv`` or a 0700 temp dir."""
+    """The per-user directory for sockets of named coordinators.
+
+    ``$SHMKV_RUNTIME_DIR`` when set (to keep a test run or a sandbox apart from every
+    other coordinator on the machine), else ``$XDG_RUNTIME_DIR/shmkv``, else
+    ``shmkv-UID`` in the temp dir. Created with mode 0700 and tightened to it.
+
+    Raises:
+        AccessDenied: the directory belongs to another user.
+    """
+    override = os.environ.get("SHMKV_RUNTIME_DIR")
     base = os.environ.get("XDG_RUNTIME_DIR")
-    if base and os.path.isdir(base) and os.access(base, os.W_OK):
+    if override:
+        path = os.path.abspath(override)
+    elif base and os.path.isdir(base) and os.access(base, os.W_OK):
         path = os.path.join(base, "shmkv")
     else:
         path = os.path.join(tempfile.gettempdir(), f"shmkv-{os.getuid()}")
@@ -101,8 +114,42 @@ def remove_stale_socket(address: str) -> bool:
         lock.close()
 
 
+# Coordinators of this process that hold descriptors (address lock, listener,
+# connections), for the fork hook below. Weak: a coordinator is never kept alive by it.
+_LIVE: "weakref.WeakSet[Coordinator]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """In a child made by ``os.fork`` (a fork-start Pool or DataLoader, say): drop the
+    copies of every coordinator's descriptors.
+
+    A child does not serve. Its copies would keep the address lock held after the
+    parent stops, and keep each connection open, so that clients would not see the
+    parent's stop. Only this process's descriptors are closed (never ``shutdown``,
+    which would cut the parent's connections); the socket file, the pool and its
+    metadata belong to the parent and are left alone.
+    """
+    for coord in list(_LIVE):
+        coord._forget_after_fork()
+    _LIVE.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _shutdown_and_close(sock: socket.socket) -> None:
+    """End the socket for every process holding a copy of it (forked children
+    included), then close this process's descriptor."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # the peer is gone already, or a listener that never connected
+        pass
+    sock.close()
+
+
 class _Conn:
-    __slots__ = ("sock", "conn_id", "decoder", "outbuf", "pid", "greeted", "closing", "events")
+    __slots__ = ("sock", "conn_id", "decoder", "outbuf", "pid", "greeted", "closing", "events",
+                 "tp_rank")
 
     def __init__(self, sock: socket.socket, conn_id: int, pid: int, max_frame: int):
         self.sock = sock
@@ -113,6 +160,7 @@ class _Conn:
         self.greeted = False
         self.closing = False
         self.events = selectors.EVENT_READ  # what the selector watches for this socket
+        self.tp_rank = None                 # the rank this connection said it is, if any
 
 
 class Coordinator:
@@ -174,6 +222,9 @@ class Coordinator:
         self.ops_by_type: Dict[str, int] = {}
         self.num_refused = 0
         self.num_dropped = 0
+        # Names this coordinator instance (not its address, which a restart reuses), so
+        # a step descriptor made against another coordinator is refused.
+        self.instance = os.urandom(8).hex()
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -183,11 +234,13 @@ class Coordinator:
             self._claim_address()
             shm.sweep_stale()
             self.memory = create_pool(self.config)
+            memory = self.memory
             self.table = SequenceTable(
-                BlockPool(self.config.num_blocks, owner=self.memory.owner),
+                BlockPool(self.config.num_blocks, owner=memory.owner, epoch=memory.epoch),
                 self.config.block_size, self.config.tp_size,
-                copy_block=self.memory.copy_block, max_handoffs=self.max_handoffs,
-                max_handoff_ttl=self.max_handoff_ttl, epoch=self.memory.epoch)
+                copy_block=memory.copy_block, max_handoffs=self.max_handoffs,
+                max_handoff_ttl=self.max_handoff_ttl,
+                tables=TableWriter(memory.layout, memory.seq, memory.table))
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self._listener = listener
             old_umask = os.umask(0o177)
@@ -217,6 +270,7 @@ class Coordinator:
                                  "or choose another name") from None
             raise
         self._lock_sock = lock
+        _LIVE.add(self)  # from the first descriptor on, a fork must drop them in the child
         directory = os.path.dirname(self.address) or "."
         if not os.path.isdir(directory):
             raise InvalidArgument(f"socket directory {directory} does not exist")
@@ -240,7 +294,9 @@ class Coordinator:
     def stop(self, timeout: float = 10.0) -> None:
         """Stop serving, drop every connection, free the pool, remove the socket.
 
-        Idempotent. Clients see ``CoordinatorGone`` on their next call.
+        Idempotent. Clients see ``CoordinatorGone`` on their next call (and
+        ``is_valid()`` turn False) at once, even while children forked from this
+        process live: connections are shut down, not only closed here.
         """
         self._stopping = True
         if self._wake_w is not None:
@@ -265,7 +321,7 @@ class Coordinator:
         for conn in list(self._conns.values()):
             self._drop(conn, count=False)
         if self._listener is not None:
-            self._listener.close()
+            _shutdown_and_close(self._listener)  # refuses connects from any process
             self._listener = None
             try:
                 os.unlink(self.address)
@@ -281,6 +337,30 @@ class Coordinator:
                 del LOCAL_POOLS[self.address]
             self.memory.close()
             self.memory = None
+        _LIVE.discard(self)
+
+    def _forget_after_fork(self) -> None:
+        """In a forked child: close this process's copies of the sockets, never serve.
+
+        The child is single-threaded, so no lock is taken (the parent's serving thread
+        may have held ``_close_lock`` at the fork). Connections are forgotten without
+        ``SequenceTable.drop_connection``: the table is the parent's, and its block
+        tables live in shared memory. ``stop()`` in the child then releases only the
+        child's copy of the pool mapping.
+        """
+        self._close_lock = threading.Lock()
+        self._stopping = True
+        self._serving = False
+        for conn in self._conns.values():
+            conn.sock.close()
+        self._conns = {}
+        for name in ("_listener", "_wake_r", "_wake_w", "_lock_sock"):
+            sock = getattr(self, name)
+            if sock is not None:
+                sock.close()
+                setattr(self, name, None)
+        if self.memory is not None and LOCAL_POOLS.get(self.address) is self.memory:
+            del LOCAL_POOLS[self.address]  # a client made in the child maps the pool itself
 
     def __enter__(self) -> "Coordinator":
         return self.start()
@@ -389,7 +469,8 @@ class Coordinator:
                 selector.unregister(conn.sock)
             except (KeyError, ValueError):
                 pass
-        conn.sock.close()
+        # shutdown, not only close: a forked child's copy must not keep the client waiting
+        _shutdown_and_close(conn.sock)
         if self.table is not None:
             self.table.drop_connection(conn.conn_id)
         if count:
@@ -489,9 +570,11 @@ class Coordinator:
                     f"tp_rank={tp_rank}, tp_size={tp_size} do not fit a pool with "
                     f"tp_size={self.config.tp_size}")
         conn.greeted = True
+        conn.tp_rank = tp_rank
         return {"version": protocol.PROTOCOL_VERSION, "pool": self.config.to_wire(),
                 "memory": self.memory.descriptor, "coordinator_pid": os.getpid(),
-                "conn_id": conn.conn_id}
+                "conn_id": conn.conn_id, "instance": self.instance,
+                "max_handoff_ttl": self.max_handoff_ttl}
 
     def _op_ping(self, conn):
         return {}
@@ -540,6 +623,29 @@ class Coordinator:
 
     def _op_open(self, conn, token):
         return self.table.open(conn.conn_id, token)
+
+    def _op_extend_batch(self, conn, ids, count=None, counts=None, tokens=None):
+        if (count is None) == (counts is None):
+            raise InvalidArgument("extend_batch takes one of count and counts")
+        counts = count if counts is None else protocol.unpack_i64s(counts)
+        lens = self.table.extend_batch(conn.conn_id, protocol.unpack_i64s(ids), counts, tokens)
+        return protocol.pack_i64s(lens)
+
+    def _op_prepare_batch(self, conn, ids, starts, counts):
+        lens = self.table.prepare_batch(conn.conn_id, protocol.unpack_i64s(ids),
+                                        protocol.unpack_i64s(starts), protocol.unpack_i64s(counts))
+        return protocol.pack_i64s(lens)
+
+    def _op_commit_batch(self, conn, ids, num_tokens, tp_rank=None):
+        if conn.tp_rank is not None and tp_rank != conn.tp_rank:
+            raise InvalidArgument(f"a connection of tp_rank={conn.tp_rank} commits only its "
+                                  f"own shard, not tp_rank={tp_rank}")
+        # A rank of a tensor-parallel pool may commit its shard of a step it rebuilt from
+        # a descriptor (it holds no reference); everyone else only what it holds.
+        rank_connection = conn.tp_rank is not None and self.config.tp_size > 1
+        return self.table.commit_batch(conn.conn_id, protocol.unpack_i64s(ids),
+                                       protocol.unpack_i64s(num_tokens), tp_rank,
+                                       rank_connection=rank_connection)
 
     def _op_stats(self, conn):
         return self.stats()

@@ -76,3 +76,9 @@ class AccessDenied(ShmkvError, PermissionError):
 
 class LayoutMismatch(ShmkvError):
     """The pool's layout fingerprint does not match what this client expects."""
+
+
+class StaleStep(ShmkvError):
+    """A step (or a step descriptor) no longer matches its sequences: one was closed,
+    or a block it writes was shared or published since the step was made. Make a new
+    step; nothing was written."""

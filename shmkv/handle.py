@@ -6,10 +6,16 @@ K/V into the slots the block table names and gathering it back, in place, with n
 round trip) and the pickling of handles through the hand-off path.
 
 Metadata changes (extend, clone, fork, export, close) are one round trip each to
-the coordinator, which is the only writer of block metadata. Before writing, a
-handle checks the shared ``owner`` array: a block this sequence may not write in
-place (shared with a fork or a prefix hit, or published) first gets a private copy
-through the coordinator (copy-on-write).
+the coordinator, which is the only writer of block metadata. A handle's length and
+block table are read from the shared tables (``shmkv.tables``) with no round trip,
+so they are current whichever process changed them. Before writing, a handle checks
+the shared ``owner`` array: a block this sequence may not write in place (shared
+with a fork or a prefix hit, or published) first gets a private copy through the
+coordinator (copy-on-write). Position arithmetic is in ``shmkv.slots``; a batch of
+handles stepping together is ``shmkv.batch``.
+
+Does not import ``shmkv.client``: a handle reaches its client through the object it
+was made with, and unpickling goes through the client module's own function.
 """
 
 from __future__ import annotations
@@ -22,8 +28,10 @@ from typing import Optional, Tuple
 
 import torch
 
-from .errors import (HandleClosed, InvalidArgument, OutOfRange, WrongType)
+from . import slots
+from .errors import (HandleClosed, InvalidArgument, OutOfRange, UnknownCache, WrongType)
 from .sequences import format_cache_id
+from .tables import read_row
 
 # Widest plain element types K/V rows are reinterpreted as for indexed copies: torch's
 # CPU index_copy_ moves one element per step, so 16-byte elements make it 8x fewer
@@ -111,33 +119,37 @@ class BlockTable:
         return torch.tensor(self.physical_blocks, dtype=torch.int32, device=device)
 
 
-class SequenceState:
-    """A client's view of one sequence, shared by all its handles on it."""
+class SequenceView:
+    """A client's copy of one sequence's row of the shared tables, shared by all its
+    handles on that sequence, with the index tensors built for its block table."""
 
-    __slots__ = ("blocks", "seq_len", "epoch", "index_cache", "num_handles")
+    __slots__ = ("cache_id", "slot", "num_tokens", "generation", "blocks", "index_cache",
+                 "num_handles")
 
-    def __init__(self, blocks, seq_len: int, epoch: int):
-        self.blocks = list(blocks)
-        self.seq_len = seq_len
-        self.epoch = epoch            # the coordinator's copy-on-write epoch they are valid for
-        self.index_cache: dict = {}   # position-to-row index tensors for this table
+    def __init__(self, cache_id: int, slot: int):
+        self.cache_id = cache_id
+        self.slot = slot
+        self.num_tokens = 0
+        self.generation = -1          # the table generation ``blocks`` were read at
+        self.blocks: list = []
+        self.index_cache: dict = {}   # position-to-row index tensors for ``blocks``
         self.num_handles = 0
 
-    def update(self, blocks, seq_len: int, epoch: int) -> None:
-        self.blocks = list(blocks)
-        self.seq_len = seq_len
-        self.epoch = epoch
-        self.index_cache.clear()
-
-    def extend(self, table_from: int, blocks, seq_len: int, epoch: int) -> None:
-        """Replace the table from ``table_from`` on (an extend's answer). Indexes stay
-        cached while the table itself is unchanged (most decode steps)."""
-        if self.blocks[table_from:] != blocks:
-            del self.blocks[table_from:]
-            self.blocks.extend(blocks)
-            self.index_cache.clear()
-        self.seq_len = seq_len
-        self.epoch = epoch
+    def refresh(self, memory, block_size: int) -> "SequenceView":
+        """Read the shared row again (no round trip); returns self."""
+        got = read_row(memory.seq, memory.table, memory.layout.max_seq_blocks, block_size,
+                       self.slot, self.cache_id, self.generation, len(self.blocks))
+        if got is None:
+            raise UnknownCache(f"{format_cache_id(self.cache_id)} no longer exists")
+        self.num_tokens, generation, blocks = got
+        if blocks is not None:
+            if blocks != self.blocks[:len(blocks)] or len(blocks) < len(self.blocks):
+                self.index_cache.clear()
+            elif len(blocks) > len(self.blocks):  # appended: the whole-table index grows
+                self.index_cache.pop("base", None)
+            self.blocks = blocks
+        self.generation = generation
+        return self
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,30 +172,43 @@ class KvCacheHandle:
     (also on ``with`` exit, and when the client's connection closes).
     """
 
-    def __init__(self, client, info: dict, view_len: Optional[int] = None):
+    def __init__(self, client, cache_id: int, slot: int, num_cached: int = 0,
+                 request_id: Optional[str] = None, view_len: Optional[int] = None):
         self._client = client
-        self._cache_id: int = info["cache_id"]
-        # Handles of one sequence in one client share its table, so a copy-on-write or
-        # extend made through one of them is seen by all of them.
-        self._state = client._sequence_state(info)
-        self._num_cached: int = info["num_cached"]
-        self._request_id: str = info["request_id"]
+        self._cache_id = cache_id
+        # Handles of one sequence in one client share one view of its shared row.
+        self._state = client._sequence_view(cache_id, slot)
+        self._num_cached = num_cached
+        self._request_id = request_id
         self._view_len = view_len
         self._closed = False
         self._last_access = time.time()
         client._handles.add(self)
 
+    @classmethod
+    def _from_info(cls, client, info: dict, view_len: Optional[int] = None) -> "KvCacheHandle":
+        return cls(client, info["cache_id"], info["slot"], info["num_cached"],
+                   info.get("request_id"), view_len)
+
+    def _view(self) -> SequenceView:
+        """The sequence's current row (read from the shared tables)."""
+        return self._state.refresh(self._client._memory, self._client.config.block_size)
+
     @property
     def _blocks(self) -> list:
-        return self._state.blocks
+        return self._view().blocks
 
     @property
     def _seq_len(self) -> int:
-        return self._state.seq_len
+        return self._view().num_tokens
 
     @property
     def _index_cache(self) -> dict:
         return self._state.index_cache
+
+    def _live(self) -> None:
+        if self._closed:
+            raise HandleClosed(f"handle on {self.cache_id} is closed")
 
     # -- identity and shape ----------------------------------------------------------------
 
@@ -194,16 +219,23 @@ class KvCacheHandle:
 
     def request_cache_id(self) -> str:
         """The request id given at allocate (defaults to the cache id)."""
-        return self._request_id
+        return self._request_id if self._request_id is not None else self.cache_id
 
     @property
     def num_tokens(self) -> int:
-        """Token slots this handle sees (reserved by extend/allocate, or its fixed view)."""
+        """Token slots this handle sees (reserved by extend/allocate, or its fixed view).
+
+        Raises:
+            HandleClosed: the handle is closed (its blocks may belong to another
+                sequence by now).
+        """
+        self._live()
         return self._seq_len if self._view_len is None else self._view_len
 
     @property
     def num_cached_tokens(self) -> int:
         """Tokens reused from the prefix cache when the sequence was allocated."""
+        self._live()
         return self._num_cached
 
     @property
@@ -229,13 +261,20 @@ class KvCacheHandle:
 
     @property
     def block_table(self) -> BlockTable:
-        if not self._closed and self._client.epoch[0] != self._state.epoch:
-            self.refresh()
-        n = self.num_tokens
+        """The sequence's current blocks (read from the shared tables, no round trip).
+
+        Raises:
+            HandleClosed: the handle is closed.
+        """
+        self._live()
+        view = self._view()
+        n = view.num_tokens if self._view_len is None else self._view_len
         bs = self._client.config.block_size
-        return BlockTable(tuple(self._blocks[:-(-n // bs)]), bs, n)
+        return BlockTable(tuple(view.blocks[:-(-n // bs)]), bs, n)
 
     def stats(self) -> CacheHandleStats:
+        """What this handle's view holds. Raises ``HandleClosed`` once closed."""
+        self._live()
         pool = self._client.pool
         blocks = -(-self.num_tokens // self._client.config.block_size)
         per_block = pool[0].numel() * pool.element_size()
@@ -249,37 +288,19 @@ class KvCacheHandle:
         """True while this reference is open and its coordinator is alive (no round trip)."""
         return not self._closed and self._client.is_alive()
 
-    def _check_open(self) -> None:
+    def _check_open(self) -> SequenceView:
+        """Raise unless usable; returns the sequence's current row."""
         if self._closed:
             raise HandleClosed(f"handle on {self.cache_id} is closed")
         self._client.check()
-        if self._client.epoch[0] != self._state.epoch:
-            # Some process replaced a block-table entry (copy-on-write) since this table
-            # was fetched; it may have been this sequence's, so fetch it again.
-            self._apply_info(self._client.request("info", cache_id=self._cache_id))
+        return self._view()
 
     # -- metadata (one round trip each) ----------------------------------------------------
 
-    def _apply_info(self, info: dict) -> None:
-        self._state.update(info["blocks"], info["num_tokens"], info["epoch"])
-
-    def _apply_extend(self, result: dict) -> int:
-        table_from = result["table_from"]
-        if table_from > len(self._blocks) or result["epoch_before"] != self._state.epoch:
-            # another process extended it or replaced blocks meanwhile: the tail is not enough
-            self._apply_info(self._client.request("info", cache_id=self._cache_id))
-        else:  # in place: O(new blocks), not O(table), per decode step
-            self._state.extend(table_from, result["blocks"], result["num_tokens"],
-                               result["epoch"])
-        return result["start"]
-
     def refresh(self) -> None:
-        """Fetch the sequence's current length and block table (after other processes
-        extended it)."""
-        if self._closed:
-            raise HandleClosed(f"handle on {self.cache_id} is closed")
-        self._client.check()
-        self._apply_info(self._client.request("info", cache_id=self._cache_id))
+        """Read the sequence's current length and block table again. Reads are always
+        current (the tables are shared), so this only checks the handle is usable."""
+        self._check_open()
 
     def extend(self, num_tokens: int, tokens=None) -> int:
         """Reserve ``num_tokens`` more slots at the end; returns the first new position.
@@ -309,26 +330,24 @@ class KvCacheHandle:
     def clone_handle(self) -> "KvCacheHandle":
         """A new reference to the same sequence (no copy)."""
         self._check_open()
-        return KvCacheHandle(self._client,
-                             self._client.request("clone", cache_id=self._cache_id),
-                             self._view_len)
+        return KvCacheHandle._from_info(
+            self._client, self._client.request("clone", cache_id=self._cache_id), self._view_len)
 
     def fork(self) -> "KvCacheHandle":
         """A new sequence (new cache id) sharing every block; writes copy first."""
         self._check_open()
-        return KvCacheHandle(self._client, self._client.request("fork", cache_id=self._cache_id))
+        return KvCacheHandle._from_info(self._client,
+                                        self._client.request("fork", cache_id=self._cache_id))
 
     def with_sequence_length(self, num_tokens: int) -> "KvCacheHandle":
         """A new reference to the same sequence that views its first ``num_tokens``."""
-        self._check_open()
+        seq_len = self._check_open().num_tokens
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
             raise WrongType(f"num_tokens must be an int, got {type(num_tokens).__name__}")
-        if num_tokens > self._seq_len:
-            self.refresh()
-        if not 0 <= num_tokens <= self._seq_len:
-            raise OutOfRange(f"with_sequence_length({num_tokens}) outside [0, {self._seq_len}]")
-        return KvCacheHandle(self._client,
-                             self._client.request("clone", cache_id=self._cache_id), num_tokens)
+        if not 0 <= num_tokens <= seq_len:
+            raise OutOfRange(f"with_sequence_length({num_tokens}) outside [0, {seq_len}]")
+        return KvCacheHandle._from_info(
+            self._client, self._client.request("clone", cache_id=self._cache_id), num_tokens)
 
     def export(self, ttl: float = 60.0) -> bytes:
         """A one-shot hand-off token; ``client.open(token)`` in any process of this user
@@ -354,9 +373,11 @@ class KvCacheHandle:
         self.close()
 
     def __reduce__(self):
+        """Pickles through a hand-off token. The unpickled handle belongs to the
+        receiving process's client of the same coordinator, with that client's
+        tensor-parallel rank, never the sender's (see ``shmkv.client.open_pickled``)."""
         token = self.export(self._client.pickle_ttl)
-        return (_unpickle, (self._client.address, token, self._client.tp_rank,
-                            self._client.tp_size, self._view_len))
+        return (self._client.open_pickled, (self._client.address, token, self._view_len))
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self.num_tokens} tokens"
@@ -387,31 +408,31 @@ class KvCacheHandle:
             raise InvalidArgument(f"{name} is not contiguous; pass {name}.contiguous()")
         return t.shape[0]
 
-    def _check_range(self, start, n: int) -> int:
-        if start is None:
-            start = self._seq_len - n
+    def _check_range(self, view: SequenceView, start, n: int) -> int:
+        limit = view.num_tokens if self._view_len is None else self._view_len
+        if start is None:  # the last n slots this handle sees
+            start = limit - n
         if isinstance(start, bool) or not isinstance(start, int):
             raise WrongType(f"start must be an int, got {type(start).__name__}")
-        limit = self._seq_len if self._view_len is None else self._view_len
-        if start + n > limit and self._view_len is None:
-            self.refresh()
-            limit = self._seq_len
         if start < 0 or start + n > limit:
             raise OutOfRange(f"write of {n} tokens at {start} goes past the {limit} slots "
                              f"reserved in {self.cache_id}; extend first")
         return start
 
-    def _ensure_writable(self, start: int, n: int) -> None:
+    def _ensure_writable(self, view: SequenceView, start: int, n: int) -> SequenceView:
+        """Make the blocks of ``[start, start + n)`` writable in place; returns the row
+        to write through (copy-on-write may have replaced blocks)."""
         bs = self._client.config.block_size
         owner, cid = self._client.owner, self._cache_id
-        blocks = self._blocks[start // bs:(start + n - 1) // bs + 1]
+        blocks = view.blocks[start // bs:(start + n - 1) // bs + 1]
         if len(blocks) == 1:
             writable = owner[blocks[0]] == cid
         else:  # one C-level pass over the shared owner array, not a Python loop per block
             writable = itemgetter(*blocks)(owner).count(cid) == len(blocks)
         if not writable:
-            self._apply_info(self._client.request(
-                "prepare_write", cache_id=cid, start=start, num_tokens=n))
+            self._client.request("prepare_write", cache_id=cid, start=start, num_tokens=n)
+            view = self._view()
+        return view
 
     def _base(self) -> torch.Tensor:
         """Row of layer 0's K slot, in the pool's ``rows`` view, of every position the
@@ -420,10 +441,8 @@ class KvCacheHandle:
         base = self._index_cache.get("base")
         if base is None:
             cfg = self._client.config
-            bs = cfg.block_size
-            table = torch.tensor(self._blocks, dtype=torch.int64)
-            base = (table[:, None] * (cfg.num_layers * 2 * bs) + torch.arange(bs)).reshape(-1)
-            base = base.to(self.device)
+            base = slots.position_rows(self._state.blocks, cfg.block_size, cfg.num_layers,
+                                       self.device)
             self._cache_index("base", base)
         return base
 
@@ -436,40 +455,18 @@ class KvCacheHandle:
         """Rows of positions ``[start, start + n)`` in the pool's ``rows`` view:
         ``[2 * num_layers, n]``, row ``2 * layer + (0 for K, 1 for V)``."""
         cfg = self._client.config
-        offsets = torch.arange(2 * cfg.num_layers, device=self.device) * cfg.block_size
-        return offsets[:, None] + self._base()[None, start:start + n]
+        return slots.all_layer_rows(self._base()[start:start + n], cfg.num_layers, cfg.block_size)
 
     def _spans(self, start: int, n: int) -> tuple:
-        """How positions ``[start, start + n)`` lie in blocks: ``(head, middle, tail)``.
-
-        ``head`` and ``tail`` are ``(row, length)`` of a partly covered first and last
-        block (``row``: layer 0's K slot in the ``rows`` view; length 0 when there is
-        none). ``middle`` is ``(indices, rows)``: the fully covered blocks' indices in
-        the ``chunks`` view, ``[2 * num_layers, num_full]``, and the same as a tuple of
-        its rows (index ``2 * layer + which``); both None when no block is fully
-        covered. Cached per table."""
+        """``slots.spans`` of ``[start, start + n)`` for this table, cached per table."""
         key = ("spans", start, n)
-        spans = self._index_cache.get(key)
-        if spans is None:
+        found = self._index_cache.get(key)
+        if found is None:
             cfg = self._client.config
-            bs, per_block = cfg.block_size, 2 * cfg.num_layers
-            blocks = self._blocks
-            first, offset = divmod(start, bs)
-            head_len = min(n, bs - offset) if offset else 0
-            head = (blocks[first] * per_block * bs + offset, head_len)
-            index = first + (1 if head_len else 0)
-            full = (n - head_len) // bs
-            middle = middle_rows = None
-            if full:
-                table = torch.tensor(blocks[index:index + full], dtype=torch.int64)
-                middle = (table[None, :] * per_block
-                          + torch.arange(per_block)[:, None]).to(self.device)
-                middle_rows = middle.unbind(0)
-            tail_len = n - head_len - full * bs
-            tail = (blocks[index + full] * per_block * bs if tail_len else 0, tail_len)
-            spans = (head, (middle, middle_rows), tail)
-            self._cache_index(key, spans)
-        return spans
+            found = slots.spans(self._state.blocks, cfg.block_size, cfg.num_layers, start, n,
+                                self.device)
+            self._cache_index(key, found)
+        return found
 
     def _cache_index(self, key, value) -> None:
         cache = self._index_cache
@@ -504,20 +501,20 @@ class KvCacheHandle:
             InvalidArgument / WrongType: wrong dtype, device, shape, or a non-contiguous
                 tensor. Nothing is written in any of these cases.
         """
-        self._check_open()
+        view = self._check_open()
         layer = self._check_layer(layer)
         tail = (self.num_heads, self.head_dim)
         n = self._check_tensor("k", k, tail)
         if self._check_tensor("v", v, tail) != n:
             raise InvalidArgument(f"k has {n} tokens, v has {v.shape[0]}")
-        start = self._check_range(start, n)
+        start = self._check_range(view, start, n)
         if n == 0:
             return
-        self._ensure_writable(start, n)
+        view = self._ensure_writable(view, start, n)
         self._last_access = time.time()
         bs = self._client.config.block_size
         if start // bs == (start + n - 1) // bs:  # one block: two slice copies
-            row = ((self._blocks[start // bs] * self.num_layers + layer) * 2 * bs
+            row = ((view.blocks[start // bs] * self.num_layers + layer) * 2 * bs
                    + start % bs)
             rows = _views(self._client).rows
             rows.narrow(0, row, n).copy_(k)
@@ -540,7 +537,7 @@ class KvCacheHandle:
     def write_all(self, kv: torch.Tensor, start: Optional[int] = None) -> None:
         """Write every layer at once: ``kv`` is ``[num_layers, 2, n, num_heads, head_dim]``
         (one copy kernel for the whole step). Same checks as :meth:`write`."""
-        self._check_open()
+        view = self._check_open()
         if not isinstance(kv, torch.Tensor) or kv.dim() != 5:
             raise InvalidArgument("kv must be a tensor [num_layers, 2, n, num_heads, head_dim]")
         if tuple(kv.shape[:2]) != (self.num_layers, 2):
@@ -551,10 +548,10 @@ class KvCacheHandle:
             raise InvalidArgument("kv is not contiguous; pass kv.contiguous()")
         flat_kv = kv.view(-1, *kv.shape[3:])
         self._check_tensor("kv", flat_kv, (self.num_heads, self.head_dim))
-        start = self._check_range(start, n)
+        start = self._check_range(view, start, n)
         if n == 0:
             return
-        self._ensure_writable(start, n)
+        self._ensure_writable(view, start, n)
         self._last_access = time.time()
         rows, chunks, src = _views(self._client).select(flat_kv)
         (_, head_len), (middle, _), (_, tail_len) = self._spans(start, n)
@@ -565,16 +562,16 @@ class KvCacheHandle:
             rows.index_copy_(0, self._rows(start, n).view(-1), src)
 
     def _gather(self, layer: int, which: int, out: Optional[torch.Tensor]) -> torch.Tensor:
-        self._check_open()
+        view = self._check_open()
         layer = self._check_layer(layer)
-        n = self.num_tokens
+        n = view.num_tokens if self._view_len is None else self._view_len
         shape = (n, self.num_heads, self.head_dim)
         if out is not None:
             self._check_out(out, shape)
         self._last_access = time.time()
         bs = self._client.config.block_size
         if n <= bs:
-            block = self._client.pool[self._blocks[0], layer, which, :n] if n else None
+            block = self._client.pool[self._state.blocks[0], layer, which, :n] if n else None
             if out is not None:
                 return out.copy_(block) if n else out
             return block.clone() if n else self._client.pool.new_empty(shape)
@@ -615,8 +612,8 @@ class KvCacheHandle:
         ``out``: a contiguous tensor of that shape, dtype and device to gather into
         (a buffer reused across steps saves allocating and first-touching new memory).
         """
-        self._check_open()
-        n = self.num_tokens
+        view = self._check_open()
+        n = view.num_tokens if self._view_len is None else self._view_len
         shape = (self.num_layers, 2, n, self.num_heads, self.head_dim)
         if out is not None:
             self._check_out(out, shape)
@@ -647,10 +644,3 @@ class KvCacheHandle:
         layer = self._check_layer(layer)
         pool = self._client.pool
         return pool[:, layer, 0], pool[:, layer, 1], self.block_table.to_tensor(pool.device)
-
-
-def _unpickle(address, token, tp_rank, tp_size, view_len):
-    from .client import process_client
-    handle = process_client(address, tp_rank, tp_size).open(token)
-    handle._view_len = view_len
-    return handle

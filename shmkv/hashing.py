@@ -4,15 +4,19 @@ Owns the key of a full block: ``blake2b-128(parent_key || token ids as int64 LE)
 with the root key derived from an optional extra key (a namespace: model, adapter,
 salt). The same tokens give the same keys in every process, on every run and after
 a coordinator restart: there is no per-process seed. 128-bit keys make an accidental
-collision practically impossible. Pure: no I/O, no torch.
+collision practically impossible. Also owns turning what a caller passes as token
+ids into ints (:func:`token_list`). Pure: no I/O, no torch.
 """
 
 from __future__ import annotations
 
 import hashlib
+import operator
 import sys
 from array import array
 from typing import List, Optional, Sequence
+
+from .errors import WrongType
 
 KEY_SIZE = 16
 _BIG_ENDIAN = sys.byteorder == "big"
@@ -47,3 +51,22 @@ def block_keys(tokens: Sequence[int], block_size: int, parent: bytes) -> List[by
         parent = blake2b(parent + data[offset:offset + step], digest_size=KEY_SIZE).digest()
         keys.append(parent)
     return keys
+
+
+def token_list(tokens) -> list:
+    """Token ids as a list of ints: from a list, a tensor, an array, or any integral
+    scalars (``operator.index``: numpy integers are fine, floats and bools are not)."""
+    if hasattr(tokens, "tolist"):
+        tokens = tokens.tolist()
+    tokens = list(tokens)
+    if all(type(t) is int for t in tokens):
+        return tokens
+    out = []
+    for t in tokens:
+        if isinstance(t, bool):
+            raise WrongType("token ids must be integers, got a bool")
+        try:
+            out.append(operator.index(t))
+        except TypeError:
+            raise WrongType(f"token ids must be integers, got {type(t).__name__}") from None
+    return out

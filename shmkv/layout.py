@@ -22,6 +22,9 @@ from typing import Any, Optional, Sequence
 from .errors import InvalidArgument, WrongType
 
 LAYOUT_VERSION = 1
+DEFAULT_MAX_SEQ_LEN = 32768
+MAX_SEQUENCES = 1 << 20
+MAX_TABLE_BYTES = 1 << 30
 
 # name -> bytes per element. The names are torch's attribute names.
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
@@ -80,6 +83,11 @@ class PoolConfig:
         device: ``"cpu"`` (POSIX shared memory) or ``"cuda:N"`` (CUDA IPC).
         tp_size: tensor-parallel ranks; each rank owns ``num_kv_heads // tp_size`` heads.
         devices: with ``tp_size > 1`` on CUDA, one device per rank.
+        max_sequences: live sequences at once (the rows of the shared block tables).
+        max_seq_len: tokens one sequence may hold (the columns of the shared block
+            tables, in blocks: ``ceil(max_seq_len / block_size)``). Default: the whole
+            pool, at most 32768 tokens. The tables cost ``4 * max_sequences *
+            max_seq_blocks`` bytes of shared memory (``table_nbytes``).
 
     Raises:
         InvalidArgument / WrongType: for a nonsense value, before anything is allocated.
@@ -94,11 +102,25 @@ class PoolConfig:
     device: Any = "cpu"
     tp_size: int = 1
     devices: Optional[Sequence[str]] = None
+    max_sequences: int = 4096
+    max_seq_len: Optional[int] = None
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "num_kv_heads", "head_dim", "num_blocks", "block_size",
-                      "tp_size"):
+                      "tp_size", "max_sequences"):
             _check_positive(field, getattr(self, field))
+        if self.max_seq_len is None:
+            object.__setattr__(self, "max_seq_len",
+                               min(self.num_blocks * self.block_size, DEFAULT_MAX_SEQ_LEN))
+        _check_positive("max_seq_len", self.max_seq_len)
+        if self.max_sequences > MAX_SEQUENCES:
+            raise InvalidArgument(f"PoolConfig.max_sequences={self.max_sequences} is above "
+                                  f"the supported {MAX_SEQUENCES}")
+        if self.table_nbytes > MAX_TABLE_BYTES:
+            raise InvalidArgument(
+                f"shared block tables of max_sequences={self.max_sequences} x "
+                f"{self.max_seq_blocks} blocks (max_seq_len={self.max_seq_len}) would take "
+                f"{self.table_nbytes / 2**20:.0f} MiB; lower max_sequences or max_seq_len")
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
         object.__setattr__(self, "device", normalize_device(self.device))
         if self.num_kv_heads % self.tp_size:
@@ -142,6 +164,16 @@ class PoolConfig:
         return self.num_blocks * self.block_nbytes
 
     @property
+    def max_seq_blocks(self) -> int:
+        """Entries of one sequence's shared block table."""
+        return -(-self.max_seq_len // self.block_size)
+
+    @property
+    def table_nbytes(self) -> int:
+        """Shared memory the block tables take (besides the pool)."""
+        return 4 * self.max_sequences * self.max_seq_blocks
+
+    @property
     def is_cuda(self) -> bool:
         return self.device != "cpu"
 
@@ -159,7 +191,8 @@ class PoolConfig:
                 "head_dim": self.head_dim, "num_blocks": self.num_blocks,
                 "block_size": self.block_size, "dtype": self.dtype, "device": self.device,
                 "tp_size": self.tp_size,
-                "devices": list(self.devices) if self.devices is not None else None}
+                "devices": list(self.devices) if self.devices is not None else None,
+                "max_sequences": self.max_sequences, "max_seq_len": self.max_seq_len}
 
     @classmethod
     def from_wire(cls, data: dict) -> "PoolConfig":

@@ -1,9 +1,9 @@
 """Pool memory: create it in the coordinator, attach to it in workers.
 
 Owns the choice between the CPU backend (``shmkv.shm``) and the CUDA backend
-(``shmkv.cuda``), the typed 6-d views of the raw allocation, and the small metadata
-segment that every pool has (the ``owner`` array and the copy-on-write ``epoch``,
-always in host shared memory).
+(``shmkv.cuda``), the typed 6-d views of the raw allocation, and the metadata
+segment that every pool has, always in host shared memory: the ``owner`` array, the
+ownership ``epoch`` and the shared block tables (layout and rules in ``shmkv.tables``).
 Does not decide which block holds what (``shmkv.allocator``) and does no socket I/O.
 
 A pool is a list of device pools: one on CPU (every tensor-parallel rank sees its
@@ -17,6 +17,7 @@ from typing import List, Optional
 
 from .errors import LayoutMismatch
 from .layout import PoolConfig, torch_dtype
+from .tables import SEQ_FIELDS, TableLayout
 from . import shm
 
 
@@ -24,9 +25,11 @@ class PoolMemory:
     """The memory of one pool as seen by one process.
 
     ``device_pools[i]`` is a tensor ``[num_blocks, num_layers, 2, block_size, heads_i,
-    head_dim]``. ``owner`` is the int64 per-block metadata array and ``epoch`` a
-    one-element int64 array that counts block-table replacements (copy-on-write);
-    both are writable in the coordinator and read-only in workers. ``fds`` are the
+    head_dim]``. ``owner``, ``epoch``, ``seq`` and ``table`` are memoryviews of the
+    metadata segment (see ``shmkv.tables``): written by the coordinator only.
+    ``owner_t``, ``seq_t`` (``[max_sequences, 4]``) and ``table_t``
+    (``[max_sequences, max_seq_blocks]``) are tensors over the same memory, for
+    vectorized reads. ``fds`` are the
     descriptors a worker needs (coordinator side); ``descriptor`` is the msgpack-able
     description sent in the handshake.
 
@@ -38,9 +41,9 @@ class PoolMemory:
     def __init__(self, config: PoolConfig):
         self.config = config
         self.device_pools: List = []
-        self.owner = None
-        self.epoch = None
-        self._meta_view = None
+        self.layout = TableLayout.of(config)
+        self.owner = self.epoch = self.seq = self.table = None
+        self.owner_t = self.seq_t = self.table_t = None
         self._meta_map = None
         self.fds: List[int] = []
         self.descriptor: dict = {}
@@ -67,12 +70,19 @@ class PoolMemory:
             pool[dst].copy_(pool[src])
 
     def _map_meta(self, fd: int, nbytes: int, writable: bool) -> None:
-        n = self.config.num_blocks
-        if nbytes != 8 * (n + 1):
-            raise LayoutMismatch(f"metadata segment of {nbytes} bytes, expected {8 * (n + 1)}")
-        self._meta_map, self._meta_view = shm.map_array(fd, nbytes, writable)
-        self.owner = self._meta_view[:n]
-        self.epoch = self._meta_view[n:]
+        layout = self.layout
+        if nbytes != layout.nbytes:
+            raise LayoutMismatch(f"metadata segment of {nbytes} bytes, expected "
+                                 f"{layout.nbytes}")
+        self._meta_map = shm.map_bytes(fd, nbytes, writable)
+        self.owner, self.epoch, self.seq, self.table = layout.views(self._meta_map)
+        import torch
+        raw = shm.map_tensor(fd, nbytes)  # the storage keeps its own mapping alive
+        self.owner_t = raw[layout.owner_offset:layout.epoch_offset].view(torch.int64)
+        self.seq_t = raw[layout.seq_offset:layout.table_offset].view(torch.int64).view(
+            layout.max_sequences, SEQ_FIELDS)
+        self.table_t = raw[layout.table_offset:layout.nbytes].view(torch.int32).view(
+            layout.max_sequences, layout.max_seq_blocks)
 
     def close_fds(self) -> None:
         """Close this process's descriptors (mappings stay). Idempotent."""
@@ -86,7 +96,7 @@ class PoolMemory:
     def close(self) -> None:
         """Release descriptors and the metadata mapping. Idempotent."""
         self.close_fds()
-        for name in ("owner", "epoch", "_meta_view"):  # every export before the unmap
+        for name in ("owner", "epoch", "seq", "table"):  # every export before the unmap
             view = getattr(self, name)
             if view is not None:
                 view.release()
@@ -105,7 +115,7 @@ def _typed(raw, config: PoolConfig, heads: int):
 def create_pool(config: PoolConfig) -> PoolMemory:
     """Allocate a pool and its metadata (coordinator side). Nothing leaks on failure."""
     memory = PoolMemory(config)
-    meta_bytes = 8 * (config.num_blocks + 1)
+    meta_bytes = memory.layout.nbytes
     try:
         meta_fd = shm.create_segment(meta_bytes, "metadata")
         memory.fds.append(meta_fd)
@@ -142,8 +152,7 @@ def attach_pool(config: PoolConfig, descriptor: dict, fds: List[int]) -> PoolMem
         if len(fds) != expected_fds:
             raise LayoutMismatch(f"handshake passed {len(fds)} descriptors, expected "
                                  f"{expected_fds}")
-        memory._map_meta(fds[0], descriptor["meta_bytes"],
-                                                       writable=False)
+        memory._map_meta(fds[0], descriptor["meta_bytes"], writable=False)
         if config.is_cuda:
             from . import cuda
             memory.device_pools = [cuda.open_tensor(d) for d in descriptor["cuda"]]

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+import sys
+from array import array
 from typing import Any, Iterator, Optional
 
 import msgpack
@@ -45,6 +47,7 @@ ERROR_CODES = {
     9: errors.LimitExceeded,
     10: errors.AccessDenied,
     11: errors.LayoutMismatch,
+    12: errors.StaleStep,
 }
 _CODE_OF = {cls: code for code, cls in ERROR_CODES.items()}
 
@@ -67,7 +70,8 @@ def exception_for(code: int, message: str) -> errors.ShmkvError:
 
 # -- message types -----------------------------------------------------------------------
 # op -> {arg: (kind, required)}. Kinds: "int", "num", "bytes", "str", "ints" (list of
-# ints), "list", "map", "bool". None is accepted for optional arguments.
+# ints), "i64s" (bytes of little-endian int64s), "list", "map", "bool". None is
+# accepted for optional arguments.
 
 OPS = {
     "hello": {"version": ("int", True), "tp_rank": ("int", False), "tp_size": ("int", False),
@@ -91,6 +95,14 @@ OPS = {
     "export": {"cache_id": ("int", True), "ttl": ("num", True)},
     "open": {"token": ("bytes", True)},
     "stats": {},
+    # Batches: sequences as packed int64 arrays ("i64s": little-endian bytes), so a
+    # step of any size is one small frame and decodes without a Python loop.
+    "extend_batch": {"ids": ("i64s", True), "count": ("int", False), "counts": ("i64s", False),
+                     "tokens": ("list", False)},
+    "prepare_batch": {"ids": ("i64s", True), "starts": ("i64s", True),
+                      "counts": ("i64s", True)},
+    "commit_batch": {"ids": ("i64s", True), "num_tokens": ("i64s", True),
+                     "tp_rank": ("int", False)},
 }
 
 
@@ -114,12 +126,32 @@ def _check_kind(op: str, name: str, kind: str, value: Any) -> None:
         ok = isinstance(value, list)
     elif kind == "map":
         ok = isinstance(value, dict)
+    elif kind == "i64s":
+        ok = isinstance(value, bytes) and len(value) % 8 == 0
     elif kind == "ints":
         ok = isinstance(value, list) and all(
             type(v) is int for v in value)  # bool is not a token id
     if not ok:
         raise errors.WrongType(f"{op}: argument {name!r} must be {kind}, got "
                                f"{type(value).__name__}")
+
+
+def unpack_i64s(data: bytes) -> "array":
+    """The ints of an ``i64s`` argument (little-endian int64s)."""
+    out = array("q")
+    out.frombytes(data)
+    if sys.byteorder != "little":
+        out.byteswap()
+    return out
+
+
+def pack_i64s(values) -> bytes:
+    """The ``i64s`` form of a sequence of ints."""
+    out = values if isinstance(values, array) and values.typecode == "q" else array("q", values)
+    if sys.byteorder != "little":
+        out = array("q", out)
+        out.byteswap()
+    return out.tobytes()
 
 
 def validate_args(op: str, args: Any) -> dict:

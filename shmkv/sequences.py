@@ -6,6 +6,9 @@ to each, the hand-off tokens waiting to be opened, prefix keys and their commit,
 and copy-on-write. Every public method is one wire operation and either succeeds
 completely or raises and changes nothing (all-or-nothing).
 
+Every change to a block table or a length is mirrored into the shared tables
+(``shmkv.tables``), which every attached process reads without a round trip.
+
 Does not do I/O and does not touch K/V bytes: copy-on-write calls the
 ``copy_block(src, dst)`` callback the coordinator provides. Pure: no torch, no
 sockets, so the whole state machine is testable in one process.
@@ -24,6 +27,7 @@ from . import hashing
 from .allocator import BlockPool
 from .errors import (HandoffError, InvalidArgument, LimitExceeded, OutOfRange, PoolExhausted,
                      UnknownCache, WrongType)
+from .tables import TableLayout, TableWriter
 
 TOKEN_VERSION = 1
 TOKEN_SIZE = 1 + 8 + 16
@@ -39,26 +43,32 @@ def format_cache_id(cache_id: int) -> str:
 class Sequence:
     """One cached sequence. Plain slots: this is on every hot path."""
 
-    __slots__ = ("cache_id", "block_ids", "num_tokens", "num_refs", "keys", "tail_tokens",
-                 "root", "num_committed", "rank_tokens", "num_cached", "request_id")
+    __slots__ = ("cache_id", "block_ids", "num_tokens", "num_refs", "keys", "keys_open",
+                 "tail_tokens", "root", "num_committed", "rank_tokens", "num_cached",
+                 "request_id", "slot")
 
-    def __init__(self, cache_id: int, root: Optional[bytes], tp_size: int, request_id: str):
+    def __init__(self, cache_id: int, root: Optional[bytes], tp_size: int,
+                 request_id: Optional[str]):
         self.cache_id = cache_id
         self.block_ids: List[int] = []
         self.num_tokens = 0
         self.num_refs = 0
-        # Prefix keys of full blocks whose token ids are known; None once an extend
-        # without token ids makes the rest unknowable.
+        # Prefix keys of the leading full blocks whose token ids are known (None for a
+        # sequence without a prompt). ``keys_open`` stays True while every token id so
+        # far is known; an extend without ids closes it: the keys already computed stay
+        # publishable, no later block gets one.
         self.keys: Optional[List[bytes]] = [] if root is not None else None
+        self.keys_open = root is not None
         self.tail_tokens: List[int] = []   # token ids after the last keyed block
         self.root = root
         self.num_committed = 0             # leading blocks already published/committed
         self.rank_tokens = [0] * tp_size   # tokens each tensor-parallel rank committed
         self.num_cached = 0                # tokens reused from the prefix cache at allocate
-        self.request_id = request_id
+        self.request_id = request_id       # None: the default, format_cache_id(cache_id)
+        self.slot = -1                     # row in the shared tables
 
     def info(self) -> dict:
-        return {"cache_id": self.cache_id, "blocks": list(self.block_ids),
+        return {"cache_id": self.cache_id, "slot": self.slot, "blocks": list(self.block_ids),
                 "num_tokens": self.num_tokens, "num_cached": self.num_cached,
                 "request_id": self.request_id}
 
@@ -89,15 +99,16 @@ class SequenceTable:
         max_handoffs: outstanding hand-off tokens allowed at once.
         max_handoff_ttl: the longest ``ttl`` an export may ask for, in seconds.
         clock: monotonic clock (seconds), injectable for tests.
-        epoch: a writable one-element int64 array (shared memory in the coordinator),
-            bumped whenever an existing block-table entry is replaced, so that readers
-            in other processes know to refresh their tables.
+        tables: the writer of the shared block tables (``shmkv.tables``); private
+            tables of ``max_sequences`` x ``max_seq_blocks`` when omitted.
     """
 
     def __init__(self, pool: BlockPool, block_size: int, tp_size: int = 1,
                  copy_block: Callable[[int, int], None] = lambda src, dst: None,
                  max_handoffs: int = 65536, max_handoff_ttl: float = 3600.0,
-                 clock: Callable[[], float] = time.monotonic, epoch=None):
+                 clock: Callable[[], float] = time.monotonic,
+                 tables: Optional[TableWriter] = None, max_sequences: int = 1024,
+                 max_seq_blocks: Optional[int] = None):
         self.pool = pool
         self.block_size = block_size
         self.tp_size = tp_size
@@ -105,7 +116,11 @@ class SequenceTable:
         self.max_handoffs = max_handoffs
         self.max_handoff_ttl = max_handoff_ttl
         self.clock = clock
-        self.epoch = epoch if epoch is not None else array("q", [0])
+        if tables is None:
+            layout = TableLayout(pool.num_blocks, max_sequences, max_seq_blocks or pool.num_blocks)
+            _owner, _epoch, seq, table = layout.views(bytearray(layout.nbytes))
+            tables = TableWriter(layout, seq, table)
+        self.tables = tables
         self.sequences: Dict[int, Sequence] = {}
         self.conn_refs: Dict[int, Dict[int, int]] = {}
         self.handoffs: Dict[int, _Handoff] = {}
@@ -150,15 +165,20 @@ class SequenceTable:
         seq.num_refs -= count
         if seq.num_refs == 0:
             del self.sequences[seq.cache_id]
+            self.tables.release(seq.slot)
             self.pool.decref(reversed(seq.block_ids))  # tail first into the LRU
 
     def _new_sequence(self, root: Optional[bytes], request_id: Optional[str]) -> Sequence:
+        """A sequence with a fresh cache id; the caller fills it and calls :meth:`_publish`."""
         cache_id = self._next_cache_id
         self._next_cache_id += 1
-        seq = Sequence(cache_id, root, self.tp_size,
-                       request_id if request_id is not None else format_cache_id(cache_id))
+        seq = Sequence(cache_id, root, self.tp_size, request_id)
         self.sequences[cache_id] = seq
         return seq
+
+    def _publish(self, seq: Sequence) -> None:
+        """Give a filled new sequence its row in the shared tables."""
+        seq.slot = self.tables.assign(seq.cache_id, seq.block_ids, seq.num_tokens)
 
     # -- allocate ------------------------------------------------------------------------
 
@@ -191,6 +211,9 @@ class SequenceTable:
             tail = prompt[len(keys) * self.block_size:]
         elif salt is not None:
             raise InvalidArgument("cache_salt needs a prompt")
+        if self._blocks_for(num_tokens) <= self.pool.num_blocks:  # else PoolExhausted below
+            self.tables.check_blocks(self._blocks_for(num_tokens),
+                                     f"a sequence of {num_tokens} tokens")
         hits = self.pool.lookup(keys) if keys else []
         need = self._blocks_for(num_tokens) - len(hits)
         if need > self.pool.num_blocks:
@@ -206,6 +229,7 @@ class SequenceTable:
         blocks is reused and ``num_cached`` says how many tokens are already present.
         """
         plans = [self._plan_allocate(req) for req in requests]
+        self.tables.check_slots(len(plans))
         need = sum(plan[5] for plan in plans)
         cached_hits = {b for plan in plans for b in plan[4] if self.pool.ref_cnt[b] == 0}
         available = self.pool.num_available - len(cached_hits)
@@ -225,6 +249,7 @@ class SequenceTable:
             seq.num_cached = len(hits) * self.block_size
             seq.num_committed = len(hits)
             seq.rank_tokens = [seq.num_cached] * self.tp_size
+            self._publish(seq)
             if keys is not None:
                 seq.keys = keys
                 seq.tail_tokens = list(tail)
@@ -264,7 +289,7 @@ class SequenceTable:
         assert new is not None
         self.copy_block(old, new[0])
         seq.block_ids[index] = new[0]
-        self.epoch[0] += 1
+        self.tables.replace(seq.slot, index, new[0])
         self.pool.decref((old,))
         self.counters["cow_copies"] += 1
 
@@ -283,7 +308,11 @@ class SequenceTable:
             except (OverflowError, TypeError):
                 raise InvalidArgument("token ids must be ints in the int64 range") from None
         partial = seq.num_tokens % self.block_size
-        need = self._blocks_for(seq.num_tokens + num) - len(seq.block_ids)
+        total = self._blocks_for(seq.num_tokens + num)
+        if self.tables.max_seq_blocks < total <= self.pool.num_blocks:  # else PoolExhausted
+            self.tables.check_blocks(total, f"{format_cache_id(seq.cache_id)} at "
+                                            f"{seq.num_tokens + num} tokens")
+        need = total - len(seq.block_ids)
         copy_last = bool(num and partial and self._needs_copy(seq, len(seq.block_ids) - 1))
         return seq, num, tokens, need, copy_last
 
@@ -304,7 +333,6 @@ class SequenceTable:
                 f"pool exhausted: need {need} blocks, {self.pool.num_available} free or "
                 f"evictable (num_blocks={self.pool.num_blocks}); free handles or raise num_blocks")
         results = []
-        epoch_before = self.epoch[0]
         for seq, num, tokens, need_blocks, copy_last in plans:
             table_from = len(seq.block_ids)
             if num and seq.num_tokens % self.block_size:
@@ -314,13 +342,16 @@ class SequenceTable:
                 else:
                     self._writable(seq, table_from)
             start = seq.num_tokens
-            if need_blocks:
-                seq.block_ids += self.pool.allocate(need_blocks, seq.cache_id)
             seq.num_tokens += num
+            if need_blocks:
+                new = self.pool.allocate(need_blocks, seq.cache_id)
+                self.tables.append(seq.slot, len(seq.block_ids), new, seq.num_tokens)
+                seq.block_ids += new
+            else:
+                self.tables.set_length(seq.slot, seq.num_tokens)
             self._extend_keys(seq, num, tokens)
             results.append({"start": start, "num_tokens": seq.num_tokens,
-                            "table_from": table_from, "blocks": seq.block_ids[table_from:],
-                            "epoch_before": epoch_before, "epoch": self.epoch[0]})
+                            "table_from": table_from, "blocks": seq.block_ids[table_from:]})
         return results
 
     def extend(self, conn_id: int, cache_id: int, num_tokens: int, tokens=None) -> dict:
@@ -328,11 +359,159 @@ class SequenceTable:
         item = [cache_id, num_tokens] if tokens is None else [cache_id, num_tokens, tokens]
         return self.extend_many(conn_id, [item])[0]
 
+    # -- batches (one round trip per engine step) ---------------------------------------
+
+    def _batch_sequences(self, conn_id: int, cache_ids: Seq[int], any_live: bool = False):
+        """The sequences named by a batch, each held by this connection (or merely live,
+        with ``any_live``)."""
+        if len(set(cache_ids)) != len(cache_ids):
+            raise InvalidArgument("the batch names a sequence twice")
+        sequences = self.sequences
+        held = sequences if any_live else self.conn_refs.get(conn_id, {})
+        seqs = []
+        for cache_id in cache_ids:
+            if cache_id not in held:
+                raise UnknownCache(f"cache {format_cache_id(cache_id)} of the batch is closed "
+                                   "(or not held by this connection)")
+            seqs.append(sequences[cache_id])
+        return seqs
+
+    def extend_batch(self, conn_id: int, cache_ids: Seq[int], counts, tokens=None) -> array:
+        """Reserve ``counts`` (an int for all, or one per sequence) more slots in each
+        sequence of a batch, all or none; copy-on-write of shared partly filled last
+        blocks included. ``tokens``: one list of token ids per sequence, or None.
+
+        Returns the length of every sequence after the step (int64 array). The hot
+        path of a decode step: one pass to check and count, one to apply.
+        """
+        seqs = self._batch_sequences(conn_id, cache_ids)
+        num_seqs = len(seqs)
+        if isinstance(counts, int):
+            counts = [_check_count("count", counts)] * num_seqs
+        elif len(counts) != num_seqs:
+            raise InvalidArgument(f"{len(counts)} counts for a batch of {num_seqs} sequences")
+        elif min(counts, default=0) < 0:
+            raise InvalidArgument(f"counts must be >= 0, got {min(counts)}")
+        if tokens is not None:
+            if not isinstance(tokens, list) or len(tokens) != num_seqs:
+                raise InvalidArgument(f"tokens must be one list of token ids per sequence "
+                                      f"({num_seqs})")
+            for ids, num in zip(tokens, counts):
+                if not isinstance(ids, list) or len(ids) != num:
+                    raise InvalidArgument(f"tokens must hold exactly the step's count of token "
+                                          f"ids for each sequence (expected {num})")
+                try:
+                    hashing.pack_tokens(ids)
+                except (OverflowError, TypeError):
+                    raise InvalidArgument("token ids must be ints in the int64 range") from None
+        bs, owner, pool = self.block_size, self.pool.owner, self.pool
+        max_blocks = self.tables.max_seq_blocks
+        need = 0
+        for seq, num in zip(seqs, counts):
+            if not num:
+                continue
+            old = seq.num_tokens
+            total = (old + num + bs - 1) // bs
+            have = len(seq.block_ids)
+            if total > have:
+                need += total - have
+                if max_blocks < total <= pool.num_blocks:  # else PoolExhausted below
+                    self.tables.check_blocks(total, f"{format_cache_id(seq.cache_id)} at "
+                                                    f"{old + num} tokens")
+            if old % bs and owner[seq.block_ids[-1]] != seq.cache_id and \
+                    self._needs_copy(seq, have - 1):
+                need += 1
+        if need > pool.num_available:
+            raise PoolExhausted(
+                f"pool exhausted: the step needs {need} blocks, {pool.num_available} free or "
+                f"evictable (num_blocks={pool.num_blocks}); free handles or raise num_blocks")
+        tables = self.tables
+        lens = array("q", bytes(8 * num_seqs))
+        for i, (seq, num) in enumerate(zip(seqs, counts)):
+            old = seq.num_tokens
+            if num:
+                have = len(seq.block_ids)
+                if old % bs and owner[seq.block_ids[-1]] != seq.cache_id:
+                    if self._needs_copy(seq, have - 1):
+                        self._cow(seq, have - 1)
+                    else:
+                        pool.claim(seq.block_ids[-1], seq.cache_id)
+                new_len = old + num
+                seq.num_tokens = new_len
+                total = (new_len + bs - 1) // bs
+                if total > have:
+                    new = pool.allocate(total - have, seq.cache_id)
+                    tables.append(seq.slot, have, new, new_len)
+                    seq.block_ids += new
+                else:
+                    tables.set_length(seq.slot, new_len)
+                if seq.keys_open:
+                    self._extend_keys(seq, num, tokens[i] if tokens is not None else None)
+                lens[i] = new_len
+            else:
+                lens[i] = old
+        return lens
+
+    def prepare_batch(self, conn_id: int, cache_ids: Seq[int], starts: Seq[int],
+                      counts: Seq[int]) -> array:
+        """Make slots ``[starts[i], starts[i] + counts[i])`` of each sequence writable in
+        place (a step over slots already reserved, such as a prompt's prefill), all or
+        none. Returns every sequence's current length (int64 array)."""
+        seqs = self._batch_sequences(conn_id, cache_ids)
+        if not len(starts) == len(counts) == len(seqs):
+            raise InvalidArgument(f"starts and counts need one entry per sequence "
+                                  f"({len(seqs)}), got {len(starts)} and {len(counts)}")
+        bs, plans, num_copies = self.block_size, [], 0
+        for seq, start, num in zip(seqs, starts, counts):
+            if start < 0 or num < 0 or start + num > seq.num_tokens:
+                raise OutOfRange(f"slots [{start}, {start + num}) of "
+                                 f"{format_cache_id(seq.cache_id)} are not all reserved "
+                                 f"({seq.num_tokens} are); extend first")
+            if num:
+                first, last = start // bs, (start + num - 1) // bs
+                copies = [i for i in range(first, last + 1) if self._needs_copy(seq, i)]
+                num_copies += len(copies)
+                plans.append((seq, first, last, copies))
+        if num_copies > self.pool.num_available:
+            raise PoolExhausted(f"pool exhausted: copy-on-write needs {num_copies} blocks, "
+                                f"{self.pool.num_available} free or evictable")
+        for seq, first, last, copies in plans:
+            for i in range(first, last + 1):
+                if i in copies:
+                    self._cow(seq, i)
+                else:
+                    self._writable(seq, i)
+        return array("q", [seq.num_tokens for seq in seqs])
+
+    def commit_batch(self, conn_id: int, cache_ids: Seq[int], num_tokens: Seq[int],
+                     tp_rank: Optional[int] = None, rank_connection: bool = False) -> int:
+        """:meth:`commit` for every sequence of a batch, all or none checked first.
+
+        ``rank_connection``: the connection is a tensor-parallel rank that may commit
+        its shard of sequences it does not hold (a step it rebuilt from a descriptor).
+        Returns the number of blocks published by this call.
+        """
+        seqs = self._batch_sequences(conn_id, cache_ids, any_live=rank_connection)
+        if tp_rank is not None and not 0 <= tp_rank < self.tp_size:
+            raise InvalidArgument(f"tp_rank must be in [0, {self.tp_size}), got {tp_rank}")
+        if len(num_tokens) != len(seqs):
+            raise InvalidArgument(f"num_tokens needs one entry per sequence ({len(seqs)})")
+        for seq, num in zip(seqs, num_tokens):
+            if num < 0 or num > seq.num_tokens:
+                raise OutOfRange(f"commit of {num} tokens, {format_cache_id(seq.cache_id)} "
+                                 f"has {seq.num_tokens} reserved")
+        before = self.counters["published_blocks"]
+        for seq, num in zip(seqs, num_tokens):
+            self._commit(seq, num, tp_rank)
+        return self.counters["published_blocks"] - before
+
     def _extend_keys(self, seq: Sequence, num: int, tokens) -> None:
-        if seq.keys is None or not num:
+        if not seq.keys_open or not num:
             return
-        if tokens is None:  # token ids of this stretch are unknown: no further prefix keys
-            seq.keys, seq.tail_tokens = None, []
+        if tokens is None:
+            # Token ids of this stretch are unknown: blocks from here on get no key,
+            # the keys already computed stay publishable.
+            seq.keys_open, seq.tail_tokens = False, []
             return
         tail = seq.tail_tokens + tokens
         parent = seq.keys[-1] if seq.keys else seq.root
@@ -379,6 +558,9 @@ class SequenceTable:
         _check_count("num_tokens", num_tokens)
         if num_tokens > seq.num_tokens:
             raise OutOfRange(f"commit of {num_tokens} tokens, only {seq.num_tokens} reserved")
+        return self._commit(seq, num_tokens, tp_rank)
+
+    def _commit(self, seq: Sequence, num_tokens: int, tp_rank: Optional[int]) -> int:
         if tp_rank is None:
             ranks = range(self.tp_size)
         else:
@@ -388,7 +570,7 @@ class SequenceTable:
             ranks = (tp_rank,)
         for rank in ranks:
             seq.rank_tokens[rank] = max(seq.rank_tokens[rank], num_tokens)
-        if seq.keys is None:
+        if not seq.keys:
             return seq.num_committed
         ready = min(min(seq.rank_tokens) // self.block_size, len(seq.keys))
         for index in range(seq.num_committed, ready):
@@ -403,10 +585,8 @@ class SequenceTable:
         return self._info(self._held(conn_id, cache_id))
 
     def _info(self, seq: Sequence) -> dict:
-        """A sequence's table and length, with the copy-on-write epoch they are valid for."""
-        out = seq.info()
-        out["epoch"] = self.epoch[0]
-        return out
+        """A sequence's slot in the shared tables, table and length."""
+        return seq.info()
 
     def clone(self, conn_id: int, cache_id: int) -> dict:
         """A new reference to the same sequence (no copy)."""
@@ -417,14 +597,17 @@ class SequenceTable:
     def fork(self, conn_id: int, cache_id: int) -> dict:
         """A new sequence sharing every block of ``cache_id`` (copy-on-write on writes)."""
         parent = self._held(conn_id, cache_id)
+        self.tables.check_slots(1)
         child = self._new_sequence(parent.root, None)
         self.pool.incref(parent.block_ids)
         child.block_ids = list(parent.block_ids)
         child.num_tokens = parent.num_tokens
         child.keys = list(parent.keys) if parent.keys is not None else None
+        child.keys_open = parent.keys_open
         child.tail_tokens = list(parent.tail_tokens)
         child.num_committed = parent.num_committed
         child.rank_tokens = list(parent.rank_tokens)
+        self._publish(child)
         self._ref(conn_id, child)
         return self._info(child)
 

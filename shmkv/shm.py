@@ -108,11 +108,10 @@ def map_tensor(fd: int, nbytes: int):
     return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
-def map_array(fd: int, nbytes: int, writable: bool) -> tuple:
-    """Map a metadata segment; returns ``(mmap, memoryview cast to int64)``.
+def map_bytes(fd: int, nbytes: int, writable: bool) -> mmap.mmap:
+    """Map a metadata segment (read-only unless ``writable``).
 
-    The caller releases the memoryview before closing the mmap.
+    The caller releases every memoryview of it before closing the mmap.
     """
     prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-    mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, prot)
-    return mapping, memoryview(mapping).cast("q")
+    return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, prot)

@@ -2,28 +2,76 @@
 
 Every test runs under ``_no_leaks``: a child process of the test that is still alive
 a few seconds after it ends is killed and fails the test, and so does a new
-``/dev/shm`` entry named by shmkv. The session ends with the same check for the
-whole run.
+``/dev/shm`` entry named by this process or one of its descendants, or a socket file
+left in the session's own runtime directory. The session ends with the same check
+for the whole run. Coordinators of anyone else on the machine are not looked at.
 """
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
+import re
+import shutil
+import tempfile
 import time
 import uuid
 
-import psutil
-import pytest
-import torch
+# Sockets of named coordinators go to a directory of this test session only, set
+# before shmkv is imported. Spawned children import this module too: they inherit
+# the variables and keep the session's directory. The process that made it removes
+# it as it exits (also when collection fails, so no session fixture runs).
+_inherited = os.environ.get("SHMKV_TEST_SESSION_DIR")
+if _inherited and os.environ.get("SHMKV_RUNTIME_DIR") == _inherited:
+    RUNTIME_DIR = _inherited
+else:
+    RUNTIME_DIR = tempfile.mkdtemp(prefix="shmkv-test-")  # mode 0700
+    os.environ["SHMKV_RUNTIME_DIR"] = os.environ["SHMKV_TEST_SESSION_DIR"] = RUNTIME_DIR
 
-import shmkv
+    def _remove_runtime_dir(creator: int = os.getpid()) -> None:
+        if os.getpid() == creator:  # not in a forked child that exits normally
+            shutil.rmtree(RUNTIME_DIR, ignore_errors=True)
+
+    atexit.register(_remove_runtime_dir)
+
+import psutil  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import shmkv  # noqa: E402
 
 SPAWN = multiprocessing.get_context("spawn")
+_SHM_NAME = re.compile(r"^shmkv-(\d+)-[0-9a-f]+$")  # shmkv.shm names segments by owner pid
+_OUR_PIDS = {os.getpid()}  # this process and every descendant seen so far
+
+
+def _is_ours(pid: int) -> bool:
+    """True for this process and its descendants (live now, or seen alive before)."""
+    if pid in _OUR_PIDS:
+        return True
+    try:
+        if os.getpid() in (p.pid for p in psutil.Process(pid).parents()):
+            _OUR_PIDS.add(pid)
+            return True
+    except psutil.Error:
+        pass
+    return False
 
 
 def shm_entries() -> set:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("shmkv-")}
+    """shmkv's ``/dev/shm`` entries named by this process or one of its descendants.
+
+    Segments are unlinked right after creation, so an entry exists only when its
+    creator died in between; another coordinator's entries on the machine are not ours.
+    """
+    _children()  # note the descendants alive now
+    out = set()
+    for name in os.listdir("/dev/shm"):
+        match = _SHM_NAME.match(name)
+        if match and _is_ours(int(match.group(1))):
+            out.add(name)
+    return out
 
 
 def _children() -> list:
@@ -32,6 +80,7 @@ def _children() -> list:
         procs = psutil.Process().children(recursive=True)
     except psutil.Error:
         return []
+    _OUR_PIDS.update(proc.pid for proc in procs)
     out = []
     for proc in procs:
         try:
@@ -61,8 +110,8 @@ def _reap(grace: float) -> list:
 
 
 def socket_files() -> set:
-    from shmkv.coordinator import runtime_dir
-    return set(os.listdir(runtime_dir()))
+    """Files in this session's runtime directory (``$SHMKV_RUNTIME_DIR``)."""
+    return set(os.listdir(RUNTIME_DIR))
 
 
 @pytest.fixture(autouse=True)
@@ -82,8 +131,9 @@ def _no_leaks_session():
     before = shm_entries()
     yield
     leaked = _reap(grace=5.0)
+    left = shm_entries() - before
     assert not leaked, f"child processes outlived the test session: {leaked}"
-    assert not shm_entries() - before, "/dev/shm entries outlived the test session"
+    assert not left, f"/dev/shm entries outlived the test session: {sorted(left)}"
 
 
 @pytest.fixture

@@ -128,13 +128,18 @@ def request_args(op: str, ref_ids):
     by_kind = {"int": ints(), "num": st.one_of(ints(), st.floats()),
                "bytes": st.binary(max_size=40), "str": st.text(max_size=20),
                "ints": st.lists(ints(), max_size=20),
-               "list": st.lists(values, max_size=4), "map": values, "bool": st.booleans()}
+               "list": st.lists(values, max_size=4), "map": values, "bool": st.booleans(),
+               "i64s": st.lists(st.integers(-2**63, 2**63 - 1), max_size=6).map(
+                   protocol.pack_i64s)}
 
     def arg(name, kind):
         if name == "cache_id":
             return cache_id_values(ref_ids)
         if name == "cache_ids":
             return st.lists(cache_id_values(ref_ids), max_size=4)
+        if name == "ids":  # a batch naming the reference client's sequences (and others)
+            return st.lists(st.one_of(st.sampled_from(ref_ids), st.integers(-2, 2**40)),
+                            max_size=4).map(protocol.pack_i64s)
         if name == "items":
             return st.lists(st.lists(st.one_of(cache_id_values(ref_ids), ints(), values),
                                      max_size=4), max_size=3)

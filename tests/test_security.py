@@ -65,6 +65,7 @@ def test_socket_dir_is_0700_and_socket_0600(coord):
 
 
 def test_runtime_dir_is_tightened_and_must_be_ours(tmp_path, monkeypatch):
+    monkeypatch.delenv("SHMKV_RUNTIME_DIR", raising=False)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     loose = tmp_path / "shmkv"
     loose.mkdir(mode=0o755)

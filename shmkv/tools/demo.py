@@ -192,12 +192,14 @@ def run(num_prompts: int = 24, workers: int = 3, decode_steps: int = 32, num_lay
 
 
 def add_parser(sub) -> None:
+    from .cli import dtype_arg, non_negative_int, positive_int
     p = sub.add_parser("demo", help="prefill in DataLoader workers, decode here, verify all")
-    p.add_argument("--prompts", type=int, default=24)
-    p.add_argument("--workers", type=int, default=3)
-    p.add_argument("--decode-steps", type=int, default=32)
-    p.add_argument("--dtype", default="float16")
-    p.add_argument("--model", default=None,
+    p.add_argument("--prompts", type=positive_int, default=24)
+    p.add_argument("--workers", type=positive_int, default=3,
+                   help="DataLoader worker processes for the prefill (at least 1)")
+    p.add_argument("--decode-steps", type=non_negative_int, default=32)
+    p.add_argument("--dtype", type=dtype_arg, default="float16")
+    p.add_argument("--model", default=None, choices=("tiny",),
                    help="'tiny': cross-process generation with a small random model")
     p.set_defaults(func=_cmd)
 

@@ -1002,35 +1002,39 @@ def format_report(report: dict) -> str:
 
 def add_parser(sub) -> None:
     """Register the ``stress`` subcommand on an argparse subparsers object."""
+    from .cli import (fraction, name_arg, non_negative_float, non_negative_int, path_arg,
+                      positive_float, positive_int)
     p = sub.add_parser("stress", help="many processes, random ops, kills; everything verified")
-    p.add_argument("--workers", type=int, default=8)
-    p.add_argument("--duration", type=float, default=None,
+    p.add_argument("--workers", type=positive_int, default=8)
+    p.add_argument("--duration", type=positive_float, default=None,
                    help="seconds to run (default 30, or until --ops are done)")
-    p.add_argument("--ops", type=int, default=None, help="total operations to run")
-    p.add_argument("--kill-rate", type=float, default=0.0,
+    p.add_argument("--ops", type=positive_int, default=None, help="total operations to run")
+    p.add_argument("--kill-rate", type=non_negative_float, default=0.0,
                    help="SIGKILL this many random workers per second (and restart them)")
     p.add_argument("--kill-coordinator", action="store_true",
                    help="SIGKILL the coordinator partway; every worker must see "
                         "CoordinatorGone")
-    p.add_argument("--kill-coordinator-at", type=float, default=0.5,
+    p.add_argument("--kill-coordinator-at", type=fraction, default=0.5,
                    help="when to kill it, as a fraction of --duration")
-    p.add_argument("--gone-deadline", type=float, default=2.0,
+    p.add_argument("--gone-deadline", type=positive_float, default=2.0,
                    help="seconds within which workers must see CoordinatorGone")
-    p.add_argument("--json", default=None, metavar="PATH", help="write the report here")
-    p.add_argument("--name", default=None, help="coordinator name (default stress-PID)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-blocks", type=int, default=256)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-layers", type=int, default=4)
-    p.add_argument("--num-kv-heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=16)
+    p.add_argument("--json", type=path_arg, default=None, metavar="PATH",
+                   help="write the report here")
+    p.add_argument("--name", type=name_arg, default=None,
+                   help="coordinator name (default stress-PID)")
+    p.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument("--num-blocks", type=positive_int, default=256)
+    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--num-layers", type=positive_int, default=4)
+    p.add_argument("--num-kv-heads", type=positive_int, default=4)
+    p.add_argument("--head-dim", type=positive_int, default=16)
     p.add_argument("--dtype", default="float32", choices=sorted(_MODULUS))
-    p.add_argument("--max-seqs", type=int, default=12, help="live sequences per worker")
-    p.add_argument("--max-tokens", type=int, default=256, help="tokens per sequence")
-    p.add_argument("--handoff-ttl", type=float, default=5.0)
-    p.add_argument("--client-timeout", type=float, default=30.0)
-    p.add_argument("--start-timeout", type=float, default=120.0)
-    p.add_argument("--stop-timeout", type=float, default=30.0)
+    p.add_argument("--max-seqs", type=positive_int, default=12, help="live sequences per worker")
+    p.add_argument("--max-tokens", type=positive_int, default=256, help="tokens per sequence")
+    p.add_argument("--handoff-ttl", type=positive_float, default=5.0)
+    p.add_argument("--client-timeout", type=positive_float, default=30.0)
+    p.add_argument("--start-timeout", type=positive_float, default=120.0)
+    p.add_argument("--stop-timeout", type=positive_float, default=30.0)
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.set_defaults(func=_cmd)
 

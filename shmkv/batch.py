@@ -1,0 +1,384 @@
+"""Batches and steps: the data plane of an engine step.
+
+Owns :class:`Batch` (open handles of one client that step together) and :class:`Step`
+(one scheduler step over a batch: the slots it reserved or prepared, the batch
+tensors paged kernels take, and writes of every new token at once).
+
+A step costs one round trip to the coordinator (which reserves slots and does any
+copy-on-write the step's writes need), then a fixed number of torch calls: the
+tensors are built by vectorized ops over the shared block tables (``shmkv.tables``),
+never by a Python loop per sequence, and a write is one ``index_copy_`` per layer
+for K and one for V. Another process (a tensor-parallel rank) rebuilds the same step
+from its :meth:`Step.descriptor` bytes with no round trip at all.
+
+Does not talk to the socket itself (it asks its client) and owns no position
+arithmetic (``shmkv.slots``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+from typing import List, Optional, Sequence
+
+import torch
+
+from . import protocol, slots
+from .errors import HandleClosed, InvalidArgument, OutOfRange, StaleStep, WrongType
+from .handle import _views
+from .hashing import token_list
+from .tables import CACHE_ID, LOCK, NUM_TOKENS
+
+_DESC_MAGIC = b"SKVS"
+_DESC_VERSION = 1
+_DESC_HEADER = struct.Struct("<4sBxxxi8sI")   # magic, version, uniform count, instance, B
+_READ_TRIES = 1000
+
+
+def _bytes_of(t: torch.Tensor) -> bytes:
+    """The bytes of a contiguous CPU tensor (little-endian hosts)."""
+    t = t.contiguous()
+    return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
+
+
+def _int64s(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.int64)
+
+
+class Batch:
+    """Open handles of one client that step together (``client.batch(handles)``).
+
+    Attributes: ``handles`` (tuple), ``cache_ids`` (int64 ``[B]``). Building a batch
+    checks every handle once; each step is then one round trip and no loop per
+    sequence. A handle closed later makes the batch's next step raise ``HandleClosed``.
+    """
+
+    def __init__(self, client, handles: list):
+        ids, slot_list, cached = [], [], []
+        for h in handles:
+            if getattr(h, "_client", None) is not client:
+                raise InvalidArgument(f"{h!r} is not a handle of this client "
+                                      f"({client.address}); a batch takes one client's handles")
+            if h._closed:
+                raise HandleClosed(f"handle on {h.cache_id} is closed")
+            if h._view_len is not None:
+                raise InvalidArgument(f"{h!r} views a fixed length (with_sequence_length); a "
+                                      "batch steps handles on whole sequences")
+            ids.append(h._cache_id)
+            slot_list.append(h._state.slot)
+            cached.append(h._num_cached)
+        if len(set(ids)) != len(ids):
+            raise InvalidArgument("two handles of the batch name one sequence; pass one each")
+        self.client = client
+        self.handles = tuple(handles)
+        self.cache_ids = torch.tensor(ids, dtype=torch.int64)
+        self._slots = torch.tensor(slot_list, dtype=torch.int64)
+        self._num_cached = torch.tensor(cached, dtype=torch.int64)
+        self._ids_wire = protocol.pack_i64s(ids)
+        self._checked_at = client.num_closed
+
+    def __len__(self) -> int:
+        return len(self.handles)
+
+    def _check(self) -> None:
+        """Every handle still open (a loop only when some handle of the client closed)."""
+        client = self.client
+        if client.num_closed != self._checked_at:
+            for h in self.handles:
+                if h._closed:
+                    raise HandleClosed(f"handle on {h.cache_id} in this batch is closed")
+            self._checked_at = client.num_closed
+
+    def _counts(self, counts) -> tuple:
+        """``(uniform count or -1, int64 [B] counts)``."""
+        num = len(self.handles)
+        if isinstance(counts, bool):
+            raise WrongType("counts must be an int or one int per sequence, got a bool")
+        if isinstance(counts, int):
+            if counts < 0:
+                raise InvalidArgument(f"counts must be >= 0, got {counts}")
+            return counts, torch.full((num,), counts, dtype=torch.int64)
+        t = torch.as_tensor(counts)
+        if t.dtype.is_floating_point or t.dtype == torch.bool or t.dim() != 1 \
+                or t.shape[0] != num:
+            raise InvalidArgument(f"counts must be an int or {num} ints (one per sequence)")
+        t = t.to(torch.int64)
+        if num and int(t.min()) < 0:
+            raise InvalidArgument(f"counts must be >= 0, got {int(t.min())}")
+        return -1, t
+
+    def extend(self, counts=1, tokens: Optional[Sequence] = None) -> "Step":
+        """Reserve ``counts`` more slots in every sequence (an int for all, or one per
+        sequence) in ONE round trip, with copy-on-write of shared last blocks; returns
+        the :class:`Step` over the new slots.
+
+        ``tokens``: one list of token ids per sequence (its new tokens), so their blocks
+        get prefix keys and can be reused once committed.
+
+        Raises:
+            PoolExhausted / LimitExceeded: not enough blocks, or a table bound
+                (nothing changed).
+            HandleClosed: a handle of the batch was closed.
+        """
+        self._check()
+        uniform, counts_t = self._counts(counts)
+        args = {"ids": self._ids_wire}
+        if uniform >= 0:
+            args["count"] = uniform
+        else:
+            args["counts"] = _bytes_of(counts_t)
+        if tokens is not None:
+            tokens = [token_list(t) for t in tokens]
+            if len(tokens) != len(self.handles):
+                raise InvalidArgument(f"tokens needs one list per sequence ({len(self)})")
+            args["tokens"] = tokens
+        client = self.client
+        epoch = client._memory.epoch[0]
+        lens = _int64s(client.request("extend_batch", **args))
+        return Step(client, self.cache_ids, self._slots, lens - counts_t, counts_t, uniform,
+                    epoch, self)
+
+    def prefill(self, start=None, num_tokens=None) -> "Step":
+        """A step over slots already reserved (a prompt allocated with its length):
+        positions ``[start, start + num_tokens)`` of every sequence, made writable in ONE
+        round trip (copy-on-write where a block is shared).
+
+        Args:
+            start: an int or one per sequence; default each handle's
+                ``num_cached_tokens`` (the part of the prompt the prefix cache lacks).
+            num_tokens: an int or one per sequence; default up to each sequence's end.
+
+        The step's ``seq_lens`` are ``start + num_tokens`` (the context a chunk attends
+        to), so a chunked prefill is several prefill steps.
+        """
+        self._check()
+        client = self.client
+        num = len(self.handles)
+        if start is None:
+            starts = self._num_cached.clone()
+        else:
+            _, starts = self._counts(start)
+        if num_tokens is None:
+            current = client._memory.seq_t[:, NUM_TOKENS].index_select(0, self._slots)
+            counts_t = current - starts
+            if num and int(counts_t.min()) < 0:
+                raise InvalidArgument("start lies past the end of a sequence")
+            uniform = -1
+        else:
+            uniform, counts_t = self._counts(num_tokens)
+        epoch = client._memory.epoch[0]
+        client.request("prepare_batch", ids=self._ids_wire, starts=_bytes_of(starts),
+                       counts=_bytes_of(counts_t))
+        if num and uniform < 0 and bool((counts_t == counts_t[0]).all()):
+            uniform = int(counts_t[0])
+        return Step(client, self.cache_ids, self._slots, starts, counts_t, uniform, epoch, self)
+
+
+class Step:
+    """One engine step over a batch: the new tokens' slots and the batch tensors.
+
+    Attributes (CPU tensors):
+        slot_mapping: int64 ``[T]``: ``block_id * block_size + offset`` of each new
+            token, sequence by sequence (vLLM's convention).
+        block_tables: int32 ``[B, max_blocks]``, padded with 0.
+        seq_lens: int32 ``[B]``: each sequence's context after the step.
+        query_start_loc: int32 ``[B + 1]``: cumulative new-token counts.
+        positions: int64 ``[T]``: each new token's position in its sequence.
+        num_tokens: ``T``.
+
+    Made by :meth:`Batch.extend`, :meth:`Batch.prefill` or ``client.step_from``.
+    """
+
+    def __init__(self, client, cache_ids: torch.Tensor, slot_ids: torch.Tensor,
+                 starts: torch.Tensor, counts: torch.Tensor, uniform: int, epoch: int,
+                 batch: Optional[Batch] = None):
+        self.client = client
+        self.batch = batch
+        self.cache_ids = cache_ids
+        self._slots = slot_ids
+        self._uniform = uniform
+        self._epoch = epoch
+        self._counts = counts
+        self._starts = starts
+        cfg = client.config
+        bs = cfg.block_size
+        num = cache_ids.shape[0]
+        ends = starts + counts
+        self.seq_lens = ends.to(torch.int32)
+        qsl = torch.zeros(num + 1, dtype=torch.int64)
+        torch.cumsum(counts, 0, out=qsl[1:])
+        self.query_start_loc = qsl.to(torch.int32)
+        self.num_tokens = uniform * num if uniform >= 0 else int(qsl[-1])
+        max_len = int(ends.max()) if num else 0
+        max_blocks = max(1, -(-max_len // bs))
+        self.block_tables = self._read_tables(max_blocks, ends)
+        self.slot_mapping, self._seq_index, self.positions = slots.batch_slots(
+            self.block_tables, starts, counts, qsl, self.num_tokens, bs, uniform)
+        self._rows = None
+
+    # -- reading the shared tables -----------------------------------------------------------
+
+    def _read_tables(self, max_blocks: int, ends: torch.Tensor) -> torch.Tensor:
+        """The batch's rows of the shared tables, consistent (seqlock), padded with 0."""
+        memory = self.client._memory
+        if max_blocks > memory.layout.max_seq_blocks:
+            raise StaleStep("the step's sequences are longer than any table holds")
+        seq_t, table_t, slot_ids = memory.seq_t, memory.table_t, self._slots
+        locks = seq_t[:, LOCK]
+        for _ in range(_READ_TRIES):
+            before = seq_t.index_select(0, slot_ids)
+            tables = table_t[:, :max_blocks].index_select(0, slot_ids)
+            after = locks.index_select(0, slot_ids)
+            if torch.equal(before[:, LOCK], after) and not bool((after & 1).any()):
+                break
+        else:
+            raise StaleStep("the step's block tables kept changing while being read")
+        if not torch.equal(before[:, CACHE_ID], self.cache_ids):
+            raise StaleStep("a sequence of this step was closed; make a new step")
+        if bool((before[:, NUM_TOKENS] < ends).any()):
+            raise StaleStep("a sequence of this step is shorter than the step says")
+        used = -(-ends // self.client.config.block_size)
+        tables.masked_fill_(torch.arange(max_blocks)[None, :] >= used[:, None], 0)
+        return tables
+
+    def _verify_owners(self) -> None:
+        """Every block the step writes is still writable in place by its sequence."""
+        memory = self.client._memory
+        epoch = memory.epoch[0]
+        if not self.num_tokens:
+            self._epoch = epoch
+            return
+        blocks = self.slot_mapping // self.client.config.block_size
+        owners = memory.owner_t.index_select(0, blocks)
+        want = self.cache_ids.index_select(0, self._seq_index)
+        if not torch.equal(owners, want):
+            bad = int((owners != want).nonzero()[0, 0])
+            raise StaleStep(
+                f"block {int(blocks[bad])} of kv-{int(want[bad]):x} was shared (fork, prefix "
+                "hit) or published (commit) after this step was made; make a new step "
+                "(nothing was written)")
+        self._epoch = epoch
+
+    def _ready(self) -> None:
+        self.client.check()
+        if self.batch is not None:
+            self.batch._check()
+        if self.client._memory.epoch[0] != self._epoch:
+            self._verify_owners()
+
+    # -- writes ------------------------------------------------------------------------------
+
+    def _layer_rows(self) -> torch.Tensor:
+        rows = self._rows
+        if rows is None:
+            cfg = self.client.config
+            base = slots.slot_rows(self.slot_mapping, cfg.block_size, cfg.num_layers)
+            rows = self._rows = slots.all_layer_rows(base, cfg.num_layers, cfg.block_size).to(
+                self.client.pool.device)
+        return rows
+
+    def _check_tensor(self, name: str, t, shape: tuple) -> None:
+        if not isinstance(t, torch.Tensor):
+            raise WrongType(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        pool = self.client.pool
+        if t.dtype != pool.dtype:
+            raise InvalidArgument(f"{name} has dtype {t.dtype}, the pool holds {pool.dtype}; "
+                                  f"convert with .to({pool.dtype})")
+        if t.device != pool.device:
+            raise InvalidArgument(f"{name} is on {t.device}, the pool is on {pool.device}")
+        if tuple(t.shape) != shape:
+            raise InvalidArgument(f"{name} has shape {tuple(t.shape)}, the step needs "
+                                  f"{list(shape)} ({self.num_tokens} new tokens)")
+        if not t.is_contiguous():
+            raise InvalidArgument(f"{name} is not contiguous; pass {name}.contiguous()")
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write K and V of one layer for every new token of the step: ``k``, ``v`` are
+        ``[T, num_heads, head_dim]`` (this client's heads), in ``slot_mapping`` order.
+        One ``index_copy_`` each, no round trip.
+
+        Raises:
+            OutOfRange / WrongType: a bad layer.
+            InvalidArgument / WrongType: wrong token count, dtype, device, shape or a
+                non-contiguous tensor.
+            StaleStep: a sequence was closed or a block shared since the step was made.
+            Nothing is written in any of these cases.
+        """
+        self._ready()
+        cfg, pool = self.client.config, self.client.pool
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise WrongType(f"layer must be an int, got {type(layer).__name__}")
+        if not 0 <= layer < cfg.num_layers:
+            raise OutOfRange(f"layer {layer} outside [0, {cfg.num_layers})")
+        shape = (self.num_tokens, pool.shape[4], pool.shape[5])
+        self._check_tensor("k", k, shape)
+        self._check_tensor("v", v, shape)
+        if not self.num_tokens:
+            return
+        rows_index = self._layer_rows()
+        rows, _chunks, k, v = _views(self.client).select(k, v)
+        rows.index_copy_(0, rows_index[2 * layer], k)
+        rows.index_copy_(0, rows_index[2 * layer + 1], v)
+
+    def write_all(self, kv: torch.Tensor) -> None:
+        """Write every layer at once: ``kv`` is ``[num_layers, 2, T, num_heads,
+        head_dim]`` (one copy kernel). Same checks as :meth:`write`."""
+        self._ready()
+        cfg, pool = self.client.config, self.client.pool
+        self._check_tensor("kv", kv, (cfg.num_layers, 2, self.num_tokens, pool.shape[4],
+                                      pool.shape[5]))
+        if not self.num_tokens:
+            return
+        rows, _chunks, src = _views(self.client).select(kv.view(-1, *kv.shape[3:]))
+        rows.index_copy_(0, self._layer_rows().view(-1), src)
+
+    def commit(self) -> int:
+        """Declare every sequence's first ``seq_lens`` tokens written by this client
+        (its rank under tensor parallelism), in one round trip. Full blocks with known
+        token ids are published once every rank has committed them. Returns the number
+        of blocks published by this call."""
+        self.client.check()
+        return self.client.request("commit_batch", ids=_bytes_of(self.cache_ids),
+                                   num_tokens=_bytes_of(self.seq_lens.to(torch.int64)),
+                                   tp_rank=self.client.tp_rank)
+
+    # -- descriptors -------------------------------------------------------------------------
+
+    def descriptor(self) -> bytes:
+        """A few bytes from which another process attached to the same coordinator
+        rebuilds this step (``client.step_from``), with no round trip."""
+        header = _DESC_HEADER.pack(_DESC_MAGIC, _DESC_VERSION, self._uniform,
+                                   bytes.fromhex(self.client.instance), len(self.cache_ids))
+        return header + b"".join(_bytes_of(t) for t in (self.cache_ids, self._slots,
+                                                        self._starts, self._counts))
+
+    @classmethod
+    def from_descriptor(cls, client, data) -> "Step":
+        if not isinstance(data, (bytes, bytearray)):
+            raise WrongType(f"a step descriptor is bytes, got {type(data).__name__}")
+        data = bytes(data)
+        if len(data) < _DESC_HEADER.size:
+            raise InvalidArgument("malformed step descriptor (too short)")
+        magic, version, uniform, instance, num = _DESC_HEADER.unpack_from(data)
+        if magic != _DESC_MAGIC or version != _DESC_VERSION \
+                or len(data) != _DESC_HEADER.size + 32 * num:
+            raise InvalidArgument("malformed step descriptor")
+        if instance.hex() != client.instance:
+            raise InvalidArgument("this step descriptor was made against another coordinator "
+                                  f"than the one at {client.address}")
+        body = _int64s(data[_DESC_HEADER.size:]).view(4, num)
+        cache_ids, slot_ids, starts, counts = (t.clone() for t in body.unbind(0))
+        memory = client._memory
+        if num and (int(slot_ids.min()) < 0
+                    or int(slot_ids.max()) >= memory.layout.max_sequences
+                    or int(starts.min()) < 0 or int(counts.min()) < 0):
+            raise InvalidArgument("malformed step descriptor (values out of range)")
+        step = cls(client, cache_ids, slot_ids, starts, counts, uniform, memory.epoch[0])
+        step._verify_owners()
+        return step
+
+    def __repr__(self) -> str:
+        return f"<shmkv.Step {len(self.cache_ids)} sequences, {self.num_tokens} new tokens>"
+
+
+__all__: List[str] = ["Batch", "Step"]

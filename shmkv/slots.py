@@ -1,0 +1,111 @@
+"""Position -> slot arithmetic, for handles and batches alike.
+
+Owns every formula that turns (block table, token position) into a place in the
+pool. Two coordinate systems:
+
+* a **slot** (vLLM's ``slot_mapping`` convention): ``block_id * block_size + offset``,
+  the same for every layer, K and V;
+* a **row** of the pool seen as ``rows = pool.view(-1, heads, head_dim)``: one token of
+  one layer's K or V. Block-major layout ``[num_blocks, num_layers, 2, block_size,
+  heads, head_dim]`` puts token ``offset`` of block ``b``, layer ``l``, K (0) or V (1)
+  at row ``b * 2 * num_layers * block_size + (2 * l + which) * block_size + offset``.
+* a **chunk** of the pool seen as ``chunks = pool.view(-1, block_size, heads,
+  head_dim)``: one block of one layer's K or V, index ``b * 2 * num_layers + 2 * l +
+  which``.
+
+Does not read block tables (``shmkv.tables``) or move bytes (``shmkv.handle``,
+``shmkv.batch``): inputs are lists or tensors of block ids, outputs index tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def position_rows(blocks: Sequence[int], block_size: int, num_layers: int,
+                  device=None) -> torch.Tensor:
+    """Row of layer 0's K of every position a block table covers: ``[len(blocks) *
+    block_size]`` int64. Add ``(2 * layer + which) * block_size`` for another layer."""
+    table = torch.tensor(blocks, dtype=torch.int64)
+    base = (table[:, None] * (num_layers * 2 * block_size) + torch.arange(block_size))
+    return base.reshape(-1).to(device) if device is not None else base.reshape(-1)
+
+
+def layer_offsets(num_layers: int, block_size: int, device=None) -> torch.Tensor:
+    """``[2 * num_layers]``: what to add to a layer-0-K row for layer ``l``, K or V
+    (index ``2 * l + which``)."""
+    return torch.arange(2 * num_layers, device=device) * block_size
+
+
+def slot_rows(slot_mapping: torch.Tensor, block_size: int, num_layers: int) -> torch.Tensor:
+    """Layer 0's K row of each slot of a ``slot_mapping``."""
+    return (slot_mapping // block_size) * (2 * num_layers * block_size) + slot_mapping % block_size
+
+
+def all_layer_rows(base_rows: torch.Tensor, num_layers: int, block_size: int) -> torch.Tensor:
+    """``[2 * num_layers, n]``: rows of every layer's K and V for layer-0-K rows
+    ``base_rows``; row ``2 * l + which`` of the result is contiguous."""
+    return layer_offsets(num_layers, block_size, base_rows.device)[:, None] + base_rows[None, :]
+
+
+def spans(blocks: Sequence[int], block_size: int, num_layers: int, start: int, n: int,
+          device=None) -> tuple:
+    """How positions ``[start, start + n)`` of a table lie in blocks:
+    ``(head, (middle, middle_rows), tail)``.
+
+    ``head`` and ``tail`` are ``(row, length)`` of a partly covered first and last
+    block (``row``: layer 0's K row; length 0 when there is none). ``middle`` is
+    ``[2 * num_layers, num_full]``: the fully covered blocks' chunk indices, row
+    ``2 * layer + which``; ``middle_rows`` the same as a tuple of rows. Both None when
+    no block is fully covered.
+    """
+    per_block = 2 * num_layers
+    first, offset = divmod(start, block_size)
+    head_len = min(n, block_size - offset) if offset else 0
+    head = (blocks[first] * per_block * block_size + offset, head_len)
+    index = first + (1 if head_len else 0)
+    full = (n - head_len) // block_size
+    middle = middle_rows = None
+    if full:
+        table = torch.tensor(blocks[index:index + full], dtype=torch.int64)
+        middle = table[None, :] * per_block + torch.arange(per_block)[:, None]
+        if device is not None:
+            middle = middle.to(device)
+        middle_rows = middle.unbind(0)
+    tail_len = n - head_len - full * block_size
+    tail = (blocks[index + full] * per_block * block_size if tail_len else 0, tail_len)
+    return head, (middle, middle_rows), tail
+
+
+def batch_slots(tables: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,
+                query_start_loc: torch.Tensor, num_tokens: int, block_size: int,
+                uniform_count: int = -1) -> tuple:
+    """``(slot_mapping, seq_index)`` of a step's new tokens, vectorized.
+
+    Args:
+        tables: ``[B, max_blocks]`` block ids of each sequence.
+        starts: ``[B]`` int64 position of each sequence's first new token.
+        counts: ``[B]`` int64 new tokens per sequence.
+        query_start_loc: ``[B + 1]`` cumulative counts.
+        num_tokens: ``T``, the sum of counts.
+        uniform_count: the count when every sequence has the same one (decode: 1), for
+            a shorter computation; -1 otherwise.
+
+    Returns:
+        ``(slot_mapping, seq_index, positions)``, each int64 ``[T]``: the slot of each
+        new token, which sequence it belongs to, and its position in that sequence.
+    """
+    batch = starts.shape[0]
+    if uniform_count >= 0:
+        seq_index = torch.arange(batch).repeat_interleave(uniform_count) if uniform_count != 1 \
+            else torch.arange(batch)
+        offsets = (torch.arange(uniform_count).repeat(batch) if uniform_count != 1
+                   else torch.zeros(batch, dtype=torch.int64))
+    else:
+        seq_index = torch.repeat_interleave(torch.arange(batch), counts, output_size=num_tokens)
+        offsets = torch.arange(num_tokens) - query_start_loc[:-1].to(torch.int64)[seq_index]
+    positions = starts[seq_index] + offsets
+    block_ids = tables.to(torch.int64)[seq_index, positions // block_size]
+    return block_ids * block_size + positions % block_size, seq_index, positions

@@ -1,0 +1,197 @@
+"""Block tables and lengths in shared memory: the coordinator writes, every process reads.
+
+Owns the layout of the metadata segment every pool has, and the rules for writing
+and reading it without a lock:
+
+* ``owner``: int64 ``[num_blocks]``. ``owner[b] == cache_id`` means sequence
+  ``cache_id`` may write block ``b`` in place (see ``shmkv.allocator``).
+* ``epoch``: int64, bumped whenever a block stops being writable in place by the
+  sequence that could write it (a fork or prefix hit shares it, a commit publishes
+  it). A writer that checked ``owner`` at epoch ``e`` need not check again while the
+  epoch is still ``e``.
+* ``seq``: int64 ``[max_sequences, 4]``, one row per sequence slot:
+  ``[lock, cache_id, num_tokens, generation]``.
+* ``table``: int32 ``[max_sequences, max_seq_blocks]``: the block table of the
+  sequence in each slot (entries past its last block are meaningless).
+
+Writer rules (the coordinator, a single thread, is the only writer). Stores are
+made in this order, and x86-64 keeps stores in program order:
+
+* appending blocks (extend): table entries, then ``generation``, then ``num_tokens``;
+* replacing an entry (copy-on-write), taking or freeing a slot: ``lock`` becomes odd,
+  the change is made, ``generation`` moves, ``lock`` becomes even again (a seqlock).
+
+Reader rule: read ``lock``, then ``num_tokens``, then ``generation``, then the
+entries; read ``lock`` again. The read is good when both lock reads are equal and
+even and the slot still holds the expected ``cache_id``. A reader that sees a
+``num_tokens`` also sees the entries that cover it. ``generation`` changes whenever
+an entry changes, so a reader may keep a copy of the entries while it is unchanged.
+
+Bound: ``max_sequences`` live sequences and ``max_seq_blocks`` blocks per sequence,
+both from :class:`~shmkv.layout.PoolConfig`; the segment costs
+``8 * num_blocks + 64 + 32 * max_sequences + 4 * max_sequences * max_seq_blocks``
+bytes. Going past either bound is refused with ``LimitExceeded``.
+
+Pure: memoryviews and ints, no torch, no I/O. Readers that want tensors build them
+over the same segment (``shmkv.memory``).
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import List, Sequence
+
+from .errors import LimitExceeded
+
+SEQ_FIELDS = 4
+LOCK, CACHE_ID, NUM_TOKENS, GENERATION = range(SEQ_FIELDS)
+EPOCH_WORDS = 8  # the epoch and spare words, so the sequence rows stay 64-byte aligned
+
+
+class TableLayout:
+    """Offsets and sizes of the metadata segment of one pool."""
+
+    __slots__ = ("num_blocks", "max_sequences", "max_seq_blocks", "owner_offset",
+                 "epoch_offset", "seq_offset", "table_offset", "nbytes")
+
+    def __init__(self, num_blocks: int, max_sequences: int, max_seq_blocks: int):
+        self.num_blocks = num_blocks
+        self.max_sequences = max_sequences
+        self.max_seq_blocks = max_seq_blocks
+        self.owner_offset = 0
+        self.epoch_offset = 8 * num_blocks
+        self.seq_offset = self.epoch_offset + 8 * EPOCH_WORDS
+        self.table_offset = self.seq_offset + 8 * SEQ_FIELDS * max_sequences
+        self.nbytes = self.table_offset + 4 * max_sequences * max_seq_blocks
+
+    @classmethod
+    def of(cls, config) -> "TableLayout":
+        return cls(config.num_blocks, config.max_sequences, config.max_seq_blocks)
+
+    def views(self, buffer) -> tuple:
+        """``(owner, epoch, seq, table)`` memoryviews over a buffer of ``nbytes``:
+        int64, int64, int64 (flat, ``SEQ_FIELDS`` per slot), int32 (flat)."""
+        whole = memoryview(buffer)
+        owner = whole[self.owner_offset:self.epoch_offset].cast("q")
+        epoch = whole[self.epoch_offset:self.seq_offset].cast("q")
+        seq = whole[self.seq_offset:self.table_offset].cast("q")
+        table = whole[self.table_offset:self.nbytes].cast("i")
+        whole.release()
+        return owner, epoch, seq, table
+
+
+class TableWriter:
+    """The coordinator's side: slots, and every store into the shared tables.
+
+    Args:
+        layout: the segment layout.
+        seq, table: the writable ``seq`` and ``table`` views of :meth:`TableLayout.views`.
+    """
+
+    def __init__(self, layout: TableLayout, seq, table):
+        self.layout = layout
+        self.seq = seq
+        self.table = table
+        self.max_seq_blocks = layout.max_seq_blocks
+        # Free slots as a stack, lowest slot on top, so a fresh pool fills slot 0 first.
+        self._free: List[int] = list(range(layout.max_sequences - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def check_slots(self, num: int) -> None:
+        """Raise ``LimitExceeded`` unless ``num`` more sequences fit."""
+        if num > len(self._free):
+            raise LimitExceeded(
+                f"{self.layout.max_sequences - len(self._free)} sequences live and {num} more "
+                f"asked for: the shared block tables hold {self.layout.max_sequences} "
+                f"(PoolConfig.max_sequences); close handles or raise max_sequences")
+
+    def check_blocks(self, num_blocks: int, what: str) -> None:
+        """Raise ``LimitExceeded`` when one sequence would need more table entries than
+        a row holds."""
+        if num_blocks > self.max_seq_blocks:
+            raise LimitExceeded(
+                f"{what} would need {num_blocks} blocks, a shared block table holds "
+                f"{self.max_seq_blocks} per sequence (PoolConfig.max_seq_len="
+                f"{self.max_seq_blocks} blocks); raise max_seq_len")
+
+    def assign(self, cache_id: int, block_ids: Sequence[int], num_tokens: int) -> int:
+        """Take a free slot for a new sequence and publish its table; returns the slot.
+        The caller checked :meth:`check_slots` and :meth:`check_blocks`."""
+        slot = self._free.pop()
+        seq, base = self.seq, slot * SEQ_FIELDS
+        seq[base + LOCK] += 1
+        if block_ids:
+            row = slot * self.max_seq_blocks
+            self.table[row:row + len(block_ids)] = array("i", block_ids)
+        seq[base + CACHE_ID] = cache_id
+        seq[base + NUM_TOKENS] = num_tokens
+        seq[base + GENERATION] += 1
+        seq[base + LOCK] += 1
+        return slot
+
+    def release(self, slot: int) -> None:
+        """Free a dead sequence's slot."""
+        seq, base = self.seq, slot * SEQ_FIELDS
+        seq[base + LOCK] += 1
+        seq[base + CACHE_ID] = 0
+        seq[base + NUM_TOKENS] = 0
+        seq[base + GENERATION] += 1
+        seq[base + LOCK] += 1
+        self._free.append(slot)
+
+    def append(self, slot: int, index: int, block_ids: Sequence[int], num_tokens: int) -> None:
+        """Entries ``index..`` become ``block_ids`` (new blocks only), then the length."""
+        base = slot * SEQ_FIELDS
+        if block_ids:
+            row = slot * self.max_seq_blocks + index
+            self.table[row:row + len(block_ids)] = array("i", block_ids)
+            self.seq[base + GENERATION] += 1
+        self.seq[base + NUM_TOKENS] = num_tokens
+
+    def set_length(self, slot: int, num_tokens: int) -> None:
+        """A new length whose blocks are all in the table already."""
+        self.seq[slot * SEQ_FIELDS + NUM_TOKENS] = num_tokens
+
+    def replace(self, slot: int, index: int, block_id: int) -> None:
+        """Entry ``index`` now names another block (copy-on-write)."""
+        seq, base = self.seq, slot * SEQ_FIELDS
+        seq[base + LOCK] += 1
+        self.table[slot * self.max_seq_blocks + index] = block_id
+        seq[base + GENERATION] += 1
+        seq[base + LOCK] += 1
+
+
+def read_row(seq, table, max_seq_blocks: int, block_size: int, slot: int, cache_id: int,
+             known_generation: int = -1, known_blocks: int = 0, tries: int = 10000):
+    """One sequence's ``(num_tokens, generation, blocks)``, consistent (see the module
+    rules). ``blocks`` is None when the caller's copy (``known_blocks`` entries read at
+    ``known_generation``) is current and covers ``num_tokens``. Returns None when the
+    slot no longer holds ``cache_id``.
+
+    Raises:
+        LimitExceeded: the row kept changing for ``tries`` reads (a writer stuck
+            mid-change cannot happen with a live coordinator; a dead one is caught
+            by the caller's liveness check).
+    """
+    base = slot * SEQ_FIELDS
+    for _ in range(tries):
+        lock = seq[base + LOCK]
+        if lock & 1:
+            continue
+        num_tokens = seq[base + NUM_TOKENS]
+        generation = seq[base + GENERATION]
+        blocks = None
+        needed = -(-num_tokens // block_size)
+        if generation != known_generation or needed > known_blocks:
+            row = slot * max_seq_blocks
+            blocks = table[row:row + needed].tolist()
+        owner_ok = seq[base + CACHE_ID] == cache_id
+        if seq[base + LOCK] != lock:
+            continue
+        if not owner_ok:
+            return None
+        return num_tokens, generation, blocks
+    raise LimitExceeded(f"block table of slot {slot} kept changing for {tries} reads")
