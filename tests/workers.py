@@ -110,3 +110,126 @@ def tp_rank_writer(address, rank, tp_size, token, n, queue):
 def full_heads(n, heads, dim, layer):
     return (torch.arange(n * heads * dim, dtype=torch.float32).view(n, heads, dim)
             + 1000 * layer)
+
+
+# -- batches and steps -------------------------------------------------------------------
+
+def step_value(cache_ids, positions, layer, which, heads, dim):
+    """K (which=0) or V (1) of new tokens: a function of (sequence, position, layer, head)."""
+    base = (cache_ids.to(torch.float32) * 1000 + positions.to(torch.float32) * 3
+            + layer * 100 + which * 50)[:, None, None]
+    return (base + torch.arange(heads)[None, :, None] * 0.5
+            + torch.arange(dim)[None, None, :] * 0.25).expand(-1, heads, dim).contiguous()
+
+
+def tp_step_rank(address, rank, tp_size, desc_queue, result_queue):
+    """A tensor-parallel rank without a round trip of its own: rebuild each step from the
+    descriptor rank 0 sends, write this rank's head shard, commit its shard."""
+    with shmkv.connect(address, tp_rank=rank, tp_size=tp_size, timeout=20) as client:
+        while True:
+            desc = desc_queue.get(timeout=60)
+            if desc is None:
+                break
+            step = client.step_from(desc)
+            heads = client.pool.shape[4]
+            for layer in range(client.config.num_layers):
+                full_k = step_value(step.cache_ids[step._seq_index], step.positions, layer, 0,
+                                    heads * tp_size, client.config.head_dim)
+                full_v = step_value(step.cache_ids[step._seq_index], step.positions, layer, 1,
+                                    heads * tp_size, client.config.head_dim)
+                sl = slice(rank * heads, (rank + 1) * heads)
+                step.write(layer, full_k[:, sl].contiguous(), full_v[:, sl].contiguous())
+            result_queue.put(("stepped", step.slot_mapping.tolist(),
+                              step.block_tables.tolist(), step.seq_lens.tolist(),
+                              step.commit()))
+
+
+def hammer_tables(address, token, seconds, result_queue):
+    """Read a sequence's block table as fast as possible while others change it; report
+    every distinct (length, blocks) seen."""
+    with shmkv.connect(address, timeout=20) as client:
+        h = client.open(token)
+        result_queue.put("reading")
+        seen = set()
+        deadline = time.monotonic() + seconds
+        reads = 0
+        while time.monotonic() < deadline:
+            table = h.block_table
+            seen.add((table.sequence_length, table.physical_blocks))
+            reads += 1
+        result_queue.put((reads, sorted(seen)))
+        h.close()
+
+
+def batch_rank_killed_mid_step(address, n_seqs, queue):
+    """Allocate, step, write half the layers, then SIGKILL ourselves."""
+    client = shmkv.connect(address, timeout=20)
+    hs = client.allocate_many([5] * n_seqs)
+    step = client.batch(hs).extend(3)
+    k = torch.ones(step.num_tokens, client.pool.shape[4], client.config.head_dim)
+    step.write(0, k, k)
+    queue.put("mid-step")
+    queue.close()
+    queue.join_thread()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def batch_write_and_handoff(address, lengths, queue):
+    """Allocate, prefill and decode through batches, hand the handles to the parent."""
+    with shmkv.connect(address, timeout=20) as client:
+        hs = client.allocate_many(lengths)
+        batch = client.batch(hs)
+        steps = [batch.prefill(start=0), batch.extend(1), batch.extend([1, 2, 0][:len(hs)])]
+        heads, dim = client.pool.shape[4], client.config.head_dim
+        for step in steps:
+            ids = step.cache_ids[step._seq_index]
+            kv = torch.stack([torch.stack([step_value(ids, step.positions, layer, which, heads,
+                                                      dim) for which in (0, 1)])
+                              for layer in range(client.config.num_layers)])
+            step.write_all(kv.contiguous())
+        for h in hs:
+            queue.put((h, int(h._cache_id)))
+        queue.close()
+        queue.join_thread()
+
+
+# -- handles crossing processes between tensor-parallel ranks ------------------------------
+
+def tp_rank0_sends(address, prompt, queue):
+    """Rank 0: allocate a prompt, write its shard, commit, send the handle."""
+    with shmkv.connect(address, tp_rank=0, tp_size=2, timeout=20) as client:
+        h = client.allocate(prompt=prompt)
+        heads = h.num_heads
+        for layer in range(h.num_layers):
+            k = full_heads(len(prompt), heads * 2, h.head_dim, layer)[:, :heads]
+            h.write(layer, k.contiguous(), (-k).contiguous(), start=0)
+        h.commit()
+        queue.put(h)
+        queue.close()
+        queue.join_thread()
+
+
+def tp_rank1_receives(address, queue, result_queue, extra_full_client=False):
+    """Rank 1: connected as rank 1, receive rank 0's handle, write rank 1's shard, commit."""
+    with shmkv.connect(address, tp_rank=1, tp_size=2, timeout=20) as client:
+        other = shmkv.connect(address, timeout=20) if extra_full_client else None
+        try:
+            if other is not None:
+                try:
+                    queue.get(timeout=60)
+                    result_queue.put(("no error",))
+                    return
+                except shmkv.InvalidArgument as exc:   # two clients: unpickling cannot choose
+                    result_queue.put(("ambiguous", str(exc)))
+                    return
+            h = queue.get(timeout=60)
+            heads = h.num_heads
+            n = h.num_tokens
+            for layer in range(h.num_layers):
+                k = full_heads(n, heads * 2, h.head_dim, layer)[:, heads:]
+                h.write(layer, k.contiguous(), (-k).contiguous(), start=0)
+            result_queue.put(("ok", h._client is client, heads, h.commit()))
+            h.close()
+        finally:
+            if other is not None:
+                other.close()
