@@ -1,5 +1,6 @@
-"""Property test: random allocate/extend/write/fork/clone/close/commit/prefix-allocate
-sequences against a simple model of ref counts and contents.
+"""Property test: random allocate/extend/write/fork/clone/close/commit/prefix-allocate,
+views, extends with and without token ids, and steps of batches, against a simple
+model of ref counts, contents and what a commit publishes.
 
 After every step: every block is free, cached or referenced (never two), ref counts
 equal the references that exist, and every live sequence reads back exactly what
@@ -34,11 +35,15 @@ class Seq:
     def __init__(self, n, prompt=None):
         self.values = torch.zeros(L, 2, n, H, D)
         self.written = torch.zeros(L, n, dtype=torch.bool)   # per layer
-        self.prompt = prompt or []
+        self.prompt = prompt or []          # the leading token ids known to the coordinator
+        self.keyed = prompt is not None     # prefix keys exist (a prompt sequence)
+        self.keys_open = prompt is not None  # later token ids still extend the keys
+        self.committed = 0                  # leading blocks committed (commit's answer)
 
     def copy(self):
         other = Seq(0, list(self.prompt))
         other.values, other.written = self.values.clone(), self.written.clone()
+        other.keyed, other.keys_open, other.committed = self.keyed, self.keys_open, self.committed
         return other
 
     def grow(self, n):
@@ -89,14 +94,17 @@ class PoolMachine(RuleBasedStateMachine):
         seq = Seq(len(prompt), prompt)
         cached = h.num_cached_tokens
         assert cached % BS == 0 and cached <= len(prompt)
+        seq.committed = cached // BS
         for layer in range(L):   # a hit carries the K/V its publisher committed
             seq.values[layer, :, :cached] = token_value(prompt[:cached], range(cached), layer)
         seq.written[:, :cached] = True
         return self._track(h, seq)
 
-    @rule(target=handles, prompt=st.lists(st.sampled_from(VOCAB), min_size=2, max_size=9))
-    def prefill_and_commit(self, prompt):
-        """What a model does: allocate a prompt, write the uncached rest, commit."""
+    @rule(target=handles, prompt=st.lists(st.sampled_from(VOCAB), min_size=2, max_size=9),
+          commit_now=st.booleans())
+    def prefill_and_commit(self, prompt, commit_now):
+        """What a model does: allocate a prompt, write the uncached rest, commit (now, or
+        later: after decode extends, with or without ids, by the commit rule)."""
         h = self.allocate_prompt(prompt)
         if h is None:
             return None
@@ -108,20 +116,36 @@ class PoolMachine(RuleBasedStateMachine):
                 h.write(layer, kv[0].contiguous(), kv[1].contiguous(), start=cached)
                 seq.values[layer, :, cached:] = kv
                 seq.written[layer, cached:] = True
-        h.commit()
+        if commit_now:
+            self.commit(h)
         return h
 
-    @rule(h=handles, n=st.integers(0, 5))
-    def extend(self, h, n):
-        if h is None or h._closed:
-            return
-        try:
-            start = h.extend(n)
-        except shmkv.PoolExhausted:
+    @rule(h=handles, n=st.integers(0, 5), with_ids=st.booleans(), batched=st.booleans(),
+          data=st.data())
+    def extend(self, h, n, with_ids, batched, data):
+        """Extend with or without token ids, one handle or as a batch step."""
+        if h is None or h._closed or h._view_len is not None:
             return
         seq = self.seqs[h.cache_id]
-        assert start == seq.written.shape[1]
+        ids = data.draw(st.lists(st.sampled_from(VOCAB), min_size=n, max_size=n)) \
+            if with_ids else None
+        before = seq.written.shape[1]
+        try:
+            if batched:
+                step = self.client.batch([h]).extend(n, tokens=[ids] if ids is not None else None)
+                assert step.positions.tolist() == list(range(before, before + n))
+                start = before
+            else:
+                start = h.extend(n, tokens=ids)
+        except shmkv.PoolExhausted:
+            return
+        assert start == before
         seq.grow(n)
+        if n and seq.keyed:
+            if ids is None:
+                seq.keys_open = False        # no further keys; the ones known stay
+            elif seq.keys_open:
+                seq.prompt += ids
 
     @rule(h=handles, data=st.data())
     def write(self, h, data):
@@ -146,12 +170,39 @@ class PoolMachine(RuleBasedStateMachine):
 
     @rule(h=handles)
     def commit(self, h):
-        if h is None or h._closed:
+        if h is None or h._closed or h._view_len is not None:
             return
         seq = self.seqs[h.cache_id]
         # commit only what is written in every layer: a correct caller's rule
         ok = self._fully_written(seq)
-        h.commit(ok)
+        published = h.commit(ok)
+        if seq.keyed and len(seq.prompt) >= BS:   # blocks whose ids are known get published
+            seq.committed = max(seq.committed, min(ok // BS, len(seq.prompt) // BS))
+        assert published == seq.committed
+
+    @rule(h=handles, data=st.data())
+    def view_write(self, h, data):
+        """A with_sequence_length view: a write without start= lands in its last slots."""
+        if h is None or h._closed or h._view_len is not None or h.num_tokens == 0:
+            return
+        seq = self.seqs[h.cache_id]
+        m = data.draw(st.integers(1, h.num_tokens))
+        n = data.draw(st.integers(1, m))
+        view = h.with_sequence_length(m)
+        self._track(view, seq)
+        assert view.num_tokens == m and view.block_table.sequence_length == m
+        start = m - n
+        kv = torch.randn(2, n, H, D, generator=self.values_rng)
+        in_prompt = max(0, min(len(seq.prompt), m) - start)
+        if in_prompt:
+            kv[:, :in_prompt] = token_value(seq.prompt[start:start + in_prompt],
+                                            range(start, start + in_prompt), 0)
+        try:
+            view.write(0, kv[0].contiguous(), kv[1].contiguous())
+        except shmkv.PoolExhausted:
+            return
+        seq.values[0, :, start:m] = kv
+        seq.written[0, start:m] = True
 
     def _fully_written(self, seq):
         everywhere = seq.written.all(dim=0)
@@ -178,6 +229,9 @@ class PoolMachine(RuleBasedStateMachine):
         if h is None or h._closed:
             return
         h.close()
+        for name in ("block_table", "num_tokens"):   # a closed handle answers nothing
+            with pytest.raises(shmkv.HandleClosed):
+                getattr(h, name)
         self.refs[h.cache_id] -= 1
         if not self.refs[h.cache_id]:
             del self.refs[h.cache_id]
@@ -195,11 +249,12 @@ class PoolMachine(RuleBasedStateMachine):
     def contents_match(self):
         for h in self._live_handles():
             seq = self.seqs[h.cache_id]
-            assert h.num_tokens == seq.written.shape[1]
+            n = seq.written.shape[1] if h._view_len is None else h._view_len
+            assert h.num_tokens == n
             got = h.gather_all()
             for layer in range(L):
-                mask = seq.written[layer]
-                assert torch.equal(got[layer][:, mask], seq.values[layer][:, mask]), h
+                mask = seq.written[layer][:n]
+                assert torch.equal(got[layer][:, mask], seq.values[layer][:, :n][:, mask]), h
 
     def _live_handles(self):
         return [h for h in self.client._handles if not h._closed]
@@ -210,7 +265,7 @@ def shmkv_none():
 
 
 PoolMachine.TestCase.settings = settings(
-    max_examples=int(__import__("os").environ.get("SHMKV_PROPERTY_EXAMPLES", 40)),
+    max_examples=int(__import__("os").environ.get("SHMKV_PROPERTY_EXAMPLES", 100)),
     stateful_step_count=30, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 test_pool_model = pytest.mark.timeout(600)(PoolMachine.TestCase)
