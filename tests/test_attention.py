@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shmkv.attention import paged_attention
+from shmkv.attention import AttentionWorkspace, paged_attention
 
 HEAD_DIM = 16
 NUM_KV_HEADS = 2
@@ -176,3 +176,305 @@ def test_on_shmkv_handles(client):
         torch.testing.assert_close(got[b][valid], want[valid], rtol=1e-5, atol=1e-5)
         assert torch.equal(got[b][~valid], torch.zeros_like(got[b][~valid]))
     client.close_many(handles)
+
+
+# --- packed (varlen) form, output buffers, the old implementation as a baseline ---
+
+def pool_pages(num_blocks: int, block_size: int, num_kv_heads: int, dtype, seed: int):
+    """K/V pages as strided views of a pool ``[blocks, layers, 2, block, heads, dim]``."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.randn(num_blocks, 3, 2, block_size, num_kv_heads, HEAD_DIM,
+                       generator=gen).to(dtype)
+    return pool[:, 1, 0], pool[:, 1, 1], gen
+
+
+def garbage_table(seq_lens, block_size: int, num_blocks: int, gen, extra: int = 2):
+    """Distinct random pages per sequence; every entry past a sequence's blocks is junk."""
+    need = [-(-n // block_size) for n in seq_lens]
+    table = torch.randint(-2**31, 2**31 - 1, (len(seq_lens), max(need + [0]) + extra),
+                          generator=gen, dtype=torch.int64).to(torch.int32)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    for b, count in enumerate(need):
+        table[b, :count] = torch.tensor(perm[:count], dtype=torch.int32)
+        perm = perm[count:]
+    return table
+
+
+def varlen_reference(q, k_pages, v_pages, table, seq_lens, locs, causal=True, scale=None):
+    """Plain softmax attention in float64, one sequence at a time (queries are the last
+    tokens of their sequence); rows of no sequence and rows with no key stay zero."""
+    num_rows, num_heads, head_dim = q.shape
+    block_size = k_pages.shape[1]
+    scale = head_dim ** -0.5 if scale is None else scale
+    out = torch.zeros(num_rows, num_heads, head_dim, dtype=torch.float64)
+    for b, n in enumerate(seq_lens):
+        r0, r1 = locs[b], locs[b + 1]
+        if r1 == r0 or n == 0:
+            continue
+        k = gather(k_pages, table[b], n, block_size).double()
+        v = gather(v_pages, table[b], n, block_size).double()
+        group = num_heads // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[r0:r1].double(), k) * scale
+        if causal:
+            pos = n - (r1 - r0) + torch.arange(r1 - r0)
+            scores = scores.masked_fill(torch.arange(n)[None, :] > pos[:, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        out[r0:r1] = torch.einsum("hqk,khd->qhd", probs, v)
+    return out
+
+
+TOLERANCE = {torch.float32: dict(rtol=2e-5, atol=2e-5),
+             torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
+             torch.float16: dict(rtol=2e-3, atol=2e-3)}
+
+
+def packed_batch(counts, seq_lens, group, block_size, dtype, seed, pad_rows=0):
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 5
+    k_pages, v_pages, gen = pool_pages(num_blocks, block_size, NUM_KV_HEADS, dtype, seed)
+    table = garbage_table(seq_lens, block_size, num_blocks, gen)
+    locs = [0]
+    for c in counts:
+        locs.append(locs[-1] + c)
+    q = torch.randn(locs[-1] + pad_rows, NUM_KV_HEADS * group, HEAD_DIM, generator=gen).to(dtype)
+    return q, k_pages, v_pages, table, locs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_packed_mixed_prefill_and_decode_match_reference(dtype, group, block_size):
+    # A whole prompt, decodes of very different lengths, a chunk of a longer prompt
+    # (prefill with earlier context), a sequence idle this step, speculative tokens.
+    counts = [37, 1, 9, 1, 0, 1, 3, 1, 20]
+    seq_lens = [37, 2 * block_size, 9 + 3 * block_size + 1, 1, 12, 150, 3 * block_size, 7, 61]
+    q, k_pages, v_pages, table, locs = packed_batch(counts, seq_lens, group, block_size, dtype,
+                                                    seed=group * 10 + block_size, pad_rows=3)
+    got = paged_attention(q, k_pages, v_pages, table, torch.tensor(seq_lens, dtype=torch.int32),
+                          query_start_loc=torch.tensor(locs, dtype=torch.int32))
+    assert got.shape == q.shape and got.dtype == dtype
+    want = varlen_reference(q, k_pages, v_pages, table, seq_lens, locs)
+    torch.testing.assert_close(got.double(), want, **TOLERANCE[dtype])
+    assert torch.equal(got[locs[-1]:], torch.zeros_like(got[locs[-1]:]))  # padding rows
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_packed_non_causal_and_scale(group):
+    counts, seq_lens = [4, 1, 6], [10, 33, 6]
+    q, k_pages, v_pages, table, locs = packed_batch(counts, seq_lens, group, 8, torch.float32, 3)
+    got = paged_attention(q, k_pages, v_pages, table, seq_lens, query_start_loc=locs,
+                          causal=False, scale=0.2)
+    want = varlen_reference(q, k_pages, v_pages, table, seq_lens, locs, causal=False, scale=0.2)
+    torch.testing.assert_close(got.double(), want, **TOLERANCE[torch.float32])
+
+
+def test_packed_rows_without_keys_are_zero(monkeypatch):
+    # More queries than tokens: the first rows sit before the sequence's first token.
+    # An empty padding sequence (no queries, no tokens) is skipped.
+    counts, seq_lens = [5, 0, 2], [3, 0, 9]
+    q, k_pages, v_pages, table, locs = packed_batch(counts, seq_lens, 2, 4, torch.float32, 4)
+    calls = count_sdpa_calls(monkeypatch)
+    got = paged_attention(q, k_pages, v_pages, table, seq_lens, query_start_loc=locs)
+    assert all(ok for _, ok in calls)  # SDPA is never asked for a row with no key
+    assert not torch.isnan(got).any()
+    assert torch.equal(got[:2], torch.zeros_like(got[:2]))
+    want = varlen_reference(q, k_pages, v_pages, table, seq_lens, locs)
+    torch.testing.assert_close(got.double(), want, **TOLERANCE[torch.float32])
+
+
+def count_sdpa_calls(monkeypatch):
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def counting(q, k, v, attn_mask=None, **kwargs):
+        # (query shape, whether every query row of the mask may attend to some key)
+        calls.append((tuple(q.shape), attn_mask is None or bool(attn_mask.any(-1).all())))
+        return real(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", counting)
+    return calls
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_decode_batch_is_one_call_and_matches(group, monkeypatch):
+    block_size = 16
+    seq_lens = [200, 190, 201, 180, 199]
+    counts = [1] * len(seq_lens)
+    q, k_pages, v_pages, table, locs = packed_batch(counts, seq_lens, group, block_size,
+                                                    torch.float32, seed=group)
+    calls = count_sdpa_calls(monkeypatch)
+    got = paged_attention(q, k_pages, v_pages, table, seq_lens, query_start_loc=locs)
+    assert len(calls) == 1
+    want = varlen_reference(q, k_pages, v_pages, table, seq_lens, locs)
+    torch.testing.assert_close(got.double(), want, **TOLERANCE[torch.float32])
+    # The decode form of the batch call takes the same path and gives the same result.
+    assert torch.equal(paged_attention(q, k_pages, v_pages, table, seq_lens), got)
+
+
+def test_far_apart_lengths_and_prefills_get_their_own_calls(monkeypatch):
+    block_size = 8
+    counts, seq_lens = [1, 1, 30, 1], [6, 700, 30, 5]
+    q, k_pages, v_pages, table, locs = packed_batch(counts, seq_lens, 4, block_size,
+                                                    torch.float32, seed=9)
+    calls = count_sdpa_calls(monkeypatch)
+    got = paged_attention(q, k_pages, v_pages, table, seq_lens, query_start_loc=locs)
+    # Decodes of 6 and 5 keys share a call; the 700-key decode and the prefill do not
+    # pad them (nor each other).
+    assert len(calls) == 3
+    want = varlen_reference(q, k_pages, v_pages, table, seq_lens, locs)
+    torch.testing.assert_close(got.double(), want, **TOLERANCE[torch.float32])
+
+
+def test_without_enable_gqa_folds_heads(monkeypatch):
+    """The torch < 2.5 path (query heads folded into rows) gives the same result."""
+    import shmkv.attention as attention
+    counts, seq_lens = [12, 1, 3], [12, 40, 20]
+    q, k_pages, v_pages, table, locs = packed_batch(counts, seq_lens, 4, 4, torch.float32, 5)
+    monkeypatch.setattr(attention, "_HAS_ENABLE_GQA", False)
+    got = paged_attention(q, k_pages, v_pages, table, seq_lens, query_start_loc=locs)
+    want = varlen_reference(q, k_pages, v_pages, table, seq_lens, locs)
+    torch.testing.assert_close(got.double(), want, **TOLERANCE[torch.float32])
+
+
+def test_out_is_written_and_returned():
+    counts, seq_lens = [5, 0, 1, 2], [5, 4, 30, 1]
+    q, k_pages, v_pages, table, locs = packed_batch(counts, seq_lens, 2, 4, torch.float32, 6,
+                                                    pad_rows=2)
+    want = paged_attention(q, k_pages, v_pages, table, seq_lens, query_start_loc=locs)
+    out = torch.full_like(q, float("nan"))
+    assert paged_attention(q, k_pages, v_pages, table, seq_lens, query_start_loc=locs,
+                           out=out) is out
+    assert torch.equal(out, want)  # padding and keyless rows overwritten with zeros
+    strided = torch.full((q.shape[1], q.shape[0], q.shape[2]), float("nan")).transpose(0, 1)
+    assert paged_attention(q, k_pages, v_pages, table, seq_lens, query_start_loc=locs,
+                           out=strided) is strided
+    assert torch.equal(strided, want)
+    batch_q = q[:4].view(2, 2, *q.shape[1:])
+    batch_out = torch.empty_like(batch_q)
+    got = paged_attention(batch_q, k_pages, v_pages, table[:2], seq_lens[:2], out=batch_out)
+    assert got is batch_out
+    assert torch.equal(got, paged_attention(batch_q, k_pages, v_pages, table[:2], seq_lens[:2]))
+
+
+def test_workspace_is_reused_and_changes_nothing():
+    workspace = AttentionWorkspace()
+    assert workspace.nbytes == 0
+    steps = [([1, 1, 1], [5, 9, 30], torch.float32), ([7, 1, 1], [40, 10, 31], torch.float32),
+             ([1, 1, 1], [6, 10, 32], torch.float32), ([4, 1], [60, 3], torch.bfloat16),
+             ([1, 1, 1], [7, 11, 33], torch.float32)]
+    held = []
+    for seed, (counts, seq_lens, dtype) in enumerate(steps):
+        q, k_pages, v_pages, table, locs = packed_batch(counts, seq_lens, 2, 4, dtype, seed)
+        got = paged_attention(q, k_pages, v_pages, table, seq_lens, query_start_loc=locs,
+                              workspace=workspace)
+        assert torch.equal(got, paged_attention(q, k_pages, v_pages, table, seq_lens,
+                                                query_start_loc=locs))
+        held.append(workspace.nbytes)
+    assert held[0] > 0 and held[2] == held[1]  # a smaller call reuses what is there
+    workspace.clear()
+    assert workspace.nbytes == 0
+    with pytest.raises(TypeError, match="AttentionWorkspace"):
+        paged_attention(q, k_pages, v_pages, table, seq_lens, query_start_loc=locs,
+                        workspace=torch.empty(10))
+
+
+def test_pages_of_another_dtype_are_converted():
+    counts, seq_lens = [3, 1], [7, 12]
+    q, k_pages, v_pages, table, locs = packed_batch(counts, seq_lens, 2, 4, torch.bfloat16, 8)
+    got = paged_attention(q.float(), k_pages, v_pages, table, seq_lens, query_start_loc=locs)
+    assert got.dtype == torch.float32
+    want = varlen_reference(q.float(), k_pages, v_pages, table, seq_lens, locs)
+    torch.testing.assert_close(got.double(), want, **TOLERANCE[torch.float32])
+
+
+def test_packed_bad_arguments():
+    counts, seq_lens = [2, 1], [4, 3]
+    q, k_pages, v_pages, table, locs = packed_batch(counts, seq_lens, 2, 4, torch.float32, 1)
+    with pytest.raises(ValueError, match="one entry per sequence"):
+        paged_attention(q, k_pages, v_pages, table, seq_lens, query_start_loc=[0, 3])
+    with pytest.raises(ValueError, match="non-decreasing"):
+        paged_attention(q, k_pages, v_pages, table, seq_lens, query_start_loc=[0, 2, 1])
+    with pytest.raises(ValueError, match="non-decreasing"):
+        paged_attention(q, k_pages, v_pages, table, seq_lens, query_start_loc=[0, 2, 4])
+    with pytest.raises(TypeError, match="integers"):
+        paged_attention(q, k_pages, v_pages, table, seq_lens,
+                        query_start_loc=torch.tensor([0.0, 2.0, 3.0]))
+    with pytest.raises(ValueError, match="packed tokens"):
+        paged_attention(q[None], k_pages, v_pages, table, seq_lens, query_start_loc=locs)
+    with pytest.raises(ValueError, match="query_start"):
+        paged_attention(q, k_pages, v_pages, table, seq_lens, query_start_loc=locs,
+                        query_start=[0, 0])
+    with pytest.raises(ValueError, match="negative"):
+        paged_attention(q, k_pages, v_pages, table, [4, -1], query_start_loc=locs)
+    with pytest.raises(ValueError, match="out must be shaped like query"):
+        paged_attention(q, k_pages, v_pages, table, seq_lens, query_start_loc=locs,
+                        out=torch.empty(3, *q.shape[1:], dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="floating point"):
+        paged_attention(q.long(), k_pages, v_pages, table, seq_lens, query_start_loc=locs)
+    bad = table.clone()
+    bad[1, 0] = k_pages.shape[0]
+    with pytest.raises(ValueError, match="outside"):
+        paged_attention(q, k_pages, v_pages, bad, seq_lens, query_start_loc=locs)
+
+
+def old_paged_attention(query, k_pages, v_pages, block_table, seq_lens, *, scale=None,
+                        causal=True, query_start=None):
+    """The first implementation (gather into a padded dense batch, float32, einsum)."""
+    decode = query.dim() == 3
+    q = query.unsqueeze(1) if decode else query
+    batch, q_len, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_pages.shape
+    lens = torch.as_tensor(seq_lens).to(torch.int64)
+    starts = lens - q_len if query_start is None else torch.as_tensor(query_start).long()
+    group = num_heads // num_kv_heads
+    scale = head_dim ** -0.5 if scale is None else float(scale)
+    max_blocks = max(-(-int(lens.max()) // block_size), 1)
+    table = block_table[:, :max_blocks].long()
+    used = torch.arange(max_blocks)[None, :] * block_size < lens[:, None]
+    table = torch.where(used, table, torch.zeros_like(table))
+    num_keys = max_blocks * block_size
+    k = k_pages[table].reshape(batch, num_keys, num_kv_heads, head_dim).float()
+    v = v_pages[table].reshape(batch, num_keys, num_kv_heads, head_dim).float()
+    qg = q.float().reshape(batch, q_len, num_kv_heads, group, head_dim)
+    scores = torch.einsum("bqhgd,bkhd->bhgqk", qg, k) * scale
+    key_pos = torch.arange(num_keys)
+    allowed = (key_pos[None, :] < lens[:, None])[:, None, :].expand(batch, q_len, num_keys)
+    if causal:
+        query_pos = starts[:, None] + torch.arange(q_len)[None, :]
+        allowed = allowed & (key_pos[None, None, :] <= query_pos[:, :, None])
+    allowed = allowed[:, None, None]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    probs = torch.where(allowed.any(dim=-1, keepdim=True), probs, torch.zeros_like(probs))
+    out = torch.einsum("bhgqk,bkhd->bqhgd", probs, v).reshape(batch, q_len, num_heads, head_dim)
+    out = out.to(query.dtype)
+    return out.squeeze(1) if decode else out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_batch_form_equals_old_implementation(dtype, group, block_size, monkeypatch):
+    seq_lens = [3, block_size, 2 * block_size + 1, 40, 6]
+    k_pages, v_pages, gen = pool_pages(64, block_size, NUM_KV_HEADS, dtype, seed=group)
+    table = garbage_table(seq_lens, block_size, 64, gen)
+    heads = NUM_KV_HEADS * group
+    tol = TOLERANCE[dtype]
+    cases = [dict(), dict(query_start=[0, 1, 4, 30, -3]), dict(causal=False, scale=0.5)]
+    calls = count_sdpa_calls(monkeypatch)
+    for q_len in (1, 4):
+        q = torch.randn(len(seq_lens), q_len, heads, HEAD_DIM, generator=gen).to(dtype)
+        for kwargs in cases:
+            got = paged_attention(q, k_pages, v_pages, table, seq_lens, **kwargs)
+            want = old_paged_attention(q, k_pages, v_pages, table, seq_lens, **kwargs)
+            torch.testing.assert_close(got, want, **tol)
+    assert all(ok for _, ok in calls)
+    # As many queries as keys but starting past position 0: not SDPA's top-left mask.
+    q = torch.randn(1, 5, heads, HEAD_DIM, generator=gen).to(dtype)
+    for start in (0, 2):
+        torch.testing.assert_close(
+            paged_attention(q, k_pages, v_pages, table[4:], [5], query_start=[start]),
+            old_paged_attention(q, k_pages, v_pages, table[4:], [5], query_start=[start]), **tol)
+    q = torch.randn(len(seq_lens), heads, HEAD_DIM, generator=gen).to(dtype)  # decode
+    torch.testing.assert_close(paged_attention(q, k_pages, v_pages, table, seq_lens),
+                               old_paged_attention(q, k_pages, v_pages, table, seq_lens), **tol)
