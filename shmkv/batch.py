@@ -205,10 +205,15 @@ class Step:
         num = cache_ids.shape[0]
         ends = starts + counts
         self.seq_lens = ends.to(torch.int32)
-        qsl = torch.zeros(num + 1, dtype=torch.int64)
-        torch.cumsum(counts, 0, out=qsl[1:])
+        if uniform >= 0:  # decode: no cumulative sum, no sync for the token count
+            qsl = torch.arange(0, (num + 1) * uniform, uniform) if uniform else \
+                torch.zeros(num + 1, dtype=torch.int64)
+            self.num_tokens = uniform * num
+        else:
+            qsl = torch.zeros(num + 1, dtype=torch.int64)
+            torch.cumsum(counts, 0, out=qsl[1:])
+            self.num_tokens = int(qsl[-1])
         self.query_start_loc = qsl.to(torch.int32)
-        self.num_tokens = uniform * num if uniform >= 0 else int(qsl[-1])
         max_len = int(ends.max()) if num else 0
         max_blocks = max(1, -(-max_len // bs))
         self.block_tables = self._read_tables(max_blocks, ends)
@@ -219,7 +224,10 @@ class Step:
     # -- reading the shared tables -----------------------------------------------------------
 
     def _read_tables(self, max_blocks: int, ends: torch.Tensor) -> torch.Tensor:
-        """The batch's rows of the shared tables, consistent (seqlock), padded with 0."""
+        """The batch's rows of the shared tables, consistent (seqlock): a fixed number
+        of torch calls whatever the batch size. Entries past a sequence's last block
+        are 0 (the coordinator zeroes rows), or its later blocks when the step ends
+        before the sequence does (a prefill chunk)."""
         memory = self.client._memory
         if max_blocks > memory.layout.max_seq_blocks:
             raise StaleStep("the step's sequences are longer than any table holds")
@@ -228,17 +236,16 @@ class Step:
         for _ in range(_READ_TRIES):
             before = seq_t.index_select(0, slot_ids)
             tables = table_t[:, :max_blocks].index_select(0, slot_ids)
-            after = locks.index_select(0, slot_ids)
-            if torch.equal(before[:, LOCK], after) and not bool((after & 1).any()):
+            # unchanged and even (no write in progress): ``after & ~1`` differs from an
+            # odd ``before`` even when both reads saw the same odd value
+            if torch.equal(before[:, LOCK], locks.index_select(0, slot_ids) & ~1):
                 break
         else:
             raise StaleStep("the step's block tables kept changing while being read")
         if not torch.equal(before[:, CACHE_ID], self.cache_ids):
             raise StaleStep("a sequence of this step was closed; make a new step")
-        if bool((before[:, NUM_TOKENS] < ends).any()):
+        if self.batch is None and bool((before[:, NUM_TOKENS] < ends).any()):
             raise StaleStep("a sequence of this step is shorter than the step says")
-        used = -(-ends // self.client.config.block_size)
-        tables.masked_fill_(torch.arange(max_blocks)[None, :] >= used[:, None], 0)
         return tables
 
     def _verify_owners(self) -> None:

@@ -273,6 +273,14 @@ class Client:
 
         Each request is an int (``num_tokens``) or a dict of :meth:`allocate`'s arguments.
         """
+        requests = list(requests)
+        if all(type(req) is int for req in requests):  # plain lengths: the packed fast form
+            if any(req < 0 for req in requests):
+                raise InvalidArgument(f"num_tokens must be >= 0, got {min(requests)}")
+            data = self.request("allocate_many", counts=protocol.pack_i64s(requests))
+            half = len(data) // 2
+            cache_ids, slots = protocol.unpack_i64s(data[:half]), protocol.unpack_i64s(data[half:])
+            return [KvCacheHandle(self, cache_id, slot) for cache_id, slot in zip(cache_ids, slots)]
         wire = []
         for req in requests:
             if isinstance(req, int) and not isinstance(req, bool):

@@ -582,7 +582,13 @@ class Coordinator:
     def _op_allocate(self, conn, num_tokens, prompt=None, cache_salt=None, request_id=None):
         return self.table.allocate(conn.conn_id, num_tokens, prompt, cache_salt, request_id)
 
-    def _op_allocate_many(self, conn, requests):
+    def _op_allocate_many(self, conn, requests=None, counts=None):
+        if (requests is None) == (counts is None):
+            raise InvalidArgument("allocate_many takes one of requests and counts")
+        if counts is not None:  # plain sequences of given lengths: packed both ways
+            cache_ids, slots = self.table.allocate_counts(conn.conn_id,
+                                                          protocol.unpack_i64s(counts))
+            return protocol.pack_i64s(cache_ids) + protocol.pack_i64s(slots)
         checked = []
         for req in requests:
             try:

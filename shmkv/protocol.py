@@ -79,7 +79,7 @@ OPS = {
     "ping": {},
     "allocate": {"num_tokens": ("int", True), "prompt": ("ints", False),
                  "cache_salt": ("bytes", False), "request_id": ("str", False)},
-    "allocate_many": {"requests": ("list", True)},
+    "allocate_many": {"requests": ("list", False), "counts": ("i64s", False)},
     "extend": {"cache_id": ("int", True), "num_tokens": ("int", True),
                "tokens": ("ints", False)},
     "extend_many": {"items": ("list", True)},

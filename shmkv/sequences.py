@@ -27,7 +27,7 @@ from . import hashing
 from .allocator import BlockPool
 from .errors import (HandoffError, InvalidArgument, LimitExceeded, OutOfRange, PoolExhausted,
                      UnknownCache, WrongType)
-from .tables import TableLayout, TableWriter
+from .tables import NUM_TOKENS, SEQ_FIELDS, TableLayout, TableWriter
 
 TOKEN_VERSION = 1
 TOKEN_SIZE = 1 + 8 + 16
@@ -165,7 +165,7 @@ class SequenceTable:
         seq.num_refs -= count
         if seq.num_refs == 0:
             del self.sequences[seq.cache_id]
-            self.tables.release(seq.slot)
+            self.tables.release(seq.slot, len(seq.block_ids))
             self.pool.decref(reversed(seq.block_ids))  # tail first into the LRU
 
     def _new_sequence(self, root: Optional[bytes], request_id: Optional[str]) -> Sequence:
@@ -261,6 +261,40 @@ class SequenceTable:
             self._ref(conn_id, seq)
             results.append(self._info(seq))
         return results
+
+    def allocate_counts(self, conn_id: int, counts: Seq[int]) -> tuple:
+        """Allocate one plain sequence (no prompt) per count, all or none: the fast form
+        of :meth:`allocate_many` for a scheduler admitting many requests at once.
+        Returns ``(cache_ids, slots)`` as int64 arrays."""
+        num = len(counts)
+        if num and min(counts) < 0:
+            raise InvalidArgument(f"num_tokens must be >= 0, got {min(counts)}")
+        bs, pool, tables = self.block_size, self.pool, self.tables
+        blocks = [(n + bs - 1) // bs for n in counts]
+        longest = max(blocks, default=0)
+        if tables.max_seq_blocks < longest <= pool.num_blocks:
+            tables.check_blocks(longest, f"a sequence of {max(counts)} tokens")
+        tables.check_slots(num)
+        need = sum(blocks)
+        if need > pool.num_available:
+            raise PoolExhausted(
+                f"pool exhausted: need {need} blocks, {pool.num_available} free or evictable "
+                f"(num_blocks={pool.num_blocks}); free handles or raise num_blocks")
+        cache_ids, slots = array("q", bytes(8 * num)), array("q", bytes(8 * num))
+        sequences, refs, tp_size = self.sequences, self.conn_refs[conn_id], self.tp_size
+        cache_id = self._next_cache_id
+        self._next_cache_id += num
+        for i, (num_tokens, num_blocks) in enumerate(zip(counts, blocks)):
+            seq = Sequence(cache_id, None, tp_size, None)
+            seq.block_ids = pool.allocate(num_blocks, cache_id)
+            seq.num_tokens = num_tokens
+            seq.num_refs = 1
+            seq.slot = tables.assign(cache_id, seq.block_ids, num_tokens)
+            sequences[cache_id] = seq
+            refs[cache_id] = 1
+            cache_ids[i], slots[i] = cache_id, seq.slot
+            cache_id += 1
+        return cache_ids, slots
 
     def allocate(self, conn_id: int, num_tokens: int = 0, prompt=None, cache_salt=None,
                  request_id=None) -> dict:
@@ -406,13 +440,18 @@ class SequenceTable:
                     raise InvalidArgument("token ids must be ints in the int64 range") from None
         bs, owner, pool = self.block_size, self.pool.owner, self.pool
         max_blocks = self.tables.max_seq_blocks
-        need = 0
-        for seq, num in zip(seqs, counts):
+        # Pass 1, check and count. Most decode steps add a token to a block the sequence
+        # already owns; only the others (a new block, a shared last block) are listed.
+        need, special = 0, []
+        for i, (seq, num) in enumerate(zip(seqs, counts)):
             if not num:
                 continue
             old = seq.num_tokens
-            total = (old + num + bs - 1) // bs
             have = len(seq.block_ids)
+            if old + num <= have * bs and (not old % bs or owner[seq.block_ids[-1]] == seq.cache_id):
+                continue  # the plain case: no block, no copy
+            special.append(i)
+            total = (old + num + bs - 1) // bs
             if total > have:
                 need += total - have
                 if max_blocks < total <= pool.num_blocks:  # else PoolExhausted below
@@ -425,31 +464,33 @@ class SequenceTable:
             raise PoolExhausted(
                 f"pool exhausted: the step needs {need} blocks, {pool.num_available} free or "
                 f"evictable (num_blocks={pool.num_blocks}); free handles or raise num_blocks")
+        # Pass 2, apply: the plain case is a length store; the listed ones take blocks.
         tables = self.tables
-        lens = array("q", bytes(8 * num_seqs))
-        for i, (seq, num) in enumerate(zip(seqs, counts)):
-            old = seq.num_tokens
-            if num:
-                have = len(seq.block_ids)
-                if old % bs and owner[seq.block_ids[-1]] != seq.cache_id:
-                    if self._needs_copy(seq, have - 1):
-                        self._cow(seq, have - 1)
-                    else:
-                        pool.claim(seq.block_ids[-1], seq.cache_id)
-                new_len = old + num
-                seq.num_tokens = new_len
-                total = (new_len + bs - 1) // bs
-                if total > have:
-                    new = pool.allocate(total - have, seq.cache_id)
-                    tables.append(seq.slot, have, new, new_len)
-                    seq.block_ids += new
+        table_seq, stride = tables.seq, SEQ_FIELDS
+        for i in special:
+            seq, num = seqs[i], counts[i]
+            old, have = seq.num_tokens, len(seq.block_ids)
+            if old % bs and owner[seq.block_ids[-1]] != seq.cache_id:
+                if self._needs_copy(seq, have - 1):
+                    self._cow(seq, have - 1)
                 else:
-                    tables.set_length(seq.slot, new_len)
+                    pool.claim(seq.block_ids[-1], seq.cache_id)
+            total = (old + num + bs - 1) // bs
+            if total > have:
+                new = pool.allocate(total - have, seq.cache_id)
+                tables.append(seq.slot, have, new, old)   # blocks first, the length below
+                seq.block_ids += new
+        lens = array("q", bytes(8 * len(seqs)))
+        for i, (seq, num) in enumerate(zip(seqs, counts)):
+            if num:
+                new_len = seq.num_tokens + num
+                seq.num_tokens = new_len
+                table_seq[seq.slot * stride + NUM_TOKENS] = new_len
                 if seq.keys_open:
                     self._extend_keys(seq, num, tokens[i] if tokens is not None else None)
                 lens[i] = new_len
             else:
-                lens[i] = old
+                lens[i] = seq.num_tokens
         return lens
 
     def prepare_batch(self, conn_id: int, cache_ids: Seq[int], starts: Seq[int],

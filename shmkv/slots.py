@@ -98,6 +98,10 @@ def batch_slots(tables: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor
         new token, which sequence it belongs to, and its position in that sequence.
     """
     batch = starts.shape[0]
+    if uniform_count == 1:  # decode: one token per sequence, at its start
+        seq_index = torch.arange(batch)
+        block_ids = tables.gather(1, (starts // block_size)[:, None]).squeeze(1).to(torch.int64)
+        return block_ids * block_size + starts % block_size, seq_index, starts
     if uniform_count >= 0:
         seq_index = torch.arange(batch).repeat_interleave(uniform_count) if uniform_count != 1 \
             else torch.arange(batch)

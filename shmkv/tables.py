@@ -12,7 +12,7 @@ and reading it without a lock:
 * ``seq``: int64 ``[max_sequences, 4]``, one row per sequence slot:
   ``[lock, cache_id, num_tokens, generation]``.
 * ``table``: int32 ``[max_sequences, max_seq_blocks]``: the block table of the
-  sequence in each slot (entries past its last block are meaningless).
+  sequence in each slot; entries past its last block are 0.
 
 Writer rules (the coordinator, a single thread, is the only writer). Stores are
 made in this order, and x86-64 keeps stores in program order:
@@ -44,6 +44,12 @@ from typing import List, Sequence
 from .errors import LimitExceeded
 
 SEQ_FIELDS = 4
+_ZEROS = array("i", bytes(4 * 4096))
+
+
+def _zeros(num: int) -> array:
+    return _ZEROS[:num] if num <= len(_ZEROS) else array("i", bytes(4 * num))
+
 LOCK, CACHE_ID, NUM_TOKENS, GENERATION = range(SEQ_FIELDS)
 EPOCH_WORDS = 8  # the epoch and spare words, so the sequence rows stay 64-byte aligned
 
@@ -132,12 +138,16 @@ class TableWriter:
         seq[base + LOCK] += 1
         return slot
 
-    def release(self, slot: int) -> None:
-        """Free a dead sequence's slot."""
+    def release(self, slot: int, num_blocks: int) -> None:
+        """Free a dead sequence's slot (and zero the ``num_blocks`` entries it used, so
+        that table rows read past a sequence's end hold 0, never a stale block id)."""
         seq, base = self.seq, slot * SEQ_FIELDS
         seq[base + LOCK] += 1
         seq[base + CACHE_ID] = 0
         seq[base + NUM_TOKENS] = 0
+        if num_blocks:
+            row = slot * self.max_seq_blocks
+            self.table[row:row + num_blocks] = _zeros(num_blocks)
         seq[base + GENERATION] += 1
         seq[base + LOCK] += 1
         self._free.append(slot)
