@@ -102,14 +102,15 @@ def batch_slots(tables: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor
         seq_index = torch.arange(batch)
         block_ids = tables.gather(1, (starts // block_size)[:, None]).squeeze(1).to(torch.int64)
         return block_ids * block_size + starts % block_size, seq_index, starts
-    if uniform_count >= 0:
-        seq_index = torch.arange(batch).repeat_interleave(uniform_count) if uniform_count != 1 \
-            else torch.arange(batch)
-        offsets = (torch.arange(uniform_count).repeat(batch) if uniform_count != 1
-                   else torch.zeros(batch, dtype=torch.int64))
+    tokens = torch.arange(num_tokens)
+    # (Not repeat_interleave: with several intra-op threads its CPU kernel costs
+    # milliseconds on a few elements.)
+    if uniform_count > 0:
+        seq_index, offsets = tokens // uniform_count, tokens % uniform_count
     else:
-        seq_index = torch.repeat_interleave(torch.arange(batch), counts, output_size=num_tokens)
-        offsets = torch.arange(num_tokens) - query_start_loc[:-1].to(torch.int64)[seq_index]
+        ends = query_start_loc[1:].to(torch.int64)
+        seq_index = torch.searchsorted(ends, tokens, right=True)
+        offsets = tokens - query_start_loc[:-1].to(torch.int64)[seq_index]
     positions = starts[seq_index] + offsets
     block_ids = tables.to(torch.int64)[seq_index, positions // block_size]
     return block_ids * block_size + positions % block_size, seq_index, positions

@@ -5,7 +5,8 @@ with several ``spawn`` worker processes is the prefill stage: each worker alloca
 a sequence for its prompt (prompts share a system prefix, so later ones reuse
 cached blocks), writes K/V for every layer into the pool, commits it, and returns
 the handle, which pickles through the hand-off path. The main process then decodes:
-one batched extend per step for all sequences, K/V written per layer, and finally
+one batch step per decode step for all sequences (one round trip, then one write per
+layer for the whole batch), and finally
 every value of every sequence is read back and compared with what was written.
 
 K/V values are small integers computed from (prompt, layer, position, head, dim),
@@ -115,22 +116,22 @@ def run(num_prompts: int = 24, workers: int = 3, decode_steps: int = 32, num_lay
             f"prefix cache, {prefill_s:.2f} s")
 
         handles = [item["handle"] for item in items]
+        batch = client.batch(handles)  # one round trip per step for every sequence
         rng = torch.Generator().manual_seed(0)
         decode_tokens = [item["tokens"] for item in items]
         decode_bytes, decode_write_s, num_writes = 0, 0.0, 0
         t0 = time.perf_counter()
         for _step in range(decode_steps):
-            new = [int(torch.randint(0, 32000, (1,), generator=rng)) for _ in handles]
-            starts = client.extend_many([(h, 1, [t]) for h, t in zip(handles, new)])
-            step_kv = [expected_kv(num_layers, torch.tensor([start]), num_kv_heads, head_dim,
-                                   [tok], client.pool.dtype)  # what a model step would produce
-                       for start, tok in zip(starts, new)]
+            new = torch.randint(0, 32000, (len(handles),), generator=rng).tolist()
+            step = batch.extend(1, tokens=[[t] for t in new])
+            # what a model step would produce for every sequence: [layers, 2, B, heads, dim]
+            step_kv = expected_kv(num_layers, step.positions, num_kv_heads, head_dim, new,
+                                  client.pool.dtype)
             t_write = time.perf_counter()
-            for h, start, kv in zip(handles, starts, step_kv):
-                for layer in range(num_layers):
-                    h.write(layer, kv[layer, 0], kv[layer, 1], start=start)
+            for layer in range(num_layers):  # one copy for K and one for V per layer
+                step.write(layer, step_kv[layer, 0], step_kv[layer, 1])
             decode_write_s += time.perf_counter() - t_write
-            num_writes += len(handles) * num_layers
+            num_writes += num_layers
             decode_bytes += len(handles) * cfg.block_nbytes // cfg.block_size
             for toks, tok in zip(decode_tokens, new):
                 toks.append(tok)
@@ -176,13 +177,13 @@ def run(num_prompts: int = 24, workers: int = 3, decode_steps: int = 32, num_lay
         "coordinator_ops": stats["ops"], "coordinator_ops_per_s": ops_per_s,
         "decode_step_ms": 1e3 * decode_s / max(decode_steps, 1), "elapsed_s": elapsed,
     }
-    say(f"decode: {decode_steps} steps x {len(handles)} sequences, one batched extend per "
-        f"step, {summary['decode_step_ms']:.2f} ms/step")
+    say(f"decode: {decode_steps} steps x {len(handles)} sequences, each step one round trip "
+        f"and one write per layer for the whole batch, {summary['decode_step_ms']:.2f} ms/step")
     say(f"verified {checked:,} K/V values in {len(handles)} sequences, "
         f"{summary['tokens']:,} tokens: all equal to what was written")
     say(f"written: prefill {prefill_bytes / 2**20:.1f} MiB at "
         f"{summary['prefill_write_GBps']:.2f} GB/s (write_all in the workers), decode "
-        f"{decode_bytes / 2**20:.2f} MiB in {num_writes} one-token layer writes, "
+        f"{decode_bytes / 2**20:.2f} MiB in {num_writes} batch layer writes, "
         f"{summary['decode_write_us']:.1f} us each; read {read_bytes / 2**20:.1f} MiB at "
         f"{summary['read_GBps']:.2f} GB/s")
     say(f"coordinator: served {stats['ops']} ops; {ops_per_s:.0f} round trips/s in a burst "

@@ -88,7 +88,7 @@ class _Tracked:
 class _Worker:
     """One stress worker: a random mix of operations, every read verified."""
 
-    WEIGHTS = {"allocate": 10, "prefix_allocate": 8, "extend": 14, "extend_many": 4,
+    WEIGHTS = {"allocate": 10, "prefix_allocate": 8, "extend": 8, "extend_many": 2, "step": 8,
                "write": 12, "read": 20, "fork": 6, "clone": 5, "export": 5,
                "self_handoff": 2, "close": 9}
 
@@ -282,6 +282,38 @@ class _Worker:
         for tracked, (_h, n), start in zip(chosen, items, starts):
             tracked.tags += [0] * n
             self.write_range(tracked, start, [self.new_tag()] * n)
+
+    def op_step(self) -> None:
+        """An engine step: one batch of our sequences, one round trip, every new token
+        of the batch written with one copy (the batch data plane)."""
+        import torch
+        from ..errors import PoolExhausted, StaleStep
+        room = [t for t in self.seqs if len(t.tags) < self.opts["max_tokens"]]
+        if not room:
+            return self.op_allocate()
+        chosen = self.rng.sample(room, min(len(room), self.rng.randrange(1, 9)))
+        counts = [self.rng.randrange(0, 3) for _ in chosen]
+        batch = self.timed("batch", self.client.batch, [t.handle for t in chosen])
+        try:
+            step = self.timed("step", batch.extend, counts)
+        except PoolExhausted:
+            return self.relieve_pressure()
+        starts = (step.seq_lens - torch.tensor(counts, dtype=torch.int32)).tolist()
+        new_tags = [[self.new_tag()] * n for n in counts]
+        for tracked, n in zip(chosen, counts):
+            tracked.tags += [0] * n
+        parts = [self.kv(tags, start) for tags, start in zip(new_tags, starts) if tags]
+        if not parts:
+            return
+        try:
+            self.timed("step_write", step.write_all, torch.cat(parts, dim=2).contiguous())
+        except StaleStep:  # another process forked one of them meanwhile: write per handle
+            for tracked, tags, start in zip(chosen, new_tags, starts):
+                if tags:
+                    self.write_range(tracked, start, tags)
+            return
+        for tracked, tags, start in zip(chosen, new_tags, starts):
+            tracked.tags[start:start + len(tags)] = tags
 
     def op_write(self) -> None:
         from ..errors import PoolExhausted
