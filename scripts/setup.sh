@@ -5,21 +5,49 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+
+# Installer output goes to a log that is shown only when a step fails, so that `make demo`
+# and `make test` print their own output and nothing else (pip warns about index locations
+# in the local pip configuration, resolver notes, and so on).
+log=$(mktemp "${TMPDIR:-/tmp}/shmkv-setup.XXXXXX")
+trap 'rm -f "$log"' EXIT
+quietly() {
+    if ! "$@" >"$log" 2>&1; then
+        echo "scripts/setup.sh: failed: $*" >&2
+        cat "$log" >&2
+        exit 1
+    fi
+}
 if [ ! -x .venv/bin/python ]; then
     if "$PY" -c "import torch" >/dev/null 2>&1; then
-        "$PY" -m venv --system-site-packages .venv   # reuse the system's torch
+        quietly "$PY" -m venv --system-site-packages .venv   # reuse the system's torch
     else
-        "$PY" -m venv .venv
+        quietly "$PY" -m venv .venv
     fi
 fi
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
-    .venv/bin/pip install --quiet "torch==2.13.0"
+    echo "scripts/setup.sh: installing torch (once)" >&2
+    quietly .venv/bin/pip install --quiet --disable-pip-version-check "torch==2.13.0"
 fi
 extras="${1:-}"
 spec="."
 [ -n "$extras" ] && spec=".[${extras}]"
 stamp=".venv/.shmkv-installed-${extras:-base}"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-    .venv/bin/pip install --quiet --disable-pip-version-check -e "$spec"
+    quietly .venv/bin/pip install --quiet --disable-pip-version-check -e "$spec"
     touch "$stamp"
+fi
+# The test suite starts real redis-server processes on free ports (tests/test_remote.py):
+# Debian's package, installed once where none is on PATH. Its service is not started here
+# (a container's policy-rc.d forbids it; the tests start their own servers).
+if [ "$extras" = "test" ] && ! command -v redis-server >/dev/null 2>&1 \
+        && ! command -v valkey-server >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+        echo "scripts/setup.sh: installing redis-server (once)" >&2
+        quietly apt-get update -qq
+        quietly env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server
+    else
+        echo "scripts/setup.sh: redis-server is missing and cannot be installed here;" \
+             "install it (apt-get install redis-server) or the Redis tests are skipped" >&2
+    fi
 fi

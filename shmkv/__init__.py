@@ -3,25 +3,34 @@
 A :class:`Coordinator` owns a pool of K/V blocks (POSIX shared memory on CPU, CUDA
 IPC on GPU) and all metadata about them; workers :func:`connect` once, zero copy,
 and hold :class:`KvCacheHandle` objects whose block tables resolve into the pool.
+
+The library prints nothing by itself: it logs to the ``shmkv`` logger (connections,
+drops and their reasons, refusals, limits hit), which has no output until the
+application configures logging (``shmkv serve --log-level`` does).
 """
+
+import logging as _logging
+
+_logging.getLogger("shmkv").addHandler(_logging.NullHandler())
 
 from .batch import Batch, Step
 from .client import Client, connect
-from .coordinator import Coordinator, default_address
+from .coordinator import Coordinator, SpawnedCoordinator, default_address
 from .errors import (AccessDenied, CoordinatorGone, CoordinatorTimeout, HandleClosed,
                      HandoffError, InvalidArgument, LayoutMismatch, LimitExceeded, OutOfRange,
                      PoolExhausted, ProtocolError, ShmkvError, StaleStep, UnknownCache,
                      WrongType)
 from .handle import BlockTable, CacheHandleStats, KvCacheHandle
 from .layout import PoolConfig
-from .spawned import SpawnedCoordinator
+from .tiers import DiskTier, HostTier
+from .remote import RedisTier
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AccessDenied", "Batch", "BlockTable", "CacheHandleStats", "Client", "Coordinator",
-    "CoordinatorGone", "CoordinatorTimeout", "HandleClosed", "HandoffError", "InvalidArgument",
-    "KvCacheHandle", "LayoutMismatch", "LimitExceeded", "OutOfRange", "PoolConfig",
-    "PoolExhausted", "ProtocolError", "ShmkvError", "SpawnedCoordinator", "StaleStep", "Step", "UnknownCache",
+    "CoordinatorGone", "CoordinatorTimeout", "DiskTier", "HandleClosed", "HandoffError",
+    "HostTier", "InvalidArgument", "KvCacheHandle", "LayoutMismatch", "LimitExceeded", "OutOfRange", "PoolConfig",
+    "PoolExhausted", "ProtocolError", "RedisTier", "ShmkvError", "SpawnedCoordinator", "StaleStep", "Step", "UnknownCache",
     "WrongType", "connect", "default_address", "__version__",
 ]

@@ -22,6 +22,11 @@ published, free, or not yet claimed). Only the coordinator writes it. ``epoch[0]
 moves whenever a block stops being writable by the sequence that owned it (shared by
 a fork or a prefix hit, or published), so a writer that checked ``owner`` need not
 check again until the epoch moves.
+
+Two hooks serve the tiers under the pool (``shmkv.tiers``), both None without tiers:
+``newly_cached`` collects blocks that became cached (to be copied down behind the
+caller's back), and ``on_evict(block_id, key)`` is called as a cached block is evicted,
+before anyone can be told to write it.
 """
 
 from __future__ import annotations
@@ -60,6 +65,8 @@ class BlockPool:
         self.owner = owner if owner is not None else array("q", bytes(8 * num_blocks))
         self.epoch = epoch if epoch is not None else array("q", [0])
         self.num_evictions = 0
+        self.newly_cached: Optional[List[int]] = None
+        self.on_evict = None
 
     # -- counts ------------------------------------------------------------------------
 
@@ -99,14 +106,28 @@ class BlockPool:
         ids.reverse()  # ascending ids from a fresh pool
         for _ in range(num - take):
             block_id, _unused = self._cached.popitem(last=False)
-            del self.prefix_index[self.block_key[block_id]]
+            key = self.block_key[block_id]
+            del self.prefix_index[key]
             self.block_key[block_id] = None
+            if self.on_evict is not None:
+                self.on_evict(block_id, key)
             self.num_evictions += 1
             ids.append(block_id)
         ref_cnt, owner = self.ref_cnt, self.owner
         for block_id in ids:
             ref_cnt[block_id] = 1
             owner[block_id] = owner_id
+        return ids
+
+    def allocate_each(self, owner_ids: Sequence[int]) -> Optional[List[int]]:
+        """One block for each owner (a decode step's new blocks), in that order; None,
+        changing nothing, when there are not enough."""
+        num = len(owner_ids)
+        ids = self.allocate(num, NO_OWNER)
+        if ids is not None:
+            owner = self.owner
+            for block_id, owner_id in zip(ids, owner_ids):
+                owner[block_id] = owner_id
         return ids
 
     def incref(self, block_ids: Iterable[int]) -> None:
@@ -138,6 +159,8 @@ class BlockPool:
                     self._free.append(block_id)
                 else:
                     self._cached[block_id] = None
+                    if self.newly_cached is not None:
+                        self.newly_cached.append(block_id)
 
     def claim(self, block_id: int, owner_id: int) -> bool:
         """Make ``owner_id`` the in-place writer of a block only it references.

@@ -12,7 +12,9 @@ How it runs, on any device torch runs on: the sequences are grouped by query cou
 and by how many keys they need, so a batch of decodes of similar lengths is one
 ``scaled_dot_product_attention`` call and a long prefill next to them is another.
 Each group gathers only the blocks its sequences use (``index_select`` of whole
-pages) and computes in the query's dtype; nothing is upcast to float32. On a GPU,
+pages) and computes in the query's dtype; nothing is upcast to float32. Quantized
+pages (float8, int8) are converted to the query's dtype as they are gathered and
+multiplied by the caller's ``k_scale`` / ``v_scale``. On a GPU,
 FlashAttention's ``flash_attn_with_kvcache(..., block_table=)`` and FlashInfer's paged
 kernels read the same pages in place, without the gather (see ``docs/transformers.md``).
 
@@ -23,12 +25,14 @@ values on the host: tensors on a GPU are copied back (one sync per call).
 
 from __future__ import annotations
 
+import math
 from typing import List, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 
 IntsLike = Union[torch.Tensor, Sequence[int]]
+ScaleLike = Union[None, float, torch.Tensor]
 
 # scaled_dot_product_attention(enable_gqa=True) arrived in torch 2.5. Without it the
 # query heads of a K/V head are folded into the query rows instead (a view, no copy).
@@ -106,7 +110,8 @@ def paged_attention(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.T
                     query_start: Optional[IntsLike] = None,
                     query_start_loc: Optional[IntsLike] = None,
                     out: Optional[torch.Tensor] = None,
-                    workspace: Optional[AttentionWorkspace] = None) -> torch.Tensor:
+                    workspace: Optional[AttentionWorkspace] = None,
+                    k_scale: ScaleLike = None, v_scale: ScaleLike = None) -> torch.Tensor:
     """Attention of ``query`` against paged K/V, per sequence of a batch.
 
     Sequence ``b`` owns the K/V tokens ``0 .. seq_lens[b] - 1``; token ``t`` lives in
@@ -149,6 +154,11 @@ def paged_attention(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.T
             the result into (and return).
         workspace: optional :class:`AttentionWorkspace` to gather K/V into, reused
             across calls instead of fresh memory each call.
+        k_scale, v_scale: dequantization scales of a quantized pool (float8 or int8
+            pages): the value of a stored element is ``stored * scale``. A number, or a
+            tensor of one element or of ``[num_kv_heads]`` (one per K/V head). Pages
+            are converted to the query's dtype as they are gathered, then scaled;
+            ``client.kv_scales(layer)`` gives what was kept beside the pool. Default 1.
 
     Returns:
         A tensor shaped like ``query``, in its dtype. Scores and softmax are computed
@@ -181,9 +191,9 @@ def paged_attention(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.T
         raise ValueError("k_pages and v_pages must both be [num_blocks, block_size, "
                          f"num_kv_heads, head_dim], got {tuple(k_pages.shape)} and "
                          f"{tuple(v_pages.shape)}")
-    if not (k_pages.dtype.is_floating_point and v_pages.dtype.is_floating_point):
-        raise TypeError(f"k_pages and v_pages must be floating point, got {k_pages.dtype} "
-                        f"and {v_pages.dtype}")
+    if not (_readable(k_pages.dtype) and _readable(v_pages.dtype)):
+        raise TypeError(f"k_pages and v_pages must be floating point or int8 (quantized), got "
+                        f"{k_pages.dtype} and {v_pages.dtype}")
     num_heads, head_dim = q.shape[-2:]
     num_blocks, block_size, num_kv_heads, kv_dim = k_pages.shape
     if kv_dim != head_dim:
@@ -208,6 +218,8 @@ def paged_attention(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.T
             raise ValueError(f"out must be shaped like query {tuple(query.shape)} "
                              f"({query.dtype} on {query.device}), got {tuple(out.shape)} "
                              f"({out.dtype} on {out.device})")
+    scales = (_as_scale("k_scale", k_scale, num_kv_heads, query),
+              _as_scale("v_scale", v_scale, num_kv_heads, query))
     lens = _as_lengths("seq_lens", seq_lens, batch)
     if lens and min(lens) < 0:
         raise ValueError(f"seq_lens must not be negative, got {lens}")
@@ -243,12 +255,38 @@ def paged_attention(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.T
             table = table.long()
         scale = None if scale is None else float(scale)
         for group in _groups(work):
-            _attend(flat_q, k_pages, v_pages, table, group, causal, scale, result, workspace)
+            _attend(flat_q, k_pages, v_pages, table, group, causal, scale, result, workspace,
+                    scales)
     if out is None:
         return result.view(query.shape)
     if not into_out:
         out.copy_(result.view(query.shape))
     return out
+
+
+def _readable(dtype: torch.dtype) -> bool:
+    """Page dtypes paged_attention reads: floating point (float8 included) and int8."""
+    return dtype.is_floating_point or dtype == torch.int8
+
+
+def _as_scale(name: str, value: ScaleLike, num_kv_heads: int, query: torch.Tensor):
+    """None (no scaling), a float, or a ``[1, num_kv_heads, 1, 1]`` tensor in the query's
+    dtype and device (broadcast over ``[batch, kv_heads, keys, head_dim]``)."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.numel() == 1:
+            value = float(value)
+        elif value.dim() == 1 and value.shape[0] == num_kv_heads:
+            return value.to(device=query.device, dtype=query.dtype).view(1, -1, 1, 1)
+        else:
+            raise ValueError(f"{name} must be a number, one value, or [num_kv_heads="
+                             f"{num_kv_heads}] values, got shape {tuple(value.shape)}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number or a tensor, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return None if value == 1 else float(value)
 
 
 def _page_outside(num_blocks: int) -> ValueError:
@@ -302,7 +340,7 @@ def _groups(work: List[_Seq]) -> List[List[_Seq]]:
 def _attend(flat_q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
             table: torch.Tensor, group: List[_Seq], causal: bool,
             scale: Optional[float], result: torch.Tensor,
-            workspace: Optional[AttentionWorkspace]) -> None:
+            workspace: Optional[AttentionWorkspace], scales: tuple = (None, None)) -> None:
     """One SDPA call for ``group``; writes its query rows of ``result``."""
     device = k_pages.device
     num_blocks, block_size, num_kv_heads, head_dim = k_pages.shape
@@ -340,7 +378,9 @@ def _attend(flat_q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
               else torch.index_select(pages, 0, idx, out=space[which]))
         kv = kv.view(size, blocks * block_size, num_kv_heads, head_dim)[:, :num_keys]
         kv = kv.transpose(1, 2)                               # [size, kv_heads, keys, dim]
-        return kv if kv.dtype == flat_q.dtype else kv.to(flat_q.dtype)
+        kv = kv if kv.dtype == flat_q.dtype else kv.to(flat_q.dtype)
+        dequant = scales[which]
+        return kv if dequant is None else kv * dequant
 
     try:
         k, v = gather(k_pages, 0), gather(v_pages, 1)

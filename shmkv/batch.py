@@ -17,10 +17,10 @@ arithmetic (``shmkv.slots``).
 
 from __future__ import annotations
 
-import ctypes
 import struct
 from typing import List, Optional, Sequence
 
+import numpy as np
 import torch
 
 from . import protocol, slots
@@ -35,14 +35,9 @@ _DESC_HEADER = struct.Struct("<4sBxxxi8sI")   # magic, version, uniform count, i
 _READ_TRIES = 1000
 
 
-def _bytes_of(t: torch.Tensor) -> bytes:
-    """The bytes of a contiguous CPU tensor (little-endian hosts)."""
-    t = t.contiguous()
-    return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
-
-
-def _int64s(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.int64)
+def _int64s(data: bytes) -> np.ndarray:
+    """Little-endian int64s of a wire answer (``protocol.pack_i64s``)."""
+    return np.frombuffer(data, dtype="<i8").astype(np.int64)
 
 
 class Batch:
@@ -71,10 +66,12 @@ class Batch:
             raise InvalidArgument("two handles of the batch name one sequence; pass one each")
         self.client = client
         self.handles = tuple(handles)
-        self.cache_ids = torch.tensor(ids, dtype=torch.int64)
-        self._slots = torch.tensor(slot_list, dtype=torch.int64)
-        self._num_cached = torch.tensor(cached, dtype=torch.int64)
+        self._ids = np.array(ids, dtype=np.int64)
+        self._slots = np.array(slot_list, dtype=np.int64)
+        self._num_cached = np.array(cached, dtype=np.int64)
+        self.cache_ids = torch.from_numpy(self._ids)
         self._ids_wire = protocol.pack_i64s(ids)
+        self._slots_wire = protocol.pack_i64s(slot_list)
         self._checked_at = client.num_closed
 
     def __len__(self) -> int:
@@ -97,12 +94,13 @@ class Batch:
         if isinstance(counts, int):
             if counts < 0:
                 raise InvalidArgument(f"counts must be >= 0, got {counts}")
-            return counts, torch.full((num,), counts, dtype=torch.int64)
-        t = torch.as_tensor(counts)
-        if t.dtype.is_floating_point or t.dtype == torch.bool or t.dim() != 1 \
-                or t.shape[0] != num:
+            return counts, np.full(num, counts, dtype=np.int64)
+        if isinstance(counts, torch.Tensor):
+            counts = counts.cpu().numpy()
+        t = np.asarray(counts)
+        if t.dtype.kind not in "iu" or t.ndim != 1 or t.shape[0] != num:
             raise InvalidArgument(f"counts must be an int or {num} ints (one per sequence)")
-        t = t.to(torch.int64)
+        t = t.astype(np.int64)
         if num and int(t.min()) < 0:
             raise InvalidArgument(f"counts must be >= 0, got {int(t.min())}")
         return -1, t
@@ -125,8 +123,9 @@ class Batch:
         args = {"ids": self._ids_wire}
         if uniform >= 0:
             args["count"] = uniform
+            args["slots"] = self._slots_wire
         else:
-            args["counts"] = _bytes_of(counts_t)
+            args["counts"] = counts_t.astype("<i8").tobytes()
         if tokens is not None:
             tokens = [token_list(t) for t in tokens]
             if len(tokens) != len(self.handles):
@@ -135,8 +134,8 @@ class Batch:
         client = self.client
         epoch = client._memory.epoch[0]
         lens = _int64s(client.request("extend_batch", **args))
-        return Step(client, self.cache_ids, self._slots, lens - counts_t, counts_t, uniform,
-                    epoch, self)
+        return Step(client, self._ids, self._slots, lens - counts_t, counts_t, uniform, epoch,
+                    self)
 
     def prefill(self, start=None, num_tokens=None) -> "Step":
         """A step over slots already reserved (a prompt allocated with its length):
@@ -155,11 +154,11 @@ class Batch:
         client = self.client
         num = len(self.handles)
         if start is None:
-            starts = self._num_cached.clone()
+            starts = self._num_cached.copy()
         else:
             _, starts = self._counts(start)
         if num_tokens is None:
-            current = client._memory.seq_t[:, NUM_TOKENS].index_select(0, self._slots)
+            current = client._memory.seq_np[self._slots, NUM_TOKENS]
             counts_t = current - starts
             if num and int(counts_t.min()) < 0:
                 raise InvalidArgument("start lies past the end of a sequence")
@@ -167,11 +166,11 @@ class Batch:
         else:
             uniform, counts_t = self._counts(num_tokens)
         epoch = client._memory.epoch[0]
-        client.request("prepare_batch", ids=self._ids_wire, starts=_bytes_of(starts),
-                       counts=_bytes_of(counts_t))
+        client.request("prepare_batch", ids=self._ids_wire, starts=starts.astype("<i8").tobytes(),
+                       counts=counts_t.astype("<i8").tobytes())
         if num and uniform < 0 and bool((counts_t == counts_t[0]).all()):
             uniform = int(counts_t[0])
-        return Step(client, self.cache_ids, self._slots, starts, counts_t, uniform, epoch, self)
+        return Step(client, self._ids, self._slots, starts, counts_t, uniform, epoch, self)
 
 
 class Step:
@@ -184,65 +183,73 @@ class Step:
         seq_lens: int32 ``[B]``: each sequence's context after the step.
         query_start_loc: int32 ``[B + 1]``: cumulative new-token counts.
         positions: int64 ``[T]``: each new token's position in its sequence.
+        seq_index: int64 ``[T]``: which sequence of the batch each new token is of.
+        cache_ids: int64 ``[B]``.
         num_tokens: ``T``.
 
     Made by :meth:`Batch.extend`, :meth:`Batch.prefill` or ``client.step_from``.
     """
 
-    def __init__(self, client, cache_ids: torch.Tensor, slot_ids: torch.Tensor,
-                 starts: torch.Tensor, counts: torch.Tensor, uniform: int, epoch: int,
+    def __init__(self, client, cache_ids: np.ndarray, slot_ids: np.ndarray,
+                 starts: np.ndarray, counts: np.ndarray, uniform: int, epoch: int,
                  batch: Optional[Batch] = None):
+        # The index arithmetic runs in numpy (about a microsecond an op, against a few
+        # for torch's dispatcher on tensors this small); the results are exposed as
+        # tensors sharing that memory.
         self.client = client
         self.batch = batch
-        self.cache_ids = cache_ids
+        self._ids = cache_ids
         self._slots = slot_ids
         self._uniform = uniform
         self._epoch = epoch
         self._counts = counts
         self._starts = starts
-        cfg = client.config
-        bs = cfg.block_size
+        bs = client.config.block_size
         num = cache_ids.shape[0]
         ends = starts + counts
-        self.seq_lens = ends.to(torch.int32)
-        if uniform >= 0:  # decode: no cumulative sum, no sync for the token count
-            qsl = torch.arange(0, (num + 1) * uniform, uniform) if uniform else \
-                torch.zeros(num + 1, dtype=torch.int64)
+        if uniform >= 0:  # decode: no cumulative sum
+            qsl = np.arange(0, (num + 1) * uniform, uniform, dtype=np.int64) if uniform \
+                else np.zeros(num + 1, dtype=np.int64)
             self.num_tokens = uniform * num
         else:
-            qsl = torch.zeros(num + 1, dtype=torch.int64)
-            torch.cumsum(counts, 0, out=qsl[1:])
+            qsl = np.zeros(num + 1, dtype=np.int64)
+            np.cumsum(counts, out=qsl[1:])
             self.num_tokens = int(qsl[-1])
-        self.query_start_loc = qsl.to(torch.int32)
         max_len = int(ends.max()) if num else 0
-        max_blocks = max(1, -(-max_len // bs))
-        self.block_tables = self._read_tables(max_blocks, ends)
-        self.slot_mapping, self._seq_index, self.positions = slots.batch_slots(
-            self.block_tables, starts, counts, qsl, self.num_tokens, bs, uniform)
+        tables = self._read_tables(max(1, -(-max_len // bs)), ends)
+        slot_mapping, seq_index, positions = slots.batch_slots(
+            tables, starts, counts, qsl, self.num_tokens, bs, uniform)
+        self._seq_index = seq_index
+        self.cache_ids = torch.from_numpy(cache_ids)
+        self.block_tables = torch.from_numpy(tables)
+        self.seq_lens = torch.from_numpy(ends.astype(np.int32))
+        self.query_start_loc = torch.from_numpy(qsl.astype(np.int32))
+        self.slot_mapping = torch.from_numpy(slot_mapping)
+        self.positions = torch.from_numpy(positions)
+        self.seq_index = torch.from_numpy(seq_index)
         self._rows = None
 
     # -- reading the shared tables -----------------------------------------------------------
 
-    def _read_tables(self, max_blocks: int, ends: torch.Tensor) -> torch.Tensor:
+    def _read_tables(self, max_blocks: int, ends: np.ndarray) -> np.ndarray:
         """The batch's rows of the shared tables, consistent (seqlock): a fixed number
-        of torch calls whatever the batch size. Entries past a sequence's last block
-        are 0 (the coordinator zeroes rows), or its later blocks when the step ends
-        before the sequence does (a prefill chunk)."""
+        of array operations whatever the batch size. Entries past a sequence's last
+        block are 0 (the coordinator zeroes rows), or its later blocks when the step
+        ends before the sequence does (a prefill chunk)."""
         memory = self.client._memory
         if max_blocks > memory.layout.max_seq_blocks:
             raise StaleStep("the step's sequences are longer than any table holds")
-        seq_t, table_t, slot_ids = memory.seq_t, memory.table_t, self._slots
-        locks = seq_t[:, LOCK]
+        seq_np, table_np, slot_ids = memory.seq_np, memory.table_np, self._slots
         for _ in range(_READ_TRIES):
-            before = seq_t.index_select(0, slot_ids)
-            tables = table_t[:, :max_blocks].index_select(0, slot_ids)
+            before = seq_np[slot_ids]
+            tables = table_np[slot_ids, :max_blocks]
             # unchanged and even (no write in progress): ``after & ~1`` differs from an
             # odd ``before`` even when both reads saw the same odd value
-            if torch.equal(before[:, LOCK], locks.index_select(0, slot_ids) & ~1):
+            if np.array_equal(before[:, LOCK], seq_np[slot_ids, LOCK] & ~1):
                 break
         else:
             raise StaleStep("the step's block tables kept changing while being read")
-        if not torch.equal(before[:, CACHE_ID], self.cache_ids):
+        if not np.array_equal(before[:, CACHE_ID], self._ids):
             raise StaleStep("a sequence of this step was closed; make a new step")
         if self.batch is None and bool((before[:, NUM_TOKENS] < ends).any()):
             raise StaleStep("a sequence of this step is shorter than the step says")
@@ -257,7 +264,7 @@ class Step:
             return
         blocks = self.slot_mapping // self.client.config.block_size
         owners = memory.owner_t.index_select(0, blocks)
-        want = self.cache_ids.index_select(0, self._seq_index)
+        want = self.cache_ids.index_select(0, self.seq_index)
         if not torch.equal(owners, want):
             bad = int((owners != want).nonzero()[0, 0])
             raise StaleStep(
@@ -345,8 +352,8 @@ class Step:
         token ids are published once every rank has committed them. Returns the number
         of blocks published by this call."""
         self.client.check()
-        return self.client.request("commit_batch", ids=_bytes_of(self.cache_ids),
-                                   num_tokens=_bytes_of(self.seq_lens.to(torch.int64)),
+        return self.client.request("commit_batch", ids=self._ids.astype("<i8").tobytes(),
+                                   num_tokens=(self._starts + self._counts).astype("<i8").tobytes(),
                                    tp_rank=self.client.tp_rank)
 
     # -- descriptors -------------------------------------------------------------------------
@@ -355,9 +362,9 @@ class Step:
         """A few bytes from which another process attached to the same coordinator
         rebuilds this step (``client.step_from``), with no round trip."""
         header = _DESC_HEADER.pack(_DESC_MAGIC, _DESC_VERSION, self._uniform,
-                                   bytes.fromhex(self.client.instance), len(self.cache_ids))
-        return header + b"".join(_bytes_of(t) for t in (self.cache_ids, self._slots,
-                                                        self._starts, self._counts))
+                                   bytes.fromhex(self.client.instance), len(self._ids))
+        return header + np.stack([self._ids, self._slots, self._starts,
+                                  self._counts]).astype("<i8").tobytes()
 
     @classmethod
     def from_descriptor(cls, client, data) -> "Step":
@@ -373,8 +380,8 @@ class Step:
         if instance.hex() != client.instance:
             raise InvalidArgument("this step descriptor was made against another coordinator "
                                   f"than the one at {client.address}")
-        body = _int64s(data[_DESC_HEADER.size:]).view(4, num)
-        cache_ids, slot_ids, starts, counts = (t.clone() for t in body.unbind(0))
+        body = _int64s(data[_DESC_HEADER.size:]).reshape(4, num)
+        cache_ids, slot_ids, starts, counts = (np.ascontiguousarray(row) for row in body)
         memory = client._memory
         if num and (int(slot_ids.min()) < 0
                     or int(slot_ids.max()) >= memory.layout.max_sequences
@@ -385,7 +392,7 @@ class Step:
         return step
 
     def __repr__(self) -> str:
-        return f"<shmkv.Step {len(self.cache_ids)} sequences, {self.num_tokens} new tokens>"
+        return f"<shmkv.Step {len(self._ids)} sequences, {self.num_tokens} new tokens>"
 
 
 __all__: List[str] = ["Batch", "Step"]

@@ -24,13 +24,13 @@ import os
 import select
 import socket
 import threading
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 from . import protocol
 from .hashing import token_list
 from .batch import Batch, Step
 from .errors import (CoordinatorGone, CoordinatorTimeout, HandleClosed, InvalidArgument,
-                     ProtocolError, WrongType)
+                     OutOfRange, ProtocolError, WrongType)
 from .handle import KvCacheHandle, SequenceView
 from .layout import PoolConfig
 from .memory import PoolMemory, attach_pool
@@ -396,6 +396,41 @@ class Client:
     def stats(self) -> dict:
         """The coordinator's counters (pool, prefix cache, connections, operations)."""
         return self.request("stats")
+
+    def set_kv_scales(self, layer: int, k_scale: float, v_scale: float) -> None:
+        """Keep one layer's K and V dequantization scales beside the pool (one round
+        trip): a value stored in a quantized pool (float8 / int8) stands for
+        ``stored * scale``. Every attached process reads them with :meth:`kv_scales`.
+
+        Raises:
+            OutOfRange: a bad layer.
+            InvalidArgument: a scale that is not a finite number > 0.
+        """
+        def number(name, value):
+            if isinstance(value, bool):
+                raise WrongType(f"{name} must be a number, got bool")
+            try:
+                return float(value)  # a Python number, or a one-element tensor
+            except (TypeError, ValueError, RuntimeError):
+                raise WrongType(f"{name} must be a number, got {type(value).__name__}") from None
+        self.request("set_kv_scales", layer=layer, k_scale=number("k_scale", k_scale),
+                     v_scale=number("v_scale", v_scale))
+
+    def kv_scales(self, layer: int) -> Tuple[float, float]:
+        """One layer's ``(k_scale, v_scale)``, read from shared memory with no round trip;
+        ``(1.0, 1.0)`` until someone sets them. Pass them to
+        ``shmkv.attention.paged_attention(..., k_scale=, v_scale=)``.
+
+        Raises:
+            OutOfRange / WrongType: a bad layer.
+        """
+        from .tables import read_scales
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise WrongType(f"layer must be an int, got {type(layer).__name__}")
+        if not 0 <= layer < self.config.num_layers:
+            raise OutOfRange(f"layer {layer} outside [0, {self.config.num_layers})")
+        self.check()
+        return read_scales(self._memory.scale_lock, self._memory.scales, layer)
 
     def ping(self) -> None:
         """One empty round trip."""

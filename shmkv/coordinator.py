@@ -8,8 +8,9 @@ It is the only writer of block metadata. Framing and validation are in
 ``shmkv.sequences``; memory in ``shmkv.memory``.
 
 Three ways to run it: :meth:`Coordinator.start` (a thread of this process),
-:meth:`Coordinator.spawn` (its own process, tied to this one's lifetime), and
-``shmkv serve`` (the foreground of a terminal).
+:meth:`Coordinator.spawn` (its own process, tied to this one's lifetime: a
+:class:`SpawnedCoordinator`, at the end of this module), and ``shmkv serve`` (the
+foreground of a terminal).
 """
 
 from __future__ import annotations
@@ -17,8 +18,11 @@ from __future__ import annotations
 import errno
 import hashlib
 import logging
+import math
+import multiprocessing
 import os
 import selectors
+import signal
 import socket
 import stat
 import struct
@@ -26,18 +30,27 @@ import tempfile
 import threading
 import time
 import weakref
+from bisect import bisect_left
 from typing import Dict, Optional
 
 from . import protocol, shm
 from .allocator import BlockPool
-from .errors import (AccessDenied, InvalidArgument, LimitExceeded, ProtocolError, ShmkvError,
-                     WrongType)
+from .errors import (AccessDenied, CoordinatorTimeout, InvalidArgument, LimitExceeded,
+                     OutOfRange, PoolExhausted, ProtocolError, ShmkvError, WrongType)
 from .layout import PoolConfig
 from .memory import PoolMemory, create_pool
 from .sequences import SequenceTable
-from .tables import TableWriter
+from .tables import TableWriter, write_scales
+from .remote import RemoteTierSet, split_specs
+from .tiers import TierSet, check_specs
 
 log = logging.getLogger("shmkv.coordinator")
+# Upper bounds (seconds) of the request latency histogram's buckets; one more bucket
+# holds everything slower. Each op type keeps ``[count per bucket..., sum]`` as a plain
+# list: observing a request is a clock read, a bisect and two adds (see ``_handle``).
+LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3,
+                   50e-3, 100e-3, 250e-3, 1.0)
+_clock = time.perf_counter
 _UCRED = struct.Struct("3i")
 _RECV_SIZE = 1 << 18
 _MAX_OUTBUF = 64 << 20
@@ -149,7 +162,7 @@ def _shutdown_and_close(sock: socket.socket) -> None:
 
 class _Conn:
     __slots__ = ("sock", "conn_id", "decoder", "outbuf", "pid", "greeted", "closing", "events",
-                 "tp_rank")
+                 "tp_rank", "reason", "held")
 
     def __init__(self, sock: socket.socket, conn_id: int, pid: int, max_frame: int):
         self.sock = sock
@@ -161,6 +174,9 @@ class _Conn:
         self.closing = False
         self.events = selectors.EVENT_READ  # what the selector watches for this socket
         self.tp_rank = None                 # the rank this connection said it is, if any
+        self.reason = ""                    # why it is closing (for the drop's log line)
+        self.held = None  # while a request waits for a tier promotion: the requests
+        #                   this connection sent after it, answered in order after it
 
 
 class Coordinator:
@@ -174,6 +190,13 @@ class Coordinator:
         max_frame: largest request frame in bytes.
         max_handoffs: hand-off tokens outstanding at once.
         max_handoff_ttl: the longest hand-off ttl in seconds.
+        metrics_port: serve Prometheus metrics at ``http://metrics_host:PORT/metrics``
+            from a thread of this process (0: any free port; ``metrics_address`` says
+            which). None (the default): no metrics server. See ``shmkv.metrics``.
+        metrics_host: the address the metrics server binds (default loopback only).
+        tiers: tiers under the pool, top first: ``[HostTier(...)]``, ``[DiskTier(...)]``
+            or ``[HostTier(...), DiskTier(...)]`` (``shmkv.tiers``), and a
+            ``RedisTier(url)`` last, shared with other nodes (``shmkv.remote``).
 
     Use as a context manager, or call :meth:`start` and :meth:`stop`.
 
@@ -185,7 +208,8 @@ class Coordinator:
     def __init__(self, config: PoolConfig, name: Optional[str] = None,
                  address: Optional[str] = None, max_connections: int = 1024,
                  max_frame: int = protocol.DEFAULT_MAX_FRAME, max_handoffs: int = 65536,
-                 max_handoff_ttl: float = 3600.0):
+                 max_handoff_ttl: float = 3600.0, metrics_port: Optional[int] = None,
+                 metrics_host: str = "127.0.0.1", tiers=None):
         if not isinstance(config, PoolConfig):
             raise WrongType(f"config must be a PoolConfig, got {type(config).__name__}")
         if (name is None) == (address is None):
@@ -194,6 +218,10 @@ class Coordinator:
                              ("max_handoffs", max_handoffs)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidArgument(f"{label} must be a positive int, got {value!r}")
+        if metrics_port is not None and (isinstance(metrics_port, bool) or not isinstance(
+                metrics_port, int) or not 0 <= metrics_port <= 65535):
+            raise InvalidArgument(f"metrics_port must be an int in [0, 65535] or None, got "
+                                  f"{metrics_port!r}")
         self.config = config
         self.address = str(address) if address is not None else default_address(name)
         if len(os.fsencode(self.address)) > 107:
@@ -203,6 +231,13 @@ class Coordinator:
         self.max_frame = max_frame
         self.max_handoffs = max_handoffs
         self.max_handoff_ttl = float(max_handoff_ttl)
+        self.metrics_port = metrics_port
+        self.metrics_host = metrics_host
+        self.metrics_address = None  # (host, port) once the metrics server listens
+        self._metrics = None
+        local_tiers, self._remote_spec = split_specs(tiers)
+        self._tier_specs = check_specs(local_tiers)
+        self.tiers: Optional[TierSet] = None   # or a RemoteTierSet over one
         # Fields that teardown may meet half-built default to "nothing to release".
         self.memory: Optional[PoolMemory] = None
         self.table: Optional[SequenceTable] = None
@@ -222,6 +257,10 @@ class Coordinator:
         self.ops_by_type: Dict[str, int] = {}
         self.num_refused = 0
         self.num_dropped = 0
+        self.num_accepted = 0
+        self.num_errors = 0
+        self.latency: Dict[str, list] = {}  # op -> [count per LATENCY_BUCKETS bucket..., sum]
+        self._fd_warned_at = -math.inf
         # Names this coordinator instance (not its address, which a restart reuses), so
         # a step descriptor made against another coordinator is refused.
         self.instance = os.urandom(8).hex()
@@ -240,7 +279,8 @@ class Coordinator:
                 self.config.block_size, self.config.tp_size,
                 copy_block=memory.copy_block, max_handoffs=self.max_handoffs,
                 max_handoff_ttl=self.max_handoff_ttl,
-                tables=TableWriter(memory.layout, memory.seq, memory.table))
+                tables=TableWriter(memory.layout, memory.seq, memory.table),
+                arrays=(memory.seq_np, memory.table_np, memory.owner_t.numpy()))
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self._listener = listener
             old_umask = os.umask(0o177)
@@ -255,6 +295,22 @@ class Coordinator:
             self._wake_r.setblocking(False)
             self._started_at = time.monotonic()
             LOCAL_POOLS[self.address] = self.memory
+            if self._tier_specs:  # after the wake socket: workers wake the loop with it
+                self.tiers = TierSet(self._tier_specs, self.config, memory, self.table,
+                                     self._wake_for_tiers)
+                self.table.tiers = self.tiers
+            if self._remote_spec is not None:  # the store under the local tiers
+                self.tiers = RemoteTierSet(self._remote_spec, self.tiers, self.config, memory,
+                                           self.table, self._wake_for_tiers)
+                self.table.tiers = self.tiers
+            if self.metrics_port is not None:
+                from .metrics import MetricsServer
+                self._metrics = MetricsServer(self, self.metrics_port, self.metrics_host)
+                self.metrics_address = self._metrics.address
+            log.info("coordinator %s: %d blocks x %d tokens, %s, %.1f MiB%s", self.address,
+                     self.config.num_blocks, self.config.block_size, self.config.dtype,
+                     self.config.nbytes / 2**20,
+                     "" if self._metrics is None else f"; metrics at {self._metrics.url}")
         except BaseException:
             self.close()
             raise
@@ -318,8 +374,12 @@ class Coordinator:
             self._close()
 
     def _close(self) -> None:
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
         for conn in list(self._conns.values()):
-            self._drop(conn, count=False)
+            self._drop(conn, count=False, reason="the coordinator is stopping",
+                       level=logging.DEBUG)
         if self._listener is not None:
             _shutdown_and_close(self._listener)  # refuses connects from any process
             self._listener = None
@@ -332,6 +392,9 @@ class Coordinator:
             if sock is not None:
                 sock.close()
                 setattr(self, name, None)
+        if self.tiers is not None:  # its workers copy pool memory: stop them first
+            self.tiers.close()
+            self.tiers = None
         if self.memory is not None:
             if LOCAL_POOLS.get(self.address) is self.memory:
                 del LOCAL_POOLS[self.address]
@@ -354,6 +417,10 @@ class Coordinator:
         for conn in self._conns.values():
             conn.sock.close()
         self._conns = {}
+        self.tiers = None  # its threads are the parent's; shmkv.tiers drops the disk lock
+        if self._metrics is not None:
+            self._metrics.forget_after_fork()
+            self._metrics = None
         for name in ("_listener", "_wake_r", "_wake_w", "_lock_sock"):
             sock = getattr(self, name)
             if sock is not None:
@@ -376,7 +443,6 @@ class Coordinator:
         The process stops when :meth:`SpawnedCoordinator.stop` is called or when this
         process dies.
         """
-        from .spawned import SpawnedCoordinator
         return SpawnedCoordinator.start(config, name=name, address=address, timeout=timeout,
                                         **options)
 
@@ -415,12 +481,16 @@ class Coordinator:
                             self._on_readable(conn, selector)
                         if events & selectors.EVENT_WRITE and not conn.closing:
                             self._flush(conn, selector)
-                if deadline is not None:
-                    self.table.expire()
+                if self.tiers is not None:
+                    self._tier_turn(selector)
+                if deadline is not None and self.table.expire():
+                    log.info("hand-offs expired unopened (%d so far)",
+                             self.table.counters["expired_handoffs"])
         finally:
             selector.close()
             self.close()
             self._serving = False
+            log.info("coordinator %s stopped", self.address)
 
     def _accept(self, selector) -> None:
         while True:
@@ -433,7 +503,13 @@ class Coordinator:
                     # Out of descriptors: stop listening for a moment instead of spinning
                     # on a listener that stays readable; connected clients are served.
                     selector.unregister(self._listener)
-                    self._accept_paused_until = time.monotonic() + 0.1
+                    now = time.monotonic()
+                    self._accept_paused_until = now + 0.1
+                    if now - self._fd_warned_at > 10.0:  # once per 10 s, not per retry
+                        self._fd_warned_at = now
+                        log.warning("out of file descriptors (%s): new connections wait; "
+                                    "raise the limit (ulimit -n) or close clients",
+                                    os.strerror(exc.errno))
                     return
                 raise
             pid, uid, _gid = _UCRED.unpack(
@@ -442,9 +518,13 @@ class Coordinator:
             if uid != os.getuid():
                 refusal = AccessDenied(f"uid {uid} may not use a coordinator of uid "
                                        f"{os.getuid()}")
+                log.warning("refused pid %d: uid %d is not this coordinator's uid %d",
+                            pid, uid, os.getuid())
             elif len(self._conns) >= self.max_connections:
                 refusal = LimitExceeded(f"{len(self._conns)} connections open, the limit is "
                                         f"{self.max_connections}")
+                log.warning("refused pid %d: limit hit: %d connections open "
+                            "(max_connections=%d)", pid, len(self._conns), self.max_connections)
             if refusal is not None:
                 self.num_refused += 1
                 try:
@@ -458,10 +538,13 @@ class Coordinator:
             conn = _Conn(sock, self._next_conn_id, pid, self.max_frame)
             self._next_conn_id += 1
             self._conns[conn.conn_id] = conn
+            self.num_accepted += 1
             self.table.add_connection(conn.conn_id)
             selector.register(sock, selectors.EVENT_READ, conn)
+            log.info("connection %d from pid %d (%d open)", conn.conn_id, pid, len(self._conns))
 
-    def _drop(self, conn: _Conn, selector=None, count: bool = True) -> None:
+    def _drop(self, conn: _Conn, selector=None, count: bool = True,
+              reason: str = "closed by the client", level: int = logging.INFO) -> None:
         if self._conns.pop(conn.conn_id, None) is None:
             return
         if selector is not None:
@@ -471,29 +554,39 @@ class Coordinator:
                 pass
         # shutdown, not only close: a forked child's copy must not keep the client waiting
         _shutdown_and_close(conn.sock)
+        released = 0
         if self.table is not None:
-            self.table.drop_connection(conn.conn_id)
+            released = self.table.drop_connection(conn.conn_id)
         if count:
             self.num_dropped += 1
+        log.log(level, "connection %d (pid %d) dropped: %s; %d references released",
+                conn.conn_id, conn.pid, conn.reason or reason, released)
 
     def _on_readable(self, conn: _Conn, selector) -> None:
         try:
             data = conn.sock.recv(_RECV_SIZE)
         except (BlockingIOError, InterruptedError):
             return
-        except OSError:
-            data = b""
+        except OSError as exc:
+            self._drop(conn, selector, reason=f"receive failed: {exc.strerror}")
+            return
         if not data:
             self._drop(conn, selector)
             return
         try:
             for obj in conn.decoder.feed(data):
+                if conn.held is not None:  # answered in order, after the promotion
+                    if len(conn.held) >= 1024:
+                        raise ProtocolError("over 1024 requests sent while one waits")
+                    conn.held.append(obj)
+                    continue
                 self._handle(conn, obj)
                 if conn.closing:
                     break
         except ProtocolError as exc:  # the stream cannot be trusted any more
             conn.outbuf += protocol.encode_error(-1, exc)
             conn.closing = True
+            conn.reason = f"protocol error: {exc}"
         self._flush(conn, selector)
 
     def _flush(self, conn: _Conn, selector) -> None:
@@ -505,11 +598,15 @@ class Coordinator:
                 del conn.outbuf[:sent]
         except (BlockingIOError, InterruptedError):
             pass
-        except OSError:
-            self._drop(conn, selector)
+        except OSError as exc:
+            self._drop(conn, selector, reason=f"send failed: {exc.strerror}")
             return
-        if conn.closing or len(conn.outbuf) > _MAX_OUTBUF:
-            self._drop(conn, selector)  # a best-effort error frame was tried above
+        if conn.closing:
+            self._drop(conn, selector, level=logging.WARNING)  # an error frame was tried above
+            return
+        if len(conn.outbuf) > _MAX_OUTBUF:
+            self._drop(conn, selector, level=logging.WARNING,
+                       reason=f"limit hit: over {_MAX_OUTBUF >> 20} MiB of answers unread")
             return
         events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.outbuf else 0)
         if events != conn.events:  # a syscall per request otherwise
@@ -519,6 +616,7 @@ class Coordinator:
     # -- requests ------------------------------------------------------------------------
 
     def _handle(self, conn: _Conn, obj) -> None:
+        started = _clock()
         request_id = protocol.request_id_of(obj)
         try:
             request = protocol.parse_request(obj)
@@ -527,24 +625,72 @@ class Coordinator:
             handler = getattr(self, "_op_" + request.op)
             result = handler(conn, **request.args)
         except ProtocolError as exc:
+            self.num_errors += 1
             conn.outbuf += protocol.encode_error(request_id, exc)
             conn.closing = True
+            conn.reason = f"protocol error: {exc}"
             return
         except ShmkvError as exc:
+            self.num_errors += 1
+            if isinstance(exc, LimitExceeded):
+                log.warning("limit hit (connection %d, pid %d): %s", conn.conn_id, conn.pid, exc)
+            elif isinstance(exc, PoolExhausted):  # a normal outcome: the caller decides
+                log.debug("connection %d: %s", conn.conn_id, exc)
             conn.outbuf += protocol.encode_error(request_id, exc)
             return
         except Exception as exc:  # a bug here must not take the coordinator down
+            self.num_errors += 1
             log.exception("internal error while serving %r", obj)
             conn.outbuf += protocol.encode_error(
                 request_id, ShmkvError(f"internal coordinator error: {type(exc).__name__}: "
                                        f"{exc}"))
             return
+        op = request.op
         self.num_ops += 1
-        self.ops_by_type[request.op] = self.ops_by_type.get(request.op, 0) + 1
-        if request.op == "hello":
+        self.ops_by_type[op] = self.ops_by_type.get(op, 0) + 1
+        if op == "hello":
             self._send_hello(conn, request_id, result)
+        elif self.table.promotions:  # a tier is copying blocks in: answer when they are
+            promotion = self.tiers.promote(self.table.take_promotions())
+            promotion.context = (conn, request_id, result)
+            conn.held = []
         else:
             conn.outbuf += protocol.encode_ok(request_id, result)
+        # The latency histogram: plain list adds, read by the metrics thread at scrape time.
+        latency = self.latency.get(op)
+        if latency is None:
+            latency = self.latency[op] = [0] * (len(LATENCY_BUCKETS) + 1) + [0.0]
+        elapsed = _clock() - started
+        latency[bisect_left(LATENCY_BUCKETS, elapsed)] += 1
+        latency[-1] += elapsed
+
+    # -- tiers ---------------------------------------------------------------------------
+
+    def _wake_for_tiers(self) -> None:
+        """Wake the loop (from a tier's worker thread): copies are done."""
+        wake = self._wake_w
+        if wake is not None:
+            try:
+                wake.send(b"t")
+            except OSError:
+                pass
+
+    def _tier_turn(self, selector) -> None:
+        """Let the tiers move blocks; answer the requests whose promotions are done,
+        then the requests their connections sent meanwhile."""
+        for promotion in self.tiers.tick():
+            conn, request_id, result = promotion.context
+            if self._conns.get(conn.conn_id) is not conn:
+                continue  # gone meanwhile: its references were dropped already
+            conn.outbuf += protocol.encode_ok(request_id, result)
+            held, conn.held = conn.held, None
+            for i, obj in enumerate(held):
+                if conn.held is not None or conn.closing:  # waits again (or closes)
+                    if not conn.closing:
+                        conn.held += held[i:]
+                    break
+                self._handle(conn, obj)
+            self._flush(conn, selector)
 
     def _send_hello(self, conn: _Conn, request_id: int, result: dict) -> None:
         """The handshake answer carries the pool's descriptors (SCM_RIGHTS)."""
@@ -552,8 +698,9 @@ class Coordinator:
         fds = self.memory.fds[:1] if self.config.is_cuda else self.memory.fds
         try:  # a new connection's send buffer is empty, so this never waits
             sent = socket.send_fds(conn.sock, [frame], fds)
-        except OSError:
+        except OSError as exc:
             conn.closing = True
+            conn.reason = f"handshake send failed: {exc.strerror}"
             return
         conn.outbuf += frame[sent:]
 
@@ -630,12 +777,14 @@ class Coordinator:
     def _op_open(self, conn, token):
         return self.table.open(conn.conn_id, token)
 
-    def _op_extend_batch(self, conn, ids, count=None, counts=None, tokens=None):
+    def _op_extend_batch(self, conn, ids, count=None, counts=None, tokens=None, slots=None):
         if (count is None) == (counts is None):
             raise InvalidArgument("extend_batch takes one of count and counts")
         counts = count if counts is None else protocol.unpack_i64s(counts)
-        lens = self.table.extend_batch(conn.conn_id, protocol.unpack_i64s(ids), counts, tokens)
-        return protocol.pack_i64s(lens)
+        lens = self.table.extend_batch(conn.conn_id, protocol.unpack_i64s(ids), counts, tokens,
+                                       None if slots is None else protocol.unpack_i64s(slots))
+        return lens.astype("<i8").tobytes() if hasattr(lens, "astype") else \
+            protocol.pack_i64s(lens)
 
     def _op_prepare_batch(self, conn, ids, starts, counts):
         lens = self.table.prepare_batch(conn.conn_id, protocol.unpack_i64s(ids),
@@ -656,6 +805,32 @@ class Coordinator:
     def _op_stats(self, conn):
         return self.stats()
 
+    def _op_set_kv_scales(self, conn, layer, k_scale, v_scale):
+        if not 0 <= layer < self.config.num_layers:
+            raise OutOfRange(f"layer {layer} outside [0, {self.config.num_layers})")
+        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if not (math.isfinite(value) and value > 0):
+                raise InvalidArgument(f"{name} must be a finite number > 0, got {value!r}")
+        write_scales(self.memory.scale_lock, self.memory.scales, layer, float(k_scale),
+                     float(v_scale))
+
+    def block_counts(self) -> Dict[str, Dict[str, int]]:
+        """Blocks by tier and state: ``{tier: {"free": n, "cached": n, "referenced": n}}``.
+
+        Read by the metrics exporter (``shmkv.metrics``), which labels every series with
+        the tier. Only the ``"pool"`` tier exists today; a lower tier (host memory, disk)
+        adds its own entry here, and its blocks are exported with no other change.
+        """
+        pool = self.table.pool
+        counts = {"pool": {"free": pool.num_free, "cached": pool.num_cached,
+                           "referenced": pool.num_referenced}}
+        tiers = self.tiers
+        if tiers is not None and tiers.host is not None:
+            counts["host"] = {"free": len(tiers.host.free), "cached": tiers.host.num_ready}
+        if tiers is not None and tiers.disk is not None:
+            counts["disk"] = {"cached": tiers.disk.num_ready}
+        return counts
+
     def stats(self) -> dict:
         """Counters of the pool, the prefix cache, connections and operations."""
         out = self.table.stats()
@@ -664,6 +839,126 @@ class Coordinator:
                     "ops": self.num_ops, "ops_per_s": self.num_ops / uptime,
                     "ops_by_type": dict(self.ops_by_type), "refused_connections":
                     self.num_refused, "dropped_connections": self.num_dropped,
+                    "accepted_connections": self.num_accepted, "request_errors":
+                    self.num_errors, "metrics_port": (None if self.metrics_address is None
+                                                      else self.metrics_address[1]),
                     "pool_bytes": self.config.nbytes, "block_bytes": self.config.block_nbytes,
                     "config": self.config.to_wire()})
+        if self.tiers is not None:
+            out["tiers"] = self.tiers.stats()
+            out["tier_io"] = self.tiers.io_stats()
         return out
+
+
+# -- a coordinator in its own process ----------------------------------------------------------
+# Starting the process (``spawn`` context), waiting for it to be ready with a timeout,
+# stopping it, and making sure it never outlives the process that started it: the child
+# watches a pipe to its parent and stops when the pipe closes, however the parent dies.
+
+def _child_main(config_wire: dict, name, address, options: dict, pipe) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's Ctrl-C is the parent's
+    try:
+        coord = Coordinator(PoolConfig.from_wire(config_wire), name=name, address=address,
+                            **options)
+        coord.open()
+    except BaseException as exc:  # report any start failure to the parent, then exit
+        pipe.send(("error", type(exc).__name__, str(exc)))
+        pipe.close()
+        return
+    pipe.send(("ready", coord.address, os.getpid()))
+
+    def watch_parent() -> None:
+        try:
+            pipe.recv()  # "stop", or EOFError when the parent is gone
+        except (EOFError, OSError):
+            pass
+        coord.stop()
+
+    signal.signal(signal.SIGTERM, lambda *_: coord.stop())
+    threading.Thread(target=watch_parent, daemon=True).start()
+    coord.serve_forever()
+
+
+class SpawnedCoordinator:
+    """Handle on a coordinator process started by :meth:`Coordinator.spawn`.
+
+    Attributes: ``address`` (socket path), ``pid``, ``process``.
+    """
+
+    def __init__(self, process, pipe, address: str, pid: int):
+        self.process = process
+        self._pipe = pipe
+        self.address = address
+        self.pid = pid
+
+    @classmethod
+    def start(cls, config: PoolConfig, name: Optional[str] = None,
+              address: Optional[str] = None, timeout: float = 60.0,
+              **options) -> "SpawnedCoordinator":
+        ctx = multiprocessing.get_context("spawn")
+        parent_end, child_end = ctx.Pipe()
+        process = ctx.Process(target=_child_main, name="shmkv-coordinator", daemon=True,
+                              args=(config.to_wire(), name, address, options, child_end))
+        process.start()
+        child_end.close()
+        if not parent_end.poll(timeout):
+            process.kill()
+            process.join(5)
+            parent_end.close()
+            raise CoordinatorTimeout(f"coordinator process did not start within {timeout} s")
+        try:
+            message = parent_end.recv()
+        except EOFError:
+            message = ("error", "ShmkvError", f"coordinator process died at start "
+                                              f"(exit code {process.exitcode})")
+        if message[0] != "ready":
+            process.join(5)
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+            parent_end.close()
+            from . import errors
+            cls_ = getattr(errors, message[1], ShmkvError)
+            if not (isinstance(cls_, type) and issubclass(cls_, ShmkvError)):
+                cls_ = ShmkvError
+            raise cls_(message[2])
+        return cls(process, parent_end, message[1], message[2])
+
+    def is_alive(self) -> bool:
+        return self.process.is_alive()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ask the process to stop; kill it if it has not within ``timeout``. Idempotent.
+
+        Also removes the socket file a coordinator killed earlier left behind.
+        """
+        if self._pipe is not None:
+            try:
+                self._pipe.send("stop")
+            except OSError:
+                pass
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+        if self._pipe is not None:
+            self._pipe.close()
+            self._pipe = None
+        if not self.process.is_alive():
+            remove_stale_socket(self.address)
+
+    def kill(self) -> None:
+        """SIGKILL the coordinator (for crash tests) and reap it. Like a real crash, this
+        leaves its socket file; :meth:`stop` or the next coordinator on the address
+        removes it."""
+        self.process.kill()
+        self.process.join(5)
+        if self._pipe is not None:
+            self._pipe.close()
+            self._pipe = None
+
+    def __enter__(self) -> "SpawnedCoordinator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

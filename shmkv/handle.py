@@ -36,7 +36,10 @@ from .tables import read_row
 # Widest plain element types K/V rows are reinterpreted as for indexed copies: torch's
 # CPU index_copy_ moves one element per step, so 16-byte elements make it 8x fewer
 # steps than bf16 (close to memcpy speed). The bits are moved, never computed on.
-_COPY_UNITS = ((16, torch.complex128), (8, torch.int64), (4, torch.int32))
+_COPY_UNITS = ((16, torch.complex128), (8, torch.int64), (4, torch.int32), (2, torch.int16))
+# Pool dtypes torch has no CPU ``index_copy_`` kernel for: when no wider unit fits, their
+# rows are copied as the same-sized integer type (bits moved, never computed on).
+_BYTE_UNITS = {torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
 
 
 def _fits(t: torch.Tensor, size: int) -> bool:
@@ -53,10 +56,12 @@ class _PoolViews:
     K or V per row. ``chunks`` is the pool as ``[chunks, block_size, heads, head_dim]``:
     one block of one layer's K or V per chunk (contiguous when the client sees all
     heads), so a full block moves as one memcpy. ``unit_*`` are the same views in the
-    widest copy unit that fits.
+    widest copy unit that fits; ``plain`` is ``(rows, chunks, dtype)`` for copies no unit
+    fits: the pool's own dtype (None), or bytes where torch cannot index-copy it.
     """
 
-    __slots__ = ("pool", "rows", "chunks", "unit", "unit_dtype", "unit_rows", "unit_chunks")
+    __slots__ = ("pool", "rows", "chunks", "unit", "unit_dtype", "unit_rows", "unit_chunks",
+                 "plain")
 
     def __init__(self, pool: torch.Tensor):
         self.pool = pool
@@ -70,11 +75,14 @@ class _PoolViews:
                 self.unit, self.unit_dtype = size, dtype
                 self.unit_rows, self.unit_chunks = self.rows.view(dtype), self.chunks.view(dtype)
                 break
+        byte = _BYTE_UNITS.get(pool.dtype)
+        self.plain = ((self.rows, self.chunks, None) if byte is None
+                      else (self.rows.view(byte), self.chunks.view(byte), byte))
 
     def select(self, *tensors) -> tuple:
         """``(rows, chunks, *tensors)``, all in the copy unit when every tensor's offset
-        fits it, else all as they are. The tensors end in the pool's last two dims,
-        the last one contiguous."""
+        fits it, else all in ``plain``'s dtype. The tensors end in the pool's last two
+        dims, the last one contiguous."""
         unit = self.unit
         if unit:
             for t in tensors:
@@ -83,7 +91,10 @@ class _PoolViews:
             else:
                 dtype = self.unit_dtype
                 return (self.unit_rows, self.unit_chunks, *[t.view(dtype) for t in tensors])
-        return (self.rows, self.chunks, *tensors)
+        rows, chunks, dtype = self.plain
+        if dtype is None:
+            return (rows, chunks, *tensors)
+        return (rows, chunks, *[t.view(dtype) for t in tensors])
 
 
 _VIEWS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

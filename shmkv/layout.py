@@ -26,16 +26,23 @@ DEFAULT_MAX_SEQ_LEN = 32768
 MAX_SEQUENCES = 1 << 20
 MAX_TABLE_BYTES = 1 << 30
 
-# name -> bytes per element. The names are torch's attribute names.
-DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+# name -> bytes per element. The names are torch's attribute names. The 1-byte types
+# are quantized pools: their bytes are stored exactly, and the scale that turns them
+# back into values is the caller's (``Client.set_kv_scales`` keeps one per layer).
+DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8,
+               "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1}
+QUANTIZED_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2", "int8"})
+_DTYPE_ALIASES = {"half": "float16", "float": "float32", "double": "float64", "fp16": "float16",
+                  "bf16": "bfloat16", "fp32": "float32", "fp8": "float8_e4m3fn",
+                  "fp8_e4m3": "float8_e4m3fn", "float8": "float8_e4m3fn",
+                  "fp8_e5m2": "float8_e5m2"}
 
 
 def dtype_name(dtype: Any) -> str:
     """Return the canonical name of a dtype given as a string or a ``torch.dtype``."""
     if isinstance(dtype, str):
         name = dtype.removeprefix("torch.")
-        name = {"half": "float16", "float": "float32", "double": "float64", "fp16": "float16",
-                "bf16": "bfloat16", "fp32": "float32"}.get(name, name)
+        name = _DTYPE_ALIASES.get(name, name)
     else:
         name = str(dtype).removeprefix("torch.")
     if name not in DTYPE_SIZES:
@@ -79,7 +86,10 @@ class PoolConfig:
         head_dim: elements per head.
         num_blocks: blocks in the pool.
         block_size: tokens per block.
-        dtype: ``torch.float32``, ``torch.float16`` or ``torch.bfloat16`` (or their names).
+        dtype: ``torch.float32``, ``torch.float16``, ``torch.bfloat16``, or a quantized
+            type: ``torch.float8_e4m3fn``, ``torch.float8_e5m2``, ``torch.int8`` (or
+            their names; ``"fp8"`` is e4m3). A quantized pool stores bytes exactly; the
+            per-layer K/V scales live beside it (``Client.set_kv_scales``).
         device: ``"cpu"`` (POSIX shared memory) or ``"cuda:N"`` (CUDA IPC).
         tp_size: tensor-parallel ranks; each rank owns ``num_kv_heads // tp_size`` heads.
         devices: with ``tp_size > 1`` on CUDA, one device per rank.
@@ -177,6 +187,11 @@ class PoolConfig:
     def is_cuda(self) -> bool:
         return self.device != "cpu"
 
+    @property
+    def is_quantized(self) -> bool:
+        """A 1-byte pool (float8 or int8) whose values need the layer's K/V scales."""
+        return self.dtype in QUANTIZED_DTYPES
+
     def rank_devices(self) -> tuple:
         """The device of each tensor-parallel rank's pool."""
         if self.devices is not None:
@@ -206,4 +221,12 @@ class PoolConfig:
         """A hex digest of everything that decides where a byte lives in the pool."""
         text = repr((LAYOUT_VERSION, self.shape, self.dtype, self.tp_size,
                      "block-major[num_blocks,num_layers,2,block_size,heads,head_dim]"))
+        return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+    def block_fingerprint(self) -> str:
+        """A hex digest of everything that decides what one block's bytes mean: the
+        :meth:`fingerprint` less the pool's size and device, so pools of any size on any
+        node can exchange blocks (``shmkv.remote``, ``shmkv.distributed``)."""
+        text = repr((LAYOUT_VERSION, self.shape[1:], self.dtype, self.tp_size,
+                     "block[num_layers,2,block_size,heads,head_dim]"))
         return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()

@@ -25,8 +25,9 @@ class PoolMemory:
     """The memory of one pool as seen by one process.
 
     ``device_pools[i]`` is a tensor ``[num_blocks, num_layers, 2, block_size, heads_i,
-    head_dim]``. ``owner``, ``epoch``, ``seq`` and ``table`` are memoryviews of the
-    metadata segment (see ``shmkv.tables``): written by the coordinator only.
+    head_dim]``. ``owner``, ``epoch``, ``seq``, ``table``, ``scale_lock`` and ``scales`` are
+    memoryviews of the metadata segment (see ``shmkv.tables``): written by the
+    coordinator only.
     ``owner_t``, ``seq_t`` (``[max_sequences, 4]``) and ``table_t``
     (``[max_sequences, max_seq_blocks]``) are tensors over the same memory, for
     vectorized reads. ``fds`` are the
@@ -43,7 +44,9 @@ class PoolMemory:
         self.device_pools: List = []
         self.layout = TableLayout.of(config)
         self.owner = self.epoch = self.seq = self.table = None
+        self.scale_lock = self.scales = None
         self.owner_t = self.seq_t = self.table_t = None
+        self.seq_np = self.table_np = None
         self._meta_map = None
         self.fds: List[int] = []
         self.descriptor: dict = {}
@@ -76,6 +79,7 @@ class PoolMemory:
                                  f"{layout.nbytes}")
         self._meta_map = shm.map_bytes(fd, nbytes, writable)
         self.owner, self.epoch, self.seq, self.table = layout.views(self._meta_map)
+        self.scale_lock, self.scales = layout.scale_views(self._meta_map)
         import torch
         raw = shm.map_tensor(fd, nbytes)  # the storage keeps its own mapping alive
         self.owner_t = raw[layout.owner_offset:layout.epoch_offset].view(torch.int64)
@@ -83,6 +87,9 @@ class PoolMemory:
             layout.max_sequences, SEQ_FIELDS)
         self.table_t = raw[layout.table_offset:layout.nbytes].view(torch.int32).view(
             layout.max_sequences, layout.max_seq_blocks)
+        # numpy views of the same memory (its storage still owns the mapping): a batch
+        # step's small index arithmetic costs about a microsecond an op in numpy
+        self.seq_np, self.table_np = self.seq_t.numpy(), self.table_t.numpy()
 
     def close_fds(self) -> None:
         """Close this process's descriptors (mappings stay). Idempotent."""
@@ -96,7 +103,7 @@ class PoolMemory:
     def close(self) -> None:
         """Release descriptors and the metadata mapping. Idempotent."""
         self.close_fds()
-        for name in ("owner", "epoch", "seq", "table"):  # every export before the unmap
+        for name in ("owner", "epoch", "seq", "table", "scale_lock", "scales"):  # before the unmap
             view = getattr(self, name)
             if view is not None:
                 view.release()
@@ -120,6 +127,8 @@ def create_pool(config: PoolConfig) -> PoolMemory:
         meta_fd = shm.create_segment(meta_bytes, "metadata")
         memory.fds.append(meta_fd)
         memory._map_meta(meta_fd, meta_bytes, writable=True)
+        for i in range(len(memory.scales)):  # K/V scales are 1.0 until a caller sets them
+            memory.scales[i] = 1.0
         memory.descriptor = {"meta_bytes": meta_bytes, "fingerprint": config.fingerprint()}
         if config.is_cuda:
             from . import cuda

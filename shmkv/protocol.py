@@ -95,10 +95,12 @@ OPS = {
     "export": {"cache_id": ("int", True), "ttl": ("num", True)},
     "open": {"token": ("bytes", True)},
     "stats": {},
+    "set_kv_scales": {"layer": ("int", True), "k_scale": ("num", True),
+                      "v_scale": ("num", True)},
     # Batches: sequences as packed int64 arrays ("i64s": little-endian bytes), so a
     # step of any size is one small frame and decodes without a Python loop.
     "extend_batch": {"ids": ("i64s", True), "count": ("int", False), "counts": ("i64s", False),
-                     "tokens": ("list", False)},
+                     "tokens": ("list", False), "slots": ("i64s", False)},
     "prepare_batch": {"ids": ("i64s", True), "starts": ("i64s", True),
                       "counts": ("i64s", True)},
     "commit_batch": {"ids": ("i64s", True), "num_tokens": ("i64s", True),

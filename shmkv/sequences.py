@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import heapq
 from array import array
+
+import numpy as np
 import hmac
 import os
 import time
@@ -27,7 +29,7 @@ from . import hashing
 from .allocator import BlockPool
 from .errors import (HandoffError, InvalidArgument, LimitExceeded, OutOfRange, PoolExhausted,
                      UnknownCache, WrongType)
-from .tables import NUM_TOKENS, SEQ_FIELDS, TableLayout, TableWriter
+from .tables import CACHE_ID, GENERATION, NUM_TOKENS, SEQ_FIELDS, TableLayout, TableWriter
 
 TOKEN_VERSION = 1
 TOKEN_SIZE = 1 + 8 + 16
@@ -73,6 +75,20 @@ class Sequence:
                 "request_id": self.request_id}
 
 
+class PendingPromotion:
+    """Blocks of a new sequence whose bytes a lower tier is copying in (``shmkv.tiers``).
+
+    ``blocks[i]`` gets the bytes of ``keys[i]``; they are blocks ``first ..`` of ``seq``,
+    held by one extra reference each until :meth:`SequenceTable.finish_promotion`.
+    ``info`` is the answer to the request, completed then.
+    """
+
+    __slots__ = ("seq", "info", "first", "keys", "blocks")
+
+    def __init__(self, seq: Sequence, info: dict, first: int, keys: list, blocks: list):
+        self.seq, self.info, self.first, self.keys, self.blocks = seq, info, first, keys, blocks
+
+
 class _Handoff:
     __slots__ = ("secret", "cache_id", "deadline")
 
@@ -101,6 +117,9 @@ class SequenceTable:
         clock: monotonic clock (seconds), injectable for tests.
         tables: the writer of the shared block tables (``shmkv.tables``); private
             tables of ``max_sequences`` x ``max_seq_blocks`` when omitted.
+        arrays: ``(seq, table, owner)`` numpy views of the shared tables and the owner
+            array (the same memory ``tables`` and ``pool`` write), for the checks of a
+            decode step over a whole batch at once; made over ``tables`` when omitted.
     """
 
     def __init__(self, pool: BlockPool, block_size: int, tp_size: int = 1,
@@ -108,7 +127,7 @@ class SequenceTable:
                  max_handoffs: int = 65536, max_handoff_ttl: float = 3600.0,
                  clock: Callable[[], float] = time.monotonic,
                  tables: Optional[TableWriter] = None, max_sequences: int = 1024,
-                 max_seq_blocks: Optional[int] = None):
+                 max_seq_blocks: Optional[int] = None, arrays: Optional[tuple] = None):
         self.pool = pool
         self.block_size = block_size
         self.tp_size = tp_size
@@ -121,24 +140,49 @@ class SequenceTable:
             _owner, _epoch, seq, table = layout.views(bytearray(layout.nbytes))
             tables = TableWriter(layout, seq, table)
         self.tables = tables
+        layout = tables.layout
+        if arrays is None:
+            arrays = (np.frombuffer(tables.seq, dtype=np.int64).reshape(-1, SEQ_FIELDS),
+                      np.frombuffer(tables.table, dtype=np.int32).reshape(
+                          -1, layout.max_seq_blocks),
+                      np.frombuffer(pool.owner, dtype=np.int64))
+        self._seq_np, self._table_np, self._owner_np = arrays
+        self._num_blocks_np = np.frombuffer(tables.num_blocks, dtype=np.int64)
+        # Slots whose sequence still extends its prefix keys (``Sequence.keys_open``),
+        # and, per connection, the slots it holds: what a batch step checks at once.
+        self._keys_open_np = np.zeros(layout.max_sequences, dtype=bool)
+        self._held_np: Dict[int, np.ndarray] = {}
+        self._scratch = np.zeros(layout.max_sequences, dtype=np.int64)
         self.sequences: Dict[int, Sequence] = {}
         self.conn_refs: Dict[int, Dict[int, int]] = {}
+        # Lower tiers (``shmkv.tiers.TierSet``, set by the coordinator): a prefix that
+        # misses the pool continues there. ``promotions``: what the last allocate must
+        # copy in before it is answered (the coordinator takes them).
+        self.tiers = None
+        self.promotions: List[PendingPromotion] = []
+        # Blocks a commit published, as ``(block_id, the sequence's keys, index)``, for
+        # a shared store to write behind (``shmkv.remote``); None without one. The keys
+        # list only grows, so ``keys[:index + 1]`` stays this block's chain.
+        self.newly_published: Optional[list] = None
         self.handoffs: Dict[int, _Handoff] = {}
         self._handoff_heap: list = []
         self._next_cache_id = 1
         self._next_handoff_id = 1
         self.counters = {"prefix_hit_tokens": 0, "prefix_miss_tokens": 0,
                          "prefix_hit_blocks": 0, "prefix_miss_blocks": 0,
-                         "cow_copies": 0, "published_blocks": 0, "expired_handoffs": 0}
+                         "cow_copies": 0, "published_blocks": 0, "exported_handoffs": 0,
+                         "opened_handoffs": 0, "expired_handoffs": 0}
 
     # -- connections and references ------------------------------------------------------
 
     def add_connection(self, conn_id: int) -> None:
         self.conn_refs[conn_id] = {}
+        self._held_np[conn_id] = np.zeros(self.tables.layout.max_sequences, dtype=bool)
 
     def drop_connection(self, conn_id: int) -> int:
         """Drop every reference the connection holds; returns how many were dropped."""
         refs = self.conn_refs.pop(conn_id, {})
+        self._held_np.pop(conn_id, None)
         dropped = 0
         for cache_id, count in refs.items():
             dropped += count
@@ -158,7 +202,10 @@ class SequenceTable:
 
     def _ref(self, conn_id: int, seq: Sequence) -> None:
         refs = self.conn_refs[conn_id]
-        refs[seq.cache_id] = refs.get(seq.cache_id, 0) + 1
+        count = refs.get(seq.cache_id, 0)
+        refs[seq.cache_id] = count + 1
+        if not count:
+            self._held_np[conn_id][seq.slot] = True
         seq.num_refs += 1
 
     def _unref(self, seq: Sequence, count: int = 1) -> None:
@@ -179,6 +226,7 @@ class SequenceTable:
     def _publish(self, seq: Sequence) -> None:
         """Give a filled new sequence its row in the shared tables."""
         seq.slot = self.tables.assign(seq.cache_id, seq.block_ids, seq.num_tokens)
+        self._keys_open_np[seq.slot] = seq.keys_open
 
     # -- allocate ------------------------------------------------------------------------
 
@@ -219,7 +267,9 @@ class SequenceTable:
         if need > self.pool.num_blocks:
             raise PoolExhausted(f"pool exhausted: need {need} blocks for {num_tokens} tokens, "
                                 f"the whole pool has {self.pool.num_blocks}; raise num_blocks")
-        return num_tokens, keys, tail, root, hits, need, request_id
+        # Tier hits take fresh pool blocks, which ``need`` already counts.
+        promote = self.tiers.lookup(keys[len(hits):]) if keys and self.tiers is not None else 0
+        return num_tokens, keys, tail, root, hits, need, request_id, promote
 
     def allocate_many(self, conn_id: int, requests: Seq[dict]) -> List[dict]:
         """Allocate one sequence per request, all or none.
@@ -240,27 +290,59 @@ class SequenceTable:
         for plan in plans:  # take every hit before any allocation can evict it
             self.pool.incref(plan[4])
         results = []
-        for num_tokens, keys, tail, root, hits, need_blocks, request_id in plans:
+        for num_tokens, keys, tail, root, hits, need_blocks, request_id, promote in plans:
             seq = self._new_sequence(root, request_id)
             new = self.pool.allocate(need_blocks, seq.cache_id)
             assert new is not None
             seq.block_ids = hits + new
             seq.num_tokens = num_tokens
-            seq.num_cached = len(hits) * self.block_size
-            seq.num_committed = len(hits)
+            num_hit = len(hits) + promote   # promoted blocks count once their bytes are in
+            seq.num_cached = num_hit * self.block_size
+            seq.num_committed = num_hit
             seq.rank_tokens = [seq.num_cached] * self.tp_size
             self._publish(seq)
             if keys is not None:
                 seq.keys = keys
                 seq.tail_tokens = list(tail)
                 counters = self.counters
-                counters["prefix_hit_blocks"] += len(hits)
-                counters["prefix_miss_blocks"] += len(keys) - len(hits)
+                counters["prefix_hit_blocks"] += num_hit
+                counters["prefix_miss_blocks"] += len(keys) - num_hit
                 counters["prefix_hit_tokens"] += seq.num_cached
                 counters["prefix_miss_tokens"] += num_tokens - seq.num_cached
             self._ref(conn_id, seq)
-            results.append(self._info(seq))
+            info = self._info(seq)
+            results.append(info)
+            if promote:
+                self.pool.incref(new[:promote])  # the promotion's own hold
+                self.promotions.append(PendingPromotion(
+                    seq, info, len(hits), keys[len(hits):num_hit], new[:promote]))
         return results
+
+    def take_promotions(self) -> List[PendingPromotion]:
+        """The promotions the last allocate started (the coordinator copies them in)."""
+        promotions, self.promotions = self.promotions, []
+        return promotions
+
+    def finish_promotion(self, record: PendingPromotion, num_ok: int) -> None:
+        """The bytes of the first ``num_ok`` promoted blocks are in: publish them under
+        their keys. A block after them did not arrive (a damaged file), so the hit ends
+        there: the answer's ``num_cached`` shrinks and the caller writes the rest. Drops
+        the promotion's hold (the sequence may be gone by now: its connection closed)."""
+        pool, seq = self.pool, record.seq
+        for block_id, key in zip(record.blocks[:num_ok], record.keys):
+            pool.publish(block_id, key)  # False: the key was published meanwhile; fine
+        lost = len(record.blocks) - num_ok
+        if lost:
+            seq.num_committed -= lost
+            seq.num_cached -= lost * self.block_size
+            seq.rank_tokens = [seq.num_cached] * self.tp_size
+            record.info["num_cached"] = seq.num_cached
+            counters = self.counters
+            counters["prefix_hit_blocks"] -= lost
+            counters["prefix_miss_blocks"] += lost
+            counters["prefix_hit_tokens"] -= lost * self.block_size
+            counters["prefix_miss_tokens"] += lost * self.block_size
+        pool.decref(reversed(record.blocks))
 
     def allocate_counts(self, conn_id: int, counts: Seq[int]) -> tuple:
         """Allocate one plain sequence (no prompt) per count, all or none: the fast form
@@ -282,6 +364,7 @@ class SequenceTable:
                 f"(num_blocks={pool.num_blocks}); free handles or raise num_blocks")
         cache_ids, slots = array("q", bytes(8 * num)), array("q", bytes(8 * num))
         sequences, refs, tp_size = self.sequences, self.conn_refs[conn_id], self.tp_size
+        held = self._held_np[conn_id]
         cache_id = self._next_cache_id
         self._next_cache_id += num
         for i, (num_tokens, num_blocks) in enumerate(zip(counts, blocks)):
@@ -292,6 +375,7 @@ class SequenceTable:
             seq.slot = tables.assign(cache_id, seq.block_ids, num_tokens)
             sequences[cache_id] = seq
             refs[cache_id] = 1
+            held[seq.slot] = True
             cache_ids[i], slots[i] = cache_id, seq.slot
             cache_id += 1
         return cache_ids, slots
@@ -410,14 +494,20 @@ class SequenceTable:
             seqs.append(sequences[cache_id])
         return seqs
 
-    def extend_batch(self, conn_id: int, cache_ids: Seq[int], counts, tokens=None) -> array:
+    def extend_batch(self, conn_id: int, cache_ids: Seq[int], counts, tokens=None,
+                     slots: Optional[Seq[int]] = None):
         """Reserve ``counts`` (an int for all, or one per sequence) more slots in each
         sequence of a batch, all or none; copy-on-write of shared partly filled last
         blocks included. ``tokens``: one list of token ids per sequence, or None.
+        ``slots``: the sequences' rows in the shared tables, as the client knows them
+        (checked), for the vectorized decode path.
 
-        Returns the length of every sequence after the step (int64 array). The hot
-        path of a decode step: one pass to check and count, one to apply.
+        Returns the length of every sequence after the step (int64 array).
         """
+        if slots is not None and tokens is None and type(counts) is int and counts > 0:
+            lens = self._extend_uniform(conn_id, cache_ids, slots, counts)
+            if lens is not None:
+                return lens
         seqs = self._batch_sequences(conn_id, cache_ids)
         num_seqs = len(seqs)
         if isinstance(counts, int):
@@ -493,6 +583,71 @@ class SequenceTable:
                 lens[i] = seq.num_tokens
         return lens
 
+    def _extend_uniform(self, conn_id: int, cache_ids: Seq[int], slots: Seq[int], count: int):
+        """The decode step (``count`` more tokens in every sequence, no token ids) with
+        array operations over the whole batch: a constant number of them, whatever the
+        batch size, plus Python work only for the sequences that need a new block, a
+        copy of a shared last block, or to stop their prefix keys. None (nothing
+        changed) when the batch does not check out: the general path then names the
+        error."""
+        ids = np.asarray(cache_ids, dtype=np.int64)
+        where = np.asarray(slots, dtype=np.int64)
+        num = ids.shape[0]
+        held = self._held_np.get(conn_id)
+        if num == 0 or held is None or where.shape[0] != num:
+            return None
+        if where.min() < 0 or where.max() >= held.shape[0]:
+            return None
+        seq_np = self._seq_np
+        if not (held[where].all() and np.array_equal(seq_np[where, CACHE_ID], ids)):
+            return None
+        order = np.arange(num)
+        self._scratch[where] = order  # a slot named twice keeps only its last position
+        if not np.array_equal(self._scratch[where], order):
+            return None
+        bs = self.block_size
+        lens = seq_np[where, NUM_TOKENS]
+        have = self._num_blocks_np[where]
+        new = lens + count
+        full = (lens % bs) == 0
+        last = self._table_np[where, np.maximum(have - 1, 0)]
+        writable = full | (self._owner_np[last] == ids)   # the last block, if partial
+        fits = new <= have * bs
+        # One new block, and nothing else to do: the other common decode case.
+        grow = ~fits & writable & (new <= (have + 1) * bs)
+        if self._keys_open_np[where].any() or not ((fits & writable) | grow).all():
+            # copies of shared blocks, several blocks, or prefix keys to stop: the general
+            # per-sequence path (rare in a decode loop), for the whole batch
+            return None
+        sequences = self.sequences
+        grow_at = np.flatnonzero(grow)
+        if grow_at.size:
+            pool, tables = self.pool, self.tables
+            longer = have[grow_at] + 1
+            over = (longer > tables.max_seq_blocks) & (longer <= pool.num_blocks)
+            if over.any():  # (a sequence longer than the pool is PoolExhausted below)
+                i = int(grow_at[np.argmax(over)])
+                tables.check_blocks(int(have[i]) + 1, f"{format_cache_id(int(ids[i]))} at "
+                                                      f"{int(new[i])} tokens")
+            if grow_at.size > pool.num_available:
+                raise PoolExhausted(
+                    f"pool exhausted: the step needs {grow_at.size} blocks, "
+                    f"{pool.num_available} free or evictable (num_blocks={pool.num_blocks}); "
+                    "free handles or raise num_blocks")
+            grow_ids = ids[grow_at].tolist()
+            blocks = pool.allocate_each(grow_ids)
+            grow_where = where[grow_at]
+            # the shared-table order: entries, then generation, then (below) the length
+            self._table_np[grow_where, have[grow_at]] = blocks
+            seq_np[grow_where, GENERATION] += 1
+            self._num_blocks_np[grow_where] += 1
+            for cache_id, block_id in zip(grow_ids, blocks):
+                sequences[cache_id].block_ids.append(block_id)
+        for seq, n in zip(map(sequences.__getitem__, ids.tolist()), new.tolist()):
+            seq.num_tokens = n
+        seq_np[where, NUM_TOKENS] = new
+        return new
+
     def prepare_batch(self, conn_id: int, cache_ids: Seq[int], starts: Seq[int],
                       counts: Seq[int]) -> array:
         """Make slots ``[starts[i], starts[i] + counts[i])`` of each sequence writable in
@@ -553,6 +708,7 @@ class SequenceTable:
             # Token ids of this stretch are unknown: blocks from here on get no key,
             # the keys already computed stay publishable.
             seq.keys_open, seq.tail_tokens = False, []
+            self._keys_open_np[seq.slot] = False
             return
         tail = seq.tail_tokens + tokens
         parent = seq.keys[-1] if seq.keys else seq.root
@@ -617,6 +773,8 @@ class SequenceTable:
         for index in range(seq.num_committed, ready):
             if self.pool.publish(seq.block_ids[index], seq.keys[index]):
                 self.counters["published_blocks"] += 1
+                if self.newly_published is not None:
+                    self.newly_published.append((seq.block_ids[index], seq.keys, index))
         seq.num_committed = max(seq.num_committed, ready)
         return seq.num_committed
 
@@ -668,11 +826,14 @@ class SequenceTable:
                 raise UnknownCache(f"release of {count} references to "
                                    f"{format_cache_id(cache_id)}, this connection holds "
                                    f"{refs[cache_id]}")
+        held = self._held_np[conn_id]
         for cache_id, count in wanted.items():
             refs[cache_id] -= count
+            seq = self.sequences[cache_id]
             if not refs[cache_id]:
                 del refs[cache_id]
-            self._unref(self.sequences[cache_id], count)
+                held[seq.slot] = False
+            self._unref(seq, count)
 
     # -- hand-off ------------------------------------------------------------------------
 
@@ -698,6 +859,7 @@ class SequenceTable:
         self.handoffs[handoff_id] = _Handoff(secret, seq.cache_id, deadline)
         heapq.heappush(self._handoff_heap, (deadline, handoff_id))
         seq.num_refs += 1
+        self.counters["exported_handoffs"] += 1
         return bytes([TOKEN_VERSION]) + handoff_id.to_bytes(8, "big") + secret
 
     def open(self, conn_id: int, token: bytes) -> dict:
@@ -715,6 +877,7 @@ class SequenceTable:
         seq = self.sequences[handoff.cache_id]
         seq.num_refs -= 1  # the token's reference moves to the connection
         self._ref(conn_id, seq)
+        self.counters["opened_handoffs"] += 1
         return self._info(seq)
 
     def expire(self, now: Optional[float] = None) -> int:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 
@@ -79,38 +80,36 @@ def spans(blocks: Sequence[int], block_size: int, num_layers: int, start: int, n
     return head, (middle, middle_rows), tail
 
 
-def batch_slots(tables: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,
-                query_start_loc: torch.Tensor, num_tokens: int, block_size: int,
+def batch_slots(tables: np.ndarray, starts: np.ndarray, counts: np.ndarray,
+                query_start_loc: np.ndarray, num_tokens: int, block_size: int,
                 uniform_count: int = -1) -> tuple:
-    """``(slot_mapping, seq_index)`` of a step's new tokens, vectorized.
+    """``(slot_mapping, seq_index, positions)`` of a step's new tokens, vectorized
+    (numpy: these arrays are small, and numpy's per-op cost is a fraction of torch's).
 
     Args:
         tables: ``[B, max_blocks]`` block ids of each sequence.
         starts: ``[B]`` int64 position of each sequence's first new token.
         counts: ``[B]`` int64 new tokens per sequence.
-        query_start_loc: ``[B + 1]`` cumulative counts.
+        query_start_loc: ``[B + 1]`` int64 cumulative counts.
         num_tokens: ``T``, the sum of counts.
         uniform_count: the count when every sequence has the same one (decode: 1), for
             a shorter computation; -1 otherwise.
 
     Returns:
-        ``(slot_mapping, seq_index, positions)``, each int64 ``[T]``: the slot of each
-        new token, which sequence it belongs to, and its position in that sequence.
+        Three int64 arrays ``[T]``: the slot of each new token, which sequence it
+        belongs to, and its position in that sequence.
     """
     batch = starts.shape[0]
     if uniform_count == 1:  # decode: one token per sequence, at its start
-        seq_index = torch.arange(batch)
-        block_ids = tables.gather(1, (starts // block_size)[:, None]).squeeze(1).to(torch.int64)
+        seq_index = np.arange(batch, dtype=np.int64)
+        block_ids = tables[seq_index, starts // block_size].astype(np.int64)
         return block_ids * block_size + starts % block_size, seq_index, starts
-    tokens = torch.arange(num_tokens)
-    # (Not repeat_interleave: with several intra-op threads its CPU kernel costs
-    # milliseconds on a few elements.)
+    tokens = np.arange(num_tokens, dtype=np.int64)
     if uniform_count > 0:
         seq_index, offsets = tokens // uniform_count, tokens % uniform_count
     else:
-        ends = query_start_loc[1:].to(torch.int64)
-        seq_index = torch.searchsorted(ends, tokens, right=True)
-        offsets = tokens - query_start_loc[:-1].to(torch.int64)[seq_index]
+        seq_index = np.searchsorted(query_start_loc[1:], tokens, side="right")
+        offsets = tokens - query_start_loc[seq_index]
     positions = starts[seq_index] + offsets
-    block_ids = tables.to(torch.int64)[seq_index, positions // block_size]
+    block_ids = tables[seq_index, positions // block_size].astype(np.int64)
     return block_ids * block_size + positions % block_size, seq_index, positions

@@ -9,6 +9,9 @@ and reading it without a lock:
   sequence that could write it (a fork or prefix hit shares it, a commit publishes
   it). A writer that checked ``owner`` at epoch ``e`` need not check again while the
   epoch is still ``e``.
+* ``scales``: the per-layer K/V dequantization scales of a quantized pool: one int64
+  seqlock word, then float64 ``[num_layers, 2]`` (K, V), 1.0 until a caller sets them;
+  padded to 64 bytes. Written with the seqlock rule below, read by :func:`read_scales`.
 * ``seq``: int64 ``[max_sequences, 4]``, one row per sequence slot:
   ``[lock, cache_id, num_tokens, generation]``.
 * ``table``: int32 ``[max_sequences, max_seq_blocks]``: the block table of the
@@ -29,8 +32,9 @@ an entry changes, so a reader may keep a copy of the entries while it is unchang
 
 Bound: ``max_sequences`` live sequences and ``max_seq_blocks`` blocks per sequence,
 both from :class:`~shmkv.layout.PoolConfig`; the segment costs
-``8 * num_blocks + 64 + 32 * max_sequences + 4 * max_sequences * max_seq_blocks``
-bytes. Going past either bound is refused with ``LimitExceeded``.
+``8 * num_blocks + 64 + scales + 32 * max_sequences + 4 * max_sequences * max_seq_blocks``
+bytes, where ``scales`` is ``8 + 16 * num_layers`` rounded up to 64. Going past either
+bound is refused with ``LimitExceeded``.
 
 Pure: memoryviews and ints, no torch, no I/O. Readers that want tensors build them
 over the same segment (``shmkv.memory``).
@@ -57,22 +61,37 @@ EPOCH_WORDS = 8  # the epoch and spare words, so the sequence rows stay 64-byte 
 class TableLayout:
     """Offsets and sizes of the metadata segment of one pool."""
 
-    __slots__ = ("num_blocks", "max_sequences", "max_seq_blocks", "owner_offset",
-                 "epoch_offset", "seq_offset", "table_offset", "nbytes")
+    __slots__ = ("num_blocks", "max_sequences", "max_seq_blocks", "num_layers", "owner_offset",
+                 "epoch_offset", "scales_offset", "seq_offset", "table_offset", "nbytes")
 
-    def __init__(self, num_blocks: int, max_sequences: int, max_seq_blocks: int):
+    def __init__(self, num_blocks: int, max_sequences: int, max_seq_blocks: int,
+                 num_layers: int = 0):
         self.num_blocks = num_blocks
         self.max_sequences = max_sequences
         self.max_seq_blocks = max_seq_blocks
+        self.num_layers = num_layers
         self.owner_offset = 0
         self.epoch_offset = 8 * num_blocks
-        self.seq_offset = self.epoch_offset + 8 * EPOCH_WORDS
+        self.scales_offset = self.epoch_offset + 8 * EPOCH_WORDS
+        scales_bytes = -(-(8 + 16 * num_layers) // 64) * 64  # the sequence rows stay aligned
+        self.seq_offset = self.scales_offset + scales_bytes
         self.table_offset = self.seq_offset + 8 * SEQ_FIELDS * max_sequences
         self.nbytes = self.table_offset + 4 * max_sequences * max_seq_blocks
 
     @classmethod
     def of(cls, config) -> "TableLayout":
-        return cls(config.num_blocks, config.max_sequences, config.max_seq_blocks)
+        return cls(config.num_blocks, config.max_sequences, config.max_seq_blocks,
+                   config.num_layers)
+
+    def scale_views(self, buffer) -> tuple:
+        """``(lock, scales)`` memoryviews over a buffer of ``nbytes``: the int64 seqlock
+        word and float64 ``[num_layers * 2]`` (K then V of each layer)."""
+        whole = memoryview(buffer)
+        lock = whole[self.scales_offset:self.scales_offset + 8].cast("q")
+        start = self.scales_offset + 8
+        scales = whole[start:start + 16 * self.num_layers].cast("d")
+        whole.release()
+        return lock, scales
 
     def views(self, buffer) -> tuple:
         """``(owner, epoch, seq, table)`` memoryviews over a buffer of ``nbytes``:
@@ -101,6 +120,9 @@ class TableWriter:
         self.max_seq_blocks = layout.max_seq_blocks
         # Free slots as a stack, lowest slot on top, so a fresh pool fills slot 0 first.
         self._free: List[int] = list(range(layout.max_sequences - 1, -1, -1))
+        # Entries in use per slot (the coordinator's own bookkeeping, not shared), for
+        # checks over a whole batch at once. Never resized: arrays may view it.
+        self.num_blocks = array("q", bytes(8 * layout.max_sequences))
 
     @property
     def num_free(self) -> int:
@@ -127,6 +149,7 @@ class TableWriter:
         """Take a free slot for a new sequence and publish its table; returns the slot.
         The caller checked :meth:`check_slots` and :meth:`check_blocks`."""
         slot = self._free.pop()
+        self.num_blocks[slot] = len(block_ids)
         seq, base = self.seq, slot * SEQ_FIELDS
         seq[base + LOCK] += 1
         if block_ids:
@@ -141,6 +164,7 @@ class TableWriter:
     def release(self, slot: int, num_blocks: int) -> None:
         """Free a dead sequence's slot (and zero the ``num_blocks`` entries it used, so
         that table rows read past a sequence's end hold 0, never a stale block id)."""
+        self.num_blocks[slot] = 0
         seq, base = self.seq, slot * SEQ_FIELDS
         seq[base + LOCK] += 1
         seq[base + CACHE_ID] = 0
@@ -156,6 +180,7 @@ class TableWriter:
         """Entries ``index..`` become ``block_ids`` (new blocks only), then the length."""
         base = slot * SEQ_FIELDS
         if block_ids:
+            self.num_blocks[slot] = index + len(block_ids)
             row = slot * self.max_seq_blocks + index
             self.table[row:row + len(block_ids)] = array("i", block_ids)
             self.seq[base + GENERATION] += 1
@@ -172,6 +197,30 @@ class TableWriter:
         self.table[slot * self.max_seq_blocks + index] = block_id
         seq[base + GENERATION] += 1
         seq[base + LOCK] += 1
+
+
+def write_scales(lock, scales, layer: int, k_scale: float, v_scale: float) -> None:
+    """Store one layer's K/V scales (the coordinator only; a seqlock, as for rows)."""
+    lock[0] += 1
+    scales[2 * layer] = k_scale
+    scales[2 * layer + 1] = v_scale
+    lock[0] += 1
+
+
+def read_scales(lock, scales, layer: int, tries: int = 10000) -> tuple:
+    """One layer's ``(k_scale, v_scale)``, never half of an update.
+
+    Raises:
+        LimitExceeded: the scales kept changing for ``tries`` reads.
+    """
+    for _ in range(tries):
+        before = lock[0]
+        if before & 1:
+            continue
+        k_scale, v_scale = scales[2 * layer], scales[2 * layer + 1]
+        if lock[0] == before:
+            return k_scale, v_scale
+    raise LimitExceeded(f"K/V scales of layer {layer} kept changing for {tries} reads")
 
 
 def read_row(seq, table, max_seq_blocks: int, block_size: int, slot: int, cache_id: int,

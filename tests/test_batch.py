@@ -48,7 +48,7 @@ def reference_step(handles, starts, counts):
 
 
 def write_step(step, heads=H):
-    ids = step.cache_ids[step._seq_index]
+    ids = step.cache_ids[step.seq_index]
     for layer in range(L):
         step.write(layer, workers.step_value(ids, step.positions, layer, 0, heads, D),
                    workers.step_value(ids, step.positions, layer, 1, heads, D))
@@ -231,7 +231,7 @@ def test_two_tp_ranks_share_one_step(unique_name):
                 steps = [batch.prefill(start=0), batch.extend([3, 1])]
                 for step in steps:
                     descs.put(step.descriptor())     # rank 1 rebuilds it: no round trip
-                    ids = step.cache_ids[step._seq_index]
+                    ids = step.cache_ids[step.seq_index]
                     for layer in range(L):
                         k = workers.step_value(ids, step.positions, layer, 0, H, D)[:, :2]
                         v = workers.step_value(ids, step.positions, layer, 1, H, D)[:, :2]

@@ -180,7 +180,7 @@ def test_leak_checks_ignore_other_coordinators_on_the_machine(small_config, monk
     (["demo", "--workers", "0"], "--workers: must be at least 1, got 0"),
     (["demo", "--decode-steps", "-1"], "--decode-steps: must be 0 or more, got -1"),
     (["demo", "--prompts", "two"], "--prompts: 'two' is not an integer"),
-    (["demo", "--dtype", "int8"], "--dtype: unsupported dtype 'int8'"),
+    (["demo", "--dtype", "int4"], "--dtype: unsupported dtype 'int4'"),
     (["demo", "--model", "huge"], "--model: invalid choice"),
     (["serve", "--num-blocks", "0"], "--num-blocks: must be at least 1"),
     (["serve", "--block-size", "-4"], "--block-size: must be at least 1"),

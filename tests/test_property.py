@@ -1,12 +1,18 @@
 """Property test: random allocate/extend/write/fork/clone/close/commit/prefix-allocate,
 views, extends with and without token ids, and steps of batches, against a simple
-model of ref counts, contents and what a commit publishes.
+model of ref counts, contents and what a commit publishes. The pool has tiers under it
+(host memory, then a disk directory): demote evicts every cached block into them,
+promote brings a prefix back and gets exactly the blocks the indexes promised, restart
+starts a new coordinator on the same directory.
 
 After every step: every block is free, cached or referenced (never two), ref counts
 equal the references that exist, and every live sequence reads back exactly what
 the model says (slots never written are unconstrained).
 """
 
+import shutil
+import tempfile
+import time
 import uuid
 
 import pytest
@@ -16,6 +22,7 @@ from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initia
                                  invariant, rule)
 
 import shmkv
+from shmkv import hashing
 
 L, H, D, BS, NUM_BLOCKS = 2, 1, 2, 2, 24
 VOCAB = [3, 5, 7]          # a tiny vocabulary, so prompts share prefixes often
@@ -56,19 +63,40 @@ class PoolMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        cfg = shmkv.PoolConfig(num_layers=L, num_kv_heads=H, head_dim=D, num_blocks=NUM_BLOCKS,
-                               block_size=BS, dtype=torch.float32)
-        self.coord = shmkv.Coordinator(cfg, name=f"prop-{uuid.uuid4().hex[:12]}").start()
-        self.client = shmkv.connect(self.coord.address, timeout=20)
+        self.cfg = shmkv.PoolConfig(num_layers=L, num_kv_heads=H, head_dim=D,
+                                    num_blocks=NUM_BLOCKS, block_size=BS, dtype=torch.float32)
+        self.tier_dir = tempfile.mkdtemp(prefix="shmkv-prop-tier-")
+        self.prompts_seen = []
+        self._start_coordinator()
         self.seqs = {}      # cache id -> Seq (shared by clones)
         self.refs = {}      # cache id -> live handles
         self.values_rng = torch.Generator().manual_seed(0)
 
+    def _start_coordinator(self):
+        tiers = [shmkv.HostTier(8 * self.cfg.block_nbytes),    # small: its LRU works too
+                 shmkv.DiskTier(self.tier_dir, 1 << 20)]
+        self.coord = shmkv.Coordinator(self.cfg, name=f"prop-{uuid.uuid4().hex[:12]}",
+                                       tiers=tiers).start()
+        self.client = shmkv.connect(self.coord.address, timeout=20)
+
     def teardown(self):
         self.client.close()
         self.coord.stop()
+        shutil.rmtree(self.tier_dir, ignore_errors=True)
+
+    def _tiers_idle(self):
+        """Wait until every write-behind copy is done and the disk scan has finished."""
+        deadline = time.monotonic() + 20
+        while True:
+            io = self.client.stats()["tier_io"]
+            if not (io["pending"] or io["scanning"] or io["promotions_in_flight"]):
+                return
+            assert time.monotonic() < deadline, io
+            time.sleep(0.002)
 
     def _track(self, h, seq):
+        if seq.keyed and len(seq.prompt) >= BS:
+            self.prompts_seen.append(list(seq.prompt))   # for the promote rule
         self.seqs.setdefault(h.cache_id, seq)
         self.refs[h.cache_id] = self.refs.get(h.cache_id, 0) + 1
         return h
@@ -147,6 +175,36 @@ class PoolMachine(RuleBasedStateMachine):
             elif seq.keys_open:
                 seq.prompt += ids
 
+    @rule(data=st.data(), count=st.integers(1, 3))
+    def decode_step(self, data, count):
+        """A decode step over several sequences (forks and their parents together):
+        one batch extend, then every layer written through the step."""
+        live = {}
+        for h in self._live_handles():
+            if h._view_len is None:
+                live.setdefault(h.cache_id, h)
+        if not live:
+            return
+        chosen = data.draw(st.lists(st.sampled_from(sorted(live)), min_size=1, unique=True))
+        hs = [live[c] for c in chosen]
+        try:
+            step = self.client.batch(hs).extend(count)
+        except shmkv.PoolExhausted:
+            return
+        for h in hs:
+            seq = self.seqs[h.cache_id]
+            seq.grow(count)
+            if seq.keyed:
+                seq.keys_open = False
+        for layer in range(L):
+            kv = torch.randn(2, step.num_tokens, H, D, generator=self.values_rng)
+            step.write(layer, kv[0].contiguous(), kv[1].contiguous())
+            for i, h in enumerate(hs):
+                seq = self.seqs[h.cache_id]
+                n = seq.written.shape[1]
+                seq.values[layer, :, n - count:] = kv[:, i * count:(i + 1) * count]
+                seq.written[layer, n - count:] = True
+
     @rule(h=handles, data=st.data())
     def write(self, h, data):
         if h is None or h._closed or h.num_tokens == 0:
@@ -167,6 +225,65 @@ class PoolMachine(RuleBasedStateMachine):
             return
         seq.values[layer, :, start:start + n] = kv
         seq.written[layer, start:start + n] = True
+
+    @rule()
+    def demote(self):
+        """Evict every cached block of the pool: each lives on in a tier, none is lost."""
+        self._tiers_idle()
+        pool, tiers = self.coord.table.pool, self.coord.tiers
+        cached = [pool.block_key[b] for b in list(pool._cached)]
+        lost = tiers.num_lost_evictions
+        n = pool.num_available
+        if n:
+            self.client.allocate(n * BS).close()
+        self._tiers_idle()
+        assert pool.num_cached == 0
+        assert tiers.num_lost_evictions == lost
+        assert all(tiers.lookup([key]) == 1 for key in cached)
+
+    @rule(target=handles, data=st.data(), mode=st.sampled_from(["seen", "new", "round_trip"]))
+    def promote(self, data, mode):
+        """A prompt seen before, a new one, or one written, committed, closed and demoted
+        just now: its prefix is the pool's hit continued by the tiers' (promoted), exactly
+        as the indexes said (all its full blocks, after a round trip), with the K/V that
+        was committed."""
+        seen = self.prompts_seen + [s.prompt for s in self.seqs.values()
+                                    if s.keyed and len(s.prompt) >= BS]
+        if mode == "seen" and seen:
+            prompt = list(data.draw(st.sampled_from(seen)))
+        else:
+            prompt = data.draw(st.lists(st.sampled_from(VOCAB), min_size=1, max_size=9))
+        if mode == "round_trip":
+            h = self.prefill_and_commit(prompt, True)
+            if h is None:
+                return shmkv_none()
+            self.close(h)
+            self.demote()
+        elif data.draw(st.booleans()):
+            self.demote()   # so that what is not referenced must come from a tier
+        self._tiers_idle()
+        keys = hashing.block_keys(prompt, BS, hashing.root_key())
+        in_pool = len(self.coord.table.pool.lookup(keys))
+        expected = in_pool + self.coord.tiers.lookup(keys[in_pool:])
+        if mode == "round_trip":
+            assert expected == len(keys)
+        h = self.allocate_prompt(prompt)
+        if h is not None:
+            assert h.num_cached_tokens == expected * BS
+        return h
+
+    @rule()
+    def restart(self):
+        """Close every handle, stop the coordinator, start a new one on the same disk
+        directory: committed blocks come back from disk (the promote rule checks how)."""
+        self._tiers_idle()
+        for h in self._live_handles():
+            h.close()
+        self.seqs, self.refs = {}, {}
+        self.client.close()
+        self.coord.stop()
+        self._start_coordinator()
+        self._tiers_idle()
 
     @rule(h=handles)
     def commit(self, h):

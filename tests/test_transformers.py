@@ -2,6 +2,9 @@
 
 Models are built from a config and a seed (no downloads); a spawned child builds the
 same weights from the same seed, which the tests check through a weight checksum.
+Most tests run twice: with ``attn_implementation="shmkv"`` (layers attend over the
+pool: the paged path) and with ``"sdpa"`` (the dense path). The reference is always
+``DynamicCache`` with ``"sdpa"``.
 """
 
 from __future__ import annotations
@@ -13,13 +16,16 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import (DynamicCache, LlamaConfig, LlamaForCausalLM,  # noqa: E402
-                          Qwen2Config, Qwen2ForCausalLM)
+from transformers import (DynamicCache, GemmaConfig, GemmaForCausalLM,  # noqa: E402
+                          GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM,
+                          MistralConfig, MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM,
+                          Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
 import shmkv  # noqa: E402
 from conftest import SPAWN, join_or_kill  # noqa: E402
 from shmkv.integrations.transformers import (ShmkvCache, cache_argument,  # noqa: E402
-                                             pool_config, prefill)
+                                             left_pad, pool_config, prefill,
+                                             use_shmkv_attention)
 
 VOCAB = 256
 NEW_TOKENS = 10
@@ -27,22 +33,37 @@ BLOCK_SIZE = 4
 TIGHT = dict(rtol=1e-5, atol=1e-6)      # same computation, another home for the K/V
 REUSED = dict(rtol=1e-4, atol=1e-5)     # prefix K/V computed in another (longer) prefill
 
+GQA2 = dict(num_attention_heads=4, num_key_value_heads=2)
 MODELS = {
     # GQA 2: 4 query heads over 2 K/V heads.
-    "llama": (LlamaForCausalLM, LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=2)),
+    "llama": (LlamaForCausalLM, LlamaConfig, GQA2),
     # GQA 4: 8 query heads over 2 K/V heads, head_dim 8.
     "qwen2": (Qwen2ForCausalLM, Qwen2Config, dict(num_attention_heads=8, num_key_value_heads=2)),
+    "mistral": (MistralForCausalLM, MistralConfig, dict(GQA2, sliding_window=None)),
+    # head_dim 16 apart from hidden / heads; embeddings scaled by sqrt(hidden).
+    "gemma": (GemmaForCausalLM, GemmaConfig, dict(GQA2, head_dim=16)),
+    # attention scaled by attention_multiplier instead of 1/sqrt(head_dim).
+    "granite": (GraniteForCausalLM, GraniteConfig, dict(GQA2, attention_multiplier=0.1)),
+    # q/k normalization over all heads.
+    "olmo2": (Olmo2ForCausalLM, Olmo2Config, GQA2),
+    # fused qkv projection, partial rotary.
+    "phi3": (Phi3ForCausalLM, Phi3Config, dict(GQA2, partial_rotary_factor=0.5)),
 }
+FULL_ATTENTION = ["llama", "qwen2", "mistral", "gemma", "granite", "olmo2", "phi3"]
+ATTN = ["shmkv", "sdpa"]
+PATH = {"shmkv": "paged", "sdpa": "dense"}
 
 
-def build(kind: str, seed: int = 0, **overrides):
+def build(kind: str, seed: int = 0, attn: str = "sdpa", **overrides):
     model_cls, config_cls, heads = MODELS[kind]
     fields = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   max_position_embeddings=512, bos_token_id=None, eos_token_id=None,
                   pad_token_id=None, **heads)
     config = config_cls(**{**fields, **overrides})
     torch.manual_seed(seed)
-    return model_cls(config).eval()
+    model = model_cls(config).eval()
+    model.set_attn_implementation(attn)
+    return model
 
 
 def checksum(model) -> float:
@@ -60,14 +81,15 @@ PROMPT_C = PROMPT_A[:16]                    # wholly cached once A is committed
 
 @torch.no_grad()
 def greedy(model, ids, cache=None, max_new_tokens=NEW_TOKENS, attention_mask=None, **kwargs):
+    """``generate``, greedy unless ``do_sample=True`` is passed, with logits returned."""
     ids = torch.as_tensor(ids)
     ids = ids[None] if ids.dim() == 1 else ids
     if cache is not None:
         kwargs[cache_argument(model)] = cache
+    kwargs.setdefault("do_sample", False)
     return model.generate(ids, attention_mask=attention_mask if attention_mask is not None
                           else torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                          do_sample=False, return_dict_in_generate=True, output_logits=True,
-                          **kwargs)
+                          return_dict_in_generate=True, output_logits=True, **kwargs)
 
 
 def assert_same_generation(got, want, prompt_len: int, tol=TIGHT) -> None:
@@ -102,14 +124,17 @@ def model_coord(unique_name):
         coord.stop()
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_generate_equals_dynamic_cache(kind, model_coord):
+@pytest.mark.parametrize("attn", ATTN)
+@pytest.mark.parametrize("kind", FULL_ATTENTION)
+def test_generate_equals_dynamic_cache(kind, attn, model_coord):
     model = build(kind)
+    want = greedy(model, PROMPT_A)
+    model.set_attn_implementation(attn)
     with shmkv.connect(model_coord(model).address, timeout=20) as client:
-        want = greedy(model, PROMPT_A)
         with ShmkvCache(client, model_config=model.config) as cache:
             got = greedy(model, PROMPT_A, cache)
             assert got.cache is cache
+            assert cache.attention_path == PATH[attn]
             handle = cache.handle
             assert handle.num_tokens == len(PROMPT_A) + NEW_TOKENS - 1
             assert_same_generation(got, want, len(PROMPT_A))
@@ -119,26 +144,81 @@ def test_generate_equals_dynamic_cache(kind, model_coord):
         assert client.stats()["referenced_blocks"] == 0
 
 
-def test_batched_generate_with_padding(model_coord):
-    model = build("llama")
+def test_shmkv_attention_without_shmkv_cache_is_sdpa():
+    """The "shmkv" implementation with DynamicCache, or no cache, attends as SDPA does."""
+    model = build("qwen2")
+    want = greedy(model, PROMPT_A)
+    ids = torch.tensor([PROMPT_A])
+    full = model(ids, use_cache=False).logits
+    use_shmkv_attention(model)
+    assert model.config._attn_implementation == "shmkv"
+    got = greedy(model, PROMPT_A)
+    assert got.sequences.tolist() == want.sequences.tolist()
+    for a, b in zip(got.logits, want.logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(model(ids, use_cache=False).logits, full, rtol=0, atol=0)
+    config = MODELS["llama"][1](**dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, **GQA2))
+    loaded = LlamaForCausalLM._from_config(config, attn_implementation="shmkv")
+    assert loaded.config._attn_implementation == "shmkv"
+
+
+def padded_batch():
+    """Two prompts, the second shorter and padded on the left with 0."""
     short = prompt(5, 9)
-    ids = torch.tensor([PROMPT_A, [0] * (len(PROMPT_A) - len(short)) + short])
-    mask = torch.ones_like(ids)
-    mask[1, :len(PROMPT_A) - len(short)] = 0
+    ids, mask = left_pad([PROMPT_A, short])
+    return ids, mask, [len(PROMPT_A), len(short)]
+
+
+@pytest.mark.parametrize("attn", ATTN)
+def test_batched_generate_with_padding(attn, model_coord):
+    model = build("llama")
+    ids, mask, lengths = padded_batch()
+    want = greedy(model, ids, attention_mask=mask, pad_token_id=0)
+    model.set_attn_implementation(attn)
     with shmkv.connect(model_coord(model).address, timeout=20) as client:
-        want = greedy(model, ids, attention_mask=mask, pad_token_id=0)
         with ShmkvCache(client) as cache:
             got = greedy(model, ids, cache, attention_mask=mask, pad_token_id=0)
             assert len(cache.handles) == 2
+            assert cache.attention_path == PATH[attn]
+            total = ids.shape[1] + NEW_TOKENS - 1
+            if attn == "shmkv":   # the padding is not stored
+                assert cache.left_padding == [0, ids.shape[1] - lengths[1]]
+                assert [h.num_tokens for h in cache.handles] == \
+                    [n + NEW_TOKENS - 1 for n in lengths]
+            else:
+                assert [h.num_tokens for h in cache.handles] == [total, total]
+            assert cache.get_seq_length() == total
         assert_same_generation(got, want, ids.shape[1])
         assert client.stats()["referenced_blocks"] == 0
 
 
-def test_beam_search_forks_sequences(model_coord):
+@pytest.mark.parametrize("attn", ATTN)
+def test_num_return_sequences(attn, model_coord):
+    """Sampling three sequences per prompt of a padded batch (six rows)."""
+    model = build("qwen2")
+    ids, mask, _ = padded_batch()
+    kwargs = dict(attention_mask=mask, pad_token_id=0, do_sample=True, num_return_sequences=3,
+                  top_k=0, max_new_tokens=6)
+    torch.manual_seed(11)
+    want = greedy(model, ids, **kwargs)
+    model.set_attn_implementation(attn)
+    with shmkv.connect(model_coord(model).address, timeout=20) as client:
+        with ShmkvCache(client) as cache:
+            torch.manual_seed(11)
+            got = greedy(model, ids, cache, **kwargs)
+            assert len(cache.handles) == 6 and cache.attention_path == PATH[attn]
+        assert_same_generation(got, want, ids.shape[1])
+        assert client.stats()["referenced_blocks"] == 0
+
+
+@pytest.mark.parametrize("attn", ATTN)
+def test_beam_search_forks_sequences(attn, model_coord):
     model = build("qwen2")
     with shmkv.connect(model_coord(model).address, timeout=20) as client:
         kwargs = dict(num_beams=3, num_return_sequences=2, max_new_tokens=6)
         want = greedy(model, PROMPT_B, **kwargs)
+        model.set_attn_implementation(attn)
         with ShmkvCache(client) as cache:
             got = greedy(model, PROMPT_B, cache, **kwargs)
             assert len(cache.handles) == 3
@@ -146,6 +226,80 @@ def test_beam_search_forks_sequences(model_coord):
         stats = client.stats()
         assert stats["ops_by_type"].get("fork", 0) > 0 and stats["cow_copies"] > 0
         assert stats["referenced_blocks"] == 0
+
+
+@pytest.mark.parametrize("attn", ATTN)
+def test_prompt_lookup_decoding_crops(attn, model_coord):
+    """Prompt-lookup decoding drafts tokens from n-grams of the prompt, verifies them in one
+    forward and crops the rejected ones from the cache."""
+    model = build("llama")
+    ids = (PROMPT_A[:8] * 4)[:30]              # repeats: n-gram matches to draft from
+    kwargs = dict(prompt_lookup_num_tokens=4, max_new_tokens=16)
+    want = greedy(model, ids, **kwargs)
+    model.set_attn_implementation(attn)
+    with shmkv.connect(model_coord(model).address, timeout=20) as client:
+        with ShmkvCache(client) as cache:
+            crops = []
+            crop = cache.crop
+            cache.crop = lambda n: (crops.append(n), crop(n))
+            got = greedy(model, ids, cache, **kwargs)
+            assert any(n < 0 for n in crops), "no draft was rejected: the test lost its point"
+            assert cache.attention_path == PATH[attn]
+            assert cache.get_seq_length() == got.sequences.shape[1] - 1
+        assert got.sequences.tolist() == want.sequences.tolist()
+        assert client.stats()["referenced_blocks"] == 0
+
+
+@pytest.mark.parametrize("attn", ATTN)
+def test_two_generate_calls_in_a_row(attn, model_coord):
+    """A second generate continues from the first one's output with the same cache."""
+    model = build("mistral")
+    ids, mask, _ = padded_batch()
+    with shmkv.connect(model_coord(model).address, timeout=20) as client:
+        outputs = {}
+        for name in ("dynamic", "shmkv"):
+            model.set_attn_implementation("sdpa" if name == "dynamic" else attn)
+            cache = DynamicCache(config=model.config) if name == "dynamic" else ShmkvCache(client)
+            first = greedy(model, ids, cache, attention_mask=mask, pad_token_id=0)
+            seq = first.sequences
+            second = greedy(model, seq, cache, pad_token_id=0, max_new_tokens=7,
+                            attention_mask=torch.cat([mask, torch.ones(2, seq.shape[1] - ids.shape[1],
+                                                                       dtype=mask.dtype)], 1))
+            outputs[name] = (first, second)
+            if name == "shmkv":
+                assert cache.attention_path == PATH[attn]
+                cache.close()
+        (want1, want2), (got1, got2) = outputs["dynamic"], outputs["shmkv"]
+        assert_same_generation(got1, want1, ids.shape[1])
+        assert_same_generation(got2, want2, want1.sequences.shape[1])
+        assert client.stats()["referenced_blocks"] == 0
+
+
+def test_right_padding_takes_the_dense_path(model_coord):
+    """A mask that is not "left padding, then tokens" (here: right padding, by forward
+    calls) falls back to dense K/V with transformers' own mask, even under "shmkv"."""
+    model = build("qwen2")
+    key = cache_argument(model)
+    ids = torch.tensor([PROMPT_A[:12], PROMPT_B[:12]])
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    extra = torch.tensor([[PROMPT_A[12]], [PROMPT_B[12]]])
+    with shmkv.connect(model_coord(model).address, timeout=20) as client, torch.no_grad():
+        dynamic = DynamicCache(config=model.config)
+        want = [model(ids, attention_mask=mask, use_cache=True, **{key: dynamic}).logits,
+                model(extra, attention_mask=torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1),
+                      use_cache=True, **{key: dynamic}).logits]
+        use_shmkv_attention(model)
+        with ShmkvCache(client) as cache:
+            got = [model(ids, attention_mask=mask, use_cache=True, **{key: cache}).logits]
+            assert cache.attention_path == "dense"
+            got.append(model(extra, attention_mask=torch.cat(
+                [mask, torch.ones(2, 1, dtype=mask.dtype)], 1), use_cache=True, **{key: cache}).logits)
+            assert cache.attention_path == "dense"    # the stored padding stays masked
+        torch.testing.assert_close(got[0][0], want[0][0], **TIGHT)
+        torch.testing.assert_close(got[0][1, :9], want[0][1, :9], **TIGHT)
+        torch.testing.assert_close(got[1], want[1], **TIGHT)
+        assert client.stats()["referenced_blocks"] == 0
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
@@ -214,6 +368,72 @@ def test_mismatched_model_is_refused(model_coord):
         sliding = build("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=0)
         with pytest.raises(shmkv.InvalidArgument, match="sliding"):
             ShmkvCache(client, model_config=sliding.config)
+        assert client.stats()["referenced_blocks"] == 0
+
+
+@pytest.mark.parametrize("layers", ["sliding", "hybrid"])
+def test_sliding_window_models_are_refused(layers, model_coord):
+    """Sliding-window layers (all of them, or some: a hybrid model) are refused, at
+    construction with model_config=, and by the "shmkv" attention at the first forward."""
+    window = dict(use_sliding_window=True, sliding_window=8,
+                  max_window_layers=0 if layers == "sliding" else 1)
+    model = build("qwen2", attn="shmkv", **window)
+    kinds = set(model.config.layer_types)
+    assert ("full_attention" in kinds) == (layers == "hybrid")
+    with shmkv.connect(model_coord(model).address, timeout=20) as client:
+        with pytest.raises(shmkv.InvalidArgument,
+                           match="full-attention layers only.*sliding_attention.*DynamicCache"):
+            ShmkvCache(client, model_config=model.config)
+        with ShmkvCache(client) as cache, \
+                pytest.raises(shmkv.InvalidArgument, match="sliding_attention"):
+            greedy(model, PROMPT_A, cache)
+        assert client.stats()["referenced_blocks"] == 0
+
+
+@pytest.mark.parametrize("attn", ATTN)
+def test_prefix_reuse_for_a_batch_of_prompts(attn, model_coord):
+    """``from_prompts``: each row of a left-padded batch reuses its own cached prefix; rows
+    that hold more than the common start skip the writes they already have."""
+    model = build("qwen2")
+    ran = []
+    hook = model.model.embed_tokens.register_forward_hook(
+        lambda module, args, out: ran.append(args[0].shape[1]))
+    batches = [[PROMPT_A, prompt(7, 11)],
+               [PROMPT_B, PROMPT_C, prompt(8, 6)]]   # B: 16 tokens of A cached, C: all 16
+    try:
+        with shmkv.connect(model_coord(model).address, timeout=20) as client:
+            for prompts, tol in zip(batches, [TIGHT, REUSED]):
+                ids, mask = left_pad(prompts)
+                model.set_attn_implementation("sdpa")
+                want = greedy(model, ids, attention_mask=mask, pad_token_id=0)
+                model.set_attn_implementation(attn)
+                ran.clear()
+                with ShmkvCache.from_prompts(client, ids, attention_mask=mask) as cache:
+                    start = cache.num_cached_tokens
+                    got = greedy(model, ids, cache, attention_mask=mask, pad_token_id=0)
+                    assert ran[0] == ids.shape[1] - start     # only the uncached part ran
+                    assert cache.attention_path == PATH[attn]
+                    assert cache.left_padding == [ids.shape[1] - len(p) for p in prompts]
+                    assert [h.num_tokens for h in cache.handles] == \
+                        [len(p) + NEW_TOKENS - 1 for p in prompts]
+                assert_same_generation(got, want, ids.shape[1], tol)
+            # A: 20 tokens (5 blocks) cached, B reuses 16 of them, C all 16 (it runs one).
+            assert start == 16
+            stats = client.stats()
+            assert stats["prefix_hit_tokens"] == 16 + 16
+            assert stats["referenced_blocks"] == 0
+    finally:
+        hook.remove()
+
+
+def test_from_prompts_takes_left_padding_only(model_coord):
+    model = build("llama")
+    with shmkv.connect(model_coord(model).address, timeout=20) as client:
+        ids, mask = left_pad([PROMPT_A, PROMPT_C])
+        with pytest.raises(shmkv.InvalidArgument, match="left"):
+            ShmkvCache.from_prompts(client, ids, attention_mask=mask.flip(1))
+        with pytest.raises(shmkv.InvalidArgument, match="empty"):
+            ShmkvCache.from_prompts(client, [PROMPT_A, []])
         assert client.stats()["referenced_blocks"] == 0
 
 
@@ -300,3 +520,66 @@ def test_demo_model_main(capsys):
     assert "verified: all 12 generated tokens equal" in out
     assert "tokens/s" in out
     assert demo_model.main(argparse.Namespace(**{**vars(args), "model": "huge"})) == 2
+
+
+# -- a batch prefilled in DataLoader workers, decoded here ------------------------------------
+
+class PrefillPrompts(torch.utils.data.Dataset):
+    """Prompt i -> a hand-off token of its sequence, prefilled in a DataLoader worker,
+    with the first greedy token and its logits."""
+
+    def __init__(self, address: str, kind: str, prompts: list):
+        self.address, self.kind, self.prompts = address, kind, prompts
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def __getitem__(self, index: int) -> dict:
+        from shmkv.client import process_client
+        model = build(self.kind, attn="shmkv")
+        client = process_client(self.address, None, None)
+        ids = self.prompts[index]
+        with ShmkvCache(client, model_config=model.config) as cache:
+            logits = prefill(model, cache, torch.tensor(ids))
+            # Exported in this thread, then this worker's own reference is dropped: the
+            # hand-off keeps the sequence until the main process opens it.
+            token = cache.handle.export(ttl=120.0)
+        return {"index": index, "token": token, "first": int(logits.argmax(-1)),
+                "logits": logits[0].tolist(), "checksum": checksum(model)}
+
+
+def test_batch_prefilled_in_dataloader_workers(model_coord):
+    """Prompts of three lengths prefilled one each in spawned DataLoader workers, decoded
+    here as one left-padded batch over the pool: equal to DynamicCache on the padded
+    batch."""
+    model = build("llama")
+    prompts = [PROMPT_A, prompt(9, 14), prompt(10, 5)]
+    ids, mask = left_pad(prompts)
+    want = greedy(model, ids, attention_mask=mask, pad_token_id=0)
+    use_shmkv_attention(model)
+    coord = model_coord(model)
+    loader = torch.utils.data.DataLoader(PrefillPrompts(coord.address, "llama", prompts),
+                                         batch_size=None, num_workers=2,
+                                         multiprocessing_context="spawn", timeout=120)
+    items = sorted(loader, key=lambda item: item["index"])
+    del loader
+    assert all(item["checksum"] == checksum(model) for item in items), "other weights"
+    firsts = [item["first"] for item in items]
+    assert firsts == want.sequences[:, ids.shape[1]].tolist()
+    torch.testing.assert_close(torch.tensor([item["logits"] for item in items]),
+                               want.logits[0], **REUSED)
+    with shmkv.connect(coord.address, timeout=20) as client:
+        handles = [client.open(item["token"]) for item in items]
+        with ShmkvCache(handles, padding_side="left") as cache:
+            assert cache.get_seq_length() == ids.shape[1]
+            assert cache.left_padding == [ids.shape[1] - len(p) for p in prompts]
+            ids2, mask2 = left_pad([p + [f] for p, f in zip(prompts, firsts)])
+            got = greedy(model, ids2, cache, attention_mask=mask2, pad_token_id=0,
+                         max_new_tokens=NEW_TOKENS - 1)
+            assert cache.attention_path == "paged"
+        assert got.sequences[:, ids2.shape[1]:].tolist() == \
+            want.sequences[:, ids.shape[1] + 1:].tolist()
+        for a, b in zip(got.logits, want.logits[1:]):
+            torch.testing.assert_close(a, b, **REUSED)
+        client.close_many(handles)
+        assert client.stats()["referenced_blocks"] == 0

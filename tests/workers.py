@@ -133,9 +133,9 @@ def tp_step_rank(address, rank, tp_size, desc_queue, result_queue):
             step = client.step_from(desc)
             heads = client.pool.shape[4]
             for layer in range(client.config.num_layers):
-                full_k = step_value(step.cache_ids[step._seq_index], step.positions, layer, 0,
+                full_k = step_value(step.cache_ids[step.seq_index], step.positions, layer, 0,
                                     heads * tp_size, client.config.head_dim)
-                full_v = step_value(step.cache_ids[step._seq_index], step.positions, layer, 1,
+                full_v = step_value(step.cache_ids[step.seq_index], step.positions, layer, 1,
                                     heads * tp_size, client.config.head_dim)
                 sl = slice(rank * heads, (rank + 1) * heads)
                 step.write(layer, full_k[:, sl].contiguous(), full_v[:, sl].contiguous())
@@ -182,7 +182,7 @@ def batch_write_and_handoff(address, lengths, queue):
         steps = [batch.prefill(start=0), batch.extend(1), batch.extend([1, 2, 0][:len(hs)])]
         heads, dim = client.pool.shape[4], client.config.head_dim
         for step in steps:
-            ids = step.cache_ids[step._seq_index]
+            ids = step.cache_ids[step.seq_index]
             kv = torch.stack([torch.stack([step_value(ids, step.positions, layer, which, heads,
                                                       dim) for which in (0, 1)])
                               for layer in range(client.config.num_layers)])

@@ -1,11 +1,12 @@
 """``shmkv bench``: the benchmark suite, each figure measured beside its baseline.
 
-Owns the six measured sections (data plane, attach, control plane, hand-off,
-scaling, memory), the baselines each is compared with, the targets, the printed
-table, the JSON record under ``benchmarks/results/`` and the plots under
+Owns the seven measured sections (data plane, attach, control plane, hand-off,
+scaling, memory, batched steps), the baselines each is compared with, the targets,
+the printed table, the JSON record under ``benchmarks/results/`` and the plots under
 ``benchmarks/plots/`` (drawn when matplotlib is installed). It measures through the
-public API only (``Coordinator``, ``connect``, handles, ``BlockPool``) and changes
-nothing in the modules it measures.
+public API (``Coordinator``, ``connect``, handles, batches, ``BlockPool``); only the
+split of the batch section's control plane calls ``SequenceTable`` and ``protocol``
+in process. It changes nothing in the modules it measures.
 
 Method: each figure is the median of repeated runs after a warm-up round, and its
 baseline runs interleaved with it in the same rounds, so a busy machine slows both
@@ -31,7 +32,7 @@ import time
 import traceback
 from typing import Callable, Dict, List, Optional
 
-SECTIONS = ("data", "attach", "control", "handoff", "scaling", "memory")
+SECTIONS = ("data", "attach", "control", "handoff", "scaling", "memory", "batch")
 SPAWN = multiprocessing.get_context("spawn")
 MIB = 1 << 20
 GIB = 1 << 30
@@ -979,6 +980,517 @@ def _workers(n: int) -> str:
     return f"{n} worker" + ("s" if n > 1 else "")
 
 
+# -- 7. batched steps ------------------------------------------------------------------------
+
+BATCH_SIZES = (1, 8, 64, 256)
+BATCH_CONTEXT = 512          # tokens of context every decoding sequence has
+BATCH_TP_SEQS = 64           # sequences of the tensor-parallel step
+BATCH_PREFILL = (8, 512)     # prompts, tokens each
+BATCH_CONTROL_SEQS = 256
+_PROMPT = list(range(1, BATCH_CONTEXT + 1))  # the shared context's token ids
+
+
+def _steps_per_run(num_seqs: int) -> int:
+    """Decode steps per timed run: small batches take several, so that no run is a few
+    hundred microseconds that one scheduler tick would swamp."""
+    return max(1, 16 // num_seqs)
+
+
+def _floor_rows(slot_mapping, num_layers: int, block_size: int):
+    """``[2 * num_layers, T]``: the row, in ``pool.view(-1, heads, head_dim)``, of every
+    layer's K and V of each slot (vLLM's reshape_and_cache arithmetic, for the floor)."""
+    import torch
+    base = (slot_mapping // block_size) * (2 * num_layers * block_size) + slot_mapping % block_size
+    return torch.arange(2 * num_layers)[:, None] * block_size + base[None, :]
+
+
+def _sum_bits(t) -> int:
+    """The sum of a tensor's elements read as integers: a checksum across processes."""
+    import torch
+    size = {2: torch.int16, 4: torch.int32}[t.element_size()]
+    return int(t.contiguous().view(size).to(torch.int64).sum())
+
+
+def _shared_context(client, context_kv) -> None:
+    """Write and commit one prompt of ``BATCH_CONTEXT`` tokens, so that every sequence
+    allocated later with the same prompt shares its blocks (prefix cache)."""
+    first = client.allocate(prompt=_PROMPT)
+    first.write_all(context_kv, 0)
+    first.commit()
+
+
+def _allocate_on_context(client, num_seqs: int) -> list:
+    handles = client.allocate_many([{"prompt": _PROMPT}] * num_seqs)
+    missed = [h for h in handles if h.num_cached_tokens != BATCH_CONTEXT]
+    if missed:
+        raise BenchError(f"prefix sharing failed: {len(missed)} of {num_seqs} sequences got "
+                         f"{missed[0].num_cached_tokens} of {BATCH_CONTEXT} context tokens cached")
+    return handles
+
+
+def _decode_point(opts: Options, cleanup: _Cleanup, num_seqs: int, context_kv, kv_all) -> dict:
+    """One batch size: a batched decode step, the per-handle path and the plain-torch
+    floor, interleaved, on one pool whose sequences share a committed context."""
+    import torch
+    from ..client import connect
+    from ..coordinator import Coordinator
+    per_run = _steps_per_run(num_seqs)
+    num_steps = per_run * (opts.repeats + 1) + 1  # + the checked step
+    per_seq = -(-num_steps // 16) + 1
+    cfg = _model_config(BATCH_CONTEXT // 16 + 2 * num_seqs * per_seq + 8)
+    L, bs = cfg.num_layers, cfg.block_size
+    coord = cleanup.add(Coordinator.spawn(cfg, name=_unique("batch"), timeout=120))
+    client = connect(coord.address)
+    try:
+        # Steady state: every page of the pool written once through this client's mapping.
+        # The first write to a 4 KiB page of a fresh pool allocates it, and the first touch
+        # of a page through a process's own mapping faults it in; a decode step reaches a
+        # new page per sequence, layer and K/V every other token, which would be timed for
+        # shmkv and not for the floor (which writes the same slots again).
+        client.pool.view(-1).zero_()
+        _shared_context(client, context_kv)
+        batched = _allocate_on_context(client, num_seqs)
+        single = _allocate_on_context(client, num_seqs)
+        batch = client.batch(batched)
+        kv = kv_all[:, :, :num_seqs]
+        layers = [(kv[layer, 0], kv[layer, 1]) for layer in range(L)]
+        # The per-handle path gets its one-token slices made in advance (generous to it).
+        slices = [[(k[i:i + 1], v[i:i + 1]) for i in range(num_seqs)] for k, v in layers]
+        items = [(h, 1) for h in single]
+
+        step = batch.extend(1)  # checked step: the slots the floor writes again
+        for layer, (k, v) in enumerate(layers):
+            step.write(layer, k, v)
+        client.extend_many(items)
+        for layer in range(L):
+            for h, (k, v) in zip(single, slices[layer]):
+                h.write(layer, k, v)
+        for handles in (batched, single):
+            for i in {0, num_seqs // 2, num_seqs - 1}:
+                got = handles[i].gather_all()[:, :, -1]
+                if not _same_bits(got, kv[:, :, i]):
+                    raise BenchError(f"decode step wrote wrong values (B={num_seqs}, seq {i})")
+        rows = client.pool.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        floor_index = _floor_rows(step.slot_mapping, L, bs)
+        wide_rows = rows.view(torch.complex128)  # 16-byte elements: what shmkv's writes use
+        wide = [(k.view(torch.complex128), v.view(torch.complex128)) for k, v in layers]
+        extend_s: List[float] = []
+
+        def batch_step():
+            for _ in range(per_run):
+                t0 = time.perf_counter()
+                step = batch.extend(1)
+                step.block_tables, step.slot_mapping  # what an attention kernel takes
+                extend_s.append(time.perf_counter() - t0)
+                for layer, (k, v) in enumerate(layers):
+                    step.write(layer, k, v)
+
+        def per_handle():
+            for _ in range(per_run):
+                client.extend_many(items)
+                for layer in range(L):
+                    for h, (k, v) in zip(single, slices[layer]):
+                        h.write(layer, k, v)
+
+        def floor(rows=rows, sources=layers):
+            for _ in range(per_run):
+                for layer, (k, v) in enumerate(sources):
+                    rows.index_copy_(0, floor_index[2 * layer], k)
+                    rows.index_copy_(0, floor_index[2 * layer + 1], v)
+
+        times = interleaved({"batch": batch_step, "per_handle": per_handle, "floor": floor,
+                             "floor_16b": lambda: floor(wide_rows, wide)}, opts.repeats)
+        point = {"batch_size": num_seqs, "steps_per_run": per_run, "num_blocks": cfg.num_blocks,
+                 "context_blocks": BATCH_CONTEXT // bs,
+                 "bytes_per_step": 2 * L * num_seqs * cfg.num_kv_heads * cfg.head_dim
+                 * cfg.itemsize}
+        for name, samples in times.items():
+            point[name + "_s"] = _median(samples) / per_run
+        point["extend_s"] = _median(extend_s[per_run:])  # the warm-up round left out
+        point["write_s"] = point["batch_s"] - point["extend_s"]
+        return point
+    finally:
+        client.close()
+        cleanup.remove(coord)
+
+
+def _child_tp_rank(conn, address: str, num_seqs: int, threads: int) -> None:
+    """Tensor-parallel rank 1: rebuild each step rank 0 made from its descriptor and
+    write this rank's head shard; reports how long each part took."""
+    import torch
+    from ..client import connect
+    torch.set_num_threads(threads)
+    client = connect(address, tp_rank=1, tp_size=2)
+    cfg, pool = client.config, client.pool
+    L, H, D = cfg.num_layers, pool.shape[4], pool.shape[5]
+    context = _pattern(L * 2 * BATCH_CONTEXT * H * D, pool.dtype).view(L, 2, BATCH_CONTEXT, H, D)
+    kv = _pattern(L * 2 * num_seqs * H * D, pool.dtype).view(L, 2, num_seqs, H, D)
+    layers = [(kv[layer, 0], kv[layer, 1]) for layer in range(L)]
+    pool.zero_()  # this rank's heads: its own mapping of every page (see _decode_point)
+    conn.send(("ready", _sum_bits(context), _sum_bits(kv)))
+    try:
+        while True:
+            command = _next_command(conn)
+            if command is None:
+                return
+            kind, descriptor = command
+            t0 = time.perf_counter()
+            step = client.step_from(descriptor)
+            step.block_tables, step.slot_mapping
+            t1 = time.perf_counter()
+            if kind == "prefill":
+                step.write_all(context)
+                step.commit()
+            else:
+                for layer, (k, v) in enumerate(layers):
+                    step.write(layer, k, v)
+            conn.send((t1 - t0, time.perf_counter() - t0))
+    finally:
+        client.close()
+
+
+def _tp_point(opts: Options, cleanup: _Cleanup) -> dict:
+    """A 2-rank tensor-parallel decode step: rank 0 (this process) makes the round trip
+    and sends the descriptor; rank 1 (a spawned process) rebuilds the step; each writes
+    its 4 of the 8 heads. Against the floor of one rank's shard."""
+    import torch
+    from ..client import connect
+    from ..coordinator import Coordinator
+    num_seqs, repeats = BATCH_TP_SEQS, 3 * opts.repeats  # steps of a few ms: more runs
+    cfg = _model_config(BATCH_CONTEXT // 16 + num_seqs * (-(-(repeats + 2) // 16) + 1) + 8,
+                        tp_size=2)
+    L, bs, D = cfg.num_layers, cfg.block_size, cfg.head_dim
+    coord = cleanup.add(Coordinator.spawn(cfg, name=_unique("batch-tp"), timeout=120))
+    rank1 = cleanup.add(Helper("_child_tp_rank", coord.address, num_seqs, opts.threads,
+                               name="shmkv-bench-tp1"))
+    client = connect(coord.address, tp_rank=0, tp_size=2)
+    viewer = connect(coord.address)  # all heads: checks what both ranks wrote
+    try:
+        client.pool.zero_()  # steady state in this process's mapping (see _decode_point)
+        _, context_sum, kv_sum = rank1.recv(180)
+        H = client.pool.shape[4]
+        context = _pattern(L * 2 * BATCH_CONTEXT * H * D, client.pool.dtype).view(
+            L, 2, BATCH_CONTEXT, H, D)
+        kv = _pattern(L * 2 * num_seqs * H * D, client.pool.dtype).view(L, 2, num_seqs, H, D)
+        layers = [(kv[layer, 0], kv[layer, 1]) for layer in range(L)]
+        # The shared context: prefilled by both ranks, published once both committed.
+        first = client.allocate(prompt=_PROMPT)
+        step = client.batch([first]).prefill()
+        rank1.send(("prefill", step.descriptor()))
+        step.write_all(context)
+        step.commit()
+        rank1.recv(60)
+        handles = _allocate_on_context(client, num_seqs)
+        batch = client.batch(handles)
+
+        def tp_step() -> dict:
+            t0 = time.perf_counter()
+            step = batch.extend(1)
+            step.block_tables, step.slot_mapping
+            t1 = time.perf_counter()
+            rank1.send(("step", step.descriptor()))
+            for layer, (k, v) in enumerate(layers):
+                step.write(layer, k, v)
+            t2 = time.perf_counter()
+            from_s, rank1_s = rank1.recv(60)
+            return {"step": step, "extend_s": t1 - t0, "rank0_s": t2 - t0,
+                    "step_from_s": from_s, "rank1_s": rank1_s,
+                    "end_to_end_s": time.perf_counter() - t0}
+
+        checked = tp_step()
+        slot_mapping = checked["step"].slot_mapping
+        index = _floor_rows(slot_mapping, L, bs)
+        full_rows = viewer.pool.view(-1, cfg.num_kv_heads, D)
+        written = torch.stack([full_rows[index[j]] for j in range(2 * L)]).view(
+            L, 2, num_seqs, cfg.num_kv_heads, D)
+        if not (_same_bits(written[..., :H, :], kv) and _sum_bits(written[..., H:, :]) == kv_sum):
+            raise BenchError("tensor-parallel step: a rank's shard holds wrong values")
+        blocks = torch.tensor(first.block_table.physical_blocks, dtype=torch.int64)
+        positions = torch.arange(BATCH_CONTEXT)
+        context_index = _floor_rows(blocks[positions // bs] * bs + positions % bs, L, bs)
+        shared = torch.stack([full_rows[context_index[j]] for j in range(2 * L)]).view(
+            L, 2, BATCH_CONTEXT, cfg.num_kv_heads, D)
+        if not (_same_bits(shared[..., :H, :], context)
+                and _sum_bits(shared[..., H:, :]) == context_sum):
+            raise BenchError("tensor-parallel prefill: a rank's shard of the context is wrong")
+        del written, shared
+        rows = client.pool.view(-1, H, D)  # rank 0's shard: strided rows of 4 heads
+
+        def floor():
+            for layer, (k, v) in enumerate(layers):
+                rows.index_copy_(0, index[2 * layer], k)
+                rows.index_copy_(0, index[2 * layer + 1], v)
+
+        samples: Dict[str, List[float]] = {}
+        floor_s: List[float] = []
+        for round_ in range(repeats + 1):
+            for which in ((0, 1) if round_ % 2 else (1, 0)):
+                if which:
+                    t0 = time.perf_counter()
+                    floor()
+                    if round_:
+                        floor_s.append(time.perf_counter() - t0)
+                else:
+                    result = tp_step()
+                    if round_:
+                        for key, value in result.items():
+                            if key != "step":
+                                samples.setdefault(key, []).append(value)
+        point = {key: _median(values) for key, values in samples.items()}
+        point.update(batch_size=num_seqs, floor_s=_median(floor_s), heads_per_rank=H)
+        return point
+    finally:
+        viewer.close()
+        client.close()
+        cleanup.remove(rank1)
+        cleanup.remove(coord)
+
+
+def _prefill_point(opts: Options, cleanup: _Cleanup) -> dict:
+    """8 prompts of 512 tokens written through ``batch.prefill()`` (``write_all`` and 32
+    per-layer writes) against ``copy_`` of the same bytes between two tensors."""
+    import torch
+    from ..client import connect
+    from ..coordinator import Coordinator
+    num_prompts, tokens = BATCH_PREFILL
+    cfg = _model_config(num_prompts * tokens // 16 + 8)
+    L, H, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+    coord = cleanup.add(Coordinator.spawn(cfg, name=_unique("batch-prefill"), timeout=120))
+    client = connect(coord.address)
+    try:
+        client.pool.view(-1).zero_()  # steady state (see _decode_point)
+        total = num_prompts * tokens
+        kv = _pattern(L * 2 * total * H * D, client.pool.dtype).view(L, 2, total, H, D)
+        dst = torch.zeros_like(kv)
+        # Distinct prompts: nothing is cached, every token is written.
+        handles = client.allocate_many(
+            [{"prompt": list(range(1 + i * tokens, 1 + (i + 1) * tokens))}
+             for i in range(num_prompts)])
+        batch = client.batch(handles)
+        step = batch.prefill()
+        if step.num_tokens != total:
+            raise BenchError(f"prefill step covers {step.num_tokens} tokens, expected {total}")
+        step.write_all(kv)
+        for i in (0, num_prompts - 1):
+            if not _same_bits(handles[i].gather_all(), kv[:, :, i * tokens:(i + 1) * tokens]):
+                raise BenchError(f"prefill wrote wrong values (prompt {i})")
+        layers = [(kv[layer, 0], kv[layer, 1]) for layer in range(L)]
+
+        def per_layer():
+            step = batch.prefill()
+            for layer, (k, v) in enumerate(layers):
+                step.write(layer, k, v)
+
+        times = interleaved({"copy": lambda: dst.copy_(kv),
+                             "write_all": lambda: batch.prefill().write_all(kv),
+                             "write": per_layer,
+                             "prefill_only": batch.prefill},
+                            3 * opts.repeats)  # copies share memory bandwidth: more runs
+        nbytes = kv.numel() * kv.element_size()
+        point = {"prompts": num_prompts, "tokens": tokens, "bytes": nbytes}
+        for name, samples in times.items():
+            point[name + "_s"] = _median(samples)
+        return point
+    finally:
+        client.close()
+        cleanup.remove(coord)
+
+
+def _codec_fn(op: str, args: dict, result) -> Callable[[], None]:
+    """Both sides' msgpack work for one request: encode, decode and validate the request,
+    encode and decode the answer (no socket)."""
+    from .. import protocol
+
+    def run():
+        request = protocol.encode_request(7, op, args)
+        obj = next(protocol.FrameDecoder(1 << 30).feed(request))
+        parsed = protocol.parse_request(obj)
+        if op == "allocate_many":
+            for req in parsed.args["requests"]:
+                protocol.validate_args("allocate", req)
+        answer = protocol.encode_ok(7, result)
+        protocol.parse_response(next(protocol.FrameDecoder(1 << 30).feed(answer))).unwrap()
+    return run
+
+
+def _control_point(opts: Options, cleanup: _Cleanup) -> dict:
+    """``allocate_many`` + ``close_many`` of 256 one-block sequences, and ``batch.extend(1)``
+    over 256 sequences against ``ping``, with the coordinator in its own process; the
+    same coordinator work in this process (``SequenceTable``), and both sides' msgpack
+    work, to show where the time goes."""
+    from .. import protocol
+    from ..allocator import BlockPool
+    from ..client import connect
+    from ..coordinator import Coordinator
+    from ..layout import PoolConfig
+    from ..sequences import SequenceTable
+    num = BATCH_CONTROL_SEQS
+    # The coordinator's work does not depend on block bytes: a tiny block keeps the pool small.
+    cfg = PoolConfig(num_layers=1, num_kv_heads=1, head_dim=8, num_blocks=65536, block_size=16,
+                     dtype="float16", max_sequences=2048, max_seq_len=16384)
+    bs = cfg.block_size
+    coord = cleanup.add(Coordinator.spawn(cfg, name=_unique("batch-control"), timeout=120))
+    client = connect(coord.address)
+    table = SequenceTable(BlockPool(cfg.num_blocks), bs, max_sequences=cfg.max_sequences,
+                          max_seq_blocks=cfg.max_seq_blocks)
+    table.add_connection(1)
+    point: dict = {"batch_size": num}
+    try:
+        budget = 0.05 if opts.quick else 0.15
+        requests = [{"num_tokens": 1}] * num
+        infos = table.allocate_many(1, requests)
+        table.release_many(1, [info["cache_id"] for info in infos])
+
+        def remote():
+            client.close_many(client.allocate_many([1] * num))
+
+        def in_process():
+            ids = [info["cache_id"] for info in table.allocate_many(1, requests)]
+            table.release_many(1, ids)
+
+        alloc_codec = _codec_fn("allocate_many", {"requests": requests}, infos)
+        release_codec = _codec_fn("release_many", {"cache_ids": list(range(1, num + 1))}, None)
+
+        def codec():
+            alloc_codec()
+            release_codec()
+
+        def two_pings():
+            client.ping()
+            client.ping()
+
+        # Calls of a few hundred microseconds on a shared machine: twice the usual runs.
+        rates = _rates({"remote": remote, "table": in_process, "codec": codec,
+                        "ping": two_pings}, num, budget, 2 * opts.repeats)
+        point["alloc_blocks_per_s"] = rates["remote"]
+        for name in ("remote", "table", "codec", "ping"):  # seconds per allocate+close pair
+            point[f"alloc_{name}_s"] = num / rates[name]
+
+        # -- batch.extend(1) over 256 sequences
+        handles = client.allocate_many([0] * num)
+        batch = client.batch(handles)
+        wire_ids = protocol.pack_i64s(batch.cache_ids.tolist())
+        table_ids = [info["cache_id"] for info in table.allocate_many(1, [{"num_tokens": 0}] * num)]
+        lens = table.extend_batch(1, table_ids, 1)
+        ext_codec = _codec_fn("extend_batch", {"ids": wire_ids, "count": 1},
+                             protocol.pack_i64s(lens))
+        calls, repeats = 50, 3 * opts.repeats  # every call adds a token to each sequence
+        total_calls = (repeats + 1) * calls
+        if 2 * total_calls + 2 > cfg.max_seq_len:
+            raise BenchError("batch control: too many steps for max_seq_len; lower --repeats")
+
+        def looped(fn):
+            def run():
+                for _ in range(calls):
+                    fn()
+            return run
+
+        times = interleaved({
+            "extend": looped(lambda: batch.extend(1)),
+            "request": looped(lambda: client.request("extend_batch", ids=wire_ids, count=1)),
+            "ping": looped(client.ping),
+            "table": looped(lambda: table.extend_batch(1, table_ids, 1)),
+            "codec": looped(ext_codec)}, repeats)
+        for name, samples in times.items():
+            point[f"extend_{name}_s"] = _median(samples) / calls
+        client.close_many(handles)
+        return point
+    finally:
+        client.close()
+        cleanup.remove(coord)
+
+
+def bench_batch(opts: Options, cleanup: _Cleanup, series: dict, cache: dict) -> List[Figure]:
+    """Batched engine steps (``client.batch``): decode against the plain-torch floor and
+    the per-handle path, a 2-rank tensor-parallel step, prefill, and a step's control plane."""
+    import torch
+    probe = _model_config(1)
+    L, H, D = probe.num_layers, probe.num_kv_heads, probe.head_dim
+    dtype = getattr(torch, probe.dtype)
+    context_kv = _pattern(L * 2 * BATCH_CONTEXT * H * D, dtype).view(L, 2, BATCH_CONTEXT, H, D)
+    kv_all = _pattern(L * 2 * max(BATCH_SIZES) * H * D, dtype).view(L, 2, max(BATCH_SIZES), H, D)
+    decode = [_decode_point(opts, cleanup, b, context_kv, kv_all) for b in BATCH_SIZES]
+    del context_kv, kv_all
+    tp = _tp_point(opts, cleanup)
+    prefill = _prefill_point(opts, cleanup)
+    control = _control_point(opts, cleanup)
+    series["batch"] = {"decode": decode, "tp": tp, "prefill": prefill, "control": control}
+    cache.setdefault("notes", []).append(
+        f"batch: the decode sequences share one committed {BATCH_CONTEXT}-token context "
+        f"({BATCH_CONTEXT // 16} blocks, prefix cache) instead of {BATCH_CONTEXT} tokens each "
+        "(256 x 512 tokens would take 17 GB); every pool is written once before timing "
+        "(steady state, no first-touch page faults)")
+
+    figures = []
+    for p in decode:
+        b = p["batch_size"]
+        target = "<= 1.5" if b >= 64 else None
+        ratio = p["batch_s"] / p["floor_s"]
+        params = {"extend_ms": p["extend_s"] * 1e3, "write_ms": p["write_s"] * 1e3,
+                  "floor_16byte_ms": p["floor_16b_s"] * 1e3,
+                  "ratio_to_16byte_floor": p["batch_s"] / p["floor_16b_s"],
+                  "steps_per_run": p["steps_per_run"], "bytes_per_step": p["bytes_per_step"]}
+        figures.append(Figure("batch", f"decode step B={b} (extend(1) + 32 layers)",
+                              p["batch_s"] * 1e3, "ms", p["floor_s"] * 1e3, "plain index_copy_",
+                              ratio, target, _check(ratio, target) if target else None,
+                              params=params))
+    for p in decode:
+        figures.append(Figure("batch", f"per-handle step B={p['batch_size']} (extend_many + "
+                                       "h.write)", p["per_handle_s"] * 1e3, "ms",
+                              p["batch_s"] * 1e3, "batch step", p["per_handle_s"] / p["batch_s"]))
+    figures.append(Figure("batch", f"TP rank 0 step B={tp['batch_size']} (extend + descriptor "
+                                   "+ 4-head writes)", tp["rank0_s"] * 1e3, "ms",
+                          tp["floor_s"] * 1e3, "plain index_copy_ of the shard",
+                          tp["rank0_s"] / tp["floor_s"]))
+    figures.append(Figure("batch", f"TP rank 1 step B={tp['batch_size']} (step_from + 4-head "
+                                   "writes)", tp["rank1_s"] * 1e3, "ms",
+                          tp["floor_s"] * 1e3, "plain index_copy_ of the shard",
+                          tp["rank1_s"] / tp["floor_s"]))
+    figures.append(Figure("batch", f"TP step_from B={tp['batch_size']}",
+                          tp["step_from_s"] * 1e6, "us", tp["extend_s"] * 1e6,
+                          "batch.extend(1) round trip", tp["step_from_s"] / tp["extend_s"],
+                          params={"end_to_end_ms": tp["end_to_end_s"] * 1e3}))
+    for name, label in (("write_all", "write_all"), ("write", "32 per-layer writes")):
+        rate, base = prefill["bytes"] / prefill[name + "_s"], prefill["bytes"] / prefill["copy_s"]
+        figures.append(Figure("batch", f"prefill 8x512 prefill() + {label}", rate / 1e9, "GB/s",
+                              base / 1e9, "copy_ of the same bytes", rate / base, ">= 0.8",
+                              _check(rate / base, ">= 0.8"),
+                              params={"prefill_round_trip_ms": prefill["prefill_only_s"] * 1e3}))
+    c = control
+    table_rate = BATCH_CONTROL_SEQS / c["alloc_table_s"]
+    figures.append(Figure("batch", "allocate_many([1]*256) + close_many", c["alloc_blocks_per_s"],
+                          "blocks/s", table_rate, "SequenceTable in process",
+                          c["alloc_blocks_per_s"] / table_rate, ">= 500000",
+                          _check(c["alloc_blocks_per_s"], ">= 500000"), "value",
+                          params=_split(c, "alloc")))
+    ratio = c["extend_extend_s"] / c["extend_ping_s"]
+    figures.append(Figure("batch", "batch.extend(1), 256 sequences", c["extend_extend_s"] * 1e6,
+                          "us", c["extend_ping_s"] * 1e6, "ping", ratio, "<= 3",
+                          _check(ratio, "<= 3"), params=_split(c, "extend")))
+    for part, label in (("table", "coordinator: SequenceTable.extend_batch, in process"),
+                        ("codec", "msgpack, both sides, in process"),
+                        ("request", "client.request only (no Step built)")):
+        figures.append(Figure("batch", f"  extend(1) x256 part: {label}",
+                              c[f"extend_{part}_s"] * 1e6, "us", c["extend_extend_s"] * 1e6,
+                              "batch.extend(1)", c[f"extend_{part}_s"] / c["extend_extend_s"]))
+    return figures
+
+
+def _split(c: dict, prefix: str) -> dict:
+    """Where a control-plane call's time goes, in microseconds."""
+    total = c[f"{prefix}_remote_s" if prefix == "alloc" else f"{prefix}_extend_s"]
+    ping = c[f"{prefix}_ping_s"]
+    out = {"total_us": total * 1e6, "table_us": c[f"{prefix}_table_s"] * 1e6,
+           "codec_us": c[f"{prefix}_codec_s"] * 1e6, "ping_us": ping * 1e6}
+    if prefix == "extend":
+        out["step_build_us"] = (total - c["extend_request_s"]) * 1e6
+        rest = c["extend_request_s"] - c["extend_table_s"] - c["extend_codec_s"] - ping
+    else:
+        rest = total - c["alloc_table_s"] - c["alloc_codec_s"] - ping
+    out["other_us"] = rest * 1e6
+    return out
+
+
 # -- report ---------------------------------------------------------------------------------
 
 def _fmt(value: Optional[float]) -> str:
@@ -1042,6 +1554,32 @@ def format_markdown(figures: List[Figure], series: dict) -> str:
                 out.append(f"| reference: {ref.replace('_', ' ')} (fresh tensor) | {bs} | "
                            + " | ".join(f"{by_n[n]:.2f}" if n in by_n else "-"
                                         for n in lengths) + " |")
+    batch = series.get("batch")
+    if batch:
+        out += ["", "Batched decode step, milliseconds per step (32 layers, 8 KV heads x 128, "
+                    "bfloat16, block size 16, 512-token shared context):", "",
+                "| B | floor (bf16 rows) | floor (16-byte rows) | batch step | of which "
+                "extend(1) | per-handle | batch / floor | per-handle / batch |",
+                "|---|---|---|---|---|---|---|---|"]
+        for p in batch["decode"]:
+            out.append(f"| {p['batch_size']} | {p['floor_s'] * 1e3:.3f} | "
+                       f"{p['floor_16b_s'] * 1e3:.3f} | {p['batch_s'] * 1e3:.3f} | "
+                       f"{p['extend_s'] * 1e3:.3f} | {p['per_handle_s'] * 1e3:.3f} | "
+                       f"{p['batch_s'] / p['floor_s']:.2f} | "
+                       f"{p['per_handle_s'] / p['batch_s']:.1f} |")
+        c = batch["control"]
+        out += ["", "Where a control-plane call goes (microseconds; table and msgpack timed in "
+                    "process, wire = ping round trips, other = the rest):", "",
+                "| call | total | coordinator table | msgpack, both sides | wire (ping) | "
+                "other | Step built by the client |", "|---|---|---|---|---|---|---|"]
+        for prefix, label in (("alloc", "allocate_many([1]*256) + close_many"),
+                              ("extend", "batch.extend(1), 256 sequences")):
+            split = _split(c, prefix)
+            out.append(f"| {label} | {split['total_us']:.0f} | {split['table_us']:.0f} | "
+                       f"{split['codec_us']:.0f} | {split['ping_us']:.0f} | "
+                       f"{split['other_us']:.0f} | "
+                       + (f"{split['step_build_us']:.0f} |" if "step_build_us" in split
+                          else "- |"))
     return "\n".join(out)
 
 
@@ -1171,6 +1709,40 @@ def draw_plots(series: dict, plot_dir: str, name: str) -> List[str]:
             ax.legend(fontsize=7)
             ax.grid(alpha=0.3)
         save(fig, "memory")
+    if "batch" in series:
+        points = series["batch"]["decode"]
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        b = [p["batch_size"] for p in points]
+        ax = axes[0]
+        for key, label, style in (("batch_s", "batch: extend(1) + step.write x32", "-"),
+                                  ("per_handle_s", "per handle: extend_many + h.write", "-"),
+                                  ("floor_s", "floor: index_copy_ x64 (bf16 rows)", "--"),
+                                  ("floor_16b_s", "floor, 16-byte rows", ":")):
+            ax.plot(b, [p[key] * 1e3 for p in points], marker="o", linestyle=style, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(b, [str(x) for x in b])
+        ax.set_yscale("log")
+        ax.set_xlabel("sequences in the step (B)")
+        ax.set_ylabel("decode step (ms)")
+        ax.set_title("decode step, 32 layers, 512-token context")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        ax = axes[1]
+        control = series["batch"]["control"]
+        parts = ("table_us", "codec_us", "ping_us", "other_us", "step_build_us")
+        labels = ("coordinator table", "msgpack", "wire (ping)", "other", "Step (client)")
+        for row, prefix in enumerate(("alloc", "extend")):
+            split, left = _split(control, prefix), 0.0
+            for i, (part, part_label) in enumerate(zip(parts, labels)):
+                width = max(0.0, split.get(part, 0.0))
+                ax.barh(row, width, left=left, color=f"C{i}",
+                        label=part_label if row == 0 else None)
+                left += width
+        ax.set_yticks([0, 1], ["allocate_many\n+ close_many", "batch.extend(1)"])
+        ax.set_xlabel("microseconds, 256 sequences")
+        ax.set_title("where a control-plane call goes")
+        ax.legend(fontsize=8)
+        save(fig, "batch")
     return written
 
 
@@ -1190,11 +1762,14 @@ def run(opts: Options) -> dict:
     series: dict = {}
     cache: dict = {}
     timings = {}
+    from .progress import ProgressBar  # a live bar on a terminal, nothing otherwise
+    bar = ProgressBar("bench", total=sum(s in opts.sections for s in SECTIONS), unit="sections")
     try:
         for section in SECTIONS:
             if section not in opts.sections:
                 continue
             s0 = time.perf_counter()
+            bar.update(description=f"bench: {section}")
             print(f"shmkv bench: {section} ...", flush=True)
             if section == "data":
                 figures += bench_data(opts, cleanup, series)
@@ -1208,9 +1783,13 @@ def run(opts: Options) -> dict:
                 figures += bench_scaling(opts, cleanup, series)
             elif section == "memory":
                 figures += bench_memory(opts, cleanup, series, cache)
+            elif section == "batch":
+                figures += bench_batch(opts, cleanup, series, cache)
             timings[section] = time.perf_counter() - s0
             print(f"shmkv bench: {section} done in {timings[section]:.1f} s", flush=True)
+            bar.advance()
     finally:
+        bar.close()
         cleanup.close()
     notes = list(cache.get("notes", []))
     leftover = multiprocessing.active_children()
@@ -1270,22 +1849,23 @@ def cmd_bench(args) -> int:
 
 def add_parser(sub) -> None:
     """Register ``shmkv bench`` on an argparse subparsers object."""
+    from .args import name_arg, non_negative_int, path_arg, positive_int
     p = sub.add_parser("bench", help="run the benchmark suite",
                        description="Measure shmkv against plain baselines; writes "
                                    "benchmarks/results/NAME.json and .md and "
                                    "benchmarks/plots/NAME-*.png.")
     p.add_argument("--quick", action="store_true",
                    help="fewer sizes and repeats (under 2 minutes)")
-    p.add_argument("--name", default=None,
+    p.add_argument("--name", type=name_arg, default=None,
                    help="name of the result files (default: quick or full)")
     p.add_argument("--only", nargs="+", choices=SECTIONS, metavar="SECTION",
                    help=f"run only these sections: {', '.join(SECTIONS)}")
-    p.add_argument("--repeats", type=int, default=None,
+    p.add_argument("--repeats", type=positive_int, default=None,
                    help="timed runs per figure after the warm-up (default 5 quick, 7 full)")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=non_negative_int, default=1,
                    help="torch threads in the measuring processes (default 1: on a shared "
                         "machine a descheduled OpenMP thread stalls every parallel copy; "
                         "0 keeps torch's default)")
-    p.add_argument("--out", default="benchmarks",
+    p.add_argument("--out", type=path_arg, default="benchmarks",
                    help="directory holding results/ and plots/ (default: benchmarks)")
     p.set_defaults(func=cmd_bench)

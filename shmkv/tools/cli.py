@@ -1,139 +1,75 @@
 """Command line: ``shmkv serve | stats | demo | stress | bench`` (also ``python -m shmkv``).
 
-Owns argument parsing and the foreground ``serve`` loop. The demo, stress and bench
-programs live in their own modules and are imported only when asked for.
+Owns argument parsing, logging set-up (``--log-level``), the foreground ``serve``
+loop and ``stats`` (``--watch`` for a live view). The demo, stress and bench programs
+live in their own modules and are imported only when asked for. Every flag has help
+text that names its unit; :class:`HelpFormatter` adds its default.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
+import logging
 import signal
 import sys
+import time
 
-# Argument types: each raises ArgumentTypeError, which argparse turns into a usage
-# message and exit status 2, before anything starts.
-
-
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+from .args import (LOG_LEVELS, device_arg, dtype_arg, log_level_arg, name_arg,
+                   non_negative_int, port_arg, positive_float, positive_int, socket_path)
 
 
-def _float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
-    return value
+class HelpFormatter(argparse.HelpFormatter):
+    """Appends ``(default: X)`` to a flag's help unless the help already says it or
+    there is no default to speak of (None, False, a flag that is off)."""
 
-
-def positive_int(text: str) -> int:
-    """An integer >= 1."""
-    value = _int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    """An integer >= 0."""
-    value = _int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """A finite number > 0."""
-    value = _float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    """A finite number >= 0."""
-    value = _float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
-
-
-def fraction(text: str) -> float:
-    """A number in [0, 1]."""
-    value = _float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must lie in [0, 1], got {text}")
-    return value
-
-
-def name_arg(text: str) -> str:
-    """A coordinator or result name: 1-64 characters, no '/', not starting with '.'."""
-    if not text or "/" in text or text.startswith(".") or len(text) > 64 or "\0" in text:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} must be 1-64 characters without '/' and not start with '.'")
-    return text
-
-
-def path_arg(text: str) -> str:
-    """A file or directory path: not empty."""
-    if not text or "\0" in text:
-        raise argparse.ArgumentTypeError("path must not be empty")
-    return text
-
-
-def socket_path(text: str) -> str:
-    """A Unix socket path: not empty, at most the 107 bytes an address can hold."""
-    if not text or "\0" in text:
-        raise argparse.ArgumentTypeError("socket path must not be empty")
-    if len(text.encode(errors="surrogateescape")) > 107:
-        raise argparse.ArgumentTypeError(
-            f"socket path {text!r} is longer than the 107 bytes a Unix socket address "
-            "can hold")
-    return text
-
-
-def dtype_arg(text: str) -> str:
-    """A pool dtype name (float32, float16, bfloat16)."""
-    from ..errors import ShmkvError
-    from ..layout import dtype_name
-    try:
-        return dtype_name(text)
-    except ShmkvError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def device_arg(text: str) -> str:
-    """'cpu' or 'cuda[:N]'."""
-    from ..errors import ShmkvError
-    from ..layout import normalize_device
-    try:
-        return normalize_device(text)
-    except ShmkvError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    def _get_help_string(self, action) -> str:
+        text = action.help or ""
+        default = action.default
+        if ("%(default)" in text or "default" in text.lower() or default is None
+                or default is False or default is argparse.SUPPRESS
+                or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def _pool_args(p: argparse.ArgumentParser, blocks: int = 1024) -> None:
-    p.add_argument("--num-layers", type=positive_int, default=4)
-    p.add_argument("--num-kv-heads", type=positive_int, default=8)
-    p.add_argument("--head-dim", type=positive_int, default=64)
-    p.add_argument("--num-blocks", type=positive_int, default=blocks)
-    p.add_argument("--block-size", type=positive_int, default=16)
-    p.add_argument("--dtype", type=dtype_arg, default="float16")
-    p.add_argument("--device", type=device_arg, default="cpu")
-    p.add_argument("--tp-size", type=positive_int, default=1)
+    g = p.add_argument_group("pool")
+    g.add_argument("--num-layers", type=positive_int, default=4,
+                   help="transformer layers cached per block")
+    g.add_argument("--num-kv-heads", type=positive_int, default=8,
+                   help="key/value heads (all tensor-parallel ranks together)")
+    g.add_argument("--head-dim", type=positive_int, default=64, help="elements per head")
+    size = g.add_mutually_exclusive_group()
+    size.add_argument("--num-blocks", type=positive_int, default=None,
+                      help=f"blocks in the pool (default: {blocks}, or what --pool-size holds)")
+    size.add_argument("--pool-size", type=size_arg, default=None, metavar="BYTES",
+                      help="pool size instead of --num-blocks: bytes, or K/M/G/T (powers of "
+                           "1024, e.g. 8G); rounded down to whole blocks")
+    g.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
+    g.add_argument("--dtype", type=dtype_arg, default="float16",
+                   help="element type: float32, float16, bfloat16, or quantized "
+                        "float8_e4m3fn (fp8), float8_e5m2, int8 (1 byte each)")
+    g.add_argument("--device", type=device_arg, default="cpu",
+                   help="'cpu' (POSIX shared memory) or 'cuda:N' (CUDA IPC)")
+    g.add_argument("--tp-size", type=positive_int, default=1,
+                   help="tensor-parallel ranks; each owns num_kv_heads / tp_size heads")
+    p.set_defaults(default_num_blocks=blocks)
 
 
 def _config(args):
-    from ..layout import PoolConfig
+    from ..errors import InvalidArgument
+    from ..layout import DTYPE_SIZES, PoolConfig
+    num_blocks = args.num_blocks or args.default_num_blocks
+    if getattr(args, "pool_size", None):
+        block_bytes = (args.num_layers * 2 * args.block_size * args.num_kv_heads * args.head_dim
+                       * DTYPE_SIZES[args.dtype])
+        num_blocks = args.pool_size // block_bytes
+        if num_blocks < 1:
+            raise InvalidArgument(f"--pool-size {args.pool_size} bytes holds no block of "
+                                  f"{block_bytes} bytes; give a larger size")
     return PoolConfig(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads,
-                      head_dim=args.head_dim, num_blocks=args.num_blocks,
+                      head_dim=args.head_dim, num_blocks=num_blocks,
                       block_size=args.block_size, dtype=args.dtype, device=args.device,
                       tp_size=args.tp_size)
 
@@ -143,10 +79,52 @@ def _address(args) -> str:
     return args.address or default_address(args.name)
 
 
+def size_arg(text: str) -> int:
+    """A size in bytes: a number, or with K, M, G or T (powers of 1024): 8G, 512M."""
+    from ..errors import ShmkvError
+    from ..tiers import parse_size
+    try:
+        value = parse_size(text)
+    except ShmkvError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
+    return value
+
+
+def tier_specs(args) -> list:
+    """The tiers of ``serve --host-tier-size / --disk-tier / --disk-tier-size``."""
+    from ..errors import InvalidArgument
+    from ..tiers import DiskTier, HostTier
+    if (args.disk_tier is None) != (args.disk_tier_size is None):
+        raise InvalidArgument("--disk-tier DIR and --disk-tier-size SIZE go together")
+    specs = []
+    if args.host_tier_size is not None:
+        specs.append(HostTier(args.host_tier_size))
+    if args.disk_tier is not None:
+        specs.append(DiskTier(args.disk_tier, args.disk_tier_size))
+    if getattr(args, "redis_tier", None) is not None:
+        from ..remote import RedisTier
+        specs.append(RedisTier(args.redis_tier))
+    return specs
+
+
+def _print_tiers(stats: dict) -> None:
+    for tier in stats.get("tiers", ()):
+        extra = {k: v for k, v in tier.items() if k not in (
+            "tier", "blocks", "bytes", "capacity_bytes", "hits", "demotions", "promotions",
+            "dropped", "errors")}
+        print(f"tier {tier['tier']:<5} blocks {tier['blocks']}  bytes {tier['bytes']} of "
+              f"{tier['capacity_bytes']}  hits {tier['hits']}  demotions {tier['demotions']}  "
+              f"promotions {tier['promotions']}  dropped {tier['dropped']}  errors "
+              f"{tier['errors']}" + "".join(f"  {k} {v}" for k, v in extra.items()))
+
+
 def cmd_serve(args) -> int:
     from ..coordinator import Coordinator
     coord = Coordinator(_config(args), address=_address(args),
-                        max_connections=args.max_connections)
+                        max_connections=args.max_connections, metrics_port=args.metrics_port,
+                        metrics_host=args.metrics_host, tiers=tier_specs(args))
     coord.open()
     signal.signal(signal.SIGINT, lambda *_: coord.stop())
     signal.signal(signal.SIGTERM, lambda *_: coord.stop())
@@ -155,6 +133,11 @@ def cmd_serve(args) -> int:
     print(f"  pool: {cfg.num_blocks} blocks x {cfg.block_size} tokens, {cfg.num_layers} layers,"
           f" {cfg.num_kv_heads} kv heads x {cfg.head_dim}, {cfg.dtype}, {cfg.device}, "
           f"{cfg.nbytes / 2**20:.1f} MiB", flush=True)
+    if coord.metrics_address is not None:
+        host, port = coord.metrics_address
+        print(f"  metrics: http://{host}:{port}/metrics", flush=True)
+    for spec in coord._tier_specs + ([coord._remote_spec] if coord._remote_spec else []):
+        print(f"  tier: {spec!r}", flush=True)
     coord.serve_forever()
     print("shmkv coordinator stopped", flush=True)
     return 0
@@ -163,6 +146,8 @@ def cmd_serve(args) -> int:
 def cmd_stats(args) -> int:
     from ..client import connect
     with connect(_address(args), timeout=args.timeout) as client:
+        if args.watch is not None:
+            return _watch(client, args)
         stats = client.stats()
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
@@ -170,37 +155,166 @@ def cmd_stats(args) -> int:
     width = max(len(k) for k in stats)
     for key in sorted(stats):
         value = stats[key]
+        if key == "tiers":
+            continue  # one line per tier, below
         if isinstance(value, float):
             value = f"{value:.3f}"
         print(f"{key:<{width}}  {value}")
+    _print_tiers(stats)
     return 0
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="shmkv", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+def format_watch(stats: dict, before: dict, interval: float) -> str:
+    """The live view of ``shmkv stats --watch``: the pool, the prefix cache and rates
+    over the last ``interval`` seconds (``before``: the previous sample, or {})."""
+    def rate(new, old):
+        return (new - old) / max(interval, 1e-9) if before else 0.0
+    hits, misses = stats["prefix_hit_tokens"], stats["prefix_miss_tokens"]
+    lines = [
+        f"shmkv coordinator {stats['address']}  pid {stats['pid']}  "
+        f"up {stats['uptime_s']:.0f} s",
+        f"blocks       {stats['free_blocks']} free, {stats['cached_blocks']} cached, "
+        f"{stats['referenced_blocks']} referenced of {stats['num_blocks']} "
+        f"({stats['pool_bytes'] / 2**20:.1f} MiB)",
+        f"sequences    {stats['sequences']}   connections {stats['connections']}   "
+        f"hand-offs outstanding {stats['handoffs']}",
+        f"prefix       {hits} hit / {misses} miss tokens "
+        f"({100 * hits / max(hits + misses, 1):.1f}% hit)   evictions {stats['evictions']}   "
+        f"copy-on-write {stats['cow_copies']}",
+        f"requests     {stats['ops']} total, "
+        f"{rate(stats['ops'], before.get('ops', 0)):.0f}/s   errors "
+        f"{stats.get('request_errors', 0)}",
+    ]
+    old = before.get("ops_by_type", {})
+    busy = sorted(((rate(n, old.get(op, 0)), op) for op, n in stats["ops_by_type"].items()),
+                  reverse=True)
+    busy = [f"{op} {r:.0f}/s" for r, op in busy if r > 0][:6]
+    if busy:
+        lines.append("busiest      " + ", ".join(busy))
+    return "\n".join(lines)
+
+
+def _watch(client, args) -> int:
+    """Sample the coordinator every ``args.watch`` seconds until Ctrl-C (or ``--count``
+    samples). On a terminal the view is redrawn in place; otherwise samples follow
+    each other."""
+    redraw = sys.stdout.isatty() and not args.json
+    before, last, shown = {}, time.monotonic(), 0
+    while True:
+        stats = client.stats()
+        now = time.monotonic()
+        if args.json:
+            print(json.dumps(stats, sort_keys=True), flush=True)  # one sample per line
+        else:
+            text = format_watch(stats, before, now - last)
+            print(("\x1b[H\x1b[J" if redraw else ("\n" if shown else "")) + text, flush=True)
+        before, last, shown = stats, now, shown + 1
+        if args.count and shown >= args.count:
+            return 0
+        time.sleep(args.watch)
+
+
+def _log_level_flag(p: argparse.ArgumentParser, default) -> None:
+    p.add_argument("--log-level", type=log_level_arg, default=default, metavar="LEVEL",
+                   help=f"log the shmkv messages of this level and above to stderr: "
+                        f"{', '.join(LOG_LEVELS)} (default: info for serve, warning "
+                        "otherwise)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``shmkv`` argument parser, with every subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="shmkv", formatter_class=HelpFormatter,
+        description="A shared-memory, multi-process, paged KV cache for LLM inference. "
+                    "'shmkv COMMAND --help' describes each command's flags.")
+    _log_level_flag(parser, None)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("serve", help="run a coordinator in the foreground")
-    p.add_argument("--name", type=name_arg, default="default")
-    p.add_argument("--address", type=socket_path, default=None,
+    p.add_argument("--name", type=name_arg, default="default",
+                   help="coordinator name: its socket is NAME.sock in the runtime directory")
+    p.add_argument("--address", type=socket_path, default=None, metavar="PATH",
                    help="socket path (overrides --name)")
-    p.add_argument("--max-connections", type=positive_int, default=1024)
+    p.add_argument("--max-connections", type=positive_int, default=1024,
+                   help="client connections open at once; more are refused")
+    p.add_argument("--metrics-port", type=port_arg, default=None, metavar="PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (a TCP port; "
+                        "0: any free one; default: no metrics server)")
+    p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                   help="address the metrics server binds (0.0.0.0: every interface)")
+    p.add_argument("--host-tier-size", type=size_arg, default=None, metavar="SIZE",
+                   help="a host-memory tier under the pool of SIZE (8G, 512M)")
+    p.add_argument("--disk-tier", default=None, metavar="DIR",
+                   help="a disk tier in DIR, kept across restarts (needs --disk-tier-size)")
+    p.add_argument("--disk-tier-size", type=size_arg, default=None, metavar="SIZE",
+                   help="the most bytes of block files the disk tier keeps (64G)")
+    p.add_argument("--redis-tier", default=None, metavar="URL",
+                   help="share committed blocks with other nodes through Redis/Valkey at "
+                        "URL (redis://host:6379/0); see shmkv.remote")
     _pool_args(p)
     p.set_defaults(func=cmd_serve)
-    serve = p
 
     p = sub.add_parser("stats", help="print a running coordinator's counters")
-    p.add_argument("--name", type=name_arg, default="default")
-    p.add_argument("--address", type=socket_path, default=None)
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--timeout", type=positive_float, default=5.0)
+    p.add_argument("--name", type=name_arg, default="default",
+                   help="name of the coordinator to ask")
+    p.add_argument("--address", type=socket_path, default=None, metavar="PATH",
+                   help="socket path (overrides --name)")
+    p.add_argument("--json", action="store_true",
+                   help="print JSON (with --watch: one sample per line)")
+    p.add_argument("--timeout", type=positive_float, default=5.0,
+                   help="seconds to wait for the coordinator's answer")
+    p.add_argument("--watch", type=positive_float, nargs="?", const=1.0, default=None,
+                   metavar="SECONDS",
+                   help="redraw a live view every SECONDS (1 when given alone) until "
+                        "Ctrl-C; default: print once")
+    p.add_argument("--count", type=non_negative_int, default=0,
+                   help="with --watch: stop after this many samples (0: never)")
     p.set_defaults(func=cmd_stats)
 
     from . import bench, demo, stress
     for module in (demo, stress, bench):
         module.add_parser(sub)
+    for p in sub.choices.values():
+        p.formatter_class = HelpFormatter
+        _log_level_flag(p, argparse.SUPPRESS)  # also after the subcommand's name
+    parser.subcommands = sub.choices
+    return parser
 
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record is emitted (not the stream
+    of the moment the handler was made, which a test harness may have closed since)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value):
+        pass
+
+
+_log_handler = None
+
+
+def setup_logging(level: str) -> None:
+    """Send the ``shmkv`` loggers' messages of ``level`` and above to stderr (once per
+    process: a second call only changes the level)."""
+    global _log_handler
+    logger = logging.getLogger("shmkv")
+    if _log_handler is None:
+        _log_handler = _StderrHandler()
+        _log_handler.setFormatter(
+            logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(_log_handler)
+    logger.setLevel(getattr(logging, level.upper()))
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    serve = parser.subcommands["serve"]
+    setup_logging(args.log_level or ("info" if args.func is cmd_serve else "warning"))
     if args.func is cmd_serve:
         from ..errors import ShmkvError
         try:  # arguments that are fine alone but not together (heads vs tp_size, say)

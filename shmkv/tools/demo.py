@@ -21,6 +21,8 @@ import warnings
 
 import torch
 
+from .progress import ProgressBar
+
 SYSTEM_PREFIX = 48  # tokens every prompt shares
 
 
@@ -39,6 +41,16 @@ def expected_kv(layers: int, positions: torch.Tensor, heads: int, head_dim: int,
     dim = torch.arange(head_dim)[None, None, None, None, :]
     value = (tok * 7 + pos * 3 + layer * 11 + kv * 29 + head * 5 + dim) % 251 - 125
     return value.to(dtype)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one dtype and shape hold the same bytes (float8 has no
+    ``torch.equal`` on CPU; a quantized pool stores bytes exactly)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.element_size() == 1:
+        return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return torch.equal(a, b)
 
 
 def prompt_tokens(index: int, length: int) -> list:
@@ -103,7 +115,11 @@ def run(num_prompts: int = 24, workers: int = 3, decode_steps: int = 32, num_lay
             loader = torch.utils.data.DataLoader(
                 PrefillDataset(coord.address, lengths), batch_size=None, num_workers=workers,
                 multiprocessing_context="spawn", timeout=120)
-            items = list(loader)
+            items = []
+            with ProgressBar("prefill", total=len(lengths), unit="prompts", quiet=quiet) as bar:
+                for item in loader:
+                    items.append(item)
+                    bar.advance()
         prefill_bytes, prefill_write_s, worker_pids = 0, 0.0, set()
         for item in items:
             prefill_bytes += item["write_bytes"]
@@ -145,10 +161,10 @@ def run(num_prompts: int = 24, workers: int = 3, decode_steps: int = 32, num_lay
             want = expected_kv(num_layers, torch.arange(len(toks)), num_kv_heads, head_dim,
                                toks, client.pool.dtype)
             assert h.num_tokens == len(toks), (h.num_tokens, len(toks))
-            assert torch.equal(got, want), f"{h.cache_id}: K/V differs from what was written"
+            assert same_bytes(got, want), f"{h.cache_id}: K/V differs from what was written"
             for layer in range(num_layers):  # the per-layer API agrees with the bulk read
-                assert torch.equal(h.key_cache(layer), want[layer, 0])
-                assert torch.equal(h.value_cache(layer), want[layer, 1])
+                assert same_bytes(h.key_cache(layer), want[layer, 0])
+                assert same_bytes(h.value_cache(layer), want[layer, 1])
             read_bytes += got.numel() * got.element_size()
             checked += got.numel()
         stats = client.stats()
@@ -193,13 +209,16 @@ def run(num_prompts: int = 24, workers: int = 3, decode_steps: int = 32, num_lay
 
 
 def add_parser(sub) -> None:
-    from .cli import dtype_arg, non_negative_int, positive_int
+    from .args import dtype_arg, non_negative_int, positive_int
     p = sub.add_parser("demo", help="prefill in DataLoader workers, decode here, verify all")
-    p.add_argument("--prompts", type=positive_int, default=24)
+    p.add_argument("--prompts", type=positive_int, default=24,
+                   help="prompts (sequences) to prefill, sharing a 48-token system prefix")
     p.add_argument("--workers", type=positive_int, default=3,
                    help="DataLoader worker processes for the prefill (at least 1)")
-    p.add_argument("--decode-steps", type=non_negative_int, default=32)
-    p.add_argument("--dtype", type=dtype_arg, default="float16")
+    p.add_argument("--decode-steps", type=non_negative_int, default=32,
+                   help="decode steps (one token per sequence each) after the prefill")
+    p.add_argument("--dtype", type=dtype_arg, default="float16",
+                   help="pool element type (float8 and int8 pools are checked byte for byte)")
     p.add_argument("--model", default=None, choices=("tiny",),
                    help="'tiny': cross-process generation with a small random model")
     p.set_defaults(func=_cmd)

@@ -7,9 +7,10 @@ stage: each worker builds the same model from its config and seed, runs its prom
 through it into a :class:`~shmkv.integrations.transformers.ShmkvCache` (prompts
 share a system prefix, so most reuse blocks another prompt committed), and returns a
 hand-off token of the sequence with the first generated token.
-The main process decodes every prompt from its handle with ``model.generate`` and
-checks the tokens against single-process generation with ``DynamicCache``; it
-prints tokens per second for both.
+The main process decodes every prompt from its handle with ``model.generate``,
+the model running ``attn_implementation="shmkv"`` (its layers attend over the pool
+through the step's block tables), and checks the tokens against single-process
+generation with ``DynamicCache`` (``"sdpa"``); it prints tokens per second for both.
 """
 
 from __future__ import annotations
@@ -31,12 +32,18 @@ MODEL = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_
 _worker_model = None
 
 
-def build_model(dtype: str):
+def build_model(dtype: str, attn: str = "sdpa"):
     """The demo's Llama-style model (grouped-query attention: 8 query heads over 2 K/V
-    heads), with weights drawn from a fixed seed, so every process builds the same."""
+    heads), with weights drawn from a fixed seed, so every process builds the same.
+    ``attn``: its attention implementation ("shmkv" registers with the integration)."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ..integrations.transformers import register
+    register()
     torch.manual_seed(SEED)
-    return LlamaForCausalLM(LlamaConfig(**MODEL)).to(getattr(torch, dtype)).eval()
+    model = LlamaForCausalLM(LlamaConfig(**MODEL)).to(getattr(torch, dtype)).eval()
+    model.set_attn_implementation(attn)
+    return model
 
 
 def checksum(model) -> float:
@@ -69,7 +76,7 @@ class PrefillDataset(torch.utils.data.Dataset):
         from ..integrations.transformers import ShmkvCache, prefill
         global _worker_model
         if _worker_model is None:
-            _worker_model = build_model(self.dtype)
+            _worker_model = build_model(self.dtype, attn="shmkv")
         model = _worker_model
         client = process_client(self.address, None, None)
         tokens = prompt_tokens(index)
@@ -166,6 +173,7 @@ def run(num_prompts: int = 8, workers: int = 2, decode_steps: int = 16, dtype: s
             f"{cached} tokens reused from the prefix cache, {prefill_s:.2f} s")
 
         key = cache_argument(model)
+        model.set_attn_implementation("shmkv")
         got, decode_s = [], []
         for item in items:
             handle = client.open(item["token"])
@@ -174,6 +182,8 @@ def run(num_prompts: int = 8, workers: int = 2, decode_steps: int = 16, dtype: s
                 out = _continue(model, item["tokens"] + [item["first"]], {key: cache},
                                 decode_steps - 1)
                 decode_s.append(time.perf_counter() - t0)
+                assert decode_steps < 2 or cache.attention_path == "paged", \
+                    f"decoding took the {cache.attention_path} path, not the paged one"
             handle.close()
             got.append([item["first"]] + out)
         stats = client.stats()
@@ -194,9 +204,9 @@ def run(num_prompts: int = 8, workers: int = 2, decode_steps: int = 16, dtype: s
                "dynamic_decode_tok_s": _rate(decode_steps - 1, ref_decode_s)}
     say(f"decode: {num_decoded} tokens ({decode_steps - 1} per prompt after the worker's first), "
         f"one sequence at a time; tokens/s of the median prompt")
-    say(f"  shmkv pool, decoded here from handed-over prefill: "
-        f"{summary['shmkv_decode_tok_s']:.1f} tokens/s")
-    say(f"  DynamicCache, one process:                        "
+    say(f"  shmkv pool, decoded here from handed-over prefill ('shmkv' attention over the "
+        f"pool): {summary['shmkv_decode_tok_s']:.1f} tokens/s")
+    say(f"  DynamicCache, one process ('sdpa'):                                             "
         f"{summary['dynamic_decode_tok_s']:.1f} tokens/s")
     say(f"verified: all {num_prompts * decode_steps} generated tokens equal generation with "
         "DynamicCache in one process")

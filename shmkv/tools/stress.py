@@ -35,6 +35,8 @@ import traceback
 from multiprocessing.connection import wait as mp_wait
 from typing import Dict, List, Optional
 
+from .progress import ProgressBar, enabled as progress_enabled
+
 EXPECTED_ERRORS = ("PoolExhausted", "HandoffError")
 TOKEN_TAG_BASE = 1 << 30
 # Values must be exact in the pool dtype: integers below 2**(mantissa bits + 1).
@@ -526,6 +528,7 @@ class StressRun:
         self.client = None
         self._progress_at = 0.0
         self._progress_line_at = 0.0
+        self._bar = None  # a ProgressBar while the run's loop goes (on a terminal only)
         self.started = 0.0
         self.ended = 0.0
         self._stopping = False
@@ -666,6 +669,7 @@ class StressRun:
             if self.coordinator_killed_at is None:
                 self._stop_workers()
         finally:
+            self._close_bar()
             for slot in self.slots:
                 if slot.process is not None and slot.process.is_alive():
                     slot.process.kill()
@@ -867,29 +871,34 @@ class StressRun:
     # -- output --------------------------------------------------------------------------
 
     def _progress(self, deadline: Optional[float], final: bool = False) -> None:
-        if self.args.quiet:
+        """A progress bar on stderr when it is a terminal (nothing otherwise, or with
+        --quiet): time or operations done, rates, errors, kills, corruption."""
+        if self.args.quiet or not progress_enabled():
             return
+        if self._bar is None:
+            if deadline is not None:
+                self._bar = ProgressBar("stress", total=deadline - self.started, unit="s")
+            else:
+                self._bar = ProgressBar("stress", total=self.args.ops, unit="ops")
         now = time.monotonic()
-        tty = sys.stderr.isatty()
-        if not final and now - self._progress_at < (0.5 if tty else 5.0):
+        if not final and now - self._progress_at < 0.25:
             return
         self._progress_at = now
         elapsed = now - self.started
         total = self._total_ops()
-        if deadline is not None:
-            frac = min(1.0, elapsed / max(deadline - self.started, 1e-9))
-            where = f"{elapsed:5.1f}/{deadline - self.started:.0f} s"
-        else:
-            frac = min(1.0, total / max(self.args.ops or 1, 1))
-            where = f"{total}/{self.args.ops} ops"
-        bar = "#" * int(frac * 30) + "." * (30 - int(frac * 30))
+        done = min(elapsed, deadline - self.started) if deadline is not None else total
         errors = sum(self.errors.values())
-        line = (f"[{bar}] {where}  ops {total} ({total / max(elapsed, 1e-9):.0f}/s)  "
-                f"errors {errors}  kills {self.kills}  corrupted {self.corrupted}")
-        if tty:
-            print("\r" + line, end="\n" if final else "", file=sys.stderr, flush=True)
-        else:
-            print(line, file=sys.stderr, flush=True)
+        ops = f"{total} ops, " if deadline is not None else ""
+        self._bar.update(completed=done, info=(
+            f"{ops}{total / max(elapsed, 1e-9):.0f} ops/s  errors {errors}  "
+            f"kills {self.kills}  corrupted {self.corrupted}"))
+        if final:
+            self._close_bar()
+
+    def _close_bar(self) -> None:
+        bar, self._bar = self._bar, None
+        if bar is not None:
+            bar.close()
 
     def _report(self, config, elapsed: float, leak: dict, shm_left: List[str],
                 socket_left: bool, restart: Optional[dict]) -> dict:
@@ -1034,40 +1043,53 @@ def format_report(report: dict) -> str:
 
 def add_parser(sub) -> None:
     """Register the ``stress`` subcommand on an argparse subparsers object."""
-    from .cli import (fraction, name_arg, non_negative_float, non_negative_int, path_arg,
+    from .args import (fraction, name_arg, non_negative_float, non_negative_int, path_arg,
                       positive_float, positive_int)
     p = sub.add_parser("stress", help="many processes, random ops, kills; everything verified")
-    p.add_argument("--workers", type=positive_int, default=8)
+    p.add_argument("--workers", type=positive_int, default=8,
+                   help="worker processes doing random operations")
     p.add_argument("--duration", type=positive_float, default=None,
                    help="seconds to run (default 30, or until --ops are done)")
-    p.add_argument("--ops", type=positive_int, default=None, help="total operations to run")
+    p.add_argument("--ops", type=positive_int, default=None,
+                   help="operations to run in all workers together (instead of --duration)")
     p.add_argument("--kill-rate", type=non_negative_float, default=0.0,
-                   help="SIGKILL this many random workers per second (and restart them)")
+                   help="SIGKILL this many random workers per second, and restart them "
+                        "(kills per second)")
     p.add_argument("--kill-coordinator", action="store_true",
                    help="SIGKILL the coordinator partway; every worker must see "
                         "CoordinatorGone")
     p.add_argument("--kill-coordinator-at", type=fraction, default=0.5,
-                   help="when to kill it, as a fraction of --duration")
+                   help="when to kill it, as a fraction of --duration (0-1)")
     p.add_argument("--gone-deadline", type=positive_float, default=2.0,
                    help="seconds within which workers must see CoordinatorGone")
     p.add_argument("--json", type=path_arg, default=None, metavar="PATH",
                    help="write the report here")
     p.add_argument("--name", type=name_arg, default=None,
                    help="coordinator name (default stress-PID)")
-    p.add_argument("--seed", type=non_negative_int, default=0)
-    p.add_argument("--num-blocks", type=positive_int, default=256)
-    p.add_argument("--block-size", type=positive_int, default=16)
-    p.add_argument("--num-layers", type=positive_int, default=4)
-    p.add_argument("--num-kv-heads", type=positive_int, default=4)
-    p.add_argument("--head-dim", type=positive_int, default=16)
-    p.add_argument("--dtype", default="float32", choices=sorted(_MODULUS))
-    p.add_argument("--max-seqs", type=positive_int, default=12, help="live sequences per worker")
-    p.add_argument("--max-tokens", type=positive_int, default=256, help="tokens per sequence")
-    p.add_argument("--handoff-ttl", type=positive_float, default=5.0)
-    p.add_argument("--client-timeout", type=positive_float, default=30.0)
-    p.add_argument("--start-timeout", type=positive_float, default=120.0)
-    p.add_argument("--stop-timeout", type=positive_float, default=30.0)
-    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.add_argument("--seed", type=non_negative_int, default=0,
+                   help="random seed of the operation mix (the same seed, the same plan)")
+    p.add_argument("--num-blocks", type=positive_int, default=256, help="blocks in the pool")
+    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
+    p.add_argument("--num-layers", type=positive_int, default=4, help="layers per block")
+    p.add_argument("--num-kv-heads", type=positive_int, default=4, help="key/value heads")
+    p.add_argument("--head-dim", type=positive_int, default=16, help="elements per head")
+    p.add_argument("--dtype", default="float32", choices=sorted(_MODULUS),
+                   help="pool element type")
+    p.add_argument("--max-seqs", type=positive_int, default=12,
+                   help="live sequences per worker at most")
+    p.add_argument("--max-tokens", type=positive_int, default=256,
+                   help="tokens per sequence at most")
+    p.add_argument("--handoff-ttl", type=positive_float, default=5.0,
+                   help="seconds a hand-off token lives before it expires")
+    p.add_argument("--client-timeout", type=positive_float, default=30.0,
+                   help="seconds a client waits for any answer of the coordinator")
+    p.add_argument("--start-timeout", type=positive_float, default=120.0,
+                   help="seconds the workers have to start and connect")
+    p.add_argument("--stop-timeout", type=positive_float, default=30.0,
+                   help="seconds the workers have to finish and report at the end")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bar or status lines on stderr (the bar is shown only "
+                        "on a terminal anyway)")
     p.set_defaults(func=_cmd)
 
 

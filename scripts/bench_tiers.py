@@ -1,0 +1,589 @@
+"""Benchmarks of the tiers under the pool (host memory, local disk).
+
+    python scripts/bench_tiers.py [--quick] [--out benchmarks/results/tiers]
+    python scripts/bench_tiers.py --make-trace benchmarks/traces/chat.jsonl
+
+Measures, each against its baseline:
+
+* promotion bandwidth from disk against a plain sequential read of the same files from
+  the same directory into as many destination blocks as the pool has, both from a cold
+  page cache (``posix_fadvise(DONTNEED)`` before each pass: the bytes come from the
+  device) and warm (both from the page cache);
+* promotion bandwidth from the host tier against a plain copy of the same blocks
+  (one ``numpy.copyto`` per block, host shared memory to pool shared memory);
+* ping p99 while another process promotes blocks as fast as it can, against ping p99
+  when it does not, in alternating half-second phases of one run (disk tier, then host
+  tier);
+* the committed multi-turn chat trace (``benchmarks/traces/chat.jsonl``: a shared
+  system prompt, growing conversations, a working set 4x the pool): prefix-hit rate
+  and prefill tokens saved, with tiers against the pool alone, every cached block
+  checked against the K/V its writer wrote;
+* time from coordinator start to the first disk hit after a restart, with 10k blocks
+  on disk (and until the background scan has checked every header).
+
+The coordinator runs in its own process (``Coordinator.spawn``); clients here and in
+spawned processes. Results go to ``OUT.json`` and ``OUT.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import shmkv  # noqa: E402
+from shmkv import tiers as tiers_mod  # noqa: E402
+
+SPAWN = multiprocessing.get_context("spawn")
+# An 8B-class model's block (32 layers, 8 KV heads of 128, fp16, 16 tokens): 2 MiB.
+BIG = dict(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="float16")
+SMALL = dict(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype="float16")
+
+
+def name() -> str:
+    return f"bench-tiers-{uuid.uuid4().hex[:8]}"
+
+
+def wait_idle(client, timeout=600.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        st = client.stats()
+        io = st["tier_io"]
+        if not (io["pending"] or io["scanning"] or io["promotions_in_flight"]):
+            return st
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"tiers busy after {timeout} s: {io}")
+        time.sleep(0.005)
+
+
+def evict_all(client) -> None:
+    st = client.stats()
+    bs = st["config"]["block_size"]
+    client.allocate((st["free_blocks"] + st["cached_blocks"]) * bs).close()
+
+
+def fill(client, prompts, value=None) -> None:
+    """Write and commit every prompt (K/V: a constant per prompt), waiting for each one's
+    blocks to reach the tiers, so that none is lost to a fast eviction."""
+    for i, prompt in enumerate(prompts):
+        h = client.allocate(prompt=prompt)
+        n = len(prompt)
+        kv = torch.full((n, h.num_heads, h.head_dim), float(i % 100), dtype=h.dtype)
+        for layer in range(h.num_layers):
+            h.write(layer, kv, kv, start=0)
+        h.commit()
+        h.close()
+        wait_idle(client)
+
+
+def prompts_for(num, blocks, block_size, seed):
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 50000) for _ in range(blocks * block_size)] for _ in range(num)]
+
+
+def drop_page_cache(directory: str) -> None:
+    """Evict the directory's files from the page cache (no root needed)."""
+    for entry in os.scandir(directory):
+        if entry.is_file():
+            fd = os.open(entry.path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def plain_read(directory: str, file_nbytes: int, num_dest: int) -> tuple:
+    """Read every file of a directory, in order, each into the next of ``num_dest``
+    destination blocks (as promotion reads into pool blocks): (bytes, seconds)."""
+    import numpy as np
+    names = sorted(os.listdir(directory))
+    dest = np.zeros((num_dest, file_nbytes), dtype=np.uint8)   # touched: no page faults
+    total = 0
+    t0 = time.perf_counter()
+    for i, n in enumerate(names):
+        fd = os.open(os.path.join(directory, n), os.O_RDONLY)
+        try:
+            view, got = memoryview(dest[i % num_dest]), 0
+            while got < file_nbytes:
+                step = os.readv(fd, [view[got:]])
+                if not step:
+                    break
+                got += step
+            total += got
+        finally:
+            os.close(fd)
+    return total, time.perf_counter() - t0
+
+
+def promote_pass(client, prompts, block_size) -> tuple:
+    """Allocate every prompt (all its blocks promoted), then close it: (bytes, seconds)."""
+    nbytes = client.config.block_nbytes
+    total = 0
+    t0 = time.perf_counter()
+    for prompt in prompts:
+        h = client.allocate(prompt=prompt)
+        assert h.num_cached_tokens == len(prompt), (h.num_cached_tokens, len(prompt))
+        total += len(prompt) // block_size * nbytes
+        h.close()
+    return total, time.perf_counter() - t0
+
+
+# -- bandwidth -----------------------------------------------------------------------------
+
+def bench_disk_bandwidth(args, root) -> dict:
+    cfg = shmkv.PoolConfig(num_blocks=args.pool_blocks, **BIG)
+    path = os.path.join(root, "disk-bw")
+    blocks = args.prompt_blocks
+    prompts = prompts_for(args.disk_blocks // blocks, blocks, cfg.block_size, seed=1)
+    out = {"block_bytes": cfg.block_nbytes, "blocks": len(prompts) * blocks,
+           "blocks_per_request": blocks}
+    with shmkv.Coordinator.spawn(cfg, name=name(),
+                                 tiers=[shmkv.DiskTier(path, 1 << 40)]) as coord, \
+            shmkv.connect(coord.address, timeout=120) as client:
+        fill(client, prompts)
+        blocks_dir = os.path.join(path, "blocks")
+        for cache in ("cold", "warm"):
+            rates_p, rates_r = [], []
+            for _rep in range(args.reps):
+                evict_all(client)
+                wait_idle(client)
+                if cache == "cold":
+                    drop_page_cache(blocks_dir)
+                nbytes, secs = promote_pass(client, prompts, cfg.block_size)
+                rates_p.append(nbytes / secs)
+                if cache == "cold":
+                    drop_page_cache(blocks_dir)
+                nbytes, secs = plain_read(blocks_dir, tiers_mod.HEADER_SIZE + cfg.block_nbytes,
+                                          cfg.num_blocks)
+                rates_r.append(nbytes / secs)
+            p, r = max(rates_p), max(rates_r)
+            out[cache] = {"promotion_GBps": p / 1e9, "plain_read_GBps": r / 1e9,
+                          "ratio": p / r}
+        out["stats"] = wait_idle(client)["tiers"]
+    return out
+
+
+def bench_host_bandwidth(args, root) -> dict:
+    cfg = shmkv.PoolConfig(num_blocks=args.pool_blocks, **BIG)
+    blocks = args.prompt_blocks
+    num_blocks = args.host_blocks
+    prompts = prompts_for(num_blocks // blocks, blocks, cfg.block_size, seed=2)
+    with shmkv.Coordinator.spawn(cfg, name=name(), tiers=[
+            shmkv.HostTier((num_blocks + 8) * cfg.block_nbytes)]) as coord, \
+            shmkv.connect(coord.address, timeout=120) as client:
+        fill(client, prompts)
+        rates = []
+        for _rep in range(args.reps):
+            evict_all(client)
+            wait_idle(client)
+            nbytes, secs = promote_pass(client, prompts, cfg.block_size)
+            rates.append(nbytes / secs)
+        stats = wait_idle(client)["tiers"]
+        evict_all(client)   # the baseline below overwrites pool blocks: none may be cached
+        wait_idle(client)
+        # The baseline: the same number of block copies, host shared memory to the pool.
+        from shmkv import shm
+        fd = shm.create_segment(num_blocks * cfg.block_nbytes, "bench")
+        try:
+            host = shm.map_tensor(fd, num_blocks * cfg.block_nbytes).view(num_blocks, -1)
+        finally:
+            os.close(fd)
+        import numpy as np
+        pool = client.pool.view(cfg.num_blocks, -1).view(torch.uint8).numpy()
+        host_np = host.numpy()
+        host_np.fill(1)
+        plain = []
+        for _rep in range(args.reps + 1):    # the first pass maps the pages: not counted
+            t0 = time.perf_counter()
+            for i in range(num_blocks):
+                np.copyto(pool[i % cfg.num_blocks], host_np[i])
+            plain.append(num_blocks * cfg.block_nbytes / (time.perf_counter() - t0))
+        plain = plain[1:]
+        del host, host_np, pool
+    p, c = max(rates), max(plain)
+    return {"block_bytes": cfg.block_nbytes, "blocks": num_blocks, "blocks_per_request": blocks,
+            "promotion_GBps": p / 1e9, "plain_copy_GBps": c / 1e9, "ratio": p / c,
+            "stats": stats}
+
+
+# -- ping under promotion -------------------------------------------------------------------
+
+def _pinger(address, seconds, queue):
+    """Ping for ``seconds``: (start time, latency) of each ping, a little apart."""
+    with shmkv.connect(address, timeout=60) as client:
+        for _ in range(50):
+            client.request("ping")
+        samples = []
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            t0 = time.monotonic()
+            client.request("ping")
+            samples.append((t0, time.monotonic() - t0))
+            time.sleep(0.0005)
+    queue.put(("pings", samples))
+
+
+def _promoter(address, prompts, block_size, go, stop, queue):
+    """Promote the prompts round and round while ``go`` is set."""
+    moved, busy = 0, 0.0
+    with shmkv.connect(address, timeout=60) as client:
+        queue.put(("ready", None))
+        while not stop.is_set():
+            if not go.wait(0.05):
+                continue
+            t0 = time.monotonic()
+            for prompt in prompts:
+                h = client.allocate(prompt=prompt)
+                moved += h.num_cached_tokens // block_size
+                h.close()
+                if not go.is_set():
+                    break
+            busy += time.monotonic() - t0
+    queue.put(("moved", (moved, busy)))
+
+
+def p99(values) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(0.99 * len(values)))]
+
+
+def ping_run(address, prompts, block_size, cycles, phase_s=0.5) -> dict:
+    """Ping throughout while a promoter runs in alternate phases (idle, promoting, idle,
+    ...), so both conditions meet the same background load; pings within 50 ms of a
+    phase change are not counted."""
+    q = SPAWN.Queue()
+    go, stop = SPAWN.Event(), SPAWN.Event()
+    promoter = SPAWN.Process(target=_promoter, args=(address, prompts, block_size, go, stop, q))
+    promoter.start()
+    assert q.get(timeout=120)[0] == "ready"
+    pinger = SPAWN.Process(target=_pinger, args=(address, 2 * cycles * phase_s + 3.0, q))
+    pinger.start()
+    time.sleep(2.0)   # the pinger imports and connects
+    phases = []
+    for _ in range(cycles):
+        for busy in (False, True):
+            (go.set if busy else go.clear)()
+            t0 = time.monotonic()
+            time.sleep(phase_s)
+            phases.append((t0 + 0.05, time.monotonic(), busy))
+    go.clear()
+    results = dict(q.get(timeout=120) for _ in range(1))
+    stop.set()
+    results.update(dict([q.get(timeout=120)]))
+    for p in (promoter, pinger):
+        p.join(30)
+    lat = {False: [], True: []}
+    for t0, latency in results["pings"]:
+        for start, end, busy in phases:
+            if start <= t0 < end:
+                lat[busy].append(latency)
+                break
+    moved, busy_s = results["moved"]
+    out = {}
+    for busy, label in ((False, "idle"), (True, "promoting")):
+        values = sorted(lat[busy])
+        out[label] = {"p50_us": values[len(values) // 2] * 1e6, "p99_us": p99(values) * 1e6,
+                      "pings": len(values)}
+    out["promoting"]["promoted_blocks_per_s"] = moved / max(busy_s, 1e-9)
+    return out
+
+
+def bench_ping(args, root) -> dict:
+    cfg = shmkv.PoolConfig(num_blocks=args.pool_blocks, **BIG)
+    blocks = args.prompt_blocks
+    out = {}
+    for kind in ("disk", "host"):
+        prompts = prompts_for(max(2 * args.pool_blocks // blocks, 4), blocks, cfg.block_size,
+                              seed=3)
+        n = len(prompts) * blocks
+        spec = shmkv.DiskTier(os.path.join(root, "ping"), 1 << 40) if kind == "disk" else \
+            shmkv.HostTier((n + 8) * cfg.block_nbytes)
+        with shmkv.Coordinator.spawn(cfg, name=name(), tiers=[spec]) as coord, \
+                shmkv.connect(coord.address, timeout=120) as client:
+            fill(client, prompts)
+            evict_all(client)
+            wait_idle(client)
+            run = ping_run(coord.address, prompts, cfg.block_size, args.ping_cycles)
+            run["p99_ratio"] = run["promoting"]["p99_us"] / run["idle"]["p99_us"]
+            out[kind] = run
+        shutil.rmtree(os.path.join(root, "ping"), ignore_errors=True)
+    return out
+
+
+# -- the chat trace ------------------------------------------------------------------------
+
+def make_trace(path: str, seed: int = 7, sessions: int = 40, concurrent: int = 24,
+               block_size: int = 16) -> None:
+    """A multi-turn chat trace: one system prompt shared by every session, ``concurrent``
+    sessions at a time that interleave at random (a user comes back after others have
+    spoken), each turn a user message then an assistant reply (token ids)."""
+    rng = random.Random(seed)
+    system = [rng.randrange(1, 32000) for _ in range(320)]
+    turns = {s: rng.randint(3, 8) for s in range(sessions)}
+    active = list(range(min(concurrent, sessions)))
+    waiting = list(range(len(active), sessions))
+    lines = [{"kind": "header", "block_size": block_size, "system": system, "seed": seed,
+              "sessions": sessions, "concurrent": concurrent}]
+    while active:
+        s = rng.choice(active)
+        lines.append({"session": s,
+                      "user": [rng.randrange(1, 32000) for _ in range(rng.randint(16, 160))],
+                      "reply": [rng.randrange(1, 32000) for _ in range(rng.randint(24, 200))]})
+        turns[s] -= 1
+        if not turns[s]:
+            active.remove(s)
+            if waiting:
+                active.append(waiting.pop(0))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        for line in lines:
+            f.write(json.dumps(line, separators=(",", ":")) + "\n")
+
+
+def load_trace(path: str) -> tuple:
+    with open(path) as f:
+        lines = [json.loads(line) for line in f]
+    return lines[0], lines[1:]
+
+
+def trace_working_set(header, requests) -> int:
+    """Distinct full blocks the trace publishes (prompts and replies)."""
+    from shmkv import hashing
+    convs: dict = {}
+    for r in requests:
+        convs.setdefault(r["session"], list(header["system"])).extend(r["user"] + r["reply"])
+    keys = set()
+    for conv in convs.values():
+        keys.update(hashing.block_keys(conv, header["block_size"], hashing.root_key()))
+    return len(keys)
+
+
+def kv_of(tokens, positions, heads, dim, dtype):
+    t = torch.tensor(tokens, dtype=torch.float32)[:, None, None]
+    p = torch.tensor(positions, dtype=torch.float32)[:, None, None]
+    return ((t % 1000) * 0.25 + p * 0.001 + torch.arange(heads)[None, :, None]
+            + torch.arange(dim)[None, None, :] * 0.01).expand(-1, heads, dim).to(dtype)
+
+
+def replay(address, header, requests, verify=True) -> dict:
+    bs = header["block_size"]
+    convs: dict = {}
+    prompt_tokens = cached_tokens = checked = bad = 0
+    with shmkv.connect(address, timeout=120) as client:
+        heads, dim, dtype = client.pool.shape[4], client.config.head_dim, client.pool.dtype
+        layers = client.config.num_layers
+        t0 = time.perf_counter()
+        for r in requests:
+            conv = convs.setdefault(r["session"], list(header["system"]))
+            prompt = conv + r["user"]
+            h = client.allocate(prompt=prompt)
+            cached = h.num_cached_tokens
+            prompt_tokens += len(prompt)
+            cached_tokens += cached
+            if verify and cached:
+                for pos in {0, cached - bs}:   # the first and the last cached block
+                    want = kv_of(prompt[pos:pos + bs], range(pos, pos + bs), heads, dim, dtype)
+                    got = h.key_cache(layers - 1)[pos:pos + bs]
+                    checked += 1
+                    bad += not torch.equal(got, want)
+            kv = kv_of(prompt[cached:], range(cached, len(prompt)), heads, dim, dtype)
+            for layer in range(layers):
+                h.write(layer, kv, kv, start=cached)
+            h.commit()
+            start = h.extend(len(r["reply"]), tokens=r["reply"])
+            kv = kv_of(r["reply"], range(start, start + len(r["reply"])), heads, dim, dtype)
+            for layer in range(layers):
+                h.write(layer, kv, kv, start=start)
+            h.commit()
+            h.close()
+            conv += r["user"] + r["reply"]
+        secs = time.perf_counter() - t0
+        st = client.stats()
+    return {"requests": len(requests), "prompt_tokens": prompt_tokens,
+            "cached_tokens": cached_tokens, "hit_rate": cached_tokens / prompt_tokens,
+            "prefill_tokens": prompt_tokens - cached_tokens, "seconds": secs,
+            "blocks_checked": checked, "blocks_wrong": bad, "evictions": st["evictions"],
+            "tiers": st.get("tiers"), "tier_io": st.get("tier_io")}
+
+
+def bench_chat(args, root) -> dict:
+    header, requests = load_trace(args.trace)
+    bs = header["block_size"]
+    working_set = trace_working_set(header, requests)
+    pool_blocks = working_set // 4
+    cfg = shmkv.PoolConfig(num_blocks=pool_blocks, max_seq_len=8192, **SMALL)
+    out = {"trace": os.path.relpath(args.trace), "requests": len(requests),
+           "working_set_blocks": working_set, "pool_blocks": pool_blocks,
+           "block_size": bs}
+    runs = {"pool alone": None,
+            "pool + host tier (1x pool) + disk tier": [
+                shmkv.HostTier(pool_blocks * cfg.block_nbytes),
+                shmkv.DiskTier(os.path.join(root, "chat"), 1 << 34)]}
+    for label, specs in runs.items():
+        with shmkv.Coordinator.spawn(cfg, name=name(), tiers=specs) as coord:
+            out[label] = replay(coord.address, header, requests)
+    base, tiered = out["pool alone"], out["pool + host tier (1x pool) + disk tier"]
+    out["prefill_tokens_saved_by_tiers"] = base["prefill_tokens"] - tiered["prefill_tokens"]
+    return out
+
+
+# -- restart ----------------------------------------------------------------------------------
+
+def bench_restart(args, root) -> dict:
+    cfg = shmkv.PoolConfig(num_blocks=256, max_seq_len=4096, **SMALL)
+    path = os.path.join(root, "restart")
+    per = 100
+    prompts = prompts_for(args.restart_blocks // per, per, cfg.block_size, seed=4)
+    with shmkv.Coordinator.spawn(cfg, name=name(), tiers=[shmkv.DiskTier(path, 1 << 40)]) \
+            as coord, shmkv.connect(coord.address, timeout=120) as client:
+        fill(client, prompts)
+        on_disk = len(os.listdir(os.path.join(path, "blocks")))
+    probe = random.Random(5).choice(prompts)
+    t_spawn = time.perf_counter()
+    with shmkv.Coordinator.spawn(cfg, name=name(), tiers=[shmkv.DiskTier(path, 1 << 40)]) \
+            as coord:
+        t_ready = time.perf_counter()
+        with shmkv.connect(coord.address, timeout=120) as client:
+            tries = 0
+            while True:
+                tries += 1
+                h = client.allocate(prompt=probe)
+                cached = h.num_cached_tokens
+                h.close()
+                if cached:
+                    t_hit = time.perf_counter()
+                    break
+            while client.stats()["tier_io"]["scanning"]:
+                time.sleep(0.001)
+            t_scan = time.perf_counter()
+            disk = next(t for t in client.stats()["tiers"] if t["tier"] == "disk")
+    return {"blocks_on_disk": on_disk, "first_hit_cached_tokens": cached,
+            "process_start_to_ready_s": t_ready - t_spawn,
+            "ready_to_first_disk_hit_s": t_hit - t_ready,
+            "ready_to_scan_done_s": t_scan - t_ready, "allocations_until_hit": tries,
+            "disk": disk}
+
+
+# -- report -----------------------------------------------------------------------------------
+
+def markdown(res: dict) -> str:
+    lines = ["# Tiers under the pool", "",
+             f"Machine: {os.cpu_count()} cores, shared with other work (1-minute load average "
+             f"after each part: " + ", ".join(f"{k} {v:.1f}" for k, v in
+                                              res.get("load_average", {}).items()) + ").",
+             f"Reproduce: `{res['command']}`", ""]
+    d = res.get("disk_bandwidth")
+    if d:
+        lines += ["## Promotion from disk vs a plain sequential read of the same files", "",
+                  f"{d['blocks']} blocks of {d['block_bytes'] // 1024} KiB, "
+                  f"{d['blocks_per_request']} per request.", "",
+                  "| page cache | promotion GB/s | plain read GB/s | ratio |", "|---|---|---|---|"]
+        for cache in ("cold", "warm"):
+            r = d[cache]
+            lines.append(f"| {cache} | {r['promotion_GBps']:.2f} | {r['plain_read_GBps']:.2f} "
+                         f"| {r['ratio']:.2f} |")
+        lines.append("")
+    h = res.get("host_bandwidth")
+    if h:
+        lines += ["## Promotion from the host tier vs a plain copy", "",
+                  f"{h['blocks']} blocks of {h['block_bytes'] // 1024} KiB, "
+                  f"{h['blocks_per_request']} per request: promotion {h['promotion_GBps']:.2f} "
+                  f"GB/s, plain copy {h['plain_copy_GBps']:.2f} GB/s, ratio "
+                  f"**{h['ratio']:.2f}**.", ""]
+    p = res.get("ping")
+    if p:
+        lines += ["## Ping while another process promotes", "",
+                  "| tier | idle p50 us | idle p99 us | promoting p50 us | promoting p99 us | "
+                  "p99 ratio | promoted blocks/s |", "|---|---|---|---|---|---|---|"]
+        for kind, r in p.items():
+            lines.append(f"| {kind} | {r['idle']['p50_us']:.0f} | {r['idle']['p99_us']:.0f} | "
+                         f"{r['promoting']['p50_us']:.0f} | {r['promoting']['p99_us']:.0f} | "
+                         f"{r['p99_ratio']:.2f} | "
+                         f"{r['promoting']['promoted_blocks_per_s']:.0f} |")
+        lines.append("")
+    c = res.get("chat")
+    if c:
+        lines += ["## Multi-turn chat trace", "",
+                  f"`{c['trace']}`: {c['requests']} requests, working set "
+                  f"{c['working_set_blocks']} blocks, pool {c['pool_blocks']} blocks "
+                  f"(block size {c['block_size']}).", "",
+                  "| run | prefix-hit rate | prompt tokens | prefill tokens | cached blocks "
+                  "checked (wrong) |", "|---|---|---|---|---|"]
+        for label in ("pool alone", "pool + host tier (1x pool) + disk tier"):
+            r = c[label]
+            lines.append(f"| {label} | {r['hit_rate']:.1%} | {r['prompt_tokens']} | "
+                         f"{r['prefill_tokens']} | {r['blocks_checked']} ({r['blocks_wrong']}) |")
+        lines += ["", f"Prefill tokens saved by the tiers: "
+                      f"**{c['prefill_tokens_saved_by_tiers']}**.", ""]
+    r = res.get("restart")
+    if r:
+        lines += ["## Restart with blocks on disk", "",
+                  f"{r['blocks_on_disk']} blocks on disk. Coordinator process start to ready "
+                  f"{r['process_start_to_ready_s']:.2f} s; ready to the first disk hit "
+                  f"**{r['ready_to_first_disk_hit_s'] * 1e3:.0f} ms** "
+                  f"({r['allocations_until_hit']} allocations); ready to every header "
+                  f"checked {r['ready_to_scan_done_s'] * 1e3:.0f} ms.", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller sizes")
+    parser.add_argument("--out", default="benchmarks/results/tiers")
+    parser.add_argument("--trace", default="benchmarks/traces/chat.jsonl")
+    parser.add_argument("--make-trace", metavar="PATH", help="write the chat trace and exit")
+    parser.add_argument("--only", nargs="*", default=None,
+                        choices=["disk", "host", "ping", "chat", "restart"])
+    parser.add_argument("--dir", default=None, help="where the disk tiers go (default: /tmp)")
+    args = parser.parse_args(argv)
+    if args.make_trace:
+        make_trace(args.make_trace)
+        return 0
+    args.pool_blocks = 32 if args.quick else 128
+    args.prompt_blocks = 16 if args.quick else 32
+    args.disk_blocks = 128 if args.quick else 768
+    args.host_blocks = 128 if args.quick else 384
+    args.reps = 2 if args.quick else 3
+    args.ping_cycles = 6 if args.quick else 20
+    args.restart_blocks = 2000 if args.quick else 10000
+    os.environ.setdefault("SHMKV_RUNTIME_DIR", tempfile.mkdtemp(prefix="shmkv-bench-"))
+    root = tempfile.mkdtemp(prefix="shmkv-bench-tiers-", dir=args.dir)
+    res = {"command": "python scripts/bench_tiers.py " + " ".join(argv or sys.argv[1:])}
+    only = set(args.only or ["disk", "host", "ping", "chat", "restart"])
+    try:
+        steps = (("disk", "disk_bandwidth", bench_disk_bandwidth),
+                 ("host", "host_bandwidth", bench_host_bandwidth),
+                 ("ping", "ping", bench_ping), ("chat", "chat", bench_chat),
+                 ("restart", "restart", bench_restart))
+        for key, label, fn in steps:
+            if key in only:
+                t0 = time.perf_counter()
+                res[label] = fn(args, root)
+                res.setdefault("load_average", {})[label] = os.getloadavg()[0]
+                print(f"{label}: done in {time.perf_counter() - t0:.0f} s", flush=True)
+                print(json.dumps({k: v for k, v in res[label].items() if k != "stats"},
+                                 default=str)[:1500], flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump(res, f, indent=1, sort_keys=True, default=str)
+    with open(args.out + ".md", "w") as f:
+        f.write(markdown(res) + "\n")
+    print(markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""Decode tokens/s of transformers' generate with ShmkvCache against DynamicCache.
+
+A small Mistral-shaped model with random weights (8 layers, hidden 256, 8 query heads
+over 2 K/V heads, head_dim 32, no sliding window), float32, one torch thread, greedy.
+For each (batch, prompt length) the prompt is prefilled once into each cache; every
+timed run crops the cache back to the prompt less its last token and generates
+``--steps`` tokens, timed from the first generated token to the last (the forward of
+each decode step plus generate's own per-step work, the same for every cache).
+
+Three ways are timed, interleaved round by round, median of the rounds:
+
+* ``dynamic``: DynamicCache, ``attn_implementation="sdpa"`` (transformers' default);
+* ``shmkv``: ShmkvCache, ``attn_implementation="shmkv"`` (attention over the pool);
+* ``shmkv-dense``: ShmkvCache with ``sdpa`` (the dense path: K/V gathered per layer).
+
+Every run's tokens are checked equal to DynamicCache's. Writes
+``benchmarks/results/NAME.json`` and ``.md`` and ``benchmarks/plots/NAME-context.png``
+(NAME defaults to ``transformers``).
+
+    python scripts/bench_transformers.py [--quick] [--steps 32] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import shmkv  # noqa: E402
+from shmkv.integrations.transformers import ShmkvCache, cache_argument, pool_config  # noqa: E402
+
+MODEL = dict(vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=8,
+             num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192,
+             sliding_window=None, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+BLOCK_SIZE = 16
+TARGETS = [(4, 1024), (1, 4096)]
+SWEEP = {1: [256, 512, 1024, 2048, 4096], 4: [256, 512, 1024, 2048]}
+QUICK_SWEEP = {1: [512, 2048], 4: [1024]}
+WAYS = ["dynamic", "shmkv", "shmkv-dense"]
+
+
+def build_model():
+    from transformers import MistralConfig, MistralForCausalLM
+    torch.manual_seed(0)
+    return MistralForCausalLM(MistralConfig(**MODEL)).eval()
+
+
+class _Clock:
+    """A logits processor that notes when each generated token's logits arrive: wall
+    clock, and this process's CPU time (all its threads, the coordinator's included)."""
+
+    def __init__(self):
+        self.times = []
+        self.cpu = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        self.cpu.append(time.process_time())
+        return scores
+
+
+@torch.no_grad()
+def run_case(model, client, batch: int, prompt_len: int, steps: int, repeats: int) -> dict:
+    from transformers import DynamicCache, LogitsProcessorList
+
+    key = cache_argument(model)
+    ids = torch.randint(0, MODEL["vocab_size"], (batch, prompt_len),
+                        generator=torch.Generator().manual_seed(prompt_len * 10 + batch))
+    mask = torch.ones_like(ids)
+    caches = {}
+    for way in WAYS:
+        model.set_attn_implementation("sdpa" if way != "shmkv" else "shmkv")
+        cache = DynamicCache(config=model.config) if way == "dynamic" else ShmkvCache(client)
+        model(ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True, **{key: cache})
+        caches[way] = cache
+    rates = {way: [] for way in WAYS}
+    cpu_rates = {way: [] for way in WAYS}
+    tokens = {}
+    for _ in range(repeats + 1):   # the first round warms up
+        for way in WAYS:
+            model.set_attn_implementation("sdpa" if way != "shmkv" else "shmkv")
+            cache = caches[way]
+            cache.crop(-(cache.get_seq_length() - (prompt_len - 1)))
+            clock = _Clock()
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=steps, do_sample=False,
+                                 logits_processor=LogitsProcessorList([clock]), **{key: cache})
+            num = batch * (len(clock.times) - 1)
+            rates[way].append(num / (clock.times[-1] - clock.times[0]))
+            cpu_rates[way].append(num / (clock.cpu[-1] - clock.cpu[0]))
+            tokens[way] = out[:, prompt_len:].tolist()
+    for way in WAYS:
+        if tokens[way] != tokens["dynamic"]:
+            raise AssertionError(f"{way} generated other tokens than DynamicCache at batch {batch},"
+                                 f" prompt {prompt_len}")
+    for way in WAYS:
+        if way != "dynamic":
+            caches[way].close()
+    result = {"batch": batch, "prompt": prompt_len, "steps": steps, "tokens_equal": True}
+    for way in WAYS:
+        result[f"{way}_tok_s"] = statistics.median(rates[way][1:])
+        result[f"{way}_runs"] = rates[way][1:]
+        result[f"{way}_cpu_tok_s"] = statistics.median(cpu_rates[way][1:])
+    result["ratio"] = result["shmkv_tok_s"] / result["dynamic_tok_s"]
+    result["ratio_dense"] = result["shmkv-dense_tok_s"] / result["dynamic_tok_s"]
+    result["cpu_ratio"] = result["shmkv_cpu_tok_s"] / result["dynamic_cpu_tok_s"]
+    result["cpu_ratio_dense"] = result["shmkv-dense_cpu_tok_s"] / result["dynamic_cpu_tok_s"]
+    return result
+
+
+def markdown(results: dict) -> str:
+    lines = ["| batch | prompt | DynamicCache tok/s | ShmkvCache (`shmkv` attention) tok/s | ratio "
+             "| ShmkvCache (dense, `sdpa`) tok/s | ratio | tokens equal |",
+             "|---:|---:|---:|---:|---:|---:|---:|:---:|"]
+    for r in results["targets"] + results["sweep"]:
+        lines.append(f"| {r['batch']} | {r['prompt']} | {r['dynamic_tok_s']:.0f} | "
+                     f"{r['shmkv_tok_s']:.0f} | **{r['ratio']:.2f}x** | "
+                     f"{r['shmkv-dense_tok_s']:.0f} | {r['ratio_dense']:.2f}x | "
+                     f"{'yes' if r['tokens_equal'] else 'NO'} |")
+    head = (f"Decode tokens/s, greedy, {results['model']}, float32, one torch thread, "
+            f"{results['steps']} new tokens per run, median of {results['repeats']} runs "
+            f"({results['host']}). The first two rows are the targets.\n\n")
+    return head + "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: str) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    batches = sorted({r["batch"] for r in results["sweep"]})
+    fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 4), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        rows = sorted((r for r in results["sweep"] if r["batch"] == batch),
+                      key=lambda r: r["prompt"])
+        x = [r["prompt"] for r in rows]
+        for way, label, style in [("dynamic", "DynamicCache (sdpa)", "o-"),
+                                  ("shmkv", "ShmkvCache (shmkv attention)", "s-"),
+                                  ("shmkv-dense", "ShmkvCache (dense, sdpa)", "^--")]:
+            ax.plot(x, [r[f"{way}_tok_s"] for r in rows], style, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(x)
+        ax.set_xticklabels([str(v) for v in x])
+        ax.set_xlabel("context length (prompt tokens)")
+        ax.set_ylabel("decode tokens/s")
+        ax.set_title(f"batch {batch}")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("transformers generate, Mistral-shaped 8x256 model, float32, 1 thread")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer lengths and runs")
+    parser.add_argument("--steps", type=int, default=32, help="new tokens per run")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs (default 5, quick 3)")
+    parser.add_argument("--name", default="transformers")
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks"))
+    parser.add_argument("--no-sweep", action="store_true", help="the two targets only")
+    parser.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="pool block size")
+    args = parser.parse_args(argv)
+    repeats = args.repeats or (3 if args.quick else 5)
+    torch.set_num_threads(1)
+    model = build_model()
+    sweep = {} if args.no_sweep else (QUICK_SWEEP if args.quick else SWEEP)
+    longest = max([p for _, p in TARGETS] + [p for ps in sweep.values() for p in ps])
+    widest = max([b for b, _ in TARGETS] + list(sweep))
+    blocks = widest * (-(-(longest + args.steps) // args.block_size) + 1) * 3 + 64
+    cfg = pool_config(model.config, num_blocks=blocks, block_size=args.block_size,
+                      dtype=torch.float32)
+    results = {"model": "Mistral-shaped, 8 layers, hidden 256, 8:2 GQA heads of 32, vocab 32000",
+               "steps": args.steps, "repeats": repeats, "threads": 1,
+               "block_size": args.block_size,
+               "host": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+               "targets": [], "sweep": []}
+    import transformers
+    results["transformers"] = transformers.__version__
+    # The coordinator serves from a thread of this process (as in `shmkv demo`): on
+    # this 2-core host a coordinator process's wake-up per step costs more than the GIL.
+    with shmkv.Coordinator(cfg, name=f"bench-tf-{os.getpid()}") as coord, \
+            shmkv.connect(coord.address) as client:
+        for batch, prompt_len in TARGETS:
+            r = run_case(model, client, batch, prompt_len, args.steps, repeats)
+            results["targets"].append(r)
+            print(f"target batch {batch} prompt {prompt_len}: dynamic {r['dynamic_tok_s']:.0f} "
+                  f"shmkv {r['shmkv_tok_s']:.0f} ({r['ratio']:.2f}x) dense "
+                  f"{r['shmkv-dense_tok_s']:.0f} ({r['ratio_dense']:.2f}x); per CPU second "
+                  f"{r['cpu_ratio']:.2f}x, dense {r['cpu_ratio_dense']:.2f}x", flush=True)
+        done = {(r["batch"], r["prompt"]): r for r in results["targets"]}
+        for batch, lengths in sweep.items():
+            for prompt_len in lengths:
+                r = done.get((batch, prompt_len)) or run_case(model, client, batch, prompt_len,
+                                                              args.steps, repeats)
+                results["sweep"].append(r)
+                print(f"sweep batch {batch} prompt {prompt_len}: dynamic "
+                      f"{r['dynamic_tok_s']:.0f} shmkv {r['shmkv_tok_s']:.0f} "
+                      f"({r['ratio']:.2f}x) dense {r['shmkv-dense_tok_s']:.0f}", flush=True)
+    os.makedirs(os.path.join(args.out, "results"), exist_ok=True)
+    os.makedirs(os.path.join(args.out, "plots"), exist_ok=True)
+    with open(os.path.join(args.out, "results", f"{args.name}.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    table = markdown(results)
+    with open(os.path.join(args.out, "results", f"{args.name}.md"), "w") as f:
+        f.write(table)
+    print(table)
+    if results["sweep"] and not plot(results, os.path.join(args.out, "plots",
+                                                           f"{args.name}-context.png")):
+        print("matplotlib missing: no plot")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

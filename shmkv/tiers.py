@@ -1,0 +1,1259 @@
+"""Tiers under the pool: host shared memory and a local disk directory.
+
+Owns the lower tiers of the cache (:class:`HostTier`, :class:`DiskTier`), the
+on-disk block format, and the threads that move bytes between the pool and the
+tiers (:class:`TierSet`). Does not decide which pool block is free, cached or
+referenced (``shmkv.allocator``), which sequence a block belongs to
+(``shmkv.sequences``), nor answer requests (``shmkv.coordinator``: its loop calls
+:meth:`TierSet.tick` and answers the promotions that come back finished).
+
+Every index (which key a tier holds, where, LRU order, pins, byte counts) is read
+and written by the coordinator's loop thread only. Worker threads only copy bytes
+and report back; the loop never waits for them.
+
+* Demotion is write-behind. A published block that becomes cached in the pool is
+  copied to the host tier (without one, to disk) while it stays valid in the pool:
+  published blocks are immutable, so the copy races nothing. A host copy is then
+  written to disk behind it, so the disk holds a superset of the host tier, which is
+  what survives a restart. When the pool evicts a block its copy is normally done
+  and nothing is lost; otherwise the copy is cancelled and the block counted in
+  ``lost_evictions``. Each tier is LRU: the host tier's oldest blocks make room
+  (they are on disk by then, or are counted ``dropped``), the disk's oldest are
+  deleted (``dropped``).
+* Promotion: an allocation whose prompt continues, past the pool's longest hit, in a
+  tier gets fresh pool blocks for those keys, all or nothing with the rest of the
+  request (``shmkv.sequences``). Workers copy the bytes in; the loop then publishes
+  the blocks under their keys and the coordinator answers the request. A block that
+  cannot be read back (a damaged file) ends the hit at the blocks before it.
+* Cancellation without a lock: a worker copies a pool block first and reads the
+  copy's ``cancelled`` flag after. The loop sets the flag when it evicts the block,
+  before it can answer anyone who would then write that block, so a copy that saw
+  no flag was taken from unchanged bytes.
+
+Disk layout (one namespace per directory)::
+
+    DIR/lock        flock()ed by the coordinator that uses DIR (its pid inside)
+    DIR/namespace   JSON: format version, layout fingerprint, salt digest, block bytes
+    DIR/blocks/<32 hex digits of the prefix key>.kv          one complete block
+    DIR/blocks/<32 hex>.kv.tmp-<session>                     a block being written
+
+A block file is a 96-byte little-endian header -- magic ``SHMKVBLK``, format
+version u16, header size u16, flags u32, namespace digest (16 bytes), prefix key
+(16 bytes), num_layers, block_size, num_kv_heads, head_dim, tp_size (u32 each),
+dtype name (12 bytes, NUL padded), payload bytes u64, payload crc32 u32, and the
+crc32 of the 92 bytes before it -- followed by the payload: the block's bytes of
+every rank's pool, rank after rank, each ``[num_layers, 2, block_size, heads,
+head_dim]`` as in the pool. A file is written under a temporary name and renamed
+into place, so a name ending in ``.kv`` is complete unless the machine itself
+crashed before the data reached the disk; then its checksum fails when it is read,
+and it is removed and counted. ``DiskTier(fsync=True)`` fsyncs every file before
+the rename (slower; only a machine crash needs it, never a killed process).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+import struct
+import threading
+import time
+import weakref
+import zlib
+from collections import OrderedDict, deque
+from typing import Callable, List, Optional
+
+import numpy as np
+
+from . import shm
+from .errors import InvalidArgument, ShmkvError, WrongType
+
+log = logging.getLogger("shmkv.tiers")
+
+MAGIC = b"SHMKVBLK"
+FORMAT_VERSION = 1
+NAMESPACE_FORMAT = "shmkv-disk-tier"
+_HEAD = struct.Struct("<8sHHI16s16s5I12sQI")   # everything up to the header's own crc
+_CRC = struct.Struct("<I")
+HEADER_SIZE = _HEAD.size + _CRC.size             # 96
+_FILE_RE = re.compile(r"^([0-9a-f]{32})\.kv$")
+_TMP_RE = re.compile(r"^[0-9a-f]{32}\.kv\.tmp-([0-9a-f]+)$")
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([kmgtp]?)(i?b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
+
+MAX_DISK_WRITES_IN_FLIGHT = 256   # blocks queued to the disk writer at once
+PROMOTION_CHUNK_MIN = 4           # fewer copies than this per worker job are not split
+DEMOTION_CHUNK = 64
+SCAN_CHUNK = 2048                 # keys merged into the disk index per loop turn
+DISK_FULL_BACKOFF_S = 1.0         # after ENOSPC, demotion to disk pauses this long
+WORKER_NICE = 10                  # how much nicer than the loop the worker threads run
+
+
+def parse_size(text) -> int:
+    """Bytes from ``"8G"``, ``"512MiB"``, ``"1.5g"`` or a plain number (powers of 1024).
+
+    Raises:
+        InvalidArgument: not a size.
+    """
+    if isinstance(text, bool):
+        raise WrongType("a size must be an int or a string such as '8G'")
+    if isinstance(text, int):
+        return text
+    match = _SIZE_RE.match(str(text))
+    if not match:
+        raise InvalidArgument(f"{text!r} is not a size: use bytes or a number with K, M, G "
+                              "or T (powers of 1024), such as 8G")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _capacity(value, what: str) -> int:
+    value = parse_size(value) if isinstance(value, str) else value
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise WrongType(f"{what} capacity_bytes must be an int, got {type(value).__name__}")
+    if value <= 0:
+        raise InvalidArgument(f"{what} capacity_bytes must be positive, got {value}")
+    return value
+
+
+def _free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _check_writable(path: str, need: int) -> None:
+    """Make ``path`` a directory we can write files into, with ``need`` bytes free."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise InvalidArgument(f"disk tier path {path} exists and is not a directory")
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except OSError as exc:
+        raise ShmkvError(f"disk tier directory {path} cannot be created ({exc.strerror}); "
+                         "choose a writable directory") from None
+    probe = os.path.join(path, f".probe-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        what = "is on a read-only filesystem" if exc.errno == errno.EROFS else \
+            f"is not writable ({exc.strerror})"
+        raise ShmkvError(f"disk tier directory {path} {what}; choose a writable "
+                         "directory") from None
+    try:
+        os.close(fd)
+    finally:
+        try:
+            os.unlink(probe)
+        except OSError:
+            pass
+    free = _free_bytes(path)
+    if free < need:
+        raise ShmkvError(f"disk tier directory {path} is on a full filesystem: {free} bytes "
+                         f"free, a block file needs {need}; free space or choose another "
+                         "directory")
+
+
+class HostTier:
+    """A tier of host shared memory under the pool, LRU.
+
+    Under a CPU pool it is a second, larger level of the same memory (and the easy
+    tier to test); under a GPU pool it is the offload tier, registered with CUDA for
+    DMA. Its content does not survive the coordinator.
+
+    Args:
+        capacity_bytes: bytes to reserve (an int, or a size such as ``"8G"``);
+            ``capacity_bytes // block_nbytes`` blocks fit.
+
+    Raises:
+        InvalidArgument / WrongType: a zero, negative or non-integer capacity. A
+            capacity below one block, or more than ``/dev/shm`` can hold, raises when
+            the coordinator opens.
+    """
+
+    kind = "host"
+
+    def __init__(self, capacity_bytes):
+        self.capacity_bytes = _capacity(capacity_bytes, "HostTier")
+
+    def __repr__(self) -> str:
+        return f"HostTier(capacity_bytes={self.capacity_bytes})"
+
+
+class DiskTier:
+    """A tier of block files in a local directory, LRU, persistent across restarts.
+
+    A coordinator restarted on the same directory, with the same layout fingerprint
+    and salt, serves prefix hits from it. The index is rebuilt from the directory in
+    the background at start, so the coordinator serves at once. One coordinator at a
+    time uses a directory (a lock file).
+
+    Args:
+        path: the directory (created if missing).
+        capacity_bytes: the most bytes of block files kept (an int or ``"64G"``).
+        salt: bytes that, with the layout fingerprint, name what the blocks are (the
+            model, say): a coordinator with another salt does not use the directory.
+        fsync: fsync each file before it is renamed into place (see the module doc).
+
+    Raises:
+        InvalidArgument / WrongType: a zero or negative capacity, a path that is a file.
+        ShmkvError: the directory cannot be created or written (a read-only
+            filesystem), or its filesystem is full. A directory in use by another
+            coordinator raises when this one opens.
+    """
+
+    kind = "disk"
+
+    def __init__(self, path, capacity_bytes, salt: bytes = b"", fsync: bool = False):
+        if not isinstance(path, (str, os.PathLike)) or not str(path):
+            raise WrongType("DiskTier path must be a non-empty str or path")
+        if not isinstance(salt, bytes):
+            raise WrongType("DiskTier salt must be bytes")
+        self.path = os.path.abspath(os.fspath(path))
+        self.capacity_bytes = _capacity(capacity_bytes, "DiskTier")
+        self.salt = salt
+        self.fsync = bool(fsync)
+        _check_writable(self.path, 1)
+
+    def __repr__(self) -> str:
+        return f"DiskTier({self.path!r}, capacity_bytes={self.capacity_bytes})"
+
+
+def check_specs(tiers) -> list:
+    """Validate a coordinator's ``tiers=`` list: ``[HostTier]``, ``[DiskTier]`` or
+    ``[HostTier, DiskTier]``, top to bottom."""
+    if tiers is None:
+        return []
+    if not isinstance(tiers, (list, tuple)):
+        raise WrongType("tiers must be a list such as [HostTier(...), DiskTier(...)]")
+    kinds = [getattr(t, "kind", None) if isinstance(t, (HostTier, DiskTier)) else None
+             for t in tiers]
+    if kinds not in ([], ["host"], ["disk"], ["host", "disk"]):
+        raise InvalidArgument("tiers must be [HostTier(...)], [DiskTier(...)] or "
+                              "[HostTier(...), DiskTier(...)], top tier first")
+    return list(tiers)
+
+
+# -- the index entries and the copies the workers make -------------------------------
+
+
+class _Entry:
+    """One key in one tier. ``ready``: complete and servable. ``pins``: copies reading it."""
+
+    __slots__ = ("slot", "ready", "pins", "from_scan", "doomed")
+
+    def __init__(self, slot: int = -1, ready: bool = False, from_scan: bool = False):
+        self.slot = slot
+        self.ready = ready
+        self.pins = 0
+        self.from_scan = from_scan   # indexed from the directory at start (not written by us)
+        self.doomed = False          # found damaged while pinned: removed at the last unpin
+
+
+class _Copy:
+    """One block moved by a worker. ``op``: p2h, h2p, d2p, h2d, p2d (pool, host, disk) or
+    del (delete a file)."""
+
+    __slots__ = ("op", "key", "block", "slot", "entry", "src", "cancelled", "ok", "error",
+                 "damaged", "enospc")
+
+    def __init__(self, op: str, key: bytes, block: int = -1, slot: int = -1,
+                 entry: Optional[_Entry] = None, src: Optional[_Entry] = None):
+        self.op, self.key, self.block, self.slot = op, key, block, slot
+        self.entry = entry      # the entry this copy fills (demotions)
+        self.src = src          # the entry this copy reads and pins
+        self.cancelled = False
+        self.ok = False
+        self.error: Optional[str] = None
+        self.damaged = False
+        self.enospc = False
+
+
+class _Job:
+    __slots__ = ("copies", "promotion")
+
+    def __init__(self, copies: list, promotion=None):
+        self.copies = copies
+        self.promotion = promotion
+
+
+class Promotion:
+    """Blocks being promoted for one request. ``context`` is the coordinator's (whom to
+    answer); ``records`` are the ``shmkv.sequences`` records it finishes."""
+
+    __slots__ = ("records", "copies", "num_jobs", "context")
+
+    def __init__(self, records: list):
+        self.records = records
+        self.copies: List[list] = []
+        self.num_jobs = 0
+        self.context = None
+
+
+class _Cancelled(Exception):
+    pass
+
+
+class _Damaged(Exception):
+    pass
+
+
+# -- the stores: a tier bound to one pool ------------------------------------------------
+
+
+class _HostStore:
+    name = "host"
+
+    def __init__(self, spec: HostTier, config):
+        self.slot_nbytes = config.block_nbytes
+        self.num_slots = spec.capacity_bytes // self.slot_nbytes
+        self.capacity_bytes = spec.capacity_bytes
+        self.data = self.np = None
+        self._registered = None
+        if self.num_slots < 1:
+            raise InvalidArgument(f"HostTier capacity_bytes={spec.capacity_bytes} holds no "
+                                  f"block of {self.slot_nbytes} bytes; raise it")
+        nbytes = self.num_slots * self.slot_nbytes
+        fd = shm.create_segment(nbytes, "host tier")
+        try:
+            self.data = shm.map_tensor(fd, nbytes).view(self.num_slots, self.slot_nbytes)
+        finally:
+            os.close(fd)  # the mapping lives as long as the tensor
+        self.np = self.data.numpy()
+        if config.is_cuda:  # page-locked, so copies to and from the GPU are DMA
+            import torch
+            ptr = self.data.data_ptr()
+            code = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+            if int(code) == 0:
+                self._registered = ptr
+            else:
+                log.warning("host tier: cudaHostRegister failed (%s); copies will be staged",
+                            code)
+        self.free: List[int] = list(range(self.num_slots - 1, -1, -1))
+        self.index: "OrderedDict[bytes, _Entry]" = OrderedDict()
+        self.num_ready = 0
+        self.counters = {"hits": 0, "demotions": 0, "promotions": 0, "dropped": 0,
+                         "errors": 0}
+
+    def stats(self) -> dict:
+        blocks = self.num_ready
+        out = {"tier": "host", "blocks": blocks, "bytes": blocks * self.slot_nbytes,
+               "capacity_bytes": self.capacity_bytes, "slots": self.num_slots}
+        out.update(self.counters)
+        return out
+
+    def close(self) -> None:
+        if self._registered is not None:
+            import torch
+            torch.cuda.cudart().cudaHostUnregister(self._registered)
+            self._registered = None
+        self.data = self.np = None  # the mapping goes with the last tensor
+
+
+_LIVE_DISKS: "weakref.WeakSet[_DiskStore]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child must not keep a disk tier's lock alive after its parent stops."""
+    for store in list(_LIVE_DISKS):
+        store.forget_lock()
+    _LIVE_DISKS.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class _DiskStore:
+    name = "disk"
+
+    def __init__(self, spec: DiskTier, config):
+        self.path = spec.path
+        self.blocks_dir = os.path.join(self.path, "blocks")
+        self.capacity_bytes = spec.capacity_bytes
+        self.fsync = spec.fsync
+        self.payload_nbytes = config.block_nbytes
+        self.file_nbytes = HEADER_SIZE + self.payload_nbytes
+        self.session = secrets.token_hex(6)
+        self.fingerprint = config.fingerprint()
+        self.salt_digest = hashlib.blake2b(spec.salt, digest_size=16).hexdigest()
+        self.namespace = hashlib.blake2b(
+            f"{self.fingerprint}/{self.salt_digest}".encode(), digest_size=16).digest()
+        dtype = config.dtype.encode()
+        self._shape = (config.num_layers, config.block_size, config.num_kv_heads,
+                       config.head_dim, config.tp_size, dtype)
+        self.disabled: Optional[str] = None
+        self.scanning = False
+        self.full_until = 0.0
+        self.index: "OrderedDict[bytes, _Entry]" = OrderedDict()
+        self.num_ready = 0
+        self.bytes = 0            # files written, being written, or found at start
+        self.counters = {"hits": 0, "demotions": 0, "promotions": 0, "dropped": 0,
+                         "errors": 0, "full": 0, "removed_damaged": 0,
+                         "removed_incomplete": 0}
+        self._lock_fd: Optional[int] = None
+        _check_writable(self.path, self.file_nbytes)
+        self._lock()
+        try:
+            self._check_namespace(config)
+            if self.disabled is None:
+                os.makedirs(self.blocks_dir, mode=0o700, exist_ok=True)
+        except BaseException:
+            self.close()
+            raise
+
+    def _lock(self) -> None:
+        lock_path = os.path.join(self.path, "lock")
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            finally:
+                os.close(fd)
+            raise ShmkvError(f"disk tier directory {self.path} is in use by another "
+                             f"coordinator (pid {holder}); stop it or choose another "
+                             "directory") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+        _LIVE_DISKS.add(self)
+
+    def _check_namespace(self, config) -> None:
+        ns_path = os.path.join(self.path, "namespace")
+        wanted = {"format": NAMESPACE_FORMAT, "version": FORMAT_VERSION,
+                  "fingerprint": self.fingerprint, "salt_digest": self.salt_digest,
+                  "block_nbytes": self.payload_nbytes, "layout": config.to_wire()}
+        try:
+            with open(ns_path, "rb") as f:
+                found = json.loads(f.read(1 << 16))
+        except FileNotFoundError:
+            tmp = f"{ns_path}.tmp-{self.session}"
+            with open(tmp, "w") as f:
+                json.dump(wanted, f, indent=1, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, ns_path)
+            return
+        except (OSError, ValueError) as exc:
+            self._disable(f"its namespace file cannot be read ({exc})")
+            return
+        if not isinstance(found, dict) or found.get("format") != NAMESPACE_FORMAT:
+            self._disable("its namespace file is not a shmkv disk tier's")
+        elif found.get("version") != FORMAT_VERSION:
+            self._disable(f"it holds format version {found.get('version')}, this shmkv "
+                          f"writes {FORMAT_VERSION}")
+        elif found.get("fingerprint") != self.fingerprint:
+            self._disable(f"it holds blocks of layout fingerprint {found.get('fingerprint')}, "
+                          f"this pool's is {self.fingerprint}")
+        elif found.get("salt_digest") != self.salt_digest:
+            self._disable("it holds blocks made with another salt")
+
+    def _disable(self, reason: str) -> None:
+        self.disabled = reason
+        log.warning("disk tier %s is not used: %s; point the disk tier at another directory "
+                    "(or empty this one) to use it", self.path, reason)
+        self.forget_lock(close=True)
+
+    def forget_lock(self, close: bool = True) -> None:
+        if self._lock_fd is not None:
+            try:
+                os.close(self._lock_fd)  # in a forked child: the parent's lock stays held
+            except OSError:
+                pass
+            self._lock_fd = None
+        _LIVE_DISKS.discard(self)
+
+    def close(self) -> None:
+        self.forget_lock()
+
+    def usable(self, now: float) -> bool:
+        return self.disabled is None and now >= self.full_until
+
+    def file_path(self, key: bytes) -> str:
+        return os.path.join(self.blocks_dir, key.hex() + ".kv")
+
+    # -- the format (worker threads) --------------------------------------------------
+
+    def _header(self, key: bytes, crc: int) -> bytes:
+        layers, block_size, heads, head_dim, tp, dtype = self._shape
+        head = _HEAD.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, 0, self.namespace, key, layers,
+                          block_size, heads, head_dim, tp, dtype, self.payload_nbytes, crc)
+        return head + _CRC.pack(zlib.crc32(head))
+
+    def check_header(self, header: bytes, key: bytes, size: int) -> int:
+        """The payload crc of a valid header; raises _Damaged with the reason otherwise."""
+        if size < HEADER_SIZE or len(header) < HEADER_SIZE:
+            raise _Damaged("truncated header")
+        head = header[:_HEAD.size]
+        if _CRC.unpack_from(header, _HEAD.size)[0] != zlib.crc32(head):
+            raise _Damaged("header checksum")
+        (magic, version, header_size, _flags, namespace, file_key, layers, block_size, heads,
+         head_dim, tp, dtype, payload, crc) = _HEAD.unpack(head)
+        if magic != MAGIC or version != FORMAT_VERSION or header_size != HEADER_SIZE:
+            raise _Damaged("not a block file of this format")
+        if namespace != self.namespace:
+            raise _Damaged("another namespace")
+        dtype = dtype.rstrip(b"\0")
+        if file_key != key or (layers, block_size, heads, head_dim, tp, dtype) != self._shape \
+                or payload != self.payload_nbytes:
+            raise _Damaged("another key or shape")
+        if size != HEADER_SIZE + payload:
+            raise _Damaged("truncated" if size < HEADER_SIZE + payload else "trailing bytes")
+        return crc
+
+    def write_block(self, key: bytes, payload) -> None:
+        """Write one block file: a temporary name, then renamed into place."""
+        crc = zlib.crc32(payload)
+        final = self.file_path(key)
+        tmp = f"{final}.tmp-{self.session}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            try:
+                _write_all(fd, [self._header(key, crc), memoryview(payload).cast("B")])
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        if self.fsync:
+            dfd = os.open(self.blocks_dir, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+
+    def read_block(self, key: bytes, out) -> None:
+        """Read and verify one block into ``out`` (a writable buffer of the payload size)."""
+        fd = os.open(self.file_path(key), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            header = bytearray(HEADER_SIZE)
+            view = memoryview(out).cast("B")
+            got = _read_all(fd, [header, view])
+            crc = self.check_header(header, key, size)
+            if got != size:
+                raise _Damaged("truncated")
+            if zlib.crc32(view) != crc:
+                raise _Damaged("payload checksum")
+        finally:
+            os.close(fd)
+
+    def stats(self) -> dict:
+        blocks = self.num_ready
+        state = ("disabled: " + self.disabled) if self.disabled else \
+            ("scanning" if self.scanning else "ready")
+        out = {"tier": "disk", "blocks": blocks, "bytes": self.bytes,
+               "capacity_bytes": self.capacity_bytes, "path": self.path, "state": state}
+        out.update(self.counters)
+        return out
+
+
+def _write_all(fd: int, buffers: list) -> None:
+    total = sum(len(b) for b in buffers)
+    done = os.writev(fd, buffers)
+    while done < total:  # a short write: rare on a regular file, never assumed away
+        rest, skip = [], done
+        for b in buffers:
+            if skip >= len(b):
+                skip -= len(b)
+                continue
+            rest.append(b[skip:])
+            skip = 0
+        buffers, total = rest, sum(len(b) for b in rest)
+        done = os.writev(fd, buffers)
+        if done == 0:
+            raise OSError(errno.EIO, "write made no progress")
+
+
+def _read_all(fd: int, buffers: list) -> int:
+    """Fill ``buffers`` from the start of the file; returns the bytes read (short at EOF)."""
+    views = [memoryview(b) for b in buffers]
+    total = 0
+    while views:
+        got = os.preadv(fd, views, total)
+        if got == 0:
+            break
+        total += got
+        while views and got >= len(views[0]):
+            got -= len(views[0])
+            views.pop(0)
+        if views and got:
+            views[0] = views[0][got:]
+    return total
+
+
+# -- the tier set -----------------------------------------------------------------------
+
+
+class TierSet:
+    """The tiers of one coordinator, their indexes and their worker threads.
+
+    Made by the coordinator at open. Everything but the workers runs on the
+    coordinator's loop thread: :meth:`lookup` (from a prefix lookup), :meth:`promote`,
+    :meth:`tick` (every loop turn), :meth:`stats`, :meth:`close`.
+
+    Args:
+        specs: checked ``tiers=`` list (see :func:`check_specs`).
+        config: the pool's :class:`~shmkv.layout.PoolConfig`.
+        memory: the pool's :class:`~shmkv.memory.PoolMemory`.
+        table: the :class:`~shmkv.sequences.SequenceTable` (its pool gets the hooks).
+        wake: called from a worker thread to wake the loop.
+        num_workers: threads for promotions and host copies.
+
+    Raises:
+        ShmkvError and subclasses: a tier cannot be opened (nothing is left open).
+    """
+
+    def __init__(self, specs: list, config, memory, table, wake: Callable[[], None],
+                 num_workers: int = 2):
+        self.config = config
+        self.table = table
+        self.pool = table.pool
+        self.num_workers = num_workers
+        self._wake_fn = wake
+        self.host: Optional[_HostStore] = None
+        self.disk: Optional[_DiskStore] = None
+        self._cv = threading.Condition()
+        self._promote_q: deque = deque()
+        self._demote_q: deque = deque()
+        self._disk_q: deque = deque()
+        self._done: deque = deque()
+        self._scan_q: deque = deque()
+        self._threads: List[threading.Thread] = []
+        self._stopping = False
+        self._wake_pending = False
+        self._local = threading.local()
+        self._reading: dict = {}           # pool block -> the demotion copy reading it
+        self._spill: "OrderedDict[bytes, None]" = OrderedDict()  # host keys to write to disk
+        self._new_demotes: list = []
+        self._new_disk: list = []
+        self._jobs_out = 0                 # jobs handed to workers, not yet back in tick()
+        self._disk_in_flight = 0           # disk writes handed to the writer, not back yet
+        self.num_lost_evictions = 0
+        self.num_promotions_in_flight = 0
+        try:
+            for spec in specs:
+                if spec.kind == "host":
+                    self.host = _HostStore(spec, config)
+                else:
+                    self.disk = _DiskStore(spec, config)
+            import torch
+            # Byte views of every rank's pool: [num_blocks, block bytes of that rank].
+            self._pool_u8 = [p.view(config.num_blocks, -1).view(torch.uint8)
+                             for p in memory.device_pools]
+            self._pool_np = None if config.is_cuda else [t.numpy() for t in self._pool_u8]
+            self.pool.newly_cached = []
+            self.pool.on_evict = self._on_evict
+            for i in range(num_workers):
+                self._start(self._io_worker, f"shmkv-tier-io-{i}")
+            if self.disk is not None and self.disk.disabled is None:
+                self._start(self._disk_worker, "shmkv-tier-disk")
+                self.disk.scanning = True
+                self._start(self._scan, "shmkv-tier-scan")
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, target, name: str) -> None:
+        thread = threading.Thread(target=self._niced, args=(target,), name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    @staticmethod
+    def _niced(target) -> None:
+        """Run a worker at a lower CPU priority than the loop (Linux: per thread), so that
+        copies and checksums yield the CPU to the loop and to clients when cores are few."""
+        try:
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid,
+                           min(19, os.getpriority(os.PRIO_PROCESS, tid) + WORKER_NICE))
+        except (AttributeError, OSError):
+            pass
+        target()
+
+    # -- loop side: lookups and promotions ------------------------------------------------
+
+    def lookup(self, keys) -> int:
+        """How many leading ``keys`` a tier can serve now (a pure index lookup)."""
+        host = self.host.index if self.host is not None else {}
+        disk = self.disk.index if self.disk is not None else {}
+        num = 0
+        for key in keys:
+            entry = host.get(key)
+            if entry is None or not entry.ready:
+                entry = disk.get(key)
+                if entry is None or not entry.ready:
+                    break
+            num += 1
+        return num
+
+    def promote(self, records: list) -> Promotion:
+        """Start copying the blocks of ``records`` (``shmkv.sequences.PendingPromotion``)
+        into their fresh pool blocks; :meth:`tick` returns the promotion when done."""
+        promo = Promotion(records)
+        host, disk = self.host, self.disk
+        copies = []
+        for record in records:
+            row = []
+            for key, block in zip(record.keys, record.blocks):
+                entry = host.index.get(key) if host is not None else None
+                if entry is not None and entry.ready:
+                    copy = _Copy("h2p", key, block=block, slot=entry.slot, src=entry)
+                    host.index.move_to_end(key)
+                    host.counters["hits"] += 1
+                else:
+                    entry = disk.index.get(key) if disk is not None else None
+                    if entry is None or not entry.ready:  # cannot happen after lookup()
+                        copy = _Copy("none", key, block=block)
+                        copy.cancelled = True
+                        row.append(copy)
+                        continue
+                    copy = _Copy("d2p", key, block=block, src=entry)
+                    disk.index.move_to_end(key)
+                    disk.counters["hits"] += 1
+                entry.pins += 1
+                row.append(copy)
+            promo.copies.append(row)
+            copies += row
+        # Split among the workers (reads and checksums of one request run in parallel),
+        # in pieces of at least PROMOTION_CHUNK_MIN copies.
+        parts = max(1, min(self.num_workers, -(-len(copies) // PROMOTION_CHUNK_MIN)))
+        size = -(-len(copies) // parts)
+        chunks = [copies[i:i + size] for i in range(0, len(copies), size)]
+        promo.num_jobs = len(chunks)
+        self.num_promotions_in_flight += 1
+        with self._cv:
+            for chunk in chunks:
+                self._promote_q.append(_Job(chunk, promo))
+            self._jobs_out += len(chunks)
+            self._cv.notify_all()
+        return promo
+
+    # -- loop side: hooks from the pool ---------------------------------------------------
+
+    def _on_evict(self, block: int, key: bytes) -> None:
+        """The pool evicts a cached block (called inside ``BlockPool.allocate``)."""
+        copy = self._reading.pop(block, None)
+        if copy is not None:       # its demotion is still copying: cancel it
+            copy.cancelled = True
+        if not self._held(key):    # and no tier has it already: lost
+            self.num_lost_evictions += 1
+
+    def _held(self, key: bytes) -> bool:
+        for store in (self.host, self.disk):
+            if store is not None:
+                entry = store.index.get(key)
+                if entry is not None and entry.ready:
+                    return True
+        return False
+
+    # -- loop side: the turn ----------------------------------------------------------------
+
+    def tick(self) -> List[Promotion]:
+        """Take finished copies, schedule new ones; returns the finished promotions."""
+        self._wake_pending = False
+        finished: List[Promotion] = []
+        done = self._done
+        while done:
+            self._complete(done.popleft(), finished)
+        if self._scan_q:
+            self._merge_scan()
+        newly = self.pool.newly_cached
+        if newly:
+            self.pool.newly_cached = []
+            for block in newly:
+                key = self.pool.block_key[block]
+                if key is not None and block not in self._reading:
+                    self._place(block, key)
+        if self._spill:
+            self._schedule_spills()
+        self._submit()
+        return finished
+
+    @property
+    def num_pending(self) -> int:
+        """Copies scheduled or running, plus blocks waiting for a disk write."""
+        return self._jobs_out + len(self._spill) + len(self._new_demotes) + len(self._new_disk)
+
+    def _submit(self) -> None:
+        if not (self._new_demotes or self._new_disk):
+            return
+        with self._cv:
+            new = self._new_demotes
+            for i in range(0, len(new), DEMOTION_CHUNK):
+                self._demote_q.append(_Job(new[i:i + DEMOTION_CHUNK]))
+                self._jobs_out += 1
+            if self._new_disk:
+                self._disk_q.append(_Job(self._new_disk))
+                self._jobs_out += 1
+            self._cv.notify_all()
+        self._new_demotes, self._new_disk = [], []
+
+    def _place(self, block: int, key: bytes) -> None:
+        """A published block became cached: copy it to the first tier that lacks it."""
+        host, disk = self.host, self.disk
+        if host is not None:
+            entry = host.index.get(key)
+            if entry is not None:
+                host.index.move_to_end(key)
+                if disk is not None and disk.disabled is None:
+                    if key in disk.index:
+                        disk.index.move_to_end(key)
+                    elif entry.ready:
+                        self._spill[key] = None   # an earlier write failed (a full disk)
+                return
+            slot = self._host_slot()
+            if slot is not None:
+                entry = _Entry(slot)
+                host.index[key] = entry
+                copy = _Copy("p2h", key, block=block, slot=slot, entry=entry)
+                self._reading[block] = copy
+                self._new_demotes.append(copy)
+                return
+        if disk is not None and disk.usable(time.monotonic()):
+            if key in disk.index:
+                disk.index.move_to_end(key)
+                return
+            if self._disk_in_flight < MAX_DISK_WRITES_IN_FLIGHT and self._disk_reserve():
+                entry = _Entry()
+                disk.index[key] = entry
+                copy = _Copy("p2d", key, block=block, entry=entry)
+                self._reading[block] = copy
+                self._new_disk.append(copy)
+                self._disk_in_flight += 1
+
+    def _host_slot(self) -> Optional[int]:
+        """A free host slot, making room by the LRU when needed; None when all are busy."""
+        host = self.host
+        if host.free:
+            return host.free.pop()
+        for key, entry in host.index.items():   # oldest first; busy entries are skipped
+            if entry.ready and not entry.pins:
+                break
+        else:
+            return None
+        del host.index[key]
+        host.num_ready -= 1
+        self._spill.pop(key, None)
+        disk = self.disk
+        on_disk = disk is not None and key in disk.index and disk.index[key].ready
+        if not on_disk:
+            host.counters["dropped"] += 1
+        return entry.slot
+
+    def _disk_reserve(self) -> bool:
+        """Make room for one file by deleting the disk's LRU blocks; False if it cannot."""
+        disk = self.disk
+        while disk.bytes + disk.file_nbytes > disk.capacity_bytes:
+            for key, entry in disk.index.items():
+                if entry.ready and not entry.pins:
+                    break
+            else:
+                return False
+            self._disk_remove(key)
+            disk.counters["dropped"] += 1
+        disk.bytes += disk.file_nbytes
+        return True
+
+    def _disk_remove(self, key: bytes) -> None:
+        """Forget a disk block and delete its file (after any write queued before)."""
+        disk = self.disk
+        self._unready(disk, disk.index.pop(key))
+        disk.bytes -= disk.file_nbytes
+        self._new_disk.append(_Copy("del", key))
+
+    @staticmethod
+    def _unready(store, entry: _Entry) -> None:
+        if entry.ready:
+            entry.ready = False
+            store.num_ready -= 1
+
+    def _schedule_spills(self) -> None:
+        disk, host = self.disk, self.host
+        if not disk.usable(time.monotonic()):
+            return
+        while self._spill and self._disk_in_flight < MAX_DISK_WRITES_IN_FLIGHT:
+            key, _ = self._spill.popitem(last=False)
+            entry = host.index.get(key)
+            if entry is None or not entry.ready or key in disk.index:
+                continue
+            if not self._disk_reserve():
+                self._spill[key] = None
+                self._spill.move_to_end(key, last=False)
+                return
+            entry.pins += 1
+            target = _Entry()
+            disk.index[key] = target
+            self._new_disk.append(_Copy("h2d", key, slot=entry.slot, entry=target, src=entry))
+            self._disk_in_flight += 1
+
+    def _unpin(self, store, copy: _Copy) -> None:
+        entry = copy.src
+        entry.pins -= 1
+        if entry.doomed and not entry.pins and store.index.get(copy.key) is entry:
+            self._disk_remove(copy.key)   # only disk entries are doomed
+
+    def _complete(self, job: _Job, finished: list) -> None:
+        self._jobs_out -= 1
+        host, disk = self.host, self.disk
+        for copy in job.copies:
+            op = copy.op
+            if op == "p2h":
+                if self._reading.get(copy.block) is copy:
+                    del self._reading[copy.block]
+                entry = copy.entry
+                if copy.ok and not copy.cancelled and host.index.get(copy.key) is entry:
+                    entry.ready = True
+                    host.num_ready += 1
+                    host.counters["demotions"] += 1
+                    if disk is not None and disk.disabled is None and copy.key not in disk.index:
+                        self._spill[copy.key] = None
+                else:
+                    if copy.error is not None:
+                        host.counters["errors"] += 1
+                    if host.index.get(copy.key) is entry:
+                        del host.index[copy.key]
+                    host.free.append(entry.slot)
+            elif op in ("h2d", "p2d"):
+                self._disk_in_flight -= 1
+                if op == "h2d":
+                    self._unpin(host, copy)
+                elif self._reading.get(copy.block) is copy:
+                    del self._reading[copy.block]
+                entry = copy.entry
+                mine = disk.index.get(copy.key) is entry
+                if copy.ok and not copy.cancelled:
+                    if mine:
+                        entry.ready = True
+                        disk.num_ready += 1
+                        disk.counters["demotions"] += 1
+                    elif copy.key not in disk.index:  # forgotten while written: delete it
+                        self._new_disk.append(_Copy("del", copy.key))
+                    continue
+                if copy.enospc:
+                    disk.counters["full"] += 1
+                    now = time.monotonic()
+                    if now >= disk.full_until:   # once per pause, not once per block
+                        log.warning("disk tier %s: filesystem full; demotion to disk pauses "
+                                    "for %.0f s (nothing in the pool is lost)", disk.path,
+                                    DISK_FULL_BACKOFF_S)
+                    disk.full_until = now + DISK_FULL_BACKOFF_S
+                    if op == "h2d" and host.index.get(copy.key) is copy.src:
+                        self._spill[copy.key] = None   # still in host memory: try again later
+                elif copy.error is not None:
+                    disk.counters["errors"] += 1
+                    log.warning("disk tier %s: writing a block failed: %s", disk.path,
+                                copy.error)
+                if mine:
+                    del disk.index[copy.key]
+                    disk.bytes -= disk.file_nbytes
+            elif op == "del":
+                if copy.error is not None:
+                    disk.counters["errors"] += 1
+            else:  # h2p, d2p, none: a promotion's copy
+                store = host if op == "h2p" else disk
+                if copy.src is not None:
+                    if copy.ok:
+                        store.counters["promotions"] += 1
+                    else:
+                        store.counters["errors"] += 1
+                        if copy.damaged:
+                            self._unready(store, copy.src)
+                            copy.src.doomed = True
+                            disk.counters["removed_damaged"] += 1
+                            log.warning("disk tier %s: block %s not served and removed: %s",
+                                        disk.path, copy.key.hex(), copy.error)
+                    self._unpin(store, copy)
+        promo = job.promotion
+        if promo is not None:
+            promo.num_jobs -= 1
+            if promo.num_jobs == 0:
+                self.num_promotions_in_flight -= 1
+                for record, row in zip(promo.records, promo.copies):
+                    num_ok = 0
+                    while num_ok < len(row) and row[num_ok].ok:
+                        num_ok += 1
+                    self.table.finish_promotion(record, num_ok)
+                finished.append(promo)
+
+    def _merge_scan(self) -> None:
+        disk = self.disk
+        budget = SCAN_CHUNK
+        while self._scan_q and budget > 0:
+            kind, payload = self._scan_q.popleft()
+            if kind == "keys":
+                index = disk.index
+                for key in payload:
+                    if key not in index:
+                        index[key] = _Entry(ready=True, from_scan=True)
+                        index.move_to_end(key, last=False)   # older than this run's blocks
+                        disk.num_ready += 1
+                        disk.bytes += disk.file_nbytes
+                budget -= len(payload)
+            elif kind == "bad":
+                key, reason = payload
+                entry = disk.index.get(key)
+                if entry is not None and entry.from_scan:
+                    disk.counters["removed_damaged"] += 1
+                    disk.counters["errors"] += 1
+                    log.warning("disk tier %s: block file %s not served and removed: %s",
+                                disk.path, key.hex(), reason)
+                    if entry.pins:
+                        self._unready(disk, entry)
+                        entry.doomed = True
+                    else:
+                        self._disk_remove(key)
+            elif kind == "order":   # oldest last, so each moves to the front in turn
+                index = disk.index
+                for key in payload:
+                    entry = index.get(key)
+                    if entry is not None and entry.from_scan:
+                        index.move_to_end(key, last=False)
+            elif kind == "incomplete":
+                disk.counters["removed_incomplete"] += payload
+            elif kind == "error":
+                disk.counters["errors"] += 1
+                log.warning("disk tier %s: scanning failed: %s", disk.path, payload)
+            elif kind == "done":
+                disk.scanning = False
+            budget -= 1
+        # A smaller capacity than last run: trimmed once the scan has put the blocks in
+        # LRU order (their files' modification times).
+        while not disk.scanning and disk.bytes > disk.capacity_bytes:
+            for key, entry in disk.index.items():
+                if entry.ready and not entry.pins:
+                    break
+            else:
+                break
+            self._disk_remove(key)
+            disk.counters["dropped"] += 1
+        if self._scan_q:
+            self._wake()   # more next turn: the loop stays responsive meanwhile
+
+    # -- worker side -------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        if not self._wake_pending:
+            self._wake_pending = True
+            self._wake_fn()
+
+    def _finish(self, job: _Job) -> None:
+        self._done.append(job)
+        self._wake()
+
+    def _io_worker(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._stopping or self._promote_q or self._demote_q):
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                job = self._promote_q.popleft() if self._promote_q else self._demote_q.popleft()
+            self._run(job)
+            self._finish(job)
+
+    def _disk_worker(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._stopping or self._disk_q):
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                job = self._disk_q.popleft()
+            self._run(job)
+            self._finish(job)
+
+    def _run(self, job: _Job) -> None:
+        for copy in job.copies:
+            if self._stopping:
+                copy.error = "coordinator stopping"
+                continue
+            try:
+                getattr(self, "_op_" + copy.op)(copy)
+                copy.ok = True
+            except _Cancelled:
+                pass
+            except _Damaged as exc:
+                copy.damaged, copy.error = True, str(exc)
+            except FileNotFoundError as exc:
+                copy.damaged = copy.op == "d2p"
+                copy.error = f"{exc.strerror}: {exc.filename}"
+            except OSError as exc:
+                copy.enospc = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+                copy.error = f"{exc.strerror or exc}"
+            except Exception as exc:  # a bug must not kill the worker
+                log.exception("tier copy %s failed", copy.op)
+                copy.error = f"{type(exc).__name__}: {exc}"
+
+    def _staging(self) -> tuple:
+        """This thread's buffer of one block (pinned under a GPU pool): (tensor, numpy)."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None:
+            import torch
+            tensor = torch.empty(self.config.block_nbytes, dtype=torch.uint8,
+                                 pin_memory=self.config.is_cuda)
+            buf = self._local.buf = (tensor, tensor.numpy())
+        return buf
+
+    # Host copies of a CPU pool go through numpy (a plain memcpy: several times faster
+    # than a torch copy_ of one block, whose dispatch and threading cost dominate).
+
+    def _pool_to(self, block: int, dst, dst_np) -> None:
+        """Copy a block of every rank's pool into ``dst`` (torch) / ``dst_np`` (numpy)."""
+        offset = 0
+        if self._pool_np is not None:
+            for rank in self._pool_np:
+                n = rank.shape[1]
+                np.copyto(dst_np[offset:offset + n], rank[block])
+                offset += n
+            return
+        for rank in self._pool_u8:
+            n = rank.shape[1]
+            dst[offset:offset + n].copy_(rank[block])
+            offset += n
+
+    def _to_pool(self, src, src_np, block: int) -> None:
+        offset = 0
+        if self._pool_np is not None:
+            for rank in self._pool_np:
+                n = rank.shape[1]
+                np.copyto(rank[block], src_np[offset:offset + n])
+                offset += n
+            return
+        for rank in self._pool_u8:
+            n = rank.shape[1]
+            rank[block].copy_(src[offset:offset + n])
+            offset += n
+
+    def _op_p2h(self, copy: _Copy) -> None:
+        self._pool_to(copy.block, self.host.data[copy.slot], self.host.np[copy.slot])
+        if copy.cancelled:   # read after the copy: see the module doc
+            raise _Cancelled
+
+    def _op_h2p(self, copy: _Copy) -> None:
+        self._to_pool(self.host.data[copy.slot], self.host.np[copy.slot], copy.block)
+
+    def _op_h2d(self, copy: _Copy) -> None:
+        self.disk.write_block(copy.key, self.host.np[copy.slot])
+
+    def _op_p2d(self, copy: _Copy) -> None:
+        buf, buf_np = self._staging()
+        self._pool_to(copy.block, buf, buf_np)
+        if copy.cancelled:
+            raise _Cancelled
+        self.disk.write_block(copy.key, buf_np)
+
+    def _op_d2p(self, copy: _Copy) -> None:
+        if self._pool_np is not None and len(self._pool_np) == 1:
+            self.disk.read_block(copy.key, self._pool_np[0][copy.block])  # straight in
+        else:
+            buf, buf_np = self._staging()
+            self.disk.read_block(copy.key, buf_np)
+            self._to_pool(buf, buf_np, copy.block)
+
+    def _op_del(self, copy: _Copy) -> None:
+        try:
+            os.unlink(self.disk.file_path(copy.key))
+        except FileNotFoundError:
+            pass
+
+    def _op_none(self, copy: _Copy) -> None:
+        raise _Cancelled
+
+    def _scan(self) -> None:
+        """Rebuild the disk index from the directory: names first (so hits start at
+        once), then every header, then the LRU order by modification time."""
+        disk = self.disk
+        post = self._scan_q.append
+        try:
+            keys, incomplete = [], 0
+            with os.scandir(disk.blocks_dir) as entries:
+                for item in entries:
+                    if self._stopping:
+                        return
+                    match = _FILE_RE.match(item.name)
+                    if match:
+                        keys.append(bytes.fromhex(match.group(1)))
+                        if len(keys) % SCAN_CHUNK == 0:
+                            post(("keys", keys[-SCAN_CHUNK:]))
+                            self._wake()
+                        continue
+                    tmp = _TMP_RE.match(item.name)
+                    if tmp and tmp.group(1) != disk.session:  # left by a killed writer
+                        try:
+                            os.unlink(item.path)
+                            incomplete += 1
+                        except OSError:
+                            pass
+            if len(keys) % SCAN_CHUNK:
+                post(("keys", keys[-(len(keys) % SCAN_CHUNK):]))
+            if incomplete:
+                post(("incomplete", incomplete))
+            self._wake()
+            ages = []
+            for key in keys:
+                if self._stopping:
+                    return
+                try:
+                    fd = os.open(disk.file_path(key), os.O_RDONLY | os.O_CLOEXEC)
+                except FileNotFoundError:
+                    continue
+                try:
+                    st = os.fstat(fd)
+                    disk.check_header(os.pread(fd, HEADER_SIZE, 0), key, st.st_size)
+                    ages.append((st.st_mtime_ns, key))
+                except _Damaged as exc:
+                    post(("bad", (key, str(exc))))
+                    self._wake()
+                finally:
+                    os.close(fd)
+            ages.sort(reverse=True)
+            post(("order", [key for _mtime, key in ages]))
+        except OSError as exc:
+            post(("error", str(exc)))
+        finally:
+            post(("done", None))
+            self._wake()
+
+    # -- stats and teardown ------------------------------------------------------------------
+
+    def stats(self) -> list:
+        """One dict per tier: blocks, bytes, hits, demotions, promotions, dropped, errors."""
+        return [store.stats() for store in (self.host, self.disk) if store is not None]
+
+    def io_stats(self) -> dict:
+        """What is moving: pending copies, promotions in flight, evictions that lost a block."""
+        return {"pending": self.num_pending, "promotions_in_flight":
+                self.num_promotions_in_flight, "lost_evictions": self.num_lost_evictions,
+                "scanning": bool(self.disk is not None and self.disk.scanning)}
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the workers (a copy under way finishes; queued ones are abandoned) and
+        release the tiers. Idempotent; safe on a half-built set."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout)
+        self._threads = []
+        if getattr(self.pool, "on_evict", None) == self._on_evict:
+            self.pool.on_evict = None
+            self.pool.newly_cached = None
+        for name in ("host", "disk"):
+            store = getattr(self, name)
+            if store is not None:
+                store.close()
+        self._pool_u8 = self._pool_np = None

@@ -1,0 +1,130 @@
+"""Argument types of the command line: each checks one value and raises
+``argparse.ArgumentTypeError``, which argparse turns into a usage message and exit
+status 2 before anything starts. Shared by ``shmkv.tools.cli`` and the programs it
+runs (demo, stress, bench)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def _float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0."""
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0."""
+    value = _float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0."""
+    value = _float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A number in [0, 1]."""
+    value = _float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must lie in [0, 1], got {text}")
+    return value
+
+
+def name_arg(text: str) -> str:
+    """A coordinator or result name: 1-64 characters, no '/', not starting with '.'."""
+    if not text or "/" in text or text.startswith(".") or len(text) > 64 or "\0" in text:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} must be 1-64 characters without '/' and not start with '.'")
+    return text
+
+
+def path_arg(text: str) -> str:
+    """A file or directory path: not empty."""
+    if not text or "\0" in text:
+        raise argparse.ArgumentTypeError("path must not be empty")
+    return text
+
+
+def socket_path(text: str) -> str:
+    """A Unix socket path: not empty, at most the 107 bytes an address can hold."""
+    if not text or "\0" in text:
+        raise argparse.ArgumentTypeError("socket path must not be empty")
+    if len(text.encode(errors="surrogateescape")) > 107:
+        raise argparse.ArgumentTypeError(
+            f"socket path {text!r} is longer than the 107 bytes a Unix socket address "
+            "can hold")
+    return text
+
+
+def dtype_arg(text: str) -> str:
+    """A pool dtype name (float32, float16, bfloat16, float8_e4m3fn, float8_e5m2, int8)."""
+    from ..errors import ShmkvError
+    from ..layout import dtype_name
+    try:
+        return dtype_name(text)
+    except ShmkvError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def device_arg(text: str) -> str:
+    """'cpu' or 'cuda[:N]'."""
+    from ..errors import ShmkvError
+    from ..layout import normalize_device
+    try:
+        return normalize_device(text)
+    except ShmkvError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def port_arg(text: str) -> int:
+    """A TCP port, 0-65535 (0: any free port)."""
+    value = _int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port must lie in [0, 65535], got {value}")
+    return value
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def log_level_arg(text: str) -> str:
+    """A logging level name: debug, info, warning, error or critical (any case)."""
+    level = text.lower()
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(LOG_LEVELS)}")
+    return level

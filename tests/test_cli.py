@@ -1,0 +1,150 @@
+"""The command line: help for every flag, bad flags refused, --pool-size, serve with
+metrics and logs, stats --watch, and a demo whose output carries no third-party warnings."""
+
+import argparse
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+import shmkv
+from shmkv.tools import cli
+
+
+def _subcommands():
+    return cli.build_parser().subcommands
+
+
+def test_every_flag_of_every_subcommand_has_help_with_its_default():
+    parsers = _subcommands()
+    assert {"serve", "stats", "demo", "stress", "bench"} <= set(parsers)
+    for name, parser in parsers.items():
+        text = parser.format_help()
+        for action in parser._actions:
+            if not action.option_strings or isinstance(action, argparse._HelpAction):
+                continue
+            flag = action.option_strings[-1]
+            assert action.help, f"shmkv {name} {flag} has no help text"
+            if action.default not in (None, False, argparse.SUPPRESS):
+                shown = parser._get_formatter()._get_help_string(action)
+                assert "default" in shown.lower(), f"shmkv {name} {flag}: no default in help"
+        assert "(default:" in text or name == "bench", name
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["serve", "--pool-size", "8X"], "is not a size"),
+    (["serve", "--pool-size", "8G", "--num-blocks", "4"], "not allowed with"),
+    (["serve", "--metrics-port", "70000"], "port must lie in"),
+    (["serve", "--metrics-port", "http"], "is not an integer"),
+    (["serve", "--log-level", "loud"], "is not one of"),
+    (["serve", "--dtype", "float4"], "unsupported dtype"),
+    (["serve", "--num-blocks", "0"], "must be at least 1"),
+    (["serve", "--pool-size", "1K"], "holds no block"),
+    (["stats", "--watch", "0"], "must be greater than 0"),
+    (["stats", "--count", "-1"], "must be 0 or more"),
+    (["--log-level", "verbose", "stats"], "is not one of"),
+    (["serve", "--no-such-flag"], "unrecognized arguments"),
+])
+def test_bad_flags_are_refused_before_anything_starts(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_pool_size_is_an_alternative_to_num_blocks():
+    parser = cli.build_parser()
+    args = parser.parse_args(["serve", "--pool-size", "8M", "--dtype", "fp8"])
+    cfg = cli._config(args)
+    block = 4 * 2 * 16 * 8 * 64 * 1                    # layers, K/V, tokens, heads, dim, bytes
+    assert cfg.dtype == "float8_e4m3fn" and cfg.num_blocks == (8 << 20) // block
+    assert cli._config(parser.parse_args(["serve"])).num_blocks == 1024
+    assert cli._config(parser.parse_args(["serve", "--num-blocks", "7"])).num_blocks == 7
+    assert parser.parse_args(["serve", "--pool-size", "1.5GiB"]).pool_size == 3 << 29
+    assert parser.parse_args(["--log-level", "DEBUG", "serve"]).log_level == "debug"
+    assert parser.parse_args(["serve", "--log-level", "error"]).log_level == "error"
+
+
+def _line_reader(stream) -> "queue.Queue":
+    """Lines of ``stream`` as they come, from a daemon thread ("" at EOF)."""
+    lines = queue.Queue()
+
+    def pump():
+        for line in stream:
+            lines.put(line)
+        lines.put("")
+    threading.Thread(target=pump, daemon=True).start()
+    return lines
+
+
+def test_serve_serves_metrics_and_logs_connections(tmp_path):
+    address = str(tmp_path / "serve.sock")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shmkv", "serve", "--address", address, "--num-blocks", "16",
+         "--num-layers", "1", "--head-dim", "8", "--metrics-port", "0", "--dtype", "int8"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines, errors, url = _line_reader(proc.stdout), _line_reader(proc.stderr), None
+        while url is None:
+            line = lines.get(timeout=60)
+            assert line, "serve exited before it served"
+            if "metrics:" in line:
+                url = line.split("metrics:", 1)[1].strip()
+        with shmkv.connect(address, timeout=10) as client:
+            client.allocate(5).close()
+            assert client.config.dtype == "int8"
+        deadline = time.monotonic() + 10
+        while True:  # until the loop has seen the client close (nothing answers a close)
+            with urllib.request.urlopen(url, timeout=10) as response:
+                text = response.read().decode()
+            if "shmkv_connections_open 0.0" in text or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        assert 'shmkv_ops_total{op="allocate_many"} 1.0' in text
+        assert "shmkv_pool_bytes 32768.0" in text
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+        out = "".join(iter(lambda: lines.get(timeout=30), ""))
+        err = "".join(iter(lambda: errors.get(timeout=30), ""))
+        assert code == 0, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert "stopped" in out
+    assert "INFO shmkv.coordinator: connection 1 from pid" in err     # --log-level info
+    assert "dropped: closed by the client" in err
+    assert not os.path.exists(address)
+
+
+def test_stats_watch_shows_a_live_view(coord, client, capsys):
+    client.allocate(6)
+    args = cli.build_parser().parse_args(["stats", "--address", coord.address, "--watch",
+                                          "0.05", "--count", "3"])
+    assert cli.cmd_stats(args) == 0
+    out = capsys.readouterr().out
+    assert out.count("shmkv coordinator") == 3
+    assert "referenced of 64" in out and "requests" in out
+    args = cli.build_parser().parse_args(["stats", "--address", coord.address, "--watch",
+                                          "--count", "2", "--json"])
+    assert args.watch == 1.0
+    args.watch = 0.05
+    assert cli.cmd_stats(args) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2 and all(line.startswith("{") for line in lines)
+
+
+def test_demo_output_carries_no_third_party_warnings():
+    out = subprocess.run([sys.executable, "-m", "shmkv", "demo", "--prompts", "3", "--workers",
+                          "1", "--decode-steps", "1"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == "", out.stderr                 # no warnings, no progress bar (a pipe)
+    assert "warn" not in out.stdout.lower() and "numpy" not in out.stdout.lower()
+    assert "nothing left in /dev/shm" in out.stdout

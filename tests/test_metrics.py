@@ -1,0 +1,205 @@
+"""Operations: Prometheus metrics scraped from a served coordinator follow real
+traffic; connects, drops, refusals and limits are logged; the library prints nothing."""
+
+import logging
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+import shmkv
+
+
+def scrape(coord) -> dict:
+    """``{(sample name, sorted labels): value}`` of one scrape of ``/metrics``."""
+    host, port = coord.metrics_address
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as response:
+        assert response.status == 200
+        assert response.headers["Content-Type"].startswith("text/plain")
+        text = response.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        assert family.name.startswith("shmkv_"), family.name
+        for sample in family.samples:
+            out[sample.name, tuple(sorted(sample.labels.items()))] = sample.value
+    return out
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    return samples[name, tuple(sorted(labels.items()))]
+
+
+def blocks(samples: dict, state: str) -> float:
+    return value(samples, "shmkv_blocks", tier="pool", state=state)
+
+
+def settle(coord, connections: int) -> None:
+    """Wait until the coordinator's loop has seen closed connections (a close is not a
+    request: nothing answers it)."""
+    deadline = time.monotonic() + 10
+    while coord.stats()["connections"] != connections and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_metrics_follow_real_traffic(unique_name):
+    cfg = shmkv.PoolConfig(num_layers=2, num_kv_heads=2, head_dim=4, num_blocks=8,
+                           block_size=4, dtype=torch.float32)
+    with shmkv.Coordinator(cfg, name=unique_name, metrics_port=0, max_connections=2) as coord:
+        m = scrape(coord)
+        assert blocks(m, "free") == 8 and blocks(m, "cached") == 0
+        assert blocks(m, "referenced") == 0
+        assert value(m, "shmkv_pool_bytes") == cfg.nbytes
+        assert value(m, "shmkv_pool_blocks") == 8
+        assert value(m, "shmkv_connections_open") == 0
+        assert value(m, "shmkv_connections_total", event="accepted") == 0
+
+        with shmkv.connect(coord.address, timeout=10) as client:
+            prompt = list(range(12))                      # three full blocks
+            h = client.allocate(prompt=prompt)
+            h.commit()
+            m = scrape(coord)
+            assert value(m, "shmkv_connections_open") == 1
+            assert value(m, "shmkv_connections_total", event="accepted") == 1
+            assert blocks(m, "referenced") == 3 and blocks(m, "free") == 5
+            assert value(m, "shmkv_prefix_miss_tokens_total") == 12
+            assert value(m, "shmkv_prefix_hit_tokens_total") == 0
+
+            again = client.allocate(prompt=prompt + [99])  # a prefix hit of 12 tokens
+            m = scrape(coord)
+            assert value(m, "shmkv_prefix_hit_tokens_total") == 12
+            assert value(m, "shmkv_prefix_miss_tokens_total") == 13
+
+            branch = h.fork()                              # copy on write
+            branch.write(0, torch.ones(1, 2, 4), torch.ones(1, 2, 4), start=11)
+            m = scrape(coord)
+            assert value(m, "shmkv_cow_copies_total") == 1
+
+            token = branch.export(ttl=30)                  # a hand-off
+            assert value(scrape(coord), "shmkv_handoffs_outstanding") == 1
+            client.open(token).close()
+            m = scrape(coord)
+            assert value(m, "shmkv_handoffs_total", event="exported") == 1
+            assert value(m, "shmkv_handoffs_total", event="opened") == 1
+            assert value(m, "shmkv_handoffs_outstanding") == 0
+
+            for handle in (branch, again, h):              # cached, then evicted
+                handle.close()
+            m = scrape(coord)
+            assert blocks(m, "cached") == 3 and blocks(m, "referenced") == 0
+            client.allocate(8 * 4).close()                # needs every block
+            m = scrape(coord)
+            assert value(m, "shmkv_evictions_total") == 3
+            assert blocks(m, "free") == 8
+
+            with pytest.raises(shmkv.PoolExhausted):
+                client.allocate(9 * 4)
+            assert value(scrape(coord), "shmkv_request_errors_total") == 1
+
+            with shmkv.connect(coord.address, timeout=10):  # the second of two allowed
+                with pytest.raises(shmkv.LimitExceeded):
+                    shmkv.connect(coord.address, timeout=10)
+            settle(coord, 1)
+            m = scrape(coord)
+            assert value(m, "shmkv_connections_total", event="refused") == 1
+            assert value(m, "shmkv_connections_total", event="closed") == 1
+
+            # ops by type, and a histogram that counts each served request once
+            ops = client.stats()["ops_by_type"]
+            m = scrape(coord)
+            for op, num in ops.items():
+                got = value(m, "shmkv_ops_total", op=op)
+                assert got >= num                           # stats itself came after
+                count = value(m, "shmkv_request_duration_seconds_count", op=op)
+                inf = value(m, "shmkv_request_duration_seconds_bucket", op=op, le="+Inf")
+                assert count == inf == got
+                assert value(m, "shmkv_request_duration_seconds_sum", op=op) > 0
+            assert value(m, "shmkv_ops_total", op="fork") == 1
+            assert value(m, "shmkv_ops_total", op="export") == 1
+        settle(coord, 0)
+        m = scrape(coord)
+        assert value(m, "shmkv_connections_open") == 0
+        assert value(m, "shmkv_connections_total", event="closed") == 2
+        assert blocks(m, "free") + blocks(m, "cached") == 8
+    with pytest.raises(OSError):  # stopped with the coordinator
+        urllib.request.urlopen(f"http://127.0.0.1:{coord.metrics_address[1]}/metrics",
+                               timeout=2)
+
+
+def test_a_busy_metrics_port_is_a_clear_error(small_config, unique_name):
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    try:
+        coord = shmkv.Coordinator(small_config, name=unique_name,
+                                  metrics_port=busy.getsockname()[1])
+        with pytest.raises(shmkv.ShmkvError, match="metrics"):
+            coord.start()
+        coord.stop()
+    finally:
+        busy.close()
+    with pytest.raises(shmkv.InvalidArgument):
+        shmkv.Coordinator(small_config, name=unique_name, metrics_port=70000)
+
+
+def test_connects_drops_refusals_and_limits_are_logged(small_config, unique_name, caplog):
+    caplog.set_level(logging.DEBUG, logger="shmkv")
+    with shmkv.Coordinator(small_config, name=unique_name, max_connections=2,
+                           max_handoffs=1) as coord:
+        with shmkv.connect(coord.address, timeout=10) as client:
+            h = client.allocate(4)
+            h.export(ttl=30)
+            with pytest.raises(shmkv.LimitExceeded):
+                h.export(ttl=30)
+            raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # a peer speaking nonsense
+            raw.settimeout(10)
+            raw.connect(coord.address)
+            raw.sendall(b"\x00\x00\x00\x01\xc1")              # 0xc1 is never valid msgpack
+            while raw.recv(4096):                                # the error frame, then EOF:
+                pass                                             # the coordinator dropped it
+            raw.close()
+            with shmkv.connect(coord.address, timeout=10):       # the second of two allowed
+                with pytest.raises(shmkv.LimitExceeded):
+                    shmkv.connect(coord.address, timeout=10)
+        settle(coord, 0)
+    records = [(r.levelno, r.getMessage()) for r in caplog.records if r.name.startswith("shmkv")]
+    text = "\n".join(message for _level, message in records)
+
+    def at(level, *words):
+        return any(lvl == level and all(w in msg for w in words) for lvl, msg in records)
+
+    assert at(logging.INFO, "connection 1 from pid"), text
+    assert at(logging.WARNING, "limit hit", "hand-offs outstanding"), text
+    assert at(logging.WARNING, "refused pid", "max_connections=2"), text
+    assert at(logging.INFO, "connection 1", "dropped: closed by the client",
+              "references released"), text
+    assert at(logging.WARNING, "dropped: protocol error"), text
+
+
+def test_the_library_prints_nothing_by_itself(tmp_path):
+    # No logging configured: warnings (a refusal, a limit) must not reach stderr.
+    script = textwrap.dedent(f"""
+        import torch, shmkv
+        cfg = shmkv.PoolConfig(num_layers=1, num_kv_heads=1, head_dim=4, num_blocks=4,
+                               block_size=4, dtype=torch.float32)
+        with shmkv.Coordinator(cfg, address={str(tmp_path / "c.sock")!r},
+                               max_connections=1, metrics_port=0) as coord:
+            with shmkv.connect(coord.address, timeout=10) as client:
+                try:
+                    shmkv.connect(coord.address, timeout=10)
+                except shmkv.LimitExceeded:
+                    pass
+                try:
+                    client.allocate(100)
+                except shmkv.PoolExhausted:
+                    pass
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "" and out.stderr == "", (out.stdout, out.stderr)

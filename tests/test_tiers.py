@@ -1,0 +1,529 @@
+"""Tiers under the pool (host memory, local disk): demotion, promotion, persistence across
+restarts, damaged files, crashes in the middle of a demotion, capacities, bad input.
+
+Real processes and real files: coordinators in a thread of the test or in their own
+process, writers and readers in spawned processes, block files in a temporary directory.
+"""
+
+import errno
+import logging
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+import shmkv
+from shmkv import tiers as tiers_mod
+from shmkv.coordinator import remove_stale_socket
+from conftest import SPAWN, join_or_kill
+
+BS = 4
+
+
+def make_config(num_blocks=16, **kw) -> shmkv.PoolConfig:
+    args = dict(num_layers=2, num_kv_heads=2, head_dim=8, num_blocks=num_blocks, block_size=BS,
+                dtype=torch.float32)
+    args.update(kw)
+    return shmkv.PoolConfig(**args)
+
+
+def token_kv(prompt, layer, heads, dim):
+    """K and V of a prompt: a function of token, position, layer, head and channel."""
+    t = torch.tensor(prompt, dtype=torch.float32)[:, None, None]
+    p = torch.arange(len(prompt), dtype=torch.float32)[:, None, None]
+    k = t * 0.5 + p * 0.01 + layer + torch.arange(heads)[None, :, None] * 0.25 \
+        + torch.arange(dim)[None, None, :] * 0.125
+    return k.contiguous(), (-k - 7).contiguous()
+
+
+def write_prompt(client, prompt) -> int:
+    """What a model does: allocate, write the uncached rest, commit, close. Returns the
+    tokens that were cached."""
+    h = client.allocate(prompt=prompt)
+    cached = h.num_cached_tokens
+    if cached < len(prompt):
+        for layer in range(h.num_layers):
+            k, v = token_kv(prompt, layer, h.num_heads, h.head_dim)
+            h.write(layer, k[cached:].contiguous(), v[cached:].contiguous(), start=cached)
+    h.commit()
+    h.close()
+    return cached
+
+
+def read_prompt(client, prompt) -> tuple:
+    """(cached tokens, whether every cached K and V equals what was written)."""
+    h = client.allocate(prompt=prompt)
+    cached = h.num_cached_tokens
+    exact = True
+    for layer in range(h.num_layers):
+        k, v = token_kv(prompt, layer, h.num_heads, h.head_dim)
+        exact &= torch.equal(h.key_cache(layer)[:cached], k[:cached])
+        exact &= torch.equal(h.value_cache(layer)[:cached], v[:cached])
+    h.close()
+    return cached, bool(exact)
+
+
+def prompts_of(n, blocks, seed=0):
+    return [[1000 * seed + 100 * i + j for j in range(blocks * BS)] for i in range(n)]
+
+
+def wait_idle(client, timeout=30.0) -> dict:
+    """Stats once no tier copy is pending and the disk scan is done."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = client.stats()
+        io = st["tier_io"]
+        if not io["pending"] and not io["scanning"] and not io["promotions_in_flight"]:
+            return st
+        if time.monotonic() > deadline:
+            pytest.fail(f"tiers still busy after {timeout} s: {io}")
+        time.sleep(0.01)
+
+
+def evict_all(client) -> None:
+    """Take every free or cached block once (evicting all cached ones), then give it back."""
+    st = client.stats()
+    h = client.allocate((st["free_blocks"] + st["cached_blocks"]) * BS)
+    h.close()
+
+
+def tier(st, name) -> dict:
+    return next(t for t in st["tiers"] if t["tier"] == name)
+
+
+def block_files(path) -> list:
+    return sorted(os.listdir(os.path.join(path, "blocks")))
+
+
+# -- children (spawned) ---------------------------------------------------------------------
+
+def _writer(address, prompts, queue):
+    with shmkv.connect(address, timeout=30) as client:
+        queue.put([write_prompt(client, p) for p in prompts])
+
+
+def _reader(address, prompts, queue):
+    with shmkv.connect(address, timeout=30) as client:
+        queue.put([read_prompt(client, p) for p in prompts])
+
+
+def _slow_disk_coordinator(config_wire, address, path, queue):
+    """A coordinator whose disk writes stall half-way: a temporary file holds a partial
+    block for a while before the real write, so a SIGKILL lands mid-demotion."""
+    orig = tiers_mod._DiskStore.write_block
+
+    def slow(self, key, payload):
+        tmp = f"{self.file_path(key)}.tmp-{self.session}"
+        with open(tmp, "wb") as f:
+            f.write(bytes(payload)[:len(payload) // 2])
+        time.sleep(0.3)
+        orig(self, key, payload)
+
+    tiers_mod._DiskStore.write_block = slow
+    coord = shmkv.Coordinator(shmkv.PoolConfig.from_wire(config_wire), address=address,
+                              tiers=[shmkv.DiskTier(path, 1 << 24)])
+    coord.open()
+    queue.put("ready")
+    coord.serve_forever()
+
+
+def run_child(target, *args, timeout=60.0):
+    q = SPAWN.Queue()
+    proc = SPAWN.Process(target=target, args=args + (q,))
+    proc.start()
+    try:
+        return q.get(timeout=timeout)
+    finally:
+        assert join_or_kill(proc, timeout) == 0
+
+
+# -- demotion and promotion ------------------------------------------------------------------
+
+@pytest.mark.parametrize("kinds", ["host", "disk", "host+disk"])
+def test_bytes_equal_after_demote_and_promote_read_from_another_process(tmp_path, unique_name,
+                                                                        kinds):
+    cfg = make_config(num_blocks=16)
+    specs = []
+    if "host" in kinds:
+        specs.append(shmkv.HostTier(32 * cfg.block_nbytes))
+    if "disk" in kinds:
+        specs.append(shmkv.DiskTier(tmp_path / "tier", 1 << 20))
+    prompts = prompts_of(3, 3)
+    with shmkv.Coordinator(cfg, name=unique_name, tiers=specs) as coord, \
+            shmkv.connect(coord.address, timeout=20) as client:
+        assert run_child(_writer, coord.address, prompts) == [0, 0, 0]
+        wait_idle(client)
+        evict_all(client)
+        st = wait_idle(client)
+        assert st["prefix_index_blocks"] == 0          # nothing left in the pool
+        assert st["tier_io"]["lost_evictions"] == 0
+        got = run_child(_reader, coord.address, prompts)
+        assert got == [(12, True)] * 3
+        st = wait_idle(client)
+        assert sum(t["promotions"] for t in st["tiers"]) == 9
+        assert st["prefix_hit_blocks"] == 9
+        coord.table.check_invariants()
+
+
+def test_working_set_4x_the_pool_is_served_from_the_tiers(tmp_path, unique_name):
+    cfg = make_config(num_blocks=16)
+    prompts = prompts_of(16, 4)          # 64 blocks: four times the pool
+    specs = [shmkv.HostTier(24 * cfg.block_nbytes), shmkv.DiskTier(tmp_path, 1 << 20)]
+    with shmkv.Coordinator(cfg, name=unique_name, tiers=specs) as coord, \
+            shmkv.connect(coord.address, timeout=20) as client:
+        for p in prompts:
+            write_prompt(client, p)
+            wait_idle(client)
+        for _round in range(2):   # a cycle over all: LRU's worst case, served from disk
+            for p in prompts:
+                assert read_prompt(client, p) == (16, True)
+        for p in reversed(prompts[-8:]):   # the recent ones: from the pool, then host memory
+            assert read_prompt(client, p) == (16, True)
+        st = wait_idle(client)
+        assert st["evictions"] > 64
+        assert st["tier_io"]["lost_evictions"] == 0
+        host, disk = tier(st, "host"), tier(st, "disk")
+        assert host["promotions"] > 0 and disk["promotions"] > 0
+        assert host["blocks"] <= 24 and disk["blocks"] == 64
+        coord.table.check_invariants()
+
+
+def test_promotion_is_all_or_nothing_when_the_pool_cannot_supply(unique_name):
+    cfg = make_config(num_blocks=8)
+    prompt = prompts_of(1, 6)[0]
+    with shmkv.Coordinator(cfg, name=unique_name,
+                           tiers=[shmkv.HostTier(16 * cfg.block_nbytes)]) as coord, \
+            shmkv.connect(coord.address, timeout=20) as client:
+        write_prompt(client, prompt)
+        wait_idle(client)
+        evict_all(client)
+        before = wait_idle(client)
+        hold = client.allocate(4 * BS)                  # 4 of 8 blocks referenced
+        with pytest.raises(shmkv.PoolExhausted):
+            client.allocate(prompt=prompt)              # needs 6
+        after = wait_idle(client)
+        assert tier(after, "host") == tier(before, "host")
+        assert after["free_blocks"] == 4 and after["prefix_hit_blocks"] == 0
+        assert all(e.pins == 0 for e in coord.tiers.host.index.values())
+        hold.close()
+        assert read_prompt(client, prompt) == (24, True)
+        coord.table.check_invariants()
+
+
+def test_tensor_parallel_ranks_read_their_shards_of_a_promoted_block(unique_name):
+    cfg = make_config(num_blocks=8, num_kv_heads=4, tp_size=2)
+    prompt = prompts_of(1, 2)[0]
+    with shmkv.Coordinator(cfg, name=unique_name,
+                           tiers=[shmkv.HostTier(8 * cfg.block_nbytes)]) as coord, \
+            shmkv.connect(coord.address, timeout=20) as full, \
+            shmkv.connect(coord.address, tp_rank=0, tp_size=2, timeout=20) as r0, \
+            shmkv.connect(coord.address, tp_rank=1, tp_size=2, timeout=20) as r1:
+        write_prompt(full, prompt)
+        wait_idle(full)
+        evict_all(full)
+        wait_idle(full)
+        h0 = r0.allocate(prompt=prompt)
+        assert h0.num_cached_tokens == 8
+        h1 = r1.open(h0.export())
+        for layer in range(2):
+            k, v = token_kv(prompt, layer, 4, 8)
+            assert torch.equal(h0.key_cache(layer), k[:, :2])
+            assert torch.equal(h1.key_cache(layer), k[:, 2:])
+            assert torch.equal(h1.value_cache(layer), v[:, 2:])
+        h0.close()
+        h1.close()
+
+
+def test_the_loop_serves_others_while_a_promotion_copies(unique_name, monkeypatch):
+    cfg = make_config(num_blocks=8)
+    prompt = prompts_of(1, 2)[0]
+    orig = tiers_mod.TierSet._op_h2p
+
+    def slow_h2p(self, copy):
+        time.sleep(0.5)
+        orig(self, copy)
+
+    monkeypatch.setattr(tiers_mod.TierSet, "_op_h2p", slow_h2p)
+    with shmkv.Coordinator(cfg, name=unique_name,
+                           tiers=[shmkv.HostTier(8 * cfg.block_nbytes)]) as coord, \
+            shmkv.connect(coord.address, timeout=20) as a, \
+            shmkv.connect(coord.address, timeout=20) as b:
+        write_prompt(a, prompt)
+        wait_idle(a)
+        evict_all(a)
+        wait_idle(a)
+        result = {}
+
+        def promote():
+            t0 = time.monotonic()
+            result["got"] = read_prompt(a, prompt)
+            result["s"] = time.monotonic() - t0
+
+        thread = threading.Thread(target=promote)
+        thread.start()
+        time.sleep(0.1)
+        assert coord.tiers.num_promotions_in_flight == 1
+        t0 = time.monotonic()
+        for _ in range(20):
+            b.request("ping")
+        assert time.monotonic() - t0 < 0.4           # not queued behind the copies
+        thread.join(10)
+        assert result["got"] == (8, True) and result["s"] >= 0.9
+
+
+# -- the disk tier -----------------------------------------------------------------------
+
+def _spawn(cfg, name, path, cap=1 << 20, **kw):
+    return shmkv.Coordinator.spawn(cfg, name=name, tiers=[shmkv.DiskTier(path, cap, **kw)])
+
+
+def test_restart_on_the_same_directory_hits_with_exact_bytes(tmp_path, unique_name):
+    cfg = make_config(num_blocks=16)
+    prompts = prompts_of(4, 3)
+    with _spawn(cfg, unique_name, tmp_path) as coord:
+        with shmkv.connect(coord.address, timeout=20) as client:
+            assert run_child(_writer, coord.address, prompts) == [0] * 4
+            assert tier(wait_idle(client), "disk")["blocks"] == 12
+    assert len(block_files(tmp_path)) == 12
+    with _spawn(cfg, unique_name, tmp_path) as coord:
+        assert run_child(_reader, coord.address, prompts) == [(12, True)] * 4
+        with shmkv.connect(coord.address, timeout=20) as client:
+            st = wait_idle(client)
+            disk = tier(st, "disk")
+            assert disk["promotions"] == 12 and disk["errors"] == 0
+            assert disk["bytes"] == 12 * (tiers_mod.HEADER_SIZE + cfg.block_nbytes)
+
+
+def test_damaged_files_are_never_served_and_are_counted_and_removed(tmp_path, unique_name,
+                                                                     caplog):
+    cfg = make_config(num_blocks=16)
+    prompts = prompts_of(5, 2)
+    with shmkv.Coordinator(cfg, name=unique_name,
+                           tiers=[shmkv.DiskTier(tmp_path, 1 << 20)]) as coord, \
+            shmkv.connect(coord.address, timeout=20) as client:
+        for p in prompts:
+            write_prompt(client, p)
+        wait_idle(client)
+        keys = coord.table.pool.prefix_index.copy()
+    # Blocks of another namespace (another salt), to plant under one of our names.
+    other = tmp_path / "other"
+    with shmkv.Coordinator(cfg, name=unique_name,
+                           tiers=[shmkv.DiskTier(other, 1 << 20, salt=b"x")]) as coord, \
+            shmkv.connect(coord.address, timeout=20) as client:
+        write_prompt(client, prompts[4])
+        wait_idle(client)
+    from shmkv import hashing
+    first = [hashing.block_keys(p, BS, hashing.root_key())[0].hex() + ".kv" for p in prompts]
+    assert set(first) <= set(block_files(tmp_path)) and len(keys) == 10
+    path = lambda name: tmp_path / "blocks" / name  # noqa: E731
+    size = os.path.getsize(path(first[0]))
+    os.truncate(path(first[0]), size - 100)                   # truncated
+    data = bytearray(path(first[1]).read_bytes())
+    data[-5] ^= 0xFF                                          # payload damaged
+    path(first[1]).write_bytes(bytes(data))
+    data = bytearray(path(first[2]).read_bytes())
+    data[20] ^= 0x01                                          # header damaged
+    path(first[2]).write_bytes(bytes(data))
+    os.replace(other / "blocks" / first[4], path(first[3]))   # another namespace, misnamed
+    caplog.set_level(logging.WARNING, logger="shmkv.tiers")
+    with shmkv.Coordinator(cfg, name=unique_name,
+                           tiers=[shmkv.DiskTier(tmp_path, 1 << 20)]) as coord, \
+            shmkv.connect(coord.address, timeout=20) as client:
+        wait_idle(client)
+        got = [read_prompt(client, p) for p in prompts]
+        assert got == [(0, True)] * 4 + [(8, True)]
+        st = wait_idle(client)
+        disk = tier(st, "disk")
+        assert disk["removed_damaged"] == 4 and disk["errors"] == 4
+        assert disk["blocks"] == 6 and disk["promotions"] == 3   # one after the damaged one
+    assert not set(first[:4]) & set(block_files(tmp_path))
+    assert "not served and removed" in caplog.text
+
+
+def test_kill_in_the_middle_of_demotion_then_restart_serves_only_complete_blocks(
+        tmp_path, unique_name):
+    cfg = make_config(num_blocks=64)
+    prompts = prompts_of(6, 4)
+    address = shmkv.default_address(unique_name)
+    q = SPAWN.Queue()
+    proc = SPAWN.Process(target=_slow_disk_coordinator,
+                         args=(cfg.to_wire(), address, str(tmp_path), q))
+    proc.start()
+    try:
+        assert q.get(timeout=60) == "ready"
+        with shmkv.connect(address, timeout=20) as client:
+            for p in prompts:
+                write_prompt(client, p)
+            deadline = time.monotonic() + 20
+            while not [n for n in block_files(tmp_path) if ".tmp-" in n]:
+                assert time.monotonic() < deadline, "no demotion was under way"
+                time.sleep(0.005)
+            proc.kill()
+            join_or_kill(proc, 10)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+        remove_stale_socket(address)
+    names = block_files(tmp_path)
+    complete = [n for n in names if n.endswith(".kv")]
+    assert [n for n in names if ".tmp-" in n] and len(complete) < 24
+    with _spawn(cfg, unique_name, tmp_path, cap=1 << 24) as coord:
+        got = run_child(_reader, coord.address, prompts)
+        assert all(exact for _cached, exact in got)
+        assert sum(cached for cached, _ in got) // BS <= len(complete)
+        with shmkv.connect(coord.address, timeout=20) as client:
+            disk = tier(wait_idle(client), "disk")
+            assert disk["removed_incomplete"] >= 1 and disk["errors"] == 0
+    assert not [n for n in block_files(tmp_path) if ".tmp-" in n]
+
+
+def test_capacities_are_respected(tmp_path, unique_name):
+    cfg = make_config(num_blocks=8)
+    file_nbytes = tiers_mod.HEADER_SIZE + cfg.block_nbytes
+    specs = [shmkv.HostTier(5 * cfg.block_nbytes + 10), shmkv.DiskTier(tmp_path, 12 * file_nbytes)]
+    with shmkv.Coordinator(cfg, name=unique_name, tiers=specs) as coord, \
+            shmkv.connect(coord.address, timeout=20) as client:
+        for p in prompts_of(10, 3):
+            write_prompt(client, p)
+            st = wait_idle(client)
+            host, disk = tier(st, "host"), tier(st, "disk")
+            assert host["blocks"] <= 5 and host["slots"] == 5
+            assert disk["bytes"] <= 12 * file_nbytes
+            on_disk = sum(os.path.getsize(tmp_path / "blocks" / n) for n in block_files(tmp_path))
+            assert on_disk <= 12 * file_nbytes
+        assert disk["dropped"] == 30 - 12 and disk["blocks"] == 12
+        assert host["blocks"] == 5
+    # A smaller capacity on restart trims the directory.
+    with shmkv.Coordinator(cfg, name=unique_name,
+                           tiers=[shmkv.DiskTier(tmp_path, 4 * file_nbytes)]) as coord, \
+            shmkv.connect(coord.address, timeout=20) as client:
+        disk = tier(wait_idle(client), "disk")
+        assert disk["blocks"] == 4 and disk["dropped"] == 8
+    assert len(block_files(tmp_path)) == 4
+
+
+def test_disk_full_stops_demotion_counts_it_and_loses_nothing(tmp_path, unique_name,
+                                                              monkeypatch):
+    def full(self, key, payload):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tiers_mod._DiskStore, "write_block", full)
+    cfg = make_config(num_blocks=16)
+    prompt = prompts_of(1, 3)[0]
+    with shmkv.Coordinator(cfg, name=unique_name,
+                           tiers=[shmkv.DiskTier(tmp_path, 1 << 20)]) as coord, \
+            shmkv.connect(coord.address, timeout=20) as client:
+        write_prompt(client, prompt)
+        disk = tier(wait_idle(client), "disk")
+        assert disk["full"] >= 1 and disk["blocks"] == 0 and disk["bytes"] == 0
+        assert read_prompt(client, prompt) == (12, True)    # still in the pool
+    assert block_files(tmp_path) == []
+
+
+def test_other_fingerprint_or_salt_does_not_use_the_directory_and_says_why(
+        tmp_path, unique_name, caplog):
+    cfg = make_config(num_blocks=16)
+    prompt = prompts_of(1, 2)[0]
+    with shmkv.Coordinator(cfg, name=unique_name,
+                           tiers=[shmkv.DiskTier(tmp_path, 1 << 20)]) as coord, \
+            shmkv.connect(coord.address, timeout=20) as client:
+        write_prompt(client, prompt)
+        wait_idle(client)
+    before = block_files(tmp_path)
+    caplog.set_level(logging.WARNING, logger="shmkv.tiers")
+    for other, spec, why in (
+            (make_config(num_blocks=16, head_dim=4), shmkv.DiskTier(tmp_path, 1 << 20),
+             "layout fingerprint"),
+            (cfg, shmkv.DiskTier(tmp_path, 1 << 20, salt=b"another model"), "another salt")):
+        caplog.clear()
+        with shmkv.Coordinator(other, name=unique_name, tiers=[spec]) as coord, \
+                shmkv.connect(coord.address, timeout=20) as client:
+            if other is cfg:
+                assert read_prompt(client, prompt) == (0, True)
+            disk = tier(wait_idle(client), "disk")
+            assert disk["state"].startswith("disabled") and why in disk["state"]
+        assert why in caplog.text and "not used" in caplog.text
+    assert block_files(tmp_path) == before
+
+
+def test_bad_construction_gives_clear_errors(tmp_path, unique_name, monkeypatch):
+    for cap in (0, -1):
+        with pytest.raises(shmkv.InvalidArgument, match="positive"):
+            shmkv.HostTier(cap)
+        with pytest.raises(shmkv.InvalidArgument, match="positive"):
+            shmkv.DiskTier(tmp_path, cap)
+    with pytest.raises(shmkv.WrongType):
+        shmkv.HostTier(1.5)
+    assert shmkv.HostTier("2M").capacity_bytes == 2 << 20
+    with pytest.raises(shmkv.ShmkvError, match="cannot be created"):
+        shmkv.DiskTier("/proc/shmkv-no/such", 1 << 20)
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(shmkv.InvalidArgument, match="not a directory"):
+        shmkv.DiskTier(tmp_path / "file", 1 << 20)
+    with pytest.raises(shmkv.InvalidArgument, match="tiers must be"):
+        shmkv.Coordinator(make_config(), name=unique_name,
+                          tiers=[shmkv.DiskTier(tmp_path, 1 << 20), shmkv.HostTier(1 << 20)])
+    with pytest.raises(shmkv.InvalidArgument, match="holds no block"):
+        shmkv.Coordinator(make_config(), name=unique_name, tiers=[shmkv.HostTier(100)]).open()
+
+    real_open = os.open
+
+    def read_only(path, *args, **kw):
+        if ".probe-" in str(path):
+            raise OSError(errno.EROFS, "Read-only file system", path)
+        return real_open(path, *args, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(tiers_mod.os, "open", read_only)
+        with pytest.raises(shmkv.ShmkvError, match="read-only filesystem"):
+            shmkv.DiskTier(tmp_path / "ro", 1 << 20)
+    with monkeypatch.context() as m:
+        m.setattr(tiers_mod, "_free_bytes", lambda path: 0)
+        with pytest.raises(shmkv.ShmkvError, match="full filesystem"):
+            shmkv.DiskTier(tmp_path / "full", 1 << 20)
+    # Two coordinators on one directory: the second is refused, whatever its process.
+    spec = shmkv.DiskTier(tmp_path / "shared", 1 << 20)
+    with shmkv.Coordinator(make_config(), name=unique_name, tiers=[spec]):
+        with pytest.raises(shmkv.ShmkvError, match="in use by another coordinator"):
+            shmkv.Coordinator(make_config(), name=unique_name + "b", tiers=[spec]).open()
+        with pytest.raises(shmkv.ShmkvError, match="in use by another coordinator"):
+            shmkv.Coordinator.spawn(make_config(), name=unique_name + "c", tiers=[spec])
+    with shmkv.Coordinator(make_config(), name=unique_name, tiers=[spec]):
+        pass   # free again once the first stopped
+
+
+def test_stats_and_cli_show_every_tier(tmp_path, unique_name, capsys):
+    from shmkv.tools import cli
+    cfg = make_config(num_blocks=16)
+    specs = [shmkv.HostTier(8 * cfg.block_nbytes), shmkv.DiskTier(tmp_path, 1 << 20)]
+    with shmkv.Coordinator(cfg, name=unique_name, tiers=specs) as coord, \
+            shmkv.connect(coord.address, timeout=20) as client:
+        write_prompt(client, prompts_of(1, 2)[0])
+        st = wait_idle(client)
+        for t in st["tiers"]:
+            for field in ("blocks", "bytes", "hits", "demotions", "promotions", "dropped",
+                          "errors"):
+                assert field in t
+        assert cli.main(["stats", "--address", coord.address]) == 0
+        out = capsys.readouterr().out
+        assert "tier host" in out and "tier disk" in out and "demotions" in out
+
+
+def test_cli_serve_parses_tier_flags(tmp_path):
+    from shmkv.tools import cli
+    assert tiers_mod.parse_size("8G") == 8 << 30 and tiers_mod.parse_size("64g") == 64 << 30
+    assert tiers_mod.parse_size("1.5M") == 3 << 19 and tiers_mod.parse_size("4096") == 4096
+    with pytest.raises(shmkv.InvalidArgument):
+        tiers_mod.parse_size("lots")
+    specs = cli.tier_specs(cli_args(host_tier_size=8 << 20, disk_tier=str(tmp_path),
+                                    disk_tier_size=64 << 20))
+    assert [s.kind for s in specs] == ["host", "disk"]
+    assert specs[1].capacity_bytes == 64 << 20
+
+
+def cli_args(**kw):
+    import argparse
+    return argparse.Namespace(**kw)
