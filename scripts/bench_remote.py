@@ -22,6 +22,7 @@ Run: ``.venv/bin/python scripts/bench_remote.py [--quick]``; writes
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -229,6 +230,9 @@ def _move_node(rank, port, cfg_wire, num_tokens, repeat, results):
                                    "digest": _digest(h.gather_all())}))
             else:
                 results.put(("b", None))
+    except BaseException as exc:
+        results.put(("error", f"node {rank}: {type(exc).__name__}: {exc}"))
+        raise
     finally:
         torch.distributed.destroy_process_group()
 
@@ -246,6 +250,8 @@ def bench_move(cfg: shmkv.PoolConfig, num_tokens: int, repeat: int):
     try:
         while len(got) < 3:  # a, b and b_digest
             tag, value = results.get(timeout=600)
+            if tag == "error":
+                raise RuntimeError(value)
             got[tag] = value
     finally:
         for p in procs:
@@ -336,16 +342,18 @@ def bench_chat(server, cfg, num_sessions, num_turns, with_store: bool):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
-    parser.add_argument("--out", default="remote", help="results name under benchmarks/results")
+    parser.add_argument("--out", default=None, help="results name under benchmarks/results "
+                        "(default: remote, or remote-quick with --quick)")
     parser.add_argument("--only", choices=["pull", "move", "chat"], default=None,
                         help="run one part and print it (no results written)")
     args = parser.parse_args()
+    args.out = args.out or ("remote-quick" if args.quick else "remote")
     repeat = 3 if args.quick else 15
     # A block of 1 MiB: 16 layers x (K, V) x 16 tokens x 8 kv heads x 128 x fp16.
     big = shmkv.PoolConfig(num_layers=16, num_kv_heads=8, head_dim=128, num_blocks=80,
                            block_size=16, dtype=torch.float16)
     pull_blocks = 16 if args.quick else 64
-    move_tokens = (16 if args.quick else 64) * big.block_size
+    move_blocks = [16] if args.quick else [64, 256]
     chat_cfg = shmkv.PoolConfig(num_layers=4, num_kv_heads=4, head_dim=64, num_blocks=2048,
                                 block_size=16, dtype=torch.float16)
     sessions, turns = (8, 3) if args.quick else (24, 5)
@@ -366,7 +374,9 @@ def main() -> int:
             out["pull"] = bench_pull(server, big, pull_blocks, repeat)
         if args.only in (None, "move"):
             print("move over gloo ...", flush=True)
-            out["move"] = bench_move(big, move_tokens, repeat)
+            cfg = dataclasses.replace(big, num_blocks=max(move_blocks) + 16, max_seq_len=None)
+            out["move"] = [bench_move(cfg, n * big.block_size, repeat * 2)
+                           for n in move_blocks]
         if args.only in (None, "chat"):
             print("two-node chat trace ...", flush=True)
             out["chat"] = {"sessions": sessions, "turns": turns,
@@ -400,10 +410,11 @@ def render(out: dict) -> str:
              f"| the same pull vs the same {p['span_blocks']}-block pipelines one after "
              f"another | {p['value_bytes'] / 2**20:.0f} MiB | {p['raw_spans_gbps']:.2f} GB/s | "
              f"{p['pull_gbps']:.2f} GB/s | {p['ratio_spans']:.2f}x |",
-             f"| prefill -> decode move over Gloo vs send/recv | {m['bytes'] / 2**20:.0f} MiB "
-             f"| {m['raw_gbps']:.2f} GB/s | {m['move_gbps']:.2f} GB/s | {m['ratio']:.2f}x |",
-             "", f"Exact bytes: pull {p['exact']}, move {m['exact']}. Medians of "
-             f"{p['repeat']} repeats.", "",
+             *[f"| prefill -> decode move over Gloo vs send/recv + ack | "
+               f"{x['bytes'] / 2**20:.0f} MiB | {x['raw_gbps']:.2f} GB/s | "
+               f"{x['move_gbps']:.2f} GB/s | {x['ratio']:.2f}x |" for x in m],
+             "", f"Exact bytes: pull {p['exact']}, moves {all(x['exact'] for x in m)}. "
+             f"Medians of {p['repeat']} repeats (pull), {m[0]['repeat']} (moves).", "",
              f"## Two-node chat trace ({c['sessions']} sessions x {c['turns']} turns, turns "
              "routed to A or B at random)", "",
              "| node | requests | prompt tokens | prefilled, local cache only | prefilled, "
@@ -416,7 +427,8 @@ def render(out: dict) -> str:
                      f"({saved / max(lo['prefill_tokens'], 1):.0%}) |")
     s = c["shared_store"]["store"]
     lines += ["", "Store counters (shared run): " + "; ".join(
-        f"{n}: " + ", ".join(f"{k} {v}" for k, v in s[n].items()) for n in ("A", "B")), ""]
+        f"{n}: " + ", ".join(f"{k} {v}" for k, v in s[n].items()) for n in ("A", "B")), "",
+        "Reproduce: `.venv/bin/python scripts/bench_remote.py` (method in its docstring).", ""]
     return "\n".join(lines)
 
 

@@ -376,7 +376,10 @@ def kv_of(tokens, positions, heads, dim, dtype):
             + torch.arange(dim)[None, None, :] * 0.01).expand(-1, heads, dim).to(dtype)
 
 
-def replay(address, header, requests, verify=True) -> dict:
+def replay(address, header, requests, verify=True, decode_us=500.0) -> dict:
+    """Replay the trace: allocate each prompt, write what was not cached, commit, decode
+    the reply (``decode_us`` of pretend compute per reply token: far faster than any
+    model, but not zero, so that write-behind copies have a moment), commit, close."""
     bs = header["block_size"]
     convs: dict = {}
     prompt_tokens = cached_tokens = checked = bad = 0
@@ -408,6 +411,7 @@ def replay(address, header, requests, verify=True) -> dict:
             h.commit()
             h.close()
             conv += r["user"] + r["reply"]
+            time.sleep(len(r["reply"]) * decode_us * 1e-6)
         secs = time.perf_counter() - t0
         st = client.stats()
     return {"requests": len(requests), "prompt_tokens": prompt_tokens,
@@ -432,7 +436,7 @@ def bench_chat(args, root) -> dict:
                 shmkv.DiskTier(os.path.join(root, "chat"), 1 << 34)]}
     for label, specs in runs.items():
         with shmkv.Coordinator.spawn(cfg, name=name(), tiers=specs) as coord:
-            out[label] = replay(coord.address, header, requests)
+            out[label] = replay(coord.address, header, requests, decode_us=args.decode_us)
     base, tiered = out["pool alone"], out["pool + host tier (1x pool) + disk tier"]
     out["prefill_tokens_saved_by_tiers"] = base["prefill_tokens"] - tiered["prefill_tokens"]
     return out
@@ -524,6 +528,9 @@ def markdown(res: dict) -> str:
             r = c[label]
             lines.append(f"| {label} | {r['hit_rate']:.1%} | {r['prompt_tokens']} | "
                          f"{r['prefill_tokens']} | {r['blocks_checked']} ({r['blocks_wrong']}) |")
+        io = c["pool + host tier (1x pool) + disk tier"].get("tier_io") or {}
+        lines += ["", f"Pool evictions whose block no tier had yet (write-behind behind): "
+                      f"{io.get('lost_evictions')}."]
         lines += ["", f"Prefill tokens saved by the tiers: "
                       f"**{c['prefill_tokens_saved_by_tiers']}**.", ""]
     r = res.get("restart")
@@ -546,6 +553,8 @@ def main(argv=None) -> int:
     parser.add_argument("--only", nargs="*", default=None,
                         choices=["disk", "host", "ping", "chat", "restart"])
     parser.add_argument("--dir", default=None, help="where the disk tiers go (default: /tmp)")
+    parser.add_argument("--decode-us", type=float, default=500.0,
+                        help="pretend decode time per reply token in the chat replay")
     args = parser.parse_args(argv)
     if args.make_trace:
         make_trace(args.make_trace)
@@ -559,7 +568,11 @@ def main(argv=None) -> int:
     args.restart_blocks = 2000 if args.quick else 10000
     os.environ.setdefault("SHMKV_RUNTIME_DIR", tempfile.mkdtemp(prefix="shmkv-bench-"))
     root = tempfile.mkdtemp(prefix="shmkv-bench-tiers-", dir=args.dir)
-    res = {"command": "python scripts/bench_tiers.py " + " ".join(argv or sys.argv[1:])}
+    res = {}
+    if args.only and os.path.exists(args.out + ".json"):   # update the parts run again
+        with open(args.out + ".json") as f:
+            res = json.load(f)
+    res["command"] = "python scripts/bench_tiers.py " + " ".join(argv or sys.argv[1:])
     only = set(args.only or ["disk", "host", "ping", "chat", "restart"])
     try:
         steps = (("disk", "disk_bandwidth", bench_disk_bandwidth),

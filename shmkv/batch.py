@@ -138,9 +138,11 @@ class Batch:
                     self)
 
     def prefill(self, start=None, num_tokens=None) -> "Step":
-        """A step over slots already reserved (a prompt allocated with its length):
-        positions ``[start, start + num_tokens)`` of every sequence, made writable in ONE
-        round trip (copy-on-write where a block is shared).
+        """A step over slots already reserved (a prompt allocated with its length, or
+        decode slots reserved ahead): positions ``[start, start + num_tokens)`` of every
+        sequence. No round trip when every block it writes is already this sequence's
+        to write; otherwise ONE round trip makes them writable (copy-on-write where a
+        block is shared).
 
         Args:
             start: an int or one per sequence; default each handle's
@@ -149,6 +151,9 @@ class Batch:
 
         The step's ``seq_lens`` are ``start + num_tokens`` (the context a chunk attends
         to), so a chunked prefill is several prefill steps.
+
+        Raises:
+            OutOfRange: positions past a sequence's reserved slots (nothing changed).
         """
         self._check()
         client = self.client
@@ -157,19 +162,27 @@ class Batch:
             starts = self._num_cached.copy()
         else:
             _, starts = self._counts(start)
+        current = client._memory.seq_np[self._slots, NUM_TOKENS]
         if num_tokens is None:
-            current = client._memory.seq_np[self._slots, NUM_TOKENS]
             counts_t = current - starts
             if num and int(counts_t.min()) < 0:
-                raise InvalidArgument("start lies past the end of a sequence")
+                raise OutOfRange("start lies past the end of a sequence")
             uniform = -1
         else:
             uniform, counts_t = self._counts(num_tokens)
-        epoch = client._memory.epoch[0]
-        client.request("prepare_batch", ids=self._ids_wire, starts=starts.astype("<i8").tobytes(),
-                       counts=counts_t.astype("<i8").tobytes())
+            if num and bool((starts + counts_t > current).any()):
+                i = int(np.argmax(starts + counts_t > current))
+                raise OutOfRange(f"slots [{int(starts[i])}, {int(starts[i] + counts_t[i])}) of "
+                                 f"{self.handles[i].cache_id} are not all reserved "
+                                 f"({int(current[i])} are); extend first")
         if num and uniform < 0 and bool((counts_t == counts_t[0]).all()):
             uniform = int(counts_t[0])
+        epoch = client._memory.epoch[0]
+        step = Step(client, self._ids, self._slots, starts, counts_t, uniform, epoch, self)
+        if step._owned():
+            return step
+        client.request("prepare_batch", ids=self._ids_wire, starts=starts.astype("<i8").tobytes(),
+                       counts=counts_t.astype("<i8").tobytes())
         return Step(client, self._ids, self._slots, starts, counts_t, uniform, epoch, self)
 
 
@@ -254,6 +267,14 @@ class Step:
         if self.batch is None and bool((before[:, NUM_TOKENS] < ends).any()):
             raise StaleStep("a sequence of this step is shorter than the step says")
         return tables
+
+    def _owned(self) -> bool:
+        """Whether this sequence may write every block the step writes, in place."""
+        if not self.num_tokens:
+            return True
+        owner = self.client._memory.owner_t.numpy()
+        blocks = self.slot_mapping.numpy() // self.client.config.block_size
+        return bool(np.array_equal(owner[blocks], self._ids[self._seq_index]))
 
     def _verify_owners(self) -> None:
         """Every block the step writes is still writable in place by its sequence."""

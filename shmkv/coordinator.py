@@ -16,6 +16,7 @@ foreground of a terminal).
 from __future__ import annotations
 
 import errno
+import gc
 import hashlib
 import logging
 import math
@@ -850,6 +851,15 @@ class Coordinator:
         return out
 
 
+def freeze_startup_objects() -> None:
+    """For a process that only serves a coordinator: move everything alive now (torch,
+    the pool's views) out of the garbage collector's reach, so that collections
+    triggered by per-sequence objects scan only those. Never called for a coordinator
+    embedded in someone else's process."""
+    gc.collect()
+    gc.freeze()
+
+
 # -- a coordinator in its own process ----------------------------------------------------------
 # Starting the process (``spawn`` context), waiting for it to be ready with a timeout,
 # stopping it, and making sure it never outlives the process that started it: the child
@@ -866,6 +876,7 @@ def _child_main(config_wire: dict, name, address, options: dict, pipe) -> None:
         pipe.close()
         return
     pipe.send(("ready", coord.address, os.getpid()))
+    freeze_startup_objects()
 
     def watch_parent() -> None:
         try:

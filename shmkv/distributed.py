@@ -48,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import threading
+from collections import deque
 from typing import List, Optional, Sequence
 
 import torch
@@ -172,8 +173,7 @@ def _gather(rows: torch.Tensor, blocks: Sequence[int], out: torch.Tensor) -> Non
     runs = _runs(blocks)
     if len(runs) <= _MAX_RUNS:
         for i, first, length in runs:
-            out[i * nbytes:(i + length) * nbytes].copy_(rows[first:first + length].view(-1),
-                                                        non_blocking=True)
+            out[i * nbytes:(i + length) * nbytes].copy_(rows[first:first + length].view(-1))
     else:
         index = torch.tensor(list(blocks), dtype=torch.int64, device=rows.device)
         if out.device == rows.device:
@@ -418,35 +418,42 @@ def recv_sequence(client, src: int, *, group=None, request_id: Optional[str] = N
         reply_work = link.isend(reply)  # awaited once the first chunk's receive is posted
         nbytes = rows.shape[1]
         if recv:
-            # A chunk for consecutive blocks lands in the pool as it is; others land in
-            # one of two staging buffers and are scattered while the next one arrives.
+            # A chunk for consecutive blocks lands in the pool as it is, and its receive
+            # is posted at once; others land in one of two staging buffers and are
+            # scattered while the next chunks arrive. Receives are posted in message order.
             chunks = _chunks(len(recv), max(1, chunk_blocks))
             bufs = None
-            posted = []                   # (work, staging buffer or None, lo, hi)
-            slot = 0
+            free = [1, 0]                 # staging buffers not receiving or scattering
+            posted = deque()              # (work, staging buffer index or None, lo, hi)
+            next_chunk = 0
 
-            def post(lo, hi):
-                nonlocal bufs, slot
-                view = _direct(rows, recv[lo:hi], device)
-                if view is not None:
-                    posted.append((link.irecv(view), None, lo, hi))
-                    return
-                if bufs is None:
-                    bufs = _staging(device, (chunks[0][1] - chunks[0][0]) * nbytes)
-                buf = bufs[slot][:(hi - lo) * nbytes]
-                slot = 1 - slot
-                posted.append((link.irecv(buf), buf, lo, hi))
+            def post_more() -> None:
+                nonlocal bufs, next_chunk
+                while next_chunk < len(chunks):
+                    lo, hi = chunks[next_chunk]
+                    view = _direct(rows, recv[lo:hi], device)
+                    if view is not None:
+                        posted.append((link.irecv(view), None, lo, hi))
+                    elif free:
+                        if bufs is None:
+                            bufs = _staging(device, (chunks[0][1] - chunks[0][0]) * nbytes)
+                        slot = free.pop()
+                        posted.append((link.irecv(bufs[slot][:(hi - lo) * nbytes]), slot,
+                                       lo, hi))
+                    else:
+                        return
+                    next_chunk += 1
 
-            post(*chunks[0])
+            post_more()
             link.wait(reply_work, "sending the reply")
             reply_work = None
-            for i in range(len(chunks)):
-                if i + 1 < len(chunks):   # the next chunk arrives while this one is written
-                    post(*chunks[i + 1])
-                work, buf, lo, hi = posted.pop(0)
+            while posted:
+                work, slot, lo, hi = posted.popleft()
                 link.wait(work, "receiving K/V")
-                if buf is not None:
-                    _scatter(buf, rows, recv[lo:hi])
+                if slot is not None:
+                    _scatter(bufs[slot][:(hi - lo) * nbytes], rows, recv[lo:hi])
+                    free.append(slot)
+                    post_more()
             _sync(rows.device)
         if reply_work is not None:
             link.wait(reply_work, "sending the reply")

@@ -262,9 +262,9 @@ def test_two_generate_calls_in_a_row(attn, model_coord):
             cache = DynamicCache(config=model.config) if name == "dynamic" else ShmkvCache(client)
             first = greedy(model, ids, cache, attention_mask=mask, pad_token_id=0)
             seq = first.sequences
+            longer = torch.cat([mask, torch.ones_like(seq[:, ids.shape[1]:])], 1)
             second = greedy(model, seq, cache, pad_token_id=0, max_new_tokens=7,
-                            attention_mask=torch.cat([mask, torch.ones(2, seq.shape[1] - ids.shape[1],
-                                                                       dtype=mask.dtype)], 1))
+                            attention_mask=longer)
             outputs[name] = (first, second)
             if name == "shmkv":
                 assert cache.attention_path == PATH[attn]
@@ -284,17 +284,16 @@ def test_right_padding_takes_the_dense_path(model_coord):
     mask = torch.ones_like(ids)
     mask[1, 9:] = 0
     extra = torch.tensor([[PROMPT_A[12]], [PROMPT_B[12]]])
+    longer = torch.cat([mask, torch.ones_like(extra)], 1)
     with shmkv.connect(model_coord(model).address, timeout=20) as client, torch.no_grad():
         dynamic = DynamicCache(config=model.config)
         want = [model(ids, attention_mask=mask, use_cache=True, **{key: dynamic}).logits,
-                model(extra, attention_mask=torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1),
-                      use_cache=True, **{key: dynamic}).logits]
+                model(extra, attention_mask=longer, use_cache=True, **{key: dynamic}).logits]
         use_shmkv_attention(model)
         with ShmkvCache(client) as cache:
             got = [model(ids, attention_mask=mask, use_cache=True, **{key: cache}).logits]
             assert cache.attention_path == "dense"
-            got.append(model(extra, attention_mask=torch.cat(
-                [mask, torch.ones(2, 1, dtype=mask.dtype)], 1), use_cache=True, **{key: cache}).logits)
+            got.append(model(extra, attention_mask=longer, use_cache=True, **{key: cache}).logits)
             assert cache.attention_path == "dense"    # the stored padding stays masked
         torch.testing.assert_close(got[0][0], want[0][0], **TIGHT)
         torch.testing.assert_close(got[0][1, :9], want[0][1, :9], **TIGHT)

@@ -382,7 +382,6 @@ class ShmkvCache(Cache):
         self._any_pad = False
         self._aligned = -1
         self._last_path: Optional[str] = None
-        self._forked = False
         if padding_side not in (None, "left"):
             raise InvalidArgument(f"padding_side must be 'left' or None, got {padding_side!r}")
         if isinstance(source, Client):
@@ -698,13 +697,8 @@ class ShmkvCache(Cache):
         return _Forward(start, n, step, paged, select)
 
     def _extend(self, counts):
-        """``batch.extend(counts)``. After a fork, per-row counts: the server's vectorized
-        path for one uniform count does not copy a shared partly filled last block
-        (shmkv.sequences ``_extend_uniform``), so forked rows would write into their
-        siblings' block; the per-row path copies it first."""
-        if self._forked and isinstance(counts, int):
-            counts = torch.full((len(self._handles),), counts, dtype=torch.int64)
-        self._forked = False
+        """``batch.extend(counts)``: one round trip (copy-on-write of forked rows' shared
+        last blocks included)."""
         return self._batch.extend(counts)
 
     def _write(self, fwd: _Forward, layer_idx: int, key_states, value_states) -> None:
@@ -916,7 +910,6 @@ class ShmkvCache(Cache):
                 child = old[b].fork()
                 self._owned.add(child)
                 new.append(child)
-                self._forked = True
             else:
                 taken.add(b)
                 new.append(old[b])

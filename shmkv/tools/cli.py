@@ -126,6 +126,8 @@ def cmd_serve(args) -> int:
                         max_connections=args.max_connections, metrics_port=args.metrics_port,
                         metrics_host=args.metrics_host, tiers=tier_specs(args))
     coord.open()
+    from ..coordinator import freeze_startup_objects
+    freeze_startup_objects()
     signal.signal(signal.SIGINT, lambda *_: coord.stop())
     signal.signal(signal.SIGTERM, lambda *_: coord.stop())
     cfg = coord.config
