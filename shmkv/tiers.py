@@ -37,11 +37,11 @@ Disk layout (one namespace per directory)::
     DIR/blocks/<32 hex digits of the prefix key>.kv          one complete block
     DIR/blocks/<32 hex>.kv.tmp-<session>                     a block being written
 
-A block file is a 96-byte little-endian header -- magic ``SHMKVBLK``, format
+A block file is a 100-byte little-endian header -- magic ``SHMKVBLK``, format
 version u16, header size u16, flags u32, namespace digest (16 bytes), prefix key
 (16 bytes), num_layers, block_size, num_kv_heads, head_dim, tp_size (u32 each),
-dtype name (12 bytes, NUL padded), payload bytes u64, payload crc32 u32, and the
-crc32 of the 92 bytes before it -- followed by the payload: the block's bytes of
+dtype name (12 bytes, NUL padded), payload bytes u64, payload xxh3-64 u64, and the
+crc32 of the 96 bytes before it -- followed by the payload: the block's bytes of
 every rank's pool, rank after rank, each ``[num_layers, 2, block_size, heads,
 head_dim]`` as in the pool. A file is written under a temporary name and renamed
 into place, so a name ending in ``.kv`` is complete unless the machine itself
@@ -69,6 +69,8 @@ import zlib
 from collections import OrderedDict, deque
 from typing import Callable, List, Optional
 
+from xxhash import xxh3_64_intdigest
+
 import numpy as np
 
 from . import shm
@@ -77,11 +79,11 @@ from .errors import InvalidArgument, ShmkvError, WrongType
 log = logging.getLogger("shmkv.tiers")
 
 MAGIC = b"SHMKVBLK"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the payload checksum is xxh3-64 (crc32 capped promotion speed)
 NAMESPACE_FORMAT = "shmkv-disk-tier"
-_HEAD = struct.Struct("<8sHHI16s16s5I12sQI")   # everything up to the header's own crc
+_HEAD = struct.Struct("<8sHHI16s16s5I12sQQ")   # everything up to the header's own crc
 _CRC = struct.Struct("<I")
-HEADER_SIZE = _HEAD.size + _CRC.size             # 96
+HEADER_SIZE = _HEAD.size + _CRC.size             # 100
 _FILE_RE = re.compile(r"^([0-9a-f]{32})\.kv$")
 _TMP_RE = re.compile(r"^[0-9a-f]{32}\.kv\.tmp-([0-9a-f]+)$")
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([kmgtp]?)(i?b)?\s*$", re.IGNORECASE)
@@ -537,7 +539,7 @@ class _DiskStore:
 
     def write_block(self, key: bytes, payload) -> None:
         """Write one block file: a temporary name, then renamed into place."""
-        crc = zlib.crc32(payload)
+        crc = xxh3_64_intdigest(payload)
         final = self.file_path(key)
         tmp = f"{final}.tmp-{self.session}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
@@ -573,7 +575,7 @@ class _DiskStore:
             crc = self.check_header(header, key, size)
             if got != size:
                 raise _Damaged("truncated")
-            if zlib.crc32(view) != crc:
+            if xxh3_64_intdigest(view) != crc:
                 raise _Damaged("payload checksum")
         finally:
             os.close(fd)
