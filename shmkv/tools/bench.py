@@ -1399,6 +1399,28 @@ def _control_point(opts: Options, cleanup: _Cleanup) -> dict:
             "codec": looped(ext_codec)}, repeats)
         for name, samples in times.items():
             point[f"extend_{name}_s"] = _median(samples) / calls
+        # The same against ping with client and coordinator pinned: on one CPU (every
+        # round trip is a context switch there) and on two (the placement an engine has,
+        # its scheduler on one core, the coordinator on another).
+        cpus = sorted(os.sched_getaffinity(0))
+        placements = [("same CPU", cpus[0], cpus[0])]
+        if len(cpus) > 1:
+            placements.append(("2 CPUs", cpus[0], cpus[1]))
+        point["placements"] = {}
+        try:
+            for place, client_cpu, server_cpu in placements:
+                client.close_many(handles)  # fresh sequences: the pool stays big enough
+                handles = client.allocate_many([0] * num)
+                batch = client.batch(handles)
+                os.sched_setaffinity(0, {client_cpu})
+                os.sched_setaffinity(coord.pid, {server_cpu})
+                pinned = interleaved({"extend": looped(lambda: batch.extend(1)),
+                                      "ping": looped(client.ping)}, repeats)
+                point["placements"][place] = {name: _median(v) / calls
+                                              for name, v in pinned.items()}
+        finally:
+            os.sched_setaffinity(0, cpus)
+            os.sched_setaffinity(coord.pid, cpus)
         client.close_many(handles)
         return point
     finally:
@@ -1473,6 +1495,11 @@ def bench_batch(opts: Options, cleanup: _Cleanup, series: dict, cache: dict) -> 
     figures.append(Figure("batch", "batch.extend(1), 256 sequences", c["extend_extend_s"] * 1e6,
                           "us", c["extend_ping_s"] * 1e6, "ping", ratio, "<= 3",
                           _check(ratio, "<= 3"), params=_split(c, "extend")))
+    for place, pinned in c.get("placements", {}).items():
+        ratio = pinned["extend"] / pinned["ping"]
+        figures.append(Figure("batch", f"batch.extend(1), 256 sequences, {place}",
+                              pinned["extend"] * 1e6, "us", pinned["ping"] * 1e6,
+                              f"ping, {place}", ratio, "<= 3", _check(ratio, "<= 3")))
     for part, label in (("table", "coordinator: SequenceTable.extend_batch, in process"),
                         ("codec", "msgpack, both sides, in process"),
                         ("request", "client.request only (no Step built)")):
