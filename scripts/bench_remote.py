@@ -302,8 +302,30 @@ def _serve(client, prompt, reply, seed):
     return len(prompt), n
 
 
+TRACE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "traces",
+                     "chat.jsonl")
+
+
+def committed_trace(path: str = TRACE) -> list:
+    """The tiers benchmark's committed chat trace (a shared system prompt, growing
+    conversations) as ``(session, turn, prompt, reply)`` requests in arrival order."""
+    with open(path) as f:
+        lines = [json.loads(line) for line in f]
+    header, requests = lines[0], lines[1:]
+    history, turns, out = {}, {}, []
+    for r in requests:
+        s = r["session"]
+        prompt = history.get(s, list(header["system"])) + r["user"]
+        out.append((s, turns.get(s, 0), prompt, r["reply"]))
+        history[s] = prompt + r["reply"]
+        turns[s] = turns.get(s, 0) + 1
+    return out
+
+
 def bench_chat(server, cfg, num_sessions, num_turns, with_store: bool):
-    trace = chat_trace(num_sessions, num_turns)
+    # The tiers issue's committed trace when it is there (a full run); a generated one
+    # of the given size otherwise (--quick).
+    trace = committed_trace() if num_sessions is None else chat_trace(num_sessions, num_turns)
     route = random.Random(1)
     tiers = (lambda: [shmkv.RedisTier(server.url, timeout=5.0)]) if with_store else \
         (lambda: None)
@@ -356,7 +378,7 @@ def main() -> int:
     move_blocks = [16] if args.quick else [64, 256]
     chat_cfg = shmkv.PoolConfig(num_layers=4, num_kv_heads=4, head_dim=64, num_blocks=2048,
                                 block_size=16, dtype=torch.float16)
-    sessions, turns = (8, 3) if args.quick else (24, 5)
+    sessions, turns = (8, 3) if args.quick else (None, None)   # None: the committed trace
 
     out = {"machine": {"cpus": os.cpu_count(), "torch": torch.__version__}}
     server = RedisServer()
@@ -379,7 +401,11 @@ def main() -> int:
                            for n in move_blocks]
         if args.only in (None, "chat"):
             print("two-node chat trace ...", flush=True)
-            out["chat"] = {"sessions": sessions, "turns": turns,
+            trace = committed_trace() if sessions is None else None
+            out["chat"] = {"sessions": sessions or len({r[0] for r in trace}),
+                           "turns": turns or max(r[1] for r in trace) + 1,
+                           "trace": "benchmarks/traces/chat.jsonl" if sessions is None
+                           else "generated",
                            "local_only": bench_chat(server, chat_cfg, sessions, turns, False),
                            "shared_store": bench_chat(server, chat_cfg, sessions, turns, True)}
     finally:
@@ -415,8 +441,8 @@ def render(out: dict) -> str:
                f"{x['move_gbps']:.2f} GB/s | {x['ratio']:.2f}x |" for x in m],
              "", f"Exact bytes: pull {p['exact']}, moves {all(x['exact'] for x in m)}. "
              f"Medians of {p['repeat']} repeats (pull), {m[0]['repeat']} (moves).", "",
-             f"## Two-node chat trace ({c['sessions']} sessions x {c['turns']} turns, turns "
-             "routed to A or B at random)", "",
+             f"## Two-node chat trace ({c.get('trace', 'generated')}: {c['sessions']} sessions, "
+             f"up to {c['turns']} turns, turns routed to A or B at random)", "",
              "| node | requests | prompt tokens | prefilled, local cache only | prefilled, "
              "shared store | saved |", "| --- | --- | --- | --- | --- | --- |"]
     for node in ("A", "B"):
