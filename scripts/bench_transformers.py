@@ -5,9 +5,14 @@ over 2 K/V heads, head_dim 32, no sliding window), float32, one torch thread, gr
 For each (batch, prompt length) the prompt is prefilled once into each cache; every
 timed run crops the cache back to the prompt less its last token and generates
 ``--steps`` tokens, timed from the first generated token to the last (the forward of
-each decode step plus generate's own per-step work, the same for every cache).
+each decode step plus generate's own per-step work, the same for every cache). A
+ShmkvCache cropped back keeps the slots it reserved, so these runs decode over
+reserved slots (no round trip to the coordinator per step); with ``--fresh`` every
+run starts from a cache prefilled anew (not timed), whose decode steps each reserve
+their slot in a round trip.
 
-Three ways are timed, interleaved round by round, median of the rounds:
+Three ways are timed, interleaved round by round (in alternating order), median of
+the rounds; a ratio to DynamicCache is the median of the rounds' own ratios:
 
 * ``dynamic``: DynamicCache, ``attn_implementation="sdpa"`` (transformers' default);
 * ``shmkv``: ShmkvCache, ``attn_implementation="shmkv"`` (attention over the pool);
@@ -69,26 +74,32 @@ class _Clock:
 
 
 @torch.no_grad()
-def run_case(model, client, batch: int, prompt_len: int, steps: int, repeats: int) -> dict:
+def run_case(model, client, batch: int, prompt_len: int, steps: int, repeats: int,
+             fresh: bool = False) -> dict:
     from transformers import DynamicCache, LogitsProcessorList
 
     key = cache_argument(model)
     ids = torch.randint(0, MODEL["vocab_size"], (batch, prompt_len),
                         generator=torch.Generator().manual_seed(prompt_len * 10 + batch))
     mask = torch.ones_like(ids)
-    caches = {}
-    for way in WAYS:
+
+    def prefilled(way):
         model.set_attn_implementation("sdpa" if way != "shmkv" else "shmkv")
         cache = DynamicCache(config=model.config) if way == "dynamic" else ShmkvCache(client)
         model(ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True, **{key: cache})
-        caches[way] = cache
+        return cache
+
+    caches = {way: prefilled(way) for way in WAYS}
     rates = {way: [] for way in WAYS}
     cpu_rates = {way: [] for way in WAYS}
     tokens = {}
-    for _ in range(repeats + 1):   # the first round warms up
-        for way in WAYS:
+    for round_ in range(repeats + 1):   # the first round warms up
+        # Alternate the order, so no way always runs after the same other one.
+        for way in (WAYS if round_ % 2 else WAYS[::-1]):
+            if fresh and way != "dynamic":
+                caches[way].close()
+            cache = caches[way] = prefilled(way) if fresh else caches[way]
             model.set_attn_implementation("sdpa" if way != "shmkv" else "shmkv")
-            cache = caches[way]
             cache.crop(-(cache.get_seq_length() - (prompt_len - 1)))
             clock = _Clock()
             out = model.generate(ids, attention_mask=mask, max_new_tokens=steps, do_sample=False,
@@ -97,22 +108,25 @@ def run_case(model, client, batch: int, prompt_len: int, steps: int, repeats: in
             rates[way].append(num / (clock.times[-1] - clock.times[0]))
             cpu_rates[way].append(num / (clock.cpu[-1] - clock.cpu[0]))
             tokens[way] = out[:, prompt_len:].tolist()
-    for way in WAYS:
-        if tokens[way] != tokens["dynamic"]:
-            raise AssertionError(f"{way} generated other tokens than DynamicCache at batch {batch},"
-                                 f" prompt {prompt_len}")
+        for way in WAYS:
+            if tokens[way] != tokens["dynamic"]:
+                raise AssertionError(f"{way} generated other tokens than DynamicCache at batch "
+                                     f"{batch}, prompt {prompt_len}")
     for way in WAYS:
         if way != "dynamic":
             caches[way].close()
-    result = {"batch": batch, "prompt": prompt_len, "steps": steps, "tokens_equal": True}
+    result = {"batch": batch, "prompt": prompt_len, "steps": steps, "fresh": fresh,
+              "tokens_equal": True}
     for way in WAYS:
         result[f"{way}_tok_s"] = statistics.median(rates[way][1:])
         result[f"{way}_runs"] = rates[way][1:]
         result[f"{way}_cpu_tok_s"] = statistics.median(cpu_rates[way][1:])
-    result["ratio"] = result["shmkv_tok_s"] / result["dynamic_tok_s"]
-    result["ratio_dense"] = result["shmkv-dense_tok_s"] / result["dynamic_tok_s"]
-    result["cpu_ratio"] = result["shmkv_cpu_tok_s"] / result["dynamic_cpu_tok_s"]
-    result["cpu_ratio_dense"] = result["shmkv-dense_cpu_tok_s"] / result["dynamic_cpu_tok_s"]
+    # Ratios: the median of each round's own ratio (runs next to each other in time see
+    # about the same load from the rest of the host).
+    for key, way in (("ratio", "shmkv"), ("ratio_dense", "shmkv-dense")):
+        for prefix, runs in (("", rates), ("cpu_", cpu_rates)):
+            result[prefix + key] = statistics.median(
+                a / b for a, b in zip(runs[way][1:], runs["dynamic"][1:]))
     return result
 
 
@@ -131,13 +145,16 @@ def markdown(results: dict) -> str:
                      f"{r['shmkv_tok_s']:.0f} | **{r['ratio']:.2f}x** | {r['cpu_ratio']:.2f}x | "
                      f"{r['shmkv-dense_tok_s']:.0f} | {r['ratio_dense']:.2f}x | "
                      f"{r['cpu_ratio_dense']:.2f}x | {'yes' if r['tokens_equal'] else 'NO'} |")
+    start = ("from a cache prefilled anew" if results.get("fresh")
+             else "from the cache cropped back to the prompt")
     head = (f"Decode tokens/s of `generate`, greedy, {results['model']}, float32, one torch "
             f"thread, {results['block_size']}-token blocks, {results['steps']} new tokens per "
-            f"run, median of {results['repeats']} interleaved runs ({results['host']}, "
-            f"transformers {results['transformers']}). Ratios are to DynamicCache in the same "
-            "runs; \"per CPU s\" is the ratio of tokens per CPU second of the process (the "
-            "coordinator thread included), less sensitive to other load on the host. The "
-            "first two rows are the targets (batch 4 with a 1k prompt, batch 1 with 4k).\n\n")
+            f"run, median of {results['repeats']} interleaved runs, each {start} "
+            f"({results['host']}, transformers {results['transformers']}). Ratios are to "
+            "DynamicCache in the same rounds (the median of each round's ratio); \"per CPU "
+            "s\" is the ratio of tokens per CPU second of the process (the coordinator thread "
+            "included), less sensitive to other load on the host. The first two rows are the "
+            "targets (batch 4 with a 1k prompt, batch 1 with 4k).\n\n")
     return head + "\n".join(lines) + "\n"
 
 
@@ -183,6 +200,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks"))
     parser.add_argument("--no-sweep", action="store_true", help="the two targets only")
     parser.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="pool block size")
+    parser.add_argument("--fresh", action="store_true",
+                        help="every run from a cache prefilled anew (decode steps then reserve "
+                             "their slots in a round trip each) instead of one cropped back")
     args = parser.parse_args(argv)
     repeats = args.repeats or (3 if args.quick else 5)
     torch.set_num_threads(1)
@@ -194,7 +214,7 @@ def main(argv=None) -> int:
     cfg = pool_config(model.config, num_blocks=blocks, block_size=args.block_size,
                       dtype=torch.float32)
     results = {"model": "Mistral-shaped, 8 layers, hidden 256, 8:2 GQA heads of 32, vocab 32000",
-               "steps": args.steps, "repeats": repeats, "threads": 1,
+               "steps": args.steps, "repeats": repeats, "threads": 1, "fresh": args.fresh,
                "block_size": args.block_size,
                "host": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
                "targets": [], "sweep": []}
@@ -205,7 +225,7 @@ def main(argv=None) -> int:
     with shmkv.Coordinator(cfg, name=f"bench-tf-{os.getpid()}") as coord, \
             shmkv.connect(coord.address) as client:
         for batch, prompt_len in TARGETS:
-            r = run_case(model, client, batch, prompt_len, args.steps, repeats)
+            r = run_case(model, client, batch, prompt_len, args.steps, repeats, args.fresh)
             results["targets"].append(r)
             print(f"target batch {batch} prompt {prompt_len}: dynamic {r['dynamic_tok_s']:.0f} "
                   f"shmkv {r['shmkv_tok_s']:.0f} ({r['ratio']:.2f}x) dense "
@@ -215,7 +235,7 @@ def main(argv=None) -> int:
         for batch, lengths in sweep.items():
             for prompt_len in lengths:
                 r = done.get((batch, prompt_len)) or run_case(model, client, batch, prompt_len,
-                                                              args.steps, repeats)
+                                                              args.steps, repeats, args.fresh)
                 results["sweep"].append(r)
                 print(f"sweep batch {batch} prompt {prompt_len}: dynamic "
                       f"{r['dynamic_tok_s']:.0f} shmkv {r['shmkv_tok_s']:.0f} "

@@ -18,9 +18,14 @@ multiplied by the caller's ``k_scale`` / ``v_scale``. On a GPU,
 FlashAttention's ``flash_attn_with_kvcache(..., block_table=)`` and FlashInfer's paged
 kernels read the same pages in place, without the gather (see ``docs/transformers.md``).
 
+The layers of a model step share one block table and lengths: a
+:class:`PagedAttentionPlan` holds what is worked out from them (groups, gather
+indexes, masks, page-id bounds) so that each layer's call only gathers and attends.
+
 This module does not write K/V, does not resolve block tables (callers pass them)
 and does not talk to a coordinator. Reading lengths and query offsets needs their
-values on the host: tensors on a GPU are copied back (one sync per call).
+values on the host: tensors on a GPU are copied back (one sync per plan, so per call
+without one).
 """
 
 from __future__ import annotations
@@ -104,14 +109,158 @@ def _as_lengths(name: str, value: IntsLike, batch: int) -> List[int]:
     return t.tolist()
 
 
+class PagedAttentionPlan:
+    """What :func:`paged_attention` works out from a block table and lengths, kept for
+    every call that shares them.
+
+    Every layer of a model step attends with the same block table, lengths and query
+    offsets; only the queries, the pages and the scales change. Building the plan once
+    per step (with the first layer's query and pages) and passing it as ``plan=`` to
+    each layer's call leaves those calls the gathers and SDPA calls alone: the lengths
+    are read on the host once (one sync on a GPU), the sequences grouped, the gather
+    indexes, masks and page-id bounds computed once.
+
+    Args:
+        query: a query of the step, in the form every call will pass (its shape, dtype
+            and device are what the plan is for).
+        k_pages: pages of the step, ``[num_blocks, block_size, num_kv_heads,
+            head_dim]`` (their block size, heads and device are what the plan is for;
+            calls may pass other pages of that shape, such as another layer's).
+        block_table, seq_lens, causal, query_start, query_start_loc: as for
+            :func:`paged_attention`.
+
+    A plan does not hold the pages or the queries, only indexes into them. Reuse it
+    only while the block table, lengths and offsets it was built from still hold.
+
+    Raises:
+        ValueError / TypeError: as :func:`paged_attention` for the same arguments.
+    """
+
+    __slots__ = ("query_shape", "num_rows", "num_heads", "num_kv_heads", "head_dim",
+                 "block_size", "device", "query_device", "groups", "zero_rows", "whole",
+                 "low", "high", "decode_group")
+
+    def __init__(self, query: torch.Tensor, k_pages: torch.Tensor, block_table: torch.Tensor,
+                 seq_lens: IntsLike, *, causal: bool = True,
+                 query_start: Optional[IntsLike] = None,
+                 query_start_loc: Optional[IntsLike] = None) -> None:
+        packed = query_start_loc is not None
+        if packed:
+            if query.dim() != 3:
+                raise ValueError("with query_start_loc, query must be packed tokens [num_tokens, "
+                                 f"num_heads, head_dim], got shape {tuple(query.shape)}")
+            if query_start is not None:
+                raise ValueError("query_start belongs to the batch form; with query_start_loc "
+                                 "the queries are the last tokens of each sequence")
+            q = query
+        else:
+            q = query.unsqueeze(1) if query.dim() == 3 else query
+            if q.dim() != 4:
+                raise ValueError("query must be [batch, q_len, num_heads, head_dim] or "
+                                 f"[batch, num_heads, head_dim], got shape {tuple(query.shape)}")
+        if not query.dtype.is_floating_point:
+            raise TypeError(f"query must be floating point, got {query.dtype}")
+        if k_pages.dim() != 4:
+            raise ValueError("k_pages and v_pages must both be [num_blocks, block_size, "
+                             f"num_kv_heads, head_dim], got {tuple(k_pages.shape)}")
+        num_heads, head_dim = q.shape[-2:]
+        num_blocks, block_size, num_kv_heads, kv_dim = k_pages.shape
+        if kv_dim != head_dim:
+            raise ValueError(f"query head_dim {head_dim} differs from the pages' {kv_dim}")
+        if num_kv_heads == 0 or num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of "
+                             f"num_kv_heads={num_kv_heads}")
+        if block_table.dim() != 2 or (not packed and block_table.shape[0] != q.shape[0]):
+            rows = "batch" if packed else f"batch={q.shape[0]}"
+            raise ValueError(f"block_table must be [{rows}, max_blocks], "
+                             f"got shape {tuple(block_table.shape)}")
+        batch = block_table.shape[0]
+        if block_table.dtype.is_floating_point or block_table.dtype == torch.bool:
+            raise TypeError(f"block_table must hold integers, got {block_table.dtype}")
+        lens = _as_lengths("seq_lens", seq_lens, batch)
+        if lens and min(lens) < 0:
+            raise ValueError(f"seq_lens must not be negative, got {lens}")
+        if lens and -(-max(lens) // block_size) > block_table.shape[1]:
+            raise ValueError(f"seq_lens {lens} need more blocks than block_table has "
+                             f"({block_table.shape[1]} of {block_size} tokens)")
+        if packed:
+            locs = _as_lengths("query_start_loc", query_start_loc, batch + 1)
+            num_rows = q.shape[0]
+            if locs[0] < 0 or locs[-1] > num_rows or any(a > b for a, b in zip(locs, locs[1:])):
+                raise ValueError(f"query_start_loc must be non-decreasing offsets into the "
+                                 f"{num_rows} query rows, got {locs}")
+            seqs = [_Seq(b, locs[b], locs[b + 1] - locs[b], lens[b] - (locs[b + 1] - locs[b]),
+                         lens[b]) for b in range(batch)]
+        else:
+            q_len = q.shape[1]
+            num_rows = batch * q_len
+            starts = ([n - q_len for n in lens] if query_start is None or not causal
+                      else _as_lengths("query_start", query_start, batch))
+            seqs = [_Seq(b, b * q_len, q_len, starts[b], lens[b]) for b in range(batch)]
+        work = _trim(seqs, causal)
+
+        self.query_shape = tuple(query.shape)
+        self.num_rows = num_rows
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.block_size = block_size
+        self.device = k_pages.device
+        self.query_device = query.device
+        self.zero_rows = _unwritten(num_rows, work)
+        self.groups: List[_Group] = []
+        self.low, self.high = 0, -1
+        if work:
+            needed = max(-(-s.num_keys // block_size) for s in work)
+            table = block_table[:, :needed]
+            if table.device != self.device:
+                table = table.to(self.device)
+            if table.dtype not in (torch.int32, torch.int64):
+                table = table.long()
+            self.groups = [_Group(table, g, causal, num_heads, num_kv_heads, block_size,
+                                  self.device, query.device) for g in _groups(work)]
+            ids = (self.groups[0].index if len(self.groups) == 1
+                   else torch.cat([g.index for g in self.groups]))
+            if ids.device.type == "cpu":
+                ids = ids.numpy()
+                self.low, self.high = int(ids.min()), int(ids.max())
+            else:
+                self.low, self.high = torch.stack(torch.aminmax(ids)).tolist()
+        first = self.groups[0] if len(self.groups) == 1 else None
+        self.whole = (first is not None and first.rows is None and first.row0 == 0
+                      and first.size * first.count == num_rows)
+        if self.whole:
+            first.whole = True
+        # One query per sequence, all in one group of folded heads: what a model's decode
+        # step is. _Group.decode runs it with the fewest torch calls.
+        self.decode_group = (first if self.whole and first.grouped and first.count == 1
+                             else None)
+
+    def _next_decode(self) -> Optional["PagedAttentionPlan"]:
+        """The plan of the decode step after this one, when every sequence has one more
+        key in the blocks it already has (same table, same queries); None when this plan
+        is not of that kind (sequences of different lengths) or the key needs a block
+        more."""
+        group = self.decode_group
+        if group is None or group.mask is not None \
+                or group.num_keys >= group.blocks * self.block_size:
+            return None
+        plan = PagedAttentionPlan.__new__(PagedAttentionPlan)
+        for name in PagedAttentionPlan.__slots__:
+            setattr(plan, name, getattr(self, name))
+        plan.decode_group = group.with_keys(group.num_keys + 1)
+        plan.groups = [plan.decode_group]
+        return plan
+
+
 def paged_attention(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
-                    block_table: torch.Tensor, seq_lens: IntsLike, *,
+                    block_table: Optional[torch.Tensor] = None,
+                    seq_lens: Optional[IntsLike] = None, *,
                     scale: Optional[float] = None, causal: bool = True,
                     query_start: Optional[IntsLike] = None,
                     query_start_loc: Optional[IntsLike] = None,
                     out: Optional[torch.Tensor] = None,
                     workspace: Optional[AttentionWorkspace] = None,
-                    k_scale: ScaleLike = None, v_scale: ScaleLike = None) -> torch.Tensor:
+                    k_scale: ScaleLike = None, v_scale: ScaleLike = None,
+                    plan: Optional[PagedAttentionPlan] = None) -> torch.Tensor:
     """Attention of ``query`` against paged K/V, per sequence of a batch.
 
     Sequence ``b`` owns the K/V tokens ``0 .. seq_lens[b] - 1``; token ``t`` lives in
@@ -159,6 +308,11 @@ def paged_attention(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.T
             tensor of one element or of ``[num_kv_heads]`` (one per K/V head). Pages
             are converted to the query's dtype as they are gathered, then scaled;
             ``client.kv_scales(layer)`` gives what was kept beside the pool. Default 1.
+        plan: a :class:`PagedAttentionPlan` built from this step's block table and
+            lengths, instead of ``block_table``, ``seq_lens``, ``causal``,
+            ``query_start`` and ``query_start_loc`` (pass none of them with it): the
+            call then only gathers and attends, with no host sync (the layers of a model
+            step share one plan).
 
     Returns:
         A tensor shaped like ``query``, in its dtype. Scores and softmax are computed
@@ -169,45 +323,37 @@ def paged_attention(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.T
 
     Raises:
         ValueError / TypeError: inconsistent shapes, head counts, dtypes, lengths or
-            offsets, or a page id outside the pages.
+            offsets, or a page id outside the pages; a query or pages that do not
+            match the plan.
     """
-    packed = query_start_loc is not None
-    if packed:
-        if query.dim() != 3:
-            raise ValueError("with query_start_loc, query must be packed tokens "
-                             f"[num_tokens, num_heads, head_dim], got shape {tuple(query.shape)}")
-        if query_start is not None:
-            raise ValueError("query_start belongs to the batch form; with query_start_loc "
-                             "the queries are the last tokens of each sequence")
-        q = query
-    else:
-        q = query.unsqueeze(1) if query.dim() == 3 else query
-        if q.dim() != 4:
-            raise ValueError("query must be [batch, q_len, num_heads, head_dim] or "
-                             f"[batch, num_heads, head_dim], got shape {tuple(query.shape)}")
-    if not query.dtype.is_floating_point:
+    if plan is None:
+        if block_table is None or seq_lens is None:
+            raise TypeError("paged_attention needs block_table and seq_lens, or a plan")
+        plan = PagedAttentionPlan(query, k_pages, block_table, seq_lens, causal=causal,
+                                  query_start=query_start, query_start_loc=query_start_loc)
+    elif not isinstance(plan, PagedAttentionPlan):
+        raise TypeError(f"plan must be a PagedAttentionPlan, got {type(plan).__name__}")
+    elif (block_table is not None or seq_lens is not None or query_start is not None
+          or query_start_loc is not None or causal is not True):
+        raise TypeError("pass either a plan or block_table / seq_lens / causal / query_start / "
+                        "query_start_loc, not both: the plan holds them")
+    elif query.shape != plan.query_shape or query.device != plan.query_device:
+        raise ValueError(f"query {tuple(query.shape)} on {query.device} does not match the "
+                         f"plan's {plan.query_shape} on {plan.query_device}")
+    elif not query.dtype.is_floating_point:
         raise TypeError(f"query must be floating point, got {query.dtype}")
-    if k_pages.dim() != 4 or k_pages.shape != v_pages.shape:
+    if (k_pages.shape != v_pages.shape or k_pages.dim() != 4
+            or k_pages.shape[1:] != (plan.block_size, plan.num_kv_heads, plan.head_dim)):
         raise ValueError("k_pages and v_pages must both be [num_blocks, block_size, "
-                         f"num_kv_heads, head_dim], got {tuple(k_pages.shape)} and "
-                         f"{tuple(v_pages.shape)}")
+                         f"num_kv_heads, head_dim] (block_size={plan.block_size}, "
+                         f"num_kv_heads={plan.num_kv_heads}, head_dim={plan.head_dim}), "
+                         f"got {tuple(k_pages.shape)} and {tuple(v_pages.shape)}")
     if not (_readable(k_pages.dtype) and _readable(v_pages.dtype)):
         raise TypeError(f"k_pages and v_pages must be floating point or int8 (quantized), got "
                         f"{k_pages.dtype} and {v_pages.dtype}")
-    num_heads, head_dim = q.shape[-2:]
-    num_blocks, block_size, num_kv_heads, kv_dim = k_pages.shape
-    if kv_dim != head_dim:
-        raise ValueError(f"query head_dim {head_dim} differs from the pages' {kv_dim}")
-    if num_kv_heads == 0 or num_heads % num_kv_heads:
-        raise ValueError(f"num_heads={num_heads} is not a multiple of "
-                         f"num_kv_heads={num_kv_heads}")
-    if block_table.dim() != 2 or (not packed and block_table.shape[0] != q.shape[0]):
-        rows = "batch" if packed else f"batch={q.shape[0]}"
-        raise ValueError(f"block_table must be [{rows}, max_blocks], "
-                         f"got shape {tuple(block_table.shape)}")
-    batch = block_table.shape[0]
-    if block_table.dtype.is_floating_point or block_table.dtype == torch.bool:
-        raise TypeError(f"block_table must hold integers, got {block_table.dtype}")
+    if k_pages.device != plan.device or v_pages.device != plan.device:
+        raise ValueError(f"the pages are on {k_pages.device} and {v_pages.device}, the plan "
+                         f"on {plan.device}")
     if workspace is not None and not isinstance(workspace, AttentionWorkspace):
         raise TypeError(f"workspace must be an AttentionWorkspace, got "
                         f"{type(workspace).__name__}")
@@ -218,45 +364,31 @@ def paged_attention(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.T
             raise ValueError(f"out must be shaped like query {tuple(query.shape)} "
                              f"({query.dtype} on {query.device}), got {tuple(out.shape)} "
                              f"({out.dtype} on {out.device})")
-    scales = (_as_scale("k_scale", k_scale, num_kv_heads, query),
-              _as_scale("v_scale", v_scale, num_kv_heads, query))
-    lens = _as_lengths("seq_lens", seq_lens, batch)
-    if lens and min(lens) < 0:
-        raise ValueError(f"seq_lens must not be negative, got {lens}")
-    if lens and -(-max(lens) // block_size) > block_table.shape[1]:
-        raise ValueError(f"seq_lens {lens} need more blocks than block_table has "
-                         f"({block_table.shape[1]} of {block_size} tokens)")
+    if plan.low < 0 or plan.high >= k_pages.shape[0]:
+        raise _page_outside(k_pages.shape[0])
+    scales = (None, None)
+    if k_scale is not None or v_scale is not None:
+        scales = (_as_scale("k_scale", k_scale, plan.num_kv_heads, query),
+                  _as_scale("v_scale", v_scale, plan.num_kv_heads, query))
+    scale = None if scale is None else float(scale)
 
-    if packed:
-        locs = _as_lengths("query_start_loc", query_start_loc, batch + 1)
-        num_rows = q.shape[0]
-        if locs[0] < 0 or locs[-1] > num_rows or any(a > b for a, b in zip(locs, locs[1:])):
-            raise ValueError(f"query_start_loc must be non-decreasing offsets into the "
-                             f"{num_rows} query rows, got {locs}")
-        seqs = [_Seq(b, locs[b], locs[b + 1] - locs[b], lens[b] - (locs[b + 1] - locs[b]),
-                     lens[b]) for b in range(batch)]
-    else:
-        q_len = q.shape[1]
-        num_rows = batch * q_len
-        starts = ([n - q_len for n in lens] if query_start is None or not causal
-                  else _as_lengths("query_start", query_start, batch))
-        seqs = [_Seq(b, b * q_len, q_len, starts[b], lens[b]) for b in range(batch)]
-    work = _trim(seqs, causal)
-
-    flat_q = q if packed else q.reshape(num_rows, num_heads, head_dim)
+    if plan.whole:  # one group over every row in order: its output is the result
+        o = plan.groups[0].run(query, k_pages, v_pages, scale, workspace, scales)
+        if out is None:
+            return o.reshape(query.shape)
+        return out.copy_(o.reshape(query.shape))
+    flat_q = query.reshape(plan.num_rows, plan.num_heads, plan.head_dim)
     into_out = out is not None and out.is_contiguous()
-    result = (out.view(num_rows, num_heads, head_dim) if into_out
-              else query.new_empty((num_rows, num_heads, head_dim)))
-    _zero_unwritten(result, work)
-    if work:
-        needed = max(-(-s.num_keys // block_size) for s in work)
-        table = block_table[:, :needed].to(k_pages.device)
-        if table.dtype not in (torch.int32, torch.int64):
-            table = table.long()
-        scale = None if scale is None else float(scale)
-        for group in _groups(work):
-            _attend(flat_q, k_pages, v_pages, table, group, causal, scale, result, workspace,
-                    scales)
+    result = (out.view(plan.num_rows, plan.num_heads, plan.head_dim) if into_out
+              else query.new_empty((plan.num_rows, plan.num_heads, plan.head_dim)))
+    for lo, hi in plan.zero_rows:
+        result[lo:hi].zero_()
+    for group in plan.groups:
+        o = group.run(flat_q, k_pages, v_pages, scale, workspace, scales)
+        if group.rows is None:
+            result[group.row0:group.row0 + o.shape[0]].copy_(o)
+        else:
+            result.index_copy_(0, group.rows, o)
     if out is None:
         return result.view(query.shape)
     if not into_out:
@@ -294,15 +426,17 @@ def _page_outside(num_blocks: int) -> ValueError:
                       "within a sequence's blocks")
 
 
-def _zero_unwritten(result: torch.Tensor, work: List[_Seq]) -> None:
-    """Zero the rows no group will write: padding rows, rows with nothing to attend to."""
-    done = 0
+def _unwritten(num_rows: int, work: List[_Seq]) -> List[tuple]:
+    """``(lo, hi)`` ranges of the rows no group writes: padding rows, rows with nothing
+    to attend to. They get zeros."""
+    ranges, done = [], 0
     for s in sorted(work, key=lambda s: s.row0):
         if s.row0 > done:
-            result[done:s.row0].zero_()
+            ranges.append((done, s.row0))
         done = s.row0 + s.count
-    if done < result.shape[0]:
-        result[done:].zero_()
+    if done < num_rows:
+        ranges.append((done, num_rows))
+    return ranges
 
 
 def _trim(seqs: List[_Seq], causal: bool) -> List[_Seq]:
@@ -337,101 +471,168 @@ def _groups(work: List[_Seq]) -> List[List[_Seq]]:
     return [sorted(g, key=lambda s: s.index) for g in groups]
 
 
-def _attend(flat_q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
-            table: torch.Tensor, group: List[_Seq], causal: bool,
-            scale: Optional[float], result: torch.Tensor,
-            workspace: Optional[AttentionWorkspace], scales: tuple = (None, None)) -> None:
-    """One SDPA call for ``group``; writes its query rows of ``result``."""
-    device = k_pages.device
-    num_blocks, block_size, num_kv_heads, head_dim = k_pages.shape
-    num_heads = flat_q.shape[1]
-    heads_per_kv = num_heads // num_kv_heads
-    size, count = len(group), group[0].count
-    num_keys = max(s.num_keys for s in group)
-    blocks = -(-num_keys // block_size)
+class _Group:
+    """One SDPA call of a plan: its members' gather index, query rows and mask."""
 
-    first = group[0].index
-    indexes = [s.index for s in group]
-    if indexes == list(range(first, first + size)):
-        idx = table[first:first + size, :blocks]
-    else:
-        idx = table.index_select(0, torch.tensor(indexes, device=table.device))[:, :blocks]
-    short = [-(-s.num_keys // block_size) for s in group]
-    if min(short) < blocks:  # table entries past a member's last block may be garbage
-        unused = (torch.arange(blocks, device=table.device)[None, :]
-                  >= torch.tensor(short, device=table.device)[:, None])
-        idx = idx.masked_fill(unused, 0)
-    idx = idx.reshape(-1)
-    if idx.device.type != "cpu":  # there a bad index is a device-side assert: check first
-        low, high = torch.stack(torch.aminmax(idx)).tolist()
-        if low < 0 or high >= num_blocks:
-            raise _page_outside(num_blocks)
+    __slots__ = ("index", "size", "count", "blocks", "num_keys", "row0", "rows", "mask",
+                 "grouped", "is_causal", "whole", "_held", "_kv")
 
-    shape = (size * blocks, block_size, num_kv_heads, head_dim)
-    space = None
-    if workspace is not None and k_pages.dtype == v_pages.dtype:
-        numel = shape[0] * block_size * num_kv_heads * head_dim
-        space = workspace._take(2 * numel, k_pages.dtype, device).view(2, *shape)
+    def __init__(self, table: torch.Tensor, group: List[_Seq], causal: bool, num_heads: int,
+                 num_kv_heads: int, block_size: int, device: torch.device,
+                 query_device: torch.device) -> None:
+        heads_per_kv = num_heads // num_kv_heads
+        size, count = len(group), group[0].count
+        num_keys = max(s.num_keys for s in group)
+        blocks = -(-num_keys // block_size)
+        self.size, self.count, self.blocks, self.num_keys = size, count, blocks, num_keys
+        self.whole = False      # the plan's only group, over every query row in order
+        self._held = None       # (workspace buffer, gather outputs, their K/V views)
+        self._kv = None         # those views cut to num_keys
 
-    def gather(pages: torch.Tensor, which: int) -> torch.Tensor:
-        kv = (pages.index_select(0, idx) if space is None
-              else torch.index_select(pages, 0, idx, out=space[which]))
-        kv = kv.view(size, blocks * block_size, num_kv_heads, head_dim)[:, :num_keys]
-        kv = kv.transpose(1, 2)                               # [size, kv_heads, keys, dim]
-        kv = kv if kv.dtype == flat_q.dtype else kv.to(flat_q.dtype)
-        dequant = scales[which]
-        return kv if dequant is None else kv * dequant
+        first = group[0].index
+        indexes = [s.index for s in group]
+        if indexes == list(range(first, first + size)):
+            idx = table[first:first + size, :blocks]
+        else:
+            idx = table.index_select(0, torch.tensor(indexes, device=table.device))[:, :blocks]
+        short = [-(-s.num_keys // block_size) for s in group]
+        if min(short) < blocks:  # table entries past a member's last block may be garbage
+            unused = (torch.arange(blocks, device=table.device)[None, :]
+                      >= torch.tensor(short, device=table.device)[:, None])
+            idx = idx.masked_fill(unused, 0)
+        self.index = idx.reshape(-1).contiguous()
 
-    try:
-        k, v = gather(k_pages, 0), gather(v_pages, 1)
-    except IndexError:  # on CPU index_select checks the ids itself
-        raise _page_outside(num_blocks) from None
+        self.row0 = group[0].row0
+        self.rows = None
+        if any(b.row0 != a.row0 + count for a, b in zip(group, group[1:])):
+            self.rows = torch.tensor([s.row0 + i for s in group for i in range(count)],
+                                     device=query_device)
 
-    row0 = group[0].row0
-    rows = None
-    if any(b.row0 != a.row0 + count for a, b in zip(group, group[1:])):
-        rows = torch.tensor([s.row0 + i for s in group for i in range(count)],
-                            device=flat_q.device)
-    q = (flat_q[row0:row0 + size * count] if rows is None
-         else flat_q.index_select(0, rows))                    # [size * count, heads, dim]
+        pad = any(s.num_keys < num_keys for s in group)
+        restrict = causal and any(s.start < s.num_keys - 1 for s in group)
+        mask = None
+        if pad or restrict:
+            key_pos = torch.arange(num_keys, device=device)
+            lengths = torch.tensor([s.num_keys for s in group], device=device)
+            mask = key_pos < lengths[:, None, None]                       # [size, 1, keys]
+            if restrict:
+                query_pos = (torch.tensor([s.start for s in group], device=device)[:, None]
+                             + torch.arange(count, device=device))
+                mask = mask & (key_pos <= query_pos[:, :, None])          # [size, count, keys]
+            mask = mask[:, None]                                   # [size, 1, count or 1, keys]
 
-    pad = any(s.num_keys < num_keys for s in group)
-    restrict = causal and any(s.start < s.num_keys - 1 for s in group)
-    mask = None
-    if pad or restrict:
-        key_pos = torch.arange(num_keys, device=device)
-        lengths = torch.tensor([s.num_keys for s in group], device=device)
-        mask = key_pos < lengths[:, None, None]                       # [size, 1, keys]
-        if restrict:
-            query_pos = (torch.tensor([s.start for s in group], device=device)[:, None]
-                         + torch.arange(count, device=device))
-            mask = mask & (key_pos <= query_pos[:, :, None])          # [size, count, keys]
-        mask = mask[:, None]                                   # [size, 1, count or 1, keys]
+        self.grouped = heads_per_kv > 1 and (count * heads_per_kv <= _GROUPED_MAX_ROWS
+                                             or not _HAS_ENABLE_GQA)
+        self.is_causal = False
+        if self.grouped:
+            if mask is not None and mask.shape[2] > 1:
+                mask = (mask[:, :, :, None].expand(size, 1, count, heads_per_kv, num_keys)
+                        .reshape(size, 1, count * heads_per_kv, num_keys))
+        elif restrict and not pad and count == num_keys and all(s.start == 0 for s in group):
+            # whole-sequence prefills: SDPA's own top-left mask is the same
+            self.is_causal, mask = True, None
+        self.mask = mask
 
-    grouped = heads_per_kv > 1 and (count * heads_per_kv <= _GROUPED_MAX_ROWS
-                                    or not _HAS_ENABLE_GQA)
-    if grouped:
-        # Fold the query heads of each K/V head into the rows: [size, kv_heads,
-        # count * heads_per_kv, dim] against K/V as they are (a view for one query).
-        qg = (q.reshape(size, count, num_kv_heads, heads_per_kv, head_dim)
-              .permute(0, 2, 1, 3, 4).reshape(size, num_kv_heads, count * heads_per_kv, head_dim))
-        if mask is not None and mask.shape[2] > 1:
-            mask = (mask[:, :, :, None].expand(size, 1, count, heads_per_kv, num_keys)
-                    .reshape(size, 1, count * heads_per_kv, num_keys))
-        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
-        o = o.view(size, num_kv_heads, count, heads_per_kv, head_dim).permute(0, 2, 1, 3, 4)
-    else:
-        qh = q.reshape(size, count, num_heads, head_dim).transpose(1, 2)
-        is_causal = (restrict and not pad and count == num_keys
-                     and all(s.start == 0 for s in group))
-        if is_causal:  # whole-sequence prefills: SDPA's own top-left mask is the same
-            mask = None
-        extra = {"enable_gqa": True} if heads_per_kv > 1 else {}
-        o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, is_causal=is_causal,
-                                           scale=scale, **extra)
-        o = o.transpose(1, 2)                                  # [size, count, heads, dim]
-    o = o.reshape(size * count, num_heads, head_dim)
-    if rows is None:
-        result[row0:row0 + size * count].copy_(o)
-    else:
-        result.index_copy_(0, rows, o)
+    def gather(self, k_pages: torch.Tensor, v_pages: torch.Tensor,
+               workspace: Optional[AttentionWorkspace]) -> tuple:
+        """The members' K and V, ``[size, kv_heads, keys, head_dim]`` views of the pages'
+        dtype (into the workspace when there is one)."""
+        index = self.index
+        held = self._held
+        if workspace is not None and k_pages.dtype == v_pages.dtype:
+            if held is None or held[0] is not workspace._buffer or held[1].dtype != k_pages.dtype:
+                # Views of the workspace, made once per plan: the gathers of later calls
+                # (other layers) write the same memory, so they are the K/V again.
+                num, rest = index.shape[0], k_pages.shape[1:]
+                numel = num * rest.numel()
+                space = workspace._take(2 * numel, k_pages.dtype, k_pages.device)
+                outs = space[:numel].view(num, *rest), space[numel:].view(num, *rest)
+                held = self._held = (workspace._buffer, *outs, *(self._keys(o) for o in outs))
+                self._kv = None
+            torch.index_select(k_pages, 0, index, out=held[1])
+            torch.index_select(v_pages, 0, index, out=held[2])
+            kv = self._kv
+            if kv is None:
+                kv = self._kv = (held[3][:, :, :self.num_keys], held[4][:, :, :self.num_keys])
+            return kv
+        k = self._keys(k_pages.index_select(0, index))[:, :, :self.num_keys]
+        v = self._keys(v_pages.index_select(0, index))[:, :, :self.num_keys]
+        return k, v
+
+    def _keys(self, gathered: torch.Tensor) -> torch.Tensor:
+        """``[size * blocks, block_size, kv_heads, dim]`` -> ``[size, kv_heads, blocks *
+        block_size, dim]``."""
+        _, block_size, num_kv_heads, head_dim = gathered.shape
+        return gathered.view(self.size, self.blocks * block_size, num_kv_heads,
+                             head_dim).transpose(1, 2)
+
+    def with_keys(self, num_keys: int) -> "_Group":
+        """This group of one query per sequence with ``num_keys`` keys each, in the same
+        blocks: the decode step after this one (no mask, so every member had
+        ``self.num_keys``)."""
+        group = _Group.__new__(_Group)
+        for name in _Group.__slots__:
+            setattr(group, name, getattr(self, name))
+        group.num_keys, group._kv = num_keys, None
+        return group
+
+    def decode(self, query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+               scale: Optional[float], workspace: Optional[AttentionWorkspace]) -> torch.Tensor:
+        """A plan's ``decode_group``, unchecked: ``query`` holds ``[size, num_heads,
+        head_dim]`` elements in that order (any shape), the pages are of the query's dtype
+        and shaped as the plan's (callers that built the plan from pages and queries like
+        these). Returns ``[size, num_kv_heads, heads_per_kv, head_dim]``: the result rows
+        in ``[size, num_heads, head_dim]`` order."""
+        _, _, num_kv_heads, head_dim = k_pages.shape
+        k, v = self.gather(k_pages, v_pages, workspace)
+        return F.scaled_dot_product_attention(
+            query.reshape(self.size, num_kv_heads, -1, head_dim), k, v,
+            attn_mask=self.mask, scale=scale)
+
+    def run(self, query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+            scale: Optional[float], workspace: Optional[AttentionWorkspace],
+            scales: tuple) -> torch.Tensor:
+        """The group's attention over its query rows in order: ``[size * count,
+        num_heads, head_dim]``, or any shape of as many elements when the group is the
+        whole call (``query`` is then the caller's query, else its rows flattened)."""
+        num_kv_heads, head_dim = k_pages.shape[2:]
+        num_heads = query.shape[-2]
+        size, count = self.size, self.count
+        k, v = self.gather(k_pages, v_pages, workspace)
+        if k.dtype != query.dtype:
+            k, v = k.to(query.dtype), v.to(query.dtype)
+        if scales[0] is not None:
+            k = k * scales[0]
+        if scales[1] is not None:
+            v = v * scales[1]
+
+        heads_per_kv = num_heads // num_kv_heads
+        if self.grouped and count == 1:
+            # Decode: the query heads of each K/V head are the rows of one SDPA "head"
+            # [size, kv_heads, heads_per_kv, dim], a view of the query (of any form).
+            q = query if self.whole else query[self.row0:self.row0 + size] if self.rows is None \
+                else query.index_select(0, self.rows)
+            o = F.scaled_dot_product_attention(
+                q.reshape(size, num_kv_heads, heads_per_kv, head_dim), k, v,
+                attn_mask=self.mask, scale=scale)
+            return o if self.whole else o.reshape(size, num_heads, head_dim)
+        flat_q = query.reshape(-1, num_heads, head_dim) if self.whole else query
+        rows = self.rows
+        q = (flat_q if self.whole else flat_q[self.row0:self.row0 + size * count] if rows is None
+             else flat_q.index_select(0, rows))                 # [size * count, heads, dim]
+        if self.grouped:
+            # Fold the query heads of each K/V head into the rows: [size, kv_heads,
+            # count * heads_per_kv, dim] against K/V as they are.
+            qg = (q.reshape(size, count, num_kv_heads, heads_per_kv, head_dim)
+                  .permute(0, 2, 1, 3, 4)
+                  .reshape(size, num_kv_heads, count * heads_per_kv, head_dim))
+            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=self.mask, scale=scale)
+            o = (o.reshape(size, num_kv_heads, count, heads_per_kv, head_dim)
+                 .permute(0, 2, 1, 3, 4))
+        else:
+            qh = q.reshape(size, count, num_heads, head_dim).transpose(1, 2)
+            extra = {"enable_gqa": True} if num_heads != num_kv_heads else {}
+            o = F.scaled_dot_product_attention(qh, k, v, attn_mask=self.mask,
+                                               is_causal=self.is_causal, scale=scale, **extra)
+            o = o.transpose(1, 2)                              # [size, count, heads, dim]
+        return o.reshape(size * count, num_heads, head_dim)

@@ -27,12 +27,23 @@ from . import protocol, slots
 from .errors import HandleClosed, InvalidArgument, OutOfRange, StaleStep, WrongType
 from .handle import _views
 from .hashing import token_list
-from .tables import CACHE_ID, LOCK, NUM_TOKENS
+from .tables import CACHE_ID, GENERATION, LOCK, NUM_TOKENS, SEQ_FIELDS
 
 _DESC_MAGIC = b"SKVS"
 _DESC_VERSION = 1
 _DESC_HEADER = struct.Struct("<4sBxxxi8sI")   # magic, version, uniform count, instance, B
 _READ_TRIES = 1000
+# Writes of fewer new tokens copy rows in the pool's dtype, not in a wider copy unit.
+_UNIT_MIN_TOKENS = 64
+# Step.advance checks batches of up to this many sequences in a plain loop.
+_PLAIN_MAX_SEQS = 32
+# The arrays of a step made by Step.advance: its root step's, moved by its shift.
+_SHIFTED = ("_starts", "_ends", "_positions", "_slot_np")
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    """Equal arrays of one shape (np.array_equal's checks cost twice the comparison)."""
+    return bool((a == b).all())
 
 
 def _int64s(data: bytes) -> np.ndarray:
@@ -200,7 +211,8 @@ class Step:
         cache_ids: int64 ``[B]``.
         num_tokens: ``T``.
 
-    Made by :meth:`Batch.extend`, :meth:`Batch.prefill` or ``client.step_from``.
+    Made by :meth:`Batch.extend`, :meth:`Batch.prefill`, ``client.step_from`` or, for
+    the decode step after one, :meth:`advance`.
     """
 
     def __init__(self, client, cache_ids: np.ndarray, slot_ids: np.ndarray,
@@ -208,7 +220,7 @@ class Step:
                  batch: Optional[Batch] = None):
         # The index arithmetic runs in numpy (about a microsecond an op, against a few
         # for torch's dispatcher on tensors this small); the results are exposed as
-        # tensors sharing that memory.
+        # tensors sharing that memory, those a write does not need made on first use.
         self.client = client
         self.batch = batch
         self._ids = cache_ids
@@ -220,27 +232,133 @@ class Step:
         bs = client.config.block_size
         num = cache_ids.shape[0]
         ends = starts + counts
-        if uniform >= 0:  # decode: no cumulative sum
-            qsl = np.arange(0, (num + 1) * uniform, uniform, dtype=np.int64) if uniform \
-                else np.zeros(num + 1, dtype=np.int64)
+        if uniform > 0:  # decode: no cumulative sum
+            qsl = None
             self.num_tokens = uniform * num
         else:
             qsl = np.zeros(num + 1, dtype=np.int64)
             np.cumsum(counts, out=qsl[1:])
             self.num_tokens = int(qsl[-1])
+        self._qsl = qsl
         max_len = int(ends.max()) if num else 0
         tables = self._read_tables(max(1, -(-max_len // bs)), ends)
         slot_mapping, seq_index, positions = slots.batch_slots(
             tables, starts, counts, qsl, self.num_tokens, bs, uniform)
+        self._ends = ends
         self._seq_index = seq_index
-        self.cache_ids = torch.from_numpy(cache_ids)
+        self._positions = positions
+        self._slot_np = slot_mapping
         self.block_tables = torch.from_numpy(tables)
-        self.seq_lens = torch.from_numpy(ends.astype(np.int32))
-        self.query_start_loc = torch.from_numpy(qsl.astype(np.int32))
-        self.slot_mapping = torch.from_numpy(slot_mapping)
-        self.positions = torch.from_numpy(positions)
-        self.seq_index = torch.from_numpy(seq_index)
-        self._rows = None
+        self._lazy: dict = {}
+        self._rows = self._targets = None
+        self._live = False   # the client was checked by a write of this step (CPU pools)
+        self._plain = None   # for advance: (slots, cache ids, generations, starts) as lists
+
+    def __getattr__(self, name: str):
+        # A step made by advance() holds its root step and how far it moved; its
+        # arrays are the root's moved that far, made on first use.
+        if name in _SHIFTED:
+            root = self.__dict__.get("_root")
+            if root is not None:
+                value = getattr(root, name) + self._shift
+                setattr(self, name, value)
+                return value
+        raise AttributeError(f"'Step' object has no attribute {name!r}")
+
+    def advance(self) -> Optional["Step"]:
+        """The decode step after this one: one more token in every sequence, in the slot
+        after this step's, already reserved (decode over slots reserved ahead, or after
+        a crop). Made from this step's tables, with no round trip and no table read,
+        when they still hold; None otherwise (this is not a one-token-per-sequence step
+        of a batch, a next token opens a block, a sequence lacks the slot or its row
+        changed since, or a block was shared or published since): make the step with
+        :meth:`Batch.prefill` or :meth:`Batch.extend` then.
+
+        It writes the blocks this step writes, which this step found writable at its
+        epoch: with the epoch unchanged, they still are. Its writes check the batch's
+        handles and the epoch again, as every step's do.
+        """
+        if self._uniform != 1 or self.batch is None:
+            return None
+        client = self.client
+        memory = client._memory
+        if memory.epoch[0] != self._epoch:
+            return None
+        root = self.__dict__.get("_root", self)
+        shift = self.__dict__.get("_shift", 0) + 1
+        bs = client.config.block_size
+        # The seqlock read of _read_tables without the entries: an unchanged generation
+        # says the entries the step holds are current.
+        if self._ids.shape[0] <= _PLAIN_MAX_SEQS:
+            # A loop over a few sequences costs less than numpy's calls, which run cold
+            # between a model's layers (several times their warm cost).
+            plain = root._plain
+            if plain is None:
+                plain = root._plain = (root._slots.tolist(), root._ids.tolist(),
+                                       root._generations.tolist(), root._starts.tolist())
+            seq = memory.seq
+            for slot, cache_id, generation, start in zip(*plain):
+                pos = start + shift   # the new token's position
+                base = slot * SEQ_FIELDS
+                lock = seq[base + LOCK]
+                if (pos % bs == 0 or lock & 1 or seq[base + CACHE_ID] != cache_id
+                        or seq[base + GENERATION] != generation
+                        or seq[base + NUM_TOKENS] <= pos or seq[base + LOCK] != lock):
+                    return None
+        else:
+            starts = root._starts + shift
+            seq_np, slot_ids = memory.seq_np, self._slots
+            rows = seq_np[slot_ids]
+            if (bool((starts % bs == 0).any())
+                    or not _same(rows[:, LOCK], seq_np[slot_ids, LOCK] & ~1)
+                    or not _same(rows[:, CACHE_ID], self._ids)
+                    or not _same(rows[:, GENERATION], root._generations)
+                    or not bool((rows[:, NUM_TOKENS] > starts).all())):
+                return None
+        step = Step.__new__(Step)
+        fields = step.__dict__
+        fields.update(self.__dict__)
+        for name in _SHIFTED:
+            fields.pop(name, None)
+        fields.update(_root=root, _shift=shift, _lazy={}, _rows=None, _targets=None,
+                      _live=False)
+        return step
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        return self._tensor("slot_mapping", lambda: self._slot_np)
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        return self._tensor("seq_lens", lambda: self._ends.astype(np.int32))
+
+    @property
+    def cache_ids(self) -> torch.Tensor:
+        return self._tensor("cache_ids", lambda: self._ids)
+
+    @property
+    def query_start_loc(self) -> torch.Tensor:
+        def qsl():
+            if self._qsl is not None:
+                return self._qsl.astype(np.int32)
+            num, count = self._ids.shape[0], self._uniform
+            return (np.arange(0, (num + 1) * count, count, dtype=np.int32) if count
+                    else np.zeros(num + 1, dtype=np.int32))
+        return self._tensor("query_start_loc", qsl)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self._tensor("positions", lambda: self._positions)
+
+    @property
+    def seq_index(self) -> torch.Tensor:
+        return self._tensor("seq_index", lambda: self._seq_index)
+
+    def _tensor(self, name: str, make) -> torch.Tensor:
+        t = self._lazy.get(name)
+        if t is None:
+            t = self._lazy[name] = torch.from_numpy(make())
+        return t
 
     # -- reading the shared tables -----------------------------------------------------------
 
@@ -258,12 +376,13 @@ class Step:
             tables = table_np[slot_ids, :max_blocks]
             # unchanged and even (no write in progress): ``after & ~1`` differs from an
             # odd ``before`` even when both reads saw the same odd value
-            if np.array_equal(before[:, LOCK], seq_np[slot_ids, LOCK] & ~1):
+            if _same(before[:, LOCK], seq_np[slot_ids, LOCK] & ~1):
                 break
         else:
             raise StaleStep("the step's block tables kept changing while being read")
-        if not np.array_equal(before[:, CACHE_ID], self._ids):
+        if not _same(before[:, CACHE_ID], self._ids):
             raise StaleStep("a sequence of this step was closed; make a new step")
+        self._generations = before[:, GENERATION]
         if self.batch is None and bool((before[:, NUM_TOKENS] < ends).any()):
             raise StaleStep("a sequence of this step is shorter than the step says")
         return tables
@@ -274,7 +393,7 @@ class Step:
             return True
         owner = self.client._memory.owner_t.numpy()
         blocks = self.slot_mapping.numpy() // self.client.config.block_size
-        return bool(np.array_equal(owner[blocks], self._ids[self._seq_index]))
+        return _same(owner[blocks], self._ids[self._seq_index])
 
     def _verify_owners(self) -> None:
         """Every block the step writes is still writable in place by its sequence."""
@@ -295,10 +414,16 @@ class Step:
         self._epoch = epoch
 
     def _ready(self) -> None:
-        self.client.check()
+        client = self.client
+        if client._closed or not self._live or client.config.is_cuda:
+            # A CPU pool's memory stays mapped while this process holds it, whatever
+            # happens to the coordinator: one liveness check (a poll) per step is enough.
+            # A device pool dies with the coordinator: checked before every write.
+            client.check()
+            self._live = True
         if self.batch is not None:
             self.batch._check()
-        if self.client._memory.epoch[0] != self._epoch:
+        if client._memory.epoch[0] != self._epoch:
             self._verify_owners()
 
     # -- writes ------------------------------------------------------------------------------
@@ -306,11 +431,29 @@ class Step:
     def _layer_rows(self) -> torch.Tensor:
         rows = self._rows
         if rows is None:
+            root = self.__dict__.get("_root")
+            if root is not None:  # slots moved by k in their blocks: rows moved by k
+                rows = self._rows = root._layer_rows() + self._shift
+                return rows
             cfg = self.client.config
             base = slots.slot_rows(self.slot_mapping, cfg.block_size, cfg.num_layers)
             rows = self._rows = slots.all_layer_rows(base, cfg.num_layers, cfg.block_size).to(
                 self.client.pool.device)
         return rows
+
+    def _write_targets(self) -> tuple:
+        """``(rows view of the pool, [2 * num_layers] row indexes)`` for :meth:`write`,
+        made at the step's first write: a write then indexes a list, not a tensor."""
+        targets = self._targets
+        if targets is None:
+            views = _views(self.client)
+            plain_rows, _chunks, plain_dtype = views.plain
+            # Few rows are copied in the pool's dtype (viewing them in a wider copy unit
+            # costs more than the copy); float8 always as bytes (torch has no CPU copy).
+            rows = (plain_rows if self.num_tokens < _UNIT_MIN_TOKENS and plain_dtype is None
+                    else None)
+            targets = self._targets = (rows, self._layer_rows().unbind(0))
+        return targets
 
     def _check_tensor(self, name: str, t, shape: tuple) -> None:
         if not isinstance(t, torch.Tensor):
@@ -340,20 +483,29 @@ class Step:
             Nothing is written in any of these cases.
         """
         self._ready()
-        cfg, pool = self.client.config, self.client.pool
-        if isinstance(layer, bool) or not isinstance(layer, int):
-            raise WrongType(f"layer must be an int, got {type(layer).__name__}")
-        if not 0 <= layer < cfg.num_layers:
-            raise OutOfRange(f"layer {layer} outside [0, {cfg.num_layers})")
-        shape = (self.num_tokens, pool.shape[4], pool.shape[5])
-        self._check_tensor("k", k, shape)
-        self._check_tensor("v", v, shape)
+        pool = self.client.pool
+        # What a model loop passes (plain tensors as the pool holds them) is accepted by
+        # these few comparisons; anything else goes through the checks that name the fault.
+        if not (type(layer) is int and 0 <= layer < pool.shape[1]
+                and type(k) is torch.Tensor and type(v) is torch.Tensor
+                and k.dtype == pool.dtype and v.dtype == pool.dtype
+                and k.shape == v.shape and k.dim() == 3 and k.shape[0] == self.num_tokens
+                and k.shape[1:] == pool.shape[4:] and k.is_contiguous() and v.is_contiguous()
+                and k.device == pool.device and v.device == pool.device):
+            if isinstance(layer, bool) or not isinstance(layer, int):
+                raise WrongType(f"layer must be an int, got {type(layer).__name__}")
+            if not 0 <= layer < pool.shape[1]:
+                raise OutOfRange(f"layer {layer} outside [0, {pool.shape[1]})")
+            shape = (self.num_tokens, pool.shape[4], pool.shape[5])
+            self._check_tensor("k", k, shape)
+            self._check_tensor("v", v, shape)
         if not self.num_tokens:
             return
-        rows_index = self._layer_rows()
-        rows, _chunks, k, v = _views(self.client).select(k, v)
-        rows.index_copy_(0, rows_index[2 * layer], k)
-        rows.index_copy_(0, rows_index[2 * layer + 1], v)
+        rows, index = self._write_targets()
+        if rows is None:
+            rows, _chunks, k, v = _views(self.client).select(k, v)
+        rows.index_copy_(0, index[2 * layer], k)
+        rows.index_copy_(0, index[2 * layer + 1], v)
 
     def write_all(self, kv: torch.Tensor) -> None:
         """Write every layer at once: ``kv`` is ``[num_layers, 2, T, num_heads,

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shmkv.attention import AttentionWorkspace, paged_attention
+from shmkv.attention import AttentionWorkspace, PagedAttentionPlan, paged_attention
 
 HEAD_DIM = 16
 NUM_KV_HEADS = 2
@@ -478,3 +478,68 @@ def test_batch_form_equals_old_implementation(dtype, group, block_size, monkeypa
     q = torch.randn(len(seq_lens), heads, HEAD_DIM, generator=gen).to(dtype)  # decode
     torch.testing.assert_close(paged_attention(q, k_pages, v_pages, table, seq_lens),
                                old_paged_attention(q, k_pages, v_pages, table, seq_lens), **tol)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_one_plan_serves_every_layer_of_a_step(packed):
+    """A plan built once gives what planning each call gives, for other queries and pages
+    of the same shapes (another layer's), with and without a workspace."""
+    counts, seq_lens = ([5, 1, 1, 3], [5, 30, 12, 9]) if packed else ([2] * 4, [2, 30, 12, 9])
+    q, k_pages, v_pages, table, locs = packed_batch(counts, seq_lens, 2, 4, torch.float32, 11)
+    if not packed:
+        q = q.view(4, 2, *q.shape[1:])
+    form = dict(query_start_loc=locs) if packed else {}
+    plan = PagedAttentionPlan(q, k_pages, table, seq_lens, **form)
+    workspace = AttentionWorkspace()
+    for layer in range(3):
+        k, v = k_pages * (layer + 1), v_pages - layer
+        query = torch.randn_like(q)
+        want = paged_attention(query, k, v, table, seq_lens, **form)
+        assert torch.equal(paged_attention(query, k, v, plan=plan), want)
+        assert torch.equal(paged_attention(query, k, v, plan=plan, workspace=workspace), want)
+        out = torch.empty_like(q)
+        assert paged_attention(query, k, v, plan=plan, out=out) is out
+        assert torch.equal(out, want)
+
+
+def test_decode_plan_and_the_plan_of_the_next_step():
+    block_size = 4
+    seq_lens = [6, 6, 6]
+    q, k_pages, v_pages, table, locs = packed_batch([1] * 3, seq_lens, 4, block_size,
+                                                    torch.float32, 12)
+    plan = PagedAttentionPlan(q, k_pages, table, seq_lens)
+    assert plan.decode_group is not None
+    got = plan.decode_group.decode(q, k_pages, v_pages, None, AttentionWorkspace())
+    torch.testing.assert_close(got.reshape(q.shape).double(),
+                               varlen_reference(q, k_pages, v_pages, table, seq_lens, locs),
+                               **TOLERANCE[torch.float32])
+    for n in (7, 8):                      # one more key each step, in the blocks held
+        plan = plan._next_decode()
+        assert torch.equal(paged_attention(q, k_pages, v_pages, plan=plan),
+                           paged_attention(q, k_pages, v_pages, table, [n] * 3))
+    assert plan._next_decode() is None    # a ninth key needs a third block
+    mixed = PagedAttentionPlan(q, k_pages, table, [6, 5, 6])
+    assert mixed._next_decode() is None   # lengths differ: masked, planned each step
+
+
+def test_plan_arguments_are_checked():
+    counts, seq_lens = [2, 1], [4, 3]
+    q, k_pages, v_pages, table, locs = packed_batch(counts, seq_lens, 2, 4, torch.float32, 13)
+    plan = PagedAttentionPlan(q, k_pages, table, seq_lens, query_start_loc=locs)
+    with pytest.raises(TypeError, match="not both"):
+        paged_attention(q, k_pages, v_pages, table, seq_lens, plan=plan)
+    with pytest.raises(TypeError, match="not both"):
+        paged_attention(q, k_pages, v_pages, query_start_loc=locs, plan=plan)
+    with pytest.raises(TypeError, match="needs block_table"):
+        paged_attention(q, k_pages, v_pages)
+    with pytest.raises(TypeError, match="PagedAttentionPlan"):
+        paged_attention(q, k_pages, v_pages, plan=object())
+    with pytest.raises(ValueError, match="does not match the plan"):
+        paged_attention(q[:2], k_pages, v_pages, plan=plan)
+    with pytest.raises(ValueError, match="block_size=4"):
+        paged_attention(q, k_pages.reshape(-1, 2, *k_pages.shape[2:]),
+                        v_pages.reshape(-1, 2, *v_pages.shape[2:]), plan=plan)
+    with pytest.raises(ValueError, match="outside"):   # fewer pages than the plan's ids
+        paged_attention(q, k_pages[:1], v_pages[:1], plan=plan)
+    with pytest.raises(ValueError, match="multiple"):
+        PagedAttentionPlan(q[:, :3], k_pages, table, seq_lens, query_start_loc=locs)

@@ -306,3 +306,66 @@ def test_sigkill_of_a_rank_mid_step_leaks_nothing(coord, client):
     coord.table.check_invariants()
     # the dead rank's table slots are free again: a batch of 64 - live sequences fits
     client.close_many(client.allocate_many([0] * (64 - base["sequences"])))
+
+
+def same_step(got, want):
+    for name in ("slot_mapping", "seq_lens", "block_tables", "positions", "seq_index",
+                 "query_start_loc", "cache_ids"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and a.tolist() == b.tolist(), name
+    assert got.num_tokens == want.num_tokens
+
+
+@pytest.mark.parametrize("plain_max", [32, 0])   # checked in a loop, or by numpy
+def test_advance_is_the_next_decode_step_while_the_tables_hold(client, plain_max, monkeypatch):
+    monkeypatch.setattr(shmkv.batch, "_PLAIN_MAX_SEQS", plain_max)
+    hs = client.allocate_many([13, 6])            # slots reserved past the steps below
+    batch = client.batch(hs)
+    step = batch.prefill(start=[8, 1], num_tokens=1)
+    write_step(step)
+    for starts in ([9, 2], [10, 3]):
+        step = step.advance()                     # no table read, no round trip
+        same_step(step, batch.prefill(start=starts, num_tokens=1))
+        write_step(step)
+    assert step.advance() is None                 # position 4 of the second opens a block
+    for h, first in zip(hs, [8, 1]):              # the advanced steps wrote their own slots
+        for layer in range(L):
+            want = expected_kv(h, layer, 0)
+            assert torch.equal(h.key_cache(layer)[first:first + 3], want[first:first + 3])
+    # not reserved: the second sequence holds 6 slots
+    assert batch.prefill(start=[9, 5], num_tokens=1).advance() is None
+    # not a one-token step, or not of a batch
+    assert batch.prefill(start=[8, 1], num_tokens=2).advance() is None
+    other = client.step_from(batch.prefill(start=[8, 1], num_tokens=1).descriptor())
+    assert other.advance() is None
+    # a block shared since (the epoch moved), a table changed since (a block appended)
+    step = batch.prefill(start=[8, 1], num_tokens=1)
+    fork = hs[0].fork()
+    assert step.advance() is None
+    fork.close()
+    step = batch.prefill(start=[8, 1], num_tokens=1)
+    hs[1].extend(3)                               # 9 tokens: a third block
+    assert step.advance() is None
+    step = batch.prefill(start=[8, 1], num_tokens=1)
+    advanced = step.advance()
+    hs[1].close()                                 # its row is released: no step after it
+    assert step.advance() is None
+    with pytest.raises(shmkv.HandleClosed):       # and a step made before refuses to write
+        write_step(advanced)
+    client.close_many(hs)
+
+
+def test_few_token_writes_of_a_float8_pool_move_bytes(unique_name):
+    cfg = shmkv.PoolConfig(num_layers=L, num_kv_heads=H, head_dim=D, num_blocks=16,
+                           block_size=BS, dtype=torch.float8_e4m3fn)
+    with shmkv.Coordinator(cfg, name=unique_name) as coord, \
+            shmkv.connect(coord.address, timeout=20) as client:
+        hs = client.allocate_many([3, 5])
+        step = client.batch(hs).extend(1)
+        raw = torch.randint(0, 256, (2, 2, H, D), dtype=torch.uint8)
+        k, v = raw.view(torch.float8_e4m3fn)
+        step.write(1, k, v)
+        for b, (h, pos) in enumerate(zip(hs, [3, 5])):
+            assert torch.equal(h.key_cache(1)[pos].view(torch.uint8), raw[0, b])
+            assert torch.equal(h.value_cache(1)[pos].view(torch.uint8), raw[1, b])
+        client.close_many(hs)

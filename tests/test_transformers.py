@@ -251,6 +251,48 @@ def test_prompt_lookup_decoding_crops(attn, model_coord):
 
 
 @pytest.mark.parametrize("attn", ATTN)
+def test_decode_over_reserved_slots_advances_steps(attn, model_coord, monkeypatch):
+    """Generating again after a crop back to the prompt runs over slots already reserved:
+    a step reads the tables only when a block begins (Step.advance in between), and the
+    attention plan of a step is the last one's with one more key."""
+    model = build("qwen2")
+    ids = torch.tensor([PROMPT_A, PROMPT_A[::-1]])
+    want = greedy(model, ids)
+    model.set_attn_implementation(attn)
+    made = {"advance": 0, "prefill": 0, "extend": 0, "plan": 0}
+
+    def counting(cls, name, key):
+        real = getattr(cls, name)
+
+        def call(*args, **kwargs):
+            made[key] += 1
+            return real(*args, **kwargs)
+        monkeypatch.setattr(cls, name, call)
+    counting(shmkv.batch.Step, "advance", "advance")
+    counting(shmkv.batch.Batch, "prefill", "prefill")
+    counting(shmkv.batch.Batch, "extend", "extend")
+    counting(shmkv.attention.PagedAttentionPlan, "__init__", "plan")
+    with shmkv.connect(model_coord(model).address, timeout=20) as client:
+        with ShmkvCache(client) as cache:
+            greedy(model, ids, cache)
+            for _ in range(2):
+                cache.crop(-(cache.get_seq_length() - (ids.shape[1] - 1)))
+                made.update(advance=0, prefill=0, extend=0, plan=0)
+                got = greedy(model, ids, cache)
+                assert_same_generation(got, want, ids.shape[1])
+                # positions 22..31 with 4-token blocks: 24 and 28 begin blocks
+                assert made["extend"] == 0 and made["prefill"] == 3
+                assert made["plan"] == (3 if attn == "shmkv" else 0)
+                assert all(h.num_tokens == ids.shape[1] + NEW_TOKENS - 1 for h in cache.handles)
+                for b, handle in enumerate(cache.handles):
+                    for layer in range(handle.num_layers):
+                        torch.testing.assert_close(
+                            handle.key_cache(layer),
+                            want.cache.layers[layer].keys[b, :, :handle.num_tokens].transpose(0, 1),
+                            **TIGHT)
+
+
+@pytest.mark.parametrize("attn", ATTN)
 def test_two_generate_calls_in_a_row(attn, model_coord):
     """A second generate continues from the first one's output with the same cache."""
     model = build("mistral")

@@ -59,8 +59,7 @@ except ImportError as exc:  # transformers before per-layer caches and attention
                       "Cache is a list of CacheLayerMixin layers and which has an "
                       "AttentionInterface (5.x): pip install -U transformers") from exc
 
-from .. import attention as _attention
-from ..attention import paged_attention
+from ..attention import AttentionWorkspace, PagedAttentionPlan, paged_attention
 from ..client import Client
 from ..errors import InvalidArgument, WrongType
 from ..handle import KvCacheHandle
@@ -75,11 +74,6 @@ ATTN_IMPLEMENTATION = "shmkv"
 # transformers' create_causal_mask calls right after, takes it. That is how a forward
 # tells its cache, before any layer runs, that its layers attend over the pool.
 _MASK_SIZES = threading.local()
-# Gathered K/V goes into scratch memory kept across layers and steps, where
-# paged_attention takes one (a workspace).
-_WORKSPACE = getattr(_attention, "AttentionWorkspace", None)
-if _WORKSPACE is not None and "workspace" not in inspect.signature(paged_attention).parameters:
-    _WORKSPACE = None
 
 
 def pool_config(model_config, num_blocks: int, block_size: int = 16, dtype=None,
@@ -183,6 +177,9 @@ def _shmkv_mask(**kwargs):
         _check_full_attention(config)
         cache._config_checked = True
     padding = kwargs.get("attention_mask")
+    if padding is not None and not cache._any_pad and padding.dim() == 2 \
+            and padding.shape[1] == kwargs["kv_length"] and bool(padding.all()):
+        padding = None  # no padding at all (decode steps of unpadded rows): nothing to check
     if padding is not None:
         padding = prepare_padding_mask(padding, kwargs["kv_length"], 0)[:, :kwargs["kv_length"]]
         padding = padding.to(device="cpu", dtype=torch.bool)
@@ -302,7 +299,7 @@ class _Forward:
     """One forward's step: what the first layer's update reserved, for every layer."""
 
     __slots__ = ("start", "n", "step", "paged", "select", "layers_done", "dense_index",
-                 "dense_pad", "chunk_tables")
+                 "dense_pad", "plan", "query_shape", "out_shape")
 
     def __init__(self, start: int, n: int, step, paged: bool, select):
         self.start = start            # padded position of the first new token
@@ -313,7 +310,9 @@ class _Forward:
         self.layers_done: set = set()
         self.dense_index = None       # dense fill: (first position, layer-0 K row of each)
         self.dense_pad = None         # dense fill: bool [batch, positions], True at padding
-        self.chunk_tables = None      # paged path: block tables as ids of layer 0's K chunks
+        self.plan = None              # paged path: the PagedAttentionPlan all layers share,
+        self.query_shape = None       # built for queries of this shape [batch, heads, n, dim]
+        self.out_shape = None         # and giving results [batch, n, heads, dim]
 
 
 class ShmkvCache(Cache):
@@ -374,13 +373,15 @@ class ShmkvCache(Cache):
         self._rows_view = None
         self._dense_bufs: Optional[list] = None   # per layer (K, V) buffers, dense path
         self._dense_len: list = []                # per layer: padded positions they hold
-        self._workspace = _WORKSPACE() if _WORKSPACE is not None else None
+        # Gathered K/V goes into scratch memory kept across layers and steps.
+        self._workspace: Optional[AttentionWorkspace] = AttentionWorkspace()
         # Per row (int64 [B]): left padding not stored, tokens stored (valid K/V in every
-        # layer), slots the sequence holds. ``_aligned`` is the common length when every
-        # row has no padding and stored == slots (the decode fast path), else -1.
-        self._pad = self._stored = self._lens = None
+        # layer), slots the sequence holds. For the decode fast path: ``_aligned`` is the
+        # common stored length when no row has padding, else -1; ``_reserved`` the fewest
+        # slots a row holds; ``_uniform_lens`` their common count, else -1.
+        self._pad = self._stored_t = self._lens = None
         self._any_pad = False
-        self._aligned = -1
+        self._aligned = self._reserved = self._uniform_lens = -1
         self._last_path: Optional[str] = None
         if padding_side not in (None, "left"):
             raise InvalidArgument(f"padding_side must be 'left' or None, got {padding_side!r}")
@@ -422,6 +423,17 @@ class ShmkvCache(Cache):
         self._initial_tokens = num_tokens
         super().__init__(layers=[_ShmkvLayer(self, i, num_tokens) for i in range(num_layers)])
 
+    @property
+    def _stored(self) -> torch.Tensor:
+        stored = self._stored_t
+        if stored is None:  # left so by a decode step: every row holds _aligned tokens
+            stored = self._stored_t = torch.full_like(self._pad, self._aligned)
+        return stored
+
+    @_stored.setter
+    def _stored(self, value: torch.Tensor) -> None:
+        self._stored_t = value
+
     def _set_rows(self, pads, stored, lens) -> None:
         self._pad = torch.as_tensor(pads, dtype=torch.int64)
         self._stored = torch.as_tensor(stored, dtype=torch.int64)
@@ -431,9 +443,11 @@ class ShmkvCache(Cache):
     def _refresh_rows(self) -> None:
         self._any_pad = bool(self._pad.any())
         first = int(self._stored[0]) if len(self._stored) else 0
-        uniform = (not self._any_pad and bool((self._stored == first).all())
-                   and bool((self._lens == first).all()))
+        uniform = not self._any_pad and bool((self._stored == first).all())
         self._aligned = first if uniform else -1
+        low, high = (int(x) for x in torch.aminmax(self._lens)) if len(self._lens) else (0, 0)
+        self._reserved = low
+        self._uniform_lens = low if low == high else -1
 
     @classmethod
     def _with_rows(cls, handles, num_tokens: int, pads, stored, lens,
@@ -650,13 +664,35 @@ class ShmkvCache(Cache):
                 raise InvalidArgument("this ShmkvCache holds rows with left padding, and the "
                                       "forward has no attention mask: pass the attention mask "
                                       "that marks the padding (left_pad() makes one)")
-        if padding is None and self._aligned == start:
-            # Decode fast path: every row holds exactly `start` tokens, no padding.
-            step = self._extend(n)
+        if padding is None and self._aligned == start and (
+                self._reserved >= kv_length or self._uniform_lens == start):
+            # Decode fast path: every row holds exactly `start` tokens, no padding; the
+            # new ones go into slots already reserved (after a crop, say: no round trip)
+            # or into slots reserved now at the end of every row.
+            prev = self._fwd
+            follows = prev is not None and n == 1 and prev.n == 1 and prev.start + 1 == start
+            step = None
+            if self._reserved >= kv_length:
+                if follows:  # the step after the last one, from its tables: no table read
+                    step = prev.step.advance()
+                if step is None:
+                    step = self._batch.prefill(start=start, num_tokens=n)
+            else:
+                step = self._extend(n)
+                self._lens += n
+                self._reserved = self._uniform_lens = kv_length
+            plan = None
+            if follows and prev.plan is not None and (
+                    step.block_tables is prev.step.block_tables
+                    or torch.equal(step.block_tables, prev.step.block_tables)):
+                # The same blocks, one more key each: the last step's attention plan moved on.
+                plan = prev.plan._next_decode()
             self._aligned = kv_length
-            self._lens += n
-            self._stored += n
-            return _Forward(start, n, step, paged, None)
+            self._stored_t = None   # every row: kv_length (made into a tensor when needed)
+            fwd = _Forward(start, n, step, paged, None)
+            if plan is not None:
+                fwd.plan, fwd.query_shape, fwd.out_shape = plan, prev.query_shape, prev.out_shape
+            return fwd
         pad = self._pad
         if padding is not None:
             # Skip new leading padding in rows that hold nothing yet; the mask must then
@@ -705,6 +741,14 @@ class ShmkvCache(Cache):
         """One batch write of the layer's new K/V (the rows ``fwd.select`` names)."""
         pool = self._pool
         batch, heads, n, head_dim = key_states.shape
+        if n == 1 and fwd.select is None and key_states.dtype == value_states.dtype == pool.dtype \
+                and key_states.is_contiguous() and value_states.is_contiguous() \
+                and not (key_states.requires_grad or value_states.requires_grad) \
+                and key_states.device == pool.device:
+            # Decode: [batch, heads, 1, dim] is already the [batch, heads, dim] rows.
+            fwd.step.write(layer_idx, key_states.view(batch, heads, head_dim),
+                           value_states.view(batch, heads, head_dim))
+            return
         k = key_states.detach().transpose(1, 2).reshape(batch * n, heads, head_dim)
         v = value_states.detach().transpose(1, 2).reshape(batch * n, heads, head_dim)
         if fwd.select is not None:
@@ -714,25 +758,33 @@ class ShmkvCache(Cache):
             v = v.to(device=pool.device, dtype=pool.dtype)
         fwd.step.write(layer_idx, k.contiguous(), v.contiguous())
 
-    def _layer_pages(self, layer_idx: int) -> tuple:
+    def _attn_pages(self, layer_idx: int) -> tuple:
+        """``(k_pages, v_pages)`` of layer ``layer_idx`` for paged_attention.
+
+        When the pool is one contiguous tensor they are views of it as a run of chunks
+        (one layer's K or V of one block each), starting at the layer's K and V of block
+        0, so that page ``b * 2 * num_layers`` is block ``b``'s (a gather then copies
+        whole chunks: measured 1.4x faster on CPU than through a layer's own view, which
+        strides over the other layers of each block). Else the layer's own views.
+        """
         if self._pages is None:
-            pool = self._handles[0]._client.pool
-            self._pages = [(pool[:, i, 0], pool[:, i, 1]) for i in range(pool.shape[1])]
+            pool = self._pool
+            num_layers = pool.shape[1]
+            self._chunks = pool.is_contiguous()
+            if self._chunks:
+                chunks = pool.view(-1, *pool.shape[3:])
+                num = chunks.shape[0] - 2 * num_layers + 1   # the same count for every view
+                self._pages = [(chunks[2 * i:2 * i + num], chunks[2 * i + 1:2 * i + 1 + num])
+                               for i in range(num_layers)]
+            else:
+                self._pages = [(pool[:, i, 0], pool[:, i, 1]) for i in range(num_layers)]
         return self._pages[layer_idx]
 
-    def _chunk_pages(self):
-        """``(k_pages, v_pages)`` over the whole pool as one contiguous run of chunks (one
-        layer's K or V of one block each; V of a block is the chunk after its K), or None
-        when the pool view is not contiguous. Page id of layer ``l``'s K of block ``b``:
-        ``b * 2 * num_layers + 2 * l``, the same id for its V in ``v_pages``."""
-        if self._chunks is None:
-            pool = self._handles[0]._client.pool
-            if pool.is_contiguous():
-                chunks = pool.view(-1, *pool.shape[3:])
-                self._chunks = (chunks[:-1], chunks[1:])
-            else:
-                self._chunks = False
-        return self._chunks or None
+    def _page_table(self, step) -> torch.Tensor:
+        """The step's block tables as ids of the pages :meth:`_attn_pages` gives."""
+        if self._chunks:
+            return step.block_tables * (2 * self._pool.shape[1])
+        return step.block_tables
 
     def _attend(self, module, query: torch.Tensor, scaling, dropout, is_causal, kwargs):
         """The paged path of the "shmkv" attention function: ``query`` ``[batch, heads,
@@ -745,22 +797,26 @@ class ShmkvCache(Cache):
                                   "without dropout, softcap, sinks, biases or windows; this layer "
                                   "needs one: use attn_implementation='sdpa'")
         fwd = self._fwd
-        layer_idx = module.layer_idx
-        step = fwd.step
-        chunks = self._chunk_pages()
-        if chunks is not None:
-            # Contiguous pages gather as whole memcpys (a layer's own view strides over
-            # the other layers of each block): measured 1.4x faster on CPU.
-            if fwd.chunk_tables is None:
-                fwd.chunk_tables = step.block_tables * (2 * self._pool.shape[1])
-            k_pages, v_pages = chunks
-            table = fwd.chunk_tables + 2 * layer_idx
-        else:
-            k_pages, v_pages = self._layer_pages(layer_idx)
-            table = step.block_tables
-        extra = {} if self._workspace is None else {"workspace": self._workspace}
-        return paged_attention(query.transpose(1, 2), k_pages, v_pages, table,
-                               step.seq_lens, scale=scaling, **extra)
+        k_pages, v_pages = self._attn_pages(module.layer_idx)
+        plan = fwd.plan
+        if plan is None:
+            # Once per step: every layer shares the block tables and lengths.
+            plan = fwd.plan = PagedAttentionPlan(query.transpose(1, 2), k_pages,
+                                                 self._page_table(fwd.step), fwd.step.seq_lens)
+            batch, heads, n, head_dim = fwd.query_shape = query.shape
+            fwd.out_shape = (batch, n, heads, head_dim)
+        if query.shape != fwd.query_shape:  # a layer unlike the first: planned on its own
+            return paged_attention(query.transpose(1, 2), k_pages, v_pages,
+                                   self._page_table(fwd.step), fwd.step.seq_lens,
+                                   scale=scaling, workspace=self._workspace)
+        group = plan.decode_group
+        if group is not None and query.dtype == k_pages.dtype:
+            # Decode: the plan was checked against this model's queries and pages; the
+            # result, [batch, kv_heads, heads_per_kv, dim], holds [batch, 1, heads, dim].
+            out = group.decode(query, k_pages, v_pages, scaling, self._workspace)
+            return out.reshape(fwd.out_shape)
+        return paged_attention(query.transpose(1, 2), k_pages, v_pages, scale=scaling,
+                               workspace=self._workspace, plan=plan)
 
     def _dense(self, fwd: _Forward, layer_idx: int, key_states: torch.Tensor,
                value_states: torch.Tensor) -> tuple:
@@ -835,8 +891,7 @@ class ShmkvCache(Cache):
             if flat is not None:
                 got = flat.index_select(0, index)
             else:  # a pool view that is not one contiguous tensor (a head shard)
-                got = self._layer_pages(layer_idx)[which][index // bs // (num_layers * 2),
-                                                          index % bs]
+                got = pool[:, layer_idx, which][index // bs // (num_layers * 2), index % bs]
             got = got.view(batch, hi - lo, heads, head_dim)
             if fwd.dense_pad is not None:
                 got.masked_fill_(fwd.dense_pad[:, :, None, None], 0)
