@@ -624,3 +624,37 @@ def test_batch_prefilled_in_dataloader_workers(model_coord):
             torch.testing.assert_close(a, b, **REUSED)
         client.close_many(handles)
         assert client.stats()["referenced_blocks"] == 0
+
+
+# -- quantized pools -----------------------------------------------------------------------------
+
+# A float8/int8 pool stores K/V divided by a per-layer scale; attention reads it back times
+# the scale. The stated tolerance (docs/transformers.md): every step's logits stay within
+# QUANTIZED_TOL[dtype] of DynamicCache's, relative to the largest logit magnitude.
+QUANTIZED_TOL = {"float8_e4m3fn": 0.05, "float8_e5m2": 0.1, "int8": 0.02}
+
+
+@pytest.mark.parametrize("attn", ATTN)
+@pytest.mark.parametrize("dtype", sorted(QUANTIZED_TOL))
+def test_quantized_pool_stays_within_the_stated_tolerance(dtype, attn, model_coord):
+    model = build("llama")
+    want = greedy(model, PROMPT_A)
+    reference = want.cache
+    model.set_attn_implementation(attn)
+    with shmkv.connect(model_coord(model, dtype=dtype).address, timeout=20) as client:
+        limit = 127.0 if dtype == "int8" else float(torch.finfo(getattr(torch, dtype)).max)
+        for layer, cached in enumerate(reference.layers):   # calibrated from a real prefill
+            client.set_kv_scales(layer, float(cached.keys.abs().max()) / limit,
+                                 float(cached.values.abs().max()) / limit)
+        with ShmkvCache(client, model_config=model.config) as cache:
+            got = greedy(model, PROMPT_A, cache)
+            assert cache.attention_path == PATH[attn]
+            assert cache.handle.dtype == getattr(torch, dtype)
+            for step, (a, b) in enumerate(zip(got.logits, want.logits)):
+                error = float((a - b).abs().max()) / float(b.abs().max())
+                assert error <= QUANTIZED_TOL[dtype], f"step {step}: {error:.4f}"
+            # the pool holds K/V to the dtype's precision, scaled back
+            k_scale, v_scale = client.kv_scales(0)
+            stored = cache.handle.key_cache(0)[:len(PROMPT_A)].float() * k_scale
+            want_k = reference.layers[0].keys[0, :, :len(PROMPT_A)].transpose(0, 1)
+            assert float((stored - want_k).abs().max()) <= 0.13 * float(want_k.abs().max())

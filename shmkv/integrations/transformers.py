@@ -76,6 +76,19 @@ ATTN_IMPLEMENTATION = "shmkv"
 _MASK_SIZES = threading.local()
 
 
+_QUANTIZED = (torch.int8, getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None))
+
+
+def _quantize(t: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """``t / scale`` stored as ``dtype`` (float8: saturated to its finite range; int8:
+    rounded and clamped)."""
+    t = t.float() / scale
+    if dtype == torch.int8:
+        return t.round_().clamp_(-128, 127).to(torch.int8)
+    limit = torch.finfo(dtype).max
+    return t.clamp_(-limit, limit).to(dtype)
+
+
 def pool_config(model_config, num_blocks: int, block_size: int = 16, dtype=None,
                 device="cpu") -> PoolConfig:
     """A :class:`PoolConfig` with the layer count, K/V heads and head size of a model.
@@ -84,7 +97,11 @@ def pool_config(model_config, num_blocks: int, block_size: int = 16, dtype=None,
         model_config: a transformers ``PretrainedConfig`` (its text decoder is used).
         num_blocks, block_size, device: as for :class:`PoolConfig`.
         dtype: pool dtype; default the config's ``dtype``, else float32. Keep it equal
-            to the model's dtype: K/V is converted to the pool dtype when written.
+            to the model's dtype: K/V is converted to the pool dtype when written. Or a
+            quantized pool (``torch.float8_e4m3fn``, ``float8_e5m2``, ``int8``): K/V is
+            stored divided by each layer's scales (``client.set_kv_scales``, 1.0 until
+            set) and read back multiplied by them; see docs/transformers.md for the
+            tolerance.
     """
     text = model_config.get_text_config(decoder=True)
     heads = text.num_attention_heads
@@ -753,10 +770,18 @@ class ShmkvCache(Cache):
         v = value_states.detach().transpose(1, 2).reshape(batch * n, heads, head_dim)
         if fwd.select is not None:
             k, v = k.index_select(0, fwd.select), v.index_select(0, fwd.select)
-        if k.dtype != pool.dtype or k.device != pool.device:
+        if pool.dtype in _QUANTIZED:
+            k_scale, v_scale = self._scales(layer_idx)
+            k = _quantize(k.to(pool.device), pool.dtype, k_scale)
+            v = _quantize(v.to(pool.device), pool.dtype, v_scale)
+        elif k.dtype != pool.dtype or k.device != pool.device:
             k = k.to(device=pool.device, dtype=pool.dtype)
             v = v.to(device=pool.device, dtype=pool.dtype)
         fwd.step.write(layer_idx, k.contiguous(), v.contiguous())
+
+    def _scales(self, layer_idx: int) -> tuple:
+        """The layer's ``(k_scale, v_scale)`` of a quantized pool (shared memory)."""
+        return self._batch.client.kv_scales(layer_idx)
 
     def _attn_pages(self, layer_idx: int) -> tuple:
         """``(k_pages, v_pages)`` of layer ``layer_idx`` for paged_attention.
@@ -805,10 +830,13 @@ class ShmkvCache(Cache):
                                                  self._page_table(fwd.step), fwd.step.seq_lens)
             batch, heads, n, head_dim = fwd.query_shape = query.shape
             fwd.out_shape = (batch, n, heads, head_dim)
+        scales = {}
+        if k_pages.dtype in _QUANTIZED:  # dequantized on the way into attention
+            scales["k_scale"], scales["v_scale"] = self._scales(module.layer_idx)
         if query.shape != fwd.query_shape:  # a layer unlike the first: planned on its own
             return paged_attention(query.transpose(1, 2), k_pages, v_pages,
                                    self._page_table(fwd.step), fwd.step.seq_lens,
-                                   scale=scaling, workspace=self._workspace)
+                                   scale=scaling, workspace=self._workspace, **scales)
         group = plan.decode_group
         if group is not None and query.dtype == k_pages.dtype:
             # Decode: the plan was checked against this model's queries and pages; the
@@ -816,7 +844,7 @@ class ShmkvCache(Cache):
             out = group.decode(query, k_pages, v_pages, scaling, self._workspace)
             return out.reshape(fwd.out_shape)
         return paged_attention(query.transpose(1, 2), k_pages, v_pages, scale=scaling,
-                               workspace=self._workspace, plan=plan)
+                               workspace=self._workspace, plan=plan, **scales)
 
     def _dense(self, fwd: _Forward, layer_idx: int, key_states: torch.Tensor,
                value_states: torch.Tensor) -> tuple:
@@ -835,9 +863,13 @@ class ShmkvCache(Cache):
         valid = min(self._dense_len[layer_idx], start)
         if valid == start and fwd.select is None:
             first = self._handles[0]
-            for buf, new in zip(bufs, (key_states, value_states)):
+            quantized = first.dtype in _QUANTIZED
+            scales = self._scales(layer_idx) if quantized else (None, None)
+            for buf, new, scale in zip(bufs, (key_states, value_states), scales):
                 new = new.detach()
-                if new.dtype != first.dtype:   # hold what the pool holds
+                if quantized:   # hold what the pool holds: the stored value times its scale
+                    new = (_quantize(new, first.dtype, scale).float() * scale).to(new.dtype)
+                elif new.dtype != first.dtype:
                     new = new.to(first.dtype).to(new.dtype)
                 buf[:, :, start:kv_length].copy_(new)
         else:
@@ -888,13 +920,17 @@ class ShmkvCache(Cache):
         flat = self._pool_rows(pool)
         for which, buf in enumerate(bufs):
             index = rows + (2 * layer_idx + which) * bs
-            if flat is not None:
+            if flat is not None and flat.dtype in _QUANTIZED:  # bytes: no float8 kernels
+                got = flat.view(torch.uint8).index_select(0, index).view(flat.dtype)
+            elif flat is not None:
                 got = flat.index_select(0, index)
             else:  # a pool view that is not one contiguous tensor (a head shard)
                 got = pool[:, layer_idx, which][index // bs // (num_layers * 2), index % bs]
             got = got.view(batch, hi - lo, heads, head_dim)
             if fwd.dense_pad is not None:
                 got.masked_fill_(fwd.dense_pad[:, :, None, None], 0)
+            if got.dtype in _QUANTIZED:
+                got = got.float() * self._scales(layer_idx)[which]
             buf[:, :, lo:hi].copy_(got.transpose(1, 2))
 
     def _pool_rows(self, pool: torch.Tensor):
