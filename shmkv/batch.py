@@ -25,7 +25,7 @@ import torch
 
 from . import protocol, slots
 from .errors import HandleClosed, InvalidArgument, OutOfRange, StaleStep, WrongType
-from .handle import _views
+from .handle import _views, check_kv_tensor
 from .hashing import token_list
 from .tables import CACHE_ID, GENERATION, LOCK, NUM_TOKENS, SEQ_FIELDS
 
@@ -456,19 +456,7 @@ class Step:
         return targets
 
     def _check_tensor(self, name: str, t, shape: tuple) -> None:
-        if not isinstance(t, torch.Tensor):
-            raise WrongType(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        pool = self.client.pool
-        if t.dtype != pool.dtype:
-            raise InvalidArgument(f"{name} has dtype {t.dtype}, the pool holds {pool.dtype}; "
-                                  f"convert with .to({pool.dtype})")
-        if t.device != pool.device:
-            raise InvalidArgument(f"{name} is on {t.device}, the pool is on {pool.device}")
-        if tuple(t.shape) != shape:
-            raise InvalidArgument(f"{name} has shape {tuple(t.shape)}, the step needs "
-                                  f"{list(shape)} ({self.num_tokens} new tokens)")
-        if not t.is_contiguous():
-            raise InvalidArgument(f"{name} is not contiguous; pass {name}.contiguous()")
+        check_kv_tensor(self.client.pool, name, t, shape, what=f" ({self.num_tokens} new tokens)")
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write K and V of one layer for every new token of the step: ``k``, ``v`` are

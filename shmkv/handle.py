@@ -107,6 +107,35 @@ def _views(client) -> _PoolViews:
     return views
 
 
+def check_kv_tensor(pool: torch.Tensor, name: str, t, shape: Optional[tuple],
+                    shape_tail: tuple = (), what: str = "") -> int:
+    """Check K/V handed to a write against the pool: a contiguous tensor of the pool's
+    dtype and device, of exactly ``shape`` (or ``[n, *shape_tail]``). Returns its
+    token count. Handles and steps share it, so both refuse bad input alike.
+
+    Raises:
+        WrongType: not a tensor.
+        InvalidArgument: wrong dtype, device, shape, or not contiguous.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise WrongType(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != pool.dtype:
+        raise InvalidArgument(f"{name} has dtype {t.dtype}, the pool holds {pool.dtype}; "
+                              f"convert with .to({pool.dtype})")
+    if t.device != pool.device:
+        raise InvalidArgument(f"{name} is on {t.device}, the pool is on {pool.device}")
+    if shape is not None:
+        if tuple(t.shape) != shape:
+            raise InvalidArgument(f"{name} has shape {tuple(t.shape)}, expected "
+                                  f"{list(shape)}{what}")
+    elif t.dim() != len(shape_tail) + 1 or tuple(t.shape[1:]) != shape_tail:
+        raise InvalidArgument(f"{name} has shape {tuple(t.shape)}, expected "
+                              f"[n, {', '.join(map(str, shape_tail))}]")
+    if not t.is_contiguous():
+        raise InvalidArgument(f"{name} is not contiguous; pass {name}.contiguous()")
+    return t.shape[0]
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockTable:
     """The physical blocks of a sequence, in token order.
@@ -404,20 +433,7 @@ class KvCacheHandle:
         return layer
 
     def _check_tensor(self, name: str, t, shape_tail: tuple) -> int:
-        if not isinstance(t, torch.Tensor):
-            raise WrongType(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        pool = self._client.pool
-        if t.dtype != pool.dtype:
-            raise InvalidArgument(f"{name} has dtype {t.dtype}, the pool holds {pool.dtype}; "
-                                  f"convert with .to({pool.dtype})")
-        if t.device != pool.device:
-            raise InvalidArgument(f"{name} is on {t.device}, the pool is on {pool.device}")
-        if t.dim() != len(shape_tail) + 1 or tuple(t.shape[1:]) != shape_tail:
-            raise InvalidArgument(f"{name} has shape {tuple(t.shape)}, expected "
-                                  f"[n, {', '.join(map(str, shape_tail))}]")
-        if not t.is_contiguous():
-            raise InvalidArgument(f"{name} is not contiguous; pass {name}.contiguous()")
-        return t.shape[0]
+        return check_kv_tensor(self._client.pool, name, t, None, shape_tail)
 
     def _check_range(self, view: SequenceView, start, n: int) -> int:
         limit = view.num_tokens if self._view_len is None else self._view_len

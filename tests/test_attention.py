@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -417,38 +420,9 @@ def test_packed_bad_arguments():
         paged_attention(q, k_pages, v_pages, bad, seq_lens, query_start_loc=locs)
 
 
-def old_paged_attention(query, k_pages, v_pages, block_table, seq_lens, *, scale=None,
-                        causal=True, query_start=None):
-    """The first implementation (gather into a padded dense batch, float32, einsum)."""
-    decode = query.dim() == 3
-    q = query.unsqueeze(1) if decode else query
-    batch, q_len, num_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, _ = k_pages.shape
-    lens = torch.as_tensor(seq_lens).to(torch.int64)
-    starts = lens - q_len if query_start is None else torch.as_tensor(query_start).long()
-    group = num_heads // num_kv_heads
-    scale = head_dim ** -0.5 if scale is None else float(scale)
-    max_blocks = max(-(-int(lens.max()) // block_size), 1)
-    table = block_table[:, :max_blocks].long()
-    used = torch.arange(max_blocks)[None, :] * block_size < lens[:, None]
-    table = torch.where(used, table, torch.zeros_like(table))
-    num_keys = max_blocks * block_size
-    k = k_pages[table].reshape(batch, num_keys, num_kv_heads, head_dim).float()
-    v = v_pages[table].reshape(batch, num_keys, num_kv_heads, head_dim).float()
-    qg = q.float().reshape(batch, q_len, num_kv_heads, group, head_dim)
-    scores = torch.einsum("bqhgd,bkhd->bhgqk", qg, k) * scale
-    key_pos = torch.arange(num_keys)
-    allowed = (key_pos[None, :] < lens[:, None])[:, None, :].expand(batch, q_len, num_keys)
-    if causal:
-        query_pos = starts[:, None] + torch.arange(q_len)[None, :]
-        allowed = allowed & (key_pos[None, None, :] <= query_pos[:, :, None])
-    allowed = allowed[:, None, None]
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    probs = torch.where(allowed.any(dim=-1, keepdim=True), probs, torch.zeros_like(probs))
-    out = torch.einsum("bhgqk,bkhd->bqhgd", probs, v).reshape(batch, q_len, num_heads, head_dim)
-    out = out.to(query.dtype)
-    return out.squeeze(1) if decode else out
+# The implementation this module replaced, kept once as the benchmark's baseline.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+from bench_attention import baseline_paged_attention as old_paged_attention  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
