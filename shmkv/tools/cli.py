@@ -54,6 +54,11 @@ def _pool_args(p: argparse.ArgumentParser, blocks: int = 1024) -> None:
                    help="'cpu' (POSIX shared memory) or 'cuda:N' (CUDA IPC)")
     g.add_argument("--tp-size", type=positive_int, default=1,
                    help="tensor-parallel ranks; each owns num_kv_heads / tp_size heads")
+    g.add_argument("--max-sequences", type=positive_int, default=4096,
+                   help="live sequences at once: the rows of the shared block tables")
+    g.add_argument("--max-seq-len", type=positive_int, default=None, metavar="TOKENS",
+                   help="tokens one sequence may hold: the columns of the shared block "
+                        "tables (default: the pool's tokens, at most 32768)")
     p.set_defaults(default_num_blocks=blocks)
 
 
@@ -71,7 +76,8 @@ def _config(args):
     return PoolConfig(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads,
                       head_dim=args.head_dim, num_blocks=num_blocks,
                       block_size=args.block_size, dtype=args.dtype, device=args.device,
-                      tp_size=args.tp_size)
+                      tp_size=args.tp_size, max_sequences=args.max_sequences,
+                      max_seq_len=args.max_seq_len)
 
 
 def _address(args) -> str:
