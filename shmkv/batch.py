@@ -387,30 +387,30 @@ class Step:
             raise StaleStep("a sequence of this step is shorter than the step says")
         return tables
 
-    def _owned(self) -> bool:
-        """Whether this sequence may write every block the step writes, in place."""
+    def _not_owned(self) -> int:
+        """Index of the first new token whose block its sequence may no longer write in
+        place (shared or published since), or -1 when every one is writable."""
         if not self.num_tokens:
-            return True
+            return -1
         owner = self.client._memory.owner_t.numpy()
         blocks = self.slot_mapping.numpy() // self.client.config.block_size
-        return _same(owner[blocks], self._ids[self._seq_index])
+        bad = np.flatnonzero(owner[blocks] != self._ids[self._seq_index])
+        return int(bad[0]) if bad.size else -1
+
+    def _owned(self) -> bool:
+        """Whether this sequence may write every block the step writes, in place."""
+        return self._not_owned() < 0
 
     def _verify_owners(self) -> None:
         """Every block the step writes is still writable in place by its sequence."""
-        memory = self.client._memory
-        epoch = memory.epoch[0]
-        if not self.num_tokens:
-            self._epoch = epoch
-            return
-        blocks = self.slot_mapping // self.client.config.block_size
-        owners = memory.owner_t.index_select(0, blocks)
-        want = self.cache_ids.index_select(0, self.seq_index)
-        if not torch.equal(owners, want):
-            bad = int((owners != want).nonzero()[0, 0])
+        epoch = self.client._memory.epoch[0]
+        bad = self._not_owned()
+        if bad >= 0:
+            block = int(self.slot_mapping[bad]) // self.client.config.block_size
+            cache_id = int(self._ids[self._seq_index[bad]])
             raise StaleStep(
-                f"block {int(blocks[bad])} of kv-{int(want[bad]):x} was shared (fork, prefix "
-                "hit) or published (commit) after this step was made; make a new step "
-                "(nothing was written)")
+                f"block {block} of kv-{cache_id:x} was shared (fork, prefix hit) or published "
+                "(commit) after this step was made; make a new step (nothing was written)")
         self._epoch = epoch
 
     def _ready(self) -> None:

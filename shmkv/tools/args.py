@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 
+
 def _int(text: str) -> int:
     try:
         return int(text)
@@ -25,44 +26,29 @@ def _float(text: str) -> float:
     return value
 
 
-def positive_int(text: str) -> int:
-    """An integer >= 1."""
-    value = _int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _checked(name: str, parse, ok, rule: str, doc: str):
+    """An argument type: ``parse`` the text, then refuse values ``ok`` rejects, saying
+    ``rule`` (messages quote the value as given)."""
+    def check(text: str):
+        value = parse(text)
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{rule}, got {text.strip()}")
+        return value
+    check.__name__ = check.__qualname__ = name
+    check.__doc__ = doc
+    return check
 
 
-def non_negative_int(text: str) -> int:
-    """An integer >= 0."""
-    value = _int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """A finite number > 0."""
-    value = _float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    """A finite number >= 0."""
-    value = _float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
-
-
-def fraction(text: str) -> float:
-    """A number in [0, 1]."""
-    value = _float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must lie in [0, 1], got {text}")
-    return value
+positive_int = _checked("positive_int", _int, lambda v: v >= 1, "must be at least 1",
+                        "An integer >= 1.")
+non_negative_int = _checked("non_negative_int", _int, lambda v: v >= 0, "must be 0 or more",
+                            "An integer >= 0.")
+positive_float = _checked("positive_float", _float, lambda v: v > 0, "must be greater than 0",
+                          "A finite number > 0.")
+non_negative_float = _checked("non_negative_float", _float, lambda v: v >= 0,
+                              "must be 0 or more", "A finite number >= 0.")
+fraction = _checked("fraction", _float, lambda v: 0.0 <= v <= 1.0, "must lie in [0, 1]",
+                    "A number in [0, 1].")
 
 
 def name_arg(text: str) -> str:
