@@ -555,7 +555,7 @@ class RemoteTierSet:
         while True:
             with self._cv:
                 while not (self._stopping or self._fetch_q):
-                    self._cv.wait()
+                    self._cv.wait(1.0)  # re-checks even if a notify were lost
                 if self._stopping:
                     return
                 promo = self._fetch_q.popleft()
@@ -669,7 +669,7 @@ class RemoteTierSet:
         while True:
             with self._cv:
                 while not (self._stopping or self._puts):
-                    self._cv.wait()
+                    self._cv.wait(1.0)  # re-checks even if a notify were lost
                 if self._stopping:
                     return
             if not self._wait_usable():

@@ -1093,7 +1093,7 @@ class TierSet:
         while True:
             with self._cv:
                 while not (self._stopping or self._promote_q or self._demote_q):
-                    self._cv.wait()
+                    self._cv.wait(1.0)  # re-checks even if a notify were lost
                 if self._stopping:
                     return
                 job = self._promote_q.popleft() if self._promote_q else self._demote_q.popleft()
@@ -1104,7 +1104,7 @@ class TierSet:
         while True:
             with self._cv:
                 while not (self._stopping or self._disk_q):
-                    self._cv.wait()
+                    self._cv.wait(1.0)  # re-checks even if a notify were lost
                 if self._stopping:
                     return
                 job = self._disk_q.popleft()
