@@ -162,6 +162,15 @@ class BlockPool:
                     if self.newly_cached is not None:
                         self.newly_cached.append(block_id)
 
+    def free_private(self, block_ids: Sequence[int]) -> None:
+        """Drop the only reference of blocks that carry no key (a dead sequence's
+        private blocks): they go straight back to the free stack."""
+        ref_cnt, owner = self.ref_cnt, self.owner
+        for block_id in block_ids:  # (check_invariants checks they were private)
+            ref_cnt[block_id] = 0
+            owner[block_id] = NO_OWNER
+        self._free.extend(block_ids)
+
     def claim(self, block_id: int, owner_id: int) -> bool:
         """Make ``owner_id`` the in-place writer of a block only it references.
 

@@ -71,7 +71,7 @@ class Batch:
                 raise InvalidArgument(f"{h!r} views a fixed length (with_sequence_length); a "
                                       "batch steps handles on whole sequences")
             ids.append(h._cache_id)
-            slot_list.append(h._state.slot)
+            slot_list.append(h._slot)
             cached.append(h._num_cached)
         if len(set(ids)) != len(ids):
             raise InvalidArgument("two handles of the batch name one sequence; pass one each")
@@ -84,6 +84,7 @@ class Batch:
         self._ids_wire = protocol.pack_i64s(ids)
         self._slots_wire = protocol.pack_i64s(slot_list)
         self._checked_at = client.num_closed
+        self._known_tables = None   # (rows, generations) of the last step's table read
 
     def __len__(self) -> int:
         return len(self.handles)
@@ -371,18 +372,33 @@ class Step:
         if max_blocks > memory.layout.max_seq_blocks:
             raise StaleStep("the step's sequences are longer than any table holds")
         seq_np, table_np, slot_ids = memory.seq_np, memory.table_np, self._slots
+        # The batch's last read, as a private copy: a row whose generation is unchanged
+        # holds the same entries, so a decode step re-reads only the rows that grew.
+        known = self.batch._known_tables if self.batch is not None else None
+        if known is not None and known[0].shape[1] != max_blocks:
+            known = None
         for _ in range(_READ_TRIES):
             before = seq_np[slot_ids]
-            tables = table_np[slot_ids, :max_blocks]
+            if known is None:
+                private = table_np[slot_ids, :max_blocks]
+            else:
+                private = known[0]
+                changed = np.flatnonzero(before[:, GENERATION] != known[1])
+                if changed.shape[0]:
+                    private[changed] = table_np[slot_ids[changed], :max_blocks]
             # unchanged and even (no write in progress): ``after & ~1`` differs from an
             # odd ``before`` even when both reads saw the same odd value
             if _same(before[:, LOCK], seq_np[slot_ids, LOCK] & ~1):
                 break
+            known = None  # (a torn re-read may have patched rows: read them all again)
         else:
             raise StaleStep("the step's block tables kept changing while being read")
         if not _same(before[:, CACHE_ID], self._ids):
             raise StaleStep("a sequence of this step was closed; make a new step")
         self._generations = before[:, GENERATION]
+        tables = private.copy()  # the step's own: its tensors outlive later reads
+        if self.batch is not None:
+            self.batch._known_tables = (private, self._generations)
         if self.batch is None and bool((before[:, NUM_TOKENS] < ends).any()):
             raise StaleStep("a sequence of this step is shorter than the step says")
         return tables

@@ -241,12 +241,13 @@ class Client:
         view.num_handles += 1
         return view
 
-    def _release_state(self, cache_id: int) -> None:
-        view = self._states.get(cache_id)
+    def _release_state(self, handle) -> None:
+        """A handle closed: its share of its sequence's view goes (if it took one)."""
+        view = handle._shared
         if view is not None:
             view.num_handles -= 1
             if view.num_handles <= 0:
-                del self._states[cache_id]
+                del self._states[handle._cache_id]
         self.num_closed += 1
 
     def _handle(self, info: dict, view_len: Optional[int] = None) -> KvCacheHandle:
@@ -279,8 +280,8 @@ class Client:
                 raise InvalidArgument(f"num_tokens must be >= 0, got {min(requests)}")
             data = self.request("allocate_many", counts=protocol.pack_i64s(requests))
             half = len(data) // 2
-            cache_ids, slots = protocol.unpack_i64s(data[:half]), protocol.unpack_i64s(data[half:])
-            return [KvCacheHandle(self, cache_id, slot) for cache_id, slot in zip(cache_ids, slots)]
+            return KvCacheHandle._many(self, protocol.unpack_i64s(data[:half]),
+                                       protocol.unpack_i64s(data[half:]))
         wire = []
         for req in requests:
             if isinstance(req, int) and not isinstance(req, bool):
@@ -331,17 +332,22 @@ class Client:
         """
         handles = list(handles)
         for h in handles:
-            self._check_own(h)
+            if getattr(h, "_client", None) is not self:
+                self._check_own(h)
         live = list({id(h): h for h in handles if not h._closed}.values())  # once each
         if not live:
             return
         try:
-            self.request("release_many", cache_ids=[h._cache_id for h in live])
+            self.request("release_many",
+                         ids=protocol.pack_i64s([h._cache_id for h in live]))
         finally:
+            self._handles.difference_update(live)
             for h in live:
                 h._closed = True
-                self._handles.discard(h)
-                self._release_state(h._cache_id)
+                if h._shared is not None:
+                    self._release_state(h)
+                else:
+                    self.num_closed += 1
 
     def open(self, token: bytes):
         """Open a hand-off token from :meth:`KvCacheHandle.export`; returns a handle.

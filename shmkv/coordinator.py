@@ -280,7 +280,8 @@ class Coordinator:
                 self.config.block_size, self.config.tp_size,
                 copy_block=memory.copy_block, max_handoffs=self.max_handoffs,
                 max_handoff_ttl=self.max_handoff_ttl,
-                tables=TableWriter(memory.layout, memory.seq, memory.table),
+                tables=TableWriter(memory.layout, memory.seq, memory.table,
+                                   (memory.seq_np, memory.table_np)),
                 arrays=(memory.seq_np, memory.table_np, memory.owner_t.numpy()))
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self._listener = listener
@@ -769,8 +770,11 @@ class Coordinator:
     def _op_release(self, conn, cache_id):
         self.table.release(conn.conn_id, cache_id)
 
-    def _op_release_many(self, conn, cache_ids):
-        self.table.release_many(conn.conn_id, cache_ids)
+    def _op_release_many(self, conn, cache_ids=None, ids=None):
+        if (cache_ids is None) == (ids is None):
+            raise InvalidArgument("release_many takes one of cache_ids and ids")
+        self.table.release_many(conn.conn_id,
+                                cache_ids if ids is None else protocol.unpack_i64s(ids))
 
     def _op_export(self, conn, cache_id, ttl):
         return self.table.export(conn.conn_id, cache_id, ttl)
@@ -783,7 +787,8 @@ class Coordinator:
             raise InvalidArgument("extend_batch takes one of count and counts")
         counts = count if counts is None else protocol.unpack_i64s(counts)
         lens = self.table.extend_batch(conn.conn_id, protocol.unpack_i64s(ids), counts, tokens,
-                                       None if slots is None else protocol.unpack_i64s(slots))
+                                       None if slots is None else protocol.unpack_i64s(slots),
+                                       key=None if slots is None else ids + slots)
         return lens.astype("<i8").tobytes() if hasattr(lens, "astype") else \
             protocol.pack_i64s(lens)
 

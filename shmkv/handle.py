@@ -212,18 +212,46 @@ class KvCacheHandle:
     (also on ``with`` exit, and when the client's connection closes).
     """
 
+    # Plain slots: a scheduler makes and drops hundreds of handles a step.
+    __slots__ = ("_client", "_cache_id", "_slot", "_num_cached", "_request_id", "_view_len",
+                 "_closed", "_last_access", "_shared", "__weakref__")
+
     def __init__(self, client, cache_id: int, slot: int, num_cached: int = 0,
                  request_id: Optional[str] = None, view_len: Optional[int] = None):
         self._client = client
         self._cache_id = cache_id
-        # Handles of one sequence in one client share one view of its shared row.
-        self._state = client._sequence_view(cache_id, slot)
+        self._slot = slot
         self._num_cached = num_cached
         self._request_id = request_id
         self._view_len = view_len
         self._closed = False
         self._last_access = time.time()
+        self._shared: Optional[SequenceView] = None
         client._handles.add(self)
+
+    @classmethod
+    def _many(cls, client, cache_ids: list, slot_ids: list) -> list:
+        """Handles on new plain sequences (``allocate_many`` of lengths): the fields of
+        :meth:`__init__`, set without a call per handle."""
+        now, new, handles = time.time(), object.__new__, []
+        append = handles.append
+        for cache_id, slot in zip(cache_ids, slot_ids):
+            h = new(cls)
+            h._client, h._cache_id, h._slot, h._num_cached = client, cache_id, slot, 0
+            h._request_id = h._view_len = h._shared = None
+            h._closed, h._last_access = False, now
+            append(h)
+        client._handles.update(handles)
+        return handles
+
+    @property
+    def _state(self) -> SequenceView:
+        """The view of the sequence's shared row that this client's handles on it share,
+        made on first use (a scheduler admitting many sequences may never need it)."""
+        state = self._shared
+        if state is None:
+            state = self._shared = self._client._sequence_view(self._cache_id, self._slot)
+        return state
 
     @classmethod
     def _from_info(cls, client, info: dict, view_len: Optional[int] = None) -> "KvCacheHandle":
@@ -402,7 +430,7 @@ class KvCacheHandle:
             return
         self._closed = True
         self._client._handles.discard(self)
-        self._client._release_state(self._cache_id)
+        self._client._release_state(self)
         if self._client.is_alive():
             self._client.request("release", cache_id=self._cache_id)
 

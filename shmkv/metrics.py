@@ -63,7 +63,7 @@ class CoordinatorCollector:
                                 value=cfg.nbytes)
         yield GaugeMetricFamily("shmkv_block_bytes", "Bytes of one block (all layers, K and V)",
                                 value=cfg.block_nbytes)
-        yield GaugeMetricFamily("shmkv_sequences", "Live sequences", value=len(table.sequences))
+        yield GaugeMetricFamily("shmkv_sequences", "Live sequences", value=table.num_sequences)
         yield GaugeMetricFamily("shmkv_prefix_index_blocks",
                                 "Blocks published in the prefix index",
                                 value=len(table.pool.prefix_index))

@@ -91,7 +91,7 @@ OPS = {
     "clone": {"cache_id": ("int", True)},
     "fork": {"cache_id": ("int", True)},
     "release": {"cache_id": ("int", True)},
-    "release_many": {"cache_ids": ("ints", True)},
+    "release_many": {"cache_ids": ("ints", False), "ids": ("i64s", False)},
     "export": {"cache_id": ("int", True), "ttl": ("num", True)},
     "open": {"token": ("bytes", True)},
     "stats": {},
@@ -148,7 +148,9 @@ def unpack_i64s(data: bytes) -> "array":
 
 
 def pack_i64s(values) -> bytes:
-    """The ``i64s`` form of a sequence of ints."""
+    """The ``i64s`` form of a sequence of ints (or of a numpy integer array)."""
+    if hasattr(values, "astype"):
+        return values.astype("<i8").tobytes()
     out = values if isinstance(values, array) and values.typecode == "q" else array("q", values)
     if sys.byteorder != "little":
         out = array("q", out)

@@ -9,6 +9,13 @@ completely or raises and changes nothing (all-or-nothing).
 Every change to a block table or a length is mirrored into the shared tables
 (``shmkv.tables``), which every attached process reads without a round trip.
 
+A plain sequence made by :meth:`SequenceTable.allocate_counts` (no prompt, one
+reference, held by the connection that made it) has no Python object: its state is
+its row of the shared tables, so a scheduler admitting or retiring hundreds of them
+costs a fixed number of array operations. The first call that needs more of it
+(a fork, a clone, an export, a per-sequence call) makes its :class:`Sequence` from
+that row.
+
 Does not do I/O and does not touch K/V bytes: copy-on-write calls the
 ``copy_block(src, dst)`` callback the coordinator provides. Pure: no torch, no
 sockets, so the whole state machine is testable in one process.
@@ -96,6 +103,11 @@ class _Handoff:
         self.secret, self.cache_id, self.deadline = secret, cache_id, deadline
 
 
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    """Equal arrays of one shape."""
+    return bool((a == b).all())
+
+
 def _check_count(name: str, value, lo: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise WrongType(f"{name} must be an int, got {type(value).__name__}")
@@ -153,7 +165,21 @@ class SequenceTable:
         self._keys_open_np = np.zeros(layout.max_sequences, dtype=bool)
         self._held_np: Dict[int, np.ndarray] = {}
         self._scratch = np.zeros(layout.max_sequences, dtype=np.int64)
+        # A cache id carries its slot in its low bits: ``(serial << slot_bits) | slot``,
+        # the serial never reused, so any id finds its row with no lookup table.
+        self.slot_bits = max(1, (layout.max_sequences - 1).bit_length())
+        self._slot_mask = (1 << self.slot_bits) - 1
+        # Sequences with a Python object, and the slots of the plain ones without (see
+        # the module doc), with the one connection holding each. ``conn_refs`` counts
+        # a connection's references to sequences with objects only.
         self.sequences: Dict[int, Sequence] = {}
+        self._light_np = np.zeros(layout.max_sequences, dtype=bool)
+        self._light_conn = np.zeros(layout.max_sequences, dtype=np.int64)
+        self._num_light = 0
+        # Moves whenever a plain sequence without an object is released or given one:
+        # a connection's last decode batch (``_step_cache``) stays checked until then.
+        self._light_version = 0
+        self._step_cache: Dict[int, tuple] = {}
         self.conn_refs: Dict[int, Dict[int, int]] = {}
         # Lower tiers (``shmkv.tiers.TierSet``, set by the coordinator): a prefix that
         # misses the pool continues there. ``promotions``: what the last allocate must
@@ -166,7 +192,7 @@ class SequenceTable:
         self.newly_published: Optional[list] = None
         self.handoffs: Dict[int, _Handoff] = {}
         self._handoff_heap: list = []
-        self._next_cache_id = 1
+        self._next_serial = 1
         self._next_handoff_id = 1
         self.counters = {"prefix_hit_tokens": 0, "prefix_miss_tokens": 0,
                          "prefix_hit_blocks": 0, "prefix_miss_blocks": 0,
@@ -182,23 +208,97 @@ class SequenceTable:
     def drop_connection(self, conn_id: int) -> int:
         """Drop every reference the connection holds; returns how many were dropped."""
         refs = self.conn_refs.pop(conn_id, {})
-        self._held_np.pop(conn_id, None)
+        held = self._held_np.pop(conn_id, None)
+        self._step_cache.pop(conn_id, None)
         dropped = 0
+        if held is not None:
+            light = np.flatnonzero(held & self._light_np)
+            self._release_light(light, held)
+            dropped = int(light.shape[0])
         for cache_id, count in refs.items():
             dropped += count
             self._unref(self.sequences[cache_id], count)
         return dropped
+
+    def _light_slot(self, cache_id: int) -> int:
+        """The slot of ``cache_id`` if it is a live plain sequence without an object,
+        else -1."""
+        slot = cache_id & self._slot_mask
+        if cache_id > 0 and slot < self._light_np.shape[0] and self._light_np[slot] and \
+                self._seq_np[slot, CACHE_ID] == cache_id:
+            return slot
+        return -1
+
+    def _materialize(self, slot: int) -> Sequence:
+        """The :class:`Sequence` of the plain sequence in ``slot``, made from its row;
+        its holder's reference moves to ``conn_refs``."""
+        cache_id = int(self._seq_np[slot, CACHE_ID])
+        self._light_np[slot] = False
+        self._num_light -= 1
+        self._light_version += 1
+        seq = Sequence(cache_id, None, self.tp_size, None)
+        seq.slot = slot
+        seq.num_tokens = int(self._seq_np[slot, NUM_TOKENS])
+        seq.block_ids = self._table_np[slot, :self._num_blocks_np[slot]].tolist()
+        seq.num_refs = 1
+        self.sequences[cache_id] = seq
+        self.conn_refs[int(self._light_conn[slot])][cache_id] = 1
+        return seq
+
+    def _live_seq(self, cache_id: int) -> Optional[Sequence]:
+        """The live sequence ``cache_id`` (made from its row if it has no object yet), or
+        None."""
+        seq = self.sequences.get(cache_id)
+        if seq is None:
+            slot = self._light_slot(cache_id)
+            if slot >= 0:
+                seq = self._materialize(slot)
+        return seq
+
+    def _release_light(self, slots: np.ndarray, held: np.ndarray) -> None:
+        """Free plain sequences without objects, whose one reference (in ``held``, their
+        connection's held slots) is gone: their slots and blocks, with array
+        operations. ``slots`` are distinct."""
+        if not slots.shape[0]:
+            return
+        self._light_np[slots] = False
+        held[slots] = False
+        self._num_light -= int(slots.shape[0])
+        self._light_version += 1
+        used = self._num_blocks_np[slots]
+        widest = int(used.max())
+        blocks = self._table_np[slots, :widest]
+        if widest > 1:
+            blocks = blocks[np.arange(widest) < used[:, None]]
+        self.tables.release_many(slots)
+        self.pool.free_private(blocks.ravel().tolist())
+
+    @property
+    def num_sequences(self) -> int:
+        """Live sequences."""
+        return len(self.sequences) + self._num_light
+
+    def live(self) -> Dict[int, int]:
+        """Every live sequence's cache id and its reference count (makes no object)."""
+        out = {cache_id: seq.num_refs for cache_id, seq in self.sequences.items()}
+        light = self._seq_np[np.flatnonzero(self._light_np), CACHE_ID]
+        out.update(dict.fromkeys(light.tolist(), 1))
+        return out
 
     def _held(self, conn_id: int, cache_id) -> Sequence:
         """The sequence, if this connection holds a reference to it."""
         if isinstance(cache_id, bool) or not isinstance(cache_id, int):
             raise WrongType(f"cache_id must be an int, got {type(cache_id).__name__}")
         refs = self.conn_refs.get(conn_id)
-        if refs is None or cache_id not in refs:
-            raise UnknownCache(f"cache {format_cache_id(cache_id) if cache_id >= 0 else cache_id}"
-                               " is not held by this connection (closed, never opened, or"
-                               " another connection's)")
-        return self.sequences[cache_id]
+        if refs is not None:
+            if cache_id in refs:
+                return self.sequences[cache_id]
+            slot = self._light_slot(cache_id)
+            if slot >= 0 and self._held_np[conn_id][slot]:
+                return self._materialize(slot)
+        raise UnknownCache(f"cache {format_cache_id(cache_id) if cache_id >= 0 else cache_id}"
+                           " is not held by this connection (closed, never opened, or"
+                           " another connection's)")
 
     def _ref(self, conn_id: int, seq: Sequence) -> None:
         refs = self.conn_refs[conn_id]
@@ -216,16 +316,19 @@ class SequenceTable:
             self.pool.decref(reversed(seq.block_ids))  # tail first into the LRU
 
     def _new_sequence(self, root: Optional[bytes], request_id: Optional[str]) -> Sequence:
-        """A sequence with a fresh cache id; the caller fills it and calls :meth:`_publish`."""
-        cache_id = self._next_cache_id
-        self._next_cache_id += 1
+        """A sequence with a fresh cache id and slot; the caller checked
+        ``tables.check_slots``, fills it and calls :meth:`_publish`."""
+        slot = self.tables.take(1)[0]
+        cache_id = (self._next_serial << self.slot_bits) | slot
+        self._next_serial += 1
         seq = Sequence(cache_id, root, self.tp_size, request_id)
+        seq.slot = slot
         self.sequences[cache_id] = seq
         return seq
 
     def _publish(self, seq: Sequence) -> None:
         """Give a filled new sequence its row in the shared tables."""
-        seq.slot = self.tables.assign(seq.cache_id, seq.block_ids, seq.num_tokens)
+        self.tables.assign(seq.slot, seq.cache_id, seq.block_ids, seq.num_tokens)
         self._keys_open_np[seq.slot] = seq.keys_open
 
     # -- allocate ------------------------------------------------------------------------
@@ -346,39 +449,36 @@ class SequenceTable:
 
     def allocate_counts(self, conn_id: int, counts: Seq[int]) -> tuple:
         """Allocate one plain sequence (no prompt) per count, all or none: the fast form
-        of :meth:`allocate_many` for a scheduler admitting many requests at once.
-        Returns ``(cache_ids, slots)`` as int64 arrays."""
-        num = len(counts)
-        if num and min(counts) < 0:
-            raise InvalidArgument(f"num_tokens must be >= 0, got {min(counts)}")
+        of :meth:`allocate_many` for a scheduler admitting many requests at once, with a
+        fixed number of array operations (the sequences get no objects, see the module
+        doc). Returns ``(cache_ids, slots)`` as int64 arrays."""
+        tokens = np.asarray(counts, dtype=np.int64).reshape(-1)
+        num = tokens.shape[0]
+        if num and int(tokens.min()) < 0:
+            raise InvalidArgument(f"num_tokens must be >= 0, got {int(tokens.min())}")
         bs, pool, tables = self.block_size, self.pool, self.tables
-        blocks = [(n + bs - 1) // bs for n in counts]
-        longest = max(blocks, default=0)
+        blocks = (tokens + bs - 1) // bs
+        longest = int(blocks.max()) if num else 0
         if tables.max_seq_blocks < longest <= pool.num_blocks:
-            tables.check_blocks(longest, f"a sequence of {max(counts)} tokens")
+            tables.check_blocks(longest, f"a sequence of {int(tokens.max())} tokens")
         tables.check_slots(num)
-        need = sum(blocks)
+        need = int(blocks.sum())
         if need > pool.num_available:
             raise PoolExhausted(
                 f"pool exhausted: need {need} blocks, {pool.num_available} free or evictable "
                 f"(num_blocks={pool.num_blocks}); free handles or raise num_blocks")
-        cache_ids, slots = array("q", bytes(8 * num)), array("q", bytes(8 * num))
-        sequences, refs, tp_size = self.sequences, self.conn_refs[conn_id], self.tp_size
-        held = self._held_np[conn_id]
-        cache_id = self._next_cache_id
-        self._next_cache_id += num
-        for i, (num_tokens, num_blocks) in enumerate(zip(counts, blocks)):
-            seq = Sequence(cache_id, None, tp_size, None)
-            seq.block_ids = pool.allocate(num_blocks, cache_id)
-            seq.num_tokens = num_tokens
-            seq.num_refs = 1
-            seq.slot = tables.assign(cache_id, seq.block_ids, num_tokens)
-            sequences[cache_id] = seq
-            refs[cache_id] = 1
-            held[seq.slot] = True
-            cache_ids[i], slots[i] = cache_id, seq.slot
-            cache_id += 1
-        return cache_ids, slots
+        slot_ids = np.array(tables.take(num), dtype=np.int64)
+        serial = self._next_serial
+        self._next_serial += num
+        cache_ids = (np.arange(serial, serial + num, dtype=np.int64) << self.slot_bits) | slot_ids
+        taken = np.array(pool.allocate(need, 0), dtype=np.int64)
+        self._owner_np[taken] = np.repeat(cache_ids, blocks)
+        tables.assign_many(slot_ids, cache_ids, taken, blocks, tokens)
+        self._light_np[slot_ids] = True
+        self._light_conn[slot_ids] = conn_id
+        self._num_light += num
+        self._held_np[conn_id][slot_ids] = True
+        return cache_ids, slot_ids
 
     def allocate(self, conn_id: int, num_tokens: int = 0, prompt=None, cache_salt=None,
                  request_id=None) -> dict:
@@ -479,33 +579,60 @@ class SequenceTable:
 
     # -- batches (one round trip per engine step) ---------------------------------------
 
+    def _light_slots(self, conn_id: int, cache_ids: Seq[int],
+                     any_holder: bool = False) -> Optional[np.ndarray]:
+        """The slots of ``cache_ids`` when they are distinct plain sequences without
+        objects, each held by this connection (or by any, with ``any_holder``), checked
+        with array operations; None otherwise (the caller's general path then checks
+        them one by one and names any error)."""
+        num = len(cache_ids)
+        held = self._held_np.get(conn_id)
+        if not num or held is None:
+            return None
+        ids = np.asarray(cache_ids, dtype=np.int64)
+        slot_ids = ids & self._slot_mask
+        if int(ids.min()) <= 0 or int(slot_ids.max()) >= held.shape[0]:
+            return None
+        if not (self._light_np[slot_ids].all() and (any_holder or held[slot_ids].all())
+                and _same(self._seq_np[slot_ids, CACHE_ID], ids)):
+            return None
+        order = np.arange(num)
+        self._scratch[slot_ids] = order  # a slot named twice keeps only its last position
+        if not _same(self._scratch[slot_ids], order):
+            return None
+        return slot_ids
+
     def _batch_sequences(self, conn_id: int, cache_ids: Seq[int], any_live: bool = False):
         """The sequences named by a batch, each held by this connection (or merely live,
         with ``any_live``)."""
         if len(set(cache_ids)) != len(cache_ids):
             raise InvalidArgument("the batch names a sequence twice")
-        sequences = self.sequences
-        held = sequences if any_live else self.conn_refs.get(conn_id, {})
         seqs = []
         for cache_id in cache_ids:
-            if cache_id not in held:
+            try:
+                seq = self._live_seq(cache_id) if any_live else self._held(conn_id, cache_id)
+            except UnknownCache:
+                seq = None
+            if seq is None:
                 raise UnknownCache(f"cache {format_cache_id(cache_id)} of the batch is closed "
                                    "(or not held by this connection)")
-            seqs.append(sequences[cache_id])
+            seqs.append(seq)
         return seqs
 
     def extend_batch(self, conn_id: int, cache_ids: Seq[int], counts, tokens=None,
-                     slots: Optional[Seq[int]] = None):
+                     slots: Optional[Seq[int]] = None, key: Optional[bytes] = None):
         """Reserve ``counts`` (an int for all, or one per sequence) more slots in each
         sequence of a batch, all or none; copy-on-write of shared partly filled last
         blocks included. ``tokens``: one list of token ids per sequence, or None.
         ``slots``: the sequences' rows in the shared tables, as the client knows them
-        (checked), for the vectorized decode path.
+        (checked), for the vectorized decode path. ``key``: bytes naming exactly this
+        batch (its wire form), so that a connection stepping the same batch of plain
+        sequences again skips the checks its last step made.
 
         Returns the length of every sequence after the step (int64 array).
         """
         if slots is not None and tokens is None and type(counts) is int and counts > 0:
-            lens = self._extend_uniform(conn_id, cache_ids, slots, counts)
+            lens = self._extend_uniform(conn_id, cache_ids, slots, counts, key)
             if lens is not None:
                 return lens
         seqs = self._batch_sequences(conn_id, cache_ids)
@@ -583,13 +710,21 @@ class SequenceTable:
                 lens[i] = seq.num_tokens
         return lens
 
-    def _extend_uniform(self, conn_id: int, cache_ids: Seq[int], slots: Seq[int], count: int):
+    def _extend_uniform(self, conn_id: int, cache_ids: Seq[int], slots: Seq[int], count: int,
+                        key: Optional[bytes] = None):
         """The decode step (``count`` more tokens in every sequence, no token ids) with
         array operations over the whole batch: a constant number of them, whatever the
         batch size, plus Python work only for the sequences that need a new block, a
         copy of a shared last block, or to stop their prefix keys. None (nothing
         changed) when the batch does not check out: the general path then names the
         error."""
+        known = self._step_cache.get(conn_id) if key is not None else None
+        if known is not None and known[0] == key and known[1] == self._light_version:
+            # the batch this connection stepped last, of plain sequences without objects,
+            # none released or given an object since: its checks still hold
+            lens = self._extend_light(known[2], known[3], count)
+            if lens is not None:
+                return lens
         ids = np.asarray(cache_ids, dtype=np.int64)
         where = np.asarray(slots, dtype=np.int64)
         num = ids.shape[0]
@@ -605,6 +740,11 @@ class SequenceTable:
         self._scratch[where] = order  # a slot named twice keeps only its last position
         if not np.array_equal(self._scratch[where], order):
             return None
+        if key is not None and self._light_np[where].all():
+            self._step_cache[conn_id] = (key, self._light_version, where, ids)
+            lens = self._extend_light(where, ids, count)
+            if lens is not None:
+                return lens
         bs = self.block_size
         lens = seq_np[where, NUM_TOKENS]
         have = self._num_blocks_np[where]
@@ -620,31 +760,64 @@ class SequenceTable:
             # per-sequence path (rare in a decode loop), for the whole batch
             return None
         sequences = self.sequences
+        heavy = ~self._light_np[where]   # sequences with objects, which keep a copy
         grow_at = np.flatnonzero(grow)
         if grow_at.size:
-            pool, tables = self.pool, self.tables
-            longer = have[grow_at] + 1
-            over = (longer > tables.max_seq_blocks) & (longer <= pool.num_blocks)
-            if over.any():  # (a sequence longer than the pool is PoolExhausted below)
-                i = int(grow_at[np.argmax(over)])
-                tables.check_blocks(int(have[i]) + 1, f"{format_cache_id(int(ids[i]))} at "
-                                                      f"{int(new[i])} tokens")
-            if grow_at.size > pool.num_available:
-                raise PoolExhausted(
-                    f"pool exhausted: the step needs {grow_at.size} blocks, "
-                    f"{pool.num_available} free or evictable (num_blocks={pool.num_blocks}); "
-                    "free handles or raise num_blocks")
-            grow_ids = ids[grow_at].tolist()
-            blocks = pool.allocate_each(grow_ids)
-            grow_where = where[grow_at]
-            # the shared-table order: entries, then generation, then (below) the length
-            self._table_np[grow_where, have[grow_at]] = blocks
-            seq_np[grow_where, GENERATION] += 1
-            self._num_blocks_np[grow_where] += 1
-            for cache_id, block_id in zip(grow_ids, blocks):
-                sequences[cache_id].block_ids.append(block_id)
-        for seq, n in zip(map(sequences.__getitem__, ids.tolist()), new.tolist()):
-            seq.num_tokens = n
+            blocks = self._grow(where, ids, grow_at, have[grow_at], new)
+            for cache_id, block_id, keep in zip(ids[grow_at].tolist(), blocks,
+                                                heavy[grow_at].tolist()):
+                if keep:
+                    sequences[cache_id].block_ids.append(block_id)
+        if heavy.any():
+            for cache_id, n in zip(ids[heavy].tolist(), new[heavy].tolist()):
+                sequences[cache_id].num_tokens = n
+        seq_np[where, NUM_TOKENS] = new
+        return new
+
+    def _grow(self, where: np.ndarray, ids: np.ndarray, grow_at: np.ndarray, have: np.ndarray,
+              new: np.ndarray) -> list:
+        """One new block for each sequence ``grow_at`` indexes (``have`` blocks now,
+        ``new`` tokens after the step), all or none; returns the blocks. The caller
+        stores the lengths after."""
+        pool, tables = self.pool, self.tables
+        longer = have + 1
+        over = (longer > tables.max_seq_blocks) & (longer <= pool.num_blocks)
+        if over.any():  # (a sequence longer than the pool is PoolExhausted below)
+            i = int(np.argmax(over))
+            j = int(grow_at[i])
+            tables.check_blocks(int(longer[i]), f"{format_cache_id(int(ids[j]))} at "
+                                                 f"{int(new[j])} tokens")
+        if grow_at.size > pool.num_available:
+            raise PoolExhausted(
+                f"pool exhausted: the step needs {grow_at.size} blocks, "
+                f"{pool.num_available} free or evictable (num_blocks={pool.num_blocks}); "
+                "free handles or raise num_blocks")
+        blocks = pool.allocate_each(ids[grow_at].tolist())
+        grow_where = where[grow_at]
+        # the shared-table order: entries, then generation, then (after) the length
+        self._table_np[grow_where, have] = blocks
+        self._seq_np[grow_where, GENERATION] += 1
+        self._num_blocks_np[grow_where] += 1
+        return blocks
+
+    def _extend_light(self, where: np.ndarray, ids: np.ndarray, count: int):
+        """:meth:`_extend_uniform` for a checked batch of plain sequences without
+        objects: their blocks are theirs alone and they cover exactly their tokens, so
+        the step is a length store, plus a block for each that crosses into a new one.
+        None (nothing changed) when one would need two blocks."""
+        bs, seq_np = self.block_size, self._seq_np
+        lens = seq_np[where, NUM_TOKENS]
+        new = lens + count
+        if count == 1:
+            grow_at = np.flatnonzero(lens % bs == 0)
+        else:
+            have = (lens + bs - 1) // bs
+            more = (new + bs - 1) // bs - have
+            if int(more.max()) > 1:
+                return None
+            grow_at = np.flatnonzero(more)
+        if grow_at.size:
+            self._grow(where, ids, grow_at, (lens[grow_at] + bs - 1) // bs, new)
         seq_np[where, NUM_TOKENS] = new
         return new
 
@@ -687,6 +860,24 @@ class SequenceTable:
         its shard of sequences it does not hold (a step it rebuilt from a descriptor).
         Returns the number of blocks published by this call.
         """
+        slot_ids = self._light_slots(conn_id, cache_ids, any_holder=rank_connection)
+        if slot_ids is not None:
+            # plain sequences without objects: no prefix keys, so nothing to publish;
+            # the checks only
+            if tp_rank is not None and not 0 <= tp_rank < self.tp_size:
+                raise InvalidArgument(f"tp_rank must be in [0, {self.tp_size}), got {tp_rank}")
+            if len(num_tokens) != len(cache_ids):
+                raise InvalidArgument(f"num_tokens needs one entry per sequence "
+                                      f"({len(cache_ids)})")
+            wanted = np.asarray(num_tokens, dtype=np.int64)
+            have = self._seq_np[slot_ids, NUM_TOKENS]
+            bad = (wanted < 0) | (wanted > have)
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise OutOfRange(f"commit of {int(wanted[i])} tokens, "
+                                 f"{format_cache_id(int(cache_ids[i]))} has {int(have[i])} "
+                                 "reserved")
+            return 0
         seqs = self._batch_sequences(conn_id, cache_ids, any_live=rank_connection)
         if tp_rank is not None and not 0 <= tp_rank < self.tp_size:
             raise InvalidArgument(f"tp_rank must be in [0, {self.tp_size}), got {tp_rank}")
@@ -817,6 +1008,10 @@ class SequenceTable:
     def release_many(self, conn_id: int, cache_ids: Seq[int]) -> None:
         """Drop one reference per listed id (an id may repeat); all or none."""
         refs = self.conn_refs.get(conn_id, {})
+        slot_ids = self._light_slots(conn_id, cache_ids)
+        if slot_ids is not None:  # plain sequences without objects: array operations
+            self._release_light(slot_ids, self._held_np[conn_id])
+            return
         wanted: Dict[int, int] = {}
         for cache_id in cache_ids:
             self._held(conn_id, cache_id)
@@ -905,7 +1100,7 @@ class SequenceTable:
         pool = self.pool
         out = {"num_blocks": pool.num_blocks, "free_blocks": pool.num_free,
                "cached_blocks": pool.num_cached, "referenced_blocks": pool.num_referenced,
-               "evictions": pool.num_evictions, "sequences": len(self.sequences),
+               "evictions": pool.num_evictions, "sequences": self.num_sequences,
                "connections": len(self.conn_refs), "handoffs": len(self.handoffs),
                "prefix_index_blocks": len(pool.prefix_index)}
         out.update(self.counters)
@@ -920,6 +1115,19 @@ class SequenceTable:
             assert len(seq.block_ids) == self._blocks_for(seq.num_tokens)
             for block_id in seq.block_ids:
                 expected[block_id] += 1
+        assert int(self._light_np.sum()) == self._num_light
+        for slot in np.flatnonzero(self._light_np).tolist():  # plain ones without objects
+            cache_id = int(self._seq_np[slot, CACHE_ID])
+            assert cache_id & self._slot_mask == slot and cache_id not in self.sequences
+            holders = [conn for conn, held in self._held_np.items() if held[slot]]
+            assert holders == [int(self._light_conn[slot])]
+            assert cache_id not in self.conn_refs[holders[0]]
+            used = int(self._num_blocks_np[slot])
+            assert used == self._blocks_for(int(self._seq_np[slot, NUM_TOKENS]))
+            for block_id in self._table_np[slot, :used].tolist():
+                expected[block_id] += 1
+                assert self.pool.owner[block_id] == cache_id
+                assert self.pool.block_key[block_id] is None
         assert expected == self.pool.ref_cnt, "ref counts differ from the block tables"
         refs = {}
         for conn in self.conn_refs.values():
@@ -927,5 +1135,12 @@ class SequenceTable:
                 refs[cache_id] = refs.get(cache_id, 0) + count
         for handoff in self.handoffs.values():
             refs[handoff.cache_id] = refs.get(handoff.cache_id, 0) + 1
-        assert refs == {cid: s.num_refs for cid, s in self.sequences.items()}
+        light = self._seq_np[np.flatnonzero(self._light_np), CACHE_ID].tolist()
+        refs.update(dict.fromkeys(light, 1))   # each held once, by its connection
+        assert refs == self.live()
+        for conn_id, held in self._held_np.items():
+            assert {int(self._seq_np[slot, CACHE_ID]) for slot in np.flatnonzero(held).tolist()
+                    } == set(self.conn_refs[conn_id]) | {
+                        cache_id for cache_id in light
+                        if self._light_conn[cache_id & self._slot_mask] == conn_id}
 

@@ -36,7 +36,7 @@ both from :class:`~shmkv.layout.PoolConfig`; the segment costs
 bytes, where ``scales`` is ``8 + 16 * num_layers`` rounded up to 64. Going past either
 bound is refused with ``LimitExceeded``.
 
-Pure: memoryviews and ints, no torch, no I/O. Readers that want tensors build them
+Pure: memoryviews, numpy and ints, no torch, no I/O. Readers that want tensors build them
 over the same segment (``shmkv.memory``).
 """
 
@@ -44,6 +44,8 @@ from __future__ import annotations
 
 from array import array
 from typing import List, Sequence
+
+import numpy as np
 
 from .errors import LimitExceeded
 
@@ -111,9 +113,13 @@ class TableWriter:
     Args:
         layout: the segment layout.
         seq, table: the writable ``seq`` and ``table`` views of :meth:`TableLayout.views`.
+        arrays: ``(seq, table)`` as numpy arrays ``[max_sequences, SEQ_FIELDS]`` and
+            ``[max_sequences, max_seq_blocks]`` over the same memory, for the stores
+            of many sequences at once; made over ``seq`` and ``table`` when omitted
+            (then those views cannot be released while the writer lives).
     """
 
-    def __init__(self, layout: TableLayout, seq, table):
+    def __init__(self, layout: TableLayout, seq, table, arrays=None):
         self.layout = layout
         self.seq = seq
         self.table = table
@@ -123,6 +129,11 @@ class TableWriter:
         # Entries in use per slot (the coordinator's own bookkeeping, not shared), for
         # checks over a whole batch at once. Never resized: arrays may view it.
         self.num_blocks = array("q", bytes(8 * layout.max_sequences))
+        if arrays is None:
+            arrays = (np.frombuffer(seq, dtype=np.int64).reshape(-1, SEQ_FIELDS),
+                      np.frombuffer(table, dtype=np.int32).reshape(-1, layout.max_seq_blocks))
+        self.seq_np, self.table_np = arrays
+        self.num_blocks_np = np.frombuffer(self.num_blocks, dtype=np.int64)
 
     @property
     def num_free(self) -> int:
@@ -145,10 +156,18 @@ class TableWriter:
                 f"{self.max_seq_blocks} per sequence (PoolConfig.max_seq_len="
                 f"{self.max_seq_blocks} blocks); raise max_seq_len")
 
-    def assign(self, cache_id: int, block_ids: Sequence[int], num_tokens: int) -> int:
-        """Take a free slot for a new sequence and publish its table; returns the slot.
-        The caller checked :meth:`check_slots` and :meth:`check_blocks`."""
-        slot = self._free.pop()
+    def take(self, num: int) -> List[int]:
+        """``num`` free slots for new sequences (the caller checked :meth:`check_slots`
+        and fills each with :meth:`assign` or :meth:`assign_many`)."""
+        free = self._free
+        slots = free[len(free) - num:]
+        del free[len(free) - num:]
+        slots.reverse()
+        return slots
+
+    def assign(self, slot: int, cache_id: int, block_ids: Sequence[int], num_tokens: int) -> None:
+        """Publish a new sequence's table in a slot from :meth:`take`. The caller
+        checked :meth:`check_blocks`."""
         self.num_blocks[slot] = len(block_ids)
         seq, base = self.seq, slot * SEQ_FIELDS
         seq[base + LOCK] += 1
@@ -159,7 +178,40 @@ class TableWriter:
         seq[base + NUM_TOKENS] = num_tokens
         seq[base + GENERATION] += 1
         seq[base + LOCK] += 1
-        return slot
+
+    def assign_many(self, slots: np.ndarray, cache_ids: np.ndarray, blocks: np.ndarray,
+                    counts: np.ndarray, num_tokens: np.ndarray) -> None:
+        """:meth:`assign` for several new sequences at once, with a fixed number of array
+        operations: sequence ``i`` gets slot ``slots[i]``, ``counts[i]`` of ``blocks``
+        (one sequence's after another's) and ``num_tokens[i]``."""
+        num = cache_ids.shape[0]
+        seq = self.seq_np
+        seq[slots, LOCK] += 1
+        if blocks.shape[0] == num and bool((counts == 1).all()):
+            self.table_np[slots, 0] = blocks
+        elif blocks.shape[0]:
+            first = np.cumsum(counts) - counts
+            self.table_np[np.repeat(slots, counts),
+                          np.arange(blocks.shape[0]) - np.repeat(first, counts)] = blocks
+        seq[slots, CACHE_ID] = cache_ids
+        seq[slots, NUM_TOKENS] = num_tokens
+        seq[slots, GENERATION] += 1
+        seq[slots, LOCK] += 1
+        self.num_blocks_np[slots] = counts
+
+    def release_many(self, slots: np.ndarray) -> None:
+        """:meth:`release` for several dead sequences at once (distinct slots)."""
+        seq, used = self.seq_np, self.num_blocks_np[slots]
+        seq[slots, LOCK] += 1
+        seq[slots, CACHE_ID] = 0
+        seq[slots, NUM_TOKENS] = 0
+        widest = int(used.max()) if slots.shape[0] else 0
+        if widest:  # entries past a row's used ones are 0 already
+            self.table_np[slots, :widest] = 0
+        seq[slots, GENERATION] += 1
+        seq[slots, LOCK] += 1
+        self.num_blocks_np[slots] = 0
+        self._free.extend(slots[::-1].tolist())
 
     def release(self, slot: int, num_blocks: int) -> None:
         """Free a dead sequence's slot (and zero the ``num_blocks`` entries it used, so

@@ -18,7 +18,7 @@ import uuid
 import pytest
 import torch
 from hypothesis import HealthCheck, settings, strategies as st
-from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initialize,
+from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initialize, multiple,
                                  invariant, rule)
 
 import shmkv
@@ -112,6 +112,17 @@ class PoolMachine(RuleBasedStateMachine):
         except shmkv.PoolExhausted:
             return shmkv_none()
         return self._track(h, Seq(n))
+
+    @rule(target=handles, counts=st.lists(st.integers(0, 9), min_size=1, max_size=3))
+    def allocate_plain(self, counts):
+        """Plain sequences admitted at once: the coordinator keeps them as rows of the
+        shared tables only, until a call (fork, clone, export, a per-handle call) needs
+        more."""
+        try:
+            hs = self.client.allocate_many(counts)
+        except shmkv.PoolExhausted:
+            return multiple()
+        return multiple(*(self._track(h, Seq(n)) for h, n in zip(hs, counts)))
 
     @rule(target=handles, prompt=st.lists(st.sampled_from(VOCAB), min_size=1, max_size=9))
     def allocate_prompt(self, prompt):
@@ -354,13 +365,28 @@ class PoolMachine(RuleBasedStateMachine):
             del self.refs[h.cache_id]
             del self.seqs[h.cache_id]
 
+    @rule(a=consumes(handles), b=consumes(handles))
+    def close_two(self, a, b):
+        """Two references dropped in one round trip (``close_many``)."""
+        hs = list({id(h): h for h in (a, b) if h is not None and not h._closed}.values())
+        if not hs:
+            return
+        self.client.close_many(hs)
+        for h in hs:
+            assert h._closed
+            self.refs[h.cache_id] -= 1
+            if not self.refs[h.cache_id]:
+                del self.refs[h.cache_id]
+                del self.seqs[h.cache_id]
+
     @invariant()
     def metadata_consistent(self):
         table = self.coord.table
         table.check_invariants()
-        assert {shmkv.sequences.format_cache_id(c) for c in table.sequences} == set(self.seqs)
+        live = table.live()
+        assert {shmkv.sequences.format_cache_id(c) for c in live} == set(self.seqs)
         for cid, count in self.refs.items():
-            assert table.sequences[int(cid[3:], 16)].num_refs == count
+            assert live[int(cid[3:], 16)] == count
 
     @invariant()
     def contents_match(self):

@@ -1,0 +1,201 @@
+"""The control plane at batch scale: plain sequences kept as rows of the shared tables
+(no object until a call needs one), cache ids that carry their slot, the decode step a
+connection repeats, and the client's re-read of only the table rows that changed."""
+
+import pytest
+import torch
+
+import shmkv
+from shmkv import errors
+from shmkv.allocator import BlockPool
+from shmkv.sequences import SequenceTable
+from shmkv.tables import CACHE_ID, NUM_TOKENS
+
+import workers
+
+L, H, D, BS = 2, 4, 8, 4
+
+
+def make_table(num_blocks=64, max_sequences=16):
+    table = SequenceTable(BlockPool(num_blocks), BS, max_sequences=max_sequences,
+                          max_seq_blocks=16)
+    table.add_connection(1)
+    table.add_connection(2)
+    return table
+
+
+def key_of(ids, slots):
+    return ids.astype("<i8").tobytes() + slots.astype("<i8").tobytes()
+
+
+@pytest.fixture
+def cfg():
+    return shmkv.PoolConfig(num_layers=L, num_kv_heads=H, head_dim=D, num_blocks=96,
+                            block_size=BS, dtype=torch.float32, max_sequences=64,
+                            max_seq_len=64)
+
+
+@pytest.fixture
+def coord(cfg, unique_name):
+    with shmkv.Coordinator(cfg, name=unique_name) as c:
+        yield c
+
+
+@pytest.fixture
+def client(coord):
+    with shmkv.connect(coord.address, timeout=20) as c:
+        yield c
+
+
+def write_step(step):
+    ids = step.cache_ids[step.seq_index]
+    for layer in range(L):
+        step.write(layer, workers.step_value(ids, step.positions, layer, 0, H, D),
+                   workers.step_value(ids, step.positions, layer, 1, H, D))
+
+
+def expected_kv(h, layer, which, n):
+    ids = torch.full((n,), h._cache_id, dtype=torch.int64)
+    return workers.step_value(ids, torch.arange(n), layer, which, H, D)
+
+
+def test_plain_sequences_get_an_object_only_when_a_call_needs_one():
+    table = make_table()
+    ids, slots = table.allocate_counts(1, [0, 3, 4, 9])
+    assert not table.sequences and table.num_sequences == 4
+    assert table.stats()["sequences"] == 4
+    assert ((ids & ((1 << table.slot_bits) - 1)) == slots).all()   # the id carries its slot
+    assert table._seq_np[slots, CACHE_ID].tolist() == ids.tolist()
+    assert table._seq_np[slots, NUM_TOKENS].tolist() == [0, 3, 4, 9]
+    table.check_invariants()
+    child = table.fork(1, int(ids[3]))["cache_id"]            # the parent gets its object
+    assert set(table.sequences) == {int(ids[3]), child}
+    assert table.sequences[int(ids[3])].block_ids == table.sequences[child].block_ids
+    assert table.info(1, int(ids[1]))["num_tokens"] == 3       # and so does this one
+    assert table.num_sequences == 5
+    table.check_invariants()
+    table.release_many(1, [int(i) for i in ids] + [child])     # plain and objects together
+    assert table.num_sequences == 0 and table.pool.num_free == 64
+    assert table.tables.num_free == 16
+    table.check_invariants()
+
+
+def test_release_of_plain_sequences_checks_every_id_first():
+    table = make_table()
+    ids, slots = table.allocate_counts(1, [5, 5])
+    other, _ = table.allocate_counts(2, [1])
+    forged = int(ids[0]) + (1 << table.slot_bits)    # the right slot, another serial
+    before = (table.pool.num_free, table.num_sequences, table._seq_np.copy())
+    for bad in ([int(ids[0]), forged], [int(ids[0]), int(other[0])],
+                [int(ids[0]), int(ids[0])], [int(ids[0]), -1]):
+        with pytest.raises(errors.UnknownCache):
+            table.release_many(1, bad)
+        assert (table.pool.num_free, table.num_sequences) == before[:2]
+        assert (table._seq_np == before[2]).all()
+    with pytest.raises(errors.UnknownCache):          # a commit names only what it holds
+        table.commit_batch(1, [int(ids[0]), int(other[0])], [0, 0])
+    with pytest.raises(errors.OutOfRange):
+        table.commit_batch(1, [int(i) for i in ids], [5, 6])
+    assert table.commit_batch(1, [int(i) for i in ids], [5, 5]) == 0
+    table.check_invariants()
+
+
+def test_a_repeated_decode_step_is_checked_again_after_a_release():
+    table = make_table()
+    ids, slots = table.allocate_counts(1, [3, 4, 7])
+    key = key_of(ids, slots)
+    wire = (ids.tolist(), 1, None, slots.tolist())   # as the coordinator's handler passes them
+    for want in ([4, 5, 8], [5, 6, 9]):
+        assert table.extend_batch(1, *wire, key=key).tolist() == want
+    table.release_many(1, [int(ids[1])])
+    with pytest.raises(errors.UnknownCache):
+        table.extend_batch(1, *wire, key=key)
+    kept = [0, 2]
+    assert table._seq_np[slots[kept], NUM_TOKENS].tolist() == [5, 9]   # nothing changed
+    new_ids, new_slots = table.allocate_counts(1, [0])
+    assert new_slots.tolist() == [slots[1]]                 # the freed slot, a new id
+    with pytest.raises(errors.UnknownCache):
+        table.extend_batch(1, *wire, key=key)
+    assert table._seq_np[new_slots, NUM_TOKENS].tolist() == [0]
+    table.check_invariants()
+
+
+def test_a_repeated_decode_step_copies_a_block_a_fork_shared_since(client):
+    hs = client.allocate_many([5, 5])
+    batch = client.batch(hs)
+    write_step(batch.prefill(start=0))
+    for _ in range(2):                       # the coordinator now knows this batch
+        write_step(batch.extend(1))
+    child = hs[0].fork()                     # shares the partly filled last block (7 of 8)
+    child_before = child.gather_all().clone()
+    step = batch.extend(1)                   # must copy that block for the parent
+    assert step.block_tables[0, 1] != child.block_table.physical_blocks[1]
+    assert step.block_tables[1, 1] == hs[1].block_table.physical_blocks[1]
+    k = torch.full((2, H, D), 7.0)
+    for layer in range(L):
+        step.write(layer, k, k)
+    assert torch.equal(child.gather_all(), child_before)
+    assert torch.equal(hs[0].key_cache(0)[7], k[0])
+    for layer in range(L):
+        assert torch.equal(hs[0].key_cache(layer)[:7], expected_kv(hs[0], layer, 0, 7))
+        assert torch.equal(child.key_cache(layer), expected_kv(hs[0], layer, 0, 7))
+
+
+def test_step_tables_stay_exact_over_many_steps_with_forks(client):
+    hs = client.allocate_many([0, 1, 5, 2])
+    batch = client.batch(hs)
+    first = batch.extend(1)
+    write_step(first)
+    first_tables = first.block_tables.clone()
+    forks = []
+    for i in range(40):
+        if i % 7 == 3:      # a fork shares blocks; the next step copies the last one
+            forks.append(hs[i % 4].fork())
+        before = [h.num_tokens for h in hs]
+        step = batch.extend(1)
+        width = step.block_tables.shape[1]
+        for row, h, n in zip(step.block_tables.tolist(), hs, before):
+            table = list(h.block_table.physical_blocks)
+            assert row == (table + [0] * width)[:width]
+            assert len(table) == -(-(n + 1) // 4)
+        assert step.slot_mapping.tolist() == [
+            h.block_table.physical_blocks[n // BS] * BS + n % BS for h, n in zip(hs, before)]
+        assert step.seq_lens.tolist() == [n + 1 for n in before]
+        write_step(step)
+    assert torch.equal(first.block_tables, first_tables)   # a step keeps its own tables
+    for h in hs:
+        n = h.num_tokens
+        first_new = n - 41
+        for layer in range(L):
+            assert torch.equal(h.key_cache(layer)[first_new:],
+                               expected_kv(h, layer, 0, n)[first_new:])
+    client.close_many(forks)
+
+
+def test_close_many_of_handles_that_never_read_their_row(coord, client):
+    hs = client.allocate_many([1] * 40)
+    assert hs[3].num_tokens == 1            # this one reads its row (and keeps a view)
+    assert len(client._states) == 1
+    client.close_many(hs)
+    assert all(h._closed for h in hs) and not client._states and not client._handles
+    with pytest.raises(shmkv.HandleClosed):
+        hs[0].block_table
+    stats = coord.stats()
+    assert stats["sequences"] == 0 and stats["free_blocks"] == stats["num_blocks"]
+    with pytest.raises(errors.InvalidArgument, match="one of cache_ids and ids"):
+        client.request("release_many", cache_ids=[1], ids=b"\0" * 8)
+
+
+def test_a_dropped_connection_frees_plain_and_object_sequences():
+    table = make_table()
+    ids, _ = table.allocate_counts(1, [4, 8, 1])
+    table.clone(1, int(ids[0]))                      # an object with two references
+    token = table.export(1, int(ids[1]), ttl=30)     # one held by a hand-off
+    assert table.drop_connection(1) == 4
+    assert table.num_sequences == 1
+    table.check_invariants()
+    opened = table.open(2, token)
+    assert opened["num_tokens"] == 8
+    table.release(2, opened["cache_id"])
+    assert table.pool.num_free == 64 and table.num_sequences == 0
+    table.check_invariants()
