@@ -85,6 +85,10 @@ class Batch:
         self._slots_wire = protocol.pack_i64s(slot_list)
         self._checked_at = client.num_closed
         self._known_tables = None   # (rows, generations) of the last step's table read
+        # The coordinator's id of this batch once it keeps it (extend_kept: a decode
+        # step sends no ids and is not checked again), and the step our rows are at.
+        self._kept = 0
+        self._seen = -1
 
     def __len__(self) -> int:
         return len(self.handles)
@@ -132,6 +136,9 @@ class Batch:
         """
         self._check()
         uniform, counts_t = self._counts(counts)
+        client = self.client
+        if uniform > 0 and tokens is None:
+            return self._extend_uniform(uniform, counts_t)
         args = {"ids": self._ids_wire}
         if uniform >= 0:
             args["count"] = uniform
@@ -143,11 +150,34 @@ class Batch:
             if len(tokens) != len(self.handles):
                 raise InvalidArgument(f"tokens needs one list per sequence ({len(self)})")
             args["tokens"] = tokens
-        client = self.client
         epoch = client._memory.epoch[0]
         lens = _int64s(client.request("extend_batch", **args))
         return Step(client, self._ids, self._slots, lens - counts_t, counts_t, uniform, epoch,
                     self)
+
+    def _extend_uniform(self, count: int, counts_t: np.ndarray) -> "Step":
+        """The decode step: through the coordinator's kept batch once it keeps one (the
+        answer says which table rows grew, so the step reads no rows), else by ids."""
+        client = self.client
+        epoch = client._memory.epoch[0]
+        answer = None
+        if self._kept:
+            answer = client.request("extend_kept", batch=self._kept, count=count,
+                                    seen=self._seen)
+            if answer["lens"] is None:   # no longer kept (the coordinator keeps the newest)
+                self._kept, answer = 0, None
+        if answer is None:
+            answer = client.request("extend_batch", ids=self._ids_wire, count=count,
+                                    slots=self._slots_wire, keep=True)
+            self._kept, self._seen = answer["batch"], 0
+            patch = None
+        else:
+            self._seen = answer["steps"]
+            patch = (_int64s(answer["grown"]), _int64s(answer["blocks"])) \
+                if answer["same"] else None
+        lens = _int64s(answer["lens"])
+        return Step(client, self._ids, self._slots, lens - counts_t, counts_t, count, epoch,
+                    self, patch)
 
     def prefill(self, start=None, num_tokens=None) -> "Step":
         """A step over slots already reserved (a prompt allocated with its length, or
@@ -218,7 +248,7 @@ class Step:
 
     def __init__(self, client, cache_ids: np.ndarray, slot_ids: np.ndarray,
                  starts: np.ndarray, counts: np.ndarray, uniform: int, epoch: int,
-                 batch: Optional[Batch] = None):
+                 batch: Optional[Batch] = None, patch: Optional[tuple] = None):
         # The index arithmetic runs in numpy (about a microsecond an op, against a few
         # for torch's dispatcher on tensors this small); the results are exposed as
         # tensors sharing that memory, those a write does not need made on first use.
@@ -242,7 +272,10 @@ class Step:
             self.num_tokens = int(qsl[-1])
         self._qsl = qsl
         max_len = int(ends.max()) if num else 0
-        tables = self._read_tables(max(1, -(-max_len // bs)), ends)
+        width = max(1, -(-max_len // bs))
+        tables = self._patched_tables(width, patch) if patch is not None else None
+        if tables is None:
+            tables = self._read_tables(width, ends)
         slot_mapping, seq_index, positions = slots.batch_slots(
             tables, starts, counts, qsl, self.num_tokens, bs, uniform)
         self._ends = ends
@@ -402,6 +435,27 @@ class Step:
         if self.batch is None and bool((before[:, NUM_TOKENS] < ends).any()):
             raise StaleStep("a sequence of this step is shorter than the step says")
         return tables
+
+    def _patched_tables(self, width: int, patch: tuple) -> Optional[np.ndarray]:
+        """The batch's rows from its last step's, for a step of a kept batch whose
+        answer says they are current once ``patch`` (``(grown, blocks)``: sequence
+        ``grown[i]`` got block ``blocks[i]`` after its others) is added; no read of the
+        shared tables. None when the batch holds no rows of a width it can grow to."""
+        known = self.batch._known_tables
+        if known is None or known[0].shape[1] > width:
+            return None
+        private, generations = known
+        if private.shape[1] < width:   # entries past a plain sequence's blocks are 0
+            private = np.pad(private, ((0, 0), (0, width - private.shape[1])))
+        grown, blocks = patch
+        if grown.shape[0]:
+            bs = self.client.config.block_size
+            private[grown, (self._starts[grown] + bs - 1) // bs] = blocks
+            generations = generations.copy()
+            generations[grown] += 1
+        self._generations = generations
+        self.batch._known_tables = (private, generations)
+        return private.copy()  # the step's own: its tensors outlive later steps
 
     def _not_owned(self) -> int:
         """Index of the first new token whose block its sequence may no longer write in

@@ -782,15 +782,29 @@ class Coordinator:
     def _op_open(self, conn, token):
         return self.table.open(conn.conn_id, token)
 
-    def _op_extend_batch(self, conn, ids, count=None, counts=None, tokens=None, slots=None):
+    def _op_extend_batch(self, conn, ids, count=None, counts=None, tokens=None, slots=None,
+                         keep=False):
         if (count is None) == (counts is None):
             raise InvalidArgument("extend_batch takes one of count and counts")
         counts = count if counts is None else protocol.unpack_i64s(counts)
-        lens = self.table.extend_batch(conn.conn_id, protocol.unpack_i64s(ids), counts, tokens,
-                                       None if slots is None else protocol.unpack_i64s(slots),
-                                       key=None if slots is None else ids + slots)
-        return lens.astype("<i8").tobytes() if hasattr(lens, "astype") else \
-            protocol.pack_i64s(lens)
+        cache_ids = protocol.unpack_i64s(ids)
+        lens = protocol.pack_i64s(self.table.extend_batch(
+            conn.conn_id, cache_ids, counts, tokens,
+            None if slots is None else protocol.unpack_i64s(slots)))
+        if not keep:
+            return lens
+        # the answer names the kept batch (0: not kept) for extend_kept
+        return {"lens": lens, "batch": self.table.keep_batch(conn.conn_id, cache_ids)}
+
+    def _op_extend_kept(self, conn, batch, count, seen):
+        done = self.table.extend_kept(conn.conn_id, batch, count, seen)
+        if done is None:
+            return {"lens": None}
+        done["lens"] = protocol.pack_i64s(done["lens"])
+        if done["same"]:
+            done["grown"] = protocol.pack_i64s(done["grown"])
+            done["blocks"] = protocol.pack_i64s(done["blocks"])
+        return done
 
     def _op_prepare_batch(self, conn, ids, starts, counts):
         lens = self.table.prepare_batch(conn.conn_id, protocol.unpack_i64s(ids),

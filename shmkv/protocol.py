@@ -100,7 +100,9 @@ OPS = {
     # Batches: sequences as packed int64 arrays ("i64s": little-endian bytes), so a
     # step of any size is one small frame and decodes without a Python loop.
     "extend_batch": {"ids": ("i64s", True), "count": ("int", False), "counts": ("i64s", False),
-                     "tokens": ("list", False), "slots": ("i64s", False)},
+                     "tokens": ("list", False), "slots": ("i64s", False),
+                     "keep": ("bool", False)},
+    "extend_kept": {"batch": ("int", True), "count": ("int", True), "seen": ("int", True)},
     "prepare_batch": {"ids": ("i64s", True), "starts": ("i64s", True),
                       "counts": ("i64s", True)},
     "commit_batch": {"ids": ("i64s", True), "num_tokens": ("i64s", True),

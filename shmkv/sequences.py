@@ -42,6 +42,7 @@ TOKEN_VERSION = 1
 TOKEN_SIZE = 1 + 8 + 16
 MAX_SALT_BYTES = 1024
 MAX_REQUEST_ID = 256
+MAX_KEPT = 64        # kept batches per connection (SequenceTable.keep_batch)
 
 
 def format_cache_id(cache_id: int) -> str:
@@ -176,10 +177,13 @@ class SequenceTable:
         self._light_np = np.zeros(layout.max_sequences, dtype=bool)
         self._light_conn = np.zeros(layout.max_sequences, dtype=np.int64)
         self._num_light = 0
-        # Moves whenever a plain sequence without an object is released or given one:
-        # a connection's last decode batch (``_step_cache``) stays checked until then.
+        # Moves whenever a plain sequence without an object is released or given one;
+        # ``_conn_steps`` moves with every call of a connection that may change its
+        # rows. A kept batch (:meth:`keep_batch`) stays checked while both stand still.
         self._light_version = 0
-        self._step_cache: Dict[int, tuple] = {}
+        self._conn_steps: Dict[int, int] = {}
+        self._kept: Dict[int, Dict[int, list]] = {}
+        self._next_kept = 1
         self.conn_refs: Dict[int, Dict[int, int]] = {}
         # Lower tiers (``shmkv.tiers.TierSet``, set by the coordinator): a prefix that
         # misses the pool continues there. ``promotions``: what the last allocate must
@@ -203,13 +207,16 @@ class SequenceTable:
 
     def add_connection(self, conn_id: int) -> None:
         self.conn_refs[conn_id] = {}
+        self._conn_steps[conn_id] = 0
+        self._kept[conn_id] = {}
         self._held_np[conn_id] = np.zeros(self.tables.layout.max_sequences, dtype=bool)
 
     def drop_connection(self, conn_id: int) -> int:
         """Drop every reference the connection holds; returns how many were dropped."""
         refs = self.conn_refs.pop(conn_id, {})
         held = self._held_np.pop(conn_id, None)
-        self._step_cache.pop(conn_id, None)
+        self._conn_steps.pop(conn_id, None)
+        self._kept.pop(conn_id, None)
         dropped = 0
         if held is not None:
             light = np.flatnonzero(held & self._light_np)
@@ -542,6 +549,8 @@ class SequenceTable:
         ``blocks`` replaces the block table from index ``table_from`` on. A shared
         partly filled last block gets a private copy first (copy-on-write).
         """
+        if conn_id in self._conn_steps:
+            self._conn_steps[conn_id] += 1
         plans = [self._plan_extend(conn_id, item) for item in items]
         if len({id(plan[0]) for plan in plans}) != len(plans):
             raise InvalidArgument("extend_many names a sequence twice")
@@ -620,19 +629,19 @@ class SequenceTable:
         return seqs
 
     def extend_batch(self, conn_id: int, cache_ids: Seq[int], counts, tokens=None,
-                     slots: Optional[Seq[int]] = None, key: Optional[bytes] = None):
+                     slots: Optional[Seq[int]] = None):
         """Reserve ``counts`` (an int for all, or one per sequence) more slots in each
         sequence of a batch, all or none; copy-on-write of shared partly filled last
         blocks included. ``tokens``: one list of token ids per sequence, or None.
         ``slots``: the sequences' rows in the shared tables, as the client knows them
-        (checked), for the vectorized decode path. ``key``: bytes naming exactly this
-        batch (its wire form), so that a connection stepping the same batch of plain
-        sequences again skips the checks its last step made.
+        (checked), for the vectorized decode path.
 
         Returns the length of every sequence after the step (int64 array).
         """
+        if conn_id in self._conn_steps:
+            self._conn_steps[conn_id] += 1
         if slots is not None and tokens is None and type(counts) is int and counts > 0:
-            lens = self._extend_uniform(conn_id, cache_ids, slots, counts, key)
+            lens = self._extend_uniform(conn_id, cache_ids, slots, counts)
             if lens is not None:
                 return lens
         seqs = self._batch_sequences(conn_id, cache_ids)
@@ -710,21 +719,13 @@ class SequenceTable:
                 lens[i] = seq.num_tokens
         return lens
 
-    def _extend_uniform(self, conn_id: int, cache_ids: Seq[int], slots: Seq[int], count: int,
-                        key: Optional[bytes] = None):
+    def _extend_uniform(self, conn_id: int, cache_ids: Seq[int], slots: Seq[int], count: int):
         """The decode step (``count`` more tokens in every sequence, no token ids) with
         array operations over the whole batch: a constant number of them, whatever the
         batch size, plus Python work only for the sequences that need a new block, a
         copy of a shared last block, or to stop their prefix keys. None (nothing
         changed) when the batch does not check out: the general path then names the
         error."""
-        known = self._step_cache.get(conn_id) if key is not None else None
-        if known is not None and known[0] == key and known[1] == self._light_version:
-            # the batch this connection stepped last, of plain sequences without objects,
-            # none released or given an object since: its checks still hold
-            lens = self._extend_light(known[2], known[3], count)
-            if lens is not None:
-                return lens
         ids = np.asarray(cache_ids, dtype=np.int64)
         where = np.asarray(slots, dtype=np.int64)
         num = ids.shape[0]
@@ -740,11 +741,10 @@ class SequenceTable:
         self._scratch[where] = order  # a slot named twice keeps only its last position
         if not np.array_equal(self._scratch[where], order):
             return None
-        if key is not None and self._light_np[where].all():
-            self._step_cache[conn_id] = (key, self._light_version, where, ids)
-            lens = self._extend_light(where, ids, count)
-            if lens is not None:
-                return lens
+        if self._light_np[where].all():
+            done = self._extend_light(where, ids, count)
+            if done is not None:
+                return done[0]
         bs = self.block_size
         lens = seq_np[where, NUM_TOKENS]
         have = self._num_blocks_np[where]
@@ -804,7 +804,8 @@ class SequenceTable:
         """:meth:`_extend_uniform` for a checked batch of plain sequences without
         objects: their blocks are theirs alone and they cover exactly their tokens, so
         the step is a length store, plus a block for each that crosses into a new one.
-        None (nothing changed) when one would need two blocks."""
+        Returns ``(lengths, grown, blocks)``: ``blocks[i]`` is the new block of sequence
+        ``grown[i]`` (int64 arrays); None (nothing changed) when one would need two."""
         bs, seq_np = self.block_size, self._seq_np
         lens = seq_np[where, NUM_TOKENS]
         new = lens + count
@@ -816,16 +817,69 @@ class SequenceTable:
             if int(more.max()) > 1:
                 return None
             grow_at = np.flatnonzero(more)
+        blocks = []
         if grow_at.size:
-            self._grow(where, ids, grow_at, (lens[grow_at] + bs - 1) // bs, new)
+            blocks = self._grow(where, ids, grow_at, (lens[grow_at] + bs - 1) // bs, new)
         seq_np[where, NUM_TOKENS] = new
-        return new
+        return new, grow_at, np.array(blocks, dtype=np.int64)
+
+    # -- kept batches (a decode loop's batch, checked once) -------------------------------
+
+    def keep_batch(self, conn_id: int, cache_ids: Seq[int]) -> int:
+        """Keep a batch of plain sequences without objects, each held by this connection,
+        for :meth:`extend_kept`: its checks are made now and hold until one of them is
+        released or given an object, or the connection changes their rows another way.
+        Returns the batch's id, or 0 when it does not qualify (then step it with
+        :meth:`extend_batch`). A connection keeps its ``MAX_KEPT`` newest batches."""
+        where = self._light_slots(conn_id, cache_ids)
+        kept = self._kept.get(conn_id)
+        if where is None or kept is None:
+            return 0
+        if len(kept) >= MAX_KEPT:
+            del kept[next(iter(kept))]
+        batch_id = self._next_kept
+        self._next_kept += 1
+        kept[batch_id] = [np.asarray(cache_ids, dtype=np.int64), where, self._light_version,
+                          self._conn_steps[conn_id], 0]
+        return batch_id
+
+    def extend_kept(self, conn_id: int, batch_id: int, count: int, seen: int) -> Optional[dict]:
+        """:meth:`extend_batch` of ``count`` more tokens in every sequence of a kept
+        batch, with no per-step checks while it stays checked (see :meth:`keep_batch`).
+
+        ``seen``: the step number the caller's copy of the batch's table rows is at.
+        Returns ``{"lens", "steps", "same", "grown", "blocks"}``: the lengths after the
+        step; this step's number; whether the caller's rows, with ``blocks[i]`` added
+        to row ``grown[i]``, are the batch's rows now (else read them again). None when
+        the batch is not kept (never, dropped for a newer one, or another connection's):
+        step it with :meth:`extend_batch`.
+        """
+        reg = self._kept.get(conn_id, {}).get(batch_id)
+        if reg is None:
+            return None
+        count = _check_count("count", count, 1)
+        ids, where, version, steps_at, steps = reg
+        current = version == self._light_version and steps_at == self._conn_steps[conn_id]
+        self._conn_steps[conn_id] += 1
+        done = self._extend_light(where, ids, count) if current else None
+        if done is None:  # rechecked, and any error named, by the general path
+            lens = self.extend_batch(conn_id, ids.tolist(), count, None, where.tolist())
+            reg[:] = [ids, where, -1, -1, steps + 1]
+            if self._light_slots(conn_id, ids) is not None:
+                reg[2:4] = [self._light_version, self._conn_steps[conn_id]]
+            return {"lens": lens, "steps": steps + 1, "same": False}
+        lens, grown, blocks = done
+        reg[3:] = [self._conn_steps[conn_id], steps + 1]
+        return {"lens": lens, "steps": steps + 1, "same": seen == steps, "grown": grown,
+                "blocks": blocks}
 
     def prepare_batch(self, conn_id: int, cache_ids: Seq[int], starts: Seq[int],
                       counts: Seq[int]) -> array:
         """Make slots ``[starts[i], starts[i] + counts[i])`` of each sequence writable in
         place (a step over slots already reserved, such as a prompt's prefill), all or
         none. Returns every sequence's current length (int64 array)."""
+        if conn_id in self._conn_steps:
+            self._conn_steps[conn_id] += 1
         seqs = self._batch_sequences(conn_id, cache_ids)
         if not len(starts) == len(counts) == len(seqs):
             raise InvalidArgument(f"starts and counts need one entry per sequence "

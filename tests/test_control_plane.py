@@ -24,10 +24,6 @@ def make_table(num_blocks=64, max_sequences=16):
     return table
 
 
-def key_of(ids, slots):
-    return ids.astype("<i8").tobytes() + slots.astype("<i8").tobytes()
-
-
 @pytest.fixture
 def cfg():
     return shmkv.PoolConfig(num_layers=L, num_kv_heads=H, head_dim=D, num_blocks=96,
@@ -100,23 +96,61 @@ def test_release_of_plain_sequences_checks_every_id_first():
     table.check_invariants()
 
 
-def test_a_repeated_decode_step_is_checked_again_after_a_release():
+def test_a_kept_batch_is_checked_again_once_its_sequences_change():
     table = make_table()
     ids, slots = table.allocate_counts(1, [3, 4, 7])
-    key = key_of(ids, slots)
-    wire = (ids.tolist(), 1, None, slots.tolist())   # as the coordinator's handler passes them
-    for want in ([4, 5, 8], [5, 6, 9]):
-        assert table.extend_batch(1, *wire, key=key).tolist() == want
+    batch = table.keep_batch(1, ids.tolist())
+    assert batch and table.keep_batch(2, ids.tolist()) == 0     # another connection's
+    done = table.extend_kept(1, batch, 1, seen=0)
+    assert done["lens"].tolist() == [4, 5, 8] and done["same"] and done["steps"] == 1
+    assert done["grown"].tolist() == [1]                      # 4 tokens filled its block
+    assert done["blocks"].tolist() == [table._table_np[slots[1], 1]]
+    done = table.extend_kept(1, batch, 1, seen=0)             # our rows are a step behind
+    assert done["lens"].tolist() == [5, 6, 9] and not done["same"]
+    assert table.extend_kept(2, batch, 1, seen=2) is None     # not that connection's
+    table.extend_batch(1, [int(ids[0])], 1, None, [int(slots[0])])   # changed another way
+    done = table.extend_kept(1, batch, 1, seen=2)
+    assert done["lens"].tolist() == [7, 7, 10] and not done["same"]
+    assert table.extend_kept(1, batch, 1, seen=3)["same"]     # checked again, kept again
     table.release_many(1, [int(ids[1])])
     with pytest.raises(errors.UnknownCache):
-        table.extend_batch(1, *wire, key=key)
-    kept = [0, 2]
-    assert table._seq_np[slots[kept], NUM_TOKENS].tolist() == [5, 9]   # nothing changed
+        table.extend_kept(1, batch, 1, seen=4)
+    assert table._seq_np[slots[[0, 2]], NUM_TOKENS].tolist() == [8, 11]   # nothing changed
     new_ids, new_slots = table.allocate_counts(1, [0])
     assert new_slots.tolist() == [slots[1]]                 # the freed slot, a new id
     with pytest.raises(errors.UnknownCache):
-        table.extend_batch(1, *wire, key=key)
+        table.extend_kept(1, batch, 1, seen=4)
     assert table._seq_np[new_slots, NUM_TOKENS].tolist() == [0]
+    with pytest.raises(errors.InvalidArgument):
+        table.extend_kept(1, batch, 0, seen=4)
+    table.check_invariants()
+
+
+def test_a_kept_batch_copies_a_block_a_fork_shared_since():
+    copies = []
+    table = SequenceTable(BlockPool(64), BS, copy_block=lambda s, d: copies.append((s, d)),
+                          max_sequences=16, max_seq_blocks=16)
+    table.add_connection(1)
+    ids, slots = table.allocate_counts(1, [5, 5])
+    batch = table.keep_batch(1, ids.tolist())
+    assert table.extend_kept(1, batch, 1, seen=0)["same"]
+    child = table.fork(1, int(ids[0]))["cache_id"]          # shares the last block (6 of 8)
+    done = table.extend_kept(1, batch, 1, seen=1)
+    assert not done["same"] and done["lens"].tolist() == [7, 7]
+    assert len(copies) == 1 and copies[0][0] == table.sequences[child].block_ids[1]
+    assert table._table_np[slots[0], 1] == copies[0][1]
+    table.check_invariants()
+
+
+def test_a_connection_keeps_its_newest_batches():
+    from shmkv.sequences import MAX_KEPT
+    table = make_table(num_blocks=256, max_sequences=MAX_KEPT + 4)
+    ids, _ = table.allocate_counts(1, [1] * (MAX_KEPT + 1))
+    kept = [table.keep_batch(1, [int(i)]) for i in ids]
+    assert table.extend_kept(1, kept[0], 1, seen=0) is None     # dropped for a newer one
+    assert table.extend_kept(1, kept[-1], 1, seen=0)["same"]
+    table.drop_connection(1)
+    assert table.extend_kept(1, kept[-1], 1, seen=1) is None
     table.check_invariants()
 
 
@@ -199,3 +233,24 @@ def test_a_dropped_connection_frees_plain_and_object_sequences():
     table.release(2, opened["cache_id"])
     assert table.pool.num_free == 64 and table.num_sequences == 0
     table.check_invariants()
+
+
+def test_a_batch_steps_on_when_its_kept_batch_was_dropped(client, monkeypatch):
+    monkeypatch.setattr(shmkv.sequences, "MAX_KEPT", 4)   # (the coordinator's thread)
+    hs = client.allocate_many([3, 1, 2])
+    first = client.batch(hs)
+    write_step(first.extend(1))
+    old = first._kept
+    assert old
+    for _ in range(4):                        # newer batches over the same sequences
+        write_step(client.batch(hs).extend(1))
+    before = [h.num_tokens for h in hs]
+    step = first.extend(1)                    # its kept batch is gone: sent by ids again
+    assert first._kept not in (0, old) and step.seq_lens.tolist() == [n + 1 for n in before]
+    for row, h in zip(step.block_tables.tolist(), hs):
+        assert row[:len(h.block_table.physical_blocks)] == list(h.block_table.physical_blocks)
+    write_step(step)
+    for h in hs:
+        for layer in range(L):
+            n = h.num_tokens
+            assert torch.equal(h.value_cache(layer)[n - 6:], expected_kv(h, layer, 1, n)[n - 6:])

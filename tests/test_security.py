@@ -419,7 +419,18 @@ def test_foreign_handles_are_refused(coord, client, small_config, unique_name):
     with shmkv.Coordinator(small_config, name=unique_name + "-b") as coord_b, \
             shmkv.connect(coord_b.address, timeout=10) as client_b:
         here = client.allocate(4)
-        there = [client_b.allocate(4) for _ in range(here._cache_id)]
+        # A cache id is (serial << slot bits) | slot: hold B's lower slots, and close
+        # sequences in the target slot until B's serial reaches here's.
+        slot = here._slot
+        there = []
+        for _ in range(1000):
+            h = client_b.allocate(4)
+            if h._cache_id == here._cache_id or h._slot < slot:
+                there.append(h)
+                if h._cache_id == here._cache_id:
+                    break
+            else:
+                h.close()
         assert there[-1]._cache_id == here._cache_id
         with Unchanged(client), Unchanged(client_b):
             with pytest.raises(shmkv.InvalidArgument):

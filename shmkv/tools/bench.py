@@ -1372,16 +1372,34 @@ def _control_point(opts: Options, cleanup: _Cleanup) -> dict:
         # -- batch.extend(1) over 256 sequences
         handles = client.allocate_many([0] * num)
         batch = client.batch(handles)
-        # What batch.extend(1) sends (private attributes: the bench mirrors the request).
-        wire = {"ids": batch._ids_wire, "count": 1, "slots": batch._slots_wire}
-        table_ids, table_slots = table.allocate_counts(1, protocol.unpack_i64s(
+        # What batch.extend(1) sends once the coordinator keeps the batch, on a second
+        # connection (a connection's other steps over its sequences would make every
+        # step of the kept batch a checked one).
+        raw_client = connect(coord.address)
+        raw_batch = raw_client.batch(raw_client.allocate_many([0] * num))
+        kept = raw_client.request("extend_batch", ids=raw_batch._ids_wire, count=1,
+                                  slots=raw_batch._slots_wire, keep=True)["batch"]
+        raw = {"seen": 0}
+
+        def request():
+            raw["seen"] = raw_client.request("extend_kept", batch=kept, count=1,
+                                             seen=raw["seen"])["steps"]
+
+        # The coordinator's part, called the way its handler calls it.
+        table_ids, _ = table.allocate_counts(1, protocol.unpack_i64s(
             protocol.pack_i64s([0] * num)))
-        table_wire = (protocol.pack_i64s(table_ids), protocol.pack_i64s(table_slots))
-        table_args = (protocol.unpack_i64s(table_wire[0]), 1, None,
-                      protocol.unpack_i64s(table_wire[1]))
-        table_key = table_wire[0] + table_wire[1]   # as the coordinator's handler passes it
-        lens = table.extend_batch(1, *table_args, key=table_key)
-        ext_codec = _codec_fn("extend_batch", wire, protocol.pack_i64s(lens.tolist()))
+        table_kept = table.keep_batch(1, protocol.unpack_i64s(protocol.pack_i64s(table_ids)))
+        at = {"seen": 0}
+
+        def in_table():
+            at["seen"] = table.extend_kept(1, table_kept, 1, at["seen"])["steps"]
+
+        answer = table.extend_kept(1, table_kept, 1, 0)
+        ext_codec = _codec_fn("extend_kept", {"batch": table_kept, "count": 1, "seen": 1},
+                              {"lens": protocol.pack_i64s(answer["lens"]), "steps": 2,
+                               "same": True, "grown": protocol.pack_i64s(answer["grown"]),
+                               "blocks": protocol.pack_i64s(answer["blocks"])})
+        at["seen"] = answer["steps"]
         calls, repeats = 50, 3 * opts.repeats  # every call adds a token to each sequence
         total_calls = (repeats + 1) * calls
         if 2 * total_calls + 2 > cfg.max_seq_len:
@@ -1395,10 +1413,11 @@ def _control_point(opts: Options, cleanup: _Cleanup) -> dict:
 
         times = interleaved({
             "extend": looped(lambda: batch.extend(1)),
-            "request": looped(lambda: client.request("extend_batch", **wire)),
+            "request": looped(request),
             "ping": looped(client.ping),
-            "table": looped(lambda: table.extend_batch(1, *table_args, key=table_key)),
+            "table": looped(in_table),
             "codec": looped(ext_codec)}, repeats)
+        raw_client.close()
         for name, samples in times.items():
             point[f"extend_{name}_s"] = _median(samples) / calls
         # The same against ping with client and coordinator pinned: on one CPU (every
@@ -1510,9 +1529,9 @@ def bench_batch(opts: Options, cleanup: _Cleanup, series: dict, cache: dict) -> 
         figures.append(Figure("batch", f"batch.extend(1), 256 sequences, {place}",
                               pinned["extend"] * 1e6, "us", pinned["ping"] * 1e6,
                               f"ping, {place}", ratio, "<= 3", _check(ratio, "<= 3")))
-    for part, label in (("table", "coordinator: SequenceTable.extend_batch, in process"),
+    for part, label in (("table", "coordinator: SequenceTable.extend_kept, in process"),
                         ("codec", "msgpack, both sides, in process"),
-                        ("request", "client.request only (no Step built)")):
+                        ("request", "client.request of a kept batch only (no Step built)")):
         figures.append(Figure("batch", f"  extend(1) x256 part: {label}",
                               c[f"extend_{part}_s"] * 1e6, "us", c["extend_extend_s"] * 1e6,
                               "batch.extend(1)", c[f"extend_{part}_s"] / c["extend_extend_s"]))
