@@ -86,9 +86,11 @@ class Batch:
         self._checked_at = client.num_closed
         self._known_tables = None   # (rows, generations) of the last step's table read
         # The coordinator's id of this batch once it keeps it (extend_kept: a decode
-        # step sends no ids and is not checked again), and the step our rows are at.
+        # step sends no ids and is not checked again), and what our last kept step
+        # left: (its number, ends, slot_mapping, longest end).
         self._kept = 0
-        self._seen = -1
+        self._kept_state: Optional[tuple] = None
+        self._full: dict = {}   # a count -> [B] of it
 
     def __len__(self) -> int:
         return len(self.handles)
@@ -110,7 +112,12 @@ class Batch:
         if isinstance(counts, int):
             if counts < 0:
                 raise InvalidArgument(f"counts must be >= 0, got {counts}")
-            return counts, np.full(num, counts, dtype=np.int64)
+            full = self._full.get(counts)
+            if full is None:  # read-only, shared by this batch's steps of that count
+                full = np.full(num, counts, dtype=np.int64)
+                full.flags.writeable = False
+                self._full = {counts: full}
+            return counts, full
         if isinstance(counts, torch.Tensor):
             counts = counts.cpu().numpy()
         t = np.asarray(counts)
@@ -156,28 +163,33 @@ class Batch:
                     self)
 
     def _extend_uniform(self, count: int, counts_t: np.ndarray) -> "Step":
-        """The decode step: through the coordinator's kept batch once it keeps one (the
-        answer says which table rows grew, so the step reads no rows), else by ids."""
+        """The decode step: through the coordinator's kept batch once it keeps one, else
+        by ids. While nothing else changed the batch, the answer says only which
+        sequences opened a block, and the step is made from the last one's arrays."""
         client = self.client
         epoch = client._memory.epoch[0]
+        state, self._kept_state = self._kept_state, None   # (set again by a kept step)
         answer = None
         if self._kept:
             answer = client.request("extend_kept", batch=self._kept, count=count,
-                                    seen=self._seen)
-            if answer["lens"] is None:   # no longer kept (the coordinator keeps the newest)
-                self._kept, answer = 0, None
+                                    seen=state[0] if state is not None else -1)
+            if answer is None:   # no longer kept (the coordinator keeps the newest)
+                self._kept = 0
         if answer is None:
             answer = client.request("extend_batch", ids=self._ids_wire, count=count,
                                     slots=self._slots_wire, keep=True)
-            self._kept, self._seen = answer["batch"], 0
-            patch = None
+            self._kept, answer["steps"], answer["same"] = answer["batch"], 0, False
+        if answer["same"]:
+            step = Step._next_decode(self, state, count, counts_t, epoch,
+                                     np.frombuffer(answer["grown"], dtype="<i8"),
+                                     np.frombuffer(answer["blocks"], dtype="<i8"))
         else:
-            self._seen = answer["steps"]
-            patch = (_int64s(answer["grown"]), _int64s(answer["blocks"])) \
-                if answer["same"] else None
-        lens = _int64s(answer["lens"])
-        return Step(client, self._ids, self._slots, lens - counts_t, counts_t, count, epoch,
-                    self, patch)
+            lens = np.frombuffer(answer["lens"], dtype="<i8")   # (read-only: only read)
+            step = Step(client, self._ids, self._slots, lens - counts_t, counts_t, count,
+                        epoch, self, ends=lens)
+        if self._kept:
+            self._kept_state = (answer["steps"], step._ends, step._slot_np, step._max_len)
+        return step
 
     def prefill(self, start=None, num_tokens=None) -> "Step":
         """A step over slots already reserved (a prompt allocated with its length, or
@@ -203,7 +215,7 @@ class Batch:
         if start is None:
             starts = self._num_cached.copy()
         else:
-            _, starts = self._counts(start)
+            starts = self._counts(start)[1].copy()   # (its own: positions may view it)
         current = client._memory.seq_np[self._slots, NUM_TOKENS]
         if num_tokens is None:
             counts_t = current - starts
@@ -248,7 +260,7 @@ class Step:
 
     def __init__(self, client, cache_ids: np.ndarray, slot_ids: np.ndarray,
                  starts: np.ndarray, counts: np.ndarray, uniform: int, epoch: int,
-                 batch: Optional[Batch] = None, patch: Optional[tuple] = None):
+                 batch: Optional[Batch] = None, ends: Optional[np.ndarray] = None):
         # The index arithmetic runs in numpy (about a microsecond an op, against a few
         # for torch's dispatcher on tensors this small); the results are exposed as
         # tensors sharing that memory, those a write does not need made on first use.
@@ -262,7 +274,8 @@ class Step:
         self._starts = starts
         bs = client.config.block_size
         num = cache_ids.shape[0]
-        ends = starts + counts
+        if ends is None:
+            ends = starts + counts
         if uniform > 0:  # decode: no cumulative sum
             qsl = None
             self.num_tokens = uniform * num
@@ -271,13 +284,13 @@ class Step:
             np.cumsum(counts, out=qsl[1:])
             self.num_tokens = int(qsl[-1])
         self._qsl = qsl
-        max_len = int(ends.max()) if num else 0
-        width = max(1, -(-max_len // bs))
-        tables = self._patched_tables(width, patch) if patch is not None else None
-        if tables is None:
-            tables = self._read_tables(width, ends)
-        slot_mapping, seq_index, positions = slots.batch_slots(
-            tables, starts, counts, qsl, self.num_tokens, bs, uniform)
+        self._max_len = max_len = int(ends.max()) if num else 0
+        tables = self._read_tables(max(1, -(-max_len // bs)), ends)
+        self._finish(tables, ends, *slots.batch_slots(tables, starts, counts, qsl,
+                                                      self.num_tokens, bs, uniform))
+
+    def _finish(self, tables: np.ndarray, ends: np.ndarray, slot_mapping: np.ndarray,
+                seq_index: np.ndarray, positions: np.ndarray) -> None:
         self._ends = ends
         self._seq_index = seq_index
         self._positions = positions
@@ -287,6 +300,39 @@ class Step:
         self._rows = self._targets = None
         self._live = False   # the client was checked by a write of this step (CPU pools)
         self._plain = None   # for advance: (slots, cache ids, generations, starts) as lists
+
+    @classmethod
+    def _next_decode(cls, batch: Batch, state: tuple, count: int, counts: np.ndarray,
+                     epoch: int, grown: np.ndarray, blocks: np.ndarray) -> "Step":
+        """The step of a kept batch whose answer says nothing changed it since our last
+        kept step (``state``) but this step's ``count`` tokens a sequence, and block
+        ``blocks[i]`` for sequence ``grown[i]``: made from the last step's arrays, with
+        no read of the shared tables."""
+        _steps, last_ends, last_slots, last_max = state
+        client = batch.client
+        step = cls.__new__(cls)
+        step.client, step.batch = client, batch
+        step._ids, step._slots = batch._ids, batch._slots
+        step._uniform, step._epoch, step._counts, step._qsl = count, epoch, counts, None
+        num = batch._ids.shape[0]
+        step.num_tokens = count * num
+        ends = last_ends + count
+        step._starts = starts = ends - count
+        step._max_len = max_len = last_max + count
+        bs = client.config.block_size
+        width = max(1, -(-max_len // bs))
+        tables = step._patched_tables(width, grown, blocks)
+        if tables is None:
+            tables = step._read_tables(width, ends)
+        if count == 1 and last_slots.shape[0] == num:  # one token on from the last step's
+            slot_mapping = last_slots + 1
+            if grown.shape[0]:
+                slot_mapping[grown] = blocks * bs   # the first slot of its new block
+            step._finish(tables, ends, slot_mapping, np.arange(num, dtype=np.int64), starts)
+        else:
+            step._finish(tables, ends, *slots.batch_slots(tables, starts, counts, None,
+                                                          step.num_tokens, bs, count))
+        return step
 
     def __getattr__(self, name: str):
         # A step made by advance() holds its root step and how far it moved; its
@@ -432,22 +478,23 @@ class Step:
         tables = private.copy()  # the step's own: its tensors outlive later reads
         if self.batch is not None:
             self.batch._known_tables = (private, self._generations)
+            self.batch._kept_state = None   # (only a kept step's rows may be grown on)
         if self.batch is None and bool((before[:, NUM_TOKENS] < ends).any()):
             raise StaleStep("a sequence of this step is shorter than the step says")
         return tables
 
-    def _patched_tables(self, width: int, patch: tuple) -> Optional[np.ndarray]:
+    def _patched_tables(self, width: int, grown: np.ndarray,
+                        blocks: np.ndarray) -> Optional[np.ndarray]:
         """The batch's rows from its last step's, for a step of a kept batch whose
-        answer says they are current once ``patch`` (``(grown, blocks)``: sequence
-        ``grown[i]`` got block ``blocks[i]`` after its others) is added; no read of the
-        shared tables. None when the batch holds no rows of a width it can grow to."""
+        answer says they are current once sequence ``grown[i]`` has block ``blocks[i]``
+        after its others; no read of the shared tables. None when the batch holds no
+        rows of a width it can grow to."""
         known = self.batch._known_tables
         if known is None or known[0].shape[1] > width:
             return None
         private, generations = known
         if private.shape[1] < width:   # entries past a plain sequence's blocks are 0
             private = np.pad(private, ((0, 0), (0, width - private.shape[1])))
-        grown, blocks = patch
         if grown.shape[0]:
             bs = self.client.config.block_size
             private[grown, (self._starts[grown] + bs - 1) // bs] = blocks

@@ -798,12 +798,10 @@ class Coordinator:
 
     def _op_extend_kept(self, conn, batch, count, seen):
         done = self.table.extend_kept(conn.conn_id, batch, count, seen)
-        if done is None:
-            return {"lens": None}
-        done["lens"] = protocol.pack_i64s(done["lens"])
-        if done["same"]:
-            done["grown"] = protocol.pack_i64s(done["grown"])
-            done["blocks"] = protocol.pack_i64s(done["blocks"])
+        if done is not None:
+            for name in ("lens", "grown", "blocks"):
+                if name in done:
+                    done[name] = protocol.pack_i64s(done[name])
         return done
 
     def _op_prepare_batch(self, conn, ids, starts, counts):

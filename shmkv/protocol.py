@@ -151,8 +151,8 @@ def unpack_i64s(data: bytes) -> "array":
 
 def pack_i64s(values) -> bytes:
     """The ``i64s`` form of a sequence of ints (or of a numpy integer array)."""
-    if hasattr(values, "astype"):
-        return values.astype("<i8").tobytes()
+    if hasattr(values, "astype"):   # (no copy when they are little-endian int64s)
+        return values.astype("<i8", copy=False).tobytes()
     out = values if isinstance(values, array) and values.typecode == "q" else array("q", values)
     if sys.byteorder != "little":
         out = array("q", out)

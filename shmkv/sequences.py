@@ -97,6 +97,26 @@ class PendingPromotion:
         self.seq, self.info, self.first, self.keys, self.blocks = seq, info, first, keys, blocks
 
 
+class _Kept:
+    """A connection's kept batch (``SequenceTable.keep_batch``): its sequences, their
+    slots and lengths, and what its checks hold against (``version``, ``conn_steps``)."""
+
+    __slots__ = ("ids", "where", "lens", "version", "conn_steps", "steps", "phases", "added")
+
+    def __init__(self, ids, where, lens, version: int, conn_steps: int):
+        self.ids, self.where, self.steps = ids, where, 0
+        self.reset(lens, version, conn_steps)
+
+    def reset(self, lens, version: int, conn_steps: int) -> None:
+        self.lens = np.asarray(lens, dtype=np.int64)
+        self.version, self.conn_steps = version, conn_steps
+        self.phases = None   # for one token a step: {offset in a block: sequences}
+        self.added = 0       # tokens each sequence got since ``phases`` was made
+
+
+_NONE = np.zeros(0, dtype=np.int64)
+
+
 class _Handoff:
     __slots__ = ("secret", "cache_id", "deadline")
 
@@ -817,11 +837,12 @@ class SequenceTable:
             if int(more.max()) > 1:
                 return None
             grow_at = np.flatnonzero(more)
-        blocks = []
+        blocks = grow_at  # (empty)
         if grow_at.size:
-            blocks = self._grow(where, ids, grow_at, (lens[grow_at] + bs - 1) // bs, new)
+            blocks = np.array(self._grow(where, ids, grow_at, (lens[grow_at] + bs - 1) // bs,
+                                         new), dtype=np.int64)
         seq_np[where, NUM_TOKENS] = new
-        return new, grow_at, np.array(blocks, dtype=np.int64)
+        return new, grow_at, blocks
 
     # -- kept batches (a decode loop's batch, checked once) -------------------------------
 
@@ -839,39 +860,78 @@ class SequenceTable:
             del kept[next(iter(kept))]
         batch_id = self._next_kept
         self._next_kept += 1
-        kept[batch_id] = [np.asarray(cache_ids, dtype=np.int64), where, self._light_version,
-                          self._conn_steps[conn_id], 0]
+        kept[batch_id] = _Kept(np.asarray(cache_ids, dtype=np.int64), where,
+                               self._seq_np[where, NUM_TOKENS], self._light_version,
+                               self._conn_steps[conn_id])
         return batch_id
 
     def extend_kept(self, conn_id: int, batch_id: int, count: int, seen: int) -> Optional[dict]:
         """:meth:`extend_batch` of ``count`` more tokens in every sequence of a kept
         batch, with no per-step checks while it stays checked (see :meth:`keep_batch`).
 
-        ``seen``: the step number the caller's copy of the batch's table rows is at.
-        Returns ``{"lens", "steps", "same", "grown", "blocks"}``: the lengths after the
-        step; this step's number; whether the caller's rows, with ``blocks[i]`` added
-        to row ``grown[i]``, are the batch's rows now (else read them again). None when
-        the batch is not kept (never, dropped for a newer one, or another connection's):
-        step it with :meth:`extend_batch`.
+        ``seen``: the step number the caller's copy of the batch's rows and lengths is
+        at. Returns ``{"steps", "same", "grown", "blocks"}`` and, unless ``same``,
+        ``"lens"``: this step's number; whether the caller's copy, with ``count`` more
+        tokens in every sequence and ``blocks[i]`` added to row ``grown[i]``, is the
+        batch now (else it reads the rows again, and ``lens`` are the lengths after the
+        step). None when the batch is not kept (never, dropped for a newer one, or
+        another connection's): step it with :meth:`extend_batch`.
         """
-        reg = self._kept.get(conn_id, {}).get(batch_id)
-        if reg is None:
+        kept = self._kept.get(conn_id, {}).get(batch_id)
+        if kept is None:
             return None
         count = _check_count("count", count, 1)
-        ids, where, version, steps_at, steps = reg
-        current = version == self._light_version and steps_at == self._conn_steps[conn_id]
+        current = kept.version == self._light_version and \
+            kept.conn_steps == self._conn_steps[conn_id]
         self._conn_steps[conn_id] += 1
-        done = self._extend_light(where, ids, count) if current else None
+        done = self._step_kept(kept, count) if current else None
+        kept.steps += 1
         if done is None:  # rechecked, and any error named, by the general path
-            lens = self.extend_batch(conn_id, ids.tolist(), count, None, where.tolist())
-            reg[:] = [ids, where, -1, -1, steps + 1]
-            if self._light_slots(conn_id, ids) is not None:
-                reg[2:4] = [self._light_version, self._conn_steps[conn_id]]
-            return {"lens": lens, "steps": steps + 1, "same": False}
-        lens, grown, blocks = done
-        reg[3:] = [self._conn_steps[conn_id], steps + 1]
-        return {"lens": lens, "steps": steps + 1, "same": seen == steps, "grown": grown,
-                "blocks": blocks}
+            kept.version = -1
+            lens = self.extend_batch(conn_id, kept.ids.tolist(), count, None,
+                                     kept.where.tolist())
+            if self._light_slots(conn_id, kept.ids) is not None:
+                kept.reset(lens, self._light_version, self._conn_steps[conn_id])
+            return {"steps": kept.steps, "same": False, "lens": lens}
+        kept.conn_steps = self._conn_steps[conn_id]
+        grown, blocks = done
+        out = {"steps": kept.steps, "same": seen == kept.steps - 1, "grown": grown,
+               "blocks": blocks}
+        if not out["same"]:
+            out["lens"] = kept.lens
+        return out
+
+    def _step_kept(self, kept: "_Kept", count: int) -> Optional[tuple]:
+        """:meth:`_extend_light` of a kept batch, from the lengths it keeps: for one token
+        a step, which sequences open a block comes from their phase in a block, with no
+        work per step. Returns ``(grown, blocks)``, or None (nothing changed) when one
+        would need two blocks."""
+        bs, lens = self.block_size, kept.lens
+        if count == 1:
+            if kept.phases is None:   # sequences by their length's offset in a block
+                phase = lens % bs
+                kept.phases = {p: np.flatnonzero(phase == p) for p in np.unique(phase).tolist()}
+                kept.added = 0
+            grown = kept.phases.get(-kept.added % bs, _NONE)
+            kept.added += 1
+        else:
+            kept.phases = None
+            more = (lens + count + bs - 1) // bs - (lens + bs - 1) // bs
+            if int(more.max()) > 1:
+                return None
+            grown = np.flatnonzero(more)
+        new = lens + count
+        blocks = _NONE
+        if grown.shape[0]:
+            try:
+                blocks = np.array(self._grow(kept.where, kept.ids, grown,
+                                             (lens[grown] + bs - 1) // bs, new), dtype=np.int64)
+            except BaseException:
+                kept.phases = None   # (nothing changed; the next step starts again)
+                raise
+        self._seq_np[kept.where, NUM_TOKENS] = new
+        kept.lens = new
+        return grown, blocks
 
     def prepare_batch(self, conn_id: int, cache_ids: Seq[int], starts: Seq[int],
                       counts: Seq[int]) -> array:

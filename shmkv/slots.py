@@ -102,8 +102,10 @@ def batch_slots(tables: np.ndarray, starts: np.ndarray, counts: np.ndarray,
     batch = starts.shape[0]
     if uniform_count == 1:  # decode: one token per sequence, at its start
         seq_index = np.arange(batch, dtype=np.int64)
-        block_ids = tables[seq_index, starts // block_size].astype(np.int64)
-        return block_ids * block_size + starts % block_size, seq_index, starts
+        index, offset = np.divmod(starts, block_size)
+        slot_mapping = np.multiply(tables[seq_index, index], block_size, dtype=np.int64)
+        slot_mapping += offset
+        return slot_mapping, seq_index, starts
     tokens = np.arange(num_tokens, dtype=np.int64)
     if uniform_count > 0:
         seq_index, offsets = tokens // uniform_count, tokens % uniform_count

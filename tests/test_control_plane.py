@@ -102,7 +102,8 @@ def test_a_kept_batch_is_checked_again_once_its_sequences_change():
     batch = table.keep_batch(1, ids.tolist())
     assert batch and table.keep_batch(2, ids.tolist()) == 0     # another connection's
     done = table.extend_kept(1, batch, 1, seen=0)
-    assert done["lens"].tolist() == [4, 5, 8] and done["same"] and done["steps"] == 1
+    assert done["same"] and done["steps"] == 1 and "lens" not in done
+    assert table._seq_np[slots, NUM_TOKENS].tolist() == [4, 5, 8]
     assert done["grown"].tolist() == [1]                      # 4 tokens filled its block
     assert done["blocks"].tolist() == [table._table_np[slots[1], 1]]
     done = table.extend_kept(1, batch, 1, seen=0)             # our rows are a step behind
@@ -111,11 +112,18 @@ def test_a_kept_batch_is_checked_again_once_its_sequences_change():
     table.extend_batch(1, [int(ids[0])], 1, None, [int(slots[0])])   # changed another way
     done = table.extend_kept(1, batch, 1, seen=2)
     assert done["lens"].tolist() == [7, 7, 10] and not done["same"]
-    assert table.extend_kept(1, batch, 1, seen=3)["same"]     # checked again, kept again
+    done = table.extend_kept(1, batch, 1, seen=3)
+    assert done["same"]                                       # checked again, kept again
+    for _ in range(12):   # 16 steps on, each sequence opened exactly one more block
+        done = table.extend_kept(1, batch, 1, seen=done["steps"])
+        assert done["same"]
+    assert table._seq_np[slots, NUM_TOKENS].tolist() == [20, 20, 23]
+    assert table._num_blocks_np[slots].tolist() == [5, 5, 6]
+    table.check_invariants()
     table.release_many(1, [int(ids[1])])
     with pytest.raises(errors.UnknownCache):
         table.extend_kept(1, batch, 1, seen=4)
-    assert table._seq_np[slots[[0, 2]], NUM_TOKENS].tolist() == [8, 11]   # nothing changed
+    assert table._seq_np[slots[[0, 2]], NUM_TOKENS].tolist() == [20, 23]   # nothing changed
     new_ids, new_slots = table.allocate_counts(1, [0])
     assert new_slots.tolist() == [slots[1]]                 # the freed slot, a new id
     with pytest.raises(errors.UnknownCache):
@@ -136,7 +144,7 @@ def test_a_kept_batch_copies_a_block_a_fork_shared_since():
     assert table.extend_kept(1, batch, 1, seen=0)["same"]
     child = table.fork(1, int(ids[0]))["cache_id"]          # shares the last block (6 of 8)
     done = table.extend_kept(1, batch, 1, seen=1)
-    assert not done["same"] and done["lens"].tolist() == [7, 7]
+    assert not done["same"] and list(done["lens"]) == [7, 7]
     assert len(copies) == 1 and copies[0][0] == table.sequences[child].block_ids[1]
     assert table._table_np[slots[0], 1] == copies[0][1]
     table.check_invariants()
