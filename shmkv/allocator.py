@@ -3,7 +3,7 @@
 Owns which physical block is free, cached or referenced, how many references each
 has, which published prefix key names it, and which sequence may write it in place.
 Does not know about sequences, connections or memory; ``shmkv.sequences`` builds on
-it. Pure: lists, ints and dicts only, no torch, no I/O.
+it. Pure: lists, arrays, ints and dicts (numpy views for bulk stores), no torch, no I/O.
 
 Every block is in exactly one state:
 
@@ -35,7 +35,11 @@ from array import array
 from collections import OrderedDict
 from typing import Iterable, List, Optional, Sequence
 
+import numpy as np
+
 NO_OWNER = 0
+# Blocks a bulk call takes or frees with array stores rather than a loop.
+_BULK = 32
 
 
 class BlockPool:
@@ -47,12 +51,17 @@ class BlockPool:
             coordinator); a private array when omitted.
         epoch: a writable int64 sequence whose item 0 is the ownership epoch; a
             private one when omitted.
+        owner_np: ``owner`` as a numpy array over the same memory, for bulk stores;
+            made over ``owner`` when omitted (which then cannot be released while
+            the pool lives).
     """
 
     def __init__(self, num_blocks: int, owner: Optional[Sequence[int]] = None,
-                 epoch: Optional[Sequence[int]] = None):
+                 epoch: Optional[Sequence[int]] = None, owner_np: Optional[np.ndarray] = None):
         self.num_blocks = num_blocks
-        self.ref_cnt: List[int] = [0] * num_blocks
+        # int64 per block, with a numpy view for bulk stores (never resized)
+        self.ref_cnt = array("q", bytes(8 * num_blocks))
+        self._ref_np = np.frombuffer(self.ref_cnt, dtype=np.int64)
         self.block_key: List[Optional[bytes]] = [None] * num_blocks
         # Free blocks as a stack: allocating k blocks is one slice, no per-block object.
         # Reversed so that a fresh pool hands out block 0 first.
@@ -63,6 +72,8 @@ class BlockPool:
         self._cached: "OrderedDict[int, None]" = OrderedDict()
         self.prefix_index: dict = {}
         self.owner = owner if owner is not None else array("q", bytes(8 * num_blocks))
+        self._owner_np = owner_np if owner_np is not None else \
+            np.frombuffer(self.owner, dtype=np.int64)
         self.epoch = epoch if epoch is not None else array("q", [0])
         self.num_evictions = 0
         self.newly_cached: Optional[List[int]] = None
@@ -113,6 +124,11 @@ class BlockPool:
                 self.on_evict(block_id, key)
             self.num_evictions += 1
             ids.append(block_id)
+        if len(ids) >= _BULK:
+            where = np.array(ids, dtype=np.int64)
+            self._ref_np[where] = 1
+            self._owner_np[where] = owner_id
+            return ids
         ref_cnt, owner = self.ref_cnt, self.owner
         for block_id in ids:
             ref_cnt[block_id] = 1
@@ -162,14 +178,13 @@ class BlockPool:
                     if self.newly_cached is not None:
                         self.newly_cached.append(block_id)
 
-    def free_private(self, block_ids: Sequence[int]) -> None:
+    def free_private(self, block_ids: np.ndarray) -> None:
         """Drop the only reference of blocks that carry no key (a dead sequence's
-        private blocks): they go straight back to the free stack."""
-        ref_cnt, owner = self.ref_cnt, self.owner
-        for block_id in block_ids:  # (check_invariants checks they were private)
-            ref_cnt[block_id] = 0
-            owner[block_id] = NO_OWNER
-        self._free.extend(block_ids)
+        private blocks, an int64 array): they go straight back to the free stack.
+        (check_invariants checks they were private.)"""
+        self._ref_np[block_ids] = 0
+        self._owner_np[block_ids] = NO_OWNER
+        self._free.extend(block_ids.tolist())
 
     def claim(self, block_id: int, owner_id: int) -> bool:
         """Make ``owner_id`` the in-place writer of a block only it references.
@@ -227,6 +242,7 @@ class BlockPool:
         assert not free & cached, "a block is both free and cached"
         for block_id in range(self.num_blocks):
             count = self.ref_cnt[block_id]
+            assert count >= 0, f"block {block_id} has a negative ref count"
             key = self.block_key[block_id]
             if count == 0:
                 assert (block_id in free) != (block_id in cached), f"block {block_id} lost"

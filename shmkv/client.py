@@ -24,6 +24,7 @@ import os
 import select
 import socket
 import threading
+from array import array
 from typing import Iterable, List, Optional, Sequence, Tuple
 
 from . import protocol
@@ -243,12 +244,15 @@ class Client:
 
     def _release_state(self, handle) -> None:
         """A handle closed: its share of its sequence's view goes (if it took one)."""
-        view = handle._shared
-        if view is not None:
-            view.num_handles -= 1
-            if view.num_handles <= 0:
-                del self._states[handle._cache_id]
+        if handle._shared is not None:
+            self._drop_view(handle)
         self.num_closed += 1
+
+    def _drop_view(self, handle) -> None:
+        view = handle._shared
+        view.num_handles -= 1
+        if view.num_handles <= 0:
+            del self._states[handle._cache_id]
 
     def _handle(self, info: dict, view_len: Optional[int] = None) -> KvCacheHandle:
         return KvCacheHandle._from_info(self, info, view_len)
@@ -330,24 +334,25 @@ class Client:
         Raises:
             InvalidArgument: a handle was made by another client (nothing is closed).
         """
-        handles = list(handles)
+        live = {}   # once each
         for h in handles:
             if getattr(h, "_client", None) is not self:
                 self._check_own(h)
-        live = list({id(h): h for h in handles if not h._closed}.values())  # once each
+            if not h._closed:
+                live[id(h)] = h
         if not live:
             return
+        live = list(live.values())
         try:
             self.request("release_many",
-                         ids=protocol.pack_i64s([h._cache_id for h in live]))
+                         ids=protocol.pack_i64s(array("q", [h._cache_id for h in live])))
         finally:
             self._handles.difference_update(live)
             for h in live:
                 h._closed = True
                 if h._shared is not None:
-                    self._release_state(h)
-                else:
-                    self.num_closed += 1
+                    self._drop_view(h)
+            self.num_closed += len(live)
 
     def open(self, token: bytes):
         """Open a hand-off token from :meth:`KvCacheHandle.export`; returns a handle.

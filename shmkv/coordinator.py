@@ -276,7 +276,8 @@ class Coordinator:
             self.memory = create_pool(self.config)
             memory = self.memory
             self.table = SequenceTable(
-                BlockPool(self.config.num_blocks, owner=memory.owner, epoch=memory.epoch),
+                BlockPool(self.config.num_blocks, owner=memory.owner, epoch=memory.epoch,
+                          owner_np=memory.owner_t.numpy()),
                 self.config.block_size, self.config.tp_size,
                 copy_block=memory.copy_block, max_handoffs=self.max_handoffs,
                 max_handoff_ttl=self.max_handoff_ttl,

@@ -178,7 +178,7 @@ class SequenceTable:
             arrays = (np.frombuffer(tables.seq, dtype=np.int64).reshape(-1, SEQ_FIELDS),
                       np.frombuffer(tables.table, dtype=np.int32).reshape(
                           -1, layout.max_seq_blocks),
-                      np.frombuffer(pool.owner, dtype=np.int64))
+                      pool._owner_np)
         self._seq_np, self._table_np, self._owner_np = arrays
         self._num_blocks_np = np.frombuffer(tables.num_blocks, dtype=np.int64)
         # Slots whose sequence still extends its prefix keys (``Sequence.keys_open``),
@@ -298,7 +298,7 @@ class SequenceTable:
         if widest > 1:
             blocks = blocks[np.arange(widest) < used[:, None]]
         self.tables.release_many(slots)
-        self.pool.free_private(blocks.ravel().tolist())
+        self.pool.free_private(blocks.ravel().astype(np.int64))
 
     @property
     def num_sequences(self) -> int:
@@ -498,7 +498,7 @@ class SequenceTable:
         serial = self._next_serial
         self._next_serial += num
         cache_ids = (np.arange(serial, serial + num, dtype=np.int64) << self.slot_bits) | slot_ids
-        taken = np.array(pool.allocate(need, 0), dtype=np.int64)
+        taken = np.array(pool.allocate(need, 0), dtype=np.int64)   # (owners below)
         self._owner_np[taken] = np.repeat(cache_ids, blocks)
         tables.assign_many(slot_ids, cache_ids, taken, blocks, tokens)
         self._light_np[slot_ids] = True
@@ -1242,7 +1242,7 @@ class SequenceTable:
                 expected[block_id] += 1
                 assert self.pool.owner[block_id] == cache_id
                 assert self.pool.block_key[block_id] is None
-        assert expected == self.pool.ref_cnt, "ref counts differ from the block tables"
+        assert expected == list(self.pool.ref_cnt), "ref counts differ from the block tables"
         refs = {}
         for conn in self.conn_refs.values():
             for cache_id, count in conn.items():

@@ -24,7 +24,7 @@ def test_allocate_free_is_all_or_nothing():
     a = pool.allocate(5, owner_id=1)
     assert a == [0, 1, 2, 3, 4]
     assert pool.allocate(4, owner_id=2) is None
-    assert pool.num_free == 3 and pool.ref_cnt[5:] == [0, 0, 0]
+    assert pool.num_free == 3 and list(pool.ref_cnt[5:]) == [0, 0, 0]
     pool.decref(a)
     assert pool.num_free == 8
     pool.check_invariants()
@@ -95,7 +95,7 @@ def test_fork_copy_on_write_of_partial_last_block():
     table, copies = make_table()
     parent = table.allocate(1, 6)["cache_id"]          # blocks [0, 1], block 1 half full
     child = table.fork(1, parent)["cache_id"]
-    assert table.pool.ref_cnt[:2] == [2, 2]
+    assert list(table.pool.ref_cnt[:2]) == [2, 2]
     r = table.extend(1, child, 1)
     assert copies == [(1, r["blocks"][0])]             # the shared last block was copied
     assert table.sequences[child].block_ids[0] == 0    # full blocks stay shared

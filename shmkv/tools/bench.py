@@ -1396,8 +1396,8 @@ def _control_point(opts: Options, cleanup: _Cleanup) -> dict:
 
         answer = table.extend_kept(1, table_kept, 1, 0)
         ext_codec = _codec_fn("extend_kept", {"batch": table_kept, "count": 1, "seen": 1},
-                              {"lens": protocol.pack_i64s(answer["lens"]), "steps": 2,
-                               "same": True, "grown": protocol.pack_i64s(answer["grown"]),
+                              {"steps": 2, "same": True,
+                               "grown": protocol.pack_i64s(answer["grown"]),
                                "blocks": protocol.pack_i64s(answer["blocks"])})
         at["seen"] = answer["steps"]
         calls, repeats = 50, 3 * opts.repeats  # every call adds a token to each sequence
