@@ -11,9 +11,7 @@ from shmkv.allocator import BlockPool
 from shmkv.sequences import SequenceTable
 from shmkv.tables import CACHE_ID, NUM_TOKENS
 
-import workers
-
-L, H, D, BS = 2, 4, 8, 4
+from test_batch import BS, D, H, L, cfg, client, coord, expected_kv, write_step  # noqa: F401
 
 
 def make_table(num_blocks=64, max_sequences=16):
@@ -22,37 +20,6 @@ def make_table(num_blocks=64, max_sequences=16):
     table.add_connection(1)
     table.add_connection(2)
     return table
-
-
-@pytest.fixture
-def cfg():
-    return shmkv.PoolConfig(num_layers=L, num_kv_heads=H, head_dim=D, num_blocks=96,
-                            block_size=BS, dtype=torch.float32, max_sequences=64,
-                            max_seq_len=64)
-
-
-@pytest.fixture
-def coord(cfg, unique_name):
-    with shmkv.Coordinator(cfg, name=unique_name) as c:
-        yield c
-
-
-@pytest.fixture
-def client(coord):
-    with shmkv.connect(coord.address, timeout=20) as c:
-        yield c
-
-
-def write_step(step):
-    ids = step.cache_ids[step.seq_index]
-    for layer in range(L):
-        step.write(layer, workers.step_value(ids, step.positions, layer, 0, H, D),
-                   workers.step_value(ids, step.positions, layer, 1, H, D))
-
-
-def expected_kv(h, layer, which, n):
-    ids = torch.full((n,), h._cache_id, dtype=torch.int64)
-    return workers.step_value(ids, torch.arange(n), layer, which, H, D)
 
 
 def test_plain_sequences_get_an_object_only_when_a_call_needs_one():
