@@ -140,7 +140,9 @@ class BlockPool:
         changing nothing, when there are not enough."""
         num = len(owner_ids)
         ids = self.allocate(num, NO_OWNER)
-        if ids is not None:
+        if ids is not None and num >= _BULK:
+            self._owner_np[np.array(ids, dtype=np.int64)] = owner_ids
+        elif ids is not None:
             owner = self.owner
             for block_id, owner_id in zip(ids, owner_ids):
                 owner[block_id] = owner_id

@@ -41,6 +41,10 @@ _PLAIN_MAX_SEQS = 32
 _SHIFTED = ("_starts", "_ends", "_positions", "_slot_np")
 
 
+_NONE = np.zeros(0, dtype=np.int64)
+_NONE.flags.writeable = False
+
+
 def _same(a: np.ndarray, b: np.ndarray) -> bool:
     """Equal arrays of one shape (np.array_equal's checks cost twice the comparison)."""
     return bool((a == b).all())
@@ -91,6 +95,8 @@ class Batch:
         self._kept = 0
         self._kept_state: Optional[tuple] = None
         self._full: dict = {}   # a count -> [B] of it
+        self._arange = np.arange(len(self.handles), dtype=np.int64)   # (read-only)
+        self._arange.flags.writeable = False
 
     def __len__(self) -> int:
         return len(self.handles)
@@ -180,9 +186,10 @@ class Batch:
                                     slots=self._slots_wire, keep=True)
             self._kept, answer["steps"], answer["same"] = answer["batch"], 0, False
         if answer["same"]:
-            step = Step._next_decode(self, state, count, counts_t, epoch,
-                                     np.frombuffer(answer["grown"], dtype="<i8"),
-                                     np.frombuffer(answer["blocks"], dtype="<i8"))
+            grown = answer["grown"]
+            step = Step._next_decode(self, state, count, counts_t, epoch, *(
+                (np.frombuffer(grown, dtype="<i8"), np.frombuffer(answer["blocks"], dtype="<i8"))
+                if grown else (_NONE, _NONE)))
         else:
             lens = np.frombuffer(answer["lens"], dtype="<i8")   # (read-only: only read)
             step = Step(client, self._ids, self._slots, lens - counts_t, counts_t, count,
@@ -328,7 +335,7 @@ class Step:
             slot_mapping = last_slots + 1
             if grown.shape[0]:
                 slot_mapping[grown] = blocks * bs   # the first slot of its new block
-            step._finish(tables, ends, slot_mapping, np.arange(num, dtype=np.int64), starts)
+            step._finish(tables, ends, slot_mapping, batch._arange, starts)
         else:
             step._finish(tables, ends, *slots.batch_slots(tables, starts, counts, None,
                                                           step.num_tokens, bs, count))
@@ -432,7 +439,8 @@ class Step:
 
     @property
     def seq_index(self) -> torch.Tensor:
-        return self._tensor("seq_index", lambda: self._seq_index)
+        return self._tensor("seq_index", lambda: self._seq_index.copy()
+                            if not self._seq_index.flags.writeable else self._seq_index)
 
     def _tensor(self, name: str, make) -> torch.Tensor:
         t = self._lazy.get(name)

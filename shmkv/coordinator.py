@@ -802,7 +802,7 @@ class Coordinator:
         if done is not None:
             for name in ("lens", "grown", "blocks"):
                 if name in done:
-                    done[name] = protocol.pack_i64s(done[name])
+                    done[name] = protocol.pack_i64s(done[name]) if len(done[name]) else b""
         return done
 
     def _op_prepare_batch(self, conn, ids, starts, counts):
