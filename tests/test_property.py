@@ -186,22 +186,34 @@ class PoolMachine(RuleBasedStateMachine):
             elif seq.keys_open:
                 seq.prompt += ids
 
-    @rule(data=st.data(), count=st.integers(1, 3))
-    def decode_step(self, data, count):
+    @rule(data=st.data(), count=st.integers(1, 3), again=st.booleans())
+    def decode_step(self, data, count, again):
         """A decode step over several sequences (forks and their parents together):
-        one batch extend, then every layer written through the step."""
-        live = {}
-        for h in self._live_handles():
-            if h._view_len is None:
-                live.setdefault(h.cache_id, h)
-        if not live:
-            return
-        chosen = data.draw(st.lists(st.sampled_from(sorted(live)), min_size=1, unique=True))
-        hs = [live[c] for c in chosen]
+        one batch extend, then every layer written through the step. ``again``: step
+        the last batch again (a decode loop: the coordinator keeps it, and whatever
+        other rules did to its sequences since must show)."""
+        batch = getattr(self, "last_batch", None)
+        if again and batch is not None and not any(h._closed for h in batch.handles):
+            hs = list(batch.handles)
+        else:
+            live = {}
+            for h in self._live_handles():
+                if h._view_len is None:
+                    live.setdefault(h.cache_id, h)
+            if not live:
+                return
+            chosen = data.draw(st.lists(st.sampled_from(sorted(live)), min_size=1,
+                                        unique=True))
+            hs = [live[c] for c in chosen]
+            batch = self.last_batch = self.client.batch(hs)
         try:
-            step = self.client.batch(hs).extend(count)
+            step = batch.extend(count)
         except shmkv.PoolExhausted:
             return
+        assert step.seq_lens.tolist() == [h.num_tokens for h in hs]
+        for row, h in zip(step.block_tables.tolist(), hs):
+            table = list(h.block_table.physical_blocks)
+            assert row == (table + [0] * len(row))[:len(row)]
         for h in hs:
             seq = self.seqs[h.cache_id]
             seq.grow(count)
