@@ -15,7 +15,10 @@ Three ways are timed, interleaved round by round (in alternating order), median 
 the rounds; a ratio to DynamicCache is the median of the rounds' own ratios:
 
 * ``dynamic``: DynamicCache, ``attn_implementation="sdpa"`` (transformers' default);
-* ``shmkv``: ShmkvCache, ``attn_implementation="shmkv"`` (attention over the pool);
+* ``shmkv``: ShmkvCache, ``attn_implementation="shmkv"`` (the paged path, the default:
+  every forward attends over the pool's pages);
+* ``shmkv-mirror``: the same with ``mirror=True`` (decode steps attend over a copy of
+  the K/V the cache keeps in this process, a second copy of it);
 * ``shmkv-dense``: ShmkvCache with ``sdpa`` (the dense path: K/V gathered per layer).
 
 Every run's tokens are checked equal to DynamicCache's. Writes
@@ -50,7 +53,8 @@ BLOCK_SIZE = 16
 TARGETS = [(4, 1024), (1, 4096)]
 SWEEP = {1: [256, 512, 1024, 2048, 4096], 4: [256, 512, 1024, 2048]}
 QUICK_SWEEP = {1: [512, 2048], 4: [1024]}
-WAYS = ["dynamic", "shmkv", "shmkv-dense"]
+WAYS = ["dynamic", "shmkv", "shmkv-mirror", "shmkv-dense"]
+IMPL = {"dynamic": "sdpa", "shmkv": "shmkv", "shmkv-mirror": "shmkv", "shmkv-dense": "sdpa"}
 
 
 def build_model():
@@ -84,8 +88,9 @@ def run_case(model, client, batch: int, prompt_len: int, steps: int, repeats: in
     mask = torch.ones_like(ids)
 
     def prefilled(way):
-        model.set_attn_implementation("sdpa" if way != "shmkv" else "shmkv")
-        cache = DynamicCache(config=model.config) if way == "dynamic" else ShmkvCache(client)
+        model.set_attn_implementation(IMPL[way])
+        cache = DynamicCache(config=model.config) if way == "dynamic" else \
+            ShmkvCache(client, mirror=way == "shmkv-mirror")
         model(ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True, **{key: cache})
         return cache
 
@@ -99,7 +104,7 @@ def run_case(model, client, batch: int, prompt_len: int, steps: int, repeats: in
             if fresh and way != "dynamic":
                 caches[way].close()
             cache = caches[way] = prefilled(way) if fresh else caches[way]
-            model.set_attn_implementation("sdpa" if way != "shmkv" else "shmkv")
+            model.set_attn_implementation(IMPL[way])
             cache.crop(-(cache.get_seq_length() - (prompt_len - 1)))
             clock = _Clock()
             out = model.generate(ids, attention_mask=mask, max_new_tokens=steps, do_sample=False,
@@ -123,7 +128,8 @@ def run_case(model, client, batch: int, prompt_len: int, steps: int, repeats: in
         result[f"{way}_cpu_tok_s"] = statistics.median(cpu_rates[way][1:])
     # Ratios: the median of each round's own ratio (runs next to each other in time see
     # about the same load from the rest of the host).
-    for key, way in (("ratio", "shmkv"), ("ratio_dense", "shmkv-dense")):
+    for key, way in (("ratio", "shmkv"), ("ratio_mirror", "shmkv-mirror"),
+                     ("ratio_dense", "shmkv-dense")):
         for prefix, runs in (("", rates), ("cpu_", cpu_rates)):
             result[prefix + key] = statistics.median(
                 a / b for a, b in zip(runs[way][1:], runs["dynamic"][1:]))
@@ -133,9 +139,9 @@ def run_case(model, client, batch: int, prompt_len: int, steps: int, repeats: in
 def markdown(results: dict) -> str:
     """The table: the targets first, then the rest of the sweep."""
     lines = ["| batch | prompt | DynamicCache tok/s | ShmkvCache, `shmkv` attention (paged) "
-             "tok/s | ratio | per CPU s | ShmkvCache, `sdpa` (dense) tok/s | ratio | per CPU s "
-             "| tokens equal |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
+             "tok/s | ratio | per CPU s | with `mirror=True` tok/s | ratio | ShmkvCache, `sdpa` "
+             "(dense) tok/s | ratio | per CPU s | tokens equal |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
     seen = set()
     for r in results["targets"] + results["sweep"]:
         if (r["batch"], r["prompt"]) in seen:
@@ -143,6 +149,7 @@ def markdown(results: dict) -> str:
         seen.add((r["batch"], r["prompt"]))
         lines.append(f"| {r['batch']} | {r['prompt']} | {r['dynamic_tok_s']:.0f} | "
                      f"{r['shmkv_tok_s']:.0f} | **{r['ratio']:.2f}x** | {r['cpu_ratio']:.2f}x | "
+                     f"{r['shmkv-mirror_tok_s']:.0f} | {r['ratio_mirror']:.2f}x | "
                      f"{r['shmkv-dense_tok_s']:.0f} | {r['ratio_dense']:.2f}x | "
                      f"{r['cpu_ratio_dense']:.2f}x | {'yes' if r['tokens_equal'] else 'NO'} |")
     start = ("from a cache prefilled anew" if results.get("fresh")
@@ -172,7 +179,9 @@ def plot(results: dict, path: str) -> bool:
                       key=lambda r: r["prompt"])
         x = [r["prompt"] for r in rows]
         for way, label, style in [("dynamic", "DynamicCache (sdpa)", "o-"),
-                                  ("shmkv", "ShmkvCache (shmkv attention)", "s-"),
+                                  ("shmkv", "ShmkvCache (shmkv attention, over the pool)", "s-"),
+                                  ("shmkv-mirror", "ShmkvCache (shmkv attention, mirror=True)",
+                                   "d:"),
                                   ("shmkv-dense", "ShmkvCache (dense, sdpa)", "^--")]:
             ax.plot(x, [r[f"{way}_tok_s"] for r in rows], style, label=label)
         ax.set_xscale("log", base=2)

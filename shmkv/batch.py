@@ -90,8 +90,9 @@ class Batch:
         self._checked_at = client.num_closed
         self._known_tables = None   # (rows, generations) of the last step's table read
         # The coordinator's id of this batch once it keeps it (extend_kept: a decode
-        # step sends no ids and is not checked again), and what our last kept step
-        # left: (its number, ends, slot_mapping, longest end).
+        # step sends no ids and is not checked again; -1: it never will, its sequences
+        # have objects), and what our last kept step left: (its number, ends,
+        # slot_mapping, longest end).
         self._kept = 0
         self._kept_state: Optional[tuple] = None
         self._full: dict = {}   # a count -> [B] of it
@@ -176,15 +177,20 @@ class Batch:
         epoch = client._memory.epoch[0]
         state, self._kept_state = self._kept_state, None   # (set again by a kept step)
         answer = None
-        if self._kept:
+        if self._kept > 0:
             answer = client.request("extend_kept", batch=self._kept, count=count,
                                     seen=state[0] if state is not None else -1)
             if answer is None:   # no longer kept (the coordinator keeps the newest)
                 self._kept = 0
-        if answer is None:
+        if answer is None and self._kept < 0:   # not keepable (sequences with objects)
+            answer = {"lens": client.request("extend_batch", ids=self._ids_wire, count=count,
+                                             slots=self._slots_wire), "same": False}
+        elif answer is None:
             answer = client.request("extend_batch", ids=self._ids_wire, count=count,
                                     slots=self._slots_wire, keep=True)
-            self._kept, answer["steps"], answer["same"] = answer["batch"], 0, False
+            # (a batch of sequences with objects never qualifies: it stops asking)
+            self._kept = answer["batch"] or -1
+            answer["steps"], answer["same"] = 0, False
         if answer["same"]:
             grown = answer["grown"]
             step = Step._next_decode(self, state, count, counts_t, epoch, *(
@@ -194,7 +200,7 @@ class Batch:
             lens = np.frombuffer(answer["lens"], dtype="<i8")   # (read-only: only read)
             step = Step(client, self._ids, self._slots, lens - counts_t, counts_t, count,
                         epoch, self, ends=lens)
-        if self._kept:
+        if self._kept > 0:
             self._kept_state = (answer["steps"], step._ends, step._slot_np, step._max_len)
         return step
 

@@ -2,9 +2,11 @@
 
 Models are built from a config and a seed (no downloads); a spawned child builds the
 same weights from the same seed, which the tests check through a weight checksum.
-Most tests run twice: with ``attn_implementation="shmkv"`` (layers attend over the
-pool: the paged path) and with ``"sdpa"`` (the dense path). The reference is always
-``DynamicCache`` with ``"sdpa"``.
+Most tests run three times: with ``attn_implementation="shmkv"`` (the paged path:
+every forward attends over the pool), ``"shmkv"`` with ``mirror=True``
+("shmkv-mirror": decode steps attend over the cache's mirror of the pool, other
+forwards over the pool) and with ``"sdpa"`` (the dense path). The reference is always ``DynamicCache``
+with ``"sdpa"``.
 """
 
 from __future__ import annotations
@@ -50,8 +52,10 @@ MODELS = {
     "phi3": (Phi3ForCausalLM, Phi3Config, dict(GQA2, partial_rotary_factor=0.5)),
 }
 FULL_ATTENTION = ["llama", "qwen2", "mistral", "gemma", "granite", "olmo2", "phi3"]
-ATTN = ["shmkv", "sdpa"]
-PATH = {"shmkv": "paged", "sdpa": "dense"}
+ATTN = ["shmkv", "shmkv-mirror", "sdpa"]
+IMPL = {"shmkv": "shmkv", "shmkv-mirror": "shmkv", "sdpa": "sdpa"}    # attn_implementation
+CACHE = {"shmkv": {}, "shmkv-mirror": {"mirror": True}, "sdpa": {}}  # ShmkvCache arguments
+PATH = {"shmkv": "paged", "shmkv-mirror": "paged", "sdpa": "dense"}
 
 
 def build(kind: str, seed: int = 0, attn: str = "sdpa", **overrides):
@@ -62,7 +66,7 @@ def build(kind: str, seed: int = 0, attn: str = "sdpa", **overrides):
     config = config_cls(**{**fields, **overrides})
     torch.manual_seed(seed)
     model = model_cls(config).eval()
-    model.set_attn_implementation(attn)
+    model.set_attn_implementation(IMPL[attn])
     return model
 
 
@@ -129,9 +133,9 @@ def model_coord(unique_name):
 def test_generate_equals_dynamic_cache(kind, attn, model_coord):
     model = build(kind)
     want = greedy(model, PROMPT_A)
-    model.set_attn_implementation(attn)
+    model.set_attn_implementation(IMPL[attn])
     with shmkv.connect(model_coord(model).address, timeout=20) as client:
-        with ShmkvCache(client, model_config=model.config) as cache:
+        with ShmkvCache(client, model_config=model.config, **CACHE[attn]) as cache:
             got = greedy(model, PROMPT_A, cache)
             assert got.cache is cache
             assert cache.attention_path == PATH[attn]
@@ -175,14 +179,14 @@ def test_batched_generate_with_padding(attn, model_coord):
     model = build("llama")
     ids, mask, lengths = padded_batch()
     want = greedy(model, ids, attention_mask=mask, pad_token_id=0)
-    model.set_attn_implementation(attn)
+    model.set_attn_implementation(IMPL[attn])
     with shmkv.connect(model_coord(model).address, timeout=20) as client:
-        with ShmkvCache(client) as cache:
+        with ShmkvCache(client, **CACHE[attn]) as cache:
             got = greedy(model, ids, cache, attention_mask=mask, pad_token_id=0)
             assert len(cache.handles) == 2
             assert cache.attention_path == PATH[attn]
             total = ids.shape[1] + NEW_TOKENS - 1
-            if attn == "shmkv":   # the padding is not stored
+            if PATH[attn] == "paged":   # the padding is not stored
                 assert cache.left_padding == [0, ids.shape[1] - lengths[1]]
                 assert [h.num_tokens for h in cache.handles] == \
                     [n + NEW_TOKENS - 1 for n in lengths]
@@ -202,9 +206,9 @@ def test_num_return_sequences(attn, model_coord):
                   top_k=0, max_new_tokens=6)
     torch.manual_seed(11)
     want = greedy(model, ids, **kwargs)
-    model.set_attn_implementation(attn)
+    model.set_attn_implementation(IMPL[attn])
     with shmkv.connect(model_coord(model).address, timeout=20) as client:
-        with ShmkvCache(client) as cache:
+        with ShmkvCache(client, **CACHE[attn]) as cache:
             torch.manual_seed(11)
             got = greedy(model, ids, cache, **kwargs)
             assert len(cache.handles) == 6 and cache.attention_path == PATH[attn]
@@ -218,8 +222,8 @@ def test_beam_search_forks_sequences(attn, model_coord):
     with shmkv.connect(model_coord(model).address, timeout=20) as client:
         kwargs = dict(num_beams=3, num_return_sequences=2, max_new_tokens=6)
         want = greedy(model, PROMPT_B, **kwargs)
-        model.set_attn_implementation(attn)
-        with ShmkvCache(client) as cache:
+        model.set_attn_implementation(IMPL[attn])
+        with ShmkvCache(client, **CACHE[attn]) as cache:
             got = greedy(model, PROMPT_B, cache, **kwargs)
             assert len(cache.handles) == 3
         assert got.sequences.tolist() == want.sequences.tolist()
@@ -236,9 +240,9 @@ def test_prompt_lookup_decoding_crops(attn, model_coord):
     ids = (PROMPT_A[:8] * 4)[:30]              # repeats: n-gram matches to draft from
     kwargs = dict(prompt_lookup_num_tokens=4, max_new_tokens=16)
     want = greedy(model, ids, **kwargs)
-    model.set_attn_implementation(attn)
+    model.set_attn_implementation(IMPL[attn])
     with shmkv.connect(model_coord(model).address, timeout=20) as client:
-        with ShmkvCache(client) as cache:
+        with ShmkvCache(client, **CACHE[attn]) as cache:
             crops = []
             crop = cache.crop
             cache.crop = lambda n: (crops.append(n), crop(n))
@@ -254,11 +258,12 @@ def test_prompt_lookup_decoding_crops(attn, model_coord):
 def test_decode_over_reserved_slots_advances_steps(attn, model_coord, monkeypatch):
     """Generating again after a crop back to the prompt runs over slots already reserved:
     a step reads the tables only when a block begins (Step.advance in between), and the
-    attention plan of a step is the last one's with one more key."""
+    attention plan of a step over the pool is the last one's with one more key (with the
+    mirror, decode steps make no plan at all)."""
     model = build("qwen2")
     ids = torch.tensor([PROMPT_A, PROMPT_A[::-1]])
     want = greedy(model, ids)
-    model.set_attn_implementation(attn)
+    model.set_attn_implementation(IMPL[attn])
     made = {"advance": 0, "prefill": 0, "extend": 0, "plan": 0}
 
     def counting(cls, name, key):
@@ -273,7 +278,7 @@ def test_decode_over_reserved_slots_advances_steps(attn, model_coord, monkeypatc
     counting(shmkv.batch.Batch, "extend", "extend")
     counting(shmkv.attention.PagedAttentionPlan, "__init__", "plan")
     with shmkv.connect(model_coord(model).address, timeout=20) as client:
-        with ShmkvCache(client) as cache:
+        with ShmkvCache(client, **CACHE[attn]) as cache:
             greedy(model, ids, cache)
             for _ in range(2):
                 cache.crop(-(cache.get_seq_length() - (ids.shape[1] - 1)))
@@ -282,6 +287,7 @@ def test_decode_over_reserved_slots_advances_steps(attn, model_coord, monkeypatc
                 assert_same_generation(got, want, ids.shape[1])
                 # positions 22..31 with 4-token blocks: 24 and 28 begin blocks
                 assert made["extend"] == 0 and made["prefill"] == 3
+                # the pool's attention plans: none when decode reads the mirror
                 assert made["plan"] == (3 if attn == "shmkv" else 0)
                 assert all(h.num_tokens == ids.shape[1] + NEW_TOKENS - 1 for h in cache.handles)
                 for b, handle in enumerate(cache.handles):
@@ -293,6 +299,35 @@ def test_decode_over_reserved_slots_advances_steps(attn, model_coord, monkeypatc
 
 
 @pytest.mark.parametrize("attn", ATTN)
+def test_decode_past_the_first_buffer_capacity(attn, model_coord):
+    """Decoding across the mirror's (or the dense buffers') first capacity (256 tokens)
+    grows them, keeping what they hold: a left-padded batch still equals DynamicCache and
+    the pool holds every token."""
+    model = build("llama")
+    ids, mask = left_pad([prompt(21, 250), prompt(22, 241)])
+    want = greedy(model, ids, attention_mask=mask, pad_token_id=0, max_new_tokens=12)
+    model.set_attn_implementation(IMPL[attn])
+    with shmkv.connect(model_coord(model).address, timeout=20) as client:
+        with ShmkvCache(client, **CACHE[attn]) as cache:
+            got = greedy(model, ids, cache, attention_mask=mask, pad_token_id=0,
+                         max_new_tokens=12)
+            assert cache.get_seq_length() == ids.shape[1] + 11 > 256
+            for b, handle in enumerate(cache.handles):
+                pad = cache.left_padding[b]     # not stored on the paged path; 0 on the dense
+                keys = want.cache.layers[1].keys[b, :, pad:pad + handle.num_tokens]
+                torch.testing.assert_close(handle.key_cache(1), keys.transpose(0, 1), **TIGHT)
+        assert_same_generation(got, want, ids.shape[1])
+        assert client.stats()["referenced_blocks"] == 0
+
+
+def test_mirror_argument_is_checked(model_coord):
+    model = build("llama")
+    with shmkv.connect(model_coord(model).address, timeout=20) as client:
+        with pytest.raises(shmkv.WrongType, match="mirror"):
+            ShmkvCache(client, mirror="yes")
+
+
+@pytest.mark.parametrize("attn", ATTN)
 def test_two_generate_calls_in_a_row(attn, model_coord):
     """A second generate continues from the first one's output with the same cache."""
     model = build("mistral")
@@ -300,8 +335,9 @@ def test_two_generate_calls_in_a_row(attn, model_coord):
     with shmkv.connect(model_coord(model).address, timeout=20) as client:
         outputs = {}
         for name in ("dynamic", "shmkv"):
-            model.set_attn_implementation("sdpa" if name == "dynamic" else attn)
-            cache = DynamicCache(config=model.config) if name == "dynamic" else ShmkvCache(client)
+            model.set_attn_implementation("sdpa" if name == "dynamic" else IMPL[attn])
+            cache = (DynamicCache(config=model.config) if name == "dynamic"
+                     else ShmkvCache(client, **CACHE[attn]))
             first = greedy(model, ids, cache, attention_mask=mask, pad_token_id=0)
             seq = first.sequences
             longer = torch.cat([mask, torch.ones_like(seq[:, ids.shape[1]:])], 1)
@@ -447,9 +483,10 @@ def test_prefix_reuse_for_a_batch_of_prompts(attn, model_coord):
                 ids, mask = left_pad(prompts)
                 model.set_attn_implementation("sdpa")
                 want = greedy(model, ids, attention_mask=mask, pad_token_id=0)
-                model.set_attn_implementation(attn)
+                model.set_attn_implementation(IMPL[attn])
                 ran.clear()
-                with ShmkvCache.from_prompts(client, ids, attention_mask=mask) as cache:
+                with ShmkvCache.from_prompts(client, ids, attention_mask=mask,
+                                             **CACHE[attn]) as cache:
                     start = cache.num_cached_tokens
                     got = greedy(model, ids, cache, attention_mask=mask, pad_token_id=0)
                     assert ran[0] == ids.shape[1] - start     # only the uncached part ran
@@ -640,13 +677,13 @@ def test_quantized_pool_stays_within_the_stated_tolerance(dtype, attn, model_coo
     model = build("llama")
     want = greedy(model, PROMPT_A)
     reference = want.cache
-    model.set_attn_implementation(attn)
+    model.set_attn_implementation(IMPL[attn])
     with shmkv.connect(model_coord(model, dtype=dtype).address, timeout=20) as client:
         limit = 127.0 if dtype == "int8" else float(torch.finfo(getattr(torch, dtype)).max)
         for layer, cached in enumerate(reference.layers):   # calibrated from a real prefill
             client.set_kv_scales(layer, float(cached.keys.abs().max()) / limit,
                                  float(cached.values.abs().max()) / limit)
-        with ShmkvCache(client, model_config=model.config) as cache:
+        with ShmkvCache(client, model_config=model.config, **CACHE[attn]) as cache:
             got = greedy(model, PROMPT_A, cache)
             assert cache.attention_path == PATH[attn]
             assert cache.handle.dtype == getattr(torch, dtype)
