@@ -21,7 +21,8 @@ Measures, each against its baseline:
 * time from coordinator start to the first disk hit after a restart, with 10k blocks
   on disk (and until the background scan has checked every header).
 
-The coordinator runs in its own process (``Coordinator.spawn``); clients here and in
+The coordinator runs in its own process (``Coordinator.spawn``), its tier copies in its
+tier I/O process (``shmkv.tier_io``: the pools here are CPU pools); clients here and in
 spawned processes. Results go to ``OUT.json`` and ``OUT.md``.
 """
 
@@ -42,6 +43,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import shmkv  # noqa: E402
+from shmkv import tier_io  # noqa: E402
 from shmkv import tiers as tiers_mod  # noqa: E402
 
 SPAWN = multiprocessing.get_context("spawn")
@@ -58,7 +60,7 @@ def wait_idle(client, timeout=600.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         st = client.stats()
-        io = st["tier_io"]
+        io = st.get("tier_io") or {"pending": 0, "scanning": False, "promotions_in_flight": 0}
         if not (io["pending"] or io["scanning"] or io["promotions_in_flight"]):
             return st
         if time.monotonic() > deadline:
@@ -234,9 +236,10 @@ def _pinger(address, seconds, queue):
     queue.put(("pings", samples))
 
 
-def _promoter(address, prompts, block_size, go, stop, queue):
-    """Promote the prompts round and round while ``go`` is set."""
-    moved, busy = 0, 0.0
+def _promoter(address, prompts, block_size, go, stop, queue, rate=None):
+    """Promote the prompts round and round while ``go`` is set (at most ``rate``
+    allocations a second, if given)."""
+    moved, busy, num = 0, 0.0, 0
     with shmkv.connect(address, timeout=60) as client:
         queue.put(("ready", None))
         while not stop.is_set():
@@ -244,13 +247,17 @@ def _promoter(address, prompts, block_size, go, stop, queue):
                 continue
             t0 = time.monotonic()
             for prompt in prompts:
+                t1 = time.monotonic()
                 h = client.allocate(prompt=prompt)
                 moved += h.num_cached_tokens // block_size
+                num += 1
                 h.close()
+                if rate:
+                    time.sleep(max(0.0, 1.0 / rate - (time.monotonic() - t1)))
                 if not go.is_set():
                     break
             busy += time.monotonic() - t0
-    queue.put(("moved", (moved, busy)))
+    queue.put(("moved", (moved, busy, num)))
 
 
 def p99(values) -> float:
@@ -258,13 +265,14 @@ def p99(values) -> float:
     return values[min(len(values) - 1, int(0.99 * len(values)))]
 
 
-def ping_run(address, prompts, block_size, cycles, phase_s=0.5) -> dict:
+def ping_run(address, prompts, block_size, cycles, phase_s=0.5, rate=None) -> dict:
     """Ping throughout while a promoter runs in alternate phases (idle, promoting, idle,
     ...), so both conditions meet the same background load; pings within 50 ms of a
     phase change are not counted."""
     q = SPAWN.Queue()
     go, stop = SPAWN.Event(), SPAWN.Event()
-    promoter = SPAWN.Process(target=_promoter, args=(address, prompts, block_size, go, stop, q))
+    promoter = SPAWN.Process(target=_promoter,
+                             args=(address, prompts, block_size, go, stop, q, rate))
     promoter.start()
     assert q.get(timeout=120)[0] == "ready"
     pinger = SPAWN.Process(target=_pinger, args=(address, 2 * cycles * phase_s + 3.0, q))
@@ -289,13 +297,14 @@ def ping_run(address, prompts, block_size, cycles, phase_s=0.5) -> dict:
             if start <= t0 < end:
                 lat[busy].append(latency)
                 break
-    moved, busy_s = results["moved"]
+    moved, busy_s, num = results["moved"]
     out = {}
     for busy, label in ((False, "idle"), (True, "promoting")):
         values = sorted(lat[busy])
         out[label] = {"p50_us": values[len(values) // 2] * 1e6, "p99_us": p99(values) * 1e6,
                       "pings": len(values)}
     out["promoting"]["promoted_blocks_per_s"] = moved / max(busy_s, 1e-9)
+    out["promoting"]["allocations_per_s"] = num / max(busy_s, 1e-9)
     return out
 
 
@@ -318,6 +327,16 @@ def bench_ping(args, root) -> dict:
             run["p99_ratio"] = run["promoting"]["p99_us"] / run["idle"]["p99_us"]
             out[kind] = run
         shutil.rmtree(os.path.join(root, "ping"), ignore_errors=True)
+    # The control: no tier, the same prompts are pool hits, allocated and released at the
+    # host run's rate. What the loop's own work for those requests costs the pings.
+    prompts = prompts[:max(1, args.pool_blocks // blocks - 1)]
+    with shmkv.Coordinator.spawn(cfg, name=name()) as coord, \
+            shmkv.connect(coord.address, timeout=120) as client:
+        fill(client, prompts)
+        run = ping_run(coord.address, prompts, cfg.block_size, args.ping_cycles,
+                       rate=out["host"]["promoting"]["allocations_per_s"])
+        run["p99_ratio"] = run["promoting"]["p99_us"] / run["idle"]["p99_us"]
+        out["no tier (pool hits)"] = run
     return out
 
 
@@ -486,7 +505,9 @@ def markdown(res: dict) -> str:
              f"Machine: {os.cpu_count()} cores, shared with other work (1-minute load average "
              f"after each part: " + ", ".join(f"{k} {v:.1f}" for k, v in
                                               res.get("load_average", {}).items()) + ").",
-             f"Reproduce: `{res['command']}`", ""]
+             f"Reproduce: `{res['command']}`",
+             f"Tier copies run in: {res.get('tier_copies', 'threads of the coordinator')}.",
+             ""]
     d = res.get("disk_bandwidth")
     if d:
         lines += ["## Promotion from disk vs a plain sequential read of the same files", "",
@@ -508,6 +529,9 @@ def markdown(res: dict) -> str:
     p = res.get("ping")
     if p:
         lines += ["## Ping while another process promotes", "",
+                  "The last row is the control: no tier, the same number of allocations a "
+                  "second as the host run, each a pool hit (\"promoted blocks/s\": blocks "
+                  "hit).", "",
                   "| tier | idle p50 us | idle p99 us | promoting p50 us | promoting p99 us | "
                   "p99 ratio | promoted blocks/s |", "|---|---|---|---|---|---|---|"]
         for kind, r in p.items():
@@ -573,6 +597,10 @@ def main(argv=None) -> int:
         with open(args.out + ".json") as f:
             res = json.load(f)
     res["command"] = "python scripts/bench_tiers.py " + " ".join(argv or sys.argv[1:])
+    res["tier_copies"] = ((f"tier I/O process, workers at {tier_io.IO_PROCESS_POLICY} "
+                           f"priority (normal-priority ones after "
+                           f"{tier_io.URGENT_AFTER_S * 1e3:g} ms without progress)")
+                          if tiers_mod.IO_PROCESS else "threads of the coordinator")
     only = set(args.only or ["disk", "host", "ping", "chat", "restart"])
     try:
         steps = (("disk", "disk_bandwidth", bench_disk_bandwidth),

@@ -300,7 +300,7 @@ class Coordinator:
             LOCAL_POOLS[self.address] = self.memory
             if self._tier_specs:  # after the wake socket: workers wake the loop with it
                 self.tiers = TierSet(self._tier_specs, self.config, memory, self.table,
-                                     self._wake_for_tiers)
+                                     self._wake_for_tiers, wake_sock=self._wake_w)
                 self.table.tiers = self.tiers
             if self._remote_spec is not None:  # the store under the local tiers
                 self.tiers = RemoteTierSet(self._remote_spec, self.tiers, self.config, memory,

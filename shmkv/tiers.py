@@ -1,15 +1,18 @@
 """Tiers under the pool: host shared memory and a local disk directory.
 
-Owns the lower tiers of the cache (:class:`HostTier`, :class:`DiskTier`), the
-on-disk block format, and the threads that move bytes between the pool and the
-tiers (:class:`TierSet`). Does not decide which pool block is free, cached or
-referenced (``shmkv.allocator``), which sequence a block belongs to
-(``shmkv.sequences``), nor answer requests (``shmkv.coordinator``: its loop calls
-:meth:`TierSet.tick` and answers the promotions that come back finished).
+Owns the lower tiers of the cache (:class:`HostTier`, :class:`DiskTier`), their
+indexes, and which copies run when (:class:`TierSet`). The copies themselves, the
+on-disk block format and the tier I/O process are ``shmkv.tier_io``. Does not decide
+which pool block is free, cached or referenced (``shmkv.allocator``), which sequence
+a block belongs to (``shmkv.sequences``), nor answer requests (``shmkv.coordinator``:
+its loop calls :meth:`TierSet.tick` and answers the promotions that come back
+finished).
 
 Every index (which key a tier holds, where, LRU order, pins, byte counts) is read
-and written by the coordinator's loop thread only. Worker threads only copy bytes
-and report back; the loop never waits for them.
+and written by the coordinator's loop thread only. Copies run off the loop -- under a
+CPU pool in the tier I/O process, a low-priority child of the coordinator; under a
+CUDA pool in worker threads (``shmkv.tier_io`` says why) -- and report back; the loop
+never waits for them.
 
 * Demotion is write-behind. A published block that becomes cached in the pool is
   copied to the host tier (without one, to disk) while it stays valid in the pool:
@@ -26,9 +29,10 @@ and report back; the loop never waits for them.
   the blocks under their keys and the coordinator answers the request. A block that
   cannot be read back (a damaged file) ends the hit at the blocks before it.
 * Cancellation without a lock: a worker copies a pool block first and reads the
-  copy's ``cancelled`` flag after. The loop sets the flag when it evicts the block,
-  before it can answer anyone who would then write that block, so a copy that saw
-  no flag was taken from unchanged bytes.
+  copy's cancel state after (the copy's ``cancelled`` flag in threads; the block's
+  generation in shared memory for the I/O process, see ``shmkv.tier_io``). The loop
+  sets it when it evicts the block, before it can answer anyone who would then write
+  that block, so a copy that saw no cancel was taken from unchanged bytes.
 
 Disk layout (one namespace per directory)::
 
@@ -57,49 +61,52 @@ import fcntl
 import hashlib
 import json
 import logging
+import mmap
 import os
 import re
 import secrets
+import socket
 import struct
+import subprocess
 import sys
 import threading
 import time
 import weakref
-import zlib
 from collections import OrderedDict, deque
 from typing import Callable, List, Optional
 
-from xxhash import xxh3_64_intdigest
-
 import numpy as np
 
-from . import shm
+from . import shm, tier_io
 from .errors import InvalidArgument, ShmkvError, WrongType
+from .tier_io import (DEMOTE, DISK, FORMAT_VERSION, HEADER_SIZE, PROMOTE, WORKER_NICE,
+                      BlockFiles, Copier, Mover)
+from .tier_io import Copy as _Copy, Damaged as _Damaged, Job as _Job
 
 log = logging.getLogger("shmkv.tiers")
 
-MAGIC = b"SHMKVBLK"
-FORMAT_VERSION = 2  # 2: the payload checksum is xxh3-64 (crc32 capped promotion speed)
 NAMESPACE_FORMAT = "shmkv-disk-tier"
-_HEAD = struct.Struct("<8sHHI16s16s5I12sQQ")   # everything up to the header's own crc
-_CRC = struct.Struct("<I")
-HEADER_SIZE = _HEAD.size + _CRC.size             # 100
 _FILE_RE = re.compile(r"^([0-9a-f]{32})\.kv$")
 _TMP_RE = re.compile(r"^[0-9a-f]{32}\.kv\.tmp-([0-9a-f]+)$")
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([kmgtp]?)(i?b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
 
 MAX_DISK_WRITES_IN_FLIGHT = 256   # blocks queued to the disk writer at once
-PROMOTION_CHUNK_MIN = 4           # fewer copies than this per worker job are not split
 DEMOTION_CHUNK = 64
 SCAN_CHUNK = 2048                 # keys merged into the disk index per loop turn
 DISK_FULL_BACKOFF_S = 1.0         # after ENOSPC, demotion to disk pauses this long
-WORKER_NICE = 10                  # how much nicer than the loop the worker threads run
-# While tiers run, the process's GIL switch interval is at most this (restored when the
-# last TierSet closes). Workers release the GIL in every read, write, copy and checksum
-# and take it back at once; at the default 5 ms a loop thread that wants it can wait
-# that long for its turn (measured: ping p99 15x idle while promoting from disk on 2
-# cores, 3x at 0.2 ms).
+# Where a CPU pool's copies run: True, the tier I/O process (``shmkv.tier_io``); False,
+# worker threads of the coordinator, as a CUDA pool's always do.
+IO_PROCESS = True
+# For tests: "path.py:function", run by the tier I/O process before it serves, with
+# the ``tier_io`` module as argument (to inject faults there). None in production.
+IO_PROCESS_PRELOAD: Optional[str] = None
+IO_PROCESS_EXIT_S = 15.0          # close() waits this long for the I/O process, then kills
+# While worker threads of a TierSet run in the coordinator (CUDA pools), the process's
+# GIL switch interval is at most this (restored when the last TierSet closes). Workers
+# release the GIL in every read, write, copy and checksum and take it back at once; at
+# the default 5 ms a loop thread that wants it can wait that long for its turn
+# (measured: ping p99 15x idle while promoting from disk on 2 cores, 3x at 0.2 ms).
 GIL_SWITCH_INTERVAL_S = 0.0002
 
 
@@ -245,7 +252,7 @@ def check_specs(tiers) -> list:
     return list(tiers)
 
 
-# -- the index entries and the copies the workers make -------------------------------
+# -- the index entries and the promotions --------------------------------------------
 
 
 class _Entry:
@@ -261,33 +268,6 @@ class _Entry:
         self.doomed = False          # found damaged while pinned: removed at the last unpin
 
 
-class _Copy:
-    """One block moved by a worker. ``op``: p2h, h2p, d2p, h2d, p2d (pool, host, disk) or
-    del (delete a file)."""
-
-    __slots__ = ("op", "key", "block", "slot", "entry", "src", "cancelled", "ok", "error",
-                 "damaged", "enospc")
-
-    def __init__(self, op: str, key: bytes, block: int = -1, slot: int = -1,
-                 entry: Optional[_Entry] = None, src: Optional[_Entry] = None):
-        self.op, self.key, self.block, self.slot = op, key, block, slot
-        self.entry = entry      # the entry this copy fills (demotions)
-        self.src = src          # the entry this copy reads and pins
-        self.cancelled = False
-        self.ok = False
-        self.error: Optional[str] = None
-        self.damaged = False
-        self.enospc = False
-
-
-class _Job:
-    __slots__ = ("copies", "promotion")
-
-    def __init__(self, copies: list, promotion=None):
-        self.copies = copies
-        self.promotion = promotion
-
-
 class Promotion:
     """Blocks being promoted for one request. ``context`` is the coordinator's (whom to
     answer); ``records`` are the ``shmkv.sequences`` records it finishes."""
@@ -301,14 +281,6 @@ class Promotion:
         self.context = None
 
 
-class _Cancelled(Exception):
-    pass
-
-
-class _Damaged(Exception):
-    pass
-
-
 # -- the stores: a tier bound to one pool ------------------------------------------------
 
 
@@ -320,17 +292,15 @@ class _HostStore:
         self.num_slots = spec.capacity_bytes // self.slot_nbytes
         self.capacity_bytes = spec.capacity_bytes
         self.data = self.np = None
+        self.fd: Optional[int] = None   # for the tier I/O process (closed once it has it)
         self._registered = None
         if self.num_slots < 1:
             raise InvalidArgument(f"HostTier capacity_bytes={spec.capacity_bytes} holds no "
                                   f"block of {self.slot_nbytes} bytes; raise it")
         nbytes = self.num_slots * self.slot_nbytes
-        fd = shm.create_segment(nbytes, "host tier")
-        try:
-            self.data = shm.map_tensor(fd, nbytes).view(self.num_slots, self.slot_nbytes)
-        finally:
-            os.close(fd)  # the mapping lives as long as the tensor
-        self.np = self.data.numpy()
+        self.fd = shm.create_segment(nbytes, "host tier")
+        self.data = shm.map_tensor(self.fd, nbytes).view(self.num_slots, self.slot_nbytes)
+        self.np = self.data.numpy()   # the mapping lives as long as these views
         if config.is_cuda:  # page-locked, so copies to and from the GPU are DMA
             import torch
             ptr = self.data.data_ptr()
@@ -353,7 +323,13 @@ class _HostStore:
         out.update(self.counters)
         return out
 
+    def close_fd(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
     def close(self) -> None:
+        self.close_fd()
         if self._registered is not None:
             import torch
             torch.cuda.cudart().cudaHostUnregister(self._registered)
@@ -386,33 +362,37 @@ def _restore_switch_interval() -> None:
 
 
 def _after_fork_in_child() -> None:
-    """A forked child must not keep a disk tier's lock alive after its parent stops."""
+    """A forked child must not keep a disk tier's lock alive after its parent stops, nor
+    the tier I/O process's socket (it would hide the parent's death from the process)."""
     for store in list(_LIVE_DISKS):
         store.forget_lock()
     _LIVE_DISKS.clear()
+    for io in list(_LIVE_IO):
+        io.forget_after_fork()
+    _LIVE_IO.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class _DiskStore:
+class _DiskStore(BlockFiles):
+    """The disk tier's index and directory; its block files are a :class:`BlockFiles`."""
+
     name = "disk"
 
     def __init__(self, spec: DiskTier, config):
         self.path = spec.path
-        self.blocks_dir = os.path.join(self.path, "blocks")
         self.capacity_bytes = spec.capacity_bytes
-        self.fsync = spec.fsync
-        self.payload_nbytes = config.block_nbytes
-        self.file_nbytes = HEADER_SIZE + self.payload_nbytes
-        self.session = secrets.token_hex(6)
         self.fingerprint = config.fingerprint()
         self.salt_digest = hashlib.blake2b(spec.salt, digest_size=16).hexdigest()
-        self.namespace = hashlib.blake2b(
-            f"{self.fingerprint}/{self.salt_digest}".encode(), digest_size=16).digest()
-        dtype = config.dtype.encode()
-        self._shape = (config.num_layers, config.block_size, config.num_kv_heads,
-                       config.head_dim, config.tp_size, dtype)
+        super().__init__(
+            os.path.join(self.path, "blocks"), secrets.token_hex(6),
+            hashlib.blake2b(f"{self.fingerprint}/{self.salt_digest}".encode(),
+                            digest_size=16).digest(),
+            (config.num_layers, config.block_size, config.num_kv_heads, config.head_dim,
+             config.tp_size, config.dtype.encode()),
+            config.block_nbytes, spec.fsync)
+        self.file_nbytes = HEADER_SIZE + self.payload_nbytes
         self.disabled: Optional[str] = None
         self.scanning = False
         self.full_until = 0.0
@@ -505,81 +485,6 @@ class _DiskStore:
     def usable(self, now: float) -> bool:
         return self.disabled is None and now >= self.full_until
 
-    def file_path(self, key: bytes) -> str:
-        return os.path.join(self.blocks_dir, key.hex() + ".kv")
-
-    # -- the format (worker threads) --------------------------------------------------
-
-    def _header(self, key: bytes, crc: int) -> bytes:
-        layers, block_size, heads, head_dim, tp, dtype = self._shape
-        head = _HEAD.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, 0, self.namespace, key, layers,
-                          block_size, heads, head_dim, tp, dtype, self.payload_nbytes, crc)
-        return head + _CRC.pack(zlib.crc32(head))
-
-    def check_header(self, header: bytes, key: bytes, size: int) -> int:
-        """The payload crc of a valid header; raises _Damaged with the reason otherwise."""
-        if size < HEADER_SIZE or len(header) < HEADER_SIZE:
-            raise _Damaged("truncated header")
-        head = header[:_HEAD.size]
-        if _CRC.unpack_from(header, _HEAD.size)[0] != zlib.crc32(head):
-            raise _Damaged("header checksum")
-        (magic, version, header_size, _flags, namespace, file_key, layers, block_size, heads,
-         head_dim, tp, dtype, payload, crc) = _HEAD.unpack(head)
-        if magic != MAGIC or version != FORMAT_VERSION or header_size != HEADER_SIZE:
-            raise _Damaged("not a block file of this format")
-        if namespace != self.namespace:
-            raise _Damaged("another namespace")
-        dtype = dtype.rstrip(b"\0")
-        if file_key != key or (layers, block_size, heads, head_dim, tp, dtype) != self._shape \
-                or payload != self.payload_nbytes:
-            raise _Damaged("another key or shape")
-        if size != HEADER_SIZE + payload:
-            raise _Damaged("truncated" if size < HEADER_SIZE + payload else "trailing bytes")
-        return crc
-
-    def write_block(self, key: bytes, payload) -> None:
-        """Write one block file: a temporary name, then renamed into place."""
-        crc = xxh3_64_intdigest(payload)
-        final = self.file_path(key)
-        tmp = f"{final}.tmp-{self.session}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            try:
-                _write_all(fd, [self._header(key, crc), memoryview(payload).cast("B")])
-                if self.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, final)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        if self.fsync:
-            dfd = os.open(self.blocks_dir, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
-
-    def read_block(self, key: bytes, out) -> None:
-        """Read and verify one block into ``out`` (a writable buffer of the payload size)."""
-        fd = os.open(self.file_path(key), os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            size = os.fstat(fd).st_size
-            header = bytearray(HEADER_SIZE)
-            view = memoryview(out).cast("B")
-            got = _read_all(fd, [header, view])
-            crc = self.check_header(header, key, size)
-            if got != size:
-                raise _Damaged("truncated")
-            if xxh3_64_intdigest(view) != crc:
-                raise _Damaged("payload checksum")
-        finally:
-            os.close(fd)
-
     def stats(self) -> dict:
         blocks = self.num_ready
         state = ("disabled: " + self.disabled) if self.disabled else \
@@ -590,49 +495,140 @@ class _DiskStore:
         return out
 
 
-def _write_all(fd: int, buffers: list) -> None:
-    total = sum(len(b) for b in buffers)
-    done = os.writev(fd, buffers)
-    while done < total:  # a short write: rare on a regular file, never assumed away
-        rest, skip = [], done
-        for b in buffers:
-            if skip >= len(b):
-                skip -= len(b)
-                continue
-            rest.append(b[skip:])
-            skip = 0
-        buffers, total = rest, sum(len(b) for b in rest)
-        done = os.writev(fd, buffers)
-        if done == 0:
-            raise OSError(errno.EIO, "write made no progress")
+# -- the tier I/O process, from the loop's side ------------------------------------------
 
 
-def _read_all(fd: int, buffers: list) -> int:
-    """Fill ``buffers`` from the start of the file; returns the bytes read (short at EOF)."""
-    views = [memoryview(b) for b in buffers]
-    total = 0
-    while views:
-        got = os.preadv(fd, views, total)
-        if got == 0:
-            break
-        total += got
-        while views and got >= len(views[0]):
-            got -= len(views[0])
-            views.pop(0)
-        if views and got:
-            views[0] = views[0][got:]
-    return total
+class _IoProcess:
+    """Start the tier I/O process (``shmkv.tier_io``), send it jobs, take its completions,
+    stop it. Loop thread only; nothing here blocks but :meth:`close`.
+
+    Args:
+        spec: the process's description (JSON; ``sock`` is added here).
+        fds: descriptors it inherits (the ones ``spec`` names).
+    """
+
+    def __init__(self, spec: dict, fds: list):
+        self.jobs: dict = {}          # job id -> Job sent and not completed
+        self.alive = False
+        self.proc: Optional[subprocess.Popen] = None
+        self.sock: Optional[socket.socket] = None
+        self._next_id = 1
+        self._out = bytearray()       # job frames the socket did not take yet
+        self._in = bytearray()
+        mine, theirs = socket.socketpair()
+        try:
+            spec = dict(spec, sock=theirs.fileno())
+            # A fresh interpreter running tier_io.py by path (no torch, no shmkv import):
+            # not multiprocessing, whose daemonic coordinator process may have no
+            # children and whose spawn would re-run an unguarded __main__.
+            self.proc = subprocess.Popen(
+                [sys.executable, tier_io.__file__, json.dumps(spec)],
+                pass_fds=fds + [theirs.fileno()], stdin=subprocess.DEVNULL, close_fds=True)
+        except BaseException:
+            mine.close()
+            raise
+        finally:
+            theirs.close()
+        mine.setblocking(False)
+        self.sock = mine
+        self.alive = True
+        _LIVE_IO.add(self)
+
+    def submit(self, queue: int, job: _Job) -> None:
+        job.queue = queue
+        job.job_id = self._next_id
+        self._next_id = self._next_id % 0xFFFFFFFF + 1
+        self.jobs[job.job_id] = job
+        self._out += tier_io.encode_job(queue, job)
+
+    def flush(self) -> None:
+        """Send the jobs submitted since (as much as the socket takes; the rest later)."""
+        if self._out and self.alive:
+            try:
+                sent = self.sock.send(self._out)
+            except BlockingIOError:   # the process is behind: the next turn sends the rest
+                return
+            except OSError:
+                self.alive = False
+                return
+            del self._out[:sent]
+
+    def poll(self) -> list:
+        """Jobs completed since the last call (outcomes recorded on their copies). Sets
+        ``alive`` False when the process has gone."""
+        self.flush()
+        while self.alive:
+            try:
+                data = self.sock.recv(1 << 16)
+            except BlockingIOError:
+                break
+            except OSError:
+                data = b""
+            if not data:
+                self.alive = False
+                break
+            self._in += data
+        finished = []
+        for body in tier_io.split_frames(self._in):
+            try:
+                finished.append(tier_io.apply_done(body, self.jobs))
+            except (ValueError, struct.error) as exc:
+                log.error("tier I/O process sent a bad completion (%s); stopping it", exc)
+                self.alive = False
+                break
+        return finished
+
+    def exit_reason(self) -> str:
+        code = None if self.proc is None else self.proc.poll()
+        return "its socket closed" if code is None else f"exit code {code}"
+
+    def close(self, timeout: float) -> None:
+        """Close the socket (the process finishes the copy under way and exits) and wait
+        for it up to ``timeout`` seconds, then kill it. Idempotent."""
+        self.alive = False
+        if self.sock is not None:
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self.sock.close()
+            self.sock = None
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("tier I/O process %d did not exit within %.0f s; killing it",
+                            self.proc.pid, timeout)
+                self.proc.kill()
+                self.proc.wait(5.0)
+            self.proc = None
+        _LIVE_IO.discard(self)
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: close this copy of the socket; the process is the parent's."""
+        if self.sock is not None:
+            self.sock.close()   # no shutdown: that would end the parent's connection too
+            self.sock = None
+        self.proc = None
+        self.alive = False
+
+
+_LIVE_IO: "weakref.WeakSet[_IoProcess]" = weakref.WeakSet()
 
 
 # -- the tier set -----------------------------------------------------------------------
 
 
 class TierSet:
-    """The tiers of one coordinator, their indexes and their worker threads.
+    """The tiers of one coordinator, their indexes, and where their copies run.
 
-    Made by the coordinator at open. Everything but the workers runs on the
-    coordinator's loop thread: :meth:`lookup` (from a prefix lookup), :meth:`promote`,
-    :meth:`tick` (every loop turn), :meth:`stats`, :meth:`close`.
+    Made by the coordinator at open. Everything here runs on the coordinator's loop
+    thread: :meth:`lookup` (from a prefix lookup), :meth:`promote`, :meth:`tick`
+    (every loop turn), :meth:`stats`, :meth:`close`. The copies run in the tier I/O
+    process (a CPU pool, with ``IO_PROCESS`` and a ``wake_sock``) or in worker threads
+    (a CUDA pool); see ``shmkv.tier_io``. Should the I/O process die, the copies it
+    had fail (promotions end their hit there, demotions are not kept) and worker
+    threads take over, with a warning.
 
     Args:
         specs: checked ``tiers=`` list (see :func:`check_specs`).
@@ -640,17 +636,20 @@ class TierSet:
         memory: the pool's :class:`~shmkv.memory.PoolMemory`.
         table: the :class:`~shmkv.sequences.SequenceTable` (its pool gets the hooks).
         wake: called from a worker thread to wake the loop.
-        num_workers: threads for promotions and host copies.
+        num_workers: threads for promotions and host copies (in either place).
+        wake_sock: the loop's wake socket (write end); the I/O process sends a byte on
+            it when a job is done. Without it copies run in threads.
 
-    While a TierSet is open, the process's GIL switch interval is at most
-    ``GIL_SWITCH_INTERVAL_S`` (see there why); the workers run niced (``WORKER_NICE``).
+    While worker threads run, the process's GIL switch interval is at most
+    ``GIL_SWITCH_INTERVAL_S`` (see there why) and the threads run niced
+    (``WORKER_NICE``); the I/O process runs at ``shmkv.tier_io.IO_PROCESS_POLICY``.
 
     Raises:
         ShmkvError and subclasses: a tier cannot be opened (nothing is left open).
     """
 
     def __init__(self, specs: list, config, memory, table, wake: Callable[[], None],
-                 num_workers: int = 2):
+                 num_workers: int = 2, wake_sock: Optional[socket.socket] = None):
         self.config = config
         self.table = table
         self.pool = table.pool
@@ -658,16 +657,14 @@ class TierSet:
         self._wake_fn = wake
         self.host: Optional[_HostStore] = None
         self.disk: Optional[_DiskStore] = None
-        self._cv = threading.Condition()
-        self._promote_q: deque = deque()
-        self._demote_q: deque = deque()
-        self._disk_q: deque = deque()
+        self._copier: Optional[Copier] = None     # worker threads, or
+        self._proc: Optional[_IoProcess] = None   # the tier I/O process
+        self._gens = None                         # cancel generations, for the process
         self._done: deque = deque()
         self._scan_q: deque = deque()
-        self._threads: List[threading.Thread] = []
+        self._threads: List[threading.Thread] = []   # the disk scan
         self._stopping = False
         self._wake_pending = False
-        self._local = threading.local()
         self._reading: dict = {}           # pool block -> the demotion copy reading it
         self._spill: "OrderedDict[bytes, None]" = OrderedDict()  # host keys to write to disk
         self._new_demotes: list = []
@@ -677,6 +674,7 @@ class TierSet:
         self.num_lost_evictions = 0
         self.num_promotions_in_flight = 0
         self._switch = False
+        self._pool_u8 = self._pool_np = None
         try:
             for spec in specs:
                 if spec.kind == "host":
@@ -690,34 +688,58 @@ class TierSet:
             self._pool_np = None if config.is_cuda else [t.numpy() for t in self._pool_u8]
             self.pool.newly_cached = []
             self.pool.on_evict = self._on_evict
-            _shorten_switch_interval()
-            self._switch = True
-            for i in range(num_workers):
-                self._start(self._io_worker, f"shmkv-tier-io-{i}")
+            if IO_PROCESS and not config.is_cuda and wake_sock is not None:
+                self._start_process(memory, wake_sock)
+            else:
+                self._start_threads()
             if self.disk is not None and self.disk.disabled is None:
-                self._start(self._disk_worker, "shmkv-tier-disk")
                 self.disk.scanning = True
-                self._start(self._scan, "shmkv-tier-scan")
+                thread = threading.Thread(target=self._scan, name="shmkv-tier-scan",
+                                          daemon=True)
+                thread.start()
+                self._threads.append(thread)
         except BaseException:
             self.close()
             raise
 
-    def _start(self, target, name: str) -> None:
-        thread = threading.Thread(target=self._niced, args=(target,), name=name, daemon=True)
-        thread.start()
-        self._threads.append(thread)
+    def _files(self) -> Optional[_DiskStore]:
+        disk = self.disk
+        return disk if disk is not None and disk.disabled is None else None
 
-    @staticmethod
-    def _niced(target) -> None:
-        """Run a worker at a lower CPU priority than the loop (Linux: per thread), so that
-        copies and checksums yield the CPU to the loop and to clients when cores are few."""
+    def _start_threads(self) -> None:
+        host = self.host
+        mover = Mover(self.config.block_nbytes, pool_np=self._pool_np, pool_u8=self._pool_u8,
+                      host_np=None if host is None else host.np,
+                      host_t=None if host is None else host.data, files=self._files(),
+                      gens=self._gens, pinned=self.config.is_cuda)
+        _shorten_switch_interval()
+        self._switch = True
+        self._copier = Copier(mover, self._finish, self.num_workers,
+                              disk=self._files() is not None, nice=WORKER_NICE)
+
+    def _start_process(self, memory, wake_sock: socket.socket) -> None:
+        cfg = self.config
+        fd = shm.create_segment(4 * cfg.num_blocks, "tier cancel generations")
         try:
-            tid = threading.get_native_id()
-            os.setpriority(os.PRIO_PROCESS, tid,
-                           min(19, os.getpriority(os.PRIO_PROCESS, tid) + WORKER_NICE))
-        except (AttributeError, OSError):
-            pass
-        target()
+            gens_map = mmap.mmap(fd, 4 * cfg.num_blocks, mmap.MAP_SHARED,
+                                 mmap.PROT_READ | mmap.PROT_WRITE)
+            self._gens = np.frombuffer(gens_map, dtype=np.uint32)
+            host, files = self.host, self._files()
+            fds = [memory.fds[1], fd, wake_sock.fileno()]
+            spec = {"parent": os.getpid(), "block_nbytes": cfg.block_nbytes,
+                    "pool": [memory.fds[1], cfg.num_blocks, cfg.block_nbytes],
+                    "gens": [fd, cfg.num_blocks], "wake": wake_sock.fileno(),
+                    "host": None, "files": None if files is None else files.files_wire(),
+                    "workers": self.num_workers, "policy": tier_io.IO_PROCESS_POLICY,
+                    "preload": IO_PROCESS_PRELOAD}
+            if host is not None:
+                spec["host"] = [host.fd, host.num_slots, host.slot_nbytes]
+                fds.append(host.fd)
+            self._proc = _IoProcess(spec, fds)
+        finally:
+            os.close(fd)
+            if self.host is not None:
+                self.host.close_fd()
 
     # -- loop side: lookups and promotions ------------------------------------------------
 
@@ -763,19 +785,20 @@ class TierSet:
                 row.append(copy)
             promo.copies.append(row)
             copies += row
-        # Split among the workers (reads and checksums of one request run in parallel),
-        # in pieces of at least PROMOTION_CHUNK_MIN copies.
-        parts = max(1, min(self.num_workers, -(-len(copies) // PROMOTION_CHUNK_MIN)))
-        size = -(-len(copies) // parts)
-        chunks = [copies[i:i + size] for i in range(0, len(copies), size)]
-        promo.num_jobs = len(chunks)
+        # One job: workers take its copies one at a time, so reads and checksums of one
+        # request still run in parallel, and the loop takes back one completion.
+        promo.num_jobs = 1
         self.num_promotions_in_flight += 1
-        with self._cv:
-            for chunk in chunks:
-                self._promote_q.append(_Job(chunk, promo))
-            self._jobs_out += len(chunks)
-            self._cv.notify_all()
+        self._send(PROMOTE, _Job(copies, promo))
         return promo
+
+    def _send(self, queue: int, job: _Job) -> None:
+        """Hand a job to the workers (threads or the I/O process); tick() takes it back."""
+        self._jobs_out += 1
+        if self._proc is not None:
+            self._proc.submit(queue, job)   # sent at the end of this turn's tick()
+        else:
+            self._copier.submit(queue, job)
 
     # -- loop side: hooks from the pool ---------------------------------------------------
 
@@ -784,6 +807,8 @@ class TierSet:
         copy = self._reading.pop(block, None)
         if copy is not None:       # its demotion is still copying: cancel it
             copy.cancelled = True
+            if self._gens is not None:   # and tell the I/O process (before anyone writes)
+                self._gens[block] += 1
         if not self._held(key):    # and no tier has it already: lost
             self.num_lost_evictions += 1
 
@@ -801,6 +826,8 @@ class TierSet:
         """Take finished copies, schedule new ones; returns the finished promotions."""
         self._wake_pending = False
         finished: List[Promotion] = []
+        if self._proc is not None and self._jobs_out:
+            self._poll_process()
         done = self._done
         while done:
             self._complete(done.popleft(), finished)
@@ -816,6 +843,10 @@ class TierSet:
         if self._spill:
             self._schedule_spills()
         self._submit()
+        if self._proc is not None:   # one send a turn for every job of the turn
+            self._proc.flush()
+            if not self._proc.alive:
+                self._take_over()
         return finished
 
     @property
@@ -826,16 +857,34 @@ class TierSet:
     def _submit(self) -> None:
         if not (self._new_demotes or self._new_disk):
             return
-        with self._cv:
-            new = self._new_demotes
-            for i in range(0, len(new), DEMOTION_CHUNK):
-                self._demote_q.append(_Job(new[i:i + DEMOTION_CHUNK]))
-                self._jobs_out += 1
-            if self._new_disk:
-                self._disk_q.append(_Job(self._new_disk))
-                self._jobs_out += 1
-            self._cv.notify_all()
+        new = self._new_demotes
+        for i in range(0, len(new), DEMOTION_CHUNK):
+            self._send(DEMOTE, _Job(new[i:i + DEMOTION_CHUNK]))
+        if self._new_disk:
+            self._send(DISK, _Job(self._new_disk))
         self._new_demotes, self._new_disk = [], []
+
+    def _poll_process(self) -> None:
+        """Take the I/O process's completions; if it died, hand its jobs to threads."""
+        self._done.extend(self._proc.poll())
+        if not self._proc.alive:
+            self._take_over()
+
+    def _take_over(self) -> None:
+        """The I/O process is gone: worker threads run the jobs it had not completed, and
+        every copy from now on. Running a copy twice is safe: the loop has taken no
+        outcome of these jobs yet, the pool blocks they fill are still reserved, the
+        ones they read are checked for cancellation, and files are renamed into place."""
+        proc = self._proc
+        log.warning("tier I/O process exited (%s); its %d unfinished jobs and all tier "
+                    "copies from now on run in threads of the coordinator",
+                    proc.exit_reason(), len(proc.jobs))
+        jobs = list(proc.jobs.values())
+        proc.close(0.0)   # killed if it was still there: no copy runs in two places
+        self._proc = None
+        self._start_threads()
+        for job in jobs:
+            self._copier.submit(job.queue, job)
 
     def _place(self, block: int, key: bytes) -> None:
         """A published block became cached: copy it to the first tier that lacks it."""
@@ -854,7 +903,8 @@ class TierSet:
             if slot is not None:
                 entry = _Entry(slot)
                 host.index[key] = entry
-                copy = _Copy("p2h", key, block=block, slot=slot, entry=entry)
+                copy = _Copy("p2h", key, block=block, slot=slot, entry=entry,
+                             gen=0 if self._gens is None else int(self._gens[block]))
                 self._reading[block] = copy
                 self._new_demotes.append(copy)
                 return
@@ -865,7 +915,8 @@ class TierSet:
             if self._disk_in_flight < MAX_DISK_WRITES_IN_FLIGHT and self._disk_reserve():
                 entry = _Entry()
                 disk.index[key] = entry
-                copy = _Copy("p2d", key, block=block, entry=entry)
+                copy = _Copy("p2d", key, block=block, entry=entry,
+                             gen=0 if self._gens is None else int(self._gens[block]))
                 self._reading[block] = copy
                 self._new_disk.append(copy)
                 self._disk_in_flight += 1
@@ -1089,125 +1140,6 @@ class TierSet:
         self._done.append(job)
         self._wake()
 
-    def _io_worker(self) -> None:
-        while True:
-            with self._cv:
-                while not (self._stopping or self._promote_q or self._demote_q):
-                    self._cv.wait(1.0)  # re-checks even if a notify were lost
-                if self._stopping:
-                    return
-                job = self._promote_q.popleft() if self._promote_q else self._demote_q.popleft()
-            self._run(job)
-            self._finish(job)
-
-    def _disk_worker(self) -> None:
-        while True:
-            with self._cv:
-                while not (self._stopping or self._disk_q):
-                    self._cv.wait(1.0)  # re-checks even if a notify were lost
-                if self._stopping:
-                    return
-                job = self._disk_q.popleft()
-            self._run(job)
-            self._finish(job)
-
-    def _run(self, job: _Job) -> None:
-        for copy in job.copies:
-            if self._stopping:
-                copy.error = "coordinator stopping"
-                continue
-            try:
-                getattr(self, "_op_" + copy.op)(copy)
-                copy.ok = True
-            except _Cancelled:
-                pass
-            except _Damaged as exc:
-                copy.damaged, copy.error = True, str(exc)
-            except FileNotFoundError as exc:
-                copy.damaged = copy.op == "d2p"
-                copy.error = f"{exc.strerror}: {exc.filename}"
-            except OSError as exc:
-                copy.enospc = exc.errno in (errno.ENOSPC, errno.EDQUOT)
-                copy.error = f"{exc.strerror or exc}"
-            except Exception as exc:  # a bug must not kill the worker
-                log.exception("tier copy %s failed", copy.op)
-                copy.error = f"{type(exc).__name__}: {exc}"
-
-    def _staging(self) -> tuple:
-        """This thread's buffer of one block (pinned under a GPU pool): (tensor, numpy)."""
-        buf = getattr(self._local, "buf", None)
-        if buf is None:
-            import torch
-            tensor = torch.empty(self.config.block_nbytes, dtype=torch.uint8,
-                                 pin_memory=self.config.is_cuda)
-            buf = self._local.buf = (tensor, tensor.numpy())
-        return buf
-
-    # Host copies of a CPU pool go through numpy (a plain memcpy: several times faster
-    # than a torch copy_ of one block, whose dispatch and threading cost dominate).
-
-    def _pool_to(self, block: int, dst, dst_np) -> None:
-        """Copy a block of every rank's pool into ``dst`` (torch) / ``dst_np`` (numpy)."""
-        offset = 0
-        if self._pool_np is not None:
-            for rank in self._pool_np:
-                n = rank.shape[1]
-                np.copyto(dst_np[offset:offset + n], rank[block])
-                offset += n
-            return
-        for rank in self._pool_u8:
-            n = rank.shape[1]
-            dst[offset:offset + n].copy_(rank[block])
-            offset += n
-
-    def _to_pool(self, src, src_np, block: int) -> None:
-        offset = 0
-        if self._pool_np is not None:
-            for rank in self._pool_np:
-                n = rank.shape[1]
-                np.copyto(rank[block], src_np[offset:offset + n])
-                offset += n
-            return
-        for rank in self._pool_u8:
-            n = rank.shape[1]
-            rank[block].copy_(src[offset:offset + n])
-            offset += n
-
-    def _op_p2h(self, copy: _Copy) -> None:
-        self._pool_to(copy.block, self.host.data[copy.slot], self.host.np[copy.slot])
-        if copy.cancelled:   # read after the copy: see the module doc
-            raise _Cancelled
-
-    def _op_h2p(self, copy: _Copy) -> None:
-        self._to_pool(self.host.data[copy.slot], self.host.np[copy.slot], copy.block)
-
-    def _op_h2d(self, copy: _Copy) -> None:
-        self.disk.write_block(copy.key, self.host.np[copy.slot])
-
-    def _op_p2d(self, copy: _Copy) -> None:
-        buf, buf_np = self._staging()
-        self._pool_to(copy.block, buf, buf_np)
-        if copy.cancelled:
-            raise _Cancelled
-        self.disk.write_block(copy.key, buf_np)
-
-    def _op_d2p(self, copy: _Copy) -> None:
-        if self._pool_np is not None and len(self._pool_np) == 1:
-            self.disk.read_block(copy.key, self._pool_np[0][copy.block])  # straight in
-        else:
-            buf, buf_np = self._staging()
-            self.disk.read_block(copy.key, buf_np)
-            self._to_pool(buf, buf_np, copy.block)
-
-    def _op_del(self, copy: _Copy) -> None:
-        try:
-            os.unlink(self.disk.file_path(copy.key))
-        except FileNotFoundError:
-            pass
-
-    def _op_none(self, copy: _Copy) -> None:
-        raise _Cancelled
-
     def _scan(self) -> None:
         """Rebuild the disk index from the directory: names first (so hits start at
         once), then every header, then the LRU order by modification time."""
@@ -1276,11 +1208,15 @@ class TierSet:
                 "scanning": bool(self.disk is not None and self.disk.scanning)}
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the workers (a copy under way finishes; queued ones are abandoned) and
-        release the tiers. Idempotent; safe on a half-built set."""
-        with self._cv:
-            self._stopping = True
-            self._cv.notify_all()
+        """Stop the workers or the I/O process (a copy under way finishes; queued ones are
+        abandoned) and release the tiers. Idempotent; safe on a half-built set."""
+        self._stopping = True
+        if self._proc is not None:
+            self._proc.close(IO_PROCESS_EXIT_S)
+            self._proc = None
+        if self._copier is not None:
+            self._copier.close(timeout)
+            self._copier = None
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(timeout)
@@ -1295,4 +1231,4 @@ class TierSet:
             store = getattr(self, name)
             if store is not None:
                 store.close()
-        self._pool_u8 = self._pool_np = None
+        self._pool_u8 = self._pool_np = self._gens = None

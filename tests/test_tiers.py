@@ -1,23 +1,30 @@
 """Tiers under the pool (host memory, local disk): demotion, promotion, persistence across
-restarts, damaged files, crashes in the middle of a demotion, capacities, bad input.
+restarts, damaged files, crashes in the middle of a demotion, capacities, bad input, and
+the tier I/O process (it dies with its coordinator; threads take over if it dies).
 
 Real processes and real files: coordinators in a thread of the test or in their own
 process, writers and readers in spawned processes, block files in a temporary directory.
+Copies run in the tier I/O process (CPU pools' default) unless a test says otherwise;
+faults are injected there with ``tier_faults`` (``IO_PROCESS_PRELOAD``).
 """
 
 import errno
 import logging
 import os
+import signal
 import threading
 import time
 
+import psutil
 import pytest
 import torch
 
 import shmkv
+import tier_faults
+from shmkv import tier_io
 from shmkv import tiers as tiers_mod
 from shmkv.coordinator import remove_stale_socket
-from conftest import SPAWN, join_or_kill
+from conftest import SPAWN, join_or_kill, shm_entries
 
 BS = 4
 
@@ -97,6 +104,32 @@ def block_files(path) -> list:
     return sorted(os.listdir(os.path.join(path, "blocks")))
 
 
+@pytest.fixture(params=["process", "threads"])
+def io(request, monkeypatch):
+    """Where tier copies run: the tier I/O process (CPU pools' default) or threads."""
+    monkeypatch.setattr(tiers_mod, "IO_PROCESS", request.param == "process")
+    return request.param
+
+
+def inject(monkeypatch, io, fault: str) -> None:
+    """Fault ``fault`` of ``tier_faults`` wherever the copies run."""
+    if io == "process":
+        monkeypatch.setattr(tiers_mod, "IO_PROCESS_PRELOAD", tier_faults.spec(fault))
+    else:
+        getattr(tier_faults, fault)(tier_io, monkeypatch.setattr)
+
+
+def io_process_of(pid: int) -> psutil.Process:
+    """The tier I/O process of the coordinator process ``pid``."""
+    deadline = time.monotonic() + 20
+    while True:
+        for child in psutil.Process(pid).children():
+            if tier_io.__file__ in child.cmdline():
+                return child
+        assert time.monotonic() < deadline, "no tier I/O process"
+        time.sleep(0.01)
+
+
 # -- children (spawned) ---------------------------------------------------------------------
 
 def _writer(address, prompts, queue):
@@ -110,18 +143,10 @@ def _reader(address, prompts, queue):
 
 
 def _slow_disk_coordinator(config_wire, address, path, queue):
-    """A coordinator whose disk writes stall half-way: a temporary file holds a partial
-    block for a while before the real write, so a SIGKILL lands mid-demotion."""
-    orig = tiers_mod._DiskStore.write_block
-
-    def slow(self, key, payload):
-        tmp = f"{self.file_path(key)}.tmp-{self.session}"
-        with open(tmp, "wb") as f:
-            f.write(bytes(payload)[:len(payload) // 2])
-        time.sleep(0.3)
-        orig(self, key, payload)
-
-    tiers_mod._DiskStore.write_block = slow
+    """A coordinator whose disk writes stall half-way (in its tier I/O process): a
+    temporary file holds a partial block for a while before the real write, so a SIGKILL
+    lands mid-demotion."""
+    tiers_mod.IO_PROCESS_PRELOAD = tier_faults.spec("slow_disk_write")
     coord = shmkv.Coordinator(shmkv.PoolConfig.from_wire(config_wire), address=address,
                               tiers=[shmkv.DiskTier(path, 1 << 24)])
     coord.open()
@@ -143,7 +168,7 @@ def run_child(target, *args, timeout=60.0):
 
 @pytest.mark.parametrize("kinds", ["host", "disk", "host+disk"])
 def test_bytes_equal_after_demote_and_promote_read_from_another_process(tmp_path, unique_name,
-                                                                        kinds):
+                                                                        kinds, io):
     cfg = make_config(num_blocks=16)
     specs = []
     if "host" in kinds:
@@ -236,16 +261,10 @@ def test_tensor_parallel_ranks_read_their_shards_of_a_promoted_block(unique_name
         h1.close()
 
 
-def test_the_loop_serves_others_while_a_promotion_copies(unique_name, monkeypatch):
+def test_the_loop_serves_others_while_a_promotion_copies(unique_name, monkeypatch, io):
     cfg = make_config(num_blocks=8)
     prompt = prompts_of(1, 2)[0]
-    orig = tiers_mod.TierSet._op_h2p
-
-    def slow_h2p(self, copy):
-        time.sleep(0.5)
-        orig(self, copy)
-
-    monkeypatch.setattr(tiers_mod.TierSet, "_op_h2p", slow_h2p)
+    inject(monkeypatch, io, "slow_h2p")
     with shmkv.Coordinator(cfg, name=unique_name,
                            tiers=[shmkv.HostTier(8 * cfg.block_nbytes)]) as coord, \
             shmkv.connect(coord.address, timeout=20) as a, \
@@ -357,16 +376,23 @@ def test_kill_in_the_middle_of_demotion_then_restart_serves_only_complete_blocks
             for p in prompts:
                 write_prompt(client, p)
             deadline = time.monotonic() + 20
+            io_process = io_process_of(proc.pid)
             while not [n for n in block_files(tmp_path) if ".tmp-" in n]:
                 assert time.monotonic() < deadline, "no demotion was under way"
                 time.sleep(0.005)
             proc.kill()
             join_or_kill(proc, 10)
+            try:   # the I/O process follows its coordinator, renaming nothing more
+                io_process.wait(10)
+            except psutil.TimeoutExpired:
+                io_process.kill()
+                pytest.fail("the tier I/O process outlived its SIGKILLed coordinator")
     finally:
         if proc.is_alive():
             proc.kill()
             proc.join(5)
         remove_stale_socket(address)
+    assert not shm_entries()
     names = block_files(tmp_path)
     complete = [n for n in names if n.endswith(".kv")]
     assert [n for n in names if ".tmp-" in n] and len(complete) < 24
@@ -378,6 +404,67 @@ def test_kill_in_the_middle_of_demotion_then_restart_serves_only_complete_blocks
             disk = tier(wait_idle(client), "disk")
             assert disk["removed_incomplete"] >= 1 and disk["errors"] == 0
     assert not [n for n in block_files(tmp_path) if ".tmp-" in n]
+
+
+def test_io_process_runs_niced_and_dies_with_a_killed_coordinator(tmp_path, unique_name):
+    cfg = make_config(num_blocks=16)
+    prompts = prompts_of(4, 3)
+    specs = [shmkv.HostTier(8 * cfg.block_nbytes), shmkv.DiskTier(tmp_path, 1 << 20)]
+    coord = shmkv.Coordinator.spawn(cfg, name=unique_name, tiers=specs)
+    try:
+        io_process = io_process_of(coord.pid)
+        with shmkv.connect(coord.address, timeout=20) as client:
+            assert run_child(_writer, coord.address, prompts) == [0] * 4
+            wait_idle(client)
+            # Its copy workers (not the urgent ones, nor the thread reading jobs) run at
+            # the lowest priority.
+            tids = [t.id for t in io_process.threads()]
+            lowest = [tid for tid in tids if os.getpriority(os.PRIO_PROCESS, tid)
+                      == tier_io.IO_PROCESS_NICE]
+            assert len(lowest) == 3   # the 2 workers and the disk writer
+            if tier_io.IO_PROCESS_POLICY == "idle" and hasattr(os, "SCHED_IDLE"):
+                assert all(os.sched_getscheduler(tid) == os.SCHED_IDLE for tid in lowest)
+            assert io_process.is_running()
+            evict_all(client)   # copies under way as the coordinator dies
+        os.kill(coord.pid, signal.SIGKILL)
+        coord.process.join(10)
+        try:
+            io_process.wait(10)
+        except psutil.TimeoutExpired:
+            io_process.kill()
+            pytest.fail("the tier I/O process outlived its SIGKILLed coordinator")
+    finally:
+        if coord.process.is_alive():
+            coord.process.kill()
+            coord.process.join(5)
+        remove_stale_socket(coord.address)
+    assert not shm_entries()
+    # What reached the directory is complete: a restart serves it with exact bytes.
+    with _spawn(cfg, unique_name, tmp_path) as coord:
+        got = run_child(_reader, coord.address, prompts)
+        assert all(exact for _cached, exact in got)
+
+
+def test_threads_take_over_when_the_io_process_dies(tmp_path, unique_name, caplog):
+    cfg = make_config(num_blocks=16)
+    prompts = prompts_of(3, 3)
+    specs = [shmkv.HostTier(32 * cfg.block_nbytes), shmkv.DiskTier(tmp_path, 1 << 20)]
+    caplog.set_level(logging.WARNING, logger="shmkv.tiers")
+    with shmkv.Coordinator(cfg, name=unique_name, tiers=specs) as coord, \
+            shmkv.connect(coord.address, timeout=20) as client:
+        assert run_child(_writer, coord.address, prompts[:2]) == [0, 0]
+        wait_idle(client)
+        io_process_of(os.getpid()).kill()
+        assert run_child(_writer, coord.address, prompts[2:]) == [0]
+        wait_idle(client)
+        assert "tier I/O process exited" in caplog.text
+        assert coord.tiers._proc is None
+        evict_all(client)
+        wait_idle(client)
+        assert run_child(_reader, coord.address, prompts) == [(12, True)] * 3
+        st = wait_idle(client)
+        assert st["tier_io"]["lost_evictions"] == 0
+        coord.table.check_invariants()
 
 
 def test_capacities_are_respected(tmp_path, unique_name):
@@ -406,11 +493,8 @@ def test_capacities_are_respected(tmp_path, unique_name):
 
 
 def test_disk_full_stops_demotion_counts_it_and_loses_nothing(tmp_path, unique_name,
-                                                              monkeypatch):
-    def full(self, key, payload):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(tiers_mod._DiskStore, "write_block", full)
+                                                              monkeypatch, io):
+    inject(monkeypatch, io, "disk_full")
     cfg = make_config(num_blocks=16)
     prompt = prompts_of(1, 3)[0]
     with shmkv.Coordinator(cfg, name=unique_name,

@@ -1,0 +1,805 @@
+"""The bytes the tiers move: block files, copies, and the tier I/O process.
+
+Owns how one block moves between the pool, the host tier and a block file
+(:class:`Mover`), the block file format (:class:`BlockFiles`), the threads that run
+copies (:class:`Copier`), and the tier I/O process (:func:`main`). Owns no index:
+which key a tier holds, LRU order, pins and counters belong to the coordinator's
+loop (``shmkv.tiers``), which decides every copy; this module only carries them out
+and reports how each went. Imports neither torch nor the rest of shmkv, so that the
+I/O process starts in a fraction of a second (it runs this file as a script).
+
+Where copies run (chosen by ``shmkv.tiers.TierSet``):
+
+* A CPU pool: in the **tier I/O process**, a child of the coordinator whose workers
+  run at the lowest CPU priority (SCHED_IDLE; see ``IO_PROCESS_POLICY``). Measured on
+  2 cores, worker threads inside the coordinator held ping p99 at 5-15x idle while
+  promoting: the loop waited for the GIL and the cores behind the copies. Another
+  process shares no GIL, and the scheduler runs the loop and the clients first. So
+  that CPUs kept busy by other work cannot starve the copies (a request may wait for
+  a promotion; a demotion not done when its block is evicted is lost), a queue the
+  lowest-priority workers took nothing from for ``URGENT_AFTER_S`` is served by
+  workers at normal priority until they do again (:class:`Copier`). It maps the pool,
+  the host tier and the cancel generations by descriptor (the segments have no
+  name), writes and reads block files, and talks to the loop over a socket pair: jobs
+  in, one completion per job out, plus a byte on the loop's wake socket. Nothing else
+  travels: no index, no tensor bytes.
+* A CUDA pool: in threads of the coordinator (:class:`Copier` there), because the
+  pool is device memory of the coordinator's CUDA context; another process would
+  need a context and IPC handles of its own. The threads run niced, and the process's
+  GIL switch interval is shortened while they run (``shmkv.tiers``).
+
+The I/O process dies with the coordinator: it reads jobs with a timeout and exits at
+end of file or when its parent changed (the coordinator died), checks its parent
+before every copy, and before it renames a block file into place, so after a
+SIGKILLed coordinator it renames no further block (a partial ``.tmp-`` file it leaves
+is removed by the next scan of the directory, as a killed writer's). It ignores
+SIGINT (a Ctrl-C to the terminal's process group stops the coordinator, which stops
+it). It owns no segment, socket file or lock: those are the coordinator's.
+
+Wire format (little endian), each frame a u32 length then the body:
+
+* loop to process, a job: ``b"J"``, job id u32, queue u8 (0 promotion, 1 demotion,
+  2 disk), number of copies u32; each copy op u8 (index in ``OPS``), pool block i32,
+  host slot i32, cancel generation u32, key 16 bytes.
+* process to loop, a completion: ``b"D"``, job id u32, number of copies u32, one
+  status u8 per copy (``OK``, ``CANCELLED``, ``DAMAGED``, ``ENOSPC``, ``FAILED``), then for each copy not OK or CANCELLED a u16 length and its error text
+  (UTF-8).
+
+Cancellation without a lock: a copy out of the pool reads the block first and its
+cancel state after. The loop cancels before it can answer anyone who would write the
+block again: in process it sets the copy's ``cancelled``; for the I/O process it bumps
+the block's generation in shared memory (``gens``), which the job carried as it was
+when the copy was scheduled. x86 keeps loads in order; elsewhere the GIL taken back
+after numpy's copy (it releases the GIL for large copies) is a full barrier.
+"""
+
+from __future__ import annotations
+
+if __name__ == "__main__":  # run as the I/O process: this file's folder is no package root
+    import sys
+    del sys.path[0]
+
+import errno
+import json
+import mmap
+import os
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+import zlib
+from collections import deque
+from typing import Callable, List, Optional
+
+import numpy as np
+from xxhash import xxh3_64_intdigest
+
+MAGIC = b"SHMKVBLK"
+FORMAT_VERSION = 2  # 2: the payload checksum is xxh3-64 (crc32 capped promotion speed)
+_HEAD = struct.Struct("<8sHHI16s16s5I12sQQ")   # everything up to the header's own crc
+_CRC = struct.Struct("<I")
+HEADER_SIZE = _HEAD.size + _CRC.size             # 100
+
+OPS = ("none", "p2h", "h2p", "h2d", "p2d", "d2p", "del")
+_OP_CODE = {op: i for i, op in enumerate(OPS)}
+PROMOTE, DEMOTE, DISK = 0, 1, 2                 # the queues of a Copier, best first
+OK, CANCELLED, DAMAGED, ENOSPC, FAILED = range(5)
+
+# The I/O process's priority. "idle": SCHED_IDLE, it runs on CPU time nobody else wants;
+# a waking loop or client preempts it at once, and the scheduler counts its CPU as idle
+# when it places them. The price: on CPUs saturated by other work its copies crawl (a
+# share of about 0.3%) and so do the requests that wait for promotions; "nice" (nice
+# IO_PROCESS_NICE) keeps about 1.5% and lets a woken task wait up to a time slice.
+IO_PROCESS_POLICY = "idle"
+IO_PROCESS_NICE = 19
+# A queue of copies that the lowest-priority workers took nothing from for this long
+# (other work keeps the CPUs busy) is served by workers at normal priority until they
+# take from it again: as if the requesting client copied the blocks itself.
+URGENT_AFTER_S = 0.002
+WORKER_NICE = 10             # how much nicer than the loop in-process worker threads run
+IO_SWITCH_INTERVAL_S = 0.0002  # GIL switch interval of the I/O process (why: shmkv.tiers)
+PARENT_CHECK_S = 1.0         # the I/O process looks for its parent at least this often
+
+_FRAME = struct.Struct("<I")
+_JOB = struct.Struct("<cIBI")
+_JOB_COPY = struct.Struct("<BiiI16s")
+_DONE = struct.Struct("<cII")
+_MSG = struct.Struct("<H")
+
+
+class Damaged(Exception):
+    """A block file that must not be served (the reason is the message)."""
+
+
+class Cancelled(Exception):
+    """The pool block changed hands while it was copied: the copy is void."""
+
+
+class Copy:
+    """One block moved. ``op``: p2h, h2p, d2p, h2d, p2d (pool, host, disk), del (delete a
+    file) or none. ``gen``: the block's cancel generation when it was scheduled."""
+
+    __slots__ = ("op", "key", "block", "slot", "gen", "entry", "src", "cancelled", "ok",
+                 "error", "damaged", "enospc")
+
+    def __init__(self, op: str, key: bytes, block: int = -1, slot: int = -1, entry=None,
+                 src=None, gen: int = 0):
+        self.op, self.key, self.block, self.slot, self.gen = op, key, block, slot, gen
+        self.entry = entry      # the tier entry this copy fills (demotions; loop side)
+        self.src = src          # the tier entry this copy reads and pins (loop side)
+        self.cancelled = False
+        self.ok = False
+        self.error: Optional[str] = None
+        self.damaged = False
+        self.enospc = False
+
+
+class Job:
+    """Copies started in order (the disk queue's also run in order: it has one worker).
+    ``promotion``: the loop's, or None."""
+
+    __slots__ = ("copies", "promotion", "job_id", "queue", "queued_at", "num_taken",
+                 "num_left")
+
+    def __init__(self, copies: list, promotion=None, job_id: int = 0, queue: int = PROMOTE):
+        self.copies = copies
+        self.promotion = promotion
+        self.job_id = job_id
+        self.queue = queue
+        self.queued_at = 0.0
+        self.num_taken = self.num_left = 0   # copies taken by workers, not finished (Copier)
+
+
+# -- the block file format -----------------------------------------------------------------
+
+
+class BlockFiles:
+    """The block files of one disk tier directory: names, header, write and read.
+
+    Args:
+        blocks_dir: the ``blocks`` folder of the directory.
+        session: hex id of this coordinator's run (names its temporary files).
+        namespace: 16 bytes every header carries (layout fingerprint and salt).
+        shape: (num_layers, block_size, num_kv_heads, head_dim, tp_size, dtype bytes).
+        payload_nbytes: bytes of one block (every rank's).
+        fsync: fsync each file (and the folder) around the rename.
+
+    ``before_rename``, when set, is called after a file is written and before it is
+    renamed into place (the I/O process exits there if the coordinator is gone).
+    """
+
+    before_rename: Optional[Callable[[], None]] = None
+
+    def __init__(self, blocks_dir: str, session: str, namespace: bytes, shape: tuple,
+                 payload_nbytes: int, fsync: bool):
+        self.blocks_dir = blocks_dir
+        self.session = session
+        self.namespace = namespace
+        self._shape = tuple(shape)
+        self.payload_nbytes = payload_nbytes
+        self.fsync = fsync
+
+    def files_wire(self) -> dict:
+        """What the I/O process needs to make the same :class:`BlockFiles` (JSON)."""
+        layers, block_size, heads, head_dim, tp, dtype = self._shape
+        return {"blocks_dir": self.blocks_dir, "session": self.session,
+                "namespace": self.namespace.hex(), "payload_nbytes": self.payload_nbytes,
+                "shape": [layers, block_size, heads, head_dim, tp, dtype.decode()],
+                "fsync": self.fsync}
+
+    @classmethod
+    def from_wire(cls, wire: dict) -> "BlockFiles":
+        shape = list(wire["shape"])
+        shape[5] = shape[5].encode()
+        return cls(wire["blocks_dir"], wire["session"], bytes.fromhex(wire["namespace"]),
+                   tuple(shape), wire["payload_nbytes"], wire["fsync"])
+
+    def file_path(self, key: bytes) -> str:
+        return os.path.join(self.blocks_dir, key.hex() + ".kv")
+
+    def _header(self, key: bytes, crc: int) -> bytes:
+        layers, block_size, heads, head_dim, tp, dtype = self._shape
+        head = _HEAD.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, 0, self.namespace, key, layers,
+                          block_size, heads, head_dim, tp, dtype, self.payload_nbytes, crc)
+        return head + _CRC.pack(zlib.crc32(head))
+
+    def check_header(self, header: bytes, key: bytes, size: int) -> int:
+        """The payload checksum of a valid header; raises Damaged with the reason otherwise."""
+        if size < HEADER_SIZE or len(header) < HEADER_SIZE:
+            raise Damaged("truncated header")
+        head = header[:_HEAD.size]
+        if _CRC.unpack_from(header, _HEAD.size)[0] != zlib.crc32(head):
+            raise Damaged("header checksum")
+        (magic, version, header_size, _flags, namespace, file_key, layers, block_size, heads,
+         head_dim, tp, dtype, payload, crc) = _HEAD.unpack(head)
+        if magic != MAGIC or version != FORMAT_VERSION or header_size != HEADER_SIZE:
+            raise Damaged("not a block file of this format")
+        if namespace != self.namespace:
+            raise Damaged("another namespace")
+        dtype = dtype.rstrip(b"\0")
+        if file_key != key or (layers, block_size, heads, head_dim, tp, dtype) != self._shape \
+                or payload != self.payload_nbytes:
+            raise Damaged("another key or shape")
+        if size != HEADER_SIZE + payload:
+            raise Damaged("truncated" if size < HEADER_SIZE + payload else "trailing bytes")
+        return crc
+
+    def write_block(self, key: bytes, payload) -> None:
+        """Write one block file: a temporary name, then renamed into place."""
+        crc = xxh3_64_intdigest(payload)
+        final = self.file_path(key)
+        tmp = f"{final}.tmp-{self.session}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            try:
+                _write_all(fd, [self._header(key, crc), memoryview(payload).cast("B")])
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            if self.before_rename is not None:
+                self.before_rename()
+            os.replace(tmp, final)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        if self.fsync:
+            dfd = os.open(self.blocks_dir, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+
+    def read_block(self, key: bytes, out) -> None:
+        """Read and verify one block into ``out`` (a writable buffer of the payload size)."""
+        fd = os.open(self.file_path(key), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            header = bytearray(HEADER_SIZE)
+            view = memoryview(out).cast("B")
+            got = _read_all(fd, [header, view])
+            crc = self.check_header(header, key, size)
+            if got != size:
+                raise Damaged("truncated")
+            if xxh3_64_intdigest(view) != crc:
+                raise Damaged("payload checksum")
+        finally:
+            os.close(fd)
+
+
+def _write_all(fd: int, buffers: list) -> None:
+    total = sum(len(b) for b in buffers)
+    done = os.writev(fd, buffers)
+    while done < total:  # a short write: rare on a regular file, never assumed away
+        rest, skip = [], done
+        for b in buffers:
+            if skip >= len(b):
+                skip -= len(b)
+                continue
+            rest.append(b[skip:])
+            skip = 0
+        buffers, total = rest, sum(len(b) for b in rest)
+        done = os.writev(fd, buffers)
+        if done == 0:
+            raise OSError(errno.EIO, "write made no progress")
+
+
+def _read_all(fd: int, buffers: list) -> int:
+    """Fill ``buffers`` from the start of the file; returns the bytes read (short at EOF)."""
+    views = [memoryview(b) for b in buffers]
+    total = 0
+    while views:
+        got = os.preadv(fd, views, total)
+        if got == 0:
+            break
+        total += got
+        while views and got >= len(views[0]):
+            got -= len(views[0])
+            views.pop(0)
+        if views and got:
+            views[0] = views[0][got:]
+    return total
+
+
+# -- the copies ------------------------------------------------------------------------------
+
+
+class Mover:
+    """Runs copies between the pool, the host tier and the block files.
+
+    Args:
+        block_nbytes: bytes of one block, every rank's.
+        pool_np: numpy ``[num_blocks, rank bytes]`` per rank (a CPU pool), or None.
+        pool_u8: torch uint8 ``[num_blocks, rank bytes]`` per rank (a CUDA pool), or None.
+        host_np: numpy ``[slots, block_nbytes]`` of the host tier, or None.
+        host_t: the same as a torch tensor (needed with ``pool_u8``), or None.
+        files: the disk tier's :class:`BlockFiles`, or None.
+        gens: numpy uint32 ``[num_blocks]`` cancel generations, or None.
+        pinned: stage through page-locked memory (a CUDA pool).
+
+    ``check``, when set, is called before each copy (the I/O process exits there if
+    the coordinator is gone).
+    """
+
+    check: Optional[Callable[[], None]] = None
+
+    def __init__(self, block_nbytes: int, pool_np=None, pool_u8=None, host_np=None,
+                 host_t=None, files: Optional[BlockFiles] = None, gens=None,
+                 pinned: bool = False):
+        self.block_nbytes = block_nbytes
+        self.pool_np, self.pool_u8 = pool_np, pool_u8
+        self.host_np, self.host_t = host_np, host_t
+        self.files = files
+        self.gens = gens
+        self.pinned = pinned
+        self._local = threading.local()
+
+    def run(self, copies: list, stopping: Callable[[], bool]) -> None:
+        """Run ``copies`` in order, recording each one's outcome on it."""
+        for copy in copies:
+            if stopping():
+                copy.error = "coordinator stopping"
+                continue
+            if self.check is not None:
+                self.check()
+            try:
+                getattr(self, "_op_" + copy.op)(copy)
+                copy.ok = True
+            except Cancelled:
+                pass
+            except Damaged as exc:
+                copy.damaged, copy.error = True, str(exc)
+            except FileNotFoundError as exc:
+                copy.damaged = copy.op == "d2p"
+                copy.error = f"{exc.strerror}: {exc.filename}"
+            except OSError as exc:
+                copy.enospc = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+                copy.error = f"{exc.strerror or exc}"
+            except Exception as exc:  # a bug must not kill the worker
+                copy.error = f"{type(exc).__name__}: {exc}"
+
+    def _cancelled(self, copy: Copy) -> bool:
+        gens = self.gens
+        return copy.cancelled or (gens is not None and int(gens[copy.block]) != copy.gen)
+
+    def _staging(self) -> tuple:
+        """This thread's buffer of one block (pinned under a CUDA pool): (tensor, numpy)."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None:
+            if self.pinned:
+                import torch
+                tensor = torch.empty(self.block_nbytes, dtype=torch.uint8, pin_memory=True)
+                buf = (tensor, tensor.numpy())
+            else:
+                buf = (None, np.empty(self.block_nbytes, dtype=np.uint8))
+            self._local.buf = buf
+        return buf
+
+    # Copies of a CPU pool go through numpy (a plain memcpy: several times faster than a
+    # torch copy_ of one block, whose dispatch and threading cost dominate).
+
+    def _pool_to(self, block: int, dst, dst_np) -> None:
+        """Copy a block of every rank's pool into ``dst`` (torch) / ``dst_np`` (numpy)."""
+        offset = 0
+        if self.pool_np is not None:
+            for rank in self.pool_np:
+                n = rank.shape[1]
+                np.copyto(dst_np[offset:offset + n], rank[block])
+                offset += n
+            return
+        for rank in self.pool_u8:
+            n = rank.shape[1]
+            dst[offset:offset + n].copy_(rank[block])
+            offset += n
+
+    def _to_pool(self, src, src_np, block: int) -> None:
+        offset = 0
+        if self.pool_np is not None:
+            for rank in self.pool_np:
+                n = rank.shape[1]
+                np.copyto(rank[block], src_np[offset:offset + n])
+                offset += n
+            return
+        for rank in self.pool_u8:
+            n = rank.shape[1]
+            rank[block].copy_(src[offset:offset + n])
+            offset += n
+
+    def _host(self, slot: int) -> tuple:
+        return (None if self.host_t is None else self.host_t[slot]), self.host_np[slot]
+
+    def _op_p2h(self, copy: Copy) -> None:
+        if self._cancelled(copy):   # evicted while queued: skip the work
+            raise Cancelled
+        self._pool_to(copy.block, *self._host(copy.slot))
+        if self._cancelled(copy):   # read after the copy: see the module doc
+            raise Cancelled
+
+    def _op_h2p(self, copy: Copy) -> None:
+        self._to_pool(*self._host(copy.slot), copy.block)
+
+    def _op_h2d(self, copy: Copy) -> None:
+        self.files.write_block(copy.key, self.host_np[copy.slot])
+
+    def _op_p2d(self, copy: Copy) -> None:
+        if self._cancelled(copy):
+            raise Cancelled
+        buf, buf_np = self._staging()
+        self._pool_to(copy.block, buf, buf_np)
+        if self._cancelled(copy):
+            raise Cancelled
+        self.files.write_block(copy.key, buf_np)
+
+    def _op_d2p(self, copy: Copy) -> None:
+        if self.pool_np is not None and len(self.pool_np) == 1:
+            self.files.read_block(copy.key, self.pool_np[0][copy.block])  # straight in
+        else:
+            buf, buf_np = self._staging()
+            self.files.read_block(copy.key, buf_np)
+            self._to_pool(buf, buf_np, copy.block)
+
+    def _op_del(self, copy: Copy) -> None:
+        try:
+            os.unlink(self.files.file_path(copy.key))
+        except FileNotFoundError:
+            pass
+
+    def _op_none(self, copy: Copy) -> None:
+        raise Cancelled
+
+
+# -- the worker threads ------------------------------------------------------------------------
+
+
+class Copier:
+    """Worker threads that run jobs with a :class:`Mover`: ``num_workers`` for promotions
+    (first) and demotions to the host tier, one more for the disk queue (whose copies
+    run one at a time, in order).
+
+    Workers take copies, not jobs, one at a time: a worker the scheduler starves holds
+    up one block. With ``urgent_after``, ``num_workers`` more threads at their creator's
+    priority take copies from a queue on which no lowest-priority worker took one for
+    that many seconds (other work keeps the CPUs busy): a request may be waiting for a
+    promotion, and a demotion not done when its block is evicted is lost.
+
+    Args:
+        mover: the :class:`Mover`.
+        on_done: called from a worker with each finished :class:`Job`.
+        num_workers: threads for the promotion and demotion queues.
+        disk: whether to start the disk queue's thread.
+        nice: how much nicer than their creator the threads run (Linux: per thread).
+        policy: if set, the threads run at :func:`lower_priority` ``(policy)`` instead.
+        urgent_after: seconds without progress before the urgent threads step in.
+    """
+
+    def __init__(self, mover: Mover, on_done: Callable[[Job], None], num_workers: int = 2,
+                 disk: bool = False, nice: int = 0, policy: Optional[str] = None,
+                 urgent_after: Optional[float] = None):
+        self.mover = mover
+        self._on_done = on_done
+        self._nice = nice
+        self._policy = policy
+        self._urgent_after = urgent_after
+        self._cv = threading.Condition()
+        self._queues = (deque(), deque(), deque())
+        self._progress = [0.0, 0.0, 0.0]   # per queue: when a worker last took a copy
+        self._disk_busy = False
+        self._stopping = False
+        self._threads: List[threading.Thread] = []
+        self.num_urgent = 0   # copies the urgent threads took
+        try:
+            for i in range(num_workers):
+                self._start(self._worker, ((PROMOTE, DEMOTE),), f"shmkv-tier-io-{i}")
+            if disk:
+                self._start(self._worker, ((DISK,),), "shmkv-tier-disk")
+            if urgent_after is not None:
+                for i in range(num_workers):
+                    self._start(self._urgent_worker, (), f"shmkv-tier-urgent-{i}")
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, target, args: tuple, name: str) -> None:
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def submit(self, queue: int, job: Job) -> None:
+        """Queue a job (``PROMOTE``, ``DEMOTE`` or ``DISK``)."""
+        if not job.copies:
+            self._on_done(job)
+            return
+        with self._cv:
+            job.queued_at = time.monotonic()
+            job.num_taken, job.num_left = 0, len(job.copies)
+            self._queues[queue].append(job)
+            self._cv.notify_all()
+
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def _ready(self, queue: int) -> bool:
+        return bool(self._queues[queue]) and not (queue == DISK and self._disk_busy)
+
+    def _take(self, queue: int) -> tuple:
+        """The next copy of the queue's first job (under the lock)."""
+        jobs = self._queues[queue]
+        job = jobs[0]
+        copy = job.copies[job.num_taken]
+        job.num_taken += 1
+        if job.num_taken == len(job.copies):
+            jobs.popleft()
+        if queue == DISK:
+            self._disk_busy = True
+        return job, copy, queue
+
+    def _run_one(self, job: Job, copy: Copy, queue: int) -> None:
+        self.mover.run((copy,), self.stopping)
+        with self._cv:
+            if queue == DISK:
+                self._disk_busy = False
+                self._cv.notify_all()
+            job.num_left -= 1
+            done = job.num_left == 0
+        if done:
+            self._on_done(job)
+
+    def _worker(self, queues: tuple) -> None:
+        if self._policy is not None:
+            lower_priority(self._policy)
+        elif self._nice:   # copies and checksums yield the CPU to the loop and the clients
+            try:
+                tid = threading.get_native_id()
+                os.setpriority(os.PRIO_PROCESS, tid,
+                               min(19, os.getpriority(os.PRIO_PROCESS, tid) + self._nice))
+            except (AttributeError, OSError):
+                pass
+        while True:
+            with self._cv:
+                while not self._stopping:
+                    queue = next((q for q in queues if self._ready(q)), None)
+                    if queue is not None:
+                        break
+                    self._cv.wait(1.0)  # re-checks even if a notify were lost
+                if self._stopping:
+                    return
+                self._progress[queue] = time.monotonic()
+                taken = self._take(queue)
+            self._run_one(*taken)
+
+    def _starved(self, now: float) -> tuple:
+        """(a queue with work that no worker took from for ``urgent_after`` seconds, or
+        None; seconds until one might be)."""
+        after, wait = self._urgent_after, 1.0
+        for queue in (PROMOTE, DEMOTE, DISK):
+            if self._ready(queue):
+                since = max(self._progress[queue], self._queues[queue][0].queued_at)
+                left = since + after - now
+                if left <= 0:
+                    return queue, 0.0
+                wait = min(wait, left)
+        return None, wait
+
+    def _urgent_worker(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stopping:
+                    queue, wait = self._starved(time.monotonic())
+                    if queue is not None:
+                        break
+                    self._cv.wait(wait)
+                if self._stopping:
+                    return
+                self.num_urgent += 1
+                taken = self._take(queue)
+            self._run_one(*taken)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the threads (a copy under way finishes; queued jobs are abandoned).
+        Idempotent."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout)
+        self._threads = []
+
+
+# -- the wire between the loop and the I/O process ---------------------------------------------
+
+
+def encode_job(queue: int, job: Job) -> bytes:
+    """A job frame (loop side)."""
+    parts = [b"", _JOB.pack(b"J", job.job_id, queue, len(job.copies))]
+    pack = _JOB_COPY.pack
+    for c in job.copies:
+        parts.append(pack(_OP_CODE[c.op], c.block, c.slot, c.gen, c.key))
+    body = b"".join(parts)
+    return _FRAME.pack(len(body)) + body
+
+
+def decode_job(body: bytes) -> tuple:
+    """(queue, Job) of a job frame's body (I/O process side)."""
+    kind, job_id, queue, n = _JOB.unpack_from(body, 0)
+    if kind != b"J" or queue > DISK or len(body) != _JOB.size + n * _JOB_COPY.size:
+        raise ValueError("not a job frame")
+    copies = []
+    for op, block, slot, gen, key in _JOB_COPY.iter_unpack(body[_JOB.size:]):
+        copies.append(Copy(OPS[op], key, block=block, slot=slot, gen=gen))
+    return queue, Job(copies, job_id=job_id, queue=queue)
+
+
+def _status(copy: Copy) -> int:
+    if copy.ok:
+        return OK
+    if copy.damaged:
+        return DAMAGED
+    if copy.enospc:
+        return ENOSPC
+    return FAILED if copy.error is not None else CANCELLED
+
+
+def encode_done(job: Job) -> bytes:
+    """A completion frame (I/O process side)."""
+    statuses = bytes(_status(c) for c in job.copies)
+    parts = [_DONE.pack(b"D", job.job_id, len(statuses)), statuses]
+    for c, status in zip(job.copies, statuses):
+        if status not in (OK, CANCELLED):
+            text = (c.error or "")[:1000].encode("utf-8", "replace")
+            parts += [_MSG.pack(len(text)), text]
+    body = b"".join(parts)
+    return _FRAME.pack(len(body)) + body
+
+
+def apply_done(body: bytes, jobs: dict) -> Job:
+    """Record a completion frame's outcomes on the copies of its job (loop side); returns
+    the job, taken out of ``jobs`` (job id -> Job). Raises ValueError on a bad frame."""
+    kind, job_id, n = _DONE.unpack_from(body, 0)
+    job = jobs.pop(job_id, None)
+    if kind != b"D" or job is None or n != len(job.copies):
+        raise ValueError("not a completion of a job in flight")
+    at = _DONE.size + n
+    for copy, status in zip(job.copies, body[_DONE.size:at]):
+        if status == OK:
+            copy.ok = True
+        elif status != CANCELLED:
+            (length,) = _MSG.unpack_from(body, at)
+            copy.error = body[at + 2:at + 2 + length].decode("utf-8", "replace")
+            at += 2 + length
+            copy.damaged = status == DAMAGED
+            copy.enospc = status == ENOSPC
+    return job
+
+
+def split_frames(buf: bytearray) -> list:
+    """Take the complete frames' bodies off the front of ``buf``."""
+    out, at = [], 0
+    while len(buf) - at >= 4:
+        (length,) = _FRAME.unpack_from(buf, at)
+        if len(buf) - at - 4 < length:
+            break
+        out.append(bytes(buf[at + 4:at + 4 + length]))
+        at += 4 + length
+    del buf[:at]
+    return out
+
+
+# -- the I/O process -----------------------------------------------------------------------------
+
+
+def _map(fd: int, nbytes: int, rows: int):
+    """numpy uint8 ``[rows, nbytes // rows]`` over a shared segment, pages mapped up front."""
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    m = mmap.mmap(fd, nbytes, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+    return np.frombuffer(m, dtype=np.uint8).reshape(rows, nbytes // rows)
+
+
+class _Process:
+    """The I/O process's side: jobs in from the socket, completions out."""
+
+    def __init__(self, spec: dict):
+        self.parent = spec["parent"]
+        self.sock = socket.socket(fileno=spec["sock"])
+        self.wake = socket.socket(fileno=spec["wake"])
+        self._send_lock = threading.Lock()
+        files = None
+        if spec.get("files") is not None:
+            files = BlockFiles.from_wire(spec["files"])
+            files.before_rename = self.exit_if_orphaned
+        fd, num_blocks, nbytes = spec["pool"]
+        pool = _map(fd, num_blocks * nbytes, num_blocks)
+        host = None
+        if spec.get("host") is not None:
+            fd, slots, nbytes = spec["host"]
+            host = _map(fd, slots * nbytes, slots)
+        fd, num_blocks = spec["gens"]
+        gens = _map(fd, 4 * num_blocks, 1).view(np.uint32).reshape(num_blocks)
+        for fd in (spec["pool"][0], spec["gens"][0]) + ((spec["host"][0],) if host is not None
+                                                       else ()):
+            os.close(fd)   # the mappings stay
+        self.mover = Mover(spec["block_nbytes"], pool_np=[pool], host_np=host, files=files,
+                           gens=gens)
+        self.mover.check = self.exit_if_orphaned
+        # This thread (reading jobs) keeps the priority the process started with, and so
+        # do the urgent workers; the others run at the lowest.
+        self.copier = Copier(self.mover, self.send_done, spec["workers"],
+                             disk=files is not None, policy=spec["policy"],
+                             urgent_after=URGENT_AFTER_S)
+
+    def exit_if_orphaned(self) -> None:
+        if os.getppid() != self.parent:   # the coordinator died: do nothing more
+            os._exit(0)
+
+    def send_done(self, job: Job) -> None:
+        data = memoryview(encode_done(job))
+        with self._send_lock:
+            while data:
+                try:
+                    data = data[self.sock.send(data):]
+                except socket.timeout:
+                    self.exit_if_orphaned()
+                except OSError:   # the coordinator closed its end: it is stopping
+                    return
+        try:
+            self.wake.send(b"t", socket.MSG_DONTWAIT)
+        except OSError:   # full (the loop is awake anyway) or closed (it is stopping)
+            pass
+
+    def serve(self) -> None:
+        self.sock.settimeout(PARENT_CHECK_S)
+        buf = bytearray()
+        while True:
+            try:
+                data = self.sock.recv(1 << 16)
+            except socket.timeout:
+                self.exit_if_orphaned()
+                continue
+            except OSError:
+                data = b""
+            if not data:   # the coordinator closed its end, or died
+                self.exit_if_orphaned()
+                self.copier.close(timeout=10.0)
+                return
+            buf += data
+            for body in split_frames(buf):
+                queue, job = decode_job(body)
+                self.copier.submit(queue, job)
+
+
+def lower_priority(policy: str) -> None:
+    """Give the calling thread the I/O process's lowest priority (Linux: per thread):
+    nice ``IO_PROCESS_NICE``, and SCHED_IDLE if ``policy`` is "idle" (where supported)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, IO_PROCESS_NICE)
+    except (AttributeError, OSError):
+        pass
+    if policy == "idle":
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except (AttributeError, OSError):
+            pass
+
+
+def main(argv: List[str]) -> int:
+    """The tier I/O process (``python tier_io.py SPEC``, started by ``shmkv.tiers``)."""
+    spec = json.loads(argv[1])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if os.getppid() != spec["parent"]:
+        return 0
+    sys.setswitchinterval(IO_SWITCH_INTERVAL_S)
+    if spec.get("preload"):   # fault injection in tests: "path.py:function"
+        import runpy
+        path, func = spec["preload"].rsplit(":", 1)
+        runpy.run_path(path)[func](sys.modules[__name__])
+    _Process(spec).serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,56 @@
+"""Faults injected into ``shmkv.tier_io`` for the tier tests.
+
+The tier I/O process runs them before it serves (``shmkv.tiers.IO_PROCESS_PRELOAD`` =
+``"<this file>:<function>"``, called with its ``tier_io`` module); a test whose copies
+run in threads calls them on ``shmkv.tier_io`` with ``monkeypatch.setattr``. Each one
+replaces one method of the module's classes.
+"""
+
+import errno
+import os
+import threading
+import time
+
+PATH = os.path.abspath(__file__)
+
+
+def spec(name: str) -> str:
+    """The ``IO_PROCESS_PRELOAD`` value that runs fault ``name``."""
+    return f"{PATH}:{name}"
+
+
+def slow_h2p(mod, set_attr=setattr) -> None:
+    """Copies from the host tier to the pool take half a second longer each, one at a
+    time (however many workers there are)."""
+    orig = mod.Mover._op_h2p
+    one_at_a_time = threading.Lock()
+
+    def slow(self, copy):
+        with one_at_a_time:
+            time.sleep(0.5)
+        orig(self, copy)
+
+    set_attr(mod.Mover, "_op_h2p", slow)
+
+
+def slow_disk_write(mod, set_attr=setattr) -> None:
+    """Block files stall half-way: a temporary file holds half a block for a while before
+    the real write, so that a SIGKILL lands mid-demotion."""
+    orig = mod.BlockFiles.write_block
+
+    def slow(self, key, payload):
+        tmp = f"{self.file_path(key)}.tmp-{self.session}"
+        with open(tmp, "wb") as f:
+            f.write(bytes(payload)[:len(payload) // 2])
+        time.sleep(0.3)
+        orig(self, key, payload)
+
+    set_attr(mod.BlockFiles, "write_block", slow)
+
+
+def disk_full(mod, set_attr=setattr) -> None:
+    """Every block file write fails: no space left on the device."""
+    def full(self, key, payload):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    set_attr(mod.BlockFiles, "write_block", full)
