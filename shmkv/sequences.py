@@ -1122,7 +1122,10 @@ class SequenceTable:
     def release_many(self, conn_id: int, cache_ids: Seq[int]) -> None:
         """Drop one reference per listed id (an id may repeat); all or none."""
         refs = self.conn_refs.get(conn_id, {})
-        slot_ids = self._light_slots(conn_id, cache_ids)
+        slot_ids = None
+        if len(cache_ids) > 8 or any(self._light_slot(c) >= 0 for c in cache_ids
+                                     if type(c) is int):
+            slot_ids = self._light_slots(conn_id, cache_ids)
         if slot_ids is not None:  # plain sequences without objects: array operations
             self._release_light(slot_ids, self._held_np[conn_id])
             return
