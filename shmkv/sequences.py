@@ -99,16 +99,17 @@ class PendingPromotion:
 
 class _Kept:
     """A connection's kept batch (``SequenceTable.keep_batch``): its sequences, their
-    slots and lengths, and what its checks hold against (``version``, ``conn_steps``)."""
+    slots, and what its checks hold against (``version``, ``conn_steps``)."""
 
-    __slots__ = ("ids", "where", "lens", "version", "conn_steps", "steps", "phases", "added")
+    __slots__ = ("ids", "where", "lengths_at", "version", "conn_steps", "steps", "phases",
+                 "added")
 
-    def __init__(self, ids, where, lens, version: int, conn_steps: int):
+    def __init__(self, ids, where, version: int, conn_steps: int):
         self.ids, self.where, self.steps = ids, where, 0
-        self.reset(lens, version, conn_steps)
+        self.lengths_at = where * SEQ_FIELDS + NUM_TOKENS   # in the flat sequence rows
+        self.reset(version, conn_steps)
 
-    def reset(self, lens, version: int, conn_steps: int) -> None:
-        self.lens = np.asarray(lens, dtype=np.int64)
+    def reset(self, version: int, conn_steps: int) -> None:
         self.version, self.conn_steps = version, conn_steps
         self.phases = None   # for one token a step: {offset in a block: sequences}
         self.added = 0       # tokens each sequence got since ``phases`` was made
@@ -180,6 +181,7 @@ class SequenceTable:
                           -1, layout.max_seq_blocks),
                       pool._owner_np)
         self._seq_np, self._table_np, self._owner_np = arrays
+        self._seq_flat = self._seq_np.reshape(-1)   # (a view: the rows are contiguous)
         self._num_blocks_np = np.frombuffer(tables.num_blocks, dtype=np.int64)
         # Slots whose sequence still extends its prefix keys (``Sequence.keys_open``),
         # and, per connection, the slots it holds: what a batch step checks at once.
@@ -783,7 +785,7 @@ class SequenceTable:
         heavy = ~self._light_np[where]   # sequences with objects, which keep a copy
         grow_at = np.flatnonzero(grow)
         if grow_at.size:
-            blocks = self._grow(where, ids, grow_at, have[grow_at], new)
+            blocks = self._grow(where, ids, grow_at, have[grow_at], new[grow_at])
             for cache_id, block_id, keep in zip(ids[grow_at].tolist(), blocks,
                                                 heavy[grow_at].tolist()):
                 if keep:
@@ -797,16 +799,15 @@ class SequenceTable:
     def _grow(self, where: np.ndarray, ids: np.ndarray, grow_at: np.ndarray, have: np.ndarray,
               new: np.ndarray) -> list:
         """One new block for each sequence ``grow_at`` indexes (``have`` blocks now,
-        ``new`` tokens after the step), all or none; returns the blocks. The caller
-        stores the lengths after."""
+        ``new`` tokens after the step, both for those sequences only), all or none;
+        returns the blocks. The caller stores the lengths after."""
         pool, tables = self.pool, self.tables
         longer = have + 1
         over = (longer > tables.max_seq_blocks) & (longer <= pool.num_blocks)
         if over.any():  # (a sequence longer than the pool is PoolExhausted below)
             i = int(np.argmax(over))
-            j = int(grow_at[i])
-            tables.check_blocks(int(longer[i]), f"{format_cache_id(int(ids[j]))} at "
-                                                 f"{int(new[j])} tokens")
+            tables.check_blocks(int(longer[i]), f"{format_cache_id(int(ids[grow_at[i]]))} at "
+                                                 f"{int(new[i])} tokens")
         if grow_at.size > pool.num_available:
             raise PoolExhausted(
                 f"pool exhausted: the step needs {grow_at.size} blocks, "
@@ -840,7 +841,7 @@ class SequenceTable:
         blocks = grow_at  # (empty)
         if grow_at.size:
             blocks = np.array(self._grow(where, ids, grow_at, (lens[grow_at] + bs - 1) // bs,
-                                         new), dtype=np.int64)
+                                         new[grow_at]), dtype=np.int64)
         seq_np[where, NUM_TOKENS] = new
         return new, grow_at, blocks
 
@@ -861,8 +862,7 @@ class SequenceTable:
         batch_id = self._next_kept
         self._next_kept += 1
         kept[batch_id] = _Kept(np.asarray(cache_ids, dtype=np.int64), where,
-                               self._seq_np[where, NUM_TOKENS], self._light_version,
-                               self._conn_steps[conn_id])
+                               self._light_version, self._conn_steps[conn_id])
         return batch_id
 
     def extend_kept(self, conn_id: int, batch_id: int, count: int, seen: int) -> Optional[dict]:
@@ -891,46 +891,46 @@ class SequenceTable:
             lens = self.extend_batch(conn_id, kept.ids.tolist(), count, None,
                                      kept.where.tolist())
             if self._light_slots(conn_id, kept.ids) is not None:
-                kept.reset(lens, self._light_version, self._conn_steps[conn_id])
+                kept.reset(self._light_version, self._conn_steps[conn_id])
             return {"steps": kept.steps, "same": False, "lens": lens}
         kept.conn_steps = self._conn_steps[conn_id]
         grown, blocks = done
         out = {"steps": kept.steps, "same": seen == kept.steps - 1, "grown": grown,
                "blocks": blocks}
         if not out["same"]:
-            out["lens"] = kept.lens
+            out["lens"] = self._seq_flat[kept.lengths_at]
         return out
 
     def _step_kept(self, kept: "_Kept", count: int) -> Optional[tuple]:
-        """:meth:`_extend_light` of a kept batch, from the lengths it keeps: for one token
-        a step, which sequences open a block comes from their phase in a block, with no
-        work per step. Returns ``(grown, blocks)``, or None (nothing changed) when one
-        would need two blocks."""
-        bs, lens = self.block_size, kept.lens
+        """:meth:`_extend_light` of a kept batch: for one token a step, which sequences
+        open a block comes from their phase in a block (no work per step), and the step
+        is one store that adds to every length. Returns ``(grown, blocks)``, or None
+        (nothing changed) when one would need two blocks."""
+        bs, seq_flat, at = self.block_size, self._seq_flat, kept.lengths_at
         if count == 1:
             if kept.phases is None:   # sequences by their length's offset in a block
-                phase = lens % bs
+                phase = seq_flat[at] % bs
                 kept.phases = {p: np.flatnonzero(phase == p) for p in np.unique(phase).tolist()}
                 kept.added = 0
             grown = kept.phases.get(-kept.added % bs, _NONE)
             kept.added += 1
         else:
             kept.phases = None
+            lens = seq_flat[at]
             more = (lens + count + bs - 1) // bs - (lens + bs - 1) // bs
             if int(more.max()) > 1:
                 return None
             grown = np.flatnonzero(more)
-        new = lens + count
         blocks = _NONE
         if grown.shape[0]:
+            old = seq_flat[at[grown]]
             try:
-                blocks = np.array(self._grow(kept.where, kept.ids, grown,
-                                             (lens[grown] + bs - 1) // bs, new), dtype=np.int64)
+                blocks = np.array(self._grow(kept.where, kept.ids, grown, (old + bs - 1) // bs,
+                                             old + count), dtype=np.int64)
             except BaseException:
                 kept.phases = None   # (nothing changed; the next step starts again)
                 raise
-        self._seq_np[kept.where, NUM_TOKENS] = new
-        kept.lens = new
+        seq_flat[at] += count   # the lengths, after any new entries (the tables' order)
         return grown, blocks
 
     def prepare_batch(self, conn_id: int, cache_ids: Seq[int], starts: Seq[int],
