@@ -279,8 +279,8 @@ class Client:
         Each request is an int (``num_tokens``) or a dict of :meth:`allocate`'s arguments.
         """
         requests = list(requests)
-        if all(type(req) is int for req in requests):  # plain lengths: the packed fast form
-            if any(req < 0 for req in requests):
+        if requests and set(map(type, requests)) == {int}:  # plain lengths: packed both ways
+            if min(requests) < 0:
                 raise InvalidArgument(f"num_tokens must be >= 0, got {min(requests)}")
             data = self.request("allocate_many", counts=protocol.pack_i64s(requests))
             half = len(data) // 2
@@ -334,15 +334,13 @@ class Client:
         Raises:
             InvalidArgument: a handle was made by another client (nothing is closed).
         """
-        live = {}   # once each
+        handles = list(handles)
         for h in handles:
             if getattr(h, "_client", None) is not self:
                 self._check_own(h)
-            if not h._closed:
-                live[id(h)] = h
+        live = list({id(h): h for h in handles if not h._closed}.values())   # once each
         if not live:
             return
-        live = list(live.values())
         try:
             self.request("release_many",
                          ids=protocol.pack_i64s(array("q", [h._cache_id for h in live])))
