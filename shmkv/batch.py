@@ -9,7 +9,10 @@ copy-on-write the step's writes need), then a fixed number of torch calls: the
 tensors are built by vectorized ops over the shared block tables (``shmkv.tables``),
 never by a Python loop per sequence, and a write is one ``index_copy_`` per layer
 for K and one for V. Another process (a tensor-parallel rank) rebuilds the same step
-from its :meth:`Step.descriptor` bytes with no round trip at all.
+from its :meth:`Step.descriptor` bytes with no round trip at all. A decode loop that
+steps the same batch of plain sequences goes further once the coordinator keeps the
+batch: a step sends no ids, and its tensors are made from the last step's, with the
+rows of the sequences that opened a block patched in.
 
 Does not talk to the socket itself (it asks its client) and owns no position
 arithmetic (``shmkv.slots``).

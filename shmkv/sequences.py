@@ -14,7 +14,9 @@ reference, held by the connection that made it) has no Python object: its state 
 its row of the shared tables, so a scheduler admitting or retiring hundreds of them
 costs a fixed number of array operations. The first call that needs more of it
 (a fork, a clone, an export, a per-sequence call) makes its :class:`Sequence` from
-that row.
+that row. A decode batch of such sequences can be *kept* (:meth:`SequenceTable.keep_batch`):
+checked once, then stepped by :meth:`SequenceTable.extend_kept` with no per-step checks
+until something else changes those sequences.
 
 Does not do I/O and does not touch K/V bytes: copy-on-write calls the
 ``copy_block(src, dst)`` callback the coordinator provides. Pure: no torch, no
@@ -24,13 +26,13 @@ sockets, so the whole state machine is testable in one process.
 from __future__ import annotations
 
 import heapq
-from array import array
-
-import numpy as np
 import hmac
 import os
 import time
+from array import array
 from typing import Callable, Dict, List, Optional, Sequence as Seq
+
+import numpy as np
 
 from . import hashing
 from .allocator import BlockPool
