@@ -299,7 +299,7 @@ class SequenceTable:
         used = self._num_blocks_np[slots]
         widest = int(used.max())
         blocks = self._table_np[slots, :widest]
-        if widest > 1:
+        if not bool((used == widest).all()):   # (entries past a row's own are 0: not its)
             blocks = blocks[np.arange(widest) < used[:, None]]
         self.tables.release_many(slots)
         self.pool.free_private(blocks.ravel().astype(np.int64))

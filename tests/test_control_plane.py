@@ -43,6 +43,18 @@ def test_plain_sequences_get_an_object_only_when_a_call_needs_one():
     table.check_invariants()
 
 
+def test_releasing_plain_sequences_of_different_lengths_frees_each_block_once():
+    table = make_table()
+    for counts in ([0, 1], [0, 5, 4, 0], [9, 0, 1]):
+        ids, _ = table.allocate_counts(1, counts)
+        table.release_many(1, ids.tolist())
+        assert table.pool.num_free == 64 and table.num_sequences == 0
+        table.check_invariants()
+    ids, _ = table.allocate_counts(1, [0, 4, 0])
+    assert table.drop_connection(1) == 3 and table.pool.num_free == 64
+    table.check_invariants()
+
+
 def test_release_of_plain_sequences_checks_every_id_first():
     table = make_table()
     ids, slots = table.allocate_counts(1, [5, 5])
