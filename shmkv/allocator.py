@@ -102,8 +102,9 @@ class BlockPool:
 
     # -- allocation --------------------------------------------------------------------
 
-    def allocate(self, num: int, owner_id: int) -> Optional[List[int]]:
-        """Take ``num`` blocks with ``ref_cnt = 1`` writable by ``owner_id``.
+    def allocate(self, num: int, owner_id) -> Optional[List[int]]:
+        """Take ``num`` blocks with ``ref_cnt = 1`` writable by ``owner_id``: one id for
+        all, or one per block (in the order returned).
 
         Returns None, changing nothing, when fewer than ``num`` blocks are available.
         """
@@ -130,23 +131,16 @@ class BlockPool:
             self._owner_np[where] = owner_id
             return ids
         ref_cnt, owner = self.ref_cnt, self.owner
-        for block_id in ids:
+        owners = [owner_id] * len(ids) if np.ndim(owner_id) == 0 else owner_id
+        for block_id, block_owner in zip(ids, owners):
             ref_cnt[block_id] = 1
-            owner[block_id] = owner_id
+            owner[block_id] = block_owner
         return ids
 
     def allocate_each(self, owner_ids: Sequence[int]) -> Optional[List[int]]:
         """One block for each owner (a decode step's new blocks), in that order; None,
         changing nothing, when there are not enough."""
-        num = len(owner_ids)
-        ids = self.allocate(num, NO_OWNER)
-        if ids is not None and num >= _BULK:
-            self._owner_np[np.array(ids, dtype=np.int64)] = owner_ids
-        elif ids is not None:
-            owner = self.owner
-            for block_id, owner_id in zip(ids, owner_ids):
-                owner[block_id] = owner_id
-        return ids
+        return self.allocate(len(owner_ids), owner_ids)
 
     def incref(self, block_ids: Iterable[int]) -> None:
         """Add a reference to each block (prefix hit, fork). Cached blocks leave the LRU."""

@@ -502,8 +502,7 @@ class SequenceTable:
         serial = self._next_serial
         self._next_serial += num
         cache_ids = (np.arange(serial, serial + num, dtype=np.int64) << self.slot_bits) | slot_ids
-        taken = np.array(pool.allocate(need, 0), dtype=np.int64)   # (owners below)
-        self._owner_np[taken] = np.repeat(cache_ids, blocks)
+        taken = np.array(pool.allocate(need, np.repeat(cache_ids, blocks)), dtype=np.int64)
         tables.assign_many(slot_ids, cache_ids, taken, blocks, tokens)
         self._light_np[slot_ids] = True
         self._light_conn[slot_ids] = conn_id
@@ -618,22 +617,30 @@ class SequenceTable:
         objects, each held by this connection (or by any, with ``any_holder``), checked
         with array operations; None otherwise (the caller's general path then checks
         them one by one and names any error)."""
-        num = len(cache_ids)
-        held = self._held_np.get(conn_id)
-        if not num or held is None:
-            return None
         ids = np.asarray(cache_ids, dtype=np.int64)
-        slot_ids = ids & self._slot_mask
-        if int(ids.min()) <= 0 or int(slot_ids.max()) >= held.shape[0]:
+        return self._checked_rows(conn_id, ids, ids & self._slot_mask, any_holder, light=True)
+
+    def _checked_rows(self, conn_id: int, ids: np.ndarray, where: np.ndarray,
+                      any_holder: bool = False, light: bool = False) -> Optional[np.ndarray]:
+        """``where`` when it names distinct rows of the shared tables holding the live
+        sequences ``ids``, each held by this connection (or by any, with
+        ``any_holder``), and with ``light`` each a plain sequence without an object;
+        checked with a fixed number of array operations. None otherwise."""
+        num = ids.shape[0]
+        held = self._held_np.get(conn_id)
+        if not num or held is None or where.shape[0] != num:
             return None
-        if not (self._light_np[slot_ids].all() and (any_holder or held[slot_ids].all())
-                and _same(self._seq_np[slot_ids, CACHE_ID], ids)):
+        if int(ids.min()) <= 0 or int(where.min()) < 0 or int(where.max()) >= held.shape[0]:
+            return None
+        if light and not self._light_np[where].all():
+            return None
+        if not ((any_holder or held[where].all()) and _same(self._seq_np[where, CACHE_ID], ids)):
             return None
         order = np.arange(num)
-        self._scratch[slot_ids] = order  # a slot named twice keeps only its last position
-        if not _same(self._scratch[slot_ids], order):
+        self._scratch[where] = order  # a slot named twice keeps only its last position
+        if not _same(self._scratch[where], order):
             return None
-        return slot_ids
+        return where
 
     def _batch_sequences(self, conn_id: int, cache_ids: Seq[int], any_live: bool = False):
         """The sequences named by a batch, each held by this connection (or merely live,
@@ -751,20 +758,10 @@ class SequenceTable:
         changed) when the batch does not check out: the general path then names the
         error."""
         ids = np.asarray(cache_ids, dtype=np.int64)
-        where = np.asarray(slots, dtype=np.int64)
-        num = ids.shape[0]
-        held = self._held_np.get(conn_id)
-        if num == 0 or held is None or where.shape[0] != num:
-            return None
-        if where.min() < 0 or where.max() >= held.shape[0]:
+        where = self._checked_rows(conn_id, ids, np.asarray(slots, dtype=np.int64))
+        if where is None:
             return None
         seq_np = self._seq_np
-        if not (held[where].all() and np.array_equal(seq_np[where, CACHE_ID], ids)):
-            return None
-        order = np.arange(num)
-        self._scratch[where] = order  # a slot named twice keeps only its last position
-        if not np.array_equal(self._scratch[where], order):
-            return None
         if self._light_np[where].all():
             done = self._extend_light(where, ids, count)
             if done is not None:
@@ -908,31 +905,27 @@ class SequenceTable:
         open a block comes from their phase in a block (no work per step), and the step
         is one store that adds to every length. Returns ``(grown, blocks)``, or None
         (nothing changed) when one would need two blocks."""
-        bs, seq_flat, at = self.block_size, self._seq_flat, kept.lengths_at
-        if count == 1:
-            if kept.phases is None:   # sequences by their length's offset in a block
-                phase = seq_flat[at] % bs
-                kept.phases = {p: np.flatnonzero(phase == p) for p in np.unique(phase).tolist()}
-                kept.added = 0
-            grown = kept.phases.get(-kept.added % bs, _NONE)
-            kept.added += 1
-        else:
+        if count != 1:
             kept.phases = None
-            lens = seq_flat[at]
-            more = (lens + count + bs - 1) // bs - (lens + bs - 1) // bs
-            if int(more.max()) > 1:
-                return None
-            grown = np.flatnonzero(more)
+            done = self._extend_light(kept.where, kept.ids, count)
+            return None if done is None else done[1:]
+        bs, seq_flat, at = self.block_size, self._seq_flat, kept.lengths_at
+        if kept.phases is None:   # sequences by their length's offset in a block
+            phase = seq_flat[at] % bs
+            kept.phases = {p: np.flatnonzero(phase == p) for p in np.unique(phase).tolist()}
+            kept.added = 0
+        grown = kept.phases.get(-kept.added % bs, _NONE)
+        kept.added += 1
         blocks = _NONE
         if grown.shape[0]:
             old = seq_flat[at[grown]]
             try:
                 blocks = np.array(self._grow(kept.where, kept.ids, grown, (old + bs - 1) // bs,
-                                             old + count), dtype=np.int64)
+                                             old + 1), dtype=np.int64)
             except BaseException:
                 kept.phases = None   # (nothing changed; the next step starts again)
                 raise
-        seq_flat[at] += count   # the lengths, after any new entries (the tables' order)
+        seq_flat[at] += 1   # the lengths, after any new entries (the tables' order)
         return grown, blocks
 
     def prepare_batch(self, conn_id: int, cache_ids: Seq[int], starts: Seq[int],

@@ -1411,13 +1411,15 @@ def _control_point(opts: Options, cleanup: _Cleanup) -> dict:
                     fn()
             return run
 
-        times = interleaved({
-            "extend": looped(lambda: batch.extend(1)),
-            "request": looped(request),
-            "ping": looped(client.ping),
-            "table": looped(in_table),
-            "codec": looped(ext_codec)}, repeats)
-        raw_client.close()
+        try:
+            times = interleaved({
+                "extend": looped(lambda: batch.extend(1)),
+                "request": looped(request),
+                "ping": looped(client.ping),
+                "table": looped(in_table),
+                "codec": looped(ext_codec)}, repeats)
+        finally:
+            raw_client.close()
         for name, samples in times.items():
             point[f"extend_{name}_s"] = _median(samples) / calls
         # The same against ping with client and coordinator pinned: on one CPU (every
