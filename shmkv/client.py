@@ -28,7 +28,7 @@ from array import array
 from typing import Iterable, List, Optional, Sequence, Tuple
 
 from . import protocol
-from .hashing import token_list
+from .hashing import pack_tokens, token_list
 from .batch import Batch, Step
 from .errors import (CoordinatorGone, CoordinatorTimeout, HandleClosed, InvalidArgument,
                      OutOfRange, ProtocolError, WrongType)
@@ -295,9 +295,14 @@ class Client:
             req = dict(req)
             prompt = req.get("prompt")
             if prompt is not None:
-                req["prompt"] = token_list(prompt)
+                prompt = token_list(prompt)
+                try:   # packed: the coordinator neither decodes nor checks each token
+                    req["prompt"] = pack_tokens(prompt)
+                except OverflowError:
+                    raise InvalidArgument("prompt token ids must be ints in the int64 "
+                                          "range") from None
                 if not req.get("num_tokens"):
-                    req["num_tokens"] = len(req["prompt"])
+                    req["num_tokens"] = len(prompt)
             req.setdefault("num_tokens", 0)
             wire.append({k: v for k, v in req.items() if v is not None})
         infos = self.request("allocate_many", requests=wire)

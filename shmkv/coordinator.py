@@ -261,6 +261,7 @@ class Coordinator:
         self.num_accepted = 0
         self.num_errors = 0
         self.latency: Dict[str, list] = {}  # op -> [count per LATENCY_BUCKETS bucket..., sum]
+        self._to_promote: list = []  # promotions the last turn's requests need, started next
         self._fd_warned_at = -math.inf
         # Names this coordinator instance (not its address, which a restart reuses), so
         # a step descriptor made against another coordinator is refused.
@@ -463,6 +464,9 @@ class Coordinator:
             while not self._stopping:
                 deadline = self.table.next_deadline()
                 wait = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
+                to_promote, self._to_promote = self._to_promote, []
+                if to_promote:
+                    wait = 0.0
                 if self._accept_paused_until:
                     if time.monotonic() >= self._accept_paused_until:
                         self._accept_paused_until = 0.0
@@ -484,6 +488,8 @@ class Coordinator:
                             self._on_readable(conn, selector)
                         if events & selectors.EVENT_WRITE and not conn.closing:
                             self._flush(conn, selector)
+                for records, conn, request_id, result in to_promote:
+                    self.tiers.promote(records).context = (conn, request_id, result)
                 if self.tiers is not None:
                     self._tier_turn(selector)
                 if deadline is not None and self.table.expire():
@@ -653,9 +659,10 @@ class Coordinator:
         self.ops_by_type[op] = self.ops_by_type.get(op, 0) + 1
         if op == "hello":
             self._send_hello(conn, request_id, result)
-        elif self.table.promotions:  # a tier is copying blocks in: answer when they are
-            promotion = self.tiers.promote(self.table.take_promotions())
-            promotion.context = (conn, request_id, result)
+        elif self.table.promotions:  # a tier copies blocks in: answer when they are
+            # Started next turn, after the requests that came in meanwhile (a ping should
+            # not wait for this one's copy jobs to be built and sent too).
+            self._to_promote.append((self.table.take_promotions(), conn, request_id, result))
             conn.held = []
         else:
             conn.outbuf += protocol.encode_ok(request_id, result)

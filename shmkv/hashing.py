@@ -43,14 +43,27 @@ def block_keys(tokens: Sequence[int], block_size: int, parent: bytes) -> List[by
 
     ``tokens`` must start on a block boundary; a trailing partial block gets no key.
     """
-    data = pack_tokens(tokens)
+    return packed_block_keys(pack_tokens(tokens), block_size, parent)
+
+
+def packed_block_keys(data: bytes, block_size: int, parent: bytes) -> List[bytes]:
+    """:func:`block_keys` of tokens already packed (:func:`pack_tokens`'s bytes)."""
     step = block_size * 8
     keys = []
     blake2b = hashlib.blake2b  # hot loop: one C call per block
-    for offset in range(0, (len(tokens) // block_size) * step, step):
+    for offset in range(0, (len(data) // step) * step, step):
         parent = blake2b(parent + data[offset:offset + step], digest_size=KEY_SIZE).digest()
         keys.append(parent)
     return keys
+
+
+def unpack_tokens(data: bytes) -> list:
+    """The token ids of :func:`pack_tokens`'s bytes."""
+    out = array("q")
+    out.frombytes(data)
+    if _BIG_ENDIAN:
+        out.byteswap()
+    return out.tolist()
 
 
 def token_list(tokens) -> list:

@@ -70,14 +70,15 @@ def exception_for(code: int, message: str) -> errors.ShmkvError:
 
 # -- message types -----------------------------------------------------------------------
 # op -> {arg: (kind, required)}. Kinds: "int", "num", "bytes", "str", "ints" (list of
-# ints), "i64s" (bytes of little-endian int64s), "list", "map", "bool". None is
-# accepted for optional arguments.
+# ints), "i64s" (bytes of little-endian int64s), "tokens" (token ids: "i64s", what
+# clients send, or "ints"), "list", "map", "bool". None is accepted for optional
+# arguments.
 
 OPS = {
     "hello": {"version": ("int", True), "tp_rank": ("int", False), "tp_size": ("int", False),
               "pid": ("int", False)},
     "ping": {},
-    "allocate": {"num_tokens": ("int", True), "prompt": ("ints", False),
+    "allocate": {"num_tokens": ("int", True), "prompt": ("tokens", False),
                  "cache_salt": ("bytes", False), "request_id": ("str", False)},
     "allocate_many": {"requests": ("list", False), "counts": ("i64s", False)},
     "extend": {"cache_id": ("int", True), "num_tokens": ("int", True),
@@ -132,12 +133,19 @@ def _check_kind(op: str, name: str, kind: str, value: Any) -> None:
         ok = isinstance(value, dict)
     elif kind == "i64s":
         ok = isinstance(value, bytes) and len(value) % 8 == 0
+    elif kind == "tokens":   # packed: nothing to check per token, nothing to decode
+        ok = len(value) % 8 == 0 if isinstance(value, bytes) else (
+            isinstance(value, list) and all(type(v) is int for v in value))
     elif kind == "ints":
         ok = isinstance(value, list) and all(
             type(v) is int for v in value)  # bool is not a token id
     if not ok:
-        raise errors.WrongType(f"{op}: argument {name!r} must be {kind}, got "
-                               f"{type(value).__name__}")
+        what = {"tokens": "token ids: a list of ints, or whole little-endian int64s packed "
+                          "in bytes",
+                "i64s": "whole little-endian int64s packed in bytes"}.get(kind, kind)
+        raise errors.WrongType(f"{op}: argument {name!r} must be {what}, got "
+                               f"{type(value).__name__}"
+                               + (f" of {len(value)}" if isinstance(value, bytes) else ""))
 
 
 def unpack_i64s(data: bytes) -> "array":

@@ -379,18 +379,27 @@ class SequenceTable:
             raise InvalidArgument(f"request_id must be a str of at most {MAX_REQUEST_ID} chars")
         keys, tail, root = None, [], None
         if prompt is not None:
-            if not isinstance(prompt, list):
+            # Clients send the prompt packed (int64 LE bytes): no per-token decode or check.
+            if isinstance(prompt, bytes):
+                if len(prompt) % 8:
+                    raise WrongType("a packed prompt must be whole int64 token ids")
+                packed = prompt
+            elif isinstance(prompt, list):
+                try:
+                    packed = hashing.pack_tokens(prompt)
+                except (OverflowError, TypeError):
+                    raise InvalidArgument("prompt token ids must be ints in the int64 "
+                                          "range") from None
+            else:
                 raise WrongType("prompt must be a list of token ids")
-            if num_tokens not in (0, len(prompt)):
+            length = len(packed) // 8
+            if num_tokens not in (0, length):
                 raise InvalidArgument(f"num_tokens={num_tokens} disagrees with a prompt of "
-                                      f"{len(prompt)} tokens; pass one or make them equal")
-            num_tokens = len(prompt)
+                                      f"{length} tokens; pass one or make them equal")
+            num_tokens = length
             root = hashing.root_key(salt)
-            try:
-                keys = hashing.block_keys(prompt, self.block_size, root)
-            except (OverflowError, TypeError):
-                raise InvalidArgument("prompt token ids must be ints in the int64 range") from None
-            tail = prompt[len(keys) * self.block_size:]
+            keys = hashing.packed_block_keys(packed, self.block_size, root)
+            tail = hashing.unpack_tokens(packed[len(keys) * self.block_size * 8:])
         elif salt is not None:
             raise InvalidArgument("cache_salt needs a prompt")
         if self._blocks_for(num_tokens) <= self.pool.num_blocks:  # else PoolExhausted below

@@ -142,3 +142,30 @@ def test_other_clients_of_a_sequence_see_its_copy_on_write(coord, client):
         k_pages, _v, table = pb.paged_kv(0)
         assert table.tolist() == p.block_table.to_tensor().tolist()
         assert torch.equal(c.key_cache(0), torch.full((2, 4, 8), 9.0))
+
+
+def test_packed_and_listed_prompts_key_the_same_blocks(client):
+    """Clients send prompts packed (int64 LE); a prompt sent as a list of ints (an
+    older client, another language) finds the same published blocks, and a packed
+    prompt that is not whole int64s is refused with nothing taken."""
+    from shmkv import hashing
+    prompt = list(range(900, 913))             # 3 full blocks of 4 + 1 token
+    h = client.allocate(prompt=prompt)
+    k = torch.randn(len(prompt), 4, 8)
+    for layer in range(3):
+        h.write(layer, k, -k, start=0)
+    h.commit(len(prompt))
+    h.close()
+    before = client.stats()
+    listed = client.request("allocate_many", requests=[{"num_tokens": 0, "prompt": prompt}])
+    packed = client.request("allocate_many",
+                            requests=[{"num_tokens": 0, "prompt": hashing.pack_tokens(prompt)}])
+    assert listed[0]["num_cached"] == packed[0]["num_cached"] == 12
+    with pytest.raises(shmkv.errors.WrongType, match="int64"):
+        client.request("allocate_many", requests=[{"num_tokens": 0, "prompt": b"\x01" * 12}])
+    with pytest.raises(shmkv.errors.WrongType):
+        client.request("allocate_many", requests=[{"num_tokens": 0, "prompt": [1, True]}])
+    client.request("release_many", cache_ids=[listed[0]["cache_id"], packed[0]["cache_id"]])
+    after = client.stats()
+    assert after["referenced_blocks"] == before["referenced_blocks"]
+    assert after["prefix_hit_blocks"] == before["prefix_hit_blocks"] + 6
