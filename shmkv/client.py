@@ -68,6 +68,8 @@ class Client:
         self._next_id = 1
         self._decoder = protocol.FrameDecoder(protocol.DEFAULT_MAX_FRAME * 4)
         self._pending: list = []
+        self._posted: dict = {}       # request id -> op, of requests sent without waiting
+        self._posted_errors: list = []
         self._sock: Optional[socket.socket] = None
         self._poll = None
         self._memory: Optional[PoolMemory] = None
@@ -190,6 +192,8 @@ class Client:
                         if response.request_id == -1:  # the coordinator dropped us
                             self._gone = True
                             response.unwrap()
+                        if self._posted:
+                            self._took_posted(response)
                     data = self._sock.recv(_RECV_SIZE)
                     if not data:
                         self._gone = True
@@ -204,6 +208,40 @@ class Client:
             except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError):
                 self._gone = True
                 raise self._drop_reason() from None
+
+    def _post(self, op: str, **args) -> None:
+        """Send a request without waiting for its answer. The coordinator serves it
+        before any later request of this client; :meth:`request` takes its answer on the
+        way, and :meth:`flush` raises what it refused."""
+        self.check()
+        with self._lock:
+            request_id = self._next_id
+            self._next_id += 1
+            try:
+                self._sock.sendall(protocol.encode_request(request_id, op, args))
+            except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError):
+                self._gone = True
+                raise self._drop_reason() from None
+            self._posted[request_id] = op
+
+    def _took_posted(self, response) -> None:
+        op = self._posted.pop(response.request_id, None)
+        if op is not None and response.code:
+            self._posted_errors.append(
+                (op, protocol.exception_for(response.code, response.message)))
+
+    def flush(self) -> None:
+        """Wait until the coordinator has served every request this client sent without
+        waiting (``close_many(..., wait=False)``); raise the first one it refused.
+
+        Raises:
+            ShmkvError: what the coordinator answered a request sent without waiting.
+        """
+        if self._posted:
+            self.request("ping")   # answered after everything sent before it
+        if self._posted_errors:
+            (op, exc), self._posted_errors = self._posted_errors[0], []
+            raise type(exc)(f"{op} (sent without waiting): {exc}") from exc
 
     def _drop_reason(self) -> Exception:
         """Why the connection broke: the coordinator's last error frame if it sent one
@@ -333,8 +371,13 @@ class Client:
         # The new lengths and blocks are in the shared tables: only the starts are used.
         return [result["start"] for result in self.request("extend_many", items=wire)]
 
-    def close_many(self, handles: Iterable) -> None:
+    def close_many(self, handles: Iterable, wait: bool = True) -> None:
         """Close several handles in one round trip (already closed ones are skipped).
+
+        With ``wait=False`` the release is sent and not waited for (a scheduler freeing
+        finished requests has nothing to wait for): the coordinator serves it before this
+        client's next request, so this client never sees the blocks still held; other
+        processes may, for that long. :meth:`flush` waits for it.
 
         Raises:
             InvalidArgument: a handle was made by another client (nothing is closed).
@@ -346,9 +389,12 @@ class Client:
         live = list({id(h): h for h in handles if not h._closed}.values())   # once each
         if not live:
             return
+        ids = protocol.pack_i64s(array("q", [h._cache_id for h in live]))
         try:
-            self.request("release_many",
-                         ids=protocol.pack_i64s(array("q", [h._cache_id for h in live])))
+            if wait:
+                self.request("release_many", ids=ids)
+            else:
+                self._post("release_many", ids=ids)
         finally:
             self._handles.difference_update(live)
             for h in live:

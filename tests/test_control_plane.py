@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import shmkv
-from shmkv import errors
+from shmkv import errors, protocol
 from shmkv.allocator import BlockPool
 from shmkv.sequences import SequenceTable
 from shmkv.tables import CACHE_ID, NUM_TOKENS
@@ -205,6 +205,26 @@ def test_close_many_of_handles_that_never_read_their_row(coord, client):
     assert stats["sequences"] == 0 and stats["free_blocks"] == stats["num_blocks"]
     with pytest.raises(errors.InvalidArgument, match="one of cache_ids and ids"):
         client.request("release_many", cache_ids=[1], ids=b"\0" * 8)
+
+
+def test_close_many_without_waiting_is_served_before_the_next_request(coord, client):
+    base = coord.stats()
+    hs = client.allocate_many([1] * 64)
+    client.close_many(hs, wait=False)
+    assert all(h._closed for h in hs) and not client._handles
+    # This client's next request is served after the release: it never sees them held.
+    stats = client.stats()
+    assert stats["sequences"] == base["sequences"]
+    assert stats["free_blocks"] == base["free_blocks"]
+    client.flush()                                       # nothing refused: no error
+    # A release the coordinator refuses is raised by flush(), named, and only once.
+    h = client.allocate_many([1])[0]
+    client.request("release_many", ids=protocol.pack_i64s([h._cache_id]))  # behind its back
+    client.close_many([h], wait=False)
+    with pytest.raises(errors.UnknownCache, match="sent without waiting"):
+        client.flush()
+    client.flush()                                       # raised once, then cleared
+    assert client.stats()["sequences"] == base["sequences"]   # and the client goes on
 
 
 def test_a_dropped_connection_frees_plain_and_object_sequences():
