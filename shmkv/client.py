@@ -180,10 +180,8 @@ class Client:
         """Send one request and wait for its result (raises the mapped error)."""
         self.check()
         with self._lock:
-            request_id = self._next_id
-            self._next_id += 1
             try:
-                self._sock.sendall(protocol.encode_request(request_id, op, args))
+                request_id = self._send(op, args)
                 while True:
                     while self._pending:
                         response = protocol.parse_response(self._pending.pop(0))
@@ -215,14 +213,18 @@ class Client:
         way, and :meth:`flush` raises what it refused."""
         self.check()
         with self._lock:
-            request_id = self._next_id
-            self._next_id += 1
             try:
-                self._sock.sendall(protocol.encode_request(request_id, op, args))
+                self._posted[self._send(op, args)] = op
             except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError):
                 self._gone = True
                 raise self._drop_reason() from None
-            self._posted[request_id] = op
+
+    def _send(self, op: str, args: dict) -> int:
+        """Send one request (holding ``_lock``); returns its id."""
+        request_id = self._next_id
+        self._next_id += 1
+        self._sock.sendall(protocol.encode_request(request_id, op, args))
+        return request_id
 
     def _took_posted(self, response) -> None:
         op = self._posted.pop(response.request_id, None)

@@ -495,19 +495,6 @@ class _DiskStore(BlockFiles):
         return out
 
 
-def default_workers() -> int:
-    """Copy threads for promotions and host copies: two, but always one CPU fewer than
-    this process may run on. Copies run at the lowest priority, and a CPU busy with one
-    still takes a scheduler tick to hand over to a woken loop or client on some
-    virtual machines (measured on 2 vCPUs: the loop's wake-ups waited up to 4.5 ms while
-    both ran copies); one copy thread already reaches memory bandwidth."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return max(1, min(2, cpus - 1))
-
-
 # -- the tier I/O process, from the loop's side ------------------------------------------
 
 
@@ -649,8 +636,7 @@ class TierSet:
         memory: the pool's :class:`~shmkv.memory.PoolMemory`.
         table: the :class:`~shmkv.sequences.SequenceTable` (its pool gets the hooks).
         wake: called from a worker thread to wake the loop.
-        num_workers: threads for promotions and host copies (in either place); default
-            :func:`default_workers`.
+        num_workers: threads for promotions and host copies (in either place).
         wake_sock: the loop's wake socket (write end); the I/O process sends a byte on
             it when a job is done. Without it copies run in threads.
 
@@ -663,12 +649,11 @@ class TierSet:
     """
 
     def __init__(self, specs: list, config, memory, table, wake: Callable[[], None],
-                 num_workers: Optional[int] = None,
-                 wake_sock: Optional[socket.socket] = None):
+                 num_workers: int = 2, wake_sock: Optional[socket.socket] = None):
         self.config = config
         self.table = table
         self.pool = table.pool
-        self.num_workers = default_workers() if num_workers is None else num_workers
+        self.num_workers = num_workers
         self._wake_fn = wake
         self.host: Optional[_HostStore] = None
         self.disk: Optional[_DiskStore] = None

@@ -421,8 +421,7 @@ def test_io_process_runs_niced_and_dies_with_a_killed_coordinator(tmp_path, uniq
             tids = [t.id for t in io_process.threads()]
             lowest = [tid for tid in tids if os.getpriority(os.PRIO_PROCESS, tid)
                       == tier_io.IO_PROCESS_NICE]
-            # the copy workers (one fewer than the CPUs, at most 2) and the disk writer
-            assert len(lowest) == tiers_mod.default_workers() + 1
+            assert len(lowest) == 3   # the 2 workers and the disk writer
             if tier_io.IO_PROCESS_POLICY == "idle" and hasattr(os, "SCHED_IDLE"):
                 assert all(os.sched_getscheduler(tid) == os.SCHED_IDLE for tid in lowest)
             assert io_process.is_running()
