@@ -2,6 +2,7 @@
 (no object until a call needs one), cache ids that carry their slot, the decode step a
 connection repeats, and the client's re-read of only the table rows that changed."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -261,3 +262,17 @@ def test_a_batch_steps_on_when_its_kept_batch_was_dropped(client, monkeypatch):
         for layer in range(L):
             n = h.num_tokens
             assert torch.equal(h.value_cache(layer)[n - 6:], expected_kv(h, layer, 1, n)[n - 6:])
+
+
+def test_run_index_is_a_slice_only_for_one_ascending_run():
+    from shmkv.tables import run_index
+    run = np.arange(40, 72, dtype=np.int64)
+    assert run_index(run) == slice(40, 72)
+    for ids in (run[::-1].copy(), np.r_[run[:16], run[17:], 72], np.r_[run[1:], 40],
+                np.arange(0, 64, 2, dtype=np.int64), run[:8]):
+        assert run_index(ids) is ids        # reversed, a gap, wrapped, strided, short
+    # The stores through either index are the same.
+    a, b = np.zeros(100), np.zeros(100)
+    a[run_index(run)] = np.arange(32)
+    b[run] = np.arange(32)
+    assert np.array_equal(a, b)
