@@ -128,6 +128,8 @@ def request_args(op: str, ref_ids):
     by_kind = {"int": ints(), "num": st.one_of(ints(), st.floats()),
                "bytes": st.binary(max_size=40), "str": st.text(max_size=20),
                "ints": st.lists(ints(), max_size=20),
+               # token ids: a list, or packed (lengths that are not whole int64s too)
+               "tokens": st.one_of(st.lists(ints(), max_size=20), st.binary(max_size=40)),
                "list": st.lists(values, max_size=4), "map": values, "bool": st.booleans(),
                "i64s": st.lists(st.integers(-2**63, 2**63 - 1), max_size=6).map(
                    protocol.pack_i64s)}
