@@ -14,9 +14,11 @@ reference, held by the connection that made it) has no Python object: its state 
 its row of the shared tables, so a scheduler admitting or retiring hundreds of them
 costs a fixed number of array operations. The first call that needs more of it
 (a fork, a clone, an export, a per-sequence call) makes its :class:`Sequence` from
-that row. A decode batch of such sequences can be *kept* (:meth:`SequenceTable.keep_batch`):
-checked once, then stepped by :meth:`SequenceTable.extend_kept` with no per-step checks
-until something else changes those sequences.
+that row. A decode batch can be *kept* (:meth:`SequenceTable.keep_batch`): checked
+once, then stepped by :meth:`SequenceTable.extend_kept` with no per-step checks until
+something else changes those sequences. Its sequences may be plain ones or ones with
+objects (a prompt's, with prefix keys) that only this connection holds; a kept step
+stores the lengths with one array operation and moves each object's length along.
 
 Does not do I/O and does not touch K/V bytes: copy-on-write calls the
 ``copy_block(src, dst)`` callback the coordinator provides. Pure: no torch, no
@@ -104,15 +106,17 @@ class _Kept:
     slots, and what its checks hold against (``version``, ``conn_steps``)."""
 
     __slots__ = ("ids", "where", "lengths_at", "version", "conn_steps", "steps", "phases",
-                 "added")
+                 "added", "objects", "heavy")
 
-    def __init__(self, ids, where, version: int, conn_steps: int):
+    def __init__(self, ids, where, version: int, conn_steps: int, objects=None):
         self.ids, self.where, self.steps = ids, where, 0
         self.lengths_at = where * SEQ_FIELDS + NUM_TOKENS   # in the flat sequence rows
-        self.reset(version, conn_steps)
+        self.reset(version, conn_steps, objects)
 
-    def reset(self, version: int, conn_steps: int) -> None:
+    def reset(self, version: int, conn_steps: int, objects=None) -> None:
         self.version, self.conn_steps = version, conn_steps
+        self.objects = objects   # per sequence: its Sequence, or None for a plain one
+        self.heavy = None if objects is None else [s for s in objects if s is not None]
         self.phases = None   # for one token a step: {offset in a block: sequences}
         self.added = 0       # tokens each sequence got since ``phases`` was made
 
@@ -201,9 +205,11 @@ class SequenceTable:
         self._light_np = np.zeros(layout.max_sequences, dtype=bool)
         self._light_conn = np.zeros(layout.max_sequences, dtype=np.int64)
         self._num_light = 0
-        # Moves whenever a plain sequence without an object is released or given one;
-        # ``_conn_steps`` moves with every call of a connection that may change its
-        # rows. A kept batch (:meth:`keep_batch`) stays checked while both stand still.
+        # Moves whenever a sequence a kept batch may hold changes outside its steps: a
+        # plain one released or given an object; one with an object released, forked,
+        # cloned, exported, opened or copied on write. ``_conn_steps`` moves with every
+        # call of a connection that may change its rows. A kept batch (:meth:`keep_batch`)
+        # stays checked while both stand still.
         self._light_version = 0
         self._conn_steps: Dict[int, int] = {}
         self._kept: Dict[int, Dict[int, list]] = {}
@@ -340,6 +346,7 @@ class SequenceTable:
         seq.num_refs += 1
 
     def _unref(self, seq: Sequence, count: int = 1) -> None:
+        self._light_version += 1   # (a kept batch holding it checks again)
         seq.num_refs -= count
         if seq.num_refs == 0:
             del self.sequences[seq.cache_id]
@@ -541,6 +548,7 @@ class SequenceTable:
             pool.ref_cnt[block_id] == 1 and pool.block_key[block_id] is None)
 
     def _cow(self, seq: Sequence, index: int) -> None:
+        self._light_version += 1
         old = seq.block_ids[index]
         new = self.pool.allocate(1, seq.cache_id)
         assert new is not None
@@ -856,22 +864,52 @@ class SequenceTable:
     # -- kept batches (a decode loop's batch, checked once) -------------------------------
 
     def keep_batch(self, conn_id: int, cache_ids: Seq[int]) -> int:
-        """Keep a batch of plain sequences without objects, each held by this connection,
-        for :meth:`extend_kept`: its checks are made now and hold until one of them is
-        released or given an object, or the connection changes their rows another way.
-        Returns the batch's id, or 0 when it does not qualify (then step it with
-        :meth:`extend_batch`). A connection keeps its ``MAX_KEPT`` newest batches."""
-        where = self._light_slots(conn_id, cache_ids)
+        """Keep a batch of sequences held by this connection for :meth:`extend_kept`:
+        its checks are made now and hold until one of them is released, forked, cloned,
+        exported, opened, copied on write or given an object, or the connection changes
+        their rows another way. Returns the batch's id, or 0 when it does not qualify
+        (see :meth:`_keepable`; then step it with :meth:`extend_batch`). A connection
+        keeps its ``MAX_KEPT`` newest batches."""
         kept = self._kept.get(conn_id)
-        if where is None or kept is None:
+        keep = self._keepable(conn_id, cache_ids) if kept is not None else None
+        if keep is None:
             return 0
         if len(kept) >= MAX_KEPT:
             del kept[next(iter(kept))]
         batch_id = self._next_kept
         self._next_kept += 1
-        kept[batch_id] = _Kept(np.asarray(cache_ids, dtype=np.int64), where,
-                               self._light_version, self._conn_steps[conn_id])
+        kept[batch_id] = _Kept(np.asarray(cache_ids, dtype=np.int64), keep[0],
+                               self._light_version, self._conn_steps[conn_id], keep[1])
         return batch_id
+
+    def _keepable(self, conn_id: int, cache_ids: Seq[int]) -> Optional[tuple]:
+        """``(slots, objects)`` when a batch can be kept, else None: distinct live
+        sequences held by this connection, each plain, or with an object (``objects[i]``,
+        None for a plain one) that this connection alone holds, that takes no more prefix
+        keys, whose blocks just cover its tokens and whose partial last block it writes
+        in place. Then a kept step needs no copy and knows which sequences open a block
+        from their lengths alone."""
+        ids = np.asarray(cache_ids, dtype=np.int64)
+        where = self._checked_rows(conn_id, ids, ids & self._slot_mask)
+        if where is None:
+            return None
+        heavy = np.flatnonzero(~self._light_np[where])
+        if not heavy.shape[0]:
+            return where, None
+        rows, bs = where[heavy], self.block_size
+        lens = self._seq_np[rows, NUM_TOKENS]
+        if self._keys_open_np[rows].any() or \
+                not np.array_equal(self._num_blocks_np[rows], (lens + bs - 1) // bs):
+            return None
+        objects: list = [None] * ids.shape[0]
+        refs, owner = self.conn_refs[conn_id], self._owner_np
+        for i, cache_id in zip(heavy.tolist(), ids[heavy].tolist()):
+            seq = self.sequences[cache_id]
+            if seq.num_refs != 1 or refs.get(cache_id) != 1 or (
+                    seq.num_tokens % bs and owner[seq.block_ids[-1]] != cache_id):
+                return None
+            objects[i] = seq
+        return where, objects
 
     def extend_kept(self, conn_id: int, batch_id: int, count: int, seen: int) -> Optional[dict]:
         """:meth:`extend_batch` of ``count`` more tokens in every sequence of a kept
@@ -898,8 +936,9 @@ class SequenceTable:
             kept.version = -1
             lens = self.extend_batch(conn_id, kept.ids.tolist(), count, None,
                                      kept.where.tolist())
-            if self._light_slots(conn_id, kept.ids) is not None:
-                kept.reset(self._light_version, self._conn_steps[conn_id])
+            keep = self._keepable(conn_id, kept.ids)
+            if keep is not None:
+                kept.reset(self._light_version, self._conn_steps[conn_id], keep[1])
             return {"steps": kept.steps, "same": False, "lens": lens}
         kept.conn_steps = self._conn_steps[conn_id]
         grown, blocks = done
@@ -912,12 +951,16 @@ class SequenceTable:
     def _step_kept(self, kept: "_Kept", count: int) -> Optional[tuple]:
         """:meth:`_extend_light` of a kept batch: for one token a step, which sequences
         open a block comes from their phase in a block (no work per step), and the step
-        is one store that adds to every length. Returns ``(grown, blocks)``, or None
-        (nothing changed) when one would need two blocks."""
+        is one store that adds to every length; then the objects of the sequences that
+        have one move along. Returns ``(grown, blocks)``, or None (nothing changed) when
+        one would need two blocks."""
         if count != 1:
             kept.phases = None
             done = self._extend_light(kept.where, kept.ids, count)
-            return None if done is None else done[1:]
+            if done is None:
+                return None
+            self._move_objects(kept, count, done[1], done[2])
+            return done[1:]
         bs, seq_flat, at = self.block_size, self._seq_flat, kept.lengths_at
         if kept.phases is None:   # sequences by their length's offset in a block
             phase = seq_flat[at] % bs
@@ -935,7 +978,21 @@ class SequenceTable:
                 kept.phases = None   # (nothing changed; the next step starts again)
                 raise
         seq_flat[at] += 1   # the lengths, after any new entries (the tables' order)
+        self._move_objects(kept, 1, grown, blocks)
         return grown, blocks
+
+    @staticmethod
+    def _move_objects(kept: "_Kept", count: int, grown: np.ndarray, blocks: np.ndarray) -> None:
+        """A kept step's changes, made to the objects of its sequences that have one."""
+        if kept.objects is None:
+            return
+        for seq in kept.heavy:
+            seq.num_tokens += count
+        objects = kept.objects
+        for i, block in zip(grown.tolist(), blocks.tolist()):
+            seq = objects[i]
+            if seq is not None:
+                seq.block_ids.append(block)
 
     def prepare_batch(self, conn_id: int, cache_ids: Seq[int], starts: Seq[int],
                       counts: Seq[int]) -> array:
@@ -1100,6 +1157,7 @@ class SequenceTable:
         """A new reference to the same sequence (no copy)."""
         seq = self._held(conn_id, cache_id)
         self._ref(conn_id, seq)
+        self._light_version += 1   # two references now: no kept batch steps it
         return self._info(seq)
 
     def fork(self, conn_id: int, cache_id: int) -> dict:
@@ -1108,6 +1166,7 @@ class SequenceTable:
         self.tables.check_slots(1)
         child = self._new_sequence(parent.root, None)
         self.pool.incref(parent.block_ids)
+        self._light_version += 1   # the parent's last block is shared now
         child.block_ids = list(parent.block_ids)
         child.num_tokens = parent.num_tokens
         child.keys = list(parent.keys) if parent.keys is not None else None
@@ -1175,6 +1234,7 @@ class SequenceTable:
         self.handoffs[handoff_id] = _Handoff(secret, seq.cache_id, deadline)
         heapq.heappush(self._handoff_heap, (deadline, handoff_id))
         seq.num_refs += 1
+        self._light_version += 1   # its opener may extend it too
         self.counters["exported_handoffs"] += 1
         return bytes([TOKEN_VERSION]) + handoff_id.to_bytes(8, "big") + secret
 
@@ -1193,6 +1253,7 @@ class SequenceTable:
         seq = self.sequences[handoff.cache_id]
         seq.num_refs -= 1  # the token's reference moves to the connection
         self._ref(conn_id, seq)
+        self._light_version += 1
         self.counters["opened_handoffs"] += 1
         return self._info(seq)
 

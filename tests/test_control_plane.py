@@ -276,3 +276,118 @@ def test_run_index_is_a_slice_only_for_one_ascending_run():
     a[run_index(run)] = np.arange(32)
     b[run] = np.arange(32)
     assert np.array_equal(a, b)
+
+
+def prompt_sequences(table, lengths, conn=1, start=1000):
+    """Sequences allocated with prompts (objects with prefix keys), as an engine's are."""
+    infos = table.allocate_many(conn, [{"num_tokens": 0, "prompt": list(range(
+        start + 100 * i, start + 100 * i + n))} for i, n in enumerate(lengths)])
+    return [info["cache_id"] for info in infos], [info["slot"] for info in infos]
+
+
+def test_a_batch_of_prompt_sequences_is_kept_once_its_keys_close():
+    table = make_table()
+    ids, slots = prompt_sequences(table, [3, 4, 6])
+    assert table.keep_batch(1, ids) == 0        # prompt keys still open: not yet
+    table.extend_batch(1, ids, 1, None, slots)   # an extend without ids closes them
+    batch = table.keep_batch(1, ids)
+    assert batch
+    seen = 0
+    for _ in range(13):   # across block boundaries: 4, 5 -> 8, 9 and 7 -> 8
+        done = table.extend_kept(1, batch, 1, seen=seen)
+        assert done["same"]
+        seen = done["steps"]
+        table.check_invariants()   # the objects moved with the shared rows
+    assert [table.sequences[i].num_tokens for i in ids] == [17, 18, 20]
+    assert [len(table.sequences[i].block_ids) for i in ids] == [5, 5, 5]
+    for i, slot in zip(ids, slots):
+        seq = table.sequences[i]
+        assert table._table_np[slot, :5].tolist() == seq.block_ids
+        assert table._seq_np[slot, NUM_TOKENS] == seq.num_tokens
+    # A commit publishes full blocks only: the batch stays kept.
+    table.commit(1, ids[0], 16)
+    assert table.extend_kept(1, batch, 1, seen=seen)["same"]
+    table.check_invariants()
+
+
+def test_a_kept_batch_of_prompt_sequences_checks_again_after_a_share():
+    copies = []
+    table = SequenceTable(BlockPool(64), BS, copy_block=lambda s, d: copies.append((s, d)),
+                          max_sequences=16, max_seq_blocks=16)
+    table.add_connection(1)
+    table.add_connection(2)
+    ids, slots = prompt_sequences(table, [5, 6])
+    table.extend_batch(1, ids, 1, None, slots)           # 6 and 7 tokens
+    batch = table.keep_batch(1, ids)
+    assert table.extend_kept(1, batch, 1, seen=0)["same"]        # 7 and 8
+    child = table.fork(1, ids[0])["cache_id"]           # shares the last block (7 of 8)
+    done = table.extend_kept(1, batch, 1, seen=1)
+    assert not done["same"] and list(done["lens"]) == [8, 9]
+    assert len(copies) == 1 and copies[0][0] == table.sequences[child].block_ids[1]
+    assert table.sequences[ids[0]].block_ids[1] == copies[0][1] != copies[0][0]
+    table.check_invariants()
+    # A second reference (a hand-off opened by another connection, or a clone): the
+    # batch steps through the checked path while it lasts, and stays exact.
+    done = table.extend_kept(1, batch, 1, seen=done["steps"])
+    assert done["same"]                                  # kept again after the copy
+    token = table.export(1, ids[0], ttl=30)
+    table.open(2, token)
+    for _ in range(2):
+        done = table.extend_kept(1, batch, 1, seen=done["steps"])
+        assert not done["same"]
+    assert list(done["lens"]) == [11, 12]
+    table.release(2, ids[0])
+    done = table.extend_kept(1, batch, 1, seen=done["steps"])
+    done = table.extend_kept(1, batch, 1, seen=done["steps"])
+    assert done["same"]                                  # one holder again: kept
+    table.clone(1, ids[1])
+    for _ in range(2):
+        done = table.extend_kept(1, batch, 1, seen=done["steps"])
+        assert not done["same"]
+    assert list(done["lens"]) == [15, 16]
+    assert [table.sequences[i].num_tokens for i in ids] == [15, 16]
+    table.check_invariants()
+    table.release(1, ids[1])                             # the clone's reference
+    done = table.extend_kept(1, batch, 1, seen=done["steps"])
+    done = table.extend_kept(1, batch, 1, seen=done["steps"])
+    assert done["same"]
+    assert [table.sequences[i].num_tokens for i in ids] == [17, 18]
+    table.check_invariants()
+
+
+def test_decode_steps_of_prompt_sequences_stay_exact_with_forks(client):
+    prompts = [list(range(50 + 20 * i, 50 + 20 * i + n)) for i, n in enumerate([5, 8, 3])]
+    hs = [client.allocate(prompt=p) for p in prompts]
+    batch = client.batch(hs)
+    write_step(batch.prefill(start=0))
+    forks = []
+    marker = torch.full((1, H, D), -3.0)
+    for i in range(30):
+        if i % 9 == 4:      # a fork that writes its own next token into the shared block
+            parent = hs[i % 3]
+            f = parent.fork()
+            start = f.extend(1)
+            for layer in range(L):
+                f.write(layer, marker, marker, start=start)
+            forks.append((parent, f))
+        before = [h.num_tokens for h in hs]
+        step = batch.extend(1)
+        width = step.block_tables.shape[1]
+        for row, h, n in zip(step.block_tables.tolist(), hs, before):
+            table = list(h.block_table.physical_blocks)
+            assert row == (table + [0] * width)[:width]
+            assert len(table) == -(-(n + 1) // BS)
+        assert step.slot_mapping.tolist() == [
+            h.block_table.physical_blocks[n // BS] * BS + n % BS for h, n in zip(hs, before)]
+        write_step(step)
+    assert batch._kept > 0                   # the coordinator kept this batch
+    for h in hs:
+        for layer in range(L):
+            assert torch.equal(h.key_cache(layer), expected_kv(h, layer, 0, h.num_tokens))
+    for parent, f in forks:   # its parent's values, then its own token; and the parents
+        n = f.num_tokens      # (checked above) still hold theirs in that position
+        for layer in range(L):
+            assert torch.equal(f.key_cache(layer)[:n - 1],
+                               expected_kv(parent, layer, 0, n - 1))
+            assert torch.equal(f.key_cache(layer)[n - 1:], marker)
+    client.close_many([f for _p, f in forks] + hs)
