@@ -1385,6 +1385,12 @@ def _control_point(opts: Options, cleanup: _Cleanup) -> dict:
         kept = raw_client.request("extend_batch", ids=raw_batch._ids_wire, count=1,
                                   slots=raw_batch._slots_wire, keep=True)["batch"]
         raw = {"seen": 0}
+        # The same over sequences allocated with prompts, as an engine's are (objects
+        # with prefix keys in the coordinator), on a connection of their own.
+        prompt_client = connect(coord.address)
+        prompt_batch = prompt_client.batch(prompt_client.allocate_many(
+            [{"prompt": list(range(i * 64, i * 64 + 40))} for i in range(num)]))
+        prompt_batch.extend(1)
 
         def request():
             raw["seen"] = raw_client.request("extend_kept", batch=kept, count=1,
@@ -1419,12 +1425,14 @@ def _control_point(opts: Options, cleanup: _Cleanup) -> dict:
         try:
             times = interleaved({
                 "extend": looped(lambda: batch.extend(1)),
+                "prompt": looped(lambda: prompt_batch.extend(1)),
                 "request": looped(request),
                 "ping": looped(client.ping),
                 "table": looped(in_table),
                 "codec": looped(ext_codec)}, repeats)
         finally:
             raw_client.close()
+            prompt_client.close()
         for name, samples in times.items():
             point[f"extend_{name}_s"] = _median(samples) / calls
         # The same against ping with client and coordinator pinned: on one CPU (every
@@ -1532,6 +1540,11 @@ def bench_batch(opts: Options, cleanup: _Cleanup, series: dict, cache: dict) -> 
     figures.append(Figure("batch", "batch.extend(1), 256 sequences", c["extend_extend_s"] * 1e6,
                           "us", c["extend_ping_s"] * 1e6, "ping", ratio, "<= 3",
                           _check(ratio, "<= 3"), params=_split(c, "extend")))
+    if "extend_prompt_s" in c:
+        ratio = c["extend_prompt_s"] / c["extend_ping_s"]
+        figures.append(Figure("batch", "batch.extend(1), 256 prompt-allocated sequences",
+                              c["extend_prompt_s"] * 1e6, "us", c["extend_ping_s"] * 1e6,
+                              "ping", ratio, "<= 3", _check(ratio, "<= 3")))
     for place, pinned in c.get("placements", {}).items():
         if "alloc" in pinned:
             rate = BATCH_CONTROL_SEQS / pinned["alloc"]
