@@ -41,6 +41,7 @@ _UNIT_MIN_TOKENS = 64
 # Step.advance checks batches of up to this many sequences in a plain loop.
 _PLAIN_MAX_SEQS = 32
 # The arrays of a step made by Step.advance: its root step's, moved by its shift.
+_KEEP_RETRY = 16   # steps after which a batch the coordinator did not keep asks again
 _SHIFTED = ("_starts", "_ends", "_positions", "_slot_np")
 
 
@@ -93,8 +94,8 @@ class Batch:
         self._checked_at = client.num_closed
         self._known_tables = None   # (rows, generations) of the last step's table read
         # The coordinator's id of this batch once it keeps it (extend_kept: a decode
-        # step sends no ids and is not checked again; -1: it never will, its sequences
-        # have objects), and what our last kept step left: (its number, ends,
+        # step sends no ids and is not checked again; -n: it did not qualify, ask again
+        # in n steps), and what our last kept step left: (its number, ends,
         # slot_mapping, longest end).
         self._kept = 0
         self._kept_state: Optional[tuple] = None
@@ -185,14 +186,16 @@ class Batch:
                                     seen=state[0] if state is not None else -1)
             if answer is None:   # no longer kept (the coordinator keeps the newest)
                 self._kept = 0
-        if answer is None and self._kept < 0:   # not keepable (sequences with objects)
+        if answer is None and self._kept < 0:   # did not qualify lately
+            self._kept += 1
             answer = {"lens": client.request("extend_batch", ids=self._ids_wire, count=count,
                                              slots=self._slots_wire), "same": False}
         elif answer is None:
             answer = client.request("extend_batch", ids=self._ids_wire, count=count,
                                     slots=self._slots_wire, keep=True)
-            # (a batch of sequences with objects never qualifies: it stops asking)
-            self._kept = answer["batch"] or -1
+            # (one that does not qualify, a sequence with a second holder say, asks
+            # again some steps later)
+            self._kept = answer["batch"] or -_KEEP_RETRY
             answer["steps"], answer["same"] = 0, False
         if answer["same"]:
             grown = answer["grown"]

@@ -391,3 +391,23 @@ def test_decode_steps_of_prompt_sequences_stay_exact_with_forks(client):
                                expected_kv(parent, layer, 0, n - 1))
             assert torch.equal(f.key_cache(layer)[n - 1:], marker)
     client.close_many([f for _p, f in forks] + hs)
+
+
+def test_a_batch_the_coordinator_did_not_keep_asks_again(client):
+    from shmkv.batch import _KEEP_RETRY
+    hs = [client.allocate(prompt=list(range(300 + 10 * i, 305 + 10 * i))) for i in range(2)]
+    extra = hs[0].clone_handle()             # a second holder: not keepable for now
+    batch = client.batch(hs)
+    batch.extend(1)
+    assert batch._kept == -_KEEP_RETRY
+    extra.close()
+    for _ in range(_KEEP_RETRY):             # steps through the checked path, then asks
+        step = batch.extend(1)
+        assert batch._kept <= 0
+    step = batch.extend(1)
+    assert batch._kept > 0
+    step = batch.extend(1)                   # a kept step: built from the last one
+    assert step.seq_lens.tolist() == [h.num_tokens for h in hs] == [24, 24]
+    for row, h in zip(step.block_tables.tolist(), hs):
+        assert row[:len(h.block_table.physical_blocks)] == list(h.block_table.physical_blocks)
+    client.close_many(hs)
