@@ -39,6 +39,7 @@ from .memory import PoolMemory, attach_pool
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_PICKLE_TTL = 300.0
 _RECV_SIZE = 1 << 18
+_MAX_POSTED_ERRORS = 64   # refusals of requests sent without waiting, kept for flush()
 
 
 class Client:
@@ -215,6 +216,10 @@ class Client:
         with self._lock:
             try:
                 self._posted[self._send(op, args)] = op
+            except socket.timeout:
+                self._gone = True  # part of a frame may be out: the stream is out of step
+                raise CoordinatorTimeout(f"{op} could not be sent within {self.timeout} s") \
+                    from None
             except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError):
                 self._gone = True
                 raise self._drop_reason() from None
@@ -227,8 +232,9 @@ class Client:
         return request_id
 
     def _took_posted(self, response) -> None:
+        """(Holding ``_lock``.) The answer to a request sent without waiting."""
         op = self._posted.pop(response.request_id, None)
-        if op is not None and response.code:
+        if op is not None and response.code and len(self._posted_errors) < _MAX_POSTED_ERRORS:
             self._posted_errors.append(
                 (op, protocol.exception_for(response.code, response.message)))
 
@@ -241,9 +247,12 @@ class Client:
         """
         if self._posted:
             self.request("ping")   # answered after everything sent before it
-        if self._posted_errors:
-            (op, exc), self._posted_errors = self._posted_errors[0], []
-            raise type(exc)(f"{op} (sent without waiting): {exc}") from exc
+        with self._lock:
+            errors, self._posted_errors = self._posted_errors, []
+        if errors:
+            op, exc = errors[0]
+            more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+            raise type(exc)(f"{op} (sent without waiting): {exc}{more}") from exc
 
     def _drop_reason(self) -> Exception:
         """Why the connection broke: the coordinator's last error frame if it sent one

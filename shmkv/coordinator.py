@@ -261,7 +261,7 @@ class Coordinator:
         self.num_accepted = 0
         self.num_errors = 0
         self.latency: Dict[str, list] = {}  # op -> [count per LATENCY_BUCKETS bucket..., sum]
-        self._to_promote: list = []  # promotions the last turn's requests need, started next
+        self._to_promote: list = []  # promotions this turn's requests need (see _turn)
         self._fd_warned_at = -math.inf
         # Names this coordinator instance (not its address, which a restart reuses), so
         # a step descriptor made against another coordinator is refused.
@@ -462,44 +462,55 @@ class Coordinator:
         selector.register(self._wake_r, selectors.EVENT_READ, None)
         try:
             while not self._stopping:
-                deadline = self.table.next_deadline()
-                wait = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
-                to_promote, self._to_promote = self._to_promote, []
-                if to_promote:
-                    wait = 0.0
-                if self._accept_paused_until:
-                    if time.monotonic() >= self._accept_paused_until:
-                        self._accept_paused_until = 0.0
-                        selector.register(self._listener, selectors.EVENT_READ, None)
-                    else:
-                        wait = min(wait, 0.1)
-                for key, events in selector.select(wait):
-                    sock = key.fileobj
-                    if sock is self._listener:
-                        self._accept(selector)
-                    elif sock is self._wake_r:
-                        try:
-                            self._wake_r.recv(64)
-                        except BlockingIOError:
-                            pass
-                    else:
-                        conn = key.data
-                        if events & selectors.EVENT_READ:
-                            self._on_readable(conn, selector)
-                        if events & selectors.EVENT_WRITE and not conn.closing:
-                            self._flush(conn, selector)
-                for records, conn, request_id, result in to_promote:
-                    self.tiers.promote(records).context = (conn, request_id, result)
-                if self.tiers is not None:
-                    self._tier_turn(selector)
-                if deadline is not None and self.table.expire():
-                    log.info("hand-offs expired unopened (%d so far)",
-                             self.table.counters["expired_handoffs"])
+                self._turn(selector)
         finally:
             selector.close()
             self.close()
             self._serving = False
             log.info("coordinator %s stopped", self.address)
+
+    def _turn(self, selector) -> None:
+        """One turn of the loop: serve what is ready (or wait for it), start the tier
+        promotions those requests need, let the tiers move blocks, expire hand-offs."""
+        deadline = self.table.next_deadline()
+        wait = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
+        if self._accept_paused_until:
+            if time.monotonic() >= self._accept_paused_until:
+                self._accept_paused_until = 0.0
+                selector.register(self._listener, selectors.EVENT_READ, None)
+            else:
+                wait = min(wait, 0.1)
+        self._serve_ready(selector, selector.select(wait))
+        if self._to_promote:
+            # The requests that came in meanwhile go first (a ping should not wait for
+            # copy jobs to be built and sent); then the copies start, before this turn's
+            # tier work places demotions that could evict the entries they read.
+            self._serve_ready(selector, selector.select(0))
+            to_promote, self._to_promote = self._to_promote, []
+            for records, conn, request_id, result in to_promote:
+                self.tiers.promote(records).context = (conn, request_id, result)
+        if self.tiers is not None:
+            self._tier_turn(selector)
+        if deadline is not None and self.table.expire():
+            log.info("hand-offs expired unopened (%d so far)",
+                     self.table.counters["expired_handoffs"])
+
+    def _serve_ready(self, selector, ready) -> None:
+        for key, events in ready:
+            sock = key.fileobj
+            if sock is self._listener:
+                self._accept(selector)
+            elif sock is self._wake_r:
+                try:
+                    self._wake_r.recv(64)
+                except BlockingIOError:
+                    pass
+            else:
+                conn = key.data
+                if events & selectors.EVENT_READ:
+                    self._on_readable(conn, selector)
+                if events & selectors.EVENT_WRITE and not conn.closing:
+                    self._flush(conn, selector)
 
     def _accept(self, selector) -> None:
         while True:
@@ -660,8 +671,8 @@ class Coordinator:
         if op == "hello":
             self._send_hello(conn, request_id, result)
         elif self.table.promotions:  # a tier copies blocks in: answer when they are
-            # Started next turn, after the requests that came in meanwhile (a ping should
-            # not wait for this one's copy jobs to be built and sent too).
+            # Started at the end of this turn, after the requests that came in meanwhile
+            # (see _turn).
             self._to_promote.append((self.table.take_promotions(), conn, request_id, result))
             conn.held = []
         else:

@@ -2,6 +2,8 @@
 (no object until a call needs one), cache ids that carry their slot, the decode step a
 connection repeats, and the client's re-read of only the table rows that changed."""
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -411,3 +413,32 @@ def test_a_batch_the_coordinator_did_not_keep_asks_again(client):
     for row, h in zip(step.block_tables.tolist(), hs):
         assert row[:len(h.block_table.physical_blocks)] == list(h.block_table.physical_blocks)
     client.close_many(hs)
+
+
+def test_a_release_sent_without_waiting_times_out_like_a_request(unique_name):
+    """A coordinator that stops reading (SIGSTOP) while a release too big for the socket
+    buffers is being sent: close_many(wait=False) raises CoordinatorTimeout and the
+    client stops using the stream (part of a frame may be out), as request() does."""
+    import os
+    import signal
+    cfg = shmkv.PoolConfig(num_layers=1, num_kv_heads=1, head_dim=8, num_blocks=1 << 17,
+                           block_size=BS, dtype=torch.float16, max_sequences=1 << 17,
+                           max_seq_len=64)
+    with shmkv.Coordinator.spawn(cfg, name=unique_name) as coord:
+        client = shmkv.connect(coord.address, timeout=0.5)
+        hs = client.allocate_many([1] * 100_000)      # an 800 kB release
+        os.kill(coord.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(errors.CoordinatorTimeout, match="release_many"):
+                client.close_many(hs, wait=False)
+            assert not client.is_alive()
+            with pytest.raises(errors.CoordinatorGone):
+                client.ping()
+        finally:
+            os.kill(coord.pid, signal.SIGCONT)
+            client.close()
+        with shmkv.connect(coord.address) as other:   # the coordinator goes on
+            deadline = time.monotonic() + 10
+            while other.stats()["sequences"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert other.stats()["sequences"] == 0

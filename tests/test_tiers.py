@@ -611,3 +611,78 @@ def test_cli_serve_parses_tier_flags(tmp_path):
 def cli_args(**kw):
     import argparse
     return argparse.Namespace(**kw)
+
+
+def test_a_promotion_pins_its_entries_before_its_turn_places_demotions(unique_name,
+                                                                        monkeypatch):
+    """A client's release and its next allocate arrive in one loop turn (two frames of
+    one read, as after ``close_many(..., wait=False)``); the release's blocks are demoted
+    into a full host tier that turn, whose oldest entries are the very ones the allocate
+    hits. The hit holds: the promotion pins its entries before the turn places demotions.
+    Driven turn by turn through the coordinator's own loop, with copies in its threads."""
+    import selectors
+    import socket
+    from shmkv import protocol
+    from shmkv.coordinator import _Conn
+    monkeypatch.setattr(tiers_mod, "IO_PROCESS", False)
+    cfg = make_config(num_blocks=8)
+    coord = shmkv.Coordinator(cfg, name=unique_name,
+                              tiers=[shmkv.HostTier(4 * cfg.block_nbytes)])
+    coord.open()
+    selector = selectors.DefaultSelector()
+    mine, theirs = socket.socketpair()
+    try:
+        table, tiers = coord.table, coord.tiers
+
+        def settle():
+            deadline = time.monotonic() + 20
+            tiers.tick()   # (places what became cached)
+            while tiers.num_pending or tiers.num_promotions_in_flight:
+                assert time.monotonic() < deadline, "tier copies never finished"
+                time.sleep(0.005)
+                tiers.tick()
+
+        mine.setblocking(False)
+        conn = _Conn(mine, 7, os.getpid(), coord.max_frame)
+        conn.greeted = True
+        coord._conns[7] = conn
+        table.add_connection(7)
+        selector.register(mine, selectors.EVENT_READ, conn)
+        selector.register(coord._wake_r, selectors.EVENT_READ, None)
+        p, q, r = prompts_of(3, 2)
+        for prompt in (p, q):   # p demoted first: the oldest entries of the full host tier
+            info = table.allocate(7, prompt=prompt)
+            table.commit(7, info["cache_id"], len(prompt))
+            table.release(7, info["cache_id"])
+            settle()
+        ids, _ = table.allocate_counts(7, [8 * BS])     # evicts p and q from the pool
+        table.release_many(7, ids.tolist())
+        held = table.allocate(7, prompt=r)
+        table.commit(7, held["cache_id"], len(r))       # published, still held
+        settle()
+        assert len(tiers.host.index) == 4
+        theirs.sendall(
+            protocol.encode_request(1, "release_many", {"ids": protocol.pack_i64s(
+                [held["cache_id"]])})
+            + protocol.encode_request(2, "allocate_many", {"requests": [
+                {"num_tokens": 0, "prompt": protocol.pack_i64s(p)}]}))
+        decoder, answers = protocol.FrameDecoder(), {}
+        deadline = time.monotonic() + 20
+        theirs.settimeout(0.01)
+        while len(answers) < 2:
+            coord._turn(selector)
+            try:
+                data = theirs.recv(1 << 16)
+            except socket.timeout:
+                data = b""
+            for obj in decoder.feed(data):
+                response = protocol.parse_response(obj)
+                answers[response.request_id] = response.unwrap()
+            assert time.monotonic() < deadline, f"answers so far: {answers}"
+        assert answers[2][0]["num_cached"] == len(p)     # both blocks came from the tier
+        assert tiers.host.counters["hits"] >= 2
+        table.check_invariants()
+    finally:
+        selector.close()
+        theirs.close()
+        coord.close()
