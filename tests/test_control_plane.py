@@ -442,3 +442,152 @@ def test_a_release_sent_without_waiting_times_out_like_a_request(unique_name):
             while other.stats()["sequences"] and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert other.stats()["sequences"] == 0
+
+
+def _random_kept_run(seed: int, steps: int = 300) -> None:
+    """Random calls of two connections on one table (prompt and plain allocations,
+    batch steps that ask to be kept, kept steps of 1-3 tokens, per-sequence extends,
+    forks, clones, releases, hand-offs opened or expired, prepare_write, commits of a
+    rank connection too). After every call: the invariants, every object equal to its
+    shared row, every slot a step reserved writable by its own sequence alone, and a
+    kept step that says "same" describing the rows exactly."""
+    import random
+    from shmkv.tables import GENERATION
+    rng = random.Random(seed)
+    now = [0.0]
+    pool = BlockPool(96)
+    table = SequenceTable(pool, BS, clock=lambda: now[0], max_sequences=32, max_seq_blocks=40)
+    table.add_connection(1)
+    table.add_connection(2)
+    held = {1: [], 2: []}            # cache ids each connection holds (a clone twice)
+    batches = []                     # [ids, kept batch id, (steps, rows) last seen]
+    tokens = [rng.randrange(5) for _ in range(400)]
+    mask = table._slot_mask
+
+    def length(cache_id):
+        return int(table._seq_np[cache_id & mask, NUM_TOKENS])
+
+    def rows(ids):
+        slots = [c & mask for c in ids]
+        return (table._table_np[slots].copy(), table._seq_np[slots, NUM_TOKENS].copy(),
+                table._seq_np[slots, GENERATION].copy())
+
+    def check_writable(ids, old, count):
+        for cache_id, start in zip(ids, old):
+            for pos in range(start, start + count):
+                block = int(table._table_np[cache_id & mask, pos // BS])
+                assert table._owner_np[block] == cache_id, (seed, cache_id, pos)
+
+    ops = (["alloc_prompt", "alloc_plain", "batch", "batch", "extend", "fork", "clone",
+            "release", "close_many", "export_open", "expire", "prepare_write", "commit",
+            "commit_rank", "alloc_other", "drop_other"] + ["kept"] * 8)
+    for _ in range(steps):
+        op = rng.choice(ops)
+        mine = sorted(set(held[1]))
+        try:
+            if op == "alloc_prompt":
+                infos = table.allocate_many(1, [
+                    {"num_tokens": 0, "prompt": tokens[start:start + rng.randint(0, 14)]}
+                    for start in (rng.choice([0, 40, rng.randrange(300)])
+                                  for _ in range(rng.randint(1, 3)))])
+                held[1] += [info["cache_id"] for info in infos]
+            elif op == "alloc_other":
+                start = rng.choice([0, 40, 80])
+                info = table.allocate(2, 0, tokens[start:start + rng.randint(4, 14)])
+                held[2].append(info["cache_id"])
+            elif op == "alloc_plain":
+                ids, _ = table.allocate_counts(1, [rng.randint(0, 9)
+                                                   for _ in range(rng.randint(1, 3))])
+                held[1] += ids.tolist()
+            elif op == "batch" and mine:
+                ids = rng.sample(mine, rng.randint(1, len(mine)))
+                count, old = rng.randint(1, 3), [length(c) for c in ids]
+                table.extend_batch(1, ids, count, None, [c & mask for c in ids])
+                check_writable(ids, old, count)
+                kept = table.keep_batch(1, ids)
+                if kept:
+                    batches.append([ids, kept, None])
+            elif op == "kept" and batches:
+                entry = rng.choice(batches)
+                ids, kept, state = entry
+                if any(c not in held[1] for c in ids):
+                    continue
+                count, old = rng.choice([1, 1, 1, 2, 3]), [length(c) for c in ids]
+                done = table.extend_kept(1, kept, count, state[0] if state else -1)
+                if done is None:
+                    batches.remove(entry)
+                    continue
+                assert [length(c) for c in ids] == [n + count for n in old]
+                check_writable(ids, old, count)
+                if done["same"]:
+                    tab, lens, gens = (a.copy() for a in state[1])
+                    lens += count
+                    for i, block in zip(done["grown"].tolist(), done["blocks"].tolist()):
+                        tab[i, (lens[i] - count + BS - 1) // BS] = block
+                        gens[i] += 1
+                    now_rows = rows(ids)
+                    assert (now_rows[0] == tab).all() and (now_rows[1] == lens).all() \
+                        and (now_rows[2] == gens).all(), seed
+                entry[2] = (done["steps"], rows(ids))
+            elif op == "extend" and mine:
+                n = rng.randint(0, 5)
+                table.extend(1, rng.choice(mine), n,
+                             [rng.randrange(5) for _ in range(n)] if rng.random() < 0.5
+                             else None)
+            elif op == "fork" and mine:
+                held[1].append(table.fork(1, rng.choice(mine))["cache_id"])
+            elif op == "clone" and mine:
+                cache_id = rng.choice(mine)
+                table.clone(1, cache_id)
+                held[1].append(cache_id)
+            elif op == "release":
+                conn = rng.choice([1, 2])
+                if held[conn]:
+                    cache_id = rng.choice(held[conn])
+                    table.release(conn, cache_id)
+                    held[conn].remove(cache_id)
+            elif op == "close_many" and held[1]:
+                some = rng.sample(held[1], rng.randint(1, min(4, len(held[1]))))
+                table.release_many(1, some)
+                for cache_id in some:
+                    held[1].remove(cache_id)
+            elif op == "export_open" and mine:
+                cache_id = rng.choice(mine)
+                token = table.export(1, cache_id, ttl=rng.choice([1.0, 5.0]))
+                if rng.random() < 0.5:
+                    table.open(2, token)
+                    held[2].append(cache_id)
+            elif op == "expire":
+                now[0] += 2.0
+                table.expire()
+            elif op == "prepare_write" and mine:
+                cache_id = rng.choice(mine)
+                n = length(cache_id)
+                if n:
+                    start = rng.randrange(n)
+                    table.prepare_write(1, cache_id, start, rng.randint(0, n - start))
+            elif op == "commit" and mine:
+                cache_id = rng.choice(mine)
+                table.commit(1, cache_id, rng.randint(0, length(cache_id)))
+            elif op == "commit_rank" and mine:
+                some = rng.sample(mine, rng.randint(1, len(mine)))
+                table.commit_batch(2, some, [rng.randint(0, length(c)) for c in some], None,
+                                   rank_connection=True)
+            elif op == "drop_other":
+                table.drop_connection(2)
+                table.add_connection(2)
+                held[2] = []
+        except (errors.PoolExhausted, errors.LimitExceeded):
+            pass
+        table.check_invariants()
+        for cache_id, seq in table.sequences.items():
+            slot = seq.slot
+            assert table._table_np[slot, :len(seq.block_ids)].tolist() == seq.block_ids
+            assert int(table._num_blocks_np[slot]) == len(seq.block_ids)
+            assert int(table._seq_np[slot, NUM_TOKENS]) == seq.num_tokens
+
+
+@pytest.mark.parametrize("first_seed", [0, 20, 40])
+def test_kept_batches_under_random_calls(first_seed):
+    for seed in range(first_seed, first_seed + 20):
+        _random_kept_run(seed)
