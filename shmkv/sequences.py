@@ -205,12 +205,12 @@ class SequenceTable:
         self._light_np = np.zeros(layout.max_sequences, dtype=bool)
         self._light_conn = np.zeros(layout.max_sequences, dtype=np.int64)
         self._num_light = 0
-        # Moves whenever a sequence a kept batch may hold changes outside its steps: a
-        # plain one released or given an object; one with an object released, forked,
-        # cloned, exported, opened or copied on write. ``_conn_steps`` moves with every
-        # call of a connection that may change its rows. A kept batch (:meth:`keep_batch`)
-        # stays checked while both stand still.
-        self._light_version = 0
+        # Moves whenever a sequence in a kept batch changes outside its steps (see
+        # :meth:`_touch`); ``_kept_count`` says which slots some kept batch holds.
+        # ``_conn_steps`` moves with every call of a connection that may change its
+        # rows. A kept batch (:meth:`keep_batch`) stays checked while both stand still.
+        self._kept_version = 0
+        self._kept_count = np.zeros(layout.max_sequences, dtype=np.int32)
         self._conn_steps: Dict[int, int] = {}
         self._kept: Dict[int, Dict[int, list]] = {}
         self._next_kept = 1
@@ -246,7 +246,8 @@ class SequenceTable:
         refs = self.conn_refs.pop(conn_id, {})
         held = self._held_np.pop(conn_id, None)
         self._conn_steps.pop(conn_id, None)
-        self._kept.pop(conn_id, None)
+        for gone in self._kept.pop(conn_id, {}).values():
+            self._kept_count[gone.where] -= 1
         dropped = 0
         if held is not None:
             light = np.flatnonzero(held & self._light_np)
@@ -272,7 +273,7 @@ class SequenceTable:
         cache_id = int(self._seq_np[slot, CACHE_ID])
         self._light_np[slot] = False
         self._num_light -= 1
-        self._light_version += 1
+        self._touch(slot)
         seq = Sequence(cache_id, None, self.tp_size, None)
         seq.slot = slot
         seq.num_tokens = int(self._seq_np[slot, NUM_TOKENS])
@@ -301,7 +302,8 @@ class SequenceTable:
         self._light_np[slots] = False
         held[slots] = False
         self._num_light -= int(slots.shape[0])
-        self._light_version += 1
+        if self._kept_count[slots].any():
+            self._kept_version += 1
         used = self._num_blocks_np[slots]
         widest = int(used.max())
         blocks = self._table_np[slots, :widest]
@@ -345,8 +347,15 @@ class SequenceTable:
             self._held_np[conn_id][seq.slot] = True
         seq.num_refs += 1
 
+    def _touch(self, slot: int) -> None:
+        """The sequence in ``slot`` changes outside kept steps (released, given an object,
+        forked, cloned, exported, opened, copied on write): the kept batches check again
+        if one holds it."""
+        if self._kept_count[slot]:
+            self._kept_version += 1
+
     def _unref(self, seq: Sequence, count: int = 1) -> None:
-        self._light_version += 1   # (a kept batch holding it checks again)
+        self._touch(seq.slot)
         seq.num_refs -= count
         if seq.num_refs == 0:
             del self.sequences[seq.cache_id]
@@ -548,7 +557,7 @@ class SequenceTable:
             pool.ref_cnt[block_id] == 1 and pool.block_key[block_id] is None)
 
     def _cow(self, seq: Sequence, index: int) -> None:
-        self._light_version += 1
+        self._touch(seq.slot)
         old = seq.block_ids[index]
         new = self.pool.allocate(1, seq.cache_id)
         assert new is not None
@@ -875,11 +884,12 @@ class SequenceTable:
         if keep is None:
             return 0
         if len(kept) >= MAX_KEPT:
-            del kept[next(iter(kept))]
+            self._kept_count[kept.pop(next(iter(kept))).where] -= 1
         batch_id = self._next_kept
         self._next_kept += 1
         kept[batch_id] = _Kept(np.asarray(cache_ids, dtype=np.int64), keep[0],
-                               self._light_version, self._conn_steps[conn_id], keep[1])
+                               self._kept_version, self._conn_steps[conn_id], keep[1])
+        self._kept_count[keep[0]] += 1
         return batch_id
 
     def _keepable(self, conn_id: int, cache_ids: Seq[int]) -> Optional[tuple]:
@@ -927,7 +937,7 @@ class SequenceTable:
         if kept is None:
             return None
         count = _check_count("count", count, 1)
-        current = kept.version == self._light_version and \
+        current = kept.version == self._kept_version and \
             kept.conn_steps == self._conn_steps[conn_id]
         self._conn_steps[conn_id] += 1
         done = self._step_kept(kept, count) if current else None
@@ -938,7 +948,7 @@ class SequenceTable:
                                      kept.where.tolist())
             keep = self._keepable(conn_id, kept.ids)
             if keep is not None:
-                kept.reset(self._light_version, self._conn_steps[conn_id], keep[1])
+                kept.reset(self._kept_version, self._conn_steps[conn_id], keep[1])
             return {"steps": kept.steps, "same": False, "lens": lens}
         kept.conn_steps = self._conn_steps[conn_id]
         grown, blocks = done
@@ -1157,7 +1167,7 @@ class SequenceTable:
         """A new reference to the same sequence (no copy)."""
         seq = self._held(conn_id, cache_id)
         self._ref(conn_id, seq)
-        self._light_version += 1   # two references now: no kept batch steps it
+        self._touch(seq.slot)   # two references now: no kept batch steps it
         return self._info(seq)
 
     def fork(self, conn_id: int, cache_id: int) -> dict:
@@ -1166,7 +1176,7 @@ class SequenceTable:
         self.tables.check_slots(1)
         child = self._new_sequence(parent.root, None)
         self.pool.incref(parent.block_ids)
-        self._light_version += 1   # the parent's last block is shared now
+        self._touch(parent.slot)   # its last block is shared now
         child.block_ids = list(parent.block_ids)
         child.num_tokens = parent.num_tokens
         child.keys = list(parent.keys) if parent.keys is not None else None
@@ -1234,7 +1244,7 @@ class SequenceTable:
         self.handoffs[handoff_id] = _Handoff(secret, seq.cache_id, deadline)
         heapq.heappush(self._handoff_heap, (deadline, handoff_id))
         seq.num_refs += 1
-        self._light_version += 1   # its opener may extend it too
+        self._touch(seq.slot)   # its opener may extend it too
         self.counters["exported_handoffs"] += 1
         return bytes([TOKEN_VERSION]) + handoff_id.to_bytes(8, "big") + secret
 
@@ -1253,7 +1263,7 @@ class SequenceTable:
         seq = self.sequences[handoff.cache_id]
         seq.num_refs -= 1  # the token's reference moves to the connection
         self._ref(conn_id, seq)
-        self._light_version += 1
+        self._touch(seq.slot)
         self.counters["opened_handoffs"] += 1
         return self._info(seq)
 
@@ -1298,6 +1308,11 @@ class SequenceTable:
             for block_id in seq.block_ids:
                 expected[block_id] += 1
         assert int(self._light_np.sum()) == self._num_light
+        kept_count = np.zeros_like(self._kept_count)
+        for batches in self._kept.values():
+            for kept in batches.values():
+                kept_count[kept.where] += 1
+        assert np.array_equal(kept_count, self._kept_count)
         for slot in np.flatnonzero(self._light_np).tolist():  # plain ones without objects
             cache_id = int(self._seq_np[slot, CACHE_ID])
             assert cache_id & self._slot_mask == slot and cache_id not in self.sequences

@@ -591,3 +591,26 @@ def _random_kept_run(seed: int, steps: int = 300) -> None:
 def test_kept_batches_under_random_calls(first_seed):
     for seed in range(first_seed, first_seed + 20):
         _random_kept_run(seed)
+
+
+def test_a_kept_batch_stays_kept_while_other_sequences_change():
+    table = make_table(num_blocks=128)
+    ids, slots = prompt_sequences(table, [3, 6])
+    table.extend_batch(1, ids, 1, None, slots)
+    batch = table.keep_batch(1, ids)
+    other, _ = prompt_sequences(table, [5, 7], conn=2, start=5000)
+    plain, _ = table.allocate_counts(2, [4, 2])
+    done = table.extend_kept(1, batch, 1, seen=0)
+    for change in (lambda: table.fork(2, other[0]), lambda: table.clone(2, other[1]),
+                   lambda: table.export(2, other[0], ttl=5),
+                   lambda: table.release(2, other[1]),
+                   lambda: table.release_many(2, plain.tolist()),
+                   lambda: table.fork(2, int(table.allocate_counts(2, [3])[0][0]))):
+        change()   # another connection's sequences: not this batch's
+        done = table.extend_kept(1, batch, 1, seen=done["steps"])
+        assert done["same"]
+    table.check_invariants()
+    table.clone(1, ids[1])                   # one of its own: checked again
+    assert not table.extend_kept(1, batch, 1, seen=done["steps"])["same"]
+    table.drop_connection(1)
+    table.check_invariants()                 # its kept batches counted out
