@@ -116,11 +116,18 @@ def test_a_kept_batch_is_checked_again_once_its_sequences_change():
     table.check_invariants()
 
 
-def test_a_kept_batch_copies_a_block_a_fork_shared_since():
-    copies = []
+def copying_table(copies: list) -> SequenceTable:
+    """A table (connections 1 and 2) whose copies on write are noted in ``copies``."""
     table = SequenceTable(BlockPool(64), BS, copy_block=lambda s, d: copies.append((s, d)),
                           max_sequences=16, max_seq_blocks=16)
     table.add_connection(1)
+    table.add_connection(2)
+    return table
+
+
+def test_a_kept_batch_copies_a_block_a_fork_shared_since():
+    copies = []
+    table = copying_table(copies)
     ids, slots = table.allocate_counts(1, [5, 5])
     batch = table.keep_batch(1, ids.tolist())
     assert table.extend_kept(1, batch, 1, seen=0)["same"]
@@ -165,6 +172,21 @@ def test_a_repeated_decode_step_copies_a_block_a_fork_shared_since(client):
         assert torch.equal(child.key_cache(layer), expected_kv(hs[0], layer, 0, 7))
 
 
+def checked_decode_step(batch, hs):
+    """``batch.extend(1)``, its tensors checked against each handle's own table."""
+    before = [h.num_tokens for h in hs]
+    step = batch.extend(1)
+    width = step.block_tables.shape[1]
+    for row, h, n in zip(step.block_tables.tolist(), hs, before):
+        table = list(h.block_table.physical_blocks)
+        assert row == (table + [0] * width)[:width]
+        assert len(table) == -(-(n + 1) // BS)
+    assert step.slot_mapping.tolist() == [
+        h.block_table.physical_blocks[n // BS] * BS + n % BS for h, n in zip(hs, before)]
+    assert step.seq_lens.tolist() == [n + 1 for n in before]
+    return step
+
+
 def test_step_tables_stay_exact_over_many_steps_with_forks(client):
     hs = client.allocate_many([0, 1, 5, 2])
     batch = client.batch(hs)
@@ -175,17 +197,7 @@ def test_step_tables_stay_exact_over_many_steps_with_forks(client):
     for i in range(40):
         if i % 7 == 3:      # a fork shares blocks; the next step copies the last one
             forks.append(hs[i % 4].fork())
-        before = [h.num_tokens for h in hs]
-        step = batch.extend(1)
-        width = step.block_tables.shape[1]
-        for row, h, n in zip(step.block_tables.tolist(), hs, before):
-            table = list(h.block_table.physical_blocks)
-            assert row == (table + [0] * width)[:width]
-            assert len(table) == -(-(n + 1) // 4)
-        assert step.slot_mapping.tolist() == [
-            h.block_table.physical_blocks[n // BS] * BS + n % BS for h, n in zip(hs, before)]
-        assert step.seq_lens.tolist() == [n + 1 for n in before]
-        write_step(step)
+        write_step(checked_decode_step(batch, hs))
     assert torch.equal(first.block_tables, first_tables)   # a step keeps its own tables
     for h in hs:
         n = h.num_tokens
@@ -314,10 +326,7 @@ def test_a_batch_of_prompt_sequences_is_kept_once_its_keys_close():
 
 def test_a_kept_batch_of_prompt_sequences_checks_again_after_a_share():
     copies = []
-    table = SequenceTable(BlockPool(64), BS, copy_block=lambda s, d: copies.append((s, d)),
-                          max_sequences=16, max_seq_blocks=16)
-    table.add_connection(1)
-    table.add_connection(2)
+    table = copying_table(copies)
     ids, slots = prompt_sequences(table, [5, 6])
     table.extend_batch(1, ids, 1, None, slots)           # 6 and 7 tokens
     batch = table.keep_batch(1, ids)
@@ -372,16 +381,7 @@ def test_decode_steps_of_prompt_sequences_stay_exact_with_forks(client):
             for layer in range(L):
                 f.write(layer, marker, marker, start=start)
             forks.append((parent, f))
-        before = [h.num_tokens for h in hs]
-        step = batch.extend(1)
-        width = step.block_tables.shape[1]
-        for row, h, n in zip(step.block_tables.tolist(), hs, before):
-            table = list(h.block_table.physical_blocks)
-            assert row == (table + [0] * width)[:width]
-            assert len(table) == -(-(n + 1) // BS)
-        assert step.slot_mapping.tolist() == [
-            h.block_table.physical_blocks[n // BS] * BS + n % BS for h, n in zip(hs, before)]
-        write_step(step)
+        write_step(checked_decode_step(batch, hs))
     assert batch._kept > 0                   # the coordinator kept this batch
     for h in hs:
         for layer in range(L):
