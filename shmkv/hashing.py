@@ -57,15 +57,6 @@ def packed_block_keys(data: bytes, block_size: int, parent: bytes) -> List[bytes
     return keys
 
 
-def unpack_tokens(data: bytes) -> list:
-    """The token ids of :func:`pack_tokens`'s bytes."""
-    out = array("q")
-    out.frombytes(data)
-    if _BIG_ENDIAN:
-        out.byteswap()
-    return out.tolist()
-
-
 def token_list(tokens) -> list:
     """Token ids as a list of ints: from a list, a tensor, an array, or any integral
     scalars (``operator.index``: numpy integers are fine, floats and bools are not)."""

@@ -415,7 +415,7 @@ class SequenceTable:
             num_tokens = length
             root = hashing.root_key(salt)
             keys = hashing.packed_block_keys(packed, self.block_size, root)
-            tail = hashing.unpack_tokens(packed[len(keys) * self.block_size * 8:])
+            tail = np.frombuffer(packed, dtype="<i8")[len(keys) * self.block_size:].tolist()
         elif salt is not None:
             raise InvalidArgument("cache_salt needs a prompt")
         if self._blocks_for(num_tokens) <= self.pool.num_blocks:  # else PoolExhausted below
