@@ -40,7 +40,8 @@ from . import hashing
 from .allocator import BlockPool
 from .errors import (HandoffError, InvalidArgument, LimitExceeded, OutOfRange, PoolExhausted,
                      UnknownCache, WrongType)
-from .tables import CACHE_ID, GENERATION, NUM_TOKENS, SEQ_FIELDS, TableLayout, TableWriter
+from .tables import (CACHE_ID, GENERATION, NUM_TOKENS, SEQ_FIELDS, TableLayout, TableWriter,
+                     run_index)
 
 TOKEN_VERSION = 1
 TOKEN_SIZE = 1 + 8 + 16
@@ -299,18 +300,20 @@ class SequenceTable:
         operations. ``slots`` are distinct."""
         if not slots.shape[0]:
             return
-        self._light_np[slots] = False
-        held[slots] = False
+        rows = run_index(slots)   # a slice when they are one run: views, cheaper stores
+        self._light_np[rows] = False
+        held[rows] = False
         self._num_light -= int(slots.shape[0])
-        if self._kept_count[slots].any():
+        if self._kept_count[rows].any():
             self._kept_version += 1
-        used = self._num_blocks_np[slots]
+        used = self._num_blocks_np[rows]
         widest = int(used.max())
-        blocks = self._table_np[slots, :widest]
+        blocks = self._table_np[rows, :widest]
         if not bool((used == widest).all()):   # (entries past a row's own are 0: not its)
             blocks = blocks[np.arange(widest) < used[:, None]]
-        self.tables.release_many(slots)
-        self.pool.free_private(blocks.ravel().astype(np.int64))
+        freed = blocks.ravel().astype(np.int64)   # a copy: the release zeroes the rows
+        self.tables.release_many(slots, rows, widest)
+        self.pool.free_private(freed)
 
     @property
     def num_sequences(self) -> int:
@@ -510,15 +513,18 @@ class SequenceTable:
         doc). Returns ``(cache_ids, slots)`` as int64 arrays."""
         tokens = np.asarray(counts, dtype=np.int64).reshape(-1)
         num = tokens.shape[0]
-        if num and int(tokens.min()) < 0:
-            raise InvalidArgument(f"num_tokens must be >= 0, got {int(tokens.min())}")
+        lo = int(tokens.min()) if num else 0
+        if lo < 0:
+            raise InvalidArgument(f"num_tokens must be >= 0, got {lo}")
+        hi = int(tokens.max()) if num else 0
         bs, pool, tables = self.block_size, self.pool, self.tables
         blocks = (tokens + bs - 1) // bs
-        longest = int(blocks.max()) if num else 0
+        longest = (hi + bs - 1) // bs
         if tables.max_seq_blocks < longest <= pool.num_blocks:
-            tables.check_blocks(longest, f"a sequence of {int(tokens.max())} tokens")
+            tables.check_blocks(longest, f"a sequence of {hi} tokens")
         tables.check_slots(num)
-        need = int(blocks.sum())
+        uniform = lo == hi      # (a scheduler admitting requests of one size)
+        need = num * longest if uniform else int(blocks.sum())
         if need > pool.num_available:
             raise PoolExhausted(
                 f"pool exhausted: need {need} blocks, {pool.num_available} free or evictable "
@@ -527,8 +533,10 @@ class SequenceTable:
         serial = self._next_serial
         self._next_serial += num
         cache_ids = (np.arange(serial, serial + num, dtype=np.int64) << self.slot_bits) | slot_ids
-        taken = np.array(pool.allocate(need, np.repeat(cache_ids, blocks)), dtype=np.int64)
-        tables.assign_many(slot_ids, cache_ids, taken, blocks, tokens)
+        owners = cache_ids if uniform and longest == 1 else np.repeat(cache_ids, blocks)
+        taken = np.array(pool.allocate(need, owners), dtype=np.int64)
+        tables.assign_many(slot_ids, cache_ids, taken, blocks, tokens,
+                           one_each=uniform and longest == 1)
         self._light_np[slot_ids] = True
         self._light_conn[slot_ids] = conn_id
         self._num_light += num
@@ -654,18 +662,24 @@ class SequenceTable:
         checked with a fixed number of array operations. None otherwise."""
         num = ids.shape[0]
         held = self._held_np.get(conn_id)
-        if not num or held is None or where.shape[0] != num:
+        if not num or held is None or where.shape[0] != num or int(ids.min()) <= 0:
             return None
-        if int(ids.min()) <= 0 or int(where.min()) < 0 or int(where.max()) >= held.shape[0]:
+        rows = run_index(where)
+        run = type(rows) is slice   # one ascending run: distinct rows, bounds at its ends
+        if run:
+            if rows.start < 0 or rows.stop > held.shape[0]:
+                return None
+        elif int(where.min()) < 0 or int(where.max()) >= held.shape[0]:
             return None
-        if light and not self._light_np[where].all():
+        if light and not self._light_np[rows].all():
             return None
-        if not ((any_holder or held[where].all()) and _same(self._seq_np[where, CACHE_ID], ids)):
+        if not ((any_holder or held[rows].all()) and _same(self._seq_np[rows, CACHE_ID], ids)):
             return None
-        order = np.arange(num)
-        self._scratch[where] = order  # a slot named twice keeps only its last position
-        if not _same(self._scratch[where], order):
-            return None
+        if not run:
+            order = np.arange(num)
+            self._scratch[where] = order  # a slot named twice keeps only its last position
+            if not _same(self._scratch[where], order):
+                return None
         return where
 
     def _batch_sequences(self, conn_id: int, cache_ids: Seq[int], any_live: bool = False):
