@@ -308,6 +308,11 @@ def ping_run(address, prompts, block_size, cycles, phase_s=0.5, rate=None) -> di
     return out
 
 
+def spin(args) -> dict:
+    """The coordinator's ``spin_us`` when ``--spin-us`` is given (else spawn's default)."""
+    return {} if args.spin_us is None else {"spin_us": args.spin_us}
+
+
 def bench_ping(args, root) -> dict:
     cfg = shmkv.PoolConfig(num_blocks=args.pool_blocks, **BIG)
     blocks = args.prompt_blocks
@@ -318,7 +323,7 @@ def bench_ping(args, root) -> dict:
         n = len(prompts) * blocks
         spec = shmkv.DiskTier(os.path.join(root, "ping"), 1 << 40) if kind == "disk" else \
             shmkv.HostTier((n + 8) * cfg.block_nbytes)
-        with shmkv.Coordinator.spawn(cfg, name=name(), tiers=[spec]) as coord, \
+        with shmkv.Coordinator.spawn(cfg, name=name(), tiers=[spec], **spin(args)) as coord, \
                 shmkv.connect(coord.address, timeout=120) as client:
             fill(client, prompts)
             evict_all(client)
@@ -330,7 +335,7 @@ def bench_ping(args, root) -> dict:
     # The control: no tier, the same prompts are pool hits, allocated and released at the
     # host run's rate. What the loop's own work for those requests costs the pings.
     prompts = prompts[:max(1, args.pool_blocks // blocks - 1)]
-    with shmkv.Coordinator.spawn(cfg, name=name()) as coord, \
+    with shmkv.Coordinator.spawn(cfg, name=name(), **spin(args)) as coord, \
             shmkv.connect(coord.address, timeout=120) as client:
         fill(client, prompts)
         run = ping_run(coord.address, prompts, cfg.block_size, args.ping_cycles,
@@ -577,6 +582,8 @@ def main(argv=None) -> int:
     parser.add_argument("--only", nargs="*", default=None,
                         choices=["disk", "host", "ping", "chat", "restart"])
     parser.add_argument("--dir", default=None, help="where the disk tiers go (default: /tmp)")
+    parser.add_argument("--spin-us", type=float, default=None,
+                        help="the coordinator's spin_us in the ping runs (default: spawn's)")
     parser.add_argument("--decode-us", type=float, default=500.0,
                         help="pretend decode time per reply token in the chat replay")
     args = parser.parse_args(argv)

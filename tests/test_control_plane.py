@@ -2,6 +2,7 @@
 (no object until a call needs one), cache ids that carry their slot, the decode step a
 connection repeats, and the client's re-read of only the table rows that changed."""
 
+import os
 import time
 
 import numpy as np
@@ -614,3 +615,37 @@ def test_a_kept_batch_stays_kept_while_other_sequences_change():
     assert not table.extend_kept(1, batch, 1, seen=done["steps"])["same"]
     table.drop_connection(1)
     table.check_invariants()                 # its kept batches counted out
+
+
+# -- the loop's polling for the next request (Coordinator.spin_us) --------------------------
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="the loop never polls on one CPU")
+def test_the_loop_polls_only_while_requests_come_back_to_back(small_config, unique_name):
+    """The running rate of turns whose next request came within spin_us: high while a
+    client sends back to back (the loop polls), low once requests come far apart (it
+    sleeps), and high again when they come close; answers stay right throughout."""
+    with shmkv.Coordinator(small_config, name=unique_name, spin_us=10000) as coord, \
+            shmkv.connect(coord.address, timeout=10) as client:
+        for _ in range(100):
+            client.ping()
+        assert coord._spin_hits > 0.9
+        handles = []
+        for _ in range(40):
+            time.sleep(0.025)
+            handles.append(client.allocate(num_tokens=3))
+        assert coord._spin_hits < 0.5
+        client.close_many(handles)
+        for _ in range(100):
+            client.ping()
+        assert coord._spin_hits > 0.5
+        assert client.stats()["sequences"] == 0
+
+
+def test_spin_us_zero_never_polls(small_config, unique_name):
+    with shmkv.Coordinator(small_config, name=unique_name, spin_us=0) as coord, \
+            shmkv.connect(coord.address, timeout=10) as client:
+        calls = []
+        coord._spin = lambda selector: calls.append(1) or []
+        for _ in range(50):
+            client.ping()
+        assert calls == []

@@ -186,6 +186,8 @@ def test_leak_checks_ignore_other_coordinators_on_the_machine(small_config, monk
     (["serve", "--block-size", "-4"], "--block-size: must be at least 1"),
     (["serve", "--max-connections", "0"], "--max-connections: must be at least 1"),
     (["serve", "--tp-size", "0"], "--tp-size: must be at least 1"),
+    (["serve", "--spin-us", "-1"], "--spin-us: must lie in [0, 10000]"),
+    (["serve", "--spin-us", "20000"], "--spin-us: must lie in [0, 10000]"),
     (["serve", "--device", "tpu"], "--device: unsupported device 'tpu'"),
     (["serve", "--name", "a/b"], "--name: 'a/b' must be 1-64 characters"),
     (["serve", "--address", "/tmp/" + "x" * 120], "longer than the 107 bytes"),
@@ -212,3 +214,26 @@ def test_cli_rejects_bad_arguments_with_usage_and_status_2(argv, message, capsys
     err = capsys.readouterr().err
     assert f"shmkv {argv[0]}: error:" in err and message in err, err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("spin_us", [-1, 10001, True, "150", float("nan")])
+def test_a_bad_spin_us_is_refused_before_anything_exists(small_config, unique_name, spin_us):
+    with pytest.raises(shmkv.InvalidArgument, match="spin_us must be a number of microseconds"):
+        shmkv.Coordinator(small_config, name=unique_name, spin_us=spin_us)
+    assert not os.path.exists(default_address(unique_name))
+
+
+def test_serve_forever_after_stop_returns_and_leaves_nothing(small_config, unique_name):
+    """A stop that lands before the loop begins (a spawned coordinator whose parent died
+    at once) ends it: the loop neither opens the pool again nor serves a closed socket."""
+    import threading
+    coord = shmkv.Coordinator(small_config, name=unique_name)
+    coord.open()
+    coord.stop()
+    assert not os.path.exists(coord.address)
+    thread = threading.Thread(target=coord.serve_forever, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert coord.memory is None and coord._listener is None
+    assert not os.path.exists(coord.address)

@@ -47,6 +47,8 @@ positive_float = _checked("positive_float", _float, lambda v: v > 0, "must be gr
                           "A finite number > 0.")
 non_negative_float = _checked("non_negative_float", _float, lambda v: v >= 0,
                               "must be 0 or more", "A finite number >= 0.")
+spin_arg = _checked("spin_arg", _float, lambda v: 0 <= v <= 10000, "must lie in [0, 10000]",
+                    "Microseconds of polling, 0-10000.")
 fraction = _checked("fraction", _float, lambda v: 0.0 <= v <= 1.0, "must lie in [0, 1]",
                     "A number in [0, 1].")
 

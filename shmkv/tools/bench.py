@@ -1365,10 +1365,31 @@ def _control_point(opts: Options, cleanup: _Cleanup) -> dict:
             client.ping()
             client.ping()
 
+        # The same against a coordinator that never polls for the next request
+        # (spin_us=0), side by side: what the loop's polling is worth here.
+        still = cleanup.add(Coordinator.spawn(cfg, name=_unique("batch-control-still"),
+                                              timeout=120, spin_us=0))
+        still_client = connect(still.address)
+
+        def remote_still():
+            still_client.close_many(still_client.allocate_many([1] * num))
+
+        def two_pings_still():
+            still_client.ping()
+            still_client.ping()
+
         # Calls of a few hundred microseconds on a shared machine: twice the usual runs.
-        rates = _rates({"remote": remote, "posted": remote_posted, "table": in_process,
-                        "codec": codec, "ping": two_pings}, num, budget, 2 * opts.repeats)
+        try:
+            rates = _rates({"remote": remote, "posted": remote_posted, "table": in_process,
+                            "codec": codec, "ping": two_pings, "still": remote_still,
+                            "still_ping": two_pings_still}, num, budget, 2 * opts.repeats)
+        finally:
+            still_client.close()
+            cleanup.remove(still)
         client.flush()
+        point["alloc_still_blocks_per_s"] = rates["still"]
+        point["ping_still_s"] = num / rates["still_ping"] / 2
+        point["ping_s"] = num / rates["ping"] / 2
         point["alloc_blocks_per_s"] = rates["remote"]
         point["alloc_posted_blocks_per_s"] = rates["posted"]
         for name in ("remote", "table", "codec", "ping"):  # seconds per allocate+close pair
@@ -1536,6 +1557,16 @@ def bench_batch(opts: Options, cleanup: _Cleanup, series: dict, cache: dict) -> 
                               "blocks/s", table_rate, "SequenceTable in process",
                               rate / table_rate, ">= 500000", _check(rate, ">= 500000"),
                               "value"))
+    if "alloc_still_blocks_per_s" in c:
+        rate = c["alloc_still_blocks_per_s"]
+        figures.append(Figure("batch", "allocate_many([1]*256) + close_many, coordinator not "
+                              "polling (spin_us=0)", rate, "blocks/s", c["alloc_blocks_per_s"],
+                              "the same, polling (spin_us default)",
+                              rate / c["alloc_blocks_per_s"]))
+        figures.append(Figure("batch", "ping, coordinator not polling (spin_us=0)",
+                              c["ping_still_s"] * 1e6, "us", c["ping_s"] * 1e6,
+                              "ping, polling (spin_us default)",
+                              c["ping_still_s"] / c["ping_s"]))
     ratio = c["extend_extend_s"] / c["extend_ping_s"]
     figures.append(Figure("batch", "batch.extend(1), 256 sequences", c["extend_extend_s"] * 1e6,
                           "us", c["extend_ping_s"] * 1e6, "ping", ratio, "<= 3",

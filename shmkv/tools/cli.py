@@ -16,7 +16,8 @@ import sys
 import time
 
 from .args import (LOG_LEVELS, device_arg, dtype_arg, log_level_arg, name_arg,
-                   non_negative_int, port_arg, positive_float, positive_int, socket_path)
+                   non_negative_int, port_arg, positive_float, positive_int, socket_path,
+                   spin_arg)
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -127,10 +128,11 @@ def _print_tiers(stats: dict) -> None:
 
 
 def cmd_serve(args) -> int:
-    from ..coordinator import Coordinator
+    from ..coordinator import DEFAULT_SPIN_US, Coordinator
     coord = Coordinator(_config(args), address=_address(args),
                         max_connections=args.max_connections, metrics_port=args.metrics_port,
-                        metrics_host=args.metrics_host, tiers=tier_specs(args))
+                        metrics_host=args.metrics_host, tiers=tier_specs(args),
+                        spin_us=DEFAULT_SPIN_US if args.spin_us is None else args.spin_us)
     coord.open()
     from ..coordinator import freeze_startup_objects
     freeze_startup_objects()
@@ -250,6 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "0: any free one; default: no metrics server)")
     p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
                    help="address the metrics server binds (0.0.0.0: every interface)")
+    p.add_argument("--spin-us", type=spin_arg, default=None, metavar="US",
+                   help="after serving a request, poll this many microseconds for the next "
+                        "one before sleeping (skips a wake-up per request under load; 0: "
+                        "never; never on a one-CPU machine; default: 300)")
     p.add_argument("--host-tier-size", type=size_arg, default=None, metavar="SIZE",
                    help="a host-memory tier under the pool of SIZE (8G, 512M)")
     p.add_argument("--disk-tier", default=None, metavar="DIR",
