@@ -245,6 +245,8 @@ class Coordinator:
         self.config = config
         self.spin_us = float(spin_us)
         # Never on a machine with one CPU, where polling only keeps the client from running.
+        # The machine's count, not this process's affinity: a coordinator pinned to a core
+        # of its own (the placement that gains most) still polls.
         self._spin_s = self.spin_us * 1e-6 if (os.cpu_count() or 1) > 1 else 0.0
         self._served = False        # the last turn served a request
         self._turn_began = 0.0
@@ -277,7 +279,7 @@ class Coordinator:
         self._stopping = False
         self._serving = False
         self._accept_paused_until = 0.0
-        self._close_lock = threading.Lock()
+        self._close_lock = threading.RLock()   # re-entrant: stop() may run in a signal handler
         self._started_at = 0.0
         self.num_ops = 0
         self.ops_by_type: Dict[str, int] = {}
@@ -393,8 +395,9 @@ class Coordinator:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 raise ShmkvError(f"coordinator thread did not stop within {timeout} s")
-        if not self._serving:  # a running loop closes everything itself as it exits
-            self.close()
+        with self._close_lock:   # serve_forever decides under it whether it serves
+            if not self._serving:  # a running loop closes everything itself as it exits
+                self._close()
 
     def close(self) -> None:
         """Release everything this object holds. Safe on a half-built coordinator, and
@@ -440,7 +443,7 @@ class Coordinator:
         tables live in shared memory. ``stop()`` in the child then releases only the
         child's copy of the pool mapping.
         """
-        self._close_lock = threading.Lock()
+        self._close_lock = threading.RLock()   # re-entrant: stop() may run in a signal handler
         self._stopping = True
         self._serving = False
         for conn in self._conns.values():
@@ -482,15 +485,17 @@ class Coordinator:
         once when it was stopped before it began."""
         if self._listener is None and not self._stopping:
             self.open()
-        with self._close_lock:   # a stop() from another thread now finds the loop serving
+        # Under the lock stop() takes to decide whether it closes: either stop() came
+        # first (nothing is served) or the loop serves and closes everything as it exits.
+        with self._close_lock:
             serving = self._serving = not self._stopping and self._listener is not None
         if not serving:
             self.close()
             return
         selector = selectors.DefaultSelector()
-        selector.register(self._listener, selectors.EVENT_READ, None)
-        selector.register(self._wake_r, selectors.EVENT_READ, None)
         try:
+            selector.register(self._listener, selectors.EVENT_READ, None)
+            selector.register(self._wake_r, selectors.EVENT_READ, None)
             while not self._stopping:
                 self._turn(selector)
         finally:
@@ -512,13 +517,15 @@ class Coordinator:
             else:
                 wait = min(wait, 0.1)
         served, self._served = self._served, False
-        ready = self._spin(selector) if served and self._spin_s else None
+        polls = served and self._spin_s
+        ready = self._spin(selector, wait) if polls else None
+        caught = bool(ready)
         if not ready:
             ready = selector.select(wait)
-        if served and self._spin_s:   # would a spin have caught what came next?
-            caught = _clock() - self._turn_began <= self._spin_s
-            self._spin_hits += _SPIN_WEIGHT * (caught - self._spin_hits)
+            caught = polls and _clock() - self._turn_began <= self._spin_s   # would it have?
         self._serve_ready(selector, ready)
+        if polls:   # a hit: a request, soon enough (not a tier wake-up or a connect)
+            self._spin_hits += _SPIN_WEIGHT * ((caught and self._served) - self._spin_hits)
         if self._to_promote:
             # The requests that came in meanwhile go first (a ping should not wait for
             # copy jobs to be built and sent); then the copies start, before this turn's
@@ -533,16 +540,16 @@ class Coordinator:
             log.info("hand-offs expired unopened (%d so far)",
                      self.table.counters["expired_handoffs"])
 
-    def _spin(self, selector) -> list:
+    def _spin(self, selector, wait: float) -> list:
         """After a turn that served a request: poll for the next one for ``spin_us``
         before sleeping in the selector. A client's next request often comes within
         that; caught here, it skips the wake-up (tens of microseconds on a virtual
-        machine). Only while most of the recent turns' next requests came that soon
-        (``_spin_hits``, kept by ``_turn`` whether it polled or not): polling that
+        machine). Only while at least half of the recent turns' next requests came that
+        soon (``_spin_hits``, kept by ``_turn`` whether it polled or not): polling that
         catches nothing takes a CPU from the clients and the tier copies."""
         if self._spin_hits < 0.5 or not self._spin_s:
             return []
-        end = _clock() + self._spin_s
+        end = _clock() + min(self._spin_s, wait)   # (a deadline due sooner goes first)
         while True:
             ready = selector.select(0)
             if ready or _clock() >= end:

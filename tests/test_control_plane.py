@@ -626,14 +626,29 @@ def test_the_loop_polls_only_while_requests_come_back_to_back(small_config, uniq
     sleeps), and high again when they come close; answers stay right throughout."""
     with shmkv.Coordinator(small_config, name=unique_name, spin_us=10000) as coord, \
             shmkv.connect(coord.address, timeout=10) as client:
+        spin, caught = coord._spin, []
+
+        def counted(selector, wait):
+            began = time.perf_counter()
+            ready = spin(selector, wait)
+            caught.append((bool(ready), time.perf_counter() - began))
+            return ready
+
+        coord._spin = counted
         for _ in range(100):
             client.ping()
         assert coord._spin_hits > 0.9
+        assert sum(hit for hit, _ in caught) > 50   # the pings were caught polling
         handles = []
         for _ in range(40):
             time.sleep(0.025)
             handles.append(client.allocate(num_tokens=3))
         assert coord._spin_hits < 0.5
+        del caught[:]
+        for _ in range(5):
+            time.sleep(0.025)
+            handles.append(client.allocate(num_tokens=3))
+        assert caught and max(took for _, took in caught) < 0.005   # it no longer polls
         client.close_many(handles)
         for _ in range(100):
             client.ping()
@@ -645,7 +660,7 @@ def test_spin_us_zero_never_polls(small_config, unique_name):
     with shmkv.Coordinator(small_config, name=unique_name, spin_us=0) as coord, \
             shmkv.connect(coord.address, timeout=10) as client:
         calls = []
-        coord._spin = lambda selector: calls.append(1) or []
+        coord._spin = lambda selector, wait: calls.append(1) or []
         for _ in range(50):
             client.ping()
         assert calls == []

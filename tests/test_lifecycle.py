@@ -231,9 +231,41 @@ def test_serve_forever_after_stop_returns_and_leaves_nothing(small_config, uniqu
     coord.open()
     coord.stop()
     assert not os.path.exists(coord.address)
+    opened = []
+    coord.open = lambda: opened.append(1)   # the pool must not be made again
     thread = threading.Thread(target=coord.serve_forever, daemon=True)
     thread.start()
     thread.join(10)
     assert not thread.is_alive()
+    assert opened == [] and not coord._serving
     assert coord.memory is None and coord._listener is None
     assert not os.path.exists(coord.address)
+
+
+def test_a_stop_from_a_signal_handler_while_the_loop_decides_does_not_deadlock(
+        small_config, unique_name):
+    """stop() runs in a signal handler on the loop's own thread (shmkv serve): a signal
+    landing while serve_forever holds the close lock must not wait for that lock."""
+    import threading
+    coord = shmkv.Coordinator(small_config, name=unique_name)
+    coord.open()
+
+    class SignalInside:   # the close lock, with a "signal" (stop()) arriving inside it
+        def __init__(self, lock):
+            self.lock, self.fired = lock, False
+
+        def __enter__(self):
+            self.lock.acquire()
+            if not self.fired:   # the loop's own entry, the first
+                self.fired = True
+                coord.stop()
+
+        def __exit__(self, *exc):
+            self.lock.release()
+
+    coord._close_lock = SignalInside(coord._close_lock)
+    thread = threading.Thread(target=coord.serve_forever, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "serve_forever deadlocked on its own close lock"
+    assert coord.memory is None and not os.path.exists(coord.address)
