@@ -250,7 +250,8 @@ class Coordinator:
         self._spin_s = self.spin_us * 1e-6 if (os.cpu_count() or 1) > 1 else 0.0
         self._served = False        # the last turn served a request
         self._turn_began = 0.0
-        self._spin_hits = 1.0       # how often a spin caught (or would have caught) the next
+        self._spin_hits = 0.0       # how often a spin caught (or would have caught) the next;
+        # from none: a coordinator polls once it has seen requests come back to back
         self.address = str(address) if address is not None else default_address(name)
         if len(os.fsencode(self.address)) > 107:
             raise InvalidArgument(f"socket path {self.address!r} is longer than the 107 bytes "
