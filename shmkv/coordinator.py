@@ -555,6 +555,7 @@ class Coordinator:
             ready = selector.select(0)
             if ready or _clock() >= end:
                 return ready
+            os.sched_yield()   # a client waiting for this CPU runs first
 
     def _serve_ready(self, selector, ready) -> None:
         for key, events in ready:
