@@ -59,9 +59,6 @@ _clock = time.perf_counter
 DEFAULT_SPIN_US = 300.0
 MAX_SPIN_US = 10000.0
 _SPIN_WEIGHT = 0.05   # of the latest turn in the running rate of spins that catch a request
-
-
-
 _UCRED = struct.Struct("3i")
 _RECV_SIZE = 1 << 18
 _MAX_OUTBUF = 64 << 20
@@ -548,7 +545,7 @@ class Coordinator:
         machine). Only while at least half of the recent turns' next requests came that
         soon (``_spin_hits``, kept by ``_turn`` whether it polled or not): polling that
         catches nothing takes a CPU from the clients and the tier copies."""
-        if self._spin_hits < 0.5 or not self._spin_s:
+        if self._spin_hits < 0.5:
             return []
         end = _clock() + min(self._spin_s, wait)   # (a deadline due sooner goes first)
         while True:

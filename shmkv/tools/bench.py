@@ -1343,8 +1343,13 @@ def _control_point(opts: Options, cleanup: _Cleanup) -> dict:
         ids, slot_ids = table.allocate_counts(1, protocol.unpack_i64s(packed))
         table.release_many(1, protocol.unpack_i64s(protocol.pack_i64s(ids)))
 
-        def remote():
-            client.close_many(client.allocate_many([1] * num))
+        def cycle(c):   # allocate_many + close_many on client c
+            return lambda: c.close_many(c.allocate_many([1] * num))
+
+        def pings(c):   # two pings (the two round trips of a cycle)
+            return lambda: (c.ping(), c.ping())
+
+        remote = cycle(client)
 
         def remote_posted():   # the release is not waited for (served before the next)
             client.close_many(client.allocate_many([1] * num), wait=False)
@@ -1361,9 +1366,7 @@ def _control_point(opts: Options, cleanup: _Cleanup) -> dict:
             alloc_codec()
             release_codec()
 
-        def two_pings():
-            client.ping()
-            client.ping()
+        two_pings = pings(client)
 
         # The same against a coordinator that never polls for the next request
         # (spin_us=0), side by side: what the loop's polling is worth here.
@@ -1371,18 +1374,11 @@ def _control_point(opts: Options, cleanup: _Cleanup) -> dict:
                                               timeout=120, spin_us=0))
         still_client = connect(still.address)
 
-        def remote_still():
-            still_client.close_many(still_client.allocate_many([1] * num))
-
-        def two_pings_still():
-            still_client.ping()
-            still_client.ping()
-
         # Calls of a few hundred microseconds on a shared machine: twice the usual runs.
         try:
             rates = _rates({"remote": remote, "posted": remote_posted, "table": in_process,
-                            "codec": codec, "ping": two_pings, "still": remote_still,
-                            "still_ping": two_pings_still}, num, budget, 2 * opts.repeats)
+                            "codec": codec, "ping": two_pings, "still": cycle(still_client),
+                            "still_ping": pings(still_client)}, num, budget, 2 * opts.repeats)
         finally:
             still_client.close()
             cleanup.remove(still)
