@@ -429,9 +429,13 @@ class SequenceTable:
         if need > self.pool.num_blocks:
             raise PoolExhausted(f"pool exhausted: need {need} blocks for {num_tokens} tokens, "
                                 f"the whole pool has {self.pool.num_blocks}; raise num_blocks")
-        # Tier hits take fresh pool blocks, which ``need`` already counts.
+        # Tier hits take fresh pool blocks, which ``need`` already counts. The pool may hold
+        # blocks past them (their holder copied an earlier one on write, and the published
+        # original went down a tier): those are hits too.
         promote = self.tiers.lookup(keys[len(hits):]) if keys and self.tiers is not None else 0
-        return num_tokens, keys, tail, root, hits, need, request_id, promote
+        later = self.pool.lookup(keys[len(hits) + promote:]) if promote else []
+        need -= len(later)
+        return num_tokens, keys, tail, root, hits, need, request_id, promote, later
 
     def allocate_many(self, conn_id: int, requests: Seq[dict]) -> List[dict]:
         """Allocate one sequence per request, all or none.
@@ -443,7 +447,8 @@ class SequenceTable:
         plans = [self._plan_allocate(req) for req in requests]
         self.tables.check_slots(len(plans))
         need = sum(plan[5] for plan in plans)
-        cached_hits = {b for plan in plans for b in plan[4] if self.pool.ref_cnt[b] == 0}
+        cached_hits = {b for plan in plans for b in plan[4] + plan[8]
+                       if self.pool.ref_cnt[b] == 0}
         available = self.pool.num_available - len(cached_hits)
         if need > available:
             raise PoolExhausted(
@@ -451,14 +456,16 @@ class SequenceTable:
                 f"(num_blocks={self.pool.num_blocks}); free handles or raise num_blocks")
         for plan in plans:  # take every hit before any allocation can evict it
             self.pool.incref(plan[4])
+            self.pool.incref(plan[8])
         results = []
-        for num_tokens, keys, tail, root, hits, need_blocks, request_id, promote in plans:
+        for num_tokens, keys, tail, root, hits, need_blocks, request_id, promote, later in plans:
             seq = self._new_sequence(root, request_id)
             new = self.pool.allocate(need_blocks, seq.cache_id)
             assert new is not None
-            seq.block_ids = hits + new
+            seq.block_ids = hits + new[:promote] + later + new[promote:]
             seq.num_tokens = num_tokens
-            num_hit = len(hits) + promote   # promoted blocks count once their bytes are in
+            # promoted blocks count once their bytes are in
+            num_hit = len(hits) + promote + len(later)
             seq.num_cached = num_hit * self.block_size
             seq.num_committed = num_hit
             seq.rank_tokens = [seq.num_cached] * self.tp_size
@@ -477,7 +484,7 @@ class SequenceTable:
             if promote:
                 self.pool.incref(new[:promote])  # the promotion's own hold
                 self.promotions.append(PendingPromotion(
-                    seq, info, len(hits), keys[len(hits):num_hit], new[:promote]))
+                    seq, info, len(hits), keys[len(hits):len(hits) + promote], new[:promote]))
         return results
 
     def take_promotions(self) -> List[PendingPromotion]:
@@ -488,12 +495,14 @@ class SequenceTable:
     def finish_promotion(self, record: PendingPromotion, num_ok: int) -> None:
         """The bytes of the first ``num_ok`` promoted blocks are in: publish them under
         their keys. A block after them did not arrive (a damaged file), so the hit ends
-        there: the answer's ``num_cached`` shrinks and the caller writes the rest. Drops
-        the promotion's hold (the sequence may be gone by now: its connection closed)."""
+        there, pool hits past the promoted blocks included: the answer's ``num_cached``
+        shrinks and the caller writes the rest (copying those shared blocks on write).
+        Drops the promotion's hold (the sequence may be gone by now: its connection
+        closed)."""
         pool, seq = self.pool, record.seq
         for block_id, key in zip(record.blocks[:num_ok], record.keys):
             pool.publish(block_id, key)  # False: the key was published meanwhile; fine
-        lost = len(record.blocks) - num_ok
+        lost = seq.num_committed - (record.first + num_ok) if num_ok < len(record.blocks) else 0
         if lost:
             seq.num_committed -= lost
             seq.num_cached -= lost * self.block_size
@@ -535,8 +544,7 @@ class SequenceTable:
         cache_ids = (np.arange(serial, serial + num, dtype=np.int64) << self.slot_bits) | slot_ids
         owners = cache_ids if uniform and longest == 1 else np.repeat(cache_ids, blocks)
         taken = np.array(pool.allocate(need, owners), dtype=np.int64)
-        tables.assign_many(slot_ids, cache_ids, taken, blocks, tokens,
-                           one_each=uniform and longest == 1)
+        tables.assign_many(slot_ids, cache_ids, taken, blocks, tokens)
         self._light_np[slot_ids] = True
         self._light_conn[slot_ids] = conn_id
         self._num_light += num

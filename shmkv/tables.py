@@ -43,7 +43,7 @@ over the same segment (``shmkv.memory``).
 from __future__ import annotations
 
 from array import array
-from typing import List, Optional, Sequence
+from typing import List, Sequence
 
 import numpy as np
 
@@ -192,16 +192,15 @@ class TableWriter:
         seq[base + LOCK] += 1
 
     def assign_many(self, slots: np.ndarray, cache_ids: np.ndarray, blocks: np.ndarray,
-                    counts: np.ndarray, num_tokens: np.ndarray, one_each: bool = False) -> None:
+                    counts: np.ndarray, num_tokens: np.ndarray) -> None:
         """:meth:`assign` for several new sequences at once, with a fixed number of array
         operations: sequence ``i`` gets slot ``slots[i]``, ``counts[i]`` of ``blocks``
-        (one sequence's after another's) and ``num_tokens[i]``. ``one_each``: the caller
-        knows every count is 1."""
+        (one sequence's after another's) and ``num_tokens[i]``."""
         num = cache_ids.shape[0]
         seq = self.seq_np
         rows = run_index(slots)
         seq[rows, LOCK] += 1
-        if one_each or (blocks.shape[0] == num and bool((counts == 1).all())):
+        if blocks.shape[0] == num and bool((counts == 1).all()):
             self.table_np[rows, 0] = blocks
         elif blocks.shape[0]:
             first = np.cumsum(counts) - counts
@@ -213,15 +212,10 @@ class TableWriter:
         seq[rows, LOCK] += 1
         self.num_blocks_np[rows] = counts
 
-    def release_many(self, slots: np.ndarray, rows=None, widest: Optional[int] = None) -> None:
-        """:meth:`release` for several dead sequences at once (distinct slots).
-        ``rows`` (``run_index(slots)``) and ``widest`` (their most used entries) when the
-        caller has them already."""
-        if rows is None:
-            rows = run_index(slots)
+    def release_many(self, slots: np.ndarray, rows, widest: int) -> None:
+        """:meth:`release` for several dead sequences at once (distinct slots): ``rows``
+        is ``run_index(slots)``, ``widest`` the most table entries one of them uses."""
         seq = self.seq_np
-        if widest is None:
-            widest = int(self.num_blocks_np[rows].max()) if slots.shape[0] else 0
         seq[rows, LOCK] += 1
         seq[rows, CACHE_ID] = 0
         seq[rows, NUM_TOKENS] = 0

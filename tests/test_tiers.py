@@ -237,6 +237,63 @@ def test_promotion_is_all_or_nothing_when_the_pool_cannot_supply(unique_name):
         coord.table.check_invariants()
 
 
+def _published_then_copied_on_write(client, prompt):
+    """A sequence that wrote and committed ``prompt``, then wrote its first token again:
+    its first block is a private copy now, the published original is cached (and goes
+    down a tier), its later blocks stay published in the pool, held by it."""
+    h = client.allocate(prompt=prompt)
+    for layer in range(h.num_layers):
+        k, v = token_kv(prompt, layer, h.num_heads, h.head_dim)
+        h.write(layer, k, v, start=0)
+    h.commit()
+    k, v = token_kv(prompt, 0, h.num_heads, h.head_dim)
+    h.write(0, k[:1].contiguous(), v[:1].contiguous(), start=0)   # copy on write
+    return h
+
+
+def test_blocks_the_pool_holds_past_a_tier_hit_are_hits_too(unique_name):
+    cfg = make_config(num_blocks=8)
+    prompt = prompts_of(1, 3)[0]
+    with shmkv.Coordinator(cfg, name=unique_name,
+                           tiers=[shmkv.HostTier(16 * cfg.block_nbytes)]) as coord, \
+            shmkv.connect(coord.address, timeout=20) as client:
+        h = _published_then_copied_on_write(client, prompt)
+        wait_idle(client)
+        evict_all(client)                        # the published first block: host tier only
+        before = wait_idle(client)
+        assert before["cached_blocks"] == 0 and tier(before, "host")["blocks"] == 1
+        assert read_prompt(client, prompt) == (3 * BS, True)   # promoted + 2 pool hits
+        after = wait_idle(client)
+        assert after["prefix_hit_blocks"] - before["prefix_hit_blocks"] == 3
+        assert tier(after, "host")["promotions"] - tier(before, "host")["promotions"] == 1
+        h.close()
+        coord.table.check_invariants()
+
+
+def test_a_failed_promotion_ends_the_hit_before_the_pool_blocks_past_it(tmp_path, unique_name):
+    cfg = make_config(num_blocks=8)
+    prompt = prompts_of(1, 3)[0]
+    with shmkv.Coordinator(cfg, name=unique_name,
+                           tiers=[shmkv.DiskTier(tmp_path, 1 << 20)]) as coord, \
+            shmkv.connect(coord.address, timeout=20) as client:
+        h = _published_then_copied_on_write(client, prompt)
+        wait_idle(client)
+        evict_all(client)
+        before = wait_idle(client)
+        from shmkv import hashing
+        first = tmp_path / "blocks" / (hashing.block_keys(prompt, BS, hashing.root_key())[0]
+                                       .hex() + ".kv")
+        data = bytearray(first.read_bytes())
+        data[-5] ^= 0xFF                                      # payload damaged
+        first.write_bytes(bytes(data))
+        assert read_prompt(client, prompt) == (0, True)      # nothing past the lost block
+        after = wait_idle(client)
+        assert after["prefix_hit_blocks"] == before["prefix_hit_blocks"]
+        assert tier(after, "disk")["removed_damaged"] == 1
+        h.close()
+        coord.table.check_invariants()
+
+
 def test_tensor_parallel_ranks_read_their_shards_of_a_promoted_block(unique_name):
     cfg = make_config(num_blocks=8, num_kv_heads=4, tp_size=2)
     prompt = prompts_of(1, 2)[0]
