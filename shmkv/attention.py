@@ -36,6 +36,8 @@ from typing import List, NamedTuple, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
+from . import native
+
 IntsLike = Union[torch.Tensor, Sequence[int]]
 ScaleLike = Union[None, float, torch.Tensor]
 
@@ -475,7 +477,7 @@ class _Group:
     """One SDPA call of a plan: its members' gather index, query rows and mask."""
 
     __slots__ = ("index", "size", "count", "blocks", "num_keys", "row0", "rows", "mask",
-                 "grouped", "is_causal", "whole", "_held", "_kv")
+                 "grouped", "is_causal", "whole", "_held", "_kv", "lens", "_native")
 
     def __init__(self, table: torch.Tensor, group: List[_Seq], causal: bool, num_heads: int,
                  num_kv_heads: int, block_size: int, device: torch.device,
@@ -488,6 +490,7 @@ class _Group:
         self.whole = False      # the plan's only group, over every query row in order
         self._held = None       # (workspace buffer, gather outputs, their K/V views)
         self._kv = None         # those views cut to num_keys
+        self._native = None     # (int32 table, int64 lengths) for the native kernel
 
         first = group[0].index
         indexes = [s.index for s in group]
@@ -510,6 +513,9 @@ class _Group:
 
         pad = any(s.num_keys < num_keys for s in group)
         restrict = causal and any(s.start < s.num_keys - 1 for s in group)
+        # Each member's key count, when that is all its mask says: one query each, which
+        # sees every key of its sequence (the native kernel's case); else None.
+        self.lens = [s.num_keys for s in group] if count == 1 and not restrict else None
         mask = None
         if pad or restrict:
             key_pos = torch.arange(num_keys, device=device)
@@ -573,8 +579,29 @@ class _Group:
         group = _Group.__new__(_Group)
         for name in _Group.__slots__:
             setattr(group, name, getattr(self, name))
-        group.num_keys, group._kv = num_keys, None
+        group.num_keys, group._kv, group._native = num_keys, None, None
+        group.lens = [num_keys] * self.size
         return group
+
+    def native(self, query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+               scale: Optional[float]) -> Optional[torch.Tensor]:
+        """The group's decode by the native kernel (:mod:`shmkv.native`), reading the
+        pages in place: ``[size, num_heads, head_dim]``; None when the kernel does not
+        take this call (more than one query per member, another dtype or device, pages
+        not made of contiguous chunks, no kernel built)."""
+        if self.lens is None or not native.usable(query, k_pages, v_pages):
+            return None
+        fn = native.decoder()
+        if fn is None:
+            return None
+        made = self._native
+        if made is None:
+            made = self._native = (
+                self.index.view(self.size, self.blocks).to(torch.int32).contiguous(),
+                torch.tensor(self.lens, dtype=torch.int64))
+        head_dim = k_pages.shape[3]
+        return native.paged_decode(fn, query, k_pages, v_pages, made[0], made[1],
+                                   head_dim ** -0.5 if scale is None else scale)
 
     def decode(self, query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                scale: Optional[float], workspace: Optional[AttentionWorkspace]) -> torch.Tensor:
@@ -584,6 +611,9 @@ class _Group:
         these). Returns ``[size, num_kv_heads, heads_per_kv, head_dim]``: the result rows
         in ``[size, num_heads, head_dim]`` order."""
         _, _, num_kv_heads, head_dim = k_pages.shape
+        o = self.native(query, k_pages, v_pages, scale)
+        if o is not None:
+            return o.view(self.size, num_kv_heads, -1, head_dim)
         k, v = self.gather(k_pages, v_pages, workspace)
         return F.scaled_dot_product_attention(
             query.reshape(self.size, num_kv_heads, -1, head_dim), k, v,
@@ -598,6 +628,12 @@ class _Group:
         num_kv_heads, head_dim = k_pages.shape[2:]
         num_heads = query.shape[-2]
         size, count = self.size, self.count
+        if scales == (None, None) and self.lens is not None:
+            q = query if self.whole else query[self.row0:self.row0 + size] if self.rows is None \
+                else query.index_select(0, self.rows)
+            o = self.native(q, k_pages, v_pages, scale)
+            if o is not None:
+                return o
         k, v = self.gather(k_pages, v_pages, workspace)
         if k.dtype != query.dtype:
             k, v = k.to(query.dtype), v.to(query.dtype)

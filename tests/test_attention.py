@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from shmkv import native
 from shmkv.attention import AttentionWorkspace, PagedAttentionPlan, paged_attention
 
 HEAD_DIM = 16
@@ -286,6 +287,9 @@ def test_packed_rows_without_keys_are_zero(monkeypatch):
 
 
 def count_sdpa_calls(monkeypatch):
+    """SDPA calls of the torch path (the native decode kernel is turned off: these tests
+    are about how that path groups its calls; tests/test_native.py covers the kernel)."""
+    monkeypatch.setattr(native, "decoder", lambda: None)
     calls = []
     real = F.scaled_dot_product_attention
 
@@ -359,7 +363,8 @@ def test_out_is_written_and_returned():
     assert torch.equal(got, paged_attention(batch_q, k_pages, v_pages, table[:2], seq_lens[:2]))
 
 
-def test_workspace_is_reused_and_changes_nothing():
+def test_workspace_is_reused_and_changes_nothing(monkeypatch):
+    monkeypatch.setattr(native, "decoder", lambda: None)   # the torch path gathers into it
     workspace = AttentionWorkspace()
     assert workspace.nbytes == 0
     steps = [([1, 1, 1], [5, 9, 30], torch.float32), ([7, 1, 1], [40, 10, 31], torch.float32),

@@ -1,0 +1,270 @@
+"""The native decode kernel (shmkv.native) against a dense float64 reference and against
+the torch path, and what happens without it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shmkv import native
+from shmkv.attention import PagedAttentionPlan, paged_attention
+
+TOLERANCE = dict(rtol=2e-5, atol=2e-5)
+HAS_CC = native._compiler() is not None
+
+
+def pool_pages(num_blocks, num_layers, block_size, kv_heads, head_dim, layer, seed=0):
+    """K and V pages of one layer of a block-major pool, as ShmkvCache makes them: views
+    whose page stride is a whole block (every layer's K and V)."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.randn(num_blocks, num_layers, 2, block_size, kv_heads, head_dim, generator=gen)
+    return pool[:, layer, 0], pool[:, layer, 1]
+
+
+def reference(q, k_pages, v_pages, table, lens, scale=None):
+    """Dense attention of each row's one query over its keys, in float64."""
+    rows, heads, dim = q.shape
+    kv_heads = k_pages.shape[2]
+    out = torch.zeros(rows, heads, dim, dtype=torch.float64)
+    for b, n in enumerate(lens):
+        if n == 0:
+            continue
+        blocks = -(-n // k_pages.shape[1])
+        k = k_pages[table[b, :blocks].long()].reshape(-1, kv_heads, dim)[:n].double()
+        v = v_pages[table[b, :blocks].long()].reshape(-1, kv_heads, dim)[:n].double()
+        k = k.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)   # [heads, n, dim]
+        v = v.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        out[b] = F.scaled_dot_product_attention(q[b].double()[:, None], k, v,
+                                                scale=scale)[:, 0]
+    return out
+
+
+def batch(lens, heads, kv_heads, dim, block_size, seed=0, layers=3):
+    gen = torch.Generator().manual_seed(seed + 100)
+    per_row = max(-(-n // block_size) for n in lens) + 1
+    num_blocks = len(lens) * per_row + 5
+    k_pages, v_pages = pool_pages(num_blocks, layers, block_size, kv_heads, dim, layer=1,
+                                  seed=seed)
+    table = torch.randperm(num_blocks, generator=gen)[:len(lens) * per_row]
+    table = table.view(len(lens), per_row).to(torch.int32)
+    q = torch.randn(len(lens), heads, dim, generator=gen)
+    return q, k_pages, v_pages, table
+
+
+def sdpa_calls(monkeypatch):
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", counting)
+    return calls
+
+
+needs_cc = pytest.mark.skipif(not HAS_CC, reason="no C compiler: the kernel cannot be built")
+
+
+@needs_cc
+def test_the_kernel_builds_and_loads_here():
+    assert native.decoder() is not None, native.status()
+    assert native.status() == "loaded"
+
+
+@needs_cc
+@pytest.mark.parametrize("dim", [8, 16, 32, 64, 80, 128, 256])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_decode_matches_reference_without_sdpa(dim, group, monkeypatch):
+    kv_heads = 2
+    lens = [1, 37, 16, 64, 5, 100]     # one key, partial and whole last blocks
+    q, k_pages, v_pages, table = batch(lens, kv_heads * group, kv_heads, dim, 16, seed=dim)
+    calls = sdpa_calls(monkeypatch)
+    got = paged_attention(q, k_pages, v_pages, table, lens)
+    assert not calls                                  # the kernel, not SDPA
+    torch.testing.assert_close(got.double(), reference(q, k_pages, v_pages, table, lens),
+                               **TOLERANCE)
+
+
+@needs_cc
+@pytest.mark.parametrize("block_size", [1, 4, 32])
+def test_block_sizes_scale_and_the_torch_path_agree(block_size, monkeypatch):
+    lens = [3, 70, 33]
+    q, k_pages, v_pages, table = batch(lens, 8, 2, 32, block_size, seed=block_size)
+    got = paged_attention(q, k_pages, v_pages, table, lens, scale=0.3)
+    torch.testing.assert_close(got.double(),
+                               reference(q, k_pages, v_pages, table, lens, scale=0.3),
+                               **TOLERANCE)
+    monkeypatch.setattr(native, "decoder", lambda: None)
+    calls = sdpa_calls(monkeypatch)
+    torch_path = paged_attention(q, k_pages, v_pages, table, lens, scale=0.3)
+    assert calls
+    torch.testing.assert_close(got, torch_path, **TOLERANCE)
+
+
+@needs_cc
+def test_packed_decodes_beside_a_prefill(monkeypatch):
+    # A prefill of 5 query tokens takes SDPA; the decode rows of the same call the kernel.
+    lens = [40, 9, 77]
+    counts = [1, 5, 1]
+    heads, kv_heads, dim, bs = 4, 2, 32, 8
+    _, k_pages, v_pages, table = batch(lens, heads, kv_heads, dim, bs, seed=3)
+    q = torch.randn(sum(counts), heads, dim, generator=torch.Generator().manual_seed(9))
+    locs = [0, 1, 6, 7]
+    got = paged_attention(q, k_pages, v_pages, table, lens, query_start_loc=locs)
+    monkeypatch.setattr(native, "decoder", lambda: None)
+    torch.testing.assert_close(got, paged_attention(q, k_pages, v_pages, table, lens,
+                                                    query_start_loc=locs), **TOLERANCE)
+
+
+@needs_cc
+def test_rows_split_over_threads_give_the_same_result(monkeypatch):
+    lens = [2000, 1500, 1999, 700]
+    q, k_pages, v_pages, table = batch(lens, 8, 2, 64, 16, seed=5)
+    plan = PagedAttentionPlan(q, k_pages, table, lens)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = paged_attention(q, k_pages, v_pages, plan=plan)
+        torch.set_num_threads(3)
+        submitted = []
+        real = native._executor
+
+        def counting():
+            pool = real()
+            submitted.append(pool)
+            return pool
+
+        monkeypatch.setattr(native, "_executor", counting)
+        split = paged_attention(q, k_pages, v_pages, plan=plan)
+    finally:
+        torch.set_num_threads(threads)
+    assert submitted                                  # rows went to other threads
+    assert torch.equal(one, split)
+    torch.testing.assert_close(one.double(), reference(q, k_pages, v_pages, table, lens),
+                               **TOLERANCE)
+
+
+@needs_cc
+def test_a_bad_page_id_is_an_error_not_a_crash():
+    lens = [20, 20]
+    q, k_pages, v_pages, table = batch(lens, 4, 2, 32, 16)
+    bad = table.clone()
+    bad[1, 1] = k_pages.shape[0]
+    fn = native.decoder()
+    with pytest.raises(IndexError, match="not a page id"):
+        native.paged_decode(fn, q, k_pages, v_pages, bad, torch.tensor(lens), 0.1)
+    bad[1, 1] = -1
+    with pytest.raises(IndexError, match="not a page id"):
+        native.paged_decode(fn, q, k_pages, v_pages, bad, torch.tensor(lens), 0.1)
+    # paged_attention checks the ids before any kernel runs
+    with pytest.raises(ValueError, match="page"):
+        paged_attention(q, k_pages, v_pages, bad, lens)
+
+
+def test_other_dtypes_and_quantized_pages_take_the_torch_path(monkeypatch):
+    lens = [12, 30]
+    q, k_pages, v_pages, table = batch(lens, 4, 2, 32, 16, seed=4)
+    calls = sdpa_calls(monkeypatch)
+    got = paged_attention(q.bfloat16(), k_pages.bfloat16(), v_pages.bfloat16(), table, lens)
+    assert calls and got.dtype == torch.bfloat16
+    assert not native.usable(q.bfloat16(), k_pages.bfloat16(), v_pages.bfloat16())
+    calls.clear()
+    paged_attention(q, k_pages, v_pages, table, lens, k_scale=2.0, v_scale=0.5)
+    assert calls
+    # pages whose chunks are not contiguous (a transposed view) are not the kernel's
+    assert not native.usable(q, k_pages.transpose(2, 3), v_pages.transpose(2, 3))
+
+
+def _child(env: dict, code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=180)
+
+
+CHILD = """
+import torch, logging
+logging.basicConfig(level=logging.WARNING)
+from shmkv import native
+from shmkv.attention import paged_attention
+torch.manual_seed(0)
+k = torch.randn(8, 4, 2, 32); v = torch.randn(8, 4, 2, 32); q = torch.randn(2, 4, 32)
+table = torch.tensor([[0, 3, 5], [7, 1, 2]], dtype=torch.int32)
+out = paged_attention(q, k, v, table, [9, 12])
+ref = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+    q[b][:, None], k[table[b]].reshape(-1, 2, 32)[:n].repeat_interleave(2, 1).transpose(0, 1),
+    v[table[b]].reshape(-1, 2, 32)[:n].repeat_interleave(2, 1).transpose(0, 1))[None, :, 0]
+    for b, n in enumerate([9, 12])])
+torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)
+print("STATUS", native.status())
+"""
+
+
+def test_disabled_by_the_environment(tmp_path):
+    done = _child({"SHMKV_NATIVE": "0", "SHMKV_CACHE_DIR": str(tmp_path)}, CHILD)
+    assert done.returncode == 0, done.stderr
+    assert "STATUS disabled by SHMKV_NATIVE" in done.stdout
+    assert not os.listdir(tmp_path)                   # nothing built
+
+
+def test_a_failing_compiler_leaves_the_torch_path_and_says_why(tmp_path):
+    done = _child({"CC": "false", "SHMKV_CACHE_DIR": str(tmp_path)}, CHILD)
+    assert done.returncode == 0, done.stderr
+    assert "STATUS building with" in done.stdout and "failed" in done.stdout
+    assert "native decode kernel is not available" in done.stderr
+    assert not os.listdir(tmp_path)                   # no partial library left behind
+
+
+@needs_cc
+def test_a_fresh_cache_directory_is_built_into_then_reused(tmp_path):
+    cache = tmp_path / "cache"
+    done = _child({"SHMKV_CACHE_DIR": str(cache)}, CHILD)
+    assert done.returncode == 0, done.stderr
+    assert "STATUS loaded" in done.stdout
+    built = os.listdir(cache)
+    assert len(built) == 1 and built[0].startswith("paged_decode-") and built[0].endswith(".so")
+    stamp = os.stat(cache / built[0]).st_mtime_ns
+    again = _child({"SHMKV_CACHE_DIR": str(cache)}, CHILD)
+    assert again.returncode == 0 and "STATUS loaded" in again.stdout, again.stderr
+    assert os.listdir(cache) == built and os.stat(cache / built[0]).st_mtime_ns == stamp
+
+
+@needs_cc
+def test_generate_decodes_through_the_kernel_equal_to_dynamic_cache(monkeypatch):
+    pytest.importorskip("transformers")
+    import shmkv
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    from shmkv.integrations.transformers import ShmkvCache, cache_argument, pool_config
+
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, bos_token_id=None, eos_token_id=None,
+                         pad_token_id=None)        # head_dim 32: the vector kernel
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 256, (3, 40), generator=torch.Generator().manual_seed(1))
+    key = cache_argument(model)
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        want = model.generate(ids, max_new_tokens=12, do_sample=False,
+                              **{key: DynamicCache(config=config)})
+        calls = []
+        real = native.paged_decode
+
+        def counting(*args, **kwargs):
+            calls.append(1)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(native, "paged_decode", counting)
+        model.set_attn_implementation("shmkv")
+        cfg = pool_config(config, num_blocks=64, block_size=16, dtype=torch.float32)
+        with shmkv.Coordinator(cfg, name=f"native-{os.getpid()}") as coord, \
+                shmkv.connect(coord.address) as client, ShmkvCache(client) as cache:
+            got = model.generate(ids, max_new_tokens=12, do_sample=False, **{key: cache})
+    assert torch.equal(got, want)
+    assert len(calls) >= 11 * config.num_hidden_layers   # every decode step, every layer
