@@ -17,7 +17,9 @@ the rounds; a ratio to DynamicCache is the median of the rounds' own ratios:
 * ``dynamic``: DynamicCache, ``attn_implementation="sdpa"`` (transformers' default);
 * ``shmkv``: ShmkvCache, ``attn_implementation="shmkv"`` (the paged path, the default:
   every forward attends over the pool's pages);
-* ``shmkv-mirror``: the same with ``mirror=True`` (decode steps attend over a copy of
+* ``shmkv-torch``: the same with the native decode kernel turned off (decode steps
+  gather K/V from the pool and run SDPA over the copy, as without a C compiler);
+* ``shmkv-mirror``: the same as ``shmkv`` with ``mirror=True`` (decode steps attend over a copy of
   the K/V the cache keeps in this process, a second copy of it);
 * ``shmkv-dense``: ShmkvCache with ``sdpa`` (the dense path: K/V gathered per layer).
 
@@ -44,17 +46,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import shmkv  # noqa: E402
+from shmkv import native  # noqa: E402
 from shmkv.integrations.transformers import ShmkvCache, cache_argument, pool_config  # noqa: E402
 
 MODEL = dict(vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=8,
              num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192,
              sliding_window=None, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+# --model mid: heads of a 1-3B model (16 query heads over 4 K/V heads of 128), 4 layers.
+MID = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=4, num_attention_heads=16,
+           num_key_value_heads=4)
+DESCRIBE = {"small": "Mistral-shaped, 8 layers, hidden 256, 8:2 GQA heads of 32, vocab 32000",
+            "mid": "Mistral-shaped, 4 layers, hidden 2048, 16:4 GQA heads of 128, vocab 32000"}
 BLOCK_SIZE = 16
 TARGETS = [(4, 1024), (1, 4096)]
 SWEEP = {1: [256, 512, 1024, 2048, 4096], 4: [256, 512, 1024, 2048]}
 QUICK_SWEEP = {1: [512, 2048], 4: [1024]}
-WAYS = ["dynamic", "shmkv", "shmkv-mirror", "shmkv-dense"]
-IMPL = {"dynamic": "sdpa", "shmkv": "shmkv", "shmkv-mirror": "shmkv", "shmkv-dense": "sdpa"}
+WAYS = ["dynamic", "shmkv", "shmkv-torch", "shmkv-mirror", "shmkv-dense"]
+IMPL = {"dynamic": "sdpa", "shmkv": "shmkv", "shmkv-torch": "shmkv", "shmkv-mirror": "shmkv",
+        "shmkv-dense": "sdpa"}
 
 
 def build_model():
@@ -107,8 +116,15 @@ def run_case(model, client, batch: int, prompt_len: int, steps: int, repeats: in
             model.set_attn_implementation(IMPL[way])
             cache.crop(-(cache.get_seq_length() - (prompt_len - 1)))
             clock = _Clock()
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=steps, do_sample=False,
-                                 logits_processor=LogitsProcessorList([clock]), **{key: cache})
+            decoder = native.decoder
+            if way == "shmkv-torch":
+                native.decoder = lambda: None
+            try:
+                out = model.generate(ids, attention_mask=mask, max_new_tokens=steps,
+                                     do_sample=False, logits_processor=LogitsProcessorList([clock]),
+                                     **{key: cache})
+            finally:
+                native.decoder = decoder
             num = batch * (len(clock.times) - 1)
             rates[way].append(num / (clock.times[-1] - clock.times[0]))
             cpu_rates[way].append(num / (clock.cpu[-1] - clock.cpu[0]))
@@ -128,7 +144,8 @@ def run_case(model, client, batch: int, prompt_len: int, steps: int, repeats: in
         result[f"{way}_cpu_tok_s"] = statistics.median(cpu_rates[way][1:])
     # Ratios: the median of each round's own ratio (runs next to each other in time see
     # about the same load from the rest of the host).
-    for key, way in (("ratio", "shmkv"), ("ratio_mirror", "shmkv-mirror"),
+    for key, way in (("ratio", "shmkv"), ("ratio_torch", "shmkv-torch"),
+                     ("ratio_mirror", "shmkv-mirror"),
                      ("ratio_dense", "shmkv-dense")):
         for prefix, runs in (("", rates), ("cpu_", cpu_rates)):
             result[prefix + key] = statistics.median(
@@ -139,9 +156,10 @@ def run_case(model, client, batch: int, prompt_len: int, steps: int, repeats: in
 def markdown(results: dict) -> str:
     """The table: the targets first, then the rest of the sweep."""
     lines = ["| batch | prompt | DynamicCache tok/s | ShmkvCache, `shmkv` attention (paged) "
-             "tok/s | ratio | per CPU s | with `mirror=True` tok/s | ratio | ShmkvCache, `sdpa` "
-             "(dense) tok/s | ratio | per CPU s | tokens equal |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
+             "tok/s | ratio | per CPU s | the same, native kernel off tok/s | ratio | with "
+             "`mirror=True` tok/s | ratio | ShmkvCache, `sdpa` (dense) tok/s | ratio | per CPU s "
+             "| tokens equal |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
     seen = set()
     for r in results["targets"] + results["sweep"]:
         if (r["batch"], r["prompt"]) in seen:
@@ -149,6 +167,7 @@ def markdown(results: dict) -> str:
         seen.add((r["batch"], r["prompt"]))
         lines.append(f"| {r['batch']} | {r['prompt']} | {r['dynamic_tok_s']:.0f} | "
                      f"{r['shmkv_tok_s']:.0f} | **{r['ratio']:.2f}x** | {r['cpu_ratio']:.2f}x | "
+                     f"{r['shmkv-torch_tok_s']:.0f} | {r['ratio_torch']:.2f}x | "
                      f"{r['shmkv-mirror_tok_s']:.0f} | {r['ratio_mirror']:.2f}x | "
                      f"{r['shmkv-dense_tok_s']:.0f} | {r['ratio_dense']:.2f}x | "
                      f"{r['cpu_ratio_dense']:.2f}x | {'yes' if r['tokens_equal'] else 'NO'} |")
@@ -161,8 +180,15 @@ def markdown(results: dict) -> str:
             "DynamicCache in the same rounds (the median of each round's ratio); \"per CPU "
             "s\" is the ratio of tokens per CPU second of the process (the coordinator thread "
             "included), less sensitive to other load on the host. The first two rows are the "
-            "targets (batch 4 with a 1k prompt, batch 1 with 4k).\n\n")
+            "targets (batch 4 with a 1k prompt, batch 1 with 4k). The paged path's decode "
+            f"attention: {_native_words(results.get('native'))}.\n\n")
     return head + "\n".join(lines) + "\n"
+
+
+def _native_words(status) -> str:
+    if status == "loaded":
+        return "the native kernel (`shmkv.native`), reading the pool's pages in place"
+    return f"the torch path (gather + SDPA; the native kernel: {status or 'not recorded'})"
 
 
 def plot(results: dict, path: str) -> bool:
@@ -180,6 +206,8 @@ def plot(results: dict, path: str) -> bool:
         x = [r["prompt"] for r in rows]
         for way, label, style in [("dynamic", "DynamicCache (sdpa)", "o-"),
                                   ("shmkv", "ShmkvCache (shmkv attention, over the pool)", "s-"),
+                                  ("shmkv-torch", "ShmkvCache (shmkv attention, native kernel "
+                                   "off)", "x-."),
                                   ("shmkv-mirror", "ShmkvCache (shmkv attention, mirror=True)",
                                    "d:"),
                                   ("shmkv-dense", "ShmkvCache (dense, sdpa)", "^--")]:
@@ -208,6 +236,8 @@ def main(argv=None) -> int:
     parser.add_argument("--name", default="transformers")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks"))
     parser.add_argument("--no-sweep", action="store_true", help="the two targets only")
+    parser.add_argument("--model", choices=sorted(DESCRIBE), default="small",
+                        help="small: the targets' shape; mid: larger heads (see MID)")
     parser.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="pool block size")
     parser.add_argument("--fresh", action="store_true",
                         help="every run from a cache prefilled anew (decode steps then reserve "
@@ -215,6 +245,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     repeats = args.repeats or (3 if args.quick else 5)
     torch.set_num_threads(1)
+    if args.model == "mid":
+        MODEL.update(MID)
     model = build_model()
     sweep = {} if args.no_sweep else (QUICK_SWEEP if args.quick else SWEEP)
     longest = max([p for _, p in TARGETS] + [p for ps in sweep.values() for p in ps])
@@ -222,7 +254,7 @@ def main(argv=None) -> int:
     blocks = widest * (-(-(longest + args.steps) // args.block_size) + 1) * 3 + 64
     cfg = pool_config(model.config, num_blocks=blocks, block_size=args.block_size,
                       dtype=torch.float32)
-    results = {"model": "Mistral-shaped, 8 layers, hidden 256, 8:2 GQA heads of 32, vocab 32000",
+    results = {"model": DESCRIBE[args.model],
                "steps": args.steps, "repeats": repeats, "threads": 1, "fresh": args.fresh,
                "block_size": args.block_size,
                "host": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
@@ -249,6 +281,7 @@ def main(argv=None) -> int:
                 print(f"sweep batch {batch} prompt {prompt_len}: dynamic "
                       f"{r['dynamic_tok_s']:.0f} shmkv {r['shmkv_tok_s']:.0f} "
                       f"({r['ratio']:.2f}x) dense {r['shmkv-dense_tok_s']:.0f}", flush=True)
+    results["native"] = native.status()
     os.makedirs(os.path.join(args.out, "results"), exist_ok=True)
     os.makedirs(os.path.join(args.out, "plots"), exist_ok=True)
     with open(os.path.join(args.out, "results", f"{args.name}.json"), "w") as f:

@@ -1,4 +1,4 @@
-"""Paged attention over the pool's block layout, in plain torch.
+"""Paged attention over the pool's pages: plain torch, and a native decode kernel on CPU.
 
 Owns :func:`paged_attention`: attention of query tokens against K/V held in pages
 ``[num_blocks, block_size, num_kv_heads, head_dim]`` (what ``KvCacheHandle.paged_kv(layer)``
@@ -14,7 +14,11 @@ and by how many keys they need, so a batch of decodes of similar lengths is one
 Each group gathers only the blocks its sequences use (``index_select`` of whole
 pages) and computes in the query's dtype; nothing is upcast to float32. Quantized
 pages (float8, int8) are converted to the query's dtype as they are gathered and
-multiplied by the caller's ``k_scale`` / ``v_scale``. On a GPU,
+multiplied by the caller's ``k_scale`` / ``v_scale``. On CPU, a group of one query
+per sequence (decode) in float32 goes to the native kernel instead (``shmkv.native``,
+built from C on first use): it reads each sequence's pages in place, once, with no
+gathered copy and no padding to the longest member; where it is not built (no C
+compiler, ``SHMKV_NATIVE=0``) the torch path above runs. On a GPU,
 FlashAttention's ``flash_attn_with_kvcache(..., block_table=)`` and FlashInfer's paged
 kernels read the same pages in place, without the gather (see ``docs/transformers.md``).
 

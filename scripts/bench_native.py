@@ -1,0 +1,158 @@
+"""Decode attention of one layer: the native kernel against paged_attention's torch path.
+
+One query token per sequence, float32, one torch thread, K/V pages laid out as in the
+pool (``[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]``, one layer's
+view), each sequence's blocks in a run as a fresh pool hands them out. Per case, in
+interleaved rounds (median of the rounds):
+
+* ``native``: ``paged_attention`` with its plan, the kernel reading the pages in place;
+* ``torch path``: the same call with the kernel off (two ``index_select`` of the pages
+  into a reused workspace, then SDPA with the query heads folded);
+* ``contiguous SDPA``: SDPA over K/V already contiguous ``[batch, kv_heads, keys,
+  head_dim]`` in process memory (the floor of an in-process cache: no copy at all).
+
+"hot": the same call back to back. "cold": before each call a read of 64 MiB evicts the
+CPU caches, as a model's weights do between two attention layers. Every case first
+checks the three results equal. Writes ``benchmarks/results/native.{json,md}``.
+
+    python scripts/bench_native.py [--rounds 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from shmkv import native  # noqa: E402
+from shmkv.attention import AttentionWorkspace, PagedAttentionPlan, paged_attention  # noqa: E402
+
+BLOCK = 16
+# (label, query heads, K/V heads, head_dim, layers in the pool)
+SHAPES = [("8:2 x 32 (the transformers benchmark's)", 8, 2, 32, 8),
+          ("16:4 x 128 (1-3B models)", 16, 4, 128, 4),
+          ("32:8 x 128 (Llama-3-8B)", 32, 8, 128, 4),
+          ("32:32 x 128 (Llama-2-7B)", 32, 32, 128, 2)]
+CASES = [(1, 4096), (4, 1024), (16, 1024)]
+
+
+def make(heads, kv_heads, dim, layers, batch, keys, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    per_row = -(-keys // BLOCK)
+    num_blocks = batch * per_row + 1
+    pool = torch.randn(num_blocks, layers, 2, BLOCK, kv_heads, dim, generator=gen)
+    layer = layers // 2
+    k_pages, v_pages = pool[:, layer, 0], pool[:, layer, 1]
+    table = torch.arange(batch * per_row, dtype=torch.int32).view(batch, per_row)
+    q = torch.randn(batch, heads, dim, generator=gen)
+    lens = [keys] * batch
+    k = k_pages[table.long()].reshape(batch, -1, kv_heads, dim)[:, :keys].transpose(1, 2)
+    v = v_pages[table.long()].reshape(batch, -1, kv_heads, dim)[:, :keys].transpose(1, 2)
+    return q, k_pages, v_pages, table, lens, k.contiguous(), v.contiguous(), pool
+
+
+def time_case(fns: dict, cold: bool, rounds: int, flush: torch.Tensor) -> dict:
+    per = {name: [] for name in fns}
+    calls = 3 if cold else 20
+    for r in range(rounds + 1):
+        order = list(fns) if r % 2 else list(fns)[::-1]
+        for name in order:
+            fn = fns[name]
+            total = 0.0
+            for _ in range(calls):
+                if cold:
+                    flush.sum()
+                t0 = time.perf_counter()
+                fn()
+                total += time.perf_counter() - t0
+            if r:
+                per[name].append(total / calls * 1e6)
+    return {name: statistics.median(v) for name, v in per.items()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "native"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    if native.decoder() is None:
+        print(f"the native kernel is not available: {native.status()}")
+        return 1
+    flush = torch.ones(16 << 20)
+    rows = []
+    for label, heads, kv_heads, dim, layers in SHAPES:
+        for batch, keys in CASES:
+            q, k_pages, v_pages, table, lens, k, v, _pool = make(heads, kv_heads, dim, layers,
+                                                                 batch, keys)
+            plan = PagedAttentionPlan(q, k_pages, table, lens)
+            workspace = AttentionWorkspace()
+            decoder = native.decoder
+            group = heads // kv_heads
+
+            def run_native():
+                return paged_attention(q, k_pages, v_pages, plan=plan, workspace=workspace)
+
+            def run_torch():
+                native.decoder = lambda: None
+                try:
+                    return paged_attention(q, k_pages, v_pages, plan=plan, workspace=workspace)
+                finally:
+                    native.decoder = decoder
+
+            def run_dense():
+                return F.scaled_dot_product_attention(
+                    q.view(batch, kv_heads, group, dim), k, v).reshape(batch, heads, dim)
+
+            a, b, c = run_native(), run_torch(), run_dense()
+            torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5)
+            torch.testing.assert_close(a, c, rtol=2e-5, atol=2e-5)
+            fns = {"native": run_native, "torch path": run_torch, "contiguous SDPA": run_dense}
+            row = {"shape": label, "batch": batch, "keys": keys,
+                   "kv_mb": 2 * k.numel() * 4 / 2**20}
+            for mode in ("hot", "cold"):
+                res = time_case(fns, mode == "cold", args.rounds, flush)
+                row[mode] = res
+                row[mode + "_speedup"] = res["torch path"] / res["native"]
+            rows.append(row)
+            print(f"{label} batch {batch} keys {keys}: hot native {row['hot']['native']:.0f} us "
+                  f"torch {row['hot']['torch path']:.0f} ({row['hot_speedup']:.2f}x); cold "
+                  f"native {row['cold']['native']:.0f} torch {row['cold']['torch path']:.0f} "
+                  f"({row['cold_speedup']:.2f}x)", flush=True)
+    result = {"host": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+              "rounds": args.rounds, "block_size": BLOCK, "rows": rows}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    lines = [f"Decode attention of one layer, float32, one torch thread, {BLOCK}-token blocks, "
+             f"us per call, median of {args.rounds} interleaved rounds ({result['host']}). "
+             "\"speedup\": the torch path's time over the native kernel's. \"cold\": a 64 MiB "
+             "read before each call evicts the CPU caches, as a model's weights do between "
+             "layers. Reproduce: `python scripts/bench_native.py`.", "",
+             "| heads (query:K/V x dim) | batch | keys | K/V MiB | hot: native | torch path | "
+             "contiguous SDPA | speedup | cold: native | torch path | contiguous SDPA | speedup |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        h, c = r["hot"], r["cold"]
+        lines.append(f"| {r['shape']} | {r['batch']} | {r['keys']} | {r['kv_mb']:.1f} | "
+                     f"{h['native']:.0f} | {h['torch path']:.0f} | {h['contiguous SDPA']:.0f} | "
+                     f"**{r['hot_speedup']:.2f}x** | {c['native']:.0f} | {c['torch path']:.0f} | "
+                     f"{c['contiguous SDPA']:.0f} | **{r['cold_speedup']:.2f}x** |")
+    with open(args.out + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
