@@ -604,8 +604,10 @@ class _Group:
                 self.index.view(self.size, self.blocks).to(torch.int32).contiguous(),
                 torch.tensor(self.lens, dtype=torch.int64))
         head_dim = k_pages.shape[3]
-        return native.paged_decode(fn, query, k_pages, v_pages, made[0], made[1],
-                                   head_dim ** -0.5 if scale is None else scale)
+        q = query.reshape(self.size, -1, head_dim).contiguous()
+        return native.run_checked(fn, q, k_pages, v_pages, made[0], made[1], self.lens,
+                                  head_dim ** -0.5 if scale is None else scale,
+                                  torch.empty(q.shape, dtype=torch.float32))
 
     def decode(self, query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                scale: Optional[float], workspace: Optional[AttentionWorkspace]) -> torch.Tensor:

@@ -27,9 +27,11 @@ import logging
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
@@ -42,11 +44,18 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "paged
 # vector exp and reorder sums (results differ from SDPA's in the last bits, as SDPA's
 # differ between its own kernels); the kernel keeps every value finite.
 FLAG_SETS = (["-O3", "-march=native", "-ffast-math"], ["-O3", "-ffast-math"])
-BUILD_TIMEOUT_S = 120.0
+# Part of the library's name: a build whose output is made differently gets a new name.
+BUILD_KIND = "c-then-link-v2"
+BUILD_TIMEOUT_S = 60.0
+# A built library no process loaded for this long goes when another is built.
+PRUNE_AFTER_S = 30 * 86400.0
 BAD_PAGE, NO_MEMORY = 1, 2
 # Below this many (keys x heads x head_dim) a call runs on one thread: handing rows to
 # other threads costs more than it saves.
 _SPLIT_MIN_WORK = 1 << 21
+
+# Page ids go to the kernel as int32.
+_MAX_PAGES = (1 << 31) - 1
 
 _lock = threading.Lock()
 _state = {"fn": None, "tried": False, "status": "not built yet"}
@@ -82,6 +91,44 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def _run(command: list) -> Optional[str]:
+    """Run a compiler step; None when it succeeded, else why not. On a timeout the
+    whole process group goes (the driver's cc1 and ld with it)."""
+    try:
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+    except OSError as exc:
+        return str(exc)
+    try:
+        _out, err = proc.communicate(timeout=BUILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        proc.communicate()
+        return f"{command[0]} took over {BUILD_TIMEOUT_S:g} s"
+    return None if proc.returncode == 0 else (err.strip()[-400:] or f"exit {proc.returncode}")
+
+
+def _prune(directory: str, keep: str) -> None:
+    """Remove libraries of earlier sources or builds not used for PRUNE_AFTER_S (a cache
+    shared by machines keeps each machine's current one)."""
+    now = time.time()
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(directory, name)
+        if name.startswith("paged_decode-") and name.endswith(".so") and path != keep:
+            try:
+                if now - os.stat(path).st_atime > PRUNE_AFTER_S:
+                    os.unlink(path)
+            except OSError:
+                pass
+
+
 def _build() -> tuple:
     """(the loaded function, None) or (None, why not)."""
     if os.environ.get("SHMKV_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
@@ -92,13 +139,15 @@ def _build() -> tuple:
     try:
         with open(SOURCE, "rb") as f:
             source = f.read()
-        version = subprocess.run([cc, "--version"], capture_output=True, timeout=30).stdout
+        version = subprocess.run([cc, "--version"], capture_output=True, timeout=30,
+                                 start_new_session=True).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"cannot read the kernel source or run {cc}: {exc}"
     directory = cache_dir()
     errors = []
     for flags in FLAG_SETS:
         digest = hashlib.sha256(b"\0".join([source, cc.encode(), version, " ".join(flags).encode(),
+                                            BUILD_KIND.encode(),
                                             platform.machine().encode(),
                                             _cpu_flags().encode()])).hexdigest()[:20]
         path = os.path.join(directory, f"paged_decode-{digest}.so")
@@ -110,19 +159,30 @@ def _build() -> tuple:
                 os.close(fd)
             except OSError as exc:
                 return None, f"cannot write to the cache directory {directory}: {exc}"
+            obj = tmp[:-3] + ".o"
             try:
-                done = subprocess.run([cc, *flags, "-fPIC", "-shared", "-o", tmp, SOURCE, "-lm"],
-                                      capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-                if done.returncode != 0:
-                    errors.append(f"{' '.join(flags)}: {done.stderr.strip()[-400:]}")
+                # Compiled with the flags, linked without them: a link with -ffast-math adds
+                # start-up code that sets flush-to-zero for the whole process (subnormals
+                # would read as zero in every computation, torch's included).
+                failed = None
+                for command in ([cc, *flags, "-fPIC", "-c", "-o", obj, SOURCE],
+                                [cc, "-shared", "-o", tmp, obj, "-lm"]):
+                    failed = _run(command)
+                    if failed:
+                        break
+                if failed:
+                    errors.append(f"{' '.join(flags)}: {failed}")
                     continue
+                os.chmod(tmp, 0o755)
                 os.replace(tmp, path)
+                _prune(directory, keep=path)
             except (OSError, subprocess.SubprocessError) as exc:
                 errors.append(f"{' '.join(flags)}: {exc}")
                 continue
             finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+                for leftover in (tmp, obj):
+                    if os.path.exists(leftover):
+                        os.unlink(leftover)
         try:
             fn = ctypes.CDLL(path).shmkv_paged_decode_f32
         except (OSError, AttributeError) as exc:
@@ -162,6 +222,7 @@ def usable(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) ->
     every page is one contiguous ``[block_size, kv_heads, head_dim]`` chunk, K and V
     pages alike."""
     return (query.dtype == k_pages.dtype == v_pages.dtype == torch.float32
+            and k_pages.shape[0] <= _MAX_PAGES
             and query.device.type == k_pages.device.type == v_pages.device.type == "cpu"
             and k_pages.stride() == v_pages.stride()
             and k_pages.stride()[1:] == (k_pages.shape[2] * k_pages.shape[3], k_pages.shape[3], 1))
@@ -170,22 +231,53 @@ def usable(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) ->
 def paged_decode(fn, query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                  table: torch.Tensor, lens: torch.Tensor, scale: float,
                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """One query token per sequence against its pages: ``query`` holds ``[rows, heads,
-    head_dim]`` float32 elements in that order; ``table`` is ``[rows, >= pages]`` int32
-    contiguous, ``lens`` ``[rows]`` int64 (keys of each row; 0 gives zeros). Returns
-    ``[rows, heads, head_dim]`` (into ``out`` when given, contiguous). The caller
-    checked :func:`usable`.
+    """One query token per sequence against its pages, with the kernel ``fn``
+    (:func:`decoder`): ``query`` holds ``[rows, heads, head_dim]`` float32 elements in
+    that order (any shape); ``table`` is ``[rows, >= pages of the longest row]`` int32,
+    ``lens`` ``[rows]`` int64 (keys of each row; 0 gives zeros). Returns ``[rows, heads,
+    head_dim]`` (into ``out`` when given, contiguous float32 of that shape).
 
     Raises:
+        ValueError / TypeError: tensors the kernel does not take (see :func:`usable`),
+            shapes that disagree, a table too short for a length.
         IndexError: a table entry names a page outside ``k_pages`` (``out`` may then
             hold part of the result).
     """
+    if not usable(query, k_pages, v_pages) or k_pages.shape != v_pages.shape:
+        raise TypeError("the native kernel takes float32 CPU tensors, pages of one contiguous "
+                        "[block_size, kv_heads, head_dim] chunk each, K and V alike")
     num_pages, block_size, kv_heads, head_dim = k_pages.shape
+    if (lens.dtype != torch.int64 or lens.dim() != 1 or table.dtype != torch.int32
+            or table.dim() != 2 or table.shape[0] != lens.shape[0]):
+        raise TypeError("lens must be [rows] int64 and table [rows, pages] int32")
     rows = lens.shape[0]
-    q = query.contiguous()
-    heads = q.numel() // (rows * head_dim)
+    if rows == 0 or query.numel() % (rows * head_dim):
+        raise ValueError(f"query has {query.numel()} elements, not rows x heads x "
+                         f"{head_dim} for {rows} rows")
+    heads = query.numel() // (rows * head_dim)
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads is not a multiple of {kv_heads} K/V heads")
+    table, lens = table.contiguous(), lens.contiguous()
+    if bool((lens < 0).any()) or -(-int(lens.max()) // block_size) > table.shape[1]:
+        raise ValueError(f"lens {lens.tolist()} need more pages than the table's "
+                         f"{table.shape[1]} (or are negative)")
+    q = query.reshape(rows, heads, head_dim).contiguous()
     if out is None:
         out = torch.empty((rows, heads, head_dim), dtype=torch.float32)
+    elif (out.shape != (rows, heads, head_dim) or out.dtype != torch.float32
+          or not out.is_contiguous() or out.device.type != "cpu"):
+        raise ValueError(f"out must be contiguous float32 [{rows}, {heads}, {head_dim}]")
+    return run_checked(fn, q, k_pages, v_pages, table, lens, lens.tolist(), scale, out)
+
+
+def run_checked(fn, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                table: torch.Tensor, lens: torch.Tensor, keys: list, scale: float,
+                out: torch.Tensor) -> torch.Tensor:
+    """:func:`paged_decode` of arguments already checked (a plan's): ``q`` and ``out``
+    contiguous ``[rows, heads, head_dim]``, ``table`` contiguous int32 wide enough,
+    ``lens`` contiguous int64 and ``keys`` the same lengths as a list."""
+    num_pages, block_size, kv_heads, head_dim = k_pages.shape
+    rows, heads = q.shape[0], q.shape[1]
     k_base, v_base = k_pages.data_ptr(), v_pages.data_ptr()
     stride, row_stride = k_pages.stride(0), table.stride(0)
     row_bytes = heads * head_dim * 4
@@ -197,11 +289,20 @@ def paged_decode(fn, query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.
                   scale, out.data_ptr() + lo * row_bytes)
 
     threads = min(torch.get_num_threads(), rows)
-    if threads > 1 and int(lens.sum()) * heads * head_dim >= _SPLIT_MIN_WORK:
-        # The kernel runs without the GIL (ctypes releases it): rows split over threads.
-        bounds = [rows * i // threads for i in range(threads + 1)]
-        futures = [_executor().submit(run, lo, hi) for lo, hi in zip(bounds, bounds[1:-1])]
-        codes = [run(bounds[-2], bounds[-1])] + [f.result() for f in futures]
+    total = sum(keys) if threads > 1 else 0
+    if total * heads * head_dim >= _SPLIT_MIN_WORK:
+        # The kernel runs without the GIL (ctypes releases it): rows split over threads,
+        # about as many keys each.
+        bounds, seen = [0], 0
+        for row, n in enumerate(keys):
+            seen += n
+            if len(bounds) < threads and seen * threads >= total * len(bounds):
+                bounds.append(row + 1)
+        if bounds[-1] != rows:
+            bounds.append(rows)
+        spans = list(zip(bounds, bounds[1:]))
+        futures = [_executor().submit(run, lo, hi) for lo, hi in spans[:-1]]
+        codes = [run(*spans[-1])] + [f.result() for f in futures]
     else:
         codes = [run(0, rows)]
     if any(codes):
@@ -211,13 +312,16 @@ def paged_decode(fn, query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.
     return out
 
 
-def _forget_pool() -> None:
-    global _pool
-    _pool = None   # a forked child has none of its parent's threads
+def _after_fork() -> None:
+    # A forked child has none of its parent's threads: no pool, and no thread that
+    # could release a lock held at the fork.
+    global _pool, _lock
+    _pool = None
+    _lock = threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool)
+    os.register_at_fork(after_in_child=_after_fork)
 
 
 def _executor() -> ThreadPoolExecutor:

@@ -116,7 +116,11 @@ def test_packed_decodes_beside_a_prefill(monkeypatch):
     _, k_pages, v_pages, table = batch(lens, heads, kv_heads, dim, bs, seed=3)
     q = torch.randn(sum(counts), heads, dim, generator=torch.Generator().manual_seed(9))
     locs = [0, 1, 6, 7]
+    ran = []
+    real = native.run_checked
+    monkeypatch.setattr(native, "run_checked", lambda *a: ran.append(a[1].shape[0]) or real(*a))
     got = paged_attention(q, k_pages, v_pages, table, lens, query_start_loc=locs)
+    assert ran == [2]                                 # the two decode rows, in one call
     monkeypatch.setattr(native, "decoder", lambda: None)
     torch.testing.assert_close(got, paged_attention(q, k_pages, v_pages, table, lens,
                                                     query_start_loc=locs), **TOLERANCE)
@@ -167,6 +171,60 @@ def test_a_bad_page_id_is_an_error_not_a_crash():
         paged_attention(q, k_pages, v_pages, bad, lens)
 
 
+@needs_cc
+def test_the_next_decode_steps_plan_reads_one_key_more():
+    lens = [30, 30, 30]                               # room for two more keys in the blocks
+    q, k_pages, v_pages, table = batch(lens, 8, 2, 32, 16, seed=6)
+    plan = PagedAttentionPlan(q, k_pages, table, lens)
+    for step in range(1, 3):
+        plan = plan._next_decode()
+        assert plan is not None
+        longer = [n + step for n in lens]
+        torch.testing.assert_close(
+            paged_attention(q, k_pages, v_pages, plan=plan).double(),
+            reference(q, k_pages, v_pages, table, longer), **TOLERANCE)
+
+
+@needs_cc
+def test_the_kernels_own_entry_refuses_what_it_cannot_take():
+    lens = torch.tensor([20, 20])
+    q, k_pages, v_pages, table = batch([20, 20], 4, 2, 32, 16)
+    fn = native.decoder()
+    call = native.paged_decode
+    with pytest.raises(ValueError, match="multiple"):          # 3 query heads over 2
+        call(fn, torch.randn(2, 3, 32), k_pages, v_pages, table, lens, 0.1)
+    with pytest.raises(ValueError, match="not rows x heads"):
+        call(fn, torch.randn(2, 4, 31), k_pages, v_pages, table, lens, 0.1)
+    with pytest.raises(TypeError, match="int64"):
+        call(fn, q, k_pages, v_pages, table, lens.int(), 0.1)
+    with pytest.raises(TypeError, match="int32"):
+        call(fn, q, k_pages, v_pages, table.long(), lens, 0.1)
+    with pytest.raises(ValueError, match="need more pages"):
+        call(fn, q, k_pages, v_pages, table[:, :1], lens, 0.1)
+    with pytest.raises(ValueError, match="out must be"):
+        call(fn, q, k_pages, v_pages, table, lens, 0.1, out=torch.empty(2, 4, 16))
+    with pytest.raises(TypeError, match="float32 CPU"):
+        call(fn, q.double(), k_pages, v_pages, table, lens, 0.1)
+    with pytest.raises(ValueError, match="rows"):
+        call(fn, q[:0], k_pages, v_pages, table[:0], lens[:0], 0.1)
+    want = reference(q, k_pages, v_pages, table, [20, 20], scale=0.1)
+    torch.testing.assert_close(call(fn, q, k_pages, v_pages, table, lens, 0.1).double(), want,
+                               **TOLERANCE)
+
+
+@needs_cc
+def test_scores_far_below_zero_still_give_their_softmax():
+    # Every score below -1e30 (a sentinel maximum there would give zeros): still a softmax.
+    lens = [40]
+    q, k_pages, v_pages, table = batch(lens, 4, 2, 32, 16, seed=7)
+    k_pages.abs_()
+    q = -q.abs() - 1.0
+    got = paged_attention(q, k_pages, v_pages, table, lens, scale=1e30)
+    want = reference(q, k_pages, v_pages, table, lens, scale=1e30)
+    assert got.abs().sum() > 0
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
 def test_other_dtypes_and_quantized_pages_take_the_torch_path(monkeypatch):
     lens = [12, 30]
     q, k_pages, v_pages, table = batch(lens, 4, 2, 32, 16, seed=4)
@@ -202,6 +260,27 @@ ref = torch.cat([torch.nn.functional.scaled_dot_product_attention(
 torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)
 print("STATUS", native.status())
 """
+
+
+SUBNORMALS = """
+import torch
+from shmkv import native
+assert native.decoder() is not None, native.status()
+tiny = 2.2250738585072014e-308 / 4          # a float64 subnormal, computed after the load
+assert tiny > 0 and tiny * 3 > 0
+t = torch.tensor([1e-40], dtype=torch.float32)   # a float32 subnormal
+assert float((t * 1.0).item()) > 0 and float((t + t).item()) > 0
+print("SUBNORMALS OK")
+"""
+
+
+@needs_cc
+def test_loading_the_kernel_leaves_the_process_floating_point_alone(tmp_path):
+    # A library linked with -ffast-math sets flush-to-zero for the whole process at load:
+    # subnormals would then read as zero everywhere. Built fresh, then loaded from cache.
+    for _ in range(2):
+        done = _child({"SHMKV_CACHE_DIR": str(tmp_path)}, SUBNORMALS)
+        assert done.returncode == 0 and "SUBNORMALS OK" in done.stdout, done.stderr
 
 
 def test_disabled_by_the_environment(tmp_path):
@@ -254,13 +333,13 @@ def test_generate_decodes_through_the_kernel_equal_to_dynamic_cache(monkeypatch)
         want = model.generate(ids, max_new_tokens=12, do_sample=False,
                               **{key: DynamicCache(config=config)})
         calls = []
-        real = native.paged_decode
+        real = native.run_checked
 
         def counting(*args, **kwargs):
             calls.append(1)
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(native, "paged_decode", counting)
+        monkeypatch.setattr(native, "run_checked", counting)
         model.set_attn_implementation("shmkv")
         cfg = pool_config(config, num_blocks=64, block_size=16, dtype=torch.float32)
         with shmkv.Coordinator(cfg, name=f"native-{os.getpid()}") as coord, \

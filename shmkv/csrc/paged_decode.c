@@ -26,12 +26,11 @@ typedef float v16 __attribute__((vector_size(64)));
 static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
 static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
 
+/* The sum of x's lanes (the compiler reduces them with shuffles; plain C for any). */
 static inline float hsum16(v16 x) {
-    v16 y = x + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    y = y + __builtin_shufflevector(y, y, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    y = y + __builtin_shufflevector(y, y, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    y = y + __builtin_shufflevector(y, y, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-    return y[0];
+    float r = 0.f;
+    for (int i = 0; i < 16; i++) r += x[i];
+    return r;
 }
 
 /* Pages are fetched into L2 this many bytes (K and V) ahead of the one being read: a
@@ -49,14 +48,15 @@ static inline void fetch(const float *p, int64_t n) {
 }
 
 /* Softmax bookkeeping of one page, shared by both kernels: the page's scores s[i][t]
- * become weights, each head's running max m, sum l and output acc rescaled. */
+ * become weights, each head's running max m, sum l and output acc rescaled. The first
+ * page of a row starts them (whatever m, l and acc held). */
 static inline void page_softmax(float *s, float *m, float *l, float *acc, int64_t heads,
-                                int64_t bs, int64_t n, int64_t dim) {
+                                int64_t bs, int64_t n, int64_t dim, int first) {
     for (int64_t i = 0; i < heads; i++) {
         float *si = s + i * bs;
-        float top = m[i];
+        float top = first ? si[0] : m[i];
         for (int64_t t = 0; t < n; t++) top = si[t] > top ? si[t] : top;
-        const float corr = expf(m[i] - top);
+        const float corr = first ? 0.f : expf(m[i] - top);
         m[i] = top;
         float sum = 0.f;
         for (int64_t t = 0; t < n; t++) { si[t] = expf(si[t] - top); sum += si[t]; }
@@ -87,7 +87,7 @@ static inline __attribute__((always_inline)) int decode_vec(const int nc, ARGS) 
         const int64_t len = lens[b];
         const int32_t *row = table + b * table_row;
         const float *qb = q + b * heads * dim;
-        for (int64_t i = 0; i < heads; i++) { m[i] = -1e30f; l[i] = 0.f; }
+        for (int64_t i = 0; i < heads; i++) { m[i] = 0.f; l[i] = 0.f; }
         for (int64_t i = 0; i < heads * nc; i++) acc[i] = (v16){0};
         const int64_t pages = (len + bs - 1) / bs;
         for (int64_t j = 0; j < pages; j++) {
@@ -116,7 +116,7 @@ static inline __attribute__((always_inline)) int decode_vec(const int nc, ARGS) 
                     }
                 }
             }
-            page_softmax(s, m, l, (float *)acc, heads, bs, n, dim);
+            page_softmax(s, m, l, (float *)acc, heads, bs, n, dim, j == 0);
             for (int64_t h = 0; h < kv_heads; h++) {
                 for (int64_t g = 0; g < group; g++) {
                     const int64_t i = h * group + g;
@@ -150,7 +150,7 @@ static int decode_any(int64_t dim, ARGS) {
         const int64_t len = lens[b];
         const int32_t *row = table + b * table_row;
         const float *qb = q + b * heads * dim;
-        for (int64_t i = 0; i < heads; i++) { m[i] = -1e30f; l[i] = 0.f; }
+        for (int64_t i = 0; i < heads; i++) { m[i] = 0.f; l[i] = 0.f; }
         for (int64_t i = 0; i < heads * dim; i++) acc[i] = 0.f;
         const int64_t pages = (len + bs - 1) / bs;
         for (int64_t j = 0; j < pages; j++) {
@@ -165,7 +165,7 @@ static int decode_any(int64_t dim, ARGS) {
                     for (int64_t d = 0; d < dim; d++) dot += qi[d] * kt[d];
                     s[i * bs + t] = dot * scale;
                 }
-            page_softmax(s, m, l, acc, heads, bs, n, dim);
+            page_softmax(s, m, l, acc, heads, bs, n, dim, j == 0);
             for (int64_t t = 0; t < n; t++)
                 for (int64_t i = 0; i < heads; i++) {
                     const float *vt = vp + t * tok + (i / group) * dim;
