@@ -56,16 +56,21 @@ def batch(lens, heads, kv_heads, dim, block_size, seed=0, layers=3):
     return q, k_pages, v_pages, table
 
 
-def sdpa_calls(monkeypatch):
+def counted(monkeypatch, owner, name: str) -> list:
+    """``owner.name`` made to note each call's arguments in the returned list."""
     calls = []
-    real = F.scaled_dot_product_attention
+    real = getattr(owner, name)
 
     def counting(*args, **kwargs):
-        calls.append(1)
+        calls.append(args)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(F, "scaled_dot_product_attention", counting)
+    monkeypatch.setattr(owner, name, counting)
     return calls
+
+
+def sdpa_calls(monkeypatch):
+    return counted(monkeypatch, F, "scaled_dot_product_attention")
 
 
 needs_cc = pytest.mark.skipif(not HAS_CC, reason="no C compiler: the kernel cannot be built")
@@ -116,11 +121,9 @@ def test_packed_decodes_beside_a_prefill(monkeypatch):
     _, k_pages, v_pages, table = batch(lens, heads, kv_heads, dim, bs, seed=3)
     q = torch.randn(sum(counts), heads, dim, generator=torch.Generator().manual_seed(9))
     locs = [0, 1, 6, 7]
-    ran = []
-    real = native.run_checked
-    monkeypatch.setattr(native, "run_checked", lambda *a: ran.append(a[1].shape[0]) or real(*a))
+    ran = counted(monkeypatch, native, "run_checked")
     got = paged_attention(q, k_pages, v_pages, table, lens, query_start_loc=locs)
-    assert ran == [2]                                 # the two decode rows, in one call
+    assert [args[1].shape[0] for args in ran] == [2]  # the two decode rows, in one call
     monkeypatch.setattr(native, "decoder", lambda: None)
     torch.testing.assert_close(got, paged_attention(q, k_pages, v_pages, table, lens,
                                                     query_start_loc=locs), **TOLERANCE)
@@ -136,19 +139,15 @@ def test_rows_split_over_threads_give_the_same_result(monkeypatch):
         torch.set_num_threads(1)
         one = paged_attention(q, k_pages, v_pages, plan=plan)
         torch.set_num_threads(3)
-        submitted = []
-        real = native._executor
-
-        def counting():
-            pool = real()
-            submitted.append(pool)
-            return pool
-
-        monkeypatch.setattr(native, "_executor", counting)
+        kernel, spans = native.decoder(), []
+        # the kernel's calls, each a span of rows (its 9th argument: how many)
+        monkeypatch.setattr(native, "decoder",
+                            lambda: lambda *args: spans.append(args[8]) or kernel(*args))
         split = paged_attention(q, k_pages, v_pages, plan=plan)
     finally:
         torch.set_num_threads(threads)
-    assert submitted                                  # rows went to other threads
+    # three threads, about as many keys each: rows 0-1 (3500 keys), 2 (1999), 3 (700)
+    assert sorted(spans) == [1, 1, 2]
     assert torch.equal(one, split)
     torch.testing.assert_close(one.double(), reference(q, k_pages, v_pages, table, lens),
                                **TOLERANCE)
@@ -332,14 +331,7 @@ def test_generate_decodes_through_the_kernel_equal_to_dynamic_cache(monkeypatch)
         model.set_attn_implementation("sdpa")
         want = model.generate(ids, max_new_tokens=12, do_sample=False,
                               **{key: DynamicCache(config=config)})
-        calls = []
-        real = native.run_checked
-
-        def counting(*args, **kwargs):
-            calls.append(1)
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(native, "run_checked", counting)
+        calls = counted(monkeypatch, native, "run_checked")
         model.set_attn_implementation("shmkv")
         cfg = pool_config(config, num_blocks=64, block_size=16, dtype=torch.float32)
         with shmkv.Coordinator(cfg, name=f"native-{os.getpid()}") as coord, \
