@@ -260,19 +260,48 @@ def _promoter(address, prompts, block_size, go, stop, queue, rate=None):
     queue.put(("moved", (moved, busy, num)))
 
 
+def _copier(block_nbytes, go, stop, queue, rate):
+    """The second control's neighbour: copy blocks of ``block_nbytes`` between two
+    buffers of this process, at most ``rate`` blocks a second, at the tier I/O process's
+    priority (SCHED_IDLE where there is one), while ``go`` is set; no request at all."""
+    import numpy as np
+    if getattr(os, "SCHED_IDLE", None) is not None and tier_io.IO_PROCESS_POLICY == "idle":
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    num = max(1, (64 << 20) // block_nbytes)
+    src = np.ones((num, block_nbytes), dtype=np.uint8)
+    dst = np.empty_like(src)
+    moved, busy = 0, 0.0
+    queue.put(("ready", None))
+    while not stop.is_set():
+        if not go.wait(0.05):
+            continue
+        t0 = time.monotonic()
+        while go.is_set():
+            t1 = time.monotonic()
+            dst[moved % num] = src[moved % num]
+            moved += 1
+            time.sleep(max(0.0, 1.0 / rate - (time.monotonic() - t1)))
+        busy += time.monotonic() - t0
+    queue.put(("moved", (moved, busy, 0)))
+
+
 def p99(values) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(0.99 * len(values)))]
 
 
-def ping_run(address, prompts, block_size, cycles, phase_s=0.5, rate=None) -> dict:
+def ping_run(address, prompts, block_size, cycles, phase_s=0.5, rate=None,
+             copy_nbytes=None) -> dict:
     """Ping throughout while a promoter runs in alternate phases (idle, promoting, idle,
     ...), so both conditions meet the same background load; pings within 50 ms of a
-    phase change are not counted."""
+    phase change are not counted. With ``copy_nbytes``, the neighbour is a process that
+    only copies blocks of that size (``rate`` a second) and sends no request."""
     q = SPAWN.Queue()
     go, stop = SPAWN.Event(), SPAWN.Event()
-    promoter = SPAWN.Process(target=_promoter,
-                             args=(address, prompts, block_size, go, stop, q, rate))
+    promoter = (SPAWN.Process(target=_copier, args=(copy_nbytes, go, stop, q, rate))
+                if copy_nbytes else
+                SPAWN.Process(target=_promoter,
+                              args=(address, prompts, block_size, go, stop, q, rate)))
     promoter.start()
     assert q.get(timeout=120)[0] == "ready"
     pinger = SPAWN.Process(target=_pinger, args=(address, 2 * cycles * phase_s + 3.0, q))
@@ -342,6 +371,14 @@ def bench_ping(args, root) -> dict:
                        rate=out["host"]["promoting"]["allocations_per_s"])
         run["p99_ratio"] = run["promoting"]["p99_us"] / run["idle"]["p99_us"]
         out["no tier (pool hits)"] = run
+    # The second control: the host run's copies without its requests. What the copies
+    # alone, in a process at the tier I/O process's priority, cost the pings.
+    with shmkv.Coordinator.spawn(cfg, name=name(), **spin(args)) as coord:
+        run = ping_run(coord.address, None, cfg.block_size, args.ping_cycles,
+                       rate=out["host"]["promoting"]["promoted_blocks_per_s"],
+                       copy_nbytes=cfg.block_nbytes)
+        run["p99_ratio"] = run["promoting"]["p99_us"] / run["idle"]["p99_us"]
+        out["copies alone (no requests)"] = run
     return out
 
 
@@ -534,9 +571,12 @@ def markdown(res: dict) -> str:
     p = res.get("ping")
     if p:
         lines += ["## Ping while another process promotes", "",
-                  "The last row is the control: no tier, the same number of allocations a "
-                  "second as the host run, each a pool hit (\"promoted blocks/s\": blocks "
-                  "hit).", "",
+                  "The last two rows are controls. \"no tier\": the same number of "
+                  "allocations a second as the host run, each a pool hit (\"promoted "
+                  "blocks/s\": blocks hit), so the loop's own work for those requests. "
+                  "\"copies alone\": a process copying as many blocks a second as the host "
+                  "run promoted, at the tier I/O process's priority, sending no request.",
+                  "",
                   "| tier | idle p50 us | idle p99 us | promoting p50 us | promoting p99 us | "
                   "p99 ratio | promoted blocks/s |", "|---|---|---|---|---|---|---|"]
         for kind, r in p.items():
