@@ -28,6 +28,7 @@ import os
 import platform
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import threading
@@ -63,12 +64,31 @@ _pool: Optional[ThreadPoolExecutor] = None
 
 
 def cache_dir() -> str:
-    """Where built libraries are kept."""
+    """Where built libraries are kept: ``$SHMKV_CACHE_DIR``, else the user's cache
+    directory, else (a home that cannot be written, as in some containers) a directory
+    of this user's in the temporary directory, used only while no one else can write
+    it."""
     explicit = os.environ.get("SHMKV_CACHE_DIR")
     if explicit:
         return explicit
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "shmkv")
+    home = os.path.join(base, "shmkv")
+    try:
+        os.makedirs(home, exist_ok=True)
+        if os.access(home, os.W_OK):
+            return home
+    except OSError:
+        pass
+    private = os.path.join(tempfile.gettempdir(), f"shmkv-{os.getuid()}")
+    try:
+        os.makedirs(private, mode=0o700, exist_ok=True)
+        info = os.lstat(private)
+        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() \
+                and not info.st_mode & 0o022:
+            return private
+    except OSError:
+        pass
+    return home   # the build then says why it cannot write there
 
 
 def _compiler() -> Optional[str]:

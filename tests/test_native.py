@@ -311,6 +311,24 @@ def test_a_fresh_cache_directory_is_built_into_then_reused(tmp_path):
     assert os.listdir(cache) == built and os.stat(cache / built[0]).st_mtime_ns == stamp
 
 
+def test_a_home_that_cannot_be_written_builds_in_a_private_temporary_directory(
+        tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".cache").write_text("a file where the cache directory would go")
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.delenv("SHMKV_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setattr(native.tempfile, "tempdir", str(temp))
+    private = temp / f"shmkv-{os.getuid()}"
+    assert native.cache_dir() == str(private)
+    assert private.is_dir() and not private.stat().st_mode & 0o077
+    private.chmod(0o777)                  # one others could write is never used
+    assert native.cache_dir() != str(private)
+
+
 @needs_cc
 def test_generate_decodes_through_the_kernel_equal_to_dynamic_cache(monkeypatch):
     pytest.importorskip("transformers")
