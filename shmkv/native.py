@@ -7,7 +7,7 @@ sequence, float32): it reads each sequence's pages where they lie, once, instead
 gathering them into a copy and running SDPA over the copy.
 
 Built once per machine and source: the library is named by a hash of the source, the
-compiler, its flags and the CPU, in ``$SHMKV_CACHE_DIR`` (default
+compiler, its flags and the CPU, in :func:`cache_dir` (``$SHMKV_CACHE_DIR``, default
 ``$XDG_CACHE_HOME/shmkv``, else ``~/.cache/shmkv``), written under a temporary name and
 renamed into place, so processes that build at once do not see each other's partial
 files. Nothing is compiled at import: the first decode call builds (about half a
