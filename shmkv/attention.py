@@ -15,10 +15,10 @@ Each group gathers only the blocks its sequences use (``index_select`` of whole
 pages) and computes in the query's dtype; nothing is upcast to float32. Quantized
 pages (float8, int8) are converted to the query's dtype as they are gathered and
 multiplied by the caller's ``k_scale`` / ``v_scale``. On CPU, a group of one query
-per sequence (decode) in float32 goes to the native kernel instead (``shmkv.native``,
-built from C on first use): it reads each sequence's pages in place, once, with no
-gathered copy and no padding to the longest member; where it is not built (no C
-compiler, ``SHMKV_NATIVE=0``) the torch path above runs. On a GPU,
+per sequence (decode) in float32 or bfloat16 goes to the native kernel instead
+(``shmkv.native``, built from C on first use): it reads each sequence's pages in place,
+once, with no gathered copy and no padding to the longest member; where it is not
+built (no C compiler, ``SHMKV_NATIVE=0``) the torch path above runs. On a GPU,
 FlashAttention's ``flash_attn_with_kvcache(..., block_table=)`` and FlashInfer's paged
 kernels read the same pages in place, without the gather (see ``docs/transformers.md``).
 
@@ -595,8 +595,8 @@ class _Group:
         not made of contiguous chunks, no kernel built)."""
         if self.lens is None or not native.usable(query, k_pages, v_pages):
             return None
-        fn = native.decoder()
-        if fn is None:
+        kernels = native.decoder()
+        if kernels is None:
             return None
         made = self._native
         if made is None:
@@ -605,9 +605,9 @@ class _Group:
                 torch.tensor(self.lens, dtype=torch.int64))
         head_dim = k_pages.shape[3]
         q = query.reshape(self.size, -1, head_dim).contiguous()
-        return native.run_checked(fn, q, k_pages, v_pages, made[0], made[1], self.lens,
+        return native.run_checked(kernels, q, k_pages, v_pages, made[0], made[1], self.lens,
                                   head_dim ** -0.5 if scale is None else scale,
-                                  torch.empty(q.shape, dtype=torch.float32))
+                                  torch.empty(q.shape, dtype=q.dtype))
 
     def decode(self, query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                scale: Optional[float], workspace: Optional[AttentionWorkspace]) -> torch.Tensor:

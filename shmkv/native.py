@@ -3,8 +3,8 @@
 Owns compiling ``csrc/paged_decode.c`` with the machine's C compiler into a cached
 shared library, loading it, and :func:`paged_decode`, which calls it on torch
 tensors. :mod:`shmkv.attention` uses it for decode steps on CPU (one query token per
-sequence, float32): it reads each sequence's pages where they lie, once, instead of
-gathering them into a copy and running SDPA over the copy.
+sequence, float32 or bfloat16): it reads each sequence's pages where they lie, once,
+instead of gathering them into a copy and running SDPA over the copy.
 
 Built once per machine and source: the library is named by a hash of the source, the
 compiler, its flags and the CPU, in :func:`cache_dir` (``$SHMKV_CACHE_DIR``, default
@@ -150,7 +150,7 @@ def _prune(directory: str, keep: str) -> None:
 
 
 def _build() -> tuple:
-    """(the loaded function, None) or (None, why not)."""
+    """(the loaded kernels by dtype, None) or (None, why not)."""
     if os.environ.get("SHMKV_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
         return None, "disabled by SHMKV_NATIVE"
     cc = _compiler()
@@ -204,20 +204,25 @@ def _build() -> tuple:
                     if os.path.exists(leftover):
                         os.unlink(leftover)
         try:
-            fn = ctypes.CDLL(path).shmkv_paged_decode_f32
+            lib = ctypes.CDLL(path)
+            kernels = {torch.float32: lib.shmkv_paged_decode_f32,
+                       torch.bfloat16: lib.shmkv_paged_decode_bf16}
         except (OSError, AttributeError) as exc:
             errors.append(f"loading {path}: {exc}")
             continue
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes = [p, p, p, i64, i64, p, i64, p, i64, i64, i64, i64, i64, ctypes.c_float, p]
-        fn.restype = ctypes.c_int
-        return fn, None
+        for fn in kernels.values():
+            fn.argtypes = [p, p, p, i64, i64, p, i64, p, i64, i64, i64, i64, i64,
+                           ctypes.c_float, p]
+            fn.restype = ctypes.c_int
+        return kernels, None
     return None, f"building with {cc} failed: " + "; ".join(errors)
 
 
-def decoder():
-    """The loaded kernel, or None when it is not available (see :func:`status`). Builds
-    or loads it on the first call; later calls return what that one found."""
+def decoder() -> Optional[dict]:
+    """The loaded kernels, ``{torch.float32: fn, torch.bfloat16: fn}``, or None when
+    they are not available (see :func:`status`). Builds or loads them on the first
+    call; later calls return what that one found."""
     if _state["tried"]:
         return _state["fn"]
     with _lock:
@@ -237,25 +242,29 @@ def status() -> str:
     return _state["status"]
 
 
+DTYPES = (torch.float32, torch.bfloat16)
+
+
 def usable(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> bool:
-    """Whether :func:`paged_decode` takes these tensors: float32 on the CPU, pages whose
-    every page is one contiguous ``[block_size, kv_heads, head_dim]`` chunk, K and V
-    pages alike."""
-    return (query.dtype == k_pages.dtype == v_pages.dtype == torch.float32
+    """Whether :func:`paged_decode` takes these tensors: float32 or bfloat16 (all three
+    alike) on the CPU, pages whose every page is one contiguous ``[block_size, kv_heads,
+    head_dim]`` chunk, K and V pages alike."""
+    return (query.dtype == k_pages.dtype == v_pages.dtype and query.dtype in DTYPES
             and k_pages.shape[0] <= _MAX_PAGES
             and query.device.type == k_pages.device.type == v_pages.device.type == "cpu"
             and k_pages.stride() == v_pages.stride()
             and k_pages.stride()[1:] == (k_pages.shape[2] * k_pages.shape[3], k_pages.shape[3], 1))
 
 
-def paged_decode(fn, query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+def paged_decode(kernels: dict, query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                  table: torch.Tensor, lens: torch.Tensor, scale: float,
                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """One query token per sequence against its pages, with the kernel ``fn``
-    (:func:`decoder`): ``query`` holds ``[rows, heads, head_dim]`` float32 elements in
-    that order (any shape); ``table`` is ``[rows, >= pages of the longest row]`` int32,
-    ``lens`` ``[rows]`` int64 (keys of each row; 0 gives zeros). Returns ``[rows, heads,
-    head_dim]`` (into ``out`` when given, contiguous float32 of that shape).
+    """One query token per sequence against its pages, with the ``kernels`` of
+    :func:`decoder`: ``query`` holds ``[rows, heads, head_dim]`` elements in that order
+    (any shape); ``table`` is ``[rows, >= pages of the longest row]`` int32, ``lens``
+    ``[rows]`` int64 (keys of each row; 0 gives zeros). Returns ``[rows, heads,
+    head_dim]`` in the query's dtype (into ``out`` when given, contiguous, of that shape
+    and dtype). Scores, softmax and sums are float32 whatever the dtype.
 
     Raises:
         ValueError / TypeError: tensors the kernel does not take (see :func:`usable`),
@@ -264,8 +273,9 @@ def paged_decode(fn, query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.
             hold part of the result).
     """
     if not usable(query, k_pages, v_pages) or k_pages.shape != v_pages.shape:
-        raise TypeError("the native kernel takes float32 CPU tensors, pages of one contiguous "
-                        "[block_size, kv_heads, head_dim] chunk each, K and V alike")
+        raise TypeError("the native kernel takes float32 or bfloat16 CPU tensors (one dtype), "
+                        "pages of one contiguous [block_size, kv_heads, head_dim] chunk each, "
+                        "K and V alike")
     num_pages, block_size, kv_heads, head_dim = k_pages.shape
     if (lens.dtype != torch.int64 or lens.dim() != 1 or table.dtype != torch.int32
             or table.dim() != 2 or table.shape[0] != lens.shape[0]):
@@ -283,24 +293,26 @@ def paged_decode(fn, query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.
                          f"{table.shape[1]} (or are negative)")
     q = query.reshape(rows, heads, head_dim).contiguous()
     if out is None:
-        out = torch.empty((rows, heads, head_dim), dtype=torch.float32)
-    elif (out.shape != (rows, heads, head_dim) or out.dtype != torch.float32
+        out = torch.empty((rows, heads, head_dim), dtype=q.dtype)
+    elif (out.shape != (rows, heads, head_dim) or out.dtype != q.dtype
           or not out.is_contiguous() or out.device.type != "cpu"):
-        raise ValueError(f"out must be contiguous float32 [{rows}, {heads}, {head_dim}]")
-    return run_checked(fn, q, k_pages, v_pages, table, lens, lens.tolist(), scale, out)
+        raise ValueError(f"out must be contiguous {q.dtype} [{rows}, {heads}, {head_dim}]")
+    return run_checked(kernels, q, k_pages, v_pages, table, lens, lens.tolist(), scale, out)
 
 
-def run_checked(fn, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
-                table: torch.Tensor, lens: torch.Tensor, keys: list, scale: float,
-                out: torch.Tensor) -> torch.Tensor:
+def run_checked(kernels: dict, q: torch.Tensor, k_pages: torch.Tensor,
+                v_pages: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, keys: list,
+                scale: float, out: torch.Tensor) -> torch.Tensor:
     """:func:`paged_decode` of arguments already checked (a plan's): ``q`` and ``out``
-    contiguous ``[rows, heads, head_dim]``, ``table`` contiguous int32 wide enough,
-    ``lens`` contiguous int64 and ``keys`` the same lengths as a list."""
+    contiguous ``[rows, heads, head_dim]`` of the pages' dtype, ``table`` contiguous
+    int32 wide enough, ``lens`` contiguous int64 and ``keys`` the same lengths as a
+    list."""
+    fn = kernels[q.dtype]
     num_pages, block_size, kv_heads, head_dim = k_pages.shape
     rows, heads = q.shape[0], q.shape[1]
     k_base, v_base = k_pages.data_ptr(), v_pages.data_ptr()
     stride, row_stride = k_pages.stride(0), table.stride(0)
-    row_bytes = heads * head_dim * 4
+    row_bytes = heads * head_dim * q.element_size()
 
     def run(lo: int, hi: int) -> int:
         return fn(q.data_ptr() + lo * row_bytes, k_base, v_base, stride, num_pages,

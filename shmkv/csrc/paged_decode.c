@@ -8,7 +8,9 @@
  * Layout. A page is one layer's K (or V) of one block: [block_size, num_kv_heads,
  * head_dim] contiguous. Page p starts at k_base + p * page_stride (and v_base + ...).
  * Query and output rows are [num_heads, head_dim] contiguous; query head h reads K/V
- * head h / (num_heads / num_kv_heads).
+ * head h / (num_heads / num_kv_heads). Two element types, one per entry point:
+ * float32, and bfloat16 (widened to float32 as loaded; scores, softmax and sums in
+ * float32; the output rounded to nearest even).
  *
  * Returns 0, or SHMKV_BAD_PAGE when a table entry names a page outside
  * [0, num_pages) (nothing after it is written), or SHMKV_NO_MEMORY.
@@ -22,9 +24,44 @@
 #define SHMKV_NO_MEMORY 2
 
 typedef float v16 __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
 
-static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
-static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+/* Loads of element i of an array of float32 (half == 0) or bfloat16 (half == 1: its
+ * bits are the top half of a float32's). `half` is a constant in every instance. */
+static inline v16 load16(const void *base, int64_t i, const int half) {
+    v16 v;
+    if (half) {
+        v16h h;
+        memcpy(&h, (const uint16_t *)base + i, sizeof h);
+        const v16u w = __builtin_convertvector(h, v16u) << 16;
+        memcpy(&v, &w, sizeof v);
+    } else {
+        memcpy(&v, (const float *)base + i, sizeof v);
+    }
+    return v;
+}
+
+static inline float load1(const void *base, int64_t i, const int half) {
+    if (half) {
+        const uint32_t w = (uint32_t)((const uint16_t *)base)[i] << 16;
+        float f;
+        memcpy(&f, &w, sizeof f);
+        return f;
+    }
+    return ((const float *)base)[i];
+}
+
+static inline void store1(void *base, int64_t i, float f, const int half) {
+    if (half) {    /* rounded to nearest, ties to even */
+        uint32_t w;
+        memcpy(&w, &f, sizeof w);
+        w += 0x7fffu + ((w >> 16) & 1u);
+        ((uint16_t *)base)[i] = (uint16_t)(w >> 16);
+    } else {
+        ((float *)base)[i] = f;
+    }
+}
 
 /* The sum of x's lanes (the compiler reduces them with shuffles; plain C for any). */
 static inline float hsum16(v16 x) {
@@ -41,10 +78,8 @@ static inline float hsum16(v16 x) {
 #define AHEAD_BYTES 98304
 #endif
 
-static inline void fetch(const float *p, int64_t n) {
-    const char *c = (const char *)p;
-    for (int64_t off = 0; off < n * (int64_t)sizeof(float); off += 64)
-        __builtin_prefetch(c + off, 0, 1);
+static inline void fetch(const char *p, int64_t nbytes) {
+    for (int64_t off = 0; off < nbytes; off += 64) __builtin_prefetch(p + off, 0, 1);
 }
 
 /* Softmax bookkeeping of one page, shared by both kernels: the page's scores s[i][t]
@@ -68,25 +103,31 @@ static inline void page_softmax(float *s, float *m, float *l, float *acc, int64_
     }
 }
 
-#define ARGS const float *q, const float *k_base, const float *v_base, int64_t page_stride, \
+#define ARGS const void *q, const void *k_base, const void *v_base, int64_t page_stride, \
     int64_t num_pages, const int32_t *table, int64_t table_row, const int64_t *lens, \
-    int64_t rows, int64_t heads, int64_t kv_heads, int64_t bs, float scale, float *out, \
+    int64_t rows, int64_t heads, int64_t kv_heads, int64_t bs, float scale, void *out, \
     float *work
 #define PASS q, k_base, v_base, page_stride, num_pages, table, table_row, lens, rows, heads, \
     kv_heads, bs, scale, out, work
 
+/* Scratch of a call, in floats: acc, the query as float32, scores, max, sum. */
+#define WORK_FLOATS(heads, dim, bs) (2 * (heads) * (dim) + (heads) * (bs) + 2 * (heads))
+
 /* head_dim a multiple of 16 (nc chunks of 16), known at compile time per instance. */
-static inline __attribute__((always_inline)) int decode_vec(const int nc, ARGS) {
+static inline __attribute__((always_inline)) int decode_vec(const int nc, const int half,
+                                                            ARGS) {
     const int64_t dim = (int64_t)nc * 16, group = heads / kv_heads, tok = kv_heads * dim;
-    int64_t ahead = AHEAD_BYTES / (2 * bs * tok * (int64_t)sizeof(float));
+    const int64_t esize = half ? 2 : 4;
+    int64_t ahead = AHEAD_BYTES / (2 * bs * tok * esize);
     ahead = ahead < 1 ? 1 : ahead > 64 ? 64 : ahead;
     v16 *acc = (v16 *)work;                                  /* heads * nc */
-    float *s = work + heads * dim;                           /* heads * bs */
+    float *qf = work + heads * dim;                          /* heads * dim */
+    float *s = qf + heads * dim;                             /* heads * bs */
     float *m = s + heads * bs, *l = m + heads;
     for (int64_t b = 0; b < rows; b++) {
         const int64_t len = lens[b];
         const int32_t *row = table + b * table_row;
-        const float *qb = q + b * heads * dim;
+        for (int64_t i = 0; i < heads * dim; i++) qf[i] = load1(q, b * heads * dim + i, half);
         for (int64_t i = 0; i < heads; i++) { m[i] = 0.f; l[i] = 0.f; }
         for (int64_t i = 0; i < heads * nc; i++) acc[i] = (v16){0};
         const int64_t pages = (len + bs - 1) / bs;
@@ -96,22 +137,22 @@ static inline __attribute__((always_inline)) int decode_vec(const int nc, ARGS) 
             for (int64_t a = j == 0 ? 1 : ahead; a <= ahead && j + a < pages; a++) {
                 const int64_t next = row[j + a];
                 if (next >= 0 && next < num_pages) {
-                    fetch(k_base + next * page_stride, bs * tok);
-                    fetch(v_base + next * page_stride, bs * tok);
+                    fetch((const char *)k_base + next * page_stride * esize, bs * tok * esize);
+                    fetch((const char *)v_base + next * page_stride * esize, bs * tok * esize);
                 }
             }
             const int64_t n = len - j * bs < bs ? len - j * bs : bs;
-            const float *kp = k_base + page * page_stride, *vp = v_base + page * page_stride;
+            const int64_t base = page * page_stride;
             for (int64_t h = 0; h < kv_heads; h++) {
                 for (int64_t g = 0; g < group; g++) {
                     const int64_t i = h * group + g;
                     v16 qv[16];
-                    for (int c = 0; c < nc; c++) qv[c] = load16(qb + i * dim + c * 16) * scale;
+                    for (int c = 0; c < nc; c++) qv[c] = load16(qf, i * dim + c * 16, 0) * scale;
                     float *si = s + i * bs;
                     for (int64_t t = 0; t < n; t++) {
-                        const float *kt = kp + t * tok + h * dim;
-                        v16 x = qv[0] * load16(kt);
-                        for (int c = 1; c < nc; c++) x += qv[c] * load16(kt + c * 16);
+                        const int64_t at = base + t * tok + h * dim;
+                        v16 x = qv[0] * load16(k_base, at, half);
+                        for (int c = 1; c < nc; c++) x += qv[c] * load16(k_base, at + c * 16, half);
                         si[t] = hsum16(x);
                     }
                 }
@@ -124,32 +165,36 @@ static inline __attribute__((always_inline)) int decode_vec(const int nc, ARGS) 
                     for (int c = 0; c < nc; c++) a[c] = acc[i * nc + c];
                     const float *si = s + i * bs;
                     for (int64_t t = 0; t < n; t++) {
-                        const float *vt = vp + t * tok + h * dim;
+                        const int64_t at = base + t * tok + h * dim;
                         const float w = si[t];
-                        for (int c = 0; c < nc; c++) a[c] += w * load16(vt + c * 16);
+                        for (int c = 0; c < nc; c++) a[c] += w * load16(v_base, at + c * 16, half);
                     }
                     for (int c = 0; c < nc; c++) acc[i * nc + c] = a[c];
                 }
             }
         }
-        float *ob = out + b * heads * dim;
         for (int64_t i = 0; i < heads; i++) {
             const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-            for (int c = 0; c < nc; c++) store16(ob + i * dim + c * 16, acc[i * nc + c] * inv);
+            for (int c = 0; c < nc; c++) {
+                const v16 r = acc[i * nc + c] * inv;
+                for (int e = 0; e < 16; e++)
+                    store1(out, b * heads * dim + i * dim + c * 16 + e, r[e], half);
+            }
         }
     }
     return 0;
 }
 
 /* Any head_dim: the same steps, plain loops. */
-static int decode_any(int64_t dim, ARGS) {
+static inline __attribute__((always_inline)) int decode_any(int64_t dim, const int half,
+                                                            ARGS) {
     const int64_t group = heads / kv_heads, tok = kv_heads * dim;
-    float *acc = work, *s = work + heads * dim;
+    float *acc = work, *qf = work + heads * dim, *s = qf + heads * dim;
     float *m = s + heads * bs, *l = m + heads;
     for (int64_t b = 0; b < rows; b++) {
         const int64_t len = lens[b];
         const int32_t *row = table + b * table_row;
-        const float *qb = q + b * heads * dim;
+        for (int64_t i = 0; i < heads * dim; i++) qf[i] = load1(q, b * heads * dim + i, half);
         for (int64_t i = 0; i < heads; i++) { m[i] = 0.f; l[i] = 0.f; }
         for (int64_t i = 0; i < heads * dim; i++) acc[i] = 0.f;
         const int64_t pages = (len + bs - 1) / bs;
@@ -157,50 +202,57 @@ static int decode_any(int64_t dim, ARGS) {
             const int64_t page = row[j];
             if (page < 0 || page >= num_pages) return SHMKV_BAD_PAGE;
             const int64_t n = len - j * bs < bs ? len - j * bs : bs;
-            const float *kp = k_base + page * page_stride, *vp = v_base + page * page_stride;
+            const int64_t base = page * page_stride;
             for (int64_t t = 0; t < n; t++)
                 for (int64_t i = 0; i < heads; i++) {
-                    const float *qi = qb + i * dim, *kt = kp + t * tok + (i / group) * dim;
+                    const float *qi = qf + i * dim;
+                    const int64_t at = base + t * tok + (i / group) * dim;
                     float dot = 0.f;
-                    for (int64_t d = 0; d < dim; d++) dot += qi[d] * kt[d];
+                    for (int64_t d = 0; d < dim; d++) dot += qi[d] * load1(k_base, at + d, half);
                     s[i * bs + t] = dot * scale;
                 }
             page_softmax(s, m, l, acc, heads, bs, n, dim, j == 0);
             for (int64_t t = 0; t < n; t++)
                 for (int64_t i = 0; i < heads; i++) {
-                    const float *vt = vp + t * tok + (i / group) * dim;
+                    const int64_t at = base + t * tok + (i / group) * dim;
                     const float w = s[i * bs + t];
                     float *ai = acc + i * dim;
-                    for (int64_t d = 0; d < dim; d++) ai[d] += w * vt[d];
+                    for (int64_t d = 0; d < dim; d++) ai[d] += w * load1(v_base, at + d, half);
                 }
         }
-        float *ob = out + b * heads * dim;
         for (int64_t i = 0; i < heads; i++) {
             const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-            for (int64_t d = 0; d < dim; d++) ob[i * dim + d] = acc[i * dim + d] * inv;
+            for (int64_t d = 0; d < dim; d++)
+                store1(out, b * heads * dim + i * dim + d, acc[i * dim + d] * inv, half);
         }
     }
     return 0;
 }
 
-int shmkv_paged_decode_f32(const float *q, const float *k_base, const float *v_base,
-                           int64_t page_stride, int64_t num_pages, const int32_t *table,
-                           int64_t table_row, const int64_t *lens, int64_t rows, int64_t heads,
-                           int64_t kv_heads, int64_t dim, int64_t bs, float scale, float *out)
-{
-    /* acc (64-byte aligned for the vector kernels), scores, max, sum */
-    const size_t floats = (size_t)(heads * dim + heads * bs + 2 * heads);
-    float *work = aligned_alloc(64, ((floats * sizeof(float) + 63) / 64) * 64);
-    if (work == NULL) return SHMKV_NO_MEMORY;
-    int rc;
+static inline __attribute__((always_inline)) int decode(int64_t dim, const int half, ARGS) {
     switch (dim) {
-    case 16: rc = decode_vec(1, PASS); break;
-    case 32: rc = decode_vec(2, PASS); break;
-    case 64: rc = decode_vec(4, PASS); break;
-    case 128: rc = decode_vec(8, PASS); break;
-    case 256: rc = decode_vec(16, PASS); break;
-    default: rc = decode_any(dim, PASS); break;
+    case 16: return decode_vec(1, half, PASS);
+    case 32: return decode_vec(2, half, PASS);
+    case 64: return decode_vec(4, half, PASS);
+    case 128: return decode_vec(8, half, PASS);
+    case 256: return decode_vec(16, half, PASS);
+    default: return decode_any(dim, half, PASS);
     }
-    free(work);
-    return rc;
 }
+
+/* The entry points: q, pages and out of one element type; page_stride in elements. */
+#define ENTRY(name, half)                                                                  \
+    int name(const void *q, const void *k_base, const void *v_base, int64_t page_stride,  \
+             int64_t num_pages, const int32_t *table, int64_t table_row,                  \
+             const int64_t *lens, int64_t rows, int64_t heads, int64_t kv_heads,          \
+             int64_t dim, int64_t bs, float scale, void *out) {                           \
+        const size_t bytes = (size_t)WORK_FLOATS(heads, dim, bs) * sizeof(float);         \
+        float *work = aligned_alloc(64, (bytes + 63) / 64 * 64);                          \
+        if (work == NULL) return SHMKV_NO_MEMORY;                                         \
+        const int rc = decode(dim, half, PASS);                                           \
+        free(work);                                                                       \
+        return rc;                                                                        \
+    }
+
+ENTRY(shmkv_paged_decode_f32, 0)
+ENTRY(shmkv_paged_decode_bf16, 1)
