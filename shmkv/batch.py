@@ -579,9 +579,9 @@ class Step:
             if root is not None:  # slots moved by k in their blocks: rows moved by k
                 rows = self._rows = root._layer_rows() + self._shift
                 return rows
-            cfg = self.client.config
-            base = slots.slot_rows(self.slot_mapping, cfg.block_size, cfg.num_layers)
-            rows = self._rows = slots.all_layer_rows(base, cfg.num_layers, cfg.block_size).to(
+            cfg = self.client.config   # (layer 0's K row of a slot is the slot)
+            rows = self._rows = slots.all_layer_rows(
+                self.slot_mapping, cfg.num_layers, cfg.num_blocks, cfg.block_size).to(
                 self.client.pool.device)
         return rows
 

@@ -57,13 +57,15 @@ def allocate_pools(config: PoolConfig) -> List:
         if per_rank > free:
             raise InvalidArgument(f"pool of {per_rank / 2**20:.1f} MiB per rank does not fit "
                                   f"on {device}: {free / 2**20:.1f} MiB free")
-    shape = (config.num_blocks, config.num_layers, 2, config.block_size, heads, config.head_dim)
+    # Stored layer-major (shmkv.layout); each rank's pool is the permuted view, whose
+    # strides the export carries.
+    shape = (config.num_layers, 2, config.num_blocks, config.block_size, heads, config.head_dim)
     settings = getattr(torch.cuda.memory, "_set_allocator_settings", None)
     if settings is not None:
         settings("expandable_segments:False")
     try:
         pools = [torch.zeros(shape, dtype=torch_dtype(config.dtype), device=device)
-                 for device in devices]
+                 .permute(2, 0, 1, 3, 4, 5) for device in devices]
     finally:
         if settings is not None and "expandable_segments:True" in os.environ.get(
                 "PYTORCH_CUDA_ALLOC_CONF", ""):

@@ -15,8 +15,9 @@ The move, one message after another on the pair (``A`` = sender, ``B`` = receive
     B       allocates the sequence (with the prompt: prefix reuse on B)
     B -> A  reply: int64[4] (status, tokens B already has, blocks to send, 0)
     A -> B  the blocks from the first one B lacks, as uint8 chunks of whole blocks
-            (block-major pool bytes; double-buffered, so reading the pool, the wire and
-            writing the pool overlap)
+            (each block's bytes in block order, gathered from and scattered into the
+            pool's layer-major storage; double-buffered, so reading the pool, the wire
+            and writing the pool overlap)
     B       writes the blocks in place
     B -> A  ack: int64[1]
     B       commits every token (publishing its full blocks)
@@ -56,6 +57,7 @@ import torch.distributed as dist
 
 from .errors import InvalidArgument, LayoutMismatch, ProtocolError, ShmkvError, WrongType
 from .hashing import token_list
+from .memory import block_bytes
 
 MAGIC = 0x73686D6B76703270          # b"shmkvp2p" as an int64
 VERSION = 1
@@ -142,13 +144,14 @@ class _Link:
 
 
 def _block_rows(client) -> torch.Tensor:
-    """The pool as ``[num_blocks, block bytes]`` uint8 (one row per block)."""
+    """The pool's bytes by block, uint8 ``[num_blocks, 2 * num_layers, chunk bytes]``
+    (``shmkv.memory.block_bytes``: a block is a chunk of each layer's K and V)."""
     pool = client.pool
     if client.tp_rank is not None:
         raise InvalidArgument("moving a sequence needs a client that sees every head: "
                               "connect without tp_rank= (a CPU pool, or a CUDA pool with "
                               "tp_size=1)")
-    return pool.view(pool.shape[0], -1).view(torch.uint8)
+    return block_bytes(pool)
 
 
 def _runs(blocks: Sequence[int]) -> List[tuple]:
@@ -169,28 +172,32 @@ _MAX_RUNS = 16
 
 
 def _gather(rows: torch.Tensor, blocks: Sequence[int], out: torch.Tensor) -> None:
-    nbytes = rows.shape[1]
+    """The bytes of ``blocks`` (``rows`` as :func:`_block_rows` gives) into ``out``, one
+    block after another."""
+    shape = rows.shape[1:]
     runs = _runs(blocks)
     if len(runs) <= _MAX_RUNS:
         for i, first, length in runs:
-            out[i * nbytes:(i + length) * nbytes].copy_(rows[first:first + length].view(-1))
+            out.view(len(blocks), *shape)[i:i + length].copy_(rows[first:first + length])
     else:
         index = torch.tensor(list(blocks), dtype=torch.int64, device=rows.device)
         if out.device == rows.device:
-            torch.index_select(rows, 0, index, out=out.view(len(blocks), nbytes))
+            torch.index_select(rows, 0, index, out=out.view(len(blocks), *shape))
         else:
-            out.view(len(blocks), nbytes).copy_(rows.index_select(0, index))
+            out.view(len(blocks), *shape).copy_(rows.index_select(0, index))
 
 
 def _scatter(src: torch.Tensor, rows: torch.Tensor, blocks: Sequence[int]) -> None:
-    nbytes = rows.shape[1]
+    """The inverse of :func:`_gather`: ``src`` holds the bytes of ``blocks`` in order."""
+    shape = rows.shape[1:]
+    src = src.view(len(blocks), *shape)
     runs = _runs(blocks)
     if len(runs) <= _MAX_RUNS:
         for i, first, length in runs:
-            rows[first:first + length].view(-1).copy_(src[i * nbytes:(i + length) * nbytes])
+            rows[first:first + length].copy_(src[i:i + length])
     else:
         index = torch.tensor(list(blocks), dtype=torch.int64, device=rows.device)
-        rows.index_copy_(0, index, src.view(len(blocks), nbytes).to(rows.device))
+        rows.index_copy_(0, index, src.to(rows.device))
 
 
 def _chunks(num_blocks: int, chunk_blocks: int) -> List[tuple]:
@@ -217,15 +224,6 @@ def _staging(device: torch.device, nbytes: int, count: int = 2) -> list:
         bufs = cache[device] = [torch.empty(nbytes, dtype=torch.uint8, device=device)
                                 for _ in range(count)]
     return bufs
-
-
-def _direct(rows: torch.Tensor, blocks: Sequence[int], device: torch.device):
-    """The pool's own bytes of ``blocks`` when they are consecutive and on ``device``
-    (sent from or received into in place, no copy); else None."""
-    if rows.device != device or blocks[-1] - blocks[0] != len(blocks) - 1 or \
-            len(_runs(blocks)) != 1:
-        return None
-    return rows[blocks[0]:blocks[0] + len(blocks)].view(-1)
 
 
 # -- the sender -------------------------------------------------------------------------
@@ -310,19 +308,14 @@ def send_sequence(handle, dst: int, *, tokens=None, cache_salt: Optional[bytes] 
         raise ProtocolError(f"rank {dst} answered {have} tokens held and {num_send} blocks "
                             f"to send for a sequence of {num_tokens} tokens")
     send = blocks[first:]
-    nbytes = rows.shape[1]
+    nbytes = rows.shape[1] * rows.shape[2]
     if send:
-        # A chunk of consecutive blocks goes out of the pool as it is; others are
-        # gathered into one of two staging buffers, the next while the last is sent.
+        # Each chunk of blocks is gathered into one of two staging buffers (a block's
+        # bytes lie in 2 * num_layers pieces of the pool), the next while the last is sent.
         bufs = None
         staged: list = [None, None]     # the send still reading each staging buffer
-        direct: list = []
         slot = 0
         for lo, hi in _chunks(len(send), chunk_blocks):
-            view = _direct(rows, send[lo:hi], device)
-            if view is not None:
-                direct.append(link.isend(view))
-                continue
             if bufs is None:
                 bufs = _staging(device, min(chunk_blocks, len(send)) * nbytes)
             if staged[slot] is not None:  # the send before last used this buffer
@@ -332,7 +325,7 @@ def send_sequence(handle, dst: int, *, tokens=None, cache_salt: Optional[bytes] 
             _sync(rows.device)
             staged[slot] = link.isend(buf)
             slot = 1 - slot
-        for work in direct + [w for w in staged if w is not None]:
+        for work in [w for w in staged if w is not None]:
             link.wait(work, "sending K/V")
     ack = link.recv_i64(1, "receiving the acknowledgement")[0]
     if ack != OK:
@@ -416,25 +409,21 @@ def recv_sequence(client, src: int, *, group=None, request_id: Optional[str] = N
             recv = blocks[first:]
         reply = torch.tensor([OK, have, len(recv), 0], dtype=torch.int64, device=device)
         reply_work = link.isend(reply)  # awaited once the first chunk's receive is posted
-        nbytes = rows.shape[1]
+        nbytes = rows.shape[1] * rows.shape[2]
         if recv:
-            # A chunk for consecutive blocks lands in the pool as it is, and its receive
-            # is posted at once; others land in one of two staging buffers and are
-            # scattered while the next chunks arrive. Receives are posted in message order.
+            # Each chunk lands in one of two staging buffers and is scattered into the
+            # pool while the next chunks arrive. Receives are posted in message order.
             chunks = _chunks(len(recv), max(1, chunk_blocks))
             bufs = None
             free = [1, 0]                 # staging buffers not receiving or scattering
-            posted = deque()              # (work, staging buffer index or None, lo, hi)
+            posted = deque()              # (work, staging buffer index, lo, hi)
             next_chunk = 0
 
             def post_more() -> None:
                 nonlocal bufs, next_chunk
                 while next_chunk < len(chunks):
                     lo, hi = chunks[next_chunk]
-                    view = _direct(rows, recv[lo:hi], device)
-                    if view is not None:
-                        posted.append((link.irecv(view), None, lo, hi))
-                    elif free:
+                    if free:
                         if bufs is None:
                             bufs = _staging(device, (chunks[0][1] - chunks[0][0]) * nbytes)
                         slot = free.pop()
@@ -450,10 +439,9 @@ def recv_sequence(client, src: int, *, group=None, request_id: Optional[str] = N
             while posted:
                 work, slot, lo, hi = posted.popleft()
                 link.wait(work, "receiving K/V")
-                if slot is not None:
-                    _scatter(bufs[slot][:(hi - lo) * nbytes], rows, recv[lo:hi])
-                    free.append(slot)
-                    post_more()
+                _scatter(bufs[slot][:(hi - lo) * nbytes], rows, recv[lo:hi])
+                free.append(slot)
+                post_more()
             _sync(rows.device)
         if reply_work is not None:
             link.wait(reply_work, "sending the reply")

@@ -30,6 +30,7 @@ import torch
 
 from . import slots
 from .errors import (HandleClosed, InvalidArgument, OutOfRange, UnknownCache, WrongType)
+from .memory import storage_view
 from .sequences import format_cache_id
 from .tables import read_row
 
@@ -52,10 +53,11 @@ def _fits(t: torch.Tensor, size: int) -> bool:
 class _PoolViews:
     """The views of one client's pool that the data plane indexes, made once per client.
 
-    ``rows`` is the pool as ``[slots, heads, head_dim]``: one token slot of one layer's
-    K or V per row. ``chunks`` is the pool as ``[chunks, block_size, heads, head_dim]``:
-    one block of one layer's K or V per chunk (contiguous when the client sees all
-    heads), so a full block moves as one memcpy. ``unit_*`` are the same views in the
+    ``rows`` is the pool in storage order as ``[slots, heads, head_dim]``: one token slot
+    of one layer's K or V per row (``shmkv.slots``). ``chunks`` is the same memory as
+    ``[chunks, block_size, heads, head_dim]``: one block of one layer's K or V per chunk
+    (contiguous when the client sees all heads), so a full block of a layer moves as one
+    memcpy. ``unit_*`` are the same views in the
     widest copy unit that fits; ``plain`` is ``(rows, chunks, dtype)`` for copies no unit
     fits: the pool's own dtype (None), or bytes where torch cannot index-copy it.
     """
@@ -66,8 +68,9 @@ class _PoolViews:
     def __init__(self, pool: torch.Tensor):
         self.pool = pool
         heads, head_dim = pool.shape[4], pool.shape[5]
-        self.rows = pool.view(-1, heads, head_dim)
-        self.chunks = pool.view(-1, pool.shape[3], heads, head_dim)
+        storage = storage_view(pool)
+        self.rows = storage.view(-1, heads, head_dim)
+        self.chunks = storage.view(-1, pool.shape[3], heads, head_dim)
         self.unit, self.unit_dtype = 0, None
         self.unit_rows, self.unit_chunks = self.rows, self.chunks
         for size, dtype in _COPY_UNITS:
@@ -496,21 +499,22 @@ class KvCacheHandle:
         base = self._index_cache.get("base")
         if base is None:
             cfg = self._client.config
-            base = slots.position_rows(self._state.blocks, cfg.block_size, cfg.num_layers,
-                                       self.device)
+            base = slots.position_rows(self._state.blocks, cfg.block_size, self.device)
             self._cache_index("base", base)
         return base
 
     def _layer_rows(self, start: int, n: int, layer: int, which: int) -> torch.Tensor:
         """Rows of positions ``[start, start + n)`` of one layer's K (0) or V (1)."""
-        bs = self._client.config.block_size
-        return self._base()[start:start + n] + (2 * layer + which) * bs
+        cfg = self._client.config
+        return self._base()[start:start + n] + slots.layer_row(layer, which, cfg.num_blocks,
+                                                               cfg.block_size)
 
     def _rows(self, start: int, n: int) -> torch.Tensor:
         """Rows of positions ``[start, start + n)`` in the pool's ``rows`` view:
         ``[2 * num_layers, n]``, row ``2 * layer + (0 for K, 1 for V)``."""
         cfg = self._client.config
-        return slots.all_layer_rows(self._base()[start:start + n], cfg.num_layers, cfg.block_size)
+        return slots.all_layer_rows(self._base()[start:start + n], cfg.num_layers,
+                                    cfg.num_blocks, cfg.block_size)
 
     def _spans(self, start: int, n: int) -> tuple:
         """``slots.spans`` of ``[start, start + n)`` for this table, cached per table."""
@@ -518,8 +522,8 @@ class KvCacheHandle:
         found = self._index_cache.get(key)
         if found is None:
             cfg = self._client.config
-            found = slots.spans(self._state.blocks, cfg.block_size, cfg.num_layers, start, n,
-                                self.device)
+            found = slots.spans(self._state.blocks, cfg.block_size, cfg.num_layers,
+                                cfg.num_blocks, start, n, self.device)
             self._cache_index(key, found)
         return found
 
@@ -567,18 +571,19 @@ class KvCacheHandle:
             return
         view = self._ensure_writable(view, start, n)
         self._last_access = time.time()
-        bs = self._client.config.block_size
+        cfg = self._client.config
+        bs = cfg.block_size
         if start // bs == (start + n - 1) // bs:  # one block: two slice copies
-            row = ((view.blocks[start // bs] * self.num_layers + layer) * 2 * bs
-                   + start % bs)
+            row = (view.blocks[start // bs] * bs + start % bs
+                   + slots.layer_row(layer, 0, cfg.num_blocks, bs))
             rows = _views(self._client).rows
             rows.narrow(0, row, n).copy_(k)
-            rows.narrow(0, row + bs, n).copy_(v)
+            rows.narrow(0, row + cfg.num_blocks * bs, n).copy_(v)
             return
         (head_row, head_len), (middle, middle_rows), (tail_row, tail_len) = self._spans(start, n)
         rows, chunks, k, v = _views(self._client).select(k, v)
         for which, src in ((0, k), (1, v)):
-            offset = (2 * layer + which) * bs
+            offset = slots.layer_row(layer, which, cfg.num_blocks, bs)
             if head_len:
                 rows.narrow(0, head_row + offset, head_len).copy_(src[:head_len])
             if middle is not None:
@@ -640,7 +645,8 @@ class KvCacheHandle:
                            out=dst.view(full, bs, *out.shape[1:]))
         if tail_len:
             out[n - tail_len:].copy_(views.rows.narrow(
-                0, tail_row + (2 * layer + which) * bs, tail_len))
+                0, tail_row + slots.layer_row(layer, which, self._client.config.num_blocks, bs),
+                tail_len))
         return out
 
     def key_cache(self, layer: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -692,7 +698,8 @@ class KvCacheHandle:
         """Zero-copy ``(k_pages, v_pages, block_table)`` for paged attention kernels.
 
         ``k_pages`` and ``v_pages`` are ``[num_blocks, block_size, num_heads, head_dim]``
-        views of the whole pool (last dimension contiguous); ``block_table`` is int32
+        views of the whole pool (contiguous when the client sees every head: the pool is
+        stored layer-major); ``block_table`` is int32
         on the pool's device. Writes through the views bypass copy-on-write.
         """
         self._check_open()

@@ -1,16 +1,25 @@
 """Pool configuration and memory layout.
 
-Owns :class:`PoolConfig` (what a user asks for), its validation, the block-major
-pool shape, byte sizes, and the layout fingerprint that a client checks at attach.
+Owns :class:`PoolConfig` (what a user asks for), its validation, the pool's shape and
+storage order, byte sizes, and the layout fingerprint that a client checks at attach.
 Does not allocate memory (see ``shmkv.shm`` and ``shmkv.cuda``) and does not import
 torch at module import time: dtypes are carried by name, and torch is imported
 only when a caller asks for a ``torch.dtype``.
 
-Layout (one allocation per device, block-major, so one block is one contiguous
-chunk)::
+Layout (one allocation per device). Indexed by block first, stored layer-major::
 
-    pool: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
-    K of layer l: pool[:, l, 0]   V of layer l: pool[:, l, 1]
+    pool (what every process indexes):
+          [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+    storage order (``storage_shape``; the pool is a permuted view of it):
+          [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    K of layer l: pool[:, l, 0]   V of layer l: pool[:, l, 1]   (each contiguous)
+
+A layer's K (or V) is one contiguous run of pages, so a decode step that reads a
+layer's pages of consecutive blocks reads consecutive memory. One block is ``2 *
+num_layers`` chunks of ``block_size * heads * head_dim`` elements, ``num_blocks``
+chunks apart; a block's bytes, as the tiers, remote stores and transfers carry them,
+are always in the order ``[num_layers, 2, block_size, heads, head_dim]`` (see
+:meth:`PoolConfig.block_fingerprint`).
 """
 
 from __future__ import annotations
@@ -21,7 +30,8 @@ from typing import Any, Optional, Sequence
 
 from .errors import InvalidArgument, WrongType
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2          # 1: stored block-major; 2: stored layer-major
+BLOCK_FORMAT_VERSION = 1    # the order of one block's bytes when copied out of the pool
 DEFAULT_MAX_SEQ_LEN = 32768
 MAX_SEQUENCES = 1 << 20
 MAX_TABLE_BYTES = 1 << 30
@@ -164,6 +174,19 @@ class PoolConfig:
                 self.head_dim)
 
     @property
+    def storage_shape(self) -> tuple:
+        """Shape of the pool's memory in storage order (layer-major): ``shape`` with the
+        block axis moved after the layer and K/V axes."""
+        return (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads,
+                self.head_dim)
+
+    @property
+    def chunk_nbytes(self) -> int:
+        """Bytes of one layer's K (or V) of one block, all heads: one of the ``2 *
+        num_layers`` contiguous pieces of a block."""
+        return self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
     def block_nbytes(self) -> int:
         """Bytes of one block: all layers, K and V, all heads."""
         return (self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
@@ -220,13 +243,13 @@ class PoolConfig:
     def fingerprint(self) -> str:
         """A hex digest of everything that decides where a byte lives in the pool."""
         text = repr((LAYOUT_VERSION, self.shape, self.dtype, self.tp_size,
-                     "block-major[num_blocks,num_layers,2,block_size,heads,head_dim]"))
+                     "layer-major[num_layers,2,num_blocks,block_size,heads,head_dim]"))
         return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
     def block_fingerprint(self) -> str:
         """A hex digest of everything that decides what one block's bytes mean: the
         :meth:`fingerprint` less the pool's size and device, so pools of any size on any
         node can exchange blocks (``shmkv.remote``, ``shmkv.distributed``)."""
-        text = repr((LAYOUT_VERSION, self.shape[1:], self.dtype, self.tp_size,
+        text = repr((BLOCK_FORMAT_VERSION, self.shape[1:], self.dtype, self.tp_size,
                      "block[num_layers,2,block_size,heads,head_dim]"))
         return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()

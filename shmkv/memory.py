@@ -25,7 +25,8 @@ class PoolMemory:
     """The memory of one pool as seen by one process.
 
     ``device_pools[i]`` is a tensor ``[num_blocks, num_layers, 2, block_size, heads_i,
-    head_dim]``. ``owner``, ``epoch``, ``seq``, ``table``, ``scale_lock`` and ``scales`` are
+    head_dim]``: a permuted view of memory stored layer-major (:func:`storage_view`
+    gives it in storage order; ``shmkv.layout``). ``owner``, ``epoch``, ``seq``, ``table``, ``scale_lock`` and ``scales`` are
     memoryviews of the metadata segment (see ``shmkv.tables``): written by the
     coordinator only.
     ``owner_t``, ``seq_t`` (``[max_sequences, 4]``) and ``table_t``
@@ -68,7 +69,7 @@ class PoolMemory:
         return self.device_pools[0][..., tp_rank * heads:(tp_rank + 1) * heads, :]
 
     def copy_block(self, src: int, dst: int) -> None:
-        """Copy one block (all layers, K and V, every rank). Block-major: one memcpy each."""
+        """Copy one block (all layers, K and V, every rank): ``2 * num_layers`` chunks."""
         for pool in self.device_pools:
             pool[dst].copy_(pool[src])
 
@@ -114,9 +115,27 @@ class PoolMemory:
 
 
 def _typed(raw, config: PoolConfig, heads: int):
+    """The pool view ``[num_blocks, num_layers, 2, ...]`` of raw bytes stored layer-major."""
     dtype = torch_dtype(config.dtype)
-    return raw.view(dtype).view(config.num_blocks, config.num_layers, 2, config.block_size,
-                                heads, config.head_dim)
+    return raw.view(dtype).view(config.num_layers, 2, config.num_blocks, config.block_size,
+                                heads, config.head_dim).permute(2, 0, 1, 3, 4, 5)
+
+
+def storage_view(pool):
+    """A pool view ``[num_blocks, num_layers, 2, block_size, heads, head_dim]`` in storage
+    order, ``[num_layers, 2, num_blocks, block_size, heads, head_dim]`` (no copy;
+    contiguous for a whole device pool, a head slice of it for a CPU rank's view)."""
+    return pool.permute(1, 2, 0, 3, 4, 5)
+
+
+def block_bytes(pool):
+    """The bytes of a whole device pool by block: uint8 ``[num_blocks, 2 * num_layers,
+    chunk bytes]`` (no copy). Block ``b``'s bytes are ``[b]``: its layers' K and V in
+    order, each row contiguous, rows ``num_blocks`` chunks apart."""
+    import torch
+    num_blocks, num_layers = pool.shape[0], pool.shape[1]
+    return (storage_view(pool).view(2 * num_layers, num_blocks, -1).view(torch.uint8)
+            .transpose(0, 1))
 
 
 def create_pool(config: PoolConfig) -> PoolMemory:

@@ -76,6 +76,7 @@ from typing import List, Optional
 import numpy as np
 
 from .errors import InvalidArgument, ShmkvError, WrongType
+from .memory import block_bytes
 from .sequences import PendingPromotion
 
 log = logging.getLogger("shmkv.remote")
@@ -356,8 +357,8 @@ class RemoteTierSet:
         self.counters = {"lookups": 0, "hits": 0, "misses": 0, "writes": 0, "present": 0,
                          "dropped": 0, "cancelled": 0, "corrupt": 0, "errors": 0,
                          "skipped_lookups": 0, "bytes_read": 0, "bytes_written": 0}
-        self._pool_u8 = [p.view(config.num_blocks, -1).view(torch.uint8)
-                         for p in memory.device_pools]
+        # [num_blocks, 2 * num_layers, chunk bytes] per rank (shmkv.memory.block_bytes)
+        self._pool_u8 = [block_bytes(p) for p in memory.device_pools]
         self._pool_np = None if config.is_cuda else [t.numpy() for t in self._pool_u8]
         self._chained_evict = self.pool.on_evict        # the local tiers' hook, if any
         self.pool.on_evict = self._on_evict
@@ -653,15 +654,17 @@ class RemoteTierSet:
         offset = 0
         if self._pool_np is not None:
             for rank in self._pool_np:
-                n = rank.shape[1]
-                rank[block] = payload[offset:offset + n]
+                rows = rank[block]   # the block's chunks, one per layer's K or V
+                n = rows.size
+                rows[...] = payload[offset:offset + n].reshape(rows.shape)
                 offset += n
             return
         import torch
         staging = torch.from_numpy(payload.copy())  # writable; then one copy to the device
         for rank in self._pool_u8:
-            n = rank.shape[1]
-            rank[block].copy_(staging[offset:offset + n])
+            rows = rank[block]
+            n = rows.numel()
+            rows.copy_(staging[offset:offset + n].view(rows.shape))
             offset += n
 
     def _writer(self) -> None:
@@ -733,15 +736,17 @@ class RemoteTierSet:
         offset = 0
         if self._pool_np is not None:
             for rank in self._pool_np:
-                n = rank.shape[1]
-                out[offset:offset + n] = rank[block]
+                rows = rank[block]
+                n = rows.size
+                out[offset:offset + n].reshape(rows.shape)[...] = rows
                 offset += n
             return
         import torch
         staging = torch.from_numpy(out)
         for rank in self._pool_u8:
-            n = rank.shape[1]
-            staging[offset:offset + n].copy_(rank[block])
+            rows = rank[block]
+            n = rows.numel()
+            staging[offset:offset + n].view(rows.shape).copy_(rows)
             offset += n
 
     # -- stats and teardown -------------------------------------------------------------------

@@ -5,13 +5,14 @@ pool. Two coordinate systems:
 
 * a **slot** (vLLM's ``slot_mapping`` convention): ``block_id * block_size + offset``,
   the same for every layer, K and V;
-* a **row** of the pool seen as ``rows = pool.view(-1, heads, head_dim)``: one token of
-  one layer's K or V. Block-major layout ``[num_blocks, num_layers, 2, block_size,
-  heads, head_dim]`` puts token ``offset`` of block ``b``, layer ``l``, K (0) or V (1)
-  at row ``b * 2 * num_layers * block_size + (2 * l + which) * block_size + offset``.
-* a **chunk** of the pool seen as ``chunks = pool.view(-1, block_size, heads,
-  head_dim)``: one block of one layer's K or V, index ``b * 2 * num_layers + 2 * l +
-  which``.
+* a **row** of the pool in storage order (``shmkv.layout``: layer-major ``[num_layers,
+  2, num_blocks, block_size, heads, head_dim]``) seen as ``rows = storage.view(-1,
+  heads, head_dim)``: one token of one layer's K or V. Token ``offset`` of block
+  ``b``, layer ``l``, K (0) or V (1) is row ``(2 * l + which) * num_blocks *
+  block_size + b * block_size + offset``: layer 0's K row of a position is its slot.
+* a **chunk** of the pool seen as ``chunks = storage.view(-1, block_size, heads,
+  head_dim)``: one block of one layer's K or V, index ``(2 * l + which) * num_blocks
+  + b``.
 
 Does not read block tables (``shmkv.tables``) or move bytes (``shmkv.handle``,
 ``shmkv.batch``): inputs are lists or tensors of block ids, outputs index tensors.
@@ -25,34 +26,36 @@ import numpy as np
 import torch
 
 
-def position_rows(blocks: Sequence[int], block_size: int, num_layers: int,
-                  device=None) -> torch.Tensor:
-    """Row of layer 0's K of every position a block table covers: ``[len(blocks) *
-    block_size]`` int64. Add ``(2 * layer + which) * block_size`` for another layer."""
+def layer_row(layer: int, which: int, num_blocks: int, block_size: int) -> int:
+    """What to add to a layer-0-K row (a slot) for layer ``layer``'s K (0) or V (1)."""
+    return (2 * layer + which) * num_blocks * block_size
+
+
+def position_rows(blocks: Sequence[int], block_size: int, device=None) -> torch.Tensor:
+    """Row of layer 0's K (the slot) of every position a block table covers:
+    ``[len(blocks) * block_size]`` int64. Add :func:`layer_row` for another layer."""
     table = torch.tensor(blocks, dtype=torch.int64)
-    base = (table[:, None] * (num_layers * 2 * block_size) + torch.arange(block_size))
+    base = table[:, None] * block_size + torch.arange(block_size)
     return base.reshape(-1).to(device) if device is not None else base.reshape(-1)
 
 
-def layer_offsets(num_layers: int, block_size: int, device=None) -> torch.Tensor:
+def layer_offsets(num_layers: int, num_blocks: int, block_size: int,
+                  device=None) -> torch.Tensor:
     """``[2 * num_layers]``: what to add to a layer-0-K row for layer ``l``, K or V
     (index ``2 * l + which``)."""
-    return torch.arange(2 * num_layers, device=device) * block_size
+    return torch.arange(2 * num_layers, device=device) * (num_blocks * block_size)
 
 
-def slot_rows(slot_mapping: torch.Tensor, block_size: int, num_layers: int) -> torch.Tensor:
-    """Layer 0's K row of each slot of a ``slot_mapping``."""
-    return (slot_mapping // block_size) * (2 * num_layers * block_size) + slot_mapping % block_size
-
-
-def all_layer_rows(base_rows: torch.Tensor, num_layers: int, block_size: int) -> torch.Tensor:
+def all_layer_rows(base_rows: torch.Tensor, num_layers: int, num_blocks: int,
+                   block_size: int) -> torch.Tensor:
     """``[2 * num_layers, n]``: rows of every layer's K and V for layer-0-K rows
-    ``base_rows``; row ``2 * l + which`` of the result is contiguous."""
-    return layer_offsets(num_layers, block_size, base_rows.device)[:, None] + base_rows[None, :]
+    ``base_rows`` (slots); row ``2 * l + which`` of the result is contiguous."""
+    return (layer_offsets(num_layers, num_blocks, block_size, base_rows.device)[:, None]
+            + base_rows[None, :])
 
 
-def spans(blocks: Sequence[int], block_size: int, num_layers: int, start: int, n: int,
-          device=None) -> tuple:
+def spans(blocks: Sequence[int], block_size: int, num_layers: int, num_blocks: int,
+          start: int, n: int, device=None) -> tuple:
     """How positions ``[start, start + n)`` of a table lie in blocks:
     ``(head, (middle, middle_rows), tail)``.
 
@@ -62,21 +65,20 @@ def spans(blocks: Sequence[int], block_size: int, num_layers: int, start: int, n
     ``2 * layer + which``; ``middle_rows`` the same as a tuple of rows. Both None when
     no block is fully covered.
     """
-    per_block = 2 * num_layers
     first, offset = divmod(start, block_size)
     head_len = min(n, block_size - offset) if offset else 0
-    head = (blocks[first] * per_block * block_size + offset, head_len)
+    head = (blocks[first] * block_size + offset, head_len)
     index = first + (1 if head_len else 0)
     full = (n - head_len) // block_size
     middle = middle_rows = None
     if full:
         table = torch.tensor(blocks[index:index + full], dtype=torch.int64)
-        middle = table[None, :] * per_block + torch.arange(per_block)[:, None]
+        middle = table[None, :] + torch.arange(2 * num_layers)[:, None] * num_blocks
         if device is not None:
             middle = middle.to(device)
         middle_rows = middle.unbind(0)
     tail_len = n - head_len - full * block_size
-    tail = (blocks[index + full] * per_block * block_size if tail_len else 0, tail_len)
+    tail = (blocks[index + full] * block_size if tail_len else 0, tail_len)
     return head, (middle, middle_rows), tail
 
 

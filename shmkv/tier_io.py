@@ -74,7 +74,7 @@ from collections import deque
 from typing import Callable, List, Optional
 
 import numpy as np
-from xxhash import xxh3_64_intdigest
+from xxhash import xxh3_64, xxh3_64_intdigest
 
 MAGIC = b"SHMKVBLK"
 FORMAT_VERSION = 2  # 2: the payload checksum is xxh3-64 (crc32 capped promotion speed)
@@ -256,17 +256,29 @@ class BlockFiles:
                 os.close(dfd)
 
     def read_block(self, key: bytes, out) -> None:
-        """Read and verify one block into ``out`` (a writable buffer of the payload size)."""
+        """Read and verify one block into ``out``: a writable buffer of the payload size,
+        or a 2-d numpy array whose rows (each contiguous) take the payload in order (a
+        block in the pool: one row per layer's K or V)."""
         fd = os.open(self.file_path(key), os.O_RDONLY | os.O_CLOEXEC)
         try:
             size = os.fstat(fd).st_size
             header = bytearray(HEADER_SIZE)
-            view = memoryview(out).cast("B")
-            got = _read_all(fd, [header, view])
+            if isinstance(out, np.ndarray) and out.ndim == 2 and not out.flags.c_contiguous:
+                views = [memoryview(row) for row in out]
+            else:
+                views = [memoryview(out).cast("B")]
+            got = _read_all(fd, [header, *views])
             crc = self.check_header(header, key, size)
             if got != size:
                 raise Damaged("truncated")
-            if xxh3_64_intdigest(view) != crc:
+            if len(views) == 1:
+                digest = xxh3_64_intdigest(views[0])
+            else:
+                hasher = xxh3_64()
+                for view in views:
+                    hasher.update(view)
+                digest = hasher.intdigest()
+            if digest != crc:
                 raise Damaged("payload checksum")
         finally:
             os.close(fd)
@@ -314,8 +326,9 @@ class Mover:
 
     Args:
         block_nbytes: bytes of one block, every rank's.
-        pool_np: numpy ``[num_blocks, rank bytes]`` per rank (a CPU pool), or None.
-        pool_u8: torch uint8 ``[num_blocks, rank bytes]`` per rank (a CUDA pool), or None.
+        pool_np: numpy uint8 ``[num_blocks, 2 * num_layers, chunk bytes]`` per rank (a CPU
+            pool; ``shmkv.memory.block_bytes``), or None.
+        pool_u8: the same as torch tensors (a CUDA pool), or None.
         host_np: numpy ``[slots, block_nbytes]`` of the host tier, or None.
         host_t: the same as a torch tensor (needed with ``pool_u8``), or None.
         files: the disk tier's :class:`BlockFiles`, or None.
@@ -388,26 +401,30 @@ class Mover:
         offset = 0
         if self.pool_np is not None:
             for rank in self.pool_np:
-                n = rank.shape[1]
-                np.copyto(dst_np[offset:offset + n], rank[block])
+                rows = rank[block]   # [2 * num_layers, chunk bytes]: the block's chunks
+                n = rows.size
+                np.copyto(dst_np[offset:offset + n].reshape(rows.shape), rows)
                 offset += n
             return
         for rank in self.pool_u8:
-            n = rank.shape[1]
-            dst[offset:offset + n].copy_(rank[block])
+            rows = rank[block]
+            n = rows.numel()
+            dst[offset:offset + n].view(rows.shape).copy_(rows)
             offset += n
 
     def _to_pool(self, src, src_np, block: int) -> None:
         offset = 0
         if self.pool_np is not None:
             for rank in self.pool_np:
-                n = rank.shape[1]
-                np.copyto(rank[block], src_np[offset:offset + n])
+                rows = rank[block]
+                n = rows.size
+                np.copyto(rows, src_np[offset:offset + n].reshape(rows.shape))
                 offset += n
             return
         for rank in self.pool_u8:
-            n = rank.shape[1]
-            rank[block].copy_(src[offset:offset + n])
+            rows = rank[block]
+            n = rows.numel()
+            rows.copy_(src[offset:offset + n].view(rows.shape))
             offset += n
 
     def _host(self, slot: int) -> tuple:
@@ -700,6 +717,13 @@ def _map(fd: int, nbytes: int, rows: int):
     return np.frombuffer(m, dtype=np.uint8).reshape(rows, nbytes // rows)
 
 
+def _map_pool(fd: int, num_blocks: int, block_nbytes: int, chunks: int):
+    """The pool segment (stored layer-major: ``chunks`` rows of every block's chunk) as
+    numpy uint8 ``[num_blocks, chunks, chunk bytes]``, like ``shmkv.memory.block_bytes``."""
+    rows = _map(fd, num_blocks * block_nbytes, chunks)
+    return rows.reshape(chunks, num_blocks, block_nbytes // chunks).transpose(1, 0, 2)
+
+
 class _Process:
     """The I/O process's side: jobs in from the socket, completions out."""
 
@@ -712,8 +736,8 @@ class _Process:
         if spec.get("files") is not None:
             files = BlockFiles.from_wire(spec["files"])
             files.before_rename = self.exit_if_orphaned
-        fd, num_blocks, nbytes = spec["pool"]
-        pool = _map(fd, num_blocks * nbytes, num_blocks)
+        fd, num_blocks, nbytes, chunks = spec["pool"]
+        pool = _map_pool(fd, num_blocks, nbytes, chunks)
         host = None
         if spec.get("host") is not None:
             fd, slots, nbytes = spec["host"]

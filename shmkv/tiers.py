@@ -79,6 +79,7 @@ import numpy as np
 
 from . import shm, tier_io
 from .errors import InvalidArgument, ShmkvError, WrongType
+from .memory import block_bytes
 from .tier_io import (DEMOTE, DISK, FORMAT_VERSION, HEADER_SIZE, PROMOTE, WORKER_NICE,
                       BlockFiles, Copier, Mover)
 from .tier_io import Copy as _Copy, Damaged as _Damaged, Job as _Job
@@ -681,10 +682,9 @@ class TierSet:
                     self.host = _HostStore(spec, config)
                 else:
                     self.disk = _DiskStore(spec, config)
-            import torch
-            # Byte views of every rank's pool: [num_blocks, block bytes of that rank].
-            self._pool_u8 = [p.view(config.num_blocks, -1).view(torch.uint8)
-                             for p in memory.device_pools]
+            # Byte views of every rank's pool by block: [num_blocks, 2 * num_layers, chunk
+            # bytes of that rank] (a block is a chunk of each layer's K and V).
+            self._pool_u8 = [block_bytes(p) for p in memory.device_pools]
             self._pool_np = None if config.is_cuda else [t.numpy() for t in self._pool_u8]
             self.pool.newly_cached = []
             self.pool.on_evict = self._on_evict
@@ -727,7 +727,8 @@ class TierSet:
             host, files = self.host, self._files()
             fds = [memory.fds[1], fd, wake_sock.fileno()]
             spec = {"parent": os.getpid(), "block_nbytes": cfg.block_nbytes,
-                    "pool": [memory.fds[1], cfg.num_blocks, cfg.block_nbytes],
+                    "pool": [memory.fds[1], cfg.num_blocks, cfg.block_nbytes,
+                             2 * cfg.num_layers],
                     "gens": [fd, cfg.num_blocks], "wake": wake_sock.fileno(),
                     "host": None, "files": None if files is None else files.files_wire(),
                     "workers": self.num_workers, "policy": tier_io.IO_PROCESS_POLICY,

@@ -67,3 +67,45 @@ def test_pool_larger_than_dev_shm_fails_before_allocating(unique_name):
     with pytest.raises(shmkv.InvalidArgument, match="does not fit"):
         shmkv.Coordinator(cfg, name=unique_name).start()
     assert set(os.listdir("/dev/shm")) == before
+
+
+def test_pool_is_stored_layer_major(client, small_config):
+    """A token written through a handle lands where the layer-major storage order puts
+    it in the shared segment, and each layer's K and V pages are one contiguous run."""
+    cfg = small_config
+    num, heads, dim, bs = 10, cfg.num_kv_heads, cfg.head_dim, cfg.block_size
+    with client.allocate(num_tokens=num) as h:
+        base = torch.arange(num * heads * dim, dtype=torch.float32).view(num, heads, dim)
+        for layer in range(cfg.num_layers):
+            h.write(layer, base + 1000 * layer, -(base + 1000 * layer) - 1)
+        blocks = list(h.block_table.physical_blocks)
+        pool = client.pool
+        flat = torch.empty(0, dtype=torch.float32).set_(pool.untyped_storage())
+        row_elems = heads * dim
+        for layer in range(cfg.num_layers):
+            for which, sign in ((0, 1), (1, -1)):
+                for pos in range(num):
+                    row = ((2 * layer + which) * cfg.num_blocks + blocks[pos // bs]) * bs \
+                        + pos % bs
+                    want = base[pos] + 1000 * layer
+                    want = want if which == 0 else -want - 1
+                    got = flat[row * row_elems:(row + 1) * row_elems].view(heads, dim)
+                    assert torch.equal(got, want), (layer, which, pos)
+            pages = pool[:, layer, 0]
+            assert pages.is_contiguous() and pool[:, layer, 1].is_contiguous()
+            assert pages.data_ptr() - pool.data_ptr() == \
+                2 * layer * cfg.num_blocks * bs * row_elems * 4
+
+
+def test_block_bytes_are_a_block_in_block_order(client, small_config):
+    """What tiers, remote stores and transfers copy out of the pool for a block is its
+    [num_layers, 2, block_size, heads, head_dim] values in that order."""
+    from shmkv.memory import block_bytes
+    pool = client.pool
+    pool.copy_(torch.randn(pool.shape))
+    rows = block_bytes(pool)
+    assert tuple(rows.shape) == (small_config.num_blocks, 2 * small_config.num_layers,
+                                 small_config.chunk_nbytes)
+    for b in (0, 5, small_config.num_blocks - 1):
+        assert torch.equal(rows[b].reshape(-1), pool[b].contiguous().view(torch.uint8).view(-1))
+

@@ -19,8 +19,9 @@ HAS_CC = native._compiler() is not None
 
 
 def pool_pages(num_blocks, num_layers, block_size, kv_heads, head_dim, layer, seed=0):
-    """K and V pages of one layer of a block-major pool, as ShmkvCache makes them: views
-    whose page stride is a whole block (every layer's K and V)."""
+    """K and V pages of one layer of a pool stored block-major: views whose page stride is
+    a whole block (every layer's K and V), the kernel's hardest case. (shmkv's own pool
+    is stored layer-major: its layer views are contiguous, as in test_generate_*.)"""
     gen = torch.Generator().manual_seed(seed)
     pool = torch.randn(num_blocks, num_layers, 2, block_size, kv_heads, head_dim, generator=gen)
     return pool[:, layer, 0], pool[:, layer, 1]

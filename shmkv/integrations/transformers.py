@@ -413,9 +413,7 @@ class ShmkvCache(Cache):
         self._fwd: Optional[_Forward] = None
         self._batch = None
         self._pages: Optional[list] = None
-        self._chunks = None
         self._pool = None                          # the client's pool view (set with _batch)
-        self._rows_view = None
         self._dense_bufs: Optional[list] = None   # per layer (K, V) buffers, dense path
         self._dense_len: list = []                # per layer: padded positions they hold
         # Gathered K/V goes into scratch memory kept across layers and steps.
@@ -851,31 +849,16 @@ class ShmkvCache(Cache):
         return self._batch.client.kv_scales(layer_idx)
 
     def _attn_pages(self, layer_idx: int) -> tuple:
-        """``(k_pages, v_pages)`` of layer ``layer_idx`` for paged_attention.
-
-        When the pool is one contiguous tensor they are views of it as a run of chunks
-        (one layer's K or V of one block each), starting at the layer's K and V of block
-        0, so that page ``b * 2 * num_layers`` is block ``b``'s (a gather then copies
-        whole chunks: measured 1.4x faster on CPU than through a layer's own view, which
-        strides over the other layers of each block). Else the layer's own views.
-        """
+        """``(k_pages, v_pages)`` of layer ``layer_idx`` for paged_attention: the layer's
+        own views of the pool, ``[num_blocks, block_size, kv_heads, head_dim]`` (each one
+        contiguous run of pages: the pool is stored layer-major)."""
         if self._pages is None:
             pool = self._pool
-            num_layers = pool.shape[1]
-            self._chunks = pool.is_contiguous()
-            if self._chunks:
-                chunks = pool.view(-1, *pool.shape[3:])
-                num = chunks.shape[0] - 2 * num_layers + 1   # the same count for every view
-                self._pages = [(chunks[2 * i:2 * i + num], chunks[2 * i + 1:2 * i + 1 + num])
-                               for i in range(num_layers)]
-            else:
-                self._pages = [(pool[:, i, 0], pool[:, i, 1]) for i in range(num_layers)]
+            self._pages = [(pool[:, i, 0], pool[:, i, 1]) for i in range(pool.shape[1])]
         return self._pages[layer_idx]
 
     def _page_table(self, step) -> torch.Tensor:
-        """The step's block tables as ids of the pages :meth:`_attn_pages` gives."""
-        if self._chunks:
-            return step.block_tables * (2 * self._pool.shape[1])
+        """The step's block tables (the ids of the pages :meth:`_attn_pages` gives)."""
         return step.block_tables
 
     def _attend(self, module, query: torch.Tensor, scaling, dropout, is_causal, kwargs):
@@ -1008,7 +991,7 @@ class ShmkvCache(Cache):
     def _fill(self, fwd: _Forward, layer_idx: int, bufs: tuple, lo: int, hi: int) -> None:
         """Gather padded positions ``[lo, hi)`` of every row from the pool into ``bufs``."""
         pool = self._handles[0]._client.pool
-        num_layers, bs = pool.shape[1], pool.shape[3]
+        bs = pool.shape[3]
         batch = bufs[0].shape[0]
         heads, head_dim = pool.shape[4], pool.shape[5]
         if fwd.dense_index is None or fwd.dense_index[0] != lo:
@@ -1016,31 +999,25 @@ class ShmkvCache(Cache):
             pad = pos < 0
             pos = pos.clamp(min=0)
             blocks = fwd.step.block_tables.to(torch.int64).gather(1, pos // bs)
-            rows = (blocks * (num_layers * 2 * bs) + pos % bs).reshape(-1).to(pool.device)
+            rows = (blocks * bs + pos % bs).reshape(-1).to(pool.device)   # slots
             fwd.dense_index = (lo, rows)
             fwd.dense_pad = pad.to(pool.device) if bool(pad.any()) else None
         rows = fwd.dense_index[1]
-        flat = self._pool_rows(pool)
         for which, buf in enumerate(bufs):
-            index = rows + (2 * layer_idx + which) * bs
-            if flat is not None and flat.dtype in _QUANTIZED:  # bytes: no float8 kernels
-                got = flat.view(torch.uint8).index_select(0, index).view(flat.dtype)
-            elif flat is not None:
-                got = flat.index_select(0, index)
-            else:  # a pool view that is not one contiguous tensor (a head shard)
-                got = pool[:, layer_idx, which][index // bs // (num_layers * 2), index % bs]
+            pages = pool[:, layer_idx, which]   # [num_blocks, bs, heads, dim]: slots' rows
+            if not pages.is_contiguous():       # a head shard of the pool
+                got = pages[rows // bs, rows % bs]
+            elif pages.dtype in _QUANTIZED:     # as bytes: no float8 kernels
+                got = pages.view(torch.uint8).view(-1, heads, head_dim).index_select(
+                    0, rows).view(pages.dtype)
+            else:
+                got = pages.view(-1, heads, head_dim).index_select(0, rows)
             got = got.view(batch, hi - lo, heads, head_dim)
             if fwd.dense_pad is not None:
                 got.masked_fill_(fwd.dense_pad[:, :, None, None], 0)
             if got.dtype in _QUANTIZED:
                 got = got.float() * self._scales(layer_idx)[which]
             buf[:, :, lo:hi].copy_(got.transpose(1, 2))
-
-    def _pool_rows(self, pool: torch.Tensor):
-        if self._rows_view is None:
-            self._rows_view = (pool.view(-1, pool.shape[4], pool.shape[5])
-                               if pool.is_contiguous() else False)
-        return self._rows_view if self._rows_view is not False else None
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens layer ``layer_idx`` holds (left padding included)."""
