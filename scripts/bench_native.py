@@ -1,11 +1,14 @@
 """Decode attention of one layer: the native kernel against paged_attention's torch path.
 
 One query token per sequence, float32 (or ``--dtype bfloat16``), one torch thread, K/V pages laid out as in the
-pool (``[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]``, one layer's
-view), each sequence's blocks in a run as a fresh pool hands them out. Per case, in
-interleaved rounds (median of the rounds):
+pool (indexed ``[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]``, stored
+layer-major; one layer's view), each sequence's blocks in a run as a fresh pool hands
+them out. Per case, in interleaved rounds (median of the rounds):
 
 * ``native``: ``paged_attention`` with its plan, the kernel reading the pages in place;
+* ``native, block-major``: the same over a copy of the pool stored block-major (layout
+  version 1: a layer's page of one block a whole block from the next), what the
+  storage order is worth;
 * ``torch path``: the same call with the kernel off (two ``index_select`` of the pages
   into a reused workspace, then SDPA with the query heads folded);
 * ``contiguous SDPA``: SDPA over K/V already contiguous ``[batch, kv_heads, keys,
@@ -50,7 +53,8 @@ def make(heads, kv_heads, dim, layers, batch, keys, seed=0, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)
     per_row = -(-keys // BLOCK)
     num_blocks = batch * per_row + 1
-    pool = torch.randn(num_blocks, layers, 2, BLOCK, kv_heads, dim, generator=gen).to(dtype)
+    pool = torch.randn(layers, 2, num_blocks, BLOCK, kv_heads, dim, generator=gen).to(dtype)
+    pool = pool.permute(2, 0, 1, 3, 4, 5)    # as shmkv stores it: layer-major
     layer = layers // 2
     k_pages, v_pages = pool[:, layer, 0], pool[:, layer, 1]
     table = torch.arange(batch * per_row, dtype=torch.int32).view(batch, per_row)
@@ -58,7 +62,9 @@ def make(heads, kv_heads, dim, layers, batch, keys, seed=0, dtype=torch.float32)
     lens = [keys] * batch
     k = k_pages[table.long()].reshape(batch, -1, kv_heads, dim)[:, :keys].transpose(1, 2)
     v = v_pages[table.long()].reshape(batch, -1, kv_heads, dim)[:, :keys].transpose(1, 2)
-    return q, k_pages, v_pages, table, lens, k.contiguous(), v.contiguous(), pool
+    blocked = pool.contiguous()              # the same values stored block-major
+    return (q, k_pages, v_pages, table, lens, k.contiguous(), v.contiguous(),
+            (blocked[:, layer, 0], blocked[:, layer, 1]))
 
 
 def time_case(fns: dict, cold: bool, rounds: int, flush: torch.Tensor) -> dict:
@@ -101,8 +107,8 @@ def main(argv=None) -> int:
     rows = []
     for label, heads, kv_heads, dim, layers in SHAPES[:args.shapes]:
         for batch, keys in CASES:
-            q, k_pages, v_pages, table, lens, k, v, _pool = make(heads, kv_heads, dim, layers,
-                                                                 batch, keys, dtype=dtype)
+            q, k_pages, v_pages, table, lens, k, v, (kb_pages, vb_pages) = make(
+                heads, kv_heads, dim, layers, batch, keys, dtype=dtype)
             plan = PagedAttentionPlan(q, k_pages, table, lens)
             workspace = AttentionWorkspace()
             decoder = native.decoder
@@ -110,6 +116,9 @@ def main(argv=None) -> int:
 
             def run_native():
                 return paged_attention(q, k_pages, v_pages, plan=plan, workspace=workspace)
+
+            def run_blocked():
+                return paged_attention(q, kb_pages, vb_pages, plan=plan, workspace=workspace)
 
             def run_torch():
                 native.decoder = lambda: None
@@ -123,17 +132,20 @@ def main(argv=None) -> int:
                     q.view(batch, kv_heads, group, dim), k, v).reshape(batch, heads, dim)
 
             a, b, c = run_native(), run_torch(), run_dense()
+            torch.testing.assert_close(run_blocked(), a, rtol=0, atol=0)
             tol = dict(rtol=2e-5, atol=2e-5) if dtype == torch.float32 else \
                 dict(rtol=2e-2, atol=2e-2)
             torch.testing.assert_close(a, b, **tol)
             torch.testing.assert_close(a, c, **tol)
-            fns = {"native": run_native, "torch path": run_torch, "contiguous SDPA": run_dense}
+            fns = {"native": run_native, "torch path": run_torch, "contiguous SDPA": run_dense,
+                   "native, block-major": run_blocked}
             row = {"shape": label, "batch": batch, "keys": keys,
                    "kv_mb": 2 * k.numel() * k.element_size() / 2**20}
             for mode in ("hot", "cold"):
                 res = time_case(fns, mode == "cold", args.rounds, flush)
                 row[mode] = res
                 row[mode + "_speedup"] = res["torch path"] / res["native"]
+                row[mode + "_storage"] = res["native, block-major"] / res["native"]
             rows.append(row)
             print(f"{label} batch {batch} keys {keys}: hot native {row['hot']['native']:.0f} us "
                   f"torch {row['hot']['torch path']:.0f} ({row['hot_speedup']:.2f}x); cold "
@@ -149,17 +161,23 @@ def main(argv=None) -> int:
              f"us per call, median of {args.rounds} interleaved rounds ({result['host']}). "
              "\"speedup\": the torch path's time over the native kernel's. \"cold\": a 64 MiB "
              "read before each call evicts the CPU caches, as a model's weights do between "
-             "layers. Reproduce: `python scripts/bench_native.py"
+             "layers. \"block-major\": the kernel over the same pages stored as the pool was "
+             "before layout version 2 (a layer's page of one block a whole block from the "
+             "next); \"storage\": its time over the kernel's on the pool as stored now "
+             "(layer-major). Reproduce: `python scripts/bench_native.py"
              + ("" if args.dtype == "float32" else f" --dtype {args.dtype}") + "`.", "",
              "| heads (query:K/V x dim) | batch | keys | K/V MiB | hot: native | torch path | "
-             "contiguous SDPA | speedup | cold: native | torch path | contiguous SDPA | speedup |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "contiguous SDPA | speedup | block-major | storage | cold: native | torch path | "
+             "contiguous SDPA | speedup | block-major | storage |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         h, c = r["hot"], r["cold"]
         lines.append(f"| {r['shape']} | {r['batch']} | {r['keys']} | {r['kv_mb']:.1f} | "
                      f"{h['native']:.0f} | {h['torch path']:.0f} | {h['contiguous SDPA']:.0f} | "
-                     f"**{r['hot_speedup']:.2f}x** | {c['native']:.0f} | {c['torch path']:.0f} | "
-                     f"{c['contiguous SDPA']:.0f} | **{r['cold_speedup']:.2f}x** |")
+                     f"**{r['hot_speedup']:.2f}x** | {h['native, block-major']:.0f} | "
+                     f"{r['hot_storage']:.2f}x | {c['native']:.0f} | {c['torch path']:.0f} | "
+                     f"{c['contiguous SDPA']:.0f} | **{r['cold_speedup']:.2f}x** | "
+                     f"{c['native, block-major']:.0f} | {r['cold_storage']:.2f}x |")
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -388,7 +388,8 @@ def _child_attach(conn, address: str, baseline: str, repeats: int, touch: bool) 
     cold = time.perf_counter() - t0
     result = {"cold_s": cold, "attached": memory_of()}
     if touch:  # map every page of the pool by reading one byte of each
-        pages = client.pool.view(-1).view(torch.uint8)[::4096]
+        from ..memory import storage_view
+        pages = storage_view(client.pool).reshape(-1).view(torch.uint8)[::4096]
         pages.sum()
         del pages
         result["touched"] = memory_of()
@@ -997,12 +998,20 @@ def _steps_per_run(num_seqs: int) -> int:
     return max(1, 16 // num_seqs)
 
 
-def _floor_rows(slot_mapping, num_layers: int, block_size: int):
-    """``[2 * num_layers, T]``: the row, in ``pool.view(-1, heads, head_dim)``, of every
-    layer's K and V of each slot (vLLM's reshape_and_cache arithmetic, for the floor)."""
+def _floor_rows(slot_mapping, num_layers: int, num_blocks: int, block_size: int):
+    """``[2 * num_layers, T]``: the row, in the pool's storage as ``[rows, heads,
+    head_dim]`` (layer-major: ``_rows``), of every layer's K and V of each slot (vLLM's
+    reshape_and_cache arithmetic over per-layer caches, for the floor)."""
     import torch
-    base = (slot_mapping // block_size) * (2 * num_layers * block_size) + slot_mapping % block_size
-    return torch.arange(2 * num_layers)[:, None] * block_size + base[None, :]
+    return (torch.arange(2 * num_layers)[:, None] * (num_blocks * block_size)
+            + slot_mapping[None, :])
+
+
+def _rows(pool, heads: int, head_dim: int):
+    """A pool view (all heads, or a rank's shard) as ``[rows, heads, head_dim]`` in
+    storage order, the rows :func:`_floor_rows` counts."""
+    from ..memory import storage_view
+    return storage_view(pool).view(-1, heads, head_dim)
 
 
 def _sum_bits(t) -> int:
@@ -1048,7 +1057,7 @@ def _decode_point(opts: Options, cleanup: _Cleanup, num_seqs: int, context_kv, k
         # of a page through a process's own mapping faults it in; a decode step reaches a
         # new page per sequence, layer and K/V every other token, which would be timed for
         # shmkv and not for the floor (which writes the same slots again).
-        client.pool.view(-1).zero_()
+        client.pool.zero_()
         _shared_context(client, context_kv)
         batched = _allocate_on_context(client, num_seqs)
         single = _allocate_on_context(client, num_seqs)
@@ -1071,8 +1080,8 @@ def _decode_point(opts: Options, cleanup: _Cleanup, num_seqs: int, context_kv, k
                 got = handles[i].gather_all()[:, :, -1]
                 if not _same_bits(got, kv[:, :, i]):
                     raise BenchError(f"decode step wrote wrong values (B={num_seqs}, seq {i})")
-        rows = client.pool.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        floor_index = _floor_rows(step.slot_mapping, L, bs)
+        rows = _rows(client.pool, cfg.num_kv_heads, cfg.head_dim)
+        floor_index = _floor_rows(step.slot_mapping, L, cfg.num_blocks, bs)
         wide_rows = rows.view(torch.complex128)  # 16-byte elements: what shmkv's writes use
         wide = [(k.view(torch.complex128), v.view(torch.complex128)) for k, v in layers]
         extend_s: List[float] = []
@@ -1200,22 +1209,23 @@ def _tp_point(opts: Options, cleanup: _Cleanup) -> dict:
 
         checked = tp_step()
         slot_mapping = checked["step"].slot_mapping
-        index = _floor_rows(slot_mapping, L, bs)
-        full_rows = viewer.pool.view(-1, cfg.num_kv_heads, D)
+        index = _floor_rows(slot_mapping, L, cfg.num_blocks, bs)
+        full_rows = _rows(viewer.pool, cfg.num_kv_heads, D)
         written = torch.stack([full_rows[index[j]] for j in range(2 * L)]).view(
             L, 2, num_seqs, cfg.num_kv_heads, D)
         if not (_same_bits(written[..., :H, :], kv) and _sum_bits(written[..., H:, :]) == kv_sum):
             raise BenchError("tensor-parallel step: a rank's shard holds wrong values")
         blocks = torch.tensor(first.block_table.physical_blocks, dtype=torch.int64)
         positions = torch.arange(BATCH_CONTEXT)
-        context_index = _floor_rows(blocks[positions // bs] * bs + positions % bs, L, bs)
+        context_index = _floor_rows(blocks[positions // bs] * bs + positions % bs, L,
+                                    cfg.num_blocks, bs)
         shared = torch.stack([full_rows[context_index[j]] for j in range(2 * L)]).view(
             L, 2, BATCH_CONTEXT, cfg.num_kv_heads, D)
         if not (_same_bits(shared[..., :H, :], context)
                 and _sum_bits(shared[..., H:, :]) == context_sum):
             raise BenchError("tensor-parallel prefill: a rank's shard of the context is wrong")
         del written, shared
-        rows = client.pool.view(-1, H, D)  # rank 0's shard: strided rows of 4 heads
+        rows = _rows(client.pool, H, D)  # rank 0's shard: strided rows of 4 heads
 
         def floor():
             for layer, (k, v) in enumerate(layers):
@@ -1259,7 +1269,7 @@ def _prefill_point(opts: Options, cleanup: _Cleanup) -> dict:
     coord = cleanup.add(Coordinator.spawn(cfg, name=_unique("batch-prefill"), timeout=120))
     client = connect(coord.address)
     try:
-        client.pool.view(-1).zero_()  # steady state (see _decode_point)
+        client.pool.zero_()  # steady state (see _decode_point)
         total = num_prompts * tokens
         kv = _pattern(L * 2 * total * H * D, client.pool.dtype).view(L, 2, total, H, D)
         dst = torch.zeros_like(kv)
