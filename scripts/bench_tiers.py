@@ -10,7 +10,8 @@ Measures, each against its baseline:
   page cache (``posix_fadvise(DONTNEED)`` before each pass: the bytes come from the
   device) and warm (both from the page cache);
 * promotion bandwidth from the host tier against a plain copy of the same blocks
-  (one ``numpy.copyto`` per block, host shared memory to pool shared memory);
+  (one ``numpy.copyto`` per block, host shared memory to the block's place in pool
+  shared memory: its ``2 * num_layers`` chunks);
 * ping p99 while another process promotes blocks as fast as it can, against ping p99
   when it does not, in alternating half-second phases of one run (disk tier, then host
   tier);
@@ -45,6 +46,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import shmkv  # noqa: E402
 from shmkv import tier_io  # noqa: E402
 from shmkv import tiers as tiers_mod  # noqa: E402
+from shmkv.memory import block_bytes  # noqa: E402
 
 SPAWN = multiprocessing.get_context("spawn")
 # An 8B-class model's block (32 layers, 8 KV heads of 128, fp16, 16 tokens): 2 MiB.
@@ -202,14 +204,15 @@ def bench_host_bandwidth(args, root) -> dict:
         finally:
             os.close(fd)
         import numpy as np
-        pool = client.pool.view(cfg.num_blocks, -1).view(torch.uint8).numpy()
+        # A block's place in the pool: 2 * num_layers chunks (shmkv.memory.block_bytes).
+        pool = block_bytes(client.pool).numpy()
         host_np = host.numpy()
         host_np.fill(1)
         plain = []
         for _rep in range(args.reps + 1):    # the first pass maps the pages: not counted
             t0 = time.perf_counter()
             for i in range(num_blocks):
-                np.copyto(pool[i % cfg.num_blocks], host_np[i])
+                np.copyto(pool[i % cfg.num_blocks], host_np[i].reshape(pool.shape[1:]))
             plain.append(num_blocks * cfg.block_nbytes / (time.perf_counter() - t0))
         plain = plain[1:]
         del host, host_np, pool
