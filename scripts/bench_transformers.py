@@ -27,7 +27,7 @@ Every run's tokens are checked equal to DynamicCache's. Writes
 ``benchmarks/results/NAME.json`` and ``.md`` and ``benchmarks/plots/NAME-context.png``
 (NAME defaults to ``transformers``).
 
-    python scripts/bench_transformers.py [--quick] [--steps 32] [--repeats 5]
+    python scripts/bench_transformers.py [--quick] [--steps 128] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -231,7 +231,9 @@ def plot(results: dict, path: str) -> bool:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer lengths and runs")
-    parser.add_argument("--steps", type=int, default=32, help="new tokens per run")
+    parser.add_argument("--steps", type=int, default=128,
+                        help="new tokens per run (runs of 32 last a few tenths of a second, "
+                             "where this host's noise moves one round's ratio by 10 %%)")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs (default 5, quick 3)")
     parser.add_argument("--name", default="transformers")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks"))
