@@ -666,6 +666,9 @@ class RemoteTierSet:
             n = rows.numel()
             rows.copy_(staging[offset:offset + n].view(rows.shape))
             offset += n
+            # Into strided rows, copy_ lands in a device buffer first and returns before
+            # the last step on the device is done: the block counts as in only after it.
+            torch.cuda.synchronize(rows.device)
 
     def _writer(self) -> None:
         buffers = None

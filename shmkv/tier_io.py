@@ -301,12 +301,24 @@ def _write_all(fd: int, buffers: list) -> None:
             raise OSError(errno.EIO, "write made no progress")
 
 
+def _iov_max() -> int:
+    try:
+        return max(16, os.sysconf("SC_IOV_MAX"))
+    except (AttributeError, ValueError, OSError):
+        return 1024
+
+
+# Buffers one preadv takes at most (a block read straight into the pool is one buffer per
+# layer's K and V: a model of 512 layers or more needs more than Linux's 1024).
+IOV_MAX = _iov_max()
+
+
 def _read_all(fd: int, buffers: list) -> int:
     """Fill ``buffers`` from the start of the file; returns the bytes read (short at EOF)."""
     views = [memoryview(b) for b in buffers]
     total = 0
     while views:
-        got = os.preadv(fd, views, total)
+        got = os.preadv(fd, views[:IOV_MAX], total)
         if got == 0:
             break
         total += got
@@ -421,11 +433,15 @@ class Mover:
                 np.copyto(rows, src_np[offset:offset + n].reshape(rows.shape))
                 offset += n
             return
+        import torch
         for rank in self.pool_u8:
             rows = rank[block]
             n = rows.numel()
             rows.copy_(src[offset:offset + n].view(rows.shape))
             offset += n
+            # Into strided rows, copy_ lands in a device buffer first and returns before
+            # the last step on the device is done: the block counts as in only after it.
+            torch.cuda.synchronize(rows.device)
 
     def _host(self, slot: int) -> tuple:
         return (None if self.host_t is None else self.host_t[slot]), self.host_np[slot]

@@ -743,3 +743,30 @@ def test_a_promotion_pins_its_entries_before_its_turn_places_demotions(unique_na
         selector.close()
         theirs.close()
         coord.close()
+
+
+@pytest.mark.parametrize("iov_max", [tier_io.IOV_MAX, 3])
+def test_a_block_file_reads_straight_into_the_pools_strided_rows(tmp_path, monkeypatch,
+                                                                  iov_max):
+    """A block read from disk into its place in a layer-major pool: one row per layer's K
+    or V, the rows a pool's worth of chunks apart, more rows than one preadv may take
+    when ``IOV_MAX`` is small. Bytes and checksum as written, the other blocks' rows
+    untouched; a damaged file is refused."""
+    import numpy as np
+    monkeypatch.setattr(tier_io, "IOV_MAX", iov_max)
+    rows, chunk, num_blocks = 8, 48, 5
+    files = tier_io.BlockFiles(str(tmp_path), "s1", b"n" * 16, (4, 4, 2, 3, 1, b"f4"),
+                               rows * chunk, fsync=False)
+    payload = np.random.default_rng(0).integers(0, 256, rows * chunk, dtype=np.uint8)
+    files.write_block(b"k" * 16, payload)
+    pool = np.zeros((rows, num_blocks, chunk), dtype=np.uint8).transpose(1, 0, 2)
+    files.read_block(b"k" * 16, pool[3])
+    assert np.array_equal(pool[3].reshape(-1), payload)
+    assert not pool[[0, 1, 2, 4]].any()
+    with open(files.file_path(b"k" * 16), "r+b") as f:   # one payload byte flipped
+        f.seek(tier_io.HEADER_SIZE + 5 * chunk + 7)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(tier_io.Damaged, match="checksum"):
+        files.read_block(b"k" * 16, pool[1])
