@@ -185,7 +185,9 @@ def test_on_shmkv_handles(client):
 # --- packed (varlen) form, output buffers, the old implementation as a baseline ---
 
 def pool_pages(num_blocks: int, block_size: int, num_kv_heads: int, dtype, seed: int):
-    """K/V pages as strided views of a pool ``[blocks, layers, 2, block, heads, dim]``."""
+    """K/V pages as strided views of a pool stored ``[blocks, layers, 2, block, heads,
+    dim]`` (block-major: pages a block apart, the strided case; shmkv's own pool is
+    stored layer-major, whose layer views are contiguous)."""
     gen = torch.Generator().manual_seed(seed)
     pool = torch.randn(num_blocks, 3, 2, block_size, num_kv_heads, HEAD_DIM,
                        generator=gen).to(dtype)
