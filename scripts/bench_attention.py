@@ -19,6 +19,7 @@ import time
 import torch
 
 from shmkv.attention import AttentionWorkspace, paged_attention
+from shmkv.memory import pool_view
 
 NUM_LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 8, 2, 32, 16
 
@@ -66,8 +67,8 @@ def make_step(seq_lens, counts, dtype, seed=0):
     gen = torch.Generator().manual_seed(seed)
     need = [-(-n // BLOCK) for n in seq_lens]
     num_blocks = sum(need) + 64
-    pool = torch.randn(NUM_LAYERS, 2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM,
-                       generator=gen).to(dtype).permute(2, 0, 1, 3, 4, 5)   # as stored
+    pool = pool_view(torch.randn(NUM_LAYERS, 2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM,
+                                 generator=gen).to(dtype))   # as shmkv stores it
     k_pages, v_pages = pool[:, 3, 0], pool[:, 3, 1]
     table = torch.full((len(seq_lens), max(need) + 4), 10**6, dtype=torch.int32)
     perm = torch.randperm(num_blocks, generator=gen).tolist()

@@ -38,6 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from shmkv import native  # noqa: E402
+from shmkv.memory import pool_view  # noqa: E402
 from shmkv.attention import AttentionWorkspace, PagedAttentionPlan, paged_attention  # noqa: E402
 
 BLOCK = 16
@@ -54,7 +55,7 @@ def make(heads, kv_heads, dim, layers, batch, keys, seed=0, dtype=torch.float32)
     per_row = -(-keys // BLOCK)
     num_blocks = batch * per_row + 1
     pool = torch.randn(layers, 2, num_blocks, BLOCK, kv_heads, dim, generator=gen).to(dtype)
-    pool = pool.permute(2, 0, 1, 3, 4, 5)    # as shmkv stores it: layer-major
+    pool = pool_view(pool)                   # as shmkv stores it: layer-major
     layer = layers // 2
     k_pages, v_pages = pool[:, layer, 0], pool[:, layer, 1]
     table = torch.arange(batch * per_row, dtype=torch.int32).view(batch, per_row)

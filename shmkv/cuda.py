@@ -27,6 +27,7 @@ from typing import List
 
 from .errors import InvalidArgument, ShmkvError
 from .layout import PoolConfig, torch_dtype
+from .memory import pool_view
 
 
 def _check_allocator() -> None:
@@ -64,8 +65,8 @@ def allocate_pools(config: PoolConfig) -> List:
     if settings is not None:
         settings("expandable_segments:False")
     try:
-        pools = [torch.zeros(shape, dtype=torch_dtype(config.dtype), device=device)
-                 .permute(2, 0, 1, 3, 4, 5) for device in devices]
+        pools = [pool_view(torch.zeros(shape, dtype=torch_dtype(config.dtype), device=device))
+                 for device in devices]
     finally:
         if settings is not None and "expandable_segments:True" in os.environ.get(
                 "PYTORCH_CUDA_ALLOC_CONF", ""):

@@ -574,11 +574,10 @@ class KvCacheHandle:
         cfg = self._client.config
         bs = cfg.block_size
         if start // bs == (start + n - 1) // bs:  # one block: two slice copies
-            row = (view.blocks[start // bs] * bs + start % bs
-                   + slots.layer_row(layer, 0, cfg.num_blocks, bs))
+            slot = view.blocks[start // bs] * bs + start % bs
             rows = _views(self._client).rows
-            rows.narrow(0, row, n).copy_(k)
-            rows.narrow(0, row + cfg.num_blocks * bs, n).copy_(v)
+            rows.narrow(0, slot + slots.layer_row(layer, 0, cfg.num_blocks, bs), n).copy_(k)
+            rows.narrow(0, slot + slots.layer_row(layer, 1, cfg.num_blocks, bs), n).copy_(v)
             return
         (head_row, head_len), (middle, middle_rows), (tail_row, tail_len) = self._spans(start, n)
         rows, chunks, k, v = _views(self._client).select(k, v)

@@ -26,8 +26,8 @@ class PoolMemory:
 
     ``device_pools[i]`` is a tensor ``[num_blocks, num_layers, 2, block_size, heads_i,
     head_dim]``: a permuted view of memory stored layer-major (:func:`storage_view`
-    gives it in storage order; ``shmkv.layout``). ``owner``, ``epoch``, ``seq``, ``table``, ``scale_lock`` and ``scales`` are
-    memoryviews of the metadata segment (see ``shmkv.tables``): written by the
+    gives it in storage order; ``shmkv.layout``). ``owner``, ``epoch``, ``seq``,
+    ``table``, ``scale_lock`` and ``scales`` are memoryviews of the metadata segment (see ``shmkv.tables``): written by the
     coordinator only.
     ``owner_t``, ``seq_t`` (``[max_sequences, 4]``) and ``table_t``
     (``[max_sequences, max_seq_blocks]``) are tensors over the same memory, for
@@ -114,11 +114,16 @@ class PoolMemory:
             self._meta_map = None
 
 
-def _typed(raw, config: PoolConfig, heads: int):
-    """The pool view ``[num_blocks, num_layers, 2, ...]`` of raw bytes stored layer-major."""
-    dtype = torch_dtype(config.dtype)
-    return raw.view(dtype).view(config.num_layers, 2, config.num_blocks, config.block_size,
-                                heads, config.head_dim).permute(2, 0, 1, 3, 4, 5)
+def _typed(raw, config: PoolConfig):
+    """The pool view of a CPU pool's raw bytes (every head), stored layer-major."""
+    return pool_view(raw.view(torch_dtype(config.dtype)).view(config.storage_shape))
+
+
+def pool_view(storage):
+    """The pool view ``[num_blocks, num_layers, 2, block_size, heads, head_dim]`` of
+    memory in storage order ``[num_layers, 2, num_blocks, ...]`` (no copy); the inverse
+    of :func:`storage_view`."""
+    return storage.permute(2, 0, 1, 3, 4, 5)
 
 
 def storage_view(pool):
@@ -156,8 +161,7 @@ def create_pool(config: PoolConfig) -> PoolMemory:
         else:
             pool_fd = shm.create_segment(config.nbytes, "pool")
             memory.fds.append(pool_fd)
-            memory.device_pools = [_typed(shm.map_tensor(pool_fd, config.nbytes), config,
-                                          config.num_kv_heads)]
+            memory.device_pools = [_typed(shm.map_tensor(pool_fd, config.nbytes), config)]
             memory.descriptor["pool_bytes"] = config.nbytes
     except BaseException:
         memory.close()
@@ -185,8 +189,7 @@ def attach_pool(config: PoolConfig, descriptor: dict, fds: List[int]) -> PoolMem
             from . import cuda
             memory.device_pools = [cuda.open_tensor(d) for d in descriptor["cuda"]]
         else:
-            memory.device_pools = [_typed(shm.map_tensor(fds[1], config.nbytes), config,
-                                          config.num_kv_heads)]
+            memory.device_pools = [_typed(shm.map_tensor(fds[1], config.nbytes), config)]
     except BaseException:
         memory.close()
         raise
