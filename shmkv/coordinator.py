@@ -52,6 +52,9 @@ log = logging.getLogger("shmkv.coordinator")
 LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3,
                    50e-3, 100e-3, 250e-3, 1.0)
 _clock = time.perf_counter
+# The longest the loop sleeps in the selector with nothing due (it wakes for requests,
+# tier completions and hand-off deadlines).
+_MAX_WAIT_S = 1.0
 # How long the coordinator's loop polls for the next request after serving one before
 # it sleeps in the selector (``Coordinator._spin``): the default of a coordinator in its
 # own process, and the most it accepts. A request caught while polling skips the loop's
@@ -287,6 +290,7 @@ class Coordinator:
         self.num_errors = 0
         self.latency: Dict[str, list] = {}  # op -> [count per LATENCY_BUCKETS bucket..., sum]
         self._to_promote: list = []  # promotions this turn's requests need (see _turn)
+        self._woken = False          # the wake socket was readable this turn (see _turn)
         self._fd_warned_at = -math.inf
         # Names this coordinator instance (not its address, which a restart reuses), so
         # a step descriptor made against another coordinator is refused.
@@ -507,7 +511,10 @@ class Coordinator:
         promotions those requests need, let the tiers move blocks, expire hand-offs."""
         self._turn_began = _clock()
         deadline = self.table.next_deadline()
-        wait = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
+        wait = _MAX_WAIT_S if deadline is None else max(
+            0.0, min(_MAX_WAIT_S, deadline - time.monotonic()))
+        if self._to_promote:   # held requests answered last turn need copies: start them
+            wait = 0.0
         if self._accept_paused_until:
             if time.monotonic() >= self._accept_paused_until:
                 self._accept_paused_until = 0.0
@@ -524,11 +531,13 @@ class Coordinator:
         self._serve_ready(selector, ready)
         if polls:   # a hit: a request, soon enough (not a tier wake-up or a connect)
             self._spin_hits += _SPIN_WEIGHT * ((caught and self._served) - self._spin_hits)
-        if self._to_promote:
+        if self._to_promote or self._woken:
             # The requests that came in meanwhile go first (a ping should not wait for
-            # copy jobs to be built and sent); then the copies start, before this turn's
-            # tier work places demotions that could evict the entries they read.
+            # copy jobs to be built and sent, or for finished copies to be taken back).
             self._serve_ready(selector, selector.select(0))
+        if self._to_promote:
+            # The copies start before this turn's tier work places demotions that could
+            # evict the entries they read.
             to_promote, self._to_promote = self._to_promote, []
             for records, conn, request_id, result in to_promote:
                 self.tiers.promote(records).context = (conn, request_id, result)
@@ -560,6 +569,7 @@ class Coordinator:
             if sock is self._listener:
                 self._accept(selector)
             elif sock is self._wake_r:
+                self._woken = True
                 try:
                     self._wake_r.recv(64)
                 except BlockingIOError:
@@ -759,7 +769,8 @@ class Coordinator:
     def _tier_turn(self, selector) -> None:
         """Let the tiers move blocks; answer the requests whose promotions are done,
         then the requests their connections sent meanwhile."""
-        for promotion in self.tiers.tick():
+        woken, self._woken = self._woken, False
+        for promotion in self.tiers.tick(woken):
             conn, request_id, result = promotion.context
             if self._conns.get(conn.conn_id) is not conn:
                 continue  # gone meanwhile: its references were dropped already

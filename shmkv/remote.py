@@ -460,13 +460,14 @@ class RemoteTierSet:
         if put is not None:
             put.cancelled = True
 
-    def tick(self) -> list:
+    def tick(self, woken: bool = True) -> list:
         """Queue newly published blocks for writing, take finished work; returns the
-        promotions done (whose requests the coordinator answers now)."""
+        promotions done (whose requests the coordinator answers now). ``woken``: as
+        ``TierSet.tick``."""
         self._wake_pending = False
         finished, self._ready = self._ready, []
         if self.local is not None:
-            for local_promo in self.local.tick():
+            for local_promo in self.local.tick(woken):
                 promo = self._by_local.pop(id(local_promo), None)
                 if promo is not None:
                     promo.local_done = True

@@ -823,11 +823,15 @@ class TierSet:
 
     # -- loop side: the turn ----------------------------------------------------------------
 
-    def tick(self) -> List[Promotion]:
-        """Take finished copies, schedule new ones; returns the finished promotions."""
+    def tick(self, woken: bool = True) -> List[Promotion]:
+        """Take finished copies, schedule new ones; returns the finished promotions.
+
+        ``woken``: the loop's wake socket was readable this turn. The I/O process sends
+        a byte there after every completion, so on other turns it has none to take and
+        is not polled (a turn that only served requests does no tier I/O)."""
         self._wake_pending = False
         finished: List[Promotion] = []
-        if self._proc is not None and self._jobs_out:
+        if self._proc is not None and self._jobs_out and woken:
             self._poll_process()
         done = self._done
         while done:

@@ -349,6 +349,52 @@ def test_the_loop_serves_others_while_a_promotion_copies(unique_name, monkeypatc
         assert result["got"] == (8, True) and result["s"] >= 0.9
 
 
+def test_pipelined_requests_that_each_need_a_promotion_are_all_answered(unique_name,
+                                                                          monkeypatch, io):
+    """A client sends two allocations in one write, each a hit in the host tier. The
+    second is held until the first's copies are in, and needs copies of its own: they
+    start in the very next turn, not when something else wakes the loop (here it would
+    sleep a minute)."""
+    import socket
+    from shmkv import coordinator as coordinator_mod
+    from shmkv import protocol
+    monkeypatch.setattr(coordinator_mod, "_MAX_WAIT_S", 60.0)
+    cfg = make_config(num_blocks=8)
+    p, q = prompts_of(2, 2)
+    with shmkv.Coordinator(cfg, name=unique_name,
+                           tiers=[shmkv.HostTier(8 * cfg.block_nbytes)]) as coord, \
+            shmkv.connect(coord.address, timeout=20) as client:
+        for prompt in (p, q):
+            write_prompt(client, prompt)
+        wait_idle(client)
+        evict_all(client)
+        wait_idle(client)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(20)
+        try:
+            sock.connect(coord.address)
+            sock.sendall(protocol.encode_request(0, "hello", {
+                "version": protocol.PROTOCOL_VERSION}))
+            sock.sendall(b"".join(
+                protocol.encode_request(i + 1, "allocate_many", {"requests": [
+                    {"num_tokens": 0, "prompt": protocol.pack_i64s(prompt)}]})
+                for i, prompt in enumerate((p, q))))
+            decoder, answers = protocol.FrameDecoder(1 << 24), {}
+            deadline = time.monotonic() + 20
+            while len(answers) < 3:
+                assert time.monotonic() < deadline, f"answers so far: {sorted(answers)}"
+                data = sock.recv(1 << 16)   # (the hello's descriptors are dropped)
+                assert data, "the coordinator closed the connection"
+                for obj in decoder.feed(data):
+                    response = protocol.parse_response(obj)
+                    answers[response.request_id] = response.unwrap()
+        finally:
+            sock.close()
+        assert answers[1][0]["num_cached"] == len(p)
+        assert answers[2][0]["num_cached"] == len(q)
+        assert tier(client.stats(), "host")["promotions"] >= 4
+
+
 # -- the disk tier -----------------------------------------------------------------------
 
 def _spawn(cfg, name, path, cap=1 << 20, **kw):
