@@ -77,7 +77,10 @@ import numpy as np
 from xxhash import xxh3_64, xxh3_64_intdigest
 
 MAGIC = b"SHMKVBLK"
-FORMAT_VERSION = 2  # 2: the payload checksum is xxh3-64 (crc32 capped promotion speed)
+# 2: the payload checksum is xxh3-64 (crc32 capped promotion speed). 3: a directory's
+# namespace is the block layout's (``PoolConfig.block_fingerprint``), so a pool of another
+# size uses the same directory.
+FORMAT_VERSION = 3
 _HEAD = struct.Struct("<8sHHI16s16s5I12sQQ")   # everything up to the header's own crc
 _CRC = struct.Struct("<I")
 HEADER_SIZE = _HEAD.size + _CRC.size             # 100

@@ -37,7 +37,8 @@ never waits for them.
 Disk layout (one namespace per directory)::
 
     DIR/lock        flock()ed by the coordinator that uses DIR (its pid inside)
-    DIR/namespace   JSON: format version, layout fingerprint, salt digest, block bytes
+    DIR/namespace   JSON: format version, block layout fingerprint, salt digest, block
+                    bytes (not the pool's size: a resized pool uses the same blocks)
     DIR/blocks/<32 hex digits of the prefix key>.kv          one complete block
     DIR/blocks/<32 hex>.kv.tmp-<session>                     a block being written
 
@@ -202,8 +203,9 @@ class HostTier:
 class DiskTier:
     """A tier of block files in a local directory, LRU, persistent across restarts.
 
-    A coordinator restarted on the same directory, with the same layout fingerprint
-    and salt, serves prefix hits from it. The index is rebuilt from the directory in
+    A coordinator restarted on the same directory, with the same block layout (model
+    shapes, dtype, tensor-parallel size; any number of blocks) and salt, serves prefix
+    hits from it. The index is rebuilt from the directory in
     the background at start, so the coordinator serves at once. One coordinator at a
     time uses a directory (a lock file).
 
@@ -384,7 +386,9 @@ class _DiskStore(BlockFiles):
     def __init__(self, spec: DiskTier, config):
         self.path = spec.path
         self.capacity_bytes = spec.capacity_bytes
-        self.fingerprint = config.fingerprint()
+        # What a block's bytes mean, not how many the pool has: a pool restarted with
+        # another num_blocks hits the blocks it left.
+        self.fingerprint = config.block_fingerprint()
         self.salt_digest = hashlib.blake2b(spec.salt, digest_size=16).hexdigest()
         super().__init__(
             os.path.join(self.path, "blocks"), secrets.token_hex(6),
@@ -439,7 +443,10 @@ class _DiskStore(BlockFiles):
         ns_path = os.path.join(self.path, "namespace")
         wanted = {"format": NAMESPACE_FORMAT, "version": FORMAT_VERSION,
                   "fingerprint": self.fingerprint, "salt_digest": self.salt_digest,
-                  "block_nbytes": self.payload_nbytes, "layout": config.to_wire()}
+                  "block_nbytes": self.payload_nbytes,
+                  "layout": {k: v for k, v in config.to_wire().items()
+                             if k in ("num_layers", "num_kv_heads", "head_dim", "block_size",
+                                      "dtype", "tp_size")}}
         try:
             with open(ns_path, "rb") as f:
                 found = json.loads(f.read(1 << 16))
@@ -461,7 +468,7 @@ class _DiskStore(BlockFiles):
                           f"writes {FORMAT_VERSION}")
         elif found.get("fingerprint") != self.fingerprint:
             self._disable(f"it holds blocks of layout fingerprint {found.get('fingerprint')}, "
-                          f"this pool's is {self.fingerprint}")
+                          f"this pool's block layout is {self.fingerprint}")
         elif found.get("salt_digest") != self.salt_digest:
             self._disable("it holds blocks made with another salt")
 

@@ -418,6 +418,24 @@ def test_restart_on_the_same_directory_hits_with_exact_bytes(tmp_path, unique_na
             assert disk["bytes"] == 12 * (tiers_mod.HEADER_SIZE + cfg.block_nbytes)
 
 
+def test_a_pool_of_another_size_hits_the_blocks_it_left_on_disk(tmp_path, unique_name):
+    """The directory's namespace is the block layout, not the pool: a coordinator
+    restarted with more blocks, or fewer, serves the same files with exact bytes."""
+    prompts = prompts_of(3, 3)
+    with _spawn(make_config(num_blocks=16), unique_name, tmp_path) as coord, \
+            shmkv.connect(coord.address, timeout=20) as client:
+        assert [write_prompt(client, p) for p in prompts] == [0] * 3
+        assert tier(wait_idle(client), "disk")["blocks"] == 9
+    for num_blocks in (40, 12):
+        with _spawn(make_config(num_blocks=num_blocks), unique_name, tmp_path) as coord, \
+                shmkv.connect(coord.address, timeout=20) as client:
+            wait_idle(client)
+            assert [read_prompt(client, p) for p in prompts] == [(3 * BS, True)] * 3
+            disk = tier(wait_idle(client), "disk")
+            assert disk["state"] == "ready" and disk["errors"] == 0
+            assert disk["promotions"] >= 9 and disk["removed_damaged"] == 0
+
+
 def test_damaged_files_are_never_served_and_are_counted_and_removed(tmp_path, unique_name,
                                                                      caplog):
     cfg = make_config(num_blocks=16)
