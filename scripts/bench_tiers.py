@@ -14,7 +14,10 @@ Measures, each against its baseline:
   shared memory: its ``2 * num_layers`` chunks);
 * ping p99 while another process promotes blocks as fast as it can, against ping p99
   when it does not, in alternating half-second phases of one run (disk tier, then host
-  tier);
+  tier), with three controls: the same allocations as pool hits with no tier, as many
+  pings from another client, and the copies alone with no request;
+* the loop's work for one request (the coordinator's own calls, in this process)
+  back to back and after pauses like its sleeps between requests;
 * the committed multi-turn chat trace (``benchmarks/traces/chat.jsonl``: a shared
   system prompt, growing conversations, a working set 4x the pool): prefix-hit rate
   and prefill tokens saved, with tiers against the pool alone, every cached block
@@ -263,6 +266,25 @@ def _promoter(address, prompts, block_size, go, stop, queue, rate=None):
     queue.put(("moved", (moved, busy, num)))
 
 
+def _ping_load(address, go, stop, queue, rate):
+    """The third control's neighbour: ``rate`` pings a second while ``go`` is set; requests
+    that cost the loop nothing beyond being served."""
+    num, busy = 0, 0.0
+    with shmkv.connect(address, timeout=60) as client:
+        queue.put(("ready", None))
+        while not stop.is_set():
+            if not go.wait(0.05):
+                continue
+            t0 = time.monotonic()
+            while go.is_set():
+                t1 = time.monotonic()
+                client.request("ping")
+                num += 1
+                time.sleep(max(0.0, 1.0 / rate - (time.monotonic() - t1)))
+            busy += time.monotonic() - t0
+    queue.put(("moved", (0, busy, num)))
+
+
 def _copier(block_nbytes, go, stop, queue, rate):
     """The second control's neighbour: copy blocks of ``block_nbytes`` between two
     buffers of this process, at most ``rate`` blocks a second, at the tier I/O process's
@@ -294,17 +316,21 @@ def p99(values) -> float:
 
 
 def ping_run(address, prompts, block_size, cycles, phase_s=0.5, rate=None,
-             copy_nbytes=None) -> dict:
+             copy_nbytes=None, pings=False) -> dict:
     """Ping throughout while a promoter runs in alternate phases (idle, promoting, idle,
     ...), so both conditions meet the same background load; pings within 50 ms of a
     phase change are not counted. With ``copy_nbytes``, the neighbour is a process that
-    only copies blocks of that size (``rate`` a second) and sends no request."""
+    only copies blocks of that size (``rate`` a second) and sends no request; with
+    ``pings``, one that only pings (``rate`` a second)."""
     q = SPAWN.Queue()
     go, stop = SPAWN.Event(), SPAWN.Event()
-    promoter = (SPAWN.Process(target=_copier, args=(copy_nbytes, go, stop, q, rate))
-                if copy_nbytes else
-                SPAWN.Process(target=_promoter,
-                              args=(address, prompts, block_size, go, stop, q, rate)))
+    if copy_nbytes:
+        promoter = SPAWN.Process(target=_copier, args=(copy_nbytes, go, stop, q, rate))
+    elif pings:
+        promoter = SPAWN.Process(target=_ping_load, args=(address, go, stop, q, rate))
+    else:
+        promoter = SPAWN.Process(target=_promoter,
+                                 args=(address, prompts, block_size, go, stop, q, rate))
     promoter.start()
     assert q.get(timeout=120)[0] == "ready"
     pinger = SPAWN.Process(target=_pinger, args=(address, 2 * cycles * phase_s + 3.0, q))
@@ -374,7 +400,15 @@ def bench_ping(args, root) -> dict:
                        rate=out["host"]["promoting"]["allocations_per_s"])
         run["p99_ratio"] = run["promoting"]["p99_us"] / run["idle"]["p99_us"]
         out["no tier (pool hits)"] = run
-    # The second control: the host run's copies without its requests. What the copies
+    # The second control: as many requests a second as the host run sent (an allocation
+    # and a release per promoting request), each a ping. What serving that many requests
+    # costs the pings, whatever they ask.
+    with shmkv.Coordinator.spawn(cfg, name=name(), **spin(args)) as coord:
+        run = ping_run(coord.address, None, cfg.block_size, args.ping_cycles,
+                       rate=2 * out["host"]["promoting"]["allocations_per_s"], pings=True)
+        run["p99_ratio"] = run["promoting"]["p99_us"] / run["idle"]["p99_us"]
+        out["pings alone (the host run's request rate)"] = run
+    # The third control: the host run's copies without its requests. What the copies
     # alone, in a process at the tier I/O process's priority, cost the pings.
     with shmkv.Coordinator.spawn(cfg, name=name(), **spin(args)) as coord:
         run = ping_run(coord.address, None, cfg.block_size, args.ping_cycles,
@@ -506,6 +540,64 @@ def bench_chat(args, root) -> dict:
     return out
 
 
+# -- the loop's work, warm and cold -----------------------------------------------------------
+
+def bench_cold(args, root) -> dict:
+    """What the loop's work for one request costs back to back, and after a pause like
+    the loop's sleeps between requests (its code and data then come back from memory):
+    the coordinator's own table calls, in this process, with no socket."""
+    from shmkv import hashing, protocol
+    cfg = shmkv.PoolConfig(num_blocks=args.pool_blocks, **BIG)
+    blocks = args.prompt_blocks
+    prompts = [hashing.pack_tokens(p) for p in
+               prompts_for(max(1, args.pool_blocks // blocks - 1), blocks, cfg.block_size, 5)]
+    coord = shmkv.Coordinator(cfg, name=name())
+    coord.open()
+    try:
+        table = coord.table
+        table.add_connection(1)
+        for packed in prompts:   # published: every allocation below is a pool hit
+            info = table.allocate(1, prompt=packed)
+            table.commit(1, info["cache_id"], len(packed) // 8)
+            table.release(1, info["cache_id"])
+        turn = [0]
+
+        def hit():
+            info = table.allocate(1, prompt=prompts[turn[0] % len(prompts)])
+            turn[0] += 1
+            table.release(1, info["cache_id"])
+
+        def plain():
+            info = table.allocate(1, num_tokens=blocks * cfg.block_size)
+            table.release(1, info["cache_id"])
+
+        answer = {"cache_id": 1, "slot": 0, "blocks": list(range(blocks)),
+                  "num_tokens": blocks * cfg.block_size, "num_cached": 0, "request_id": None}
+        work = {f"allocate a {blocks}-block prompt (a pool hit) + release": hit,
+                f"allocate {blocks} blocks, no prompt + release": plain,
+                "encode a ping's answer": lambda: protocol.encode_ok(1, {}),
+                f"encode an allocation's answer ({blocks} blocks)":
+                    lambda: protocol.encode_ok(1, [answer])}
+        gaps_ms = (0.0, 0.5, 2.0, 7.0)
+        out = {"gaps_ms": list(gaps_ms), "work": {}}
+        for label, fn in work.items():
+            row = {}
+            for gap in gaps_ms:
+                times = []
+                for _ in range(200):
+                    if gap:
+                        time.sleep(gap / 1e3)
+                    t0 = time.perf_counter()
+                    fn()
+                    times.append(time.perf_counter() - t0)
+                times.sort()
+                row[str(gap)] = times[len(times) // 2] * 1e6
+            out["work"][label] = row
+        return out
+    finally:
+        coord.close()
+
+
 # -- restart ----------------------------------------------------------------------------------
 
 def bench_restart(args, root) -> dict:
@@ -545,12 +637,22 @@ def bench_restart(args, root) -> dict:
 
 # -- report -----------------------------------------------------------------------------------
 
+def _commands(commands: dict) -> str:
+    """"`CMD` (part, part); ..." for the commands that last ran each part."""
+    parts = {}
+    for part, command in commands.items():
+        parts.setdefault(command, []).append(part)
+    return "; ".join(f"`{command}` ({', '.join(names)})" for command, names in parts.items())
+
+
 def markdown(res: dict) -> str:
     lines = ["# Tiers under the pool", "",
              f"Machine: {os.cpu_count()} cores, shared with other work (1-minute load average "
              f"after each part: " + ", ".join(f"{k} {v:.1f}" for k, v in
                                               res.get("load_average", {}).items()) + ").",
-             f"Reproduce: `{res['command']}`",
+             "Reproduce: `python scripts/bench_tiers.py` (every part), or with `--only "
+             "PART ...` (the parts given; the others stay as they were). This file: "
+             + _commands(res.get("commands", {})) + ".",
              f"Tier copies run in: {res.get('tier_copies', 'threads of the coordinator')}.",
              ""]
     d = res.get("disk_bandwidth")
@@ -574,11 +676,14 @@ def markdown(res: dict) -> str:
     p = res.get("ping")
     if p:
         lines += ["## Ping while another process promotes", "",
-                  "The last two rows are controls. \"no tier\": the same number of "
+                  "The last three rows are controls. \"no tier\": the same number of "
                   "allocations a second as the host run, each a pool hit (\"promoted "
                   "blocks/s\": blocks hit), so the loop's own work for those requests. "
-                  "\"copies alone\": a process copying as many blocks a second as the host "
-                  "run promoted, at the tier I/O process's priority, sending no request.",
+                  "\"pings alone\": a process sending as many requests a second as the "
+                  "host run did (an allocation and a release per promoting request), each "
+                  "a ping (\"promoted blocks/s\": 0). \"copies alone\": a process copying "
+                  "as many blocks a second as the host run promoted, at the tier I/O "
+                  "process's priority, sending no request.",
                   "",
                   "| tier | idle p50 us | idle p99 us | promoting p50 us | promoting p99 us | "
                   "p99 ratio | promoted blocks/s |", "|---|---|---|---|---|---|---|"]
@@ -587,6 +692,21 @@ def markdown(res: dict) -> str:
                          f"{r['promoting']['p50_us']:.0f} | {r['promoting']['p99_us']:.0f} | "
                          f"{r['p99_ratio']:.2f} | "
                          f"{r['promoting']['promoted_blocks_per_s']:.0f} |")
+        lines.append("")
+    w = res.get("loop_cold")
+    if w:
+        gaps = [str(g) for g in w["gaps_ms"]]
+        lines += ["## The loop's work for one request, back to back and after a pause", "",
+                  "The coordinator's own calls in one process, no socket: median of 200, "
+                  "each after a sleep of the given length (the loop sleeps between "
+                  "requests; its code and data then come back from memory). What a ping "
+                  "waits for when it arrives behind such a request.", "",
+                  "| work | " + " | ".join(f"{float(g):g} ms pause, us" for g in gaps)
+                  + f" | {float(gaps[-1]):g} ms / back to back |",
+                  "|---|" + "---|" * (len(gaps) + 1)]
+        for label, row in w["work"].items():
+            lines.append(f"| {label} | " + " | ".join(f"{row[g]:.1f}" for g in gaps)
+                         + f" | {row[gaps[-1]] / row[gaps[0]]:.1f}x |")
         lines.append("")
     c = res.get("chat")
     if c:
@@ -623,7 +743,7 @@ def main(argv=None) -> int:
     parser.add_argument("--trace", default="benchmarks/traces/chat.jsonl")
     parser.add_argument("--make-trace", metavar="PATH", help="write the chat trace and exit")
     parser.add_argument("--only", nargs="*", default=None,
-                        choices=["disk", "host", "ping", "chat", "restart"])
+                        choices=["disk", "host", "ping", "cold", "chat", "restart"])
     parser.add_argument("--dir", default=None, help="where the disk tiers go (default: /tmp)")
     parser.add_argument("--spin-us", type=float, default=None,
                         help="the coordinator's spin_us in the ping runs (default: spawn's)")
@@ -646,22 +766,25 @@ def main(argv=None) -> int:
     if args.only and os.path.exists(args.out + ".json"):   # update the parts run again
         with open(args.out + ".json") as f:
             res = json.load(f)
-    res["command"] = "python scripts/bench_tiers.py " + " ".join(argv or sys.argv[1:])
+    command = "python scripts/bench_tiers.py " + " ".join(argv or sys.argv[1:])
+    res.pop("command", None)   # (one command for the whole file, before parts had theirs)
     res["tier_copies"] = ((f"tier I/O process, workers at {tier_io.IO_PROCESS_POLICY} "
                            f"priority (normal-priority ones after "
                            f"{tier_io.URGENT_AFTER_S * 1e3:g} ms without progress)")
                           if tiers_mod.IO_PROCESS else "threads of the coordinator")
-    only = set(args.only or ["disk", "host", "ping", "chat", "restart"])
+    only = set(args.only or ["disk", "host", "ping", "cold", "chat", "restart"])
     try:
         steps = (("disk", "disk_bandwidth", bench_disk_bandwidth),
                  ("host", "host_bandwidth", bench_host_bandwidth),
-                 ("ping", "ping", bench_ping), ("chat", "chat", bench_chat),
+                 ("ping", "ping", bench_ping), ("cold", "loop_cold", bench_cold),
+                 ("chat", "chat", bench_chat),
                  ("restart", "restart", bench_restart))
         for key, label, fn in steps:
             if key in only:
                 t0 = time.perf_counter()
                 res[label] = fn(args, root)
                 res.setdefault("load_average", {})[label] = os.getloadavg()[0]
+                res.setdefault("commands", {})[label] = command.strip()
                 print(f"{label}: done in {time.perf_counter() - t0:.0f} s", flush=True)
                 print(json.dumps({k: v for k, v in res[label].items() if k != "stats"},
                                  default=str)[:1500], flush=True)
