@@ -205,9 +205,9 @@ class DiskTier:
 
     A coordinator restarted on the same directory, with the same block layout (model
     shapes, dtype, tensor-parallel size; any number of blocks) and salt, serves prefix
-    hits from it. The index is rebuilt from the directory in
-    the background at start, so the coordinator serves at once. One coordinator at a
-    time uses a directory (a lock file).
+    hits from it. The index is rebuilt from the directory in the background at start, so
+    the coordinator serves at once. One coordinator at a time uses a directory (a lock
+    file).
 
     Args:
         path: the directory (created if missing).
