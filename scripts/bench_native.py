@@ -1,6 +1,6 @@
 """Decode attention of one layer: the native kernel against paged_attention's torch path.
 
-One query token per sequence, float32 (or ``--dtype bfloat16``), one torch thread, K/V pages laid out as in the
+One query token per sequence, float32 (or ``--dtype bfloat16`` / ``float16``), one torch thread, K/V pages laid out as in the
 pool (indexed ``[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]``, stored
 layer-major; one layer's view), each sequence's blocks in a run as a fresh pool hands
 them out. Per case, in interleaved rounds (median of the rounds):
@@ -90,11 +90,11 @@ def time_case(fns: dict, cold: bool, rounds: int, flush: torch.Tensor) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--shapes", type=int, default=len(SHAPES),
                         help="the first this many head shapes only")
     parser.add_argument("--out", default=None,
-                        help="default benchmarks/results/native (native-bfloat16 for it)")
+                        help="default benchmarks/results/native (native-DTYPE for the others)")
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     if args.out is None:

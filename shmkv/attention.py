@@ -15,10 +15,10 @@ Each group gathers only the blocks its sequences use (``index_select`` of whole
 pages) and computes in the query's dtype; nothing is upcast to float32. Quantized
 pages (float8, int8) are converted to the query's dtype as they are gathered and
 multiplied by the caller's ``k_scale`` / ``v_scale``. On CPU, a group of one query
-per sequence (decode) in float32 or bfloat16 goes to the native kernel instead
-(``shmkv.native``, built from C on first use): it reads each sequence's pages in place,
-once, with no gathered copy and no padding to the longest member; where it is not
-built (no C compiler, ``SHMKV_NATIVE=0``) the torch path above runs. On a GPU,
+per sequence (decode) in float32, bfloat16 or float16 goes to the native kernel
+instead (``shmkv.native``, built from C on first use): it reads each sequence's pages
+in place, once, with no gathered copy and no padding to the longest member; where it
+is not built (no C compiler, ``SHMKV_NATIVE=0``) the torch path above runs. On a GPU,
 FlashAttention's ``flash_attn_with_kvcache(..., block_table=)`` and FlashInfer's paged
 kernels read the same pages in place, without the gather (see ``docs/transformers.md``).
 

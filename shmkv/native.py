@@ -3,7 +3,7 @@
 Owns compiling ``csrc/paged_decode.c`` with the machine's C compiler into a cached
 shared library, loading it, and :func:`paged_decode`, which calls it on torch
 tensors. :mod:`shmkv.attention` uses it for decode steps on CPU (one query token per
-sequence, float32 or bfloat16): it reads each sequence's pages where they lie, once,
+sequence, float32, bfloat16 or float16): it reads each sequence's pages where they lie, once,
 instead of gathering them into a copy and running SDPA over the copy.
 
 Built once per machine and source: the library is named by a hash of the source, the
@@ -204,23 +204,30 @@ def _build() -> tuple:
                     if os.path.exists(leftover):
                         os.unlink(leftover)
         try:
-            lib = ctypes.CDLL(path)
-            kernels = {torch.float32: lib.shmkv_paged_decode_f32,
-                       torch.bfloat16: lib.shmkv_paged_decode_bf16}
+            return load(path), None
         except (OSError, AttributeError) as exc:
             errors.append(f"loading {path}: {exc}")
             continue
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        for fn in kernels.values():
-            fn.argtypes = [p, p, p, i64, i64, p, i64, p, i64, i64, i64, i64, i64,
-                           ctypes.c_float, p]
-            fn.restype = ctypes.c_int
-        return kernels, None
     return None, f"building with {cc} failed: " + "; ".join(errors)
 
 
+def load(path: str) -> dict:
+    """The kernels of the built library at ``path``, ``{dtype: fn}`` for each of
+    :data:`DTYPES` (raises OSError or AttributeError when it cannot be loaded)."""
+    lib = ctypes.CDLL(path)
+    kernels = {torch.float32: lib.shmkv_paged_decode_f32,
+               torch.bfloat16: lib.shmkv_paged_decode_bf16,
+               torch.float16: lib.shmkv_paged_decode_f16}
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    for fn in kernels.values():
+        fn.argtypes = [p, p, p, i64, i64, p, i64, p, i64, i64, i64, i64, i64,
+                       ctypes.c_float, p]
+        fn.restype = ctypes.c_int
+    return kernels
+
+
 def decoder() -> Optional[dict]:
-    """The loaded kernels, ``{torch.float32: fn, torch.bfloat16: fn}``, or None when
+    """The loaded kernels, ``{dtype: fn}`` for each of :data:`DTYPES`, or None when
     they are not available (see :func:`status`). Builds or loads them on the first
     call; later calls return what that one found."""
     if _state["tried"]:
@@ -242,12 +249,12 @@ def status() -> str:
     return _state["status"]
 
 
-DTYPES = (torch.float32, torch.bfloat16)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def usable(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> bool:
-    """Whether :func:`paged_decode` takes these tensors: float32 or bfloat16 (all three
-    alike) on the CPU, pages whose every page is one contiguous ``[block_size, kv_heads,
+    """Whether :func:`paged_decode` takes these tensors: float32, bfloat16 or float16
+    (all three alike) on the CPU, pages whose every page is one contiguous ``[block_size, kv_heads,
     head_dim]`` chunk, K and V pages alike."""
     return (query.dtype == k_pages.dtype == v_pages.dtype and query.dtype in DTYPES
             and k_pages.shape[0] <= _MAX_PAGES
@@ -273,7 +280,8 @@ def paged_decode(kernels: dict, query: torch.Tensor, k_pages: torch.Tensor, v_pa
             hold part of the result).
     """
     if not usable(query, k_pages, v_pages) or k_pages.shape != v_pages.shape:
-        raise TypeError("the native kernel takes float32 or bfloat16 CPU tensors (one dtype), "
+        raise TypeError("the native kernel takes float32, bfloat16 or float16 CPU tensors "
+                        "(one dtype), "
                         "pages of one contiguous [block_size, kv_heads, head_dim] chunk each, "
                         "K and V alike")
     num_pages, block_size, kv_heads, head_dim = k_pages.shape

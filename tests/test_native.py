@@ -83,12 +83,14 @@ def test_the_kernel_builds_and_loads_here():
     assert native.status() == "loaded"
 
 
-# bfloat16: K/V and queries rounded to it, the result rounded to it (one part in 256).
-TOLERANCES = {torch.float32: TOLERANCE, torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}
+# bfloat16 and float16: K/V and queries rounded to them, the result rounded to them
+# (one part in 256, one in 2048).
+TOLERANCES = {torch.float32: TOLERANCE, torch.bfloat16: dict(rtol=1e-2, atol=1e-2),
+              torch.float16: dict(rtol=1e-3, atol=1e-3)}
 
 
 @needs_cc
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("dim", [8, 16, 32, 64, 80, 128, 256])
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 def test_decode_matches_reference_without_sdpa(dim, group, dtype, monkeypatch):
@@ -210,7 +212,7 @@ def test_the_kernels_own_entry_refuses_what_it_cannot_take():
         call(kernels, q, k_pages, v_pages, table[:, :1], lens, 0.1)
     with pytest.raises(ValueError, match="out must be"):
         call(kernels, q, k_pages, v_pages, table, lens, 0.1, out=torch.empty(2, 4, 16))
-    with pytest.raises(TypeError, match="float32 or bfloat16 CPU"):
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16 CPU"):
         call(kernels, q.double(), k_pages, v_pages, table, lens, 0.1)
     with pytest.raises(ValueError, match="rows"):
         call(kernels, q[:0], k_pages, v_pages, table[:0], lens[:0], 0.1)
@@ -246,13 +248,61 @@ def test_bfloat16_is_closer_to_the_exact_result_than_the_torch_path(monkeypatch)
     assert (got.double() - exact).abs().max() <= (torch_path.double() - exact).abs().max()
 
 
+def _kernel_of_values(kernels, v_rows: torch.Tensor, keys: int) -> torch.Tensor:
+    """The kernel over float16 V rows [n, 16] whose every query scores its keys alike
+    (a zero query): row b's output is the mean of V rows b*keys ... b*keys+keys-1, each
+    read as float32, summed in float32 and rounded back once."""
+    rows = v_rows.shape[0] // keys
+    pages = v_rows.reshape(-1, 1, 1, 16)
+    table = torch.arange(rows * keys, dtype=torch.int32).reshape(rows, keys)
+    q = torch.zeros(rows, 1, 16, dtype=torch.float16)
+    lens = torch.full((rows,), keys, dtype=torch.int64)
+    return native.paged_decode(kernels, q, torch.zeros_like(pages), pages, table, lens,
+                               1.0).reshape(-1, 16)
+
+
+@pytest.fixture(params=["as built", "plain-code conversion"])
+def f16_kernels(request, tmp_path):
+    """The kernels as shmkv builds them here (the CPU's own float16 conversion where it
+    has one), and a build that converts in plain vector code, as on CPUs without it."""
+    if request.param == "as built":
+        return native.decoder()
+    cc = native._compiler()
+    obj, lib = str(tmp_path / "soft.o"), str(tmp_path / "soft.so")
+    for command in ([cc, *native.FLAG_SETS[0], "-DSHMKV_SOFT_F16", "-fPIC", "-c", "-o", obj,
+                     native.SOURCE], [cc, "-shared", "-o", lib, obj, "-lm"]):
+        failed = native._run(command)
+        assert not failed, failed
+    return native.load(lib)
+
+
+@needs_cc
+def test_float16_values_are_read_and_rounded_as_torch_does(f16_kernels):
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    values = bits.view(torch.float16)
+    finite = values[torch.isfinite(values)]            # subnormals and both zeros included
+    finite = finite[:finite.numel() // 16 * 16].reshape(-1, 16)
+    # One key each: every finite float16 comes back with the same bits (-0 as +0: the
+    # sum starts at +0, as float32's does).
+    want = (finite.float() + 0.0).half()
+    got = _kernel_of_values(f16_kernels, finite, 1)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    # Two keys: the float32 mean of two float16 values, often halfway between two of
+    # them, rounded as torch rounds it (to nearest, ties to even).
+    pairs = finite[torch.randperm(finite.shape[0], generator=torch.Generator().manual_seed(3))]
+    pairs = pairs[:pairs.shape[0] // 2 * 2]
+    want = ((pairs[0::2].float() + pairs[1::2].float()) * 0.5).half()
+    got = _kernel_of_values(f16_kernels, pairs, 2)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 def test_other_dtypes_and_quantized_pages_take_the_torch_path(monkeypatch):
     lens = [12, 30]
     q, k_pages, v_pages, table = batch(lens, 4, 2, 32, 16, seed=4)
     calls = sdpa_calls(monkeypatch)
-    got = paged_attention(q.half(), k_pages.half(), v_pages.half(), table, lens)
-    assert calls and got.dtype == torch.float16
-    assert not native.usable(q.half(), k_pages.half(), v_pages.half())
+    got = paged_attention(q.double(), k_pages.double(), v_pages.double(), table, lens)
+    assert calls and got.dtype == torch.float64
+    assert not native.usable(q.double(), k_pages.double(), v_pages.double())
     assert not native.usable(q, k_pages.bfloat16(), v_pages.bfloat16())   # mixed dtypes
     calls.clear()
     paged_attention(q, k_pages, v_pages, table, lens, k_scale=2.0, v_scale=0.5)

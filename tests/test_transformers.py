@@ -600,6 +600,25 @@ def test_demo_model_main(capsys):
     assert demo_model.main(argparse.Namespace(**{**vars(args), "model": "huge"})) == 2
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_demo_model_in_16_bits_passes_and_tells_a_near_tie_from_a_wrong_token(dtype, capsys):
+    """In 16 bits the kernel rounds otherwise than SDPA: the demo passes, every prompt
+    equal to DynamicCache's or parting at a near-tie; a token that is not one fails."""
+    from shmkv.tools import demo_model
+    args = argparse.Namespace(model="tiny", prompts=4, workers=1, decode_steps=6, dtype=dtype)
+    assert demo_model.main(args) == 0, capsys.readouterr().out
+    assert "verified: " in capsys.readouterr().out
+    model = demo_model.build_model(dtype)
+    tokens = demo_model.prompt_tokens(0)
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0, -1].float()
+    best, worst = int(logits.argmax()), int(logits.argmin())
+    margin, limit = demo_model.near_tie(model, tokens, best, best)
+    assert margin == 0 and limit > 0
+    margin, limit = demo_model.near_tie(model, tokens, worst, best)
+    assert margin == pytest.approx(float(logits[best] - logits[worst])) and margin > limit
+
+
 # -- a batch prefilled in DataLoader workers, decoded here ------------------------------------
 
 class PrefillPrompts(torch.utils.data.Dataset):

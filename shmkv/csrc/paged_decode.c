@@ -8,9 +8,9 @@
  * Layout. A page is one layer's K (or V) of one block: [block_size, num_kv_heads,
  * head_dim] contiguous. Page p starts at k_base + p * page_stride (and v_base + ...).
  * Query and output rows are [num_heads, head_dim] contiguous; query head h reads K/V
- * head h / (num_heads / num_kv_heads). Two element types, one per entry point:
- * float32, and bfloat16 (widened to float32 as loaded; scores, softmax and sums in
- * float32; the output rounded to nearest even).
+ * head h / (num_heads / num_kv_heads). Three element types, one per entry point:
+ * float32, bfloat16 and float16 (the 16-bit ones widened to float32 as loaded; scores,
+ * softmax and sums in float32; the output rounded to nearest even).
  *
  * Returns 0, or SHMKV_BAD_PAGE when a table entry names a page outside
  * [0, num_pages) (nothing after it is written), or SHMKV_NO_MEMORY.
@@ -19,6 +19,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+/* SHMKV_SOFT_F16: convert float16 in plain vector code even where the CPU could (the
+ * tests build it so, to check that code on any machine). */
+#if defined(__AVX512F__) && !defined(SHMKV_SOFT_F16)
+#define HW_F16 1
+#include <immintrin.h>
+#endif
 
 #define SHMKV_BAD_PAGE 1
 #define SHMKV_NO_MEMORY 2
@@ -27,39 +33,105 @@ typedef float v16 __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 
-/* Loads of element i of an array of float32 (half == 0) or bfloat16 (half == 1: its
- * bits are the top half of a float32's). `half` is a constant in every instance. */
-static inline v16 load16(const void *base, int64_t i, const int half) {
+/* Element types, one per entry point: `kind` is a constant in every instance. */
+#define F32 0
+#define BF16 1   /* the top half of a float32's bits */
+#define F16 2    /* IEEE binary16 */
+
+/* float16 bits (in 32-bit lanes) to float32 bits: normal numbers move their exponent,
+ * infinities and NaNs keep theirs at the top, subnormals and zeros are renormalized
+ * with one float subtraction. Whole vectors: no branch. */
+static inline v16u f16_bits_to_f32(v16u w) {
+    const v16u shifted_exp = (v16u){0} + (0x7c00u << 13);
+    v16u o = (w & 0x7fffu) << 13;
+    const v16u exp = o & shifted_exp;
+    o += (uint32_t)(127 - 15) << 23;
+    const v16u inf_nan = (v16u)(exp == shifted_exp);
+    const v16u tiny = (v16u)(exp == 0);
+    o += inf_nan & ((uint32_t)(128 - 16) << 23);
+    v16u renorm = o + (1u << 23);
+    v16 f;
+    memcpy(&f, &renorm, sizeof f);
+    f -= (v16){0} + 6.103515625e-05f;   /* 2^-14, the smallest normal float16 */
+    memcpy(&renorm, &f, sizeof renorm);
+    o = (tiny & renorm) | (~tiny & o);
+    return o | ((w & 0x8000u) << 16);
+}
+
+static inline float f16_to_f32(uint16_t h) {
+    const v16u o = f16_bits_to_f32((v16u){0} + h);
+    float f;
+    memcpy(&f, &o, sizeof f);
+    return f;
+}
+
+/* float32 to float16, rounded to nearest even; overflow to infinity, NaN stays NaN. */
+static inline uint16_t f32_to_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    x &= 0x7fffffffu;
+    uint16_t o;
+    if (x >= 0x47800000u) {             /* 2^16 and above: infinity, or NaN */
+        o = x > 0x7f800000u ? 0x7e00u : 0x7c00u;
+    } else if (x < 0x38800000u) {       /* below 2^-14: a subnormal or zero */
+        float g;                        /* 0.5 aligns the bits; its add rounds them */
+        memcpy(&g, &x, sizeof g);
+        g += 0.5f;
+        uint32_t r;
+        memcpy(&r, &g, sizeof r);
+        o = (uint16_t)(r - 0x3f000000u);
+    } else {
+        x += ((uint32_t)(15 - 127) << 23) + 0xfffu + ((x >> 13) & 1u);
+        o = (uint16_t)(x >> 13);
+    }
+    return o | sign;
+}
+
+/* Loads of element i of an array of `kind`, widened to float32. */
+static inline v16 load16(const void *base, int64_t i, const int kind) {
     v16 v;
-    if (half) {
+    if (kind == F32) {
+        memcpy(&v, (const float *)base + i, sizeof v);
+    } else {
         v16h h;
         memcpy(&h, (const uint16_t *)base + i, sizeof h);
-        const v16u w = __builtin_convertvector(h, v16u) << 16;
-        memcpy(&v, &w, sizeof v);
-    } else {
-        memcpy(&v, (const float *)base + i, sizeof v);
+#if defined(HW_F16)
+        if (kind == F16) {   /* the CPU converts: one vcvtph2ps */
+            __m256i hv;
+            memcpy(&hv, &h, sizeof hv);
+            const __m512 f = _mm512_cvtph_ps(hv);
+            memcpy(&v, &f, sizeof v);
+            return v;
+        }
+#endif
+        const v16u w = __builtin_convertvector(h, v16u);
+        const v16u bits = kind == BF16 ? w << 16 : f16_bits_to_f32(w);
+        memcpy(&v, &bits, sizeof v);
     }
     return v;
 }
 
-static inline float load1(const void *base, int64_t i, const int half) {
-    if (half) {
-        const uint32_t w = (uint32_t)((const uint16_t *)base)[i] << 16;
-        float f;
-        memcpy(&f, &w, sizeof f);
-        return f;
-    }
-    return ((const float *)base)[i];
+static inline float load1(const void *base, int64_t i, const int kind) {
+    if (kind == F32) return ((const float *)base)[i];
+    const uint16_t h = ((const uint16_t *)base)[i];
+    if (kind == F16) return f16_to_f32(h);
+    const uint32_t w = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &w, sizeof f);
+    return f;
 }
 
-static inline void store1(void *base, int64_t i, float f, const int half) {
-    if (half) {    /* rounded to nearest, ties to even */
+static inline void store1(void *base, int64_t i, float f, const int kind) {
+    if (kind == F32) {
+        ((float *)base)[i] = f;
+    } else if (kind == F16) {
+        ((uint16_t *)base)[i] = f32_to_f16(f);
+    } else {       /* rounded to nearest, ties to even */
         uint32_t w;
         memcpy(&w, &f, sizeof w);
         w += 0x7fffu + ((w >> 16) & 1u);
         ((uint16_t *)base)[i] = (uint16_t)(w >> 16);
-    } else {
-        ((float *)base)[i] = f;
     }
 }
 
@@ -114,10 +186,10 @@ static inline void page_softmax(float *s, float *m, float *l, float *acc, int64_
 #define WORK_FLOATS(heads, dim, bs) (2 * (heads) * (dim) + (heads) * (bs) + 2 * (heads))
 
 /* head_dim a multiple of 16 (nc chunks of 16), known at compile time per instance. */
-static inline __attribute__((always_inline)) int decode_vec(const int nc, const int half,
+static inline __attribute__((always_inline)) int decode_vec(const int nc, const int kind,
                                                             ARGS) {
     const int64_t dim = (int64_t)nc * 16, group = heads / kv_heads, tok = kv_heads * dim;
-    const int64_t esize = half ? 2 : 4;
+    const int64_t esize = kind == F32 ? 4 : 2;
     int64_t ahead = AHEAD_BYTES / (2 * bs * tok * esize);
     ahead = ahead < 1 ? 1 : ahead > 64 ? 64 : ahead;
     v16 *acc = (v16 *)work;                                  /* heads * nc */
@@ -127,7 +199,7 @@ static inline __attribute__((always_inline)) int decode_vec(const int nc, const 
     for (int64_t b = 0; b < rows; b++) {
         const int64_t len = lens[b];
         const int32_t *row = table + b * table_row;
-        for (int64_t i = 0; i < heads * dim; i++) qf[i] = load1(q, b * heads * dim + i, half);
+        for (int64_t i = 0; i < heads * dim; i++) qf[i] = load1(q, b * heads * dim + i, kind);
         for (int64_t i = 0; i < heads; i++) { m[i] = 0.f; l[i] = 0.f; }
         for (int64_t i = 0; i < heads * nc; i++) acc[i] = (v16){0};
         const int64_t pages = (len + bs - 1) / bs;
@@ -147,12 +219,12 @@ static inline __attribute__((always_inline)) int decode_vec(const int nc, const 
                 for (int64_t g = 0; g < group; g++) {
                     const int64_t i = h * group + g;
                     v16 qv[16];
-                    for (int c = 0; c < nc; c++) qv[c] = load16(qf, i * dim + c * 16, 0) * scale;
+                    for (int c = 0; c < nc; c++) qv[c] = load16(qf, i * dim + c * 16, F32) * scale;
                     float *si = s + i * bs;
                     for (int64_t t = 0; t < n; t++) {
                         const int64_t at = base + t * tok + h * dim;
-                        v16 x = qv[0] * load16(k_base, at, half);
-                        for (int c = 1; c < nc; c++) x += qv[c] * load16(k_base, at + c * 16, half);
+                        v16 x = qv[0] * load16(k_base, at, kind);
+                        for (int c = 1; c < nc; c++) x += qv[c] * load16(k_base, at + c * 16, kind);
                         si[t] = hsum16(x);
                     }
                 }
@@ -167,7 +239,7 @@ static inline __attribute__((always_inline)) int decode_vec(const int nc, const 
                     for (int64_t t = 0; t < n; t++) {
                         const int64_t at = base + t * tok + h * dim;
                         const float w = si[t];
-                        for (int c = 0; c < nc; c++) a[c] += w * load16(v_base, at + c * 16, half);
+                        for (int c = 0; c < nc; c++) a[c] += w * load16(v_base, at + c * 16, kind);
                     }
                     for (int c = 0; c < nc; c++) acc[i * nc + c] = a[c];
                 }
@@ -178,7 +250,7 @@ static inline __attribute__((always_inline)) int decode_vec(const int nc, const 
             for (int c = 0; c < nc; c++) {
                 const v16 r = acc[i * nc + c] * inv;
                 for (int e = 0; e < 16; e++)
-                    store1(out, b * heads * dim + i * dim + c * 16 + e, r[e], half);
+                    store1(out, b * heads * dim + i * dim + c * 16 + e, r[e], kind);
             }
         }
     }
@@ -186,7 +258,7 @@ static inline __attribute__((always_inline)) int decode_vec(const int nc, const 
 }
 
 /* Any head_dim: the same steps, plain loops. */
-static inline __attribute__((always_inline)) int decode_any(int64_t dim, const int half,
+static inline __attribute__((always_inline)) int decode_any(int64_t dim, const int kind,
                                                             ARGS) {
     const int64_t group = heads / kv_heads, tok = kv_heads * dim;
     float *acc = work, *qf = work + heads * dim, *s = qf + heads * dim;
@@ -194,7 +266,7 @@ static inline __attribute__((always_inline)) int decode_any(int64_t dim, const i
     for (int64_t b = 0; b < rows; b++) {
         const int64_t len = lens[b];
         const int32_t *row = table + b * table_row;
-        for (int64_t i = 0; i < heads * dim; i++) qf[i] = load1(q, b * heads * dim + i, half);
+        for (int64_t i = 0; i < heads * dim; i++) qf[i] = load1(q, b * heads * dim + i, kind);
         for (int64_t i = 0; i < heads; i++) { m[i] = 0.f; l[i] = 0.f; }
         for (int64_t i = 0; i < heads * dim; i++) acc[i] = 0.f;
         const int64_t pages = (len + bs - 1) / bs;
@@ -208,7 +280,7 @@ static inline __attribute__((always_inline)) int decode_any(int64_t dim, const i
                     const float *qi = qf + i * dim;
                     const int64_t at = base + t * tok + (i / group) * dim;
                     float dot = 0.f;
-                    for (int64_t d = 0; d < dim; d++) dot += qi[d] * load1(k_base, at + d, half);
+                    for (int64_t d = 0; d < dim; d++) dot += qi[d] * load1(k_base, at + d, kind);
                     s[i * bs + t] = dot * scale;
                 }
             page_softmax(s, m, l, acc, heads, bs, n, dim, j == 0);
@@ -217,31 +289,31 @@ static inline __attribute__((always_inline)) int decode_any(int64_t dim, const i
                     const int64_t at = base + t * tok + (i / group) * dim;
                     const float w = s[i * bs + t];
                     float *ai = acc + i * dim;
-                    for (int64_t d = 0; d < dim; d++) ai[d] += w * load1(v_base, at + d, half);
+                    for (int64_t d = 0; d < dim; d++) ai[d] += w * load1(v_base, at + d, kind);
                 }
         }
         for (int64_t i = 0; i < heads; i++) {
             const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
             for (int64_t d = 0; d < dim; d++)
-                store1(out, b * heads * dim + i * dim + d, acc[i * dim + d] * inv, half);
+                store1(out, b * heads * dim + i * dim + d, acc[i * dim + d] * inv, kind);
         }
     }
     return 0;
 }
 
-static inline __attribute__((always_inline)) int decode(int64_t dim, const int half, ARGS) {
+static inline __attribute__((always_inline)) int decode(int64_t dim, const int kind, ARGS) {
     switch (dim) {
-    case 16: return decode_vec(1, half, PASS);
-    case 32: return decode_vec(2, half, PASS);
-    case 64: return decode_vec(4, half, PASS);
-    case 128: return decode_vec(8, half, PASS);
-    case 256: return decode_vec(16, half, PASS);
-    default: return decode_any(dim, half, PASS);
+    case 16: return decode_vec(1, kind, PASS);
+    case 32: return decode_vec(2, kind, PASS);
+    case 64: return decode_vec(4, kind, PASS);
+    case 128: return decode_vec(8, kind, PASS);
+    case 256: return decode_vec(16, kind, PASS);
+    default: return decode_any(dim, kind, PASS);
     }
 }
 
 /* The entry points: q, pages and out of one element type; page_stride in elements. */
-#define ENTRY(name, half)                                                                  \
+#define ENTRY(name, kind)                                                                  \
     int name(const void *q, const void *k_base, const void *v_base, int64_t page_stride,  \
              int64_t num_pages, const int32_t *table, int64_t table_row,                  \
              const int64_t *lens, int64_t rows, int64_t heads, int64_t kv_heads,          \
@@ -249,10 +321,11 @@ static inline __attribute__((always_inline)) int decode(int64_t dim, const int h
         const size_t bytes = (size_t)WORK_FLOATS(heads, dim, bs) * sizeof(float);         \
         float *work = aligned_alloc(64, (bytes + 63) / 64 * 64);                          \
         if (work == NULL) return SHMKV_NO_MEMORY;                                         \
-        const int rc = decode(dim, half, PASS);                                           \
+        const int rc = decode(dim, kind, PASS);                                           \
         free(work);                                                                       \
         return rc;                                                                        \
     }
 
-ENTRY(shmkv_paged_decode_f32, 0)
-ENTRY(shmkv_paged_decode_bf16, 1)
+ENTRY(shmkv_paged_decode_f32, F32)
+ENTRY(shmkv_paged_decode_bf16, BF16)
+ENTRY(shmkv_paged_decode_f16, F16)

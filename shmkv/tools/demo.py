@@ -217,8 +217,9 @@ def add_parser(sub) -> None:
                    help="DataLoader worker processes for the prefill (at least 1)")
     p.add_argument("--decode-steps", type=non_negative_int, default=32,
                    help="decode steps (one token per sequence each) after the prefill")
-    p.add_argument("--dtype", type=dtype_arg, default="float16",
-                   help="pool element type (float8 and int8 pools are checked byte for byte)")
+    p.add_argument("--dtype", type=dtype_arg, default=None,
+                   help="pool element type (default float16, and float32 with --model; "
+                        "float8 and int8 pools are checked byte for byte)")
     p.add_argument("--model", default=None, choices=("tiny",),
                    help="'tiny': cross-process generation with a small random model")
     p.set_defaults(func=_cmd)
@@ -230,7 +231,7 @@ def _cmd(args) -> int:
         return demo_model.main(args)
     try:
         run(num_prompts=args.prompts, workers=args.workers, decode_steps=args.decode_steps,
-            dtype=args.dtype)
+            dtype=args.dtype or "float16")
     except AssertionError as exc:
         print(f"shmkv demo: FAILED: {exc}", flush=True)
         return 1

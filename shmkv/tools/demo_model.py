@@ -11,6 +11,10 @@ The main process decodes every prompt from its handle with ``model.generate``,
 the model running ``attn_implementation="shmkv"`` (its layers attend over the pool
 through the step's block tables), and checks the tokens against single-process
 generation with ``DynamicCache`` (``"sdpa"``); it prints tokens per second for both.
+In float16 and bfloat16 the native decode kernel sums attention in float32 and rounds
+once where SDPA rounds otherwise, so greedy decoding may part at a near-tie: such a
+prompt passes only where DynamicCache's own logits of the two tokens are within
+``TIE_STEPS`` steps of the dtype (checked at the first differing token).
 """
 
 from __future__ import annotations
@@ -125,6 +129,21 @@ def _continue(model, tokens: list, cache_kwargs: dict, steps: int) -> list:
     return out[0, len(tokens):].tolist()
 
 
+# Two tokens whose logits lie within this many float16 / bfloat16 steps of the largest
+# logit are a near-tie: the native kernel sums attention in float32 and rounds once,
+# SDPA in those dtypes rounds otherwise, and greedy decoding may then pick either.
+TIE_STEPS = 8
+
+
+@torch.no_grad()
+def near_tie(model, tokens: list, ours: int, theirs: int) -> tuple:
+    """(how far DynamicCache's logit of ``theirs`` lies above that of ``ours`` after
+    ``tokens``, the most a near-tie may be) in the model's dtype."""
+    logits = model(torch.tensor([tokens])).logits[0, -1].float()
+    limit = TIE_STEPS * torch.finfo(model.dtype).eps * float(logits.abs().max())
+    return float(logits[theirs] - logits[ours]), limit
+
+
 def _rate(num_tokens: int, seconds: list) -> float:
     median = sorted(seconds)[len(seconds) // 2]
     return num_tokens / median if num_tokens and median > 0 else 0.0
@@ -195,11 +214,20 @@ def run(num_prompts: int = 8, workers: int = 2, decode_steps: int = 16, dtype: s
     assert not leftovers, f"left in /dev/shm: {leftovers}"
     assert not os.path.exists(coord.address), "socket file left behind"
 
-    mismatched = [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
-    assert not mismatched, (f"prompts {mismatched} generated other tokens than with "
-                            f"DynamicCache: {got[mismatched[0]]} != {want[mismatched[0]]}")
+    model.set_attn_implementation("sdpa")
+    ties = []
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a == b:
+            continue
+        step = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
+        margin, limit = near_tie(model, prompts[i] + b[:step], a[step], b[step])
+        assert margin <= limit, (
+            f"prompt {i} generated other tokens than with DynamicCache: {a} != {b}; at "
+            f"token {step} DynamicCache's logit of its token is {margin:.3g} above ours "
+            f"(a near-tie in {dtype} is within {limit:.3g})")
+        ties.append(i)
     summary = {"prompts": num_prompts, "tokens_generated": num_prompts * decode_steps,
-               "prefix_cached_tokens": cached, "prefill_s": prefill_s,
+               "near_ties": len(ties), "prefix_cached_tokens": cached, "prefill_s": prefill_s,
                "shmkv_decode_tok_s": _rate(decode_steps - 1, decode_s),
                "dynamic_decode_tok_s": _rate(decode_steps - 1, ref_decode_s)}
     say(f"decode: {num_decoded} tokens ({decode_steps - 1} per prompt after the worker's first), "
@@ -208,8 +236,13 @@ def run(num_prompts: int = 8, workers: int = 2, decode_steps: int = 16, dtype: s
         f"pool): {summary['shmkv_decode_tok_s']:.1f} tokens/s")
     say(f"  DynamicCache, one process ('sdpa'):                                             "
         f"{summary['dynamic_decode_tok_s']:.1f} tokens/s")
-    say(f"verified: all {num_prompts * decode_steps} generated tokens equal generation with "
-        "DynamicCache in one process")
+    if ties:
+        say(f"verified: {num_prompts - len(ties)} of {num_prompts} prompts' tokens equal "
+            f"generation with DynamicCache in one process; prompts {ties} part from it at a "
+            f"near-tie (its two top logits within {TIE_STEPS} {dtype} steps), checked")
+    else:
+        say(f"verified: all {num_prompts * decode_steps} generated tokens equal generation "
+            "with DynamicCache in one process")
     say("nothing left in /dev/shm, no worker process left, socket removed: OK")
     return summary
 
@@ -230,7 +263,7 @@ def main(args) -> int:
     from ..layout import dtype_name
     say = (lambda *a: print(*a, flush=True))
     try:
-        dtype = dtype_name(args.dtype)
+        dtype = dtype_name(args.dtype or "float32")
         run(num_prompts=args.prompts, workers=args.workers, decode_steps=args.decode_steps,
             dtype=dtype, say=say)
     except ValueError as exc:
