@@ -261,16 +261,23 @@ def _kernel_of_values(kernels, v_rows: torch.Tensor, keys: int) -> torch.Tensor:
                                1.0).reshape(-1, 16)
 
 
-@pytest.fixture(params=["as built", "plain-code conversion"])
+F16_BUILDS = {"plain-code conversion": ["-DSHMKV_SOFT_F16"],
+              "F16C without AVX-512": ["-mno-avx512f", "-mavx2", "-mf16c"]}
+
+
+@pytest.fixture(params=["as built", *F16_BUILDS])
 def f16_kernels(request, tmp_path):
     """The kernels as shmkv builds them here (the CPU's own float16 conversion where it
-    has one), and a build that converts in plain vector code, as on CPUs without it."""
+    has one), a build that converts in plain vector code, as on CPUs without it, and one
+    that uses F16C's 8-lane conversion, as on AVX2 machines."""
     if request.param == "as built":
         return native.decoder()
+    if request.param == "F16C without AVX-512" and "f16c" not in native._cpu_flags().split():
+        pytest.skip("this CPU has no F16C")
     cc = native._compiler()
-    obj, lib = str(tmp_path / "soft.o"), str(tmp_path / "soft.so")
-    for command in ([cc, *native.FLAG_SETS[0], "-DSHMKV_SOFT_F16", "-fPIC", "-c", "-o", obj,
-                     native.SOURCE], [cc, "-shared", "-o", lib, obj, "-lm"]):
+    obj, lib = str(tmp_path / "f16.o"), str(tmp_path / "f16.so")
+    for command in ([cc, *native.FLAG_SETS[0], *F16_BUILDS[request.param], "-fPIC", "-c",
+                     "-o", obj, native.SOURCE], [cc, "-shared", "-o", lib, obj, "-lm"]):
         failed = native._run(command)
         assert not failed, failed
     return native.load(lib)

@@ -22,7 +22,10 @@
 /* SHMKV_SOFT_F16: convert float16 in plain vector code even where the CPU could (the
  * tests build it so, to check that code on any machine). */
 #if defined(__AVX512F__) && !defined(SHMKV_SOFT_F16)
-#define HW_F16 1
+#define HW_F16 16   /* 16 lanes at once */
+#include <immintrin.h>
+#elif defined(__F16C__) && !defined(SHMKV_SOFT_F16)
+#define HW_F16 8    /* 8 lanes at once (AVX2 machines) */
 #include <immintrin.h>
 #endif
 
@@ -96,12 +99,21 @@ static inline v16 load16(const void *base, int64_t i, const int kind) {
     } else {
         v16h h;
         memcpy(&h, (const uint16_t *)base + i, sizeof h);
-#if defined(HW_F16)
+#if HW_F16 == 16
         if (kind == F16) {   /* the CPU converts: one vcvtph2ps */
             __m256i hv;
             memcpy(&hv, &h, sizeof hv);
             const __m512 f = _mm512_cvtph_ps(hv);
             memcpy(&v, &f, sizeof v);
+            return v;
+        }
+#elif HW_F16 == 8
+        if (kind == F16) {   /* two vcvtph2ps */
+            __m128i lo, hi;
+            memcpy(&lo, &h, sizeof lo);
+            memcpy(&hi, (const char *)&h + sizeof lo, sizeof hi);
+            const __m256 f[2] = {_mm256_cvtph_ps(lo), _mm256_cvtph_ps(hi)};
+            memcpy(&v, f, sizeof v);
             return v;
         }
 #endif
