@@ -33,6 +33,7 @@ spawned processes. Results go to ``OUT.json`` and ``OUT.md``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing
 import os
@@ -242,47 +243,52 @@ def _pinger(address, seconds, queue):
     queue.put(("pings", samples))
 
 
+def _paced(go, stop, rate, step) -> float:
+    """Call ``step()`` while ``go`` is set (at most ``rate`` times a second, if given),
+    phase after phase until ``stop``; returns the seconds the phases lasted."""
+    busy = 0.0
+    while not stop.is_set():
+        if not go.wait(0.05):
+            continue
+        t0 = time.monotonic()
+        while go.is_set():
+            t1 = time.monotonic()
+            step()
+            if rate:
+                time.sleep(max(0.0, 1.0 / rate - (time.monotonic() - t1)))
+        busy += time.monotonic() - t0
+    return busy
+
+
 def _promoter(address, prompts, block_size, go, stop, queue, rate=None):
     """Promote the prompts round and round while ``go`` is set (at most ``rate``
     allocations a second, if given)."""
-    moved, busy, num = 0, 0.0, 0
+    counts = {"moved": 0, "num": 0}
+    turn = itertools.cycle(prompts)
     with shmkv.connect(address, timeout=60) as client:
+        def step():
+            h = client.allocate(prompt=next(turn))
+            counts["moved"] += h.num_cached_tokens // block_size
+            counts["num"] += 1
+            h.close()
+
         queue.put(("ready", None))
-        while not stop.is_set():
-            if not go.wait(0.05):
-                continue
-            t0 = time.monotonic()
-            for prompt in prompts:
-                t1 = time.monotonic()
-                h = client.allocate(prompt=prompt)
-                moved += h.num_cached_tokens // block_size
-                num += 1
-                h.close()
-                if rate:
-                    time.sleep(max(0.0, 1.0 / rate - (time.monotonic() - t1)))
-                if not go.is_set():
-                    break
-            busy += time.monotonic() - t0
-    queue.put(("moved", (moved, busy, num)))
+        busy = _paced(go, stop, rate, step)
+    queue.put(("moved", (counts["moved"], busy, counts["num"])))
 
 
 def _ping_load(address, go, stop, queue, rate):
     """The third control's neighbour: ``rate`` pings a second while ``go`` is set; requests
     that cost the loop nothing beyond being served."""
-    num, busy = 0, 0.0
+    num = [0]
     with shmkv.connect(address, timeout=60) as client:
+        def step():
+            client.request("ping")
+            num[0] += 1
+
         queue.put(("ready", None))
-        while not stop.is_set():
-            if not go.wait(0.05):
-                continue
-            t0 = time.monotonic()
-            while go.is_set():
-                t1 = time.monotonic()
-                client.request("ping")
-                num += 1
-                time.sleep(max(0.0, 1.0 / rate - (time.monotonic() - t1)))
-            busy += time.monotonic() - t0
-    queue.put(("moved", (0, busy, num)))
+        busy = _paced(go, stop, rate, step)
+    queue.put(("moved", (0, busy, num[0])))
 
 
 def _copier(block_nbytes, go, stop, queue, rate):
@@ -295,19 +301,15 @@ def _copier(block_nbytes, go, stop, queue, rate):
     num = max(1, (64 << 20) // block_nbytes)
     src = np.ones((num, block_nbytes), dtype=np.uint8)
     dst = np.empty_like(src)
-    moved, busy = 0, 0.0
+    moved = [0]
+
+    def step():
+        dst[moved[0] % num] = src[moved[0] % num]
+        moved[0] += 1
+
     queue.put(("ready", None))
-    while not stop.is_set():
-        if not go.wait(0.05):
-            continue
-        t0 = time.monotonic()
-        while go.is_set():
-            t1 = time.monotonic()
-            dst[moved % num] = src[moved % num]
-            moved += 1
-            time.sleep(max(0.0, 1.0 / rate - (time.monotonic() - t1)))
-        busy += time.monotonic() - t0
-    queue.put(("moved", (moved, busy, 0)))
+    busy = _paced(go, stop, rate, step)
+    queue.put(("moved", (moved[0], busy, 0)))
 
 
 def p99(values) -> float:
