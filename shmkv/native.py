@@ -3,8 +3,8 @@
 Owns compiling ``csrc/paged_decode.c`` with the machine's C compiler into a cached
 shared library, loading it, and :func:`paged_decode`, which calls it on torch
 tensors. :mod:`shmkv.attention` uses it for decode steps on CPU (one query token per
-sequence, float32, bfloat16 or float16): it reads each sequence's pages where they lie, once,
-instead of gathering them into a copy and running SDPA over the copy.
+sequence, float32, bfloat16 or float16): it reads each sequence's pages where they lie,
+once, instead of gathering them into a copy and running SDPA over the copy.
 
 Built once per machine and source: the library is named by a hash of the source, the
 compiler, its flags and the CPU, in :func:`cache_dir` (``$SHMKV_CACHE_DIR``, default
@@ -254,8 +254,8 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def usable(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> bool:
     """Whether :func:`paged_decode` takes these tensors: float32, bfloat16 or float16
-    (all three alike) on the CPU, pages whose every page is one contiguous ``[block_size, kv_heads,
-    head_dim]`` chunk, K and V pages alike."""
+    (all three alike) on the CPU, pages whose every page is one contiguous
+    ``[block_size, kv_heads, head_dim]`` chunk, K and V pages alike."""
     return (query.dtype == k_pages.dtype == v_pages.dtype and query.dtype in DTYPES
             and k_pages.shape[0] <= _MAX_PAGES
             and query.device.type == k_pages.device.type == v_pages.device.type == "cpu"
@@ -281,9 +281,8 @@ def paged_decode(kernels: dict, query: torch.Tensor, k_pages: torch.Tensor, v_pa
     """
     if not usable(query, k_pages, v_pages) or k_pages.shape != v_pages.shape:
         raise TypeError("the native kernel takes float32, bfloat16 or float16 CPU tensors "
-                        "(one dtype), "
-                        "pages of one contiguous [block_size, kv_heads, head_dim] chunk each, "
-                        "K and V alike")
+                        "(one dtype), pages of one contiguous [block_size, kv_heads, "
+                        "head_dim] chunk each, K and V alike")
     num_pages, block_size, kv_heads, head_dim = k_pages.shape
     if (lens.dtype != torch.int64 or lens.dim() != 1 or table.dtype != torch.int32
             or table.dim() != 2 or table.shape[0] != lens.shape[0]):
