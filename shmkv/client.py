@@ -28,7 +28,7 @@ from array import array
 from typing import Iterable, List, Optional, Sequence, Tuple
 
 from . import protocol
-from .hashing import pack_tokens, token_list
+from .hashing import pack_tokens, packed_block_keys, root_key, token_list
 from .batch import Batch, Step
 from .errors import (CoordinatorGone, CoordinatorTimeout, HandleClosed, InvalidArgument,
                      OutOfRange, ProtocolError, WrongType)
@@ -350,6 +350,13 @@ class Client:
                 except OverflowError:
                     raise InvalidArgument("prompt token ids must be ints in the int64 "
                                           "range") from None
+                # Its full blocks' prefix keys, hashed here rather than in the
+                # coordinator's loop, which every client waits on (a salt that is not
+                # bytes is left to the coordinator to refuse).
+                salt = req.get("cache_salt")
+                if salt is None or isinstance(salt, bytes):
+                    req["keys"] = b"".join(packed_block_keys(
+                        req["prompt"], self.config.block_size, root_key(salt)))
                 if not req.get("num_tokens"):
                     req["num_tokens"] = len(prompt)
             req.setdefault("num_tokens", 0)

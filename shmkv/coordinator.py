@@ -818,8 +818,10 @@ class Coordinator:
     def _op_ping(self, conn):
         return {}
 
-    def _op_allocate(self, conn, num_tokens, prompt=None, cache_salt=None, request_id=None):
-        return self.table.allocate(conn.conn_id, num_tokens, prompt, cache_salt, request_id)
+    def _op_allocate(self, conn, num_tokens, prompt=None, cache_salt=None, request_id=None,
+                     keys=None):
+        return self.table.allocate(conn.conn_id, num_tokens, prompt, cache_salt, request_id,
+                                   keys)
 
     def _op_allocate_many(self, conn, requests=None, counts=None):
         if (requests is None) == (counts is None):

@@ -28,7 +28,7 @@ import msgpack
 
 from . import errors
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2   # 2: an allocation's prompt comes with its block keys
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
 _HEADER = struct.Struct(">I")
 HEADER_SIZE = _HEADER.size
@@ -79,7 +79,8 @@ OPS = {
               "pid": ("int", False)},
     "ping": {},
     "allocate": {"num_tokens": ("int", True), "prompt": ("tokens", False),
-                 "cache_salt": ("bytes", False), "request_id": ("str", False)},
+                 "cache_salt": ("bytes", False), "request_id": ("str", False),
+                 "keys": ("bytes", False)},
     "allocate_many": {"requests": ("list", False), "counts": ("i64s", False)},
     "extend": {"cache_id": ("int", True), "num_tokens": ("int", True),
                "tokens": ("ints", False)},

@@ -386,6 +386,22 @@ class SequenceTable:
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def _prompt_keys(self, sent: Optional[bytes], packed: bytes, root: bytes) -> List[bytes]:
+        """The prefix keys of a prompt's full blocks: the ones its client hashed and sent
+        (``hashing.packed_block_keys`` of the packed prompt from ``root``), else hashed
+        here. Sent keys are taken as they are: a client that maps the pool can write any
+        block's bytes anyway, so hashing its prompt again here would protect nothing,
+        while it would cost the loop most of an allocation's time."""
+        if sent is None:
+            return hashing.packed_block_keys(packed, self.block_size, root)
+        size = hashing.KEY_SIZE
+        full = len(packed) // (8 * self.block_size)
+        if not isinstance(sent, bytes) or len(sent) != full * size:
+            raise InvalidArgument(f"keys must be the {full} full blocks' {size}-byte prefix "
+                                  f"keys of the prompt, {full * size} bytes; got "
+                                  f"{len(sent) if isinstance(sent, bytes) else type(sent).__name__}")
+        return [sent[i:i + size] for i in range(0, len(sent), size)]
+
     def _plan_allocate(self, req: dict) -> tuple:
         num_tokens = _check_count("num_tokens", req.get("num_tokens", 0))
         prompt = req.get("prompt")
@@ -417,10 +433,12 @@ class SequenceTable:
                                       f"{length} tokens; pass one or make them equal")
             num_tokens = length
             root = hashing.root_key(salt)
-            keys = hashing.packed_block_keys(packed, self.block_size, root)
+            keys = self._prompt_keys(req.get("keys"), packed, root)
             tail = np.frombuffer(packed, dtype="<i8")[len(keys) * self.block_size:].tolist()
         elif salt is not None:
             raise InvalidArgument("cache_salt needs a prompt")
+        elif req.get("keys") is not None:
+            raise InvalidArgument("keys come with the prompt they were hashed from")
         if self._blocks_for(num_tokens) <= self.pool.num_blocks:  # else PoolExhausted below
             self.tables.check_blocks(self._blocks_for(num_tokens),
                                      f"a sequence of {num_tokens} tokens")
@@ -441,8 +459,10 @@ class SequenceTable:
         """Allocate one sequence per request, all or none.
 
         A request is ``{"num_tokens": n, "prompt": [ids] | None, "cache_salt": bytes,
-        "request_id": str}``. With a prompt, the longest published prefix of full
-        blocks is reused and ``num_cached`` says how many tokens are already present.
+        "request_id": str, "keys": bytes}``. With a prompt, the longest published prefix
+        of full blocks is reused and ``num_cached`` says how many tokens are already
+        present. ``keys``: the prompt's full blocks' prefix keys, as its client hashed
+        them (see :meth:`_prompt_keys`); hashed here when absent.
         """
         plans = [self._plan_allocate(req) for req in requests]
         self.tables.check_slots(len(plans))
@@ -552,11 +572,11 @@ class SequenceTable:
         return cache_ids, slot_ids
 
     def allocate(self, conn_id: int, num_tokens: int = 0, prompt=None, cache_salt=None,
-                 request_id=None) -> dict:
+                 request_id=None, keys=None) -> dict:
         """Allocate one sequence (see :meth:`allocate_many`)."""
         return self.allocate_many(conn_id, [{"num_tokens": num_tokens, "prompt": prompt,
                                              "cache_salt": cache_salt,
-                                             "request_id": request_id}])[0]
+                                             "request_id": request_id, "keys": keys}])[0]
 
     # -- extend --------------------------------------------------------------------------
 

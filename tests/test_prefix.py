@@ -169,3 +169,48 @@ def test_packed_and_listed_prompts_key_the_same_blocks(client):
     after = client.stats()
     assert after["referenced_blocks"] == before["referenced_blocks"]
     assert after["prefix_hit_blocks"] == before["prefix_hit_blocks"] + 6
+
+
+def test_a_prompt_comes_with_its_block_keys_from_the_client(client, monkeypatch):
+    """The client hashes a prompt's full blocks and sends the keys; the coordinator's
+    loop uses them as they are (hashing only a request that has none), checks their
+    size, and a request it refuses takes nothing."""
+    from shmkv import hashing
+    hashed_in_loop = []
+    real = hashing.packed_block_keys
+    monkeypatch.setattr(hashing, "packed_block_keys",
+                        lambda *a: hashed_in_loop.append(a) or real(*a))
+    salt = b"model-a"
+    prompt = list(range(300, 313))             # 3 full blocks of 4 + 1 token
+    h = client.allocate(prompt=prompt, cache_salt=salt)
+    k = torch.randn(len(prompt), 4, 8)
+    for layer in range(3):
+        h.write(layer, k, -k, start=0)
+    h.commit(len(prompt))
+    h.close()
+    assert not hashed_in_loop                  # the client's keys were used
+    packed = hashing.pack_tokens(prompt)
+    # A request without keys is hashed in the loop, to the same keys.
+    info = client.request("allocate_many", requests=[
+        {"num_tokens": 0, "prompt": packed, "cache_salt": salt}])[0]
+    assert info["num_cached"] == 12 and len(hashed_in_loop) == 1
+    # The keys are what the loop looks up: another prompt's keys find its blocks.
+    other = hashing.pack_tokens(list(range(1, 14)))
+    keys = b"".join(real(packed, 4, hashing.root_key(salt)))
+    info2 = client.request("allocate_many", requests=[
+        {"num_tokens": 0, "prompt": other, "cache_salt": salt, "keys": keys}])[0]
+    assert info2["num_cached"] == 12 and info2["blocks"][:3] == info["blocks"][:3]
+    client.request("release_many", cache_ids=[info["cache_id"], info2["cache_id"]])
+    before = client.stats()
+    for req, error, match in (
+            ({"prompt": packed, "keys": keys[:-1]}, shmkv.errors.InvalidArgument, "48 bytes"),
+            ({"prompt": packed, "keys": keys + keys[:16]}, shmkv.errors.InvalidArgument,
+             "3 full blocks"),
+            ({"num_tokens": 4, "keys": keys[:16]}, shmkv.errors.InvalidArgument,
+             "come with the prompt"),
+            ({"prompt": packed, "keys": "text"}, shmkv.errors.WrongType, "keys")):
+        with pytest.raises(error, match=match):
+            client.request("allocate_many", requests=[{"num_tokens": 0, **req}])
+    after = client.stats()
+    for name in ("referenced_blocks", "sequences", "prefix_hit_blocks", "prefix_miss_blocks"):
+        assert after[name] == before[name], name
