@@ -64,9 +64,25 @@ def main():
     out["alloc_4k_hit_us_per_block"] = 1e6 * t_hit / blocks
     out["alloc_4k_hit_hash_share"] = t_hash / t_hit
 
+    # What clients send: the prompt packed, and (protocol 2) its block keys, hashed in
+    # the client. The loop's time for a hit with and without them.
+    packed = hashing.pack_tokens(prompt)
+    keys = b"".join(hashing.packed_block_keys(packed, BS, root))
+
+    def packed_hit(**extra):
+        info = table.allocate(1, prompt=packed, **extra)
+        assert info["num_cached"] == len(prompt)
+        table.release(1, info["cache_id"])
+
+    t_packed = median_time(packed_hit)
+    t_keys = median_time(lambda: packed_hit(keys=keys))
+    out["alloc_4k_hit_packed_us_per_block"] = 1e6 * t_packed / blocks
+    out["alloc_4k_hit_client_keys_us_per_block"] = 1e6 * t_keys / blocks
+    out["client_keys_speedup"] = t_packed / t_keys
+
     fork_in_process, fork_e2e = {}, {}
     cfg = shmkv.PoolConfig(num_layers=4, num_kv_heads=2, head_dim=16, num_blocks=8192,
-                           block_size=BS, dtype=torch.float16)
+                           block_size=BS, dtype=torch.float16, max_seq_len=65536)
     with shmkv.Coordinator(cfg, name=f"bp-{uuid.uuid4().hex[:8]}") as coord, \
             shmkv.connect(coord.address) as client:
         for tokens in (256, 1024, 4096, 16384, 65536):

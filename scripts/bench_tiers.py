@@ -562,10 +562,14 @@ def bench_cold(args, root) -> dict:
             info = table.allocate(1, prompt=packed)
             table.commit(1, info["cache_id"], len(packed) // 8)
             table.release(1, info["cache_id"])
+        root = hashing.root_key(None)   # each prompt with its keys, as a client sends it
+        sent = [(packed, b"".join(hashing.packed_block_keys(packed, cfg.block_size, root)))
+                for packed in prompts]
         turn = [0]
 
         def hit():
-            info = table.allocate(1, prompt=prompts[turn[0] % len(prompts)])
+            packed, keys = sent[turn[0] % len(sent)]
+            info = table.allocate(1, prompt=packed, keys=keys)
             turn[0] += 1
             table.release(1, info["cache_id"])
 
@@ -575,7 +579,7 @@ def bench_cold(args, root) -> dict:
 
         answer = {"cache_id": 1, "slot": 0, "blocks": list(range(blocks)),
                   "num_tokens": blocks * cfg.block_size, "num_cached": 0, "request_id": None}
-        work = {f"allocate a {blocks}-block prompt (a pool hit) + release": hit,
+        work = {f"allocate a {blocks}-block prompt (a pool hit, keys from its client) + release": hit,
                 f"allocate {blocks} blocks, no prompt + release": plain,
                 "encode a ping's answer": lambda: protocol.encode_ok(1, {}),
                 f"encode an allocation's answer ({blocks} blocks)":
