@@ -27,8 +27,8 @@ class PoolMemory:
     ``device_pools[i]`` is a tensor ``[num_blocks, num_layers, 2, block_size, heads_i,
     head_dim]``: a permuted view of memory stored layer-major (:func:`storage_view`
     gives it in storage order; ``shmkv.layout``). ``owner``, ``epoch``, ``seq``,
-    ``table``, ``scale_lock`` and ``scales`` are memoryviews of the metadata segment (see ``shmkv.tables``): written by the
-    coordinator only.
+    ``table``, ``scale_lock`` and ``scales`` are memoryviews of the metadata segment
+    (see ``shmkv.tables``): written by the coordinator only.
     ``owner_t``, ``seq_t`` (``[max_sequences, 4]``) and ``table_t``
     (``[max_sequences, max_seq_blocks]``) are tensors over the same memory, for
     vectorized reads. ``fds`` are the

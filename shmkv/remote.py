@@ -77,6 +77,7 @@ import numpy as np
 
 from .errors import InvalidArgument, ShmkvError, WrongType
 from .memory import block_bytes
+from .tier_io import flat_to_pool, pool_to_flat
 from .sequences import PendingPromotion
 
 log = logging.getLogger("shmkv.remote")
@@ -652,24 +653,11 @@ class RemoteTierSet:
 
     def _to_pool(self, value: bytes, block: int) -> None:
         payload = np.frombuffer(value, dtype=np.uint8, offset=HEADER_SIZE)
-        offset = 0
-        if self._pool_np is not None:
-            for rank in self._pool_np:
-                rows = rank[block]   # the block's chunks, one per layer's K or V
-                n = rows.size
-                rows[...] = payload[offset:offset + n].reshape(rows.shape)
-                offset += n
-            return
-        import torch
-        staging = torch.from_numpy(payload.copy())  # writable; then one copy to the device
-        for rank in self._pool_u8:
-            rows = rank[block]
-            n = rows.numel()
-            rows.copy_(staging[offset:offset + n].view(rows.shape))
-            offset += n
-            # Into strided rows, copy_ lands in a device buffer first and returns before
-            # the last step on the device is done: the block counts as in only after it.
-            torch.cuda.synchronize(rows.device)
+        staging = None
+        if self._pool_np is None:
+            import torch
+            staging = torch.from_numpy(payload.copy())  # writable; one copy to the device
+        flat_to_pool(staging, payload, self._pool_np, self._pool_u8, block)
 
     def _writer(self) -> None:
         buffers = None
@@ -737,21 +725,11 @@ class RemoteTierSet:
             self.health.failed("write", exc)
 
     def _from_pool(self, block: int, out: np.ndarray) -> None:
-        offset = 0
-        if self._pool_np is not None:
-            for rank in self._pool_np:
-                rows = rank[block]
-                n = rows.size
-                out[offset:offset + n].reshape(rows.shape)[...] = rows
-                offset += n
-            return
-        import torch
-        staging = torch.from_numpy(out)
-        for rank in self._pool_u8:
-            rows = rank[block]
-            n = rows.numel()
-            staging[offset:offset + n].view(rows.shape).copy_(rows)
-            offset += n
+        staging = None
+        if self._pool_np is None:
+            import torch
+            staging = torch.from_numpy(out)
+        pool_to_flat(self._pool_np, self._pool_u8, block, staging, out)
 
     # -- stats and teardown -------------------------------------------------------------------
 

@@ -412,39 +412,10 @@ class Mover:
     # torch copy_ of one block, whose dispatch and threading cost dominate).
 
     def _pool_to(self, block: int, dst, dst_np) -> None:
-        """Copy a block of every rank's pool into ``dst`` (torch) / ``dst_np`` (numpy)."""
-        offset = 0
-        if self.pool_np is not None:
-            for rank in self.pool_np:
-                rows = rank[block]   # [2 * num_layers, chunk bytes]: the block's chunks
-                n = rows.size
-                np.copyto(dst_np[offset:offset + n].reshape(rows.shape), rows)
-                offset += n
-            return
-        for rank in self.pool_u8:
-            rows = rank[block]
-            n = rows.numel()
-            dst[offset:offset + n].view(rows.shape).copy_(rows)
-            offset += n
+        pool_to_flat(self.pool_np, self.pool_u8, block, dst, dst_np)
 
     def _to_pool(self, src, src_np, block: int) -> None:
-        offset = 0
-        if self.pool_np is not None:
-            for rank in self.pool_np:
-                rows = rank[block]
-                n = rows.size
-                np.copyto(rows, src_np[offset:offset + n].reshape(rows.shape))
-                offset += n
-            return
-        import torch
-        for rank in self.pool_u8:
-            rows = rank[block]
-            n = rows.numel()
-            rows.copy_(src[offset:offset + n].view(rows.shape))
-            offset += n
-            # Into strided rows, copy_ lands in a device buffer first and returns before
-            # the last step on the device is done: the block counts as in only after it.
-            torch.cuda.synchronize(rows.device)
+        flat_to_pool(src, src_np, self.pool_np, self.pool_u8, block)
 
     def _host(self, slot: int) -> tuple:
         return (None if self.host_t is None else self.host_t[slot]), self.host_np[slot]
@@ -734,6 +705,48 @@ def _map(fd: int, nbytes: int, rows: int):
     flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
     m = mmap.mmap(fd, nbytes, flags, mmap.PROT_READ | mmap.PROT_WRITE)
     return np.frombuffer(m, dtype=np.uint8).reshape(rows, nbytes // rows)
+
+
+def pool_to_flat(pool_np, pool_u8, block: int, dst, dst_np) -> None:
+    """Copy block ``block`` of every rank's pool (``pool_np``: numpy ``[num_blocks, 2 *
+    num_layers, chunk bytes]`` per rank, a CPU pool; else ``pool_u8``, the same as torch
+    tensors) into the flat buffer ``dst_np`` (numpy) / ``dst`` (torch, for ``pool_u8``):
+    rank after rank, each rank's chunks in order."""
+    offset = 0
+    if pool_np is not None:
+        for rank in pool_np:
+            rows = rank[block]   # [2 * num_layers, chunk bytes]: the block's chunks
+            n = rows.size
+            np.copyto(dst_np[offset:offset + n].reshape(rows.shape), rows)
+            offset += n
+        return
+    for rank in pool_u8:
+        rows = rank[block]
+        n = rows.numel()
+        dst[offset:offset + n].view(rows.shape).copy_(rows)
+        offset += n
+
+
+def flat_to_pool(src, src_np, pool_np, pool_u8, block: int) -> None:
+    """The inverse of :func:`pool_to_flat`: the flat ``src_np`` / ``src`` into block
+    ``block`` of every rank's pool."""
+    offset = 0
+    if pool_np is not None:
+        for rank in pool_np:
+            rows = rank[block]
+            n = rows.size
+            np.copyto(rows, src_np[offset:offset + n].reshape(rows.shape))
+            offset += n
+        return
+    import torch
+    for rank in pool_u8:
+        rows = rank[block]
+        n = rows.numel()
+        rows.copy_(src[offset:offset + n].view(rows.shape))
+        offset += n
+        # Into strided rows, copy_ lands in a device buffer first and returns before
+        # the last step on the device is done: the block counts as in only after it.
+        torch.cuda.synchronize(rows.device)
 
 
 def _map_pool(fd: int, num_blocks: int, block_nbytes: int, chunks: int):
