@@ -261,47 +261,28 @@ class BlockFiles:
     def read_block(self, key: bytes, out) -> None:
         """Read and verify one block into ``out``: a writable buffer of the payload size,
         or a 2-d numpy array whose rows (each contiguous) take the payload in order (a
-        block in the pool: one row per layer's K or V)."""
+        block in the pool: one row per layer's K or V). Each piece read is hashed as it
+        lands, while it is still in the CPU's cache."""
         fd = os.open(self.file_path(key), os.O_RDONLY | os.O_CLOEXEC)
         try:
             size = os.fstat(fd).st_size
             header = bytearray(HEADER_SIZE)
+            _read_all(fd, [header])
+            crc = self.check_header(header, key, size)   # the size is checked there too
             if isinstance(out, np.ndarray) and out.ndim == 2 and not out.flags.c_contiguous:
                 views = [memoryview(row) for row in out]
             else:
-                views = [memoryview(out).cast("B")]
-            got = _read_all(fd, [header, *views])
-            crc = self.check_header(header, key, size)
-            if got != size:
-                raise Damaged("truncated")
-            if len(views) == 1:
-                digest = xxh3_64_intdigest(views[0])
-            else:
-                hasher = xxh3_64()
-                for view in views:
+                views = [out]
+            hasher = xxh3_64()
+            for offset, group, nbytes in _io_groups(_byte_views(views), HEADER_SIZE):
+                if _pread_group(fd, group, offset, nbytes) != nbytes:
+                    raise Damaged("truncated")
+                for view in group:
                     hasher.update(view)
-                digest = hasher.intdigest()
-            if digest != crc:
+            if hasher.intdigest() != crc:
                 raise Damaged("payload checksum")
         finally:
             os.close(fd)
-
-
-def _write_all(fd: int, buffers: list) -> None:
-    total = sum(len(b) for b in buffers)
-    done = os.writev(fd, buffers)
-    while done < total:  # a short write: rare on a regular file, never assumed away
-        rest, skip = [], done
-        for b in buffers:
-            if skip >= len(b):
-                skip -= len(b)
-                continue
-            rest.append(b[skip:])
-            skip = 0
-        buffers, total = rest, sum(len(b) for b in rest)
-        done = os.writev(fd, buffers)
-        if done == 0:
-            raise OSError(errno.EIO, "write made no progress")
 
 
 def _iov_max() -> int:
@@ -311,25 +292,94 @@ def _iov_max() -> int:
         return 1024
 
 
-# Buffers one preadv takes at most (a block read straight into the pool is one buffer per
-# layer's K and V: a model of 512 layers or more needs more than Linux's 1024).
+# Buffers one preadv / pwritev takes at most (a block read straight into the pool is one
+# buffer per layer's K and V: a model of 512 layers or more needs more than Linux's 1024).
 IOV_MAX = _iov_max()
+# The most bytes one read or write system call moves. A kernel built without full
+# preemption (most distributions' default, and this project's test machines) preempts a
+# thread inside a system call only where the kernel's code offers to, whatever the
+# thread's priority, and one copy of a large page-cache folio offers nowhere: a 2 MiB
+# read of a block file held a CPU for 150-200 us, and a loop or client woken meanwhile
+# waited for it (``benchmarks/results/tiers-io-chunk``). Between two calls the thread is
+# back in user space, where a woken task takes the CPU at once. 256 KiB is about 25 us
+# of kernel copying; each piece read is hashed while it is in the cache, which more than
+# pays for the extra calls.
+IO_CHUNK = 256 << 10
+
+
+def _byte_views(buffers: list) -> list:
+    return [memoryview(b).cast("B") for b in buffers]
+
+
+def _io_groups(views: list, offset: int):
+    """(file offset, [views], bytes) per system call: consecutive ``views`` (flat byte
+    views) cut and grouped so that each call moves at most ``IO_CHUNK`` bytes in at most
+    ``IOV_MAX`` buffers. (A block's rows are whole in a group but for the rare row that
+    straddles a limit: no view is made for the common case.)"""
+    limit, most = IO_CHUNK, IOV_MAX
+    group, size = [], 0
+    for view in views:
+        n = len(view)
+        while n:
+            if size + n <= limit:
+                group.append(view)
+                size += n
+                n = 0
+            else:
+                take = limit - size
+                group.append(view[:take])
+                size += take
+                view = view[take:]
+                n -= take
+            if size == limit or len(group) == most:
+                yield offset, group, size
+                offset += size
+                group, size = [], 0
+    if group:
+        yield offset, group, size
+
+
+def _write_all(fd: int, buffers: list) -> None:
+    """Write ``buffers`` from the start of the file, ``IO_CHUNK`` bytes a call at most."""
+    for offset, group, size in _io_groups(_byte_views(buffers), 0):
+        done = os.pwritev(fd, group, offset)
+        while done < size:   # a short write: rare on a regular file, never assumed away
+            if done == 0:
+                raise OSError(errno.EIO, "write made no progress")
+            group, offset, size = _rest(group, done), offset + done, size - done
+            done = os.pwritev(fd, group, offset)
+
+
+def _rest(group: list, done: int) -> list:
+    """The views of ``group`` past its first ``done`` bytes."""
+    group = list(group)
+    while group and done >= len(group[0]):
+        done -= len(group.pop(0))
+    if group and done:
+        group[0] = group[0][done:]
+    return group
+
+
+def _pread_group(fd: int, group: list, offset: int, size: int) -> int:
+    """Fill the views of one :func:`_io_groups` group of ``size`` bytes from ``offset``;
+    returns the bytes read (short only at end of file)."""
+    got = os.preadv(fd, group, offset)
+    total = got
+    while got and total < size:   # a short read before the end: rare, never assumed away
+        got = os.preadv(fd, _rest(group, total), offset + total)
+        total += got
+    return total
 
 
 def _read_all(fd: int, buffers: list) -> int:
-    """Fill ``buffers`` from the start of the file; returns the bytes read (short at EOF)."""
-    views = [memoryview(b) for b in buffers]
+    """Fill ``buffers`` from the start of the file, ``IO_CHUNK`` bytes a call at most;
+    returns the bytes read (short at end of file)."""
     total = 0
-    while views:
-        got = os.preadv(fd, views[:IOV_MAX], total)
-        if got == 0:
-            break
+    for offset, group, size in _io_groups(_byte_views(buffers), 0):
+        got = _pread_group(fd, group, offset, size)
         total += got
-        while views and got >= len(views[0]):
-            got -= len(views[0])
-            views.pop(0)
-        if views and got:
-            views[0] = views[0][got:]
+        if got < size:
+            break
     return total
 
 

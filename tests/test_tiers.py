@@ -834,3 +834,46 @@ def test_a_block_file_reads_straight_into_the_pools_strided_rows(tmp_path, monke
         f.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(tier_io.Damaged, match="checksum"):
         files.read_block(b"k" * 16, pool[1])
+
+
+@pytest.mark.parametrize("short", [False, True])
+def test_block_file_io_moves_at_most_io_chunk_bytes_a_call(tmp_path, monkeypatch, short):
+    """No read or write of a block file moves more than ``IO_CHUNK`` bytes in one system
+    call (the kernel does not preempt a thread inside one), rows straight into a strided
+    pool included; with ``short``, every call moves fewer bytes than asked (as a signal
+    or a full pipe may make it), and the bytes still arrive whole and in order."""
+    import numpy as np
+    monkeypatch.setattr(tier_io, "IO_CHUNK", 100)
+    rows, chunk, num_blocks = 8, 48, 3
+    files = tier_io.BlockFiles(str(tmp_path), "s1", b"n" * 16, (4, 4, 2, 3, 1, b"f4"),
+                               rows * chunk, fsync=False)
+    calls = []
+
+    def wrap(real):
+        def call(fd, buffers, offset):
+            asked = sum(len(b) for b in buffers)
+            calls.append(asked)
+            if short and asked > 1:   # move only part of the last buffer asked for
+                cut = list(buffers[:-1]) + [buffers[-1][:max(1, len(buffers[-1]) // 2)]]
+                return real(fd, cut, offset)
+            return real(fd, buffers, offset)
+        return call
+
+    monkeypatch.setattr(tier_io.os, "pwritev", wrap(os.pwritev))
+    monkeypatch.setattr(tier_io.os, "preadv", wrap(os.preadv))
+    payload = np.random.default_rng(1).integers(0, 256, rows * chunk, dtype=np.uint8)
+    files.write_block(b"k" * 16, payload)
+    written = list(calls)
+    assert os.path.getsize(files.file_path(b"k" * 16)) == tier_io.HEADER_SIZE + rows * chunk
+    calls.clear()
+    pool = np.zeros((rows, num_blocks, chunk), dtype=np.uint8).transpose(1, 0, 2)
+    files.read_block(b"k" * 16, pool[1])
+    assert np.array_equal(pool[1].reshape(-1), payload)
+    assert not pool[[0, 2]].any()
+    flat = np.zeros(rows * chunk, dtype=np.uint8)
+    files.read_block(b"k" * 16, flat)
+    assert np.array_equal(flat, payload)
+    total = tier_io.HEADER_SIZE + rows * chunk
+    for sizes in (written, calls):
+        assert sizes and max(sizes) <= 100
+        assert len(sizes) >= -(-total // 100)
