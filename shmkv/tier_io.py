@@ -71,6 +71,7 @@ import threading
 import time
 import zlib
 from collections import deque
+from itertools import chain
 from typing import Callable, List, Optional
 
 import numpy as np
@@ -87,6 +88,7 @@ HEADER_SIZE = _HEAD.size + _CRC.size             # 100
 
 OPS = ("none", "p2h", "h2p", "h2d", "p2d", "d2p", "del")
 _OP_CODE = {op: i for i, op in enumerate(OPS)}
+OP_NONE, OP_H2P, OP_D2P = _OP_CODE["none"], _OP_CODE["h2p"], _OP_CODE["d2p"]
 PROMOTE, DEMOTE, DISK = 0, 1, 2                 # the queues of a Copier, best first
 OK, CANCELLED, DAMAGED, ENOSPC, FAILED = range(5)
 
@@ -141,18 +143,27 @@ class Copy:
 
 class Job:
     """Copies started in order (the disk queue's also run in order: it has one worker).
-    ``promotion``: the loop's, or None."""
+    ``promotion``: the loop's, or None.
+
+    A promotion the loop sends to the I/O process has no copies on its side (``copies``
+    None): the loop encodes it from the promotion's columns, and its outcomes come back
+    as ``statuses`` (one status byte a copy, ``OK`` ...) and ``errors`` (copy index ->
+    the error text of a copy that failed), which :func:`apply_done` records on it."""
 
     __slots__ = ("copies", "promotion", "job_id", "queue", "queued_at", "num_taken",
-                 "num_left")
+                 "num_left", "num_copies", "statuses", "errors")
 
-    def __init__(self, copies: list, promotion=None, job_id: int = 0, queue: int = PROMOTE):
+    def __init__(self, copies: Optional[list], promotion=None, job_id: int = 0,
+                 queue: int = PROMOTE, num_copies: Optional[int] = None):
         self.copies = copies
         self.promotion = promotion
         self.job_id = job_id
         self.queue = queue
         self.queued_at = 0.0
         self.num_taken = self.num_left = 0   # copies taken by workers, not finished (Copier)
+        self.num_copies = len(copies) if num_copies is None else num_copies
+        self.statuses: Optional[bytes] = None
+        self.errors: Optional[dict] = None
 
 
 # -- the block file format -----------------------------------------------------------------
@@ -671,14 +682,30 @@ class Copier:
 # -- the wire between the loop and the I/O process ---------------------------------------------
 
 
+_JOB_FRAMES: dict = {}   # number of copies -> the Struct of a job frame with that many
+
+
+def encode_columns(job_id: int, queue: int, ops: list, blocks: list, slots: list,
+                   gens: list, keys: list) -> bytes:
+    """A job frame (loop side) from its copies' columns: op codes (indexes in ``OPS``),
+    pool blocks, host slots, cancel generations, keys. One pack of the whole frame: a
+    promotion's job is built without an object or a call per block."""
+    n = len(ops)
+    frame = _JOB_FRAMES.get(n)
+    if frame is None:
+        frame = struct.Struct("<I" + _JOB.format.lstrip("<") + _JOB_COPY.format.lstrip("<") * n)
+        if len(_JOB_FRAMES) < 4096:
+            _JOB_FRAMES[n] = frame
+    return frame.pack(frame.size - _FRAME.size, b"J", job_id, queue, n,
+                      *chain.from_iterable(zip(ops, blocks, slots, gens, keys)))
+
+
 def encode_job(queue: int, job: Job) -> bytes:
-    """A job frame (loop side)."""
-    parts = [b"", _JOB.pack(b"J", job.job_id, queue, len(job.copies))]
-    pack = _JOB_COPY.pack
-    for c in job.copies:
-        parts.append(pack(_OP_CODE[c.op], c.block, c.slot, c.gen, c.key))
-    body = b"".join(parts)
-    return _FRAME.pack(len(body)) + body
+    """A job frame (loop side) of a job of copies."""
+    copies = job.copies
+    return encode_columns(job.job_id, queue, [_OP_CODE[c.op] for c in copies],
+                          [c.block for c in copies], [c.slot for c in copies],
+                          [c.gen for c in copies], [c.key for c in copies])
 
 
 def decode_job(body: bytes) -> tuple:
@@ -692,7 +719,8 @@ def decode_job(body: bytes) -> tuple:
     return queue, Job(copies, job_id=job_id, queue=queue)
 
 
-def _status(copy: Copy) -> int:
+def status_of(copy: Copy) -> int:
+    """A copy's outcome as its status code (``OK``, ``CANCELLED``, ``DAMAGED``, ...)."""
     if copy.ok:
         return OK
     if copy.damaged:
@@ -704,7 +732,7 @@ def _status(copy: Copy) -> int:
 
 def encode_done(job: Job) -> bytes:
     """A completion frame (I/O process side)."""
-    statuses = bytes(_status(c) for c in job.copies)
+    statuses = bytes(status_of(c) for c in job.copies)
     parts = [_DONE.pack(b"D", job.job_id, len(statuses)), statuses]
     for c, status in zip(job.copies, statuses):
         if status not in (OK, CANCELLED):
@@ -715,20 +743,30 @@ def encode_done(job: Job) -> bytes:
 
 
 def apply_done(body: bytes, jobs: dict) -> Job:
-    """Record a completion frame's outcomes on the copies of its job (loop side); returns
-    the job, taken out of ``jobs`` (job id -> Job). Raises ValueError on a bad frame."""
+    """Record a completion frame's outcomes on its job (loop side): on its copies, or as
+    ``statuses`` and ``errors`` for a job sent as columns; returns the job, taken out of
+    ``jobs`` (job id -> Job). Raises ValueError on a bad frame."""
     kind, job_id, n = _DONE.unpack_from(body, 0)
     job = jobs.pop(job_id, None)
-    if kind != b"D" or job is None or n != len(job.copies):
+    if kind != b"D" or job is None or n != job.num_copies or len(body) < _DONE.size + n:
         raise ValueError("not a completion of a job in flight")
     at = _DONE.size + n
-    for copy, status in zip(job.copies, body[_DONE.size:at]):
+    statuses = body[_DONE.size:at]
+    errors = {}
+    if statuses.count(OK) != n:   # (the common case has nothing more to read)
+        for i, status in enumerate(statuses):
+            if status not in (OK, CANCELLED):
+                (length,) = _MSG.unpack_from(body, at)
+                errors[i] = body[at + 2:at + 2 + length].decode("utf-8", "replace")
+                at += 2 + length
+    if job.copies is None:
+        job.statuses, job.errors = statuses, errors
+        return job
+    for i, (copy, status) in enumerate(zip(job.copies, statuses)):
         if status == OK:
             copy.ok = True
         elif status != CANCELLED:
-            (length,) = _MSG.unpack_from(body, at)
-            copy.error = body[at + 2:at + 2 + length].decode("utf-8", "replace")
-            at += 2 + length
+            copy.error = errors[i]
             copy.damaged = status == DAMAGED
             copy.enospc = status == ENOSPC
     return job

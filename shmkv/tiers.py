@@ -81,8 +81,8 @@ import numpy as np
 from . import shm, tier_io
 from .errors import InvalidArgument, ShmkvError, WrongType
 from .memory import block_bytes
-from .tier_io import (DEMOTE, DISK, FORMAT_VERSION, HEADER_SIZE, PROMOTE, WORKER_NICE,
-                      BlockFiles, Copier, Mover)
+from .tier_io import (DAMAGED, DEMOTE, DISK, FORMAT_VERSION, HEADER_SIZE, OK, OP_D2P, OP_H2P,
+                      OP_NONE, PROMOTE, WORKER_NICE, BlockFiles, Copier, Mover)
 from .tier_io import Copy as _Copy, Damaged as _Damaged, Job as _Job
 
 log = logging.getLogger("shmkv.tiers")
@@ -273,15 +273,36 @@ class _Entry:
 
 class Promotion:
     """Blocks being promoted for one request. ``context`` is the coordinator's (whom to
-    answer); ``records`` are the ``shmkv.sequences`` records it finishes."""
+    answer); ``records`` are the ``shmkv.sequences`` records it finishes.
 
-    __slots__ = ("records", "copies", "num_jobs", "context")
+    Its copies are columns, one item a block, record after record (``row_lens`` blocks
+    each): op codes (``tier_io.OPS``), pool blocks, host slots, keys, and the tier entry
+    each reads and pins (None for a block no tier could serve). A promotion is the loop's
+    hot path, so it makes no object per block: the job frame is packed from the columns
+    and its outcomes come back as one status byte a block."""
+
+    __slots__ = ("records", "row_lens", "ops", "blocks", "slots", "keys", "srcs",
+                 "num_host", "context")
 
     def __init__(self, records: list):
         self.records = records
-        self.copies: List[list] = []
-        self.num_jobs = 0
+        self.row_lens: List[int] = []
+        self.ops: List[int] = []
+        self.blocks: List[int] = []
+        self.slots: List[int] = []
+        self.keys: List[bytes] = []
+        self.srcs: list = []
+        self.num_host = 0      # copies from the host tier (the others: disk, or none)
         self.context = None
+
+    def copies(self) -> list:
+        """The promotion as ``tier_io.Copy`` objects (for worker threads)."""
+        out = []
+        for op, block, slot, key in zip(self.ops, self.blocks, self.slots, self.keys):
+            copy = _Copy(tier_io.OPS[op], key, block=block, slot=slot)
+            copy.cancelled = op == OP_NONE
+            out.append(copy)
+        return out
 
 
 # -- the stores: a tier bound to one pool ------------------------------------------------
@@ -543,11 +564,18 @@ class _IoProcess:
         _LIVE_IO.add(self)
 
     def submit(self, queue: int, job: _Job) -> None:
+        """Queue a job: one of copies, or a promotion's (``job.copies`` None), encoded
+        from the promotion's columns."""
         job.queue = queue
         job.job_id = self._next_id
         self._next_id = self._next_id % 0xFFFFFFFF + 1
         self.jobs[job.job_id] = job
-        self._out += tier_io.encode_job(queue, job)
+        if job.copies is not None:
+            self._out += tier_io.encode_job(queue, job)
+            return
+        promo = job.promotion
+        self._out += tier_io.encode_columns(job.job_id, queue, promo.ops, promo.blocks,
+                                            promo.slots, [0] * job.num_copies, promo.keys)
 
     def flush(self) -> None:
         """Send the jobs submitted since (as much as the socket takes; the rest later)."""
@@ -769,35 +797,44 @@ class TierSet:
         """Start copying the blocks of ``records`` (``shmkv.sequences.PendingPromotion``)
         into their fresh pool blocks; :meth:`tick` returns the promotion when done."""
         promo = Promotion(records)
-        host, disk = self.host, self.disk
-        copies = []
+        host = self.host.index if self.host is not None else None
+        disk = self.disk.index if self.disk is not None else None
+        ops, slots, srcs = promo.ops, promo.slots, promo.srcs
+        num_disk = 0
         for record in records:
-            row = []
-            for key, block in zip(record.keys, record.blocks):
-                entry = host.index.get(key) if host is not None else None
+            promo.row_lens.append(len(record.keys))
+            promo.blocks += record.blocks
+            promo.keys += record.keys
+            for key in record.keys:
+                entry = host.get(key) if host is not None else None
                 if entry is not None and entry.ready:
-                    copy = _Copy("h2p", key, block=block, slot=entry.slot, src=entry)
-                    host.index.move_to_end(key)
-                    host.counters["hits"] += 1
+                    ops.append(OP_H2P)
+                    slots.append(entry.slot)
+                    host.move_to_end(key)
                 else:
-                    entry = disk.index.get(key) if disk is not None else None
+                    entry = disk.get(key) if disk is not None else None
+                    slots.append(-1)
                     if entry is None or not entry.ready:  # cannot happen after lookup()
-                        copy = _Copy("none", key, block=block)
-                        copy.cancelled = True
-                        row.append(copy)
+                        ops.append(OP_NONE)
+                        srcs.append(None)
                         continue
-                    copy = _Copy("d2p", key, block=block, src=entry)
-                    disk.index.move_to_end(key)
-                    disk.counters["hits"] += 1
+                    ops.append(OP_D2P)
+                    disk.move_to_end(key)
+                    num_disk += 1
                 entry.pins += 1
-                row.append(copy)
-            promo.copies.append(row)
-            copies += row
+                srcs.append(entry)
+        promo.num_host = len(ops) - num_disk - ops.count(OP_NONE)
+        if promo.num_host:
+            self.host.counters["hits"] += promo.num_host
+        if num_disk:
+            self.disk.counters["hits"] += num_disk
         # One job: workers take its copies one at a time, so reads and checksums of one
         # request still run in parallel, and the loop takes back one completion.
-        promo.num_jobs = 1
         self.num_promotions_in_flight += 1
-        self._send(PROMOTE, _Job(copies, promo))
+        if self._proc is not None:
+            self._send(PROMOTE, _Job(None, promo, num_copies=len(ops)))
+        else:
+            self._send(PROMOTE, _Job(promo.copies(), promo))
         return promo
 
     def _send(self, queue: int, job: _Job) -> None:
@@ -896,6 +933,8 @@ class TierSet:
         self._proc = None
         self._start_threads()
         for job in jobs:
+            if job.copies is None:   # a promotion's columns: as copies, for the threads
+                job.copies = job.promotion.copies()
             self._copier.submit(job.queue, job)
 
     def _place(self, block: int, key: bytes) -> None:
@@ -998,14 +1037,22 @@ class TierSet:
             self._new_disk.append(_Copy("h2d", key, slot=entry.slot, entry=target, src=entry))
             self._disk_in_flight += 1
 
-    def _unpin(self, store, copy: _Copy) -> None:
-        entry = copy.src
+    def _unpin(self, store, entry: _Entry, key: bytes) -> None:
         entry.pins -= 1
-        if entry.doomed and not entry.pins and store.index.get(copy.key) is entry:
-            self._disk_remove(copy.key)   # only disk entries are doomed
+        if entry.doomed and not entry.pins and store.index.get(key) is entry:
+            self._disk_remove(key)   # only disk entries are doomed
 
     def _complete(self, job: _Job, finished: list) -> None:
         self._jobs_out -= 1
+        promo = job.promotion
+        if promo is not None:
+            statuses, errors = job.statuses, job.errors
+            if statuses is None:   # it ran in threads: the outcomes are on its copies
+                statuses = bytes(tier_io.status_of(c) for c in job.copies)
+                errors = {i: c.error for i, c in enumerate(job.copies) if c.error is not None}
+            self._complete_promotion(promo, statuses, errors)
+            finished.append(promo)
+            return
         host, disk = self.host, self.disk
         for copy in job.copies:
             op = copy.op
@@ -1028,7 +1075,7 @@ class TierSet:
             elif op in ("h2d", "p2d"):
                 self._disk_in_flight -= 1
                 if op == "h2d":
-                    self._unpin(host, copy)
+                    self._unpin(host, copy.src, copy.key)
                 elif self._reading.get(copy.block) is copy:
                     del self._reading[copy.block]
                 entry = copy.entry
@@ -1061,31 +1108,50 @@ class TierSet:
             elif op == "del":
                 if copy.error is not None:
                     disk.counters["errors"] += 1
-            else:  # h2p, d2p, none: a promotion's copy
-                store = host if op == "h2p" else disk
-                if copy.src is not None:
-                    if copy.ok:
-                        store.counters["promotions"] += 1
-                    else:
-                        store.counters["errors"] += 1
-                        if copy.damaged:
-                            self._unready(store, copy.src)
-                            copy.src.doomed = True
-                            disk.counters["removed_damaged"] += 1
-                            log.warning("disk tier %s: block %s not served and removed: %s",
-                                        disk.path, copy.key.hex(), copy.error)
-                    self._unpin(store, copy)
-        promo = job.promotion
-        if promo is not None:
-            promo.num_jobs -= 1
-            if promo.num_jobs == 0:
-                self.num_promotions_in_flight -= 1
-                for record, row in zip(promo.records, promo.copies):
-                    num_ok = 0
-                    while num_ok < len(row) and row[num_ok].ok:
-                        num_ok += 1
-                    self.table.finish_promotion(record, num_ok)
-                finished.append(promo)
+
+    def _complete_promotion(self, promo: Promotion, statuses: bytes, errors: dict) -> None:
+        """A promotion's copies are done (``statuses``: one ``tier_io`` status a copy):
+        count them, unpin their sources, and publish each record's blocks up to its
+        first copy that failed."""
+        self.num_promotions_in_flight -= 1
+        host, disk = self.host, self.disk
+        srcs = promo.srcs
+        if statuses.count(OK) == len(statuses):   # the common case: every block is in
+            num_disk = len(statuses) - promo.num_host
+            if promo.num_host:
+                host.counters["promotions"] += promo.num_host
+            if num_disk:
+                disk.counters["promotions"] += num_disk
+            for entry, key in zip(srcs, promo.keys):
+                entry.pins -= 1
+                if entry.doomed and not entry.pins:
+                    self._unpin_doomed(entry, key)
+        else:
+            for i, (entry, key, status) in enumerate(zip(srcs, promo.keys, statuses)):
+                if entry is None:   # nothing was read
+                    continue
+                store = host if promo.ops[i] == OP_H2P else disk
+                if status == OK:
+                    store.counters["promotions"] += 1
+                else:
+                    store.counters["errors"] += 1
+                    if status == DAMAGED:
+                        self._unready(store, entry)
+                        entry.doomed = True
+                        disk.counters["removed_damaged"] += 1
+                        log.warning("disk tier %s: block %s not served and removed: %s",
+                                    disk.path, key.hex(), errors.get(i, "damaged"))
+                self._unpin(store, entry, key)
+        at, ok = 0, bytes([OK])
+        for record, length in zip(promo.records, promo.row_lens):
+            row = statuses[at:at + length]
+            self.table.finish_promotion(record, length - len(row.lstrip(ok)))
+            at += length
+
+    def _unpin_doomed(self, entry: _Entry, key: bytes) -> None:
+        """The last copy reading a damaged disk entry is done: remove it."""
+        if self.disk is not None and self.disk.index.get(key) is entry:
+            self._disk_remove(key)
 
     def _merge_scan(self) -> None:
         disk = self.disk
