@@ -515,6 +515,8 @@ class Coordinator:
             0.0, min(_MAX_WAIT_S, deadline - time.monotonic()))
         if self._to_promote:   # held requests answered last turn need copies: start them
             wait = 0.0
+        elif self.tiers is not None:
+            wait = min(wait, self.tiers.max_wait())
         if self._accept_paused_until:
             if time.monotonic() >= self._accept_paused_until:
                 self._accept_paused_until = 0.0

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import struct
 import threading
 import time
@@ -460,6 +461,10 @@ class RemoteTierSet:
         put = self._writing.pop(block, None)
         if put is not None:
             put.cancelled = True
+
+    def max_wait(self) -> float:
+        """As ``TierSet.max_wait``, for the local tiers (the store's threads wake the loop)."""
+        return self.local.max_wait() if self.local is not None else math.inf
 
     def tick(self, woken: bool = True) -> list:
         """Queue newly published blocks for writing, take finished work; returns the

@@ -62,6 +62,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import mmap
 import os
 import re
@@ -104,6 +105,10 @@ IO_PROCESS = True
 # the ``tier_io`` module as argument (to inject faults there). None in production.
 IO_PROCESS_PRELOAD: Optional[str] = None
 IO_PROCESS_EXIT_S = 15.0          # close() waits this long for the I/O process, then kills
+# While the I/O process has jobs, the loop polls it at least this often, woken or not: a
+# process that died wakes nobody, and the requests waiting for its promotions would wait
+# for ever.
+IO_PROCESS_CHECK_S = 0.25
 # While worker threads of a TierSet run in the coordinator (CUDA pools), the process's
 # GIL switch interval is at most this (restored when the last TierSet closes). Workers
 # release the GIL in every read, write, copy and checksum and take it back at once; at
@@ -701,6 +706,7 @@ class TierSet:
         self._threads: List[threading.Thread] = []   # the disk scan
         self._stopping = False
         self._wake_pending = False
+        self._proc_checked = 0.0           # when the I/O process was last polled
         self._reading: dict = {}           # pool block -> the demotion copy reading it
         self._spill: "OrderedDict[bytes, None]" = OrderedDict()  # host keys to write to disk
         self._new_demotes: list = []
@@ -872,11 +878,18 @@ class TierSet:
 
         ``woken``: the loop's wake socket was readable this turn. The I/O process sends
         a byte there after every completion, so on other turns it has none to take and
-        is not polled (a turn that only served requests does no tier I/O)."""
+        is not polled (a turn that only served requests does no tier I/O), but for one
+        turn every ``IO_PROCESS_CHECK_S`` while it has jobs: a process that died sends
+        no byte, and its jobs must not wait for one (see :meth:`max_wait`)."""
         self._wake_pending = False
         finished: List[Promotion] = []
-        if self._proc is not None and self._jobs_out and woken:
-            self._poll_process()
+        if self._proc is not None and self._jobs_out:
+            if woken:
+                self._poll_process()
+                self._proc_checked = time.monotonic()
+            elif time.monotonic() - self._proc_checked >= IO_PROCESS_CHECK_S:
+                self._proc_checked = time.monotonic()
+                self._poll_process()
         done = self._done
         while done:
             self._complete(done.popleft(), finished)
@@ -897,6 +910,12 @@ class TierSet:
             if not self._proc.alive:
                 self._take_over()
         return finished
+
+    def max_wait(self) -> float:
+        """The longest the loop may sleep before its next :meth:`tick`: while the I/O
+        process has jobs, ``IO_PROCESS_CHECK_S`` (it is then polled even without a wake
+        byte, so that a process that died is found and its jobs run in threads)."""
+        return IO_PROCESS_CHECK_S if self._proc is not None and self._jobs_out else math.inf
 
     @property
     def num_pending(self) -> int:

@@ -588,6 +588,40 @@ def test_threads_take_over_when_the_io_process_dies(tmp_path, unique_name, caplo
         coord.table.check_invariants()
 
 
+def test_a_promotion_in_flight_when_the_io_process_dies_is_finished_by_threads(
+        unique_name, monkeypatch, caplog):
+    """The I/O process is killed while it copies a promotion in (each copy slowed there):
+    worker threads run the promotion's copies again, and the request is answered with
+    every block a hit and its exact bytes; no entry stays pinned."""
+    cfg = make_config(num_blocks=8)
+    prompt = prompts_of(1, 3)[0]
+    monkeypatch.setattr(tiers_mod, "IO_PROCESS_PRELOAD", tier_faults.spec("slow_h2p"))
+    caplog.set_level(logging.WARNING, logger="shmkv.tiers")
+    with shmkv.Coordinator(cfg, name=unique_name,
+                           tiers=[shmkv.HostTier(8 * cfg.block_nbytes)]) as coord, \
+            shmkv.connect(coord.address, timeout=30) as client:
+        write_prompt(client, prompt)
+        wait_idle(client, timeout=60)
+        evict_all(client)
+        wait_idle(client, timeout=60)
+        result = {}
+        thread = threading.Thread(target=lambda: result.update(got=read_prompt(client, prompt)))
+        thread.start()
+        deadline = time.monotonic() + 10
+        while coord.tiers.num_promotions_in_flight == 0:
+            assert time.monotonic() < deadline, "the promotion never started"
+            time.sleep(0.01)
+        io_process_of(os.getpid()).kill()
+        thread.join(30)
+        assert not thread.is_alive()
+        assert result["got"] == (len(prompt), True)
+        assert "tier I/O process exited" in caplog.text
+        host = coord.tiers.host
+        assert host.counters["promotions"] == 3 and host.counters["errors"] == 0
+        assert all(entry.pins == 0 for entry in host.index.values())
+        coord.table.check_invariants()
+
+
 def test_capacities_are_respected(tmp_path, unique_name):
     cfg = make_config(num_blocks=8)
     file_nbytes = tiers_mod.HEADER_SIZE + cfg.block_nbytes
