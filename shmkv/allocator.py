@@ -38,8 +38,10 @@ from typing import Iterable, List, Optional, Sequence
 import numpy as np
 
 NO_OWNER = 0
-# Blocks a bulk call takes or frees with array stores rather than a loop.
-_BULK = 32
+# Blocks a bulk call takes or frees with array stores rather than a loop. Below this a
+# loop costs less where it matters: the coordinator's loop runs cold after its sleeps, and
+# cold, numpy's stores of 32 blocks took 68 us against the loop's 30 (warm: 2 against 4).
+_BULK = 128
 
 
 class BlockPool:
@@ -116,15 +118,18 @@ class BlockPool:
         ids = self._free[len(self._free) - take:]
         del self._free[len(self._free) - take:]
         ids.reverse()  # ascending ids from a fresh pool
-        for _ in range(num - take):
-            block_id, _unused = self._cached.popitem(last=False)
-            key = self.block_key[block_id]
-            del self.prefix_index[key]
-            self.block_key[block_id] = None
-            if self.on_evict is not None:
-                self.on_evict(block_id, key)
-            self.num_evictions += 1
-            ids.append(block_id)
+        if num > take:   # evictions: the loop's hot path under tiers, so names are local
+            popitem, block_key, index = self._cached.popitem, self.block_key, self.prefix_index
+            on_evict = self.on_evict
+            for _ in range(num - take):
+                block_id, _unused = popitem(last=False)
+                key = block_key[block_id]
+                del index[key]
+                block_key[block_id] = None
+                if on_evict is not None:
+                    on_evict(block_id, key)
+                ids.append(block_id)
+            self.num_evictions += num - take
         if len(ids) >= _BULK:
             where = np.array(ids, dtype=np.int64)
             self._ref_np[where] = 1

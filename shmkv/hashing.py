@@ -14,6 +14,7 @@ import hashlib
 import operator
 import sys
 from array import array
+from functools import lru_cache
 from typing import List, Optional, Sequence
 
 from .errors import WrongType
@@ -23,6 +24,7 @@ _BIG_ENDIAN = sys.byteorder == "big"
 _ROOT_TAG = b"shmkv-prefix-v1"
 
 
+@lru_cache(maxsize=1024)   # one per salt in use: the loop asks for it every prompt
 def root_key(extra_key: Optional[bytes] = None) -> bytes:
     """The parent key of a sequence's first block, for namespace ``extra_key``."""
     extra = extra_key or b""
@@ -36,6 +38,16 @@ def pack_tokens(tokens: Sequence[int]) -> bytes:
     if _BIG_ENDIAN:
         packed.byteswap()
     return packed.tobytes()
+
+
+def unpack_tokens(packed: bytes, start: int = 0) -> List[int]:
+    """The token ids of :func:`pack_tokens` bytes, from token ``start`` on. Plain Python
+    rather than numpy: the loop calls it for every prompt, and after its sleeps a numpy
+    call costs it twice as much as this (its code comes back from memory too)."""
+    tokens = array("q", packed[8 * start:])
+    if _BIG_ENDIAN:
+        tokens.byteswap()
+    return tokens.tolist()
 
 
 def block_keys(tokens: Sequence[int], block_size: int, parent: bytes) -> List[bytes]:

@@ -434,7 +434,7 @@ class SequenceTable:
             num_tokens = length
             root = hashing.root_key(salt)
             keys = self._prompt_keys(req.get("keys"), packed, root)
-            tail = np.frombuffer(packed, dtype="<i8")[len(keys) * self.block_size:].tolist()
+            tail = hashing.unpack_tokens(packed, len(keys) * self.block_size)
         elif salt is not None:
             raise InvalidArgument("cache_salt needs a prompt")
         elif req.get("keys") is not None:

@@ -855,11 +855,17 @@ class TierSet:
 
     def _on_evict(self, block: int, key: bytes) -> None:
         """The pool evicts a cached block (called inside ``BlockPool.allocate``)."""
-        copy = self._reading.pop(block, None)
-        if copy is not None:       # its demotion is still copying: cancel it
-            copy.cancelled = True
-            if self._gens is not None:   # and tell the I/O process (before anyone writes)
-                self._gens[block] += 1
+        if self._reading:
+            copy = self._reading.pop(block, None)
+            if copy is not None:       # its demotion is still copying: cancel it
+                copy.cancelled = True
+                if self._gens is not None:   # and tell the I/O process (before anyone writes)
+                    self._gens[block] += 1
+        host = self.host
+        if host is not None:   # the common case, first: the host tier has it
+            entry = host.index.get(key)
+            if entry is not None and entry.ready:
+                return
         if not self._held(key):    # and no tier has it already: lost
             self.num_lost_evictions += 1
 
