@@ -318,12 +318,13 @@ def p99(values) -> float:
 
 
 def ping_run(address, prompts, block_size, cycles, phase_s=0.5, rate=None,
-             copy_nbytes=None, pings=False) -> dict:
+             copy_nbytes=None, pings=False, samples=False) -> dict:
     """Ping throughout while a promoter runs in alternate phases (idle, promoting, idle,
     ...), so both conditions meet the same background load; pings within 50 ms of a
     phase change are not counted. With ``copy_nbytes``, the neighbour is a process that
     only copies blocks of that size (``rate`` a second) and sends no request; with
-    ``pings``, one that only pings (``rate`` a second)."""
+    ``pings``, one that only pings (``rate`` a second). With ``samples``, the result also
+    has every ping (``"samples"``: start, latency) and the phases (start, end, busy)."""
     q = SPAWN.Queue()
     go, stop = SPAWN.Event(), SPAWN.Event()
     if copy_nbytes:
@@ -365,6 +366,8 @@ def ping_run(address, prompts, block_size, cycles, phase_s=0.5, rate=None,
                       "pings": len(values)}
     out["promoting"]["promoted_blocks_per_s"] = moved / max(busy_s, 1e-9)
     out["promoting"]["allocations_per_s"] = num / max(busy_s, 1e-9)
+    if samples:
+        out["samples"], out["phases"] = results["pings"], phases
     return out
 
 

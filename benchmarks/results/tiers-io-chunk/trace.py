@@ -1,7 +1,8 @@
 """Where the slow pings of the ping run wait: python trace.py TREE KIND (KIND: host, disk).
 
 Runs the ping run of ``scripts/bench_tiers.py`` (``CYCLES`` idle/promoting pairs, default
-10) against a coordinator of TREE in a process of this script's, whose loop is wrapped
+10; TREE's ``bench_tiers.ping_run`` must take ``samples=True``: the "old" row of the
+README ran the same phases from this script as of ca6d6fc) against a coordinator of TREE in a process of this script's, whose loop is wrapped
 with a clock: each request served (``Coordinator._handle``) and each tier call
 (``TierSet.tick``, ``TierSet.promote``), on the clock the pinger uses (CLOCK_MONOTONIC).
 For the slowest 2% of pings of each phase it splits the latency into the wait before
@@ -60,32 +61,6 @@ def _child(tree, cfg_wire, address, tiers, pipe, out):
     coord.serve_forever()
     with open(out, "w") as f:
         json.dump(events, f)
-
-
-def _ping_run(address, prompts, cycles, phase_s=0.5):
-    """bench_tiers.ping_run's phases, keeping every ping's start and latency."""
-    q = SPAWN.Queue()
-    go, stop = SPAWN.Event(), SPAWN.Event()
-    promoter = SPAWN.Process(target=bt._promoter, args=(address, prompts, 16, go, stop, q))
-    promoter.start()
-    assert q.get(timeout=120)[0] == "ready"
-    pinger = SPAWN.Process(target=bt._pinger, args=(address, 2 * cycles * phase_s + 3.0, q))
-    pinger.start()
-    time.sleep(2.0)
-    phases = []
-    for _ in range(cycles):
-        for busy in (False, True):
-            (go.set if busy else go.clear)()
-            t0 = time.monotonic()
-            time.sleep(phase_s)
-            phases.append((t0 + 0.05, time.monotonic(), busy))
-    go.clear()
-    results = dict([q.get(timeout=120)])
-    stop.set()
-    results.update(dict([q.get(timeout=120)]))
-    for p in (promoter, pinger):
-        p.join(30)
-    return results["pings"], phases
 
 
 def analyze(events, pings, phases) -> dict:
@@ -155,13 +130,14 @@ def main(kind: str) -> None:
             bt.fill(client, prompts)
             bt.evict_all(client)
             bt.wait_idle(client)
-            pings, phases = _ping_run(address, prompts, int(os.environ.get("CYCLES", "10")))
+            run = bt.ping_run(address, prompts, cfg.block_size,
+                              int(os.environ.get("CYCLES", "10")), samples=True)
         ours.send("stop")
         child.join(60)
         with open(events_path) as f:
             events = json.load(f)
         print(json.dumps({"tree": os.path.basename(TREE), "tier": kind,
-                          **analyze(events, pings, phases)}), flush=True)
+                          **analyze(events, run["samples"], run["phases"])}), flush=True)
     finally:
         if child.is_alive():
             child.kill()

@@ -1,0 +1,26 @@
+import time, numpy as np, statistics, struct, sys
+from array import array
+N = 128
+ref = array("q", bytes(8 * N)); ref_np = np.frombuffer(ref, dtype=np.int64)
+own = array("q", bytes(8 * N)); own_np = np.frombuffer(own, dtype=np.int64)
+junk = np.ones(64 << 20, dtype=np.uint8); junk2 = np.empty_like(junk)
+ids = list(range(40, 72))
+packed = struct.pack("<%dq" % 520, *range(520))
+def numpy_way():
+    where = np.array(ids, dtype=np.int64); ref_np[where] = 1; own_np[where] = 7
+def loop_way():
+    r, o = ref, own
+    for b in ids:
+        r[b] = 1; o[b] = 7
+def tail_np():
+    return np.frombuffer(packed, dtype="<i8")[512:].tolist()
+def tail_mv():
+    return memoryview(packed)[512 * 8:].cast("q").tolist()
+for fn in (numpy_way, loop_way, tail_np, tail_mv):
+    for cold in (False, True):
+        ts = []
+        for _ in range(200):
+            if cold:
+                np.copyto(junk2, junk); time.sleep(0.002)
+            t0 = time.perf_counter(); fn(); ts.append(time.perf_counter() - t0)
+        print(f"{fn.__name__:10s} cold={cold}: {statistics.median(ts)*1e6:.1f} us")
