@@ -1,8 +1,13 @@
 """Numpy against plain Python for the loop's small bulk steps, warm and cold:
 python cold_calls.py. Cold: before each call, 64 MiB are copied and the process sleeps
 2 ms (as the loop's caches are after a tier copy and a sleep). Medians of 200 calls."""
-import time, numpy as np, statistics, struct, sys
+import statistics
+import struct
+import time
 from array import array
+
+import numpy as np
+
 N = 128
 ref = array("q", bytes(8 * N)); ref_np = np.frombuffer(ref, dtype=np.int64)
 own = array("q", bytes(8 * N)); own_np = np.frombuffer(own, dtype=np.int64)

@@ -77,7 +77,7 @@ def main():
             t1 = clock()
             records = table.take_promotions()
             assert records, "not a tier hit"
-            promo = tiers.promote(records)
+            tiers.promote(records)
             t1b = clock()
             tiers.tick(False)
             t2 = clock()
