@@ -194,6 +194,11 @@ class SequenceTable:
         # and, per connection, the slots it holds: what a batch step checks at once.
         self._keys_open_np = np.zeros(layout.max_sequences, dtype=bool)
         self._held_np: Dict[int, np.ndarray] = {}
+        # Memoryviews over the same arrays, for the one-slot reads and writes of every
+        # allocation and release: after the loop's sleeps a numpy scalar index costs it
+        # about twice a memoryview's (its code comes back from memory too).
+        self._keys_open_mv = memoryview(self._keys_open_np)
+        self._held_mv: Dict[int, memoryview] = {}
         self._scratch = np.zeros(layout.max_sequences, dtype=np.int64)
         # A cache id carries its slot in its low bits: ``(serial << slot_bits) | slot``,
         # the serial never reused, so any id finds its row with no lookup table.
@@ -204,6 +209,7 @@ class SequenceTable:
         # a connection's references to sequences with objects only.
         self.sequences: Dict[int, Sequence] = {}
         self._light_np = np.zeros(layout.max_sequences, dtype=bool)
+        self._light_mv = memoryview(self._light_np)
         self._light_conn = np.zeros(layout.max_sequences, dtype=np.int64)
         self._num_light = 0
         # Moves whenever a sequence in a kept batch changes outside its steps (see
@@ -212,6 +218,7 @@ class SequenceTable:
         # rows. A kept batch (:meth:`keep_batch`) stays checked while both stand still.
         self._kept_version = 0
         self._kept_count = np.zeros(layout.max_sequences, dtype=np.int32)
+        self._kept_count_mv = memoryview(self._kept_count)
         self._conn_steps: Dict[int, int] = {}
         self._kept: Dict[int, Dict[int, list]] = {}
         self._next_kept = 1
@@ -240,12 +247,14 @@ class SequenceTable:
         self.conn_refs[conn_id] = {}
         self._conn_steps[conn_id] = 0
         self._kept[conn_id] = {}
-        self._held_np[conn_id] = np.zeros(self.tables.layout.max_sequences, dtype=bool)
+        held = self._held_np[conn_id] = np.zeros(self.tables.layout.max_sequences, dtype=bool)
+        self._held_mv[conn_id] = memoryview(held)
 
     def drop_connection(self, conn_id: int) -> int:
         """Drop every reference the connection holds; returns how many were dropped."""
         refs = self.conn_refs.pop(conn_id, {})
         held = self._held_np.pop(conn_id, None)
+        self._held_mv.pop(conn_id, None)
         self._conn_steps.pop(conn_id, None)
         for gone in self._kept.pop(conn_id, {}).values():
             self._kept_count[gone.where] -= 1
@@ -263,7 +272,7 @@ class SequenceTable:
         """The slot of ``cache_id`` if it is a live plain sequence without an object,
         else -1."""
         slot = cache_id & self._slot_mask
-        if cache_id > 0 and slot < self._light_np.shape[0] and self._light_np[slot] and \
+        if cache_id > 0 and slot < len(self._light_mv) and self._light_mv[slot] and \
                 self._seq_np[slot, CACHE_ID] == cache_id:
             return slot
         return -1
@@ -336,7 +345,7 @@ class SequenceTable:
             if cache_id in refs:
                 return self.sequences[cache_id]
             slot = self._light_slot(cache_id)
-            if slot >= 0 and self._held_np[conn_id][slot]:
+            if slot >= 0 and self._held_mv[conn_id][slot]:
                 return self._materialize(slot)
         raise UnknownCache(f"cache {format_cache_id(cache_id) if cache_id >= 0 else cache_id}"
                            " is not held by this connection (closed, never opened, or"
@@ -347,14 +356,14 @@ class SequenceTable:
         count = refs.get(seq.cache_id, 0)
         refs[seq.cache_id] = count + 1
         if not count:
-            self._held_np[conn_id][seq.slot] = True
+            self._held_mv[conn_id][seq.slot] = True
         seq.num_refs += 1
 
     def _touch(self, slot: int) -> None:
         """The sequence in ``slot`` changes outside kept steps (released, given an object,
         forked, cloned, exported, opened, copied on write): the kept batches check again
         if one holds it."""
-        if self._kept_count[slot]:
+        if self._kept_count_mv[slot]:
             self._kept_version += 1
 
     def _unref(self, seq: Sequence, count: int = 1) -> None:
@@ -379,7 +388,7 @@ class SequenceTable:
     def _publish(self, seq: Sequence) -> None:
         """Give a filled new sequence its row in the shared tables."""
         self.tables.assign(seq.slot, seq.cache_id, seq.block_ids, seq.num_tokens)
-        self._keys_open_np[seq.slot] = seq.keys_open
+        self._keys_open_mv[seq.slot] = bool(seq.keys_open)
 
     # -- allocate ------------------------------------------------------------------------
 
@@ -1253,7 +1262,7 @@ class SequenceTable:
                 raise UnknownCache(f"release of {count} references to "
                                    f"{format_cache_id(cache_id)}, this connection holds "
                                    f"{refs[cache_id]}")
-        held = self._held_np[conn_id]
+        held = self._held_mv[conn_id]
         for cache_id, count in wanted.items():
             refs[cache_id] -= count
             seq = self.sequences[cache_id]

@@ -20,11 +20,23 @@ def loop_way():
     r, o = ref, own
     for b in ids:
         r[b] = 1; o[b] = 7
+held = np.zeros((4, 1024), dtype=bool)
+held_mv = memoryview(held[1])
+
+
+def np_scalar_set():
+    held[1][37] = True
+
+
+def mv_scalar_set():
+    held_mv[37] = True
+
+
 def tail_np():
     return np.frombuffer(packed, dtype="<i8")[512:].tolist()
 def tail_mv():
     return memoryview(packed)[512 * 8:].cast("q").tolist()
-for fn in (numpy_way, loop_way, tail_np, tail_mv):
+for fn in (numpy_way, loop_way, tail_np, tail_mv, np_scalar_set, mv_scalar_set):
     for cold in (False, True):
         ts = []
         for _ in range(200):
