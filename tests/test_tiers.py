@@ -843,6 +843,39 @@ def test_a_promotion_pins_its_entries_before_its_turn_places_demotions(unique_na
         coord.close()
 
 
+def test_job_frames_of_columns_and_of_copies_are_the_same_and_come_back():
+    """A promotion's job packed from columns is byte for byte the job of the same
+    ``Copy`` objects, and decodes to them in the I/O process; its completion comes back
+    on the loop's job as one status a copy plus the error text of each failed one, and on
+    a job of copies as their outcomes. A completion of no job in flight is refused."""
+    ops = [tier_io.OP_H2P, tier_io.OP_D2P, tier_io.OP_NONE]
+    blocks, slots, keys = [5, 7, 9], [2, -1, -1], [b"a" * 16, b"b" * 16, b"c" * 16]
+    frame = tier_io.encode_columns(42, tier_io.PROMOTE, ops, blocks, slots, [0, 0, 0], keys)
+    copies = [tier_io.Copy(tier_io.OPS[op], key, block=block, slot=slot)
+              for op, block, slot, key in zip(ops, blocks, slots, keys)]
+    assert tier_io.encode_job(tier_io.PROMOTE, tier_io.Job(copies, job_id=42)) == frame
+    (body,) = tier_io.split_frames(bytearray(frame))
+    queue, job = tier_io.decode_job(body)
+    assert queue == tier_io.PROMOTE and job.job_id == 42
+    assert [(c.op, c.block, c.slot, c.key) for c in job.copies] == [
+        ("h2p", 5, 2, b"a" * 16), ("d2p", 7, -1, b"b" * 16), ("none", 9, -1, b"c" * 16)]
+    job.copies[0].ok = True                       # the I/O process ran them: in, damaged,
+    job.copies[1].damaged, job.copies[1].error = True, "payload checksum"   # cancelled
+    (done,) = tier_io.split_frames(bytearray(tier_io.encode_done(job)))
+    columns = tier_io.Job(None, "promotion", job_id=42, num_copies=3)
+    assert tier_io.apply_done(done, {42: columns}) is columns
+    assert columns.statuses == bytes([tier_io.OK, tier_io.DAMAGED, tier_io.CANCELLED])
+    assert columns.errors == {1: "payload checksum"}
+    mine = [tier_io.Copy(c.op, c.key, block=c.block, slot=c.slot) for c in job.copies]
+    tier_io.apply_done(done, {42: tier_io.Job(mine, job_id=42)})
+    assert [(c.ok, c.damaged, c.error) for c in mine] == [
+        (True, False, None), (False, True, "payload checksum"), (False, False, None)]
+    with pytest.raises(ValueError):
+        tier_io.apply_done(done, {})              # no such job in flight
+    with pytest.raises(ValueError):
+        tier_io.apply_done(done, {42: tier_io.Job(None, job_id=42, num_copies=2)})
+
+
 @pytest.mark.parametrize("iov_max", [tier_io.IOV_MAX, 3])
 def test_a_block_file_reads_straight_into_the_pools_strided_rows(tmp_path, monkeypatch,
                                                                   iov_max):
