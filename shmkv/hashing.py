@@ -24,10 +24,13 @@ _BIG_ENDIAN = sys.byteorder == "big"
 _ROOT_TAG = b"shmkv-prefix-v1"
 
 
-@lru_cache(maxsize=1024)   # one per salt in use: the loop asks for it every prompt
 def root_key(extra_key: Optional[bytes] = None) -> bytes:
     """The parent key of a sequence's first block, for namespace ``extra_key``."""
-    extra = extra_key or b""
+    return _root_key(bytes(extra_key or b""))
+
+
+@lru_cache(maxsize=1024)   # one per salt in use: the loop asks for it every prompt
+def _root_key(extra: bytes) -> bytes:
     return hashlib.blake2b(_ROOT_TAG + len(extra).to_bytes(4, "little") + extra,
                            digest_size=KEY_SIZE).digest()
 
