@@ -1062,10 +1062,10 @@ class TierSet:
             self._new_disk.append(_Copy("h2d", key, slot=entry.slot, entry=target, src=entry))
             self._disk_in_flight += 1
 
-    def _unpin(self, store, entry: _Entry, key: bytes) -> None:
+    def _unpin(self, entry: _Entry, key: bytes) -> None:
         entry.pins -= 1
-        if entry.doomed and not entry.pins and store.index.get(key) is entry:
-            self._disk_remove(key)   # only disk entries are doomed
+        if entry.doomed and not entry.pins:
+            self._unpin_doomed(entry, key)
 
     def _complete(self, job: _Job, finished: list) -> None:
         self._jobs_out -= 1
@@ -1100,7 +1100,7 @@ class TierSet:
             elif op in ("h2d", "p2d"):
                 self._disk_in_flight -= 1
                 if op == "h2d":
-                    self._unpin(host, copy.src, copy.key)
+                    self._unpin(copy.src, copy.key)
                 elif self._reading.get(copy.block) is copy:
                     del self._reading[copy.block]
                 entry = copy.entry
@@ -1166,7 +1166,7 @@ class TierSet:
                         disk.counters["removed_damaged"] += 1
                         log.warning("disk tier %s: block %s not served and removed: %s",
                                     disk.path, key.hex(), errors.get(i, "damaged"))
-                self._unpin(store, entry, key)
+                self._unpin(entry, key)
         at, ok = 0, bytes([OK])
         for record, length in zip(promo.records, promo.row_lens):
             row = statuses[at:at + length]
@@ -1174,7 +1174,8 @@ class TierSet:
             at += length
 
     def _unpin_doomed(self, entry: _Entry, key: bytes) -> None:
-        """The last copy reading a damaged disk entry is done: remove it."""
+        """The last copy reading a damaged entry is done: remove it (only disk entries
+        are doomed)."""
         if self.disk is not None and self.disk.index.get(key) is entry:
             self._disk_remove(key)
 
