@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import operator
+import struct
 import sys
 from array import array
 from functools import lru_cache
@@ -70,6 +71,18 @@ def packed_block_keys(data: bytes, block_size: int, parent: bytes) -> List[bytes
         parent = blake2b(parent + data[offset:offset + step], digest_size=KEY_SIZE).digest()
         keys.append(parent)
     return keys
+
+
+def split_keys(joined: bytes) -> List[bytes]:
+    """The keys of ``joined`` (keys of ``KEY_SIZE`` bytes one after another, as clients
+    send a prompt's): one C call, where slicing them one by one cost the loop about 20 us
+    for 32 keys after its sleeps."""
+    return list(_keys_struct(len(joined) // KEY_SIZE).unpack(joined))
+
+
+@lru_cache(maxsize=512)
+def _keys_struct(num: int) -> struct.Struct:
+    return struct.Struct(f"{KEY_SIZE}s" * num)
 
 
 def token_list(tokens) -> list:

@@ -409,7 +409,7 @@ class SequenceTable:
             raise InvalidArgument(f"keys must be the {full} full blocks' {size}-byte prefix "
                                   f"keys of the prompt, {full * size} bytes; got "
                                   f"{len(sent) if isinstance(sent, bytes) else type(sent).__name__}")
-        return [sent[i:i + size] for i in range(0, len(sent), size)]
+        return hashing.split_keys(sent)
 
     def _plan_allocate(self, req: dict) -> tuple:
         num_tokens = _check_count("num_tokens", req.get("num_tokens", 0))
@@ -1247,8 +1247,12 @@ class SequenceTable:
         """Drop one reference per listed id (an id may repeat); all or none."""
         refs = self.conn_refs.get(conn_id, {})
         slot_ids = None
-        if len(cache_ids) > 8 or any(self._light_slot(c) >= 0 for c in cache_ids
-                                     if type(c) is int):
+        light = len(cache_ids) > 8
+        for cache_id in () if light else cache_ids:   # (a loop: cold, a generator costs more)
+            if type(cache_id) is int and self._light_slot(cache_id) >= 0:
+                light = True
+                break
+        if light:
             slot_ids = self._light_slots(conn_id, cache_ids)
         if slot_ids is not None:  # plain sequences without objects: array operations
             self._release_light(slot_ids, self._held_np[conn_id])

@@ -109,6 +109,7 @@ IO_PROCESS_EXIT_S = 15.0          # close() waits this long for the I/O process,
 # process that died wakes nobody, and the requests waiting for its promotions would wait
 # for ever.
 IO_PROCESS_CHECK_S = 0.25
+_POLL_RECV = 1 << 16             # bytes a recv of the I/O process's completions asks for
 # While worker threads of a TierSet run in the coordinator (CUDA pools), the process's
 # GIL switch interval is at most this (restored when the last TierSet closes). Workers
 # release the GIL in every read, write, copy and checksum and take it back at once; at
@@ -600,7 +601,7 @@ class _IoProcess:
         self.flush()
         while self.alive:
             try:
-                data = self.sock.recv(1 << 16)
+                data = self.sock.recv(_POLL_RECV)
             except BlockingIOError:
                 break
             except OSError:
@@ -609,6 +610,8 @@ class _IoProcess:
                 self.alive = False
                 break
             self._in += data
+            if len(data) < _POLL_RECV:   # all there was: no second recv (and its exception)
+                break
         finished = []
         for body in tier_io.split_frames(self._in):
             try:

@@ -186,3 +186,6 @@ def test_hashing_is_deterministic_and_chained():
     # a fixed vector: keys must not change between processes, runs, versions or machines
     assert hashing.block_keys([1, 2, 3, 4], 4, hashing.root_key())[0].hex() == \
         "c07abdb4dd08e109ffbff08c8961885f"
+    # keys sent joined (as clients send a prompt's) come apart in order
+    assert hashing.split_keys(b"".join(keys + other)) == keys + other
+    assert hashing.split_keys(b"") == []
