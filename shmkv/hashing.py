@@ -80,12 +80,19 @@ def packed_block_keys(data: bytes, block_size: int, parent: bytes) -> List[bytes
 
 def split_keys(joined: bytes) -> List[bytes]:
     """The keys of ``joined`` (keys of ``KEY_SIZE`` bytes one after another, as clients
-    send a prompt's): one C call, where slicing them one by one cost the loop about 20 us
-    for 32 keys after its sleeps."""
-    return list(_keys_struct(len(joined) // KEY_SIZE).unpack(joined))
+    send a prompt's): up to ``_SPLIT_MAX`` keys in one C call, where slicing them one by
+    one cost the loop about 20 us for 32 keys after its sleeps. (Longer prompts are
+    sliced: one cached ``Struct`` per key count stays small that way.)"""
+    num = len(joined) // KEY_SIZE
+    if num <= _SPLIT_MAX:
+        return list(_keys_struct(num).unpack(joined))
+    return [joined[i:i + KEY_SIZE] for i in range(0, num * KEY_SIZE, KEY_SIZE)]
 
 
-@lru_cache(maxsize=512)
+_SPLIT_MAX = 128   # (their Structs: 32 bytes a key, about 260 KB for all)
+
+
+@lru_cache(maxsize=None)   # at most _SPLIT_MAX + 1 of them
 def _keys_struct(num: int) -> struct.Struct:
     return struct.Struct(f"{KEY_SIZE}s" * num)
 

@@ -189,3 +189,5 @@ def test_hashing_is_deterministic_and_chained():
     # keys sent joined (as clients send a prompt's) come apart in order
     assert hashing.split_keys(b"".join(keys + other)) == keys + other
     assert hashing.split_keys(b"") == []
+    many = [bytes([i % 256]) * 16 for i in range(hashing._SPLIT_MAX + 3)]
+    assert hashing.split_keys(b"".join(many)) == many

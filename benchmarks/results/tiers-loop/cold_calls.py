@@ -1,4 +1,6 @@
-"""Numpy against plain Python for the loop's small bulk steps, warm and cold:
+"""Numpy against plain Python for the loop's small steps (bulk stores, a prompt's tail
+tokens, one slot set, telling a scalar owner from a list, a prompt's sent keys split),
+warm and cold:
 python cold_calls.py. Cold: before each call, 64 MiB are copied and the process sleeps
 2 ms (as the loop's caches are after a tier copy and a sleep). Medians of 200 calls."""
 import statistics
@@ -36,7 +38,28 @@ def tail_np():
     return np.frombuffer(packed, dtype="<i8")[512:].tolist()
 def tail_mv():
     return memoryview(packed)[512 * 8:].cast("q").tolist()
-for fn in (numpy_way, loop_way, tail_np, tail_mv, np_scalar_set, mv_scalar_set):
+def ndim_scalar():
+    return np.ndim(7) == 0
+
+
+def isinstance_scalar():
+    return isinstance(7, (int, np.integer))
+
+
+keys = bytes(range(256)) * 2   # 32 keys of 16 bytes, as a client sends a prompt's
+keys_struct = struct.Struct("16s" * 32)
+
+
+def keys_sliced():
+    return [keys[i:i + 16] for i in range(0, len(keys), 16)]
+
+
+def keys_unpacked():
+    return list(keys_struct.unpack(keys))
+
+
+for fn in (numpy_way, loop_way, tail_np, tail_mv, np_scalar_set, mv_scalar_set, ndim_scalar,
+           isinstance_scalar, keys_sliced, keys_unpacked):
     for cold in (False, True):
         ts = []
         for _ in range(200):
