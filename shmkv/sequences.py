@@ -1246,14 +1246,13 @@ class SequenceTable:
     def release_many(self, conn_id: int, cache_ids: Seq[int]) -> None:
         """Drop one reference per listed id (an id may repeat); all or none."""
         refs = self.conn_refs.get(conn_id, {})
-        slot_ids = None
         light = len(cache_ids) > 8
-        for cache_id in () if light else cache_ids:   # (a loop: cold, a generator costs more)
-            if type(cache_id) is int and self._light_slot(cache_id) >= 0:
-                light = True
-                break
-        if light:
-            slot_ids = self._light_slots(conn_id, cache_ids)
+        if not light:   # (a loop: cold, a generator expression cost the loop more)
+            for cache_id in cache_ids:
+                if type(cache_id) is int and self._light_slot(cache_id) >= 0:
+                    light = True
+                    break
+        slot_ids = self._light_slots(conn_id, cache_ids) if light else None
         if slot_ids is not None:  # plain sequences without objects: array operations
             self._release_light(slot_ids, self._held_np[conn_id])
             return

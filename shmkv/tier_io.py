@@ -683,6 +683,9 @@ class Copier:
 
 
 _JOB_FRAMES: dict = {}   # number of copies -> the Struct of a job frame with that many
+# Frames of at most this many copies keep their Struct (about 160 bytes a copy; 1.3 MB for
+# every size up to it); a larger job, rare and long, makes its own.
+_JOB_FRAMES_MAX = 128
 
 
 def encode_columns(job_id: int, queue: int, ops: list, blocks: list, slots: list,
@@ -694,7 +697,7 @@ def encode_columns(job_id: int, queue: int, ops: list, blocks: list, slots: list
     frame = _JOB_FRAMES.get(n)
     if frame is None:
         frame = struct.Struct("<I" + _JOB.format.lstrip("<") + _JOB_COPY.format.lstrip("<") * n)
-        if len(_JOB_FRAMES) < 4096:
+        if n <= _JOB_FRAMES_MAX:
             _JOB_FRAMES[n] = frame
     return frame.pack(frame.size - _FRAME.size, b"J", job_id, queue, n,
                       *chain.from_iterable(zip(ops, blocks, slots, gens, keys)))

@@ -892,13 +892,10 @@ class TierSet:
         no byte, and its jobs must not wait for one (see :meth:`max_wait`)."""
         self._wake_pending = False
         finished: List[Promotion] = []
-        if self._proc is not None and self._jobs_out:
-            if woken:
-                self._poll_process()
-                self._proc_checked = time.monotonic()
-            elif time.monotonic() - self._proc_checked >= IO_PROCESS_CHECK_S:
-                self._proc_checked = time.monotonic()
-                self._poll_process()
+        if self._proc is not None and self._jobs_out and (
+                woken or time.monotonic() - self._proc_checked >= IO_PROCESS_CHECK_S):
+            self._proc_checked = time.monotonic()
+            self._poll_process()
         done = self._done
         while done:
             self._complete(done.popleft(), finished)

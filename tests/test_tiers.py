@@ -874,6 +874,13 @@ def test_job_frames_of_columns_and_of_copies_are_the_same_and_come_back():
         tier_io.apply_done(done, {})              # no such job in flight
     with pytest.raises(ValueError):
         tier_io.apply_done(done, {42: tier_io.Job(None, job_id=42, num_copies=2)})
+    # A long job is framed the same way, without keeping a Struct of its size.
+    n = tier_io._JOB_FRAMES_MAX + 1
+    long_frame = tier_io.encode_columns(43, tier_io.DEMOTE, [tier_io.OP_H2P] * n,
+                                        list(range(n)), [-1] * n, [0] * n, [b"k" * 16] * n)
+    (long_body,) = tier_io.split_frames(bytearray(long_frame))
+    assert [c.block for c in tier_io.decode_job(long_body)[1].copies] == list(range(n))
+    assert n not in tier_io._JOB_FRAMES
 
 
 @pytest.mark.parametrize("iov_max", [tier_io.IOV_MAX, 3])
