@@ -12,6 +12,8 @@ sender's. The client is, in order: the one made current in this thread with
 ``with client.as_unpickle_target():``; else the only open client of that coordinator
 in this process; else a new full-view client (``connect(address)``) when there is
 none. With several and none made current, unpickling raises ``InvalidArgument``.
+Addresses are compared resolved (absolute, links followed: ``Client.address``), so
+any spelling of a coordinator's socket path finds the rank's client.
 
 A :class:`Client` is thread-safe: one request is on the wire at a time (a lock),
 and data-plane reads and writes on handles need no lock at all.
@@ -23,6 +25,7 @@ import contextlib
 import os
 import select
 import socket
+import struct
 import threading
 from array import array
 from typing import Iterable, List, Optional, Sequence, Tuple
@@ -30,6 +33,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 from . import protocol
 from .hashing import pack_tokens, packed_block_keys, root_key, token_list
 from .batch import Batch, Step
+from .errors import AccessDenied
 from .errors import (CoordinatorGone, CoordinatorTimeout, HandleClosed, InvalidArgument,
                      OutOfRange, ProtocolError, WrongType)
 from .handle import KvCacheHandle, SequenceView
@@ -40,6 +44,7 @@ DEFAULT_TIMEOUT = 30.0
 DEFAULT_PICKLE_TTL = 300.0
 _RECV_SIZE = 1 << 18
 _MAX_POSTED_ERRORS = 64   # refusals of requests sent without waiting, kept for flush()
+_UCRED = struct.Struct("3i")   # SO_PEERCRED: pid, uid, gid
 
 
 class Client:
@@ -53,15 +58,21 @@ class Client:
 
     def __init__(self, address: str, tp_rank: Optional[int] = None,
                  tp_size: Optional[int] = None, timeout: float = DEFAULT_TIMEOUT,
-                 pickle_ttl: float = DEFAULT_PICKLE_TTL):
+                 pickle_ttl: float = DEFAULT_PICKLE_TTL, trust_uid: Optional[int] = None):
+        if trust_uid is not None and (isinstance(trust_uid, bool)
+                                      or not isinstance(trust_uid, int) or trust_uid < 0):
+            raise InvalidArgument(f"trust_uid must be a uid (an int >= 0) or None, got "
+                                  f"{trust_uid!r}")
         if (tp_rank is None) != (tp_size is None):
             raise InvalidArgument("pass both tp_rank= and tp_size=, or neither")
         if tp_size is not None and (not isinstance(tp_size, int) or tp_size < 1
                                     or not isinstance(tp_rank, int)
                                     or not 0 <= tp_rank < tp_size):
             raise InvalidArgument(f"tp_rank={tp_rank!r} must lie in [0, tp_size={tp_size!r})")
-        self.address = str(address)
+        self._given_address = str(address)
+        self.address = _normal(address)
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.trust_uid = trust_uid
         self.timeout = timeout
         self.pickle_ttl = pickle_ttl
         self._lock = threading.Lock()
@@ -98,6 +109,7 @@ class Client:
             sock.connect(self.address)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             raise CoordinatorGone(f"no coordinator at {self.address} ({exc.strerror})") from None
+        self._check_peer(sock)   # before a byte is sent: the hello names this process
         args = {"version": protocol.PROTOCOL_VERSION, "pid": os.getpid()}
         if self.tp_rank is not None:
             args.update(tp_rank=self.tp_rank, tp_size=self.tp_size)
@@ -125,7 +137,8 @@ class Client:
             # Stay under the coordinator's limit, so pickling never fails on the ttl.
             self.pickle_ttl = min(self.pickle_ttl, float(hello["max_handoff_ttl"]))
             from .coordinator import LOCAL_POOLS
-            local = LOCAL_POOLS.get(self.address)
+            local = LOCAL_POOLS.get(self._given_address) or next(
+                (m for a, m in list(LOCAL_POOLS.items()) if _normal(a) == self.address), None)
             if local is not None and config.is_cuda:
                 for fd in fds:
                     os.close(fd)
@@ -149,6 +162,19 @@ class Client:
         self.owner = self._memory.owner
         self._poll = select.poll()
         self._poll.register(sock, select.POLLHUP | select.POLLERR)
+
+    def _check_peer(self, sock: socket.socket) -> None:
+        """Refuse a coordinator that runs as another uid (``SO_PEERCRED``, the uid the
+        listener was created under), unless it is ``trust_uid`` or root (which can read
+        this user's memory anyway). Whoever serves the socket gets every K/V this
+        client writes, so a socket planted by another user must not be used."""
+        _pid, uid, _gid = _UCRED.unpack(
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+        if uid not in (os.getuid(), 0, self.trust_uid):
+            raise AccessDenied(
+                f"the coordinator at {self.address} runs as uid {uid}, not as this user "
+                f"(uid {os.getuid()}); nothing was sent. Pass connect(..., trust_uid={uid}) "
+                "if that user is meant to hold this process's K/V")
 
     def _hung_up(self) -> bool:
         # A poll object may not be polled by two threads at once; the lock is uncontended
@@ -427,9 +453,14 @@ class Client:
         Raises:
             HandoffError: the token is malformed, forged, already used or expired.
         """
-        if not isinstance(token, (bytes, bytearray)):
-            raise WrongType(f"token must be bytes, got {type(token).__name__}")
-        return self._handle(self.request("open", token=bytes(token)))
+        if isinstance(token, str):
+            raise WrongType("token must be bytes (any bytes-like object), got str")
+        try:
+            token = memoryview(token).tobytes()   # bytes, bytearray, memoryview, array...
+        except TypeError:
+            raise WrongType(f"token must be bytes (any bytes-like object), got "
+                            f"{type(token).__name__}") from None
+        return self._handle(self.request("open", token=token))
 
     # -- batches -----------------------------------------------------------------------------
 
@@ -564,8 +595,16 @@ def _forget(client: Client) -> None:
             _registry.remove(client)
 
 
+def _normal(address) -> str:
+    """One spelling per socket: the absolute path with every link resolved, so that a
+    relative (or linked) spelling of a coordinator's address finds the same clients."""
+    return os.path.realpath(os.fspath(address))
+
+
 def _clients_of(address: str) -> List[Client]:
-    """Live clients of this process for ``address`` (a forked child inherits none)."""
+    """Live clients of this process for ``address`` (any spelling of it; a forked
+    child inherits none)."""
+    address = _normal(address)
     pid = os.getpid()
     with _registry_lock:
         found = [c for c in _registry if c.address == address and c._pid == pid]
@@ -573,7 +612,8 @@ def _clients_of(address: str) -> List[Client]:
 
 
 def connect(address, tp_rank: Optional[int] = None, tp_size: Optional[int] = None,
-            timeout: float = DEFAULT_TIMEOUT, pickle_ttl: float = DEFAULT_PICKLE_TTL) -> Client:
+            timeout: float = DEFAULT_TIMEOUT, pickle_ttl: float = DEFAULT_PICKLE_TTL,
+            trust_uid: Optional[int] = None) -> Client:
     """Connect to the coordinator at ``address`` and map its pool (zero copy).
 
     Args:
@@ -582,18 +622,27 @@ def connect(address, tp_rank: Optional[int] = None, tp_size: Optional[int] = Non
         timeout: seconds to wait for any answer before ``CoordinatorTimeout``.
         pickle_ttl: how long a pickled handle waits to be unpickled, in seconds (kept
             under the coordinator's ``max_handoff_ttl``).
+        trust_uid: also accept a coordinator running as this uid. By default only a
+            coordinator of this process's uid (or root) is used: the client checks the
+            listener's uid (``SO_PEERCRED``) before it sends anything, since whoever
+            serves the socket receives every K/V written through it.
+
+    ``client.address`` is ``address`` made absolute with links resolved, so every
+    spelling of one socket path names the same coordinator (pickled handles carry it).
 
     Raises:
         CoordinatorGone: nothing serves ``address``.
+        AccessDenied: the coordinator runs as another uid and ``trust_uid`` is not it
+            (nothing was sent to it).
     """
-    return Client(address, tp_rank, tp_size, timeout, pickle_ttl)
+    return Client(address, tp_rank, tp_size, timeout, pickle_ttl, trust_uid)
 
 
 def process_client(address: str, tp_rank: Optional[int] = None,
                    tp_size: Optional[int] = None) -> Client:
     """A live client of this process for ``address`` with this rank (None: full view),
     connecting one if there is none."""
-    for client in _clients_of(str(address)):
+    for client in _clients_of(address):
         if client.tp_rank == tp_rank and client.tp_size == tp_size:
             return client
     return Client(address, tp_rank, tp_size)
@@ -601,6 +650,7 @@ def process_client(address: str, tp_rank: Optional[int] = None,
 
 def open_pickled(address: str, token: bytes, view_len: Optional[int]) -> KvCacheHandle:
     """Open a pickled handle in this process (see the module's unpickling rule)."""
+    address = _normal(address)
     stack = getattr(_unpickle_targets, "stack", None)
     client = None
     if stack:

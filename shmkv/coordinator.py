@@ -71,31 +71,135 @@ _MAX_OUTBUF = 64 << 20
 LOCAL_POOLS: Dict[str, PoolMemory] = {}
 
 
+# How many suffixed names (``shmkv-UID-1`` ...) runtime_dir tries in the temp dir when
+# ``shmkv-UID`` is taken by someone else, before a private directory of this process.
+_RUNTIME_FALLBACKS = 8
+_private_runtime: Dict[str, str] = {}   # temp dir -> this process's mkdtemp fallback
+_runtime_warned: set = set()
+
+
+def _private_dir(path: str, strict: bool) -> Optional[str]:
+    """Make ``path`` a private directory of this uid; returns None when it is one, else
+    why it cannot be (the name is taken).
+
+    Created with mode 0700 when missing. An existing entry is examined with ``lstat``
+    (never following a link): a symbolic link, a non-directory or a directory of
+    another uid is refused; so is one that others may write unless ``strict`` (a
+    directory this user named or owns the parent of, which is then tightened). The
+    mode is tightened through a descriptor opened ``O_NOFOLLOW``, so a link swapped in
+    meanwhile is never chmod'ed.
+    """
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        return f"cannot be created ({exc.strerror})"
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return f"cannot be examined ({exc.strerror})"
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if st.st_uid != os.getuid():
+        return f"belongs to uid {st.st_uid}, not to this user (uid {os.getuid()})"
+    if st.st_mode & 0o077:
+        if st.st_mode & 0o022 and not strict:
+            return f"is writable by others (mode {stat.S_IMODE(st.st_mode):o})"
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError as exc:
+            return f"cannot be opened ({exc.strerror})"
+        try:
+            now = os.fstat(fd)
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                return "was replaced while being examined"
+            os.fchmod(fd, 0o700)
+        finally:
+            os.close(fd)
+    return None
+
+
+def _warn_runtime(taken: str, why: str, used: str, extra: str = "") -> None:
+    if (taken, used) not in _runtime_warned:   # once per process, not per address
+        _runtime_warned.add((taken, used))
+        log.warning("runtime directory %s %s; named coordinators of this user use %s%s",
+                    taken, why, used, extra)
+
+
 def runtime_dir() -> str:
     """The per-user directory for sockets of named coordinators.
 
-    ``$SHMKV_RUNTIME_DIR`` when set (to keep a test run or a sandbox apart from every
-    other coordinator on the machine), else ``$XDG_RUNTIME_DIR/shmkv``, else
-    ``shmkv-UID`` in the temp dir. Created with mode 0700 and tightened to it.
+    In order:
+
+    * ``$SHMKV_RUNTIME_DIR`` when set (to keep a test run or a sandbox apart from every
+      other coordinator on the machine; a link there is resolved, as the user chose it);
+    * ``$XDG_RUNTIME_DIR/shmkv`` when ``$XDG_RUNTIME_DIR`` is a directory of this user
+      that others cannot write (systemd's ``/run/user/UID``);
+    * ``shmkv-UID`` in the temp dir. The temp dir is shared with every user, so the
+      name may be taken first by someone else (a link, a file, a directory of another
+      uid or one others can write). Then ``shmkv-UID-1`` ... ``shmkv-UID-8`` are tried
+      in turn: every process of this user walks the same names, so a named coordinator
+      and its clients still meet. When all are taken, a private ``mkdtemp`` directory of
+      this process is used, which other processes cannot find (set
+      ``$SHMKV_RUNTIME_DIR``, or pass an address). A fallback is logged as a warning
+      on the ``shmkv`` logger, naming the directory used.
+
+    The directory is created with mode 0700, and a directory of this user that others
+    can read is tightened to it (never through a link).
 
     Raises:
-        AccessDenied: the directory belongs to another user.
+        AccessDenied: ``$SHMKV_RUNTIME_DIR`` or ``$XDG_RUNTIME_DIR/shmkv`` is not a
+            private directory of this user (a link, a file, another user's).
     """
     override = os.environ.get("SHMKV_RUNTIME_DIR")
     base = os.environ.get("XDG_RUNTIME_DIR")
     if override:
-        path = os.path.abspath(override)
-    elif base and os.path.isdir(base) and os.access(base, os.W_OK):
+        path = os.path.realpath(override)
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    elif base and _trusted_base(base):
         path = os.path.join(base, "shmkv")
     else:
-        path = os.path.join(tempfile.gettempdir(), f"shmkv-{os.getuid()}")
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.stat(path)
-    if st.st_uid != os.getuid():
-        raise AccessDenied(f"{path} belongs to uid {st.st_uid}, not to this user")
-    if st.st_mode & 0o077:
-        os.chmod(path, 0o700)
-    return path
+        path = None
+    if path is not None:
+        why = _private_dir(path, strict=True)
+        if why is not None:
+            raise AccessDenied(f"runtime directory {path} {why}; remove it, or set "
+                               "SHMKV_RUNTIME_DIR to a directory of yours")
+        return path
+    tmp = tempfile.gettempdir()
+    first = os.path.join(tmp, f"shmkv-{os.getuid()}")
+    why_first = None
+    for k in range(_RUNTIME_FALLBACKS + 1):
+        path = first if k == 0 else f"{first}-{k}"
+        why = _private_dir(path, strict=False)
+        if why is None:
+            if k:
+                _warn_runtime(first, why_first, path)
+            return path
+        if k == 0:
+            why_first = why
+    private = _private_runtime.get(tmp)
+    if private is None or _private_dir(private, strict=False) is not None:
+        private = _private_runtime[tmp] = tempfile.mkdtemp(prefix=f"shmkv-{os.getuid()}.",
+                                                           dir=tmp)
+    _warn_runtime(first, f"{why_first}, and so are {first}-1..{_RUNTIME_FALLBACKS}", private,
+                  " (this process only: set SHMKV_RUNTIME_DIR for other processes to "
+                  "find its coordinators)")
+    return private
+
+
+def _trusted_base(base: str) -> bool:
+    """``$XDG_RUNTIME_DIR`` is used only when it is a directory of this user that
+    others cannot write."""
+    try:
+        st = os.stat(base)
+    except OSError:
+        return False
+    return (stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
+            and not st.st_mode & 0o022 and os.access(base, os.W_OK))
 
 
 def default_address(name: str) -> str:

@@ -10,7 +10,8 @@ passes the descriptor to each worker over the Unix socket (``SCM_RIGHTS``), and 
 kernel frees the memory when the last process holding it exits, however it exits.
 No ``/dev/shm`` entry can outlive even a SIGKILLed coordinator, except for the few
 microseconds between create and unlink; :func:`sweep_stale` removes entries of
-dead owners at the next start to close that window too.
+dead owners of this uid at the next start to close that window too (never another
+user's entry, and never failing a start).
 
 Sizing uses ``posix_fallocate`` after a free-space check, so a pool larger than
 ``/dev/shm`` can hold fails with a clear error at creation instead of SIGBUS on
@@ -22,15 +23,18 @@ nothing here can unmap memory that a tensor still points to.
 from __future__ import annotations
 
 import errno
+import logging
 import mmap
 import os
 import re
 import secrets
+import stat
 
 import posix_ipc
 
 from .errors import InvalidArgument, ShmkvError
 
+log = logging.getLogger("shmkv.shm")
 SHM_DIR = "/dev/shm"
 _NAME_RE = re.compile(r"^shmkv-(\d+)-[0-9a-f]+$")
 
@@ -52,20 +56,32 @@ def _pid_alive(pid: int) -> bool:
 
 
 def sweep_stale() -> list:
-    """Unlink segments named by a shmkv process that no longer exists; returns the names."""
+    """Unlink segments named by a shmkv process of this uid that no longer exists;
+    returns the names.
+
+    An entry of another uid is never touched (``/dev/shm`` is writable by every user,
+    so anyone can plant a name that looks like ours), and no entry's error stops the
+    sweep: it only ever closes the window described in the module docstring, so a
+    coordinator starts whatever lies in ``/dev/shm``.
+    """
     removed = []
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
         return removed
+    uid, pid = os.getuid(), os.getpid()
     for name in names:
         match = _NAME_RE.match(name)
-        if match and int(match.group(1)) != os.getpid() and not _pid_alive(int(match.group(1))):
-            try:
-                posix_ipc.unlink_shared_memory("/" + name)
-                removed.append(name)
-            except posix_ipc.ExistentialError:
-                pass
+        if not match or int(match.group(1)) == pid or _pid_alive(int(match.group(1))):
+            continue
+        try:
+            st = os.lstat(os.path.join(SHM_DIR, name))
+            if st.st_uid != uid or not stat.S_ISREG(st.st_mode):
+                continue  # someone else's (or not a segment): not ours to remove
+            posix_ipc.unlink_shared_memory("/" + name)
+            removed.append(name)
+        except (OSError, posix_ipc.Error) as exc:
+            log.debug("left %s/%s in place: %s", SHM_DIR, name, exc)
     return removed
 
 

@@ -1,10 +1,15 @@
 """Security: socket and directory permissions, private segments, peer uid checks,
 hand-off tokens, configured limits, and bad API input that must change nothing."""
 
+import array
+import logging
 import math
 import os
+import pickle
 import shutil
+import socket
 import stat
+import subprocess
 import tempfile
 import time
 
@@ -440,3 +445,215 @@ def test_foreign_handles_are_refused(coord, client, small_config, unique_name):
         assert here.num_tokens == 4 and here.block_table.num_blocks() == 1
         here.close()
         client_b.close_many(there)
+
+
+# -- the runtime directory in a shared temp dir --------------------------------------------
+
+@pytest.fixture
+def shared_tmp(tmp_path, monkeypatch):
+    """``tempfile.gettempdir()`` is a fresh directory, and neither $SHMKV_RUNTIME_DIR nor
+    $XDG_RUNTIME_DIR is set: runtime_dir() takes its temp-dir path."""
+    monkeypatch.delenv("SHMKV_RUNTIME_DIR", raising=False)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return tmp_path
+
+
+def test_runtime_dir_never_follows_a_planted_symlink(shared_tmp, caplog):
+    caplog.set_level(logging.WARNING, logger="shmkv")
+    target = shared_tmp / "home"
+    target.mkdir()
+    os.chmod(target, 0o755)
+    planted = shared_tmp / f"shmkv-{os.getuid()}"
+    planted.symlink_to(target)
+    got = runtime_dir()
+    assert stat.S_IMODE(os.stat(target).st_mode) == 0o755      # not chmod'ed through the link
+    assert os.path.islink(planted) and os.readlink(planted) == str(target)
+    assert got == f"{planted}-1"
+    st = os.lstat(got)
+    assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700
+    assert st.st_uid == os.getuid()
+    assert any("is a symbolic link" in r.getMessage() and got in r.getMessage()
+               for r in caplog.records), caplog.text
+    assert runtime_dir() == got                                # stable: the same walk
+    planted.unlink()
+    (shared_tmp / f"shmkv-{os.getuid()}").write_text("")       # a plain file: also taken
+    assert runtime_dir() == got
+
+
+def meet_by_name(tmp_dir: str, name: str, queue) -> None:
+    """In a fresh process with the same temp dir: find the named coordinator and ping it."""
+    os.environ.pop("SHMKV_RUNTIME_DIR", None)
+    os.environ.pop("XDG_RUNTIME_DIR", None)
+    tempfile.tempdir = tmp_dir
+    try:
+        address = shmkv.default_address(name)
+        with shmkv.connect(address, timeout=10) as client:
+            client.ping()
+        queue.put(("ok", address))
+    except Exception as exc:
+        queue.put((type(exc).__name__, str(exc)))
+    queue.close()
+    queue.join_thread()
+
+
+@root_only
+def test_runtime_dir_of_another_owner_falls_back_and_named_coordinators_meet(
+        shared_tmp, small_config, unique_name, caplog):
+    caplog.set_level(logging.WARNING, logger="shmkv")
+    taken = shared_tmp / f"shmkv-{os.getuid()}"
+    taken.mkdir(mode=0o700)
+    os.chown(taken, NOBODY, NOBODY)                              # another user was first
+    os.chmod(taken, 0o700)
+    with shmkv.Coordinator(small_config, name=unique_name) as coord:
+        assert os.path.dirname(coord.address) == f"{taken}-1"
+        assert os.lstat(taken).st_uid == NOBODY                   # left as it was
+        assert stat.S_IMODE(os.lstat(taken).st_mode) == 0o700
+        q = SPAWN.Queue()
+        child = SPAWN.Process(target=meet_by_name, args=(str(shared_tmp), unique_name, q))
+        child.start()
+        result = q.get(timeout=60)
+        assert join_or_kill(child) == 0
+        assert result == ("ok", coord.address), result
+    assert any(f"belongs to uid {NOBODY}" in r.getMessage() for r in caplog.records), \
+        caplog.text
+
+
+def test_runtime_dir_when_every_name_is_taken_is_private_and_said(shared_tmp, caplog):
+    caplog.set_level(logging.WARNING, logger="shmkv")
+    first = shared_tmp / f"shmkv-{os.getuid()}"
+    for path in [first] + [f"{first}-{k}" for k in range(1, 9)]:
+        os.symlink("/nonexistent", path)
+    got = runtime_dir()
+    assert os.path.dirname(got) == str(shared_tmp)
+    assert os.path.basename(got).startswith(f"shmkv-{os.getuid()}.")
+    st = os.lstat(got)
+    assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700
+    assert runtime_dir() == got                                  # stable in this process
+    assert any(got in r.getMessage() and "SHMKV_RUNTIME_DIR" in r.getMessage()
+               for r in caplog.records), caplog.text
+
+
+# -- /dev/shm entries of other users -------------------------------------------------------
+
+@root_only
+def test_a_planted_shm_entry_of_another_user_neither_blocks_a_start_nor_is_removed(
+        small_config, unique_name):
+    dead = subprocess.Popen(["true"])
+    dead.wait(timeout=30)                        # a pid that no longer runs
+    name = f"shmkv-{dead.pid}-{os.urandom(8).hex()}"
+    path = os.path.join("/dev/shm", name)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    try:
+        os.close(fd)
+        os.chown(path, NOBODY, NOBODY)
+        before = os.lstat(path)
+        with shmkv.Coordinator(small_config, name=unique_name) as coord:
+            with shmkv.connect(coord.address, timeout=10) as client:
+                client.ping()
+        after = os.lstat(path)                   # untouched
+        assert (after.st_ino, after.st_uid, stat.S_IMODE(after.st_mode)) == \
+            (before.st_ino, NOBODY, 0o600)
+    finally:
+        if os.path.lexists(path):
+            os.unlink(path)
+
+
+# -- the coordinator's uid, checked by the client ----------------------------------------
+
+def listen_as_nobody(directory: str, queue) -> None:
+    """Bind a socket in ``directory`` as root, become uid 65534, then listen (the peer
+    credentials are the listener's at listen()) and report every byte each of two
+    connections sent before closing."""
+    address = os.path.join(directory, "planted.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(address)
+    os.chmod(address, 0o666)
+    os.setgroups([])
+    os.setgid(NOBODY)
+    os.setuid(NOBODY)
+    sock.listen(4)
+    sock.settimeout(60)
+    queue.put(("listening", address, os.getuid()))
+    for _ in range(2):
+        conn, _ = sock.accept()
+        conn.settimeout(5)
+        got = b""
+        try:
+            while True:
+                data = conn.recv(65536)
+                if not data:
+                    break
+                got += data
+                if len(got) > 16:      # a hello arrived: enough to tell
+                    break
+        except socket.timeout:
+            pass
+        conn.close()
+        queue.put(("received", got))
+    sock.close()
+    queue.close()
+    queue.join_thread()
+
+
+@root_only
+def test_connect_refuses_a_coordinator_of_another_uid_and_sends_nothing(tmp_path):
+    q = SPAWN.Queue()
+    child = SPAWN.Process(target=listen_as_nobody, args=(str(tmp_path), q))
+    child.start()
+    try:
+        what, address, uid = q.get(timeout=60)
+        assert what == "listening" and uid == NOBODY
+        with pytest.raises(shmkv.AccessDenied, match=f"runs as uid {NOBODY}") as info:
+            shmkv.connect(address, timeout=10)
+        assert "trust_uid" in str(info.value)
+        assert q.get(timeout=30) == ("received", b"")             # not even the hello
+        # opting in: the client speaks to it (which here only hangs up)
+        with pytest.raises(shmkv.CoordinatorGone):
+            shmkv.connect(address, timeout=10, trust_uid=NOBODY)
+        what, got = q.get(timeout=30)
+        assert what == "received" and len(got) > 16
+        assert join_or_kill(child) == 0
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join(5)
+    with pytest.raises(shmkv.InvalidArgument):
+        shmkv.connect(address, trust_uid="nobody")
+
+
+# -- addresses are compared resolved ------------------------------------------------------
+
+def test_a_relative_spelling_of_the_address_finds_the_ranks_client(tmp_path, monkeypatch):
+    cfg = shmkv.PoolConfig(num_layers=1, num_kv_heads=2, head_dim=4, num_blocks=8,
+                           block_size=4, dtype=torch.float32, tp_size=2)
+    address = str(tmp_path / "c.sock")
+    with shmkv.Coordinator(cfg, address=address):
+        monkeypatch.chdir(tmp_path)
+        with shmkv.connect(address, timeout=10) as sender, \
+                shmkv.connect("c.sock", tp_rank=1, tp_size=2, timeout=10) as rank:
+            assert rank.address == sender.address == os.path.realpath(address)
+            h = sender.allocate(4)
+            with rank.as_unpickle_target():                  # made current: this spelling
+                got = pickle.loads(pickle.dumps(h))
+            assert got._client is rank
+            got.close()
+            data = pickle.dumps(h)
+            sender.close()                                    # now the only client
+            got = pickle.loads(data)
+            assert got._client is rank and got._client.tp_rank == 1
+            got.close()
+
+
+def test_open_takes_any_bytes_like_token(client):
+    h = client.allocate(4)
+    h.write(0, torch.ones(4, 4, 8), torch.ones(4, 4, 8), start=0)
+    for convert in (bytes, bytearray, memoryview,
+                    lambda t: memoryview(bytearray(t)), lambda t: array.array("B", t)):
+        opened = client.open(convert(h.export(ttl=30)))
+        assert torch.equal(opened.key_cache(0), torch.ones(4, 4, 8))
+        opened.close()
+    for bad in ("token", 12, None):
+        with Unchanged(client), pytest.raises(shmkv.WrongType):
+            client.open(bad)
+    h.close()
