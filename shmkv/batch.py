@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from . import protocol, slots
-from .errors import HandleClosed, InvalidArgument, OutOfRange, StaleStep, WrongType
+from .errors import (HandleClosed, InvalidArgument, LimitExceeded, OutOfRange, StaleStep,
+                     WrongType)
 from .handle import _views, check_kv_tensor
 from .hashing import token_list
 from .tables import CACHE_ID, GENERATION, LOCK, NUM_TOKENS, SEQ_FIELDS
@@ -115,14 +116,20 @@ class Batch:
                     raise HandleClosed(f"handle on {h.cache_id} in this batch is closed")
             self._checked_at = client.num_closed
 
-    def _counts(self, counts) -> tuple:
-        """``(uniform count or -1, int64 [B] counts)``."""
+    def _counts(self, counts, name: str = "counts") -> tuple:
+        """``(uniform count or -1, int64 [B] counts)``, each checked to lie in ``[0,
+        max_seq_len]`` (a sequence never holds more), so that no arithmetic on them
+        leaves int64 and nothing out of range is sent."""
         num = len(self.handles)
+        most = self.client.config.max_seq_len
         if isinstance(counts, bool):
-            raise WrongType("counts must be an int or one int per sequence, got a bool")
+            raise WrongType(f"{name} must be an int or one int per sequence, got a bool")
         if isinstance(counts, int):
             if counts < 0:
-                raise InvalidArgument(f"counts must be >= 0, got {counts}")
+                raise InvalidArgument(f"{name} must be >= 0, got {counts}")
+            if counts > most:
+                raise LimitExceeded(f"{name} of {counts}: a sequence holds at most {most} "
+                                    "tokens (PoolConfig.max_seq_len); raise max_seq_len")
             full = self._full.get(counts)
             if full is None:  # read-only, shared by this batch's steps of that count
                 full = np.full(num, counts, dtype=np.int64)
@@ -131,13 +138,20 @@ class Batch:
             return counts, full
         if isinstance(counts, torch.Tensor):
             counts = counts.cpu().numpy()
-        t = np.asarray(counts)
+        try:
+            t = np.asarray(counts)
+        except OverflowError:   # (ints past 64 bits, with numpy refusing them)
+            t = np.asarray(counts, dtype=object)
+        if t.dtype.kind == "O" and t.ndim == 1 and all(type(v) is int for v in t.tolist()):
+            t = np.array([min(max(v, -1), most + 1) for v in t.tolist()], dtype=np.int64)
         if t.dtype.kind not in "iu" or t.ndim != 1 or t.shape[0] != num:
-            raise InvalidArgument(f"counts must be an int or {num} ints (one per sequence)")
-        t = t.astype(np.int64)
+            raise InvalidArgument(f"{name} must be an int or {num} ints (one per sequence)")
         if num and int(t.min()) < 0:
-            raise InvalidArgument(f"counts must be >= 0, got {int(t.min())}")
-        return -1, t
+            raise InvalidArgument(f"{name} must be >= 0, got {int(t.min())}")
+        if num and int(t.max()) > most:
+            raise LimitExceeded(f"{name} of {int(t.max())}: a sequence holds at most {most} "
+                                "tokens (PoolConfig.max_seq_len); raise max_seq_len")
+        return -1, t.astype(np.int64)
 
     def extend(self, counts=1, tokens: Optional[Sequence] = None) -> "Step":
         """Reserve ``counts`` more slots in every sequence (an int for all, or one per
@@ -234,7 +248,7 @@ class Batch:
         if start is None:
             starts = self._num_cached.copy()
         else:
-            starts = self._counts(start)[1].copy()   # (its own: positions may view it)
+            starts = self._counts(start, "start")[1].copy()   # (its own: positions may view it)
         current = client._memory.seq_np[self._slots, NUM_TOKENS]
         if num_tokens is None:
             counts_t = current - starts
@@ -242,7 +256,7 @@ class Batch:
                 raise OutOfRange("start lies past the end of a sequence")
             uniform = -1
         else:
-            uniform, counts_t = self._counts(num_tokens)
+            uniform, counts_t = self._counts(num_tokens, "num_tokens")
             if num and bool((starts + counts_t > current).any()):
                 i = int(np.argmax(starts + counts_t > current))
                 raise OutOfRange(f"slots [{int(starts[i])}, {int(starts[i] + counts_t[i])}) of "
@@ -567,8 +581,20 @@ class Step:
             self._live = True
         if self.batch is not None:
             self.batch._check()
+        else:
+            self._check_alive()
         if client._memory.epoch[0] != self._epoch:
             self._verify_owners()
+
+    def _check_alive(self) -> None:
+        """A step rebuilt from a descriptor (another rank's) holds no reference to its
+        sequences: before every write, each slot must still hold its sequence (a closed
+        sequence's slot is emptied, and a cache id is never reused), so a step that
+        outlived one of them never writes into the blocks another sequence got since."""
+        memory = self.client._memory
+        if not _same(memory.seq_np[self._slots, CACHE_ID], self._ids):
+            raise StaleStep("a sequence of this step was closed since the step was made "
+                            "(by the rank that owns it); make a new step (nothing was written)")
 
     # -- writes ------------------------------------------------------------------------------
 
@@ -688,10 +714,15 @@ class Step:
         body = _int64s(data[_DESC_HEADER.size:]).reshape(4, num)
         cache_ids, slot_ids, starts, counts = (np.ascontiguousarray(row) for row in body)
         memory = client._memory
+        most = client.config.max_seq_len
         if num and (int(slot_ids.min()) < 0
                     or int(slot_ids.max()) >= memory.layout.max_sequences
-                    or int(starts.min()) < 0 or int(counts.min()) < 0):
+                    or int(starts.min()) < 0 or int(counts.min()) < 0
+                    or int(starts.max()) > most or int(counts.max()) > most):
             raise InvalidArgument("malformed step descriptor (values out of range)")
+        if uniform < -1 or (uniform >= 0 and num and not bool((counts == uniform).all())):
+            raise InvalidArgument("malformed step descriptor (its uniform count disagrees "
+                                  "with its counts)")
         step = cls(client, cache_ids, slot_ids, starts, counts, uniform, memory.epoch[0])
         step._verify_owners()
         return step

@@ -36,6 +36,7 @@ from .batch import Batch, Step
 from .errors import AccessDenied
 from .errors import (CoordinatorGone, CoordinatorTimeout, HandleClosed, InvalidArgument,
                      OutOfRange, ProtocolError, WrongType)
+from .errors import LimitExceeded
 from .handle import KvCacheHandle, SequenceView
 from .layout import PoolConfig
 from .memory import PoolMemory, attach_pool
@@ -136,6 +137,9 @@ class Client:
             self.instance = hello["instance"]
             # Stay under the coordinator's limit, so pickling never fails on the ttl.
             self.pickle_ttl = min(self.pickle_ttl, float(hello["max_handoff_ttl"]))
+            # The largest request the coordinator reads: a larger one is split or refused
+            # here, before anything is sent.
+            self.max_frame = int(hello.get("max_frame", protocol.DEFAULT_MAX_FRAME))
             from .coordinator import LOCAL_POOLS
             local = LOCAL_POOLS.get(self._given_address) or next(
                 (m for a, m in list(LOCAL_POOLS.items()) if _normal(a) == self.address), None)
@@ -251,10 +255,20 @@ class Client:
                 raise self._drop_reason() from None
 
     def _send(self, op: str, args: dict) -> int:
-        """Send one request (holding ``_lock``); returns its id."""
+        """Send one request (holding ``_lock``); returns its id.
+
+        Raises:
+            LimitExceeded: the request is larger than the coordinator reads (nothing sent).
+        """
         request_id = self._next_id
+        frame = protocol.encode_request(request_id, op, args)
+        if len(frame) - protocol.HEADER_SIZE > self.max_frame:
+            raise LimitExceeded(f"{op} request of {len(frame) - protocol.HEADER_SIZE} bytes "
+                                f"exceeds the coordinator's maximum frame of {self.max_frame} "
+                                "bytes (nothing was sent); split it, or start the coordinator "
+                                "with a larger max_frame")
         self._next_id += 1
-        self._sock.sendall(protocol.encode_request(request_id, op, args))
+        self._sock.sendall(frame)
         return request_id
 
     def _took_posted(self, response) -> None:
@@ -357,6 +371,10 @@ class Client:
         if requests and set(map(type, requests)) == {int}:  # plain lengths: packed both ways
             if min(requests) < 0:
                 raise InvalidArgument(f"num_tokens must be >= 0, got {min(requests)}")
+            if max(requests) > self.config.max_seq_len:
+                raise LimitExceeded(f"num_tokens of {max(requests)}: a sequence holds at most "
+                                    f"{self.config.max_seq_len} tokens "
+                                    "(PoolConfig.max_seq_len); raise max_seq_len")
             data = self.request("allocate_many", counts=protocol.pack_i64s(requests))
             half = len(data) // 2
             return KvCacheHandle._many(self, protocol.unpack_i64s(data[:half]),
@@ -387,8 +405,18 @@ class Client:
                     req["num_tokens"] = len(prompt)
             req.setdefault("num_tokens", 0)
             wire.append({k: v for k, v in req.items() if v is not None})
-        infos = self.request("allocate_many", requests=wire)
-        return [self._handle(info) for info in infos]
+        parts = _split_requests(wire, self.max_frame)
+        handles: list = []
+        try:
+            for part in parts:
+                handles += [self._handle(info)
+                            for info in self.request("allocate_many", requests=part)]
+        except BaseException:
+            # All or none across the parts too: the ones allocated are given back.
+            if handles:
+                self.close_many(handles)
+            raise
+        return handles
 
     def extend_many(self, items: Iterable[Tuple]) -> List[int]:
         """Reserve slots in several sequences in one round trip, all or none.
@@ -520,6 +548,9 @@ class Client:
                 raise WrongType(f"{name} must be a number, got bool")
             try:
                 return float(value)  # a Python number, or a one-element tensor
+            except OverflowError:
+                raise InvalidArgument(f"{name} must be a finite number > 0, got an int too "
+                                      "large for a float") from None
             except (TypeError, ValueError, RuntimeError):
                 raise WrongType(f"{name} must be a number, got {type(value).__name__}") from None
         self.request("set_kv_scales", layer=layer, k_scale=number("k_scale", k_scale),
@@ -582,6 +613,30 @@ class Client:
 _registry: List[Client] = []          # open clients made in this process, oldest first
 _registry_lock = threading.Lock()
 _unpickle_targets = threading.local()
+
+
+# What one request of an allocate_many costs on the wire beyond its prompt and keys.
+_REQUEST_OVERHEAD = 128
+
+
+def _split_requests(wire: list, max_frame: int) -> List[list]:
+    """Allocation requests in parts whose frames stay under ``max_frame`` (one part in
+    the common case). A request too large for any frame stays alone in its part, and
+    the send refuses it."""
+    budget = max_frame // 2   # (room for the envelope and msgpack's lengths)
+    sizes = [len(req.get("prompt") or b"") + len(req.get("keys") or b"") + _REQUEST_OVERHEAD
+             for req in wire]
+    if sum(sizes) <= budget:
+        return [wire]
+    parts, part, used = [], [], 0
+    for req, size in zip(wire, sizes):
+        if part and used + size > budget:
+            parts.append(part)
+            part, used = [], 0
+        part.append(req)
+        used += size
+    parts.append(part)
+    return parts
 
 
 def _remember(client: Client) -> None:

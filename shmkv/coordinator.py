@@ -65,6 +65,10 @@ _SPIN_WEIGHT = 0.05   # of the latest turn in the running rate of spins that cat
 _UCRED = struct.Struct("3i")
 _RECV_SIZE = 1 << 18
 _MAX_OUTBUF = 64 << 20
+# Requests a connection may have waiting behind a promotion: at most this many, and
+# this many bytes of frames (past the byte bound they are refused, in order).
+MAX_HELD_REQUESTS = 1024
+MAX_HELD_BYTES = 64 << 20
 # Pools of coordinators running in this process, by address: a client here uses the
 # original tensors (required for CUDA, whose IPC handles cannot be opened by their
 # exporter).
@@ -277,7 +281,7 @@ def _shutdown_and_close(sock: socket.socket) -> None:
 
 class _Conn:
     __slots__ = ("sock", "conn_id", "decoder", "outbuf", "pid", "greeted", "closing", "events",
-                 "tp_rank", "reason", "held")
+                 "tp_rank", "reason", "held", "held_bytes")
 
     def __init__(self, sock: socket.socket, conn_id: int, pid: int, max_frame: int):
         self.sock = sock
@@ -292,6 +296,16 @@ class _Conn:
         self.reason = ""                    # why it is closing (for the drop's log line)
         self.held = None  # while a request waits for a tier promotion: the requests
         #                   this connection sent after it, answered in order after it
+        self.held_bytes = 0   # the frame bytes of ``held``
+
+
+class _Refused:
+    """A request refused while it waited behind a promotion (over MAX_HELD_BYTES): its
+    body is dropped at once, and its error is answered in order, after the promotion."""
+    __slots__ = ("request_id", "error")
+
+    def __init__(self, request_id: int, error: Exception):
+        self.request_id, self.error = request_id, error
 
 
 class Coordinator:
@@ -417,7 +431,8 @@ class Coordinator:
                 max_handoff_ttl=self.max_handoff_ttl,
                 tables=TableWriter(memory.layout, memory.seq, memory.table,
                                    (memory.seq_np, memory.table_np)),
-                arrays=(memory.seq_np, memory.table_np, memory.owner_t.numpy()))
+                arrays=(memory.seq_np, memory.table_np, memory.owner_t.numpy()),
+                max_seq_len=self.config.max_seq_len)
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self._listener = listener
             old_umask = os.umask(0o177)
@@ -769,10 +784,21 @@ class Coordinator:
             self._drop(conn, selector)
             return
         try:
-            for obj in conn.decoder.feed(data):
+            decoder = conn.decoder
+            for obj in decoder.feed(data):
                 if conn.held is not None:  # answered in order, after the promotion
-                    if len(conn.held) >= 1024:
-                        raise ProtocolError("over 1024 requests sent while one waits")
+                    if len(conn.held) >= MAX_HELD_REQUESTS:
+                        raise ProtocolError(f"over {MAX_HELD_REQUESTS} requests sent while "
+                                            "one waits")
+                    size = decoder.last_size
+                    if conn.held_bytes + size > MAX_HELD_BYTES and \
+                            type(obj) is not protocol.OversizedFrame:
+                        obj = _Refused(protocol.request_id_of(obj), LimitExceeded(
+                            f"{conn.held_bytes + size} bytes of requests sent while one "
+                            f"waits for a tier, the limit is {MAX_HELD_BYTES}; this one was "
+                            "refused: wait for answers before sending more"))
+                        size = 0
+                    conn.held_bytes += size
                     conn.held.append(obj)
                     continue
                 self._handle(conn, obj)
@@ -812,6 +838,15 @@ class Coordinator:
 
     def _handle(self, conn: _Conn, obj) -> None:
         started = _clock()
+        kind = type(obj)
+        if kind is protocol.OversizedFrame or kind is _Refused:
+            # refused, the stream still in step: an error answer, the connection stays
+            self.num_errors += 1
+            error = obj.error() if kind is protocol.OversizedFrame else obj.error
+            log.warning("connection %d (pid %d): request refused: %s", conn.conn_id, conn.pid,
+                        error)
+            conn.outbuf += protocol.encode_error(obj.request_id, error)
+            return
         request_id = protocol.request_id_of(obj)
         try:
             request = protocol.parse_request(obj)
@@ -882,6 +917,7 @@ class Coordinator:
                 continue  # gone meanwhile: its references were dropped already
             conn.outbuf += protocol.encode_ok(request_id, result)
             held, conn.held = conn.held, None
+            conn.held_bytes = 0
             for i, obj in enumerate(held):
                 if conn.held is not None or conn.closing:  # waits again (or closes)
                     if not conn.closing:
@@ -919,7 +955,7 @@ class Coordinator:
         return {"version": protocol.PROTOCOL_VERSION, "pool": self.config.to_wire(),
                 "memory": self.memory.descriptor, "coordinator_pid": os.getpid(),
                 "conn_id": conn.conn_id, "instance": self.instance,
-                "max_handoff_ttl": self.max_handoff_ttl}
+                "max_handoff_ttl": self.max_handoff_ttl, "max_frame": self.max_frame}
 
     def _op_ping(self, conn):
         return {}
@@ -950,7 +986,14 @@ class Coordinator:
     def _op_extend_many(self, conn, items):
         return self.table.extend_many(conn.conn_id, items)
 
+    def _check_rank(self, conn, tp_rank) -> None:
+        """A connection that said its tensor-parallel rank commits only that rank's shard."""
+        if conn.tp_rank is not None and tp_rank != conn.tp_rank:
+            raise InvalidArgument(f"a connection of tp_rank={conn.tp_rank} commits only its "
+                                  f"own shard, not tp_rank={tp_rank}")
+
     def _op_commit(self, conn, cache_id, num_tokens, tp_rank=None):
+        self._check_rank(conn, tp_rank)
         return self.table.commit(conn.conn_id, cache_id, num_tokens, tp_rank)
 
     def _op_prepare_write(self, conn, cache_id, start, num_tokens):
@@ -1008,9 +1051,7 @@ class Coordinator:
         return protocol.pack_i64s(lens)
 
     def _op_commit_batch(self, conn, ids, num_tokens, tp_rank=None):
-        if conn.tp_rank is not None and tp_rank != conn.tp_rank:
-            raise InvalidArgument(f"a connection of tp_rank={conn.tp_rank} commits only its "
-                                  f"own shard, not tp_rank={tp_rank}")
+        self._check_rank(conn, tp_rank)
         # A rank of a tensor-parallel pool may commit its shard of a step it rebuilt from
         # a descriptor (it holds no reference); everyone else only what it holds.
         rank_connection = conn.tp_rank is not None and self.config.tp_size > 1

@@ -244,36 +244,82 @@ def encode_error(request_id: int, exc: BaseException) -> bytes:
     return encode([request_id, error_code(exc), str(exc)])
 
 
+@dataclasses.dataclass(frozen=True)
+class OversizedFrame:
+    """What :class:`FrameDecoder` yields for a frame longer than its maximum: the frame's
+    length and the request id read from its first bytes (-1 when they did not say). The
+    body is skipped as it arrives, never buffered, so the stream stays in step: the
+    receiver answers ``error()`` and goes on with the next frame."""
+    request_id: int
+    length: int
+    max_frame: int
+
+    def error(self) -> errors.ProtocolError:
+        return errors.ProtocolError(
+            f"frame of {self.length} bytes exceeds the maximum of {self.max_frame}; it was "
+            "skipped (the connection stays): split the request")
+
+
+def _peek_request_id(head: bytes) -> int:
+    """The request id at the start of a request envelope's bytes, or -1."""
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=64)
+    try:
+        unpacker.feed(head[:32])
+        if unpacker.read_array_header() != 3:
+            return -1
+        request_id = unpacker.unpack()
+    except Exception:   # too short or not an envelope: msgpack raises several classes
+        return -1
+    return request_id if type(request_id) is int else -1
+
+
 class FrameDecoder:
     """Turns a byte stream into decoded msgpack objects, one per frame.
 
-    ``feed`` raises :class:`ProtocolError` for an oversized length prefix (before
-    buffering the body) or a body that is not exactly one valid msgpack object; the
-    connection should then be dropped, as the stream can no longer be trusted.
+    A frame past ``max_frame`` is never buffered: ``feed`` yields an
+    :class:`OversizedFrame` for it as soon as its length prefix arrives and skips its
+    body as it comes, so the receiver can answer an error and keep the connection.
+    ``feed`` raises :class:`ProtocolError` for a body that is not exactly one valid
+    msgpack object; the connection should then be dropped, as the stream can no
+    longer be trusted. ``last_size`` is the size of the frame last yielded.
     """
 
     def __init__(self, max_frame: int = DEFAULT_MAX_FRAME):
         self.max_frame = max_frame
         self._buf = bytearray()
+        self._skip = 0   # bytes of an oversized frame's body still to come
+        self.last_size = 0
 
     @property
     def buffered(self) -> int:
         return len(self._buf)
 
     def feed(self, data: bytes) -> Iterator[Any]:
+        if self._skip:
+            skipped = min(self._skip, len(data))
+            self._skip -= skipped
+            if skipped == len(data):
+                return
+            data = memoryview(data)[skipped:]
         self._buf += data
         while True:
             if len(self._buf) < HEADER_SIZE:
                 return
             (length,) = _HEADER.unpack_from(self._buf)
             if length > self.max_frame:
-                raise errors.ProtocolError(
-                    f"frame of {length} bytes exceeds the maximum of {self.max_frame}")
+                got = min(len(self._buf) - HEADER_SIZE, length)
+                request_id = _peek_request_id(bytes(self._buf[HEADER_SIZE:HEADER_SIZE + 32]))
+                del self._buf[:HEADER_SIZE + got]
+                self._skip = length - got
+                self.last_size = HEADER_SIZE + got
+                yield OversizedFrame(request_id, length, self.max_frame)
+                continue   # (the buffer is empty while a body is being skipped)
             end = HEADER_SIZE + length
             if len(self._buf) < end:
                 return
             body = bytes(self._buf[HEADER_SIZE:end])
             del self._buf[:end]
+            self.last_size = end
             yield decode_body(body)
 
 

@@ -16,9 +16,13 @@ def test_frames_split_anywhere_decode_the_same():
 
 def test_oversized_length_prefix_refused_before_buffering():
     decoder = protocol.FrameDecoder(max_frame=1024)
-    with pytest.raises(errors.ProtocolError, match="exceeds the maximum"):
-        list(decoder.feed((10**9).to_bytes(4, "big") + b"x"))
+    got = list(decoder.feed((10**9).to_bytes(4, "big") + b"x"))
+    assert len(got) == 1 and isinstance(got[0], protocol.OversizedFrame)
+    assert got[0].length == 10**9 and got[0].request_id == -1
+    assert "exceeds the maximum of 1024" in str(got[0].error())
+    assert isinstance(got[0].error(), errors.ProtocolError)
     assert decoder.buffered < 1024
+    assert list(decoder.feed(b"y" * 4096)) == [] and decoder.buffered == 0   # skipped
 
 
 def test_undecodable_and_trailing_bytes_rejected():

@@ -1,0 +1,274 @@
+"""Steps that outlive their sequences, counts at the int64 edges, frames past the limit,
+and requests queued behind a promotion: each refused with a specific error, nothing
+changed, the connection kept."""
+
+import struct
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+import shmkv
+from shmkv import protocol
+
+L, H, D, BS = 2, 4, 8, 4
+
+
+@pytest.fixture
+def cfg():
+    return shmkv.PoolConfig(num_layers=L, num_kv_heads=H, head_dim=D, num_blocks=64,
+                            block_size=BS, dtype=torch.float32, max_sequences=16,
+                            max_seq_len=10)
+
+
+@pytest.fixture
+def coord(cfg, unique_name):
+    with shmkv.Coordinator(cfg, name=unique_name) as c:
+        yield c
+
+
+@pytest.fixture
+def client(coord):
+    with shmkv.connect(coord.address, timeout=20) as c:
+        yield c
+
+
+def kv(n, value, heads=H):
+    return torch.full((n, heads, D), float(value))
+
+
+def snapshot(coord, client):
+    """The coordinator's counts, with its invariants checked."""
+    coord.table.check_invariants()
+    stats = client.stats()
+    return {k: stats[k] for k in ("free_blocks", "cached_blocks", "referenced_blocks",
+                                  "sequences")}, coord.table.tables.num_free
+
+
+# -- a step rebuilt elsewhere, after its sequence closed (26.3) -----------------------------
+
+def test_a_descriptor_step_never_writes_into_a_block_its_closed_sequence_gave_up(unique_name):
+    cfg = shmkv.PoolConfig(num_layers=L, num_kv_heads=H, head_dim=D, num_blocks=16,
+                           block_size=BS, dtype=torch.float32, tp_size=2)
+    with shmkv.Coordinator(cfg, name=unique_name) as coord, \
+            shmkv.connect(coord.address, tp_rank=0, tp_size=2, timeout=20) as r0, \
+            shmkv.connect(coord.address, tp_rank=1, tp_size=2, timeout=20) as r1, \
+            shmkv.connect(coord.address, timeout=20) as reader:
+        h = r0.allocate(0)
+        step = r0.batch([h]).extend(4)
+        stale = r1.step_from(step.descriptor())      # rank 1's copy of the step
+        stale.write(0, kv(4, 1.0, 2), kv(4, 1.0, 2))  # fine while the sequence lives
+        block = h.block_table.physical_blocks[0]
+        h.close()
+        h2 = r0.allocate(4)                          # takes the block back
+        assert h2.block_table.physical_blocks[0] == block
+        h2.write(0, kv(4, 7.0, 2), kv(4, 7.0, 2), start=0)
+        with pytest.raises(shmkv.StaleStep, match="closed"):
+            stale.write(0, kv(4, -1.0, 2), kv(4, -1.0, 2))
+        with pytest.raises(shmkv.StaleStep):
+            stale.write_all(torch.full((L, 2, 4, 2, D), -1.0))
+        whole = reader.open(h2.export(10))
+        assert torch.equal(whole.key_cache(0)[:, :2], kv(4, 7.0, 2))
+        whole.close()
+
+
+def test_a_descriptor_whose_uniform_count_disagrees_is_refused(client):
+    h = client.allocate(3)
+    step = client.batch([h]).extend([2])
+    desc = bytearray(step.descriptor())
+    header = struct.Struct("<4sBxxxi8sI")
+    magic, version, _uniform, instance, num = header.unpack_from(desc)
+    for uniform in (5, -7):
+        header.pack_into(desc, 0, magic, version, uniform, instance, num)
+        with pytest.raises(shmkv.InvalidArgument, match="malformed step descriptor"):
+            client.step_from(bytes(desc))
+    body = np.frombuffer(bytes(desc[header.size:]), dtype="<i8").copy().reshape(4, num)
+    body[3, 0] = 2**62                                # a count past any sequence
+    header.pack_into(desc, 0, magic, version, -1, instance, num)
+    with pytest.raises(shmkv.InvalidArgument, match="out of range"):
+        client.step_from(bytes(desc[:header.size]) + body.tobytes())
+
+
+# -- counts at the int64 edges, max_seq_len exactly (26.5, 26.6, 26.15) ---------------------
+
+def test_counts_at_the_int64_edges_are_refused_and_change_nothing(coord, client):
+    h = client.allocate(2)
+    batch = client.batch([h])
+    before = snapshot(coord, client)
+    for count in (2**63 - 1, 2**64, 2**100):
+        with pytest.raises(shmkv.LimitExceeded, match="max_seq_len"):
+            batch.extend(count)
+        with pytest.raises(shmkv.LimitExceeded, match="max_seq_len"):
+            batch.extend([count])
+    too_long = (shmkv.LimitExceeded, shmkv.PoolExhausted)   # past max_seq_len, past the pool
+    for count in (2**63 - 1, 2**62, 9):               # straight to the coordinator
+        with pytest.raises(too_long, match="max_seq_len|whole pool"):
+            client.request("extend_batch", ids=protocol.pack_i64s([h._cache_id]), count=count,
+                           slots=protocol.pack_i64s([h._slot]))
+        with pytest.raises(too_long, match="max_seq_len|whole pool"):
+            client.request("extend_batch", ids=protocol.pack_i64s([h._cache_id]),
+                           counts=protocol.pack_i64s([count]))
+        with pytest.raises(too_long, match="max_seq_len|whole pool"):
+            client.request("extend_many", items=[[h._cache_id, count]])
+        with pytest.raises((shmkv.LimitExceeded, shmkv.PoolExhausted)):
+            h.extend(count)
+    with pytest.raises(shmkv.InvalidArgument, match="start must be >= 0"):
+        batch.prefill(start=-1)
+    with pytest.raises(shmkv.InvalidArgument, match="k_scale"):
+        client.set_kv_scales(0, 10**400, 1)
+    assert snapshot(coord, client) == before
+    batch.extend(1).write(0, kv(1, 1.0), kv(1, 1.0))   # the batch still steps
+    assert h.num_tokens == 3
+
+
+def test_allocate_many_at_the_int64_edge_keeps_every_table_slot(coord, client):
+    before = snapshot(coord, client)
+    for _ in range(6):                                # max_sequences=16: would run out
+        with pytest.raises(shmkv.PoolExhausted, match="whole pool"):
+            client.request("allocate_many", counts=protocol.pack_i64s([2**63 - 1, 1]))
+        with pytest.raises(shmkv.LimitExceeded, match="max_seq_len"):
+            client.request("allocate_many", counts=protocol.pack_i64s([11, 1]))
+        with pytest.raises(shmkv.LimitExceeded, match="max_seq_len"):
+            client.allocate_many([2**63 - 1, 1])
+        with pytest.raises(shmkv.LimitExceeded, match="max_seq_len"):
+            client.allocate_many([2**64, 1])
+    assert snapshot(coord, client) == before
+    handles = client.allocate_many([1] * 16)            # every slot is still there
+    client.close_many(handles)
+
+
+def test_max_seq_len_is_enforced_in_tokens_not_whole_blocks(coord, client):
+    # max_seq_len=10, block_size=4: the last block has room for 12, but only 10 are allowed
+    h = client.allocate(10)
+    before = snapshot(coord, client)
+    for grow in (lambda: h.extend(1), lambda: client.batch([h]).extend(1),
+                 lambda: client.batch([h]).extend([2])):
+        with pytest.raises(shmkv.LimitExceeded, match="max_seq_len"):
+            grow()
+    for n in (11, 12):
+        with pytest.raises(shmkv.LimitExceeded, match="max_seq_len"):
+            client.allocate(n)
+        with pytest.raises(shmkv.LimitExceeded, match="max_seq_len"):
+            client.allocate_many([n])
+        with pytest.raises(shmkv.LimitExceeded, match="max_seq_len"):
+            client.allocate(prompt=list(range(n)))
+    assert snapshot(coord, client) == before and h.num_tokens == 10
+    # a kept decode batch stops at the bound too
+    plain = client.allocate_many([8, 8])
+    batch = client.batch(plain)
+    batch.extend(1)
+    batch.extend(1)
+    with pytest.raises(shmkv.LimitExceeded, match="max_seq_len"):
+        batch.extend(1)
+    assert [p.num_tokens for p in plain] == [10, 10]
+    coord.table.check_invariants()
+
+
+# -- frames past the limit (26.7) -------------------------------------------------------------
+
+def test_an_oversized_request_is_split_or_refused_and_the_connection_stays(small_config,
+                                                                           unique_name):
+    cfg = shmkv.PoolConfig(num_layers=1, num_kv_heads=1, head_dim=8, num_blocks=2048,
+                           block_size=16, dtype=torch.float32, max_seq_len=4096)
+    cfg = shmkv.PoolConfig(num_layers=1, num_kv_heads=1, head_dim=8, num_blocks=8192,
+                           block_size=16, dtype=torch.float32, max_seq_len=4096)
+    with shmkv.Coordinator(cfg, name=unique_name, max_frame=64 << 10) as coord, \
+            shmkv.connect(coord.address, timeout=20) as client:
+        assert client.max_frame == 64 << 10
+        running = client.allocate(prompt=list(range(32)))
+        # 24 prompts of 4,000 tokens: over 700 KiB packed, so the client splits them
+        prompts = [[i * 10_000 + t for t in range(4000)] for i in range(24)]
+        handles = client.allocate_many([{"prompt": p} for p in prompts])
+        assert [h.num_tokens for h in handles] == [4000] * 24
+        client.close_many(handles)
+        # too many for the pool across the parts: all or none still
+        free = client.stats()["free_blocks"]
+        with pytest.raises(shmkv.PoolExhausted):
+            client.allocate_many([{"prompt": [i * 10_000 + t for t in range(4000)]}
+                                  for i in range(40)])
+        assert client.stats()["free_blocks"] == free
+        # one request that cannot be split: refused before it is sent
+        with pytest.raises(shmkv.LimitExceeded, match="maximum frame"):
+            client.request("allocate", num_tokens=0, prompt=b"\0" * (80 << 10))
+        # and the coordinator answers one it gets from a peer that does not check
+        body = msgpack.packb([77, "allocate", {"prompt": b"\0" * (80 << 10)}])
+        with client._lock:
+            client._sock.sendall(struct.pack(">I", len(body)) + body)
+            answer = None
+            while answer is None:
+                for obj in client._decoder.feed(client._sock.recv(1 << 16)):
+                    answer = protocol.parse_response(obj)
+        assert answer.request_id == 77 and answer.code == 4
+        assert "exceeds the maximum" in answer.message
+        client.ping()                                  # still connected, sequences alive
+        assert running.is_valid() and running.num_tokens == 32
+        assert client.stats()["sequences"] == 1
+
+
+def test_decoder_skips_an_oversized_body_without_buffering_it():
+    decoder = protocol.FrameDecoder(max_frame=1024)
+    big = msgpack.packb([9, "allocate", {"prompt": b"x" * 5000}])
+    frames = struct.pack(">I", len(big)) + big + protocol.encode_request(10, "ping")
+    got = []
+    for i in range(0, len(frames), 700):              # in pieces, as a socket gives them
+        got += list(decoder.feed(frames[i:i + 700]))
+        assert decoder.buffered < 1024
+    assert isinstance(got[0], protocol.OversizedFrame)
+    assert (got[0].request_id, got[0].length) == (9, len(big))
+    assert protocol.parse_request(got[1]).request_id == 10
+
+
+# -- requests queued behind a promotion (26.11) -----------------------------------------------
+
+def test_requests_held_behind_a_promotion_are_bounded_in_bytes(cfg, unique_name, monkeypatch):
+    import os
+    import selectors
+    import socket
+    import time
+
+    from shmkv import coordinator as coordinator_module
+    monkeypatch.setattr(coordinator_module, "MAX_HELD_BYTES", 8192)
+    cfg = shmkv.PoolConfig(num_layers=L, num_kv_heads=H, head_dim=D, num_blocks=256,
+                           block_size=BS, dtype=torch.float32, max_sequences=16)
+    coord = shmkv.Coordinator(cfg, name=unique_name)
+    coord.open()                                       # served by hand below: no thread
+    selector = selectors.DefaultSelector()
+    mine, theirs = socket.socketpair()
+    try:
+        mine.setblocking(False)
+        conn = coordinator_module._Conn(mine, 7, os.getpid(), coord.max_frame)
+        conn.greeted = True
+        coord._conns[7] = conn
+        coord.table.add_connection(7)
+        selector.register(mine, selectors.EVENT_READ, conn)
+        conn.held = []                                 # as while its promotion is copied in
+        prompt = protocol.pack_i64s(list(range(400)))  # 3.2 KB a request
+        frames = [protocol.encode_request(100 + i, "allocate", {
+            "num_tokens": 0, "prompt": prompt}) for i in range(4)]
+        theirs.sendall(b"".join(frames) + protocol.encode_request(200, "ping"))
+        deadline = time.monotonic() + 10
+        while len(conn.held) < 5:
+            assert time.monotonic() < deadline, f"read {len(conn.held)} of 5 frames"
+            coord._on_readable(conn, selector)
+        assert 0 < conn.held_bytes <= 8192
+        kinds = [type(obj).__name__ for obj in conn.held]
+        assert kinds == ["list", "list", "_Refused", "_Refused", "list"], kinds
+        assert "the limit is 8192" in str(conn.held[2].error)
+        held, conn.held, conn.held_bytes = conn.held, None, 0   # the wait ends
+        for obj in held:                               # answered in order
+            coord._handle(conn, obj)
+        coord._flush(conn, selector)
+        decoder, answers = protocol.FrameDecoder(), []
+        theirs.settimeout(5)
+        while len(answers) < 5:
+            answers += [protocol.parse_response(o) for o in decoder.feed(theirs.recv(1 << 16))]
+        assert [(a.request_id, a.code) for a in answers] == [
+            (100, 0), (101, 0), (102, 9), (103, 9), (200, 0)]
+        assert 7 in coord._conns                       # the connection stays
+        assert coord.table.num_sequences == 2
+        coord.table.check_invariants()
+    finally:
+        selector.close()
+        theirs.close()
+        coord.close()
