@@ -23,10 +23,32 @@ moves whenever a block stops being writable by the sequence that owned it (share
 a fork or a prefix hit, or published), so a writer that checked ``owner`` need not
 check again until the epoch moves.
 
+Keys and bytes: the one invariant every copy keeps. **A block's bytes are only ever
+stored under a key while that block still holds that key.** It is enforced here, next
+to the only code that binds a key (:meth:`BlockPool.publish`) and unbinds it (the
+eviction in :meth:`BlockPool.allocate`): each block has a key generation,
+``key_gen[b]``, that moves at both, so ``(block_key[b], key_gen[b])`` names one
+binding of one key to one block (:meth:`BlockPool.identity`). A published block is
+immutable while it holds its key, so a copy of its bytes is good exactly when the
+binding it started under still stands once its last read is done. Every copy that
+leaves the pool (a host or disk demotion, a Redis write, a ``send_sequence`` move)
+records the identity when it is queued and calls :meth:`BlockPool.still_holds` after
+its last read of the bytes (on the loop when its completion is taken, or, in a worker
+thread of the coordinator, before it publishes the copy anywhere); a copy whose block
+changed is discarded and counted once, in ``num_copies_discarded``
+(:meth:`BlockPool.discard_copies`). A copy into the pool (a promotion, a pull) lands in
+fresh, unkeyed blocks the promotion holds, and checks the same before they are
+published under their keys. The generation moves before the eviction hook runs and
+before the allocation is answered, so nobody can have written the block's new bytes
+while the old binding was still seen standing.
+
 Two hooks serve the tiers under the pool (``shmkv.tiers``), both None without tiers:
 ``newly_cached`` collects blocks that became cached (to be copied down behind the
 caller's back), and ``on_evict(block_id, key)`` is called as a cached block is evicted,
-before anyone can be told to write it.
+before anyone can be told to write it. A third, ``copying`` (a container of block ids,
+or None), names the cached blocks whose copy down a tier is not done yet: eviction
+takes the other cached blocks first (least recently used first), so a block is lost
+to every tier only when nothing safe is left to evict.
 """
 
 from __future__ import annotations
@@ -77,9 +99,14 @@ class BlockPool:
         self._owner_np = owner_np if owner_np is not None else \
             np.frombuffer(self.owner, dtype=np.int64)
         self.epoch = epoch if epoch is not None else array("q", [0])
+        # Key generation per block: moves when a key is bound (publish) and unbound
+        # (eviction); see the module doc. Only the loop writes it.
+        self.key_gen = array("q", bytes(8 * num_blocks))
         self.num_evictions = 0
+        self.num_copies_discarded = 0
         self.newly_cached: Optional[List[int]] = None
         self.on_evict = None
+        self.copying = None   # (tiers) blocks whose copy down a tier is not done
 
     # -- counts ------------------------------------------------------------------------
 
@@ -120,12 +147,15 @@ class BlockPool:
         ids.reverse()  # ascending ids from a fresh pool
         if num > take:   # evictions: the loop's hot path under tiers, so names are local
             popitem, block_key, index = self._cached.popitem, self.block_key, self.prefix_index
-            on_evict = self.on_evict
+            if self.copying:   # blocks already safe in a tier go first
+                popitem = self._victims(num - take)
+            on_evict, key_gen = self.on_evict, self.key_gen
             for _ in range(num - take):
                 block_id, _unused = popitem(last=False)
                 key = block_key[block_id]
                 del index[key]
-                block_key[block_id] = None
+                block_key[block_id] = None   # the one place a key is unbound
+                key_gen[block_id] += 1
                 if on_evict is not None:
                     on_evict(block_id, key)
                 ids.append(block_id)
@@ -143,6 +173,26 @@ class BlockPool:
             ref_cnt[block_id] = 1
             owner[block_id] = block_owner
         return ids
+
+    def _victims(self, num: int):
+        """A ``popitem`` for ``num`` evictions that takes the cached blocks not in
+        ``copying`` first, then those in it, each oldest first. Scans at most ``num``
+        blocks plus those in ``copying`` (the copies in flight and waiting)."""
+        copying, cached, safe, waiting = self.copying, self._cached, [], []
+        for block_id in cached:
+            if block_id not in copying:
+                safe.append(block_id)
+                if len(safe) == num:
+                    break
+            elif len(waiting) < num:
+                waiting.append(block_id)
+        order = iter(safe + waiting)
+
+        def pop(last=False):
+            block_id = next(order)
+            del cached[block_id]
+            return block_id, None
+        return pop
 
     def allocate_each(self, owner_ids: Sequence[int]) -> Optional[List[int]]:
         """One block for each owner (a decode step's new blocks), in that order; None,
@@ -228,12 +278,32 @@ class BlockPool:
         if key in self.prefix_index or self.block_key[block_id] is not None:
             return False
         assert self.ref_cnt[block_id] > 0, f"publish of unreferenced block {block_id}"
-        self.block_key[block_id] = key
+        self.block_key[block_id] = key   # the one place a key is bound
+        self.key_gen[block_id] += 1
         self.prefix_index[key] = block_id
         if self.owner[block_id] != NO_OWNER:  # published blocks are immutable
             self.owner[block_id] = NO_OWNER
             self.epoch[0] += 1
         return True
+
+    # -- keys and bytes (see the module doc) ----------------------------------------------
+
+    def identity(self, block_id: int) -> tuple:
+        """``(key, generation)`` of a block now: what a copy of its bytes records when it
+        is queued (key None: the block holds no key)."""
+        return self.block_key[block_id], self.key_gen[block_id]
+
+    def still_holds(self, block_id: int, key: Optional[bytes], gen: int) -> bool:
+        """True when the block still holds ``key`` under the binding of generation
+        ``gen`` (from :meth:`identity`): a copy of its bytes read before now is good.
+        Called after the copy's last read; reads two values and changes nothing, so a
+        worker thread of the coordinator may call it too."""
+        return self.key_gen[block_id] == gen and self.block_key[block_id] == key
+
+    def discard_copies(self, num: int = 1) -> None:
+        """Count copies dropped because their block changed (loop thread only)."""
+        if num > 0:
+            self.num_copies_discarded += num
 
     # -- checking ----------------------------------------------------------------------
 

@@ -13,10 +13,14 @@ is asked.
   ``SequenceTable.newly_published``; the loop moves it to a bounded queue (full: the
   block is dropped and counted) that a writer thread drains in batches: one pipeline
   of ``EXISTS`` and one of ``SET key value EX ttl`` for the blocks the store lacks
-  (``EXPIRE`` refreshes the ones it has). The writer copies a pool block and checks
-  its ``cancelled`` flag after the copy; the loop sets the flag when the pool evicts
-  the block (the same lock-free rule as ``shmkv.tiers``), so a block reused for other
-  data is never written under the old key.
+  (``EXPIRE`` refreshes the ones it has). A block is written under its key only while
+  it still holds that key (``shmkv.allocator``'s rule, stated there): the commit that
+  published it recorded the binding's identity (key and generation); the loop checks
+  it as it queues the write (the block may have been released, evicted and taken by
+  another sequence in the same turn), and the writer copies the block into its own
+  buffer, checks it again after that last read, and only then ``SET`` s the buffer. A
+  write whose block changed is discarded and counted (the pool's
+  ``copies_discarded``).
 * Lookups: an allocation whose prompt continues past the pool's and the local tiers'
   hits claims the rest of its full blocks from the store, optimistically (those
   blocks are fresh pool blocks it needs anyway). A reader thread asks the store with
@@ -278,11 +282,19 @@ class _Health:
 
 
 class _Put:
-    __slots__ = ("block", "chain", "index", "cancelled")
+    """One block to write: pool block ``block`` holding ``chain[index]`` under key
+    generation ``gen`` when it was published. ``discarded``: the writer found the block
+    changed (the loop counts it when the put comes back)."""
 
-    def __init__(self, block: int, chain: list, index: int):
-        self.block, self.chain, self.index = block, chain, index
-        self.cancelled = False
+    __slots__ = ("block", "chain", "index", "gen", "discarded")
+
+    def __init__(self, block: int, chain: list, index: int, gen: int):
+        self.block, self.chain, self.index, self.gen = block, chain, index, gen
+        self.discarded = False
+
+    def holds(self, pool) -> bool:
+        """The block still holds the key it was published under (see ``_Put``)."""
+        return pool.still_holds(self.block, self.chain[self.index], self.gen)
 
 
 class _Fetch:
@@ -344,7 +356,6 @@ class RemoteTierSet:
         self._fetch_q: deque = deque()       # RemotePromotions waiting for the reader
         self._done: deque = deque()          # RemotePromotions back from the reader
         self._put_done: deque = deque()      # _Puts back from the writer
-        self._writing: dict = {}             # pool block -> its queued or running _Put
         self._threads: List[threading.Thread] = []
         self._clients: dict = {}
         self._client_lock = threading.Lock()
@@ -357,13 +368,11 @@ class RemoteTierSet:
         self._puts_out = 0                   # blocks the writer is done with (writer)
         self.num_promotions_in_flight = 0
         self.counters = {"lookups": 0, "hits": 0, "misses": 0, "writes": 0, "present": 0,
-                         "dropped": 0, "cancelled": 0, "corrupt": 0, "errors": 0,
+                         "dropped": 0, "discarded": 0, "corrupt": 0, "errors": 0,
                          "skipped_lookups": 0, "bytes_read": 0, "bytes_written": 0}
         # [num_blocks, 2 * num_layers, chunk bytes] per rank (shmkv.memory.block_bytes)
         self._pool_u8 = [block_bytes(p) for p in memory.device_pools]
         self._pool_np = None if config.is_cuda else [t.numpy() for t in self._pool_u8]
-        self._chained_evict = self.pool.on_evict        # the local tiers' hook, if any
-        self.pool.on_evict = self._on_evict
         table.newly_published = []
         try:
             self._landing = ThreadPoolExecutor(1, thread_name_prefix="shmkv-redis-land")
@@ -413,13 +422,16 @@ class RemoteTierSet:
         for record in records:
             num_local = self.local.lookup(record.keys) if self.local is not None else 0
             local_rec = store_rec = None
+            gens = record.gens
             if num_local:
                 local_rec = PendingPromotion(record.seq, record.info, record.first,
-                                             record.keys[:num_local], record.blocks[:num_local])
+                                             record.keys[:num_local], record.blocks[:num_local],
+                                             None if gens is None else gens[:num_local])
                 local_records.append(local_rec)
             if num_local < len(record.keys):
                 store_rec = PendingPromotion(record.seq, record.info, record.first + num_local,
-                                             record.keys[num_local:], record.blocks[num_local:])
+                                             record.keys[num_local:], record.blocks[num_local:],
+                                             None if gens is None else gens[num_local:])
                 promo.fetches.append(_Fetch(store_rec, record.seq.keys, store_rec.first))
             promo.pairs.append((record.info, record.info["num_cached"], local_rec, store_rec))
         if local_records:
@@ -445,22 +457,14 @@ class RemoteTierSet:
             if store_rec is None:
                 continue
             lost_locally = local_rec is not None and info["num_cached"] < num_cached
-            num_ok = 0 if lost_locally else fetched[id(store_rec)]
-            self.table.finish_promotion(store_rec, num_ok)
+            num_ok = self.table.finish_promotion(
+                store_rec, 0 if lost_locally else fetched[id(store_rec)])
             self.counters["hits"] += num_ok
             self.counters["misses"] += len(store_rec.blocks) - num_ok
         self.num_promotions_in_flight -= 1
         finished.append(promo)
 
-    # -- loop side: hooks and the turn -----------------------------------------------------------
-
-    def _on_evict(self, block: int, key: bytes) -> None:
-        """The pool evicts a cached block: a write of it not yet copied must not happen."""
-        if self._chained_evict is not None:
-            self._chained_evict(block, key)
-        put = self._writing.pop(block, None)
-        if put is not None:
-            put.cancelled = True
+    # -- loop side: the turn -----------------------------------------------------------------------
 
     def max_wait(self) -> float:
         """As ``TierSet.max_wait``, for the local tiers (the store's threads wake the loop)."""
@@ -483,32 +487,37 @@ class RemoteTierSet:
             promo = done.popleft()
             promo.remote_done = True
             self._maybe_finish(promo, finished)
-        put_done = self._put_done
+        put_done, discarded = self._put_done, 0
         while put_done:
-            put = put_done.popleft()
-            if self._writing.get(put.block) is put:
-                del self._writing[put.block]
+            discarded += put_done.popleft().discarded
+        if discarded:
+            self._discard(discarded)
         published = self.table.newly_published
         if published:  # queued before the list is emptied, so flush() never sees neither
             self._queue_puts(published)
             self.table.newly_published = []
         return finished
 
+    def _discard(self, num: int) -> None:
+        """Count writes dropped because their block changed (loop thread)."""
+        self.counters["discarded"] += num
+        self.pool.discard_copies(num)
+
     def _queue_puts(self, published: list) -> None:
+        """Queue the writes of blocks published this turn (``(block, chain, index,
+        generation)``), those whose block still holds its key: within this turn it may
+        have been released, evicted and taken by another sequence already."""
+        pool = self.pool
+        new = [_Put(block, chain, index, gen) for block, chain, index, gen in published
+               if pool.still_holds(block, chain[index], gen)]
+        if len(new) < len(published):
+            self._discard(len(published) - len(new))
         room = self.spec.max_queue - len(self._puts)
-        if room < len(published):
-            self.counters["dropped"] += len(published) - max(room, 0)
-            published = published[:max(room, 0)]
-        if not published:
+        if room < len(new):
+            self.counters["dropped"] += len(new) - max(room, 0)
+            new = new[:max(room, 0)]
+        if not new:
             return
-        new = []
-        for block, chain, index in published:
-            put = _Put(block, chain, index)
-            old = self._writing.get(block)
-            if old is not None:  # cannot be: a block is published once per allocation
-                old.cancelled = True
-            self._writing[block] = put
-            new.append(put)
         self._puts_in += len(new)
         with self._cv:
             self._puts.extend(new)
@@ -688,9 +697,13 @@ class RemoteTierSet:
             self._puts_out += len(batch)
 
     def _put_batch(self, batch: list, buffers: np.ndarray) -> None:
-        codec, ttl = self.codec, self.spec.ttl
-        live = [put for put in batch if not put.cancelled]
-        self._count(cancelled=len(batch) - len(live))
+        codec, ttl, pool = self.codec, self.spec.ttl, self.pool
+        live = []
+        for put in batch:   # changed while queued: not even asked about
+            if put.holds(pool):
+                live.append(put)
+            else:
+                put.discarded = True
         if not live:
             return
         names = [codec.names(put.chain, put.index, put.index + 1)[0] for put in live]
@@ -710,8 +723,8 @@ class RemoteTierSet:
                     continue
                 buf = buffers[j]
                 self._from_pool(put.block, buf[HEADER_SIZE:])
-                if put.cancelled:  # read after the copy: see the module doc
-                    self._count(cancelled=1)
+                if not put.holds(pool):  # after the copy's last read: see the module doc
+                    put.discarded = True
                     continue
                 key = put.chain[put.index]
                 buf[:HEADER_SIZE] = np.frombuffer(
@@ -800,8 +813,6 @@ class RemoteTierSet:
                 client.close()
             except Exception:
                 pass
-        if getattr(self.pool, "on_evict", None) == self._on_evict:
-            self.pool.on_evict = self._chained_evict
         self.table.newly_published = None
         if self.local is not None:
             self.local.close()

@@ -96,10 +96,13 @@ class PendingPromotion:
     ``info`` is the answer to the request, completed then.
     """
 
-    __slots__ = ("seq", "info", "first", "keys", "blocks")
+    __slots__ = ("seq", "info", "first", "keys", "blocks", "gens")
 
-    def __init__(self, seq: Sequence, info: dict, first: int, keys: list, blocks: list):
+    def __init__(self, seq: Sequence, info: dict, first: int, keys: list, blocks: list,
+                 gens: Optional[list] = None):
         self.seq, self.info, self.first, self.keys, self.blocks = seq, info, first, keys, blocks
+        # each block's key generation when the copy in began (``BlockPool.identity``)
+        self.gens = gens
 
 
 class _Kept:
@@ -441,13 +444,19 @@ class SequenceTable:
                 raise InvalidArgument(f"num_tokens={num_tokens} disagrees with a prompt of "
                                       f"{length} tokens; pass one or make them equal")
             num_tokens = length
-            root = hashing.root_key(salt)
+            root = req.get("root")   # a moved sequence's (shmkv.distributed): its salt's root
+            if root is None:
+                root = hashing.root_key(salt)
+            elif salt is not None or not isinstance(root, bytes) or \
+                    len(root) != hashing.KEY_SIZE:
+                raise InvalidArgument(f"root must be a {hashing.KEY_SIZE}-byte root key, "
+                                      "given without cache_salt")
             keys = self._prompt_keys(req.get("keys"), packed, root)
             tail = hashing.unpack_tokens(packed, len(keys) * self.block_size)
         elif salt is not None:
             raise InvalidArgument("cache_salt needs a prompt")
-        elif req.get("keys") is not None:
-            raise InvalidArgument("keys come with the prompt they were hashed from")
+        elif req.get("keys") is not None or req.get("root") is not None:
+            raise InvalidArgument("keys and root come with the prompt they were hashed from")
         if self._blocks_for(num_tokens) <= self.pool.num_blocks:  # else PoolExhausted below
             self.tables.check_blocks(self._blocks_for(num_tokens),
                                      f"a sequence of {num_tokens} tokens")
@@ -513,7 +522,8 @@ class SequenceTable:
             if promote:
                 self.pool.incref(new[:promote])  # the promotion's own hold
                 self.promotions.append(PendingPromotion(
-                    seq, info, len(hits), keys[len(hits):len(hits) + promote], new[:promote]))
+                    seq, info, len(hits), keys[len(hits):len(hits) + promote], new[:promote],
+                    [self.pool.key_gen[b] for b in new[:promote]]))
         return results
 
     def take_promotions(self) -> List[PendingPromotion]:
@@ -521,17 +531,30 @@ class SequenceTable:
         promotions, self.promotions = self.promotions, []
         return promotions
 
-    def finish_promotion(self, record: PendingPromotion, num_ok: int) -> None:
+    def finish_promotion(self, record: PendingPromotion, num_ok: int) -> int:
         """The bytes of the first ``num_ok`` promoted blocks are in: publish them under
         their keys. A block after them did not arrive (a damaged file), so the hit ends
         there, pool hits past the promoted blocks included: the answer's ``num_cached``
         shrinks and the caller writes the rest (copying those shared blocks on write).
         Drops the promotion's hold (the sequence may be gone by now: its connection
-        closed)."""
+        closed). Returns how many blocks were published (fewer than ``num_ok`` when a
+        block changed under its copy: ``BlockPool.still_holds``)."""
         pool, seq = self.pool, record.seq
+        if record.gens is not None:   # a block that changed under the copy ends the hit
+            for i in range(num_ok):
+                if not pool.still_holds(record.blocks[i], None, record.gens[i]):
+                    pool.discard_copies(num_ok - i)
+                    num_ok = i
+                    break
         for block_id, key in zip(record.blocks[:num_ok], record.keys):
             pool.publish(block_id, key)  # False: the key was published meanwhile; fine
-        lost = seq.num_committed - (record.first + num_ok) if num_ok < len(record.blocks) else 0
+        # The hit ends at this record's first missing block, unless an earlier part of
+        # the same request ended it before (a local part ends, its store part comes
+        # back with nothing): never later than it already ends, so never negative.
+        if num_ok < len(record.blocks):
+            lost = seq.num_committed - min(seq.num_committed, record.first + num_ok)
+        else:
+            lost = 0
         if lost:
             seq.num_committed -= lost
             seq.num_cached -= lost * self.block_size
@@ -543,6 +566,7 @@ class SequenceTable:
             counters["prefix_hit_tokens"] -= lost * self.block_size
             counters["prefix_miss_tokens"] += lost * self.block_size
         pool.decref(reversed(record.blocks))
+        return num_ok
 
     def allocate_counts(self, conn_id: int, counts: Seq[int]) -> tuple:
         """Allocate one plain sequence (no prompt) per count, all or none: the fast form
@@ -1201,14 +1225,21 @@ class SequenceTable:
             if self.pool.publish(seq.block_ids[index], seq.keys[index]):
                 self.counters["published_blocks"] += 1
                 if self.newly_published is not None:
-                    self.newly_published.append((seq.block_ids[index], seq.keys, index))
+                    block_id = seq.block_ids[index]   # with the binding's identity
+                    self.newly_published.append((block_id, seq.keys, index,
+                                                 self.pool.key_gen[block_id]))
         seq.num_committed = max(seq.num_committed, ready)
         return seq.num_committed
 
     # -- references ----------------------------------------------------------------------
 
     def info(self, conn_id: int, cache_id: int) -> dict:
-        return self._info(self._held(conn_id, cache_id))
+        """A held sequence's :meth:`_info`, with ``root``: the root key its prefix keys
+        chain from (its salt's; None without a prompt), which a move carries."""
+        seq = self._held(conn_id, cache_id)
+        out = self._info(seq)
+        out["root"] = seq.root
+        return out
 
     def _info(self, seq: Sequence) -> dict:
         """A sequence's slot in the shared tables, table and length."""
@@ -1347,6 +1378,7 @@ class SequenceTable:
         out = {"num_blocks": pool.num_blocks, "free_blocks": pool.num_free,
                "cached_blocks": pool.num_cached, "referenced_blocks": pool.num_referenced,
                "evictions": pool.num_evictions, "sequences": self.num_sequences,
+               "copies_discarded": pool.num_copies_discarded,
                "connections": len(self.conn_refs), "handoffs": len(self.handoffs),
                "prefix_index_blocks": len(pool.prefix_index)}
         out.update(self.counters)

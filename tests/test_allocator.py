@@ -191,3 +191,31 @@ def test_hashing_is_deterministic_and_chained():
     assert hashing.split_keys(b"") == []
     many = [bytes([i % 256]) * 16 for i in range(hashing._SPLIT_MAX + 3)]
     assert hashing.split_keys(b"".join(many)) == many
+
+
+def test_a_blocks_identity_moves_where_its_key_is_bound_and_unbound():
+    """(key, generation): publish binds, eviction unbinds; a copy recorded under one
+    binding is refused after either, even when the same key comes back (ABA)."""
+    pool = BlockPool(2)
+    key = b"k" * 16
+    [block] = pool.allocate(1, owner_id=1)
+    unkeyed = pool.identity(block)
+    assert unkeyed[0] is None and pool.still_holds(block, None, unkeyed[1])
+    assert pool.publish(block, key)
+    bound = pool.identity(block)
+    assert bound[0] == key and bound[1] != unkeyed[1]
+    assert not pool.still_holds(block, None, unkeyed[1])   # a copy in must not publish
+    pool.decref([block])                                     # cached: keeps its binding
+    pool.incref([block])
+    pool.decref([block])
+    assert pool.still_holds(block, key, bound[1])
+    other = pool.allocate(2, owner_id=2)                     # evicts it
+    assert block in other and not pool.still_holds(block, key, bound[1])
+    pool.publish(block, key)                                 # the same key again
+    assert not pool.still_holds(block, key, bound[1])       # another binding
+    assert pool.still_holds(block, *pool.identity(block))
+    pool.discard_copies(2)
+    pool.discard_copies(0)
+    assert pool.num_copies_discarded == 2
+    pool.check_invariants()
+

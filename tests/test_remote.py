@@ -537,3 +537,107 @@ def test_one_prompt_promoted_from_the_host_tier_and_the_store(redis_server, uniq
         assert torch.equal(hb.with_sequence_length(40).gather_all(), kv[:, :, :40])
         assert _store(b)["hits"] - hits_before == 6      # blocks 4..9 from the store
         assert cb.stats()["tiers"][0]["promotions"] >= 4  # blocks 0..3 from host memory
+
+
+# -- keys and bytes: a block is written under a key only while it holds it -------------------
+
+
+class _Corked:
+    """A client's socket that holds back its first ``count - 1`` writes and sends them
+    with the ``count``-th in one write, so the coordinator reads them in one ``recv`` and
+    serves them in one loop turn (a client pipelining requests)."""
+
+    def __init__(self, sock, count: int):
+        self._sock, self._count, self._held = sock, count, []
+
+    def sendall(self, data) -> None:
+        self._held.append(bytes(data))
+        if len(self._held) == self._count:
+            self._sock.sendall(b"".join(self._held))
+            self._held = []
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+@needs_server
+def test_a_block_reused_in_the_turn_it_was_published_is_never_stored_under_its_old_key(
+        redis_server, unique_name):
+    """Published (commit), released (close_many(wait=False)) and taken by an allocation
+    that evicts it, all in one loop turn: the write queued at the end of that turn must
+    not copy the new owner's bytes (9.0) under the old prefix key (1.0). The store is
+    paused meanwhile, so a write that was queued copies after the new owner wrote."""
+    num_blocks = 8
+    prompt = list(range(700, 700 + BS))           # one full block
+    tier = _tier(redis_server, timeout=5.0)
+    store = redis_server.client()
+    with shmkv.Coordinator(_config(num_blocks=num_blocks), name=unique_name + "a",
+                           tiers=[tier]) as a, \
+            shmkv.connect(a.address, timeout=10) as ca:
+        h = ca.allocate(prompt=prompt)
+        h.write_all(torch.full((3, 2, BS, 4, 8), 1.0), start=0)
+        # the store answers nobody for a second (the tier's timeout is longer)
+        store.execute_command("CLIENT", "PAUSE", "1000", "ALL")
+        real = ca._sock
+        ca._sock = _Corked(real, 3)
+        try:
+            ca._post("commit", cache_id=h._cache_id, num_tokens=BS)
+            ca.close_many([h], wait=False)
+            taker = ca.allocate(num_tokens=num_blocks * BS)   # the whole pool
+        finally:
+            ca._sock = real
+        assert a.table.pool.num_evictions == 1        # the published block was taken
+        taker.write_all(torch.full((3, 2, num_blocks * BS, 4, 8), 9.0), start=0)
+        ca.flush()
+        _flush(a)
+        assert a.stats()["copies_discarded"] == 1
+        assert _store(a)["discarded"] == 1 and _store(a)["writes"] == 0
+        taker.close()
+    with shmkv.Coordinator(_config(), name=unique_name + "b", tiers=[_tier(redis_server)]) as b, \
+            shmkv.connect(b.address, timeout=10) as cb:
+        hb = cb.allocate(prompt=prompt)
+        if hb.num_cached_tokens:                    # a hit must hold the prefix's bytes
+            assert hb.num_cached_tokens == BS
+            assert torch.equal(hb.gather_all(), torch.full((3, 2, BS, 4, 8), 1.0))
+        assert _store(b)["corrupt"] == 0
+
+
+@needs_server
+def test_a_damaged_disk_block_under_the_store_ends_the_hit_where_disk_alone_does(
+        redis_server, unique_name, tmp_path):
+    """4 blocks of a 6-block prompt on disk, block 1's file damaged after a restart
+    indexed it; the store holds nothing. The local part ends after block 0, the store's
+    part comes back with nothing: the hit is 1 block (as with the disk tier alone), not
+    a count that went negative and served the damaged block."""
+    prompt = list(range(900, 900 + 6 * BS))
+    kv = torch.randn(3, 2, len(prompt), 4, 8, generator=torch.Generator().manual_seed(5))
+    disk = tmp_path / "disk"
+    with shmkv.Coordinator(_config(num_blocks=16), name=unique_name + "w",
+                           tiers=[shmkv.DiskTier(disk, 1 << 20)]) as w, \
+            shmkv.connect(w.address, timeout=10) as cw:
+        with cw.allocate(prompt=prompt[:4 * BS]) as h:
+            h.write_all(kv[:, :, :4 * BS].contiguous(), start=0)
+            h.commit()
+        _wait_for(lambda: cw.stats()["tiers"][0]["blocks"] == 4, what="4 blocks on disk")
+    name = hashing.block_keys(prompt, BS, hashing.root_key(None))[1].hex() + ".kv"
+    for tiers in ([shmkv.DiskTier(disk, 1 << 20)],
+                  [shmkv.DiskTier(disk, 1 << 20), _tier(redis_server)]):
+        with shmkv.Coordinator(_config(num_blocks=16), name=unique_name + str(len(tiers)),
+                               tiers=tiers) as c, \
+                shmkv.connect(c.address, timeout=10) as cc:
+            _wait_for(lambda: not c.tiers.io_stats()["scanning"], what="the disk scan")
+            f = disk / "blocks" / name                  # damaged after it was indexed
+            data = bytearray(f.read_bytes())
+            data[-5] ^= 0xFF
+            f.write_bytes(bytes(data))
+            before = cc.stats()
+            h = cc.allocate(prompt=prompt)
+            assert h.num_cached_tokens == BS, tiers
+            assert torch.equal(h.with_sequence_length(BS).gather_all(), kv[:, :, :BS])
+            after = cc.stats()
+            assert after["prefix_hit_blocks"] - before["prefix_hit_blocks"] == 1
+            assert after["prefix_miss_blocks"] - before["prefix_miss_blocks"] == 5
+            h.close()
+            c.table.check_invariants()
+        # the damaged file was removed: put it back for the next round
+        f.write_bytes(bytes(data[:-5]) + bytes([data[-5] ^ 0xFF]) + bytes(data[-4:]))
