@@ -1,35 +1,169 @@
-"""Prometheus metrics of a coordinator, served over HTTP from a thread of its own.
+"""Prometheus metrics of a coordinator, served over HTTP from one thread of its own.
 
-Owns the ``/metrics`` endpoint (the Prometheus text format, made by
-``prometheus_client``) and the names of every series (all ``shmkv_*``, listed in
-``docs/operations.md``). Counters are not kept here: at each scrape the collector
-reads the coordinator's plain ints, its per-op latency buckets and the sequence
-table's counters from this thread (single reads of ints and lists, safe under the
-GIL), so the coordinator's loop does no metrics work beyond adding to a few lists
-(see ``Coordinator._handle``) and never waits on a scrape. Does not change any state
-of the coordinator.
+Owns the ``/metrics`` endpoint (the Prometheus text format, version 0.0.4), the names
+of every series (all ``shmkv_*``, listed in ``docs/operations.md``) and the bounds of
+that endpoint. Counters are not kept here: at each scrape :func:`render` reads the
+coordinator's plain ints, its per-op latency buckets and the sequence table's
+counters (single reads of ints and lists, safe under the GIL), so the coordinator's
+loop does no metrics work beyond adding to a few lists (see ``Coordinator._handle``)
+and never waits on a scrape. Does not change any state of the coordinator.
+
+The endpoint is a surface other local processes (or machines) reach, so it is
+bounded: one thread serves every connection from a selector (no thread per
+connection), at most ``max_connections`` are open (a new one closes the oldest), each
+gets ``timeout`` seconds for its whole exchange, a request head is at most 8 KiB, and
+every error is logged to the ``shmkv.metrics`` logger, never printed. A scrape holds
+the GIL only to format about a hundred lines (:func:`render` writes the text itself,
+tens of microseconds), which keeps the coordinator's loop at its idle latency under
+scraping (``scripts/bench_metrics.py``). Binding anything but a loopback address is
+logged as a warning.
 
 Started by ``Coordinator(..., metrics_port=N)`` (``shmkv serve --metrics-port N``) and
-stopped with it.
+stopped with it. :class:`CoordinatorCollector` gives the same series to a
+``prometheus_client`` registry of the application's own.
 """
 
 from __future__ import annotations
 
+import errno
+import ipaddress
+import logging
+import selectors
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Iterator, Tuple
+from typing import Iterator, List, Optional, Tuple
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
-                                    HistogramMetricFamily)
+from .errors import InvalidArgument, ShmkvError
 
-from .errors import ShmkvError
+log = logging.getLogger("shmkv.metrics")
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+DEFAULT_MAX_CONNECTIONS = 16
+DEFAULT_TIMEOUT = 5.0          # seconds for one connection's whole exchange
+_MAX_HEAD = 8192               # bytes of a request line and headers
+_WARN_EVERY_S = 10.0
+
+
+# -- the series ------------------------------------------------------------------------------
+
+def families(coord) -> List[tuple]:
+    """Every series of one coordinator now: ``[(name, type, help, samples)]`` with
+    ``samples`` as ``[(sample name, ((label, value), ...), number)]``. Counter families
+    are named without ``_total``; their samples carry it."""
+    from .coordinator import LATENCY_BUCKETS
+    table = coord.table
+    if table is None:
+        return []
+    cfg = coord.config
+    counters = dict(table.counters)  # one C-level copy: consistent within itself
+    out = []
+
+    def gauge(name, doc, value):
+        out.append((name, "gauge", doc, [(name, (), value)]))
+
+    def counter(name, doc, value):
+        out.append((name, "counter", doc, [(name + "_total", (), value)]))
+
+    samples = [("shmkv_blocks", (("tier", tier), ("state", state)), num)
+               for tier, states in coord.block_counts().items() for state, num in states.items()]
+    out.append(("shmkv_blocks", "gauge",
+                "Blocks by tier and state: free (no data), cached (unreferenced, kept for "
+                "prefix hits, evictable), referenced (held by a sequence)", samples))
+    gauge("shmkv_pool_blocks", "Blocks in the pool", cfg.num_blocks)
+    gauge("shmkv_pool_bytes", "Bytes of K/V memory in the pool", cfg.nbytes)
+    gauge("shmkv_block_bytes", "Bytes of one block (all layers, K and V)", cfg.block_nbytes)
+    gauge("shmkv_sequences", "Live sequences", table.num_sequences)
+    gauge("shmkv_prefix_index_blocks", "Blocks published in the prefix index",
+          len(table.pool.prefix_index))
+    for name, key, doc in (
+            ("shmkv_prefix_hit_tokens", "prefix_hit_tokens",
+             "Prompt tokens found in the prefix cache at allocation"),
+            ("shmkv_prefix_miss_tokens", "prefix_miss_tokens",
+             "Prompt tokens not found in the prefix cache at allocation"),
+            ("shmkv_prefix_hit_blocks", "prefix_hit_blocks",
+             "Full prompt blocks found in the prefix cache"),
+            ("shmkv_prefix_miss_blocks", "prefix_miss_blocks",
+             "Full prompt blocks not found in the prefix cache"),
+            ("shmkv_cow_copies", "cow_copies", "Blocks copied on write"),
+            ("shmkv_published_blocks", "published_blocks",
+             "Blocks published for prefix reuse (committed by every rank)")):
+        counter(name, doc, counters.get(key, 0))
+    counter("shmkv_evictions", "Cached blocks evicted to make room", table.pool.num_evictions)
+    out.append(("shmkv_handoffs", "counter", "Hand-off tokens by event",
+                [("shmkv_handoffs_total", (("event", event),),
+                  counters.get(f"{event}_handoffs", 0))
+                 for event in ("exported", "opened", "expired")]))
+    gauge("shmkv_handoffs_outstanding", "Hand-off tokens exported and not yet opened or expired",
+          len(table.handoffs))
+    gauge("shmkv_connections_open", "Client connections open now", len(coord._conns))
+    out.append(("shmkv_connections", "counter",
+                "Client connections by event: accepted, refused (another user, or "
+                "max_connections reached), closed (cleanly or not)",
+                [("shmkv_connections_total", (("event", "accepted"),), coord.num_accepted),
+                 ("shmkv_connections_total", (("event", "refused"),), coord.num_refused),
+                 ("shmkv_connections_total", (("event", "closed"),), coord.num_dropped)]))
+    out.append(("shmkv_ops", "counter", "Requests served, by op",
+                [("shmkv_ops_total", (("op", op),), num)
+                 for op, num in sorted(dict(coord.ops_by_type).items())]))
+    counter("shmkv_request_errors", "Requests answered with an error (any code)",
+            coord.num_errors)
+
+    latency = []
+    for op, values in sorted(dict(coord.latency).items()):
+        values = list(values)  # a copy: the loop keeps adding to the original
+        total = 0
+        for bound, num in zip(LATENCY_BUCKETS, values):
+            total += num
+            latency.append(("shmkv_request_duration_seconds_bucket",
+                            (("op", op), ("le", repr(float(bound)))), total))
+        total += values[len(LATENCY_BUCKETS)]
+        latency.append(("shmkv_request_duration_seconds_bucket", (("op", op), ("le", "+Inf")),
+                        total))
+        latency.append(("shmkv_request_duration_seconds_count", (("op", op),), total))
+        latency.append(("shmkv_request_duration_seconds_sum", (("op", op),), values[-1]))
+    out.append(("shmkv_request_duration_seconds", "histogram",
+                "Time the coordinator's loop spent on a request (decode, handle, encode), by op",
+                latency))
+    uptime = time.monotonic() - coord._started_at if coord._started_at else 0.0
+    gauge("shmkv_uptime_seconds", "Seconds since the coordinator opened", uptime)
+    return out
+
+
+def _label(value: str) -> str:
+    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _number(value) -> str:
+    if isinstance(value, int):
+        return str(value)
+    if value != value:
+        return "NaN"
+    if value in (float("inf"), float("-inf")):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value))
+
+
+def render(coord) -> bytes:
+    """The ``/metrics`` body of one coordinator now (Prometheus text format 0.0.4)."""
+    lines = []
+    for name, kind, doc, samples in families(coord):
+        shown = name + "_total" if kind == "counter" else name
+        lines.append(f"# HELP {shown} {doc}")
+        lines.append(f"# TYPE {shown} {kind}")
+        for sample, labels, value in samples:
+            if labels:
+                inner = ",".join(f'{k}="{_label(v)}"' for k, v in labels)
+                lines.append(f"{sample}{{{inner}}} {_number(value)}")
+            else:
+                lines.append(f"{sample} {_number(value)}")
+    lines.append("")
+    return "\n".join(lines).encode()
 
 
 class CoordinatorCollector:
-    """A ``prometheus_client`` collector that reads one coordinator at scrape time.
+    """A ``prometheus_client`` collector of one coordinator's series (the same as
+    ``/metrics``), for an application that exports through a registry of its own.
 
     Args:
         coordinator: a :class:`~shmkv.coordinator.Coordinator` (opened).
@@ -42,150 +176,110 @@ class CoordinatorCollector:
         return []  # registering must not call collect() before the coordinator serves
 
     def collect(self) -> Iterator:
-        from .coordinator import LATENCY_BUCKETS
-        coord = self._coord
-        table = coord.table
-        if table is None:
-            return
-        cfg = coord.config
-        counters = dict(table.counters)  # one C-level copy: consistent within itself
-
-        blocks = GaugeMetricFamily(
-            "shmkv_blocks", "Blocks by tier and state: free (no data), cached (unreferenced, "
-            "kept for prefix hits, evictable), referenced (held by a sequence)",
-            labels=["tier", "state"])
-        for tier, states in coord.block_counts().items():
-            for state, num in states.items():
-                blocks.add_metric([tier, state], num)
-        yield blocks
-        yield GaugeMetricFamily("shmkv_pool_blocks", "Blocks in the pool", value=cfg.num_blocks)
-        yield GaugeMetricFamily("shmkv_pool_bytes", "Bytes of K/V memory in the pool",
-                                value=cfg.nbytes)
-        yield GaugeMetricFamily("shmkv_block_bytes", "Bytes of one block (all layers, K and V)",
-                                value=cfg.block_nbytes)
-        yield GaugeMetricFamily("shmkv_sequences", "Live sequences", value=table.num_sequences)
-        yield GaugeMetricFamily("shmkv_prefix_index_blocks",
-                                "Blocks published in the prefix index",
-                                value=len(table.pool.prefix_index))
-
-        for name, key, doc in (
-                ("shmkv_prefix_hit_tokens", "prefix_hit_tokens",
-                 "Prompt tokens found in the prefix cache at allocation"),
-                ("shmkv_prefix_miss_tokens", "prefix_miss_tokens",
-                 "Prompt tokens not found in the prefix cache at allocation"),
-                ("shmkv_prefix_hit_blocks", "prefix_hit_blocks",
-                 "Full prompt blocks found in the prefix cache"),
-                ("shmkv_prefix_miss_blocks", "prefix_miss_blocks",
-                 "Full prompt blocks not found in the prefix cache"),
-                ("shmkv_cow_copies", "cow_copies", "Blocks copied on write"),
-                ("shmkv_published_blocks", "published_blocks",
-                 "Blocks published for prefix reuse (committed by every rank)")):
-            yield CounterMetricFamily(name, doc, value=counters.get(key, 0))
-        yield CounterMetricFamily("shmkv_evictions", "Cached blocks evicted to make room",
-                                  value=table.pool.num_evictions)
-
-        handoffs = CounterMetricFamily("shmkv_handoffs", "Hand-off tokens by event",
-                                       labels=["event"])
-        for event in ("exported", "opened", "expired"):
-            handoffs.add_metric([event], counters.get(f"{event}_handoffs", 0))
-        yield handoffs
-        yield GaugeMetricFamily("shmkv_handoffs_outstanding",
-                                "Hand-off tokens exported and not yet opened or expired",
-                                value=len(table.handoffs))
-
-        yield GaugeMetricFamily("shmkv_connections_open", "Client connections open now",
-                                value=len(coord._conns))
-        connections = CounterMetricFamily(
-            "shmkv_connections", "Client connections by event: accepted, refused (another "
-            "user, or max_connections reached), closed (cleanly or not)", labels=["event"])
-        connections.add_metric(["accepted"], coord.num_accepted)
-        connections.add_metric(["refused"], coord.num_refused)
-        connections.add_metric(["closed"], coord.num_dropped)
-        yield connections
-
-        ops = CounterMetricFamily("shmkv_ops", "Requests served, by op", labels=["op"])
-        for op, num in sorted(dict(coord.ops_by_type).items()):
-            ops.add_metric([op], num)
-        yield ops
-        yield CounterMetricFamily("shmkv_request_errors",
-                                  "Requests answered with an error (any code)",
-                                  value=coord.num_errors)
-
-        latency = HistogramMetricFamily(
-            "shmkv_request_duration_seconds",
-            "Time the coordinator's loop spent on a request (decode, handle, encode), by op",
-            labels=["op"])
-        for op, values in sorted(dict(coord.latency).items()):
-            values = list(values)  # a copy: the loop keeps adding to the original
-            buckets, total = [], 0
-            for bound, num in zip(LATENCY_BUCKETS, values):
-                total += num
-                buckets.append((repr(bound), total))
-            total += values[len(LATENCY_BUCKETS)]
-            buckets.append(("+Inf", total))
-            latency.add_metric([op], buckets, sum_value=values[-1])
-        yield latency
-        uptime = time.monotonic() - coord._started_at if coord._started_at else 0.0
-        yield GaugeMetricFamily("shmkv_uptime_seconds", "Seconds since the coordinator opened",
-                                value=uptime)
+        from prometheus_client.core import Metric
+        for name, kind, doc, samples in families(self._coord):
+            metric = Metric(name, doc, kind)
+            for sample, labels, value in samples:
+                metric.add_sample(sample, dict(labels), value)
+            yield metric
 
 
-class _Handler(BaseHTTPRequestHandler):
-    registry: CollectorRegistry = None  # set on a subclass per server
+# -- the server ------------------------------------------------------------------------------
 
-    def do_GET(self) -> None:  # noqa: N802 (the http.server name)
-        path = self.path.split("?", 1)[0]
-        if path == "/metrics":
-            body, status, kind = generate_latest(self.registry), 200, CONTENT_TYPE_LATEST
-        elif path == "/":
-            body, status, kind = b"shmkv coordinator: metrics at /metrics\n", 200, "text/plain"
-        else:
-            body, status, kind = b"not found; metrics are at /metrics\n", 404, "text/plain"
-        self.send_response(status)
-        self.send_header("Content-Type", kind)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+class _Http:
+    __slots__ = ("sock", "peer", "deadline", "head", "out", "sent")
 
-    def log_message(self, format, *args) -> None:  # noqa: A002 (the http.server name)
-        pass  # a scrape every few seconds is not news; the library prints nothing itself
+    def __init__(self, sock, peer, deadline):
+        self.sock, self.peer, self.deadline = sock, peer, deadline
+        self.head = bytearray()
+        self.out: Optional[bytes] = None
+        self.sent = 0
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
+def _response(status: str, kind: str, body: bytes, head_only: bool = False) -> bytes:
+    head = (f"HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n").encode("ascii")
+    return head if head_only else head + body
 
 
-class _Server6(_Server):
-    address_family = socket.AF_INET6
+def _bind_address(host: str, port: int) -> Tuple[int, tuple, bool]:
+    """``(family, sockaddr, loopback)`` to bind ``host`` ("" is every IPv4 interface)."""
+    if host is None or not isinstance(host, str):
+        raise InvalidArgument(f"metrics_host must be a string, got {host!r}")
+    name = host or "0.0.0.0"
+    try:
+        infos = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE | socket.AI_NUMERICSERV)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ShmkvError(f"metrics server cannot listen on {host!r}:{port}: the host does "
+                         f"not resolve ({exc})") from None
+    family, _type, _proto, _name, sockaddr = infos[0]
+    try:
+        loopback = ipaddress.ip_address(sockaddr[0].split("%", 1)[0]).is_loopback
+    except ValueError:
+        loopback = False
+    return family, sockaddr, loopback
 
 
 class MetricsServer:
-    """``/metrics`` of one coordinator, served from a daemon thread.
+    """``/metrics`` of one coordinator, served from one daemon thread.
 
     Args:
         coordinator: the coordinator to report.
         port: TCP port (0: any free port; see :attr:`address`).
         host: address to bind; loopback by default (metrics are not secret, but a
-            scrape costs CPU, so exposing them is the operator's choice).
+            scrape costs CPU, so exposing them is the operator's choice). Any other
+            address (``""`` and ``"0.0.0.0"``: every interface) is logged as a warning.
+        max_connections: connections open at once; a new one beyond closes the oldest
+            (so idle connections cannot lock scrapers out).
+        timeout: seconds a connection has to send its request and take the answer.
 
     Raises:
-        ShmkvError: the port cannot be bound (in use, or not allowed).
+        ShmkvError: the port cannot be bound (in use, or not allowed) or the host does
+            not resolve.
+        InvalidArgument: a bad host, limit or timeout.
     """
 
-    def __init__(self, coordinator, port: int, host: str = "127.0.0.1"):
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(CoordinatorCollector(coordinator))
-        handler = type("Handler", (_Handler,), {"registry": self.registry})
-        server_class = _Server6 if ":" in host else _Server
+    def __init__(self, coordinator, port: int, host: str = "127.0.0.1",
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 timeout: float = DEFAULT_TIMEOUT):
+        if isinstance(max_connections, bool) or not isinstance(max_connections, int) \
+                or max_connections < 1:
+            raise InvalidArgument(f"max_connections must be an int >= 1, got "
+                                  f"{max_connections!r}")
+        if not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise InvalidArgument(f"timeout must be a number of seconds > 0, got {timeout!r}")
+        self._coord = coordinator
+        self.max_connections = max_connections
+        self.timeout = float(timeout)
+        self.num_served = 0    # responses sent
+        self.num_closed = 0    # connections closed before an answer (timeout, error, limit)
+        self._stopping = False
+        self._listener = self._wake_r = self._wake_w = None
+        self._conns: dict = {}     # socket -> _Http, oldest first
+        self._warned_at = -_WARN_EVERY_S
+        family, sockaddr, loopback = _bind_address(host, port)
+        listener = socket.socket(family, socket.SOCK_STREAM)
         try:
-            self._server = server_class((host, port), handler)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(sockaddr)
+            listener.listen(64)
+            listener.setblocking(False)
         except OSError as exc:
-            raise ShmkvError(f"metrics server cannot listen on {host}:{port} ({exc.strerror}); "
-                             "choose another metrics port, or 0 for any free one") from None
-        self.address: Tuple[str, int] = tuple(self._server.server_address[:2])
-        self._thread = threading.Thread(target=self._server.serve_forever,
-                                        kwargs={"poll_interval": 0.1},
-                                        name="shmkv-metrics", daemon=True)
+            listener.close()
+            raise ShmkvError(f"metrics server cannot listen on {host}:{port} "
+                             f"({exc.strerror or exc}); choose another metrics port, or 0 "
+                             "for any free one") from None
+        self._listener = listener
+        self.address: Tuple[str, int] = tuple(listener.getsockname()[:2])
+        if not loopback:
+            log.warning("metrics endpoint binds %s (%s): reachable from other machines; pass "
+                        "metrics_host='127.0.0.1' to keep it local",
+                        self.url, "every interface" if sockaddr[0] in ("0.0.0.0", "::")
+                        else "not a loopback address")
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._thread = threading.Thread(target=self._serve, name="shmkv-metrics", daemon=True)
         self._thread.start()
 
     @property
@@ -194,18 +288,182 @@ class MetricsServer:
         host, port = self.address
         return f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
 
-    def close(self) -> None:
-        """Stop serving and release the port. Idempotent."""
-        server, self._server = self._server, None
-        if server is None:
+    # -- serving (the server's thread) ---------------------------------------------------
+
+    def _serve(self) -> None:
+        selector = selectors.DefaultSelector()
+        try:
+            selector.register(self._listener, selectors.EVENT_READ, None)
+            selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+            paused_until = 0.0
+            while not self._stopping:
+                now = time.monotonic()
+                if paused_until and now >= paused_until:
+                    selector.register(self._listener, selectors.EVENT_READ, None)
+                    paused_until = 0.0
+                wait = 1.0
+                if self._conns:
+                    wait = max(0.0, min(wait, next(iter(self._conns.values())).deadline - now))
+                if paused_until:
+                    wait = min(wait, max(0.0, paused_until - now))
+                for key, events in selector.select(wait):
+                    if key.data == "wake":
+                        continue
+                    if key.data is None:
+                        if self._accept(selector):
+                            selector.unregister(self._listener)
+                            paused_until = time.monotonic() + 0.1
+                        continue
+                    if key.data.sock in self._conns:   # (not closed earlier this turn)
+                        self._on_event(key.data, events, selector)
+                self._expire(selector, time.monotonic())
+        except Exception:  # a bug here must not pass silently, nor print
+            log.exception("metrics server stopped by an error")
+        finally:
+            for conn in list(self._conns.values()):
+                self._close(conn, selector)
+            selector.close()
+
+    def _accept(self, selector) -> bool:
+        """Accept what is waiting; True when out of descriptors (pause accepting)."""
+        while True:
+            try:
+                sock, peer = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return False
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    self._warn("out of descriptors (%s): new connections wait",
+                               exc.strerror)
+                    return True
+                log.debug("metrics accept failed: %s", exc)  # ECONNABORTED and the like
+                continue
+            if len(self._conns) >= self.max_connections:
+                oldest = next(iter(self._conns.values()))
+                self._warn("%d connections open (the limit): closed the oldest, from %s",
+                           len(self._conns), oldest.peer)
+                self._close(oldest, selector)
+                self.num_closed += 1
+            sock.setblocking(False)
+            conn = _Http(sock, peer, time.monotonic() + self.timeout)
+            self._conns[sock] = conn
+            selector.register(sock, selectors.EVENT_READ, conn)
+
+    def _on_event(self, conn: _Http, events: int, selector) -> None:
+        try:
+            if conn.out is None:
+                data = conn.sock.recv(4096)
+                if not data:   # gone before asking
+                    self._close(conn, selector)
+                    return
+                conn.head += data
+                end = conn.head.find(b"\r\n\r\n")
+                if end < 0:
+                    end = conn.head.find(b"\n\n")
+                if end < 0:
+                    if len(conn.head) > _MAX_HEAD:
+                        self._answer(conn, _response("431 Request Header Fields Too Large",
+                                                     "text/plain", b"request too large\n"),
+                                     selector)
+                    return
+                self._answer(conn, self._respond(bytes(conn.head[:end])), selector)
+            else:
+                self._send(conn, selector)
+        except OSError as exc:   # reset, broken pipe: the peer's business, not ours
+            log.debug("metrics connection from %s: %s", conn.peer, exc)
+            self._close(conn, selector)
+            self.num_closed += 1
+
+    def _respond(self, head: bytes) -> bytes:
+        parts = head.split(b"\r\n" if b"\r\n" in head else b"\n", 1)[0].split()
+        if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
+            return _response("400 Bad Request", "text/plain", b"bad request\n")
+        method, target = parts[0], parts[1].split(b"?", 1)[0]
+        if method not in (b"GET", b"HEAD"):
+            return _response("405 Method Not Allowed", "text/plain", b"GET /metrics\n")
+        head_only = method == b"HEAD"
+        if target == b"/metrics":
+            return _response("200 OK", CONTENT_TYPE, render(self._coord), head_only)
+        if target == b"/":
+            return _response("200 OK", "text/plain",
+                             b"shmkv coordinator: metrics at /metrics\n", head_only)
+        return _response("404 Not Found", "text/plain",
+                         b"not found; metrics are at /metrics\n", head_only)
+
+    def _answer(self, conn: _Http, response: bytes, selector) -> None:
+        conn.out = response
+        selector.modify(conn.sock, selectors.EVENT_WRITE, conn)
+        self._send(conn, selector)
+
+    def _send(self, conn: _Http, selector) -> None:
+        try:
+            conn.sent += conn.sock.send(memoryview(conn.out)[conn.sent:])
+        except (BlockingIOError, InterruptedError):
             return
-        server.shutdown()
-        server.server_close()
+        if conn.sent >= len(conn.out):
+            self.num_served += 1
+            try:
+                conn.sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+            self._close(conn, selector)
+
+    def _expire(self, selector, now: float) -> None:
+        while self._conns:
+            conn = next(iter(self._conns.values()))
+            if conn.deadline > now:
+                return
+            log.debug("metrics connection from %s: no request within %.1f s, closed",
+                      conn.peer, self.timeout)
+            self._close(conn, selector)
+            self.num_closed += 1
+
+    def _close(self, conn: _Http, selector) -> None:
+        if self._conns.pop(conn.sock, None) is None:
+            return
+        try:
+            selector.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        conn.sock.close()
+
+    def _warn(self, message: str, *args) -> None:
+        now = time.monotonic()
+        if now - self._warned_at >= _WARN_EVERY_S:   # once per interval, not per connection
+            self._warned_at = now
+            log.warning("metrics endpoint %s: " + message, self.url, *args)
+        else:
+            log.debug("metrics endpoint %s: " + message, self.url, *args)
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop serving, close every connection and release the port. Idempotent."""
+        if self._listener is None:
+            return
+        self._stopping = True
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
         self._thread.join(5)
+        if self._thread.is_alive():
+            log.warning("metrics thread did not stop within 5 s")
+        for name in ("_listener", "_wake_r", "_wake_w"):
+            sock = getattr(self, name)
+            if sock is not None:
+                sock.close()
+                setattr(self, name, None)
 
     def forget_after_fork(self) -> None:
-        """In a forked child: close this process's copy of the listening socket (the
-        serving thread exists only in the parent)."""
-        server, self._server = self._server, None
-        if server is not None:
-            server.socket.close()
+        """In a forked child: close this process's copies of the sockets (the serving
+        thread exists only in the parent)."""
+        self._stopping = True
+        for sock in list(self._conns):
+            sock.close()
+        self._conns = {}
+        for name in ("_listener", "_wake_r", "_wake_w"):
+            sock = getattr(self, name)
+            if sock is not None:
+                sock.close()
+                setattr(self, name, None)

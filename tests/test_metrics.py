@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import urllib.request
 
@@ -203,3 +204,126 @@ def test_the_library_prints_nothing_by_itself(tmp_path):
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout == "" and out.stderr == "", (out.stdout, out.stderr)
+
+
+# -- the endpoint is bounded -----------------------------------------------------------------
+
+def parse(text: str) -> dict:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_idle_connections_make_no_threads_and_a_scrape_still_succeeds(small_config,
+                                                                     unique_name):
+    with shmkv.Coordinator(small_config, name=unique_name, metrics_port=0) as coord:
+        host, port = coord.metrics_address
+        scrape(coord)
+        threads = threading.active_count()
+        idle = []
+        try:
+            for _ in range(300):
+                sock = socket.create_connection((host, port), timeout=10)
+                idle.append(sock)
+            assert threading.active_count() == threads          # no thread per connection
+            m = scrape(coord)                                   # a real scrape gets through
+            assert blocks(m, "free") == small_config.num_blocks
+            assert threading.active_count() == threads
+            idle[0].settimeout(10)
+            assert idle[0].recv(1) == b""                       # the oldest were closed
+        finally:
+            for sock in idle:
+                sock.close()
+        assert coord._metrics.num_closed >= 300 - coord._metrics.max_connections
+
+
+def test_an_idle_connection_is_closed_after_its_timeout(small_config, unique_name):
+    from shmkv.metrics import MetricsServer
+    with shmkv.Coordinator(small_config, name=unique_name) as coord:
+        server = MetricsServer(coord, 0, timeout=0.3)
+        try:
+            sock = socket.create_connection(server.address, timeout=10)
+            sock.sendall(b"GET /metr")                          # never finished
+            assert sock.recv(1) == b""                          # closed, not held forever
+            sock.close()
+            with urllib.request.urlopen(server.url, timeout=10) as response:
+                assert b"shmkv_pool_blocks" in response.read()
+            raw = socket.create_connection(server.address, timeout=10)
+            raw.sendall(b"GET /" + b"x" * 10000)                # a head past 8 KiB
+            assert raw.recv(64).startswith(b"HTTP/1.1 431")
+            raw.close()
+        finally:
+            server.close()
+        with pytest.raises(shmkv.InvalidArgument):
+            MetricsServer(coord, 0, max_connections=0)
+
+
+def test_a_client_dropping_early_prints_nothing(tmp_path):
+    script = textwrap.dedent(f"""
+        import socket, struct, time, urllib.request, torch, shmkv
+        cfg = shmkv.PoolConfig(num_layers=1, num_kv_heads=1, head_dim=4, num_blocks=4,
+                               block_size=4, dtype=torch.float32)
+        with shmkv.Coordinator(cfg, address={str(tmp_path / "c.sock")!r},
+                               metrics_port=0) as coord:
+            host, port = coord.metrics_address
+            url = f"http://{{host}}:{{port}}/metrics"
+            def reset(sock):   # close with RST, as a killed scraper does
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                sock.close()
+            for i in range(5):
+                socket.create_connection((host, port), timeout=10).close()
+                s = socket.create_connection((host, port), timeout=10)
+                s.sendall(b"GET /metrics HTTP/1.1\\r\\n")
+                time.sleep(0.05)
+                reset(s)
+                s = socket.create_connection((host, port), timeout=10)
+                s.sendall(b"GET /metrics HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n")
+                reset(s)
+                s = socket.create_connection((host, port), timeout=10)
+                s.sendall(b"\\xff\\xfe garbage\\r\\n\\r\\n")
+                s.close()
+            time.sleep(0.3)
+            with urllib.request.urlopen(url, timeout=10) as response:
+                assert b"shmkv_pool_blocks" in response.read()
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "" and out.stderr == "", (out.stdout, out.stderr)
+
+
+@pytest.mark.parametrize("host", ["", "0.0.0.0"])
+def test_a_bind_beyond_loopback_is_logged(small_config, unique_name, caplog, host):
+    caplog.set_level(logging.WARNING, logger="shmkv")
+    with shmkv.Coordinator(small_config, name=unique_name, metrics_port=0,
+                           metrics_host=host) as coord:
+        assert coord.metrics_address[0] == "0.0.0.0"
+        with urllib.request.urlopen(f"http://127.0.0.1:{coord.metrics_address[1]}/metrics",
+                                    timeout=10) as response:
+            assert response.status == 200
+    warnings = [r.getMessage() for r in caplog.records
+                if r.levelno == logging.WARNING and r.name.startswith("shmkv")]
+    assert any("every interface" in w and "reachable from other machines" in w
+               for w in warnings), warnings
+
+
+def test_a_loopback_bind_logs_no_warning(small_config, unique_name, caplog):
+    caplog.set_level(logging.WARNING, logger="shmkv")
+    with shmkv.Coordinator(small_config, name=unique_name, metrics_port=0):
+        pass
+    assert not [r for r in caplog.records if r.name.startswith("shmkv.metrics")]
+
+
+def test_the_collector_gives_the_endpoints_series(small_config, unique_name):
+    from prometheus_client import CollectorRegistry, generate_latest
+    from shmkv.metrics import CoordinatorCollector
+    with shmkv.Coordinator(small_config, name=unique_name, metrics_port=0) as coord:
+        with shmkv.connect(coord.address, timeout=10) as client:
+            client.allocate(prompt=list(range(8))).close()
+            registry = CollectorRegistry(auto_describe=False)
+            registry.register(CoordinatorCollector(coord))
+            settle(coord, 1)
+            served = scrape(coord)
+            collected = parse(generate_latest(registry).decode())
+    uptime = ("shmkv_uptime_seconds", ())
+    assert served.pop(uptime) > 0 and collected.pop(uptime) > 0
+    assert collected == served        # (a scrape is no request: nothing moved between)
