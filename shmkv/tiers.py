@@ -267,10 +267,12 @@ def check_specs(tiers) -> list:
 class _Entry:
     """One key in one tier. ``ready``: complete and servable. ``pins``: copies reading it."""
 
-    __slots__ = ("slot", "ready", "pins", "from_scan", "doomed")
+    __slots__ = ("slot", "ready", "pins", "from_scan", "doomed", "src_gen")
 
     def __init__(self, slot: int = -1, ready: bool = False, from_scan: bool = False):
         self.slot = slot
+        # a demotion's: the pool block's key generation it was copied under (identity)
+        self.src_gen = -1
         self.ready = ready
         self.pins = 0
         self.from_scan = from_scan   # indexed from the directory at start (not written by us)
@@ -978,6 +980,7 @@ class TierSet:
             slot = self._host_slot()
             if slot is not None:
                 entry = _Entry(slot)
+                entry.src_gen = self.pool.key_gen[block]   # checked as the copy completes
                 host.index[key] = entry
                 copy = _Copy("p2h", key, block=block, slot=slot, entry=entry,
                              gen=0 if self._gens is None else int(self._gens[block]))
@@ -990,6 +993,7 @@ class TierSet:
                 return
             if self._disk_in_flight < MAX_DISK_WRITES_IN_FLIGHT and self._disk_reserve():
                 entry = _Entry()
+                entry.src_gen = self.pool.key_gen[block]   # checked as the copy completes
                 disk.index[key] = entry
                 copy = _Copy("p2d", key, block=block, entry=entry,
                              gen=0 if self._gens is None else int(self._gens[block]))
@@ -1067,6 +1071,16 @@ class TierSet:
         if entry.doomed and not entry.pins:
             self._unpin_doomed(entry, key)
 
+    def _still_holds(self, copy) -> bool:
+        """A demotion's block still holds the key it was copied under (the allocator's
+        rule: ``BlockPool.still_holds``); a copy whose block changed is counted there and
+        discarded by the caller. Checked as its completion is taken, after its last
+        read, before it is published in a tier's index."""
+        if self.pool.still_holds(copy.block, copy.key, copy.entry.src_gen):
+            return True
+        self.pool.discard_copies(1)
+        return False
+
     def _complete(self, job: _Job, finished: list) -> None:
         self._jobs_out -= 1
         promo = job.promotion
@@ -1085,7 +1099,8 @@ class TierSet:
                 if self._reading.get(copy.block) is copy:
                     del self._reading[copy.block]
                 entry = copy.entry
-                if copy.ok and not copy.cancelled and host.index.get(copy.key) is entry:
+                held = self._still_holds(copy)
+                if copy.ok and held and not copy.cancelled and host.index.get(copy.key) is entry:
                     entry.ready = True
                     host.num_ready += 1
                     host.counters["demotions"] += 1
@@ -1105,6 +1120,10 @@ class TierSet:
                     del self._reading[copy.block]
                 entry = copy.entry
                 mine = disk.index.get(copy.key) is entry
+                if op == "p2d" and not self._still_holds(copy):
+                    if copy.ok and not copy.cancelled and (mine or copy.key not in disk.index):
+                        self._new_disk.append(_Copy("del", copy.key))   # renamed in: remove
+                    copy.ok = False
                 if copy.ok and not copy.cancelled:
                     if mine:
                         entry.ready = True

@@ -641,3 +641,32 @@ def test_a_damaged_disk_block_under_the_store_ends_the_hit_where_disk_alone_does
             c.table.check_invariants()
         # the damaged file was removed: put it back for the next round
         f.write_bytes(bytes(data[:-5]) + bytes([data[-5] ^ 0xFF]) + bytes(data[-4:]))
+
+
+def test_a_demotion_whose_block_was_evicted_before_its_completion_was_taken_is_discarded(
+        tmp_path, unique_name, monkeypatch):
+    """A disk demotion still writing (a slow file write) when the pool evicts and reuses
+    its block: as its completion is taken the block no longer holds the key, so the
+    copy is not published in the disk index, its file (if it was renamed in) is removed,
+    and it is counted once in copies_discarded."""
+    import tier_faults
+    from shmkv import tiers as tiers_mod
+    monkeypatch.setattr(tiers_mod, "IO_PROCESS_PRELOAD", tier_faults.spec("slow_disk_write"))
+    num_blocks = 4
+    prompt = list(range(300, 300 + BS))
+    disk = tmp_path / "disk"
+    with shmkv.Coordinator(_config(num_blocks=num_blocks), name=unique_name,
+                           tiers=[shmkv.DiskTier(disk, 1 << 20)]) as c, \
+            shmkv.connect(c.address, timeout=10) as cc:
+        with cc.allocate(prompt=prompt) as h:
+            h.write_all(torch.full((3, 2, BS, 4, 8), 1.0), start=0)
+            h.commit()
+        taker = cc.allocate(num_tokens=num_blocks * BS)        # evicts the cached block
+        assert c.table.pool.num_evictions == 1
+        taker.write_all(torch.full((3, 2, num_blocks * BS, 4, 8), 9.0), start=0)
+        _wait_for(lambda: not cc.stats()["tier_io"]["pending"], what="the tier's copies")
+        st = cc.stats()
+        assert st["copies_discarded"] == 1
+        assert st["tiers"][0]["blocks"] == 0 and st["tiers"][0]["demotions"] == 0
+        taker.close()
+    assert not any(n.endswith(".kv") for n in os.listdir(disk / "blocks"))
