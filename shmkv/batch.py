@@ -249,7 +249,10 @@ class Batch:
             starts = self._num_cached.copy()
         else:
             starts = self._counts(start, "start")[1].copy()   # (its own: positions may view it)
-        current = client._memory.seq_np[self._slots, NUM_TOKENS]
+        if client.lock_free:
+            current = client._memory.seq_np[self._slots, NUM_TOKENS]
+        else:
+            current = client._rows(self._slots, 0)[0][:, NUM_TOKENS]
         if num_tokens is None:
             counts_t = current - starts
             if num and int(counts_t.min()) < 0:
@@ -391,7 +394,7 @@ class Step:
         epoch: with the epoch unchanged, they still are. Its writes check the batch's
         handles and the epoch again, as every step's do.
         """
-        if self._uniform != 1 or self.batch is None:
+        if self._uniform != 1 or self.batch is None or not self.client.lock_free:
             return None
         client = self.client
         memory = client._memory
@@ -489,6 +492,8 @@ class Step:
         memory = self.client._memory
         if max_blocks > memory.layout.max_seq_blocks:
             raise StaleStep("the step's sequences are longer than any table holds")
+        if not self.client.lock_free:
+            return self._asked_tables(max_blocks, ends)
         seq_np, table_np, slot_ids = memory.seq_np, memory.table_np, self._slots
         # The batch's last read, as a private copy: a row whose generation is unchanged
         # holds the same entries, so a decode step re-reads only the rows that grew.
@@ -522,6 +527,20 @@ class Step:
             raise StaleStep("a sequence of this step is shorter than the step says")
         return tables
 
+    def _asked_tables(self, max_blocks: int, ends: np.ndarray) -> np.ndarray:
+        """:meth:`_read_tables` for a client that may not read them lock-free: the rows
+        come from the coordinator (``shmkv.tables``, memory ordering)."""
+        rows, tables, _owner = self.client._rows(self._slots, max_blocks)
+        if not _same(rows[:, CACHE_ID], self._ids):
+            raise StaleStep("a sequence of this step was closed; make a new step")
+        self._generations = rows[:, GENERATION]
+        if self.batch is not None:
+            self.batch._known_tables = (tables.copy(), self._generations)
+            self.batch._kept_state = None
+        if self.batch is None and bool((rows[:, NUM_TOKENS] < ends).any()):
+            raise StaleStep("a sequence of this step is shorter than the step says")
+        return tables
+
     def _patched_tables(self, width: int, grown: np.ndarray,
                         blocks: np.ndarray) -> Optional[np.ndarray]:
         """The batch's rows from its last step's, for a step of a kept batch whose
@@ -550,9 +569,12 @@ class Step:
         place (shared or published since), or -1 when every one is writable."""
         if not self.num_tokens:
             return -1
-        owner = self.client._memory.owner_t.numpy()
         blocks = self.slot_mapping.numpy() // self.client.config.block_size
-        bad = np.flatnonzero(owner[blocks] != self._ids[self._seq_index])
+        if self.client.lock_free:
+            owners = self.client._memory.owner_t.numpy()[blocks]
+        else:
+            owners = self.client._rows(self._slots[:0], 0, blocks)[2]
+        bad = np.flatnonzero(owners != self._ids[self._seq_index])
         return int(bad[0]) if bad.size else -1
 
     def _owned(self) -> bool:
@@ -591,8 +613,10 @@ class Step:
         sequences: before every write, each slot must still hold its sequence (a closed
         sequence's slot is emptied, and a cache id is never reused), so a step that
         outlived one of them never writes into the blocks another sequence got since."""
-        memory = self.client._memory
-        if not _same(memory.seq_np[self._slots, CACHE_ID], self._ids):
+        client = self.client
+        cache_ids = (client._memory.seq_np[self._slots, CACHE_ID] if client.lock_free
+                     else client._rows(self._slots, 0)[0][:, CACHE_ID])
+        if not _same(cache_ids, self._ids):
             raise StaleStep("a sequence of this step was closed since the step was made "
                             "(by the rank that owns it); make a new step (nothing was written)")
 

@@ -30,6 +30,8 @@ import threading
 from array import array
 from typing import Iterable, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from . import protocol
 from .hashing import pack_tokens, packed_block_keys, root_key, token_list
 from .batch import Batch, Step
@@ -37,6 +39,7 @@ from .errors import AccessDenied
 from .errors import (CoordinatorGone, CoordinatorTimeout, HandleClosed, InvalidArgument,
                      OutOfRange, ProtocolError, WrongType)
 from .errors import LimitExceeded
+from .tables import lock_free_reads
 from .handle import KvCacheHandle, SequenceView
 from .layout import PoolConfig
 from .memory import PoolMemory, attach_pool
@@ -164,6 +167,9 @@ class Client:
                 os.close(fd)
         self.pool = self._memory.rank_view(self.tp_rank, self.tp_size)
         self.owner = self._memory.owner
+        # Whether handles and steps read the shared tables lock-free, or ask (``rows``):
+        # see ``shmkv.tables`` on memory ordering.
+        self.lock_free = lock_free_reads()
         self._poll = select.poll()
         self._poll.register(sock, select.POLLHUP | select.POLLERR)
 
@@ -315,6 +321,22 @@ class Client:
             if response.request_id == -1 and response.code:
                 return protocol.exception_for(response.code, response.message)
         return CoordinatorGone(self._gone_message())
+
+    def _rows(self, slots, width: int, blocks=None) -> tuple:
+        """Rows of the shared tables, read by the coordinator (for a client that may not
+        read them lock-free): ``(seq int64 [n, 4], table int32 [n, width], owner int64
+        of each of blocks, or None)``."""
+        args = {"slots": protocol.pack_i64s(np.asarray(slots, dtype=np.int64)),
+                "width": int(width)}
+        if blocks is not None:
+            args["blocks"] = protocol.pack_i64s(np.asarray(blocks, dtype=np.int64))
+        got = self.request("rows", **args)
+        seq = np.frombuffer(got["seq"], dtype="<i8").astype(np.int64).reshape(-1, 4)
+        table = np.frombuffer(got["table"], dtype="<i4").astype(np.int32).reshape(
+            seq.shape[0], int(width))
+        owner = (np.frombuffer(got["owner"], dtype="<i8").astype(np.int64)
+                 if "owner" in got else None)
+        return seq, table, owner
 
     def _check_own(self, handle) -> None:
         if getattr(handle, "_client", None) is not self:

@@ -34,6 +34,8 @@ import weakref
 from bisect import bisect_left
 from typing import Dict, Optional
 
+import numpy as np
+
 from . import protocol, shm
 from .allocator import BlockPool
 from .errors import (AccessDenied, CoordinatorTimeout, InvalidArgument, LimitExceeded,
@@ -1058,6 +1060,25 @@ class Coordinator:
         return self.table.commit_batch(conn.conn_id, protocol.unpack_i64s(ids),
                                        protocol.unpack_i64s(num_tokens), tp_rank,
                                        rank_connection=rank_connection)
+
+    def _op_rows(self, conn, slots, width, blocks=None):
+        """Rows of the shared tables read on the writer's thread (``shmkv.tables``, memory
+        ordering): ``seq`` (int64 ``[n, 4]``), ``table`` (int32 ``[n, width]``) and the
+        ``owner`` of each of ``blocks``."""
+        memory, layout = self.memory, self.memory.layout
+        where = np.frombuffer(slots, dtype="<i8")
+        if not 0 <= width <= layout.max_seq_blocks:
+            raise OutOfRange(f"width {width} outside [0, {layout.max_seq_blocks}]")
+        if where.shape[0] and (int(where.min()) < 0 or int(where.max()) >= layout.max_sequences):
+            raise OutOfRange(f"slots outside [0, {layout.max_sequences})")
+        out = {"seq": memory.seq_np[where].astype("<i8").tobytes(),
+               "table": memory.table_np[where, :width].astype("<i4").tobytes()}
+        if blocks is not None:
+            ids = np.frombuffer(blocks, dtype="<i8")
+            if ids.shape[0] and (int(ids.min()) < 0 or int(ids.max()) >= layout.num_blocks):
+                raise OutOfRange(f"blocks outside [0, {layout.num_blocks})")
+            out["owner"] = memory.owner_t.numpy()[ids].astype("<i8").tobytes()
+        return out
 
     def _op_stats(self, conn):
         return self.stats()

@@ -32,7 +32,7 @@ from . import slots
 from .errors import (HandleClosed, InvalidArgument, OutOfRange, UnknownCache, WrongType)
 from .memory import storage_view
 from .sequences import format_cache_id
-from .tables import read_row
+from .tables import CACHE_ID, GENERATION, NUM_TOKENS, read_row
 
 # Widest plain element types K/V rows are reinterpreted as for indexed copies: torch's
 # CPU index_copy_ moves one element per step, so 16-byte elements make it 8x fewer
@@ -182,6 +182,22 @@ class SequenceView:
         """Read the shared row again (no round trip); returns self."""
         got = read_row(memory.seq, memory.table, memory.layout.max_seq_blocks, block_size,
                        self.slot, self.cache_id, self.generation, len(self.blocks))
+        return self._apply(got)
+
+    def refresh_asking(self, client) -> "SequenceView":
+        """:meth:`refresh` for a client that may not read the tables lock-free: the row
+        comes from the coordinator (``shmkv.tables``, memory ordering)."""
+        width = client._memory.layout.max_seq_blocks
+        seq, table, _owner = client._rows([self.slot], width)
+        row = seq[0]
+        got = None
+        if int(row[CACHE_ID]) == self.cache_id:
+            num_tokens = int(row[NUM_TOKENS])
+            needed = -(-num_tokens // client.config.block_size)
+            got = (num_tokens, int(row[GENERATION]), table[0, :needed].tolist())
+        return self._apply(got)
+
+    def _apply(self, got) -> "SequenceView":
         if got is None:
             raise UnknownCache(f"{format_cache_id(self.cache_id)} no longer exists")
         self.num_tokens, generation, blocks = got
@@ -263,7 +279,10 @@ class KvCacheHandle:
 
     def _view(self) -> SequenceView:
         """The sequence's current row (read from the shared tables)."""
-        return self._state.refresh(self._client._memory, self._client.config.block_size)
+        client = self._client
+        if not client.lock_free:
+            return self._state.refresh_asking(client)
+        return self._state.refresh(client._memory, client.config.block_size)
 
     @property
     def _blocks(self) -> list:

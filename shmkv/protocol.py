@@ -109,6 +109,9 @@ OPS = {
                       "counts": ("i64s", True)},
     "commit_batch": {"ids": ("i64s", True), "num_tokens": ("i64s", True),
                      "tp_rank": ("int", False)},
+    # Rows of the shared tables (and owners of blocks), for readers that may not read
+    # them lock-free (``shmkv.tables.lock_free_reads``).
+    "rows": {"slots": ("i64s", True), "width": ("int", True), "blocks": ("i64s", False)},
 }
 
 

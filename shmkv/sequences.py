@@ -110,7 +110,7 @@ class _Kept:
     slots, and what its checks hold against (``version``, ``conn_steps``)."""
 
     __slots__ = ("ids", "where", "lengths_at", "version", "conn_steps", "steps", "phases",
-                 "added", "objects", "heavy")
+                 "added", "longest", "objects", "heavy")
 
     def __init__(self, ids, where, version: int, conn_steps: int, objects=None):
         self.ids, self.where, self.steps = ids, where, 0
@@ -123,6 +123,7 @@ class _Kept:
         self.heavy = None if objects is None else [s for s in objects if s is not None]
         self.phases = None   # for one token a step: {offset in a block: sequences}
         self.added = 0       # tokens each sequence got since ``phases`` was made
+        self.longest = 0     # the longest sequence's length when ``phases`` was made
 
 
 _NONE = np.zeros(0, dtype=np.int64)
@@ -164,6 +165,7 @@ class SequenceTable:
         arrays: ``(seq, table, owner)`` numpy views of the shared tables and the owner
             array (the same memory ``tables`` and ``pool`` write), for the checks of a
             decode step over a whole batch at once; made over ``tables`` when omitted.
+        max_seq_len: tokens one sequence may hold; default the tables' row, in tokens.
     """
 
     def __init__(self, pool: BlockPool, block_size: int, tp_size: int = 1,
@@ -171,7 +173,8 @@ class SequenceTable:
                  max_handoffs: int = 65536, max_handoff_ttl: float = 3600.0,
                  clock: Callable[[], float] = time.monotonic,
                  tables: Optional[TableWriter] = None, max_sequences: int = 1024,
-                 max_seq_blocks: Optional[int] = None, arrays: Optional[tuple] = None):
+                 max_seq_blocks: Optional[int] = None, arrays: Optional[tuple] = None,
+                 max_seq_len: Optional[int] = None):
         self.pool = pool
         self.block_size = block_size
         self.tp_size = tp_size
@@ -185,6 +188,11 @@ class SequenceTable:
             tables = TableWriter(layout, seq, table)
         self.tables = tables
         layout = tables.layout
+        # Tokens one sequence may hold (PoolConfig.max_seq_len), exactly, not rounded up
+        # to whole blocks. Every count and length is checked against it (in Python ints)
+        # before any array arithmetic, which therefore never leaves int64.
+        self.max_seq_len = max_seq_len if max_seq_len is not None else \
+            layout.max_seq_blocks * block_size
         if arrays is None:
             arrays = (np.frombuffer(tables.seq, dtype=np.int64).reshape(-1, SEQ_FIELDS),
                       np.frombuffer(tables.table, dtype=np.int32).reshape(
@@ -398,6 +406,37 @@ class SequenceTable:
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def _check_length(self, num_tokens: int, what) -> None:
+        """The one bound on a sequence's length, checked before anything changes:
+        ``PoolExhausted`` past what the whole pool holds, else ``LimitExceeded`` past
+        ``max_seq_len``. ``num_tokens`` is a Python int (no wrap-around); ``what`` names
+        the sequence (a str, or a callable making one: most calls pass)."""
+        if num_tokens <= self.max_seq_len:
+            return
+        name = what() if callable(what) else what
+        blocks = self._blocks_for(num_tokens)
+        if blocks > self.pool.num_blocks:
+            raise PoolExhausted(f"pool exhausted: {name} would need {blocks} blocks for "
+                                f"{num_tokens} tokens, the whole pool has "
+                                f"{self.pool.num_blocks}; raise num_blocks")
+        raise LimitExceeded(f"{name}: {num_tokens} tokens, but a sequence holds at most "
+                            f"{self.max_seq_len} (PoolConfig.max_seq_len); raise max_seq_len")
+
+    def _check_counts(self, name: str, counts, lo: int = 0) -> None:
+        """Every one of ``counts`` (ints or an int64 array) lies in ``[lo, max_seq_len]``:
+        ``InvalidArgument`` below, the length check above."""
+        if isinstance(counts, np.ndarray):
+            if not counts.shape[0]:
+                return
+            least, most = int(counts.min()), int(counts.max())
+        else:
+            if not len(counts):
+                return
+            least, most = min(counts), max(counts)
+        if least < lo:
+            raise InvalidArgument(f"{name} must be >= {lo}, got {least}")
+        self._check_length(most, name)
+
     def _prompt_keys(self, sent: Optional[bytes], packed: bytes, root: bytes) -> List[bytes]:
         """The prefix keys of a prompt's full blocks: the ones its client hashed and sent
         (``hashing.packed_block_keys`` of the packed prompt from ``root``), else hashed
@@ -457,9 +496,7 @@ class SequenceTable:
             raise InvalidArgument("cache_salt needs a prompt")
         elif req.get("keys") is not None or req.get("root") is not None:
             raise InvalidArgument("keys and root come with the prompt they were hashed from")
-        if self._blocks_for(num_tokens) <= self.pool.num_blocks:  # else PoolExhausted below
-            self.tables.check_blocks(self._blocks_for(num_tokens),
-                                     f"a sequence of {num_tokens} tokens")
+        self._check_length(num_tokens, "allocate")
         hits = self.pool.lookup(keys) if keys else []
         need = self._blocks_for(num_tokens) - len(hits)
         if need > self.pool.num_blocks:
@@ -575,15 +612,12 @@ class SequenceTable:
         doc). Returns ``(cache_ids, slots)`` as int64 arrays."""
         tokens = np.asarray(counts, dtype=np.int64).reshape(-1)
         num = tokens.shape[0]
-        lo = int(tokens.min()) if num else 0
-        if lo < 0:
-            raise InvalidArgument(f"num_tokens must be >= 0, got {lo}")
+        self._check_counts("num_tokens", tokens)   # (before any arithmetic on them)
         hi = int(tokens.max()) if num else 0
+        lo = int(tokens.min()) if num else 0
         bs, pool, tables = self.block_size, self.pool, self.tables
         blocks = (tokens + bs - 1) // bs
         longest = (hi + bs - 1) // bs
-        if tables.max_seq_blocks < longest <= pool.num_blocks:
-            tables.check_blocks(longest, f"a sequence of {hi} tokens")
         tables.check_slots(num)
         uniform = lo == hi      # (a scheduler admitting requests of one size)
         need = num * longest if uniform else int(blocks.sum())
@@ -651,10 +685,8 @@ class SequenceTable:
             except (OverflowError, TypeError):
                 raise InvalidArgument("token ids must be ints in the int64 range") from None
         partial = seq.num_tokens % self.block_size
+        self._check_length(seq.num_tokens + num, lambda: format_cache_id(seq.cache_id))
         total = self._blocks_for(seq.num_tokens + num)
-        if self.tables.max_seq_blocks < total <= self.pool.num_blocks:  # else PoolExhausted
-            self.tables.check_blocks(total, f"{format_cache_id(seq.cache_id)} at "
-                                            f"{seq.num_tokens + num} tokens")
         need = total - len(seq.block_ids)
         copy_last = bool(num and partial and self._needs_copy(seq, len(seq.block_ids) - 1))
         return seq, num, tokens, need, copy_last
@@ -772,6 +804,10 @@ class SequenceTable:
         """
         if conn_id in self._conn_steps:
             self._conn_steps[conn_id] += 1
+        if isinstance(counts, int):
+            self._check_counts("count", [_check_count("count", counts)])
+        else:
+            self._check_counts("counts", counts)
         if slots is not None and tokens is None and type(counts) is int and counts > 0:
             lens = self._extend_uniform(conn_id, cache_ids, slots, counts)
             if lens is not None:
@@ -779,11 +815,9 @@ class SequenceTable:
         seqs = self._batch_sequences(conn_id, cache_ids)
         num_seqs = len(seqs)
         if isinstance(counts, int):
-            counts = [_check_count("count", counts)] * num_seqs
+            counts = [counts] * num_seqs
         elif len(counts) != num_seqs:
             raise InvalidArgument(f"{len(counts)} counts for a batch of {num_seqs} sequences")
-        elif min(counts, default=0) < 0:
-            raise InvalidArgument(f"counts must be >= 0, got {min(counts)}")
         if tokens is not None:
             if not isinstance(tokens, list) or len(tokens) != num_seqs:
                 raise InvalidArgument(f"tokens must be one list of token ids per sequence "
@@ -797,7 +831,7 @@ class SequenceTable:
                 except (OverflowError, TypeError):
                     raise InvalidArgument("token ids must be ints in the int64 range") from None
         bs, owner, pool = self.block_size, self.pool.owner, self.pool
-        max_blocks = self.tables.max_seq_blocks
+        max_len = self.max_seq_len
         # Pass 1, check and count. Most decode steps add a token to a block the sequence
         # already owns; only the others (a new block, a shared last block) are listed.
         need, special = 0, []
@@ -805,6 +839,8 @@ class SequenceTable:
             if not num:
                 continue
             old = seq.num_tokens
+            if old + num > max_len:
+                self._check_length(old + num, format_cache_id(seq.cache_id))
             have = len(seq.block_ids)
             if old + num <= have * bs and (not old % bs or owner[seq.block_ids[-1]] == seq.cache_id):
                 continue  # the plain case: no block, no copy
@@ -812,9 +848,6 @@ class SequenceTable:
             total = (old + num + bs - 1) // bs
             if total > have:
                 need += total - have
-                if max_blocks < total <= pool.num_blocks:  # else PoolExhausted below
-                    self.tables.check_blocks(total, f"{format_cache_id(seq.cache_id)} at "
-                                                    f"{old + num} tokens")
             if old % bs and owner[seq.block_ids[-1]] != seq.cache_id and \
                     self._needs_copy(seq, have - 1):
                 need += 1
@@ -871,6 +904,8 @@ class SequenceTable:
         lens = seq_np[where, NUM_TOKENS]
         have = self._num_blocks_np[where]
         new = lens + count
+        if int(new.max()) > self.max_seq_len:
+            return None   # the general path names the sequence
         full = (lens % bs) == 0
         last = self._table_np[where, np.maximum(have - 1, 0)]
         writable = full | (self._owner_np[last] == ids)   # the last block, if partial
@@ -930,6 +965,8 @@ class SequenceTable:
         bs, seq_np = self.block_size, self._seq_np
         lens = seq_np[where, NUM_TOKENS]
         new = lens + count
+        if int(new.max()) > self.max_seq_len:
+            return None
         if count == 1:
             grow_at = np.flatnonzero(lens % bs == 0)
         else:
@@ -1012,6 +1049,7 @@ class SequenceTable:
         if kept is None:
             return None
         count = _check_count("count", count, 1)
+        self._check_length(count, "count")
         current = kept.version == self._kept_version and \
             kept.conn_steps == self._conn_steps[conn_id]
         self._conn_steps[conn_id] += 1
@@ -1048,9 +1086,13 @@ class SequenceTable:
             return done[1:]
         bs, seq_flat, at = self.block_size, self._seq_flat, kept.lengths_at
         if kept.phases is None:   # sequences by their length's offset in a block
-            phase = seq_flat[at] % bs
+            lengths = seq_flat[at]
+            phase = lengths % bs
             kept.phases = {p: np.flatnonzero(phase == p) for p in np.unique(phase).tolist()}
             kept.added = 0
+            kept.longest = int(lengths.max())
+        if kept.longest + kept.added + 1 > self.max_seq_len:
+            return None   # (the general path names the sequence)
         grown = kept.phases.get(-kept.added % bs, _NONE)
         kept.added += 1
         blocks = _NONE

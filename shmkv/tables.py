@@ -18,7 +18,8 @@ and reading it without a lock:
   sequence in each slot; entries past its last block are 0.
 
 Writer rules (the coordinator, a single thread, is the only writer). Stores are
-made in this order, and x86-64 keeps stores in program order:
+made in this order, and x86-64 keeps stores in program order (and loads in program
+order, which the reader rule relies on):
 
 * appending blocks (extend): table entries, then ``generation``, then ``num_tokens``;
 * replacing an entry (copy-on-write), taking or freeing a slot: ``lock`` becomes odd,
@@ -29,6 +30,17 @@ entries; read ``lock`` again. The read is good when both lock reads are equal an
 even and the slot still holds the expected ``cache_id``. A reader that sees a
 ``num_tokens`` also sees the entries that cover it. ``generation`` changes whenever
 an entry changes, so a reader may keep a copy of the entries while it is unchanged.
+
+Memory ordering: these rules hold only where the CPU keeps stores in order and loads
+in order (x86-64, which is total store order). On a weakly ordered CPU (aarch64: Grace
+Hopper, Graviton; POWER; RISC-V) a reader could see a length before the entries that
+cover it, and Python has no fence to put between them. There, :func:`lock_free_reads`
+is False and readers do not read the segment lock-free at all: a handle, a batch step
+and a step rebuilt from a descriptor get their rows (and the owners a write checks)
+from the coordinator in a round trip (the ``rows`` op), which reads them on the
+writer's own thread. The socket hand-off between the two processes orders their
+memory, as every lock in the kernel does. ``SHMKV_TABLE_READS=round-trip`` forces the
+fallback anywhere (for tests); ``shared`` is refused off x86.
 
 Bound: ``max_sequences`` live sequences and ``max_seq_blocks`` blocks per sequence,
 both from :class:`~shmkv.layout.PoolConfig`; the segment costs
@@ -42,6 +54,8 @@ over the same segment (``shmkv.memory``).
 
 from __future__ import annotations
 
+import os
+import platform
 from array import array
 from typing import List, Sequence
 
@@ -69,6 +83,15 @@ def run_index(ids: np.ndarray):
 
 
 LOCK, CACHE_ID, NUM_TOKENS, GENERATION = range(SEQ_FIELDS)
+# CPUs that keep stores in order and loads in order (total store order).
+_ORDERED_MACHINES = frozenset({"x86_64", "amd64", "i386", "i686", "x86"})
+
+
+def lock_free_reads(machine: str = "") -> bool:
+    """Whether this process may read the shared tables without a lock (see the module
+    doc): on x86 unless ``SHMKV_TABLE_READS=round-trip``; never elsewhere."""
+    ordered = (machine or platform.machine()).lower() in _ORDERED_MACHINES
+    return ordered and os.environ.get("SHMKV_TABLE_READS", "shared") != "round-trip"
 EPOCH_WORDS = 8  # the epoch and spare words, so the sequence rows stay 64-byte aligned
 
 

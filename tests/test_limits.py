@@ -272,3 +272,55 @@ def test_requests_held_behind_a_promotion_are_bounded_in_bytes(cfg, unique_name,
         selector.close()
         theirs.close()
         coord.close()
+
+
+# -- memory ordering off x86 (26.17): the round-trip fallback -----------------------------------
+
+def test_tables_are_read_lock_free_only_where_loads_and_stores_keep_their_order(monkeypatch):
+    from shmkv.tables import lock_free_reads
+    monkeypatch.delenv("SHMKV_TABLE_READS", raising=False)
+    assert lock_free_reads("x86_64") and lock_free_reads("AMD64")
+    for machine in ("aarch64", "arm64", "ppc64le", "riscv64", "s390x"):
+        assert not lock_free_reads(machine)
+    monkeypatch.setenv("SHMKV_TABLE_READS", "shared")
+    assert not lock_free_reads("aarch64")             # never off x86
+    monkeypatch.setenv("SHMKV_TABLE_READS", "round-trip")
+    assert not lock_free_reads("x86_64")
+
+
+def test_the_round_trip_fallback_reads_what_the_shared_tables_hold(coord, monkeypatch):
+    monkeypatch.setenv("SHMKV_TABLE_READS", "round-trip")
+    with shmkv.connect(coord.address, timeout=20) as slow:
+        monkeypatch.delenv("SHMKV_TABLE_READS")
+        with shmkv.connect(coord.address, timeout=20) as fast:
+            assert not slow.lock_free and fast.lock_free
+            hs = [slow.allocate(prompt=[1, 2, 3, 4, 5]), slow.allocate(3)]
+            batch = slow.batch(hs)
+            steps = [batch.prefill(start=0), batch.extend([1, 2]), batch.extend(1),
+                     batch.extend(1)]
+            assert steps[-1].advance() is None        # no lock-free shortcut
+            for step in steps:
+                ids = step.cache_ids[step.seq_index].to(torch.float32)
+                for layer in range(L):
+                    value = (ids + step.positions)[:, None, None].expand(-1, H, D) + layer
+                    step.write(layer, value.contiguous(), value.contiguous())
+            twin = fast.step_from(steps[-1].descriptor())
+            assert twin.slot_mapping.tolist() == steps[-1].slot_mapping.tolist()
+            assert twin.block_tables.tolist() == steps[-1].block_tables.tolist()
+            again = slow.step_from(steps[-1].descriptor())
+            assert again.block_tables.tolist() == steps[-1].block_tables.tolist()
+            for h in hs:
+                other = fast.open(h.export(10))
+                assert other.block_table == h.block_table and other.num_tokens == h.num_tokens
+                for layer in range(L):
+                    assert torch.equal(other.key_cache(layer), h.key_cache(layer))
+                other.close()
+            # a fork by the other client is seen: the stale step refuses, nothing written
+            fork = fast.open(hs[0].export(10)).fork()
+            with pytest.raises(shmkv.StaleStep):
+                steps[-1].write(0, torch.zeros(2, H, D), torch.zeros(2, H, D))
+            fork.close()
+            hs[1].close()
+            with pytest.raises(shmkv.StaleStep, match="closed"):
+                again.write(0, torch.zeros(2, H, D), torch.zeros(2, H, D))
+            assert slow.stats()["ops_by_type"]["rows"] > 0
