@@ -324,3 +324,17 @@ def test_the_round_trip_fallback_reads_what_the_shared_tables_hold(coord, monkey
             with pytest.raises(shmkv.StaleStep, match="closed"):
                 again.write(0, torch.zeros(2, H, D), torch.zeros(2, H, D))
             assert slow.stats()["ops_by_type"]["rows"] > 0
+
+
+def test_a_rank_connection_commits_only_its_own_shard_per_handle_too(unique_name):
+    cfg = shmkv.PoolConfig(num_layers=L, num_kv_heads=H, head_dim=D, num_blocks=16,
+                           block_size=BS, dtype=torch.float32, tp_size=2)
+    with shmkv.Coordinator(cfg, name=unique_name) as coord, \
+            shmkv.connect(coord.address, tp_rank=0, tp_size=2, timeout=20) as r0, \
+            shmkv.connect(coord.address, timeout=20) as reader:
+        h = r0.allocate(prompt=list(range(8)))
+        for rank in (1, None):   # another rank's shard, or every rank's at once
+            with pytest.raises(shmkv.InvalidArgument, match="commits only its own shard"):
+                r0.request("commit", cache_id=h._cache_id, num_tokens=8, tp_rank=rank)
+        assert h.commit() == 0                        # its own: rank 1 has not committed
+        assert reader.allocate(prompt=list(range(8))).num_cached_tokens == 0
