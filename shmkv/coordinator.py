@@ -963,9 +963,9 @@ class Coordinator:
         return {}
 
     def _op_allocate(self, conn, num_tokens, prompt=None, cache_salt=None, request_id=None,
-                     keys=None):
+                     keys=None, root=None):
         return self.table.allocate(conn.conn_id, num_tokens, prompt, cache_salt, request_id,
-                                   keys)
+                                   keys, root)
 
     def _op_allocate_many(self, conn, requests=None, counts=None):
         if (requests is None) == (counts is None):

@@ -9,18 +9,32 @@ allocates with :meth:`Client.allocate`, fills the new blocks and commits.
 
 The move, one message after another on the pair (``A`` = sender, ``B`` = receiver)::
 
-    A -> B  header: int64[16] (magic, version, status, tokens, token ids, salt bytes,
-                    block layout fingerprint, chunk blocks, block shape for messages)
-    A -> B  token ids int64[n] and the cache salt uint8[k], when the header has them
-    B       allocates the sequence (with the prompt: prefix reuse on B)
+    A -> B  header: int64[16] (magic, version, status, tokens, token ids, root key
+                    bytes, block layout fingerprint, chunk blocks, block shape for
+                    messages)
+    A -> B  token ids int64[n] and the sequence's root key uint8[16], when the header
+            has them
+    B       allocates the sequence (with the prompt under the same root: prefix reuse
+            on B, and B's keys are A's)
     B -> A  reply: int64[4] (status, tokens B already has, blocks to send, 0)
     A -> B  the blocks from the first one B lacks, as uint8 chunks of whole blocks
             (each block's bytes in block order, gathered from and scattered into the
             pool's layer-major storage; double-buffered, so reading the pool, the wire
             and writing the pool overlap)
+    A -> B  trailer: int64[1]: OK when the sequence still had the blocks it was sent
+            from once the last was read (else B discards what it got)
     B       writes the blocks in place
     B -> A  ack: int64[1]
     B       commits every token (publishing its full blocks)
+
+Keys. The root key that A's sequence's prefix keys chain from (its ``cache_salt``'s,
+which A's coordinator keeps) travels with the token ids, so B publishes the blocks
+under A's keys: a salted sequence stays salted without the caller passing its salt.
+
+Bytes. The blocks are read while A's handle holds them; a copy whose sequence no
+longer had them when the last byte was read (its handle closed meanwhile, a block
+replaced) is discarded by B, not published (``shmkv.allocator``'s rule: bytes are
+stored under a key only while the block still holds it).
 
 A prefix that B already holds (the same token ids under the same salt, published on
 B) is not sent: ``num_cached_tokens`` of the handle B gets says how much B had. Layouts
@@ -56,11 +70,11 @@ import torch
 import torch.distributed as dist
 
 from .errors import InvalidArgument, LayoutMismatch, ProtocolError, ShmkvError, WrongType
-from .hashing import token_list
+from .hashing import KEY_SIZE, pack_tokens, packed_block_keys, root_key, token_list
 from .memory import block_bytes
 
 MAGIC = 0x73686D6B76703270          # b"shmkvp2p" as an int64
-VERSION = 1
+VERSION = 2                         # 2: the root key in place of the salt; the trailer
 HEADER_WORDS = 16
 DEFAULT_CHUNK_BYTES = 8 << 20       # bytes per message of K/V (several are in flight)
 MAX_SALT_BYTES = 256
@@ -242,9 +256,11 @@ def send_sequence(handle, dst: int, *, tokens=None, cache_salt: Optional[bytes] 
         handle: a :class:`~shmkv.KvCacheHandle` of a client that sees every head.
         dst: the receiver's global rank.
         tokens: the sequence's token ids (one per token of ``handle``): the receiver
-            reuses its cached prefix and publishes the blocks under their prefix keys.
-            Without them every block is sent and none is published on the receiver.
-        cache_salt: the salt ``handle``'s sequence was allocated with, if any.
+            reuses its cached prefix and publishes the blocks under their prefix keys,
+            chained from the root key of the sequence's salt (its coordinator keeps
+            it). Without them every block is sent and none is published on the receiver.
+        cache_salt: the salt ``handle``'s sequence was allocated with, if any: checked
+            against the one its coordinator knows (it need not be passed).
         group: the process group (default: the default group).
         timeout: seconds any one wait may take.
         chunk_bytes: bytes per message of K/V (rounded to whole blocks).
@@ -275,6 +291,15 @@ def send_sequence(handle, dst: int, *, tokens=None, cache_salt: Optional[bytes] 
         if cache_salt is not None and (not isinstance(cache_salt, bytes)
                                        or len(cache_salt) > MAX_SALT_BYTES):
             raise WrongType(f"cache_salt must be bytes of at most {MAX_SALT_BYTES}")
+        root = None
+        if ids is not None:   # the root its keys chain from, as its coordinator has it
+            handle._check_open()
+            root = client.request("info", cache_id=handle._cache_id).get("root")
+            if cache_salt is not None and root is not None and root != root_key(cache_salt):
+                raise InvalidArgument("cache_salt is not the salt the sequence was allocated "
+                                      "with (its coordinator keeps that one: leave it out)")
+            if root is None:   # allocated without a prompt: no salt, the default root
+                root = root_key(cache_salt)
         blocks = list(handle.block_table.physical_blocks)
     except BaseException:
         header[2] = ERR_SENDER
@@ -282,13 +307,13 @@ def send_sequence(handle, dst: int, *, tokens=None, cache_salt: Optional[bytes] 
         raise
     header[3] = num_tokens
     header[4] = len(ids) if ids is not None else 0
-    header[5] = len(cache_salt) if cache_salt else 0
-    # The header, ids and salt go out together, and the reply is awaited at once.
+    header[5] = len(root) if root is not None else 0
+    # The header, ids and root go out together, and the reply is awaited at once.
     out = [torch.tensor(header, dtype=torch.int64, device=device)]
     if ids:
         out.append(torch.tensor(ids, dtype=torch.int64, device=device))
-    if cache_salt:
-        out.append(torch.frombuffer(bytearray(cache_salt), dtype=torch.uint8).to(device))
+    if root is not None:
+        out.append(torch.frombuffer(bytearray(root), dtype=torch.uint8).to(device))
     works = [link.isend(t) for t in out]
     reply = torch.empty(4, dtype=torch.int64, device=device)
     reply_work = link.irecv(reply)
@@ -327,6 +352,16 @@ def send_sequence(handle, dst: int, *, tokens=None, cache_salt: Optional[bytes] 
             slot = 1 - slot
         for work in [w for w in staged if w is not None]:
             link.wait(work, "sending K/V")
+    # After the last read: did the sequence still have the blocks it was read from?
+    try:
+        same = list(handle.block_table.physical_blocks[:len(blocks)]) == blocks
+    except ShmkvError:   # closed meanwhile
+        same = False
+    link.send_i64([OK if same else ERR_SENDER], "sending the trailer")
+    if not same:
+        raise MoveFailed("the sequence lost or replaced its blocks while they were sent "
+                         "(its handle closed, or a block copied on write): the receiver "
+                         "discarded them")
     ack = link.recv_i64(1, "receiving the acknowledgement")[0]
     if ack != OK:
         raise MoveFailed(f"rank {dst} failed to store the sequence: "
@@ -374,13 +409,16 @@ def recv_sequence(client, src: int, *, group=None, request_id: Optional[str] = N
     status, num_tokens, num_ids, salt_len = header[2:6]
     if status != OK:
         raise MoveFailed(f"rank {src} could not send the sequence (its own error says why)")
+    if salt_len not in (0, KEY_SIZE) or (salt_len and not num_ids):
+        link.send_i64([ERR_HEADER, 0, 0, 0], "sending the reply")
+        raise ProtocolError(f"rank {src} sent a root key of {salt_len} bytes")
     ids_t = torch.empty(num_ids, dtype=torch.int64, device=device)
     salt_t = torch.empty(salt_len, dtype=torch.uint8, device=device)
     works = [link.irecv(t) for t in (ids_t, salt_t) if t.numel()]
     for work in works:
         link.wait(work, "receiving the token ids")
     ids = ids_t.tolist() if num_ids else None
-    salt = bytes(salt_t.cpu().numpy()) if salt_len else None
+    root = bytes(salt_t.cpu().numpy()) if salt_len else None
     if header[6:8] != _fingerprint_words(config):
         link.send_i64([ERR_LAYOUT, 0, 0, 0], "sending the reply")
         raise LayoutMismatch(
@@ -392,8 +430,15 @@ def recv_sequence(client, src: int, *, group=None, request_id: Optional[str] = N
             f"{config.tp_size}")
     chunk_blocks = header[8]
     try:
-        handle = client.allocate(num_tokens=num_tokens, prompt=ids, cache_salt=salt,
-                                 request_id=request_id)
+        if root is None:
+            handle = client.allocate(num_tokens=num_tokens, prompt=ids, request_id=request_id)
+        else:   # the sender's keys: its prompt under its root (its salt's)
+            packed = pack_tokens(ids)
+            req = {"num_tokens": num_tokens, "prompt": packed, "root": root,
+                   "keys": b"".join(packed_block_keys(packed, config.block_size, root))}
+            if request_id is not None:
+                req["request_id"] = request_id
+            handle = client._handle(client.request("allocate_many", requests=[req])[0])
     except ShmkvError:  # pool exhausted, a bad prompt, the coordinator gone
         link.send_i64([ERR_ALLOCATE, 0, 0, 0], "sending the reply")
         raise
@@ -445,6 +490,9 @@ def recv_sequence(client, src: int, *, group=None, request_id: Optional[str] = N
             _sync(rows.device)
         if reply_work is not None:
             link.wait(reply_work, "sending the reply")
+        if link.recv_i64(1, "receiving the trailer")[0] != OK:
+            raise MoveFailed(f"rank {src} no longer had the blocks it sent when it had read "
+                             "them; they are discarded")
         link.send_i64([OK], "sending the acknowledgement")  # the bytes are in place
         handle.commit(num_tokens)
     except BaseException:

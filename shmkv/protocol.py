@@ -80,7 +80,7 @@ OPS = {
     "ping": {},
     "allocate": {"num_tokens": ("int", True), "prompt": ("tokens", False),
                  "cache_salt": ("bytes", False), "request_id": ("str", False),
-                 "keys": ("bytes", False)},
+                 "keys": ("bytes", False), "root": ("bytes", False)},
     "allocate_many": {"requests": ("list", False), "counts": ("i64s", False)},
     "extend": {"cache_id": ("int", True), "num_tokens": ("int", True),
                "tokens": ("ints", False)},

@@ -517,7 +517,9 @@ class SequenceTable:
         "request_id": str, "keys": bytes}``. With a prompt, the longest published prefix
         of full blocks is reused and ``num_cached`` says how many tokens are already
         present. ``keys``: the prompt's full blocks' prefix keys, as its client hashed
-        them (see :meth:`_prompt_keys`); hashed here when absent.
+        them (see :meth:`_prompt_keys`); hashed here when absent. ``root`` (instead of
+        ``cache_salt``): the root key the keys chain from, as :meth:`info` gives it (a
+        sequence moved from another node keeps its salt's keys).
         """
         plans = [self._plan_allocate(req) for req in requests]
         self.tables.check_slots(len(plans))
@@ -639,11 +641,12 @@ class SequenceTable:
         return cache_ids, slot_ids
 
     def allocate(self, conn_id: int, num_tokens: int = 0, prompt=None, cache_salt=None,
-                 request_id=None, keys=None) -> dict:
+                 request_id=None, keys=None, root=None) -> dict:
         """Allocate one sequence (see :meth:`allocate_many`)."""
         return self.allocate_many(conn_id, [{"num_tokens": num_tokens, "prompt": prompt,
                                              "cache_salt": cache_salt,
-                                             "request_id": request_id, "keys": keys}])[0]
+                                             "request_id": request_id, "keys": keys,
+                                             "root": root}])[0]
 
     # -- extend --------------------------------------------------------------------------
 

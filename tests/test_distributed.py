@@ -73,7 +73,7 @@ def _run(role, client, sd, prompt, extra):
                 h.extend(len(prompt[lo:lo + BS]), tokens=prompt[lo:lo + BS])
                 others.append(client.allocate(1))
         else:
-            h = client.allocate(prompt=prompt)
+            h = client.allocate(prompt=prompt, cache_salt=extra.get("salt"))
         h.write_all(kv_for(prompt, 0, h.num_heads, h.head_dim).to(h.device), start=0)
         h.commit()
         stats = sd.send_sequence(h, 1, tokens=prompt, timeout=20,
@@ -84,7 +84,7 @@ def _run(role, client, sd, prompt, extra):
     # role B: maybe hold a prefix already, receive, then decode on
     cached = extra.get("cached", 0)
     if cached:
-        pre = client.allocate(prompt=prompt[:cached])
+        pre = client.allocate(prompt=prompt[:cached], cache_salt=extra.get("salt"))
         pre.write_all(kv_for(prompt[:cached], 0).to(pre.device), start=0)
         pre.commit()
         pre.close()  # its blocks stay cached, published
@@ -107,10 +107,15 @@ def _run(role, client, sd, prompt, extra):
     expected = kv_for(prompt + new, 0)
     decoded = decoded and torch.equal(k.cpu(), expected[1, 0]) and \
         torch.equal(v.cpu(), expected[1, 1])
-    again = client.allocate(prompt=prompt + new)  # published on B: a full prefix hit now
+    salt = extra.get("salt")
+    # published on B (under the sender's salt): a full prefix hit now
+    again = client.allocate(prompt=prompt + new, cache_salt=salt)
     reused = again.num_cached_tokens
     again.close()
     info = (*received, reused)
+    if salt is not None:   # and none without the salt
+        with client.allocate(prompt=prompt + new) as unsalted:
+            info += (unsalted.num_cached_tokens,)
     h.close()
     return "ok", info, digest, same, decoded
 
@@ -203,3 +208,19 @@ def test_cuda_pools_move_over_nccl(unique_name):
     stats, digest_a = _ok(out, "A")
     info, digest_b, same, decoded = _ok(out, "B")
     assert same and decoded and digest_a == digest_b and stats.num_reused_tokens == 8
+
+
+def test_a_salted_sequence_is_published_under_its_salt_on_b_without_passing_it(unique_name):
+    """A allocated the sequence with a cache salt and sends it without ``cache_salt``:
+    B's blocks are published under the salted keys (its coordinator knew the salt's
+    root), so B hits them with that salt and never without it; a prefix B held under
+    the salt is reused."""
+    prompt = list(range(40, 70))              # 30 tokens
+    salt = b"tenant-7"
+    out = _move(unique_name, prompt, a_extra={"salt": salt},
+                b_extra={"salt": salt, "cached": 8})
+    stats, digest_a = _ok(out, "A")
+    info, digest_b, same, decoded = _ok(out, "B")
+    assert same and decoded and digest_a == digest_b
+    assert info == (30, 8, 32, 0)             # 8 reused under the salt, 32 hit, 0 unsalted
+    assert stats.num_reused_tokens == 8
