@@ -14,11 +14,17 @@ and by how many keys they need, so a batch of decodes of similar lengths is one
 Each group gathers only the blocks its sequences use (``index_select`` of whole
 pages) and computes in the query's dtype; nothing is upcast to float32. Quantized
 pages (float8, int8) are converted to the query's dtype as they are gathered and
-multiplied by the caller's ``k_scale`` / ``v_scale``. On CPU, a group of one query
-per sequence (decode) in float32, bfloat16 or float16 goes to the native kernel
-instead (``shmkv.native``, built from C on first use): it reads each sequence's pages
-in place, once, with no gathered copy and no padding to the longest member; where it
-is not built (no C compiler, ``SHMKV_NATIVE=0``) the torch path above runs. On a GPU,
+multiplied by the caller's ``k_scale`` / ``v_scale`` (in float32, rounded once to the
+query's dtype). Key slots a group gathers that lie outside a member's length (the rest
+of its last block, pages standing in for a shorter member's missing blocks, which
+belong to other sequences) are set to zero in the gathered copy before any product: a
+mask alone does not stop NaN or inf there (``0 * NaN`` in P@V, ``inf - inf`` in the
+scores), so whatever bytes lie there contribute exactly nothing (zeroing only those
+slots costs next to nothing). On CPU, a group of one query per sequence (decode) in
+float32, bfloat16 or float16 goes to the native kernel instead (``shmkv.native``,
+built from C on first use): it reads each sequence's pages in place, once, with no
+gathered copy and no padding to the longest member, and no key past a length; where
+it is not built (no C compiler, ``SHMKV_NATIVE=0``) the torch path above runs. On a GPU,
 FlashAttention's ``flash_attn_with_kvcache(..., block_table=)`` and FlashInfer's paged
 kernels read the same pages in place, without the gather (see ``docs/transformers.md``).
 
@@ -290,8 +296,8 @@ def paged_attention(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.T
         query: the query tokens, in one of the forms above.
         k_pages, v_pages: ``[num_blocks, block_size, num_kv_heads, head_dim]``, e.g.
             from ``handle.paged_kv(layer)``. Any strides (pool views are fine). Key
-            slots past a sequence's length inside its gathered blocks are masked; they
-            must hold finite values, as pool memory does.
+            slots past a sequence's length contribute nothing, whatever they hold (NaN,
+            inf, another sequence's values); the pages are only read.
         block_table: ``[batch, max_blocks]`` integer page ids (int32 as handles give
             them). Entries past a sequence's last block are ignored, whatever they hold.
         seq_lens: ``[batch]`` K/V tokens of each sequence, its new tokens included (a
@@ -312,7 +318,8 @@ def paged_attention(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.T
         k_scale, v_scale: dequantization scales of a quantized pool (float8 or int8
             pages): the value of a stored element is ``stored * scale``. A number, or a
             tensor of one element or of ``[num_kv_heads]`` (one per K/V head). Pages
-            are converted to the query's dtype as they are gathered, then scaled;
+            are converted to the query's dtype as they are gathered, then scaled in
+            float32 (either form; the product is rounded once to the query's dtype);
             ``client.kv_scales(layer)`` gives what was kept beside the pool. Default 1.
         plan: a :class:`PagedAttentionPlan` built from this step's block table and
             lengths, instead of ``block_table``, ``seq_lens``, ``causal``,
@@ -408,15 +415,31 @@ def _readable(dtype: torch.dtype) -> bool:
 
 
 def _as_scale(name: str, value: ScaleLike, num_kv_heads: int, query: torch.Tensor):
-    """None (no scaling), a float, or a ``[1, num_kv_heads, 1, 1]`` tensor in the query's
-    dtype and device (broadcast over ``[batch, kv_heads, keys, head_dim]``)."""
+    """None (no scaling), a float, a tuple of one float per K/V head, or (per-head scales
+    on a GPU, kept there: reading them back would sync) a ``[1, num_kv_heads, 1, 1]``
+    float32 tensor (float64 for a float64 query) on the query's device.
+
+    Never a tensor of the query's dtype: :func:`_apply_scale` multiplies by a Python
+    number or a float32 tensor, which computes in float32 and rounds the product once,
+    where a scale rounded to a half dtype first loses its precision (a small one becomes
+    a float16 subnormal, with a few bits left)."""
     if value is None:
         return None
     if isinstance(value, torch.Tensor):
+        if value.dtype.is_complex or value.dtype == torch.bool:
+            raise TypeError(f"{name} must hold real numbers, got {value.dtype}")
         if value.numel() == 1:
             value = float(value)
         elif value.dim() == 1 and value.shape[0] == num_kv_heads:
-            return value.to(device=query.device, dtype=query.dtype).view(1, -1, 1, 1)
+            if value.device.type != "cpu":
+                dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+                return value.to(device=query.device, dtype=dtype).view(1, -1, 1, 1)
+            per_head = value.tolist()
+            if not all(math.isfinite(x) for x in per_head):
+                raise ValueError(f"{name} must be finite, got {per_head}")
+            if any(x != per_head[0] for x in per_head):
+                return tuple(float(x) for x in per_head)
+            value = float(per_head[0])
         else:
             raise ValueError(f"{name} must be a number, one value, or [num_kv_heads="
                              f"{num_kv_heads}] values, got shape {tuple(value.shape)}")
@@ -425,6 +448,31 @@ def _as_scale(name: str, value: ScaleLike, num_kv_heads: int, query: torch.Tenso
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
     return None if value == 1 else float(value)
+
+
+def _apply_scale(x: torch.Tensor, scale) -> None:
+    """Multiply gathered ``[size, kv_heads, keys, head_dim]`` K or V (a copy, never the
+    pages) by a scale of :func:`_as_scale`, in place. Torch multiplies a half tensor by a
+    Python number, or by a float32 tensor, in float32 and rounds once: a number and the
+    same number per head give the same bits. Per head on the CPU, one multiply each: a
+    float32 tensor there would go through a mixed-dtype loop (2.5x slower, measured)."""
+    if isinstance(scale, tuple):
+        for head, value in enumerate(scale):
+            x[:, head].mul_(value)
+    else:
+        x.mul_(scale)
+
+
+# Integer dtypes by element size: gathered slots are zeroed through one of these views
+# (all bits zero is +0 in every float format, float8 included, whose fills torch lacks).
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _zero_slots(gathered: torch.Tensor, slots: torch.Tensor) -> None:
+    """Zero key slots ``slots`` (rows of ``[blocks * block_size, ...]``) of a contiguous
+    gathered ``[blocks, block_size, kv_heads, head_dim]`` copy, in place."""
+    rows = gathered.view(_BITS[gathered.element_size()])
+    rows.view(-1, rows.shape[2] * rows.shape[3]).index_fill_(0, slots, 0)
 
 
 def _page_outside(num_blocks: int) -> ValueError:
@@ -481,7 +529,8 @@ class _Group:
     """One SDPA call of a plan: its members' gather index, query rows and mask."""
 
     __slots__ = ("index", "size", "count", "blocks", "num_keys", "row0", "rows", "mask",
-                 "grouped", "is_causal", "whole", "_held", "_kv", "lens", "_native")
+                 "grouped", "is_causal", "whole", "_held", "_kv", "lens", "_native",
+                 "outside")
 
     def __init__(self, table: torch.Tensor, group: List[_Seq], causal: bool, num_heads: int,
                  num_kv_heads: int, block_size: int, device: torch.device,
@@ -516,6 +565,15 @@ class _Group:
                                      device=query_device)
 
         pad = any(s.num_keys < num_keys for s in group)
+        # Rows of the gathered [size * blocks * block_size] key slots that lie past their
+        # member's length (its last block's tail, and the page-0 stand-ins above): zeroed
+        # in the gathered copy, since the mask cannot stop NaN or inf held there.
+        self.outside = None
+        if pad:
+            lengths = torch.tensor([s.num_keys for s in group], device=device)
+            past = torch.arange(num_keys, device=device)[None, :] >= lengths[:, None]
+            member, pos = past.nonzero(as_tuple=True)
+            self.outside = member * (blocks * block_size) + pos
         restrict = causal and any(s.start < s.num_keys - 1 for s in group)
         # Each member's key count, when that is all its mask says: one query each, which
         # sees every key of its sequence (the native kernel's case); else None.
@@ -561,13 +619,18 @@ class _Group:
                 self._kv = None
             torch.index_select(k_pages, 0, index, out=held[1])
             torch.index_select(v_pages, 0, index, out=held[2])
+            if self.outside is not None:
+                _zero_slots(held[1], self.outside)
+                _zero_slots(held[2], self.outside)
             kv = self._kv
             if kv is None:
                 kv = self._kv = (held[3][:, :, :self.num_keys], held[4][:, :, :self.num_keys])
             return kv
-        k = self._keys(k_pages.index_select(0, index))[:, :, :self.num_keys]
-        v = self._keys(v_pages.index_select(0, index))[:, :, :self.num_keys]
-        return k, v
+        k, v = k_pages.index_select(0, index), v_pages.index_select(0, index)
+        if self.outside is not None:
+            _zero_slots(k, self.outside)
+            _zero_slots(v, self.outside)
+        return (self._keys(k)[:, :, :self.num_keys], self._keys(v)[:, :, :self.num_keys])
 
     def _keys(self, gathered: torch.Tensor) -> torch.Tensor:
         """``[size * blocks, block_size, kv_heads, dim]`` -> ``[size, kv_heads, blocks *
@@ -644,9 +707,9 @@ class _Group:
         if k.dtype != query.dtype:
             k, v = k.to(query.dtype), v.to(query.dtype)
         if scales[0] is not None:
-            k = k * scales[0]
+            _apply_scale(k, scales[0])
         if scales[1] is not None:
-            v = v * scales[1]
+            _apply_scale(v, scales[1])
 
         heads_per_kv = num_heads // num_kv_heads
         if self.grouped and count == 1:

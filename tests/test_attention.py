@@ -524,3 +524,182 @@ def test_plan_arguments_are_checked():
         paged_attention(q, k_pages[:1], v_pages[:1], plan=plan)
     with pytest.raises(ValueError, match="multiple"):
         PagedAttentionPlan(q[:, :3], k_pages, table, seq_lens, query_start_loc=locs)
+
+
+# -- values outside a sequence's keys ---------------------------------------------------------
+# Whatever lies outside a sequence's keys (the rest of its last block, pages standing in
+# for a shorter member's missing blocks, every other sequence's pages, unused pages)
+# contributes exactly nothing: not NaN, not inf, not finite garbage near the dtype's
+# largest value, on every path and page dtype.
+
+QUANTIZED = (torch.float8_e5m2, torch.float8_e4m3fn, torch.int8)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))]
+
+
+def poison_values(dtype) -> list:
+    """What a slot of a page of ``dtype`` can hold that a mask alone does not stop."""
+    if dtype == torch.int8:
+        return [127.0, -128.0]                       # no NaN or inf in int8: its extremes
+    info = torch.finfo(dtype)
+    values = [float("nan"), info.max, -info.max]     # 1.7e38 in float32, 448 in e4m3 ...
+    if dtype != torch.float8_e4m3fn:                 # e4m3fn has no inf
+        values += [float("inf"), float("-inf")]
+    if dtype in (torch.float32, torch.bfloat16):
+        values.append(1e38)
+    return values
+
+
+def poisoned_pool(seq_lens, block_size, dtype, poison: float, seed: int, device="cpu"):
+    """Pages where every slot outside ``seq_lens``' keys holds ``poison``; page 0 belongs
+    to no sequence of the batch (as another sequence's page would), and table entries
+    past each sequence's blocks name poisoned pages. Also the same pages with those
+    slots holding random finite values instead, to compare with."""
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(need) + 6
+    shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    k, v = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    if dtype == torch.int8:
+        k, v = (k * 40).round().clamp(-127, 127), (v * 40).round().clamp(-127, 127)
+    inside = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    table = torch.zeros(len(seq_lens), max(need) + 2, dtype=torch.int32)
+    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()   # never page 0
+    for b, (n, count) in enumerate(zip(seq_lens, need)):
+        pages, free = free[:count], free[count:]
+        table[b, :count] = torch.tensor(pages, dtype=torch.int32)
+        # past its blocks: a poisoned unused page, then page 0, alternately
+        table[b, count:] = torch.tensor([free[0], 0], dtype=torch.int32)[
+            torch.arange(table.shape[1] - count) % 2]
+        for i, page in enumerate(pages):
+            inside[page, :min(block_size, n - i * block_size)] = True
+    clean_k, clean_v = k.to(dtype), v.to(dtype)
+    outside = ~inside[:, :, None, None].expand(shape)
+    # through integer views of the bits: torch fills no float8 tensor
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[dtype.itemsize]
+    bad = torch.tensor([poison]).to(dtype).view(bits)
+    k_bad, v_bad = (torch.where(outside, bad, x.view(bits)).view(dtype).to(device)
+                    for x in (clean_k, clean_v))
+    return (k_bad, v_bad), (clean_k.to(device), clean_v.to(device)), table.to(device), gen
+
+
+def outside_reference(q, k_pages, v_pages, table, seq_lens, locs, causal, k_scale, v_scale):
+    """float64 attention of packed query rows over each sequence's own keys only."""
+    scales = [torch.as_tensor(s, dtype=torch.float64).reshape(-1)[None, :, None]
+              if s is not None else 1.0 for s in (k_scale, v_scale)]
+    k64 = k_pages.cpu().double() * (scales[0] if k_scale is not None else 1.0)
+    v64 = v_pages.cpu().double() * (scales[1] if v_scale is not None else 1.0)
+    return varlen_reference(q.cpu().double(), k64, v64, table.cpu(), seq_lens, locs,
+                            causal=causal)
+
+
+CASES = {
+    # decodes of different lengths: one group, padded to the longest
+    "decode": ([1] * 5, [37, 5, 16, 50, 1], True),
+    # prefill chunks (queries the last tokens, earlier context before them)
+    "prefill": ([4] * 3, [37, 20, 45], True),
+    "prefill-non-causal": ([3] * 3, [9, 30, 17], False),
+    # an engine step: a prompt, chunks, decodes, speculative tokens
+    "varlen": ([1, 5, 1, 3, 9, 1], [40, 9, 77, 30, 21, 3], True),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("path", ["torch", "native"])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, *QUANTIZED],
+                         ids=lambda d: str(d).removeprefix("torch."))
+def test_values_outside_a_sequence_contribute_nothing(dtype, case, path, device, monkeypatch):
+    counts, seq_lens, causal = CASES[case]
+    quantized = dtype in QUANTIZED
+    # the kernel takes the decodes (one query each) of CPU float32 / bfloat16 / float16
+    native_ok = device == "cpu" and not quantized and 1 in counts
+    if path == "native" and not native_ok:
+        pytest.skip("the native kernel takes CPU decodes of float32, bfloat16 or float16")
+    if path == "native" and native.decoder() is None:
+        pytest.skip(f"no native kernel: {native.status()}")
+    if path == "torch":
+        monkeypatch.setattr(native, "decoder", lambda: None)
+    ran = []
+    real_run = native.run_checked
+    monkeypatch.setattr(native, "run_checked", lambda *a: ran.append(a) or real_run(*a))
+    qdtype = torch.float16 if quantized else dtype
+    locs = [0]
+    for c in counts:
+        locs.append(locs[-1] + c)
+    k_scale = v_scale = None
+    if quantized:
+        k_scale = torch.tensor([0.03, 0.05]) if dtype == torch.int8 else torch.tensor([0.5, 2.0])
+        v_scale = 0.02 if dtype == torch.int8 else 0.25
+    tol = TOLERANCE[qdtype]
+    for i, poison in enumerate(poison_values(dtype)):
+        (k_bad, v_bad), (k_clean, v_clean), table, gen = poisoned_pool(
+            seq_lens, 8, dtype, poison, seed=i, device=device)
+        q = torch.randn(locs[-1], NUM_KV_HEADS * 2, HEAD_DIM, generator=gen).to(qdtype)
+        q = q.to(device)
+        want = outside_reference(q, k_clean, v_clean, table, seq_lens, locs, causal,
+                                 k_scale, v_scale)
+        forms = [dict(query_start_loc=locs)]
+        if len(set(counts)) == 1:                    # the batch form too
+            forms.append(dict(batch=counts[0]))
+        for form in forms:
+            kwargs = dict(causal=causal, k_scale=k_scale, v_scale=v_scale)
+            query = q
+            if "batch" in form:
+                query = q.view(len(counts), form["batch"], *q.shape[1:])
+                if form["batch"] == 1:
+                    query = query[:, 0]
+            else:
+                kwargs.update(form)
+            for workspace in (None, AttentionWorkspace()):
+                got = paged_attention(query, k_bad, v_bad, table, seq_lens, workspace=workspace,
+                                      **kwargs)
+                clean = paged_attention(query, k_clean, v_clean, table, seq_lens,
+                                        workspace=workspace, **kwargs)
+                assert torch.isfinite(got).all(), (poison, form)
+                assert torch.equal(got, clean), (poison, form)   # exactly nothing
+                torch.testing.assert_close(got.reshape(q.shape).cpu().double(), want, **tol)
+    assert bool(ran) == (path == "native")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("qdtype", [torch.float16, torch.bfloat16, torch.float32],
+                         ids=lambda d: str(d).removeprefix("torch."))
+def test_scales_apply_in_float32_as_a_tensor_or_a_number(qdtype, device, monkeypatch):
+    # Scales below float16's smallest normal (6.1e-5): rounded to the query's dtype
+    # first, they would keep a few bits (1e-6 as a float16 is 1.013e-6).
+    monkeypatch.setattr(native, "decoder", lambda: None)
+    seq_lens = [30, 7, 64]              # decode, a chunk of 4, decode
+    locs = [0, 1, 5, 6]
+    gen = torch.Generator().manual_seed(5)
+    shape = (24, 8, NUM_KV_HEADS, HEAD_DIM)
+    k_pages, v_pages = ((torch.randn(shape, generator=gen) * 1.5e4).clamp(-57344, 57344)
+                        .to(torch.float8_e5m2).to(device) for _ in range(2))
+    table = torch.randperm(24, generator=gen).view(3, 8).int().to(device)
+    q = torch.randn(locs[-1], NUM_KV_HEADS * 2, HEAD_DIM, generator=gen).to(qdtype).to(device)
+    k_num, v_num = 2.1e-5, 1.03e-6
+    by_number = paged_attention(q, k_pages, v_pages, table, seq_lens, query_start_loc=locs,
+                                k_scale=k_num, v_scale=v_num)
+    for kind in (torch.float32, torch.float64, qdtype):
+        per_head = paged_attention(
+            q, k_pages, v_pages, table, seq_lens, query_start_loc=locs,
+            k_scale=torch.full((NUM_KV_HEADS,), k_num, dtype=torch.float64).to(kind),
+            v_scale=torch.full((NUM_KV_HEADS,), v_num, dtype=torch.float64).to(kind))
+        if kind != qdtype or qdtype == torch.float32:
+            assert torch.equal(per_head, by_number), kind
+    one = paged_attention(q, k_pages, v_pages, table, seq_lens, query_start_loc=locs,
+                          k_scale=torch.tensor(k_num, dtype=torch.float64),
+                          v_scale=torch.tensor([v_num], dtype=torch.float64))
+    assert torch.equal(one, by_number)
+
+    # different scales per head, against float64 attention over stored * scale
+    k_heads, v_heads = torch.tensor([2.1e-5, 7.7e-6]), torch.tensor([1.03e-6, 3.1e-7])
+    got = paged_attention(q, k_pages, v_pages, table, seq_lens, query_start_loc=locs,
+                          k_scale=k_heads.to(device), v_scale=v_heads.to(device))
+    k64 = k_pages.cpu().double() * k_heads.double()[None, None, :, None]
+    v64 = v_pages.cpu().double() * v_heads.double()[None, None, :, None]
+    want = varlen_reference(q.cpu().double(), k64, v64, table.cpu(), seq_lens, locs)
+    size = want.abs().max().item()
+    err = (got.cpu().double() - want).abs().max().item()
+    # one rounding of the query, the scaled K/V and the result to the query's dtype
+    assert err <= {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 1e-5}[qdtype] * size
