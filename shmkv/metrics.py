@@ -34,9 +34,18 @@ import threading
 import time
 from typing import Iterator, List, Optional, Tuple
 
+from prometheus_client.utils import floatToGoString
+
 from .errors import InvalidArgument, ShmkvError
 
 log = logging.getLogger("shmkv.metrics")
+# Upper bounds (seconds) of the request latency histogram's buckets; one more bucket
+# holds everything slower. Each op type of a coordinator keeps ``[count per bucket...,
+# sum]`` as a plain list: observing a request is a clock read, a bisect and two adds
+# (see ``Coordinator._handle``). Here, not in the coordinator, so that the coordinator
+# imports this module and never the other way round.
+LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3,
+                   50e-3, 100e-3, 250e-3, 1.0)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 DEFAULT_MAX_CONNECTIONS = 16
@@ -51,7 +60,6 @@ def families(coord) -> List[tuple]:
     """Every series of one coordinator now: ``[(name, type, help, samples)]`` with
     ``samples`` as ``[(sample name, ((label, value), ...), number)]``. Counter families
     are named without ``_total``; their samples carry it."""
-    from .coordinator import LATENCY_BUCKETS
     table = coord.table
     if table is None:
         return []
@@ -116,7 +124,7 @@ def families(coord) -> List[tuple]:
         for bound, num in zip(LATENCY_BUCKETS, values):
             total += num
             latency.append(("shmkv_request_duration_seconds_bucket",
-                            (("op", op), ("le", repr(float(bound)))), total))
+                            (("op", op), ("le", floatToGoString(bound))), total))
         total += values[len(LATENCY_BUCKETS)]
         latency.append(("shmkv_request_duration_seconds_bucket", (("op", op), ("le", "+Inf")),
                         total))
@@ -135,13 +143,11 @@ def _label(value: str) -> str:
 
 
 def _number(value) -> str:
-    if isinstance(value, int):
-        return str(value)
-    if value != value:
-        return "NaN"
-    if value in (float("inf"), float("-inf")):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value))
+    """A sample value as Prometheus' Go client writes it (``1.0``, ``1e+09``, ``+Inf``),
+    the spelling ``prometheus_client`` gives too."""
+    if type(value) is int and -10**15 < value < 10**6:   # most samples: no call needed
+        return f"{value}.0"
+    return floatToGoString(value)
 
 
 def render(coord) -> bytes:
