@@ -246,10 +246,18 @@ class PoolConfig:
                      "layer-major[num_layers,2,num_blocks,block_size,heads,head_dim]"))
         return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
-    def block_fingerprint(self) -> str:
+    def block_fingerprint(self, scales=None) -> str:
         """A hex digest of everything that decides what one block's bytes mean: the
         :meth:`fingerprint` less the pool's size and device, so pools of any size on any
-        node can exchange blocks (``shmkv.remote``, ``shmkv.distributed``)."""
-        text = repr((BLOCK_FORMAT_VERSION, self.shape[1:], self.dtype, self.tp_size,
-                     "block[num_layers,2,block_size,heads,head_dim]"))
-        return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+        node can exchange blocks (``shmkv.remote``, ``shmkv.distributed``).
+
+        ``scales``: a quantized pool's K/V scales, every layer's (``Client.set_kv_scales``
+        order: k, v of layer 0, ...): its bytes mean values only with them, so the tiers
+        that keep blocks past the pool (disk, Redis) name their blocks by them too, and
+        blocks stored under some scales are never read under others. Ignored for pools
+        that are not quantized (their fingerprint never depends on scales)."""
+        parts = (BLOCK_FORMAT_VERSION, self.shape[1:], self.dtype, self.tp_size,
+                 "block[num_layers,2,block_size,heads,head_dim]")
+        if scales is not None and self.is_quantized:
+            parts += (tuple(float(x) for x in scales),)
+        return hashlib.blake2b(repr(parts).encode(), digest_size=16).hexdigest()

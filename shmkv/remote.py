@@ -39,10 +39,13 @@ Keys and values. One key per block::
     shmkv:<namespace, 32 hex>:{<tag, 32 hex>}:<prefix key, 32 hex>
 
 The namespace is ``blake2b-128`` of the format version, the block layout fingerprint
-(:meth:`PoolConfig.block_fingerprint`: shapes, dtype, tensor-parallel split; not the
-pool size), the tier's ``salt`` and ``hash_group``; a request's ``cache_salt`` is in
-the prefix key already (``shmkv.hashing``). Nodes with another layout or salt never
-read each other's bytes. The value is a 96-byte little-endian header -- magic
+(:meth:`PoolConfig.block_fingerprint`: shapes, dtype, tensor-parallel split, and a
+quantized pool's K/V scales; not the pool size), the tier's ``salt`` and
+``hash_group``; a request's ``cache_salt`` is in the prefix key already
+(``shmkv.hashing``). Nodes with another layout, salt or scales never read each other's
+bytes. A quantized pool's namespace follows its scales: when ``set_kv_scales`` changes
+them, writes and lookups from then on use the namespace of the new ones (a write or
+lookup already queued keeps the one it was queued under). The value is a 96-byte little-endian header -- magic
 ``SHMKVRED``, format version u16, header size u16, flags u32, namespace (16 bytes),
 prefix key (16 bytes), num_layers, block_size, num_kv_heads, head_dim, tp_size (u32
 each), dtype name (12 bytes, NUL padded), payload bytes u64, payload crc32 u32, crc32
@@ -196,14 +199,16 @@ def split_specs(tiers) -> tuple:
 
 
 class Codec:
-    """Key names and values of one namespace (a block layout, a salt, a hash group)."""
+    """Key names and values of one namespace (a block layout, a salt, a hash group, and
+    a quantized pool's K/V scales: ``scales``, as ``PoolConfig.block_fingerprint``)."""
 
-    def __init__(self, config, salt: bytes = b"", hash_group: int = 16):
+    def __init__(self, config, salt: bytes = b"", hash_group: int = 16, scales=None):
         self.hash_group = hash_group
         self.payload_nbytes = config.block_nbytes
         self.value_nbytes = HEADER_SIZE + self.payload_nbytes
+        fingerprint = config.block_fingerprint(scales)
         self.namespace = hashlib.blake2b(
-            b"shmkv-remote/%d/%s/%d/" % (FORMAT_VERSION, config.block_fingerprint().encode(),
+            b"shmkv-remote/%d/%s/%d/" % (FORMAT_VERSION, fingerprint.encode(),
                                          hash_group) + salt, digest_size=16).digest()
         self._prefix = f"{KEY_PREFIX}:{self.namespace.hex()}:{{"
         self._shape = (config.num_layers, config.block_size, config.num_kv_heads,
@@ -286,11 +291,12 @@ class _Put:
     generation ``gen`` when it was published. ``discarded``: the writer found the block
     changed (the loop counts it when the put comes back)."""
 
-    __slots__ = ("block", "chain", "index", "gen", "discarded")
+    __slots__ = ("block", "chain", "index", "gen", "discarded", "codec")
 
-    def __init__(self, block: int, chain: list, index: int, gen: int):
+    def __init__(self, block: int, chain: list, index: int, gen: int, codec: Codec):
         self.block, self.chain, self.index, self.gen = block, chain, index, gen
         self.discarded = False
+        self.codec = codec   # the namespace it is written under
 
     def holds(self, pool) -> bool:
         """The block still holds the key it was published under (see ``_Put``)."""
@@ -300,11 +306,12 @@ class _Put:
 class _Fetch:
     """The store's part of one record: blocks ``first..`` of ``record.seq``."""
 
-    __slots__ = ("record", "chain", "first", "num_ok")
+    __slots__ = ("record", "chain", "first", "num_ok", "codec")
 
-    def __init__(self, record, chain: list, first: int):
+    def __init__(self, record, chain: list, first: int, codec: Codec):
         self.record, self.chain, self.first = record, chain, first
         self.num_ok = 0
+        self.codec = codec   # the namespace it was asked under
 
 
 class RemotePromotion:
@@ -347,7 +354,12 @@ class RemoteTierSet:
         self.config = config
         self.table = table
         self.pool = table.pool
+        # A quantized pool's namespace follows its K/V scales (see the module doc):
+        # re-derived on the loop when their seqlock moved since (one read a call).
+        self._scale_lock, self._scales = memory.scale_lock, memory.scales
+        self._scales_at = None
         self.codec = Codec(config, spec.salt, spec.hash_group)
+        self._codec()
         self.health = _Health(spec.max_backoff)
         self._wake_fn = wake
         self._wake_pending = False
@@ -402,6 +414,16 @@ class RemoteTierSet:
         return (len(self._puts) + self.num_promotions_in_flight
                 + (self.local.num_pending if self.local is not None else 0))
 
+    def _codec(self) -> Codec:
+        """The namespace writes and lookups use now (loop thread)."""
+        if self._scales is not None and self.config.is_quantized:
+            version = self._scale_lock[0]   # (the loop writes the scales: never odd here)
+            if version != self._scales_at:
+                self._scales_at = version
+                self.codec = Codec(self.config, self.spec.salt, self.spec.hash_group,
+                                   scales=list(self._scales))
+        return self.codec
+
     # -- loop side: lookups and promotions -------------------------------------------------------
 
     def lookup(self, keys) -> int:
@@ -432,7 +454,8 @@ class RemoteTierSet:
                 store_rec = PendingPromotion(record.seq, record.info, record.first + num_local,
                                              record.keys[num_local:], record.blocks[num_local:],
                                              None if gens is None else gens[num_local:])
-                promo.fetches.append(_Fetch(store_rec, record.seq.keys, store_rec.first))
+                promo.fetches.append(_Fetch(store_rec, record.seq.keys, store_rec.first,
+                                            self._codec()))
             promo.pairs.append((record.info, record.info["num_cached"], local_rec, store_rec))
         if local_records:
             promo.local = self.local.promote(local_records)
@@ -507,8 +530,8 @@ class RemoteTierSet:
         """Queue the writes of blocks published this turn (``(block, chain, index,
         generation)``), those whose block still holds its key: within this turn it may
         have been released, evicted and taken by another sequence already."""
-        pool = self.pool
-        new = [_Put(block, chain, index, gen) for block, chain, index, gen in published
+        pool, codec = self.pool, self._codec()
+        new = [_Put(block, chain, index, gen, codec) for block, chain, index, gen in published
                if pool.still_holds(block, chain[index], gen)]
         if len(new) < len(published):
             self._discard(len(published) - len(new))
@@ -590,7 +613,7 @@ class RemoteTierSet:
     def _fetch(self, fetch: _Fetch) -> bool:
         """Pull the leading blocks of one record that the store holds into the pool.
         Returns False after a store error (the remaining records are not asked)."""
-        record, codec = fetch.record, self.codec
+        record, codec = fetch.record, fetch.codec
         first, stop = fetch.first, fetch.first + len(record.blocks)
         group = codec.hash_group
         # Up to GET_BATCH blocks (BATCH_BYTES) at a time, within one hash-slot group when
@@ -644,7 +667,7 @@ class RemoteTierSet:
             return False
 
     def _check_and_copy(self, fetch: _Fetch, lo: int, names: list, values: list) -> bool:
-        record, codec = fetch.record, self.codec
+        record, codec = fetch.record, fetch.codec
         offset = lo - fetch.first
         good = True
         for j, value in enumerate(values):
@@ -706,7 +729,7 @@ class RemoteTierSet:
                 put.discarded = True
         if not live:
             return
-        names = [codec.names(put.chain, put.index, put.index + 1)[0] for put in live]
+        names = [put.codec.names(put.chain, put.index, put.index + 1)[0] for put in live]
         try:
             client = self._client("put")
             pipe = client.pipeline(transaction=False)
@@ -728,7 +751,7 @@ class RemoteTierSet:
                     continue
                 key = put.chain[put.index]
                 buf[:HEADER_SIZE] = np.frombuffer(
-                    codec.header(key, zlib.crc32(buf[HEADER_SIZE:])), dtype=np.uint8)
+                    put.codec.header(key, zlib.crc32(buf[HEADER_SIZE:])), dtype=np.uint8)
                 if ttl is not None:
                     pipe.set(name, memoryview(buf), px=int(ttl * 1000))
                 else:
@@ -814,6 +837,7 @@ class RemoteTierSet:
             except Exception:
                 pass
         self.table.newly_published = None
+        self._scales = self._scale_lock = None
         if self.local is not None:
             self.local.close()
             self.local = None

@@ -670,3 +670,42 @@ def test_a_demotion_whose_block_was_evicted_before_its_completion_was_taken_is_d
         assert st["tiers"][0]["blocks"] == 0 and st["tiers"][0]["demotions"] == 0
         taker.close()
     assert not any(n.endswith(".kv") for n in os.listdir(disk / "blocks"))
+
+
+@needs_server
+def test_a_quantized_pools_blocks_are_stored_and_served_under_its_kv_scales(
+        redis_server, unique_name):
+    """int8 pools: blocks A wrote under scales 0.5 are not served to B while B's scales
+    are others (1.0, then 2.0), and are once B sets the same ones; a pool that is not
+    quantized ignores scales (its namespace never depends on them)."""
+    cfg = shmkv.PoolConfig(num_layers=3, num_kv_heads=4, head_dim=8, num_blocks=32,
+                           block_size=BS, dtype=torch.int8)
+    assert cfg.block_fingerprint([0.5] * 6) != cfg.block_fingerprint([1.0] * 6)
+    assert _config().block_fingerprint([0.5] * 6) == _config().block_fingerprint()
+    prompt = list(range(4000, 4000 + 3 * BS))
+    g = torch.Generator().manual_seed(2)
+    kv = torch.randint(-128, 128, (3, 2, len(prompt), 4, 8), generator=g).to(torch.int8)
+
+    def set_scales(client, scale):
+        for layer in range(3):
+            client.set_kv_scales(layer, scale, scale)
+
+    with shmkv.Coordinator(cfg, name=unique_name + "a", tiers=[_tier(redis_server)]) as a, \
+            shmkv.Coordinator(cfg, name=unique_name + "b", tiers=[_tier(redis_server)]) as b, \
+            shmkv.connect(a.address, timeout=10) as ca, shmkv.connect(b.address, timeout=10) as cb:
+        set_scales(ca, 0.5)
+        with ca.allocate(prompt=prompt) as h:
+            h.write_all(kv, start=0)
+            h.commit()
+        _flush(a)
+        assert _store(a)["writes"] == 3
+        with cb.allocate(prompt=prompt) as h:            # B's scales are 1.0
+            assert h.num_cached_tokens == 0
+        set_scales(cb, 2.0)
+        with cb.allocate(prompt=prompt) as h:
+            assert h.num_cached_tokens == 0
+        set_scales(cb, 0.5)
+        with cb.allocate(prompt=prompt) as h:
+            assert h.num_cached_tokens == 3 * BS
+            assert torch.equal(h.gather_all().view(torch.uint8), kv.view(torch.uint8))
+        assert _store(b)["corrupt"] == 0
