@@ -42,17 +42,13 @@ from .errors import (AccessDenied, CoordinatorTimeout, InvalidArgument, LimitExc
                      OutOfRange, PoolExhausted, ProtocolError, ShmkvError, WrongType)
 from .layout import PoolConfig
 from .memory import PoolMemory, create_pool
+from .metrics import LATENCY_BUCKETS  # the request latency histogram's bucket bounds
 from .sequences import SequenceTable
 from .tables import TableWriter, write_scales
 from .remote import RemoteTierSet, split_specs
 from .tiers import TierSet, check_specs
 
 log = logging.getLogger("shmkv.coordinator")
-# Upper bounds (seconds) of the request latency histogram's buckets; one more bucket
-# holds everything slower. Each op type keeps ``[count per bucket..., sum]`` as a plain
-# list: observing a request is a clock read, a bisect and two adds (see ``_handle``).
-LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3,
-                   50e-3, 100e-3, 250e-3, 1.0)
 _clock = time.perf_counter
 # The longest the loop sleeps in the selector with nothing due (it wakes for requests,
 # tier completions and hand-off deadlines).

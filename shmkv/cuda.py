@@ -27,7 +27,7 @@ from typing import List
 
 from .errors import InvalidArgument, ShmkvError
 from .layout import PoolConfig, torch_dtype
-from .memory import pool_view
+from .views import pool_view
 
 
 def _check_allocator() -> None:

@@ -1,7 +1,8 @@
 """Pool memory: create it in the coordinator, attach to it in workers.
 
 Owns the choice between the CPU backend (``shmkv.shm``) and the CUDA backend
-(``shmkv.cuda``), the typed 6-d views of the raw allocation, and the metadata
+(``shmkv.cuda``), the typed 6-d view of the raw allocation (its two orders are
+``shmkv.views``, which both backends import), and the metadata
 segment that every pool has, always in host shared memory: the ``owner`` array, the
 ownership ``epoch`` and the shared block tables (layout and rules in ``shmkv.tables``).
 Does not decide which block holds what (``shmkv.allocator``) and does no socket I/O.
@@ -18,6 +19,7 @@ from typing import List, Optional
 from .errors import LayoutMismatch
 from .layout import PoolConfig, torch_dtype
 from .tables import SEQ_FIELDS, TableLayout
+from .views import pool_view, storage_view  # noqa: F401  (also importable from here)
 from . import shm
 
 
@@ -25,9 +27,10 @@ class PoolMemory:
     """The memory of one pool as seen by one process.
 
     ``device_pools[i]`` is a tensor ``[num_blocks, num_layers, 2, block_size, heads_i,
-    head_dim]``: a permuted view of memory stored layer-major (:func:`storage_view`
-    gives it in storage order; ``shmkv.layout``). ``owner``, ``epoch``, ``seq``,
-    ``table``, ``scale_lock`` and ``scales`` are memoryviews of the metadata segment
+    head_dim]``: a permuted view of memory stored layer-major
+    (:func:`~shmkv.views.storage_view` gives it in storage order; ``shmkv.layout``).
+    ``owner``, ``epoch``, ``seq``, ``table``, ``scale_lock`` and ``scales`` are
+    memoryviews of the metadata segment
     (see ``shmkv.tables``): written by the coordinator only.
     ``owner_t``, ``seq_t`` (``[max_sequences, 4]``) and ``table_t``
     (``[max_sequences, max_seq_blocks]``) are tensors over the same memory, for
@@ -117,20 +120,6 @@ class PoolMemory:
 def _typed(raw, config: PoolConfig):
     """The pool view of a CPU pool's raw bytes (every head), stored layer-major."""
     return pool_view(raw.view(torch_dtype(config.dtype)).view(config.storage_shape))
-
-
-def pool_view(storage):
-    """The pool view ``[num_blocks, num_layers, 2, block_size, heads, head_dim]`` of
-    memory in storage order ``[num_layers, 2, num_blocks, ...]`` (no copy); the inverse
-    of :func:`storage_view`."""
-    return storage.permute(2, 0, 1, 3, 4, 5)
-
-
-def storage_view(pool):
-    """A pool view ``[num_blocks, num_layers, 2, block_size, heads, head_dim]`` in storage
-    order, ``[num_layers, 2, num_blocks, block_size, heads, head_dim]`` (no copy;
-    contiguous for a whole device pool, a head slice of it for a CPU rank's view)."""
-    return pool.permute(1, 2, 0, 3, 4, 5)
 
 
 def block_bytes(pool):
