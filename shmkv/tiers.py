@@ -412,12 +412,21 @@ class _DiskStore(BlockFiles):
 
     name = "disk"
 
-    def __init__(self, spec: DiskTier, config):
+    def __init__(self, spec: DiskTier, config, memory=None):
         self.path = spec.path
         self.capacity_bytes = spec.capacity_bytes
+        # A quantized pool's blocks mean values only with its K/V scales: the namespace
+        # holds the scales in force at open, and while the pool's differ from them the
+        # tier neither serves nor stores (same_scales).
+        self._scale_lock = self._scales = None
+        scales = None
+        if config.is_quantized and memory is not None and memory.scales is not None:
+            self._scale_lock, self._scales = memory.scale_lock, memory.scales
+            scales = tuple(memory.scales)
+        self._opened_scales, self._scales_at, self._scales_same = scales, None, True
         # What a block's bytes mean, not how many the pool has: a pool restarted with
         # another num_blocks hits the blocks it left.
-        self.fingerprint = config.block_fingerprint()
+        self.fingerprint = config.block_fingerprint(scales)
         self.salt_digest = hashlib.blake2b(spec.salt, digest_size=16).hexdigest()
         super().__init__(
             os.path.join(self.path, "blocks"), secrets.token_hex(6),
@@ -518,9 +527,30 @@ class _DiskStore(BlockFiles):
 
     def close(self) -> None:
         self.forget_lock()
+        self._scale_lock = self._scales = None
 
     def usable(self, now: float) -> bool:
-        return self.disabled is None and now >= self.full_until
+        return self.disabled is None and now >= self.full_until and self.same_scales()
+
+    def same_scales(self) -> bool:
+        """False while a quantized pool's K/V scales differ from those this tier's
+        namespace holds (set_kv_scales moved them since it opened): its blocks mean
+        other values then, so it serves and stores none (loop thread)."""
+        lock = self._scale_lock
+        if lock is None:
+            return True
+        version = lock[0]
+        if version != self._scales_at:
+            self._scales_at = version
+            same = tuple(self._scales) == self._opened_scales
+            if same != self._scales_same:
+                log.warning("disk tier %s: the pool's K/V scales %s those its blocks were "
+                            "stored under; it %s", self.path,
+                            "are again" if same else "now differ from",
+                            "serves and stores again" if same else
+                            "neither serves nor stores until they are the same")
+            self._scales_same = same
+        return self._scales_same
 
     def stats(self) -> dict:
         blocks = self.num_ready
@@ -727,7 +757,7 @@ class TierSet:
                 if spec.kind == "host":
                     self.host = _HostStore(spec, config)
                 else:
-                    self.disk = _DiskStore(spec, config)
+                    self.disk = _DiskStore(spec, config, memory)
             # Byte views of every rank's pool by block: [num_blocks, 2 * num_layers, chunk
             # bytes of that rank] (a block is a chunk of each layer's K and V).
             self._pool_u8 = [block_bytes(p) for p in memory.device_pools]
@@ -793,7 +823,7 @@ class TierSet:
     def lookup(self, keys) -> int:
         """How many leading ``keys`` a tier can serve now (a pure index lookup)."""
         host = self.host.index if self.host is not None else {}
-        disk = self.disk.index if self.disk is not None else {}
+        disk = self.disk.index if self.disk is not None and self.disk.same_scales() else {}
         num = 0
         for key in keys:
             entry = host.get(key)

@@ -709,3 +709,50 @@ def test_a_quantized_pools_blocks_are_stored_and_served_under_its_kv_scales(
             assert h.num_cached_tokens == 3 * BS
             assert torch.equal(h.gather_all().view(torch.uint8), kv.view(torch.uint8))
         assert _store(b)["corrupt"] == 0
+
+
+def test_a_quantized_pools_disk_tier_serves_and_stores_only_under_its_scales(
+        tmp_path, unique_name):
+    """An int8 pool's disk tier is namespaced by the scales in force when it opened: while
+    set_kv_scales has them otherwise, its blocks are not served (they mean other values)
+    and no block is stored; with the same scales again it serves them."""
+    cfg = shmkv.PoolConfig(num_layers=3, num_kv_heads=4, head_dim=8, num_blocks=8,
+                           block_size=BS, dtype=torch.int8)
+    kv = torch.randint(-128, 128, (3, 2, 2 * BS, 4, 8),
+                       generator=torch.Generator().manual_seed(4)).to(torch.int8)
+    first, second = list(range(10, 10 + 2 * BS)), list(range(50, 50 + 2 * BS))
+
+    def set_scales(client, scale):
+        for layer in range(3):
+            client.set_kv_scales(layer, scale, scale)
+
+    def evict_all(client):
+        st = client.stats()
+        client.allocate((st["free_blocks"] + st["cached_blocks"]) * BS).close()
+
+    def disk_blocks(client):
+        return client.stats()["tiers"][0]["blocks"]
+
+    with shmkv.Coordinator(cfg, name=unique_name,
+                           tiers=[shmkv.DiskTier(tmp_path / "d", 1 << 20)]) as c, \
+            shmkv.connect(c.address, timeout=10) as cc:
+        with cc.allocate(prompt=first) as h:           # under the scales it opened with
+            h.write_all(kv, start=0)
+            h.commit()
+        _wait_for(lambda: disk_blocks(cc) == 2, what="2 blocks on disk")
+        evict_all(cc)
+        set_scales(cc, 0.5)
+        with cc.allocate(prompt=first) as h:           # not served under other scales
+            assert h.num_cached_tokens == 0
+        with cc.allocate(prompt=second) as h:          # nor stored
+            h.write_all(kv, start=0)
+            h.commit()
+        evict_all(cc)
+        _wait_for(lambda: not cc.stats()["tier_io"]["pending"], what="the tier's copies")
+        assert disk_blocks(cc) == 2
+        set_scales(cc, 1.0)
+        with cc.allocate(prompt=first) as h:
+            assert h.num_cached_tokens == 2 * BS
+            assert torch.equal(h.gather_all().view(torch.uint8), kv.view(torch.uint8))
+        with cc.allocate(prompt=second) as h:
+            assert h.num_cached_tokens == 0
