@@ -56,10 +56,29 @@ _WARN_EVERY_S = 10.0
 
 # -- the series ------------------------------------------------------------------------------
 
-def families(coord) -> List[tuple]:
+_LATENCY_DOC = ("Time the coordinator's loop spent on a request (decode, handle, encode), "
+                "by op")
+
+
+def _latency_samples(op: str, values) -> list:
+    """One op's histogram samples from its ``[count per bucket..., sum]`` list."""
+    out, total = [], 0
+    for bound, num in zip(LATENCY_BUCKETS, values):
+        total += num
+        out.append(("shmkv_request_duration_seconds_bucket",
+                    (("op", op), ("le", floatToGoString(bound))), total))
+    total += values[len(LATENCY_BUCKETS)]
+    out.append(("shmkv_request_duration_seconds_bucket", (("op", op), ("le", "+Inf")), total))
+    out.append(("shmkv_request_duration_seconds_count", (("op", op),), total))
+    out.append(("shmkv_request_duration_seconds_sum", (("op", op),), values[-1]))
+    return out
+
+
+def families(coord, latency: bool = True) -> List[tuple]:
     """Every series of one coordinator now: ``[(name, type, help, samples)]`` with
     ``samples`` as ``[(sample name, ((label, value), ...), number)]``. Counter families
-    are named without ``_total``; their samples carry it."""
+    are named without ``_total``; their samples carry it. Without ``latency``, the
+    histogram's samples are None (for :func:`render`)."""
     table = coord.table
     if table is None:
         return []
@@ -117,22 +136,12 @@ def families(coord) -> List[tuple]:
     counter("shmkv_request_errors", "Requests answered with an error (any code)",
             coord.num_errors)
 
-    latency = []
-    for op, values in sorted(dict(coord.latency).items()):
-        values = list(values)  # a copy: the loop keeps adding to the original
-        total = 0
-        for bound, num in zip(LATENCY_BUCKETS, values):
-            total += num
-            latency.append(("shmkv_request_duration_seconds_bucket",
-                            (("op", op), ("le", floatToGoString(bound))), total))
-        total += values[len(LATENCY_BUCKETS)]
-        latency.append(("shmkv_request_duration_seconds_bucket", (("op", op), ("le", "+Inf")),
-                        total))
-        latency.append(("shmkv_request_duration_seconds_count", (("op", op),), total))
-        latency.append(("shmkv_request_duration_seconds_sum", (("op", op),), values[-1]))
-    out.append(("shmkv_request_duration_seconds", "histogram",
-                "Time the coordinator's loop spent on a request (decode, handle, encode), by op",
-                latency))
+    if latency:
+        out.append(("shmkv_request_duration_seconds", "histogram", _LATENCY_DOC,
+                    [sample for op, values in sorted(dict(coord.latency).items())
+                     for sample in _latency_samples(op, list(values))]))
+    else:   # render() formats it per op, reusing the text of ops that did not move
+        out.append(("shmkv_request_duration_seconds", "histogram", _LATENCY_DOC, None))
     uptime = time.monotonic() - coord._started_at if coord._started_at else 0.0
     gauge("shmkv_uptime_seconds", "Seconds since the coordinator opened", uptime)
     return out
@@ -150,19 +159,39 @@ def _number(value) -> str:
     return floatToGoString(value)
 
 
-def render(coord) -> bytes:
-    """The ``/metrics`` body of one coordinator now (Prometheus text format 0.0.4)."""
+def _lines(lines: list, samples) -> None:
+    for sample, labels, value in samples:
+        if labels:
+            inner = ",".join(f'{k}="{_label(v)}"' for k, v in labels)
+            lines.append(f"{sample}{{{inner}}} {_number(value)}")
+        else:
+            lines.append(f"{sample} {_number(value)}")
+
+
+def render(coord, cache: Optional[dict] = None) -> bytes:
+    """The ``/metrics`` body of one coordinator now (Prometheus text format 0.0.4).
+
+    ``cache`` (a dict kept by the caller between scrapes) keeps each op's histogram
+    text with the counts it was made from, so a scrape formats only the ops that
+    served requests since the last one: most of the body, and of the GIL it holds.
+    """
+    cache = {} if cache is None else cache
     lines = []
-    for name, kind, doc, samples in families(coord):
+    for name, kind, doc, samples in families(coord, latency=False):
         shown = name + "_total" if kind == "counter" else name
         lines.append(f"# HELP {shown} {doc}")
         lines.append(f"# TYPE {shown} {kind}")
-        for sample, labels, value in samples:
-            if labels:
-                inner = ",".join(f'{k}="{_label(v)}"' for k, v in labels)
-                lines.append(f"{sample}{{{inner}}} {_number(value)}")
-            else:
-                lines.append(f"{sample} {_number(value)}")
+        if samples is not None:
+            _lines(lines, samples)
+            continue
+        for op, values in sorted(dict(coord.latency).items()):
+            values = tuple(values)   # a copy: the loop keeps adding to the original
+            kept = cache.get(op)
+            if kept is None or kept[0] != values:
+                chunk = []
+                _lines(chunk, _latency_samples(op, values))
+                kept = cache[op] = (values, "\n".join(chunk))
+            lines.append(kept[1])
     lines.append("")
     return "\n".join(lines).encode()
 
@@ -263,6 +292,7 @@ class MetricsServer:
         self._stopping = False
         self._listener = self._wake_r = self._wake_w = None
         self._conns: dict = {}     # socket -> _Http, oldest first
+        self._cache: dict = {}     # op -> (its latency counts, their text): see render()
         self._warned_at = -_WARN_EVERY_S
         family, sockaddr, loopback = _bind_address(host, port)
         listener = socket.socket(family, socket.SOCK_STREAM)
@@ -389,7 +419,8 @@ class MetricsServer:
             return _response("405 Method Not Allowed", "text/plain", b"GET /metrics\n")
         head_only = method == b"HEAD"
         if target == b"/metrics":
-            return _response("200 OK", CONTENT_TYPE, render(self._coord), head_only)
+            return _response("200 OK", CONTENT_TYPE, render(self._coord, self._cache),
+                             head_only)
         if target == b"/":
             return _response("200 OK", "text/plain",
                              b"shmkv coordinator: metrics at /metrics\n", head_only)
