@@ -26,8 +26,8 @@ from transformers import (DynamicCache, GemmaConfig, GemmaForCausalLM,  # noqa: 
 import shmkv  # noqa: E402
 from conftest import SPAWN, join_or_kill  # noqa: E402
 from shmkv.integrations.transformers import (ShmkvCache, cache_argument,  # noqa: E402
-                                             left_pad, pool_config, prefill,
-                                             use_shmkv_attention)
+                                             left_pad, model_cache_salt, pool_config,
+                                             prefill, use_shmkv_attention)
 
 VOCAB = 256
 NEW_TOKENS = 10
@@ -96,6 +96,13 @@ def greedy(model, ids, cache=None, max_new_tokens=NEW_TOKENS, attention_mask=Non
                           return_dict_in_generate=True, output_logits=True, **kwargs)
 
 
+def cache_of(output):
+    """The cache a ``generate`` output returns (``cache`` in some transformers 5.x
+    releases, ``past_key_values`` in others)."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
+
+
 def assert_same_generation(got, want, prompt_len: int, tol=TIGHT) -> None:
     assert got.sequences[:, prompt_len:].tolist() == want.sequences[:, prompt_len:].tolist()
     assert len(got.logits) == len(want.logits)
@@ -137,13 +144,13 @@ def test_generate_equals_dynamic_cache(kind, attn, model_coord):
     with shmkv.connect(model_coord(model).address, timeout=20) as client:
         with ShmkvCache(client, model_config=model.config, **CACHE[attn]) as cache:
             got = greedy(model, PROMPT_A, cache)
-            assert got.cache is cache
+            assert cache_of(got) is cache
             assert cache.attention_path == PATH[attn]
             handle = cache.handle
             assert handle.num_tokens == len(PROMPT_A) + NEW_TOKENS - 1
             assert_same_generation(got, want, len(PROMPT_A))
-            assert isinstance(want.cache, DynamicCache)
-            assert_kv_equal(handle, want.cache, handle.num_tokens)
+            assert isinstance(cache_of(want), DynamicCache)
+            assert_kv_equal(handle, cache_of(want), handle.num_tokens)
         assert not handle.is_valid()
         assert client.stats()["referenced_blocks"] == 0
 
@@ -294,7 +301,7 @@ def test_decode_over_reserved_slots_advances_steps(attn, model_coord, monkeypatc
                     for layer in range(handle.num_layers):
                         torch.testing.assert_close(
                             handle.key_cache(layer),
-                            want.cache.layers[layer].keys[b, :, :handle.num_tokens].transpose(0, 1),
+                            cache_of(want).layers[layer].keys[b, :, :handle.num_tokens].transpose(0, 1),
                             **TIGHT)
 
 
@@ -314,7 +321,7 @@ def test_decode_past_the_first_buffer_capacity(attn, model_coord):
             assert cache.get_seq_length() == ids.shape[1] + 11 > 256
             for b, handle in enumerate(cache.handles):
                 pad = cache.left_padding[b]     # not stored on the paged path; 0 on the dense
-                keys = want.cache.layers[1].keys[b, :, pad:pad + handle.num_tokens]
+                keys = cache_of(want).layers[1].keys[b, :, pad:pad + handle.num_tokens]
                 torch.testing.assert_close(handle.key_cache(1), keys.transpose(0, 1), **TIGHT)
         assert_same_generation(got, want, ids.shape[1])
         assert client.stats()["referenced_blocks"] == 0
@@ -419,11 +426,11 @@ def test_prefix_reuse_skips_shared_prefill(model_coord):
             for ids, cached in [(PROMPT_A, 0), (PROMPT_B, 16), (PROMPT_C, 15)]:
                 want = greedy(model, ids)
                 ran.clear()
-                with ShmkvCache.from_prompt(client, ids) as cache:
+                with ShmkvCache.from_prompt(client, ids, model_config=model.config) as cache:
                     assert cache.num_cached_tokens == cached
                     got = greedy(model, ids, cache)
                     assert ran[0] == len(ids) - cached     # only the uncached part ran
-                    assert_kv_equal(cache.handle, want.cache, cache.handle.num_tokens, REUSED)
+                    assert_kv_equal(cache.handle, cache_of(want), cache.handle.num_tokens, REUSED)
                 assert_same_generation(got, want, len(ids), REUSED)
             stats = client.stats()
             assert stats["prefix_hit_tokens"] == 16 + 16
@@ -486,7 +493,7 @@ def test_prefix_reuse_for_a_batch_of_prompts(attn, model_coord):
                 model.set_attn_implementation(IMPL[attn])
                 ran.clear()
                 with ShmkvCache.from_prompts(client, ids, attention_mask=mask,
-                                             **CACHE[attn]) as cache:
+                                             model_config=model.config, **CACHE[attn]) as cache:
                     start = cache.num_cached_tokens
                     got = greedy(model, ids, cache, attention_mask=mask, pad_token_id=0)
                     assert ran[0] == ids.shape[1] - start     # only the uncached part ran
@@ -509,9 +516,271 @@ def test_from_prompts_takes_left_padding_only(model_coord):
     with shmkv.connect(model_coord(model).address, timeout=20) as client:
         ids, mask = left_pad([PROMPT_A, PROMPT_C])
         with pytest.raises(shmkv.InvalidArgument, match="left"):
-            ShmkvCache.from_prompts(client, ids, attention_mask=mask.flip(1))
+            ShmkvCache.from_prompts(client, ids, attention_mask=mask.flip(1),
+                                    model_config=model.config)
         with pytest.raises(shmkv.InvalidArgument, match="empty"):
-            ShmkvCache.from_prompts(client, [PROMPT_A, []])
+            ShmkvCache.from_prompts(client, [PROMPT_A, []], model_config=model.config)
+        assert client.stats()["referenced_blocks"] == 0
+
+
+# -- positions, model identity and expansion of prompt caches -----------------------------------
+
+def padded_prompts(seed: int) -> tuple:
+    """A long prompt and a short one (left padded by 23 in the batch), by seed."""
+    return prompt(100 + seed, 40), prompt(200 + seed, 17)
+
+
+@pytest.mark.parametrize("attn", ATTN)
+def test_padded_prefill_then_decode_equals_dynamic_cache(attn, model_coord):
+    """prefill() numbers each row of a left-padded batch from its first token, as
+    generate does: its logits and the decode that follows equal DynamicCache's on the
+    padded batch (float32, tight)."""
+    model = build("llama")
+    long, short = padded_prompts(0)
+    ids, mask = left_pad([long, short])
+    want = greedy(model, ids, attention_mask=mask, pad_token_id=0)
+    model.set_attn_implementation(IMPL[attn])
+    with shmkv.connect(model_coord(model).address, timeout=20) as client:
+        with ShmkvCache.from_prompts(client, ids, attention_mask=mask, model_config=model,
+                                     **CACHE[attn]) as cache:
+            logits = prefill(model, cache, ids, mask)
+            torch.testing.assert_close(logits, want.logits[0], **TIGHT)
+            firsts = logits.argmax(-1).tolist()
+            assert firsts == want.sequences[:, ids.shape[1]].tolist()
+            ids2, mask2 = left_pad([long + firsts[:1], short + firsts[1:]])
+            got = greedy(model, ids2, cache, attention_mask=mask2, pad_token_id=0,
+                         max_new_tokens=NEW_TOKENS - 1)
+            assert cache.attention_path == PATH[attn]
+        assert got.sequences[:, ids2.shape[1]:].tolist() == \
+            want.sequences[:, ids.shape[1] + 1:].tolist()
+        for step, (a, b) in enumerate(zip(got.logits, want.logits[1:])):
+            torch.testing.assert_close(a, b, **TIGHT, msg=lambda m: f"step {step}: {m}")
+        assert client.stats()["referenced_blocks"] == 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_padded_prefill_does_not_poison_the_prefix_cache(seed, model_coord):
+    """A left-padded batch prefilled and committed publishes each row's K/V at the row's
+    own positions: a later unpadded request for the short prompt reuses its blocks and
+    generates what DynamicCache generates."""
+    model = build("llama", seed=seed, attn="shmkv")
+    long, short = padded_prompts(seed)
+    ids, mask = left_pad([long, short])
+    with shmkv.connect(model_coord(model).address, timeout=20) as client:
+        with ShmkvCache.from_prompts(client, ids, attention_mask=mask,
+                                     model_config=model) as cache:
+            prefill(model, cache, ids, mask)
+            assert cache.left_padding == [0, len(long) - len(short)]
+        model.set_attn_implementation("sdpa")
+        want = greedy(model, short)
+        with ShmkvCache.from_prompt(client, short, model_config=model) as cache:
+            assert cache.num_cached_tokens == 16      # four blocks of the padded row
+            got = greedy(model, short, cache)
+        assert_same_generation(got, want, len(short), REUSED)
+        assert client.stats()["referenced_blocks"] == 0
+
+
+@pytest.mark.parametrize("attn", ATTN)
+def test_forward_numbered_from_the_padding_leaves_the_row_unpublished(attn, model_coord):
+    """A forward over a padded prompt cache without position_ids (transformers numbers
+    the padded row from its padding) stores K/V that the row's prefix keys do not
+    promise: commit publishes the unpadded row only, and a later request for the padded
+    row's prompt reuses nothing and generates what DynamicCache generates."""
+    model = build("llama", attn=IMPL[attn])
+    long, short = padded_prompts(3)
+    ids, mask = left_pad([long, short])
+    key = cache_argument(model)
+    with shmkv.connect(model_coord(model).address, timeout=20) as client:
+        with ShmkvCache.from_prompts(client, ids, attention_mask=mask, model_config=model,
+                                     **CACHE[attn]) as cache, torch.no_grad():
+            model(ids, attention_mask=mask, use_cache=True, **{key: cache})
+            cache.commit()
+        model.set_attn_implementation("sdpa")
+        for tokens, cached in [(short, 0), (long, 39)]:
+            want = greedy(model, tokens)
+            with ShmkvCache.from_prompt(client, tokens, model_config=model) as cache:
+                assert cache.num_cached_tokens == cached
+                got = greedy(model, tokens, cache)
+            assert_same_generation(got, want, len(tokens), REUSED)
+        assert client.stats()["referenced_blocks"] == 0
+
+
+def test_prefill_checks_its_mask(model_coord):
+    model = build("llama")
+    ids, mask = left_pad([PROMPT_A, PROMPT_C])
+    with shmkv.connect(model_coord(model).address, timeout=20) as client:
+        with ShmkvCache.from_prompts(client, ids, attention_mask=mask,
+                                     model_config=model) as cache:
+            with pytest.raises(shmkv.InvalidArgument, match="shape"):
+                prefill(model, cache, ids, mask[:, 1:])
+            assert cache.get_seq_length() == 0
+        assert client.stats()["referenced_blocks"] == 0
+
+
+@pytest.mark.parametrize("attn", ATTN)
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2", "int8"])
+@pytest.mark.parametrize("source", ["client", "from_prompts"])
+def test_quantized_pool_with_left_padding(source, dtype, attn, model_coord):
+    """A left-padded batch over a quantized pool, by generate over a cache made from a
+    client (dense: padding stored) or from the prompts (padding not stored), on every
+    path: within the stated tolerance of DynamicCache (float8 has no masked_fill)."""
+    model = build("llama")
+    ids, mask, _ = padded_batch()
+    want = greedy(model, ids, attention_mask=mask, pad_token_id=0)
+    model.set_attn_implementation(IMPL[attn])
+    with shmkv.connect(model_coord(model, dtype=getattr(torch, dtype)).address,
+                       timeout=20) as client:
+        limit = 127.0 if dtype == "int8" else float(torch.finfo(getattr(torch, dtype)).max)
+        for layer, cached in enumerate(cache_of(want).layers):
+            client.set_kv_scales(layer, float(cached.keys.abs().max()) / limit,
+                                 float(cached.values.abs().max()) / limit)
+        cache = (ShmkvCache(client, **CACHE[attn]) if source == "client" else
+                 ShmkvCache.from_prompts(client, ids, attention_mask=mask, model_config=model,
+                                         **CACHE[attn]))
+        with cache:
+            got = greedy(model, ids, cache, attention_mask=mask, pad_token_id=0)
+            assert cache.attention_path == PATH[attn]
+            assert cache.handles[0].dtype == getattr(torch, dtype)
+        # DynamicCache's logits along the tokens this run chose (a quantized cache may
+        # flip a greedy near-tie, after which the two runs see other tokens)
+        model.set_attn_implementation("sdpa")
+        seq = got.sequences
+        full_mask = torch.cat([mask, torch.ones_like(seq[:, ids.shape[1]:])], 1)
+        with torch.no_grad():
+            ref = model(seq, attention_mask=full_mask,
+                        position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0)).logits
+        torch.testing.assert_close(ref[:, ids.shape[1] - 1], want.logits[0], **REUSED)
+        for step, a in enumerate(got.logits):
+            b = ref[:, ids.shape[1] - 1 + step]
+            error = float((a - b).abs().max()) / float(b.abs().max())
+            assert error <= QUANTIZED_TOL[dtype], f"step {step}: {error:.4f}"
+        assert client.stats()["referenced_blocks"] == 0
+
+
+def other_model(differs: str):
+    """A model of llama's pool layout (2 layers, 2 K/V heads of 16) that is not
+    ``build("llama")``: other weights under another name, another config field, another
+    architecture, or the same weights in another dtype."""
+    if differs == "weights":
+        model = build("llama", seed=1)
+        model.config.name_or_path = "test/llama-b"
+        return model, "test/llama-a"
+    if differs == "config":
+        return build("llama", intermediate_size=96), None
+    if differs == "model_type":
+        return build("mistral", sliding_window=None), None
+    return build("llama").to(torch.bfloat16), None
+
+
+@pytest.mark.parametrize("differs", ["weights", "config", "model_type", "dtype"])
+def test_two_models_of_one_layout_do_not_share_prefixes(differs, model_coord):
+    """Prefix keys are namespaced by the model's identity: a second model on the same
+    coordinator reuses none of the first one's K/V, each generates what DynamicCache
+    does, and each hits its own prefixes."""
+    first = build("llama")
+    second, first_name = other_model(differs)
+    if first_name is not None:
+        first.config.name_or_path = first_name
+    with shmkv.connect(model_coord(first).address, timeout=20) as client:
+        for model, cached in [(first, 0), (second, 0), (first, 20), (second, 20)]:
+            want = greedy(model, PROMPT_A)
+            with ShmkvCache.from_prompt(client, PROMPT_A, model_config=model) as cache:
+                assert cache.num_cached_tokens == cached
+                got = greedy(model, PROMPT_A, cache)
+            tol = REUSED if model.dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+            assert_same_generation(got, want, len(PROMPT_A), tol)
+        assert client.stats()["prefix_hit_tokens"] == 40
+        assert client.stats()["referenced_blocks"] == 0
+
+
+def test_model_identity_and_salt(model_coord):
+    """model_cache_salt: the model's identity, the caller's salt on top; from_prompts
+    needs a model, and prefill refuses a cache made for another one."""
+    model = build("llama")
+    want = greedy(model, PROMPT_A)
+    salt = model_cache_salt(model.config)
+    assert salt == model_cache_salt(model) == model_cache_salt(build("llama", seed=5).config)
+    assert len(salt) == 32
+    assert model_cache_salt(model, b"tenant-1") not in (salt, model_cache_salt(model, b"t2"))
+    model.set_attn_implementation("shmkv")      # how it attends is not who it is
+    assert model_cache_salt(model) == salt
+    with pytest.raises(shmkv.WrongType, match="cache_salt"):
+        model_cache_salt(model, "tenant-1")
+    with pytest.raises(shmkv.WrongType, match="model_config"):
+        model_cache_salt({"model_type": "llama"})
+    with shmkv.connect(model_coord(model).address, timeout=20) as client:
+        with pytest.raises(shmkv.InvalidArgument, match="model_config=model"):
+            ShmkvCache.from_prompt(client, PROMPT_A)
+        # the salt is what from_prompts allocates with: a plain client request shares it
+        with ShmkvCache.from_prompt(client, PROMPT_A, model_config=model,
+                                    cache_salt=b"tenant-1") as cache:
+            greedy(model, PROMPT_A, cache)
+        with client.allocate(prompt=PROMPT_A, cache_salt=model_cache_salt(model, b"tenant-1")) \
+                as handle:
+            assert handle.num_cached_tokens == 20
+            assert_kv_equal(handle, cache_of(want), 20, REUSED)
+        with ShmkvCache.from_prompt(client, PROMPT_A, model_config=model) as cache:
+            assert cache.num_cached_tokens == 0   # another tenant's
+            other = build("llama", intermediate_size=96)
+            with pytest.raises(shmkv.InvalidArgument, match="another model"):
+                prefill(other, cache, torch.tensor(PROMPT_A))
+            assert cache.get_seq_length() == 0
+        assert client.stats()["referenced_blocks"] == 0
+
+
+@pytest.mark.parametrize("attn", ATTN)
+def test_from_prompts_with_num_return_sequences(attn, model_coord):
+    """generate repeats every row of a prompt cache (three samples per prompt of a padded
+    batch): the cache forks each row's sequence as often, and reuses the prefix."""
+    model = build("qwen2")
+    ids, mask, _ = padded_batch()
+    kwargs = dict(attention_mask=mask, pad_token_id=0, do_sample=True, num_return_sequences=3,
+                  top_k=0, max_new_tokens=6)
+    torch.manual_seed(11)
+    want = greedy(model, ids, **kwargs)
+    model.set_attn_implementation(IMPL[attn])
+    with shmkv.connect(model_coord(model).address, timeout=20) as client:
+        with ShmkvCache.from_prompt(client, PROMPT_A, model_config=model) as cache:
+            greedy(model, PROMPT_A, cache)       # PROMPT_A's 20 tokens cached
+        with ShmkvCache.from_prompts(client, ids, attention_mask=mask, model_config=model,
+                                     **CACHE[attn]) as cache:
+            assert cache.num_cached_tokens == 14 and len(cache.handles) == 2
+            torch.manual_seed(11)
+            got = greedy(model, ids, cache, **kwargs)
+            assert len(cache.handles) == 6 and cache.attention_path == PATH[attn]
+        assert_same_generation(got, want, ids.shape[1], REUSED)
+        stats = client.stats()
+        assert stats["ops_by_type"].get("fork", 0) >= 4
+        assert stats["referenced_blocks"] == 0
+
+
+@pytest.mark.parametrize("attn", ATTN)
+def test_from_prompts_with_beam_search(attn, model_coord):
+    """Beam search over a prompt cache: rows forked for the beams, reordered as beams
+    win, the prompt's prefix reused."""
+    model = build("qwen2")
+    kwargs = dict(num_beams=3, num_return_sequences=2, max_new_tokens=6)
+    want = greedy(model, PROMPT_B, **kwargs)
+    model.set_attn_implementation(IMPL[attn])
+    with shmkv.connect(model_coord(model).address, timeout=20) as client:
+        with ShmkvCache.from_prompt(client, PROMPT_A, model_config=model) as cache:
+            greedy(model, PROMPT_A, cache)
+        with ShmkvCache.from_prompt(client, PROMPT_B, model_config=model,
+                                    **CACHE[attn]) as cache:
+            assert cache.num_cached_tokens == 16
+            got = greedy(model, PROMPT_B, cache, **kwargs)
+            assert len(cache.handles) == 3
+        assert got.sequences.tolist() == want.sequences.tolist()
+        stats = client.stats()
+        assert stats["ops_by_type"].get("fork", 0) > 0 and stats["cow_copies"] > 0
+        assert stats["referenced_blocks"] == 0
+        # a batch that is no multiple of the cache's rows is refused, not expanded
+        ids, mask = left_pad([PROMPT_A, PROMPT_C])
+        with ShmkvCache.from_prompts(client, ids, attention_mask=mask,
+                                     model_config=model) as cache:
+            with pytest.raises(shmkv.InvalidArgument, match="holds 2 sequences.*batch of 3"):
+                greedy(model, torch.cat([ids, ids[:1]]), cache,
+                       attention_mask=torch.cat([mask, mask[:1]]), pad_token_id=0)
         assert client.stats()["referenced_blocks"] == 0
 
 
@@ -571,7 +840,7 @@ def test_prefill_in_child_decode_in_parent(model_coord):
                 cache = kv if isinstance(kv, ShmkvCache) else ShmkvCache(kv)
                 handle = cache.handle
                 assert handle.num_tokens == len(ids) and cache.get_seq_length() == len(ids)
-                assert_kv_equal(handle, want.cache, len(ids), REUSED)
+                assert_kv_equal(handle, cache_of(want), len(ids), REUSED)
                 got = greedy(model, ids + [item["first"]], cache, max_new_tokens=NEW_TOKENS - 1)
                 assert got.sequences[0, len(ids):].tolist() == \
                     want.sequences[0, len(ids):].tolist()
@@ -695,7 +964,7 @@ QUANTIZED_TOL = {"float8_e4m3fn": 0.05, "float8_e5m2": 0.1, "int8": 0.02}
 def test_quantized_pool_stays_within_the_stated_tolerance(dtype, attn, model_coord):
     model = build("llama")
     want = greedy(model, PROMPT_A)
-    reference = want.cache
+    reference = cache_of(want)
     model.set_attn_implementation(IMPL[attn])
     with shmkv.connect(model_coord(model, dtype=dtype).address, timeout=20) as client:
         limit = 127.0 if dtype == "int8" else float(torch.finfo(getattr(torch, dtype)).max)

@@ -46,7 +46,10 @@ without sliding window, Gemma, Granite, OLMo, Phi-3, ...), on transformers 5.x.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+import json
+import sys
 import threading
 from typing import List, Optional, Sequence
 
@@ -70,8 +73,9 @@ from ..errors import InvalidArgument, WrongType
 from ..handle import KvCacheHandle
 from ..layout import PoolConfig
 
-__all__ = ["ATTN_IMPLEMENTATION", "ShmkvCache", "cache_argument", "left_pad", "pool_config",
-           "prefill", "register", "shmkv_attention_forward", "use_shmkv_attention"]
+__all__ = ["ATTN_IMPLEMENTATION", "ShmkvCache", "cache_argument", "left_pad", "model_cache_salt",
+           "pool_config", "prefill", "register", "shmkv_attention_forward",
+           "use_shmkv_attention"]
 
 ATTN_IMPLEMENTATION = "shmkv"
 
@@ -84,6 +88,9 @@ _MASK_SIZES = threading.local()
 # Decode over the mirror reads K/V into the CPU caches before SDPA from this many
 # elements of K per layer (256 KiB of float32) up; see ShmkvCache._attend_mirror.
 _WARM_MIN_NUMEL = 1 << 16
+
+# "No position": above any row position.
+_NEVER = 1 << 62
 
 _QUANTIZED = (torch.int8, getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None))
 
@@ -147,7 +154,7 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int = 0) -> tuple:
 
 
 def _check_full_attention(model_config) -> None:
-    text = model_config.get_text_config(decoder=True)
+    text = _config_of(model_config)[0].get_text_config(decoder=True)
     try:
         from transformers.cache_utils import get_layer_types_and_kwargs
         layer_types, _ = get_layer_types_and_kwargs(text)
@@ -157,6 +164,83 @@ def _check_full_attention(model_config) -> None:
     if other:
         raise InvalidArgument(f"ShmkvCache holds full-attention layers only; this model also "
                               f"has {', '.join(other)} layers: use transformers' DynamicCache")
+
+
+# What names a model's K/V in the prefix keys: its checkpoint (name or path, revision), its
+# dtype and the fields of its config that shape the K/V it computes. Runtime switches
+# (attention implementation, use_cache, output flags) are not part of it: the same weights
+# give the same K/V whichever way their layers attend.
+_IDENTITY_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size",
+                    "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                    "hidden_act", "rms_norm_eps", "layer_norm_eps", "attention_bias",
+                    "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor",
+                    "max_position_embeddings", "tie_word_embeddings")
+
+
+def _config_of(model_or_config):
+    """``(config, dtype)``: a model's config and the dtype of its weights, or a config
+    and the dtype it declares (unset: torch's default dtype, what a model made from it
+    gets)."""
+    config = getattr(model_or_config, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):   # a model
+        return config, getattr(model_or_config, "dtype", None)
+    if not hasattr(model_or_config, "get_text_config"):
+        raise WrongType(f"model_config must be a transformers config or model, got "
+                        f"{type(model_or_config).__name__}")
+    text = model_or_config.get_text_config(decoder=True)
+    dtype = getattr(text, "dtype", None) or getattr(model_or_config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, dtype)
+    return model_or_config, dtype or torch.get_default_dtype()
+
+
+def _model_identity(model_config) -> dict:
+    """The facts of ``model_config`` (a config or a model) that name the model whose K/V
+    a cache holds."""
+    model_config, dtype = _config_of(model_config)
+    text = model_config.get_text_config(decoder=True)
+    identity = {
+        "name_or_path": str(getattr(model_config, "name_or_path", "") or ""),
+        # transformers 5 resolves the revision at load time and no longer keeps it on the
+        # config; older releases kept the commit hash as _commit_hash.
+        "revision": getattr(model_config, "_commit_hash", None)
+        or getattr(model_config, "revision", None),
+        "dtype": str(dtype),
+        "architectures": getattr(model_config, "architectures", None),
+    }
+    for name in _IDENTITY_FIELDS:
+        if hasattr(text, name):
+            identity[name] = getattr(text, name)
+    return identity
+
+
+def model_cache_salt(model_config, cache_salt: Optional[bytes] = None) -> bytes:
+    """The ``cache_salt`` that :meth:`ShmkvCache.from_prompts` allocates with: the model's
+    identity with the caller's own salt on top, 32 bytes.
+
+    Prefix keys hash token ids from a root that the salt namespaces, so two models (or two
+    revisions, or one model in two dtypes) on one coordinator never reuse each other's
+    K/V, while the same model does. ``model_config`` is ``model.config`` or the model
+    itself (then the dtype of its weights counts, also after ``model.to(dtype)``, which
+    leaves ``config.dtype`` as it was). The identity is read from the config: the name
+    or path it was loaded from, the revision when the config keeps one, the dtype, and
+    the config fields that shape its K/V (layers, heads, sizes, rotary settings). Two
+    models built locally from equal configs (no name, same fields) are indistinguishable
+    from their configs: give them a ``name_or_path`` or a ``cache_salt`` of their own.
+    Pass the result as ``cache_salt`` to ``client.allocate(prompt=...)`` (or to
+    :func:`shmkv.distributed.send_sequence`) to share prefixes with these caches.
+
+    Raises:
+        WrongType: ``cache_salt`` that is not bytes, or no config or model.
+    """
+    if cache_salt is not None and not isinstance(cache_salt, (bytes, bytearray)):
+        raise WrongType(f"cache_salt must be bytes, got {type(cache_salt).__name__}")
+    identity = json.dumps(_model_identity(model_config), sort_keys=True, default=str)
+    digest = hashlib.blake2b(b"shmkv.integrations.transformers model\0", digest_size=32)
+    digest.update(identity.encode())
+    if cache_salt:
+        digest.update(b"\0salt\0" + bytes(cache_salt))
+    return digest.digest()
 
 
 # -- the "shmkv" attention implementation ------------------------------------------------------
@@ -186,6 +270,27 @@ class _ShmkvMask:
             self._dense = sdpa_mask(**self._kwargs)
             self._built = True
         return self._dense
+
+
+def _mask_position_ids():
+    """The ``position_ids`` of the forward whose mask transformers builds now, read from
+    the frame of ``masking_utils._preprocess_mask_arguments`` (the caller of
+    ``Cache.get_mask_sizes``), or None where that frame is not found or holds none.
+
+    transformers hands a cache neither the positions nor the rotary embeddings of the
+    K/V it stores; the positions decide whether a row's K/V is what its prefix keys
+    promise (see :meth:`ShmkvCache.commit`). None reads as transformers' default: the
+    padded positions (``cache_position``), which is safe: a padded row is then not
+    published."""
+    frame = sys._getframe(2)   # 0: here, 1: ShmkvCache.get_mask_sizes, 2: its caller
+    try:
+        if frame.f_code.co_name == "_preprocess_mask_arguments" and \
+                frame.f_globals.get("__name__", "").startswith("transformers."):
+            positions = frame.f_locals.get("position_ids")
+            return positions if isinstance(positions, torch.Tensor) else None
+        return None
+    finally:
+        del frame
 
 
 def _shmkv_mask(**kwargs):
@@ -375,7 +480,8 @@ class ShmkvCache(Cache):
         padding_side: ``"left"`` for handles holding different token counts: the rows
             are aligned at their ends and padded on the left to the longest, as
             :func:`left_pad` pads their prompts (pass that attention mask to the model).
-        model_config: when given, checked to have only full-attention layers.
+        model_config: ``model.config`` or the model; when given, checked to have only
+            full-attention layers, and :func:`prefill` refuses another model.
         mirror: on the paged path, keep a copy of every row's K/V in per-layer buffers
             of this process (about as much memory as ``DynamicCache`` holds, on top of
             the pool), kept current by appending each step's new tokens, and let decode
@@ -408,6 +514,18 @@ class ShmkvCache(Cache):
         self._commit_upto: Optional[int] = None
         self._closed = False
         self._config_checked = False
+        # model_cache_salt(model_config) if given, and whether model_config was a model (the
+        # dtype of its weights counts) or a config (the dtype it declares)
+        self._model_salt: Optional[bytes] = None
+        self._salt_of_model = False
+        self._expandable = False    # from_prompts, before its first forward: may fork rows
+        # The position_ids of the forward whose mask is being built (None: transformers'
+        # default, the padded positions); taken by that forward's first update.
+        self._positions = None
+        # Row positions from which K/V is checked to be at its own position: every one
+        # below that of a cache that may publish (from_prompts: its prompts; handles: not
+        # known), none of a cache made from a client (its sequences carry no token ids).
+        self._check_below = 0 if isinstance(source, Client) else _NEVER
         self._claim: Optional[_ShmkvMask] = None   # set by the mask function, per forward
         self._pending = None                       # key handed to a layer on the paged path
         self._fwd: Optional[_Forward] = None
@@ -463,6 +581,8 @@ class ShmkvCache(Cache):
         if model_config is not None:
             _check_full_attention(model_config)
             self._config_checked = True
+            self._model_salt = model_cache_salt(model_config)
+            self._salt_of_model = model_config is not _config_of(model_config)[0]
         self._initial_tokens = num_tokens
         super().__init__(layers=[_ShmkvLayer(self, i, num_tokens) for i in range(num_layers)])
 
@@ -477,10 +597,14 @@ class ShmkvCache(Cache):
     def _stored(self, value: torch.Tensor) -> None:
         self._stored_t = value
 
-    def _set_rows(self, pads, stored, lens) -> None:
+    def _set_rows(self, pads, stored, lens, unpublished=None) -> None:
         self._pad = torch.as_tensor(pads, dtype=torch.int64)
         self._stored = torch.as_tensor(stored, dtype=torch.int64)
         self._lens = torch.as_tensor(lens, dtype=torch.int64)
+        # Per row: the first position whose K/V may have been computed at another position
+        # (a forward that numbered the row from its padding); commit stops there.
+        self._unpublished = (torch.full_like(self._pad, _NEVER) if unpublished is None
+                             else torch.as_tensor(unpublished, dtype=torch.int64))
         self._refresh_rows()
 
     def _refresh_rows(self) -> None:
@@ -516,7 +640,8 @@ class ShmkvCache(Cache):
         :func:`prefill` computes only the rest. The written prompt is committed (its
         full blocks become reusable by later requests) when decoding goes past it, at
         :meth:`close`, or by :meth:`commit`. ``num_cached_tokens`` says how many
-        tokens were reused. ``mirror``: as for :class:`ShmkvCache`.
+        tokens were reused. ``model_config`` (required), ``cache_salt``, ``mirror``: as
+        for :meth:`from_prompts`.
         """
         prompt = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
         if prompt and isinstance(prompt[0], list):
@@ -540,21 +665,43 @@ class ShmkvCache(Cache):
                 left with its ``attention_mask`` (as a tokenizer with
                 ``padding_side="left"`` returns them).
             attention_mask: with ``input_ids``: 1 for tokens, 0 for the left padding.
+            model_config: the model that will run, ``model.config`` or the model itself
+                (see :func:`model_cache_salt`), required: the prefix keys are namespaced
+                by the model's identity, so the cache reuses only K/V this same model
+                computed, and :func:`prefill` with another model is refused.
+            cache_salt: bytes of the caller's own (a tenant, an adapter), on top of the
+                model's identity.
             mirror: as for :class:`ShmkvCache`.
 
         The cache starts at the longest padded length that every row holds (a row's
         padding plus its reused tokens, all but its last prompt token at most);
         ``generate(input_ids, attention_mask=...)`` computes the rest, and rows that
         hold more skip the writes they already have. The prompts are committed as in
-        :meth:`from_prompt`.
+        :meth:`from_prompt`; a row is committed only as far as its K/V was computed at
+        its own positions 0, 1, ... (the positions ``generate`` and :func:`prefill`
+        give a left-padded batch: a forward that numbers a padded row from its padding
+        leaves that row unpublished).
+
+        ``generate`` with ``num_return_sequences > 1`` or ``num_beams > 1`` runs the
+        batch expanded: at the first forward, each row's sequence is forked
+        (copy-on-write) as many times as ``generate`` repeats the row.
 
         Raises:
-            InvalidArgument: an empty prompt, or padding that is not on the left.
+            InvalidArgument: no ``model_config``, an empty prompt, or padding that is
+                not on the left.
+            WrongType: ``cache_salt`` that is not bytes.
             PoolExhausted: not enough blocks (nothing allocated).
         """
+        if model_config is None:
+            raise InvalidArgument(
+                "from_prompts needs model_config=model (or model.config): its prefix keys are "
+                "namespaced by the model (name or path, revision, dtype, shape), so that K/V "
+                "another model left on this coordinator is never reused; cache_salt= adds a "
+                "namespace of your own on top")
+        salt = model_cache_salt(model_config, cache_salt)
         rows = _prompt_rows(prompts, attention_mask)
         width = max(map(len, rows))
-        requests = [dict(prompt=row, cache_salt=cache_salt,
+        requests = [dict(prompt=row, cache_salt=salt,
                          request_id=None if request_ids is None else request_ids[b])
                     for b, row in enumerate(rows)]
         handles = client.allocate_many(requests)
@@ -570,6 +717,8 @@ class ShmkvCache(Cache):
         cache._client = client
         cache._owned.update(handles)
         cache._commit_upto = width
+        cache._expandable = True
+        cache._check_below = width
         return cache
 
     # -- what the cache holds --------------------------------------------------------------
@@ -614,12 +763,18 @@ class ShmkvCache(Cache):
     def commit(self) -> int:
         """Publish the full blocks every layer has written, for prefix reuse (only
         sequences allocated with a prompt carry the token ids needed). Returns the
-        number of leading blocks published in the first sequence."""
+        number of leading blocks published in the first sequence.
+
+        A prefix key promises the K/V of its tokens at positions 0, 1, ... of the
+        sequence; a row is published only up to its first token that a forward computed
+        at another position (a left-padded row run without ``position_ids`` from the
+        attention mask numbers its tokens from the padding)."""
         self._check_open()
         n = self.num_tokens
         published = []
         if self._handles:
-            written = (n - self._pad).clamp(min=0).minimum(self._stored).tolist()
+            written = (n - self._pad).clamp(min=0).minimum(self._stored).minimum(
+                self._unpublished).tolist()
             published = [h.commit(min(w, h.num_tokens)) for h, w in zip(self._handles, written)]
         if self._commit_upto is not None and n >= self._commit_upto:
             self._commit_upto = None
@@ -632,6 +787,7 @@ class ShmkvCache(Cache):
         the "shmkv" mask function, which transformers calls next, that this cache runs
         the forward."""
         _MASK_SIZES.cache = self
+        self._positions = _mask_position_ids()
         return super().get_mask_sizes(query_length, layer_idx)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
@@ -712,12 +868,19 @@ class ShmkvCache(Cache):
     def _begin(self, start: int, key_states: torch.Tensor) -> _Forward:
         """The first update of a forward: which path, which slots (one round trip)."""
         claim, self._claim = self._claim, None
+        positions, self._positions = self._positions, None
         _MASK_SIZES.__dict__.pop("cache", None)
         batch, heads, n, head_dim = key_states.shape
         if self._handles is None:
             self._handles = self._client.allocate_many([0] * batch)
             self._owned.update(self._handles)
             self._set_rows([0] * batch, [0] * batch, [0] * batch)
+        rows = len(self._handles)
+        if rows != batch and self._expandable and batch % rows == 0:
+            # generate(num_return_sequences=k or num_beams=k) repeats every row k times
+            # before its first forward (repeat_interleave): the sequences are forked so.
+            self.batch_repeat_interleave(batch // rows)
+        self._expandable = False
         if len(self._handles) != batch:
             raise InvalidArgument(f"the cache holds {len(self._handles)} sequences, the model "
                                   f"ran a batch of {batch}")
@@ -769,6 +932,8 @@ class ShmkvCache(Cache):
                     or torch.equal(step.block_tables, prev.step.block_tables)):
                 # The same blocks, one more key each: the last step's attention plan moved on.
                 plan = prev.plan._next_decode()
+            if positions is not None and start < self._check_below:
+                self._check_positions(positions, start, n, None, None)
             self._aligned = kv_length
             self._stored_t = None   # every row: kv_length (made into a tensor when needed)
             fwd = _Forward(start, n, step, paged, None)
@@ -806,6 +971,8 @@ class ShmkvCache(Cache):
             self._extend(need)
             step = self._batch.prefill(start=hstart, num_tokens=counts)
         self._pad = pad
+        if start < self._check_below:
+            self._check_positions(positions, start, n, pad, skip)
         self._stored = torch.maximum(stored, ends)
         self._lens = torch.maximum(lens, ends)
         self._refresh_rows()
@@ -813,6 +980,30 @@ class ShmkvCache(Cache):
         if not uniform:
             select = (torch.arange(n)[None, :] >= skip[:, None]).reshape(-1).nonzero().squeeze(1)
         return _Forward(start, n, step, paged, select)
+
+    def _check_positions(self, positions, start: int, n: int, pad, skip) -> None:
+        """Note in ``_unpublished`` the rows whose new K/V a forward computes at positions
+        other than their own: new token ``j`` sits at row position ``start + j - pad``
+        (``pad``, ``skip``: per row, None for none) and is computed at
+        ``positions[:, j]`` (the forward's ``position_ids``; None: transformers'
+        default, ``start + j``). Tokens a row skips (``skip``) are not written."""
+        steps = torch.arange(n)
+        own = start + steps[None, :]                        # [1 or batch, n]
+        if pad is not None:
+            own = own - pad[:, None]
+        if positions is None or positions.dim() != 2 or positions.shape[-1] != n:
+            # transformers' default (or a form not checked here, e.g. multimodal rotary
+            # positions [3, batch, n]): the padded positions
+            used = start + steps[None, :]
+        else:
+            used = positions.to(device="cpu", dtype=torch.int64)
+        wrong = used != own
+        if skip is not None:
+            wrong &= steps[None, :] >= skip[:, None]
+        if not bool(wrong.any()):
+            return
+        first = torch.where(wrong, own.expand_as(wrong), _NEVER).amin(1)
+        self._unpublished = torch.minimum(self._unpublished, first)
 
     def _extend(self, counts):
         """``batch.extend(counts)``: one round trip (copy-on-write of forked rows' shared
@@ -1013,10 +1204,10 @@ class ShmkvCache(Cache):
             else:
                 got = pages.view(-1, heads, head_dim).index_select(0, rows)
             got = got.view(batch, hi - lo, heads, head_dim)
-            if fwd.dense_pad is not None:
-                got.masked_fill_(fwd.dense_pad[:, :, None, None], 0)
-            if got.dtype in _QUANTIZED:
+            if got.dtype in _QUANTIZED:   # dequantized first: float8 has no masked_fill
                 got = got.float() * self._scales(layer_idx)[which]
+            if fwd.dense_pad is not None:   # whatever the padding's slots hold (NaN, inf)
+                got.masked_fill_(fwd.dense_pad[:, :, None, None], 0)
             buf[:, :, lo:hi].copy_(got.transpose(1, 2))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -1051,6 +1242,9 @@ class ShmkvCache(Cache):
             return
         self._pad = self._pad.clamp(max=n)
         self._stored = self._stored.minimum((n - self._pad).clamp(min=0))
+        # rows cropped to before their first misplaced token hold none any more
+        self._unpublished = torch.where(self._stored <= self._unpublished, _NEVER,
+                                        self._unpublished)
         self._refresh_rows()
         self._fwd = None
 
@@ -1091,7 +1285,8 @@ class ShmkvCache(Cache):
             self._dense_bufs = [None if bufs is None else
                                 tuple(b.index_select(0, index.to(b.device)) for b in bufs)
                                 for bufs in self._dense_bufs]
-        self._set_rows(self._pad[index], self._stored[index], self._lens[index])
+        self._set_rows(self._pad[index], self._stored[index], self._lens[index],
+                       self._unpublished[index])
         self._close_owned([h for b, h in enumerate(old) if b not in taken])
 
     def _close_owned(self, handles) -> None:
@@ -1133,18 +1328,20 @@ class ShmkvCache(Cache):
         if self._handles is None:
             raise InvalidArgument("an empty ShmkvCache holds no sequence to hand over")
         return (_rebuild, (list(self._handles), self.num_tokens, self._pad.tolist(),
-                           self._stored.tolist(), self._mirror))
+                           self._stored.tolist(), self._mirror, self._unpublished.tolist()))
 
     def __repr__(self) -> str:
         rows = len(self._handles) if self._handles is not None else 0
         return f"<ShmkvCache {rows} sequences x {self.num_tokens} tokens>"
 
 
-def _rebuild(handles, num_tokens, pads=None, stored=None, mirror=None):
+def _rebuild(handles, num_tokens, pads=None, stored=None, mirror=None, unpublished=None):
     cache = ShmkvCache._with_rows(handles, num_tokens,
                                   pads if pads is not None else [0] * len(handles),
                                   stored if stored is not None else [num_tokens] * len(handles),
                                   [h.num_tokens for h in handles], mirror=mirror)
+    if unpublished is not None:
+        cache._unpublished = torch.as_tensor(unpublished, dtype=torch.int64)
     cache._owned.update(handles)
     return cache
 
@@ -1182,17 +1379,36 @@ def prefill(model, cache: ShmkvCache, input_ids: torch.Tensor,
 
     ``input_ids`` is ``[batch, tokens]`` (or ``[tokens]``), the whole (left padded)
     prompt, of which the cache holds the first ``cache.get_seq_length()`` tokens;
-    ``attention_mask`` its mask, for a padded batch.
+    ``attention_mask`` its mask, for a padded batch. Each row's tokens are numbered from
+    its first real token, as ``generate`` numbers them (``position_ids`` from the mask),
+    so the K/V stored is what an unpadded run of the same prompt stores.
+
+    Raises:
+        InvalidArgument: nothing left to run, a mask of another shape, or a cache made
+            for another model (``from_prompts(model_config=...)``).
     """
     ids = input_ids[None] if input_ids.dim() == 1 else input_ids
     done = cache.get_seq_length()
     if not 0 <= done < ids.shape[1]:
         raise InvalidArgument(f"the cache holds {done} tokens; the prompt has {ids.shape[1]}, "
                               "so there is nothing left to run")
+    if cache._model_salt is not None and cache._model_salt != model_cache_salt(
+            model if cache._salt_of_model else model.config):
+        raise InvalidArgument(
+            "this ShmkvCache was made for another model: its model_config names other weights, "
+            "revision, shape or dtype than this model's, and its prefix keys and K/V are that "
+            "model's; make the cache with this model's model_config (model or model.config)")
     kwargs = {}
     if attention_mask is not None:
-        kwargs["attention_mask"] = attention_mask[None] if attention_mask.dim() == 1 \
-            else attention_mask
+        mask = attention_mask[None] if attention_mask.dim() == 1 else attention_mask
+        if mask.shape != ids.shape:
+            raise InvalidArgument(f"attention_mask has shape {tuple(mask.shape)}, input_ids "
+                                  f"{tuple(ids.shape)}")
+        kwargs["attention_mask"] = mask
+        if "position_ids" in inspect.signature(type(model).forward).parameters:
+            # as generate() numbers a left-padded row: its first token is position 0
+            positions = (mask.long().cumsum(-1) - 1).clamp_(min=0)
+            kwargs["position_ids"] = positions[:, done:]
     out = model(input_ids=ids[:, done:], use_cache=True, **{cache_argument(model): cache},
                 **kwargs)
     return out.logits[:, -1]
