@@ -13,6 +13,17 @@ renamed into place, so processes that build at once do not see each other's part
 files. Nothing is compiled at import: the first decode call builds (about half a
 second) and later ones, in any process, load.
 
+Only a library this user built is ever loaded: loading runs its code (constructors run
+at ``dlopen``, before any symbol is looked up), and its name is a hash anyone on the
+machine can work out. So the cache directory is used only when it is a real directory
+(not a symbolic link) owned by this user and writable by no one else (created 0700,
+whatever the umask); a library in it is opened without following links and checked on
+the open descriptor (a regular file, owned by this user, writable by no one else), then
+loaded through that descriptor (``/proc/self/fd/N``), so nothing can be swapped in
+between the check and the load. A library that fails the check is rebuilt in its
+place; a directory that fails it is not used, and the kernel is built in a fresh
+private directory instead (removed once loaded). Each refusal is logged, with why.
+
 Optional by design: without a C compiler (``$CC``, else ``cc``, ``gcc``, ``clang``), when
 the build fails, or with ``SHMKV_NATIVE=0`` in the environment, :func:`decoder`
 returns None and attention takes its torch path. Why it failed is logged once
@@ -22,6 +33,7 @@ returns None and attention takes its torch path. Why it failed is logged once
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import logging
 import os
@@ -34,7 +46,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -63,32 +75,95 @@ _state = {"fn": None, "tried": False, "status": "not built yet"}
 _pool: Optional[ThreadPoolExecutor] = None
 
 
-def cache_dir() -> str:
-    """Where built libraries are kept: ``$SHMKV_CACHE_DIR``, else the user's cache
-    directory, else (a home that cannot be written, as in some containers) a directory
-    of this user's in the temporary directory, used only while no one else can write
-    it."""
+class UntrustedLibrary(PermissionError):
+    """A library or cache directory refused because another user could have written it
+    (wrong owner, group or others may write, a symbolic link, not a regular file)."""
+
+
+# Where this process's open descriptors can be named for dlopen (Linux). Without it
+# libraries are only loaded from a fresh private directory made for the build.
+_FD_DIR = "/proc/self/fd"
+# Descriptors of the loaded libraries, kept open: the loader knows a library by the name
+# it was opened with (/proc/self/fd/N), and would hand back the first one for a later
+# library opened under a reused N.
+_loaded_fds: List[int] = []
+
+
+def _untrusted(info: os.stat_result, directory: bool) -> Optional[str]:
+    """Why a file or directory of this ``lstat``/``fstat`` result could hold another
+    user's code, or None when only this user can have written it."""
+    if stat.S_ISLNK(info.st_mode):
+        return "is a symbolic link"
+    if directory and not stat.S_ISDIR(info.st_mode):
+        return "is not a directory"
+    if not directory and not stat.S_ISREG(info.st_mode):
+        return "is not a regular file"
+    if info.st_uid != os.geteuid():
+        return f"is owned by uid {info.st_uid}, not by this user (uid {os.geteuid()})"
+    if info.st_mode & 0o022:
+        return (f"can be written by its group or others (mode "
+                f"{stat.S_IMODE(info.st_mode):o}; chmod go-w it, or remove it)")
+    return None
+
+
+def _make_dirs(path: str) -> None:
+    """Create ``path`` and missing parents, each 0700 whatever the umask (mkdir's mode is
+    cut by the umask; a umask of 000 would otherwise leave nothing cut from 0777)."""
+    parent = os.path.dirname(path)
+    if parent and parent != path and not os.path.lexists(parent):
+        _make_dirs(parent)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        return
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
+
+
+def _private_dir(path: str) -> tuple:
+    """``(None, False)`` when ``path`` is (made, if missing) a directory only this user
+    can write: not a link, owned by this user, not writable by group or others, writable
+    by this user. Else ``(why not, whether someone else could write it)``."""
+    try:
+        _make_dirs(path)
+        why = _untrusted(os.lstat(path), directory=True)
+    except OSError as exc:
+        return f"cannot be created or read ({exc})", False
+    if why is not None:
+        return why, True
+    if not os.access(path, os.W_OK | os.X_OK):
+        return "cannot be written by this user", False
+    return None, False
+
+
+def cache_dir() -> Optional[str]:
+    """Where built libraries are kept, or None when no directory may be used (the kernel
+    is then built in a fresh private directory, removed once loaded).
+
+    ``$SHMKV_CACHE_DIR`` when set, else the user's cache directory
+    (``$XDG_CACHE_HOME/shmkv``, else ``~/.cache/shmkv``), else (a home that cannot be
+    written, as in some containers) ``shmkv-UID`` in the temporary directory. A
+    directory is used only when it is not a symbolic link, is owned by this user and
+    can be written by no one else; a missing one is created 0700. Why one was refused
+    is logged (logger ``shmkv.native``): a warning when someone else could write it."""
     explicit = os.environ.get("SHMKV_CACHE_DIR")
     if explicit:
-        return explicit
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    home = os.path.join(base, "shmkv")
-    try:
-        os.makedirs(home, exist_ok=True)
-        if os.access(home, os.W_OK):
-            return home
-    except OSError:
-        pass
-    private = os.path.join(tempfile.gettempdir(), f"shmkv-{os.getuid()}")
-    try:
-        os.makedirs(private, mode=0o700, exist_ok=True)
-        info = os.lstat(private)
-        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() \
-                and not info.st_mode & 0o022:
-            return private
-    except OSError:
-        pass
-    return home   # the build then says why it cannot write there
+        candidates = [explicit]
+    else:
+        base = (os.environ.get("XDG_CACHE_HOME")
+                or os.path.join(os.path.expanduser("~"), ".cache"))
+        candidates = [os.path.join(base, "shmkv"),
+                      os.path.join(tempfile.gettempdir(), f"shmkv-{os.getuid()}")]
+    for path in candidates:
+        why, unsafe = _private_dir(path)
+        if why is None:
+            return path
+        log.log(logging.WARNING if unsafe else logging.INFO,
+                "shmkv: not using %s for the native kernel's library: it %s", path, why)
+    return None
 
 
 def _compiler() -> Optional[str]:
@@ -149,6 +224,49 @@ def _prune(directory: str, keep: str) -> None:
                 pass
 
 
+def _library_names(cc: str) -> List[str]:
+    """The library's file name for each of :data:`FLAG_SETS`, built with ``cc``: a hash
+    of the source, the compiler and its version, the flags, the build kind and the CPU.
+    Raises OSError / SubprocessError when the source cannot be read or ``cc`` run."""
+    with open(SOURCE, "rb") as f:
+        source = f.read()
+    version = subprocess.run([cc, "--version"], capture_output=True, timeout=30,
+                             start_new_session=True).stdout
+    return ["paged_decode-" + hashlib.sha256(b"\0".join([
+        source, cc.encode(), version, " ".join(flags).encode(), BUILD_KIND.encode(),
+        platform.machine().encode(), _cpu_flags().encode()])).hexdigest()[:20] + ".so"
+        for flags in FLAG_SETS]
+
+
+def _compile(cc: str, flags: list, directory: str, path: str) -> Optional[str]:
+    """Build the library into ``path`` in ``directory`` (under a temporary name, then
+    renamed over whatever is there); None when it was built, else why not."""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-paged_decode-", suffix=".so", dir=directory)
+        os.close(fd)
+    except OSError as exc:
+        return f"cannot write to the cache directory {directory}: {exc}"
+    obj = tmp[:-3] + ".o"
+    try:
+        # Compiled with the flags, linked without them: a link with -ffast-math adds
+        # start-up code that sets flush-to-zero for the whole process (subnormals
+        # would read as zero in every computation, torch's included).
+        for command in ([cc, *flags, "-fPIC", "-c", "-o", obj, SOURCE],
+                        [cc, "-shared", "-o", tmp, obj, "-lm"]):
+            failed = _run(command)
+            if failed:
+                return failed
+        os.chmod(tmp, 0o755)    # the linker's mode follows the umask
+        os.replace(tmp, path)
+        return None
+    except (OSError, subprocess.SubprocessError) as exc:
+        return str(exc)
+    finally:
+        for leftover in (tmp, obj):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
+
+
 def _build() -> tuple:
     """(the loaded kernels by dtype, None) or (None, why not)."""
     if os.environ.get("SHMKV_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
@@ -157,64 +275,75 @@ def _build() -> tuple:
     if cc is None:
         return None, "no C compiler found (set CC, or install cc/gcc/clang)"
     try:
-        with open(SOURCE, "rb") as f:
-            source = f.read()
-        version = subprocess.run([cc, "--version"], capture_output=True, timeout=30,
-                                 start_new_session=True).stdout
+        names = _library_names(cc)
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"cannot read the kernel source or run {cc}: {exc}"
-    directory = cache_dir()
-    errors = []
-    for flags in FLAG_SETS:
-        digest = hashlib.sha256(b"\0".join([source, cc.encode(), version, " ".join(flags).encode(),
-                                            BUILD_KIND.encode(),
-                                            platform.machine().encode(),
-                                            _cpu_flags().encode()])).hexdigest()[:20]
-        path = os.path.join(directory, f"paged_decode-{digest}.so")
-        if not os.path.exists(path):
-            try:
-                os.makedirs(directory, exist_ok=True)
-                fd, tmp = tempfile.mkstemp(prefix=".tmp-paged_decode-", suffix=".so",
-                                           dir=directory)
-                os.close(fd)
-            except OSError as exc:
-                return None, f"cannot write to the cache directory {directory}: {exc}"
-            obj = tmp[:-3] + ".o"
-            try:
-                # Compiled with the flags, linked without them: a link with -ffast-math adds
-                # start-up code that sets flush-to-zero for the whole process (subnormals
-                # would read as zero in every computation, torch's included).
-                failed = None
-                for command in ([cc, *flags, "-fPIC", "-c", "-o", obj, SOURCE],
-                                [cc, "-shared", "-o", tmp, obj, "-lm"]):
-                    failed = _run(command)
-                    if failed:
-                        break
-                if failed:
-                    errors.append(f"{' '.join(flags)}: {failed}")
-                    continue
-                os.chmod(tmp, 0o755)
-                os.replace(tmp, path)
-                _prune(directory, keep=path)
-            except (OSError, subprocess.SubprocessError) as exc:
-                errors.append(f"{' '.join(flags)}: {exc}")
-                continue
-            finally:
-                for leftover in (tmp, obj):
-                    if os.path.exists(leftover):
-                        os.unlink(leftover)
+    directory = cache_dir() if os.path.isdir(_FD_DIR) else None
+    private = None
+    if directory is None:
         try:
-            return load(path), None
-        except (OSError, AttributeError) as exc:
-            errors.append(f"loading {path}: {exc}")
-            continue
+            private = directory = tempfile.mkdtemp(prefix="shmkv-build-")   # 0700, ours
+        except OSError as exc:
+            return None, f"cannot make a private directory to build in: {exc}"
+    errors = []
+    try:
+        for flags, name in zip(FLAG_SETS, names):
+            path = os.path.join(directory, name)
+            if os.path.lexists(path):
+                try:
+                    return load(path), None
+                except UntrustedLibrary as exc:
+                    log.warning("shmkv: %s; building a new one in its place", exc)
+                except (OSError, AttributeError) as exc:
+                    errors.append(f"loading {path}: {exc}")
+                    continue
+            failed = _compile(cc, flags, directory, path)
+            if failed:
+                errors.append(f"{' '.join(flags)}: {failed}")
+                continue
+            if private is None:
+                _prune(directory, keep=path)
+            try:
+                return load(path), None
+            except (OSError, AttributeError) as exc:
+                errors.append(f"loading {path}: {exc}")
+    finally:
+        if private is not None:
+            shutil.rmtree(private, ignore_errors=True)   # what is loaded stays mapped
     return None, f"building with {cc} failed: " + "; ".join(errors)
 
 
 def load(path: str) -> dict:
     """The kernels of the built library at ``path``, ``{dtype: fn}`` for each of
-    :data:`DTYPES` (raises OSError or AttributeError when it cannot be loaded)."""
-    lib = ctypes.CDLL(path)
+    :data:`DTYPES`.
+
+    The file is opened without following a symbolic link and checked on the open
+    descriptor before anything is loaded: a regular file, owned by this user, writable
+    by no one else. It is then loaded through that descriptor (``/proc/self/fd/N``),
+    which stays open: what was checked is what runs. (Where there is no
+    ``/proc/self/fd`` it is loaded by path after the check; :func:`decoder` then loads
+    only from a fresh private directory.)
+
+    Raises:
+        UntrustedLibrary: the file fails the check (nothing of it has run).
+        OSError / AttributeError: it cannot be opened or loaded, or lacks the kernels.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+                     | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UntrustedLibrary(f"refusing to load {path}: it is a symbolic link") from None
+        raise
+    try:
+        why = _untrusted(os.fstat(fd), directory=False)
+        if why is not None:
+            raise UntrustedLibrary(f"refusing to load {path}: it {why}")
+        lib = ctypes.CDLL(f"{_FD_DIR}/{fd}" if os.path.isdir(_FD_DIR) else path)
+    except BaseException:
+        os.close(fd)
+        raise
+    _loaded_fds.append(fd)
     kernels = {torch.float32: lib.shmkv_paged_decode_f32,
                torch.bfloat16: lib.shmkv_paged_decode_bf16,
                torch.float16: lib.shmkv_paged_decode_f16}

@@ -3,7 +3,10 @@ the torch path, and what happens without it."""
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
+import stat
 import subprocess
 import sys
 
@@ -437,3 +440,220 @@ def test_generate_decodes_through_the_kernel_equal_to_dynamic_cache(monkeypatch)
             got = model.generate(ids, max_new_tokens=12, do_sample=False, **{key: cache})
     assert torch.equal(got, want)
     assert len(calls) >= 11 * config.num_hidden_layers   # every decode step, every layer
+
+
+# -- only a library this user built is loaded ---------------------------------------------
+
+PLANTED_C = r"""
+#include <stdio.h>
+__attribute__((constructor)) static void planted(void) {
+    FILE *f = fopen(MARKER, "w");
+    if (f) { fputs("the planted library ran", f); fclose(f); }
+}
+"""
+
+
+@pytest.fixture
+def planted(tmp_path):
+    """(a library whose constructor writes a marker file, the marker's path): what
+    another user could leave where shmkv looks for its kernel. Loading it once in a
+    child shows the marker does appear when it is loaded; then the marker is removed."""
+    marker = tmp_path / "marker"
+    src, lib = tmp_path / "planted.c", tmp_path / "planted.so"
+    src.write_text(PLANTED_C)
+    failed = native._run([native._compiler(), "-shared", "-fPIC", f'-DMARKER="{marker}"',
+                          "-o", str(lib), str(src)])
+    assert not failed, failed
+    subprocess.run([sys.executable, "-c", f"import ctypes; ctypes.CDLL({str(lib)!r})"],
+                   check=True, timeout=60)
+    assert marker.read_text() == "the planted library ran"
+    marker.unlink()
+    return lib, marker
+
+
+def plant(lib, directory, mode=0o755, link=False):
+    """Put ``lib`` under every name the kernel's library could have in ``directory``."""
+    names = native._library_names(native._compiler())
+    for name in names:
+        path = os.path.join(directory, name)
+        if link:
+            os.symlink(lib, path)
+        else:
+            shutil.copyfile(lib, path)
+            os.chmod(path, mode)
+    return [os.path.join(directory, name) for name in names]
+
+
+def built_kernels_work(kernels):
+    assert kernels is not None
+    lens = [20, 7]
+    q, k_pages, v_pages, table = batch(lens, 4, 2, 32, 16)
+    got = native.paged_decode(kernels, q, k_pages, v_pages, table, torch.tensor(lens), 0.1)
+    torch.testing.assert_close(got.double(), reference(q, k_pages, v_pages, table, lens,
+                                                       scale=0.1), **TOLERANCE)
+
+
+def refusals(caplog) -> str:
+    return " ".join(r.getMessage() for r in caplog.records
+                    if r.name.startswith("shmkv") and r.levelno >= logging.WARNING)
+
+
+@needs_cc
+def test_a_library_that_fails_the_check_is_refused_before_any_of_it_runs(planted, tmp_path):
+    lib, marker = planted
+    cases = tmp_path / "cases"
+    cases.mkdir(mode=0o700)
+    writable = cases / "writable.so"
+    shutil.copyfile(lib, writable)
+    writable.chmod(0o666)
+    group = cases / "group.so"
+    shutil.copyfile(lib, group)
+    group.chmod(0o775)
+    link = cases / "link.so"
+    link.symlink_to(lib)
+    fifo = cases / "fifo.so"
+    os.mkfifo(fifo)
+    refused = {writable: "written by its group or others", group: "group or others",
+               link: "symbolic link", fifo: "not a regular file"}
+    if os.geteuid() == 0:
+        foreign = cases / "foreign.so"
+        shutil.copyfile(lib, foreign)
+        os.chown(foreign, 65534, 65534)
+        refused[foreign] = "owned by uid 65534"
+    for path, why in refused.items():
+        with pytest.raises(native.UntrustedLibrary, match=why):
+            native.load(str(path))
+        assert not marker.exists(), path
+    with pytest.raises(PermissionError):      # UntrustedLibrary is one
+        native.load(str(writable))
+
+
+@needs_cc
+@pytest.mark.parametrize("case", ["mode 0666", "symlink", "other uid"])
+def test_a_planted_library_in_the_cache_is_rebuilt_not_loaded(case, planted, tmp_path,
+                                                              monkeypatch, caplog):
+    if case == "other uid" and os.geteuid() != 0:
+        pytest.skip("giving a file to another uid needs root")
+    lib, marker = planted
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    paths = plant(lib, cache, mode=0o666 if case == "mode 0666" else 0o755,
+                  link=case == "symlink")
+    if case == "other uid":
+        for path in paths:
+            os.chown(path, 65534, 65534)
+    monkeypatch.setenv("SHMKV_CACHE_DIR", str(cache))
+    with caplog.at_level(logging.WARNING, logger="shmkv"):
+        kernels, why = native._build()
+    assert not marker.exists()
+    assert why is None
+    built_kernels_work(kernels)
+    assert "refusing to load" in refusals(caplog)
+    # the planted file was replaced by this user's own build, which later loads take
+    info = os.lstat(paths[0])
+    assert stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid()
+    assert not info.st_mode & 0o022
+    assert open(paths[0], "rb").read() != lib.read_bytes()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="shmkv"):
+        kernels, why = native._build()
+    assert why is None and not refusals(caplog)
+    built_kernels_work(kernels)
+
+
+@needs_cc
+@pytest.mark.parametrize("case", ["mode 0777", "symlink", "other uid"])
+def test_a_cache_directory_others_could_write_is_not_used(case, planted, tmp_path,
+                                                          monkeypatch, caplog):
+    if case == "other uid" and os.geteuid() != 0:
+        pytest.skip("giving a directory to another uid needs root")
+    lib, marker = planted
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    paths = plant(lib, real)                   # files that pass the check themselves
+    cache = real
+    if case == "mode 0777":
+        real.chmod(0o777)
+    elif case == "symlink":
+        cache = tmp_path / "link"
+        cache.symlink_to(real)
+    else:
+        os.chown(real, 65534, 65534)
+    temp = tmp_path / "tmp"
+    temp.mkdir(mode=0o700)
+    monkeypatch.setattr(native.tempfile, "tempdir", str(temp))
+    monkeypatch.setenv("SHMKV_CACHE_DIR", str(cache))
+    with caplog.at_level(logging.WARNING, logger="shmkv"):
+        assert native.cache_dir() is None
+        kernels, why = native._build()
+    assert not marker.exists()
+    assert why is None
+    built_kernels_work(kernels)                # built in a private directory instead
+    assert f"not using {cache}" in refusals(caplog)
+    assert all(open(p, "rb").read() == lib.read_bytes() for p in paths)   # left alone
+    assert not os.listdir(temp)                # the private build directory is gone
+
+
+@needs_cc
+def test_a_default_cache_directory_others_could_write_falls_back_to_a_private_one(
+        planted, tmp_path, monkeypatch, caplog):
+    lib, marker = planted
+    xdg = tmp_path / "xdg"
+    (xdg / "shmkv").mkdir(parents=True)
+    (xdg / "shmkv").chmod(0o777)
+    plant(lib, xdg / "shmkv")
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.delenv("SHMKV_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(xdg))
+    monkeypatch.setattr(native.tempfile, "tempdir", str(temp))
+    with caplog.at_level(logging.WARNING, logger="shmkv"):
+        kernels, why = native._build()
+    assert not marker.exists()
+    assert why is None
+    built_kernels_work(kernels)
+    assert "can be written by its group or others" in refusals(caplog)
+    private = temp / f"shmkv-{os.getuid()}"
+    assert [n for n in os.listdir(private) if n.endswith(".so")]
+
+
+@needs_cc
+def test_a_planted_library_is_not_loaded_by_a_process_that_decodes(planted, tmp_path):
+    # End to end: a 0777 cache directory holding the planted library; the process still
+    # gets the kernel (built privately), says why, and the planted code never runs.
+    lib, marker = planted
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    cache.chmod(0o777)
+    plant(lib, cache)
+    done = _child({"SHMKV_CACHE_DIR": str(cache)}, CHILD)
+    assert not marker.exists()
+    assert done.returncode == 0, done.stderr
+    assert "STATUS loaded" in done.stdout
+    assert "not using" in done.stderr and "group or others" in done.stderr
+
+
+UMASK_CHILD = """
+import os, stat, sys
+os.umask(0)
+from shmkv import native
+where = native.cache_dir()
+assert where == os.path.join(sys.argv[1], "a", "b", "shmkv"), where
+for path in (sys.argv[1] + "/a", sys.argv[1] + "/a/b", where):
+    assert stat.S_IMODE(os.lstat(path).st_mode) == 0o700, (path, oct(os.lstat(path).st_mode))
+assert native.decoder() is not None, native.status()
+built = [n for n in os.listdir(where) if n.endswith(".so")]
+assert len(built) == 1
+assert not os.stat(os.path.join(where, built[0])).st_mode & 0o022
+print("UMASK OK")
+"""
+
+
+@needs_cc
+def test_with_umask_000_the_cache_directory_is_created_0700(tmp_path):
+    env = {"XDG_CACHE_HOME": str(tmp_path / "a" / "b")}
+    done = subprocess.run([sys.executable, "-c", UMASK_CHILD, str(tmp_path)],
+                          env={k: v for k, v in {**os.environ, **env}.items()
+                               if k != "SHMKV_CACHE_DIR"},
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0 and "UMASK OK" in done.stdout, done.stderr
