@@ -65,7 +65,44 @@ def node(rank: int, port: int, name: str, role: str, prompt: list, extra: dict, 
         torch.distributed.destroy_process_group()
 
 
+def _send_then_disown(client, sd, prompt):
+    """Node A's side of a move by hand, up to the last block, then a trailer that says
+    the sequence no longer had the blocks it was read from."""
+    h = client.allocate(prompt=prompt)
+    h.write_all(kv_for(prompt, 0), start=0)
+    h.commit()
+    cfg, cpu = client.config, torch.device("cpu")
+    link = sd._Link(1, None, 20, cpu)
+    fp = sd._fingerprint_words(cfg)
+    root = client.request("info", cache_id=h._cache_id)["root"]
+    link.send_i64([sd.MAGIC, sd.VERSION, sd.OK, len(prompt), len(prompt), len(root), fp[0],
+                   fp[1], 1, cfg.block_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                   cfg.itemsize, cfg.tp_size, 0], "header")
+    link.wait(link.isend(torch.tensor(prompt, dtype=torch.int64)), "ids")
+    link.wait(link.isend(torch.frombuffer(bytearray(root), dtype=torch.uint8)), "root")
+    status, have, num_send, _ = link.recv_i64(4, "reply")
+    rows = sd._block_rows(client)
+    for block in list(h.block_table.physical_blocks)[have // BS:]:
+        buf = torch.empty(rows.shape[1] * rows.shape[2], dtype=torch.uint8)
+        sd._gather(rows, [block], buf)
+        link.wait(link.isend(buf), "K/V")
+    link.send_i64([sd.ERR_SENDER], "trailer")
+    h.close()
+    return "ok", status, num_send
+
+
 def _run(role, client, sd, prompt, extra):
+    if role == "A" and extra.get("disown"):
+        return _send_then_disown(client, sd, prompt)
+    if role == "B" and extra.get("disown"):
+        try:
+            sd.recv_sequence(client, 0, timeout=20)
+            refused = None
+        except sd.MoveFailed as exc:
+            refused = str(exc)
+        st = client.stats()
+        with client.allocate(prompt=prompt) as again:
+            return "ok", refused, st["sequences"], again.num_cached_tokens
     if role == "A":  # prefill, then hand the sequence to node B
         if extra.get("fragment"):  # every other pool block belongs to another sequence
             h, others = client.allocate(0), []
@@ -224,3 +261,15 @@ def test_a_salted_sequence_is_published_under_its_salt_on_b_without_passing_it(u
     assert same and decoded and digest_a == digest_b
     assert info == (30, 8, 32, 0)             # 8 reused under the salt, 32 hit, 0 unsalted
     assert stats.num_reused_tokens == 8
+
+
+def test_blocks_the_sender_no_longer_had_once_read_are_discarded_by_the_receiver(unique_name):
+    """The trailer after the last block says the sending sequence lost or replaced its
+    blocks while they were read: B keeps no sequence and publishes nothing of them."""
+    prompt = list(range(800, 812))            # 3 full blocks
+    out = _move(unique_name, prompt, a_extra={"disown": True}, b_extra={"disown": True})
+    status, num_send = _ok(out, "A")
+    assert status == 0 and num_send == 3
+    refused, sequences, hit = _ok(out, "B")
+    assert refused is not None and "discarded" in refused
+    assert sequences == 0 and hit == 0
