@@ -277,9 +277,10 @@ class Batch:
 
 
 class Step:
-    """One engine step over a batch: the new tokens' slots and the batch tensors.
+    """One engine step over a batch: the new tokens' slots and the batch tensors (CPU
+    tensors).
 
-    Attributes (CPU tensors):
+    Attributes:
         slot_mapping: int64 ``[T]``: ``block_id * block_size + offset`` of each new
             token, sequence by sequence (vLLM's convention).
         block_tables: int32 ``[B, max_blocks]``, padded with 0.
