@@ -117,6 +117,9 @@ def families(coord, latency: bool = True) -> List[tuple]:
              "Blocks published for prefix reuse (committed by every rank)")):
         counter(name, doc, counters.get(key, 0))
     counter("shmkv_evictions", "Cached blocks evicted to make room", table.pool.num_evictions)
+    counter("shmkv_copies_discarded", "Copies of blocks into or out of the pool (tiers, the "
+            "store) dropped because the block no longer held their key once copied",
+            table.pool.num_copies_discarded)
     out.append(("shmkv_handoffs", "counter", "Hand-off tokens by event",
                 [("shmkv_handoffs_total", (("event", event),),
                   counters.get(f"{event}_handoffs", 0))
