@@ -45,13 +45,15 @@ quantized pool's K/V scales; not the pool size), the tier's ``salt`` and
 (``shmkv.hashing``). Nodes with another layout, salt or scales never read each other's
 bytes. A quantized pool's namespace follows its scales: when ``set_kv_scales`` changes
 them, writes and lookups from then on use the namespace of the new ones (a write or
-lookup already queued keeps the one it was queued under). The value is a 96-byte little-endian header -- magic
-``SHMKVRED``, format version u16, header size u16, flags u32, namespace (16 bytes),
-prefix key (16 bytes), num_layers, block_size, num_kv_heads, head_dim, tp_size (u32
-each), dtype name (12 bytes, NUL padded), payload bytes u64, payload crc32 u32, crc32
-of the 92 bytes before -- followed by the payload: the block's bytes of every rank's
-pool, rank after rank (the disk tier's format with another magic). A value whose
-size, header or checksum is wrong is a miss, is deleted and counted (``corrupt``).
+lookup already queued keeps the one it was queued under).
+
+The value is a 96-byte little-endian header -- magic ``SHMKVRED``, format version
+u16, header size u16, flags u32, namespace (16 bytes), prefix key (16 bytes),
+num_layers, block_size, num_kv_heads, head_dim, tp_size (u32 each), dtype name (12
+bytes, NUL padded), payload bytes u64, payload crc32 u32, crc32 of the 92 bytes
+before -- followed by the payload: the block's bytes of every rank's pool, rank after
+rank (the disk tier's format with another magic). A value whose size, header or
+checksum is wrong is a miss, is deleted and counted (``corrupt``).
 
 Redis Cluster. Only the part in braces is hashed (a hash tag): the tag of block ``i``
 of a prompt is the prefix key of block ``i - i % hash_group``, so each run of
