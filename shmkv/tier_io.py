@@ -41,6 +41,7 @@ Wire format (little endian), each frame a u32 length then the body:
 * loop to process, a job: ``b"J"``, job id u32, queue u8 (0 promotion, 1 demotion,
   2 disk), number of copies u32; each copy op u8 (index in ``OPS``), pool block i32,
   host slot i32, cancel generation u32, key 16 bytes.
+* process to loop, once first: ``b"R"``, ready (it has mapped the pool and serves).
 * process to loop, a completion: ``b"D"``, job id u32, number of copies u32, one
   status u8 per copy (``OK``, ``CANCELLED``, ``DAMAGED``, ``ENOSPC``, ``FAILED``), then for each copy not OK or CANCELLED a u16 length and its error text
   (UTF-8).
@@ -49,8 +50,22 @@ Cancellation without a lock: a copy out of the pool reads the block first and it
 cancel state after. The loop cancels before it can answer anyone who would write the
 block again: in process it sets the copy's ``cancelled``; for the I/O process it bumps
 the block's generation in shared memory (``gens``), which the job carried as it was
-when the copy was scheduled. x86 keeps loads in order; elsewhere the GIL taken back
-after numpy's copy (it releases the GIL for large copies) is a full barrier.
+when the copy was scheduled.
+
+Memory ordering. That check is lock-free, and is sound only where the CPU keeps a
+thread's loads in order (x86 and x86-64, ``STRONG_ORDER``): elsewhere (aarch64, say)
+the read of the generation may be satisfied before the copy's reads of the block, so
+a copy could pass its check holding bytes a client wrote after the eviction; Python
+offers no fence to prevent it. So the check only ever saves work, and correctness
+rests on a hand-off that orders memory on every CPU: the worker's completion travels
+to the loop over a socket (or, in threads, a lock), and the loop keeps a copy out of
+the pool only if the block still held its key when the completion was taken
+(``shmkv.allocator``: ``BlockPool.still_holds``), so every read of the copy happened
+while nobody could write the block. A copy into host memory (``p2h``, ``p2s``) that
+fails that check is dropped with its slot. A block file cannot be dropped that way
+once renamed into place, so off x86 (``STRONG_ORDER`` False) the loop never schedules
+``p2d``: a block goes to disk through a staging slot of host memory (``p2s``, checked
+by the loop, then ``s2d``), the safe path. On x86 ``p2d`` is kept (one copy less).
 """
 
 from __future__ import annotations
@@ -63,8 +78,10 @@ import errno
 import json
 import mmap
 import os
+import platform
 import signal
 import socket
+import stat
 import struct
 import sys
 import threading
@@ -86,7 +103,7 @@ _HEAD = struct.Struct("<8sHHI16s16s5I12sQQ")   # everything up to the header's o
 _CRC = struct.Struct("<I")
 HEADER_SIZE = _HEAD.size + _CRC.size             # 100
 
-OPS = ("none", "p2h", "h2p", "h2d", "p2d", "d2p", "del")
+OPS = ("none", "p2h", "h2p", "h2d", "p2d", "d2p", "del", "p2s", "s2d")
 _OP_CODE = {op: i for i, op in enumerate(OPS)}
 OP_NONE, OP_H2P, OP_D2P = _OP_CODE["none"], _OP_CODE["h2p"], _OP_CODE["d2p"]
 PROMOTE, DEMOTE, DISK = 0, 1, 2                 # the queues of a Copier, best first
@@ -106,6 +123,12 @@ URGENT_AFTER_S = 0.002
 WORKER_NICE = 10             # how much nicer than the loop in-process worker threads run
 IO_SWITCH_INTERVAL_S = 0.0002  # GIL switch interval of the I/O process (why: shmkv.tiers)
 PARENT_CHECK_S = 1.0         # the I/O process looks for its parent at least this often
+# Whether this CPU keeps a thread's loads in order (x86 and x86-64: total store order).
+# Only then may a copy out of the pool trust its own cancel check (the module doc);
+# elsewhere (aarch64, POWER, RISC-V) ``shmkv.tiers`` never lets one write a block file
+# straight from the pool.
+STRONG_ORDER = platform.machine().lower() in ("x86_64", "amd64", "i386", "i486", "i586",
+                                              "i686", "x86")
 
 _FRAME = struct.Struct("<I")
 _JOB = struct.Struct("<cIBI")
@@ -118,13 +141,54 @@ class Damaged(Exception):
     """A block file that must not be served (the reason is the message)."""
 
 
+# Every file of a tier directory is opened with these flags: a planted symbolic link is
+# not followed (the open fails with ELOOP), a FIFO or a device does not block the open
+# (it is then refused: only regular files are read or written), and no terminal becomes
+# the process's. O_NONBLOCK is left set on the regular files: Linux ignores it for their
+# reads and writes.
+OPEN_FLAGS = os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC | os.O_NONBLOCK
+
+
+class NotRegular(OSError):
+    """A name in a tier directory that is not a regular file (a FIFO, a directory...)."""
+
+
+def open_regular(path: str, flags: int, mode: int = 0o600) -> tuple:
+    """``(fd, stat)`` of a regular file of a tier directory, opened with ``flags`` and
+    ``OPEN_FLAGS``. Raises OSError: ELOOP for a symbolic link, :class:`NotRegular` for
+    anything else that is not a regular file (closed again), or the open's own error."""
+    fd = os.open(path, flags | OPEN_FLAGS, mode)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegular(errno.EINVAL, "not a regular file", path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def _open_block(path: str) -> tuple:
+    """``(fd, stat)`` of a block file to read; Damaged if the name is not a regular
+    file (FileNotFoundError passes)."""
+    try:
+        return open_regular(path, os.O_RDONLY)
+    except NotRegular:
+        raise Damaged("not a regular file") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise Damaged("a symbolic link") from None
+        raise
+
+
 class Cancelled(Exception):
     """The pool block changed hands while it was copied: the copy is void."""
 
 
 class Copy:
-    """One block moved. ``op``: p2h, h2p, d2p, h2d, p2d (pool, host, disk), del (delete a
-    file) or none. ``gen``: the block's cancel generation when it was scheduled."""
+    """One block moved. ``op``: p2h, h2p, d2p, h2d, p2d (pool, host, disk), p2s and s2d
+    (pool to a staging slot, staging slot to disk), del (delete a file) or none. ``gen``:
+    the block's cancel generation when it was scheduled."""
 
     __slots__ = ("op", "key", "block", "slot", "gen", "entry", "src", "cancelled", "ok",
                  "error", "damaged", "enospc")
@@ -219,6 +283,16 @@ class BlockFiles:
                           block_size, heads, head_dim, tp, dtype, self.payload_nbytes, crc)
         return head + _CRC.pack(zlib.crc32(head))
 
+    def read_header(self, key: bytes) -> tuple:
+        """``(modification time in ns, payload checksum)`` of a block file whose header is
+        valid (the disk scan); Damaged otherwise (FileNotFoundError passes)."""
+        fd, st = _open_block(self.file_path(key))
+        try:
+            return st.st_mtime_ns, self.check_header(os.pread(fd, HEADER_SIZE, 0), key,
+                                                     st.st_size)
+        finally:
+            os.close(fd)
+
     def check_header(self, header: bytes, key: bytes, size: int) -> int:
         """The payload checksum of a valid header; raises Damaged with the reason otherwise."""
         if size < HEADER_SIZE or len(header) < HEADER_SIZE:
@@ -245,7 +319,7 @@ class BlockFiles:
         crc = xxh3_64_intdigest(payload)
         final = self.file_path(key)
         tmp = f"{final}.tmp-{self.session}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        fd, _st = open_regular(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             try:
                 _write_all(fd, [self._header(key, crc), memoryview(payload).cast("B")])
@@ -263,7 +337,8 @@ class BlockFiles:
                 pass
             raise
         if self.fsync:
-            dfd = os.open(self.blocks_dir, os.O_RDONLY | os.O_DIRECTORY)
+            dfd = os.open(self.blocks_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+                          | os.O_CLOEXEC)
             try:
                 os.fsync(dfd)
             finally:
@@ -274,9 +349,9 @@ class BlockFiles:
         or a 2-d numpy array whose rows (each contiguous) take the payload in order (a
         block in the pool: one row per layer's K or V). Each piece read is hashed as it
         lands, while it is still in the CPU's cache."""
-        fd = os.open(self.file_path(key), os.O_RDONLY | os.O_CLOEXEC)
+        fd, st = _open_block(self.file_path(key))
         try:
-            size = os.fstat(fd).st_size
+            size = st.st_size
             header = bytearray(HEADER_SIZE)
             _read_all(fd, [header])
             crc = self.check_header(header, key, size)   # the size is checked there too
@@ -410,6 +485,9 @@ class Mover:
         files: the disk tier's :class:`BlockFiles`, or None.
         gens: numpy uint32 ``[num_blocks]`` cancel generations, or None.
         pinned: stage through page-locked memory (a CUDA pool).
+        staging_np: numpy ``[slots, block_nbytes]`` of the staging slots (blocks on their
+            way to disk), or None.
+        staging_t: the same as a torch tensor (needed with ``pool_u8``), or None.
 
     ``check``, when set, is called before each copy (the I/O process exits there if
     the coordinator is gone).
@@ -419,10 +497,11 @@ class Mover:
 
     def __init__(self, block_nbytes: int, pool_np=None, pool_u8=None, host_np=None,
                  host_t=None, files: Optional[BlockFiles] = None, gens=None,
-                 pinned: bool = False):
+                 pinned: bool = False, staging_np=None, staging_t=None):
         self.block_nbytes = block_nbytes
         self.pool_np, self.pool_u8 = pool_np, pool_u8
         self.host_np, self.host_t = host_np, host_t
+        self.staging_np, self.staging_t = staging_np, staging_t
         self.files = files
         self.gens = gens
         self.pinned = pinned
@@ -487,6 +566,17 @@ class Mover:
         self._pool_to(copy.block, *self._host(copy.slot))
         if self._cancelled(copy):   # read after the copy: see the module doc
             raise Cancelled
+
+    def _op_p2s(self, copy: Copy) -> None:
+        if self._cancelled(copy):
+            raise Cancelled
+        self._pool_to(copy.block, None if self.staging_t is None else
+                      self.staging_t[copy.slot], self.staging_np[copy.slot])
+        if self._cancelled(copy):
+            raise Cancelled
+
+    def _op_s2d(self, copy: Copy) -> None:
+        self.files.write_block(copy.key, self.staging_np[copy.slot])
 
     def _op_h2p(self, copy: Copy) -> None:
         self._to_pool(*self._host(copy.slot), copy.block)
@@ -775,6 +865,12 @@ def apply_done(body: bytes, jobs: dict) -> Job:
     return job
 
 
+def encode_ready() -> bytes:
+    """The frame the I/O process sends once, before any completion: it has mapped the
+    pool and takes jobs."""
+    return _FRAME.pack(1) + b"R"
+
+
 def split_frames(buf: bytearray) -> list:
     """Take the complete frames' bodies off the front of ``buf``."""
     out, at = [], 0
@@ -861,17 +957,20 @@ class _Process:
             files.before_rename = self.exit_if_orphaned
         fd, num_blocks, nbytes, chunks = spec["pool"]
         pool = _map_pool(fd, num_blocks, nbytes, chunks)
-        host = None
+        host = staging = None
         if spec.get("host") is not None:
             fd, slots, nbytes = spec["host"]
             host = _map(fd, slots * nbytes, slots)
+        if spec.get("staging") is not None:
+            fd, slots, nbytes = spec["staging"]
+            staging = _map(fd, slots * nbytes, slots)
         fd, num_blocks = spec["gens"]
         gens = _map(fd, 4 * num_blocks, 1).view(np.uint32).reshape(num_blocks)
-        for fd in (spec["pool"][0], spec["gens"][0]) + ((spec["host"][0],) if host is not None
-                                                       else ()):
+        for fd in [spec["pool"][0], spec["gens"][0]] + [
+                spec[name][0] for name in ("host", "staging") if spec.get(name) is not None]:
             os.close(fd)   # the mappings stay
         self.mover = Mover(spec["block_nbytes"], pool_np=[pool], host_np=host, files=files,
-                           gens=gens)
+                           gens=gens, staging_np=staging)
         self.mover.check = self.exit_if_orphaned
         # This thread (reading jobs) keeps the priority the process started with, and so
         # do the urgent workers; the others run at the lowest.
@@ -944,7 +1043,9 @@ def main(argv: List[str]) -> int:
         import runpy
         path, func = spec["preload"].rsplit(":", 1)
         runpy.run_path(path)[func](sys.modules[__name__])
-    _Process(spec).serve()
+    process = _Process(spec)
+    process.sock.sendall(encode_ready())
+    process.serve()
     return 0
 
 

@@ -68,6 +68,7 @@ import os
 import re
 import secrets
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -83,8 +84,9 @@ from . import shm, tier_io
 from .errors import InvalidArgument, ShmkvError, WrongType
 from .memory import block_bytes
 from .tier_io import (DAMAGED, DEMOTE, DISK, FORMAT_VERSION, HEADER_SIZE, OK, OP_D2P, OP_H2P,
-                      OP_NONE, PROMOTE, WORKER_NICE, BlockFiles, Copier, Mover)
-from .tier_io import Copy as _Copy, Damaged as _Damaged, Job as _Job
+                      OP_NONE, PROMOTE, WORKER_NICE, BlockFiles, Copier, Mover, NotRegular,
+                      open_regular)
+from .tier_io import Copy as _Copy, Damaged as _Damaged, Job as _Job, pool_to_flat
 
 log = logging.getLogger("shmkv.tiers")
 
@@ -96,6 +98,17 @@ _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 
 
 MAX_DISK_WRITES_IN_FLIGHT = 256   # blocks queued to the disk writer at once
 DEMOTION_CHUNK = 64
+# Host entries one search for a slot looks at, oldest first, for one already on disk
+# (with a disk tier): the search stays short when the disk is slow to take spills.
+HOST_SCAN = 512
+# Staging slots of host memory under a disk tier: a block the pool evicts before its copy
+# down a tier is done is copied here by the loop at once (and written to disk from
+# here); off x86 every block goes to disk through one (``tier_io``: memory ordering).
+STAGING_BLOCKS = 64
+STAGING_RESCUE = 16   # of them kept for rescues (the others carry the writes off x86)
+# Blocks are written to disk straight from the pool (``p2d``) only where the CPU keeps
+# loads in order; elsewhere through a staging slot the loop has checked (``tier_io``).
+DIRECT_DISK_DEMOTION = tier_io.STRONG_ORDER
 SCAN_CHUNK = 2048                 # keys merged into the disk index per loop turn
 DISK_FULL_BACKOFF_S = 1.0         # after ENOSPC, demotion to disk pauses this long
 # Where a CPU pool's copies run: True, the tier I/O process (``shmkv.tier_io``); False,
@@ -105,6 +118,10 @@ IO_PROCESS = True
 # the ``tier_io`` module as argument (to inject faults there). None in production.
 IO_PROCESS_PRELOAD: Optional[str] = None
 IO_PROCESS_EXIT_S = 15.0          # close() waits this long for the I/O process, then kills
+# The coordinator opens once its I/O process has mapped the pool and serves (or after this
+# long, with copies in threads): copies queued to a process still starting would wait,
+# and the blocks the pool evicts meanwhile would be lost.
+IO_PROCESS_START_S = 60.0
 # While the I/O process has jobs, the loop polls it at least this often, woken or not: a
 # process that died wakes nobody, and the requests waiting for its promotions would wait
 # for ever.
@@ -149,8 +166,38 @@ def _free_bytes(path: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
+def check_trusted_dir(path: str, top: str) -> None:
+    """Refuse a directory of a disk tier (``top``, or one inside it) that this process's
+    user does not own, that group or others may write, that is not a directory, or
+    (inside ``top``) that is a symbolic link: whoever can write there decides which bytes
+    are served as the cache's blocks.
+
+    Raises:
+        ShmkvError: naming the path and what to do.
+    """
+    try:
+        st = os.stat(path) if path == top else os.lstat(path)
+    except OSError as exc:
+        raise ShmkvError(f"disk tier directory {top}: {path} cannot be examined "
+                         f"({exc.strerror}); choose another directory") from None
+    if not stat.S_ISDIR(st.st_mode):
+        kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory"
+        raise ShmkvError(f"disk tier directory {top} is damaged: {path} is {kind}; remove "
+                         "it (or empty the directory) or choose another directory")
+    uid = os.geteuid()
+    if st.st_uid != uid:
+        raise ShmkvError(f"disk tier directory {path} is owned by uid {st.st_uid}, not by "
+                         f"this process's uid {uid}: another user could plant blocks there; "
+                         "use a directory of your own (or chown it)")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ShmkvError(f"disk tier directory {path} is writable by group or others (mode "
+                         f"{stat.S_IMODE(st.st_mode):04o}): they could plant blocks there; "
+                         f"run chmod go-w {path} or use a directory of your own")
+
+
 def _check_writable(path: str, need: int) -> None:
-    """Make ``path`` a directory we can write files into, with ``need`` bytes free."""
+    """Make ``path`` a directory we can write files into, with ``need`` bytes free,
+    that only this user may write (:func:`check_trusted_dir`)."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise InvalidArgument(f"disk tier path {path} exists and is not a directory")
     try:
@@ -158,9 +205,10 @@ def _check_writable(path: str, need: int) -> None:
     except OSError as exc:
         raise ShmkvError(f"disk tier directory {path} cannot be created ({exc.strerror}); "
                          "choose a writable directory") from None
+    check_trusted_dir(path, path)
     probe = os.path.join(path, f".probe-{os.getpid()}-{secrets.token_hex(4)}")
     try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fd, _st = open_regular(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError as exc:
         what = "is on a read-only filesystem" if exc.errno == errno.EROFS else \
             f"is not writable ({exc.strerror})"
@@ -222,11 +270,23 @@ class DiskTier:
             model, say): a coordinator with another salt does not use the directory.
         fsync: fsync each file before it is renamed into place (see the module doc).
 
+    Trust: the directory's content is trusted as far as its owner is. Whoever can write
+    into it can plant block files that are served as prefix hits (a block's name and
+    namespace follow from public facts: the model's shapes, the salt, the tokens), and
+    a checksum proves only that a file is whole. So the directory must be owned by the
+    coordinator's user and not writable by group or others (checked here and again when
+    the coordinator opens), and every file in it is opened without following symbolic
+    links and used only if it is a regular file (a planted link, FIFO or device is
+    refused or ignored, never followed, read or truncated). Use a ``salt`` that others
+    cannot guess to keep even its owner's other models' files apart.
+
     Raises:
         InvalidArgument / WrongType: a zero or negative capacity, a path that is a file.
         ShmkvError: the directory cannot be created or written (a read-only
-            filesystem), or its filesystem is full. A directory in use by another
-            coordinator raises when this one opens.
+            filesystem), its filesystem is full, it is owned by another user or is
+            writable by group or others, or it is damaged (``blocks`` not a directory,
+            ``lock`` not a regular file). A directory in use by another coordinator
+            raises when this one opens.
     """
 
     kind = "disk"
@@ -267,7 +327,7 @@ def check_specs(tiers) -> list:
 class _Entry:
     """One key in one tier. ``ready``: complete and servable. ``pins``: copies reading it."""
 
-    __slots__ = ("slot", "ready", "pins", "from_scan", "doomed", "src_gen")
+    __slots__ = ("slot", "ready", "pins", "from_scan", "doomed", "src_gen", "staged")
 
     def __init__(self, slot: int = -1, ready: bool = False, from_scan: bool = False):
         self.slot = slot
@@ -276,6 +336,7 @@ class _Entry:
         self.ready = ready
         self.pins = 0
         self.from_scan = from_scan   # indexed from the directory at start (not written by us)
+        self.staged = False          # (disk) its bytes are in a staging slot, being written
         self.doomed = False          # found damaged while pinned: removed at the last unpin
 
 
@@ -319,7 +380,7 @@ class Promotion:
 class _HostStore:
     name = "host"
 
-    def __init__(self, spec: HostTier, config):
+    def __init__(self, spec: HostTier, config, what: str = "host tier"):
         self.slot_nbytes = config.block_nbytes
         self.num_slots = spec.capacity_bytes // self.slot_nbytes
         self.capacity_bytes = spec.capacity_bytes
@@ -330,7 +391,7 @@ class _HostStore:
             raise InvalidArgument(f"HostTier capacity_bytes={spec.capacity_bytes} holds no "
                                   f"block of {self.slot_nbytes} bytes; raise it")
         nbytes = self.num_slots * self.slot_nbytes
-        self.fd = shm.create_segment(nbytes, "host tier")
+        self.fd = shm.create_segment(nbytes, what)
         self.data = shm.map_tensor(self.fd, nbytes).view(self.num_slots, self.slot_nbytes)
         self.np = self.data.numpy()   # the mapping lives as long as these views
         if config.is_cuda:  # page-locked, so copies to and from the GPU are DMA
@@ -340,7 +401,7 @@ class _HostStore:
             if int(code) == 0:
                 self._registered = ptr
             else:
-                log.warning("host tier: cudaHostRegister failed (%s); copies will be staged",
+                log.warning("%s: cudaHostRegister failed (%s); copies will be staged", what,
                             code)
         self.free: List[int] = list(range(self.num_slots - 1, -1, -1))
         self.index: "OrderedDict[bytes, _Entry]" = OrderedDict()
@@ -451,14 +512,30 @@ class _DiskStore(BlockFiles):
         try:
             self._check_namespace(config)
             if self.disabled is None:
-                os.makedirs(self.blocks_dir, mode=0o700, exist_ok=True)
+                try:
+                    os.mkdir(self.blocks_dir, 0o700)
+                except FileExistsError:
+                    pass
+                except OSError as exc:
+                    raise ShmkvError(f"disk tier directory {self.path}: {self.blocks_dir} "
+                                     f"cannot be created ({exc.strerror}); choose a "
+                                     "writable directory") from None
+                check_trusted_dir(self.blocks_dir, self.path)
         except BaseException:
             self.close()
             raise
 
     def _lock(self) -> None:
         lock_path = os.path.join(self.path, "lock")
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fd, _st = open_regular(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            kind = "a symbolic link" if exc.errno == errno.ELOOP else \
+                "not a regular file" if isinstance(exc, NotRegular) or \
+                exc.errno == errno.EISDIR else f"unusable ({exc.strerror})"
+            raise ShmkvError(f"disk tier directory {self.path} is damaged: its lock file "
+                             f"{lock_path} is {kind}; remove it (the coordinator makes a "
+                             "new one) or choose another directory") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -486,11 +563,13 @@ class _DiskStore(BlockFiles):
                              if k in ("num_layers", "num_kv_heads", "head_dim", "block_size",
                                       "dtype", "tp_size")}}
         try:
-            with open(ns_path, "rb") as f:
+            fd, _st = open_regular(ns_path, os.O_RDONLY)
+            with open(fd, "rb") as f:
                 found = json.loads(f.read(1 << 16))
         except FileNotFoundError:
             tmp = f"{ns_path}.tmp-{self.session}"
-            with open(tmp, "w") as f:
+            fd, _st = open_regular(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with open(fd, "w") as f:
                 json.dump(wanted, f, indent=1, sort_keys=True)
                 f.flush()
                 os.fsync(f.fileno())
@@ -600,6 +679,33 @@ class _IoProcess:
         self.sock = mine
         self.alive = True
         _LIVE_IO.add(self)
+
+    def wait_ready(self, timeout: float) -> Optional[str]:
+        """Wait up to ``timeout`` seconds for the process's ready frame (it has mapped
+        the pool and serves). None once it came; else why not (the process is left to
+        :meth:`close`)."""
+        want = tier_io.encode_ready()
+        got = bytearray()
+        deadline = time.monotonic() + timeout
+        try:
+            while len(got) < len(want):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return f"not ready within {timeout:.0f} s"
+                self.sock.settimeout(left)
+                try:
+                    data = self.sock.recv(len(want) - len(got))
+                except socket.timeout:
+                    continue
+                if not data:
+                    return self.exit_reason()
+                got += data
+        except OSError as exc:
+            return str(exc)
+        finally:
+            if self.sock is not None:
+                self.sock.setblocking(False)
+        return None if bytes(got) == want else "it sent no ready frame"
 
     def submit(self, queue: int, job: _Job) -> None:
         """Queue a job: one of copies, or a promotion's (``job.copies`` None), encoded
@@ -733,6 +839,7 @@ class TierSet:
         self._wake_fn = wake
         self.host: Optional[_HostStore] = None
         self.disk: Optional[_DiskStore] = None
+        self._staging: Optional[_HostStore] = None   # staging slots (under a disk tier)
         self._copier: Optional[Copier] = None     # worker threads, or
         self._proc: Optional[_IoProcess] = None   # the tier I/O process
         self._gens = None                         # cancel generations, for the process
@@ -742,13 +849,19 @@ class TierSet:
         self._stopping = False
         self._wake_pending = False
         self._proc_checked = 0.0           # when the I/O process was last polled
-        self._reading: dict = {}           # pool block -> the demotion copy reading it
+        # Pool block -> the demotion copy reading it, or None while it waits in the backlog
+        # (the pool evicts these blocks last: ``BlockPool.copying``).
+        self._reading: dict = {}
+        # Cached pool blocks no tier took yet (its slots or writes in flight were all
+        # busy), a prefix's first blocks first: placed as room frees up (tick).
+        self._backlog: "OrderedDict[int, bytes]" = OrderedDict()
         self._spill: "OrderedDict[bytes, None]" = OrderedDict()  # host keys to write to disk
         self._new_demotes: list = []
         self._new_disk: list = []
         self._jobs_out = 0                 # jobs handed to workers, not yet back in tick()
         self._disk_in_flight = 0           # disk writes handed to the writer, not back yet
         self.num_lost_evictions = 0
+        self.num_rescued_evictions = 0
         self.num_promotions_in_flight = 0
         self._switch = False
         self._pool_u8 = self._pool_np = None
@@ -758,12 +871,16 @@ class TierSet:
                     self.host = _HostStore(spec, config)
                 else:
                     self.disk = _DiskStore(spec, config, memory)
+            if self.disk is not None and self.disk.disabled is None:
+                self._staging = _HostStore(HostTier(STAGING_BLOCKS * config.block_nbytes),
+                                           config, what="tier staging slots")
             # Byte views of every rank's pool by block: [num_blocks, 2 * num_layers, chunk
             # bytes of that rank] (a block is a chunk of each layer's K and V).
             self._pool_u8 = [block_bytes(p) for p in memory.device_pools]
             self._pool_np = None if config.is_cuda else [t.numpy() for t in self._pool_u8]
             self.pool.newly_cached = []
             self.pool.on_evict = self._on_evict
+            self.pool.copying = self._reading
             if IO_PROCESS and not config.is_cuda and wake_sock is not None:
                 self._start_process(memory, wake_sock)
             else:
@@ -783,11 +900,13 @@ class TierSet:
         return disk if disk is not None and disk.disabled is None else None
 
     def _start_threads(self) -> None:
-        host = self.host
+        host, staging = self.host, self._staging
         mover = Mover(self.config.block_nbytes, pool_np=self._pool_np, pool_u8=self._pool_u8,
                       host_np=None if host is None else host.np,
                       host_t=None if host is None else host.data, files=self._files(),
-                      gens=self._gens, pinned=self.config.is_cuda)
+                      gens=self._gens, pinned=self.config.is_cuda,
+                      staging_np=None if staging is None else staging.np,
+                      staging_t=None if staging is None else staging.data)
         _shorten_switch_interval()
         self._switch = True
         self._copier = Copier(mover, self._finish, self.num_workers,
@@ -809,14 +928,23 @@ class TierSet:
                     "host": None, "files": None if files is None else files.files_wire(),
                     "workers": self.num_workers, "policy": tier_io.IO_PROCESS_POLICY,
                     "preload": IO_PROCESS_PRELOAD}
-            if host is not None:
-                spec["host"] = [host.fd, host.num_slots, host.slot_nbytes]
-                fds.append(host.fd)
+            for name, store in (("host", host), ("staging", self._staging)):
+                if store is not None:
+                    spec[name] = [store.fd, store.num_slots, store.slot_nbytes]
+                    fds.append(store.fd)
             self._proc = _IoProcess(spec, fds)
         finally:
             os.close(fd)
-            if self.host is not None:
-                self.host.close_fd()
+            for store in (self.host, self._staging):
+                if store is not None:
+                    store.close_fd()
+        why = self._proc.wait_ready(IO_PROCESS_START_S)
+        if why is not None:
+            log.warning("tier I/O process did not start (%s); tier copies run in threads of "
+                        "the coordinator", why)
+            self._proc.close(0.0)
+            self._proc = None
+            self._start_threads()
 
     # -- loop side: lookups and promotions ------------------------------------------------
 
@@ -889,26 +1017,73 @@ class TierSet:
     # -- loop side: hooks from the pool ---------------------------------------------------
 
     def _on_evict(self, block: int, key: bytes) -> None:
-        """The pool evicts a cached block (called inside ``BlockPool.allocate``)."""
+        """The pool evicts a cached block (called inside ``BlockPool.allocate``, before
+        anyone can be told to write it: its bytes are still the key's). A block whose
+        copy down a tier was not done is rescued: copied now, on the loop (see
+        :meth:`_rescue`); one no tier holds or can take is counted lost."""
+        unsafe = False
         if self._reading:
-            copy = self._reading.pop(block, None)
-            if copy is not None:       # its demotion is still copying: cancel it
-                copy.cancelled = True
-                if self._gens is not None:   # and tell the I/O process (before anyone writes)
-                    self._gens[block] += 1
+            copy = self._reading.pop(block, False)
+            if copy is not False:
+                unsafe = True
+                if copy is not None:       # its demotion is still copying: cancel it
+                    copy.cancelled = True
+                    if self._gens is not None:   # and tell the I/O process (before anyone
+                        self._gens[block] += 1   # writes)
+                else:                      # never copied: it leaves the backlog
+                    self._backlog.pop(block, None)
         host = self.host
         if host is not None:   # the common case, first: the host tier has it
             entry = host.index.get(key)
             if entry is not None and entry.ready:
                 return
-        if not self._held(key):    # and no tier has it already: lost
+        if self._held(key):
+            return
+        if unsafe and self._rescue(block, key):
+            self.num_rescued_evictions += 1
+        else:                  # no tier has it, nor can take it now: lost
             self.num_lost_evictions += 1
 
+    def _rescue(self, block: int, key: bytes) -> bool:
+        """Copy an evicted block whose copy down a tier is not done, on the loop, now
+        (its bytes are the key's until the allocation evicting it is answered): into a
+        host tier slot (ready at once), else a staging slot written to disk from there.
+        False when neither has room. One memcpy of a block, only when the tiers are behind
+        the pool's churn and nothing already safe was left to evict
+        (``BlockPool.copying``)."""
+        host, disk, staging = self.host, self.disk, self._staging
+        if host is not None:
+            slot = self._host_slot()
+            if slot is not None:
+                pool_to_flat(self._pool_np, self._pool_u8, block, host.data[slot],
+                             host.np[slot])
+                # (an unfinished copy's entry is replaced: its completion frees its slot)
+                host.index[key] = _Entry(slot, ready=True)
+                host.num_ready += 1
+                host.counters["demotions"] += 1
+                if disk is not None and disk.disabled is None and key not in disk.index:
+                    self._spill[key] = None
+                return True
+        if staging is None or not staging.free or not disk.usable(time.monotonic()):
+            return False
+        if key not in disk.index:   # (else: an unfinished copy's, whose room it takes over)
+            if not self._disk_reserve():
+                return False
+        slot = staging.free.pop()
+        pool_to_flat(self._pool_np, self._pool_u8, block, staging.data[slot], staging.np[slot])
+        entry = _Entry()
+        entry.staged = True
+        disk.index[key] = entry
+        self._new_disk.append(_Copy("s2d", key, slot=slot, entry=entry))
+        self._disk_in_flight += 1
+        return True
+
     def _held(self, key: bytes) -> bool:
+        """A tier has the key's bytes (ready, or in a staging slot on their way to disk)."""
         for store in (self.host, self.disk):
             if store is not None:
                 entry = store.index.get(key)
-                if entry is not None and entry.ready:
+                if entry is not None and (entry.ready or entry.staged):
                     return True
         return False
 
@@ -933,13 +1108,20 @@ class TierSet:
             self._complete(done.popleft(), finished)
         if self._scan_q:
             self._merge_scan()
+        if self._backlog:
+            self._drain_backlog()
         newly = self.pool.newly_cached
         if newly:
             self.pool.newly_cached = []
-            for block in newly:
-                key = self.pool.block_key[block]
-                if key is not None and block not in self._reading:
-                    self._place(block, key)
+            block_key, reading, backlog = self.pool.block_key, self._reading, self._backlog
+            # A sequence's blocks are released (and cached) last-first: reversed, a
+            # prefix's first blocks are placed first, and wait least when room runs out.
+            for block in reversed(newly):
+                key = block_key[block]
+                if key is not None and block not in reading:
+                    if backlog or not self._place(block, key):
+                        backlog[block] = key
+                        reading[block] = None
         if self._spill:
             self._schedule_spills()
         self._submit()
@@ -958,7 +1140,19 @@ class TierSet:
     @property
     def num_pending(self) -> int:
         """Copies scheduled or running, plus blocks waiting for a disk write."""
-        return self._jobs_out + len(self._spill) + len(self._new_demotes) + len(self._new_disk)
+        return (self._jobs_out + len(self._spill) + len(self._new_demotes)
+                + len(self._new_disk) + len(self._backlog))
+
+    def _drain_backlog(self) -> None:
+        """Place the backlog's blocks, oldest first, until one must wait again."""
+        backlog, reading, block_key = self._backlog, self._reading, self.pool.block_key
+        while backlog:
+            block, key = next(iter(backlog.items()))
+            if block_key[block] == key and not self._place(block, key, queued=True):
+                return   # no room yet: it stays first
+            del backlog[block]
+            if reading.get(block, False) is None:   # (a copy placed now replaced the mark)
+                del reading[block]
 
     def _submit(self) -> None:
         if not (self._new_demotes or self._new_disk):
@@ -994,19 +1188,28 @@ class TierSet:
                 job.copies = job.promotion.copies()
             self._copier.submit(job.queue, job)
 
-    def _place(self, block: int, key: bytes) -> None:
-        """A published block became cached: copy it to the first tier that lacks it."""
+    def _place(self, block: int, key: bytes, queued: bool = False) -> bool:
+        """A published block became cached: copy it to the first tier that lacks it.
+
+        Returns False when it must wait for room (every host slot busy and no disk
+        write to spare): the caller keeps it in the backlog. True otherwise: a copy was
+        scheduled, a tier has it already, or no tier can take it (the disk is full,
+        failing or not used, and there is no host tier); the loop does not retry those.
+        ``queued``: ``move_to_end`` of an entry it finds is skipped (the block waited;
+        it was used when it became cached, not now)."""
         host, disk = self.host, self.disk
         if host is not None:
             entry = host.index.get(key)
             if entry is not None:
-                host.index.move_to_end(key)
+                if not queued:
+                    host.index.move_to_end(key)
                 if disk is not None and disk.disabled is None:
                     if key in disk.index:
-                        disk.index.move_to_end(key)
+                        if not queued:
+                            disk.index.move_to_end(key)
                     elif entry.ready:
                         self._spill[key] = None   # an earlier write failed (a full disk)
-                return
+                return True
             slot = self._host_slot()
             if slot is not None:
                 entry = _Entry(slot)
@@ -1016,29 +1219,63 @@ class TierSet:
                              gen=0 if self._gens is None else int(self._gens[block]))
                 self._reading[block] = copy
                 self._new_demotes.append(copy)
-                return
-        if disk is not None and disk.usable(time.monotonic()):
-            if key in disk.index:
+                return True
+        if disk is None or disk.disabled is not None:
+            return host is None   # the host tier's slots are all busy: wait for one
+        if key in disk.index:
+            if not queued:
                 disk.index.move_to_end(key)
-                return
-            if self._disk_in_flight < MAX_DISK_WRITES_IN_FLIGHT and self._disk_reserve():
-                entry = _Entry()
-                entry.src_gen = self.pool.key_gen[block]   # checked as the copy completes
-                disk.index[key] = entry
-                copy = _Copy("p2d", key, block=block, entry=entry,
-                             gen=0 if self._gens is None else int(self._gens[block]))
-                self._reading[block] = copy
-                self._new_disk.append(copy)
-                self._disk_in_flight += 1
+            return True
+        if not disk.usable(time.monotonic()) or disk.file_nbytes > disk.capacity_bytes:
+            return True           # full: demotion to disk pauses (counted in "full")
+        if self._disk_in_flight >= MAX_DISK_WRITES_IN_FLIGHT:
+            return False   # every write in flight: wait
+        staged = not DIRECT_DISK_DEMOTION
+        if staged and len(self._staging.free) <= STAGING_RESCUE:
+            return False   # every staging slot busy (but those kept for rescues): wait
+        if not self._disk_reserve():
+            return False   # every disk entry busy: wait
+        entry = _Entry()
+        entry.src_gen = self.pool.key_gen[block]   # checked as the copy completes
+        disk.index[key] = entry
+        gen = 0 if self._gens is None else int(self._gens[block])
+        if staged:   # through a staging slot, checked by the loop (tier_io: memory ordering)
+            copy = _Copy("p2s", key, block=block, slot=self._staging.free.pop(), entry=entry,
+                         gen=gen)
+            self._new_demotes.append(copy)
+        else:
+            copy = _Copy("p2d", key, block=block, entry=entry, gen=gen)
+            self._new_disk.append(copy)
+        self._reading[block] = copy
+        self._disk_in_flight += 1
+        return True
 
     def _host_slot(self) -> Optional[int]:
-        """A free host slot, making room by the LRU when needed; None when all are busy."""
-        host = self.host
+        """A free host slot, making room by the LRU when needed; None when all are busy.
+
+        With a disk tier that takes writes, only an entry already on disk makes room (the
+        oldest of the first ``HOST_SCAN`` entries; an entry whose disk write is still to
+        come is busy): the host tier drops nothing the disk does not hold."""
+        host, disk = self.host, self.disk
         if host.free:
             return host.free.pop()
+        on_disk = None
+        if disk is not None and disk.usable(time.monotonic()):
+            on_disk = disk.index
+        scanned, spill = 0, self._spill
         for key, entry in host.index.items():   # oldest first; busy entries are skipped
             if entry.ready and not entry.pins:
-                break
+                if on_disk is None:
+                    break
+                target = on_disk.get(key)
+                if target is None:
+                    if key not in spill:   # its disk write failed: nothing to wait for
+                        break
+                elif target.ready:
+                    break
+            scanned += 1
+            if scanned >= HOST_SCAN:
+                return None
         else:
             return None
         del host.index[key]
@@ -1142,10 +1379,28 @@ class TierSet:
                     if host.index.get(copy.key) is entry:
                         del host.index[copy.key]
                     host.free.append(entry.slot)
-            elif op in ("h2d", "p2d"):
+            elif op == "p2s":   # a block on its way to disk: in its staging slot now
+                if self._reading.get(copy.block) is copy:
+                    del self._reading[copy.block]
+                entry = copy.entry
+                held = self._still_holds(copy)
+                if copy.ok and held and not copy.cancelled and disk.index.get(copy.key) is entry:
+                    entry.staged = True   # out of the pool: safe from eviction
+                    self._new_disk.append(_Copy("s2d", copy.key, slot=copy.slot, entry=entry))
+                    continue   # (still a write in flight)
+                self._disk_in_flight -= 1
+                self._staging.free.append(copy.slot)
+                if copy.error is not None:
+                    disk.counters["errors"] += 1
+                if disk.index.get(copy.key) is entry:
+                    del disk.index[copy.key]
+                    disk.bytes -= disk.file_nbytes
+            elif op in ("h2d", "p2d", "s2d"):
                 self._disk_in_flight -= 1
                 if op == "h2d":
                     self._unpin(copy.src, copy.key)
+                elif op == "s2d":
+                    self._staging.free.append(copy.slot)
                 elif self._reading.get(copy.block) is copy:
                     del self._reading[copy.block]
                 entry = copy.entry
@@ -1306,6 +1561,8 @@ class TierSet:
                         return
                     match = _FILE_RE.match(item.name)
                     if match:
+                        if not item.is_file(follow_symlinks=False):
+                            continue   # a link, FIFO, device or folder: never a block
                         keys.append(bytes.fromhex(match.group(1)))
                         if len(keys) % SCAN_CHUNK == 0:
                             post(("keys", keys[-SCAN_CHUNK:]))
@@ -1328,18 +1585,13 @@ class TierSet:
                 if self._stopping:
                     return
                 try:
-                    fd = os.open(disk.file_path(key), os.O_RDONLY | os.O_CLOEXEC)
+                    mtime, _crc = disk.read_header(key)
+                    ages.append((mtime, key))
                 except FileNotFoundError:
                     continue
-                try:
-                    st = os.fstat(fd)
-                    disk.check_header(os.pread(fd, HEADER_SIZE, 0), key, st.st_size)
-                    ages.append((st.st_mtime_ns, key))
-                except _Damaged as exc:
+                except (_Damaged, OSError) as exc:   # (swapped for a link or FIFO since)
                     post(("bad", (key, str(exc))))
                     self._wake()
-                finally:
-                    os.close(fd)
             ages.sort(reverse=True)
             post(("order", [key for _mtime, key in ages]))
         except OSError as exc:
@@ -1358,6 +1610,7 @@ class TierSet:
         """What is moving: pending copies, promotions in flight, evictions that lost a block."""
         return {"pending": self.num_pending, "promotions_in_flight":
                 self.num_promotions_in_flight, "lost_evictions": self.num_lost_evictions,
+                "rescued_evictions": self.num_rescued_evictions,
                 "scanning": bool(self.disk is not None and self.disk.scanning)}
 
     def close(self, timeout: float = 10.0) -> None:
@@ -1380,7 +1633,9 @@ class TierSet:
         if getattr(self.pool, "on_evict", None) == self._on_evict:
             self.pool.on_evict = None
             self.pool.newly_cached = None
-        for name in ("host", "disk"):
+        if getattr(self.pool, "copying", None) is self._reading:
+            self.pool.copying = None
+        for name in ("host", "disk", "_staging"):
             store = getattr(self, name)
             if store is not None:
                 store.close()

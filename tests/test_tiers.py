@@ -951,3 +951,303 @@ def test_block_file_io_moves_at_most_io_chunk_bytes_a_call(tmp_path, monkeypatch
     for sizes in (written, calls):
         assert sizes and max(sizes) <= 100
         assert len(sizes) >= -(-total // 100)
+
+
+# -- demotion under load: bursts, backlog, eviction preference ------------------------------
+
+def keys_of(prompt) -> list:
+    from shmkv import hashing
+    return hashing.block_keys(prompt, BS, hashing.root_key())
+
+
+def written_prompt(client, prompt):
+    """A handle on ``prompt``, written and committed, still open."""
+    h = client.allocate(prompt=prompt)
+    for layer in range(h.num_layers):
+        k, v = token_kv(prompt, layer, h.num_heads, h.head_dim)
+        h.write(layer, k, v, start=0)
+    h.commit()
+    return h
+
+
+def test_a_burst_past_the_disk_writes_in_flight_reaches_disk_head_first(tmp_path, unique_name):
+    """A 300-block prompt cached in one turn is more than the disk writes in flight
+    (``MAX_DISK_WRITES_IN_FLIGHT``): the rest waits in the backlog and is written as
+    writes finish, the prompt's first blocks first, so a restarted coordinator hits
+    the whole prompt."""
+    assert tiers_mod.MAX_DISK_WRITES_IN_FLIGHT < 300
+    cfg = make_config(num_blocks=320)
+    prompt = prompts_of(1, 300)[0]
+    with _spawn(cfg, unique_name, tmp_path) as coord, \
+            shmkv.connect(coord.address, timeout=20) as client:
+        assert write_prompt(client, prompt) == 0
+        disk = tier(wait_idle(client, timeout=60), "disk")
+        assert disk["blocks"] == 300 and disk["demotions"] == 300
+    assert len(block_files(tmp_path)) == 300
+    with _spawn(cfg, unique_name, tmp_path) as coord, \
+            shmkv.connect(coord.address, timeout=20) as client:
+        wait_idle(client)
+        assert read_prompt(client, prompt) == (1200, True)
+
+
+def test_a_burst_past_the_host_slots_and_the_disk_writes_keeps_the_prefix_head(
+        tmp_path, unique_name, io):
+    """HostTier(64 slots) + DiskTier, 340 blocks cached in one turn: more than the host
+    slots and the disk writes in flight together. Block 0 (and every block) reaches a
+    tier, and the disk ends up with all of them."""
+    cfg = make_config(num_blocks=360)
+    prompt = prompts_of(1, 340)[0]
+    specs = [shmkv.HostTier(64 * cfg.block_nbytes), shmkv.DiskTier(tmp_path, 1 << 22)]
+    with shmkv.Coordinator(cfg, name=unique_name, tiers=specs) as coord, \
+            shmkv.connect(coord.address, timeout=20) as client:
+        write_prompt(client, prompt)
+        st = wait_idle(client, timeout=60)
+        keys = keys_of(prompt)
+        assert coord.tiers.lookup(keys[:1]) == 1            # block 0 is on a tier
+        assert coord.tiers.lookup(keys) == 340
+        assert tier(st, "disk")["blocks"] == 340
+        assert tier(st, "host")["blocks"] == 64
+        assert tier(st, "host")["dropped"] == 0
+        coord.table.check_invariants()
+
+
+def test_close_many_of_512_blocks_writes_all_512(tmp_path, unique_name, io):
+    """64 requests of 8 blocks released by one ``close_many``: all 512 blocks are
+    written to disk (256 in flight at once, the rest as writes finish)."""
+    cfg = make_config(num_blocks=520)
+    prompts = prompts_of(64, 8, seed=3)
+    with shmkv.Coordinator(cfg, name=unique_name,
+                           tiers=[shmkv.DiskTier(tmp_path, 1 << 22)]) as coord, \
+            shmkv.connect(coord.address, timeout=20) as client:
+        handles = [written_prompt(client, p) for p in prompts]
+        client.close_many(handles)
+        st = wait_idle(client, timeout=60)
+        disk = tier(st, "disk")
+        assert disk["demotions"] == 512 and disk["blocks"] == 512
+        assert len(block_files(tmp_path)) == 512
+        assert all(coord.tiers.lookup(keys_of(p)) == 8 for p in prompts)
+
+
+@pytest.mark.parametrize("kinds", ["host", "disk", "disk, staged"])
+def test_a_pool_filled_back_to_back_keeps_its_first_prompt_on_a_tier(tmp_path, unique_name,
+                                                                     kinds, io, monkeypatch):
+    """A 16-block pool filled back to back, from the moment the coordinator opens, by 8
+    prompts of 3 blocks (the pool evicts 8 blocks): prompt 0 ends up on a tier. Its
+    copies must not wait for the tier I/O process to start, and eviction takes blocks
+    already safe in a tier first. Any block evicted before its copy finished is counted."""
+    cfg = make_config(num_blocks=16)
+    spec = shmkv.HostTier(64 * cfg.block_nbytes) if kinds == "host" else \
+        shmkv.DiskTier(tmp_path, 1 << 20)
+    if kinds == "disk, staged":   # as off x86 (tier_io: memory ordering)
+        monkeypatch.setattr(tiers_mod, "DIRECT_DISK_DEMOTION", False)
+    prompts = prompts_of(8, 3, seed=5)
+    with shmkv.Coordinator(cfg, name=unique_name, tiers=[spec]) as coord, \
+            shmkv.connect(coord.address, timeout=20) as client:
+        for p in prompts:
+            write_prompt(client, p)
+        st = wait_idle(client)
+        assert st["evictions"] == 8
+        on_tier = [coord.tiers.lookup(keys_of(p)) for p in prompts]
+        in_pool = [len(coord.table.pool.lookup(keys_of(p))) for p in prompts]
+        assert on_tier[0] == 3, (on_tier, in_pool, st["tier_io"])
+        # Nothing silent: every block is in the pool, on the tier, or counted lost.
+        lost = sum(3 - max(t, c) for t, c in zip(on_tier, in_pool))
+        assert lost == st["tier_io"]["lost_evictions"]
+        assert read_prompt(client, prompts[0]) == (12, True)
+
+
+# -- a disk tier directory that is not to be trusted, or damaged ----------------------------
+
+def test_a_directory_writable_by_others_or_owned_by_another_user_is_refused(tmp_path,
+                                                                             unique_name):
+    """Whoever can write into a disk tier directory decides what is served from it: a
+    directory of mode 0777, or owned by another uid, is refused with the path and what
+    to do, both as the tier is made and when a coordinator opens it."""
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o777)
+    with pytest.raises(shmkv.ShmkvError, match="writable by group or others") as err:
+        shmkv.DiskTier(open_dir, 1 << 20)
+    assert str(open_dir) in str(err.value) and "chmod go-w" in str(err.value)
+    later = tmp_path / "later"
+    spec = shmkv.DiskTier(later, 1 << 20)      # fine when made, opened up before use
+    os.chmod(later, 0o775)
+    with pytest.raises(shmkv.ShmkvError, match="writable by group or others"):
+        shmkv.Coordinator(make_config(), name=unique_name, tiers=[spec]).open()
+    assert not os.path.exists(later / "lock")
+    if os.geteuid() != 0:
+        pytest.skip("chown to another uid needs root")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, 65534, 65534)
+    with pytest.raises(shmkv.ShmkvError, match="owned by uid 65534") as err:
+        shmkv.DiskTier(theirs, 1 << 20)
+    assert str(theirs) in str(err.value)
+
+
+def test_a_planted_lock_symlink_is_refused_and_its_target_unchanged(tmp_path, unique_name):
+    path = tmp_path / "tier"
+    spec = shmkv.DiskTier(path, 1 << 20)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious\n" * 10)
+    os.symlink(victim, path / "lock")
+    with pytest.raises(shmkv.ShmkvError, match="symbolic link") as err:
+        shmkv.Coordinator(make_config(), name=unique_name, tiers=[spec]).open()
+    assert str(path / "lock") in str(err.value)
+    assert victim.read_bytes() == b"precious\n" * 10
+
+
+def _first_block_file(path, prompt):
+    return path / "blocks" / (keys_of(prompt)[0].hex() + ".kv")
+
+
+def test_a_block_file_that_is_a_symlink_is_never_served(tmp_path, unique_name):
+    """A name of a block file that is a symbolic link, here to a copy of the genuine
+    file, is ignored by the scan (no hit, the target untouched); one that becomes a link
+    after the scan is refused by the promotion, and the hit ends before it."""
+    cfg = make_config(num_blocks=16)
+    p, q = prompts_of(2, 2)
+    path = tmp_path / "tier"
+    with shmkv.Coordinator(cfg, name=unique_name,
+                           tiers=[shmkv.DiskTier(path, 1 << 20)]) as coord, \
+            shmkv.connect(coord.address, timeout=20) as client:
+        write_prompt(client, p)
+        write_prompt(client, q)
+        wait_idle(client)
+    genuine = {}
+    for prompt, name in ((p, "p"), (q, "q")):
+        genuine[name] = _first_block_file(path, prompt).read_bytes()
+        (tmp_path / name).write_bytes(genuine[name])
+    _first_block_file(path, p).unlink()
+    os.symlink(tmp_path / "p", _first_block_file(path, p))
+    with shmkv.Coordinator(cfg, name=unique_name,
+                           tiers=[shmkv.DiskTier(path, 1 << 20)]) as coord, \
+            shmkv.connect(coord.address, timeout=20) as client:
+        st = wait_idle(client)
+        assert tier(st, "disk")["blocks"] == 3           # the link is not indexed
+        _first_block_file(path, q).unlink()               # a link in place after the scan
+        os.symlink(tmp_path / "q", _first_block_file(path, q))
+        assert read_prompt(client, p) == (0, True)
+        assert read_prompt(client, q) == (0, True)
+        disk = tier(wait_idle(client), "disk")
+        assert disk["removed_damaged"] == 1 and disk["errors"] == 1
+    for name in ("p", "q"):   # the links' targets: never written, truncated nor removed
+        assert (tmp_path / name).read_bytes() == genuine[name]
+
+
+def test_a_fifo_named_like_a_block_file_hangs_nothing(tmp_path, unique_name, io):
+    """A FIFO under a block file's name, there at the scan (ignored) or put in place of
+    an indexed file after it (refused by the promotion): the scan finishes, the
+    allocations are answered, and the coordinator stops (each within a timeout)."""
+    cfg = make_config(num_blocks=16)
+    p, q = prompts_of(2, 2, seed=7)
+    path = tmp_path / "tier"
+    with shmkv.Coordinator(cfg, name=unique_name,
+                           tiers=[shmkv.DiskTier(path, 1 << 20)]) as coord, \
+            shmkv.connect(coord.address, timeout=20) as client:
+        write_prompt(client, p)
+        write_prompt(client, q)
+        wait_idle(client)
+    fifos = [_first_block_file(path, p), _first_block_file(path, q)]
+    fifos[0].unlink()
+    os.mkfifo(fifos[0])
+    coord = shmkv.Coordinator(cfg, name=unique_name, tiers=[shmkv.DiskTier(path, 1 << 20)])
+    coord.start()
+    closer = None
+    try:
+        with shmkv.connect(coord.address, timeout=20) as client:
+            assert tier(wait_idle(client, timeout=20), "disk")["blocks"] == 3
+            fifos[1].unlink()
+            os.mkfifo(fifos[1])
+            assert read_prompt(client, p) == (0, True)
+            assert read_prompt(client, q) == (0, True)    # answered: the FIFO is refused
+            assert tier(wait_idle(client), "disk")["removed_damaged"] == 1
+        closer = threading.Thread(target=coord.stop)
+        closer.start()
+        closer.join(10)
+        assert not closer.is_alive(), "the coordinator did not stop"
+    finally:
+        for fifo in fifos:   # a reader still blocked in open() (the old defect) lets go
+            try:
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+        if closer is None:
+            coord.stop()
+        else:
+            closer.join(30)
+
+
+@pytest.mark.parametrize("damage", ["blocks is a file", "lock is a directory"])
+def test_a_damaged_directory_is_a_clear_error_naming_the_path(tmp_path, unique_name, damage):
+    path = tmp_path / "tier"
+    path.mkdir(mode=0o700)
+    bad = path / damage.split()[0]
+    if damage == "blocks is a file":
+        bad.write_bytes(b"")
+    else:
+        bad.mkdir()
+    with pytest.raises(shmkv.ShmkvError) as err:
+        shmkv.Coordinator(make_config(), name=unique_name,
+                          tiers=[shmkv.DiskTier(path, 1 << 20)]).open()
+    assert str(bad) in str(err.value) and "remove it" in str(err.value)
+    assert not isinstance(err.value, OSError)
+
+
+@pytest.mark.parametrize("damage", ["blocks", "lock"])
+def test_shmkv_serve_on_a_damaged_directory_exits_with_one_clear_line(tmp_path, damage):
+    import subprocess
+    import sys
+    path = tmp_path / "tier"
+    path.mkdir(mode=0o700)
+    if damage == "blocks":
+        (path / "blocks").write_bytes(b"")
+    else:
+        (path / "lock").mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "shmkv", "serve", "--address", str(tmp_path / "s.sock"),
+         "--num-blocks", "16", "--num-layers", "1", "--head-dim", "8", "--disk-tier",
+         str(path), "--disk-tier-size", "1M"],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "ShmkvError" in line]
+    assert len(errors) == 1 and str(path / damage) in errors[0]
+    assert not os.path.exists(tmp_path / "s.sock")
+
+
+# -- off x86: no block file written straight from the pool -----------------------------------
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_disk_demotion_through_checked_staging_slots_serves_exact_bytes(tmp_path, unique_name,
+                                                                       monkeypatch, io, direct):
+    """``DIRECT_DISK_DEMOTION`` False is the path of CPUs that may reorder loads (aarch64):
+    every block reaches disk through a staging slot the loop checked (``p2s`` then ``s2d``),
+    none straight from the pool. A burst of 72 blocks (past the staging slots), then a
+    restart: every block on disk, exact bytes."""
+    monkeypatch.setattr(tiers_mod, "DIRECT_DISK_DEMOTION", direct)
+    ops = []
+    if io == "threads":   # which copies ran (the I/O process's are its own)
+        real = tier_io.Mover.run
+        monkeypatch.setattr(tier_io.Mover, "run", lambda self, copies, stopping: (
+            ops.extend(c.op for c in copies), real(self, copies, stopping))[1])
+    assert tiers_mod.STAGING_BLOCKS < 72
+    cfg = make_config(num_blocks=80)
+    prompts = prompts_of(12, 6, seed=9)
+    with shmkv.Coordinator(cfg, name=unique_name,
+                           tiers=[shmkv.DiskTier(tmp_path, 1 << 22)]) as coord, \
+            shmkv.connect(coord.address, timeout=20) as client:
+        client.close_many([written_prompt(client, p) for p in prompts])
+        st = wait_idle(client, timeout=60)
+        assert tier(st, "disk")["blocks"] == 72 and tier(st, "disk")["demotions"] == 72
+        assert len(coord.tiers._staging.free) == tiers_mod.STAGING_BLOCKS   # all back
+    if io == "threads":
+        if direct:
+            assert ops.count("p2d") == 72 and "p2s" not in ops
+        else:
+            assert "p2d" not in ops and ops.count("p2s") == ops.count("s2d") == 72
+    with shmkv.Coordinator(cfg, name=unique_name,
+                           tiers=[shmkv.DiskTier(tmp_path, 1 << 22)]) as coord, \
+            shmkv.connect(coord.address, timeout=20) as client:
+        wait_idle(client)
+        assert [read_prompt(client, p) for p in prompts] == [(24, True)] * 12
