@@ -1,7 +1,8 @@
 # Two entry points for a fresh machine; each installs what it needs into .venv.
 .PHONY: demo test docs bench bench-quick stress setup
-# The API reference and docs/ pages, nitpicky: a broken reference or link fails the build.
-SPHINX = .venv/bin/python -m sphinx -W --keep-going -n -q -b html docs build/docs/html
+# The API reference and docs/ pages, nitpicky: a broken reference or link fails the build
+# (-E: every page read anew, so a reference broken by a change elsewhere is seen too).
+SPHINX = .venv/bin/python -m sphinx -E -W --keep-going -n -q -b html docs build/docs/html
 
 demo:
 	./scripts/setup.sh

@@ -48,7 +48,7 @@ autodoc_default_options = {
     "member-order": "bysource",
     "show-inheritance": True,
 }
-autodoc_typehints = "description"
+autodoc_typehints = "signature"
 autodoc_typehints_format = "short"
 autoclass_content = "both"     # the class docstring and __init__'s (the arguments)
 napoleon_google_docstring = True
