@@ -19,7 +19,7 @@ from typing import List, Optional
 from .errors import LayoutMismatch
 from .layout import PoolConfig, torch_dtype
 from .tables import SEQ_FIELDS, TableLayout
-from .views import pool_view, storage_view  # noqa: F401  (also importable from here)
+from .views import pool_view, storage_view  # used here, and still importable from here
 from . import shm
 
 
