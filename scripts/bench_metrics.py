@@ -70,10 +70,37 @@ def _scrape(port: int) -> int:
     return len(body)
 
 
-def _scraper(port, go, stop, queue, rate):
-    """Scrape ``/metrics`` while ``go`` is set, ``rate`` times a second (0: back to
-    back)."""
-    num, failed, nbytes, busy = 0, 0, 0, 0.0
+def _serve_body(listener, body: bytes) -> None:
+    """The control's server: answer every connection with ``body`` (as /metrics would)."""
+    head = (b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: "
+            + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n")
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    break
+                data += chunk
+            conn.sendall(head + body)
+
+
+def _scraper(port, nbytes, go, stop, queue, rate, label):
+    """Scrape ``/metrics`` at ``port`` while ``go`` is set, ``rate`` times a second (0:
+    back to back). With ``nbytes`` (the control), scrape a server of this process that
+    answers as many bytes instead: the same work on the machine, none in the
+    coordinator's process."""
+    if nbytes:
+        import threading
+        listener = socket.create_server(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        body = (b"x" * (nbytes - 21)) + b"\nshmkv_uptime_seconds"   # passes _scrape's check
+        threading.Thread(target=_serve_body, args=(listener, body), daemon=True).start()
+    num, failed, size, busy = 0, 0, 0, 0.0
     queue.put(("ready", None))
     while not stop.is_set():
         if not go.wait(0.05):
@@ -82,14 +109,14 @@ def _scraper(port, go, stop, queue, rate):
         while go.is_set():
             t1 = time.monotonic()
             try:
-                nbytes = _scrape(port)
+                size = _scrape(port)
                 num += 1
             except OSError:
                 failed += 1
             if rate:
                 time.sleep(max(0.0, 1.0 / rate - (time.monotonic() - t1)))
         busy += time.monotonic() - t0
-    queue.put(("scrapes", (num, failed, nbytes, busy)))
+    queue.put((label, (num, failed, size, busy)))
 
 
 def p99(values) -> float:
@@ -97,57 +124,65 @@ def p99(values) -> float:
     return values[min(len(values) - 1, int(0.99 * len(values)))]
 
 
-def run(address, port, cycles, phase_s, rate) -> dict:
-    """One paired run: alternating idle and scraped phases, pinged throughout."""
+def run(address, port, nbytes, cycles, phase_s, rate) -> dict:
+    """One paired run: phases idle, scraped, control, idle, scraped, control, ...,
+    pinged throughout."""
     q = SPAWN.Queue()
-    go, stop = SPAWN.Event(), SPAWN.Event()
-    scraper = SPAWN.Process(target=_scraper, args=(port, go, stop, q, rate))
-    scraper.start()
-    assert q.get(timeout=120)[0] == "ready"
+    stop = SPAWN.Event()
+    gates = {"scraped": SPAWN.Event(), "control": SPAWN.Event()}
+    workers = [SPAWN.Process(target=_scraper, args=(port, 0, gates["scraped"], stop, q, rate,
+                                                    "scraped")),
+               SPAWN.Process(target=_scraper, args=(port, nbytes, gates["control"], stop, q,
+                                                    rate, "control"))]
+    for proc in workers:
+        proc.start()
+        assert q.get(timeout=120)[0] == "ready"
     pinger = SPAWN.Process(target=_pinger, args=(address, stop, q))
     pinger.start()
     assert q.get(timeout=120)[0] == "ready"   # the pinger imported, connected, warmed up
     time.sleep(0.2)
     phases = []
     for _ in range(cycles):
-        for busy in (False, True):
-            (go.set if busy else go.clear)()
+        for label in ("idle", "scraped", "control"):
+            if label in gates:
+                gates[label].set()
             t0 = time.monotonic()
             time.sleep(phase_s)
-            phases.append((t0 + 0.05, time.monotonic(), busy))
-    go.clear()
+            if label in gates:
+                gates[label].clear()
+            phases.append((t0 + 0.05, time.monotonic(), label))
     stop.set()
-    results = dict(q.get(timeout=120) for _ in range(2))
-    for proc in (scraper, pinger):
+    results = dict(q.get(timeout=120) for _ in range(3))
+    for proc in workers + [pinger]:
         proc.join(30)
         if proc.is_alive():
             proc.kill()
             proc.join(5)
-    lat = {False: [], True: []}
+    lat = {"idle": [], "scraped": [], "control": []}
     for t0, latency in results["pings"]:
-        for start, end, busy in phases:
+        for start, end, label in phases:
             if start <= t0 < end:
-                lat[busy].append(latency)
+                lat[label].append(latency)
                 break
-    num, failed, nbytes, busy_s = results["scrapes"]
     out = {}
-    for busy, label in ((False, "idle"), (True, "scraped")):
-        values = sorted(lat[busy])
+    for label, values in lat.items():
+        values = sorted(values)
         out[label] = {"p50_us": values[len(values) // 2] * 1e6, "p99_us": p99(values) * 1e6,
                       "pings": len(values)}
+    for label in gates:
+        num, failed, size, busy_s = results[label]
+        out[label].update(scrapes=num, failed=failed, per_s=num / max(busy_s, 1e-9),
+                          body_bytes=size)
     out["ratio_p99"] = out["scraped"]["p99_us"] / out["idle"]["p99_us"]
-    out["scrapes"] = num
-    out["scrapes_failed"] = failed
-    out["scrapes_per_s"] = num / max(busy_s, 1e-9)
-    out["body_bytes"] = nbytes
+    out["control_ratio_p99"] = out["control"]["p99_us"] / out["idle"]["p99_us"]
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--cycles", type=int, default=10)
-    parser.add_argument("--phase-s", type=float, default=1.0)
+    parser.add_argument("--cycles", type=int, default=24)
+    parser.add_argument("--phase-s", type=float, default=0.3)
     parser.add_argument("--rate", type=float, default=10.0)
     parser.add_argument("--out", default=None, help="write OUT.json and OUT.md")
     args = parser.parse_args()
@@ -163,27 +198,34 @@ def main() -> None:
                 h.commit()
                 if i % 2:
                     h.close()
-            _scrape(port)
+            nbytes = _scrape(port)
             runs = []
             for i in range(args.runs):
-                runs.append(run(coord.address, port, args.cycles, args.phase_s, args.rate))
+                runs.append(run(coord.address, port, nbytes, args.cycles, args.phase_s,
+                                args.rate))
                 r = runs[-1]
-                print(f"run {i}: idle p99 {r['idle']['p99_us']:.1f} us, scraped p99 "
-                      f"{r['scraped']['p99_us']:.1f} us, ratio {r['ratio_p99']:.3f} "
-                      f"({r['scrapes']} scrapes at {r['scrapes_per_s']:.1f}/s, "
-                      f"{r['scrapes_failed']} failed)", flush=True)
-            flat_out = run(coord.address, port, max(2, args.cycles // 2), args.phase_s, 0)
-            print(f"back to back: idle p99 {flat_out['idle']['p99_us']:.1f} us, scraped p99 "
-                  f"{flat_out['scraped']['p99_us']:.1f} us, ratio "
-                  f"{flat_out['ratio_p99']:.3f} ({flat_out['scrapes_per_s']:.0f} scrapes/s)",
-                  flush=True)
+                print(f"run {i}: p99 idle {r['idle']['p99_us']:.1f} us, scraped "
+                      f"{r['scraped']['p99_us']:.1f} us (ratio {r['ratio_p99']:.3f}), control "
+                      f"{r['control']['p99_us']:.1f} us (ratio {r['control_ratio_p99']:.3f}); "
+                      f"{r['scraped']['scrapes']} scrapes at {r['scraped']['per_s']:.1f}/s, "
+                      f"{r['scraped']['failed']} failed", flush=True)
+            flat_out = run(coord.address, port, nbytes, max(2, args.cycles // 4), args.phase_s,
+                           0)
+            print(f"back to back: p99 idle {flat_out['idle']['p99_us']:.1f} us, scraped "
+                  f"{flat_out['scraped']['p99_us']:.1f} us (ratio {flat_out['ratio_p99']:.3f}, "
+                  f"{flat_out['scraped']['per_s']:.0f} scrapes/s), control ratio "
+                  f"{flat_out['control_ratio_p99']:.3f}", flush=True)
     ratios = [r["ratio_p99"] for r in runs]
+    controls = [r["control_ratio_p99"] for r in runs]
     summary = {"median_ratio_p99": statistics.median(ratios), "min_ratio_p99": min(ratios),
                "max_ratio_p99": max(ratios), "bound": BOUND,
                "within_bound": statistics.median(ratios) <= BOUND,
-               "runs_within_bound": sum(r <= BOUND for r in ratios), "runs": len(ratios)}
+               "runs_within_bound": sum(r <= BOUND for r in ratios), "runs": len(ratios),
+               "median_control_ratio_p99": statistics.median(controls),
+               "min_control_ratio_p99": min(controls), "max_control_ratio_p99": max(controls)}
     print(f"median ratio {summary['median_ratio_p99']:.3f} (min {min(ratios):.3f}, max "
-          f"{max(ratios):.3f}); bound {BOUND}: "
+          f"{max(ratios):.3f}); control {summary['median_control_ratio_p99']:.3f} (min "
+          f"{min(controls):.3f}, max {max(controls):.3f}); bound {BOUND}: "
           f"{'met' if summary['within_bound'] else 'NOT met'}")
     result = {"args": vars(args), "machine": {"cpus": os.cpu_count(),
                                               "python": platform.python_version(),
@@ -205,33 +247,39 @@ def markdown(result: dict) -> str:
         f"`python scripts/bench_metrics.py --runs {a['runs']} --cycles {a['cycles']} "
         f"--phase-s {a['phase_s']} --rate {a['rate']:g}`: a spawned coordinator "
         "(its own process, default `spin_us`), one process pinging it 0.5 ms apart "
-        f"throughout, another scraping `/metrics` at {a['rate']:g} Hz in alternate phases "
-        f"of {a['phase_s']:g} s ({a['cycles']} idle and {a['cycles']} scraped phases a run; "
-        "pings within 50 ms of a phase change not counted). Paired: each run's ratio is "
-        "its scraped p99 over its own idle p99. "
+        f"throughout, and phases of {a['phase_s']:g} s in turn: idle; scraped (another "
+        f"process GETs `/metrics` at {a['rate']:g} Hz); control (a third process does the "
+        "same GETs at the same rate against a server of its own answering as many bytes: "
+        "the same work on the machine, none in the coordinator's process). "
+        f"{a['cycles']} cycles a run; pings within 50 ms of a phase change not counted. "
+        "Paired: each ratio is a condition's p99 over the same run's idle p99. "
         f"Machine: {result['machine']['cpus']} CPUs, Python {result['machine']['python']}, "
         f"{result['machine']['platform']}.",
         "",
-        "| run | idle p50 (us) | idle p99 (us) | scraped p50 (us) | scraped p99 (us) | "
-        "p99 ratio | scrapes (failed) |",
-        "|---|---|---|---|---|---|---|",
+        "| run | idle p50 (us) | idle p99 (us) | scraped p99 (us) | ratio | control p99 (us) "
+        "| control ratio | scrapes (failed) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for i, r in enumerate(result["runs"]):
         lines.append(f"| {i} | {r['idle']['p50_us']:.1f} | {r['idle']['p99_us']:.1f} | "
-                     f"{r['scraped']['p50_us']:.1f} | {r['scraped']['p99_us']:.1f} | "
-                     f"{r['ratio_p99']:.3f} | {r['scrapes']} ({r['scrapes_failed']}) |")
+                     f"{r['scraped']['p99_us']:.1f} | {r['ratio_p99']:.3f} | "
+                     f"{r['control']['p99_us']:.1f} | {r['control_ratio_p99']:.3f} | "
+                     f"{r['scraped']['scrapes']} ({r['scraped']['failed']}) |")
     b = result["back_to_back"]
     lines += [
         "",
-        f"**Median p99 ratio {s['median_ratio_p99']:.3f}** (spread over {s['runs']} runs: "
-        f"min {s['min_ratio_p99']:.3f}, max {s['max_ratio_p99']:.3f}; "
-        f"{s['runs_within_bound']} of {s['runs']} runs within {s['bound']}x). "
-        f"Bound: p99 while scraped at 10 Hz within {s['bound']}x of idle: "
-        f"**{'met' if s['within_bound'] else 'not met'}**.",
+        f"**Median p99 ratio scraped/idle {s['median_ratio_p99']:.3f}** (spread over "
+        f"{s['runs']} runs: min {s['min_ratio_p99']:.3f}, max {s['max_ratio_p99']:.3f}; "
+        f"{s['runs_within_bound']} of {s['runs']} runs within {s['bound']}x); control/idle "
+        f"{s['median_control_ratio_p99']:.3f} (min {s['min_control_ratio_p99']:.3f}, max "
+        f"{s['max_control_ratio_p99']:.3f}). Bound: p99 while scraped at 10 Hz within "
+        f"{s['bound']}x of idle: **{'met' if s['within_bound'] else 'not met'}** (median).",
         "",
-        f"For reference, scraped back to back by one process ({b['scrapes_per_s']:.0f} "
-        f"scrapes/s, {b['body_bytes']} bytes each): idle p99 {b['idle']['p99_us']:.1f} us, "
-        f"scraped p99 {b['scraped']['p99_us']:.1f} us (ratio {b['ratio_p99']:.2f}).",
+        f"For reference, scraped back to back by one process "
+        f"({b['scraped']['per_s']:.0f} scrapes/s, {b['scraped']['body_bytes']} bytes each): "
+        f"idle p99 {b['idle']['p99_us']:.1f} us, scraped {b['scraped']['p99_us']:.1f} us "
+        f"(ratio {b['ratio_p99']:.2f}), control {b['control']['p99_us']:.1f} us "
+        f"(ratio {b['control_ratio_p99']:.2f}).",
         "",
     ]
     return "\n".join(lines)

@@ -13,10 +13,12 @@ bounded: one thread serves every connection from a selector (no thread per
 connection), at most ``max_connections`` are open (a new one closes the oldest), each
 gets ``timeout`` seconds for its whole exchange, a request head is at most 8 KiB, and
 every error is logged to the ``shmkv.metrics`` logger, never printed. A scrape holds
-the GIL only to format about a hundred lines (:func:`render` writes the text itself,
-tens of microseconds), which keeps the coordinator's loop at its idle latency under
-scraping (``scripts/bench_metrics.py``). Binding anything but a loopback address is
-logged as a warning.
+the GIL only to format what changed since the last one (:func:`render` writes the
+text itself and keeps each op's histogram text; about 0.1 ms), and renders are at
+least ``MIN_RENDER_INTERVAL_S`` apart (requests arriving sooner wait, without the GIL,
+and share the next render, which still comes after them), so no scraper can take more
+than a sliver of the coordinator's GIL (``scripts/bench_metrics.py``). Binding
+anything but a loopback address is logged as a warning.
 
 Started by ``Coordinator(..., metrics_port=N)`` (``shmkv serve --metrics-port N``) and
 stopped with it. :class:`CoordinatorCollector` gives the same series to a
@@ -52,6 +54,11 @@ DEFAULT_MAX_CONNECTIONS = 16
 DEFAULT_TIMEOUT = 5.0          # seconds for one connection's whole exchange
 _MAX_HEAD = 8192               # bytes of a request line and headers
 _WARN_EVERY_S = 10.0
+# The least time between two renders of /metrics. Requests that arrive sooner wait (in
+# the selector, without the GIL) and share the next render, so no scraper, however
+# fast, can take more than a sliver of the coordinator's GIL; each answer is still
+# rendered after its request arrived, never older.
+MIN_RENDER_INTERVAL_S = 0.05
 
 
 # -- the series ------------------------------------------------------------------------------
@@ -120,6 +127,14 @@ def families(coord, latency: bool = True) -> List[tuple]:
     counter("shmkv_copies_discarded", "Copies of blocks into or out of the pool (tiers, the "
             "store) dropped because the block no longer held their key once copied",
             table.pool.num_copies_discarded)
+    if coord.tiers is not None:
+        tier_io = coord.tiers.io_stats()
+        counter("shmkv_tier_lost_evictions", "Blocks the pool evicted that no tier held or "
+                "could take (their copy down a tier was not done, and no room to rescue it)",
+                tier_io.get("lost_evictions", 0))
+        counter("shmkv_tier_rescued_evictions", "Blocks the pool evicted before their copy "
+                "down a tier was done, copied by the coordinator's loop at eviction",
+                tier_io.get("rescued_evictions", 0))
     out.append(("shmkv_handoffs", "counter", "Hand-off tokens by event",
                 [("shmkv_handoffs_total", (("event", event),),
                   counters.get(f"{event}_handoffs", 0))
@@ -225,13 +240,14 @@ class CoordinatorCollector:
 # -- the server ------------------------------------------------------------------------------
 
 class _Http:
-    __slots__ = ("sock", "peer", "deadline", "head", "out", "sent")
+    __slots__ = ("sock", "peer", "deadline", "head", "out", "sent", "head_only")
 
     def __init__(self, sock, peer, deadline):
         self.sock, self.peer, self.deadline = sock, peer, deadline
         self.head = bytearray()
-        self.out: Optional[bytes] = None
+        self.out: Optional[bytes] = None   # b"": waiting for the next render
         self.sent = 0
+        self.head_only = False
 
 
 def _response(status: str, kind: str, body: bytes, head_only: bool = False) -> bytes:
@@ -296,6 +312,8 @@ class MetricsServer:
         self._listener = self._wake_r = self._wake_w = None
         self._conns: dict = {}     # socket -> _Http, oldest first
         self._cache: dict = {}     # op -> (its latency counts, their text): see render()
+        self._waiting: list = []   # connections whose /metrics waits for the next render
+        self._rendered_at = -MIN_RENDER_INTERVAL_S
         self._warned_at = -_WARN_EVERY_S
         family, sockaddr, loopback = _bind_address(host, port)
         listener = socket.socket(family, socket.SOCK_STREAM)
@@ -341,6 +359,8 @@ class MetricsServer:
                     selector.register(self._listener, selectors.EVENT_READ, None)
                     paused_until = 0.0
                 wait = 1.0
+                if self._waiting:
+                    wait = self._maybe_render(selector, now)
                 if self._conns:
                     wait = max(0.0, min(wait, next(iter(self._conns.values())).deadline - now))
                 if paused_until:
@@ -355,6 +375,8 @@ class MetricsServer:
                         continue
                     if key.data.sock in self._conns:   # (not closed earlier this turn)
                         self._on_event(key.data, events, selector)
+                if self._waiting:
+                    self._maybe_render(selector, time.monotonic())
                 self._expire(selector, time.monotonic())
         except Exception:  # a bug here must not pass silently, nor print
             log.exception("metrics server stopped by an error")
@@ -405,7 +427,13 @@ class MetricsServer:
                                                      "text/plain", b"request too large\n"),
                                      selector)
                     return
-                self._answer(conn, self._respond(bytes(conn.head[:end])), selector)
+                response = self._respond(conn, bytes(conn.head[:end]))
+                if response is None:   # /metrics: answered by the next render
+                    conn.out = b""
+                    selector.unregister(conn.sock)
+                    self._waiting.append(conn)
+                else:
+                    self._answer(conn, response, selector)
             else:
                 self._send(conn, selector)
         except OSError as exc:   # reset, broken pipe: the peer's business, not ours
@@ -413,7 +441,30 @@ class MetricsServer:
             self._close(conn, selector)
             self.num_closed += 1
 
-    def _respond(self, head: bytes) -> bytes:
+    def _maybe_render(self, selector, now: float) -> float:
+        """Answer every request waiting for /metrics with one render, if the last one is
+        old enough; returns how long the selector may wait."""
+        due = self._rendered_at + MIN_RENDER_INTERVAL_S
+        if now < due:
+            return due - now
+        waiting, self._waiting = self._waiting, []
+        waiting = [conn for conn in waiting if conn.sock in self._conns]
+        if not waiting:
+            return 1.0
+        body = render(self._coord, self._cache)
+        self._rendered_at = time.monotonic()
+        for conn in waiting:
+            try:
+                self._answer(conn, _response("200 OK", CONTENT_TYPE, body, conn.head_only),
+                             selector)
+            except OSError as exc:
+                log.debug("metrics connection from %s: %s", conn.peer, exc)
+                self._close(conn, selector)
+                self.num_closed += 1
+        return 1.0
+
+    def _respond(self, conn: _Http, head: bytes) -> Optional[bytes]:
+        """The answer to a request head, or None for /metrics (see _maybe_render)."""
         parts = head.split(b"\r\n" if b"\r\n" in head else b"\n", 1)[0].split()
         if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
             return _response("400 Bad Request", "text/plain", b"bad request\n")
@@ -422,8 +473,8 @@ class MetricsServer:
             return _response("405 Method Not Allowed", "text/plain", b"GET /metrics\n")
         head_only = method == b"HEAD"
         if target == b"/metrics":
-            return _response("200 OK", CONTENT_TYPE, render(self._coord, self._cache),
-                             head_only)
+            conn.head_only = head_only
+            return None
         if target == b"/":
             return _response("200 OK", "text/plain",
                              b"shmkv coordinator: metrics at /metrics\n", head_only)
@@ -432,7 +483,10 @@ class MetricsServer:
 
     def _answer(self, conn: _Http, response: bytes, selector) -> None:
         conn.out = response
-        selector.modify(conn.sock, selectors.EVENT_WRITE, conn)
+        try:
+            selector.modify(conn.sock, selectors.EVENT_WRITE, conn)
+        except KeyError:   # waited for a render, unregistered meanwhile
+            selector.register(conn.sock, selectors.EVENT_WRITE, conn)
         self._send(conn, selector)
 
     def _send(self, conn: _Http, selector) -> None:

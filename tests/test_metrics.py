@@ -327,3 +327,28 @@ def test_the_collector_gives_the_endpoints_series(small_config, unique_name):
     uptime = ("shmkv_uptime_seconds", ())
     assert served.pop(uptime) > 0 and collected.pop(uptime) > 0
     assert collected == served        # (a scrape is no request: nothing moved between)
+
+
+def test_scrapes_close_together_share_a_render_and_are_never_stale(small_config, unique_name):
+    with shmkv.Coordinator(small_config, name=unique_name, metrics_port=0) as coord, \
+            shmkv.connect(coord.address, timeout=10) as client:
+        socks = [socket.create_connection(coord.metrics_address, timeout=10) for _ in range(5)]
+        for sock in socks:
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        for sock in socks:
+            data = b""
+            while chunk := sock.recv(65536):
+                data += chunk
+            sock.close()
+            assert data.startswith(b"HTTP/1.1 200") and b"shmkv_pool_blocks" in data
+        for expected in range(1, 6):          # each answer is rendered after its request
+            client.ping()
+            assert value(scrape(coord), "shmkv_ops_total", op="ping") == expected
+        head = socket.create_connection(coord.metrics_address, timeout=10)
+        head.sendall(b"HEAD /metrics HTTP/1.1\r\n\r\n")
+        data = b""
+        while chunk := head.recv(65536):
+            data += chunk
+        head.close()
+        assert data.startswith(b"HTTP/1.1 200") and data.endswith(b"\r\n\r\n")
+        assert b"shmkv_" not in data
