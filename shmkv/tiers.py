@@ -15,14 +15,26 @@ CUDA pool in worker threads (``shmkv.tier_io`` says why) -- and report back; the
 never waits for them.
 
 * Demotion is write-behind. A published block that becomes cached in the pool is
-  copied to the host tier (without one, to disk) while it stays valid in the pool:
-  published blocks are immutable, so the copy races nothing. A host copy is then
-  written to disk behind it, so the disk holds a superset of the host tier, which is
-  what survives a restart. When the pool evicts a block its copy is normally done
-  and nothing is lost; otherwise the copy is cancelled and the block counted in
-  ``lost_evictions``. Each tier is LRU: the host tier's oldest blocks make room
-  (they are on disk by then, or are counted ``dropped``), the disk's oldest are
-  deleted (``dropped``).
+  copied to the host tier (without one, or with every host slot busy, to disk) while
+  it stays valid in the pool: published blocks are immutable, so the copy races
+  nothing. A host copy is then written to disk behind it, so the disk holds a superset
+  of the host tier, which is what survives a restart. Every block that becomes cached
+  reaches a tier unless the tier is full or failing: what one turn caches past the
+  free host slots or the disk writes in flight (``MAX_DISK_WRITES_IN_FLIGHT``) waits in
+  a backlog, a prefix's first blocks first (a sequence's blocks are cached last-first,
+  and are placed in reverse), and is placed as copies finish. The pool evicts blocks
+  already safe in a tier first (``BlockPool.copying``: the blocks copying or waiting).
+  When it must evict one whose copy is not done, the copy is cancelled and the loop
+  copies the block at once, a memcpy (it is still the key's until the allocation is
+  answered), into a host slot, or a staging slot written to disk from there
+  (``rescued_evictions``); only when neither has room is it counted in
+  ``lost_evictions``. Each tier is LRU: the host tier's oldest blocks make room (with a
+  disk tier taking writes, only those already on disk; otherwise counted ``dropped``),
+  the disk's oldest are deleted (``dropped``).
+* Memory ordering: a copy's own cancel check is lock-free and sound only on x86; the
+  loop keeps a copy out of the pool only if its block still held the key when the
+  completion came back, and off x86 writes no block file straight from the pool
+  (``DIRECT_DISK_DEMOTION``; ``shmkv.tier_io`` says why).
 * Promotion: an allocation whose prompt continues, past the pool's longest hit, in a
   tier gets fresh pool blocks for those keys, all or nothing with the rest of the
   request (``shmkv.sequences``). Workers copy the bytes in; the loop then publishes
@@ -33,6 +45,10 @@ never waits for them.
   generation in shared memory for the I/O process, see ``shmkv.tier_io``). The loop
   sets it when it evicts the block, before it can answer anyone who would then write
   that block, so a copy that saw no cancel was taken from unchanged bytes.
+
+Trust: a disk tier directory is trusted as far as its owner is (see :class:`DiskTier`):
+it must be owned by the coordinator's user and not writable by group or others, and
+every file in it is opened without following links and used only if regular.
 
 Disk layout (one namespace per directory)::
 

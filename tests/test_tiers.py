@@ -1053,6 +1053,12 @@ def test_a_pool_filled_back_to_back_keeps_its_first_prompt_on_a_tier(tmp_path, u
         # Nothing silent: every block is in the pool, on the tier, or counted lost.
         lost = sum(3 - max(t, c) for t, c in zip(on_tier, in_pool))
         assert lost == st["tier_io"]["lost_evictions"]
+        from shmkv import metrics   # and the counters are exported
+        series = {name: samples for name, _kind, _doc, samples in metrics.families(coord)}
+        for name in ("lost", "rescued"):
+            (sample,) = series[f"shmkv_tier_{name}_evictions"]
+            assert sample[0] == f"shmkv_tier_{name}_evictions_total"
+            assert sample[2] == st["tier_io"][f"{name}_evictions"]
         assert read_prompt(client, prompts[0]) == (12, True)
 
 
