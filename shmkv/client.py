@@ -110,7 +110,7 @@ class Client:
         self._sock = sock
         sock.settimeout(self.timeout)
         try:
-            sock.connect(self.address)
+            sock.connect(self._given_address)   # (the resolved path may be past 108 bytes)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             raise CoordinatorGone(f"no coordinator at {self.address} ({exc.strerror})") from None
         self._check_peer(sock)   # before a byte is sent: the hello names this process
