@@ -297,11 +297,12 @@ def test_decode_over_reserved_slots_advances_steps(attn, model_coord, monkeypatc
                 # the pool's attention plans: none when decode reads the mirror
                 assert made["plan"] == (3 if attn == "shmkv" else 0)
                 assert all(h.num_tokens == ids.shape[1] + NEW_TOKENS - 1 for h in cache.handles)
+                reference = cache_of(want)
                 for b, handle in enumerate(cache.handles):
                     for layer in range(handle.num_layers):
                         torch.testing.assert_close(
                             handle.key_cache(layer),
-                            cache_of(want).layers[layer].keys[b, :, :handle.num_tokens].transpose(0, 1),
+                            reference.layers[layer].keys[b, :, :handle.num_tokens].transpose(0, 1),
                             **TIGHT)
 
 

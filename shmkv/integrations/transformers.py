@@ -6,8 +6,15 @@ attention implementation (registered with transformers' ``AttentionInterface`` a
 ``AttentionMaskInterface`` when this module is imported: layers attend over the
 paged pool with the step's block tables), :func:`pool_config` (a pool shaped for a
 model config), :func:`cache_argument` (the keyword ``forward`` and ``generate`` take
-the cache by), :func:`prefill` (run the part of a prompt a cache does not hold yet)
-and :func:`left_pad` (a batch of prompts as padded ids and an attention mask).
+the cache by), :func:`prefill` (run the part of a prompt a cache does not hold yet),
+:func:`left_pad` (a batch of prompts as padded ids and an attention mask) and
+:func:`model_cache_salt` (the salt that namespaces a model's prefix keys).
+
+Two rules keep the shared prefix cache true to its keys (a key hashes token ids from
+the start of a sequence, from a root the salt namespaces): a prompt cache's keys are
+salted with the model's identity (other models never reuse its K/V), and a row is
+published only as far as its K/V was computed at the row's own positions 0, 1, ...
+(read from each forward's ``position_ids``; see :meth:`ShmkvCache.commit`).
 
 Which path a layer takes, decided once per forward:
 
@@ -116,7 +123,8 @@ def pool_config(model_config, num_blocks: int, block_size: int = 16, dtype=None,
             to the model's dtype: K/V is converted to the pool dtype when written. Or a
             quantized pool (``torch.float8_e4m3fn``, ``float8_e5m2``, ``int8``): K/V is
             stored divided by each layer's scales (``client.set_kv_scales``, 1.0 until
-            set) and read back multiplied by them; see docs/transformers.md for the
+            set) and read back multiplied by them, on every attention path (paged,
+            mirror, dense) and with left padding; see docs/transformers.md for the
             tolerance.
     """
     text = model_config.get_text_config(decoder=True)
@@ -987,6 +995,9 @@ class ShmkvCache(Cache):
         (``pad``, ``skip``: per row, None for none) and is computed at
         ``positions[:, j]`` (the forward's ``position_ids``; None: transformers'
         default, ``start + j``). Tokens a row skips (``skip``) are not written."""
+        if pad is None and n == 1 and positions is not None and positions.dim() == 2 \
+                and positions.shape[-1] == 1 and bool((positions == start).all()):
+            return   # a decode step of unpadded rows at their positions: the common case
         steps = torch.arange(n)
         own = start + steps[None, :]                        # [1 or batch, n]
         if pad is not None:
