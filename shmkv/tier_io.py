@@ -19,8 +19,8 @@ Where copies run (chosen by ``shmkv.tiers.TierSet``):
   a promotion; a demotion not done when its block is evicted is lost), a queue the
   lowest-priority workers took nothing from for ``URGENT_AFTER_S`` is served by
   workers at normal priority until they do again (:class:`Copier`). It maps the pool,
-  the host tier and the cancel generations by descriptor (the segments have no
-  name), writes and reads block files, and talks to the loop over a socket pair: jobs
+  the host tier, the staging slots and the cancel generations by descriptor (the
+  segments have no name), sends one ready frame once it has, writes and reads block files, and talks to the loop over a socket pair: jobs
   in, one completion per job out, plus a byte on the loop's wake socket. Nothing else
   travels: no index, no tensor bytes.
 * A CUDA pool: in threads of the coordinator (:class:`Copier` there), because the
@@ -1044,7 +1044,10 @@ def main(argv: List[str]) -> int:
         path, func = spec["preload"].rsplit(":", 1)
         runpy.run_path(path)[func](sys.modules[__name__])
     process = _Process(spec)
-    process.sock.sendall(encode_ready())
+    try:
+        process.sock.sendall(encode_ready())
+    except OSError:   # the coordinator gave up on it already
+        return 0
     process.serve()
     return 0
 

@@ -584,12 +584,18 @@ class _DiskStore(BlockFiles):
                 found = json.loads(f.read(1 << 16))
         except FileNotFoundError:
             tmp = f"{ns_path}.tmp-{self.session}"
-            fd, _st = open_regular(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with open(fd, "w") as f:
-                json.dump(wanted, f, indent=1, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, ns_path)
+            try:
+                fd, _st = open_regular(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with open(fd, "w") as f:
+                    json.dump(wanted, f, indent=1, sort_keys=True)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, ns_path)
+            except OSError as exc:
+                raise ShmkvError(f"disk tier directory {self.path}: its namespace file "
+                                 f"{ns_path} cannot be written ({exc.strerror or exc}); "
+                                 "remove what is in its way or choose another "
+                                 "directory") from None
             return
         except (OSError, ValueError) as exc:
             self._disable(f"its namespace file cannot be read ({exc})")
@@ -713,7 +719,11 @@ class _IoProcess:
                     data = self.sock.recv(len(want) - len(got))
                 except socket.timeout:
                     continue
-                if not data:
+                if not data:   # it exited (or closed its end): say how, once it has
+                    try:
+                        self.proc.wait(min(5.0, max(0.0, deadline - time.monotonic())))
+                    except subprocess.TimeoutExpired:
+                        pass
                     return self.exit_reason()
                 got += data
         except OSError as exc:
@@ -958,7 +968,7 @@ class TierSet:
         if why is not None:
             log.warning("tier I/O process did not start (%s); tier copies run in threads of "
                         "the coordinator", why)
-            self._proc.close(0.0)
+            self._proc.close(5.0)
             self._proc = None
             self._start_threads()
 

@@ -1257,3 +1257,25 @@ def test_disk_demotion_through_checked_staging_slots_serves_exact_bytes(tmp_path
             shmkv.connect(coord.address, timeout=20) as client:
         wait_idle(client)
         assert [read_prompt(client, p) for p in prompts] == [(24, True)] * 12
+
+
+def test_a_tier_io_process_that_never_gets_ready_leaves_the_copies_to_threads(
+        tmp_path, unique_name, monkeypatch, caplog):
+    """The coordinator opens once its tier I/O process has said it serves; one that exits
+    before it does is reported, and worker threads run the copies from the start."""
+    fault = tmp_path / "fault.py"
+    fault.write_text("import os\n\n\ndef exit_now(mod):\n    os._exit(3)\n")
+    monkeypatch.setattr(tiers_mod, "IO_PROCESS_PRELOAD", f"{fault}:exit_now")
+    caplog.set_level(logging.WARNING, logger="shmkv.tiers")
+    cfg = make_config(num_blocks=16)
+    prompt = prompts_of(1, 3)[0]
+    with shmkv.Coordinator(cfg, name=unique_name,
+                           tiers=[shmkv.HostTier(8 * cfg.block_nbytes)]) as coord, \
+            shmkv.connect(coord.address, timeout=20) as client:
+        assert coord.tiers._proc is None and coord.tiers._copier is not None
+        assert "tier I/O process did not start (exit code 3)" in caplog.text
+        write_prompt(client, prompt)
+        wait_idle(client)
+        evict_all(client)
+        assert read_prompt(client, prompt) == (12, True)
+        assert wait_idle(client)["tier_io"]["lost_evictions"] == 0
