@@ -187,6 +187,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write OUT.json and OUT.md")
     args = parser.parse_args()
 
+    load_before = os.getloadavg()[0]
     cfg = shmkv.PoolConfig(num_layers=2, num_kv_heads=2, head_dim=16, num_blocks=256,
                            block_size=16, dtype=torch.float16)
     name = f"bench-metrics-{os.getpid()}"
@@ -230,7 +231,9 @@ def main() -> None:
     result = {"args": vars(args), "machine": {"cpus": os.cpu_count(),
                                               "python": platform.python_version(),
                                               "platform": platform.platform(),
-                                              "host": socket.gethostname()},
+                                              "host": socket.gethostname(),
+                                              "loadavg_1min": [load_before,
+                                                               os.getloadavg()[0]]},
               "runs": runs, "back_to_back": flat_out, "summary": summary}
     if args.out:
         with open(args.out + ".json", "w") as f:
@@ -254,7 +257,9 @@ def markdown(result: dict) -> str:
         f"{a['cycles']} cycles a run; pings within 50 ms of a phase change not counted. "
         "Paired: each ratio is a condition's p99 over the same run's idle p99. "
         f"Machine: {result['machine']['cpus']} CPUs, Python {result['machine']['python']}, "
-        f"{result['machine']['platform']}.",
+        f"{result['machine']['platform']}; 1-minute load average "
+        f"{result['machine']['loadavg_1min'][0]:.1f} before, "
+        f"{result['machine']['loadavg_1min'][1]:.1f} after.",
         "",
         "| run | idle p50 (us) | idle p99 (us) | scraped p99 (us) | ratio | control p99 (us) "
         "| control ratio | scrapes (failed) |",
