@@ -1,7 +1,9 @@
 """The command line: help for every flag, bad flags refused, --pool-size, serve with
-metrics and logs, stats --watch, and a demo whose output carries no third-party warnings."""
+metrics and logs, stats --watch, a demo whose output carries no third-party warnings, and
+short stress runs over the tiers and a real Redis store that must report zeros."""
 
 import argparse
+import json
 import os
 import queue
 import signal
@@ -148,3 +150,59 @@ def test_demo_output_carries_no_third_party_warnings():
     assert out.stderr == "", out.stderr                 # no warnings, no progress bar (a pipe)
     assert "warn" not in out.stdout.lower() and "numpy" not in out.stdout.lower()
     assert "nothing left in /dev/shm" in out.stdout
+
+
+def _stress(tmp_path, *flags) -> dict:
+    """Run a short ``shmkv stress`` with ``flags``; its JSON report (it must pass)."""
+    report = tmp_path / "stress.json"
+    out = subprocess.run([sys.executable, "-m", "shmkv", "stress", "--workers", "2",
+                          "--num-blocks", "48", "--block-size", "4", "--quiet",
+                          "--json", str(report), *flags],
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    result = json.loads(report.read_text())
+    assert result["passed"] and result["corrupted_reads"] == 0, out.stdout
+    assert result["shm_entries_left"] == [] and not result["unexpected_errors"], out.stdout
+    assert result["values_verified"] > 0
+    return result
+
+
+def test_stress_with_tiers_promotes_demotes_and_reports_zeros(tmp_path):
+    result = _stress(tmp_path, "--ops", "300", "--tiers", "--tier-dir", str(tmp_path / "tier"))
+    assert result["blocks_leaked"] == 0 and result["sequences_left"] == 0
+    tiers = {t["tier"]: t for t in result["tiers"]}
+    assert set(tiers) == {"host", "disk"}
+    assert tiers["host"]["demotions"] > 0 and tiers["disk"]["demotions"] > 0
+    # the read-back at the end evicts the pool first: what it hits is promoted, and every
+    # byte is as the workers wrote it
+    assert tiers["host"]["promotions"] + tiers["disk"]["promotions"] > 0
+    check = result["prefix_checks"]["tiers, the pool evicted"]
+    assert check["prefixes"] == 24 and check["hit_tokens"] > 0 and check["corrupted"] == 0
+    assert os.listdir(tmp_path / "tier" / "blocks")   # --tier-dir is kept
+
+
+def test_stress_with_a_killed_coordinator_restarts_on_its_tiers(tmp_path):
+    # (by time: with --ops a worker may finish its share before the kill)
+    result = _stress(tmp_path, "--duration", "4", "--tiers", "--kill-coordinator")
+    kill = result["coordinator_kill"]
+    assert kill["restart"] == "ok" and not kill["workers_missing"]
+    check = result["prefix_checks"]["restarted coordinator's tiers"]
+    assert check["hit_tokens"] > 0 and check["corrupted"] == 0   # from the disk
+
+
+def test_stress_with_a_redis_store_reads_it_back_from_a_second_coordinator(tmp_path):
+    test_remote = pytest.importorskip("test_remote")
+    if test_remote.SERVER is None:
+        pytest.skip("no redis-server on PATH: ./scripts/setup.sh test installs it")
+    server = test_remote.RedisServer(test_remote._free_port(), str(tmp_path)).start()
+    try:
+        result = _stress(tmp_path, "--ops", "300", "--tiers", "--redis", server.url)
+    finally:
+        server.kill()
+    assert result["blocks_leaked"] == 0
+    tiers = {t["tier"]: t for t in result["tiers"]}
+    assert set(tiers) == {"host", "disk", "redis"} and tiers["redis"]["writes"] > 0
+    assert tiers["redis"]["errors"] == 0 and tiers["redis"]["corrupt"] == 0
+    check = result["prefix_checks"]["store, read by a second coordinator"]
+    assert check["hit_tokens"] > 0 and check["corrupted"] == 0
+    assert check["store"]["hits"] > 0 and check["store"]["corrupt"] == 0

@@ -14,6 +14,15 @@ prefix-cache hits, is checked against what was written. Tags of prompt positions
 come from the token id alone, so a prefix written by any process can be verified
 by any other.
 
+With ``--tiers`` the coordinator has a host-memory tier (a quarter of the pool) and a
+disk tier (a temporary directory, or ``--tier-dir``) under its pool, and with ``--redis
+URL`` the Redis/Valkey store under those; the workers then share more prompt prefixes
+than the pool holds, so prefix hits are promoted from the tiers and pulled from the
+store while other workers demote, and every hit is checked like any read. At the end
+(and after ``--kill-coordinator``, on the restarted coordinator, which uses the same
+tiers) the parent reads every shared prefix back: from the disk after a restart, and
+from the store through a second coordinator of its own, as another node would.
+
 The run passes when no read was corrupted, no block is leaked once the dead are
 reclaimed, the survivors have closed and the outstanding hand-offs have expired,
 no ``/dev/shm`` entry is left behind, no worker crashed, hung or hit an unexpected
@@ -28,8 +37,10 @@ import math
 import multiprocessing
 import os
 import random
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import traceback
 from multiprocessing.connection import wait as mp_wait
@@ -42,6 +53,7 @@ TOKEN_TAG_BASE = 1 << 30
 # Values must be exact in the pool dtype: integers below 2**(mantissa bits + 1).
 _MODULUS = {"float32": 65521, "float64": 65521, "float16": 2039, "bfloat16": 251}
 _NUM_PREFIXES = 4
+_NUM_PREFIXES_TIERED = 24   # with tiers: more shared prefix blocks than the pool holds
 _STATS_EVERY_S = 0.25
 
 
@@ -239,7 +251,7 @@ class _Worker:
 
     def op_prefix_allocate(self) -> None:
         from ..errors import PoolExhausted
-        index = self.rng.randrange(_NUM_PREFIXES)
+        index = self.rng.randrange(self.opts.get("num_prefixes", _NUM_PREFIXES))
         prefix = prefix_tokens(index, (2 + index % 3) * self.block_size)
         tokens = prefix + [self.rng.randrange(50000)
                            for _ in range(self.rng.randrange(0, 2 * self.block_size))]
@@ -532,6 +544,8 @@ class StressRun:
         self.started = 0.0
         self.ended = 0.0
         self._stopping = False
+        self.tier_dir: Optional[str] = None   # the disk tier's directory (with --tiers)
+        self.prefix_checks: Dict[str, dict] = {}   # the parent's reads of every prefix
 
     # -- worker processes ----------------------------------------------------------------
 
@@ -545,7 +559,7 @@ class StressRun:
         parent_end, child_end = self.ctx.Pipe(duplex=True)
         opts = {"timeout": self.args.client_timeout, "handoff_ttl": self.args.handoff_ttl,
                 "max_seqs": self.args.max_seqs, "max_tokens": self.args.max_tokens,
-                "quota": self._quota(slot)}
+                "quota": self._quota(slot), "num_prefixes": self._num_prefixes()}
         seed = self.args.seed * 1_000_003 + slot.index * 1009 + slot.generation
         proc = self.ctx.Process(target=_worker_main, name=f"shmkv-stress-{slot.index}",
                                 args=(slot.index, self.coord.address, child_end, seed, opts),
@@ -648,13 +662,21 @@ class StressRun:
 
     def run(self) -> dict:
         """Run the stress test; returns the report."""
-        from ..client import connect
-        from ..coordinator import Coordinator
         a = self.args
         shm_before = set(shm_entries())
         config = self._config()
         name = a.name or f"stress-{os.getpid()}"
-        self.coord = Coordinator.spawn(config, name=name,
+        try:
+            return self._run(config, name, shm_before)
+        finally:
+            if self.tier_dir is not None and not a.tier_dir:
+                shutil.rmtree(self.tier_dir, ignore_errors=True)
+
+    def _run(self, config, name: str, shm_before: set) -> dict:
+        from ..client import connect
+        from ..coordinator import Coordinator
+        a = self.args
+        self.coord = Coordinator.spawn(config, name=name, tiers=self._tier_specs(config) or None,
                                        max_handoff_ttl=max(60.0, a.handoff_ttl))
         address = self.coord.address
         self.client = connect(address, timeout=a.client_timeout)
@@ -679,6 +701,12 @@ class StressRun:
         elapsed = self.ended - self.started
         if self.coordinator_killed_at is None:
             leak = self._final_check()
+            if a.tiers or a.redis:
+                self._evict_pool(self.client)
+                self.check_prefixes(self.client, "tiers, the pool evicted")
+                leak["tiers"] = self._wait_tiers_idle(self.client).get("tiers")
+                if a.redis:
+                    self._check_store(config, name)
             self.client.close()
             self.coord.stop()
             restart = None
@@ -729,6 +757,104 @@ class StressRun:
 
     def _total_ops(self) -> int:
         return sum(self.ops.values())
+
+    # -- tiers and the store -------------------------------------------------------------
+
+    def _num_prefixes(self) -> int:
+        a = self.args
+        return _NUM_PREFIXES_TIERED if a.tiers or a.redis else _NUM_PREFIXES
+
+    def _tier_specs(self, config) -> list:
+        """The tiers under the pool: host memory (a quarter of the pool) and a disk
+        directory (four times the pool) with ``--tiers``, the store with ``--redis``."""
+        from ..remote import RedisTier
+        from ..tiers import DiskTier, HostTier
+        a = self.args
+        specs = []
+        if a.tiers:
+            if self.tier_dir is None:
+                self.tier_dir = a.tier_dir or tempfile.mkdtemp(prefix="shmkv-stress-tiers-")
+            specs.append(HostTier(max(1, config.num_blocks // 4) * config.block_nbytes))
+            specs.append(DiskTier(self.tier_dir, 4 * config.nbytes))
+        if a.redis:
+            specs.append(RedisTier(a.redis, timeout=2.0, max_backoff=1.0))
+        return specs
+
+    def _wait_tiers_idle(self, client, timeout: float = 30.0) -> dict:
+        """Stats once no tier copy, promotion or store write is pending (or ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = client.stats()
+            io = stats.get("tier_io")
+            if io is None or not (io["pending"] or io["promotions_in_flight"]
+                                  or io.get("scanning") or io.get("redis_queued")):
+                return stats
+            if time.monotonic() > deadline:
+                return stats
+            time.sleep(0.02)
+
+    def _evict_pool(self, client) -> None:
+        """Take every free and cached block once (evicting every cached one), then give
+        them back: prefixes read next come from the tiers (once their copies are done)."""
+        self._wait_tiers_idle(client)
+        stats = client.stats()
+        cfg = client.config
+        tokens = (stats["free_blocks"] + stats["cached_blocks"]) * cfg.block_size
+        per = cfg.max_seq_len - cfg.max_seq_len % cfg.block_size
+        counts = [per] * (tokens // per) + ([tokens % per] if tokens % per else [])
+        if counts:
+            client.close_many(client.allocate_many(counts))
+        self._wait_tiers_idle(client)
+
+    def check_prefixes(self, client, label: str) -> dict:
+        """Allocate every shared prefix through ``client`` and compare what it hits with
+        the tags every worker writes (``label``: where the hits come from). Closed after."""
+        import torch
+        from ..errors import PoolExhausted
+        cfg = client.config
+        out = {"prefixes": 0, "hit_tokens": 0, "corrupted": 0, "exhausted": 0}
+        for index in range(self._num_prefixes()):
+            tokens = prefix_tokens(index, (2 + index % 3) * cfg.block_size)
+            try:
+                h = client.allocate(prompt=tokens)
+            except PoolExhausted:
+                out["exhausted"] += 1
+                continue
+            try:
+                cached = h.num_cached_tokens
+                out["prefixes"] += 1
+                out["hit_tokens"] += cached
+                if cached:
+                    want = expected_kv(token_tags(tokens[:cached]), 0, h.num_layers,
+                                       h.num_heads, h.head_dim, h.dtype)
+                    got = h.gather_all()[:, :, :cached]
+                    self.verified += want.numel()
+                    if not torch.equal(got, want):
+                        out["corrupted"] += 1
+                        self.corrupted += 1
+                        self.samples.append(f"{label}: prefix {index} ({cached} cached "
+                                            "tokens) differs from what the workers wrote")
+            finally:
+                h.close()
+        self.prefix_checks[label] = out
+        return out
+
+    def _check_store(self, config, name: str) -> None:
+        """A second coordinator (another node) on the same store reads every prefix."""
+        from ..client import connect
+        from ..coordinator import Coordinator
+        from ..remote import RedisTier
+        node = Coordinator(config, name=f"{name}-node2",
+                           tiers=[RedisTier(self.args.redis, timeout=2.0)])
+        node.start()
+        try:
+            with connect(node.address, timeout=self.args.client_timeout) as client:
+                self.check_prefixes(client, "store, read by a second coordinator")
+                stats = self._wait_tiers_idle(client)
+                self.prefix_checks["store, read by a second coordinator"]["store"] = \
+                    stats["tiers"][-1]
+        finally:
+            node.stop()
 
     def _loop(self) -> None:
         a = self.args
@@ -842,7 +968,8 @@ class StressRun:
                 "final_stats": {k: stats.get(k) for k in keys}}
 
     def _check_restart(self, config, name: str) -> dict:
-        """After the coordinator's death: stale socket, fresh start, clean stop."""
+        """After the coordinator's death: stale socket, fresh start (on the same tiers,
+        whose prefixes it serves with the bytes written before the kill), clean stop."""
         from ..client import connect
         from ..coordinator import Coordinator, default_address
         from ..errors import CoordinatorGone
@@ -854,7 +981,8 @@ class StressRun:
             out["parent_client_saw_gone"] = True
         self.client.close()
         try:
-            coord = Coordinator.spawn(config, name=name)
+            coord = Coordinator.spawn(config, name=name,
+                                      tiers=self._tier_specs(config) or None)
         except Exception as exc:
             out["restart"] = f"failed: {type(exc).__name__}: {exc}"
             return out
@@ -863,6 +991,9 @@ class StressRun:
                 stats = client.stats()
                 out["restart"] = "ok" if stats["free_blocks"] == config.num_blocks else \
                     f"unexpected stats {stats}"
+                if self.args.tiers or self.args.redis:
+                    self._wait_tiers_idle(client)   # the disk's index is scanned
+                    self.check_prefixes(client, "restarted coordinator's tiers")
         finally:
             coord.stop()
         out["socket_removed_after_stop"] = not os.path.exists(coord.address)
@@ -926,6 +1057,7 @@ class StressRun:
             "worker_crashes": self.crashes, "unexpected_exits": self.unexpected_exits,
             "hung_workers": self.hung,
             "shm_entries_left": shm_left, "socket_left": socket_left,
+            "prefix_checks": self.prefix_checks,
         }
         report.update(leak)
         failures = []
@@ -1018,6 +1150,14 @@ def format_report(report: dict) -> str:
                      f"{fs['evictions']}, copy-on-write {fs['cow_copies']}, expired hand-offs "
                      f"{fs['expired_handoffs']}, dropped connections "
                      f"{fs['dropped_connections']}")
+    for tier in report.get("tiers") or []:
+        lines.append(f"  tier {tier['tier']}: {tier.get('blocks', 0)} blocks, "
+                     f"{tier.get('demotions', 0)} demotions, {tier.get('promotions', 0)} "
+                     f"promotions, {tier.get('dropped', 0)} dropped, "
+                     f"{tier.get('errors', 0)} errors")
+    for label, check in report.get("prefix_checks", {}).items():
+        lines.append(f"prefixes read back ({label}): {check['prefixes']}, "
+                     f"{check['hit_tokens']} tokens hit, {check['corrupted']} corrupted")
     lines.append(f"/dev/shm entries left: {len(report['shm_entries_left'])}"
                  + (f" {report['shm_entries_left']}" if report["shm_entries_left"] else ""))
     lines.append(f"socket file left: {report['socket_left']}")
@@ -1062,6 +1202,16 @@ def add_parser(sub) -> None:
                    help="when to kill it, as a fraction of --duration (0-1)")
     p.add_argument("--gone-deadline", type=positive_float, default=2.0,
                    help="seconds within which workers must see CoordinatorGone")
+    p.add_argument("--tiers", action="store_true",
+                   help="a host-memory tier (a quarter of the pool) and a disk tier (four "
+                        "times the pool) under the pool, with more shared prefixes than it "
+                        "holds: hits are promoted while others demote")
+    p.add_argument("--tier-dir", type=path_arg, default=None, metavar="DIR",
+                   help="the disk tier's directory with --tiers (default: a temporary one, "
+                        "removed at the end)")
+    p.add_argument("--redis", default=None, metavar="URL",
+                   help="the Redis/Valkey store under the pool (redis://host:6379/0); at "
+                        "the end a second coordinator reads every prefix from it")
     p.add_argument("--json", type=path_arg, default=None, metavar="PATH",
                    help="write the report here")
     p.add_argument("--name", type=name_arg, default=None,
@@ -1099,6 +1249,17 @@ def _cmd(args) -> int:
     if args.workers < 1:
         print("shmkv stress: --workers must be at least 1", file=sys.stderr)
         return 2
+    if args.tier_dir and not args.tiers:
+        print("shmkv stress: --tier-dir needs --tiers", file=sys.stderr)
+        return 2
+    if args.redis:
+        from ..errors import ShmkvError
+        from ..remote import RedisTier
+        try:
+            RedisTier(args.redis)
+        except (ShmkvError, ValueError, TypeError) as exc:
+            print(f"shmkv stress: --redis {args.redis}: {exc}", file=sys.stderr)
+            return 2
     report = StressRun(args).run()
     text = format_report(report)
     print(text, flush=True)
