@@ -374,7 +374,12 @@ class MetricsServer:
                             paused_until = time.monotonic() + 0.1
                         continue
                     if key.data.sock in self._conns:   # (not closed earlier this turn)
-                        self._on_event(key.data, events, selector)
+                        try:
+                            self._on_event(key.data, events, selector)
+                        except Exception:   # a bug: this connection goes, the server stays
+                            log.exception("metrics connection from %s failed",
+                                          key.data.peer)
+                            self._close(key.data, selector)
                 if self._waiting:
                     self._maybe_render(selector, time.monotonic())
                 self._expire(selector, time.monotonic())
@@ -451,12 +456,15 @@ class MetricsServer:
         waiting = [conn for conn in waiting if conn.sock in self._conns]
         if not waiting:
             return 1.0
-        body = render(self._coord, self._cache)
+        try:
+            response = ("200 OK", CONTENT_TYPE, render(self._coord, self._cache))
+        except Exception:   # a bug: say so to the scrapers and the log, keep serving
+            log.exception("metrics could not be rendered")
+            response = ("500 Internal Server Error", "text/plain", b"metrics failed\n")
         self._rendered_at = time.monotonic()
         for conn in waiting:
             try:
-                self._answer(conn, _response("200 OK", CONTENT_TYPE, body, conn.head_only),
-                             selector)
+                self._answer(conn, _response(*response, conn.head_only), selector)
             except OSError as exc:
                 log.debug("metrics connection from %s: %s", conn.peer, exc)
                 self._close(conn, selector)

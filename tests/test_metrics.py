@@ -224,10 +224,10 @@ def test_idle_connections_make_no_threads_and_a_scrape_still_succeeds(small_conf
             for _ in range(300):
                 sock = socket.create_connection((host, port), timeout=10)
                 idle.append(sock)
-            assert threading.active_count() == threads          # no thread per connection
+            assert threading.active_count() <= threads          # no thread per connection
             m = scrape(coord)                                   # a real scrape gets through
             assert blocks(m, "free") == small_config.num_blocks
-            assert threading.active_count() == threads
+            assert threading.active_count() <= threads
             idle[0].settimeout(10)
             assert idle[0].recv(1) == b""                       # the oldest were closed
         finally:
