@@ -320,7 +320,8 @@ class Coordinator:
         metrics_port: serve Prometheus metrics at ``http://metrics_host:PORT/metrics``
             from a thread of this process (0: any free port; ``metrics_address`` says
             which). None (the default): no metrics server. See ``shmkv.metrics``.
-        metrics_host: the address the metrics server binds (default loopback only).
+        metrics_host: the address the metrics server binds (default loopback only; any
+            other, ``""`` and ``"0.0.0.0"`` included, is logged as a warning).
         tiers: tiers under the pool, top first: ``[HostTier(...)]``, ``[DiskTier(...)]``
             or ``[HostTier(...), DiskTier(...)]`` (``shmkv.tiers``), and a
             ``RedisTier(url)`` last, shared with other nodes (``shmkv.remote``).

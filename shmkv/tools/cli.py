@@ -278,7 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (a TCP port; "
                         "0: any free one; default: no metrics server)")
     p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
-                   help="address the metrics server binds (0.0.0.0: every interface)")
+                   help="address the metrics server binds (0.0.0.0: every interface, "
+                        "logged as a warning)")
     p.add_argument("--spin-us", type=spin_arg, default=None, metavar="US",
                    help="after serving a request, poll this many microseconds for the next "
                         "one before sleeping (skips a wake-up per request under load; 0: "
