@@ -26,6 +26,12 @@ bench:
 	./scripts/setup.sh plot
 	.venv/bin/shmkv bench
 
+# vLLM engines with and without shmkv as their KV connector (about 4 minutes here)
+bench-vllm:
+	./scripts/setup.sh test
+	./scripts/setup.sh plot
+	.venv/bin/python scripts/bench_vllm.py
+
 stress:
 	./scripts/setup.sh
 	.venv/bin/shmkv stress

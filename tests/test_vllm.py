@@ -430,3 +430,15 @@ def test_serve_for_model_takes_the_pool_layout_from_the_model(model_path, tmp_pa
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0 and "2 layers, 2 kv heads x 32, float32" in out
+
+
+def test_copy_runs_are_one_per_vllm_block_when_pool_blocks_are_consecutive(connector):
+    # vLLM blocks of 128 = 4 pool blocks of 32; tokens [128, 512) of a request
+    runs = connector.copy_runs([9, 4, 7, 2], list(range(100, 116)), 128, 512, 128, 32)
+    assert runs == [(4, 0, 104, 4), (7, 0, 108, 4), (2, 0, 112, 4)]
+    table = [5, 6, 9, 10, 11, 3, 4, 8]           # scattered pool blocks split the runs
+    assert connector.copy_runs([1, 0], table, 0, 256, 128, 32) == \
+        [(1, 0, 5, 2), (1, 2, 9, 2), (0, 0, 11, 1), (0, 1, 3, 2), (0, 3, 8, 1)]
+    assert connector.copy_runs([1], table, 64, 128, 128, 32) == [(1, 2, 9, 2)]
+    with pytest.raises(IndexError):
+        connector.copy_runs([1], table, 0, 256, 128, 32)   # past the request's blocks

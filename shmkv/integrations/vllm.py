@@ -23,11 +23,11 @@ How a request goes through it:
   vLLM blocks, which token ranges to load and to save) and, the first time, one hand-off
   token per tensor-parallel rank (``handle.export``). No other round trip per step.
 * **Worker side**: :meth:`start_load_kv` opens the hand-offs and copies the hit blocks
-  of every request of the step into vLLM's paged tensors, one gather and one scatter per
-  layer for K and for V, whatever the number of requests and blocks. After the forward,
-  :meth:`wait_for_save` copies the newly complete blocks into the pool (one
-  ``handle.write`` per layer and request) and ``commit``s them; under tensor parallelism a
-  block is published once every rank has committed its head shard.
+  into vLLM's paged tensors before the forward; after it, :meth:`wait_for_save` copies
+  the newly complete blocks into the pool and ``commit``s them (under tensor parallelism
+  a block is published once every rank has committed its head shard). Copies go block to
+  block, no Python loop per token: one strided copy per layer, K or V, and run of pool
+  blocks that lie one after another in one vLLM block (:func:`copy_runs`).
 * **Failures never crash the engine.** A hand-off that cannot be opened, a coordinator
   gone or restarted, a copy that raises: the blocks of that load are reported through
   :meth:`get_block_ids_with_load_errors` and vLLM recomputes them (the connector sets
@@ -126,19 +126,33 @@ def kv_views(kv: torch.Tensor, layout: str) -> Tuple[torch.Tensor, torch.Tensor]
     raise ConnectorConfigError(f"shmkv.kv_layout must be one of {LAYOUTS}, got {layout!r}")
 
 
-def block_plan(block_ids: List[int], table: List[int], start: int, end: int,
-               vllm_block_size: int, pool_block_size: int):
-    """Index tensors for copying tokens ``[start, end)`` of one request, in whole pool
-    blocks: ``(pool_blocks, vllm_blocks, sub_blocks)``, one entry per pool block, where a
-    pool block lies in vLLM block ``vllm_blocks[i]`` at sub-block ``sub_blocks[i]`` (a vLLM
-    block holds ``vllm_block_size // pool_block_size`` pool blocks). ``start`` and ``end``
-    are multiples of ``pool_block_size``."""
-    first, last = start // pool_block_size, end // pool_block_size
-    js = torch.arange(first, last, dtype=torch.int64)
-    pool = torch.as_tensor(table[first:last], dtype=torch.int64)
+def copy_runs(block_ids: List[int], table: List[int], start: int, end: int,
+              vllm_block_size: int, pool_block_size: int) -> List[Tuple[int, int, int, int]]:
+    """The copies that move tokens ``[start, end)`` of one request (multiples of
+    ``pool_block_size``) between vLLM's blocks ``block_ids`` and the pool blocks ``table``
+    (the handle's block table): ``(vllm_block, first_sub_block, first_pool_block, count)``
+    runs, each ``count`` pool blocks that lie one after another both in one vLLM block
+    and in the pool, so each run is one strided copy per layer for K and one for V (one
+    run per vLLM block when the pool handed out consecutive blocks, as it does to a fresh
+    sequence).
+
+    Raises:
+        IndexError: a range past the request's blocks or past the table.
+    """
     per = vllm_block_size // pool_block_size
-    vblocks = torch.as_tensor(block_ids, dtype=torch.int64)[js // per]
-    return pool, vblocks, js % per
+    first, last = start // pool_block_size, end // pool_block_size
+    if last > len(table) or (last - 1) // per >= len(block_ids):
+        raise IndexError(f"tokens [{start}, {end}) lie past the request's blocks")
+    runs: List[Tuple[int, int, int, int]] = []
+    for j in range(first, last):
+        vblock, sub, pool = block_ids[j // per], j % per, table[j]
+        if runs:
+            rv, rs, rp, rc = runs[-1]
+            if rv == vblock and rs + rc == sub and rp + rc == pool:
+                runs[-1] = (rv, rs, rp, rc + 1)
+                continue
+        runs.append((vblock, sub, pool, 1))
+    return runs
 
 
 def tp_shard_heads(num_kv_heads: int, tp_rank: int, tp_size: int) -> range:
@@ -531,13 +545,12 @@ class ShmkvConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         """Open this step's hand-offs and copy every hit block of the step into vLLM's
-        blocks (all layers; one gather and one scatter per layer for K and for V)."""
+        blocks, all layers, before the forward (see :func:`copy_runs`)."""
         meta = self._connector_metadata
         if not isinstance(meta, ShmkvConnectorMetadata):
             return
         for req_id in meta.closed:
             self._close(req_id)
-        pool_ids, vblocks, subs, loads = [], [], [], []
         for item in meta.requests:
             handle = self._open(item)
             if item.load == (0, 0):
@@ -546,40 +559,35 @@ class ShmkvConnector(KVConnectorBase_V1):
                 self._fail_load(item)
                 continue
             try:
-                table = handle.block_table.physical_blocks
-                bs_pool = handle.block_table.block_size
-                p, vb, sb = block_plan(item.block_ids, list(table), item.load[0], item.load[1],
-                                       self._block_size, bs_pool)
-            except (ShmkvError, OSError, IndexError, RuntimeError) as exc:
+                self._copy(handle, item.block_ids, item.load, load=True)
+            except Exception as exc:  # noqa: BLE001 - a failed load is recomputed, never fatal
                 log.warning("shmkv: load of %s failed (%s); vLLM recomputes", item.req_id, exc)
                 self._fail_load(item)
                 continue
-            pool_ids.append(p)
-            vblocks.append(vb)
-            subs.append(sb)
-            loads.append(item)
-        if not loads:
-            return
-        try:
-            self._copy_in(torch.cat(pool_ids), torch.cat(vblocks), torch.cat(subs))
-        except Exception as exc:  # noqa: BLE001 - a failed load is recomputed, never fatal
-            log.warning("shmkv: load failed (%s); vLLM recomputes", exc)
-            for item in loads:
-                self._fail_load(item)
-            return
-        for item in loads:
             self._stats.data["num_loaded_tokens"] += item.load[1] - item.load[0]
 
-    def _copy_in(self, pool_ids, vblocks, subs) -> None:
+    def _copy(self, handle, block_ids: List[int], span: Tuple[int, int], load: bool) -> None:
+        """Copy tokens ``span`` between the pool blocks of ``handle`` and vLLM's blocks
+        ``block_ids``, every layer, K and V: one strided copy per run and layer, into the
+        destination's own memory (no staging tensor, whose fresh pages cost more than the
+        copy on the CPU)."""
+        table = handle.block_table
+        bs = table.block_size
+        runs = copy_runs(block_ids, list(table.physical_blocks), span[0], span[1],
+                         self._block_size, bs)
         pool = self._client.pool
-        dev = self._k[0].device
-        vb, sb = vblocks.to(dev), subs.to(dev)
-        per = self._block_size // self._client.config.block_size
-        for layer, (k, v) in enumerate(zip(self._k, self._v)):
-            for which, dst in ((0, k), (1, v)):
-                src = pool[:, layer, which].index_select(0, pool_ids.to(pool.device))
-                # [n, block, heads, dim] -> [n, heads, block, dim], vLLM's order
-                dst.unflatten(2, (per, -1))[vb, :, sb] = src.permute(0, 2, 1, 3).to(dev)
+        for layer, kv in enumerate(zip(self._k, self._v)):
+            for which in (0, 1):
+                pages, paged = pool[:, layer, which], kv[which]
+                for vblock, sub, first, count in runs:
+                    # vLLM [heads, tokens, dim] -> [count, block, heads, dim], the pool's order
+                    theirs = paged[vblock, :, sub * bs:(sub + count) * bs] \
+                        .unflatten(1, (count, bs)).permute(1, 2, 0, 3)
+                    ours = pages[first:first + count]
+                    if load:
+                        theirs.copy_(ours)
+                    else:
+                        ours.copy_(theirs)
 
     def _open(self, item: ShmkvReqMeta):
         handle = self._handles.get(item.req_id)
@@ -627,22 +635,14 @@ class ShmkvConnector(KVConnectorBase_V1):
                 self._close(item.req_id)
 
     def _save(self, item: ShmkvReqMeta, handle) -> None:
+        # The saved range starts past the handle's cached prefix, at a block boundary: its
+        # blocks are this sequence's own, uncommitted, shared with no one, so they are
+        # written in place through the pool's views (no copy-on-write can be due).
         start, end = item.save
         try:
-            bs_pool = handle.block_table.block_size
-            _, vb, sb = block_plan(item.block_ids, list(handle.block_table.physical_blocks),
-                                   start, end, self._block_size, bs_pool)
-            dev = self._k[0].device
-            vb, sb = vb.to(dev), sb.to(dev)
-            per = self._block_size // bs_pool
-            pool_dev = self._client.pool.device
-            for layer, (k, v) in enumerate(zip(self._k, self._v)):
-                # [n, heads, block, dim] -> [n * block, heads, dim], token order
-                ks = k.unflatten(2, (per, -1))[vb, :, sb].permute(0, 2, 1, 3)
-                vs = v.unflatten(2, (per, -1))[vb, :, sb].permute(0, 2, 1, 3)
-                handle.write(layer, ks.reshape(-1, *ks.shape[2:]).to(pool_dev).contiguous(),
-                             vs.reshape(-1, *vs.shape[2:]).to(pool_dev).contiguous(),
-                             start=start)
+            if start < handle.num_cached_tokens or start % handle.block_table.block_size:
+                raise ShmkvError(f"save of [{start}, {end}) would write the cached prefix")
+            self._copy(handle, item.block_ids, item.save, load=False)
             handle.commit(end)
         except Exception as exc:  # noqa: BLE001 - a failed save is a later miss
             log.warning("shmkv: save of %s failed (%s); not cached", item.req_id, exc)
