@@ -1,5 +1,5 @@
 # Two entry points for a fresh machine; each installs what it needs into .venv.
-.PHONY: demo test docs bench bench-quick stress setup
+.PHONY: demo test docs bench bench-quick bench-vllm stress setup
 # The API reference and docs/ pages, nitpicky: a broken reference or link fails the build
 # (-E: every page read anew, so a reference broken by a change elsewhere is seen too).
 SPHINX = .venv/bin/python -m sphinx -E -W --keep-going -n -q -b html docs build/docs/html
