@@ -43,8 +43,8 @@ Wire format (little endian), each frame a u32 length then the body:
   host slot i32, cancel generation u32, key 16 bytes.
 * process to loop, once first: ``b"R"``, ready (it has mapped the pool and serves).
 * process to loop, a completion: ``b"D"``, job id u32, number of copies u32, one
-  status u8 per copy (``OK``, ``CANCELLED``, ``DAMAGED``, ``ENOSPC``, ``FAILED``), then for each copy not OK or CANCELLED a u16 length and its error text
-  (UTF-8).
+  status u8 per copy (``OK``, ``CANCELLED``, ``DAMAGED``, ``ENOSPC``, ``FAILED``), then
+  for each copy not OK or CANCELLED a u16 length and its error text (UTF-8).
 
 Cancellation without a lock: a copy out of the pool reads the block first and its
 cancel state after. The loop cancels before it can answer anyone who would write the
@@ -56,7 +56,7 @@ Memory ordering. That check is lock-free, and is sound only where the CPU keeps 
 thread's loads in order (x86 and x86-64, ``STRONG_ORDER``): elsewhere (aarch64, say)
 the read of the generation may be satisfied before the copy's reads of the block, so
 a copy could pass its check holding bytes a client wrote after the eviction; Python
-offers no fence to prevent it. So the check only ever saves work, and correctness
+offers no fence to prevent it. So off x86 the check only saves work, and correctness
 rests on a hand-off that orders memory on every CPU: the worker's completion travels
 to the loop over a socket (or, in threads, a lock), and the loop keeps a copy out of
 the pool only if the block still held its key when the completion was taken
@@ -65,7 +65,8 @@ while nobody could write the block. A copy into host memory (``p2h``, ``p2s``) t
 fails that check is dropped with its slot. A block file cannot be dropped that way
 once renamed into place, so off x86 (``STRONG_ORDER`` False) the loop never schedules
 ``p2d``: a block goes to disk through a staging slot of host memory (``p2s``, checked
-by the loop, then ``s2d``), the safe path. On x86 ``p2d`` is kept (one copy less).
+by the loop, then ``s2d``), the safe path. On x86 ``p2d`` is kept (one copy less):
+there a copy that passed its check read bytes the key still named.
 """
 
 from __future__ import annotations
