@@ -20,8 +20,9 @@ Where copies run (chosen by ``shmkv.tiers.TierSet``):
   lowest-priority workers took nothing from for ``URGENT_AFTER_S`` is served by
   workers at normal priority until they do again (:class:`Copier`). It maps the pool,
   the host tier, the staging slots and the cancel generations by descriptor (the
-  segments have no name), sends one ready frame once it has, writes and reads block files, and talks to the loop over a socket pair: jobs
-  in, one completion per job out, plus a byte on the loop's wake socket. Nothing else
+  segments have no name), sends one ready frame once it has, writes and reads block
+  files, and talks to the loop over a socket pair: jobs in, one completion per job
+  out, plus a byte on the loop's wake socket. Nothing else
   travels: no index, no tensor bytes.
 * A CUDA pool: in threads of the coordinator (:class:`Copier` there), because the
   pool is device memory of the coordinator's CUDA context; another process would
