@@ -296,6 +296,10 @@ class DiskTier:
     refused or ignored, never followed, read or truncated). Use a ``salt`` that others
     cannot guess to keep even its owner's other models' files apart.
 
+    Memory: besides its files, a disk tier keeps ``STAGING_BLOCKS`` blocks of host shared
+    memory (staging slots: blocks the pool evicted before their write was done, and off
+    x86 every block on its way to disk; see the module doc).
+
     Raises:
         InvalidArgument / WrongType: a zero or negative capacity, a path that is a file.
         ShmkvError: the directory cannot be created or written (a read-only
