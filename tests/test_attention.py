@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -428,8 +425,7 @@ def test_packed_bad_arguments():
 
 
 # The implementation this module replaced, kept once as the benchmark's baseline.
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
-from bench_attention import baseline_paged_attention as old_paged_attention  # noqa: E402
+from shmkv.bench.attention import baseline_paged_attention as old_paged_attention  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,4 +1,4 @@
-"""Time shmkv.attention.paged_attention against the first (reference) implementation.
+"""Suite ``attention``: shmkv.attention.paged_attention against the first (reference) implementation.
 
 One attention-layer call per case, on one CPU thread, with K/V pages laid out as in
 the pool (``[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]``, one layer's
@@ -7,12 +7,13 @@ the same batch, then an engine step's packed tokens (``query_start_loc``, no pad
 then the packed tokens with an ``AttentionWorkspace`` reused across calls. Each case
 first checks that all give the same result.
 
-    python scripts/bench_attention.py [--seconds 0.4]
+    shmkv bench --only attention [-- --seconds 0.4]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import statistics
 import time
 
@@ -125,11 +126,11 @@ def run_case(name, seq_lens, counts, dtype, seconds):
           + "".join(f"{times[0] / t:7.1f}x" for t in times[1:]))
 
 
-def main() -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=0.4,
                         help="time spent per measurement (default 0.4)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, 1 thread; {HEADS} query heads, {KV_HEADS} K/V heads, "
           f"head_dim {HEAD_DIM}, block {BLOCK}, pool of {NUM_LAYERS} layers; one layer call")
@@ -151,7 +152,14 @@ def main() -> None:
         run_case(name, seq_lens, counts, dtype, args.seconds)
     print("batch: the padded batch form; packed: query_start_loc, no padding; +ws: packed "
           "with a reused AttentionWorkspace. Speedup: baseline time / new time.")
+    return 0
+
+
+def cli_args(quick: bool, out_dir: str, name=None) -> list:
+    """The arguments ``shmkv bench --only attention`` runs :func:`main` with (it prints,
+    writes no results file)."""
+    return ["--seconds", "0.1"] if quick else []
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Decode attention of one layer: the native kernel against paged_attention's torch path.
+"""Suite ``native``: decode attention of one layer: the native kernel against paged_attention's torch path.
 
 One query token per sequence, float32 (or ``--dtype bfloat16`` / ``float16``), one torch thread, K/V pages laid out as in the
 pool (indexed ``[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]``, stored
@@ -16,15 +16,15 @@ them out. Per case, in interleaved rounds (median of the rounds):
 
 "hot": the same call back to back. "cold": before each call a read of 64 MiB evicts the
 CPU caches, as a model's weights do between two attention layers. Every case first
-checks the three results equal. Writes ``benchmarks/results/native.{json,md}``.
+checks the three results equal. Writes ``benchmarks/results/native.{json,md}``
+(``native-DTYPE`` for the other dtypes).
 
-    python scripts/bench_native.py [--rounds 7]
+    shmkv bench --only native [-- --rounds 7 --dtype bfloat16]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -34,12 +34,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from shmkv import native  # noqa: E402
-from shmkv.memory import pool_view  # noqa: E402
-from shmkv.attention import AttentionWorkspace, PagedAttentionPlan, paged_attention  # noqa: E402
+from .. import native
+from ..attention import AttentionWorkspace, PagedAttentionPlan, paged_attention
+from ..memory import pool_view
+from .core import result_base, write_results
 
 BLOCK = 16
 # (label, query heads, K/V heads, head_dim, layers in the pool)
@@ -98,8 +96,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     if args.out is None:
-        args.out = os.path.join(ROOT, "benchmarks", "results",
-                                "native" if args.dtype == "float32" else f"native-{args.dtype}")
+        args.out = result_base("native" if args.dtype == "float32" else f"native-{args.dtype}")
     torch.set_num_threads(1)
     if native.decoder() is None:
         print(f"the native kernel is not available: {native.status()}")
@@ -155,9 +152,6 @@ def main(argv=None) -> int:
     result = {"host": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
               "dtype": args.dtype,
               "rounds": args.rounds, "block_size": BLOCK, "rows": rows}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump(result, f, indent=1)
     lines = [f"Decode attention of one layer, {args.dtype}, one torch thread, {BLOCK}-token blocks, "
              f"us per call, median of {args.rounds} interleaved rounds ({result['host']}). "
              "\"speedup\": the torch path's time over the native kernel's. \"cold\": a 64 MiB "
@@ -165,8 +159,8 @@ def main(argv=None) -> int:
              "layers. \"block-major\": the kernel over the same pages stored as the pool was "
              "before layout version 2 (a layer's page of one block a whole block from the "
              "next); \"storage\": its time over the kernel's on the pool as stored now "
-             "(layer-major). Reproduce: `python scripts/bench_native.py"
-             + ("" if args.dtype == "float32" else f" --dtype {args.dtype}") + "`.", "",
+             "(layer-major). Reproduce: `shmkv bench --only native"
+             + ("" if args.dtype == "float32" else f" -- --dtype {args.dtype}") + "`.", "",
              "| heads (query:K/V x dim) | batch | keys | K/V MiB | hot: native | torch path | "
              "contiguous SDPA | speedup | block-major | storage | cold: native | torch path | "
              "contiguous SDPA | speedup | block-major | storage |",
@@ -179,10 +173,17 @@ def main(argv=None) -> int:
                      f"{r['hot_storage']:.2f}x | {c['native']:.0f} | {c['torch path']:.0f} | "
                      f"{c['contiguous SDPA']:.0f} | **{r['cold_speedup']:.2f}x** | "
                      f"{c['native, block-major']:.0f} | {r['cold_storage']:.2f}x |")
-    with open(args.out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_results(args.out, result, "\n".join(lines))
     print("\n".join(lines))
     return 0
+
+
+def cli_args(quick: bool, out_dir: str, name=None) -> list:
+    """The arguments ``shmkv bench --only native`` runs :func:`main` with (a quick run
+    writes ``native-quick``, not the committed ``native``)."""
+    name = name or ("native-quick" if quick else None)
+    args = ["--rounds", "3", "--shapes", "1"] if quick else []
+    return args + (["--out", result_base(name, out_dir)] if name else [])
 
 
 if __name__ == "__main__":

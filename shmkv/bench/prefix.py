@@ -1,4 +1,4 @@
-"""Prefix-cache benchmarks: lookup + allocation of a 4k-token prompt (coordinator-side
+"""Suite ``prefix``: prefix-cache benchmarks: lookup + allocation of a 4k-token prompt (coordinator-side
 time per block), hashing throughput, and fork cost against sequence length.
 
 Coordinator-side figures drive ``SequenceTable`` directly (what the coordinator runs
@@ -8,20 +8,19 @@ Fork is also timed end to end through a live coordinator. Writes
 """
 
 import json
-import os
 import statistics
 import sys
 import time
 import uuid
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import torch
 
-import torch  # noqa: E402
+import shmkv
 
-import shmkv  # noqa: E402
-from shmkv import hashing  # noqa: E402
-from shmkv.allocator import BlockPool  # noqa: E402
-from shmkv.sequences import SequenceTable  # noqa: E402
+from .. import hashing
+from ..allocator import BlockPool
+from ..sequences import SequenceTable
+from .core import result_base, write_results
 
 BS = 16
 
@@ -37,7 +36,11 @@ def median_time(fn, repeat=15, warmup=3):
     return statistics.median(times)
 
 
-def main():
+def main(argv=None) -> int:
+    import argparse
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=None, help="default benchmarks/results/prefix")
+    args = parser.parse_args(argv)
     out = {}
     prompt = [(i * 7919) % 32000 for i in range(4096)]
     blocks = len(prompt) // BS
@@ -100,11 +103,16 @@ def main():
     per_block = {t: fork_in_process[t] / (t // BS) for t in fork_in_process}
     out["fork_us_per_block_table_entry"] = per_block
     print(json.dumps(out, indent=2))
-    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "prefix.json")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(out, f, indent=2)
+    write_results(args.out or result_base("prefix"), out, None, indent=2)
+    return 0
+
+
+def cli_args(quick: bool, out_dir: str, name=None) -> list:
+    """The arguments ``shmkv bench --only prefix`` runs :func:`main` with (about 20 s
+    either way: a quick run only writes ``prefix-quick``)."""
+    name = name or ("prefix-quick" if quick else None)
+    return ["--out", result_base(name, out_dir)] if name else []
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

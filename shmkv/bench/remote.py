@@ -1,4 +1,4 @@
-"""Benchmarks beyond one node: pulls from Redis, moves over Gloo, a two-node chat trace.
+"""Suite ``remote``: benchmarks beyond one node: pulls from Redis, moves over Gloo, a two-node chat trace.
 
 1. Pull bandwidth: node A publishes a prompt's blocks to a real ``redis-server``;
    node B (a cold pool) allocates the same prompt, which pulls every block from the
@@ -14,7 +14,7 @@
    store (each node's own prefix cache in both runs). Between turns the write-behind
    queue drains (a user's think time).
 
-Run: ``.venv/bin/python scripts/bench_remote.py [--quick]``; writes
+Run: ``shmkv bench --only remote [--quick]``; writes
 ``benchmarks/results/remote.json`` and ``remote.md``. Needs ``redis-server`` on PATH
 (``./scripts/setup.sh test`` installs it).
 """
@@ -35,15 +35,14 @@ import sys
 import tempfile
 import time
 import uuid
+from typing import Optional
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import torch
 
-import torch  # noqa: E402
+import shmkv
 
-import shmkv  # noqa: E402
-from shmkv import hashing  # noqa: E402
-
-RESULTS = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results")
+from .. import hashing
+from .core import result_base, trace_path, write_results
 
 
 def free_port() -> int:
@@ -302,14 +301,10 @@ def _serve(client, prompt, reply, seed):
     return len(prompt), n
 
 
-TRACE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "traces",
-                     "chat.jsonl")
-
-
-def committed_trace(path: str = TRACE) -> list:
+def committed_trace(path: Optional[str] = None) -> list:
     """The tiers benchmark's committed chat trace (a shared system prompt, growing
     conversations) as ``(session, turn, prompt, reply)`` requests in arrival order."""
-    with open(path) as f:
+    with open(path or trace_path()) as f:
         lines = [json.loads(line) for line in f]
     header, requests = lines[0], lines[1:]
     history, turns, out = {}, {}, []
@@ -361,15 +356,15 @@ def bench_chat(server, cfg, num_sessions, num_turns, with_store: bool):
 # -- main ----------------------------------------------------------------------------------------
 
 
-def main() -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
-    parser.add_argument("--out", default=None, help="results name under benchmarks/results "
-                        "(default: remote, or remote-quick with --quick)")
+    parser.add_argument("--out", default=None, help="results path without extension "
+                        "(default: benchmarks/results/remote, or remote-quick with --quick)")
     parser.add_argument("--only", choices=["pull", "move", "chat"], default=None,
                         help="run one part and print it (no results written)")
-    args = parser.parse_args()
-    args.out = args.out or ("remote-quick" if args.quick else "remote")
+    args = parser.parse_args(argv)
+    args.out = args.out or result_base("remote-quick" if args.quick else "remote")
     repeat = 3 if args.quick else 15
     # A block of 1 MiB: 16 layers x (K, V) x 16 tokens x 8 kv heads x 128 x fp16.
     big = shmkv.PoolConfig(num_layers=16, num_kv_heads=8, head_dim=128, num_blocks=80,
@@ -413,12 +408,8 @@ def main() -> int:
     if args.only is not None:
         print(json.dumps(out, indent=1, sort_keys=True))
         return 0
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, f"{args.out}.json"), "w") as f:
-        json.dump(out, f, indent=1, sort_keys=True)
     md = render(out)
-    with open(os.path.join(RESULTS, f"{args.out}.md"), "w") as f:
-        f.write(md)
+    write_results(args.out, out, md, sort_keys=True)
     print(md)
     return 0
 
@@ -454,8 +445,14 @@ def render(out: dict) -> str:
     s = c["shared_store"]["store"]
     lines += ["", "Store counters (shared run): " + "; ".join(
         f"{n}: " + ", ".join(f"{k} {v}" for k, v in s[n].items()) for n in ("A", "B")), "",
-        "Reproduce: `.venv/bin/python scripts/bench_remote.py` (method in its docstring).", ""]
+        "Reproduce: `shmkv bench --only remote` (method in `shmkv/bench/remote.py`).", ""]
     return "\n".join(lines)
+
+
+def cli_args(quick: bool, out_dir: str, name=None) -> list:
+    """The arguments ``shmkv bench --only remote`` runs :func:`main` with."""
+    args = ["--quick"] if quick else []
+    return args + (["--out", result_base(name, out_dir)] if name else [])
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
-"""Benchmarks of the tiers under the pool (host memory, local disk).
+"""Suite ``tiers``: benchmarks of the tiers under the pool (host memory, local disk).
 
-    python scripts/bench_tiers.py [--quick] [--out benchmarks/results/tiers]
-    python scripts/bench_tiers.py --make-trace benchmarks/traces/chat.jsonl
+    shmkv bench --only tiers [--quick] [-- --only ping --spin-us 150]
+    shmkv bench --only tiers -- --make-trace benchmarks/traces/chat.jsonl
 
 Measures, each against its baseline:
 
@@ -46,11 +46,12 @@ import uuid
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import shmkv  # noqa: E402
-from shmkv import tier_io  # noqa: E402
-from shmkv import tiers as tiers_mod  # noqa: E402
-from shmkv.memory import block_bytes  # noqa: E402
+import shmkv
+
+from .. import tier_io
+from .. import tiers as tiers_mod
+from ..memory import block_bytes
+from .core import p99, result_base, trace_path, write_results
 
 SPAWN = multiprocessing.get_context("spawn")
 # An 8B-class model's block (32 layers, 8 KV heads of 128, fp16, 16 tokens): 2 MiB.
@@ -310,11 +311,6 @@ def _copier(block_nbytes, go, stop, queue, rate):
     queue.put(("ready", None))
     busy = _paced(go, stop, rate, step)
     queue.put(("moved", (moved[0], busy, 0)))
-
-
-def p99(values) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(0.99 * len(values)))]
 
 
 def ping_run(address, prompts, block_size, cycles, phase_s=0.5, rate=None,
@@ -659,7 +655,7 @@ def markdown(res: dict) -> str:
              f"Machine: {os.cpu_count()} cores, shared with other work (1-minute load average "
              f"after each part: " + ", ".join(f"{k} {v:.1f}" for k, v in
                                               res.get("load_average", {}).items()) + ").",
-             "Reproduce: `python scripts/bench_tiers.py` (every part), or with `--only "
+             "Reproduce: `shmkv bench --only tiers` (every part), or with `-- --only "
              "PART ...` (the parts given; the others stay as they were). This file: "
              + _commands(res.get("commands", {})) + ".",
              f"Tier copies run in: {res.get('tier_copies', 'threads of the coordinator')}.",
@@ -748,8 +744,10 @@ def markdown(res: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes")
-    parser.add_argument("--out", default="benchmarks/results/tiers")
-    parser.add_argument("--trace", default="benchmarks/traces/chat.jsonl")
+    parser.add_argument("--out", default=None, help="results path without extension "
+                        "(default: benchmarks/results/tiers)")
+    parser.add_argument("--trace", default=None,
+                        help="the chat trace (default: benchmarks/traces/chat.jsonl)")
     parser.add_argument("--make-trace", metavar="PATH", help="write the chat trace and exit")
     parser.add_argument("--only", nargs="*", default=None,
                         choices=["disk", "host", "ping", "cold", "chat", "restart"])
@@ -759,6 +757,8 @@ def main(argv=None) -> int:
     parser.add_argument("--decode-us", type=float, default=500.0,
                         help="pretend decode time per reply token in the chat replay")
     args = parser.parse_args(argv)
+    args.out = args.out or result_base("tiers")
+    args.trace = args.trace or trace_path()
     if args.make_trace:
         make_trace(args.make_trace)
         return 0
@@ -775,7 +775,7 @@ def main(argv=None) -> int:
     if args.only and os.path.exists(args.out + ".json"):   # update the parts run again
         with open(args.out + ".json") as f:
             res = json.load(f)
-    command = "python scripts/bench_tiers.py " + " ".join(argv or sys.argv[1:])
+    command = "shmkv bench --only tiers -- " + " ".join(argv or sys.argv[1:])
     res.pop("command", None)   # (one command for the whole file, before parts had theirs)
     res["tier_copies"] = ((f"tier I/O process, workers at {tier_io.IO_PROCESS_POLICY} "
                            f"priority (normal-priority ones after "
@@ -799,13 +799,16 @@ def main(argv=None) -> int:
                                  default=str)[:1500], flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump(res, f, indent=1, sort_keys=True, default=str)
-    with open(args.out + ".md", "w") as f:
-        f.write(markdown(res) + "\n")
+    write_results(args.out, res, markdown(res), sort_keys=True)
     print(markdown(res))
     return 0
+
+
+def cli_args(quick: bool, out_dir: str, name=None) -> list:
+    """The arguments ``shmkv bench --only tiers`` runs :func:`main` with (a quick run
+    writes ``tiers-quick``, not the committed ``tiers``)."""
+    name = name or ("tiers-quick" if quick else None)
+    return (["--quick"] if quick else []) + (["--out", result_base(name, out_dir)] if name else [])
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Decode tokens/s of transformers' generate with ShmkvCache against DynamicCache.
+"""Suite ``transformers``: decode tokens/s of transformers' generate with ShmkvCache against DynamicCache.
 
 A small Mistral-shaped model with random weights (8 layers, hidden 256, 8 query heads
 over 2 K/V heads, head_dim 32, no sliding window), float32, one torch thread, greedy.
@@ -27,13 +27,12 @@ Every run's tokens are checked equal to DynamicCache's. Writes
 ``benchmarks/results/NAME.json`` and ``.md`` and ``benchmarks/plots/NAME-context.png``
 (NAME defaults to ``transformers``).
 
-    python scripts/bench_transformers.py [--quick] [--steps 128] [--repeats 5]
+    shmkv bench --only transformers [--quick] [-- --steps 128 --repeats 5 --model mid]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -42,12 +41,11 @@ import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import shmkv
 
-import shmkv  # noqa: E402
-from shmkv import native  # noqa: E402
-from shmkv.integrations.transformers import ShmkvCache, cache_argument, pool_config  # noqa: E402
+from .. import native
+from ..integrations.transformers import ShmkvCache, cache_argument, pool_config
+from .core import plot_path, pyplot, result_base, write_results
 
 MODEL = dict(vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=8,
              num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192,
@@ -193,9 +191,7 @@ def _native_words(status) -> str:
 
 def plot(results: dict, path: str) -> bool:
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
     except ImportError:
         return False
     batches = sorted({r["batch"] for r in results["sweep"]})
@@ -223,6 +219,7 @@ def plot(results: dict, path: str) -> bool:
         ax.legend(fontsize=8)
     fig.suptitle("transformers generate, Mistral-shaped 8x256 model, float32, 1 thread")
     fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
@@ -236,7 +233,8 @@ def main(argv=None) -> int:
                              "where this host's noise moves one round's ratio by 10 %%)")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs (default 5, quick 3)")
     parser.add_argument("--name", default="transformers")
-    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks"))
+    parser.add_argument("--out", default=None,
+                        help="directory holding results/ and plots/ (default: benchmarks)")
     parser.add_argument("--no-sweep", action="store_true", help="the two targets only")
     parser.add_argument("--model", choices=sorted(DESCRIBE), default="small",
                         help="small: the targets' shape; mid: larger heads (see MID)")
@@ -245,6 +243,8 @@ def main(argv=None) -> int:
                         help="every run from a cache prefilled anew (decode steps then reserve "
                              "their slots in a round trip each) instead of one cropped back")
     args = parser.parse_args(argv)
+    from . import core
+    args.out = args.out or core.OUT_DIR
     repeats = args.repeats or (3 if args.quick else 5)
     torch.set_num_threads(1)
     if args.model == "mid":
@@ -284,18 +284,19 @@ def main(argv=None) -> int:
                       f"{r['dynamic_tok_s']:.0f} shmkv {r['shmkv_tok_s']:.0f} "
                       f"({r['ratio']:.2f}x) dense {r['shmkv-dense_tok_s']:.0f}", flush=True)
     results["native"] = native.status()
-    os.makedirs(os.path.join(args.out, "results"), exist_ok=True)
-    os.makedirs(os.path.join(args.out, "plots"), exist_ok=True)
-    with open(os.path.join(args.out, "results", f"{args.name}.json"), "w") as f:
-        json.dump(results, f, indent=1)
     table = markdown(results)
-    with open(os.path.join(args.out, "results", f"{args.name}.md"), "w") as f:
-        f.write(table)
+    write_results(result_base(args.name, args.out), results, table)
     print(table)
-    if results["sweep"] and not plot(results, os.path.join(args.out, "plots",
-                                                           f"{args.name}-context.png")):
+    if results["sweep"] and not plot(results, plot_path(f"{args.name}-context", args.out)):
         print("matplotlib missing: no plot")
     return 0
+
+
+def cli_args(quick: bool, out_dir: str, name=None) -> list:
+    """The arguments ``shmkv bench --only transformers`` runs :func:`main` with (a quick
+    run writes ``transformers-quick``, not the committed ``transformers``)."""
+    name = name or ("transformers-quick" if quick else None)
+    return (["--quick"] if quick else []) + (["--name", name] if name else [])
 
 
 if __name__ == "__main__":
