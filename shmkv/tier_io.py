@@ -388,7 +388,7 @@ IOV_MAX = _iov_max()
 # thread inside a system call only where the kernel's code offers to, whatever the
 # thread's priority, and one copy of a large page-cache folio offers nowhere: a 2 MiB
 # read of a block file held a CPU for 150-200 us, and a loop or client woken meanwhile
-# waited for it (``benchmarks/results/tiers-io-chunk``). Between two calls the thread is
+# waited for it (``benchmarks/notes.md``, block file I/O). Between two calls the thread is
 # back in user space, where a woken task takes the CPU at once. 256 KiB is about 25 us
 # of kernel copying; each piece read is hashed while it is in the cache, which more than
 # pays for the extra calls.
