@@ -272,9 +272,7 @@ def run(opts: Options) -> dict:
     series: dict = {}
     cache: dict = {}
     timings = {}
-    from ..tools.progress import (
-        ProgressBar,  # a live bar on a terminal, nothing otherwise
-    )
+    from ..tools.progress import ProgressBar  # a live bar on a terminal, nothing otherwise
     bar = ProgressBar("bench", total=sum(s in opts.sections for s in SECTIONS), unit="sections")
     try:
         for section in SECTIONS:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import multiprocessing
 import os
 import random
 import shutil
@@ -51,9 +50,8 @@ import shmkv
 from .. import tier_io
 from .. import tiers as tiers_mod
 from ..memory import block_bytes
-from .core import p99, result_base, trace_path, write_results
+from .core import SPAWN, p99, result_base, trace_path, write_results
 
-SPAWN = multiprocessing.get_context("spawn")
 # An 8B-class model's block (32 layers, 8 KV heads of 128, fp16, 16 tokens): 2 MiB.
 BIG = dict(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="float16")
 SMALL = dict(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype="float16")
