@@ -385,9 +385,9 @@ def write_results(base: str, record: dict, markdown: Optional[str], *, indent: i
 
 def markdown_table(rows: Sequence[Sequence[object]]) -> str:
     """Rows (the first one the header) as a Markdown table; ``|`` in a cell is escaped."""
-    rows = [[str(c).replace("|", "\\|") for c in r] for r in rows]
-    out = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
-    out += ["| " + " | ".join(r) + " |" for r in rows[1:]]
+    cells = [[str(c).replace("|", "\\|") for c in r] for r in rows]
+    out = ["| " + " | ".join(cells[0]) + " |", "|" + "---|" * len(cells[0])]
+    out += ["| " + " | ".join(r) + " |" for r in cells[1:]]
     return "\n".join(out)
 
 
