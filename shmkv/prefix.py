@@ -1,0 +1,360 @@
+"""Allocation and the prefix index: where an allocation and a commit are decided.
+
+Owns an allocation's plan (:class:`AllocationPlan`: the prompt's keys, its hits in the
+pool, what a lower tier promotes, the blocks it needs), checked in full before
+anything changes, then applied; plain allocations by count; promotions from the tiers
+(:class:`PendingPromotion`) and their completion; prefix keys as sequences grow; and
+commits, which publish full blocks once every tensor-parallel rank has written them.
+The rule that bytes are stored under a key only while the block holds it is the
+allocator's (``shmkv.allocator``); a promotion checks it before it publishes.
+"""
+
+from __future__ import annotations
+
+from typing import List, NamedTuple, Optional, Sequence as Seq
+
+import numpy as np
+
+from . import hashing
+from .errors import (InvalidArgument, OutOfRange, PoolExhausted,
+                     WrongType)
+from .handoffs import Handoffs
+from .rows import MAX_REQUEST_ID, MAX_SALT_BYTES, Sequence, _check_count, format_cache_id
+from .tables import (NUM_TOKENS)
+
+
+
+class AllocationPlan(NamedTuple):
+    """What one allocation request needs, decided before anything changes."""
+    num_tokens: int                #: the sequence's length
+    keys: Optional[List[bytes]]    #: prefix keys of the prompt's full blocks (None: no prompt)
+    tail: List[int]                #: the prompt's token ids after its last full block
+    root: Optional[bytes]          #: the root key of its chain (salt, model)
+    hits: List[int]                #: pool blocks of its longest published prefix
+    need: int                      #: new blocks it takes (promoted ones included)
+    request_id: Optional[str]      #: its request id, if the client named one
+    promote: int                   #: blocks a lower tier copies in after the pool hits
+    later: List[int]               #: pool blocks that hit again after the promoted ones
+
+
+class PendingPromotion:
+    """Blocks of a new sequence whose bytes a lower tier is copying in (``shmkv.tiers``).
+
+    ``blocks[i]`` gets the bytes of ``keys[i]``; they are blocks ``first ..`` of ``seq``,
+    held by one extra reference each until :meth:`SequenceTable.finish_promotion`.
+    ``info`` is the answer to the request, completed then.
+    """
+
+    __slots__ = ("seq", "info", "first", "keys", "blocks", "gens")
+
+    def __init__(self, seq: Sequence, info: dict, first: int, keys: list, blocks: list,
+                 gens: Optional[list] = None):
+        self.seq, self.info, self.first, self.keys, self.blocks = seq, info, first, keys, blocks
+        # each block's key generation when the copy in began (``BlockPool.identity``)
+        self.gens = gens
+
+
+class Prefix(Handoffs):
+    """Allocations, prefix keys, promotions and commits (see the module doc)."""
+    def _prompt_keys(self, sent: Optional[bytes], packed: bytes, root: bytes) -> List[bytes]:
+        """The prefix keys of a prompt's full blocks: the ones its client hashed and sent
+        (``hashing.packed_block_keys`` of the packed prompt from ``root``), else hashed
+        here. Sent keys are taken as they are: a client that maps the pool can write any
+        block's bytes anyway, so hashing its prompt again here would protect nothing,
+        while it would cost the loop most of an allocation's time."""
+        if sent is None:
+            return hashing.packed_block_keys(packed, self.block_size, root)
+        size = hashing.KEY_SIZE
+        full = len(packed) // (8 * self.block_size)
+        if not isinstance(sent, bytes) or len(sent) != full * size:
+            raise InvalidArgument(f"keys must be the {full} full blocks' {size}-byte prefix "
+                                  f"keys of the prompt, {full * size} bytes; got "
+                                  f"{len(sent) if isinstance(sent, bytes) else type(sent).__name__}")
+        return hashing.split_keys(sent)
+
+    def _plan_allocate(self, req: dict) -> AllocationPlan:
+        num_tokens = _check_count("num_tokens", req.get("num_tokens", 0))
+        prompt = req.get("prompt")
+        salt = req.get("cache_salt")
+        request_id = req.get("request_id")
+        if salt is not None and (not isinstance(salt, bytes) or len(salt) > MAX_SALT_BYTES):
+            raise InvalidArgument(f"cache_salt must be bytes of at most {MAX_SALT_BYTES}")
+        if request_id is not None and (not isinstance(request_id, str)
+                                       or len(request_id) > MAX_REQUEST_ID):
+            raise InvalidArgument(f"request_id must be a str of at most {MAX_REQUEST_ID} chars")
+        keys, tail, root = None, [], None
+        if prompt is not None:
+            # Clients send the prompt packed (int64 LE bytes): no per-token decode or check.
+            if isinstance(prompt, bytes):
+                if len(prompt) % 8:
+                    raise WrongType("a packed prompt must be whole int64 token ids")
+                packed = prompt
+            elif isinstance(prompt, list):
+                try:
+                    packed = hashing.pack_tokens(prompt)
+                except (OverflowError, TypeError):
+                    raise InvalidArgument("prompt token ids must be ints in the int64 "
+                                          "range") from None
+            else:
+                raise WrongType("prompt must be a list of token ids")
+            length = len(packed) // 8
+            if num_tokens not in (0, length):
+                raise InvalidArgument(f"num_tokens={num_tokens} disagrees with a prompt of "
+                                      f"{length} tokens; pass one or make them equal")
+            num_tokens = length
+            root = req.get("root")   # a moved sequence's (shmkv.distributed): its salt's root
+            if root is None:
+                root = hashing.root_key(salt)
+            elif salt is not None or not isinstance(root, bytes) or \
+                    len(root) != hashing.KEY_SIZE:
+                raise InvalidArgument(f"root must be a {hashing.KEY_SIZE}-byte root key, "
+                                      "given without cache_salt")
+            keys = self._prompt_keys(req.get("keys"), packed, root)
+            tail = hashing.unpack_tokens(packed, len(keys) * self.block_size)
+        elif salt is not None:
+            raise InvalidArgument("cache_salt needs a prompt")
+        elif req.get("keys") is not None or req.get("root") is not None:
+            raise InvalidArgument("keys and root come with the prompt they were hashed from")
+        self._check_length(num_tokens, "allocate")
+        hits = self.pool.lookup(keys) if keys else []
+        need = self._blocks_for(num_tokens) - len(hits)
+        if need > self.pool.num_blocks:
+            raise PoolExhausted(f"pool exhausted: need {need} blocks for {num_tokens} tokens, "
+                                f"the whole pool has {self.pool.num_blocks}; raise num_blocks")
+        # Tier hits take fresh pool blocks, which ``need`` already counts. The pool may hold
+        # blocks past them (their holder copied an earlier one on write, and the published
+        # original went down a tier): those are hits too.
+        promote = self.tiers.lookup(keys[len(hits):]) if keys and self.tiers is not None else 0
+        later = self.pool.lookup(keys[len(hits) + promote:]) if promote else []
+        need -= len(later)
+        return AllocationPlan(num_tokens, keys, tail, root, hits, need, request_id, promote,
+                              later)
+
+    def allocate_many(self, conn_id: int, requests: Seq[dict]) -> List[dict]:
+        """Allocate one sequence per request, all or none.
+
+        A request is ``{"num_tokens": n, "prompt": [ids] | None, "cache_salt": bytes,
+        "request_id": str, "keys": bytes}``. With a prompt, the longest published prefix
+        of full blocks is reused and ``num_cached`` says how many tokens are already
+        present. ``keys``: the prompt's full blocks' prefix keys, as its client hashed
+        them (see :meth:`_prompt_keys`); hashed here when absent. ``root`` (instead of
+        ``cache_salt``): the root key the keys chain from, as :meth:`info` gives it (a
+        sequence moved from another node keeps its salt's keys).
+        """
+        plans = [self._plan_allocate(req) for req in requests]
+        self.tables.check_slots(len(plans))
+        need = sum(plan.need for plan in plans)
+        cached_hits = {b for plan in plans for b in plan.hits + plan.later
+                       if self.pool.ref_cnt[b] == 0}
+        available = self.pool.num_available - len(cached_hits)
+        if need > available:
+            raise PoolExhausted(
+                f"pool exhausted: need {need} blocks, {available} free or evictable "
+                f"(num_blocks={self.pool.num_blocks}); free handles or raise num_blocks")
+        for plan in plans:  # take every hit before any allocation can evict it
+            self.pool.incref(plan.hits)
+            self.pool.incref(plan.later)
+        results = []
+        for num_tokens, keys, tail, root, hits, need_blocks, request_id, promote, later in plans:
+            seq = self._new_sequence(root, request_id)
+            new = self.pool.allocate(need_blocks, seq.cache_id)
+            assert new is not None
+            seq.block_ids = hits + new[:promote] + later + new[promote:]
+            seq.num_tokens = num_tokens
+            # promoted blocks count once their bytes are in
+            num_hit = len(hits) + promote + len(later)
+            seq.num_cached = num_hit * self.block_size
+            seq.num_committed = num_hit
+            seq.rank_tokens = [seq.num_cached] * self.tp_size
+            self._publish(seq)
+            if keys is not None:
+                seq.keys = keys
+                seq.tail_tokens = list(tail)
+                counters = self.counters
+                counters["prefix_hit_blocks"] += num_hit
+                counters["prefix_miss_blocks"] += len(keys) - num_hit
+                counters["prefix_hit_tokens"] += seq.num_cached
+                counters["prefix_miss_tokens"] += num_tokens - seq.num_cached
+            self._ref(conn_id, seq)
+            info = self._info(seq)
+            results.append(info)
+            if promote:
+                self.pool.incref(new[:promote])  # the promotion's own hold
+                self.promotions.append(PendingPromotion(
+                    seq, info, len(hits), keys[len(hits):len(hits) + promote], new[:promote],
+                    [self.pool.key_gen[b] for b in new[:promote]]))
+        return results
+
+    def take_promotions(self) -> List[PendingPromotion]:
+        """The promotions the last allocate started (the coordinator copies them in)."""
+        promotions, self.promotions = self.promotions, []
+        return promotions
+
+    def finish_promotion(self, record: PendingPromotion, num_ok: int) -> int:
+        """The bytes of the first ``num_ok`` promoted blocks are in: publish them under
+        their keys. A block after them did not arrive (a damaged file), so the hit ends
+        there, pool hits past the promoted blocks included: the answer's ``num_cached``
+        shrinks and the caller writes the rest (copying those shared blocks on write).
+        Drops the promotion's hold (the sequence may be gone by now: its connection
+        closed). Returns how many blocks were published (fewer than ``num_ok`` when a
+        block changed under its copy: ``BlockPool.still_holds``)."""
+        pool, seq = self.pool, record.seq
+        if record.gens is not None:   # a block that changed under the copy ends the hit
+            for i in range(num_ok):
+                if not pool.still_holds(record.blocks[i], None, record.gens[i]):
+                    pool.discard_copies(num_ok - i)
+                    num_ok = i
+                    break
+        for block_id, key in zip(record.blocks[:num_ok], record.keys):
+            pool.publish(block_id, key)  # False: the key was published meanwhile; fine
+        # The hit ends at this record's first missing block, unless an earlier part of
+        # the same request ended it before (a local part ends, its store part comes
+        # back with nothing): never later than it already ends, so never negative.
+        if num_ok < len(record.blocks):
+            lost = seq.num_committed - min(seq.num_committed, record.first + num_ok)
+        else:
+            lost = 0
+        if lost:
+            seq.num_committed -= lost
+            seq.num_cached -= lost * self.block_size
+            seq.rank_tokens = [seq.num_cached] * self.tp_size
+            record.info["num_cached"] = seq.num_cached
+            counters = self.counters
+            counters["prefix_hit_blocks"] -= lost
+            counters["prefix_miss_blocks"] += lost
+            counters["prefix_hit_tokens"] -= lost * self.block_size
+            counters["prefix_miss_tokens"] += lost * self.block_size
+        pool.decref(reversed(record.blocks))
+        return num_ok
+
+    def allocate_counts(self, conn_id: int, counts: Seq[int]) -> tuple:
+        """Allocate one plain sequence (no prompt) per count, all or none: the fast form
+        of :meth:`allocate_many` for a scheduler admitting many requests at once, with a
+        fixed number of array operations (the sequences get no objects, see the module
+        doc). Returns ``(cache_ids, slots)`` as int64 arrays."""
+        tokens = np.asarray(counts, dtype=np.int64).reshape(-1)
+        num = tokens.shape[0]
+        self._check_counts("num_tokens", tokens)   # (before any arithmetic on them)
+        hi = int(tokens.max()) if num else 0
+        lo = int(tokens.min()) if num else 0
+        bs, pool, tables = self.block_size, self.pool, self.tables
+        blocks = (tokens + bs - 1) // bs
+        longest = (hi + bs - 1) // bs
+        tables.check_slots(num)
+        uniform = lo == hi      # (a scheduler admitting requests of one size)
+        need = num * longest if uniform else int(blocks.sum())
+        if need > pool.num_available:
+            raise PoolExhausted(
+                f"pool exhausted: need {need} blocks, {pool.num_available} free or evictable "
+                f"(num_blocks={pool.num_blocks}); free handles or raise num_blocks")
+        slot_ids = np.array(tables.take(num), dtype=np.int64)
+        serial = self._next_serial
+        self._next_serial += num
+        cache_ids = (np.arange(serial, serial + num, dtype=np.int64) << self.slot_bits) | slot_ids
+        owners = cache_ids if uniform and longest == 1 else np.repeat(cache_ids, blocks)
+        taken = np.array(pool.allocate(need, owners), dtype=np.int64)
+        tables.assign_many(slot_ids, cache_ids, taken, blocks, tokens)
+        self._light_np[slot_ids] = True
+        self._light_conn[slot_ids] = conn_id
+        self._num_light += num
+        self._held_np[conn_id][slot_ids] = True
+        return cache_ids, slot_ids
+
+    def allocate(self, conn_id: int, num_tokens: int = 0, prompt=None, cache_salt=None,
+                 request_id=None, keys=None, root=None) -> dict:
+        """Allocate one sequence (see :meth:`allocate_many`)."""
+        return self.allocate_many(conn_id, [{"num_tokens": num_tokens, "prompt": prompt,
+                                             "cache_salt": cache_salt,
+                                             "request_id": request_id, "keys": keys,
+                                             "root": root}])[0]
+
+    def _extend_keys(self, seq: Sequence, num: int, tokens) -> None:
+        if not seq.keys_open or not num:
+            return
+        if tokens is None:
+            # Token ids of this stretch are unknown: blocks from here on get no key,
+            # the keys already computed stay publishable.
+            seq.keys_open, seq.tail_tokens = False, []
+            self._keys_open_np[seq.slot] = False
+            return
+        tail = seq.tail_tokens + tokens
+        parent = seq.keys[-1] if seq.keys else seq.root
+        new_keys = hashing.block_keys(tail, self.block_size, parent)
+        seq.keys += new_keys
+        seq.tail_tokens = tail[len(new_keys) * self.block_size:]
+
+    def commit(self, conn_id: int, cache_id: int, num_tokens: int,
+               tp_rank: Optional[int] = None) -> int:
+        """Declare the first ``num_tokens`` slots fully written (by ``tp_rank``, or all ranks).
+
+        Full blocks with known token ids become prefix-cache hits once every rank has
+        committed them. Returns how many leading blocks are published now.
+        """
+        seq = self._held(conn_id, cache_id)
+        _check_count("num_tokens", num_tokens)
+        if num_tokens > seq.num_tokens:
+            raise OutOfRange(f"commit of {num_tokens} tokens, only {seq.num_tokens} reserved")
+        return self._commit(seq, num_tokens, tp_rank)
+
+    def _commit(self, seq: Sequence, num_tokens: int, tp_rank: Optional[int]) -> int:
+        if tp_rank is None:
+            ranks = range(self.tp_size)
+        else:
+            if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not (
+                    0 <= tp_rank < self.tp_size):
+                raise InvalidArgument(f"tp_rank must be in [0, {self.tp_size}), got {tp_rank}")
+            ranks = (tp_rank,)
+        for rank in ranks:
+            seq.rank_tokens[rank] = max(seq.rank_tokens[rank], num_tokens)
+        if not seq.keys:
+            return seq.num_committed
+        ready = min(min(seq.rank_tokens) // self.block_size, len(seq.keys))
+        for index in range(seq.num_committed, ready):
+            if self.pool.publish(seq.block_ids[index], seq.keys[index]):
+                self.counters["published_blocks"] += 1
+                if self.newly_published is not None:
+                    block_id = seq.block_ids[index]   # with the binding's identity
+                    self.newly_published.append((block_id, seq.keys, index,
+                                                 self.pool.key_gen[block_id]))
+        seq.num_committed = max(seq.num_committed, ready)
+        return seq.num_committed
+
+    def commit_batch(self, conn_id: int, cache_ids: Seq[int], num_tokens: Seq[int],
+                     tp_rank: Optional[int] = None, rank_connection: bool = False) -> int:
+        """:meth:`commit` for every sequence of a batch, all or none checked first.
+
+        ``rank_connection``: the connection is a tensor-parallel rank that may commit
+        its shard of sequences it does not hold (a step it rebuilt from a descriptor).
+        Returns the number of blocks published by this call.
+        """
+        slot_ids = self._light_slots(conn_id, cache_ids, any_holder=rank_connection)
+        if slot_ids is not None:
+            # plain sequences without objects: no prefix keys, so nothing to publish;
+            # the checks only
+            if tp_rank is not None and not 0 <= tp_rank < self.tp_size:
+                raise InvalidArgument(f"tp_rank must be in [0, {self.tp_size}), got {tp_rank}")
+            if len(num_tokens) != len(cache_ids):
+                raise InvalidArgument(f"num_tokens needs one entry per sequence "
+                                      f"({len(cache_ids)})")
+            wanted = np.asarray(num_tokens, dtype=np.int64)
+            have = self._seq_np[slot_ids, NUM_TOKENS]
+            bad = (wanted < 0) | (wanted > have)
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise OutOfRange(f"commit of {int(wanted[i])} tokens, "
+                                 f"{format_cache_id(int(cache_ids[i]))} has {int(have[i])} "
+                                 "reserved")
+            return 0
+        seqs = self._batch_sequences(conn_id, cache_ids, any_live=rank_connection)
+        if tp_rank is not None and not 0 <= tp_rank < self.tp_size:
+            raise InvalidArgument(f"tp_rank must be in [0, {self.tp_size}), got {tp_rank}")
+        if len(num_tokens) != len(seqs):
+            raise InvalidArgument(f"num_tokens needs one entry per sequence ({len(seqs)})")
+        for seq, num in zip(seqs, num_tokens):
+            if num < 0 or num > seq.num_tokens:
+                raise OutOfRange(f"commit of {num} tokens, {format_cache_id(seq.cache_id)} "
+                                 f"has {seq.num_tokens} reserved")
+        before = self.counters["published_blocks"]
+        for seq, num in zip(seqs, num_tokens):
+            self._commit(seq, num, tp_rank)
+        return self.counters["published_blocks"] - before
