@@ -5,7 +5,8 @@ the pool (``[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]``, one l
 view). The baseline takes the padded batch form it always took; the new code takes
 the same batch, then an engine step's packed tokens (``query_start_loc``, no padding),
 then the packed tokens with an ``AttentionWorkspace`` reused across calls. Each case
-first checks that all give the same result.
+first checks that all give the same result. Writes
+``benchmarks/results/attention.{json,md}``.
 
     shmkv bench --only attention [-- --seconds 0.4]
 """
@@ -13,16 +14,20 @@ first checks that all give the same result.
 from __future__ import annotations
 
 import argparse
-import sys
+import os
+import platform
 import statistics
+import sys
 import time
 
 import torch
 
-from shmkv.attention import AttentionWorkspace, paged_attention
-from shmkv.memory import pool_view
+from ..attention import AttentionWorkspace, paged_attention
+from ..memory import pool_view
+from .core import result_base, write_results
 
 NUM_LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 8, 2, 32, 16
+WAYS = ("baseline", "batch", "packed", "+ws")
 
 
 def baseline_paged_attention(query, k_pages, v_pages, block_table, seq_lens, *, scale=None,
@@ -124,12 +129,34 @@ def run_case(name, seq_lens, counts, dtype, seconds):
     times = [per_call_ms(fn, seconds) for fn in (old, new_batch, new_packed, new_ws)]
     print(f"{name:<40}" + "".join(f"{t:9.3f}" for t in times)
           + "".join(f"{times[0] / t:7.1f}x" for t in times[1:]))
+    return {"case": name, "ms": dict(zip(WAYS, times)),
+            "speedup": {w: times[0] / t for w, t in zip(WAYS[1:], times[1:])}}
+
+
+def markdown(record: dict) -> str:
+    """The record as the suite's Markdown table."""
+    from .core import markdown_table
+    head = (f"`paged_attention` against the reference implementation it replaced, one "
+            f"attention-layer call, milliseconds per call, median of 5 rounds of "
+            f"{record['seconds']:g} s / 5 ({record['host']}; {HEADS} query heads, {KV_HEADS} K/V "
+            f"heads, head_dim {HEAD_DIM}, block {BLOCK}, pool of {NUM_LAYERS} layers). batch: "
+            "the padded batch form; packed: `query_start_loc`, no padding; +ws: packed with "
+            "a reused `AttentionWorkspace`. Speedup: the baseline's time over the new one's. "
+            "Reproduce: `shmkv bench --only attention`.")
+    rows = [["case", *WAYS, *(f"speedup {w}" for w in WAYS[1:])]]
+    for r in record["cases"]:
+        rows.append([r["case"], *(f"{r['ms'][w]:.3f}" for w in WAYS),
+                     *(f"{r['speedup'][w]:.1f}x" for w in WAYS[1:])])
+    return head + "\n\n" + markdown_table(rows)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=0.4,
                         help="time spent per measurement (default 0.4)")
+    parser.add_argument("--out", default=None,
+                        help="results path without extension (default: "
+                             "benchmarks/results/attention)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, 1 thread; {HEADS} query heads, {KV_HEADS} K/V heads, "
@@ -148,17 +175,22 @@ def main(argv=None) -> int:
         ("chunk 256 @2048 + 3 decodes @1024 fp32", [2048, 1024, 1024, 1024],
          [256, 1, 1, 1], f32),
     ]
-    for name, seq_lens, counts, dtype in cases:
-        run_case(name, seq_lens, counts, dtype, args.seconds)
+    record = {"host": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+                      "1 thread", "seconds": args.seconds,
+              "cases": [run_case(name, seq_lens, counts, dtype, args.seconds)
+                        for name, seq_lens, counts, dtype in cases]}
+    write_results(args.out or result_base("attention"), record, markdown(record))
     print("batch: the padded batch form; packed: query_start_loc, no padding; +ws: packed "
           "with a reused AttentionWorkspace. Speedup: baseline time / new time.")
     return 0
 
 
 def cli_args(quick: bool, out_dir: str, name=None) -> list:
-    """The arguments ``shmkv bench --only attention`` runs :func:`main` with (it prints,
-    writes no results file)."""
-    return ["--seconds", "0.1"] if quick else []
+    """The arguments ``shmkv bench --only attention`` runs :func:`main` with (a quick run
+    writes ``attention-quick``, not the committed ``attention``)."""
+    name = name or ("attention-quick" if quick else None)
+    args = ["--seconds", "0.1"] if quick else []
+    return args + (["--out", result_base(name, out_dir)] if name else [])
 
 
 if __name__ == "__main__":
