@@ -1,10 +1,10 @@
 """shmkv as a vLLM KV connector (``shmkv.integrations.vllm``), against real vLLM engines.
 
-A small random Llama is saved by the test. Four engines start once for the module, each
+A small random Llama is saved by the test. Five engines start once for the module, each
 in its own spawn process (``tests/vllm_engine.py``): ``ref`` runs without a connector
 (every expected output comes from it), ``a`` and ``b`` use shmkv at node 1's address,
-``c`` at node 2's. ``b`` runs :class:`FaultyShmkvConnector`, the real connector with one
-fault a test switches on. Coordinators are started per test at those addresses; the
+``c`` at node 2's, ``tp`` (tensor parallel, 2 rank processes) at node 1's. ``b`` runs
+:class:`FaultyShmkvConnector`, the real connector with one fault a test switches on. Coordinators are started per test at those addresses; the
 engines reconnect to whichever serves there (``"shmkv.retry_s": 0``). Before a request
 whose hit matters, the engine's own prefix cache is reset, so a hit can only be shmkv's.
 """
@@ -76,11 +76,12 @@ def engines(tmp_path_factory, names):
     n1, n2 = (shmkv.default_address(names[k]) for k in ("node1", "node2"))
     specs = {"ref": None, "a": connector_config(n1),
              "b": connector_config(n1, connector="FaultyShmkvConnector", module="vllm_engine"),
-             "c": connector_config(n2)}
+             "c": connector_config(n2), "tp": connector_config(n1)}
+    options = {"tp": {"tp": 2}}
     started = {}
     try:
-        for key, kv in specs.items():  # all four start at once
-            started[key] = Engine(model, kv)
+        for key, kv in specs.items():  # all five start at once
+            started[key] = Engine(model, kv, **options.get(key, {}))
             ENGINE_PIDS.add(started[key].proc.pid)
         for e in started.values():
             e.wait_ready()
@@ -256,6 +257,28 @@ def test_two_engines_at_once_with_overlapping_prompts(engines, names):
         assert [o["num_cached_tokens"] for o in both] == [HIT, HIT]
 
 
+def test_tp2_ranks_save_and_load_their_head_shards(engines, names):
+    """A TP=2 engine (each rank its own process, reading and writing shmkv's head shard
+    of its rank) and a TP=1 engine (the whole of every block) load each other's K/V."""
+    p1, p2 = prompt(14, PROMPT), prompt(15, PROMPT)
+    want = engines["ref"].generate([p1, p2], 16)
+    cfg = shmkv.PoolConfig(num_layers=2, num_kv_heads=2, head_dim=32, num_blocks=1024,
+                           block_size=POOL_BLOCK, dtype=torch.float32, tp_size=2)
+    with shmkv.Coordinator(cfg, name=names["node1"]):
+        tp_miss = fresh(engines["tp"], [p1], 16)[0]        # both ranks save and commit
+        assert tp_miss["num_cached_tokens"] == 0
+        assert tp_miss["tokens"] == want[0]["tokens"]
+        a = fresh(engines["a"], [p1], 16)[0]              # the whole blocks, from 2 shards
+        same_output(a, want[0])
+        assert a["num_cached_tokens"] == HIT
+        fresh(engines["a"], [p2], 16)
+        tp_hit = fresh(engines["tp"], [p2], 16)[0]         # each rank loads its shard
+        assert tp_hit["num_cached_tokens"] == HIT
+        assert tp_hit["tokens"] == want[1]["tokens"]
+        diffs = [abs(x - y) for x, y in zip(tp_hit["logprobs"], want[1]["logprobs"])]
+        assert max(diffs) < 0.05, diffs
+
+
 # -- without an engine ----------------------------------------------------------------------
 
 
@@ -368,9 +391,8 @@ def test_worker_copies_whole_blocks_both_ways_in_each_layout(model_path, unique_
 
 def test_tp_rank_r_maps_onto_shmkv_head_shard_r(unique_name, connector):
     """vLLM's rank r of T holds K/V heads [r*H/T, (r+1)*H/T); shmkv's client of
-    tp_rank=r sees exactly that slice of every block. (The engine itself does not run
-    TP=2 in these tests: vLLM's CPU backend starts one process per rank with its own
-    OpenMP threads bound to cores, and this 2-CPU machine has no room for it.)"""
+    tp_rank=r sees exactly that slice of every block (with 2 heads a rank here, where
+    the TP=2 engine test has one)."""
     cfg = shmkv.PoolConfig(num_layers=2, num_kv_heads=4, head_dim=32, num_blocks=32,
                            block_size=POOL_BLOCK, dtype=torch.float32, tp_size=2)
     with shmkv.Coordinator(cfg, name=unique_name) as coord, \

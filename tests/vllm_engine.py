@@ -66,6 +66,8 @@ def _serve(conn, model: str, kv: dict | None, options: dict) -> None:
                   block_size=BLOCK, max_num_seqs=options.get("max_num_seqs", 8),
                   max_num_batched_tokens=options.get("max_num_batched_tokens", 2048),
                   enable_prefix_caching=options.get("prefix_caching", True), seed=0)
+    if options.get("tp", 1) > 1:  # one worker process per rank, started by vLLM
+        kwargs.update(tensor_parallel_size=options["tp"], distributed_executor_backend="mp")
     if kv is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(**kv)
     try:
@@ -78,6 +80,8 @@ def _serve(conn, model: str, kv: dict | None, options: dict) -> None:
         op, args = conn.recv()
         try:
             if op == "stop":
+                if options.get("tp", 1) > 1:
+                    llm.llm_engine.engine_core.shutdown()   # stops the rank processes
                 conn.send(("ok", None))
                 conn.close()
                 # vLLM's exit handlers take seconds; nothing of this process needs them
@@ -120,7 +124,7 @@ class Engine:
     def __init__(self, model: str, kv: dict | None = None, timeout: float = 240.0, **options):
         self.conn, child = SPAWN.Pipe()
         self.proc = SPAWN.Process(target=_serve, args=(child, model, kv, options),
-                                  name="vllm-engine", daemon=True)
+                                  name="vllm-engine")  # not daemonic: TP ranks are its children
         self.proc.start()
         child.close()
         self._pending = None
