@@ -66,7 +66,6 @@ nitpicky = True
 # ``PoolMemory`` are the coordinator's bookkeeping and memory (being split into modules
 # of their own: to document once that settles), ``_spin`` is private.
 nitpick_ignore = [
-    ("py:class", "shmkv.sequences.SequenceTable"),
     ("py:class", "shmkv.memory.PoolMemory"),
     ("py:meth", "_spin"),
     # the coordinator's tier machinery (shmkv/tiers.py, shmkv/remote.py), named by those
@@ -78,6 +77,7 @@ nitpick_ignore = [
 nitpick_ignore_regex = [
     (r"py:.*", r"(torch|numpy|np|transformers|msgpack|redis|prometheus_client)(\..*)?"),
     (r"py:class", r"(Tensor|ndarray|socket\.socket|selectors\..*)"),
+    (r"py:class", r"array\.array"),   # the standard library's typed arrays
 ]
 
 html_theme = "alabaster"

@@ -41,7 +41,7 @@ class PendingPromotion:
     """Blocks of a new sequence whose bytes a lower tier is copying in (``shmkv.tiers``).
 
     ``blocks[i]`` gets the bytes of ``keys[i]``; they are blocks ``first ..`` of ``seq``,
-    held by one extra reference each until :meth:`SequenceTable.finish_promotion`.
+    held by one extra reference each until :meth:`shmkv.prefix.Prefix.finish_promotion`.
     ``info`` is the answer to the request, completed then.
     """
 
@@ -138,7 +138,7 @@ class Prefix(Handoffs):
         of full blocks is reused and ``num_cached`` says how many tokens are already
         present. ``keys``: the prompt's full blocks' prefix keys, as its client hashed
         them (see :meth:`_prompt_keys`); hashed here when absent. ``root`` (instead of
-        ``cache_salt``): the root key the keys chain from, as :meth:`info` gives it (a
+        ``cache_salt``): the root key the keys chain from, as :meth:`~shmkv.refs.Refs.info` gives it (a
         sequence moved from another node keeps its salt's keys).
         """
         plans = [self._plan_allocate(req) for req in requests]

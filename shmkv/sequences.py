@@ -193,7 +193,7 @@ class SequenceTable(Decode):
         its checks are made now and hold until one of them is released, forked, cloned,
         exported, opened, copied on write or given an object, or the connection changes
         their rows another way. Returns the batch's id, or 0 when it does not qualify
-        (see :meth:`_keepable`; then step it with :meth:`extend_batch`). A connection
+        (see :meth:`~shmkv.decode.Decode._keepable`; then step it with :meth:`extend_batch`). A connection
         keeps its ``MAX_KEPT`` newest batches."""
         kept = self._kept.get(conn_id)
         keep = self._keepable(conn_id, cache_ids) if kept is not None else None

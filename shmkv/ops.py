@@ -1,0 +1,237 @@
+"""The requests a coordinator answers: one handler per wire operation.
+
+Owns turning each validated request (``shmkv.protocol.OPS``) into a call of the
+sequence table (``shmkv.sequences``) or a read of the pool's state, and checking what a
+connection may ask (its tensor-parallel rank, a layer's scales, the rows it reads).
+Does no I/O: :class:`~shmkv.coordinator.Coordinator`'s loop reads, decodes and
+dispatches requests (``Coordinator._handle``) and sends the answers these handlers
+return. A handler's error is the caller's (a :class:`~shmkv.errors.ShmkvError`, sent
+back with its code), and changes nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any, Dict, Optional
+
+import numpy as np
+
+from . import protocol
+from .errors import InvalidArgument, OutOfRange, ProtocolError, WrongType
+from .layout import PoolConfig
+from .memory import PoolMemory
+from .sequences import SequenceTable
+from .tables import write_scales
+
+
+class Ops:
+    """The handlers of :class:`~shmkv.coordinator.Coordinator`: ``_op_NAME(conn, **args)``
+    answers the wire op ``NAME`` (see the module doc)."""
+
+    # The coordinator's state the handlers read (made by ``Coordinator.__init__`` and
+    # ``Coordinator.open``).
+    config: PoolConfig
+    memory: PoolMemory
+    table: SequenceTable
+    tiers: Any
+    instance: str
+    max_handoff_ttl: float
+    max_frame: int
+    address: str
+    metrics_address: Optional[tuple]
+    num_ops: int
+    ops_by_type: Dict[str, int]
+    num_refused: int
+    num_dropped: int
+    num_accepted: int
+    num_errors: int
+    _started_at: float
+
+    def _op_hello(self, conn, version, tp_rank=None, tp_size=None, pid=None):
+        if version != protocol.PROTOCOL_VERSION:
+            raise ProtocolError(f"protocol version {version} is not supported; the "
+                                f"coordinator speaks {protocol.PROTOCOL_VERSION}")
+        if conn.greeted:
+            raise ProtocolError("hello sent twice")
+        if tp_rank is not None or tp_size is not None:
+            if tp_size != self.config.tp_size or tp_rank is None or not (
+                    0 <= tp_rank < self.config.tp_size):
+                raise InvalidArgument(
+                    f"tp_rank={tp_rank}, tp_size={tp_size} do not fit a pool with "
+                    f"tp_size={self.config.tp_size}")
+        conn.greeted = True
+        conn.tp_rank = tp_rank
+        return {"version": protocol.PROTOCOL_VERSION, "pool": self.config.to_wire(),
+                "memory": self.memory.descriptor, "coordinator_pid": os.getpid(),
+                "conn_id": conn.conn_id, "instance": self.instance,
+                "max_handoff_ttl": self.max_handoff_ttl, "max_frame": self.max_frame}
+
+    def _op_ping(self, conn):
+        return {}
+
+    def _op_allocate(self, conn, num_tokens, prompt=None, cache_salt=None, request_id=None,
+                     keys=None, root=None):
+        return self.table.allocate(conn.conn_id, num_tokens, prompt, cache_salt, request_id,
+                                   keys, root)
+
+    def _op_allocate_many(self, conn, requests=None, counts=None):
+        if (requests is None) == (counts is None):
+            raise InvalidArgument("allocate_many takes one of requests and counts")
+        if counts is not None:  # plain sequences of given lengths: packed both ways
+            cache_ids, slots = self.table.allocate_counts(conn.conn_id,
+                                                          protocol.unpack_i64s(counts))
+            return protocol.pack_i64s(cache_ids) + protocol.pack_i64s(slots)
+        checked = []
+        for req in requests:
+            try:
+                checked.append(protocol.validate_args("allocate", req))
+            except ProtocolError as exc:  # a bad sub-request is a bad argument, not a bad stream
+                raise WrongType(f"allocate_many: {exc}") from None
+        return self.table.allocate_many(conn.conn_id, checked)
+
+    def _op_extend(self, conn, cache_id, num_tokens, tokens=None):
+        return self.table.extend(conn.conn_id, cache_id, num_tokens, tokens)
+
+    def _op_extend_many(self, conn, items):
+        return self.table.extend_many(conn.conn_id, items)
+
+    def _check_rank(self, conn, tp_rank) -> None:
+        """A connection that said its tensor-parallel rank commits only that rank's shard."""
+        if conn.tp_rank is not None and tp_rank != conn.tp_rank:
+            raise InvalidArgument(f"a connection of tp_rank={conn.tp_rank} commits only its "
+                                  f"own shard, not tp_rank={tp_rank}")
+
+    def _op_commit(self, conn, cache_id, num_tokens, tp_rank=None):
+        self._check_rank(conn, tp_rank)
+        return self.table.commit(conn.conn_id, cache_id, num_tokens, tp_rank)
+
+    def _op_prepare_write(self, conn, cache_id, start, num_tokens):
+        return self.table.prepare_write(conn.conn_id, cache_id, start, num_tokens)
+
+    def _op_info(self, conn, cache_id):
+        return self.table.info(conn.conn_id, cache_id)
+
+    def _op_clone(self, conn, cache_id):
+        return self.table.clone(conn.conn_id, cache_id)
+
+    def _op_fork(self, conn, cache_id):
+        return self.table.fork(conn.conn_id, cache_id)
+
+    def _op_release(self, conn, cache_id):
+        self.table.release(conn.conn_id, cache_id)
+
+    def _op_release_many(self, conn, cache_ids=None, ids=None):
+        if (cache_ids is None) == (ids is None):
+            raise InvalidArgument("release_many takes one of cache_ids and ids")
+        self.table.release_many(conn.conn_id,
+                                cache_ids if ids is None else protocol.unpack_i64s(ids))
+
+    def _op_export(self, conn, cache_id, ttl):
+        return self.table.export(conn.conn_id, cache_id, ttl)
+
+    def _op_open(self, conn, token):
+        return self.table.open(conn.conn_id, token)
+
+    def _op_extend_batch(self, conn, ids, count=None, counts=None, tokens=None, slots=None,
+                         keep=False):
+        if (count is None) == (counts is None):
+            raise InvalidArgument("extend_batch takes one of count and counts")
+        counts = count if counts is None else protocol.unpack_i64s(counts)
+        cache_ids = protocol.unpack_i64s(ids)
+        lens = protocol.pack_i64s(self.table.extend_batch(
+            conn.conn_id, cache_ids, counts, tokens,
+            None if slots is None else protocol.unpack_i64s(slots)))
+        if not keep:
+            return lens
+        # the answer names the kept batch (0: not kept) for extend_kept
+        return {"lens": lens, "batch": self.table.keep_batch(conn.conn_id, cache_ids)}
+
+    def _op_extend_kept(self, conn, batch, count, seen):
+        done = self.table.extend_kept(conn.conn_id, batch, count, seen)
+        if done is not None:
+            for name in ("lens", "grown", "blocks"):
+                if name in done:
+                    done[name] = protocol.pack_i64s(done[name]) if len(done[name]) else b""
+        return done
+
+    def _op_prepare_batch(self, conn, ids, starts, counts):
+        lens = self.table.prepare_batch(conn.conn_id, protocol.unpack_i64s(ids),
+                                        protocol.unpack_i64s(starts), protocol.unpack_i64s(counts))
+        return protocol.pack_i64s(lens)
+
+    def _op_commit_batch(self, conn, ids, num_tokens, tp_rank=None):
+        self._check_rank(conn, tp_rank)
+        # A rank of a tensor-parallel pool may commit its shard of a step it rebuilt from
+        # a descriptor (it holds no reference); everyone else only what it holds.
+        rank_connection = conn.tp_rank is not None and self.config.tp_size > 1
+        return self.table.commit_batch(conn.conn_id, protocol.unpack_i64s(ids),
+                                       protocol.unpack_i64s(num_tokens), tp_rank,
+                                       rank_connection=rank_connection)
+
+    def _op_rows(self, conn, slots, width, blocks=None):
+        """Rows of the shared tables read on the writer's thread (``shmkv.tables``, memory
+        ordering): ``seq`` (int64 ``[n, 4]``), ``table`` (int32 ``[n, width]``) and the
+        ``owner`` of each of ``blocks``."""
+        memory, layout = self.memory, self.memory.layout
+        where = np.frombuffer(slots, dtype="<i8")
+        if not 0 <= width <= layout.max_seq_blocks:
+            raise OutOfRange(f"width {width} outside [0, {layout.max_seq_blocks}]")
+        if where.shape[0] and (int(where.min()) < 0 or int(where.max()) >= layout.max_sequences):
+            raise OutOfRange(f"slots outside [0, {layout.max_sequences})")
+        out = {"seq": memory.seq_np[where].astype("<i8").tobytes(),
+               "table": memory.table_np[where, :width].astype("<i4").tobytes()}
+        if blocks is not None:
+            ids = np.frombuffer(blocks, dtype="<i8")
+            if ids.shape[0] and (int(ids.min()) < 0 or int(ids.max()) >= layout.num_blocks):
+                raise OutOfRange(f"blocks outside [0, {layout.num_blocks})")
+            out["owner"] = memory.owner_t.numpy()[ids].astype("<i8").tobytes()
+        return out
+
+    def _op_stats(self, conn):
+        return self.stats()
+
+    def _op_set_kv_scales(self, conn, layer, k_scale, v_scale):
+        if not 0 <= layer < self.config.num_layers:
+            raise OutOfRange(f"layer {layer} outside [0, {self.config.num_layers})")
+        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if not (math.isfinite(value) and value > 0):
+                raise InvalidArgument(f"{name} must be a finite number > 0, got {value!r}")
+        write_scales(self.memory.scale_lock, self.memory.scales, layer, float(k_scale),
+                     float(v_scale))
+
+    def block_counts(self) -> Dict[str, Dict[str, int]]:
+        """Blocks by tier and state: ``{tier: {"free": n, "cached": n, "referenced": n}}``.
+
+        Read by the metrics exporter (``shmkv.metrics``), which labels every series with
+        the tier. Only the ``"pool"`` tier exists today; a lower tier (host memory, disk)
+        adds its own entry here, and its blocks are exported with no other change.
+        """
+        pool = self.table.pool
+        counts = {"pool": {"free": pool.num_free, "cached": pool.num_cached,
+                           "referenced": pool.num_referenced}}
+        tiers = self.tiers
+        if tiers is not None and tiers.host is not None:
+            counts["host"] = {"free": len(tiers.host.free), "cached": tiers.host.num_ready}
+        if tiers is not None and tiers.disk is not None:
+            counts["disk"] = {"cached": tiers.disk.num_ready}
+        return counts
+
+    def stats(self) -> dict:
+        """Counters of the pool, the prefix cache, connections and operations."""
+        out = self.table.stats()
+        uptime = max(time.monotonic() - self._started_at, 1e-9)
+        out.update({"address": self.address, "pid": os.getpid(), "uptime_s": uptime,
+                    "ops": self.num_ops, "ops_per_s": self.num_ops / uptime,
+                    "ops_by_type": dict(self.ops_by_type), "refused_connections":
+                    self.num_refused, "dropped_connections": self.num_dropped,
+                    "accepted_connections": self.num_accepted, "request_errors":
+                    self.num_errors, "metrics_port": (None if self.metrics_address is None
+                                                      else self.metrics_address[1]),
+                    "pool_bytes": self.config.nbytes, "block_bytes": self.config.block_nbytes,
+                    "config": self.config.to_wire()})
+        if self.tiers is not None:
+            out["tiers"] = self.tiers.stats()
+            out["tier_io"] = self.tiers.io_stats()
+        return out
