@@ -300,13 +300,14 @@ class TierStoreMachine(RuleBasedStateMachine):
         self.handles.remove(h)
         del self.seqs[h.cache_id]
 
-    def _write_step(self, step0, kv: torch.Tensor) -> None:
+    def _write_step(self, step0, kv: torch.Tensor):
         """Rank 0 writes its shard of ``kv`` ``[L, 2, T, H, D]`` through its step; rank 1
         rebuilds the step from its descriptor and writes its own (kept for later)."""
         step0.write_all(shard(kv, 0))
         step1 = self.a1.step_from(step0.descriptor())
         step1.write_all(shard(kv, 1))
-        self.rank1_steps = (self.rank1_steps + [(step1, set(step0.cache_ids.tolist()))])[-4:]
+        ids = {shmkv.sequences.format_cache_id(c) for c in step0.cache_ids.tolist()}
+        self.rank1_steps = (self.rank1_steps + [(step1, ids)])[-4:]
         return step1
 
     @initialize(kinds=st.sampled_from(["host+disk", "host", "disk"]))
@@ -345,7 +346,7 @@ class TierStoreMachine(RuleBasedStateMachine):
             step1.commit()
         if then != "keep":
             self._close([h], wait=then == "close")
-            self.a0.flush()
+            self.a0.flush()              # (served before this in any case)
             self._stale_steps_refuse()
         if quiet:
             self.quiet_then_every_cached_block_is_on_a_tier()
@@ -394,19 +395,17 @@ class TierStoreMachine(RuleBasedStateMachine):
         self._stale_steps_refuse()
 
     def _close(self, hs: list, wait: bool) -> None:
-        """Rank 0 closes ``hs`` in one ``close_many``; once the release is served (rank 0
-        waited for it, or sent a request since), rank 1's steps of them must refuse."""
+        """Rank 0 closes ``hs`` in one ``close_many``. Once the release is served (rank 0
+        waited for it, or sent a request since) rank 1's steps of them must refuse."""
         self.a0.close_many(hs, wait=wait)
         for h in hs:
             self._forget(h)
-        if wait:
-            self._stale_steps_refuse()
 
     def _stale_steps_refuse(self) -> None:
         """Rank 1 writes through every step it rebuilt earlier one of whose sequences rank
         0 has closed since (their blocks may belong to another sequence now): each is
         refused, with nothing written (the invariants read every live sequence back)."""
-        live = {h._cache_id for h in self.handles}
+        live = set(self.seqs)
         for step1, ids in self.rank1_steps:
             if ids <= live or not step1.num_tokens:
                 continue
