@@ -313,7 +313,7 @@ class ShmkvConnector(KVConnectorBase_V1):
             self._reqs: Dict[str, _SchedReq] = {}
             self._closed: List[str] = []
             self._tp_rank = None
-            self._connect()  # checks the block size at start-up when the coordinator is up
+            self._connect(strict=True)  # refuses a misfit pool at start-up when it is up
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
             self._tp_rank = get_tensor_model_parallel_rank() if self._tp_size > 1 else 0
@@ -329,9 +329,11 @@ class ShmkvConnector(KVConnectorBase_V1):
 
     # -- the coordinator --------------------------------------------------------------------
 
-    def _connect(self):
+    def _connect(self, strict: bool = False):
         """The live client, connecting (again) when none is; None while the coordinator
-        is gone (tried again ``retry_s`` after it was last found gone)."""
+        is gone (tried again ``retry_s`` after it was last found gone). A coordinator
+        whose pool does not fit raises :class:`ConnectorConfigError` when ``strict`` (at
+        start-up), else is treated as gone (a restarted one with another layout)."""
         client = self._client
         if client is not None and client.is_alive():
             return client
@@ -352,9 +354,15 @@ class ShmkvConnector(KVConnectorBase_V1):
             return None
         try:
             self._check_pool(client.config)
-        except ConnectorConfigError:
+            if self._role != KVConnectorRole.SCHEDULER and self._k:
+                self._check_layers(client.config, *self._shape)
+        except ConnectorConfigError as exc:
             client.close()
-            raise
+            if strict:
+                raise
+            self._down_until = time.monotonic() + self._retry_s
+            log.error("shmkv: %s; not using it, retry in %.0f s", exc, self._retry_s)
+            return None
         self._client = client
         return client
 
@@ -364,8 +372,9 @@ class ShmkvConnector(KVConnectorBase_V1):
         log.warning("shmkv: %s; no hits, retry in %.0f s", why, self._retry_s)
         if self._role != KVConnectorRole.SCHEDULER:
             self._handles.clear()  # their coordinator is gone with them
-        else:
-            self._reqs.clear()
+        # The scheduler keeps its requests: one whose hit vLLM was told of still gets its
+        # metadata, with no hand-off (the export fails), so the workers report the load as
+        # failed and vLLM recomputes it, instead of reading blocks nobody wrote.
         if client is not None:
             try:
                 client.close()
@@ -417,11 +426,12 @@ class ShmkvConnector(KVConnectorBase_V1):
         try:
             handle = client.allocate(prompt=prompt[:full],
                                      cache_salt=request_salt(self._namespace, request))
-        except shmkv.PoolExhausted as exc:
-            log.info("shmkv: no room for request %s (%s); not cached", request.request_id, exc)
-            return None
-        except (ShmkvError, OSError) as exc:
+        except (shmkv.CoordinatorGone, shmkv.CoordinatorTimeout, shmkv.ProtocolError,
+                OSError) as exc:
             self._drop_client(f"lookup failed ({exc})")
+            return None
+        except ShmkvError as exc:  # no room, a prompt past max_seq_len: this one is not cached
+            log.info("shmkv: request %s not cached (%s)", request.request_id, exc)
             return None
         cached = handle.num_cached_tokens
         hit = min(cached // bs * bs, (len(prompt) - 1) // bs * bs)
@@ -532,16 +542,7 @@ class ShmkvConnector(KVConnectorBase_V1):
         self._shape = (heads, head_dim, first.dtype)
         log.info("shmkv: %d layers of %s K/V, %d heads x %d, blocks of %d (%s)", len(names),
                  first.dtype, heads, head_dim, bs, layout)
-        client = self._connect()
-        if client is not None:
-            self._check_layers(client.config, heads, head_dim, first.dtype)
-
-    def _worker_client(self):
-        client = self._connect()
-        if client is not None and getattr(self, "_checked", None) is not client:
-            self._check_layers(client.config, *self._shape)
-            self._checked = client
-        return client
+        self._connect(strict=True)  # refuses a misfit pool at start-up when it is up
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         """Open this step's hand-offs and copy every hit block of the step into vLLM's
@@ -595,7 +596,7 @@ class ShmkvConnector(KVConnectorBase_V1):
             return handle
         if not item.tokens:
             return None
-        client = self._worker_client()
+        client = self._connect()
         if client is None:
             return None
         try:
