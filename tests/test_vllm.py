@@ -464,3 +464,52 @@ def test_copy_runs_are_one_per_vllm_block_when_pool_blocks_are_consecutive(conne
     assert connector.copy_runs([1], table, 64, 128, 128, 32) == [(1, 2, 9, 2)]
     with pytest.raises(IndexError):
         connector.copy_runs([1], table, 0, 256, 128, 32)   # past the request's blocks
+
+
+def test_a_coordinator_lost_within_a_step_fails_the_load_it_promised(model_path, unique_name,
+                                                                     connector):
+    """The scheduler told vLLM of a hit, then the coordinator went away before the step's
+    metadata was built: the request still gets its load, without a hand-off, so the
+    workers report its blocks as failed (vLLM recomputes them) instead of vLLM reading
+    blocks nobody wrote."""
+    from vllm import SamplingParams
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+    from vllm.v1.request import Request
+    toks = prompt(16, 3 * BLOCK + 5)
+    req = Request("r1", toks, SamplingParams(max_tokens=1), None)
+    coord = shmkv.Coordinator(pool_config(256), name=unique_name)
+    with coord, shmkv.connect(coord.address) as client:
+        vcfg = _vllm_config(model_path, address=coord.address)
+        salt = connector.request_salt(connector.model_namespace(vcfg, ""), req)
+        h = client.allocate(prompt=toks[:3 * BLOCK], cache_salt=salt)
+        for layer in range(2):
+            h.write(layer, torch.ones(3 * BLOCK, 2, 32), torch.ones(3 * BLOCK, 2, 32), start=0)
+        h.commit()
+        h.close()
+        sched = connector.ShmkvConnector(vcfg, KVConnectorRole.SCHEDULER, None)
+        assert sched.get_num_new_matched_tokens(req, 0) == (3 * BLOCK, False)
+    # the coordinator is gone now
+    other = Request("r2", prompt(17, 2 * BLOCK + 1), SamplingParams(max_tokens=1), None)
+    assert sched.get_num_new_matched_tokens(other, 0) == (0, False)
+    sched.update_state_after_alloc(
+        req, KVCacheBlocks(([KVCacheBlock(i) for i in (4, 5, 6, 7)],)), 3 * BLOCK)
+    req.num_computed_tokens = 3 * BLOCK
+    out = SchedulerOutput.make_empty()
+    out.scheduled_new_reqs = [NewRequestData.from_request(req, ([4, 5, 6, 7],))]
+    out.num_scheduled_tokens = {"r1": 5}
+    meta = sched.build_connector_meta(out)
+    [item] = meta.requests
+    assert item.load == (0, 3 * BLOCK) and item.tokens == []
+    worker = connector.ShmkvConnector(vcfg, KVConnectorRole.WORKER, None)
+    worker.register_kv_caches({f"model.layers.{i}.self_attn.attn":
+                               torch.zeros(8, 2, BLOCK, 64) for i in range(2)})
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    worker.wait_for_save()
+    assert worker.get_block_ids_with_load_errors() == {4, 5, 6}
+    sched.request_finished(req, [4, 5, 6, 7])
+    sched.shutdown()
+    worker.shutdown()
