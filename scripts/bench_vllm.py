@@ -37,9 +37,9 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 import torch  # noqa: E402
+from vllm_engine import Engine, connector_config, make_model, prompt  # noqa: E402
 
 import shmkv  # noqa: E402
-from vllm_engine import Engine, connector_config, make_model, prompt  # noqa: E402
 
 RESULTS = os.path.join(HERE, "..", "benchmarks", "results")
 PLOTS = os.path.join(HERE, "..", "benchmarks", "plots")

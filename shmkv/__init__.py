@@ -16,21 +16,35 @@ _logging.getLogger("shmkv").addHandler(_logging.NullHandler())
 from .batch import Batch, Step
 from .client import Client, connect
 from .coordinator import Coordinator, SpawnedCoordinator, default_address
-from .errors import (AccessDenied, CoordinatorGone, CoordinatorTimeout, HandleClosed,
-                     HandoffError, InvalidArgument, LayoutMismatch, LimitExceeded, OutOfRange,
-                     PoolExhausted, ProtocolError, ShmkvError, StaleStep, UnknownCache,
-                     WrongType)
+from .errors import (
+    AccessDenied,
+    CoordinatorGone,
+    CoordinatorTimeout,
+    HandleClosed,
+    HandoffError,
+    InvalidArgument,
+    LayoutMismatch,
+    LimitExceeded,
+    OutOfRange,
+    PoolExhausted,
+    ProtocolError,
+    ShmkvError,
+    StaleStep,
+    UnknownCache,
+    WrongType,
+)
 from .handle import BlockTable, CacheHandleStats, KvCacheHandle
 from .layout import PoolConfig
-from .tiers import DiskTier, HostTier
 from .remote import RedisTier
+from .tiers import DiskTier, HostTier
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AccessDenied", "Batch", "BlockTable", "CacheHandleStats", "Client", "Coordinator",
     "CoordinatorGone", "CoordinatorTimeout", "DiskTier", "HandleClosed", "HandoffError",
-    "HostTier", "InvalidArgument", "KvCacheHandle", "LayoutMismatch", "LimitExceeded", "OutOfRange", "PoolConfig",
-    "PoolExhausted", "ProtocolError", "RedisTier", "ShmkvError", "SpawnedCoordinator", "StaleStep", "Step", "UnknownCache",
-    "WrongType", "connect", "default_address", "__version__",
+    "HostTier", "InvalidArgument", "KvCacheHandle", "LayoutMismatch", "LimitExceeded",
+    "OutOfRange", "PoolConfig", "PoolExhausted", "ProtocolError", "RedisTier", "ShmkvError",
+    "SpawnedCoordinator", "StaleStep", "Step", "UnknownCache", "WrongType", "connect",
+    "default_address", "__version__",
 ]

@@ -27,8 +27,7 @@ import numpy as np
 import torch
 
 from . import protocol, slots
-from .errors import (HandleClosed, InvalidArgument, LimitExceeded, OutOfRange, StaleStep,
-                     WrongType)
+from .errors import HandleClosed, InvalidArgument, LimitExceeded, OutOfRange, StaleStep, WrongType
 from .handle import _views, check_kv_tensor
 from .hashing import token_list
 from .tables import CACHE_ID, GENERATION, LOCK, NUM_TOKENS, SEQ_FIELDS

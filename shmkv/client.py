@@ -33,16 +33,23 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import protocol
-from .hashing import pack_tokens, packed_block_keys, root_key, token_list
 from .batch import Batch, Step
-from .errors import AccessDenied
-from .errors import (CoordinatorGone, CoordinatorTimeout, HandleClosed, InvalidArgument,
-                     OutOfRange, ProtocolError, WrongType)
-from .errors import LimitExceeded
-from .tables import lock_free_reads
+from .errors import (
+    AccessDenied,
+    CoordinatorGone,
+    CoordinatorTimeout,
+    HandleClosed,
+    InvalidArgument,
+    LimitExceeded,
+    OutOfRange,
+    ProtocolError,
+    WrongType,
+)
 from .handle import KvCacheHandle, SequenceView
+from .hashing import pack_tokens, packed_block_keys, root_key, token_list
 from .layout import PoolConfig
 from .memory import PoolMemory, attach_pool
+from .tables import lock_free_reads
 
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_PICKLE_TTL = 300.0

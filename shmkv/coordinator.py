@@ -34,18 +34,25 @@ import weakref
 from bisect import bisect_left
 from typing import Dict, Optional
 
-
 from . import protocol, shm
 from .allocator import BlockPool
-from .errors import (AccessDenied, CoordinatorTimeout, InvalidArgument, LimitExceeded,
-                     PoolExhausted, ProtocolError, ShmkvError, WrongType)
+from .errors import (
+    AccessDenied,
+    CoordinatorTimeout,
+    InvalidArgument,
+    LimitExceeded,
+    PoolExhausted,
+    ProtocolError,
+    ShmkvError,
+    WrongType,
+)
 from .layout import PoolConfig
 from .memory import PoolMemory, create_pool
-from .ops import Ops
 from .metrics import LATENCY_BUCKETS  # the request latency histogram's bucket bounds
+from .ops import Ops
+from .remote import RemoteTierSet, split_specs
 from .sequences import SequenceTable
 from .tables import TableWriter
-from .remote import RemoteTierSet, split_specs
 from .tiers import TierSet, check_specs
 
 log = logging.getLogger("shmkv.coordinator")

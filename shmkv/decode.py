@@ -16,11 +16,10 @@ from typing import Optional, Sequence as Seq
 
 import numpy as np
 
-from .errors import (PoolExhausted)
+from .errors import PoolExhausted
 from .growth import Growth
 from .rows import format_cache_id
-from .tables import (GENERATION, NUM_TOKENS, SEQ_FIELDS)
-
+from .tables import GENERATION, NUM_TOKENS, SEQ_FIELDS
 
 
 class _Kept:

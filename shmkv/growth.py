@@ -12,14 +12,11 @@ from __future__ import annotations
 from array import array
 from typing import List, Sequence as Seq
 
-
 from . import hashing
-from .errors import (InvalidArgument, OutOfRange, PoolExhausted,
-                     WrongType)
+from .errors import InvalidArgument, OutOfRange, PoolExhausted, WrongType
 from .prefix import Prefix
 from .rows import Sequence, _check_count, format_cache_id
-from .tables import (NUM_TOKENS, SEQ_FIELDS)
-
+from .tables import NUM_TOKENS, SEQ_FIELDS
 
 
 class Growth(Prefix):

@@ -29,7 +29,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import slots
-from .errors import (HandleClosed, InvalidArgument, OutOfRange, UnknownCache, WrongType)
+from .errors import HandleClosed, InvalidArgument, OutOfRange, UnknownCache, WrongType
 from .memory import storage_view
 from .sequences import format_cache_id
 from .tables import CACHE_ID, GENERATION, NUM_TOKENS, read_row

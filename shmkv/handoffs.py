@@ -12,11 +12,9 @@ import hmac
 import os
 from typing import Optional
 
-
-from .errors import (HandoffError, InvalidArgument, LimitExceeded, WrongType)
+from .errors import HandoffError, InvalidArgument, LimitExceeded, WrongType
 from .refs import Refs
 from .rows import TOKEN_SIZE, TOKEN_VERSION
-
 
 
 class _Handoff:

@@ -16,11 +16,11 @@ from __future__ import annotations
 import os
 from typing import List, Optional
 
+from . import shm
 from .errors import LayoutMismatch
 from .layout import PoolConfig, torch_dtype
 from .tables import SEQ_FIELDS, TableLayout
 from .views import pool_view, storage_view  # used here, and still importable from here
-from . import shm
 
 
 class PoolMemory:

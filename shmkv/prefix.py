@@ -16,12 +16,10 @@ from typing import List, NamedTuple, Optional, Sequence as Seq
 import numpy as np
 
 from . import hashing
-from .errors import (InvalidArgument, OutOfRange, PoolExhausted,
-                     WrongType)
+from .errors import InvalidArgument, OutOfRange, PoolExhausted, WrongType
 from .handoffs import Handoffs
 from .rows import MAX_REQUEST_ID, MAX_SALT_BYTES, Sequence, _check_count, format_cache_id
-from .tables import (NUM_TOKENS)
-
+from .tables import NUM_TOKENS
 
 
 class AllocationPlan(NamedTuple):

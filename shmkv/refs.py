@@ -13,10 +13,9 @@ from typing import Dict, Optional, Sequence as Seq
 
 import numpy as np
 
-from .errors import (InvalidArgument, UnknownCache, WrongType)
+from .errors import InvalidArgument, UnknownCache, WrongType
 from .rows import Rows, Sequence, _same, format_cache_id
-from .tables import (CACHE_ID, run_index)
-
+from .tables import CACHE_ID, run_index
 
 
 class Refs(Rows):

@@ -87,8 +87,8 @@ import numpy as np
 
 from .errors import InvalidArgument, ShmkvError, WrongType
 from .memory import block_bytes
-from .tier_io import flat_to_pool, pool_to_flat
 from .sequences import PendingPromotion
+from .tier_io import flat_to_pool, pool_to_flat
 
 log = logging.getLogger("shmkv.remote")
 
@@ -350,7 +350,6 @@ class RemoteTierSet:
     """
 
     def __init__(self, spec: RedisTier, local, config, memory, table, wake):
-        import torch
         self.spec = spec
         self.local = local
         self.config = config

@@ -24,12 +24,8 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 
 from .allocator import BlockPool
-from .errors import (InvalidArgument, LimitExceeded, PoolExhausted,
-                     WrongType)
-from .tables import (CACHE_ID, NUM_TOKENS, TableWriter,
-                     run_index)
-
-
+from .errors import InvalidArgument, LimitExceeded, PoolExhausted, WrongType
+from .tables import CACHE_ID, NUM_TOKENS, TableWriter, run_index
 
 TOKEN_VERSION = 1
 

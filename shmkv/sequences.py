@@ -46,8 +46,15 @@ from .allocator import BlockPool
 from .decode import Decode, _Kept
 from .handoffs import _Handoff
 from .prefix import AllocationPlan, PendingPromotion
-from .rows import (MAX_REQUEST_ID, MAX_SALT_BYTES, TOKEN_SIZE, TOKEN_VERSION, Sequence,
-                   _check_count, format_cache_id)
+from .rows import (
+    MAX_REQUEST_ID,
+    MAX_SALT_BYTES,
+    TOKEN_SIZE,
+    TOKEN_VERSION,
+    Sequence,
+    _check_count,
+    format_cache_id,
+)
 from .tables import CACHE_ID, NUM_TOKENS, SEQ_FIELDS, TableLayout, TableWriter
 
 __all__ = ["SequenceTable", "Sequence", "PendingPromotion", "AllocationPlan",

@@ -1,15 +1,14 @@
 """The batch data plane: shared block tables, steps, descriptors, tensor parallelism."""
 
-import os
 import signal
 import time
 
 import pytest
 import torch
+import workers
+from conftest import SPAWN, join_or_kill
 
 import shmkv
-from conftest import SPAWN, join_or_kill
-import workers
 
 L, H, D, BS = 2, 4, 8, 4
 

@@ -8,14 +8,13 @@ import time
 import numpy as np
 import pytest
 import torch
+from test_batch import BS, D, H, L, cfg, client, coord, expected_kv, write_step  # noqa: F401
 
 import shmkv
 from shmkv import errors, protocol
 from shmkv.allocator import BlockPool
 from shmkv.sequences import SequenceTable
 from shmkv.tables import CACHE_ID, NUM_TOKENS
-
-from test_batch import BS, D, H, L, cfg, client, coord, expected_kv, write_step  # noqa: F401
 
 
 def make_table(num_blocks=64, max_sequences=16):
@@ -453,6 +452,7 @@ def _random_kept_run(seed: int, steps: int = 300) -> None:
     shared row, every slot a step reserved writable by its own sequence alone, and a
     kept step that says "same" describing the rows exactly."""
     import random
+
     from shmkv.tables import GENERATION
     rng = random.Random(seed)
     now = [0.0]

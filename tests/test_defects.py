@@ -6,10 +6,10 @@ import pickle
 import numpy as np
 import pytest
 import torch
+import workers
+from conftest import SPAWN, join_or_kill
 
 import shmkv
-from conftest import SPAWN, join_or_kill
-import workers
 
 
 @pytest.fixture

@@ -11,9 +11,9 @@ import traceback
 
 import pytest
 import torch
+from conftest import SPAWN, join_or_kill
 
 import shmkv
-from conftest import SPAWN, join_or_kill
 
 LAYERS, HEADS, DIM, BS = 3, 4, 8, 4
 

@@ -6,8 +6,8 @@ unchanged once the fuzzing connection is gone."""
 import os
 import random
 import socket
-import sys
 import struct
+import sys
 import time
 
 import msgpack

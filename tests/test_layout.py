@@ -58,6 +58,7 @@ def test_fingerprint_depends_on_layout():
 
 def test_pool_larger_than_dev_shm_fails_before_allocating(unique_name):
     import os
+
     from shmkv.shm import shm_free_bytes
     before = set(os.listdir("/dev/shm"))
     free = shm_free_bytes()

@@ -6,11 +6,11 @@ import secrets
 import signal
 import time
 
-import pytest
-
 import conftest
-import shmkv
+import pytest
 from conftest import SPAWN, join_or_kill
+
+import shmkv
 from shmkv.coordinator import default_address, runtime_dir
 from shmkv.tools import cli
 

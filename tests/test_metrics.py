@@ -315,6 +315,7 @@ def test_a_loopback_bind_logs_no_warning(small_config, unique_name, caplog):
 
 def test_the_collector_gives_the_endpoints_series(small_config, unique_name):
     from prometheus_client import CollectorRegistry, generate_latest
+
     from shmkv.metrics import CoordinatorCollector
     with shmkv.Coordinator(small_config, name=unique_name, metrics_port=0) as coord:
         with shmkv.connect(coord.address, timeout=10) as client:

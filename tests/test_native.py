@@ -415,9 +415,9 @@ def test_a_home_that_cannot_be_written_builds_in_a_private_temporary_directory(
 @needs_cc
 def test_generate_decodes_through_the_kernel_equal_to_dynamic_cache(monkeypatch):
     pytest.importorskip("transformers")
-    import shmkv
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
+    import shmkv
     from shmkv.integrations.transformers import ShmkvCache, cache_argument, pool_config
 
     config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,

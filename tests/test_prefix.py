@@ -4,10 +4,10 @@ import time
 
 import pytest
 import torch
+import workers
+from conftest import SPAWN, join_or_kill
 
 import shmkv
-from conftest import SPAWN, join_or_kill
-import workers
 
 
 def test_prefix_written_in_a_is_reused_by_b_with_identical_kv(coord, client):

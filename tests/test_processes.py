@@ -9,10 +9,10 @@ import time
 
 import pytest
 import torch
+import workers
+from conftest import SPAWN, join_or_kill
 
 import shmkv
-from conftest import SPAWN, join_or_kill
-import workers
 
 
 def test_two_processes_see_the_same_bytes_without_copying(coord, client):

@@ -18,8 +18,15 @@ import uuid
 import pytest
 import torch
 from hypothesis import HealthCheck, settings, strategies as st
-from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initialize, multiple,
-                                 invariant, rule)
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    multiple,
+    rule,
+)
 
 import shmkv
 from shmkv import hashing

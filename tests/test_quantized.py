@@ -14,9 +14,9 @@ import math
 
 import pytest
 import torch
+from conftest import SPAWN, join_or_kill
 
 import shmkv
-from conftest import SPAWN, join_or_kill
 from shmkv.attention import AttentionWorkspace, paged_attention
 
 DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8]

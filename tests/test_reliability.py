@@ -11,9 +11,9 @@ import time
 
 import pytest
 import torch
+from conftest import SPAWN, join_or_kill
 
 import shmkv
-from conftest import SPAWN, join_or_kill
 
 
 def values(seed: int, n: int, heads: int = 4, dim: int = 8) -> torch.Tensor:

@@ -651,6 +651,7 @@ def test_a_demotion_whose_block_was_evicted_before_its_completion_was_taken_is_d
     the disk serves for the key afterwards (if anything: the tiers may have saved the
     block another way) is the key's bytes (1.0)."""
     import tier_faults
+
     from shmkv import tiers as tiers_mod
     monkeypatch.setattr(tiers_mod, "IO_PROCESS_PRELOAD", tier_faults.spec("slow_disk_write"))
     num_blocks = 4

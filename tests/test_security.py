@@ -15,10 +15,10 @@ import time
 
 import pytest
 import torch
+from conftest import SPAWN, join_or_kill
 
 import shmkv
 from shmkv.coordinator import runtime_dir
-from conftest import SPAWN, join_or_kill
 
 STATE_KEYS = ("num_blocks", "free_blocks", "cached_blocks", "referenced_blocks", "sequences",
               "handoffs", "prefix_index_blocks", "evictions", "cow_copies", "published_blocks")

@@ -17,14 +17,13 @@ import time
 
 import psutil
 import pytest
+import tier_faults
 import torch
+from conftest import SPAWN, join_or_kill, shm_entries
 
 import shmkv
-import tier_faults
-from shmkv import tier_io
-from shmkv import tiers as tiers_mod
+from shmkv import tier_io, tiers as tiers_mod
 from shmkv.coordinator import remove_stale_socket
-from conftest import SPAWN, join_or_kill, shm_entries
 
 BS = 4
 
@@ -356,8 +355,8 @@ def test_pipelined_requests_that_each_need_a_promotion_are_all_answered(unique_n
     start in the very next turn, not when something else wakes the loop (here it would
     sleep a minute)."""
     import socket
-    from shmkv import coordinator as coordinator_mod
-    from shmkv import protocol
+
+    from shmkv import coordinator as coordinator_mod, protocol
     monkeypatch.setattr(coordinator_mod, "_MAX_WAIT_S", 60.0)
     cfg = make_config(num_blocks=8)
     p, q = prompts_of(2, 2)
@@ -777,6 +776,7 @@ def test_a_promotion_pins_its_entries_before_its_turn_places_demotions(unique_na
     Driven turn by turn through the coordinator's own loop, with copies in its threads."""
     import selectors
     import socket
+
     from shmkv import protocol
     from shmkv.coordinator import _Conn
     monkeypatch.setattr(tiers_mod, "IO_PROCESS", False)
@@ -1053,7 +1053,7 @@ def test_a_pool_filled_back_to_back_keeps_its_first_prompt_on_a_tier(tmp_path, u
         # Nothing silent: every block is in the pool, on the tier, or counted lost.
         lost = sum(3 - max(t, c) for t, c in zip(on_tier, in_pool))
         assert lost == st["tier_io"]["lost_evictions"]
-        from shmkv import metrics   # and the counters are exported
+        from shmkv import metrics  # and the counters are exported
         series = {name: samples for name, _kind, _doc, samples in metrics.families(coord)}
         for name in ("lost", "rescued"):
             (sample,) = series[f"shmkv_tier_{name}_evictions"]

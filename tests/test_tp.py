@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+import workers
+from conftest import SPAWN, join_or_kill
 
 import shmkv
-from conftest import SPAWN, join_or_kill
-import workers
 
 TP = 2
 

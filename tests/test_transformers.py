@@ -18,16 +18,35 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import (DynamicCache, GemmaConfig, GemmaForCausalLM,  # noqa: E402
-                          GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM,
-                          MistralConfig, MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM,
-                          Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+from conftest import SPAWN, join_or_kill  # noqa: E402
+from transformers import (  # noqa: E402
+    DynamicCache,
+    GemmaConfig,
+    GemmaForCausalLM,
+    GraniteConfig,
+    GraniteForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 import shmkv  # noqa: E402
-from conftest import SPAWN, join_or_kill  # noqa: E402
-from shmkv.integrations.transformers import (ShmkvCache, cache_argument,  # noqa: E402
-                                             left_pad, model_cache_salt, pool_config,
-                                             prefill, use_shmkv_attention)
+from shmkv.integrations.transformers import (  # noqa: E402
+    ShmkvCache,
+    cache_argument,
+    left_pad,
+    model_cache_salt,
+    pool_config,
+    prefill,
+    use_shmkv_attention,
+)
 
 VOCAB = 256
 NEW_TOKENS = 10

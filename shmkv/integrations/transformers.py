@@ -66,8 +66,12 @@ import torch.nn.functional as F
 try:
     from transformers.cache_utils import Cache, CacheLayerMixin
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import (AttentionMaskInterface, causal_mask_function,
-                                            prepare_padding_mask, sdpa_mask)
+    from transformers.masking_utils import (
+        AttentionMaskInterface,
+        causal_mask_function,
+        prepare_padding_mask,
+        sdpa_mask,
+    )
     from transformers.modeling_utils import AttentionInterface
 except ImportError as exc:  # transformers before per-layer caches and attention interfaces
     raise ImportError("shmkv.integrations.transformers needs a transformers release whose "

@@ -42,8 +42,13 @@ class ProgressBar:
             return
         try:
             from rich.console import Console
-            from rich.progress import (BarColumn, Progress, SpinnerColumn, TextColumn,
-                                       TimeElapsedColumn)
+            from rich.progress import (
+                BarColumn,
+                Progress,
+                SpinnerColumn,
+                TextColumn,
+                TimeElapsedColumn,
+            )
         except ImportError:  # rich is a dependency; a broken install only loses the bar
             return
         self._progress = Progress(
