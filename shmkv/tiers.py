@@ -92,7 +92,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict, deque
-from typing import Callable, List, Optional
+from typing import Any, Callable, List, Optional
 
 import numpy as np
 
@@ -831,7 +831,281 @@ _LIVE_IO: "weakref.WeakSet[_IoProcess]" = weakref.WeakSet()
 # -- the tier set -----------------------------------------------------------------------
 
 
-class TierSet:
+class _Demotion:
+    """How every block that becomes cached in the pool reaches a tier: its placement
+    (a host slot, a disk write, or the backlog while neither has room, a prefix's first
+    blocks first), the spills from host to disk, and the rescue of a block evicted
+    before its copy was done. Part of :class:`TierSet` (its state is TierSet's, made in
+    ``TierSet.__init__``); a copy's completion is checked there (``_complete``) against
+    the block's identity (``_still_holds``)."""
+
+    # TierSet's state the demotion side reads and writes (see TierSet.__init__).
+    pool: Any
+    host: Optional[_HostStore]
+    disk: Optional[_DiskStore]
+    _staging: Optional[_HostStore]
+    _gens: Any
+    _reading: dict
+    _backlog: "OrderedDict[int, bytes]"
+    _spill: "OrderedDict[bytes, None]"
+    _new_demotes: list
+    _new_disk: list
+    _disk_in_flight: int
+    num_lost_evictions: int
+    num_rescued_evictions: int
+    _pool_u8: Any
+    _pool_np: Any
+
+    def _on_evict(self, block: int, key: bytes) -> None:
+        """The pool evicts a cached block (called inside ``BlockPool.allocate``, before
+        anyone can be told to write it: its bytes are still the key's). A block whose
+        copy down a tier was not done is rescued: copied now, on the loop (see
+        :meth:`_rescue`); one no tier holds or can take is counted lost."""
+        unsafe = False
+        if self._reading:
+            copy = self._reading.pop(block, False)
+            if copy is not False:
+                unsafe = True
+                if copy is not None:       # its demotion is still copying: cancel it
+                    copy.cancelled = True
+                    if self._gens is not None:   # and tell the I/O process (before anyone
+                        self._gens[block] += 1   # writes)
+                else:                      # never copied: it leaves the backlog
+                    self._backlog.pop(block, None)
+        host = self.host
+        if host is not None:   # the common case, first: the host tier has it
+            entry = host.index.get(key)
+            if entry is not None and entry.ready:
+                return
+        if self._held(key):
+            return
+        if unsafe and self._rescue(block, key):
+            self.num_rescued_evictions += 1
+        else:                  # no tier has it, nor can take it now: lost
+            self.num_lost_evictions += 1
+
+    def _rescue(self, block: int, key: bytes) -> bool:
+        """Copy an evicted block whose copy down a tier is not done, on the loop, now
+        (its bytes are the key's until the allocation evicting it is answered): into a
+        host tier slot (ready at once), else a staging slot written to disk from there.
+        False when neither has room. One memcpy of a block, only when the tiers are behind
+        the pool's churn and nothing already safe was left to evict
+        (``BlockPool.copying``)."""
+        host, disk, staging = self.host, self.disk, self._staging
+        if host is not None:
+            slot = self._host_slot()
+            if slot is not None:
+                pool_to_flat(self._pool_np, self._pool_u8, block, host.data[slot],
+                             host.np[slot])
+                # (an unfinished copy's entry is replaced: its completion frees its slot)
+                host.index[key] = _Entry(slot, ready=True)
+                host.num_ready += 1
+                host.counters["demotions"] += 1
+                if disk is not None and disk.disabled is None and key not in disk.index:
+                    self._spill[key] = None
+                return True
+        if staging is None or not staging.free or not disk.usable(time.monotonic()):
+            return False
+        if key not in disk.index:   # (else: an unfinished copy's, whose room it takes over)
+            if not self._disk_reserve():
+                return False
+        slot = staging.free.pop()
+        pool_to_flat(self._pool_np, self._pool_u8, block, staging.data[slot], staging.np[slot])
+        entry = _Entry()
+        entry.staged = True
+        disk.index[key] = entry
+        self._new_disk.append(_Copy("s2d", key, slot=slot, entry=entry))
+        self._disk_in_flight += 1
+        return True
+
+    def _held(self, key: bytes) -> bool:
+        """A tier has the key's bytes (ready, or in a staging slot on their way to disk)."""
+        for store in (self.host, self.disk):
+            if store is not None:
+                entry = store.index.get(key)
+                if entry is not None and (entry.ready or entry.staged):
+                    return True
+        return False
+
+    def _drain_backlog(self) -> None:
+        """Place the backlog's blocks, oldest first, until one must wait again."""
+        backlog, reading, block_key = self._backlog, self._reading, self.pool.block_key
+        while backlog:
+            block, key = next(iter(backlog.items()))
+            if block_key[block] == key and not self._place(block, key, queued=True):
+                return   # no room yet: it stays first
+            del backlog[block]
+            if reading.get(block, False) is None:   # (a copy placed now replaced the mark)
+                del reading[block]
+
+    def _place(self, block: int, key: bytes, queued: bool = False) -> bool:
+        """A published block became cached: copy it to the first tier that lacks it.
+
+        Returns False when it must wait for room (every host slot busy and no disk
+        write to spare): the caller keeps it in the backlog. True otherwise: a copy was
+        scheduled, a tier has it already, or no tier can take it (the disk is full,
+        failing or not used, and there is no host tier); the loop does not retry those.
+        ``queued``: ``move_to_end`` of an entry it finds is skipped (the block waited;
+        it was used when it became cached, not now)."""
+        host, disk = self.host, self.disk
+        if host is not None:
+            entry = host.index.get(key)
+            if entry is not None:
+                if not queued:
+                    host.index.move_to_end(key)
+                if disk is not None and disk.disabled is None:
+                    if key in disk.index:
+                        if not queued:
+                            disk.index.move_to_end(key)
+                    elif entry.ready:
+                        self._spill[key] = None   # an earlier write failed (a full disk)
+                return True
+            slot = self._host_slot()
+            if slot is not None:
+                entry = _Entry(slot)
+                entry.src_gen = self.pool.key_gen[block]   # checked as the copy completes
+                host.index[key] = entry
+                copy = _Copy("p2h", key, block=block, slot=slot, entry=entry,
+                             gen=0 if self._gens is None else int(self._gens[block]))
+                self._reading[block] = copy
+                self._new_demotes.append(copy)
+                return True
+        if disk is None or disk.disabled is not None:
+            return host is None   # the host tier's slots are all busy: wait for one
+        if key in disk.index:
+            if not queued:
+                disk.index.move_to_end(key)
+            return True
+        if not disk.usable(time.monotonic()) or disk.file_nbytes > disk.capacity_bytes:
+            return True           # full: demotion to disk pauses (counted in "full")
+        if self._disk_in_flight >= MAX_DISK_WRITES_IN_FLIGHT:
+            return False   # every write in flight: wait
+        staged = not DIRECT_DISK_DEMOTION
+        if staged and len(self._staging.free) <= STAGING_RESCUE:
+            return False   # every staging slot busy (but those kept for rescues): wait
+        if not self._disk_reserve():
+            return False   # every disk entry busy: wait
+        entry = _Entry()
+        entry.src_gen = self.pool.key_gen[block]   # checked as the copy completes
+        disk.index[key] = entry
+        gen = 0 if self._gens is None else int(self._gens[block])
+        if staged:   # through a staging slot, checked by the loop (tier_io: memory ordering)
+            copy = _Copy("p2s", key, block=block, slot=self._staging.free.pop(), entry=entry,
+                         gen=gen)
+            self._new_demotes.append(copy)
+        else:
+            copy = _Copy("p2d", key, block=block, entry=entry, gen=gen)
+            self._new_disk.append(copy)
+        self._reading[block] = copy
+        self._disk_in_flight += 1
+        return True
+
+    def _host_slot(self) -> Optional[int]:
+        """A free host slot, making room by the LRU when needed; None when all are busy.
+
+        With a disk tier that takes writes, only an entry already on disk makes room (the
+        oldest of the first ``HOST_SCAN`` entries; an entry whose disk write is still to
+        come is busy): the host tier drops nothing the disk does not hold."""
+        host, disk = self.host, self.disk
+        if host.free:
+            return host.free.pop()
+        on_disk = None
+        if disk is not None and disk.usable(time.monotonic()):
+            on_disk = disk.index
+        scanned, spill = 0, self._spill
+        for key, entry in host.index.items():   # oldest first; busy entries are skipped
+            if entry.ready and not entry.pins:
+                if on_disk is None:
+                    break
+                target = on_disk.get(key)
+                if target is None:
+                    if key not in spill:   # its disk write failed: nothing to wait for
+                        break
+                elif target.ready:
+                    break
+            scanned += 1
+            if scanned >= HOST_SCAN:
+                return None
+        else:
+            return None
+        del host.index[key]
+        host.num_ready -= 1
+        self._spill.pop(key, None)
+        disk = self.disk
+        on_disk = disk is not None and key in disk.index and disk.index[key].ready
+        if not on_disk:
+            host.counters["dropped"] += 1
+        return entry.slot
+
+    def _disk_reserve(self) -> bool:
+        """Make room for one file by deleting the disk's LRU blocks; False if it cannot."""
+        disk = self.disk
+        while disk.bytes + disk.file_nbytes > disk.capacity_bytes:
+            for key, entry in disk.index.items():
+                if entry.ready and not entry.pins:
+                    break
+            else:
+                return False
+            self._disk_remove(key)
+            disk.counters["dropped"] += 1
+        disk.bytes += disk.file_nbytes
+        return True
+
+    def _disk_remove(self, key: bytes) -> None:
+        """Forget a disk block and delete its file (after any write queued before)."""
+        disk = self.disk
+        self._unready(disk, disk.index.pop(key))
+        disk.bytes -= disk.file_nbytes
+        self._new_disk.append(_Copy("del", key))
+
+    @staticmethod
+    def _unready(store, entry: _Entry) -> None:
+        if entry.ready:
+            entry.ready = False
+            store.num_ready -= 1
+
+    def _schedule_spills(self) -> None:
+        disk, host = self.disk, self.host
+        if not disk.usable(time.monotonic()):
+            return
+        while self._spill and self._disk_in_flight < MAX_DISK_WRITES_IN_FLIGHT:
+            key, _ = self._spill.popitem(last=False)
+            entry = host.index.get(key)
+            if entry is None or not entry.ready or key in disk.index:
+                continue
+            if not self._disk_reserve():
+                self._spill[key] = None
+                self._spill.move_to_end(key, last=False)
+                return
+            entry.pins += 1
+            target = _Entry()
+            disk.index[key] = target
+            self._new_disk.append(_Copy("h2d", key, slot=entry.slot, entry=target, src=entry))
+            self._disk_in_flight += 1
+
+    def _unpin(self, entry: _Entry, key: bytes) -> None:
+        entry.pins -= 1
+        if entry.doomed and not entry.pins:
+            self._unpin_doomed(entry, key)
+
+    def _still_holds(self, copy) -> bool:
+        """A demotion's block still holds the key it was copied under (the allocator's
+        rule: ``BlockPool.still_holds``); a copy whose block changed is counted there and
+        discarded by the caller. Checked as its completion is taken, after its last
+        read, before it is published in a tier's index."""
+        if self.pool.still_holds(copy.block, copy.key, copy.entry.src_gen):
+            return True
+        self.pool.discard_copies(1)
+        return False
+
+    def _unpin_doomed(self, entry: _Entry, key: bytes) -> None:
+        """The last copy reading a damaged entry is done: remove it (only disk entries
+        are doomed)."""
+        if self.disk is not None and self.disk.index.get(key) is entry:
+            self._disk_remove(key)
+
+
+class TierSet(_Demotion):
     """The tiers of one coordinator, their indexes, and where their copies run.
 
     Made by the coordinator at open. Everything here runs on the coordinator's loop
@@ -1046,76 +1320,8 @@ class TierSet:
 
     # -- loop side: hooks from the pool ---------------------------------------------------
 
-    def _on_evict(self, block: int, key: bytes) -> None:
-        """The pool evicts a cached block (called inside ``BlockPool.allocate``, before
-        anyone can be told to write it: its bytes are still the key's). A block whose
-        copy down a tier was not done is rescued: copied now, on the loop (see
-        :meth:`_rescue`); one no tier holds or can take is counted lost."""
-        unsafe = False
-        if self._reading:
-            copy = self._reading.pop(block, False)
-            if copy is not False:
-                unsafe = True
-                if copy is not None:       # its demotion is still copying: cancel it
-                    copy.cancelled = True
-                    if self._gens is not None:   # and tell the I/O process (before anyone
-                        self._gens[block] += 1   # writes)
-                else:                      # never copied: it leaves the backlog
-                    self._backlog.pop(block, None)
-        host = self.host
-        if host is not None:   # the common case, first: the host tier has it
-            entry = host.index.get(key)
-            if entry is not None and entry.ready:
-                return
-        if self._held(key):
-            return
-        if unsafe and self._rescue(block, key):
-            self.num_rescued_evictions += 1
-        else:                  # no tier has it, nor can take it now: lost
-            self.num_lost_evictions += 1
 
-    def _rescue(self, block: int, key: bytes) -> bool:
-        """Copy an evicted block whose copy down a tier is not done, on the loop, now
-        (its bytes are the key's until the allocation evicting it is answered): into a
-        host tier slot (ready at once), else a staging slot written to disk from there.
-        False when neither has room. One memcpy of a block, only when the tiers are behind
-        the pool's churn and nothing already safe was left to evict
-        (``BlockPool.copying``)."""
-        host, disk, staging = self.host, self.disk, self._staging
-        if host is not None:
-            slot = self._host_slot()
-            if slot is not None:
-                pool_to_flat(self._pool_np, self._pool_u8, block, host.data[slot],
-                             host.np[slot])
-                # (an unfinished copy's entry is replaced: its completion frees its slot)
-                host.index[key] = _Entry(slot, ready=True)
-                host.num_ready += 1
-                host.counters["demotions"] += 1
-                if disk is not None and disk.disabled is None and key not in disk.index:
-                    self._spill[key] = None
-                return True
-        if staging is None or not staging.free or not disk.usable(time.monotonic()):
-            return False
-        if key not in disk.index:   # (else: an unfinished copy's, whose room it takes over)
-            if not self._disk_reserve():
-                return False
-        slot = staging.free.pop()
-        pool_to_flat(self._pool_np, self._pool_u8, block, staging.data[slot], staging.np[slot])
-        entry = _Entry()
-        entry.staged = True
-        disk.index[key] = entry
-        self._new_disk.append(_Copy("s2d", key, slot=slot, entry=entry))
-        self._disk_in_flight += 1
-        return True
 
-    def _held(self, key: bytes) -> bool:
-        """A tier has the key's bytes (ready, or in a staging slot on their way to disk)."""
-        for store in (self.host, self.disk):
-            if store is not None:
-                entry = store.index.get(key)
-                if entry is not None and (entry.ready or entry.staged):
-                    return True
-        return False
 
     # -- loop side: the turn ----------------------------------------------------------------
 
@@ -1173,17 +1379,6 @@ class TierSet:
         return (self._jobs_out + len(self._spill) + len(self._new_demotes)
                 + len(self._new_disk) + len(self._backlog))
 
-    def _drain_backlog(self) -> None:
-        """Place the backlog's blocks, oldest first, until one must wait again."""
-        backlog, reading, block_key = self._backlog, self._reading, self.pool.block_key
-        while backlog:
-            block, key = next(iter(backlog.items()))
-            if block_key[block] == key and not self._place(block, key, queued=True):
-                return   # no room yet: it stays first
-            del backlog[block]
-            if reading.get(block, False) is None:   # (a copy placed now replaced the mark)
-                del reading[block]
-
     def _submit(self) -> None:
         if not (self._new_demotes or self._new_disk):
             return
@@ -1217,166 +1412,6 @@ class TierSet:
             if job.copies is None:   # a promotion's columns: as copies, for the threads
                 job.copies = job.promotion.copies()
             self._copier.submit(job.queue, job)
-
-    def _place(self, block: int, key: bytes, queued: bool = False) -> bool:
-        """A published block became cached: copy it to the first tier that lacks it.
-
-        Returns False when it must wait for room (every host slot busy and no disk
-        write to spare): the caller keeps it in the backlog. True otherwise: a copy was
-        scheduled, a tier has it already, or no tier can take it (the disk is full,
-        failing or not used, and there is no host tier); the loop does not retry those.
-        ``queued``: ``move_to_end`` of an entry it finds is skipped (the block waited;
-        it was used when it became cached, not now)."""
-        host, disk = self.host, self.disk
-        if host is not None:
-            entry = host.index.get(key)
-            if entry is not None:
-                if not queued:
-                    host.index.move_to_end(key)
-                if disk is not None and disk.disabled is None:
-                    if key in disk.index:
-                        if not queued:
-                            disk.index.move_to_end(key)
-                    elif entry.ready:
-                        self._spill[key] = None   # an earlier write failed (a full disk)
-                return True
-            slot = self._host_slot()
-            if slot is not None:
-                entry = _Entry(slot)
-                entry.src_gen = self.pool.key_gen[block]   # checked as the copy completes
-                host.index[key] = entry
-                copy = _Copy("p2h", key, block=block, slot=slot, entry=entry,
-                             gen=0 if self._gens is None else int(self._gens[block]))
-                self._reading[block] = copy
-                self._new_demotes.append(copy)
-                return True
-        if disk is None or disk.disabled is not None:
-            return host is None   # the host tier's slots are all busy: wait for one
-        if key in disk.index:
-            if not queued:
-                disk.index.move_to_end(key)
-            return True
-        if not disk.usable(time.monotonic()) or disk.file_nbytes > disk.capacity_bytes:
-            return True           # full: demotion to disk pauses (counted in "full")
-        if self._disk_in_flight >= MAX_DISK_WRITES_IN_FLIGHT:
-            return False   # every write in flight: wait
-        staged = not DIRECT_DISK_DEMOTION
-        if staged and len(self._staging.free) <= STAGING_RESCUE:
-            return False   # every staging slot busy (but those kept for rescues): wait
-        if not self._disk_reserve():
-            return False   # every disk entry busy: wait
-        entry = _Entry()
-        entry.src_gen = self.pool.key_gen[block]   # checked as the copy completes
-        disk.index[key] = entry
-        gen = 0 if self._gens is None else int(self._gens[block])
-        if staged:   # through a staging slot, checked by the loop (tier_io: memory ordering)
-            copy = _Copy("p2s", key, block=block, slot=self._staging.free.pop(), entry=entry,
-                         gen=gen)
-            self._new_demotes.append(copy)
-        else:
-            copy = _Copy("p2d", key, block=block, entry=entry, gen=gen)
-            self._new_disk.append(copy)
-        self._reading[block] = copy
-        self._disk_in_flight += 1
-        return True
-
-    def _host_slot(self) -> Optional[int]:
-        """A free host slot, making room by the LRU when needed; None when all are busy.
-
-        With a disk tier that takes writes, only an entry already on disk makes room (the
-        oldest of the first ``HOST_SCAN`` entries; an entry whose disk write is still to
-        come is busy): the host tier drops nothing the disk does not hold."""
-        host, disk = self.host, self.disk
-        if host.free:
-            return host.free.pop()
-        on_disk = None
-        if disk is not None and disk.usable(time.monotonic()):
-            on_disk = disk.index
-        scanned, spill = 0, self._spill
-        for key, entry in host.index.items():   # oldest first; busy entries are skipped
-            if entry.ready and not entry.pins:
-                if on_disk is None:
-                    break
-                target = on_disk.get(key)
-                if target is None:
-                    if key not in spill:   # its disk write failed: nothing to wait for
-                        break
-                elif target.ready:
-                    break
-            scanned += 1
-            if scanned >= HOST_SCAN:
-                return None
-        else:
-            return None
-        del host.index[key]
-        host.num_ready -= 1
-        self._spill.pop(key, None)
-        disk = self.disk
-        on_disk = disk is not None and key in disk.index and disk.index[key].ready
-        if not on_disk:
-            host.counters["dropped"] += 1
-        return entry.slot
-
-    def _disk_reserve(self) -> bool:
-        """Make room for one file by deleting the disk's LRU blocks; False if it cannot."""
-        disk = self.disk
-        while disk.bytes + disk.file_nbytes > disk.capacity_bytes:
-            for key, entry in disk.index.items():
-                if entry.ready and not entry.pins:
-                    break
-            else:
-                return False
-            self._disk_remove(key)
-            disk.counters["dropped"] += 1
-        disk.bytes += disk.file_nbytes
-        return True
-
-    def _disk_remove(self, key: bytes) -> None:
-        """Forget a disk block and delete its file (after any write queued before)."""
-        disk = self.disk
-        self._unready(disk, disk.index.pop(key))
-        disk.bytes -= disk.file_nbytes
-        self._new_disk.append(_Copy("del", key))
-
-    @staticmethod
-    def _unready(store, entry: _Entry) -> None:
-        if entry.ready:
-            entry.ready = False
-            store.num_ready -= 1
-
-    def _schedule_spills(self) -> None:
-        disk, host = self.disk, self.host
-        if not disk.usable(time.monotonic()):
-            return
-        while self._spill and self._disk_in_flight < MAX_DISK_WRITES_IN_FLIGHT:
-            key, _ = self._spill.popitem(last=False)
-            entry = host.index.get(key)
-            if entry is None or not entry.ready or key in disk.index:
-                continue
-            if not self._disk_reserve():
-                self._spill[key] = None
-                self._spill.move_to_end(key, last=False)
-                return
-            entry.pins += 1
-            target = _Entry()
-            disk.index[key] = target
-            self._new_disk.append(_Copy("h2d", key, slot=entry.slot, entry=target, src=entry))
-            self._disk_in_flight += 1
-
-    def _unpin(self, entry: _Entry, key: bytes) -> None:
-        entry.pins -= 1
-        if entry.doomed and not entry.pins:
-            self._unpin_doomed(entry, key)
-
-    def _still_holds(self, copy) -> bool:
-        """A demotion's block still holds the key it was copied under (the allocator's
-        rule: ``BlockPool.still_holds``); a copy whose block changed is counted there and
-        discarded by the caller. Checked as its completion is taken, after its last
-        read, before it is published in a tier's index."""
-        if self.pool.still_holds(copy.block, copy.key, copy.entry.src_gen):
-            return True
-        self.pool.discard_copies(1)
-        return False
 
     def _complete(self, job: _Job, finished: list) -> None:
         self._jobs_out -= 1
@@ -1506,12 +1541,6 @@ class TierSet:
             row = statuses[at:at + length]
             self.table.finish_promotion(record, length - len(row.lstrip(ok)))
             at += length
-
-    def _unpin_doomed(self, entry: _Entry, key: bytes) -> None:
-        """The last copy reading a damaged entry is done: remove it (only disk entries
-        are doomed)."""
-        if self.disk is not None and self.disk.index.get(key) is entry:
-            self._disk_remove(key)
 
     def _merge_scan(self) -> None:
         disk = self.disk
