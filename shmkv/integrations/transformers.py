@@ -103,7 +103,8 @@ _WARM_MIN_NUMEL = 1 << 16
 # "No position": above any row position.
 _NEVER = 1 << 62
 
-_QUANTIZED = (torch.int8, getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None))
+_QUANTIZED = (torch.int8, getattr(torch, "float8_e4m3fn", None),
+              getattr(torch, "float8_e5m2", None))
 
 
 def _quantize(t: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
@@ -462,7 +463,396 @@ class _Forward:
         self.mirror_mask = False      # (padding mask or None, warm) for it; False: not yet
 
 
-class ShmkvCache(Cache):
+class _CacheSteps:
+    """The step each forward makes over a :class:`ShmkvCache`'s rows: reserving the new
+    tokens' slots (one batch step), checking each written token sits at its own position
+    (what ``commit`` may publish), and writing K/V. Part of ShmkvCache (its state)."""
+
+    def _append(self, fwd: _Forward, layer_idx: int, key_states: torch.Tensor,
+                value_states: torch.Tensor) -> bool:
+        """A decode step over the mirror, in the fewest calls: write the new token of
+        every row into the pool and append it to the layer's mirror, which holds every
+        position before it and has room for it. False (nothing done) when any of that
+        does not hold: :meth:`update` then takes the general way. (``fwd.append`` says
+        the forward's dtype, device and grad mode allow it.)"""
+        bufs = self._dense_bufs[layer_idx] if self._dense_bufs is not None else None
+        start = fwd.start
+        if (bufs is None or self._dense_len[layer_idx] != start or bufs[0].shape[2] <= start
+                or bufs[0].shape[0] != key_states.shape[0] or bufs[0].dtype != key_states.dtype
+                or value_states.dtype != key_states.dtype or bufs[0].device != key_states.device
+                or not key_states.is_contiguous() or not value_states.is_contiguous()):
+            return False
+        batch, heads, _, head_dim = key_states.shape
+        fwd.step.write(layer_idx, key_states.view(batch, heads, head_dim),
+                       value_states.view(batch, heads, head_dim))
+        k_buf, v_buf = bufs
+        k_buf.narrow(2, start, 1).copy_(key_states)
+        v_buf.narrow(2, start, 1).copy_(value_states)
+        self._dense_len[layer_idx] = start + 1
+        self._pending = key_states
+        self._mirror_kv = (layer_idx, k_buf.narrow(2, 0, start + 1), v_buf.narrow(2, 0, start + 1))
+        return True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidArgument("this ShmkvCache is closed")
+
+    def _begin(self, start: int, key_states: torch.Tensor) -> _Forward:
+        """The first update of a forward: which path, which slots (one round trip)."""
+        claim, self._claim = self._claim, None
+        positions, self._positions = self._positions, None
+        _MASK_SIZES.__dict__.pop("cache", None)
+        batch, heads, n, head_dim = key_states.shape
+        if self._handles is None:
+            self._handles = self._client.allocate_many([0] * batch)
+            self._owned.update(self._handles)
+            self._set_rows([0] * batch, [0] * batch, [0] * batch)
+        rows = len(self._handles)
+        if rows != batch and self._expandable and batch % rows == 0:
+            # generate(num_return_sequences=k or num_beams=k) repeats every row k times
+            # before its first forward (repeat_interleave): the sequences are forked so.
+            self.batch_repeat_interleave(batch // rows)
+        self._expandable = False
+        if len(self._handles) != batch:
+            raise InvalidArgument(f"the cache holds {len(self._handles)} sequences, the model "
+                                  f"ran a batch of {batch}")
+        first = self._handles[0]
+        if (heads, head_dim) != (first.num_heads, first.head_dim):
+            raise InvalidArgument(f"the model's K/V is {heads} heads x {head_dim}, the pool holds "
+                                  f"{first.num_heads} x {first.head_dim}; size the pool with "
+                                  "pool_config(model.config)")
+        if self._commit_upto is not None and start >= self._commit_upto:
+            self.commit()  # before slots without token ids end the sequences' prefix keys
+        if self._batch is None:
+            client = self._client if self._client is not None else first._client
+            self._batch = client.batch(self._handles)
+            self._pool = client.pool
+            if self._mirror is None:   # off unless asked for: it holds a second copy
+                self._mirror = False
+        kv_length = start + n
+        padding = None
+        paged = claim is not None and (claim.batch_size, claim.q_length, claim.kv_length) == \
+            (batch, n, kv_length)
+        if paged:
+            padding = claim.padding
+            if padding is not None and not self._any_pad and bool(padding.all()):
+                padding = None
+            elif padding is None and self._any_pad:
+                raise InvalidArgument("this ShmkvCache holds rows with left padding, and the "
+                                      "forward has no attention mask: pass the attention mask "
+                                      "that marks the padding (left_pad() makes one)")
+        if padding is None and self._aligned == start and (
+                self._reserved >= kv_length or self._uniform_lens == start):
+            # Decode fast path: every row holds exactly `start` tokens, no padding; the
+            # new ones go into slots already reserved (after a crop, say: no round trip)
+            # or into slots reserved now at the end of every row.
+            prev = self._fwd
+            follows = prev is not None and n == 1 and prev.n == 1 and prev.start + 1 == start
+            step = None
+            if self._reserved >= kv_length:
+                if follows:  # the step after the last one, from its tables: no table read
+                    step = prev.step.advance()
+                if step is None:
+                    step = self._batch.prefill(start=start, num_tokens=n)
+            else:
+                step = self._extend(n)
+                self._lens += n
+                self._reserved = self._uniform_lens = kv_length
+            plan = None
+            if follows and prev.plan is not None and (
+                    step.block_tables is prev.step.block_tables
+                    or torch.equal(step.block_tables, prev.step.block_tables)):
+                # The same blocks, one more key each: the last step's attention plan moved on.
+                plan = prev.plan._next_decode()
+            if positions is not None and start < self._check_below:
+                self._check_positions(positions, start, n, None, None)
+            self._aligned = kv_length
+            self._stored_t = None   # every row: kv_length (made into a tensor when needed)
+            fwd = _Forward(start, n, step, paged, None)
+            if plan is not None:
+                fwd.plan, fwd.query_shape, fwd.out_shape = plan, prev.query_shape, prev.out_shape
+            return fwd
+        pad = self._pad
+        if padding is not None:
+            # Skip new leading padding in rows that hold nothing yet; the mask must then
+            # be exactly "padding, then tokens" for the paged path.
+            lead = (~padding).cumprod(1).sum(1)
+            fresh = (self._stored == 0) & (pad >= start)
+            pad = torch.where(fresh, torch.maximum(pad, lead.clamp(max=kv_length)), pad)
+            expected = torch.arange(kv_length)[None, :] >= pad[:, None]
+            if bool((padding & ~expected).any()):
+                raise InvalidArgument(
+                    "the attention mask marks as tokens positions this ShmkvCache holds as left "
+                    "padding (not stored); keep the mask of the padded prompts")
+            paged = torch.equal(padding, expected)
+        stored, lens = self._stored, self._lens
+        skip = (pad + stored - start).clamp(0, n)      # new tokens a row does not write
+        if bool((pad + stored < start).any()):
+            raise InvalidArgument("a row of this ShmkvCache holds fewer tokens than the cache "
+                                  "length; was a forward interrupted? crop() the cache back")
+        counts = n - skip
+        hstart = (start + skip - pad).clamp(min=0)     # first written position in each row
+        ends = hstart + counts
+        need = (ends - lens).clamp(min=0)
+        uniform = not bool(skip.any())
+        if not bool(need.any()):
+            step = self._batch.prefill(start=hstart, num_tokens=n if uniform else counts)
+        elif torch.equal(hstart, lens):
+            step = self._extend(n if uniform else counts)
+        else:
+            self._extend(need)
+            step = self._batch.prefill(start=hstart, num_tokens=counts)
+        self._pad = pad
+        if start < self._check_below:
+            self._check_positions(positions, start, n, pad, skip)
+        self._stored = torch.maximum(stored, ends)
+        self._lens = torch.maximum(lens, ends)
+        self._refresh_rows()
+        select = None
+        if not uniform:
+            select = (torch.arange(n)[None, :] >= skip[:, None]).reshape(-1).nonzero().squeeze(1)
+        return _Forward(start, n, step, paged, select)
+
+    def _check_positions(self, positions, start: int, n: int, pad, skip) -> None:
+        """Note in ``_unpublished`` the rows whose new K/V a forward computes at positions
+        other than their own: new token ``j`` sits at row position ``start + j - pad``
+        (``pad``, ``skip``: per row, None for none) and is computed at
+        ``positions[:, j]`` (the forward's ``position_ids``; None: transformers'
+        default, ``start + j``). Tokens a row skips (``skip``) are not written."""
+        if pad is None and n == 1 and positions is not None and positions.dim() == 2 \
+                and positions.shape[-1] == 1 and bool((positions == start).all()):
+            return   # a decode step of unpadded rows at their positions: the common case
+        steps = torch.arange(n)
+        own = start + steps[None, :]                        # [1 or batch, n]
+        if pad is not None:
+            own = own - pad[:, None]
+        if positions is None or positions.dim() != 2 or positions.shape[-1] != n:
+            # transformers' default (or a form not checked here, e.g. multimodal rotary
+            # positions [3, batch, n]): the padded positions
+            used = start + steps[None, :]
+        else:
+            used = positions.to(device="cpu", dtype=torch.int64)
+        wrong = used != own
+        if skip is not None:
+            wrong &= steps[None, :] >= skip[:, None]
+        if not bool(wrong.any()):
+            return
+        first = torch.where(wrong, own.expand_as(wrong), _NEVER).amin(1)
+        self._unpublished = torch.minimum(self._unpublished, first)
+
+    def _extend(self, counts):
+        """``batch.extend(counts)``: one round trip (copy-on-write of forked rows' shared
+        last blocks included)."""
+        return self._batch.extend(counts)
+
+    def _write(self, fwd: _Forward, layer_idx: int, key_states, value_states) -> None:
+        """One batch write of the layer's new K/V (the rows ``fwd.select`` names)."""
+        pool = self._pool
+        batch, heads, n, head_dim = key_states.shape
+        if n == 1 and fwd.select is None and key_states.dtype == value_states.dtype == pool.dtype \
+                and key_states.is_contiguous() and value_states.is_contiguous() \
+                and not (key_states.requires_grad or value_states.requires_grad) \
+                and key_states.device == pool.device:
+            # Decode: [batch, heads, 1, dim] is already the [batch, heads, dim] rows.
+            fwd.step.write(layer_idx, key_states.view(batch, heads, head_dim),
+                           value_states.view(batch, heads, head_dim))
+            return
+        k = key_states.detach().transpose(1, 2).reshape(batch * n, heads, head_dim)
+        v = value_states.detach().transpose(1, 2).reshape(batch * n, heads, head_dim)
+        if fwd.select is not None:
+            k, v = k.index_select(0, fwd.select), v.index_select(0, fwd.select)
+        if pool.dtype in _QUANTIZED:
+            k_scale, v_scale = self._scales(layer_idx)
+            k = _quantize(k.to(pool.device), pool.dtype, k_scale)
+            v = _quantize(v.to(pool.device), pool.dtype, v_scale)
+        elif k.dtype != pool.dtype or k.device != pool.device:
+            k = k.to(device=pool.device, dtype=pool.dtype)
+            v = v.to(device=pool.device, dtype=pool.dtype)
+        fwd.step.write(layer_idx, k.contiguous(), v.contiguous())
+
+
+class _CacheAttention:
+    """How a layer of a :class:`ShmkvCache` attends: over the paged pool through the step's
+    block tables, over a mirrored copy, or densely (see the module doc for which path
+    a forward takes). Part of ShmkvCache (its state)."""
+
+    def _scales(self, layer_idx: int) -> tuple:
+        """The layer's ``(k_scale, v_scale)`` of a quantized pool (shared memory)."""
+        return self._batch.client.kv_scales(layer_idx)
+
+    def _attn_pages(self, layer_idx: int) -> tuple:
+        """``(k_pages, v_pages)`` of layer ``layer_idx`` for paged_attention: the layer's
+        own views of the pool, ``[num_blocks, block_size, kv_heads, head_dim]`` (each one
+        contiguous run of pages: the pool is stored layer-major)."""
+        if self._pages is None:
+            pool = self._pool
+            self._pages = [(pool[:, i, 0], pool[:, i, 1]) for i in range(pool.shape[1])]
+        return self._pages[layer_idx]
+
+    def _page_table(self, step) -> torch.Tensor:
+        """The step's block tables (the ids of the pages :meth:`_attn_pages` gives)."""
+        return step.block_tables
+
+    def _attend(self, module, query: torch.Tensor, scaling, dropout, is_causal, kwargs):
+        """The paged path of the "shmkv" attention function: ``query`` ``[batch, heads,
+        n, head_dim]`` against the pool through the step's block tables."""
+        if dropout or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None \
+                or kwargs.get("s_aux") is not None or is_causal is False \
+                or kwargs.get("sliding_window") is not None \
+                or not getattr(module, "is_causal", True):
+            raise InvalidArgument("the 'shmkv' attention over a ShmkvCache does causal attention "
+                                  "without dropout, softcap, sinks, biases or windows; this layer "
+                                  "needs one: use attn_implementation='sdpa'")
+        fwd = self._fwd
+        mirror, self._mirror_kv = self._mirror_kv, None
+        if mirror is not None and mirror[0] == module.layer_idx:
+            return self._attend_mirror(fwd, query, mirror[1], mirror[2], scaling)
+        k_pages, v_pages = self._attn_pages(module.layer_idx)
+        plan = fwd.plan
+        if plan is None:
+            # Once per step: every layer shares the block tables and lengths.
+            plan = fwd.plan = PagedAttentionPlan(query.transpose(1, 2), k_pages,
+                                                 self._page_table(fwd.step), fwd.step.seq_lens)
+            batch, heads, n, head_dim = fwd.query_shape = query.shape
+            fwd.out_shape = (batch, n, heads, head_dim)
+        scales = {}
+        if k_pages.dtype in _QUANTIZED:  # dequantized on the way into attention
+            scales["k_scale"], scales["v_scale"] = self._scales(module.layer_idx)
+        if query.shape != fwd.query_shape:  # a layer unlike the first: planned on its own
+            return paged_attention(query.transpose(1, 2), k_pages, v_pages,
+                                   self._page_table(fwd.step), fwd.step.seq_lens,
+                                   scale=scaling, workspace=self._workspace, **scales)
+        group = plan.decode_group
+        if group is not None and query.dtype == k_pages.dtype:
+            # Decode: the plan was checked against this model's queries and pages; the
+            # result, [batch, kv_heads, heads_per_kv, dim], holds [batch, 1, heads, dim].
+            out = group.decode(query, k_pages, v_pages, scaling, self._workspace)
+            return out.reshape(fwd.out_shape)
+        return paged_attention(query.transpose(1, 2), k_pages, v_pages, scale=scaling,
+                               workspace=self._workspace, plan=plan, **scales)
+
+    def _attend_mirror(self, fwd: _Forward, query: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, scaling) -> torch.Tensor:
+        """A decode step's attention over the mirror: ``query`` ``[batch, heads, 1,
+        head_dim]`` against ``k``, ``v`` ``[batch, kv_heads, tokens, head_dim]`` (padded
+        positions, left padding masked); returns ``[batch, 1, heads, head_dim]``.
+
+        The query heads of each K/V head are the query rows of one SDPA head (a view):
+        on CPU 2x faster than SDPA's ``enable_gqa``, which repeats K/V."""
+        batch, heads, _, head_dim = query.shape
+        made = fwd.mirror_mask
+        if made is False:   # once per step: every layer has the same padding and size
+            mask = None
+            if self._any_pad:
+                positions = torch.arange(k.shape[2], device=k.device)
+                mask = (positions[None, :] >= self._pad.to(k.device)[:, None])[:, None, None]
+            made = fwd.mirror_mask = (mask, k.device.type == "cpu"
+                                      and k.numel() >= _WARM_MIN_NUMEL)
+        mask, warm = made
+        if warm:
+            # Warm the CPU caches first: the mirror was last read a step ago and the
+            # model's weights streamed through since. SDPA over cold memory takes about 3x
+            # as long as a plain read of it; read + SDPA over warm memory measured 25-30%
+            # less than SDPA alone per layer at 2-4k keys (no gain below 1k).
+            k.sum()
+            v.sum()
+        out = F.scaled_dot_product_attention(
+            query.reshape(batch, k.shape[1], heads // k.shape[1], head_dim), k, v,
+            attn_mask=mask, scale=scaling)
+        return out.view(batch, 1, heads, head_dim)
+
+    def _dense(self, fwd: _Forward, layer_idx: int, key_states: torch.Tensor,
+               value_states: torch.Tensor) -> tuple:
+        """The dense path: the layer's whole K/V, ``[batch, kv_heads, tokens, head_dim]``
+        views of buffers kept across steps (left padding reads as zeros).
+
+        A regular step copies only its new tokens in; after anything else (the first
+        forward over handed-over or prefix-reused rows, skipped writes, a paged
+        forward) the missing positions are gathered from the pool once.
+        """
+        batch, heads, n, head_dim = key_states.shape
+        start = fwd.start
+        kv_length = start + n
+        bufs = self._dense_buffers(layer_idx, batch, heads, kv_length, head_dim,
+                                   key_states.dtype, key_states.device)
+        valid = min(self._dense_len[layer_idx], start)
+        if valid == start and fwd.select is None:
+            first = self._handles[0]
+            quantized = first.dtype in _QUANTIZED
+            scales = self._scales(layer_idx) if quantized else (None, None)
+            for buf, new, scale in zip(bufs, (key_states, value_states), scales):
+                new = new.detach()
+                if quantized:   # hold what the pool holds: the stored value times its scale
+                    new = (_quantize(new, first.dtype, scale).float() * scale).to(new.dtype)
+                elif new.dtype != first.dtype:
+                    new = new.to(first.dtype).to(new.dtype)
+                buf[:, :, start:kv_length].copy_(new)
+        else:
+            self._fill(fwd, layer_idx, bufs, valid, kv_length)
+        self._dense_len[layer_idx] = kv_length
+        k, v = bufs[0][:, :, :kv_length], bufs[1][:, :, :kv_length]
+        if torch.is_grad_enabled():  # autograd may keep them; later steps write the buffers
+            k, v = k.clone(), v.clone()
+        return k, v
+
+    def _dense_buffers(self, layer_idx: int, batch: int, heads: int, kv_length: int,
+                       head_dim: int, dtype, device) -> tuple:
+        """This layer's K and V buffers ``[batch, kv_heads, capacity, head_dim]``, grown
+        (doubling, keeping what they hold) to at least ``kv_length`` tokens."""
+        if self._dense_bufs is None or len(self._dense_bufs) != len(self.layers):
+            self._dense_bufs = [None] * len(self.layers)
+            self._dense_len = [0] * len(self.layers)
+        bufs = self._dense_bufs[layer_idx]
+        if bufs is not None and (bufs[0].shape[0] != batch or bufs[0].dtype != dtype
+                                 or bufs[0].device != device):
+            bufs, self._dense_len[layer_idx] = None, 0
+        if bufs is None or bufs[0].shape[2] < kv_length:
+            # Grown by a quarter at least, in whole 256-token steps: a decode step seldom
+            # reallocates, and the buffers hold at most ~25% more than DynamicCache's.
+            old = bufs[0].shape[2] if bufs is not None else 0
+            capacity = -(-max(kv_length + 1, old + old // 4) // 256) * 256
+            grown = tuple(torch.empty((batch, heads, capacity, head_dim), dtype=dtype,
+                                      device=device) for _ in range(2))
+            keep = self._dense_len[layer_idx]
+            if bufs is not None and keep:
+                for new, old in zip(grown, bufs):
+                    new[:, :, :keep].copy_(old[:, :, :keep])
+            bufs = self._dense_bufs[layer_idx] = grown
+        return bufs
+
+    def _fill(self, fwd: _Forward, layer_idx: int, bufs: tuple, lo: int, hi: int) -> None:
+        """Gather padded positions ``[lo, hi)`` of every row from the pool into ``bufs``."""
+        pool = self._handles[0]._client.pool
+        bs = pool.shape[3]
+        batch = bufs[0].shape[0]
+        heads, head_dim = pool.shape[4], pool.shape[5]
+        if fwd.dense_index is None or fwd.dense_index[0] != lo:
+            pos = torch.arange(lo, hi)[None, :] - self._pad[:, None]   # position in the row
+            pad = pos < 0
+            pos = pos.clamp(min=0)
+            blocks = fwd.step.block_tables.to(torch.int64).gather(1, pos // bs)
+            rows = (blocks * bs + pos % bs).reshape(-1).to(pool.device)   # slots
+            fwd.dense_index = (lo, rows)
+            fwd.dense_pad = pad.to(pool.device) if bool(pad.any()) else None
+        rows = fwd.dense_index[1]
+        for which, buf in enumerate(bufs):
+            pages = pool[:, layer_idx, which]   # [num_blocks, bs, heads, dim]: slots' rows
+            if not pages.is_contiguous():       # a head shard of the pool
+                got = pages[rows // bs, rows % bs]
+            elif pages.dtype in _QUANTIZED:     # as bytes: no float8 kernels
+                got = pages.view(torch.uint8).view(-1, heads, head_dim).index_select(
+                    0, rows).view(pages.dtype)
+            else:
+                got = pages.view(-1, heads, head_dim).index_select(0, rows)
+            got = got.view(batch, hi - lo, heads, head_dim)
+            if got.dtype in _QUANTIZED:   # dequantized first: float8 has no masked_fill
+                got = got.float() * self._scales(layer_idx)[which]
+            if fwd.dense_pad is not None:   # whatever the padding's slots hold (NaN, inf)
+                got.masked_fill_(fwd.dense_pad[:, :, None, None], 0)
+            buf[:, :, lo:hi].copy_(got.transpose(1, 2))
+
+
+class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
     """A transformers ``Cache`` backed by shmkv sequences, one per batch row.
 
     Pass it to ``model.generate`` or to ``model(...)`` with ``use_cache=True`` (by the
@@ -847,383 +1237,6 @@ class ShmkvCache(Cache):
                                                            value_states))
             return key_states, value_states
         return self._dense(fwd, layer_idx, key_states, value_states)
-
-    def _append(self, fwd: _Forward, layer_idx: int, key_states: torch.Tensor,
-                value_states: torch.Tensor) -> bool:
-        """A decode step over the mirror, in the fewest calls: write the new token of
-        every row into the pool and append it to the layer's mirror, which holds every
-        position before it and has room for it. False (nothing done) when any of that
-        does not hold: :meth:`update` then takes the general way. (``fwd.append`` says
-        the forward's dtype, device and grad mode allow it.)"""
-        bufs = self._dense_bufs[layer_idx] if self._dense_bufs is not None else None
-        start = fwd.start
-        if (bufs is None or self._dense_len[layer_idx] != start or bufs[0].shape[2] <= start
-                or bufs[0].shape[0] != key_states.shape[0] or bufs[0].dtype != key_states.dtype
-                or value_states.dtype != key_states.dtype or bufs[0].device != key_states.device
-                or not key_states.is_contiguous() or not value_states.is_contiguous()):
-            return False
-        batch, heads, _, head_dim = key_states.shape
-        fwd.step.write(layer_idx, key_states.view(batch, heads, head_dim),
-                       value_states.view(batch, heads, head_dim))
-        k_buf, v_buf = bufs
-        k_buf.narrow(2, start, 1).copy_(key_states)
-        v_buf.narrow(2, start, 1).copy_(value_states)
-        self._dense_len[layer_idx] = start + 1
-        self._pending = key_states
-        self._mirror_kv = (layer_idx, k_buf.narrow(2, 0, start + 1), v_buf.narrow(2, 0, start + 1))
-        return True
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise InvalidArgument("this ShmkvCache is closed")
-
-    def _begin(self, start: int, key_states: torch.Tensor) -> _Forward:
-        """The first update of a forward: which path, which slots (one round trip)."""
-        claim, self._claim = self._claim, None
-        positions, self._positions = self._positions, None
-        _MASK_SIZES.__dict__.pop("cache", None)
-        batch, heads, n, head_dim = key_states.shape
-        if self._handles is None:
-            self._handles = self._client.allocate_many([0] * batch)
-            self._owned.update(self._handles)
-            self._set_rows([0] * batch, [0] * batch, [0] * batch)
-        rows = len(self._handles)
-        if rows != batch and self._expandable and batch % rows == 0:
-            # generate(num_return_sequences=k or num_beams=k) repeats every row k times
-            # before its first forward (repeat_interleave): the sequences are forked so.
-            self.batch_repeat_interleave(batch // rows)
-        self._expandable = False
-        if len(self._handles) != batch:
-            raise InvalidArgument(f"the cache holds {len(self._handles)} sequences, the model "
-                                  f"ran a batch of {batch}")
-        first = self._handles[0]
-        if (heads, head_dim) != (first.num_heads, first.head_dim):
-            raise InvalidArgument(f"the model's K/V is {heads} heads x {head_dim}, the pool holds "
-                                  f"{first.num_heads} x {first.head_dim}; size the pool with "
-                                  "pool_config(model.config)")
-        if self._commit_upto is not None and start >= self._commit_upto:
-            self.commit()  # before slots without token ids end the sequences' prefix keys
-        if self._batch is None:
-            client = self._client if self._client is not None else first._client
-            self._batch = client.batch(self._handles)
-            self._pool = client.pool
-            if self._mirror is None:   # off unless asked for: it holds a second copy
-                self._mirror = False
-        kv_length = start + n
-        padding = None
-        paged = claim is not None and (claim.batch_size, claim.q_length, claim.kv_length) == \
-            (batch, n, kv_length)
-        if paged:
-            padding = claim.padding
-            if padding is not None and not self._any_pad and bool(padding.all()):
-                padding = None
-            elif padding is None and self._any_pad:
-                raise InvalidArgument("this ShmkvCache holds rows with left padding, and the "
-                                      "forward has no attention mask: pass the attention mask "
-                                      "that marks the padding (left_pad() makes one)")
-        if padding is None and self._aligned == start and (
-                self._reserved >= kv_length or self._uniform_lens == start):
-            # Decode fast path: every row holds exactly `start` tokens, no padding; the
-            # new ones go into slots already reserved (after a crop, say: no round trip)
-            # or into slots reserved now at the end of every row.
-            prev = self._fwd
-            follows = prev is not None and n == 1 and prev.n == 1 and prev.start + 1 == start
-            step = None
-            if self._reserved >= kv_length:
-                if follows:  # the step after the last one, from its tables: no table read
-                    step = prev.step.advance()
-                if step is None:
-                    step = self._batch.prefill(start=start, num_tokens=n)
-            else:
-                step = self._extend(n)
-                self._lens += n
-                self._reserved = self._uniform_lens = kv_length
-            plan = None
-            if follows and prev.plan is not None and (
-                    step.block_tables is prev.step.block_tables
-                    or torch.equal(step.block_tables, prev.step.block_tables)):
-                # The same blocks, one more key each: the last step's attention plan moved on.
-                plan = prev.plan._next_decode()
-            if positions is not None and start < self._check_below:
-                self._check_positions(positions, start, n, None, None)
-            self._aligned = kv_length
-            self._stored_t = None   # every row: kv_length (made into a tensor when needed)
-            fwd = _Forward(start, n, step, paged, None)
-            if plan is not None:
-                fwd.plan, fwd.query_shape, fwd.out_shape = plan, prev.query_shape, prev.out_shape
-            return fwd
-        pad = self._pad
-        if padding is not None:
-            # Skip new leading padding in rows that hold nothing yet; the mask must then
-            # be exactly "padding, then tokens" for the paged path.
-            lead = (~padding).cumprod(1).sum(1)
-            fresh = (self._stored == 0) & (pad >= start)
-            pad = torch.where(fresh, torch.maximum(pad, lead.clamp(max=kv_length)), pad)
-            expected = torch.arange(kv_length)[None, :] >= pad[:, None]
-            if bool((padding & ~expected).any()):
-                raise InvalidArgument(
-                    "the attention mask marks as tokens positions this ShmkvCache holds as left "
-                    "padding (not stored); keep the mask of the padded prompts")
-            paged = torch.equal(padding, expected)
-        stored, lens = self._stored, self._lens
-        skip = (pad + stored - start).clamp(0, n)      # new tokens a row does not write
-        if bool((pad + stored < start).any()):
-            raise InvalidArgument("a row of this ShmkvCache holds fewer tokens than the cache "
-                                  "length; was a forward interrupted? crop() the cache back")
-        counts = n - skip
-        hstart = (start + skip - pad).clamp(min=0)     # first written position in each row
-        ends = hstart + counts
-        need = (ends - lens).clamp(min=0)
-        uniform = not bool(skip.any())
-        if not bool(need.any()):
-            step = self._batch.prefill(start=hstart, num_tokens=n if uniform else counts)
-        elif torch.equal(hstart, lens):
-            step = self._extend(n if uniform else counts)
-        else:
-            self._extend(need)
-            step = self._batch.prefill(start=hstart, num_tokens=counts)
-        self._pad = pad
-        if start < self._check_below:
-            self._check_positions(positions, start, n, pad, skip)
-        self._stored = torch.maximum(stored, ends)
-        self._lens = torch.maximum(lens, ends)
-        self._refresh_rows()
-        select = None
-        if not uniform:
-            select = (torch.arange(n)[None, :] >= skip[:, None]).reshape(-1).nonzero().squeeze(1)
-        return _Forward(start, n, step, paged, select)
-
-    def _check_positions(self, positions, start: int, n: int, pad, skip) -> None:
-        """Note in ``_unpublished`` the rows whose new K/V a forward computes at positions
-        other than their own: new token ``j`` sits at row position ``start + j - pad``
-        (``pad``, ``skip``: per row, None for none) and is computed at
-        ``positions[:, j]`` (the forward's ``position_ids``; None: transformers'
-        default, ``start + j``). Tokens a row skips (``skip``) are not written."""
-        if pad is None and n == 1 and positions is not None and positions.dim() == 2 \
-                and positions.shape[-1] == 1 and bool((positions == start).all()):
-            return   # a decode step of unpadded rows at their positions: the common case
-        steps = torch.arange(n)
-        own = start + steps[None, :]                        # [1 or batch, n]
-        if pad is not None:
-            own = own - pad[:, None]
-        if positions is None or positions.dim() != 2 or positions.shape[-1] != n:
-            # transformers' default (or a form not checked here, e.g. multimodal rotary
-            # positions [3, batch, n]): the padded positions
-            used = start + steps[None, :]
-        else:
-            used = positions.to(device="cpu", dtype=torch.int64)
-        wrong = used != own
-        if skip is not None:
-            wrong &= steps[None, :] >= skip[:, None]
-        if not bool(wrong.any()):
-            return
-        first = torch.where(wrong, own.expand_as(wrong), _NEVER).amin(1)
-        self._unpublished = torch.minimum(self._unpublished, first)
-
-    def _extend(self, counts):
-        """``batch.extend(counts)``: one round trip (copy-on-write of forked rows' shared
-        last blocks included)."""
-        return self._batch.extend(counts)
-
-    def _write(self, fwd: _Forward, layer_idx: int, key_states, value_states) -> None:
-        """One batch write of the layer's new K/V (the rows ``fwd.select`` names)."""
-        pool = self._pool
-        batch, heads, n, head_dim = key_states.shape
-        if n == 1 and fwd.select is None and key_states.dtype == value_states.dtype == pool.dtype \
-                and key_states.is_contiguous() and value_states.is_contiguous() \
-                and not (key_states.requires_grad or value_states.requires_grad) \
-                and key_states.device == pool.device:
-            # Decode: [batch, heads, 1, dim] is already the [batch, heads, dim] rows.
-            fwd.step.write(layer_idx, key_states.view(batch, heads, head_dim),
-                           value_states.view(batch, heads, head_dim))
-            return
-        k = key_states.detach().transpose(1, 2).reshape(batch * n, heads, head_dim)
-        v = value_states.detach().transpose(1, 2).reshape(batch * n, heads, head_dim)
-        if fwd.select is not None:
-            k, v = k.index_select(0, fwd.select), v.index_select(0, fwd.select)
-        if pool.dtype in _QUANTIZED:
-            k_scale, v_scale = self._scales(layer_idx)
-            k = _quantize(k.to(pool.device), pool.dtype, k_scale)
-            v = _quantize(v.to(pool.device), pool.dtype, v_scale)
-        elif k.dtype != pool.dtype or k.device != pool.device:
-            k = k.to(device=pool.device, dtype=pool.dtype)
-            v = v.to(device=pool.device, dtype=pool.dtype)
-        fwd.step.write(layer_idx, k.contiguous(), v.contiguous())
-
-    def _scales(self, layer_idx: int) -> tuple:
-        """The layer's ``(k_scale, v_scale)`` of a quantized pool (shared memory)."""
-        return self._batch.client.kv_scales(layer_idx)
-
-    def _attn_pages(self, layer_idx: int) -> tuple:
-        """``(k_pages, v_pages)`` of layer ``layer_idx`` for paged_attention: the layer's
-        own views of the pool, ``[num_blocks, block_size, kv_heads, head_dim]`` (each one
-        contiguous run of pages: the pool is stored layer-major)."""
-        if self._pages is None:
-            pool = self._pool
-            self._pages = [(pool[:, i, 0], pool[:, i, 1]) for i in range(pool.shape[1])]
-        return self._pages[layer_idx]
-
-    def _page_table(self, step) -> torch.Tensor:
-        """The step's block tables (the ids of the pages :meth:`_attn_pages` gives)."""
-        return step.block_tables
-
-    def _attend(self, module, query: torch.Tensor, scaling, dropout, is_causal, kwargs):
-        """The paged path of the "shmkv" attention function: ``query`` ``[batch, heads,
-        n, head_dim]`` against the pool through the step's block tables."""
-        if dropout or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None \
-                or kwargs.get("s_aux") is not None or is_causal is False \
-                or kwargs.get("sliding_window") is not None \
-                or not getattr(module, "is_causal", True):
-            raise InvalidArgument("the 'shmkv' attention over a ShmkvCache does causal attention "
-                                  "without dropout, softcap, sinks, biases or windows; this layer "
-                                  "needs one: use attn_implementation='sdpa'")
-        fwd = self._fwd
-        mirror, self._mirror_kv = self._mirror_kv, None
-        if mirror is not None and mirror[0] == module.layer_idx:
-            return self._attend_mirror(fwd, query, mirror[1], mirror[2], scaling)
-        k_pages, v_pages = self._attn_pages(module.layer_idx)
-        plan = fwd.plan
-        if plan is None:
-            # Once per step: every layer shares the block tables and lengths.
-            plan = fwd.plan = PagedAttentionPlan(query.transpose(1, 2), k_pages,
-                                                 self._page_table(fwd.step), fwd.step.seq_lens)
-            batch, heads, n, head_dim = fwd.query_shape = query.shape
-            fwd.out_shape = (batch, n, heads, head_dim)
-        scales = {}
-        if k_pages.dtype in _QUANTIZED:  # dequantized on the way into attention
-            scales["k_scale"], scales["v_scale"] = self._scales(module.layer_idx)
-        if query.shape != fwd.query_shape:  # a layer unlike the first: planned on its own
-            return paged_attention(query.transpose(1, 2), k_pages, v_pages,
-                                   self._page_table(fwd.step), fwd.step.seq_lens,
-                                   scale=scaling, workspace=self._workspace, **scales)
-        group = plan.decode_group
-        if group is not None and query.dtype == k_pages.dtype:
-            # Decode: the plan was checked against this model's queries and pages; the
-            # result, [batch, kv_heads, heads_per_kv, dim], holds [batch, 1, heads, dim].
-            out = group.decode(query, k_pages, v_pages, scaling, self._workspace)
-            return out.reshape(fwd.out_shape)
-        return paged_attention(query.transpose(1, 2), k_pages, v_pages, scale=scaling,
-                               workspace=self._workspace, plan=plan, **scales)
-
-    def _attend_mirror(self, fwd: _Forward, query: torch.Tensor, k: torch.Tensor,
-                       v: torch.Tensor, scaling) -> torch.Tensor:
-        """A decode step's attention over the mirror: ``query`` ``[batch, heads, 1,
-        head_dim]`` against ``k``, ``v`` ``[batch, kv_heads, tokens, head_dim]`` (padded
-        positions, left padding masked); returns ``[batch, 1, heads, head_dim]``.
-
-        The query heads of each K/V head are the query rows of one SDPA head (a view):
-        on CPU 2x faster than SDPA's ``enable_gqa``, which repeats K/V."""
-        batch, heads, _, head_dim = query.shape
-        made = fwd.mirror_mask
-        if made is False:   # once per step: every layer has the same padding and size
-            mask = None
-            if self._any_pad:
-                positions = torch.arange(k.shape[2], device=k.device)
-                mask = (positions[None, :] >= self._pad.to(k.device)[:, None])[:, None, None]
-            made = fwd.mirror_mask = (mask, k.device.type == "cpu"
-                                      and k.numel() >= _WARM_MIN_NUMEL)
-        mask, warm = made
-        if warm:
-            # Warm the CPU caches first: the mirror was last read a step ago and the
-            # model's weights streamed through since. SDPA over cold memory takes about 3x
-            # as long as a plain read of it; read + SDPA over warm memory measured 25-30%
-            # less than SDPA alone per layer at 2-4k keys (no gain below 1k).
-            k.sum()
-            v.sum()
-        out = F.scaled_dot_product_attention(
-            query.reshape(batch, k.shape[1], heads // k.shape[1], head_dim), k, v,
-            attn_mask=mask, scale=scaling)
-        return out.view(batch, 1, heads, head_dim)
-
-    def _dense(self, fwd: _Forward, layer_idx: int, key_states: torch.Tensor,
-               value_states: torch.Tensor) -> tuple:
-        """The dense path: the layer's whole K/V, ``[batch, kv_heads, tokens, head_dim]``
-        views of buffers kept across steps (left padding reads as zeros).
-
-        A regular step copies only its new tokens in; after anything else (the first
-        forward over handed-over or prefix-reused rows, skipped writes, a paged
-        forward) the missing positions are gathered from the pool once.
-        """
-        batch, heads, n, head_dim = key_states.shape
-        start = fwd.start
-        kv_length = start + n
-        bufs = self._dense_buffers(layer_idx, batch, heads, kv_length, head_dim,
-                                   key_states.dtype, key_states.device)
-        valid = min(self._dense_len[layer_idx], start)
-        if valid == start and fwd.select is None:
-            first = self._handles[0]
-            quantized = first.dtype in _QUANTIZED
-            scales = self._scales(layer_idx) if quantized else (None, None)
-            for buf, new, scale in zip(bufs, (key_states, value_states), scales):
-                new = new.detach()
-                if quantized:   # hold what the pool holds: the stored value times its scale
-                    new = (_quantize(new, first.dtype, scale).float() * scale).to(new.dtype)
-                elif new.dtype != first.dtype:
-                    new = new.to(first.dtype).to(new.dtype)
-                buf[:, :, start:kv_length].copy_(new)
-        else:
-            self._fill(fwd, layer_idx, bufs, valid, kv_length)
-        self._dense_len[layer_idx] = kv_length
-        k, v = bufs[0][:, :, :kv_length], bufs[1][:, :, :kv_length]
-        if torch.is_grad_enabled():  # autograd may keep them; later steps write the buffers
-            k, v = k.clone(), v.clone()
-        return k, v
-
-    def _dense_buffers(self, layer_idx: int, batch: int, heads: int, kv_length: int,
-                       head_dim: int, dtype, device) -> tuple:
-        """This layer's K and V buffers ``[batch, kv_heads, capacity, head_dim]``, grown
-        (doubling, keeping what they hold) to at least ``kv_length`` tokens."""
-        if self._dense_bufs is None or len(self._dense_bufs) != len(self.layers):
-            self._dense_bufs = [None] * len(self.layers)
-            self._dense_len = [0] * len(self.layers)
-        bufs = self._dense_bufs[layer_idx]
-        if bufs is not None and (bufs[0].shape[0] != batch or bufs[0].dtype != dtype
-                                 or bufs[0].device != device):
-            bufs, self._dense_len[layer_idx] = None, 0
-        if bufs is None or bufs[0].shape[2] < kv_length:
-            # Grown by a quarter at least, in whole 256-token steps: a decode step seldom
-            # reallocates, and the buffers hold at most ~25% more than DynamicCache's.
-            old = bufs[0].shape[2] if bufs is not None else 0
-            capacity = -(-max(kv_length + 1, old + old // 4) // 256) * 256
-            grown = tuple(torch.empty((batch, heads, capacity, head_dim), dtype=dtype,
-                                      device=device) for _ in range(2))
-            keep = self._dense_len[layer_idx]
-            if bufs is not None and keep:
-                for new, old in zip(grown, bufs):
-                    new[:, :, :keep].copy_(old[:, :, :keep])
-            bufs = self._dense_bufs[layer_idx] = grown
-        return bufs
-
-    def _fill(self, fwd: _Forward, layer_idx: int, bufs: tuple, lo: int, hi: int) -> None:
-        """Gather padded positions ``[lo, hi)`` of every row from the pool into ``bufs``."""
-        pool = self._handles[0]._client.pool
-        bs = pool.shape[3]
-        batch = bufs[0].shape[0]
-        heads, head_dim = pool.shape[4], pool.shape[5]
-        if fwd.dense_index is None or fwd.dense_index[0] != lo:
-            pos = torch.arange(lo, hi)[None, :] - self._pad[:, None]   # position in the row
-            pad = pos < 0
-            pos = pos.clamp(min=0)
-            blocks = fwd.step.block_tables.to(torch.int64).gather(1, pos // bs)
-            rows = (blocks * bs + pos % bs).reshape(-1).to(pool.device)   # slots
-            fwd.dense_index = (lo, rows)
-            fwd.dense_pad = pad.to(pool.device) if bool(pad.any()) else None
-        rows = fwd.dense_index[1]
-        for which, buf in enumerate(bufs):
-            pages = pool[:, layer_idx, which]   # [num_blocks, bs, heads, dim]: slots' rows
-            if not pages.is_contiguous():       # a head shard of the pool
-                got = pages[rows // bs, rows % bs]
-            elif pages.dtype in _QUANTIZED:     # as bytes: no float8 kernels
-                got = pages.view(torch.uint8).view(-1, heads, head_dim).index_select(
-                    0, rows).view(pages.dtype)
-            else:
-                got = pages.view(-1, heads, head_dim).index_select(0, rows)
-            got = got.view(batch, hi - lo, heads, head_dim)
-            if got.dtype in _QUANTIZED:   # dequantized first: float8 has no masked_fill
-                got = got.float() * self._scales(layer_idx)[which]
-            if fwd.dense_pad is not None:   # whatever the padding's slots hold (NaN, inf)
-                got.masked_fill_(fwd.dense_pad[:, :, None, None], 0)
-            buf[:, :, lo:hi].copy_(got.transpose(1, 2))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens layer ``layer_idx`` holds (left padding included)."""
