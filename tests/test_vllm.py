@@ -11,6 +11,7 @@ whose hit matters, the engine's own prefix cache is reset, so a hit can only be 
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import os
 import signal
@@ -79,6 +80,7 @@ def engines(tmp_path_factory, names):
              "c": connector_config(n2), "tp": connector_config(n1)}
     options = {"tp": {"tp": 2}}
     started = {}
+    vllm_shm = set(glob.glob("/dev/shm/vllm_dist_*"))
     try:
         for key, kv in specs.items():  # all five start at once
             started[key] = Engine(model, kv, **options.get(key, {}))
@@ -91,6 +93,10 @@ def engines(tmp_path_factory, names):
             e.close()
         for e in started.values():
             ENGINE_PIDS.discard(e.proc.pid)
+        # vLLM's CPU all-reduce segments of the TP engine (vllm_dist_<instance id>-...):
+        # its rank processes are terminated at shutdown and never unlink them.
+        for path in set(glob.glob("/dev/shm/vllm_dist_*")) - vllm_shm:
+            os.unlink(path)
 
 
 @pytest.fixture(scope="module")
