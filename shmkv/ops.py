@@ -202,12 +202,10 @@ class Ops:
                      float(v_scale))
 
     def block_counts(self) -> Dict[str, Dict[str, int]]:
-        """Blocks by tier and state: ``{tier: {"free": n, "cached": n, "referenced": n}}``.
-
-        Read by the metrics exporter (``shmkv.metrics``), which labels every series with
-        the tier. Only the ``"pool"`` tier exists today; a lower tier (host memory, disk)
-        adds its own entry here, and its blocks are exported with no other change.
-        """
+        """Blocks by tier and state, ``{tier: {state: n}}``: ``pool`` (free, cached,
+        referenced), ``host`` (free, cached) and ``disk`` (cached), each lower tier only
+        when configured. Read by the metrics exporter (``shmkv.metrics``), which labels
+        every series with the tier and the state."""
         pool = self.table.pool
         counts = {"pool": {"free": pool.num_free, "cached": pool.num_cached,
                            "referenced": pool.num_referenced}}
