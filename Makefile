@@ -1,8 +1,12 @@
 # Two entry points for a fresh machine; each installs what it needs into .venv.
-.PHONY: demo test docs bench bench-quick bench-vllm stress setup
+.PHONY: demo test lint typecheck docs bench bench-quick bench-vllm stress setup
 # The API reference and docs/ pages, nitpicky: a broken reference or link fails the build
 # (-E: every page read anew, so a reference broken by a change elsewhere is seen too).
 SPHINX = .venv/bin/python -m sphinx -E -W --keep-going -n -q -b html docs build/docs/html
+# Lint (ruff) over the tree and types (mypy) over shmkv/, as configured in pyproject.toml;
+# `make test` runs both before the suite, so that they fail fast.
+LINT = .venv/bin/ruff check --quiet
+TYPECHECK = .venv/bin/python -m mypy
 
 demo:
 	./scripts/setup.sh
@@ -10,8 +14,18 @@ demo:
 
 test:
 	./scripts/setup.sh test
+	$(LINT)
+	$(TYPECHECK)
 	.venv/bin/python -m pytest -q
 	$(SPHINX)
+
+lint:
+	./scripts/setup.sh test
+	$(LINT)
+
+typecheck:
+	./scripts/setup.sh test
+	$(TYPECHECK)
 
 docs:
 	./scripts/setup.sh test

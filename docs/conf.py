@@ -179,7 +179,8 @@ def _every_page_in_toc(app, docname, source):
                    if name.endswith((".md", ".rst")) and name not in ("index.md", "README.md"))
     missing = [page for page in pages if page not in listed]
     if missing:
-        source[0] = source[0].replace("\napi\n", "\n" + "".join(p + "\n" for p in missing) + "api\n", 1)
+        listing = "".join(p + "\n" for p in missing)
+        source[0] = source[0].replace("\napi\n", "\n" + listing + "api\n", 1)
 
 
 # -- a property's summary line may hold a colon ---------------------------------------

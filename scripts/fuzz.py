@@ -15,13 +15,14 @@ The coordinator runs in its own process. A reference client holds written sequen
   oversized length prefixes, odd msgpack, bit-flipped requests, trailing bytes,
   deep nesting, valid requests split across writes.
 
-Every answer must be a well-formed frame with a known code other than the generic
-one (an internal error); a request that names a reference sequence must fail. After each batch the fuzzing connection is closed and
-its hand-offs (ttl at most 0.2 s) expire; then the coordinator process must be alive,
-the reference client must be served, its sequences must hold the same blocks and
-bytes, and the metadata must match the baseline: blocks referenced, sequences,
-hand-offs and connections exactly, and free + cached = num_blocks - referenced (the
-fuzzer's own committed prompts may legitimately leave cached blocks behind).
+Every answer must be a well-formed frame with a known code other than the generic one
+(an internal error); a request that names a reference sequence must fail. After each
+batch the fuzzing connection is closed and its hand-offs (ttl at most 0.2 s) expire;
+then the coordinator process must be alive, the reference client must be served, its
+sequences must hold the same blocks and bytes, and the metadata must match the baseline:
+blocks referenced, sequences, hand-offs and connections exactly, and free + cached =
+num_blocks - referenced (the fuzzer's own committed prompts may legitimately leave
+cached blocks behind).
 
 Prints a summary; exit status 1 on any failure.
 """

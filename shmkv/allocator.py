@@ -55,7 +55,7 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from typing import Iterable, List, Optional, Sequence
+from typing import Callable, Collection, Iterable, List, Optional, Sequence, Union
 
 import numpy as np
 
@@ -64,6 +64,10 @@ NO_OWNER = 0
 # loop costs less where it matters: the coordinator's loop runs cold after its sleeps, and
 # cold, numpy's stores of 32 blocks took 68 us against the loop's 30 (warm: 2 against 4).
 _BULK = 128
+
+# An int64 sequence written in place: this process's ``array("q")``, or a memoryview
+# cast to ``"q"`` over the coordinator's shared memory.
+Int64Buffer = Union["array[int]", memoryview]
 
 
 class BlockPool:
@@ -80,8 +84,8 @@ class BlockPool:
             the pool lives).
     """
 
-    def __init__(self, num_blocks: int, owner: Optional[Sequence[int]] = None,
-                 epoch: Optional[Sequence[int]] = None, owner_np: Optional[np.ndarray] = None):
+    def __init__(self, num_blocks: int, owner: Optional[Int64Buffer] = None,
+                 epoch: Optional[Int64Buffer] = None, owner_np: Optional[np.ndarray] = None):
         self.num_blocks = num_blocks
         # int64 per block, with a numpy view for bulk stores (never resized)
         self.ref_cnt = array("q", bytes(8 * num_blocks))
@@ -105,8 +109,9 @@ class BlockPool:
         self.num_evictions = 0
         self.num_copies_discarded = 0
         self.newly_cached: Optional[List[int]] = None
-        self.on_evict = None
-        self.copying = None   # (tiers) blocks whose copy down a tier is not done
+        self.on_evict: Optional[Callable[..., None]] = None   # (block_id, key); see the module doc
+        # (tiers) blocks whose copy down a tier is not done
+        self.copying: Optional[Collection[int]] = None
 
     # -- counts ------------------------------------------------------------------------
 
@@ -178,7 +183,10 @@ class BlockPool:
         """A ``popitem`` for ``num`` evictions that takes the cached blocks not in
         ``copying`` first, then those in it, each oldest first. Scans at most ``num``
         blocks plus those in ``copying`` (the copies in flight and waiting)."""
-        copying, cached, safe, waiting = self.copying, self._cached, [], []
+        copying, cached = self.copying, self._cached
+        assert copying is not None   # called only while a tier set watches the pool
+        safe: List[int] = []
+        waiting: List[int] = []
         for block_id in cached:
             if block_id not in copying:
                 safe.append(block_id)

@@ -12,7 +12,7 @@ error.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence as Seq
+from typing import Dict, Optional, Sequence as Seq
 
 import numpy as np
 
@@ -37,8 +37,10 @@ class _Kept:
     def reset(self, version: int, conn_steps: int, objects=None) -> None:
         self.version, self.conn_steps = version, conn_steps
         self.objects = objects   # per sequence: its Sequence, or None for a plain one
-        self.heavy = None if objects is None else [s for s in objects if s is not None]
-        self.phases = None   # for one token a step: {offset in a block: sequences}
+        self.heavy: Optional[list] = \
+            None if objects is None else [s for s in objects if s is not None]
+        # for one token a step: {offset in a block: sequences}
+        self.phases: Optional[Dict[int, np.ndarray]] = None
         self.added = 0       # tokens each sequence got since ``phases`` was made
         self.longest = 0     # the longest sequence's length when ``phases`` was made
 
@@ -113,6 +115,7 @@ class Decode(Growth):
                 f"{pool.num_available} free or evictable (num_blocks={pool.num_blocks}); "
                 "free handles or raise num_blocks")
         blocks = pool.allocate_each(ids[grow_at].tolist())
+        assert blocks is not None   # (counted above)
         grow_where = where[grow_at]
         # the shared-table order: entries, then generation, then (after) the length
         self._table_np[grow_where, have] = blocks
@@ -215,11 +218,11 @@ class Decode(Growth):
     @staticmethod
     def _move_objects(kept: "_Kept", count: int, grown: np.ndarray, blocks: np.ndarray) -> None:
         """A kept step's changes, made to the objects of its sequences that have one."""
-        if kept.objects is None:
+        objects, heavy = kept.objects, kept.heavy
+        if objects is None or heavy is None:   # (both None, or neither)
             return
-        for seq in kept.heavy:
+        for seq in heavy:
             seq.num_tokens += count
-        objects = kept.objects
         for i, block in zip(grown.tolist(), blocks.tolist()):
             seq = objects[i]
             if seq is not None:

@@ -96,6 +96,7 @@ class Growth(Prefix):
             seq.num_tokens += num
             if need_blocks:
                 new = self.pool.allocate(need_blocks, seq.cache_id)
+                assert new is not None   # (counted above)
                 self.tables.append(seq.slot, len(seq.block_ids), new, seq.num_tokens)
                 seq.block_ids += new
             else:
@@ -144,7 +145,8 @@ class Growth(Prefix):
             if old + num > max_len:
                 self._check_length(old + num, format_cache_id(seq.cache_id))
             have = len(seq.block_ids)
-            if old + num <= have * bs and (not old % bs or owner[seq.block_ids[-1]] == seq.cache_id):
+            if old + num <= have * bs and (not old % bs
+                                           or owner[seq.block_ids[-1]] == seq.cache_id):
                 continue  # the plain case: no block, no copy
             special.append(i)
             total = (old + num + bs - 1) // bs
@@ -171,6 +173,7 @@ class Growth(Prefix):
             total = (old + num + bs - 1) // bs
             if total > have:
                 new = pool.allocate(total - have, seq.cache_id)
+                assert new is not None   # (counted above)
                 tables.append(seq.slot, have, new, old)   # blocks first, the length below
                 seq.block_ids += new
         lens = array("q", bytes(8 * len(seqs)))

@@ -149,8 +149,8 @@ class PoolConfig:
         if self.devices is not None:
             devices = tuple(normalize_device(d) for d in self.devices)
             if len(devices) != self.tp_size:
-                raise InvalidArgument(
-                    f"devices has {len(devices)} entries, tp_size={self.tp_size} needs one per rank")
+                raise InvalidArgument(f"devices has {len(devices)} entries, "
+                                      f"tp_size={self.tp_size} needs one per rank")
             if any(d == "cpu" for d in devices) != (self.device == "cpu"):
                 raise InvalidArgument("devices and device must be all 'cpu' or all CUDA")
             object.__setattr__(self, "devices", devices)
@@ -199,7 +199,9 @@ class PoolConfig:
     @property
     def max_seq_blocks(self) -> int:
         """Entries of one sequence's shared block table."""
-        return -(-self.max_seq_len // self.block_size)
+        max_seq_len = self.max_seq_len
+        assert max_seq_len is not None   # set by __post_init__
+        return -(-max_seq_len // self.block_size)
 
     @property
     def table_nbytes(self) -> int:
@@ -256,8 +258,8 @@ class PoolConfig:
         that keep blocks past the pool (disk, Redis) name their blocks by them too, and
         blocks stored under some scales are never read under others. Ignored for pools
         that are not quantized (their fingerprint never depends on scales)."""
-        parts = (BLOCK_FORMAT_VERSION, self.shape[1:], self.dtype, self.tp_size,
-                 "block[num_layers,2,block_size,heads,head_dim]")
+        parts: tuple = (BLOCK_FORMAT_VERSION, self.shape[1:], self.dtype, self.tp_size,
+                        "block[num_layers,2,block_size,heads,head_dim]")
         if scales is not None and self.is_quantized:
             parts += (tuple(float(x) for x in scales),)
         return hashlib.blake2b(repr(parts).encode(), digest_size=16).hexdigest()

@@ -531,11 +531,12 @@ class MetricsServer:
 
     def _warn(self, message: str, *args) -> None:
         now = time.monotonic()
+        # ``message`` is the caller's %-format for ``args``: prefixed, it stays lazy.
         if now - self._warned_at >= _WARN_EVERY_S:   # once per interval, not per connection
             self._warned_at = now
-            log.warning("metrics endpoint %s: " + message, self.url, *args)
+            log.warning("metrics endpoint %s: " + message, self.url, *args)  # noqa: G003
         else:
-            log.debug("metrics endpoint %s: " + message, self.url, *args)
+            log.debug("metrics endpoint %s: " + message, self.url, *args)  # noqa: G003
 
     # -- lifecycle ---------------------------------------------------------------------
 

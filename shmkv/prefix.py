@@ -65,9 +65,9 @@ class Prefix(Handoffs):
         size = hashing.KEY_SIZE
         full = len(packed) // (8 * self.block_size)
         if not isinstance(sent, bytes) or len(sent) != full * size:
+            got = len(sent) if isinstance(sent, bytes) else type(sent).__name__
             raise InvalidArgument(f"keys must be the {full} full blocks' {size}-byte prefix "
-                                  f"keys of the prompt, {full * size} bytes; got "
-                                  f"{len(sent) if isinstance(sent, bytes) else type(sent).__name__}")
+                                  f"keys of the prompt, {full * size} bytes; got {got}")
         return hashing.split_keys(sent)
 
     def _plan_allocate(self, req: dict) -> AllocationPlan:
@@ -123,7 +123,7 @@ class Prefix(Handoffs):
         # blocks past them (their holder copied an earlier one on write, and the published
         # original went down a tier): those are hits too.
         promote = self.tiers.lookup(keys[len(hits):]) if keys and self.tiers is not None else 0
-        later = self.pool.lookup(keys[len(hits) + promote:]) if promote else []
+        later = self.pool.lookup(keys[len(hits) + promote:]) if promote and keys else []
         need -= len(later)
         return AllocationPlan(num_tokens, keys, tail, root, hits, need, request_id, promote,
                               later)
@@ -136,8 +136,8 @@ class Prefix(Handoffs):
         of full blocks is reused and ``num_cached`` says how many tokens are already
         present. ``keys``: the prompt's full blocks' prefix keys, as its client hashed
         them (see :meth:`_prompt_keys`); hashed here when absent. ``root`` (instead of
-        ``cache_salt``): the root key the keys chain from, as :meth:`~shmkv.refs.Refs.info` gives it (a
-        sequence moved from another node keeps its salt's keys).
+        ``cache_salt``): the root key the keys chain from, as :meth:`~shmkv.refs.Refs.info`
+        gives it (a sequence moved from another node keeps its salt's keys).
         """
         plans = [self._plan_allocate(req) for req in requests]
         self.tables.check_slots(len(plans))
@@ -176,7 +176,7 @@ class Prefix(Handoffs):
             self._ref(conn_id, seq)
             info = self._info(seq)
             results.append(info)
-            if promote:
+            if promote and keys is not None:   # (only prompts with keys promote)
                 self.pool.incref(new[:promote])  # the promotion's own hold
                 self.promotions.append(PendingPromotion(
                     seq, info, len(hits), keys[len(hits):len(hits) + promote], new[:promote],
@@ -276,6 +276,8 @@ class Prefix(Handoffs):
             self._keys_open_np[seq.slot] = False
             return
         tail = seq.tail_tokens + tokens
+        # keys_open: the sequence has a root, and its keys are a list
+        assert seq.keys is not None and seq.root is not None
         parent = seq.keys[-1] if seq.keys else seq.root
         new_keys = hashing.block_keys(tail, self.block_size, parent)
         seq.keys += new_keys
@@ -295,6 +297,7 @@ class Prefix(Handoffs):
         return self._commit(seq, num_tokens, tp_rank)
 
     def _commit(self, seq: Sequence, num_tokens: int, tp_rank: Optional[int]) -> int:
+        ranks: Seq[int]
         if tp_rank is None:
             ranks = range(self.tp_size)
         else:

@@ -297,7 +297,7 @@ class FrameDecoder:
     def buffered(self) -> int:
         return len(self._buf)
 
-    def feed(self, data: bytes) -> Iterator[Any]:
+    def feed(self, data: bytes | bytearray | memoryview) -> Iterator[Any]:
         if self._skip:
             skipped = min(self._skip, len(data))
             self._skip -= skipped

@@ -25,7 +25,7 @@ class Refs(Rows):
         self._conn_steps[conn_id] = 0
         self._kept[conn_id] = {}
         held = self._held_np[conn_id] = np.zeros(self.tables.layout.max_sequences, dtype=bool)
-        self._held_mv[conn_id] = memoryview(held)
+        self._held_mv[conn_id] = held.data
 
     def drop_connection(self, conn_id: int) -> int:
         """Drop every reference the connection holds; returns how many were dropped."""

@@ -123,7 +123,7 @@ class SequenceTable(Decode):
         # Memoryviews over the same arrays, for the one-slot reads and writes of every
         # allocation and release: after the loop's sleeps a numpy scalar index costs it
         # about twice a memoryview's (its code comes back from memory too).
-        self._keys_open_mv = memoryview(self._keys_open_np)
+        self._keys_open_mv = self._keys_open_np.data
         self._held_mv: Dict[int, memoryview] = {}
         self._scratch = np.zeros(layout.max_sequences, dtype=np.int64)
         # A cache id carries its slot in its low bits: ``(serial << slot_bits) | slot``,
@@ -135,7 +135,7 @@ class SequenceTable(Decode):
         # a connection's references to sequences with objects only.
         self.sequences: Dict[int, Sequence] = {}
         self._light_np = np.zeros(layout.max_sequences, dtype=bool)
-        self._light_mv = memoryview(self._light_np)
+        self._light_mv = self._light_np.data
         self._light_conn = np.zeros(layout.max_sequences, dtype=np.int64)
         self._num_light = 0
         # Moves whenever a sequence in a kept batch changes outside its steps (see
@@ -144,9 +144,9 @@ class SequenceTable(Decode):
         # rows. A kept batch (:meth:`keep_batch`) stays checked while both stand still.
         self._kept_version = 0
         self._kept_count = np.zeros(layout.max_sequences, dtype=np.int32)
-        self._kept_count_mv = memoryview(self._kept_count)
+        self._kept_count_mv = self._kept_count.data
         self._conn_steps: Dict[int, int] = {}
-        self._kept: Dict[int, Dict[int, list]] = {}
+        self._kept: Dict[int, Dict[int, _Kept]] = {}
         self._next_kept = 1
         self.conn_refs: Dict[int, Dict[int, int]] = {}
         # Lower tiers (``shmkv.tiers.TierSet``, set by the coordinator): a prefix that
@@ -200,10 +200,12 @@ class SequenceTable(Decode):
         its checks are made now and hold until one of them is released, forked, cloned,
         exported, opened, copied on write or given an object, or the connection changes
         their rows another way. Returns the batch's id, or 0 when it does not qualify
-        (see :meth:`~shmkv.decode.Decode._keepable`; then step it with :meth:`extend_batch`). A connection
-        keeps its ``MAX_KEPT`` newest batches."""
+        (see :meth:`~shmkv.decode.Decode._keepable`; then step it with :meth:`extend_batch`).
+        A connection keeps its ``MAX_KEPT`` newest batches."""
         kept = self._kept.get(conn_id)
-        keep = self._keepable(conn_id, cache_ids) if kept is not None else None
+        if kept is None:
+            return 0
+        keep = self._keepable(conn_id, cache_ids)
         if keep is None:
             return 0
         if len(kept) >= MAX_KEPT:
@@ -292,7 +294,7 @@ class SequenceTable(Decode):
                 assert self.pool.owner[block_id] == cache_id
                 assert self.pool.block_key[block_id] is None
         assert expected == list(self.pool.ref_cnt), "ref counts differ from the block tables"
-        refs = {}
+        refs: Dict[int, int] = {}
         for conn in self.conn_refs.values():
             for cache_id, count in conn.items():
                 refs[cache_id] = refs.get(cache_id, 0) + count

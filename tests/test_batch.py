@@ -87,7 +87,7 @@ def test_batch_writes_read_back_exactly_in_another_process(coord):
     lengths = [5, 8, 1]
     proc = SPAWN.Process(target=workers.batch_write_and_handoff, args=(coord.address, lengths, q))
     proc.start()
-    with shmkv.connect(coord.address, timeout=20) as client:
+    with shmkv.connect(coord.address, timeout=20):
         got = [q.get(timeout=60) for _ in lengths]
         assert join_or_kill(proc) == 0
         for (h, cache_id), n, extra in zip(got, lengths, [2, 3, 1]):
@@ -219,7 +219,8 @@ def test_two_tp_ranks_share_one_step(unique_name):
                            block_size=BS, dtype=torch.float32, tp_size=2)
     with shmkv.Coordinator(cfg, name=unique_name) as coord:
         descs, results = SPAWN.Queue(), SPAWN.Queue()
-        rank1 = SPAWN.Process(target=workers.tp_step_rank, args=(coord.address, 1, 2, descs, results))
+        rank1 = SPAWN.Process(target=workers.tp_step_rank,
+                              args=(coord.address, 1, 2, descs, results))
         rank1.start()
         try:
             with shmkv.connect(coord.address, tp_rank=0, tp_size=2, timeout=20) as r0, \

@@ -215,7 +215,7 @@ def test_close_many_of_handles_that_never_read_their_row(coord, client):
     client.close_many(hs)
     assert all(h._closed for h in hs) and not client._states and not client._handles
     with pytest.raises(shmkv.HandleClosed):
-        hs[0].block_table
+        _ = hs[0].block_table
     stats = coord.stats()
     assert stats["sequences"] == 0 and stats["free_blocks"] == stats["num_blocks"]
     with pytest.raises(errors.InvalidArgument, match="one of cache_ids and ids"):
@@ -581,7 +581,7 @@ def _random_kept_run(seed: int, steps: int = 300) -> None:
         except (errors.PoolExhausted, errors.LimitExceeded):
             pass
         table.check_invariants()
-        for cache_id, seq in table.sequences.items():
+        for seq in table.sequences.values():
             slot = seq.slot
             assert table._table_np[slot, :len(seq.block_ids)].tolist() == seq.block_ids
             assert int(table._num_blocks_np[slot]) == len(seq.block_ids)

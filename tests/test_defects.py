@@ -101,7 +101,7 @@ def test_a_closed_handle_answers_nothing_about_its_freed_blocks(client):
     assert h.cache_id.startswith("kv-")        # identity stays answerable
     other = client.allocate(5)                 # reuses exactly those blocks
     with pytest.raises(shmkv.HandleClosed):
-        h.block_table
+        _ = h.block_table
     other.close()
 
 

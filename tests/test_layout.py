@@ -84,7 +84,7 @@ def test_pool_is_stored_layer_major(client, small_config):
         flat = torch.empty(0, dtype=torch.float32).set_(pool.untyped_storage())
         row_elems = heads * dim
         for layer in range(cfg.num_layers):
-            for which, sign in ((0, 1), (1, -1)):
+            for which in (0, 1):
                 for pos in range(num):
                     row = ((2 * layer + which) * cfg.num_blocks + blocks[pos // bs]) * bs \
                         + pos % bs

@@ -9,6 +9,7 @@ import shutil
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -553,7 +554,7 @@ def test_a_planted_library_in_the_cache_is_rebuilt_not_loaded(case, planted, tmp
     info = os.lstat(paths[0])
     assert stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid()
     assert not info.st_mode & 0o022
-    assert open(paths[0], "rb").read() != lib.read_bytes()
+    assert Path(paths[0]).read_bytes() != lib.read_bytes()
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="shmkv"):
         kernels, why = native._build()
@@ -590,7 +591,7 @@ def test_a_cache_directory_others_could_write_is_not_used(case, planted, tmp_pat
     assert why is None
     built_kernels_work(kernels)                # built in a private directory instead
     assert f"not using {cache}" in refusals(caplog)
-    assert all(open(p, "rb").read() == lib.read_bytes() for p in paths)   # left alone
+    assert all(Path(p).read_bytes() == lib.read_bytes() for p in paths)   # left alone
     assert not os.listdir(temp)                # the private build directory is gone
 
 

@@ -86,7 +86,9 @@ def test_protocol_and_allocator_import_without_torch():
     import sys
     # the package __init__ imports torch, so load the pure modules as a bare package
     code = ("import sys, importlib.util, types; sys.modules['torch'] = None\n"
-            "pkg = types.ModuleType('shmkv'); pkg.__path__ = ['shmkv']; sys.modules['shmkv'] = pkg\n"
-            "import shmkv.protocol, shmkv.allocator, shmkv.sequences, shmkv.hashing, shmkv.layout\n")
+            "pkg = types.ModuleType('shmkv'); pkg.__path__ = ['shmkv']\n"
+            "sys.modules['shmkv'] = pkg\n"
+            "import shmkv.protocol, shmkv.allocator, shmkv.sequences, shmkv.hashing\n"
+            "import shmkv.layout\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60,
                    cwd=__import__("os").path.dirname(__import__("os").path.dirname(__file__)))

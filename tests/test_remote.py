@@ -433,7 +433,7 @@ def redis_cluster():
         for port in ports:
             client = redis.Redis(port=port, socket_timeout=2, socket_connect_timeout=2)
             clients.append(client)
-            _wait_for(lambda: _pings(client), what=f"redis-server on {port}")
+            _wait_for(lambda c=client: _pings(c), what=f"redis-server on {port}")
         bounds = [(0, 5460), (5461, 10922), (10923, 16383)]
         for client, (lo, hi) in zip(clients, bounds):
             client.execute_command("CLUSTER", "ADDSLOTSRANGE", lo, hi)

@@ -319,8 +319,9 @@ def test_bad_layers_and_positions_raise_and_write_nothing(client):
     kv = torch.randn(2, 4, 8)
     with Unchanged(client):
         for layer in (-1, 3, 100):
-            for call in (lambda: h.write(layer, kv, kv, start=0), lambda: h.key_cache(layer),
-                         lambda: h.value_cache(layer), lambda: h.paged_kv(layer)):
+            for call in (lambda n=layer: h.write(n, kv, kv, start=0),
+                         lambda n=layer: h.key_cache(n), lambda n=layer: h.value_cache(n),
+                         lambda n=layer: h.paged_kv(n)):
                 with pytest.raises(shmkv.OutOfRange):
                     call()
         for layer in (True, 1.0, "0", None):

@@ -5,8 +5,8 @@ same weights from the same seed, which the tests check through a weight checksum
 Most tests run three times: with ``attn_implementation="shmkv"`` (the paged path:
 every forward attends over the pool), ``"shmkv"`` with ``mirror=True``
 ("shmkv-mirror": decode steps attend over the cache's mirror of the pool, other
-forwards over the pool) and with ``"sdpa"`` (the dense path). The reference is always ``DynamicCache``
-with ``"sdpa"``.
+forwards over the pool) and with ``"sdpa"`` (the dense path). The reference is always
+``DynamicCache`` with ``"sdpa"``.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def assert_same_generation(got, want, prompt_len: int, tol=TIGHT) -> None:
     assert got.sequences[:, prompt_len:].tolist() == want.sequences[:, prompt_len:].tolist()
     assert len(got.logits) == len(want.logits)
     for step, (a, b) in enumerate(zip(got.logits, want.logits)):
-        torch.testing.assert_close(a, b, **tol, msg=lambda m: f"step {step}: {m}")
+        torch.testing.assert_close(a, b, **tol, msg=lambda m, step=step: f"step {step}: {m}")
 
 
 def assert_kv_equal(handle, dynamic_cache, num_tokens: int, tol=TIGHT) -> None:
@@ -574,7 +574,7 @@ def test_padded_prefill_then_decode_equals_dynamic_cache(attn, model_coord):
         assert got.sequences[:, ids2.shape[1]:].tolist() == \
             want.sequences[:, ids.shape[1] + 1:].tolist()
         for step, (a, b) in enumerate(zip(got.logits, want.logits[1:])):
-            torch.testing.assert_close(a, b, **TIGHT, msg=lambda m: f"step {step}: {m}")
+            torch.testing.assert_close(a, b, **TIGHT, msg=lambda m, step=step: f"step {step}: {m}")
         assert client.stats()["referenced_blocks"] == 0
 
 

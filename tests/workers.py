@@ -31,8 +31,8 @@ def read_back(address, token, n, seed, results, wait_for=None):
     """Open a token, check K/V, optionally wait for the parent's write, report."""
     with shmkv.connect(address, timeout=20) as client:
         h = client.open(token)
-        ok = all(torch.equal(h.key_cache(l), pattern(seed + l, n, h.num_heads, h.head_dim))
-                 for l in range(h.num_layers))
+        ok = all(torch.equal(h.key_cache(layer), pattern(seed + layer, n, h.num_heads, h.head_dim))
+                 for layer in range(h.num_layers))
         results.put(("first", ok, h.key_cache(0).data_ptr() != 0))
         if wait_for is not None:
             wait_for.wait(20)
@@ -81,9 +81,9 @@ def prefix_reader(address, prompt, queue):
     with shmkv.connect(address, timeout=20) as client:
         h = client.allocate(prompt=prompt)
         cached = h.num_cached_tokens
-        same = all(torch.equal(h.key_cache(l)[:cached],
-                               token_kv(prompt, l, h.num_heads, h.head_dim)[0][:cached])
-                   for l in range(h.num_layers))
+        same = all(torch.equal(h.key_cache(layer)[:cached],
+                               token_kv(prompt, layer, h.num_heads, h.head_dim)[0][:cached])
+                   for layer in range(h.num_layers))
         queue.put((cached, same))
         h.close()
 
@@ -101,7 +101,8 @@ def tp_rank_writer(address, rank, tp_size, token, n, queue):
         h = client.open(token)
         heads = h.num_heads
         for layer in range(h.num_layers):
-            k = full_heads(n, heads * tp_size, h.head_dim, layer)[:, rank * heads:(rank + 1) * heads]
+            k = full_heads(n, heads * tp_size, h.head_dim, layer)
+            k = k[:, rank * heads:(rank + 1) * heads]
             h.write(layer, k.contiguous(), (-k).contiguous(), start=0)
         queue.put((rank, heads, h.commit()))
         h.close()

@@ -261,7 +261,9 @@ def main(args) -> int:
               flush=True)
         return 2
     from ..layout import dtype_name
-    say = (lambda *a: print(*a, flush=True))
+
+    def say(*a):
+        print(*a, flush=True)
     try:
         dtype = dtype_name(args.dtype or "float32")
         run(num_prompts=args.prompts, workers=args.workers, decode_steps=args.decode_steps,
