@@ -14,8 +14,6 @@ demo:
 
 test:
 	./scripts/setup.sh test
-	$(LINT)
-	$(TYPECHECK)
 	.venv/bin/python -m pytest -q
 	$(SPHINX)
 
