@@ -195,7 +195,20 @@ def _no_inline_type(app, what, name, obj, options, lines):
         lines[:0] = ["..", ""]
 
 
+# -- a class built from private parts shows the parts' members, not their names ----------
+# ``ShmkvCache`` is written as private parts (``_CacheSteps``, ``_CacheAttention``, one
+# job each) over transformers' ``Cache``. Users see one class: the parts' names are
+# dropped from its "Bases:" line, and the reference lists the parts' public members as
+# the class's own (``:inherited-members:`` in api.rst stops at the public base).
+
+def _public_bases(app, name, obj, options, bases):
+    bases[:] = [base for base in bases
+                if not (getattr(base, "__module__", "").startswith("shmkv")
+                        and base.__name__.startswith("_"))]
+
+
 def setup(app):
+    app.connect("autodoc-process-bases", _public_bases)
     app.connect("autodoc-process-docstring", _no_inline_type, priority=100)  # before napoleon
     app.connect("missing-reference", _resolve_alias)
     app.connect("source-read", _outside_links)
