@@ -91,7 +91,7 @@ def test_name_and_out_reach_the_suite(capsys, tmp_path):
 
 
 def test_scripts_still_in_scripts_exist():
-    for name in ("metrics", "vllm"):
+    for name in ("vllm",):
         assert os.path.exists(_scripts.script_path(bench.suite_module(name).SCRIPT)), name
 
 

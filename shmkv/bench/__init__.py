@@ -47,7 +47,7 @@ SUITES = {
     "transformers": ("transformers", "generate tokens/s, ShmkvCache against DynamicCache"),
     "tiers": ("tiers", "promotion from disk and host tiers, ping under load, chat trace"),
     "remote": ("remote", "pulls from Redis, moves over Gloo, a two-node chat trace"),
-    "metrics": ("metrics", "ping p99 while /metrics is scraped (scripts/bench_metrics.py)"),
+    "metrics": ("metrics", "ping p99 while /metrics is scraped against idle"),
     "vllm": ("vllm", "vLLM with ShmkvConnector: TTFT and throughput (scripts/bench_vllm.py)"),
 }
 assert set(SECTIONS) <= set(SUITES)
