@@ -16,8 +16,8 @@ foreground of a terminal).
 from __future__ import annotations
 
 import errno
+import fcntl
 import gc
-import hashlib
 import logging
 import math
 import multiprocessing
@@ -219,27 +219,98 @@ def default_address(name: str) -> str:
     return os.path.join(runtime_dir(), f"{name}.sock")
 
 
-def _lock_name(address: str) -> bytes:
-    """An abstract-namespace socket name that marks ``address`` as served (Linux).
+def lock_path(address: str) -> str:
+    """The lock file beside ``address`` that a coordinator serving it holds."""
+    return address + ".lock"
 
-    Held by binding it; the kernel drops it when the holder dies, so a lock can
-    never be left behind by a killed coordinator, and no file is ever created.
+
+def _take_lock(address: str) -> Optional[int]:
+    """Take the lock that marks ``address`` as served; returns its descriptor, or None
+    when a live coordinator holds it.
+
+    The lock is an ``flock`` on ``ADDRESS.lock``, a file of this user in the socket's
+    directory: only those who can write that directory can take or block it, so in the
+    0700 runtime directory of named coordinators no other local user can (an
+    abstract-namespace name, which any uid may bind first, could be squatted). The
+    kernel drops the lock when its holder dies, so a killed coordinator never leaves it
+    held: its file stays until the next coordinator on the address, or
+    :func:`remove_stale_socket`, removes it.
+
+    The file is opened ``O_NOFOLLOW`` and must be a regular file of this uid. Who lets
+    the lock go unlinks the file first, so a lock taken on a file that is no longer (or
+    not yet again) at its path is let go and taken anew.
+
+    Raises:
+        AccessDenied: the lock file is a link, not a regular file, or another uid's.
     """
-    digest = hashlib.blake2b(os.path.realpath(address).encode(), digest_size=12).hexdigest()
-    return f"\0shmkv-lock-{os.getuid()}-{digest}".encode()
+    path = lock_path(address)
+    for _ in range(16):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise AccessDenied(f"lock file {path} is a symbolic link; remove it") from None
+            if exc.errno in (errno.EACCES, errno.EPERM):
+                raise AccessDenied(f"lock file {path} cannot be opened ({exc.strerror}); "
+                                   "remove it, or choose another address") from None
+            raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                raise AccessDenied(f"lock file {path} is not a regular file of this user "
+                                   f"(uid {st.st_uid}); remove it, or choose another address")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                return None
+            try:
+                now = os.lstat(path)
+                same = (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
+            except FileNotFoundError:
+                same = False
+            if same:
+                return fd
+            os.close(fd)   # its holder let it go (and unlinked it) as we took it: again
+        except BaseException:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+            raise
+    raise ShmkvError(f"lock file {path} kept changing while being taken")
+
+
+def _drop_lock(address: str, fd: int) -> None:
+    """Let go of a lock :func:`_take_lock` gave: unlink its file (while still holding
+    it, see there), then close it."""
+    path = lock_path(address)
+    try:
+        st, now = os.fstat(fd), os.lstat(path)
+        if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def remove_stale_socket(address: str) -> bool:
-    """Remove the socket file at ``address`` if no live coordinator serves it.
+    """Remove the socket file at ``address`` (and its lock file) if no live coordinator
+    serves it.
 
     For whoever supervises a coordinator that died without cleaning up (SIGKILL).
-    Returns True when a stale file was removed.
+    Returns True when a stale socket file was removed.
+
+    Raises:
+        AccessDenied: the lock file beside it is not this user's (see :func:`_take_lock`).
     """
-    lock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        lock.bind(_lock_name(address))
-    except OSError:
-        return False  # a live coordinator holds it
+        fd = _take_lock(address)
+    except FileNotFoundError:
+        return False   # the directory is gone: nothing to remove
+    if fd is None:
+        return False   # a live coordinator holds it
     try:
         if not stat.S_ISSOCK(os.lstat(address).st_mode):
             return False
@@ -248,7 +319,7 @@ def remove_stale_socket(address: str) -> bool:
     except FileNotFoundError:
         return False
     finally:
-        lock.close()
+        _drop_lock(address, fd)
 
 
 # Coordinators of this process that hold descriptors (address lock, listener,
@@ -395,7 +466,7 @@ class Coordinator(Ops):
         self.memory: Optional[PoolMemory] = None
         self.table: Optional[SequenceTable] = None
         self._listener: Optional[socket.socket] = None
-        self._lock_sock: Optional[socket.socket] = None
+        self._lock_fd: Optional[int] = None   # the address lock (see _take_lock)
         self._wake_r: Optional[socket.socket] = None
         self._wake_w: Optional[socket.socket] = None
         self._thread: Optional[threading.Thread] = None
@@ -474,20 +545,15 @@ class Coordinator(Ops):
             raise
 
     def _claim_address(self) -> None:
-        lock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            lock.bind(_lock_name(self.address))
-        except OSError as exc:
-            lock.close()
-            if exc.errno == errno.EADDRINUSE:
-                raise ShmkvError(f"{self.address} is served by a live coordinator; stop it "
-                                 "or choose another name") from None
-            raise
-        self._lock_sock = lock
-        _LIVE.add(self)  # from the first descriptor on, a fork must drop them in the child
         directory = os.path.dirname(self.address) or "."
         if not os.path.isdir(directory):
             raise InvalidArgument(f"socket directory {directory} does not exist")
+        lock = _take_lock(self.address)
+        if lock is None:
+            raise ShmkvError(f"{self.address} is served by a live coordinator; stop it "
+                             "or choose another name")
+        self._lock_fd = lock
+        _LIVE.add(self)  # from the first descriptor on, a fork must drop them in the child
         if os.path.lexists(self.address):  # left by a dead coordinator: we hold the lock
             if not stat.S_ISSOCK(os.lstat(self.address).st_mode):
                 raise InvalidArgument(f"{self.address} exists and is not a socket; "
@@ -546,11 +612,14 @@ class Coordinator(Ops):
                 os.unlink(self.address)
             except FileNotFoundError:
                 pass
-        for name in ("_wake_r", "_wake_w", "_lock_sock"):
+        for name in ("_wake_r", "_wake_w"):
             sock = getattr(self, name)
             if sock is not None:
                 sock.close()
                 setattr(self, name, None)
+        if self._lock_fd is not None:   # last of the address: the socket file is gone
+            _drop_lock(self.address, self._lock_fd)
+            self._lock_fd = None
         if self.tiers is not None:  # its workers copy pool memory: stop them first
             self.tiers.close()
             self.tiers = None
@@ -580,11 +649,14 @@ class Coordinator(Ops):
         if self._metrics is not None:
             self._metrics.forget_after_fork()
             self._metrics = None
-        for name in ("_listener", "_wake_r", "_wake_w", "_lock_sock"):
+        for name in ("_listener", "_wake_r", "_wake_w"):
             sock = getattr(self, name)
             if sock is not None:
                 sock.close()
                 setattr(self, name, None)
+        if self._lock_fd is not None:   # closed, not dropped: the parent still holds it
+            os.close(self._lock_fd)
+            self._lock_fd = None
         if self.memory is not None and LOCAL_POOLS.get(self.address) is self.memory:
             del LOCAL_POOLS[self.address]  # a client made in the child maps the pool itself
 

@@ -626,6 +626,113 @@ def test_connect_refuses_a_coordinator_of_another_uid_and_sends_nothing(tmp_path
         shmkv.connect(address, trust_uid="nobody")
 
 
+# -- the address lock: another uid can neither take nor block it ------------------------
+
+def squat_as_nobody(address: str, queue, inbox) -> None:
+    """As uid 65534: bind every abstract-namespace name a lock of ``address`` could have
+    had (uid 0's, by the old scheme's digest) and try to plant its lock file; report,
+    then hold what was bound until told to stop."""
+    import hashlib
+    os.setgroups([])
+    os.setgid(NOBODY)
+    os.setuid(NOBODY)
+    digest = hashlib.blake2b(os.path.realpath(address).encode(), digest_size=12).hexdigest()
+    squat = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    squat.bind(f"\0shmkv-lock-0-{digest}".encode())
+    try:
+        open(address + ".lock", "x").close()
+        planted = "planted"
+    except OSError as exc:
+        planted = type(exc).__name__
+    queue.put(("squatting", planted, os.getuid()))
+    inbox.get(timeout=120)          # "stop"
+    squat.close()
+
+
+@root_only
+def test_another_uid_cannot_block_a_named_coordinator(small_config, unique_name):
+    address = shmkv.coordinator.default_address(unique_name)
+    to_child, from_child = SPAWN.Queue(), SPAWN.Queue()
+    child = SPAWN.Process(target=squat_as_nobody, args=(address, from_child, to_child))
+    child.start()
+    try:
+        what, planted, uid = from_child.get(timeout=60)
+        assert what == "squatting" and uid == NOBODY
+        assert planted == "PermissionError"        # the runtime directory keeps it out
+        with shmkv.Coordinator(small_config, name=unique_name) as coord:
+            with shmkv.connect(coord.address, timeout=10) as client:
+                assert client.allocate(4).num_tokens == 4
+            assert os.path.exists(shmkv.coordinator.lock_path(address))
+        assert not os.path.lexists(address)
+        assert not os.path.lexists(shmkv.coordinator.lock_path(address))
+    finally:
+        to_child.put("stop")
+        assert join_or_kill(child) == 0
+
+
+def plant_lock_as_nobody(path: str, queue) -> None:
+    os.setgroups([])
+    os.setgid(NOBODY)
+    os.setuid(NOBODY)
+    with open(path, "x") as f:
+        f.write("mine")
+    queue.put(os.stat(path).st_uid)
+
+
+@root_only
+def test_a_lock_file_planted_by_another_uid_is_refused_and_left_alone(small_config):
+    directory = tempfile.mkdtemp(prefix="shmkv-shared-")
+    try:
+        os.chmod(directory, 0o1777)          # a shared, sticky directory, like /tmp
+        address = os.path.join(directory, "c.sock")
+        q = SPAWN.Queue()
+        child = SPAWN.Process(target=plant_lock_as_nobody, args=(address + ".lock", q))
+        child.start()
+        assert q.get(timeout=60) == NOBODY
+        assert join_or_kill(child) == 0
+        with pytest.raises(shmkv.AccessDenied, match="lock file .*c.sock.lock"):
+            shmkv.Coordinator(small_config, address=address).open()
+        assert sorted(os.listdir(directory)) == ["c.sock.lock"]   # no socket, file kept
+        with open(address + ".lock") as f:
+            assert f.read() == "mine"
+    finally:
+        shutil.rmtree(directory)
+
+
+def test_a_symbolic_link_at_the_lock_path_is_refused(small_config, tmp_path):
+    target = tmp_path / "elsewhere"
+    target.write_text("keep")
+    address = str(tmp_path / "c.sock")
+    os.symlink(target, address + ".lock")
+    with pytest.raises(shmkv.AccessDenied, match="symbolic link"):
+        shmkv.Coordinator(small_config, address=address).open()
+    assert target.read_text() == "keep"
+    assert sorted(os.listdir(tmp_path)) == ["c.sock.lock", "elsewhere"]
+    with pytest.raises(shmkv.AccessDenied, match="symbolic link"):
+        shmkv.coordinator.remove_stale_socket(address)
+
+
+def test_a_killed_coordinators_lock_is_free_and_its_files_are_replaced(small_config, tmp_path):
+    address = str(tmp_path / "c.sock")
+    spawned = shmkv.SpawnedCoordinator.start(small_config, address=address)
+    try:
+        with shmkv.connect(address, timeout=30) as client:
+            client.allocate(4)
+        with pytest.raises(shmkv.ShmkvError, match="served by a live coordinator"):
+            shmkv.Coordinator(small_config, address=address).open()
+    finally:
+        spawned.kill()
+    assert sorted(os.listdir(tmp_path)) == ["c.sock", "c.sock.lock"]   # as a crash leaves
+    with shmkv.Coordinator(small_config, address=address) as coord:
+        with shmkv.connect(coord.address, timeout=10) as client:
+            assert client.allocate(4).num_tokens == 4
+    assert os.listdir(tmp_path) == []
+    spawned = shmkv.SpawnedCoordinator.start(small_config, address=address)
+    spawned.kill()
+    assert shmkv.coordinator.remove_stale_socket(address)
+    assert os.listdir(tmp_path) == []
+
+
 # -- addresses are compared resolved ------------------------------------------------------
 
 def test_a_relative_spelling_of_the_address_finds_the_ranks_client(tmp_path, monkeypatch):
