@@ -1,9 +1,11 @@
-"""Suite ``native``: decode attention of one layer: the native kernel against paged_attention's torch path.
+"""Suite ``native``: decode attention of one layer: the native kernel against
+paged_attention's torch path.
 
-One query token per sequence, float32 (or ``--dtype bfloat16`` / ``float16``), one torch thread, K/V pages laid out as in the
-pool (indexed ``[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]``, stored
-layer-major; one layer's view), each sequence's blocks in a run as a fresh pool hands
-them out. Per case, in interleaved rounds (median of the rounds):
+One query token per sequence, float32 (or ``--dtype bfloat16`` / ``float16``), one torch
+thread, K/V pages laid out as in the pool (indexed ``[num_blocks, num_layers, 2,
+block_size, kv_heads, head_dim]``, stored layer-major; one layer's view), each
+sequence's blocks in a run as a fresh pool hands them out. Per case, in interleaved
+rounds (median of the rounds):
 
 * ``native``: ``paged_attention`` with its plan, the kernel reading the pages in place;
 * ``native, block-major``: the same over a copy of the pool stored block-major (layout
@@ -30,6 +32,7 @@ import platform
 import statistics
 import sys
 import time
+from typing import Any, Callable, Dict, List, Mapping, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -66,8 +69,9 @@ def make(heads, kv_heads, dim, layers, batch, keys, seed=0, dtype=torch.float32)
             (blocked[:, layer, 0], blocked[:, layer, 1]))
 
 
-def time_case(fns: dict, cold: bool, rounds: int, flush: torch.Tensor) -> dict:
-    per = {name: [] for name in fns}
+def time_case(fns: Mapping[str, Callable[[], object]], cold: bool, rounds: int,
+              flush: torch.Tensor) -> Dict[str, float]:
+    per: Dict[str, List[float]] = {name: [] for name in fns}
     calls = 3 if cold else 20
     for r in range(rounds + 1):
         order = list(fns) if r % 2 else list(fns)[::-1]
@@ -83,6 +87,44 @@ def time_case(fns: dict, cold: bool, rounds: int, flush: torch.Tensor) -> dict:
             if r:
                 per[name].append(total / calls * 1e6)
     return {name: statistics.median(v) for name, v in per.items()}
+
+
+def case_fns(heads: int, kv_heads: int, dim: int, layers: int, batch: int, keys: int,
+             dtype: torch.dtype) -> Tuple[Dict[str, Callable[[], torch.Tensor]], float]:
+    """The four calls of one case (by name, as :func:`time_case` takes them), checked to
+    give the same result, and the MiB of K/V they read."""
+    q, k_pages, v_pages, table, lens, k, v, (kb_pages, vb_pages) = make(
+        heads, kv_heads, dim, layers, batch, keys, dtype=dtype)
+    plan = PagedAttentionPlan(q, k_pages, table, lens)
+    workspace = AttentionWorkspace()
+    decoder = native.decoder
+    group = heads // kv_heads
+
+    def run_native() -> torch.Tensor:
+        return paged_attention(q, k_pages, v_pages, plan=plan, workspace=workspace)
+
+    def run_blocked() -> torch.Tensor:
+        return paged_attention(q, kb_pages, vb_pages, plan=plan, workspace=workspace)
+
+    def run_torch() -> torch.Tensor:
+        native.decoder = lambda: None
+        try:
+            return paged_attention(q, k_pages, v_pages, plan=plan, workspace=workspace)
+        finally:
+            native.decoder = decoder
+
+    def run_dense() -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            q.view(batch, kv_heads, group, dim), k, v).reshape(batch, heads, dim)
+
+    a, b, c = run_native(), run_torch(), run_dense()
+    torch.testing.assert_close(run_blocked(), a, rtol=0, atol=0)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    torch.testing.assert_close(a, c, rtol=tol, atol=tol)
+    fns = {"native": run_native, "torch path": run_torch, "contiguous SDPA": run_dense,
+           "native, block-major": run_blocked}
+    return fns, 2 * k.numel() * k.element_size() / 2**20
 
 
 def main(argv=None) -> int:
@@ -102,43 +144,12 @@ def main(argv=None) -> int:
         print(f"the native kernel is not available: {native.status()}")
         return 1
     flush = torch.ones(16 << 20)
-    rows = []
+    rows: List[Dict[str, Any]] = []
     for label, heads, kv_heads, dim, layers in SHAPES[:args.shapes]:
         for batch, keys in CASES:
-            q, k_pages, v_pages, table, lens, k, v, (kb_pages, vb_pages) = make(
-                heads, kv_heads, dim, layers, batch, keys, dtype=dtype)
-            plan = PagedAttentionPlan(q, k_pages, table, lens)
-            workspace = AttentionWorkspace()
-            decoder = native.decoder
-            group = heads // kv_heads
-
-            def run_native():
-                return paged_attention(q, k_pages, v_pages, plan=plan, workspace=workspace)
-
-            def run_blocked():
-                return paged_attention(q, kb_pages, vb_pages, plan=plan, workspace=workspace)
-
-            def run_torch():
-                native.decoder = lambda: None
-                try:
-                    return paged_attention(q, k_pages, v_pages, plan=plan, workspace=workspace)
-                finally:
-                    native.decoder = decoder
-
-            def run_dense():
-                return F.scaled_dot_product_attention(
-                    q.view(batch, kv_heads, group, dim), k, v).reshape(batch, heads, dim)
-
-            a, b, c = run_native(), run_torch(), run_dense()
-            torch.testing.assert_close(run_blocked(), a, rtol=0, atol=0)
-            tol = dict(rtol=2e-5, atol=2e-5) if dtype == torch.float32 else \
-                dict(rtol=2e-2, atol=2e-2)
-            torch.testing.assert_close(a, b, **tol)
-            torch.testing.assert_close(a, c, **tol)
-            fns = {"native": run_native, "torch path": run_torch, "contiguous SDPA": run_dense,
-                   "native, block-major": run_blocked}
-            row = {"shape": label, "batch": batch, "keys": keys,
-                   "kv_mb": 2 * k.numel() * k.element_size() / 2**20}
+            fns, kv_mb = case_fns(heads, kv_heads, dim, layers, batch, keys, dtype)
+            row: Dict[str, Any] = {"shape": label, "batch": batch, "keys": keys,
+                   "kv_mb": kv_mb}
             for mode in ("hot", "cold"):
                 res = time_case(fns, mode == "cold", args.rounds, flush)
                 row[mode] = res
@@ -152,8 +163,8 @@ def main(argv=None) -> int:
     result = {"host": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
               "dtype": args.dtype,
               "rounds": args.rounds, "block_size": BLOCK, "rows": rows}
-    lines = [f"Decode attention of one layer, {args.dtype}, one torch thread, {BLOCK}-token blocks, "
-             f"us per call, median of {args.rounds} interleaved rounds ({result['host']}). "
+    lines = [f"Decode attention of one layer, {args.dtype}, one torch thread, {BLOCK}-token "
+             f"blocks, us per call, median of {args.rounds} interleaved rounds ({result['host']}). "
              "\"speedup\": the torch path's time over the native kernel's. \"cold\": a 64 MiB "
              "read before each call evicts the CPU caches, as a model's weights do between "
              "layers. \"block-major\": the kernel over the same pages stored as the pool was "
