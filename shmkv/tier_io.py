@@ -91,7 +91,7 @@ import time
 import zlib
 from collections import deque
 from itertools import chain
-from typing import Callable, List, Optional
+from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 from xxhash import xxh3_64, xxh3_64_intdigest
@@ -195,8 +195,8 @@ class Copy:
     __slots__ = ("op", "key", "block", "slot", "gen", "entry", "src", "cancelled", "ok",
                  "error", "damaged", "enospc")
 
-    def __init__(self, op: str, key: bytes, block: int = -1, slot: int = -1, entry=None,
-                 src=None, gen: int = 0):
+    def __init__(self, op: str, key: bytes, block: int = -1, slot: int = -1, entry: Any = None,
+                 src: Any = None, gen: int = 0):
         self.op, self.key, self.block, self.slot, self.gen = op, key, block, slot, gen
         self.entry = entry      # the tier entry this copy fills (demotions; loop side)
         self.src = src          # the tier entry this copy reads and pins (loop side)
@@ -219,7 +219,7 @@ class Job:
     __slots__ = ("copies", "promotion", "job_id", "queue", "queued_at", "num_taken",
                  "num_left", "num_copies", "statuses", "errors")
 
-    def __init__(self, copies: Optional[list], promotion=None, job_id: int = 0,
+    def __init__(self, copies: Optional[List[Copy]], promotion: Any = None, job_id: int = 0,
                  queue: int = PROMOTE, num_copies: Optional[int] = None):
         self.copies = copies
         self.promotion = promotion
@@ -227,9 +227,12 @@ class Job:
         self.queue = queue
         self.queued_at = 0.0
         self.num_taken = self.num_left = 0   # copies taken by workers, not finished (Copier)
-        self.num_copies = len(copies) if num_copies is None else num_copies
+        if num_copies is None:
+            assert copies is not None, "a job sent as columns says how many copies it has"
+            num_copies = len(copies)
+        self.num_copies = num_copies
         self.statuses: Optional[bytes] = None
-        self.errors: Optional[dict] = None
+        self.errors: Optional[Dict[int, str]] = None
 
 
 # -- the block file format -----------------------------------------------------------------
@@ -295,7 +298,7 @@ class BlockFiles:
         finally:
             os.close(fd)
 
-    def check_header(self, header: bytes, key: bytes, size: int) -> int:
+    def check_header(self, header: bytes | bytearray, key: bytes, size: int) -> int:
         """The payload checksum of a valid header; raises Damaged with the reason otherwise."""
         if size < HEADER_SIZE or len(header) < HEADER_SIZE:
             raise Damaged("truncated header")
@@ -509,7 +512,7 @@ class Mover:
         self.pinned = pinned
         self._local = threading.local()
 
-    def run(self, copies: list, stopping: Callable[[], bool]) -> None:
+    def run(self, copies: Iterable[Copy], stopping: Callable[[], bool]) -> None:
         """Run ``copies`` in order, recording each one's outcome on it."""
         for copy in copies:
             if stopping():
@@ -537,7 +540,7 @@ class Mover:
         gens = self.gens
         return copy.cancelled or (gens is not None and int(gens[copy.block]) != copy.gen)
 
-    def _staging(self) -> tuple:
+    def _staging(self) -> Tuple[Any, Any]:
         """This thread's buffer of one block (pinned under a CUDA pool): (tensor, numpy)."""
         buf = getattr(self._local, "buf", None)
         if buf is None:
@@ -559,7 +562,14 @@ class Mover:
     def _to_pool(self, src, src_np, block: int) -> None:
         flat_to_pool(src, src_np, self.pool_np, self.pool_u8, block)
 
-    def _host(self, slot: int) -> tuple:
+    def _files(self) -> BlockFiles:
+        """The block files (the loop schedules a copy to or from disk only with a disk
+        tier)."""
+        files = self.files
+        assert files is not None, "a copy to or from disk without a disk tier"
+        return files
+
+    def _host(self, slot: int) -> Tuple[Any, Any]:
         return (None if self.host_t is None else self.host_t[slot]), self.host_np[slot]
 
     def _op_p2h(self, copy: Copy) -> None:
@@ -578,13 +588,13 @@ class Mover:
             raise Cancelled
 
     def _op_s2d(self, copy: Copy) -> None:
-        self.files.write_block(copy.key, self.staging_np[copy.slot])
+        self._files().write_block(copy.key, self.staging_np[copy.slot])
 
     def _op_h2p(self, copy: Copy) -> None:
         self._to_pool(*self._host(copy.slot), copy.block)
 
     def _op_h2d(self, copy: Copy) -> None:
-        self.files.write_block(copy.key, self.host_np[copy.slot])
+        self._files().write_block(copy.key, self.host_np[copy.slot])
 
     def _op_p2d(self, copy: Copy) -> None:
         if self._cancelled(copy):
@@ -593,19 +603,19 @@ class Mover:
         self._pool_to(copy.block, buf, buf_np)
         if self._cancelled(copy):
             raise Cancelled
-        self.files.write_block(copy.key, buf_np)
+        self._files().write_block(copy.key, buf_np)
 
     def _op_d2p(self, copy: Copy) -> None:
         if self.pool_np is not None and len(self.pool_np) == 1:
-            self.files.read_block(copy.key, self.pool_np[0][copy.block])  # straight in
+            self._files().read_block(copy.key, self.pool_np[0][copy.block])  # straight in
         else:
             buf, buf_np = self._staging()
-            self.files.read_block(copy.key, buf_np)
+            self._files().read_block(copy.key, buf_np)
             self._to_pool(buf, buf_np, copy.block)
 
     def _op_del(self, copy: Copy) -> None:
         try:
-            os.unlink(self.files.file_path(copy.key))
+            os.unlink(self._files().file_path(copy.key))
         except FileNotFoundError:
             pass
 
@@ -646,7 +656,7 @@ class Copier:
         self._policy = policy
         self._urgent_after = urgent_after
         self._cv = threading.Condition()
-        self._queues = (deque(), deque(), deque())
+        self._queues: Tuple[Deque[Job], Deque[Job], Deque[Job]] = (deque(), deque(), deque())
         self._progress = [0.0, 0.0, 0.0]   # per queue: when a worker last took a copy
         self._disk_busy = False
         self._stopping = False
@@ -686,13 +696,15 @@ class Copier:
     def _ready(self, queue: int) -> bool:
         return bool(self._queues[queue]) and not (queue == DISK and self._disk_busy)
 
-    def _take(self, queue: int) -> tuple:
+    def _take(self, queue: int) -> Tuple[Job, Copy, int]:
         """The next copy of the queue's first job (under the lock)."""
         jobs = self._queues[queue]
         job = jobs[0]
-        copy = job.copies[job.num_taken]
+        copies = job.copies
+        assert copies is not None   # (submit() queues only jobs with copies)
+        copy = copies[job.num_taken]
         job.num_taken += 1
-        if job.num_taken == len(job.copies):
+        if job.num_taken == len(copies):
             jobs.popleft()
         if queue == DISK:
             self._disk_busy = True
@@ -728,14 +740,16 @@ class Copier:
                     self._cv.wait(1.0)  # re-checks even if a notify were lost
                 if self._stopping:
                     return
+                assert queue is not None   # (the wait ends on a queue or on stopping)
                 self._progress[queue] = time.monotonic()
                 taken = self._take(queue)
             self._run_one(*taken)
 
-    def _starved(self, now: float) -> tuple:
+    def _starved(self, now: float) -> Tuple[Optional[int], float]:
         """(a queue with work that no worker took from for ``urgent_after`` seconds, or
         None; seconds until one might be)."""
         after, wait = self._urgent_after, 1.0
+        assert after is not None   # (only the urgent threads ask)
         for queue in (PROMOTE, DEMOTE, DISK):
             if self._ready(queue):
                 since = max(self._progress[queue], self._queues[queue][0].queued_at)
@@ -755,6 +769,7 @@ class Copier:
                     self._cv.wait(wait)
                 if self._stopping:
                     return
+                assert queue is not None   # (the wait ends on a queue or on stopping)
                 self.num_urgent += 1
                 taken = self._take(queue)
             self._run_one(*taken)
@@ -774,7 +789,8 @@ class Copier:
 # -- the wire between the loop and the I/O process ---------------------------------------------
 
 
-_JOB_FRAMES: dict = {}   # number of copies -> the Struct of a job frame with that many
+# Number of copies -> the Struct of a job frame with that many.
+_JOB_FRAMES: Dict[int, struct.Struct] = {}
 # Frames of at most this many copies keep their Struct (about 160 bytes a copy; 1.3 MB for
 # every size up to it); a larger job, rare and long, makes its own.
 _JOB_FRAMES_MAX = 128
@@ -798,6 +814,7 @@ def encode_columns(job_id: int, queue: int, ops: list, blocks: list, slots: list
 def encode_job(queue: int, job: Job) -> bytes:
     """A job frame (loop side) of a job of copies."""
     copies = job.copies
+    assert copies is not None, "a promotion's job is encoded from its columns"
     return encode_columns(job.job_id, queue, [_OP_CODE[c.op] for c in copies],
                           [c.block for c in copies], [c.slot for c in copies],
                           [c.gen for c in copies], [c.key for c in copies])
@@ -827,9 +844,11 @@ def status_of(copy: Copy) -> int:
 
 def encode_done(job: Job) -> bytes:
     """A completion frame (I/O process side)."""
-    statuses = bytes(status_of(c) for c in job.copies)
+    copies = job.copies
+    assert copies is not None   # (the I/O process decodes every job into copies)
+    statuses = bytes(status_of(c) for c in copies)
     parts = [_DONE.pack(b"D", job.job_id, len(statuses)), statuses]
-    for c, status in zip(job.copies, statuses):
+    for c, status in zip(copies, statuses):
         if status not in (OK, CANCELLED):
             text = (c.error or "")[:1000].encode("utf-8", "replace")
             parts += [_MSG.pack(len(text)), text]

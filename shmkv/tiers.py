@@ -92,17 +92,38 @@ import threading
 import time
 import weakref
 from collections import OrderedDict, deque
-from typing import Any, Callable, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from . import shm, tier_io
 from .errors import InvalidArgument, ShmkvError, WrongType
 from .memory import block_bytes
-from .tier_io import (DAMAGED, DEMOTE, DISK, FORMAT_VERSION, HEADER_SIZE, OK, OP_D2P, OP_H2P,
-                      OP_NONE, PROMOTE, WORKER_NICE, BlockFiles, Copier, Mover, NotRegular,
-                      open_regular)
-from .tier_io import Copy as _Copy, Damaged as _Damaged, Job as _Job, pool_to_flat
+from .tier_io import (
+    DAMAGED,
+    DEMOTE,
+    DISK,
+    FORMAT_VERSION,
+    HEADER_SIZE,
+    OK,
+    OP_D2P,
+    OP_H2P,
+    OP_NONE,
+    PROMOTE,
+    WORKER_NICE,
+    BlockFiles,
+    Copier,
+    Copy as _Copy,
+    Damaged as _Damaged,
+    Job as _Job,
+    Mover,
+    NotRegular,
+    open_regular,
+    pool_to_flat,
+)
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("shmkv.tiers")
 
@@ -404,9 +425,10 @@ class _HostStore:
         self.slot_nbytes = config.block_nbytes
         self.num_slots = spec.capacity_bytes // self.slot_nbytes
         self.capacity_bytes = spec.capacity_bytes
-        self.data = self.np = None
+        self.data: Optional[torch.Tensor] = None   # uint8 [num_slots, slot_nbytes]
+        self.np: Optional[np.ndarray] = None       # the same, as numpy
         self.fd: Optional[int] = None   # for the tier I/O process (closed once it has it)
-        self._registered = None
+        self._registered: Optional[int] = None     # the address cudaHostRegister took
         if self.num_slots < 1:
             raise InvalidArgument(f"HostTier capacity_bytes={spec.capacity_bytes} holds no "
                                   f"block of {self.slot_nbytes} bytes; raise it")
@@ -499,12 +521,14 @@ class _DiskStore(BlockFiles):
         # A quantized pool's blocks mean values only with its K/V scales: the namespace
         # holds the scales in force at open, and while the pool's differ from them the
         # tier neither serves nor stores (same_scales).
-        self._scale_lock = self._scales = None
+        self._scale_lock: Optional[memoryview] = None   # the pool's seqlock word and
+        self._scales: Optional[memoryview] = None       # K/V scales (shmkv.memory)
         scales = None
         if config.is_quantized and memory is not None and memory.scales is not None:
             self._scale_lock, self._scales = memory.scale_lock, memory.scales
             scales = tuple(memory.scales)
-        self._opened_scales, self._scales_at, self._scales_same = scales, None, True
+        self._opened_scales, self._scales_same = scales, True
+        self._scales_at: Optional[int] = None   # the seqlock's value same_scales last saw
         # What a block's bytes mean, not how many the pool has: a pool restarted with
         # another num_blocks hits the blocks it left.
         self.fingerprint = config.block_fingerprint(scales)
@@ -647,6 +671,7 @@ class _DiskStore(BlockFiles):
         version = lock[0]
         if version != self._scales_at:
             self._scales_at = version
+            assert self._scales is not None   # (set with the lock)
             same = tuple(self._scales) == self._opened_scales
             if same != self._scales_same:
                 log.warning("disk tier %s: the pool's K/V scales %s those its blocks were "
@@ -710,6 +735,8 @@ class _IoProcess:
         """Wait up to ``timeout`` seconds for the process's ready frame (it has mapped
         the pool and serves). None once it came; else why not (the process is left to
         :meth:`close`)."""
+        sock, proc = self.sock, self.proc
+        assert sock is not None and proc is not None   # (started in __init__, not closed)
         want = tier_io.encode_ready()
         got = bytearray()
         deadline = time.monotonic() + timeout
@@ -718,14 +745,14 @@ class _IoProcess:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return f"not ready within {timeout:.0f} s"
-                self.sock.settimeout(left)
+                sock.settimeout(left)
                 try:
-                    data = self.sock.recv(len(want) - len(got))
+                    data = sock.recv(len(want) - len(got))
                 except socket.timeout:
                     continue
                 if not data:   # it exited (or closed its end): say how, once it has
                     try:
-                        self.proc.wait(min(5.0, max(0.0, deadline - time.monotonic())))
+                        proc.wait(min(5.0, max(0.0, deadline - time.monotonic())))
                     except subprocess.TimeoutExpired:
                         pass
                     return self.exit_reason()
@@ -754,6 +781,7 @@ class _IoProcess:
     def flush(self) -> None:
         """Send the jobs submitted since (as much as the socket takes; the rest later)."""
         if self._out and self.alive:
+            assert self.sock is not None   # (alive: not closed)
             try:
                 sent = self.sock.send(self._out)
             except BlockingIOError:   # the process is behind: the next turn sends the rest
@@ -768,6 +796,7 @@ class _IoProcess:
         ``alive`` False when the process has gone."""
         self.flush()
         while self.alive:
+            assert self.sock is not None   # (alive: not closed)
             try:
                 data = self.sock.recv(_POLL_RECV)
             except BlockingIOError:
@@ -845,11 +874,11 @@ class _Demotion:
     disk: Optional[_DiskStore]
     _staging: Optional[_HostStore]
     _gens: Any
-    _reading: dict
+    _reading: Dict[int, Optional[_Copy]]
     _backlog: "OrderedDict[int, bytes]"
     _spill: "OrderedDict[bytes, None]"
-    _new_demotes: list
-    _new_disk: list
+    _new_demotes: List[_Copy]
+    _new_disk: List[_Copy]
     _disk_in_flight: int
     num_lost_evictions: int
     num_rescued_evictions: int
@@ -862,16 +891,15 @@ class _Demotion:
         copy down a tier was not done is rescued: copied now, on the loop (see
         :meth:`_rescue`); one no tier holds or can take is counted lost."""
         unsafe = False
-        if self._reading:
-            copy = self._reading.pop(block, False)
-            if copy is not False:
-                unsafe = True
-                if copy is not None:       # its demotion is still copying: cancel it
-                    copy.cancelled = True
-                    if self._gens is not None:   # and tell the I/O process (before anyone
-                        self._gens[block] += 1   # writes)
-                else:                      # never copied: it leaves the backlog
-                    self._backlog.pop(block, None)
+        if self._reading and block in self._reading:
+            copy = self._reading.pop(block)
+            unsafe = True
+            if copy is not None:       # its demotion is still copying: cancel it
+                copy.cancelled = True
+                if self._gens is not None:   # and tell the I/O process (before anyone
+                    self._gens[block] += 1   # writes)
+            else:                      # never copied: it leaves the backlog
+                self._backlog.pop(block, None)
         host = self.host
         if host is not None:   # the common case, first: the host tier has it
             entry = host.index.get(key)
@@ -895,6 +923,7 @@ class _Demotion:
         if host is not None:
             slot = self._host_slot()
             if slot is not None:
+                assert host.data is not None and host.np is not None   # (open)
                 pool_to_flat(self._pool_np, self._pool_u8, block, host.data[slot],
                              host.np[slot])
                 # (an unfinished copy's entry is replaced: its completion frees its slot)
@@ -904,12 +933,16 @@ class _Demotion:
                 if disk is not None and disk.disabled is None and key not in disk.index:
                     self._spill[key] = None
                 return True
-        if staging is None or not staging.free or not disk.usable(time.monotonic()):
+        if staging is None or not staging.free:
             return False
-        if key not in disk.index:   # (else: an unfinished copy's, whose room it takes over)
-            if not self._disk_reserve():
-                return False
+        assert disk is not None   # (staging slots exist only under a disk tier)
+        if not disk.usable(time.monotonic()):
+            return False
+        # (a key in the index already: an unfinished copy's, whose room it takes over)
+        if key not in disk.index and not self._disk_reserve():
+            return False
         slot = staging.free.pop()
+        assert staging.data is not None and staging.np is not None   # (open)
         pool_to_flat(self._pool_np, self._pool_u8, block, staging.data[slot], staging.np[slot])
         entry = _Entry()
         entry.staged = True
@@ -980,8 +1013,10 @@ class _Demotion:
             return True           # full: demotion to disk pauses (counted in "full")
         if self._disk_in_flight >= MAX_DISK_WRITES_IN_FLIGHT:
             return False   # every write in flight: wait
+        staging = self._staging
+        assert staging is not None   # (made with a disk tier that is used)
         staged = not DIRECT_DISK_DEMOTION
-        if staged and len(self._staging.free) <= STAGING_RESCUE:
+        if staged and len(staging.free) <= STAGING_RESCUE:
             return False   # every staging slot busy (but those kept for rescues): wait
         if not self._disk_reserve():
             return False   # every disk entry busy: wait
@@ -990,7 +1025,7 @@ class _Demotion:
         disk.index[key] = entry
         gen = 0 if self._gens is None else int(self._gens[block])
         if staged:   # through a staging slot, checked by the loop (tier_io: memory ordering)
-            copy = _Copy("p2s", key, block=block, slot=self._staging.free.pop(), entry=entry,
+            copy = _Copy("p2s", key, block=block, slot=staging.free.pop(), entry=entry,
                          gen=gen)
             self._new_demotes.append(copy)
         else:
@@ -1007,13 +1042,15 @@ class _Demotion:
         oldest of the first ``HOST_SCAN`` entries; an entry whose disk write is still to
         come is busy): the host tier drops nothing the disk does not hold."""
         host, disk = self.host, self.disk
+        assert host is not None   # (only the host tier has slots)
         if host.free:
             return host.free.pop()
         on_disk = None
         if disk is not None and disk.usable(time.monotonic()):
             on_disk = disk.index
-        scanned, spill = 0, self._spill
-        for key, entry in host.index.items():   # oldest first; busy entries are skipped
+        spill = self._spill
+        # oldest first; busy entries are skipped
+        for scanned, (key, entry) in enumerate(host.index.items(), start=1):
             if entry.ready and not entry.pins:
                 if on_disk is None:
                     break
@@ -1023,7 +1060,6 @@ class _Demotion:
                         break
                 elif target.ready:
                     break
-            scanned += 1
             if scanned >= HOST_SCAN:
                 return None
         else:
@@ -1032,21 +1068,21 @@ class _Demotion:
         host.num_ready -= 1
         self._spill.pop(key, None)
         disk = self.disk
-        on_disk = disk is not None and key in disk.index and disk.index[key].ready
-        if not on_disk:
+        kept = disk is not None and key in disk.index and disk.index[key].ready
+        if not kept:
             host.counters["dropped"] += 1
         return entry.slot
 
     def _disk_reserve(self) -> bool:
         """Make room for one file by deleting the disk's LRU blocks; False if it cannot."""
         disk = self.disk
+        assert disk is not None   # (called only with a disk tier)
         while disk.bytes + disk.file_nbytes > disk.capacity_bytes:
-            for key, entry in disk.index.items():
-                if entry.ready and not entry.pins:
-                    break
-            else:
+            victim = next((key for key, entry in disk.index.items()
+                           if entry.ready and not entry.pins), None)
+            if victim is None:
                 return False
-            self._disk_remove(key)
+            self._disk_remove(victim)
             disk.counters["dropped"] += 1
         disk.bytes += disk.file_nbytes
         return True
@@ -1054,6 +1090,7 @@ class _Demotion:
     def _disk_remove(self, key: bytes) -> None:
         """Forget a disk block and delete its file (after any write queued before)."""
         disk = self.disk
+        assert disk is not None   # (called only with a disk tier)
         self._unready(disk, disk.index.pop(key))
         disk.bytes -= disk.file_nbytes
         self._new_disk.append(_Copy("del", key))
@@ -1066,6 +1103,8 @@ class _Demotion:
 
     def _schedule_spills(self) -> None:
         disk, host = self.disk, self.host
+        # (keys are spilled only from a host tier to a disk tier)
+        assert disk is not None and host is not None
         if not disk.usable(time.monotonic()):
             return
         while self._spill and self._disk_in_flight < MAX_DISK_WRITES_IN_FLIGHT:
@@ -1147,21 +1186,21 @@ class TierSet(_Demotion):
         self._copier: Optional[Copier] = None     # worker threads, or
         self._proc: Optional[_IoProcess] = None   # the tier I/O process
         self._gens = None                         # cancel generations, for the process
-        self._done: deque = deque()
-        self._scan_q: deque = deque()
+        self._done: Deque[_Job] = deque()   # jobs the workers finished
+        self._scan_q: Deque[Tuple[str, Any]] = deque()   # (kind, payload) from the disk scan
         self._threads: List[threading.Thread] = []   # the disk scan
         self._stopping = False
         self._wake_pending = False
         self._proc_checked = 0.0           # when the I/O process was last polled
         # Pool block -> the demotion copy reading it, or None while it waits in the backlog
         # (the pool evicts these blocks last: ``BlockPool.copying``).
-        self._reading: dict = {}
+        self._reading: Dict[int, Optional[_Copy]] = {}
         # Cached pool blocks no tier took yet (its slots or writes in flight were all
         # busy), a prefix's first blocks first: placed as room frees up (tick).
         self._backlog: "OrderedDict[int, bytes]" = OrderedDict()
         self._spill: "OrderedDict[bytes, None]" = OrderedDict()  # host keys to write to disk
-        self._new_demotes: list = []
-        self._new_disk: list = []
+        self._new_demotes: List[_Copy] = []
+        self._new_disk: List[_Copy] = []
         self._jobs_out = 0                 # jobs handed to workers, not yet back in tick()
         self._disk_in_flight = 0           # disk writes handed to the writer, not back yet
         self.num_lost_evictions = 0
@@ -1279,15 +1318,14 @@ class TierSet(_Demotion):
             promo.blocks += record.blocks
             promo.keys += record.keys
             for key in record.keys:
-                entry = host.get(key) if host is not None else None
-                if entry is not None and entry.ready:
+                if host is not None and (entry := host.get(key)) is not None and entry.ready:
                     ops.append(OP_H2P)
                     slots.append(entry.slot)
                     host.move_to_end(key)
                 else:
-                    entry = disk.get(key) if disk is not None else None
                     slots.append(-1)
-                    if entry is None or not entry.ready:  # cannot happen after lookup()
+                    # (no entry: cannot happen after lookup())
+                    if disk is None or (entry := disk.get(key)) is None or not entry.ready:
                         ops.append(OP_NONE)
                         srcs.append(None)
                         continue
@@ -1298,8 +1336,10 @@ class TierSet(_Demotion):
                 srcs.append(entry)
         promo.num_host = len(ops) - num_disk - ops.count(OP_NONE)
         if promo.num_host:
+            assert self.host is not None   # (its entries were read)
             self.host.counters["hits"] += promo.num_host
         if num_disk:
+            assert self.disk is not None   # (its entries were read)
             self.disk.counters["hits"] += num_disk
         # One job: workers take its copies one at a time, so reads and checksums of one
         # request still run in parallel, and the loop takes back one completion.
@@ -1316,6 +1356,7 @@ class TierSet(_Demotion):
         if self._proc is not None:
             self._proc.submit(queue, job)   # sent at the end of this turn's tick()
         else:
+            assert self._copier is not None   # (the threads run when no process does)
             self._copier.submit(queue, job)
 
     # -- loop side: hooks from the pool ---------------------------------------------------
@@ -1354,10 +1395,10 @@ class TierSet(_Demotion):
             # prefix's first blocks are placed first, and wait least when room runs out.
             for block in reversed(newly):
                 key = block_key[block]
-                if key is not None and block not in reading:
-                    if backlog or not self._place(block, key):
-                        backlog[block] = key
-                        reading[block] = None
+                if key is not None and block not in reading and (
+                        backlog or not self._place(block, key)):
+                    backlog[block] = key
+                    reading[block] = None
         if self._spill:
             self._schedule_spills()
         self._submit()
@@ -1391,8 +1432,10 @@ class TierSet(_Demotion):
 
     def _poll_process(self) -> None:
         """Take the I/O process's completions; if it died, hand its jobs to threads."""
-        self._done.extend(self._proc.poll())
-        if not self._proc.alive:
+        proc = self._proc
+        assert proc is not None   # (called while it runs)
+        self._done.extend(proc.poll())
+        if not proc.alive:
             self._take_over()
 
     def _take_over(self) -> None:
@@ -1401,6 +1444,7 @@ class TierSet(_Demotion):
         outcome of these jobs yet, the pool blocks they fill are still reserved, the
         ones they read are checked for cancellation, and files are renamed into place."""
         proc = self._proc
+        assert proc is not None   # (called while it runs)
         log.warning("tier I/O process exited (%s); its %d unfinished jobs and all tier "
                     "copies from now on run in threads of the coordinator",
                     proc.exit_reason(), len(proc.jobs))
@@ -1408,28 +1452,37 @@ class TierSet(_Demotion):
         proc.close(0.0)   # killed if it was still there: no copy runs in two places
         self._proc = None
         self._start_threads()
+        copier = self._copier
+        assert copier is not None   # (started just now)
         for job in jobs:
             if job.copies is None:   # a promotion's columns: as copies, for the threads
                 job.copies = job.promotion.copies()
-            self._copier.submit(job.queue, job)
+            copier.submit(job.queue, job)
 
     def _complete(self, job: _Job, finished: list) -> None:
         self._jobs_out -= 1
         promo = job.promotion
+        copies = job.copies
         if promo is not None:
             statuses, errors = job.statuses, job.errors
             if statuses is None:   # it ran in threads: the outcomes are on its copies
-                statuses = bytes(tier_io.status_of(c) for c in job.copies)
-                errors = {i: c.error for i, c in enumerate(job.copies) if c.error is not None}
+                assert copies is not None
+                statuses = bytes(tier_io.status_of(c) for c in copies)
+                errors = {i: c.error for i, c in enumerate(copies) if c.error is not None}
+            assert errors is not None   # (the I/O process's completion sets both)
             self._complete_promotion(promo, statuses, errors)
             finished.append(promo)
             return
+        assert copies is not None   # (only a promotion's job travels as columns)
         host, disk = self.host, self.disk
-        for copy in job.copies:
+        entry: _Entry   # the tier entry a demotion's copy fills
+        for copy in copies:
             op = copy.op
+            block = copy.block
             if op == "p2h":
-                if self._reading.get(copy.block) is copy:
-                    del self._reading[copy.block]
+                assert host is not None   # (a copy into the host tier)
+                if self._reading.get(block) is copy:
+                    del self._reading[block]
                 entry = copy.entry
                 held = self._still_holds(copy)
                 if copy.ok and held and not copy.cancelled and host.index.get(copy.key) is entry:
@@ -1445,8 +1498,9 @@ class TierSet(_Demotion):
                         del host.index[copy.key]
                     host.free.append(entry.slot)
             elif op == "p2s":   # a block on its way to disk: in its staging slot now
-                if self._reading.get(copy.block) is copy:
-                    del self._reading[copy.block]
+                assert disk is not None and self._staging is not None   # (its copies)
+                if self._reading.get(block) is copy:
+                    del self._reading[block]
                 entry = copy.entry
                 held = self._still_holds(copy)
                 if copy.ok and held and not copy.cancelled and disk.index.get(copy.key) is entry:
@@ -1461,13 +1515,15 @@ class TierSet(_Demotion):
                     del disk.index[copy.key]
                     disk.bytes -= disk.file_nbytes
             elif op in ("h2d", "p2d", "s2d"):
+                assert disk is not None   # (a copy into the disk tier)
                 self._disk_in_flight -= 1
                 if op == "h2d":
                     self._unpin(copy.src, copy.key)
                 elif op == "s2d":
+                    assert self._staging is not None   # (its slot)
                     self._staging.free.append(copy.slot)
-                elif self._reading.get(copy.block) is copy:
-                    del self._reading[copy.block]
+                elif self._reading.get(block) is copy:
+                    del self._reading[block]
                 entry = copy.entry
                 mine = disk.index.get(copy.key) is entry
                 if op == "p2d" and not self._still_holds(copy):
@@ -1490,7 +1546,8 @@ class TierSet(_Demotion):
                                     "for %.0f s (nothing in the pool is lost)", disk.path,
                                     DISK_FULL_BACKOFF_S)
                     disk.full_until = now + DISK_FULL_BACKOFF_S
-                    if op == "h2d" and host.index.get(copy.key) is copy.src:
+                    # (an h2d copy is a spill from the host tier)
+                    if op == "h2d" and host is not None and host.index.get(copy.key) is copy.src:
                         self._spill[copy.key] = None   # still in host memory: try again later
                 elif copy.error is not None:
                     disk.counters["errors"] += 1
@@ -1499,9 +1556,9 @@ class TierSet(_Demotion):
                 if mine:
                     del disk.index[copy.key]
                     disk.bytes -= disk.file_nbytes
-            elif op == "del":
-                if copy.error is not None:
-                    disk.counters["errors"] += 1
+            elif op == "del" and copy.error is not None:
+                assert disk is not None   # (a file of the disk tier)
+                disk.counters["errors"] += 1
 
     def _complete_promotion(self, promo: Promotion, statuses: bytes, errors: dict) -> None:
         """A promotion's copies are done (``statuses``: one ``tier_io`` status a copy):
@@ -1513,8 +1570,10 @@ class TierSet(_Demotion):
         if statuses.count(OK) == len(statuses):   # the common case: every block is in
             num_disk = len(statuses) - promo.num_host
             if promo.num_host:
+                assert host is not None   # (its entries were read)
                 host.counters["promotions"] += promo.num_host
             if num_disk:
+                assert disk is not None   # (its entries were read)
                 disk.counters["promotions"] += num_disk
             for entry, key in zip(srcs, promo.keys):
                 entry.pins -= 1
@@ -1525,11 +1584,13 @@ class TierSet(_Demotion):
                 if entry is None:   # nothing was read
                     continue
                 store = host if promo.ops[i] == OP_H2P else disk
+                assert store is not None   # (the entry is the store's)
                 if status == OK:
                     store.counters["promotions"] += 1
                 else:
                     store.counters["errors"] += 1
                     if status == DAMAGED:
+                        assert disk is not None   # (only a block file is found damaged)
                         self._unready(store, entry)
                         entry.doomed = True
                         disk.counters["removed_damaged"] += 1
@@ -1544,6 +1605,7 @@ class TierSet(_Demotion):
 
     def _merge_scan(self) -> None:
         disk = self.disk
+        assert disk is not None   # (only the disk tier is scanned)
         budget = SCAN_CHUNK
         while self._scan_q and budget > 0:
             kind, payload = self._scan_q.popleft()
@@ -1586,12 +1648,11 @@ class TierSet(_Demotion):
         # A smaller capacity than last run: trimmed once the scan has put the blocks in
         # LRU order (their files' modification times).
         while not disk.scanning and disk.bytes > disk.capacity_bytes:
-            for key, entry in disk.index.items():
-                if entry.ready and not entry.pins:
-                    break
-            else:
+            victim = next((key for key, entry in disk.index.items()
+                           if entry.ready and not entry.pins), None)
+            if victim is None:
                 break
-            self._disk_remove(key)
+            self._disk_remove(victim)
             disk.counters["dropped"] += 1
         if self._scan_q:
             self._wake()   # more next turn: the loop stays responsive meanwhile
@@ -1611,6 +1672,7 @@ class TierSet(_Demotion):
         """Rebuild the disk index from the directory: names first (so hits start at
         once), then every header, then the LRU order by modification time."""
         disk = self.disk
+        assert disk is not None   # (only the disk tier is scanned)
         post = self._scan_q.append
         try:
             keys, incomplete = [], 0
