@@ -81,7 +81,7 @@ import time
 import zlib
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import numpy as np
 
@@ -384,8 +384,9 @@ class RemoteTierSet:
                          "dropped": 0, "discarded": 0, "corrupt": 0, "errors": 0,
                          "skipped_lookups": 0, "bytes_read": 0, "bytes_written": 0}
         # [num_blocks, 2 * num_layers, chunk bytes] per rank (shmkv.memory.block_bytes)
-        self._pool_u8 = [block_bytes(p) for p in memory.device_pools]
-        self._pool_np = None if config.is_cuda else [t.numpy() for t in self._pool_u8]
+        self._pool_u8: Optional[List[Any]] = [block_bytes(p) for p in memory.device_pools]
+        self._pool_np: Optional[List[np.ndarray]] = (
+            None if config.is_cuda else [t.numpy() for t in self._pool_u8])
         table.newly_published = []
         try:
             self._landing = ThreadPoolExecutor(1, thread_name_prefix="shmkv-redis-land")
@@ -631,6 +632,8 @@ class RemoteTierSet:
         landing = None
         try:
             client = self._client("get")
+            landings = self._landing
+            assert landings is not None   # (made before the reader starts; close() stops it)
             for lo, hi in spans:
                 names = codec.names(fetch.chain, lo, hi)
                 pipe = client.pipeline(transaction=False)
@@ -642,7 +645,7 @@ class RemoteTierSet:
                 present = 0
                 while present < len(values) and values[present] is not None:
                     present += 1
-                landing = self._landing.submit(self._land, fetch, lo, names, values[:present])
+                landing = landings.submit(self._land, fetch, lo, names, values[:present])
                 if present < len(values):
                     break
             if landing is not None:
