@@ -45,8 +45,7 @@ import uuid
 import psutil
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
@@ -61,7 +60,8 @@ from shmkv.remote import HEADER_SIZE
 
 redis = pytest.importorskip("redis", reason="the redis client is not installed: "
                             "pip install -e '.[test]'")
-from test_remote import SERVER, RedisServer, _free_port
+# (after the skip above: test_remote needs the redis client too)
+from test_remote import SERVER, RedisServer, _free_port  # noqa: E402
 
 L, H, D, BS, TP = 2, 2, 2, 2, 2      # one head per rank
 NUM_BLOCKS_A, NUM_BLOCKS_B = 20, 16
