@@ -877,7 +877,7 @@ class Coordinator(Ops):
                             "refused: wait for answers before sending more"))
                         size = 0
                     conn.held_bytes += size
-                    conn.held.append(obj)
+                    conn.held.append((obj, size))
                     continue
                 self._handle(conn, obj)
                 if conn.closing:
@@ -994,15 +994,22 @@ class Coordinator(Ops):
             if self._conns.get(conn.conn_id) is not conn:
                 continue  # gone meanwhile: its references were dropped already
             conn.outbuf += protocol.encode_ok(request_id, result)
-            held, conn.held = conn.held, None
-            conn.held_bytes = 0
-            for i, obj in enumerate(held):
-                if conn.held is not None or conn.closing:  # waits again (or closes)
-                    if not conn.closing:
-                        conn.held += held[i:]
-                    break
-                self._handle(conn, obj)
+            self._answer_held(conn)
             self._flush(conn, selector)
+
+    def _answer_held(self, conn: _Conn) -> None:
+        """Serve, in order, the requests ``conn`` sent while one waited for a tier. One
+        that waits again holds the rest once more, their bytes counted again against
+        MAX_HELD_BYTES (with what arrives meanwhile)."""
+        held, conn.held = conn.held, None
+        conn.held_bytes = 0
+        for i, (obj, _) in enumerate(held):
+            if conn.held is not None or conn.closing:  # waits again (or closes)
+                if not conn.closing:
+                    conn.held += held[i:]
+                    conn.held_bytes += sum(size for _, size in held[i:])
+                break
+            self._handle(conn, obj)
 
     def _send_hello(self, conn: _Conn, request_id: int, result: dict) -> None:
         """The handshake answer carries the pool's descriptors (SCM_RIGHTS)."""

@@ -263,17 +263,26 @@ class OversizedFrame:
             "skipped (the connection stays): split the request")
 
 
-def _peek_request_id(head: bytes) -> int:
-    """The request id at the start of a request envelope's bytes, or -1."""
+def _peek_request_id(head: bytes, whole: bool) -> int | None:
+    """The request id at the start of a request envelope's bytes, -1 when they are not
+    an envelope's, or None when more bytes are needed to tell (never when ``whole``:
+    ``head`` is all there is)."""
     unpacker = msgpack.Unpacker(raw=False, max_buffer_size=64)
     try:
-        unpacker.feed(head[:32])
+        unpacker.feed(head[:_PEEK])
         if unpacker.read_array_header() != 3:
             return -1
         request_id = unpacker.unpack()
-    except Exception:   # too short or not an envelope: msgpack raises several classes
+    except msgpack.OutOfData:
+        return -1 if whole else None
+    except Exception:   # not an envelope: msgpack raises several classes
         return -1
     return request_id if type(request_id) is int else -1
+
+
+# The bytes of an oversized body read to find its request id (an envelope's first
+# element: a msgpack array header and an int take at most 10 bytes).
+_PEEK = 32
 
 
 class FrameDecoder:
@@ -310,8 +319,11 @@ class FrameDecoder:
                 return
             (length,) = _HEADER.unpack_from(self._buf)
             if length > self.max_frame:
+                head = bytes(self._buf[HEADER_SIZE:HEADER_SIZE + _PEEK])
+                request_id = _peek_request_id(head, whole=len(head) >= min(length, _PEEK))
+                if request_id is None:
+                    return   # the request id is in the body's first bytes: wait for them
                 got = min(len(self._buf) - HEADER_SIZE, length)
-                request_id = _peek_request_id(bytes(self._buf[HEADER_SIZE:HEADER_SIZE + 32]))
                 del self._buf[:HEADER_SIZE + got]
                 self._skip = length - got
                 self.last_size = HEADER_SIZE + got

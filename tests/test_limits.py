@@ -219,6 +219,21 @@ def test_decoder_skips_an_oversized_body_without_buffering_it():
     assert protocol.parse_request(got[1]).request_id == 10
 
 
+def test_an_oversized_frame_whose_header_arrives_alone_keeps_its_request_id():
+    decoder = protocol.FrameDecoder(max_frame=1024)
+    big = msgpack.packb([2**62, "allocate", {"prompt": b"x" * 5000}])
+    frames = struct.pack(">I", len(big)) + big + protocol.encode_request(10, "ping")
+    got = list(decoder.feed(frames[:4]))                # the length prefix alone
+    got += list(decoder.feed(frames[4:7]))              # then 3 bytes: the id is not whole
+    assert got == []
+    for i in range(7, len(frames), 5):
+        got += list(decoder.feed(frames[i:i + 5]))
+        assert decoder.buffered < 1024
+    assert isinstance(got[0], protocol.OversizedFrame)
+    assert (got[0].request_id, got[0].length) == (2**62, len(big))
+    assert protocol.parse_request(got[1]).request_id == 10
+
+
 # -- requests queued behind a promotion (26.11) -----------------------------------------------
 
 def test_requests_held_behind_a_promotion_are_bounded_in_bytes(cfg, unique_name, monkeypatch):
@@ -252,12 +267,11 @@ def test_requests_held_behind_a_promotion_are_bounded_in_bytes(cfg, unique_name,
             assert time.monotonic() < deadline, f"read {len(conn.held)} of 5 frames"
             coord._on_readable(conn, selector)
         assert 0 < conn.held_bytes <= 8192
-        kinds = [type(obj).__name__ for obj in conn.held]
+        kinds = [type(obj).__name__ for obj, _ in conn.held]
         assert kinds == ["list", "list", "_Refused", "_Refused", "list"], kinds
-        assert "the limit is 8192" in str(conn.held[2].error)
-        held, conn.held, conn.held_bytes = conn.held, None, 0   # the wait ends
-        for obj in held:                               # answered in order
-            coord._handle(conn, obj)
+        assert "the limit is 8192" in str(conn.held[2][0].error)
+        assert conn.held_bytes == sum(size for _, size in conn.held)
+        coord._answer_held(conn)                       # the wait ends: answered in order
         coord._flush(conn, selector)
         decoder, answers = protocol.FrameDecoder(), []
         theirs.settimeout(5)
@@ -268,6 +282,60 @@ def test_requests_held_behind_a_promotion_are_bounded_in_bytes(cfg, unique_name,
         assert 7 in coord._conns                       # the connection stays
         assert coord.table.num_sequences == 2
         coord.table.check_invariants()
+    finally:
+        selector.close()
+        theirs.close()
+        coord.close()
+
+
+def test_requests_held_again_behind_a_second_promotion_count_again(cfg, unique_name,
+                                                                      monkeypatch):
+    """A held request that itself waits for a tier holds the rest once more: their bytes
+    stay counted, so what arrives meanwhile is bounded by the same MAX_HELD_BYTES."""
+    import os
+    import selectors
+    import socket
+    import time
+
+    from shmkv import coordinator as coordinator_module
+    monkeypatch.setattr(coordinator_module, "MAX_HELD_BYTES", 8192)
+    coord = shmkv.Coordinator(cfg, name=unique_name)
+    coord.open()
+    selector = selectors.DefaultSelector()
+    mine, theirs = socket.socketpair()
+    try:
+        mine.setblocking(False)
+        conn = coordinator_module._Conn(mine, 7, os.getpid(), coord.max_frame)
+        conn.greeted = True
+        coord._conns[7] = conn
+        coord.table.add_connection(7)
+        selector.register(mine, selectors.EVENT_READ, conn)
+        conn.held = []
+        prompt = protocol.pack_i64s(list(range(400)))  # 3.2 KB a request
+        theirs.sendall(b"".join(protocol.encode_request(100 + i, "allocate", {
+            "num_tokens": 0, "prompt": prompt}) for i in range(2)))
+        deadline = time.monotonic() + 10
+        while len(conn.held) < 2:
+            assert time.monotonic() < deadline
+            coord._on_readable(conn, selector)
+        handle = coord._handle
+
+        def waits_again(c, obj):                       # request 100 waits for a tier too
+            handle(c, obj)
+            if protocol.request_id_of(obj) == 100:
+                c.held = []
+        monkeypatch.setattr(coord, "_handle", waits_again)
+        coord._answer_held(conn)
+        assert [protocol.request_id_of(obj) for obj, _ in conn.held] == [101]
+        assert conn.held_bytes == conn.held[0][1] > 3000   # still counted
+        theirs.sendall(b"".join(protocol.encode_request(102 + i, "allocate", {
+            "num_tokens": 0, "prompt": prompt}) for i in range(2)))
+        while len(conn.held) < 3:
+            assert time.monotonic() < deadline
+            coord._on_readable(conn, selector)
+        kinds = [type(obj).__name__ for obj, _ in conn.held]
+        assert kinds == ["list", "list", "_Refused"], kinds   # 3 x 3.2 KB > 8 KiB
+        assert conn.held_bytes <= 8192
     finally:
         selector.close()
         theirs.close()
