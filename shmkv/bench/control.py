@@ -6,11 +6,12 @@ Round trips are measured with client and server pinned to one CPU, then two.
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import struct
 import time
-from typing import List
+from typing import TYPE_CHECKING, Callable, Dict, List
 
 from .core import (
     BenchError,
@@ -24,6 +25,9 @@ from .core import (
     _unique,
     interleaved,
 )
+
+if TYPE_CHECKING:
+    from ..allocator import BlockPool
 
 
 def _child_echo(conn, path: str) -> None:
@@ -142,22 +146,13 @@ def bench_control(opts: Options, cleanup: _Cleanup, series: dict) -> List[Figure
         bs = cfg.block_size
         throughput = []
         for batch in batches:
-            def many():
-                client.close_many(client.allocate_many([bs] * batch))
-
-            def one():
-                client.allocate(batch * bs).close()
-            rates = _rates({"allocate_many+close_many": many, "allocate+close": one},
-                           batch, budget, opts.repeats)
+            rates = _rates(_allocate_and_free(client, batch, bs), batch, budget,
+                           opts.repeats)
             throughput.append({"batch": batch, **rates})
         pool = BlockPool(65536)
         for row in throughput:
-            batch = row["batch"]
-
-            def alloc_free():
-                pool.decref(pool.allocate(batch, 1))
-            row["BlockPool"] = _rates({"BlockPool": alloc_free}, batch, budget,
-                                      opts.repeats)["BlockPool"]
+            row["BlockPool"] = _rates(_pool_allocate_and_free(pool, row["batch"]),
+                                      row["batch"], budget, opts.repeats)["BlockPool"]
         series["throughput"] = throughput
         for row in throughput:
             for kind in ("allocate_many+close_many", "allocate+close", "BlockPool"):
@@ -176,15 +171,35 @@ def bench_control(opts: Options, cleanup: _Cleanup, series: dict) -> List[Figure
     return figures
 
 
+def _allocate_and_free(client, batch: int, block_size: int) -> Dict[str, Callable[[], None]]:
+    """Allocate + free of ``batch`` blocks through the coordinator: one sequence of
+    ``batch`` blocks, and ``batch`` one-block sequences in one round trip each way."""
+    def many() -> None:
+        client.close_many(client.allocate_many([block_size] * batch))
+
+    def one() -> None:
+        client.allocate(batch * block_size).close()
+    return {"allocate_many+close_many": many, "allocate+close": one}
+
+
+def _pool_allocate_and_free(pool: BlockPool, batch: int) -> Dict[str, Callable[[], None]]:
+    """The same ``batch`` blocks from a :class:`BlockPool` alone (no socket)."""
+    def alloc_free() -> None:
+        blocks = pool.allocate(batch, 1)
+        assert blocks is not None, "the pool ran out of blocks"
+        pool.decref(blocks)
+    return {"BlockPool": alloc_free}
+
+
 def _latency_rounds(client, echo_client, block: int, total: int) -> dict:
     """Round-trip times of echo, ping and extend(1), ``total`` each (after two warm-up
     rounds), in alternating blocks of ``block``."""
-    samples = {"echo": [], "ping": [], "extend(1)": []}
+    samples: Dict[str, List[float]] = {"echo": [], "ping": [], "extend(1)": []}
     handle = client.allocate(0)
     try:
         for round_ in range(total // block + 2):
             for kind, fn in (("echo", echo_client.ping), ("ping", client.ping),
-                             ("extend(1)", lambda: handle.extend(1))):
+                             ("extend(1)", functools.partial(handle.extend, 1))):
                 for _ in range(block):
                     t0 = time.perf_counter()
                     fn()

@@ -1,5 +1,6 @@
-"""Suite ``prefix``: prefix-cache benchmarks: lookup + allocation of a 4k-token prompt (coordinator-side
-time per block), hashing throughput, and fork cost against sequence length.
+"""Suite ``prefix``: prefix-cache benchmarks: lookup + allocation of a 4k-token prompt
+(coordinator-side time per block), hashing throughput, and fork cost against sequence
+length.
 
 Coordinator-side figures drive ``SequenceTable`` directly (what the coordinator runs
 per request, without the socket); each is a median over repeats after a warm-up.
@@ -12,6 +13,7 @@ import statistics
 import sys
 import time
 import uuid
+from typing import Callable
 
 import torch
 
@@ -34,6 +36,20 @@ def median_time(fn, repeat=15, warmup=3):
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _fork_and_release(table: SequenceTable, cache_id: int) -> Callable[[], None]:
+    """Fork sequence ``cache_id`` of connection 1 in ``table`` and release the fork."""
+    def run() -> None:
+        table.release(1, table.fork(1, cache_id)["cache_id"])
+    return run
+
+
+def _fork_and_close(handle: shmkv.KvCacheHandle) -> Callable[[], None]:
+    """Fork ``handle`` through its coordinator and close the fork."""
+    def run() -> None:
+        handle.fork().close()
+    return run
 
 
 def main(argv=None) -> int:
@@ -90,12 +106,11 @@ def main(argv=None) -> int:
             shmkv.connect(coord.address) as client:
         for tokens in (256, 1024, 4096, 16384, 65536):
             info = table.allocate(1, tokens)
-            t = median_time(lambda: table.release(1, table.fork(1, info["cache_id"])
-                                                  ["cache_id"]))
+            t = median_time(_fork_and_release(table, info["cache_id"]))
             fork_in_process[tokens] = 1e6 * t
             table.release(1, info["cache_id"])
             h = client.allocate(tokens)
-            t = median_time(lambda: h.fork().close())
+            t = median_time(_fork_and_close(h))
             fork_e2e[tokens] = 1e6 * t
             h.close()
     out["fork_us_in_coordinator"] = fork_in_process
