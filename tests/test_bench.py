@@ -188,16 +188,16 @@ def test_interleaved_times_every_function_in_every_round():
 
 
 def test_write_results(tmp_path):
-    base = str(tmp_path / "results" / "suite")
-    paths = core.write_results(base, {"x": 1, "b": [1.5]}, "| a |\n\n\n")
-    assert paths == [base + ".json", base + ".md"]
-    assert json.loads(open(base + ".json").read()) == {"x": 1, "b": [1.5]}
-    assert open(base + ".md").read() == "| a |\n"
-    only_json = str(tmp_path / "other")
-    assert core.write_results(only_json, {"z": 2}, None, indent=2, sort_keys=True) == [
-        only_json + ".json"]
-    assert not os.path.exists(only_json + ".md")
-    assert open(only_json + ".json").read() == '{\n  "z": 2\n}'
+    base = tmp_path / "results" / "suite"
+    paths = core.write_results(str(base), {"x": 1, "b": [1.5]}, "| a |\n\n\n")
+    assert paths == [f"{base}.json", f"{base}.md"]
+    assert json.loads(base.with_suffix(".json").read_text()) == {"x": 1, "b": [1.5]}
+    assert base.with_suffix(".md").read_text() == "| a |\n"
+    only_json = tmp_path / "other"
+    assert core.write_results(str(only_json), {"z": 2}, None, indent=2, sort_keys=True) == [
+        f"{only_json}.json"]
+    assert not only_json.with_suffix(".md").exists()
+    assert only_json.with_suffix(".json").read_text() == '{\n  "z": 2\n}'
 
 
 def test_markdown_table_escapes_pipes():

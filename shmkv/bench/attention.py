@@ -1,4 +1,5 @@
-"""Suite ``attention``: shmkv.attention.paged_attention against the first (reference) implementation.
+"""Suite ``attention``: shmkv.attention.paged_attention against the first (reference)
+implementation.
 
 One attention-layer call per case, on one CPU thread, with K/V pages laid out as in
 the pool (``[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]``, one layer's
@@ -112,13 +113,21 @@ def run_case(name, seq_lens, counts, dtype, seconds):
     tol = dict(rtol=2e-5, atol=2e-5) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
     decode = max(counts) == 1
     batch_q = padded[:, 0] if decode else padded
-    old = lambda: baseline_paged_attention(batch_q, k_pages, v_pages, table, lens)
-    new_batch = lambda: paged_attention(batch_q, k_pages, v_pages, table, lens)
-    new_packed = lambda: paged_attention(packed, k_pages, v_pages, table, lens,
-                                         query_start_loc=locs)
     workspace = AttentionWorkspace()
-    new_ws = lambda: paged_attention(packed, k_pages, v_pages, table, lens,
-                                     query_start_loc=locs, workspace=workspace)
+
+    def old() -> torch.Tensor:
+        return baseline_paged_attention(batch_q, k_pages, v_pages, table, lens)
+
+    def new_batch() -> torch.Tensor:
+        return paged_attention(batch_q, k_pages, v_pages, table, lens)
+
+    def new_packed() -> torch.Tensor:
+        return paged_attention(packed, k_pages, v_pages, table, lens, query_start_loc=locs)
+
+    def new_ws() -> torch.Tensor:
+        return paged_attention(packed, k_pages, v_pages, table, lens, query_start_loc=locs,
+                               workspace=workspace)
+
     want = old()
     torch.testing.assert_close(new_batch(), want, **tol)
     rows = torch.cat([want.view(-1, HEADS, HEAD_DIM)[b * max(counts) + max(counts) - c:
@@ -151,7 +160,7 @@ def markdown(record: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=0.4,
                         help="time spent per measurement (default 0.4)")
     parser.add_argument("--out", default=None,

@@ -1,4 +1,5 @@
-"""Suite ``remote``: benchmarks beyond one node: pulls from Redis, moves over Gloo, a two-node chat trace.
+"""Suite ``remote``: benchmarks beyond one node: pulls from Redis, moves over Gloo, a
+two-node chat trace.
 
 1. Pull bandwidth: node A publishes a prompt's blocks to a real ``redis-server``;
    node B (a cold pool) allocates the same prompt, which pulls every block from the
@@ -357,7 +358,7 @@ def bench_chat(server, cfg, num_sessions, num_turns, with_store: bool):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
     parser.add_argument("--out", default=None, help="results path without extension "
                         "(default: benchmarks/results/remote, or remote-quick with --quick)")

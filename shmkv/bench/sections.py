@@ -52,7 +52,7 @@ def format_markdown(figures: List[Figure], series: dict) -> str:
                     "length:", "",
                 "| op | block size | " + " | ".join(f"n={n}" for n in lengths) + " |",
                 "|---|---|" + "---|" * len(lengths)]
-        for op, label, base, _target in DATA_OPS:
+        for op, label, _base, _target in DATA_OPS:
             for bs in sorted({p["block_size"] for p in points}):
                 by_n = {p["n"]: p[op + "_ratio"] for p in points if p["block_size"] == bs}
                 out.append(f"| {label} | {bs} | " + " | ".join(

@@ -47,8 +47,7 @@ import torch
 
 import shmkv
 
-from .. import tier_io
-from .. import tiers as tiers_mod
+from .. import tier_io, tiers as tiers_mod
 from ..memory import block_bytes
 from .core import SPAWN, p99, result_base, trace_path, write_results
 
@@ -576,7 +575,8 @@ def bench_cold(args, root) -> dict:
 
         answer = {"cache_id": 1, "slot": 0, "blocks": list(range(blocks)),
                   "num_tokens": blocks * cfg.block_size, "num_cached": 0, "request_id": None}
-        work = {f"allocate a {blocks}-block prompt (a pool hit, keys from its client) + release": hit,
+        work = {f"allocate a {blocks}-block prompt (a pool hit, keys from its client) + release":
+                hit,
                 f"allocate {blocks} blocks, no prompt + release": plain,
                 "encode a ping's answer": lambda: protocol.encode_ok(1, {}),
                 f"encode an allocation's answer ({blocks} blocks)":

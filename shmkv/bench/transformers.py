@@ -1,4 +1,5 @@
-"""Suite ``transformers``: decode tokens/s of transformers' generate with ShmkvCache against DynamicCache.
+"""Suite ``transformers``: decode tokens/s of transformers' generate with ShmkvCache
+against DynamicCache.
 
 A small Mistral-shaped model with random weights (8 layers, hidden 256, 8 query heads
 over 2 K/V heads, head_dim 32, no sliding window), float32, one torch thread, greedy.
