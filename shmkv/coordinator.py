@@ -32,7 +32,7 @@ import threading
 import time
 import weakref
 from bisect import bisect_left
-from typing import Dict, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Union
 
 from . import protocol, shm
 from .allocator import BlockPool
@@ -54,6 +54,9 @@ from .remote import RemoteTierSet, split_specs
 from .sequences import SequenceTable
 from .tables import TableWriter
 from .tiers import TierSet, check_specs
+
+if TYPE_CHECKING:
+    from .metrics import MetricsServer
 
 log = logging.getLogger("shmkv.coordinator")
 _clock = time.perf_counter
@@ -180,7 +183,7 @@ def runtime_dir() -> str:
         return path
     tmp = tempfile.gettempdir()
     first = os.path.join(tmp, f"shmkv-{os.getuid()}")
-    why_first = None
+    why_first = ""
     for k in range(_RUNTIME_FALLBACKS + 1):
         path = first if k == 0 else f"{first}-{k}"
         why = _private_dir(path, strict=False)
@@ -189,7 +192,7 @@ def runtime_dir() -> str:
                 _warn_runtime(first, why_first, path)
             return path
         if k == 0:
-            why_first = why
+            why_first = why or ""
     private = _private_runtime.get(tmp)
     if private is None or _private_dir(private, strict=False) is not None:
         private = _private_runtime[tmp] = tempfile.mkdtemp(prefix=f"shmkv-{os.getuid()}.",
@@ -370,8 +373,9 @@ class _Conn:
         self.events = selectors.EVENT_READ  # what the selector watches for this socket
         self.tp_rank = None                 # the rank this connection said it is, if any
         self.reason = ""                    # why it is closing (for the drop's log line)
-        self.held = None  # while a request waits for a tier promotion: the requests
-        #                   this connection sent after it, answered in order after it
+        # While a request waits for a tier promotion: the requests this connection sent
+        # after it, with their frame sizes, answered in order after it.
+        self.held: Optional[List[Tuple[object, int]]] = None
         self.held_bytes = 0   # the frame bytes of ``held``
 
 
@@ -447,7 +451,9 @@ class Coordinator(Ops):
         self._turn_began = 0.0
         self._spin_hits = 0.0       # how often a spin caught (or would have caught) the next;
         # from none: a coordinator polls once it has seen requests come back to back
-        self.address = str(address) if address is not None else default_address(name)
+        if address is None and name is None:
+            raise InvalidArgument("a coordinator needs a name= or an address=")
+        self.address = str(address) if address is not None else default_address(name or "")
         if len(os.fsencode(self.address)) > 107:
             raise InvalidArgument(f"socket path {self.address!r} is longer than the 107 bytes "
                                   "a Unix socket address can hold; use a shorter path or name=")
@@ -458,13 +464,15 @@ class Coordinator(Ops):
         self.metrics_port = metrics_port
         self.metrics_host = metrics_host
         self.metrics_address = None  # (host, port) once the metrics server listens
-        self._metrics = None
+        self._metrics: Optional[MetricsServer] = None
         local_tiers, self._remote_spec = split_specs(tiers)
         self._tier_specs = check_specs(local_tiers)
-        self.tiers: Optional[TierSet] = None   # or a RemoteTierSet over one
-        # Fields that teardown may meet half-built default to "nothing to release".
-        self.memory: Optional[PoolMemory] = None
-        self.table: Optional[SequenceTable] = None
+        self.tiers: Optional[Union[TierSet, RemoteTierSet]] = None   # a store over tiers
+        # Fields that teardown may meet half-built default to "nothing to release". The
+        # pool and its table are None until open() and after close(); the handlers (Ops)
+        # run only in between, so Ops types them as set.
+        self.memory = None  # type: ignore[assignment]  # see above
+        self.table = None  # type: ignore[assignment]  # see above
         self._listener: Optional[socket.socket] = None
         self._lock_fd: Optional[int] = None   # the address lock (see _take_lock)
         self._wake_r: Optional[socket.socket] = None
@@ -498,17 +506,18 @@ class Coordinator(Ops):
         try:
             self._claim_address()
             shm.sweep_stale()
-            self.memory = create_pool(self.config)
-            memory = self.memory
+            self.memory = memory = create_pool(self.config)
+            owner = memory.owner_t
+            assert owner is not None, "create_pool maps the owner array"
             self.table = SequenceTable(
                 BlockPool(self.config.num_blocks, owner=memory.owner, epoch=memory.epoch,
-                          owner_np=memory.owner_t.numpy()),
+                          owner_np=owner.numpy()),
                 self.config.block_size, self.config.tp_size,
                 copy_block=memory.copy_block, max_handoffs=self.max_handoffs,
                 max_handoff_ttl=self.max_handoff_ttl,
                 tables=TableWriter(memory.layout, memory.seq, memory.table,
                                    (memory.seq_np, memory.table_np)),
-                arrays=(memory.seq_np, memory.table_np, memory.owner_t.numpy()),
+                arrays=(memory.seq_np, memory.table_np, owner.numpy()),
                 max_seq_len=self.config.max_seq_len)
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self._listener = listener
@@ -534,8 +543,9 @@ class Coordinator(Ops):
                 self.table.tiers = self.tiers
             if self.metrics_port is not None:
                 from .metrics import MetricsServer
-                self._metrics = MetricsServer(self, self.metrics_port, self.metrics_host)
-                self.metrics_address = self._metrics.address
+                metrics = self._metrics = MetricsServer(self, self.metrics_port,
+                                                        self.metrics_host)
+                self.metrics_address = metrics.address
             log.info("coordinator %s: %d blocks x %d tokens, %s, %.1f MiB%s", self.address,
                      self.config.num_blocks, self.config.block_size, self.config.dtype,
                      self.config.nbytes / 2**20,
@@ -627,7 +637,7 @@ class Coordinator(Ops):
             if LOCAL_POOLS.get(self.address) is self.memory:
                 del LOCAL_POOLS[self.address]
             self.memory.close()
-            self.memory = None
+            self.memory = None  # type: ignore[assignment]  # closed: see __init__
         _LIVE.discard(self)
 
     def _forget_after_fork(self) -> None:
@@ -686,15 +696,17 @@ class Coordinator(Ops):
             self.open()
         # Under the lock stop() takes to decide whether it closes: either stop() came
         # first (nothing is served) or the loop serves and closes everything as it exits.
+        listener, wake = self._listener, self._wake_r
         with self._close_lock:
-            serving = self._serving = not self._stopping and self._listener is not None
-        if not serving:
+            serving = self._serving = (not self._stopping and listener is not None
+                                       and wake is not None)
+        if not serving or listener is None or wake is None:
             self.close()
             return
         selector = selectors.DefaultSelector()
         try:
-            selector.register(self._listener, selectors.EVENT_READ, None)
-            selector.register(self._wake_r, selectors.EVENT_READ, None)
+            selector.register(listener, selectors.EVENT_READ, None)
+            selector.register(wake, selectors.EVENT_READ, None)
             while not self._stopping:
                 self._turn(selector)
         finally:
@@ -726,7 +738,7 @@ class Coordinator(Ops):
         caught = bool(ready)
         if not ready:
             ready = selector.select(wait)
-            caught = polls and _clock() - self._turn_began <= self._spin_s   # would it have?
+            caught = bool(polls) and _clock() - self._turn_began <= self._spin_s  # would it?
         self._serve_ready(selector, ready)
         if polls:   # a hit: a request, soon enough (not a tier wake-up or a connect)
             self._spin_hits += _SPIN_WEIGHT * ((caught and self._served) - self._spin_hits)
@@ -738,10 +750,12 @@ class Coordinator(Ops):
             # The copies start before this turn's tier work places demotions that could
             # evict the entries they read.
             to_promote, self._to_promote = self._to_promote, []
+            tiers = self.tiers
+            assert tiers is not None, "promotions are planned only against tiers"
             for records, conn, request_id, result in to_promote:
-                self.tiers.promote(records).context = (conn, request_id, result)
+                tiers.promote(records).context = (conn, request_id, result)
         if self.tiers is not None:
-            self._tier_turn(selector)
+            self._tier_turn(self.tiers, selector)
         if deadline is not None and self.table.expire():
             log.info("hand-offs expired unopened (%d so far)",
                      self.table.counters["expired_handoffs"])
@@ -781,9 +795,11 @@ class Coordinator(Ops):
                     self._flush(conn, selector)
 
     def _accept(self, selector) -> None:
+        listener = self._listener
+        assert listener is not None, "only a serving loop accepts"
         while True:
             try:
-                sock, _ = self._listener.accept()
+                sock, _ = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
@@ -802,7 +818,7 @@ class Coordinator(Ops):
                 raise
             pid, uid, _gid = _UCRED.unpack(
                 sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-            refusal = None
+            refusal: Optional[ShmkvError] = None
             if uid != os.getuid():
                 refusal = AccessDenied(f"uid {uid} may not use a coordinator of uid "
                                        f"{os.getuid()}")
@@ -985,13 +1001,14 @@ class Coordinator(Ops):
             except OSError:
                 pass
 
-    def _tier_turn(self, selector) -> None:
+    def _tier_turn(self, tiers: Union[TierSet, RemoteTierSet], selector) -> None:
         """Let the tiers move blocks; answer the requests whose promotions are done,
         then the requests their connections sent meanwhile."""
         woken, self._woken = self._woken, False
-        for promotion in self.tiers.tick(woken):
-            conn, request_id, result = promotion.context
-            if self._conns.get(conn.conn_id) is not conn:
+        for promotion in tiers.tick(woken):
+            asked, request_id, result = promotion.context
+            conn = self._conns.get(asked.conn_id)
+            if conn is None or conn is not asked:
                 continue  # gone meanwhile: its references were dropped already
             conn.outbuf += protocol.encode_ok(request_id, result)
             self._answer_held(conn)
@@ -1003,7 +1020,7 @@ class Coordinator(Ops):
         MAX_HELD_BYTES (with what arrives meanwhile)."""
         held, conn.held = conn.held, None
         conn.held_bytes = 0
-        for i, (obj, _) in enumerate(held):
+        for i, (obj, _) in enumerate(held or ()):
             if conn.held is not None or conn.closing:  # waits again (or closes)
                 if not conn.closing:
                     conn.held += held[i:]

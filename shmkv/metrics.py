@@ -34,7 +34,7 @@ import selectors
 import socket
 import threading
 import time
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 from prometheus_client.utils import floatToGoString
 
@@ -63,13 +63,18 @@ MIN_RENDER_INTERVAL_S = 0.05
 
 # -- the series ------------------------------------------------------------------------------
 
+Labels = Tuple[Tuple[str, str], ...]
+Sample = Tuple[str, Labels, float]                        # (sample name, labels, value)
+Family = Tuple[str, str, str, Optional[List[Sample]]]     # (name, type, help, samples)
+
 _LATENCY_DOC = ("Time the coordinator's loop spent on a request (decode, handle, encode), "
                 "by op")
 
 
-def _latency_samples(op: str, values) -> list:
+def _latency_samples(op: str, values: Sequence[float]) -> List[Sample]:
     """One op's histogram samples from its ``[count per bucket..., sum]`` list."""
-    out, total = [], 0
+    out: List[Sample] = []
+    total = 0.0
     for bound, num in zip(LATENCY_BUCKETS, values):
         total += num
         out.append(("shmkv_request_duration_seconds_bucket",
@@ -81,7 +86,7 @@ def _latency_samples(op: str, values) -> list:
     return out
 
 
-def families(coord, latency: bool = True) -> List[tuple]:
+def families(coord, latency: bool = True) -> List[Family]:
     """Every series of one coordinator now: ``[(name, type, help, samples)]`` with
     ``samples`` as ``[(sample name, ((label, value), ...), number)]``. Counter families
     are named without ``_total``; their samples carry it. Without ``latency``, the
@@ -91,7 +96,7 @@ def families(coord, latency: bool = True) -> List[tuple]:
         return []
     cfg = coord.config
     counters = dict(table.counters)  # one C-level copy: consistent within itself
-    out = []
+    out: List[Family] = []
 
     def gauge(name, doc, value):
         out.append((name, "gauge", doc, [(name, (), value)]))
@@ -99,7 +104,7 @@ def families(coord, latency: bool = True) -> List[tuple]:
     def counter(name, doc, value):
         out.append((name, "counter", doc, [(name + "_total", (), value)]))
 
-    samples = [("shmkv_blocks", (("tier", tier), ("state", state)), num)
+    samples: List[Sample] = [("shmkv_blocks", (("tier", tier), ("state", state)), num)
                for tier, states in coord.block_counts().items() for state, num in states.items()]
     out.append(("shmkv_blocks", "gauge",
                 "Blocks by tier and state: free (no data), cached (unreferenced, kept for "
@@ -206,7 +211,7 @@ def render(coord, cache: Optional[dict] = None) -> bytes:
             values = tuple(values)   # a copy: the loop keeps adding to the original
             kept = cache.get(op)
             if kept is None or kept[0] != values:
-                chunk = []
+                chunk: List[str] = []
                 _lines(chunk, _latency_samples(op, values))
                 kept = cache[op] = (values, "\n".join(chunk))
             lines.append(kept[1])
@@ -232,7 +237,7 @@ class CoordinatorCollector:
         from prometheus_client.core import Metric
         for name, kind, doc, samples in families(self._coord):
             metric = Metric(name, doc, kind)
-            for sample, labels, value in samples:
+            for sample, labels, value in samples or ():   # (all given, with latency)
                 metric.add_sample(sample, dict(labels), value)
             yield metric
 
@@ -269,7 +274,7 @@ def _bind_address(host: str, port: int) -> Tuple[int, tuple, bool]:
                          f"not resolve ({exc})") from None
     family, _type, _proto, _name, sockaddr = infos[0]
     try:
-        loopback = ipaddress.ip_address(sockaddr[0].split("%", 1)[0]).is_loopback
+        loopback = ipaddress.ip_address(str(sockaddr[0]).split("%", 1)[0]).is_loopback
     except ValueError:
         loopback = False
     return family, sockaddr, loopback
@@ -309,7 +314,9 @@ class MetricsServer:
         self.num_served = 0    # responses sent
         self.num_closed = 0    # connections closed before an answer (timeout, error, limit)
         self._stopping = False
-        self._listener = self._wake_r = self._wake_w = None
+        self._listener: Optional[socket.socket] = None
+        self._wake_r: Optional[socket.socket] = None
+        self._wake_w: Optional[socket.socket] = None
         self._conns: dict = {}     # socket -> _Http, oldest first
         self._cache: dict = {}     # op -> (its latency counts, their text): see render()
         self._waiting: list = []   # connections whose /metrics waits for the next render
@@ -334,9 +341,10 @@ class MetricsServer:
                         "metrics_host='127.0.0.1' to keep it local",
                         self.url, "every interface" if sockaddr[0] in ("0.0.0.0", "::")
                         else "not a loopback address")
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._thread = threading.Thread(target=self._serve, name="shmkv-metrics", daemon=True)
+        self._wake_r, self._wake_w = wake, _ = socket.socketpair()
+        wake.setblocking(False)
+        self._thread = threading.Thread(target=self._serve, args=(listener, wake),
+                                        name="shmkv-metrics", daemon=True)
         self._thread.start()
 
     @property
@@ -347,16 +355,16 @@ class MetricsServer:
 
     # -- serving (the server's thread) ---------------------------------------------------
 
-    def _serve(self) -> None:
+    def _serve(self, listener: socket.socket, wake: socket.socket) -> None:
         selector = selectors.DefaultSelector()
         try:
-            selector.register(self._listener, selectors.EVENT_READ, None)
-            selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+            selector.register(listener, selectors.EVENT_READ, None)
+            selector.register(wake, selectors.EVENT_READ, "wake")
             paused_until = 0.0
             while not self._stopping:
                 now = time.monotonic()
                 if paused_until and now >= paused_until:
-                    selector.register(self._listener, selectors.EVENT_READ, None)
+                    selector.register(listener, selectors.EVENT_READ, None)
                     paused_until = 0.0
                 wait = 1.0
                 if self._waiting:
@@ -369,8 +377,8 @@ class MetricsServer:
                     if key.data == "wake":
                         continue
                     if key.data is None:
-                        if self._accept(selector):
-                            selector.unregister(self._listener)
+                        if self._accept(listener, selector):
+                            selector.unregister(listener)
                             paused_until = time.monotonic() + 0.1
                         continue
                     if key.data.sock in self._conns:   # (not closed earlier this turn)
@@ -390,11 +398,11 @@ class MetricsServer:
                 self._close(conn, selector)
             selector.close()
 
-    def _accept(self, selector) -> bool:
+    def _accept(self, listener: socket.socket, selector) -> bool:
         """Accept what is waiting; True when out of descriptors (pause accepting)."""
         while True:
             try:
-                sock, peer = self._listener.accept()
+                sock, peer = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return False
             except OSError as exc:
@@ -498,11 +506,13 @@ class MetricsServer:
         self._send(conn, selector)
 
     def _send(self, conn: _Http, selector) -> None:
+        out = conn.out
+        assert out is not None, "only an answered connection waits to write"
         try:
-            conn.sent += conn.sock.send(memoryview(conn.out)[conn.sent:])
+            conn.sent += conn.sock.send(memoryview(out)[conn.sent:])
         except (BlockingIOError, InterruptedError):
             return
-        if conn.sent >= len(conn.out):
+        if conn.sent >= len(out):
             self.num_served += 1
             try:
                 conn.sock.shutdown(socket.SHUT_WR)
@@ -546,7 +556,8 @@ class MetricsServer:
             return
         self._stopping = True
         try:
-            self._wake_w.send(b"x")
+            if self._wake_w is not None:
+                self._wake_w.send(b"x")
         except OSError:
             pass
         self._thread.join(5)

@@ -55,12 +55,11 @@ class Ops:
                                 f"coordinator speaks {protocol.PROTOCOL_VERSION}")
         if conn.greeted:
             raise ProtocolError("hello sent twice")
-        if tp_rank is not None or tp_size is not None:
-            if tp_size != self.config.tp_size or tp_rank is None or not (
-                    0 <= tp_rank < self.config.tp_size):
-                raise InvalidArgument(
-                    f"tp_rank={tp_rank}, tp_size={tp_size} do not fit a pool with "
-                    f"tp_size={self.config.tp_size}")
+        if (tp_rank is not None or tp_size is not None) and (
+                tp_size != self.config.tp_size or tp_rank is None
+                or not 0 <= tp_rank < self.config.tp_size):
+            raise InvalidArgument(f"tp_rank={tp_rank}, tp_size={tp_size} do not fit a pool "
+                                  f"with tp_size={self.config.tp_size}")
         conn.greeted = True
         conn.tp_rank = tp_rank
         return {"version": protocol.PROTOCOL_VERSION, "pool": self.config.to_wire(),

@@ -403,7 +403,7 @@ class Promotion:
         self.keys: List[bytes] = []
         self.srcs: list = []
         self.num_host = 0      # copies from the host tier (the others: disk, or none)
-        self.context = None
+        self.context: Any = None
 
     def copies(self) -> list:
         """The promotion as ``tier_io.Copy`` objects (for worker threads)."""

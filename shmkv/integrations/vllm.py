@@ -304,7 +304,7 @@ class ShmkvConnector(KVConnectorBase_V1):
         self._block_size = vllm_config.cache_config.block_size
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._namespace = model_namespace(vllm_config, extra.get("shmkv.salt", ""))
-        self._client = None
+        self._client: Optional[shmkv.Client] = None
         self._down_until = 0.0
         self._stats = ShmkvConnectorStats()
         if role == KVConnectorRole.SCHEDULER:
@@ -313,7 +313,7 @@ class ShmkvConnector(KVConnectorBase_V1):
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
             self._reqs: Dict[str, _SchedReq] = {}
             self._closed: List[str] = []
-            self._tp_rank = None
+            self._tp_rank: Optional[int] = None
             self._connect(strict=True)  # refuses a misfit pool at start-up when it is up
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -577,6 +577,8 @@ class ShmkvConnector(KVConnectorBase_V1):
         bs = table.block_size
         runs = copy_runs(block_ids, list(table.physical_blocks), span[0], span[1],
                          self._block_size, bs)
+        if self._client is None:
+            raise shmkv.CoordinatorGone("the coordinator went away since the hand-off was opened")
         pool = self._client.pool
         for layer, kv in enumerate(zip(self._k, self._v)):
             for which in (0, 1):
@@ -601,7 +603,7 @@ class ShmkvConnector(KVConnectorBase_V1):
         if client is None:
             return None
         try:
-            handle = client.open(item.tokens[self._tp_rank])
+            handle = client.open(item.tokens[self._tp_rank or 0])   # (a worker: set)
         except (ShmkvError, OSError, IndexError) as exc:
             log.warning("shmkv: hand-off of %s could not be opened (%s)", item.req_id, exc)
             if not client.is_alive():
