@@ -55,7 +55,7 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from typing import Callable, Collection, Iterable, List, Optional, Sequence, Union
+from typing import Callable, Collection, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -136,7 +136,8 @@ class BlockPool:
 
     # -- allocation --------------------------------------------------------------------
 
-    def allocate(self, num: int, owner_id) -> Optional[List[int]]:
+    def allocate(self, num: int,
+                 owner_id: Union[int, Sequence[int], np.ndarray]) -> Optional[List[int]]:
         """Take ``num`` blocks with ``ref_cnt = 1`` writable by ``owner_id``: one id for
         all, or one per block (in the order returned).
 
@@ -179,7 +180,7 @@ class BlockPool:
             owner[block_id] = block_owner
         return ids
 
-    def _victims(self, num: int):
+    def _victims(self, num: int) -> Callable[..., Tuple[int, None]]:
         """A ``popitem`` for ``num`` evictions that takes the cached blocks not in
         ``copying`` first, then those in it, each oldest first. Scans at most ``num``
         blocks plus those in ``copying`` (the copies in flight and waiting)."""
@@ -196,7 +197,7 @@ class BlockPool:
                 waiting.append(block_id)
         order = iter(safe + waiting)
 
-        def pop(last=False):
+        def pop(last: bool = False) -> Tuple[int, None]:
             block_id = next(order)
             del cached[block_id]
             return block_id, None

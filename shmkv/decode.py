@@ -12,13 +12,13 @@ error.
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence as Seq
+from typing import Dict, List, Optional, Sequence as Seq, Tuple, Union
 
 import numpy as np
 
 from .errors import PoolExhausted
 from .growth import Growth
-from .rows import format_cache_id
+from .rows import Sequence, format_cache_id
 from .tables import GENERATION, NUM_TOKENS, SEQ_FIELDS
 
 
@@ -29,15 +29,17 @@ class _Kept:
     __slots__ = ("ids", "where", "lengths_at", "version", "conn_steps", "steps", "phases",
                  "added", "longest", "objects", "heavy")
 
-    def __init__(self, ids, where, version: int, conn_steps: int, objects=None):
+    def __init__(self, ids: np.ndarray, where: np.ndarray, version: int, conn_steps: int,
+                 objects: Optional[List[Optional[Sequence]]] = None):
         self.ids, self.where, self.steps = ids, where, 0
         self.lengths_at = where * SEQ_FIELDS + NUM_TOKENS   # in the flat sequence rows
         self.reset(version, conn_steps, objects)
 
-    def reset(self, version: int, conn_steps: int, objects=None) -> None:
+    def reset(self, version: int, conn_steps: int,
+              objects: Optional[List[Optional[Sequence]]] = None) -> None:
         self.version, self.conn_steps = version, conn_steps
         self.objects = objects   # per sequence: its Sequence, or None for a plain one
-        self.heavy: Optional[list] = \
+        self.heavy: Optional[List[Sequence]] = \
             None if objects is None else [s for s in objects if s is not None]
         # for one token a step: {offset in a block: sequences}
         self.phases: Optional[Dict[int, np.ndarray]] = None
@@ -50,7 +52,8 @@ _NONE = np.zeros(0, dtype=np.int64)
 
 class Decode(Growth):
     """The array fast paths of a batch step and kept batches (see the module doc)."""
-    def _extend_uniform(self, conn_id: int, cache_ids: Seq[int], slots: Seq[int], count: int):
+    def _extend_uniform(self, conn_id: int, cache_ids: Seq[int], slots: Seq[int],
+                        count: int) -> Optional[np.ndarray]:
         """The decode step (``count`` more tokens in every sequence, no token ids) with
         array operations over the whole batch: a constant number of them, whatever the
         batch size, plus Python work only for the sequences that need a new block, a
@@ -123,7 +126,8 @@ class Decode(Growth):
         self._num_blocks_np[grow_where] += 1
         return blocks
 
-    def _extend_light(self, where: np.ndarray, ids: np.ndarray, count: int):
+    def _extend_light(self, where: np.ndarray, ids: np.ndarray,
+                      count: int) -> Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """:meth:`_extend_uniform` for a checked batch of plain sequences without
         objects: their blocks are theirs alone and they cover exactly their tokens, so
         the step is a length store, plus a block for each that crosses into a new one.
@@ -149,7 +153,8 @@ class Decode(Growth):
         seq_np[where, NUM_TOKENS] = new
         return new, grow_at, blocks
 
-    def _keepable(self, conn_id: int, cache_ids: Seq[int]) -> Optional[tuple]:
+    def _keepable(self, conn_id: int, cache_ids: Union[Seq[int], np.ndarray]
+                  ) -> Optional[Tuple[np.ndarray, Optional[List[Optional[Sequence]]]]]:
         """``(slots, objects)`` when a batch can be kept, else None: distinct live
         sequences held by this connection, each plain, or with an object (``objects[i]``,
         None for a plain one) that this connection alone holds, that takes no more prefix
@@ -168,7 +173,7 @@ class Decode(Growth):
         if self._keys_open_np[rows].any() or \
                 not np.array_equal(self._num_blocks_np[rows], (lens + bs - 1) // bs):
             return None
-        objects: list = [None] * ids.shape[0]
+        objects: List[Optional[Sequence]] = [None] * ids.shape[0]
         refs, owner = self.conn_refs[conn_id], self._owner_np
         for i, cache_id in zip(heavy.tolist(), ids[heavy].tolist()):
             seq = self.sequences[cache_id]
@@ -178,7 +183,7 @@ class Decode(Growth):
             objects[i] = seq
         return where, objects
 
-    def _step_kept(self, kept: "_Kept", count: int) -> Optional[tuple]:
+    def _step_kept(self, kept: "_Kept", count: int) -> Optional[Tuple[np.ndarray, np.ndarray]]:
         """:meth:`_extend_light` of a kept batch: for one token a step, which sequences
         open a block comes from their phase in a block (no work per step), and the step
         is one store that adds to every length; then the objects of the sequences that

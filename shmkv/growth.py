@@ -10,7 +10,7 @@ the next write). Each call plans, checks everything, then applies (all or none).
 from __future__ import annotations
 
 from array import array
-from typing import List, Sequence as Seq
+from typing import List, Optional, Sequence as Seq, Tuple, Union
 
 from . import hashing
 from .errors import InvalidArgument, OutOfRange, PoolExhausted, WrongType
@@ -44,7 +44,8 @@ class Growth(Prefix):
         self.pool.decref((old,))
         self.counters["cow_copies"] += 1
 
-    def _plan_extend(self, conn_id: int, item) -> tuple:
+    def _plan_extend(self, conn_id: int,
+                     item: object) -> Tuple[Sequence, int, Optional[List[int]], int, bool]:
         if not (isinstance(item, (list, tuple)) and len(item) in (2, 3)):
             raise WrongType("extend item must be [cache_id, num_tokens] or "
                             "[cache_id, num_tokens, tokens]")
@@ -106,12 +107,14 @@ class Growth(Prefix):
                             "table_from": table_from, "blocks": seq.block_ids[table_from:]})
         return results
 
-    def extend(self, conn_id: int, cache_id: int, num_tokens: int, tokens=None) -> dict:
+    def extend(self, conn_id: int, cache_id: int, num_tokens: int,
+               tokens: Optional[List[int]] = None) -> dict:
         """Reserve ``num_tokens`` more slots at the end of a sequence (see :meth:`extend_many`)."""
         item = [cache_id, num_tokens] if tokens is None else [cache_id, num_tokens, tokens]
         return self.extend_many(conn_id, [item])[0]
 
-    def _extend_general(self, conn_id: int, cache_ids: Seq[int], counts, tokens=None):
+    def _extend_general(self, conn_id: int, cache_ids: Seq[int], counts: Union[int, Seq[int]],
+                        tokens: Optional[List[List[int]]] = None) -> array[int]:
         """``SequenceTable.extend_batch`` one sequence at a time: any counts, token ids,
         copies of shared last blocks, new blocks; names every error. ``counts`` were
         checked to lie in ``[0, max_seq_len]`` (the facade did)."""

@@ -16,7 +16,7 @@ import struct
 import sys
 from array import array
 from functools import lru_cache
-from typing import List, Optional, Sequence
+from typing import Iterable, List, Optional, Sequence, SupportsIndex, cast
 
 from .errors import WrongType
 
@@ -97,14 +97,14 @@ def _keys_struct(num: int) -> struct.Struct:
     return struct.Struct(f"{KEY_SIZE}s" * num)
 
 
-def token_list(tokens) -> list:
+def token_list(tokens: Iterable[SupportsIndex]) -> List[int]:
     """Token ids as a list of ints: from a list, a tensor, an array, or any integral
     scalars (``operator.index``: numpy integers are fine, floats and bools are not)."""
     if hasattr(tokens, "tolist"):
         tokens = tokens.tolist()
     tokens = list(tokens)
     if all(type(t) is int for t in tokens):
-        return tokens
+        return cast(List[int], tokens)   # (each one an int, checked just above)
     out = []
     for t in tokens:
         if isinstance(t, bool):

@@ -26,9 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 
 from .errors import InvalidArgument, WrongType
+
+if TYPE_CHECKING:   # (annotations only: torch_dtype alone imports torch, when called)
+    import torch
 
 LAYOUT_VERSION = 2          # 1: stored block-major; 2: stored layer-major
 BLOCK_FORMAT_VERSION = 1    # the order of one block's bytes when copied out of the pool
@@ -61,7 +64,7 @@ def dtype_name(dtype: Any) -> str:
     return name
 
 
-def torch_dtype(name: str):
+def torch_dtype(name: str) -> torch.dtype:
     """Return the ``torch.dtype`` for a canonical dtype name."""
     import torch
     return getattr(torch, name)
@@ -248,7 +251,7 @@ class PoolConfig:
                      "layer-major[num_layers,2,num_blocks,block_size,heads,head_dim]"))
         return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
-    def block_fingerprint(self, scales=None) -> str:
+    def block_fingerprint(self, scales: Optional[Iterable[float]] = None) -> str:
         """A hex digest of everything that decides what one block's bytes mean: the
         :meth:`fingerprint` less the pool's size and device, so pools of any size on any
         node can exchange blocks (``shmkv.remote``, ``shmkv.distributed``).

@@ -11,7 +11,7 @@ allocator's (``shmkv.allocator``); a promotion checks it before it publishes.
 
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional, Sequence as Seq
+from typing import List, NamedTuple, Optional, Sequence as Seq, Union
 
 import numpy as np
 
@@ -258,15 +258,17 @@ class Prefix(Handoffs):
         self._held_np[conn_id][slot_ids] = True
         return cache_ids, slot_ids
 
-    def allocate(self, conn_id: int, num_tokens: int = 0, prompt=None, cache_salt=None,
-                 request_id=None, keys=None, root=None) -> dict:
+    def allocate(self, conn_id: int, num_tokens: int = 0,
+                 prompt: Union[List[int], bytes, None] = None, cache_salt: Optional[bytes] = None,
+                 request_id: Optional[str] = None, keys: Optional[bytes] = None,
+                 root: Optional[bytes] = None) -> dict:
         """Allocate one sequence (see :meth:`allocate_many`)."""
         return self.allocate_many(conn_id, [{"num_tokens": num_tokens, "prompt": prompt,
                                              "cache_salt": cache_salt,
                                              "request_id": request_id, "keys": keys,
                                              "root": root}])[0]
 
-    def _extend_keys(self, seq: Sequence, num: int, tokens) -> None:
+    def _extend_keys(self, seq: Sequence, num: int, tokens: Optional[List[int]]) -> None:
         if not seq.keys_open or not num:
             return
         if tokens is None:

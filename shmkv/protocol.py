@@ -22,11 +22,14 @@ import dataclasses
 import struct
 import sys
 from array import array
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Union
 
 import msgpack
 
 from . import errors
+
+if TYPE_CHECKING:   # (annotations only: the protocol imports no numpy)
+    import numpy as np
 
 PROTOCOL_VERSION = 2   # 2: an allocation's prompt comes with its block keys
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
@@ -161,7 +164,7 @@ def unpack_i64s(data: bytes) -> "array":
     return out
 
 
-def pack_i64s(values) -> bytes:
+def pack_i64s(values: Union[Iterable[int], np.ndarray]) -> bytes:
     """The ``i64s`` form of a sequence of ints (or of a numpy integer array)."""
     if hasattr(values, "astype"):   # (no copy when they are little-endian int64s)
         return values.astype("<i8", copy=False).tobytes()

@@ -9,7 +9,7 @@ a reference to it exists; the last one going frees its slot and drops its blocks
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence as Seq
+from typing import Dict, List, Optional, Sequence as Seq
 
 import numpy as np
 
@@ -45,7 +45,7 @@ class Refs(Rows):
             self._unref(self.sequences[cache_id], count)
         return dropped
 
-    def _held(self, conn_id: int, cache_id) -> Sequence:
+    def _held(self, conn_id: int, cache_id: object) -> Sequence:
         """The sequence, if this connection holds a reference to it."""
         if isinstance(cache_id, bool) or not isinstance(cache_id, int):
             raise WrongType(f"cache_id must be an int, got {type(cache_id).__name__}")
@@ -96,8 +96,7 @@ class Refs(Rows):
         if not num or held is None or where.shape[0] != num or int(ids.min()) <= 0:
             return None
         rows = run_index(where)
-        run = type(rows) is slice   # one ascending run: distinct rows, bounds at its ends
-        if run:
+        if isinstance(rows, slice):   # one ascending run: distinct rows, bounds at its ends
             if rows.start < 0 or rows.stop > held.shape[0]:
                 return None
         elif int(where.min()) < 0 or int(where.max()) >= held.shape[0]:
@@ -106,14 +105,15 @@ class Refs(Rows):
             return None
         if not ((any_holder or held[rows].all()) and _same(self._seq_np[rows, CACHE_ID], ids)):
             return None
-        if not run:
+        if not isinstance(rows, slice):
             order = np.arange(num)
             self._scratch[where] = order  # a slot named twice keeps only its last position
             if not _same(self._scratch[where], order):
                 return None
         return where
 
-    def _batch_sequences(self, conn_id: int, cache_ids: Seq[int], any_live: bool = False):
+    def _batch_sequences(self, conn_id: int, cache_ids: Seq[int],
+                         any_live: bool = False) -> List[Sequence]:
         """The sequences named by a batch, each held by this connection (or merely live,
         with ``any_live``)."""
         if len(set(cache_ids)) != len(cache_ids):

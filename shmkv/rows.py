@@ -19,7 +19,7 @@ Pure: no torch, no sockets, no I/O.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence as Seq, Union
 
 import numpy as np
 
@@ -84,7 +84,7 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
     return bool((a == b).all())
 
 
-def _check_count(name: str, value, lo: int = 0) -> int:
+def _check_count(name: str, value: object, lo: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise WrongType(f"{name} must be an int, got {type(value).__name__}")
     if value < lo:
@@ -233,7 +233,7 @@ class Rows:
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _check_length(self, num_tokens: int, what) -> None:
+    def _check_length(self, num_tokens: int, what: Union[str, Callable[[], str]]) -> None:
         """The one bound on a sequence's length, checked before anything changes:
         ``PoolExhausted`` past what the whole pool holds, else ``LimitExceeded`` past
         ``max_seq_len``. ``num_tokens`` is a Python int (no wrap-around); ``what`` names
@@ -249,7 +249,8 @@ class Rows:
         raise LimitExceeded(f"{name}: {num_tokens} tokens, but a sequence holds at most "
                             f"{self.max_seq_len} (PoolConfig.max_seq_len); raise max_seq_len")
 
-    def _check_counts(self, name: str, counts, lo: int = 0) -> None:
+    def _check_counts(self, name: str, counts: Union[Seq[int], np.ndarray],
+                      lo: int = 0) -> None:
         """Every one of ``counts`` (ints or an int64 array) lies in ``[lo, max_seq_len]``:
         ``InvalidArgument`` below, the length check above."""
         if isinstance(counts, np.ndarray):

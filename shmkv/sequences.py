@@ -38,7 +38,8 @@ sockets, so the whole state machine is testable in one process.
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, List, Optional, Sequence as Seq
+from array import array
+from typing import Callable, Dict, List, Optional, Sequence as Seq, Union
 
 import numpy as np
 
@@ -168,8 +169,9 @@ class SequenceTable(Decode):
                          "opened_handoffs": 0, "expired_handoffs": 0}
 
 
-    def extend_batch(self, conn_id: int, cache_ids: Seq[int], counts, tokens=None,
-                     slots: Optional[Seq[int]] = None):
+    def extend_batch(self, conn_id: int, cache_ids: Seq[int], counts: Union[int, Seq[int]],
+                     tokens: Optional[List[List[int]]] = None,
+                     slots: Optional[Seq[int]] = None) -> Union[np.ndarray, array[int]]:
         """Reserve ``counts`` (an int for all, or one per sequence) more slots in each
         sequence of a batch, all or none; copy-on-write of shared partly filled last
         blocks included. ``tokens``: one list of token ids per sequence, or None.

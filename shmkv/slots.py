@@ -20,7 +20,7 @@ Does not read block tables (``shmkv.tables``) or move bytes (``shmkv.handle``,
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -31,7 +31,8 @@ def layer_row(layer: int, which: int, num_blocks: int, block_size: int) -> int:
     return (2 * layer + which) * num_blocks * block_size
 
 
-def position_rows(blocks: Sequence[int], block_size: int, device=None) -> torch.Tensor:
+def position_rows(blocks: Sequence[int], block_size: int,
+                  device: Optional[torch.device] = None) -> torch.Tensor:
     """Row of layer 0's K (the slot) of every position a block table covers:
     ``[len(blocks) * block_size]`` int64. Add :func:`layer_row` for another layer."""
     table = torch.tensor(blocks, dtype=torch.int64)
@@ -40,7 +41,7 @@ def position_rows(blocks: Sequence[int], block_size: int, device=None) -> torch.
 
 
 def layer_offsets(num_layers: int, num_blocks: int, block_size: int,
-                  device=None) -> torch.Tensor:
+                  device: Optional[torch.device] = None) -> torch.Tensor:
     """``[2 * num_layers]``: what to add to a layer-0-K row for layer ``l``, K or V
     (index ``2 * l + which``)."""
     return torch.arange(2 * num_layers, device=device) * (num_blocks * block_size)
@@ -55,7 +56,7 @@ def all_layer_rows(base_rows: torch.Tensor, num_layers: int, num_blocks: int,
 
 
 def spans(blocks: Sequence[int], block_size: int, num_layers: int, num_blocks: int,
-          start: int, n: int, device=None) -> tuple:
+          start: int, n: int, device: Optional[torch.device] = None) -> tuple:
     """How positions ``[start, start + n)`` of a table lie in blocks:
     ``(head, (middle, middle_rows), tail)``.
 
@@ -83,8 +84,8 @@ def spans(blocks: Sequence[int], block_size: int, num_layers: int, num_blocks: i
 
 
 def batch_slots(tables: np.ndarray, starts: np.ndarray, counts: np.ndarray,
-                query_start_loc: np.ndarray, num_tokens: int, block_size: int,
-                uniform_count: int = -1) -> tuple:
+                query_start_loc: Optional[np.ndarray], num_tokens: int, block_size: int,
+                uniform_count: int = -1) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(slot_mapping, seq_index, positions)`` of a step's new tokens, vectorized
     (numpy: these arrays are small, and numpy's per-op cost is a fraction of torch's).
 
@@ -92,7 +93,8 @@ def batch_slots(tables: np.ndarray, starts: np.ndarray, counts: np.ndarray,
         tables: ``[B, max_blocks]`` block ids of each sequence.
         starts: ``[B]`` int64 position of each sequence's first new token.
         counts: ``[B]`` int64 new tokens per sequence.
-        query_start_loc: ``[B + 1]`` int64 cumulative counts.
+        query_start_loc: ``[B + 1]`` int64 cumulative counts; None with a
+            ``uniform_count``.
         num_tokens: ``T``, the sum of counts.
         uniform_count: the count when every sequence has the same one (decode: 1), for
             a shorter computation; -1 otherwise.
@@ -112,6 +114,7 @@ def batch_slots(tables: np.ndarray, starts: np.ndarray, counts: np.ndarray,
     if uniform_count > 0:
         seq_index, offsets = tokens // uniform_count, tokens % uniform_count
     else:
+        assert query_start_loc is not None   # (None only with a uniform count)
         seq_index = np.searchsorted(query_start_loc[1:], tokens, side="right")
         offsets = tokens - query_start_loc[seq_index]
     positions = starts[seq_index] + offsets

@@ -57,11 +57,16 @@ from __future__ import annotations
 import os
 import platform
 from array import array
-from typing import List, Sequence
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from .errors import LimitExceeded
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+    from .layout import PoolConfig
 
 SEQ_FIELDS = 4
 _ZEROS = array("i", bytes(4 * 4096))
@@ -70,7 +75,7 @@ _ZEROS = array("i", bytes(4 * 4096))
 def _zeros(num: int) -> array:
     return _ZEROS[:num] if num <= len(_ZEROS) else array("i", bytes(4 * num))
 
-def run_index(ids: np.ndarray):
+def run_index(ids: np.ndarray) -> Union[slice, np.ndarray]:
     """``ids`` (int64, distinct) as an index: a slice when they are one ascending run
     (slots and blocks taken from a stack usually are), else themselves. Stores through a
     slice cost a fraction of those through an index array."""
@@ -116,11 +121,11 @@ class TableLayout:
         self.nbytes = self.table_offset + 4 * max_sequences * max_seq_blocks
 
     @classmethod
-    def of(cls, config) -> "TableLayout":
+    def of(cls, config: PoolConfig) -> "TableLayout":
         return cls(config.num_blocks, config.max_sequences, config.max_seq_blocks,
                    config.num_layers)
 
-    def scale_views(self, buffer) -> tuple:
+    def scale_views(self, buffer: Buffer) -> Tuple[memoryview, memoryview[float]]:
         """``(lock, scales)`` memoryviews over a buffer of ``nbytes``: the int64 seqlock
         word and float64 ``[num_layers * 2]`` (K then V of each layer)."""
         whole = memoryview(buffer)
@@ -130,7 +135,7 @@ class TableLayout:
         whole.release()
         return lock, scales
 
-    def views(self, buffer) -> tuple:
+    def views(self, buffer: Buffer) -> Tuple[memoryview, memoryview, memoryview, memoryview]:
         """``(owner, epoch, seq, table)`` memoryviews over a buffer of ``nbytes``:
         int64, int64, int64 (flat, ``SEQ_FIELDS`` per slot), int32 (flat)."""
         whole = memoryview(buffer)
@@ -154,7 +159,8 @@ class TableWriter:
             (then those views cannot be released while the writer lives).
     """
 
-    def __init__(self, layout: TableLayout, seq, table, arrays=None):
+    def __init__(self, layout: TableLayout, seq: memoryview, table: memoryview,
+                 arrays: Optional[Tuple[np.ndarray, np.ndarray]] = None):
         self.layout = layout
         self.seq = seq
         self.table = table
@@ -167,6 +173,8 @@ class TableWriter:
         if arrays is None:
             arrays = (np.frombuffer(seq, dtype=np.int64).reshape(-1, SEQ_FIELDS),
                       np.frombuffer(table, dtype=np.int32).reshape(-1, layout.max_seq_blocks))
+        self.seq_np: np.ndarray
+        self.table_np: np.ndarray
         self.seq_np, self.table_np = arrays
         self.num_blocks_np = np.frombuffer(self.num_blocks, dtype=np.int64)
 
@@ -235,7 +243,8 @@ class TableWriter:
         seq[rows, LOCK] += 1
         self.num_blocks_np[rows] = counts
 
-    def release_many(self, slots: np.ndarray, rows, widest: int) -> None:
+    def release_many(self, slots: np.ndarray, rows: Union[slice, np.ndarray],
+                     widest: int) -> None:
         """:meth:`release` for several dead sequences at once (distinct slots): ``rows``
         is ``run_index(slots)``, ``widest`` the most table entries one of them uses."""
         seq = self.seq_np
@@ -287,7 +296,8 @@ class TableWriter:
         seq[base + LOCK] += 1
 
 
-def write_scales(lock, scales, layer: int, k_scale: float, v_scale: float) -> None:
+def write_scales(lock: memoryview, scales: memoryview[float], layer: int, k_scale: float,
+                 v_scale: float) -> None:
     """Store one layer's K/V scales (the coordinator only; a seqlock, as for rows)."""
     lock[0] += 1
     scales[2 * layer] = k_scale
@@ -295,7 +305,8 @@ def write_scales(lock, scales, layer: int, k_scale: float, v_scale: float) -> No
     lock[0] += 1
 
 
-def read_scales(lock, scales, layer: int, tries: int = 10000) -> tuple:
+def read_scales(lock: memoryview, scales: memoryview[float], layer: int,
+                tries: int = 10000) -> Tuple[float, float]:
     """One layer's ``(k_scale, v_scale)``, never half of an update.
 
     Raises:
@@ -311,8 +322,9 @@ def read_scales(lock, scales, layer: int, tries: int = 10000) -> tuple:
     raise LimitExceeded(f"K/V scales of layer {layer} kept changing for {tries} reads")
 
 
-def read_row(seq, table, max_seq_blocks: int, block_size: int, slot: int, cache_id: int,
-             known_generation: int = -1, known_blocks: int = 0, tries: int = 10000):
+def read_row(seq: memoryview, table: memoryview, max_seq_blocks: int, block_size: int,
+             slot: int, cache_id: int, known_generation: int = -1, known_blocks: int = 0,
+             tries: int = 10000) -> Optional[Tuple[int, int, Optional[List[int]]]]:
     """One sequence's ``(num_tokens, generation, blocks)``, consistent (see the module
     rules). ``blocks`` is None when the caller's copy (``known_blocks`` entries read at
     ``known_generation``) is current and covers ``num_tokens``. Returns None when the
