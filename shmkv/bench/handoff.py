@@ -52,7 +52,7 @@ def _child_producer(conn, address: str, tokens: int, threads: int, torch_queue,
     cfg = client.config
     shape = (cfg.num_layers, 2, tokens, cfg.num_kv_heads, cfg.head_dim)
     template = _pattern(math.prod(shape), client.pool.dtype).view(shape)
-    segments = []
+    segments: List[shared_memory.SharedMemory] = []
     try:
         conn.send("ready")
         while True:
@@ -188,5 +188,5 @@ def bench_handoff(opts: Options, cleanup: _Cleanup, series: dict) -> List[Figure
                               speedup if method != "shmkv" else None,
                               ">= 5" if method == "torch.multiprocessing" else None,
                               _check(speedup, ">= 5") if method == "torch.multiprocessing"
-                              else None, params))
+                              else None, params=params))
     return figures
