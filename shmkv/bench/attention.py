@@ -110,7 +110,7 @@ def per_call_ms(fn, seconds: float) -> float:
 
 def run_case(name, seq_lens, counts, dtype, seconds):
     k_pages, v_pages, table, lens, packed, locs, padded = make_step(seq_lens, counts, dtype)
-    tol = dict(rtol=2e-5, atol=2e-5) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    tol = 2e-5 if dtype == torch.float32 else 3e-2   # rtol and atol
     decode = max(counts) == 1
     batch_q = padded[:, 0] if decode else padded
     workspace = AttentionWorkspace()
@@ -129,12 +129,12 @@ def run_case(name, seq_lens, counts, dtype, seconds):
                                workspace=workspace)
 
     want = old()
-    torch.testing.assert_close(new_batch(), want, **tol)
+    torch.testing.assert_close(new_batch(), want, rtol=tol, atol=tol)
     rows = torch.cat([want.view(-1, HEADS, HEAD_DIM)[b * max(counts) + max(counts) - c:
                                                       (b + 1) * max(counts)]
                       for b, c in enumerate(counts)])
-    torch.testing.assert_close(new_packed(), rows, **tol)
-    torch.testing.assert_close(new_ws(), rows, **tol)
+    torch.testing.assert_close(new_packed(), rows, rtol=tol, atol=tol)
+    torch.testing.assert_close(new_ws(), rows, rtol=tol, atol=tol)
     times = [per_call_ms(fn, seconds) for fn in (old, new_batch, new_packed, new_ws)]
     print(f"{name:<40}" + "".join(f"{t:9.3f}" for t in times)
           + "".join(f"{times[0] / t:7.1f}x" for t in times[1:]))

@@ -484,9 +484,12 @@ def _control_point(opts: Options, cleanup: _Cleanup) -> dict:
         at = {"seen": 0}
 
         def in_table():
-            at["seen"] = table.extend_kept(1, table_kept, 1, at["seen"])["steps"]
+            step = table.extend_kept(1, table_kept, 1, at["seen"])
+            assert step is not None   # (the handler's check too) kept: only this one steps it
+            at["seen"] = step["steps"]
 
         answer = table.extend_kept(1, table_kept, 1, 0)
+        assert answer is not None
         ext_codec = _codec_fn("extend_kept", {"batch": table_kept, "count": 1, "seen": 1},
                               {"steps": 2, "same": True,
                                "grown": protocol.pack_i64s(answer["grown"]),
@@ -494,6 +497,7 @@ def _control_point(opts: Options, cleanup: _Cleanup) -> dict:
         at["seen"] = answer["steps"]
         calls, repeats = 50, 3 * opts.repeats  # every call adds a token to each sequence
         total_calls = (repeats + 1) * calls
+        assert cfg.max_seq_len is not None   # PoolConfig sets it when not given
         if 2 * total_calls + 2 > cfg.max_seq_len:
             raise BenchError("batch control: too many steps for max_seq_len; lower --repeats")
 

@@ -17,6 +17,7 @@ Owns what more than one suite needs and nothing a single suite measures:
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import math
 import multiprocessing
@@ -26,7 +27,8 @@ import statistics
 import sys
 import time
 import traceback
-from typing import Callable, Dict, List, Optional, Sequence
+from multiprocessing.connection import Connection
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 SPAWN = multiprocessing.get_context("spawn")
 MIB = 1 << 20
@@ -169,21 +171,28 @@ class Helper:
 
     def __init__(self, target: Callable, *args, name: str = "shmkv-bench"):
         self.name = name
+        self.conn: Optional[Connection]
         self.conn, child = SPAWN.Pipe()
         self.process = SPAWN.Process(target=_child_main, args=(target, child, args),
                                      name=name, daemon=True)
         self.process.start()
         child.close()
 
+    def _pipe(self) -> Connection:
+        if self.conn is None:
+            raise BenchError(f"{self.name} was stopped")
+        return self.conn
+
     def send(self, message) -> None:
-        self.conn.send(message)
+        self._pipe().send(message)
 
     def recv(self, timeout: float):
         """The next message; raises :class:`BenchError` on a timeout or a child error."""
-        if not self.conn.poll(timeout):
+        conn = self._pipe()
+        if not conn.poll(timeout):
             raise BenchError(f"{self.name} sent nothing within {timeout:.0f} s")
         try:
-            message = self.conn.recv()
+            message = conn.recv()
         except EOFError:
             raise BenchError(f"{self.name} exited (code {self.process.exitcode})") from None
         if isinstance(message, tuple) and message and message[0] == "error":
@@ -391,10 +400,10 @@ def markdown_table(rows: Sequence[Sequence[object]]) -> str:
     return "\n".join(out)
 
 
-def pyplot():
+def pyplot() -> Any:
     """``matplotlib.pyplot`` on the Agg backend (no display); ImportError without
-    matplotlib (``pip install 'shmkv[plot]'``)."""
-    import matplotlib
+    matplotlib (``pip install 'shmkv[plot]'``). Imported by name: matplotlib is an
+    optional extra, absent where the package's types are checked."""
+    matplotlib = importlib.import_module("matplotlib")
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
+    return importlib.import_module("matplotlib.pyplot")

@@ -36,14 +36,15 @@ import sys
 import tempfile
 import time
 import uuid
-from typing import Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
 import shmkv
 
 from .. import hashing
-from .core import result_base, trace_path, write_results
+from ..remote import RemoteTierSet
+from .core import BenchError, result_base, trace_path, write_results
 
 
 def free_port() -> int:
@@ -97,6 +98,15 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
+def _redis_store(coord: shmkv.Coordinator) -> RemoteTierSet:
+    """The store over the coordinator's :class:`shmkv.RedisTier` (its tiers here)."""
+    store = coord.tiers
+    if not isinstance(store, RemoteTierSet):
+        raise BenchError(f"the coordinator's tiers are {type(store).__name__}, not a store "
+                         "over a RedisTier")
+    return store
+
+
 def _kv(h, start: int, n: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(h.num_layers, 2, n, h.num_heads, h.head_dim, generator=g).to(h.dtype)
@@ -107,16 +117,18 @@ def _kv(h, start: int, n: int, seed: int) -> torch.Tensor:
 
 def bench_pull(server: RedisServer, cfg: shmkv.PoolConfig, num_blocks: int, repeat: int):
     prompt = list(range(7, 7 + num_blocks * cfg.block_size))
-    tier = dict(timeout=5.0, ttl=None)
-    with shmkv.Coordinator(cfg, name=_name("a"), tiers=[shmkv.RedisTier(server.url, **tier)]) \
-            as a, shmkv.Coordinator(cfg, name=_name("b"),
-                                    tiers=[shmkv.RedisTier(server.url, **tier)]) as b, \
+
+    def tiers() -> list:
+        return [shmkv.RedisTier(server.url, timeout=5.0, ttl=None)]
+
+    with shmkv.Coordinator(cfg, name=_name("a"), tiers=tiers()) as a, \
+            shmkv.Coordinator(cfg, name=_name("b"), tiers=tiers()) as b, \
             shmkv.connect(a.address, timeout=60) as ca, shmkv.connect(b.address, timeout=60) as cb:
         h = ca.allocate(prompt=prompt)
         h.write_all(_kv(h, 0, len(prompt), 1), start=0)
         h.commit()
-        assert a.tiers.flush(60), "write-behind did not drain"
-        store = b.tiers
+        assert _redis_store(a).flush(60), "write-behind did not drain"
+        store = _redis_store(b)
         chain = hashing.block_keys(prompt, cfg.block_size, hashing.root_key(None))
         names = store.codec.names(chain, 0, num_blocks)
         conn = store._client("get")   # the reader's client: the same connection
@@ -246,7 +258,7 @@ def bench_move(cfg: shmkv.PoolConfig, num_tokens: int, repeat: int):
                                                  results)) for r in range(2)]
     for p in procs:
         p.start()
-    got = {}
+    got: Dict[str, Any] = {}
     try:
         while len(got) < 3:  # a, b and b_digest
             tag, value = results.get(timeout=600)
@@ -308,7 +320,9 @@ def committed_trace(path: Optional[str] = None) -> list:
     with open(path or trace_path()) as f:
         lines = [json.loads(line) for line in f]
     header, requests = lines[0], lines[1:]
-    history, turns, out = {}, {}, []
+    history: Dict[int, List[int]] = {}
+    turns: Dict[int, int] = {}
+    out = []
     for r in requests:
         s = r["session"]
         prompt = history.get(s, list(header["system"])) + r["user"]
@@ -338,13 +352,13 @@ def bench_chat(server, cfg, num_sessions, num_turns, with_store: bool):
             coord, client = nodes[node]
             for c, _ in nodes.values():   # think time: the write-behind has drained
                 if c.tiers is not None:
-                    c.tiers.flush(30)
+                    _redis_store(c).flush(30)
             tokens, prefilled = _serve(client, prompt, reply, seed=i)
             t = totals[node]
             t[0] += 1
             t[1] += tokens
             t[2] += prefilled
-        store = {n: (c.tiers.store_stats() if c.tiers is not None else None)
+        store = {n: (_redis_store(c).store_stats() if c.tiers is not None else None)
                  for n, (c, _) in nodes.items()}
     return {"requests": len(trace), "nodes": {n: {"requests": t[0], "prompt_tokens": t[1],
                                                   "prefill_tokens": t[2]}
@@ -376,7 +390,7 @@ def main(argv=None) -> int:
                                 block_size=16, dtype=torch.float16)
     sessions, turns = (8, 3) if args.quick else (None, None)   # None: the committed trace
 
-    out = {"machine": {"cpus": os.cpu_count(), "torch": torch.__version__}}
+    out: Dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "torch": torch.__version__}}
     server = RedisServer()
     out["machine"]["redis_server"] = server.version
     try:
@@ -397,11 +411,14 @@ def main(argv=None) -> int:
                            for n in move_blocks]
         if args.only in (None, "chat"):
             print("two-node chat trace ...", flush=True)
-            trace = committed_trace() if sessions is None else None
-            out["chat"] = {"sessions": sessions or len({r[0] for r in trace}),
-                           "turns": turns or max(r[1] for r in trace) + 1,
-                           "trace": "benchmarks/traces/chat.jsonl" if sessions is None
-                           else "generated",
+            if sessions is None:
+                trace = committed_trace()
+                shape = {"sessions": len({r[0] for r in trace}),
+                         "turns": max(r[1] for r in trace) + 1,
+                         "trace": "benchmarks/traces/chat.jsonl"}
+            else:
+                shape = {"sessions": sessions, "turns": turns, "trace": "generated"}
+            out["chat"] = {**shape,
                            "local_only": bench_chat(server, chat_cfg, sessions, turns, False),
                            "shared_store": bench_chat(server, chat_cfg, sessions, turns, True)}
     finally:

@@ -5,7 +5,7 @@ and GB/s of ``write_all`` + ``gather_all(out=)``, each against one worker.
 from __future__ import annotations
 
 import time
-from typing import Dict, List
+from typing import Any, Dict, List
 
 from .core import (
     Figure,
@@ -75,7 +75,7 @@ def bench_scaling(opts: Options, cleanup: _Cleanup, series: dict) -> List[Figure
     coord = cleanup.add(Coordinator.spawn(cfg, name=_unique("scaling"), timeout=120))
     workers = [cleanup.add(Helper(_child_scaling, coord.address, name=f"shmkv-bench-w{i}"))
                for i in range(max(counts))]
-    points = []
+    points: List[Dict[str, Any]] = []
     try:
         for w in workers:
             w.recv(180)

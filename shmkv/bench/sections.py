@@ -153,10 +153,10 @@ def draw_plots(series: dict, plot_dir: str, name: str) -> List[str]:
                     labels.append(f"{kind}\n{place}")
                     p50.append(_percentile(values, 50))
                     p99.append(_percentile(values, 99))
-            x = range(len(labels))
-            axes[0].bar([i - 0.2 for i in x], p50, width=0.4, label="p50")
-            axes[0].bar([i + 0.2 for i in x], p99, width=0.4, label="p99")
-            axes[0].set_xticks(list(x), labels, fontsize=7)
+            bars = range(len(labels))
+            axes[0].bar([i - 0.2 for i in bars], p50, width=0.4, label="p50")
+            axes[0].bar([i + 0.2 for i in bars], p99, width=0.4, label="p99")
+            axes[0].set_xticks(list(bars), labels, fontsize=7)
             axes[0].set_ylabel("round trip (us)")
             axes[0].set_title("one request (echo = raw msgpack server)")
             axes[0].legend()
@@ -237,10 +237,10 @@ def draw_plots(series: dict, plot_dir: str, name: str) -> List[str]:
         ax = axes[1]
         control = series["batch"]["control"]
         parts = ("table_us", "codec_us", "ping_us", "other_us", "step_build_us")
-        labels = ("coordinator table", "msgpack", "wire (ping)", "other", "Step (client)")
+        part_labels = ("coordinator table", "msgpack", "wire (ping)", "other", "Step (client)")
         for row, prefix in enumerate(("alloc", "extend")):
             split, left = _split(control, prefix), 0.0
-            for i, (part, part_label) in enumerate(zip(parts, labels)):
+            for i, (part, part_label) in enumerate(zip(parts, part_labels)):
                 width = max(0.0, split.get(part, 0.0))
                 ax.barh(row, width, left=left, color=f"C{i}",
                         label=part_label if row == 0 else None)

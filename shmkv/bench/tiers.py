@@ -42,6 +42,7 @@ import sys
 import tempfile
 import time
 import uuid
+from typing import Any, Dict, List
 
 import torch
 
@@ -51,9 +52,12 @@ from .. import tier_io, tiers as tiers_mod
 from ..memory import block_bytes
 from .core import SPAWN, p99, result_base, trace_path, write_results
 
-# An 8B-class model's block (32 layers, 8 KV heads of 128, fp16, 16 tokens): 2 MiB.
-BIG = dict(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="float16")
-SMALL = dict(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype="float16")
+# PoolConfig's keywords. An 8B-class model's block (32 layers, 8 KV heads of 128, fp16,
+# 16 tokens): 2 MiB.
+BIG: Dict[str, Any] = dict(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16,
+                           dtype="float16")
+SMALL: Dict[str, Any] = dict(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16,
+                             dtype="float16")
 
 
 def name() -> str:
@@ -345,14 +349,14 @@ def ping_run(address, prompts, block_size, cycles, phase_s=0.5, rate=None,
     results.update(dict([q.get(timeout=120)]))
     for p in (promoter, pinger):
         p.join(30)
-    lat = {False: [], True: []}
+    lat: Dict[bool, List[float]] = {False: [], True: []}
     for t0, latency in results["pings"]:
         for start, end, busy in phases:
             if start <= t0 < end:
                 lat[busy].append(latency)
                 break
     moved, busy_s, num = results["moved"]
-    out = {}
+    out: Dict[str, Any] = {}
     for busy, label in ((False, "idle"), (True, "promoting")):
         values = sorted(lat[busy])
         out[label] = {"p50_us": values[len(values) // 2] * 1e6, "p99_us": p99(values) * 1e6,
@@ -582,9 +586,9 @@ def bench_cold(args, root) -> dict:
                 f"encode an allocation's answer ({blocks} blocks)":
                     lambda: protocol.encode_ok(1, [answer])}
         gaps_ms = (0.0, 0.5, 2.0, 7.0)
-        out = {"gaps_ms": list(gaps_ms), "work": {}}
+        out: Dict[str, Any] = {"gaps_ms": list(gaps_ms), "work": {}}
         for label, fn in work.items():
-            row = {}
+            row: Dict[str, float] = {}
             for gap in gaps_ms:
                 times = []
                 for _ in range(200):
@@ -642,7 +646,7 @@ def bench_restart(args, root) -> dict:
 
 def _commands(commands: dict) -> str:
     """"`CMD` (part, part); ..." for the commands that last ran each part."""
-    parts = {}
+    parts: Dict[str, List[str]] = {}
     for part, command in commands.items():
         parts.setdefault(command, []).append(part)
     return "; ".join(f"`{command}` ({', '.join(names)})" for command, names in parts.items())

@@ -39,6 +39,7 @@ import platform
 import statistics
 import sys
 import time
+from typing import Any, Dict, List
 
 import torch
 
@@ -48,9 +49,11 @@ from .. import native
 from ..integrations.transformers import ShmkvCache, cache_argument, pool_config
 from .core import plot_path, pyplot, result_base, write_results
 
-MODEL = dict(vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=8,
-             num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192,
-             sliding_window=None, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+# MistralConfig's keywords
+MODEL: Dict[str, Any] = dict(vocab_size=32000, hidden_size=256, intermediate_size=1024,
+                             num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+                             max_position_embeddings=8192, sliding_window=None,
+                             bos_token_id=None, eos_token_id=None, pad_token_id=None)
 # --model mid: heads of a 1-3B model (16 query heads over 4 K/V heads of 128), 4 layers.
 MID = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=4, num_attention_heads=16,
            num_key_value_heads=4)
@@ -103,9 +106,9 @@ def run_case(model, client, batch: int, prompt_len: int, steps: int, repeats: in
         return cache
 
     caches = {way: prefilled(way) for way in WAYS}
-    rates = {way: [] for way in WAYS}
-    cpu_rates = {way: [] for way in WAYS}
-    tokens = {}
+    rates: Dict[str, List[float]] = {way: [] for way in WAYS}
+    cpu_rates: Dict[str, List[float]] = {way: [] for way in WAYS}
+    tokens: Dict[str, List[List[int]]] = {}
     for round_ in range(repeats + 1):   # the first round warms up
         # Alternate the order, so no way always runs after the same other one.
         for way in (WAYS if round_ % 2 else WAYS[::-1]):
@@ -135,7 +138,7 @@ def run_case(model, client, batch: int, prompt_len: int, steps: int, repeats: in
     for way in WAYS:
         if way != "dynamic":
             caches[way].close()
-    result = {"batch": batch, "prompt": prompt_len, "steps": steps, "fresh": fresh,
+    result: Dict[str, Any] = {"batch": batch, "prompt": prompt_len, "steps": steps, "fresh": fresh,
               "tokens_equal": True}
     for way in WAYS:
         result[f"{way}_tok_s"] = statistics.median(rates[way][1:])
@@ -143,11 +146,11 @@ def run_case(model, client, batch: int, prompt_len: int, steps: int, repeats: in
         result[f"{way}_cpu_tok_s"] = statistics.median(cpu_rates[way][1:])
     # Ratios: the median of each round's own ratio (runs next to each other in time see
     # about the same load from the rest of the host).
-    for key, way in (("ratio", "shmkv"), ("ratio_torch", "shmkv-torch"),
-                     ("ratio_mirror", "shmkv-mirror"),
-                     ("ratio_dense", "shmkv-dense")):
+    for name, way in (("ratio", "shmkv"), ("ratio_torch", "shmkv-torch"),
+                      ("ratio_mirror", "shmkv-mirror"),
+                      ("ratio_dense", "shmkv-dense")):
         for prefix, runs in (("", rates), ("cpu_", cpu_rates)):
-            result[prefix + key] = statistics.median(
+            result[prefix + name] = statistics.median(
                 a / b for a, b in zip(runs[way][1:], runs["dynamic"][1:]))
     return result
 
