@@ -64,7 +64,7 @@ import dataclasses
 import datetime
 import threading
 from collections import deque
-from typing import List, Optional, Sequence
+from typing import Deque, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -433,6 +433,7 @@ def recv_sequence(client, src: int, *, group=None, request_id: Optional[str] = N
         if root is None:
             handle = client.allocate(num_tokens=num_tokens, prompt=ids, request_id=request_id)
         else:   # the sender's keys: its prompt under its root (its salt's)
+            assert ids is not None   # (a root key comes with token ids: checked above)
             packed = pack_tokens(ids)
             req = {"num_tokens": num_tokens, "prompt": packed, "root": root,
                    "keys": b"".join(packed_block_keys(packed, config.block_size, root))}
@@ -459,18 +460,16 @@ def recv_sequence(client, src: int, *, group=None, request_id: Optional[str] = N
             # Each chunk lands in one of two staging buffers and is scattered into the
             # pool while the next chunks arrive. Receives are posted in message order.
             chunks = _chunks(len(recv), max(1, chunk_blocks))
-            bufs = None
+            bufs = _staging(device, (chunks[0][1] - chunks[0][0]) * nbytes)
             free = [1, 0]                 # staging buffers not receiving or scattering
-            posted = deque()              # (work, staging buffer index, lo, hi)
+            posted: Deque[tuple] = deque()   # (work, staging buffer index, lo, hi)
             next_chunk = 0
 
             def post_more() -> None:
-                nonlocal bufs, next_chunk
+                nonlocal next_chunk
                 while next_chunk < len(chunks):
                     lo, hi = chunks[next_chunk]
                     if free:
-                        if bufs is None:
-                            bufs = _staging(device, (chunks[0][1] - chunks[0][0]) * nbytes)
                         slot = free.pop()
                         posted.append((link.irecv(bufs[slot][:(hi - lo) * nbytes]), slot,
                                        lo, hi))

@@ -14,13 +14,19 @@ head slice of it), one per rank on CUDA (each with ``num_kv_heads // tp_size`` h
 from __future__ import annotations
 
 import os
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 from . import shm
 from .errors import LayoutMismatch
 from .layout import PoolConfig, torch_dtype
 from .tables import SEQ_FIELDS, TableLayout
 from .views import pool_view, storage_view  # used here, and still importable from here
+
+if TYPE_CHECKING:   # (torch is imported where memory is mapped)
+    import mmap
+
+    import numpy as np
+    import torch
 
 
 class PoolMemory:
@@ -45,13 +51,22 @@ class PoolMemory:
 
     def __init__(self, config: PoolConfig):
         self.config = config
-        self.device_pools: List = []
+        self.device_pools: List[torch.Tensor] = []
         self.layout = TableLayout.of(config)
-        self.owner = self.epoch = self.seq = self.table = None
-        self.scale_lock = self.scales = None
-        self.owner_t = self.seq_t = self.table_t = None
-        self.seq_np = self.table_np = None
-        self._meta_map = None
+        # None until the metadata segment is mapped (create_pool / attach_pool map it
+        # before returning), and again after close().
+        self.owner: Optional[memoryview] = None
+        self.epoch: Optional[memoryview] = None
+        self.seq: Optional[memoryview] = None
+        self.table: Optional[memoryview] = None
+        self.scale_lock: Optional[memoryview] = None
+        self.scales: Optional[memoryview[float]] = None
+        self.owner_t: Optional[torch.Tensor] = None
+        self.seq_t: Optional[torch.Tensor] = None
+        self.table_t: Optional[torch.Tensor] = None
+        self.seq_np: Optional[np.ndarray] = None
+        self.table_np: Optional[np.ndarray] = None
+        self._meta_map: Optional[mmap.mmap] = None
         self.fds: List[int] = []
         self.descriptor: dict = {}
 
@@ -140,8 +155,10 @@ def create_pool(config: PoolConfig) -> PoolMemory:
         meta_fd = shm.create_segment(meta_bytes, "metadata")
         memory.fds.append(meta_fd)
         memory._map_meta(meta_fd, meta_bytes, writable=True)
-        for i in range(len(memory.scales)):  # K/V scales are 1.0 until a caller sets them
-            memory.scales[i] = 1.0
+        scales = memory.scales
+        assert scales is not None   # (mapped just now)
+        for i in range(len(scales)):  # K/V scales are 1.0 until a caller sets them
+            scales[i] = 1.0
         memory.descriptor = {"meta_bytes": meta_bytes, "fingerprint": config.fingerprint()}
         if config.is_cuda:
             from . import cuda

@@ -46,7 +46,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import List, Optional
+from typing import List, Optional, TypedDict
 
 import torch
 
@@ -71,7 +71,16 @@ _SPLIT_MIN_WORK = 1 << 21
 _MAX_PAGES = (1 << 31) - 1
 
 _lock = threading.Lock()
-_state = {"fn": None, "tried": False, "status": "not built yet"}
+
+
+class _State(TypedDict):
+    """What :func:`decoder` found (written once, under ``_lock``)."""
+    fn: Optional[dict]   # the loaded kernels by dtype; None: not (yet) available
+    tried: bool
+    status: str          # what status() returns
+
+
+_state: _State = {"fn": None, "tried": False, "status": "not built yet"}
 _pool: Optional[ThreadPoolExecutor] = None
 
 

@@ -29,10 +29,14 @@ import os
 import re
 import secrets
 import stat
+from typing import TYPE_CHECKING, List
 
 import posix_ipc
 
 from .errors import InvalidArgument, ShmkvError
+
+if TYPE_CHECKING:   # (imported where a tensor is made: not needed to sweep or size)
+    import torch
 
 log = logging.getLogger("shmkv.shm")
 SHM_DIR = "/dev/shm"
@@ -55,7 +59,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def sweep_stale() -> list:
+def sweep_stale() -> List[str]:
     """Unlink segments named by a shmkv process of this uid that no longer exists;
     returns the names.
 
@@ -64,7 +68,7 @@ def sweep_stale() -> list:
     sweep: it only ever closes the window described in the module docstring, so a
     coordinator starts whatever lies in ``/dev/shm``.
     """
-    removed = []
+    removed: List[str] = []
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
@@ -115,12 +119,14 @@ def create_segment(nbytes: int, what: str = "pool") -> int:
     return fd
 
 
-def map_tensor(fd: int, nbytes: int):
+def map_tensor(fd: int, nbytes: int) -> torch.Tensor:
     """A writable uint8 tensor over the segment; the mapping lives as long as the tensor."""
     import torch
     if os.fstat(fd).st_size < nbytes:
         raise ShmkvError(f"shared segment is {os.fstat(fd).st_size} bytes, expected {nbytes}")
     storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=True, nbytes=nbytes)
+    # (torch types from_file as any storage kind; UntypedStorage's returns an UntypedStorage)
+    assert isinstance(storage, torch.UntypedStorage)
     return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
