@@ -41,7 +41,7 @@ without one).
 from __future__ import annotations
 
 import math
-from typing import List, NamedTuple, Optional, Sequence, Union
+from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -102,11 +102,13 @@ class AttentionWorkspace:
 
 
 class _Seq(NamedTuple):
-    """One sequence's share of the work: query rows ``row0 .. row0 + count - 1`` sit at
-    positions ``start .. start + count - 1`` and read keys ``0 .. num_keys - 1``."""
-    index: int
+    """One sequence's share of the work: row ``batch_index`` of the batch, whose query
+    rows ``row0 .. row0 + num_queries - 1`` sit at positions ``start .. start +
+    num_queries - 1`` and read keys ``0 .. num_keys - 1``. (Not ``index`` and ``count``:
+    those are tuple's methods.)"""
+    batch_index: int
     row0: int
-    count: int
+    num_queries: int
     start: int
     num_keys: int
 
@@ -195,7 +197,7 @@ class PagedAttentionPlan:
         if lens and -(-max(lens) // block_size) > block_table.shape[1]:
             raise ValueError(f"seq_lens {lens} need more blocks than block_table has "
                              f"({block_table.shape[1]} of {block_size} tokens)")
-        if packed:
+        if query_start_loc is not None:   # (packed)
             locs = _as_lengths("query_start_loc", query_start_loc, batch + 1)
             num_rows = q.shape[0]
             if locs[0] < 0 or locs[-1] > num_rows or any(a > b for a, b in zip(locs, locs[1:])):
@@ -232,19 +234,20 @@ class PagedAttentionPlan:
             ids = (self.groups[0].index if len(self.groups) == 1
                    else torch.cat([g.index for g in self.groups]))
             if ids.device.type == "cpu":
-                ids = ids.numpy()
-                self.low, self.high = int(ids.min()), int(ids.max())
+                ids_np = ids.numpy()
+                self.low, self.high = int(ids_np.min()), int(ids_np.max())
             else:
                 self.low, self.high = torch.stack(torch.aminmax(ids)).tolist()
         first = self.groups[0] if len(self.groups) == 1 else None
-        self.whole = (first is not None and first.rows is None and first.row0 == 0
-                      and first.size * first.count == num_rows)
-        if self.whole:
-            first.whole = True
-        # One query per sequence, all in one group of folded heads: what a model's decode
-        # step is. _Group.decode runs it with the fewest torch calls.
-        self.decode_group = (first if self.whole and first.grouped and first.count == 1
-                             else None)
+        self.whole = False
+        self.decode_group: Optional[_Group] = None
+        if (first is not None and first.rows is None and first.row0 == 0
+                and first.size * first.count == num_rows):
+            self.whole = first.whole = True
+            # One query per sequence, all in one group of folded heads: what a model's
+            # decode step is. _Group.decode runs it with the fewest torch calls.
+            if first.grouped and first.count == 1:
+                self.decode_group = first
 
     def _next_decode(self) -> Optional["PagedAttentionPlan"]:
         """The plan of the decode step after this one, when every sequence has one more
@@ -392,8 +395,10 @@ def paged_attention(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.T
         return out.copy_(o.reshape(query.shape))
     flat_q = query.reshape(plan.num_rows, plan.num_heads, plan.head_dim)
     into_out = out is not None and out.is_contiguous()
-    result = (out.view(plan.num_rows, plan.num_heads, plan.head_dim) if into_out
-              else query.new_empty((plan.num_rows, plan.num_heads, plan.head_dim)))
+    if out is not None and into_out:
+        result = out.view(plan.num_rows, plan.num_heads, plan.head_dim)
+    else:
+        result = query.new_empty((plan.num_rows, plan.num_heads, plan.head_dim))
     for lo, hi in plan.zero_rows:
         result[lo:hi].zero_()
     for group in plan.groups:
@@ -487,7 +492,7 @@ def _unwritten(num_rows: int, work: List[_Seq]) -> List[tuple]:
     for s in sorted(work, key=lambda s: s.row0):
         if s.row0 > done:
             ranges.append((done, s.row0))
-        done = s.row0 + s.count
+        done = s.row0 + s.num_queries
     if done < num_rows:
         ranges.append((done, num_rows))
     return ranges
@@ -497,13 +502,13 @@ def _trim(seqs: List[_Seq], causal: bool) -> List[_Seq]:
     """Drop the rows that attend to nothing and cut each sequence's keys to those read."""
     work = []
     for s in seqs:
-        row0, count, start, num_keys = s.row0, s.count, s.start, s.num_keys
+        row0, count, start, num_keys = s.row0, s.num_queries, s.start, s.num_keys
         if causal:
             if start < 0:  # rows at negative positions see no key: left as zeros
                 row0, count, start = row0 - start, count + start, 0
             num_keys = min(num_keys, start + count)
         if count > 0 and num_keys > 0:
-            work.append(_Seq(s.index, row0, count, start, num_keys))
+            work.append(_Seq(s.batch_index, row0, count, start, num_keys))
     return work
 
 
@@ -513,16 +518,16 @@ def _groups(work: List[_Seq]) -> List[List[_Seq]]:
     Members keep batch order inside a group, so a batch whose sequences all fit in one
     group reads and writes its rows as views, without index copies.
     """
-    ordered = sorted(work, key=lambda s: (s.count, -s.num_keys))
+    ordered = sorted(work, key=lambda s: (s.num_queries, -s.num_keys))
     groups: List[List[_Seq]] = []
     for s in ordered:
         head = groups[-1][0] if groups else None
-        if (head is None or head.count != s.count
-                or (head.num_keys - s.num_keys) * s.count > _MAX_PAD_SCORES):
+        if (head is None or head.num_queries != s.num_queries
+                or (head.num_keys - s.num_keys) * s.num_queries > _MAX_PAD_SCORES):
             groups.append([s])
         else:
             groups[-1].append(s)
-    return [sorted(g, key=lambda s: s.index) for g in groups]
+    return [sorted(g, key=lambda s: s.batch_index) for g in groups]
 
 
 class _Group:
@@ -536,17 +541,21 @@ class _Group:
                  num_kv_heads: int, block_size: int, device: torch.device,
                  query_device: torch.device) -> None:
         heads_per_kv = num_heads // num_kv_heads
-        size, count = len(group), group[0].count
+        size, count = len(group), group[0].num_queries
         num_keys = max(s.num_keys for s in group)
         blocks = -(-num_keys // block_size)
         self.size, self.count, self.blocks, self.num_keys = size, count, blocks, num_keys
         self.whole = False      # the plan's only group, over every query row in order
-        self._held = None       # (workspace buffer, gather outputs, their K/V views)
-        self._kv = None         # those views cut to num_keys
-        self._native = None     # (int32 table, int64 lengths) for the native kernel
+        # (workspace buffer, gather outputs, their K/V views)
+        self._held: Optional[Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor,
+                                   torch.Tensor, torch.Tensor]] = None
+        # those views cut to num_keys
+        self._kv: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        # (int32 table, int64 lengths) for the native kernel
+        self._native: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
 
-        first = group[0].index
-        indexes = [s.index for s in group]
+        first = group[0].batch_index
+        indexes = [s.batch_index for s in group]
         if indexes == list(range(first, first + size)):
             idx = table[first:first + size, :blocks]
         else:
@@ -614,8 +623,9 @@ class _Group:
                 num, rest = index.shape[0], k_pages.shape[1:]
                 numel = num * rest.numel()
                 space = workspace._take(2 * numel, k_pages.dtype, k_pages.device)
-                outs = space[:numel].view(num, *rest), space[numel:].view(num, *rest)
-                held = self._held = (workspace._buffer, *outs, *(self._keys(o) for o in outs))
+                k_out, v_out = space[:numel].view(num, *rest), space[numel:].view(num, *rest)
+                held = self._held = (workspace._buffer, k_out, v_out, self._keys(k_out),
+                                     self._keys(v_out))
                 self._kv = None
             torch.index_select(k_pages, 0, index, out=held[1])
             torch.index_select(v_pages, 0, index, out=held[2])

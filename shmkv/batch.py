@@ -21,7 +21,7 @@ arithmetic (``shmkv.slots``).
 from __future__ import annotations
 
 import struct
-from typing import List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -92,7 +92,8 @@ class Batch:
         self._ids_wire = protocol.pack_i64s(ids)
         self._slots_wire = protocol.pack_i64s(slot_list)
         self._checked_at = client.num_closed
-        self._known_tables = None   # (rows, generations) of the last step's table read
+        # (rows, generations) of the last step's table read
+        self._known_tables: Optional[Tuple[np.ndarray, np.ndarray]] = None
         # The coordinator's id of this batch once it keeps it (extend_kept: a decode
         # step sends no ids and is not checked again; -n: it did not qualify, ask again
         # in n steps), and what our last kept step left: (its number, ends,
@@ -170,7 +171,7 @@ class Batch:
         client = self.client
         if uniform > 0 and tokens is None:
             return self._extend_uniform(uniform, counts_t)
-        args = {"ids": self._ids_wire}
+        args: Dict[str, Any] = {"ids": self._ids_wire}
         if uniform >= 0:
             args["count"] = uniform
             args["slots"] = self._slots_wire
@@ -211,6 +212,7 @@ class Batch:
             self._kept = answer["batch"] or -_KEEP_RETRY
             answer["steps"], answer["same"] = 0, False
         if answer["same"]:
+            assert state is not None   # (the answer to a step that named its last one)
             grown = answer["grown"]
             step = Step._next_decode(self, state, count, counts_t, epoch, *(
                 (np.frombuffer(grown, dtype="<i8"), np.frombuffer(answer["blocks"], dtype="<i8"))
@@ -333,7 +335,9 @@ class Step:
         self._slot_np = slot_mapping
         self._tables_np = tables
         self._lazy: dict = {}
-        self._rows = self._targets = None
+        self._rows: Optional[torch.Tensor] = None
+        # (rows view of the pool or None, [2 * num_layers] row indexes): see _write_targets
+        self._targets: Optional[Tuple[Optional[torch.Tensor], Tuple[torch.Tensor, ...]]] = None
         self._live = False   # the client was checked by a write of this step (CPU pools)
         self._plain = None   # for advance: (slots, cache ids, generations, starts) as lists
 
@@ -547,7 +551,9 @@ class Step:
         answer says they are current once sequence ``grown[i]`` has block ``blocks[i]``
         after its others; no read of the shared tables. None when the batch holds no
         rows of a width it can grow to."""
-        known = self.batch._known_tables
+        batch = self.batch
+        assert batch is not None   # (a step of a kept batch)
+        known = batch._known_tables
         if known is None or known[0].shape[1] > width:
             return None
         private, generations = known
@@ -561,7 +567,7 @@ class Step:
             generations = generations.copy()
             generations[grown] += 1
         self._generations = generations
-        self.batch._known_tables = (private, generations)
+        batch._known_tables = (private, generations)
         return private.copy()  # the step's own: its tensors outlive later steps
 
     def _not_owned(self) -> int:

@@ -24,7 +24,7 @@ import dataclasses
 import time
 import weakref
 from operator import itemgetter
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -249,10 +249,12 @@ class KvCacheHandle:
         client._handles.add(self)
 
     @classmethod
-    def _many(cls, client, cache_ids: list, slot_ids: list) -> list:
+    def _many(cls, client, cache_ids: Sequence[int], slot_ids: Sequence[int]
+              ) -> List["KvCacheHandle"]:
         """Handles on new plain sequences (``allocate_many`` of lengths): the fields of
         :meth:`__init__`, set without a call per handle."""
-        now, new, handles = time.time(), object.__new__, []
+        now, new = time.time(), object.__new__
+        handles: List[KvCacheHandle] = []
         append = handles.append
         for cache_id, slot in zip(cache_ids, slot_ids):
             h = new(cls)
@@ -649,10 +651,10 @@ class KvCacheHandle:
         self._last_access = time.time()
         bs = self._client.config.block_size
         if n <= bs:
-            block = self._client.pool[self._state.blocks[0], layer, which, :n] if n else None
-            if out is not None:
-                return out.copy_(block) if n else out
-            return block.clone() if n else self._client.pool.new_empty(shape)
+            if not n:
+                return out if out is not None else self._client.pool.new_empty(shape)
+            block = self._client.pool[self._state.blocks[0], layer, which, :n]
+            return out.copy_(block) if out is not None else block.clone()
         views = _views(self._client)  # index_select copies whole rows: no copy unit needed
         if out is None:  # into fresh pages, token rows copy faster than whole blocks
             return views.rows.index_select(0, self._layer_rows(0, n, layer, which))
