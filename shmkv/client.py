@@ -28,7 +28,7 @@ import socket
 import struct
 import threading
 from array import array
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -94,7 +94,7 @@ class Client:
         self._posted: dict = {}       # request id -> op, of requests sent without waiting
         self._posted_errors: list = []
         self._sock: Optional[socket.socket] = None
-        self._poll = None
+        self._poll = select.poll()   # (registered with the socket by the handshake)
         self._memory: Optional[PoolMemory] = None
         self._owns_memory = False
         self._gone = False
@@ -121,7 +121,7 @@ class Client:
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             raise CoordinatorGone(f"no coordinator at {self.address} ({exc.strerror})") from None
         self._check_peer(sock)   # before a byte is sent: the hello names this process
-        args = {"version": protocol.PROTOCOL_VERSION, "pid": os.getpid()}
+        args: Dict[str, Any] = {"version": protocol.PROTOCOL_VERSION, "pid": os.getpid()}
         if self.tp_rank is not None:
             args.update(tp_rank=self.tp_rank, tp_size=self.tp_size)
         try:
@@ -177,7 +177,6 @@ class Client:
         # Whether handles and steps read the shared tables lock-free, or ask (``rows``):
         # see ``shmkv.tables`` on memory ordering.
         self.lock_free = lock_free_reads()
-        self._poll = select.poll()
         self._poll.register(sock, select.POLLHUP | select.POLLERR)
 
     def _check_peer(self, sock: socket.socket) -> None:
@@ -223,6 +222,8 @@ class Client:
     def request(self, op: str, **args):
         """Send one request and wait for its result (raises the mapped error)."""
         self.check()
+        sock = self._sock
+        assert sock is not None   # (connected by the handshake, never unset)
         with self._lock:
             try:
                 request_id = self._send(op, args)
@@ -236,7 +237,7 @@ class Client:
                             response.unwrap()
                         if self._posted:
                             self._took_posted(response)
-                    data = self._sock.recv(_RECV_SIZE)
+                    data = sock.recv(_RECV_SIZE)
                     if not data:
                         self._gone = True
                         raise CoordinatorGone(self._gone_message())
@@ -281,6 +282,7 @@ class Client:
                                 "bytes (nothing was sent); split it, or start the coordinator "
                                 "with a larger max_frame")
         self._next_id += 1
+        assert self._sock is not None   # (connected by the handshake, never unset)
         self._sock.sendall(frame)
         return request_id
 
@@ -311,10 +313,12 @@ class Client:
         """Why the connection broke: the coordinator's last error frame if it sent one
         before closing (an oversized request, say), else ``CoordinatorGone``."""
         frames = list(self._pending)
+        sock = self._sock
+        assert sock is not None   # (connected by the handshake, never unset)
         try:
-            self._sock.setblocking(False)
+            sock.setblocking(False)
             while True:
-                data = self._sock.recv(_RECV_SIZE)
+                data = sock.recv(_RECV_SIZE)
                 if not data:
                     break
                 frames.extend(self._decoder.feed(data))
@@ -599,7 +603,10 @@ class Client:
         if not 0 <= layer < self.config.num_layers:
             raise OutOfRange(f"layer {layer} outside [0, {self.config.num_layers})")
         self.check()
-        return read_scales(self._memory.scale_lock, self._memory.scales, layer)
+        assert self._memory is not None   # (mapped by the handshake)
+        lock, scales = self._memory.scale_lock, self._memory.scales
+        assert lock is not None and scales is not None   # (mapped until the client closes)
+        return read_scales(lock, scales, layer)
 
     def ping(self) -> None:
         """One empty round trip."""
@@ -636,6 +643,9 @@ class Client:
         state = "closed" if self._closed else ("gone" if self._gone else "open")
         return f"<shmkv.Client {self.address} {state}>"
 
+    # :func:`open_pickled`, set below the class: what a pickled handle is rebuilt by.
+    open_pickled: ClassVar[staticmethod[[str, bytes, Optional[int]], KvCacheHandle]]
+
 
 # -- per-process registry, for unpickling handles --------------------------------------------
 
@@ -657,7 +667,9 @@ def _split_requests(wire: list, max_frame: int) -> List[list]:
              for req in wire]
     if sum(sizes) <= budget:
         return [wire]
-    parts, part, used = [], [], 0
+    parts: List[list] = []
+    part: list = []
+    used = 0
     for req, size in zip(wire, sizes):
         if part and used + size > budget:
             parts.append(part)
