@@ -15,10 +15,25 @@ import os
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING, Dict, List, Union
 
-from .args import (LOG_LEVELS, device_arg, dtype_arg, log_level_arg, name_arg,
-                   non_negative_int, port_arg, positive_float, positive_int, socket_path,
-                   spin_arg)
+from .args import (
+    LOG_LEVELS,
+    device_arg,
+    dtype_arg,
+    log_level_arg,
+    name_arg,
+    non_negative_int,
+    port_arg,
+    positive_float,
+    positive_int,
+    socket_path,
+    spin_arg,
+)
+
+if TYPE_CHECKING:   # (the tiers are imported when serve asks for them)
+    from ..remote import RedisTier
+    from ..tiers import DiskTier, HostTier
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -107,7 +122,7 @@ def tier_specs(args) -> list:
     from ..tiers import DiskTier, HostTier
     if (args.disk_tier is None) != (args.disk_tier_size is None):
         raise InvalidArgument("--disk-tier DIR and --disk-tier-size SIZE go together")
-    specs = []
+    specs: List[Union[HostTier, DiskTier, RedisTier]] = []
     if args.host_tier_size is not None:
         specs.append(HostTier(args.host_tier_size))
     if args.disk_tier is not None:
@@ -225,9 +240,9 @@ def format_watch(stats: dict, before: dict, interval: float) -> str:
     old = before.get("ops_by_type", {})
     busy = sorted(((rate(n, old.get(op, 0)), op) for op, n in stats["ops_by_type"].items()),
                   reverse=True)
-    busy = [f"{op} {r:.0f}/s" for r, op in busy if r > 0][:6]
-    if busy:
-        lines.append("busiest      " + ", ".join(busy))
+    busiest = [f"{op} {r:.0f}/s" for r, op in busy if r > 0][:6]
+    if busiest:
+        lines.append("busiest      " + ", ".join(busiest))
     return "\n".join(lines)
 
 
@@ -236,7 +251,8 @@ def _watch(client, args) -> int:
     samples). On a terminal the view is redrawn in place; otherwise samples follow
     each other."""
     redraw = sys.stdout.isatty() and not args.json
-    before, last, shown = {}, time.monotonic(), 0
+    before: dict = {}
+    last, shown = time.monotonic(), 0
     while True:
         stats = client.stats()
         now = time.monotonic()
@@ -258,14 +274,21 @@ def _log_level_flag(p: argparse.ArgumentParser, default) -> None:
                         "otherwise)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+class Parser(argparse.ArgumentParser):
+    """The ``shmkv`` parser: ``subcommands`` holds each subcommand's parser by name."""
+
+    subcommands: Dict[str, argparse.ArgumentParser]
+
+
+def build_parser() -> Parser:
     """The ``shmkv`` argument parser, with every subcommand."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="shmkv", formatter_class=HelpFormatter,
         description="A shared-memory, multi-process, paged KV cache for LLM inference. "
                     "'shmkv COMMAND --help' describes each command's flags.")
     _log_level_flag(parser, None)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                parser_class=argparse.ArgumentParser)
 
     p = sub.add_parser("serve", help="run a coordinator in the foreground")
     p.add_argument("--name", type=name_arg, default="default",

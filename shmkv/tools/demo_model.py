@@ -23,15 +23,17 @@ import multiprocessing
 import os
 import time
 import warnings
+from typing import Any, Dict
 
 import torch
 
 SEED = 0
 SYSTEM_PREFIX = 32   # tokens every prompt shares: two blocks of 16
 BLOCK_SIZE = 16
-MODEL = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-             num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
-             bos_token_id=None, eos_token_id=None, pad_token_id=None)
+MODEL: Dict[str, Any] = dict(   # LlamaConfig's keyword arguments
+    vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+    bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 _worker_model = None
 

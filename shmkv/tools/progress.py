@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional
+
+if TYPE_CHECKING:   # (imported where a bar is shown)
+    from rich.progress import Progress, TaskID
 
 
 def enabled() -> bool:
@@ -36,8 +39,8 @@ class ProgressBar:
 
     def __init__(self, description: str, total: Optional[float] = None, unit: str = "",
                  quiet: bool = False):
-        self._progress = None
-        self._task = None
+        self._progress: Optional[Progress] = None
+        self._task: Optional[TaskID] = None
         if quiet or not enabled():
             return
         try:
@@ -62,6 +65,7 @@ class ProgressBar:
     def advance(self, amount: float = 1) -> None:
         """Count ``amount`` more units done."""
         if self._progress is not None:
+            assert self._task is not None   # (added with the progress)
             self._progress.advance(self._task, amount)
 
     def update(self, completed: Optional[float] = None, description: Optional[str] = None,
@@ -69,7 +73,8 @@ class ProgressBar:
         """Set the units done, the description, or the free text after the bar."""
         if self._progress is None:
             return
-        fields = {}
+        assert self._task is not None   # (added with the progress)
+        fields: Dict[str, Any] = {}
         if completed is not None:
             fields["completed"] = completed
         if description is not None:

@@ -44,9 +44,18 @@ import tempfile
 import time
 import traceback
 from multiprocessing.connection import wait as mp_wait
-from typing import Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Union
 
 from .progress import ProgressBar, enabled as progress_enabled
+
+if TYPE_CHECKING:   # (the library is imported by the run, not by the command line)
+    from multiprocessing.connection import Connection
+    from multiprocessing.process import BaseProcess
+
+    from ..client import Client
+    from ..coordinator import SpawnedCoordinator
+    from ..remote import RedisTier
+    from ..tiers import DiskTier, HostTier
 
 EXPECTED_ERRORS = ("PoolExhausted", "HandoffError")
 TOKEN_TAG_BASE = 1 << 30
@@ -301,6 +310,7 @@ class _Worker:
         """An engine step: one batch of our sequences, one round trip, every new token
         of the batch written with one copy (the batch data plane)."""
         import torch
+
         from ..errors import PoolExhausted, StaleStep
         room = [t for t in self.seqs if len(t.tags) < self.opts["max_tokens"]]
         if not room:
@@ -498,14 +508,21 @@ class _Slot:
 
     def __init__(self, index: int):
         self.index = index
-        self.process = None
-        self.conn = None
-        self.pid = None
+        # The worker's process and our end of its pipe: both set while it runs (from
+        # _start_worker to _close_slot), else None.
+        self.process: Optional[BaseProcess] = None
+        self.conn: Optional[Connection] = None
+        self.pid: Optional[int] = None
         self.ready = False
         self.finished = False
         self.generation = 0
         self.ops_reported = 0
-        self.gone = None
+        self.gone: Optional[dict] = None
+
+    def running(self) -> Tuple[Connection, BaseProcess]:
+        """``(conn, process)`` of a slot whose worker runs."""
+        assert self.conn is not None and self.process is not None
+        return self.conn, self.process
 
 
 class StressRun:
@@ -536,8 +553,8 @@ class StressRun:
         self.gone_reports: List[dict] = []
         self.coordinator_killed_at: Optional[float] = None
         self.failures: List[str] = []
-        self.coord = None
-        self.client = None
+        self.coord: Optional[SpawnedCoordinator] = None
+        self.client: Optional[Client] = None
         self._progress_at = 0.0
         self._progress_line_at = 0.0
         self._bar = None  # a ProgressBar while the run's loop goes (on a terminal only)
@@ -561,6 +578,7 @@ class StressRun:
                 "max_seqs": self.args.max_seqs, "max_tokens": self.args.max_tokens,
                 "quota": self._quota(slot), "num_prefixes": self._num_prefixes()}
         seed = self.args.seed * 1_000_003 + slot.index * 1009 + slot.generation
+        assert self.coord is not None   # (started by _run)
         proc = self.ctx.Process(target=_worker_main, name=f"shmkv-stress-{slot.index}",
                                 args=(slot.index, self.coord.address, child_end, seed, opts),
                                 daemon=True)
@@ -589,8 +607,10 @@ class StressRun:
             pass
 
     def _kill_worker(self, slot: _Slot) -> None:
-        os.kill(slot.process.pid, signal.SIGKILL)
-        slot.process.join(10)
+        _conn, process = slot.running()
+        assert process.pid is not None   # (started)
+        os.kill(process.pid, signal.SIGKILL)
+        process.join(10)
         self.kills += 1
         self._close_slot(slot)
 
@@ -640,7 +660,7 @@ class StressRun:
         while targets:
             target = self.rng.choice(targets)
             try:
-                target.conn.send(("token", token, tags))
+                target.running()[0].send(("token", token, tags))
                 self.handoffs["routed"] += 1
                 return
             except OSError:
@@ -676,11 +696,12 @@ class StressRun:
         from ..client import connect
         from ..coordinator import Coordinator
         a = self.args
-        self.coord = Coordinator.spawn(config, name=name, tiers=self._tier_specs(config) or None,
-                                       max_handoff_ttl=max(60.0, a.handoff_ttl))
-        address = self.coord.address
+        coord = self.coord = Coordinator.spawn(config, name=name,
+                                               tiers=self._tier_specs(config) or None,
+                                               max_handoff_ttl=max(60.0, a.handoff_ttl))
+        address = coord.address
         self.client = connect(address, timeout=a.client_timeout)
-        self._say(f"shmkv stress: coordinator pid {self.coord.pid} at {address}, "
+        self._say(f"shmkv stress: coordinator pid {coord.pid} at {address}, "
                   f"{config.num_blocks} blocks; starting {a.workers} workers")
         try:
             for slot in self.slots:
@@ -727,25 +748,26 @@ class StressRun:
 
     def _pump(self, timeout: float) -> None:
         """Wait for messages or exits for up to ``timeout`` s and handle them."""
-        live = [s for s in self.slots if s.conn is not None]
-        waitables = [s.conn for s in live] + [s.process.sentinel for s in live]
+        live = [(s, *s.running()) for s in self.slots if s.conn is not None]
+        waitables = ([conn for _, conn, _ in live]
+                     + [process.sentinel for _, _, process in live])
         ready = set(mp_wait(waitables, timeout)) if waitables else set()
         if not waitables:
             time.sleep(timeout)
-        for slot in live:
-            if slot.conn in ready:
+        for slot, conn, process in live:
+            if conn in ready:
                 try:
-                    while slot.conn.poll(0):
-                        self._on_message(slot, slot.conn.recv())
+                    while conn.poll(0):
+                        self._on_message(slot, conn.recv())
                 except (EOFError, OSError):
                     pass
-            if slot.process.sentinel in ready and not slot.process.is_alive():
-                slot.process.join(1)
+            if process.sentinel in ready and not process.is_alive():
+                process.join(1)
                 self._drain(slot)
-                code = slot.process.exitcode
+                code = process.exitcode
                 if code != 0 and not slot.finished:
                     self.unexpected_exits.append(f"worker {slot.index} (pid "
-                                                 f"{slot.process.pid}) exit code {code}")
+                                                 f"{process.pid}) exit code {code}")
                 if not slot.finished and slot.gone is None and code == 0:
                     self.unexpected_exits.append(f"worker {slot.index} exited without "
                                                  "reporting")
@@ -770,7 +792,7 @@ class StressRun:
         from ..remote import RedisTier
         from ..tiers import DiskTier, HostTier
         a = self.args
-        specs = []
+        specs: List[Union[HostTier, DiskTier, RedisTier]] = []
         if a.tiers:
             if self.tier_dir is None:
                 self.tier_dir = a.tier_dir or tempfile.mkdtemp(prefix="shmkv-stress-tiers-")
@@ -810,6 +832,7 @@ class StressRun:
         """Allocate every shared prefix through ``client`` and compare what it hits with
         the tags every worker writes (``label``: where the hits come from). Closed after."""
         import torch
+
         from ..errors import PoolExhausted
         cfg = client.config
         out = {"prefixes": 0, "hit_tokens": 0, "corrupted": 0, "exhausted": 0}
@@ -896,6 +919,7 @@ class StressRun:
         self._progress(deadline, final=True)
 
     def _kill_coordinator(self) -> None:
+        assert self.coord is not None   # (started by _run)
         self._say(f"\nSIGKILL coordinator pid {self.coord.pid}")
         self.coordinator_killed_at = time.time()
         self.coord.kill()
@@ -931,7 +955,9 @@ class StressRun:
     def _open_here(self, token: bytes, tags: List[int]) -> None:
         """Open an undeliverable token in the parent, verify it, and close it."""
         import torch
+
         from ..errors import HandoffError
+        assert self.client is not None   # (connected by _run)
         try:
             h = self.client.open(token)
         except HandoffError:
@@ -953,6 +979,7 @@ class StressRun:
         for token, tags in pending:
             self._open_here(token, tags)
         deadline = time.monotonic() + self.args.handoff_ttl + 10.0
+        assert self.client is not None   # (connected by _run)
         stats = self.client.stats()
         while (stats["handoffs"] or stats["referenced_blocks"] or stats["sequences"]) \
                 and time.monotonic() < deadline:
@@ -973,8 +1000,9 @@ class StressRun:
         from ..client import connect
         from ..coordinator import Coordinator, default_address
         from ..errors import CoordinatorGone
-        out = {"parent_client_saw_gone": False, "stale_socket": os.path.exists(
-            default_address(name))}
+        out: Dict[str, object] = {"parent_client_saw_gone": False,
+                                  "stale_socket": os.path.exists(default_address(name))}
+        assert self.client is not None   # (connected by _run)
         try:
             self.client.stats()
         except CoordinatorGone:
@@ -1183,8 +1211,15 @@ def format_report(report: dict) -> str:
 
 def add_parser(sub) -> None:
     """Register the ``stress`` subcommand on an argparse subparsers object."""
-    from .args import (fraction, name_arg, non_negative_float, non_negative_int, path_arg,
-                      positive_float, positive_int)
+    from .args import (
+        fraction,
+        name_arg,
+        non_negative_float,
+        non_negative_int,
+        path_arg,
+        positive_float,
+        positive_int,
+    )
     p = sub.add_parser("stress", help="many processes, random ops, kills; everything verified")
     p.add_argument("--workers", type=positive_int, default=8,
                    help="worker processes doing random operations")
