@@ -58,7 +58,7 @@ import inspect
 import json
 import sys
 import threading
-from typing import List, Optional, Sequence
+from typing import TYPE_CHECKING, List, Literal, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +83,9 @@ from ..client import Client
 from ..errors import InvalidArgument, WrongType
 from ..handle import KvCacheHandle
 from ..layout import PoolConfig
+
+if TYPE_CHECKING:
+    from ..batch import Batch
 
 __all__ = ["ATTN_IMPLEMENTATION", "ShmkvCache", "cache_argument", "left_pad", "model_cache_salt",
            "pool_config", "prefill", "register", "shmkv_attention_forward",
@@ -274,7 +277,7 @@ class _ShmkvMask:
         self.q_length = kwargs["q_length"]
         self.kv_length = kwargs["kv_length"]
         self._kwargs = kwargs
-        self._dense = None
+        self._dense: Optional[torch.Tensor] = None
         self._built = False
 
     def dense(self):
@@ -325,8 +328,9 @@ def _shmkv_mask(**kwargs):
             and padding.shape[1] == kwargs["kv_length"] and bool(padding.all()):
         padding = None  # no padding at all (decode steps of unpadded rows): nothing to check
     if padding is not None:
-        padding = prepare_padding_mask(padding, kwargs["kv_length"], 0)[:, :kwargs["kv_length"]]
-        padding = padding.to(device="cpu", dtype=torch.bool)
+        padding = prepare_padding_mask(padding, kwargs["kv_length"], 0)
+        assert padding is not None   # (transformers gives None for no mask only)
+        padding = padding[:, :kwargs["kv_length"]].to(device="cpu", dtype=torch.bool)
     claim = _ShmkvMask(cache, padding, kwargs)
     cache._claim = claim
     return claim
@@ -452,18 +456,75 @@ class _Forward:
         self.step = step              # the shmkv Step: slots, block tables, lengths
         self.paged = paged            # layers attend over the pool
         self.select = select          # rows of [batch * n] that are written; None: all
-        self.layers_done: set = set()
-        self.dense_index = None       # dense fill: (first position, layer-0 K row of each)
-        self.dense_pad = None         # dense fill: bool [batch, positions], True at padding
-        self.plan = None              # paged path: the PagedAttentionPlan all layers share,
-        self.query_shape = None       # built for queries of this shape [batch, heads, n, dim]
-        self.out_shape = None         # and giving results [batch, n, heads, dim]
+        self.layers_done: Set[int] = set()
+        # dense fill: (first position, layer-0 K row of each)
+        self.dense_index: Optional[Tuple[int, torch.Tensor]] = None
+        # dense fill: bool [batch, positions], True at padding
+        self.dense_pad: Optional[torch.Tensor] = None
+        # paged path: the PagedAttentionPlan all layers share, built for queries of this
+        # shape [batch, heads, n, dim] and giving results [batch, n, heads, dim]
+        self.plan: Optional[PagedAttentionPlan] = None
+        self.query_shape: Optional[torch.Size] = None
+        self.out_shape: Optional[Tuple[int, int, int, int]] = None
         self.mirror = False           # a decode step over the mirror (paged path),
         self.append = False           # by _append (dtype, device, grad mode allow it)
-        self.mirror_mask = False      # (padding mask or None, warm) for it; False: not yet
+        # (padding mask or None, warm) for it; False: not yet
+        self.mirror_mask: Union[Literal[False], Tuple[Optional[torch.Tensor], bool]] = False
 
 
-class _CacheSteps:
+class _CacheState:
+    """The state of a :class:`ShmkvCache` that its parts (:class:`_CacheSteps`,
+    :class:`_CacheAttention`) share, declared for the type checker: ``ShmkvCache.__init__``
+    sets every field and says what each holds."""
+
+    layers: List[_ShmkvLayer]
+    _mirror: Optional[bool]
+    _mirror_kv: Optional[Tuple[int, torch.Tensor, torch.Tensor]]
+    _client: Optional[Client]
+    _handles: Optional[List[KvCacheHandle]]
+    _owned: Set[KvCacheHandle]
+    _commit_upto: Optional[int]
+    _closed: bool
+    _expandable: bool
+    _positions: Optional[torch.Tensor]
+    _check_below: int
+    _claim: Optional[_ShmkvMask]
+    _pending: Optional[torch.Tensor]
+    _fwd: Optional[_Forward]
+    _batch: Optional[Batch]
+    _pages: Optional[List[Tuple[torch.Tensor, torch.Tensor]]]
+    _pool: Optional[torch.Tensor]
+    _dense_bufs: Optional[List[Optional[Tuple[torch.Tensor, ...]]]]
+    _dense_len: List[int]
+    _workspace: Optional[AttentionWorkspace]
+    _pad: Optional[torch.Tensor]
+    _stored_t: Optional[torch.Tensor]
+    _lens: Optional[torch.Tensor]
+    _unpublished: torch.Tensor
+    _any_pad: bool
+    _aligned: int
+    _reserved: int
+    _uniform_lens: int
+
+    if TYPE_CHECKING:   # defined by ShmkvCache and _CacheAttention
+        @property
+        def _stored(self) -> torch.Tensor: ...
+
+        @_stored.setter
+        def _stored(self, value: torch.Tensor) -> None: ...
+
+        def _set_rows(self, pads, stored, lens, unpublished=None) -> None: ...
+
+        def _refresh_rows(self) -> None: ...
+
+        def _scales(self, layer_idx: int) -> tuple: ...
+
+        def commit(self) -> int: ...
+
+        def batch_repeat_interleave(self, repeats: int) -> None: ...
+
+
+class _CacheSteps(_CacheState):
     """The step each forward makes over a :class:`ShmkvCache`'s rows: reserving the new
     tokens' slots (one batch step), checking each written token sits at its own position
     (what ``commit`` may publish), and writing K/V. Part of ShmkvCache (its state)."""
@@ -504,6 +565,7 @@ class _CacheSteps:
         _MASK_SIZES.__dict__.pop("cache", None)
         batch, heads, n, head_dim = key_states.shape
         if self._handles is None:
+            assert self._client is not None   # (a cache made from a client)
             self._handles = self._client.allocate_many([0] * batch)
             self._owned.update(self._handles)
             self._set_rows([0] * batch, [0] * batch, [0] * batch)
@@ -534,6 +596,7 @@ class _CacheSteps:
         paged = claim is not None and (claim.batch_size, claim.q_length, claim.kv_length) == \
             (batch, n, kv_length)
         if paged:
+            assert claim is not None   # (what paged says)
             padding = claim.padding
             if padding is not None and not self._any_pad and bool(padding.all()):
                 padding = None
@@ -546,20 +609,23 @@ class _CacheSteps:
             # Decode fast path: every row holds exactly `start` tokens, no padding; the
             # new ones go into slots already reserved (after a crop, say: no round trip)
             # or into slots reserved now at the end of every row.
-            prev = self._fwd
-            follows = prev is not None and n == 1 and prev.n == 1 and prev.start + 1 == start
+            last = self._fwd
+            # the last forward, when this one is the step after it (one token on); else None
+            prev = (last if last is not None and n == 1 and last.n == 1
+                    and last.start + 1 == start else None)
             step = None
             if self._reserved >= kv_length:
-                if follows:  # the step after the last one, from its tables: no table read
+                if prev is not None:  # the step after the last one, from its tables: no table read
                     step = prev.step.advance()
                 if step is None:
                     step = self._batch.prefill(start=start, num_tokens=n)
             else:
                 step = self._extend(n)
+                assert self._lens is not None   # (set with the rows)
                 self._lens += n
                 self._reserved = self._uniform_lens = kv_length
             plan = None
-            if follows and prev.plan is not None and (
+            if prev is not None and prev.plan is not None and (
                     step.block_tables is prev.step.block_tables
                     or torch.equal(step.block_tables, prev.step.block_tables)):
                 # The same blocks, one more key each: the last step's attention plan moved on.
@@ -570,9 +636,11 @@ class _CacheSteps:
             self._stored_t = None   # every row: kv_length (made into a tensor when needed)
             fwd = _Forward(start, n, step, paged, None)
             if plan is not None:
+                assert prev is not None   # (whose plan moved on)
                 fwd.plan, fwd.query_shape, fwd.out_shape = plan, prev.query_shape, prev.out_shape
             return fwd
         pad = self._pad
+        assert pad is not None   # (set with the rows)
         if padding is not None:
             # Skip new leading padding in rows that hold nothing yet; the mask must then
             # be exactly "padding, then tokens" for the paged path.
@@ -586,6 +654,7 @@ class _CacheSteps:
                     "padding (not stored); keep the mask of the padded prompts")
             paged = torch.equal(padding, expected)
         stored, lens = self._stored, self._lens
+        assert lens is not None   # (set with the rows)
         skip = (pad + stored - start).clamp(0, n)      # new tokens a row does not write
         if bool((pad + stored < start).any()):
             raise InvalidArgument("a row of this ShmkvCache holds fewer tokens than the cache "
@@ -643,11 +712,13 @@ class _CacheSteps:
     def _extend(self, counts):
         """``batch.extend(counts)``: one round trip (copy-on-write of forked rows' shared
         last blocks included)."""
+        assert self._batch is not None   # (made by _begin)
         return self._batch.extend(counts)
 
     def _write(self, fwd: _Forward, layer_idx: int, key_states, value_states) -> None:
         """One batch write of the layer's new K/V (the rows ``fwd.select`` names)."""
         pool = self._pool
+        assert pool is not None   # (set with the batch, by _begin)
         batch, heads, n, head_dim = key_states.shape
         if n == 1 and fwd.select is None and key_states.dtype == value_states.dtype == pool.dtype \
                 and key_states.is_contiguous() and value_states.is_contiguous() \
@@ -671,13 +742,14 @@ class _CacheSteps:
         fwd.step.write(layer_idx, k.contiguous(), v.contiguous())
 
 
-class _CacheAttention:
+class _CacheAttention(_CacheState):
     """How a layer of a :class:`ShmkvCache` attends: over the paged pool through the step's
     block tables, over a mirrored copy, or densely (see the module doc for which path
     a forward takes). Part of ShmkvCache (its state)."""
 
     def _scales(self, layer_idx: int) -> tuple:
         """The layer's ``(k_scale, v_scale)`` of a quantized pool (shared memory)."""
+        assert self._batch is not None   # (made by the forward's first update)
         return self._batch.client.kv_scales(layer_idx)
 
     def _attn_pages(self, layer_idx: int) -> tuple:
@@ -686,6 +758,7 @@ class _CacheAttention:
         contiguous run of pages: the pool is stored layer-major)."""
         if self._pages is None:
             pool = self._pool
+            assert pool is not None   # (set with the batch)
             self._pages = [(pool[:, i, 0], pool[:, i, 1]) for i in range(pool.shape[1])]
         return self._pages[layer_idx]
 
@@ -704,6 +777,7 @@ class _CacheAttention:
                                   "without dropout, softcap, sinks, biases or windows; this layer "
                                   "needs one: use attn_implementation='sdpa'")
         fwd = self._fwd
+        assert fwd is not None   # (this forward's, made by its first update)
         mirror, self._mirror_kv = self._mirror_kv, None
         if mirror is not None and mirror[0] == module.layer_idx:
             return self._attend_mirror(fwd, query, mirror[1], mirror[2], scaling)
@@ -727,6 +801,7 @@ class _CacheAttention:
             # Decode: the plan was checked against this model's queries and pages; the
             # result, [batch, kv_heads, heads_per_kv, dim], holds [batch, 1, heads, dim].
             out = group.decode(query, k_pages, v_pages, scaling, self._workspace)
+            assert fwd.out_shape is not None   # (set with the plan)
             return out.reshape(fwd.out_shape)
         return paged_attention(query.transpose(1, 2), k_pages, v_pages, scale=scaling,
                                workspace=self._workspace, plan=plan, **scales)
@@ -744,6 +819,7 @@ class _CacheAttention:
         if made is False:   # once per step: every layer has the same padding and size
             mask = None
             if self._any_pad:
+                assert self._pad is not None   # (set with the rows)
                 positions = torch.arange(k.shape[2], device=k.device)
                 mask = (positions[None, :] >= self._pad.to(k.device)[:, None])[:, None, None]
             made = fwd.mirror_mask = (mask, k.device.type == "cpu"
@@ -777,6 +853,7 @@ class _CacheAttention:
                                    key_states.dtype, key_states.device)
         valid = min(self._dense_len[layer_idx], start)
         if valid == start and fwd.select is None:
+            assert self._handles is not None   # (the forward's rows)
             first = self._handles[0]
             quantized = first.dtype in _QUANTIZED
             scales = self._scales(layer_idx) if quantized else (None, None)
@@ -815,13 +892,14 @@ class _CacheAttention:
                                       device=device) for _ in range(2))
             keep = self._dense_len[layer_idx]
             if bufs is not None and keep:
-                for new, old in zip(grown, bufs):
-                    new[:, :, :keep].copy_(old[:, :, :keep])
+                for new, held in zip(grown, bufs):
+                    new[:, :, :keep].copy_(held[:, :, :keep])
             bufs = self._dense_bufs[layer_idx] = grown
         return bufs
 
     def _fill(self, fwd: _Forward, layer_idx: int, bufs: tuple, lo: int, hi: int) -> None:
         """Gather padded positions ``[lo, hi)`` of every row from the pool into ``bufs``."""
+        assert self._handles is not None and self._pad is not None   # (the forward's rows)
         pool = self._handles[0]._client.pool
         bs = pool.shape[3]
         batch = bufs[0].shape[0]
@@ -903,6 +981,10 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
         WrongType / InvalidArgument: for a bad source or a mismatched model.
     """
 
+    # Its own layers only (update, which would add others, is overridden); transformers
+    # types the list as holding any kind of layer.
+    layers: List[_ShmkvLayer]  # type: ignore[assignment]
+
     def __init__(self, source, *, num_tokens: Optional[int] = None,
                  padding_side: Optional[str] = None, model_config=None,
                  mirror: Optional[bool] = None):
@@ -910,10 +992,11 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
             raise WrongType(f"mirror must be True, False or None, got {type(mirror).__name__}")
         self._mirror = mirror       # None: decided at the first forward (off if quantized)
         self._mirror_kv = None      # (layer, K, V) of the mirror for the layer's attention
-        self._client: Optional[Client] = None
-        self._handles: Optional[List[KvCacheHandle]] = None
-        self._owned: set = set()
-        self._commit_upto: Optional[int] = None
+        # (The types of the fields the parts share: _CacheState.)
+        self._client = None
+        self._handles = None
+        self._owned = set()
+        self._commit_upto = None
         self._closed = False
         self._config_checked = False
         # model_cache_salt(model_config) if given, and whether model_config was a model (the
@@ -928,16 +1011,16 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
         # below that of a cache that may publish (from_prompts: its prompts; handles: not
         # known), none of a cache made from a client (its sequences carry no token ids).
         self._check_below = 0 if isinstance(source, Client) else _NEVER
-        self._claim: Optional[_ShmkvMask] = None   # set by the mask function, per forward
-        self._pending = None                       # key handed to a layer on the paged path
-        self._fwd: Optional[_Forward] = None
+        self._claim = None      # set by the mask function, per forward
+        self._pending = None    # key handed to a layer on the paged path
+        self._fwd = None
         self._batch = None
-        self._pages: Optional[list] = None
-        self._pool = None                          # the client's pool view (set with _batch)
-        self._dense_bufs: Optional[list] = None   # per layer (K, V) buffers, dense path
-        self._dense_len: list = []                # per layer: padded positions they hold
+        self._pages = None
+        self._pool = None       # the client's pool view (set with _batch)
+        self._dense_bufs = None   # per layer (K, V) buffers, dense path
+        self._dense_len = []      # per layer: padded positions they hold
         # Gathered K/V goes into scratch memory kept across layers and steps.
-        self._workspace: Optional[AttentionWorkspace] = AttentionWorkspace()
+        self._workspace = AttentionWorkspace()
         # Per row (int64 [B]): left padding not stored, tokens stored (valid K/V in every
         # layer), slots the sequence holds. For the decode fast path: ``_aligned`` is the
         # common stored length when no row has padding, else -1; ``_reserved`` the fewest
@@ -992,6 +1075,7 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
     def _stored(self) -> torch.Tensor:
         stored = self._stored_t
         if stored is None:  # left so by a decode step: every row holds _aligned tokens
+            assert self._pad is not None   # (set with the rows)
             stored = self._stored_t = torch.full_like(self._pad, self._aligned)
         return stored
 
@@ -1010,11 +1094,13 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
         self._refresh_rows()
 
     def _refresh_rows(self) -> None:
-        self._any_pad = bool(self._pad.any())
+        pad, lens = self._pad, self._lens
+        assert pad is not None and lens is not None   # (set with the rows)
+        self._any_pad = bool(pad.any())
         first = int(self._stored[0]) if len(self._stored) else 0
         uniform = not self._any_pad and bool((self._stored == first).all())
         self._aligned = first if uniform else -1
-        low, high = (int(x) for x in torch.aminmax(self._lens)) if len(self._lens) else (0, 0)
+        low, high = (int(x) for x in torch.aminmax(lens)) if len(lens) else (0, 0)
         self._reserved = low
         self._uniform_lens = low if low == high else -1
 
@@ -1175,6 +1261,7 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
         n = self.num_tokens
         published = []
         if self._handles:
+            assert self._pad is not None   # (set with the rows)
             written = (n - self._pad).clamp(min=0).minimum(self._stored).minimum(
                 self._unpublished).tolist()
             published = [h.commit(min(w, h.num_tokens)) for h, w in zip(self._handles, written)]
@@ -1219,8 +1306,9 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
         if (fwd is None or fwd.start != start or fwd.n != n or layer_idx in fwd.layers_done):
             fwd = self._fwd = self._begin(start, key_states)
             self._last_path = "paged" if fwd.paged else "dense"
-            fwd.mirror = fwd.paged and n == 1 and self._mirror and fwd.select is None
+            fwd.mirror = fwd.paged and n == 1 and bool(self._mirror) and fwd.select is None
             pool = self._pool
+            assert pool is not None   # (set with the batch, by _begin)
             fwd.append = (fwd.mirror and key_states.dtype == pool.dtype
                           and key_states.device == pool.device and not torch.is_grad_enabled())
         fwd.layers_done.add(layer_idx)
@@ -1313,6 +1401,7 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
             self._dense_bufs = [None if bufs is None else
                                 tuple(b.index_select(0, index.to(b.device)) for b in bufs)
                                 for bufs in self._dense_bufs]
+        assert self._pad is not None and self._lens is not None   # (set with the rows)
         self._set_rows(self._pad[index], self._stored[index], self._lens[index],
                        self._unpublished[index])
         self._close_owned([h for b, h in enumerate(old) if b not in taken])
@@ -1355,6 +1444,7 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
         self._check_open()
         if self._handles is None:
             raise InvalidArgument("an empty ShmkvCache holds no sequence to hand over")
+        assert self._pad is not None   # (set with the rows)
         return (_rebuild, (list(self._handles), self.num_tokens, self._pad.tolist(),
                            self._stored.tolist(), self._mirror, self._unpublished.tolist()))
 
