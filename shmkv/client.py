@@ -69,7 +69,10 @@ class Client:
 
     def __init__(self, address: str, tp_rank: Optional[int] = None,
                  tp_size: Optional[int] = None, timeout: float = DEFAULT_TIMEOUT,
-                 pickle_ttl: float = DEFAULT_PICKLE_TTL, trust_uid: Optional[int] = None):
+                 pickle_ttl: float = DEFAULT_PICKLE_TTL, trust_uid: Optional[int] = None,
+                 name: Optional[str] = None):
+        if name is not None:
+            protocol.check_client_name(name)
         if trust_uid is not None and (isinstance(trust_uid, bool)
                                       or not isinstance(trust_uid, int) or trust_uid < 0):
             raise InvalidArgument(f"trust_uid must be a uid (an int >= 0) or None, got "
@@ -84,6 +87,7 @@ class Client:
         self.address = _normal(address)
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.trust_uid = trust_uid
+        self.name = name
         self.timeout = timeout
         self.pickle_ttl = pickle_ttl
         self._lock = threading.Lock()
@@ -124,6 +128,8 @@ class Client:
         args: Dict[str, Any] = {"version": protocol.PROTOCOL_VERSION, "pid": os.getpid()}
         if self.tp_rank is not None:
             args.update(tp_rank=self.tp_rank, tp_size=self.tp_size)
+        if self.name is not None:
+            args["name"] = self.name
         try:
             sock.sendall(protocol.encode_request(0, "hello", args))
         except (BrokenPipeError, ConnectionResetError):
@@ -709,7 +715,7 @@ def _clients_of(address: str) -> List[Client]:
 
 def connect(address, tp_rank: Optional[int] = None, tp_size: Optional[int] = None,
             timeout: float = DEFAULT_TIMEOUT, pickle_ttl: float = DEFAULT_PICKLE_TTL,
-            trust_uid: Optional[int] = None) -> Client:
+            trust_uid: Optional[int] = None, name: Optional[str] = None) -> Client:
     """Connect to the coordinator at ``address`` and map its pool (zero copy).
 
     Args:
@@ -722,6 +728,10 @@ def connect(address, tp_rank: Optional[int] = None, tp_size: Optional[int] = Non
             coordinator of this process's uid (or root) is used: the client checks the
             listener's uid (``SO_PEERCRED``) before it sends anything, since whoever
             serves the socket receives every K/V written through it.
+        name: what this client is called in the coordinator's ``/metrics`` (its prompt
+            tokens hit and missed are counted by name: ``engine-a``, ``vllm-0``; 1-64
+            of ``A-Z a-z 0-9 _ . : / -``). Connections of one name count together;
+            unnamed ones count as ``unnamed``.
 
     ``client.address`` is ``address`` made absolute with links resolved, so every
     spelling of one socket path names the same coordinator (pickled handles carry it).
@@ -731,7 +741,7 @@ def connect(address, tp_rank: Optional[int] = None, tp_size: Optional[int] = Non
         AccessDenied: the coordinator runs as another uid and ``trust_uid`` is not it
             (nothing was sent to it).
     """
-    return Client(address, tp_rank, tp_size, timeout, pickle_ttl, trust_uid)
+    return Client(address, tp_rank, tp_size, timeout, pickle_ttl, trust_uid, name)
 
 
 def process_client(address: str, tp_rank: Optional[int] = None,

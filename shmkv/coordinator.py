@@ -492,6 +492,9 @@ class Coordinator(Ops):
         self.num_accepted = 0
         self.num_errors = 0
         self.latency: Dict[str, list] = {}  # op -> [count per LATENCY_BUCKETS bucket..., sum]
+        # client name -> [prompt tokens hit, missed], shared by its connections (see
+        # Ops._name_client); kept when they close, for /metrics
+        self.client_counts: Dict[str, List[int]] = {}
         self._to_promote: list = []  # promotions this turn's requests need (see _turn)
         self._woken = False          # the wake socket was readable this turn (see _turn)
         self._fd_warned_at = -math.inf
@@ -507,17 +510,19 @@ class Coordinator(Ops):
             self._claim_address()
             shm.sweep_stale()
             self.memory = memory = create_pool(self.config)
-            owner = memory.owner_t
-            assert owner is not None, "create_pool maps the owner array"
+            owner, seq, table = memory.owner_t, memory.seq, memory.table
+            seq_np, table_np = memory.seq_np, memory.table_np
+            assert (owner is not None and seq is not None and table is not None
+                    and seq_np is not None and table_np is not None), \
+                "create_pool maps the metadata segment"
             self.table = SequenceTable(
                 BlockPool(self.config.num_blocks, owner=memory.owner, epoch=memory.epoch,
                           owner_np=owner.numpy()),
                 self.config.block_size, self.config.tp_size,
                 copy_block=memory.copy_block, max_handoffs=self.max_handoffs,
                 max_handoff_ttl=self.max_handoff_ttl,
-                tables=TableWriter(memory.layout, memory.seq, memory.table,
-                                   (memory.seq_np, memory.table_np)),
-                arrays=(memory.seq_np, memory.table_np, owner.numpy()),
+                tables=TableWriter(memory.layout, seq, table, (seq_np, table_np)),
+                arrays=(seq_np, table_np, owner.numpy()),
                 max_seq_len=self.config.max_seq_len)
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self._listener = listener

@@ -17,7 +17,7 @@ the GIL only to format what changed since the last one (:func:`render` writes th
 text itself and keeps each op's histogram text; about 0.1 ms), and renders are at
 least ``MIN_RENDER_INTERVAL_S`` apart (requests arriving sooner wait, without the GIL,
 and share the next render, which still comes after them), so no scraper can take more
-than a sliver of the coordinator's GIL (``scripts/bench_metrics.py``). Binding
+than a sliver of the coordinator's GIL (``shmkv bench --only metrics``). Binding
 anything but a loopback address is logged as a warning.
 
 Started by ``Coordinator(..., metrics_port=N)`` (``shmkv serve --metrics-port N``) and
@@ -128,6 +128,16 @@ def families(coord, latency: bool = True) -> List[Family]:
             ("shmkv_published_blocks", "published_blocks",
              "Blocks published for prefix reuse (committed by every rank)")):
         counter(name, doc, counters.get(key, 0))
+    by_client = sorted((name, tuple(counts)) for name, counts in
+                       list(coord.client_counts.items()))
+    for name, index, doc in (
+            ("shmkv_client_prefix_hit_tokens", 0,
+             "Prompt tokens found in the prefix cache at allocation, by client name (as "
+             "the client said at connect; unnamed, or other past 64 names)"),
+            ("shmkv_client_prefix_miss_tokens", 1,
+             "Prompt tokens not found in the prefix cache at allocation, by client name")):
+        out.append((name, "counter", doc, [(name + "_total", (("client", client),), counts[index])
+                                           for client, counts in by_client]))
     counter("shmkv_evictions", "Cached blocks evicted to make room", table.pool.num_evictions)
     counter("shmkv_copies_discarded", "Copies of blocks into or out of the pool (tiers, the "
             "store) dropped because the block no longer held their key once copied",

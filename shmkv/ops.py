@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
@@ -22,8 +22,12 @@ from . import protocol
 from .errors import InvalidArgument, OutOfRange, ProtocolError, WrongType
 from .layout import PoolConfig
 from .memory import PoolMemory
+from .protocol import check_client_name
 from .sequences import SequenceTable
 from .tables import write_scales
+
+# Client names counted apart in ``/metrics`` (a bound on the label's values).
+MAX_CLIENT_NAMES = 64
 
 
 class Ops:
@@ -48,8 +52,20 @@ class Ops:
     num_accepted: int
     num_errors: int
     _started_at: float
+    client_counts: Dict[str, List[int]]
 
-    def _op_hello(self, conn, version, tp_rank=None, tp_size=None, pid=None):
+    def _name_client(self, conn, name: Optional[str]) -> None:
+        """Count the prompts of ``conn`` under its client name (``/metrics``, at most
+        MAX_CLIENT_NAMES names: later ones count as ``other``; none: ``unnamed``)."""
+        label = name or "unnamed"
+        counts = self.client_counts.get(label)
+        if counts is None:
+            if len(self.client_counts) >= MAX_CLIENT_NAMES:
+                label = "other"
+            counts = self.client_counts.setdefault(label, [0, 0])
+        self.table.client_counts[conn.conn_id] = counts
+
+    def _op_hello(self, conn, version, tp_rank=None, tp_size=None, pid=None, name=None):
         if version != protocol.PROTOCOL_VERSION:
             raise ProtocolError(f"protocol version {version} is not supported; the "
                                 f"coordinator speaks {protocol.PROTOCOL_VERSION}")
@@ -60,8 +76,11 @@ class Ops:
                 or not 0 <= tp_rank < self.config.tp_size):
             raise InvalidArgument(f"tp_rank={tp_rank}, tp_size={tp_size} do not fit a pool "
                                   f"with tp_size={self.config.tp_size}")
+        if name is not None:
+            check_client_name(name)
         conn.greeted = True
         conn.tp_rank = tp_rank
+        self._name_client(conn, name)
         return {"version": protocol.PROTOCOL_VERSION, "pool": self.config.to_wire(),
                 "memory": self.memory.descriptor, "coordinator_pid": os.getpid(),
                 "conn_id": conn.conn_id, "instance": self.instance,
@@ -174,18 +193,21 @@ class Ops:
         ordering): ``seq`` (int64 ``[n, 4]``), ``table`` (int32 ``[n, width]``) and the
         ``owner`` of each of ``blocks``."""
         memory, layout = self.memory, self.memory.layout
+        seq_np, table_np, owner = memory.seq_np, memory.table_np, memory.owner_t
+        assert seq_np is not None and table_np is not None and owner is not None, \
+            "a served pool is mapped"
         where = np.frombuffer(slots, dtype="<i8")
         if not 0 <= width <= layout.max_seq_blocks:
             raise OutOfRange(f"width {width} outside [0, {layout.max_seq_blocks}]")
         if where.shape[0] and (int(where.min()) < 0 or int(where.max()) >= layout.max_sequences):
             raise OutOfRange(f"slots outside [0, {layout.max_sequences})")
-        out = {"seq": memory.seq_np[where].astype("<i8").tobytes(),
-               "table": memory.table_np[where, :width].astype("<i4").tobytes()}
+        out = {"seq": seq_np[where].astype("<i8").tobytes(),
+               "table": table_np[where, :width].astype("<i4").tobytes()}
         if blocks is not None:
             ids = np.frombuffer(blocks, dtype="<i8")
             if ids.shape[0] and (int(ids.min()) < 0 or int(ids.max()) >= layout.num_blocks):
                 raise OutOfRange(f"blocks outside [0, {layout.num_blocks})")
-            out["owner"] = memory.owner_t.numpy()[ids].astype("<i8").tobytes()
+            out["owner"] = owner.numpy()[ids].astype("<i8").tobytes()
         return out
 
     def _op_stats(self, conn):
@@ -197,8 +219,9 @@ class Ops:
         for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
             if not (math.isfinite(value) and value > 0):
                 raise InvalidArgument(f"{name} must be a finite number > 0, got {value!r}")
-        write_scales(self.memory.scale_lock, self.memory.scales, layer, float(k_scale),
-                     float(v_scale))
+        lock, scales = self.memory.scale_lock, self.memory.scales
+        assert lock is not None and scales is not None, "a served pool is mapped"
+        write_scales(lock, scales, layer, float(k_scale), float(v_scale))
 
     def block_counts(self) -> Dict[str, Dict[str, int]]:
         """Blocks by tier and state, ``{tier: {state: n}}``: ``pool`` (free, cached,

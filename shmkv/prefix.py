@@ -43,13 +43,14 @@ class PendingPromotion:
     ``info`` is the answer to the request, completed then.
     """
 
-    __slots__ = ("seq", "info", "first", "keys", "blocks", "gens")
+    __slots__ = ("seq", "info", "first", "keys", "blocks", "gens", "client")
 
     def __init__(self, seq: Sequence, info: dict, first: int, keys: list, blocks: list,
-                 gens: Optional[list] = None):
+                 gens: Optional[list] = None, client: Optional[List[int]] = None):
         self.seq, self.info, self.first, self.keys, self.blocks = seq, info, first, keys, blocks
         # each block's key generation when the copy in began (``BlockPool.identity``)
         self.gens = gens
+        self.client = client   # the asking client's counts (SequenceTable.client_counts)
 
 
 class Prefix(Handoffs):
@@ -153,6 +154,7 @@ class Prefix(Handoffs):
             self.pool.incref(plan.hits)
             self.pool.incref(plan.later)
         results = []
+        client = self.client_counts.get(conn_id)
         for num_tokens, keys, tail, root, hits, need_blocks, request_id, promote, later in plans:
             seq = self._new_sequence(root, request_id)
             new = self.pool.allocate(need_blocks, seq.cache_id)
@@ -168,11 +170,8 @@ class Prefix(Handoffs):
             if keys is not None:
                 seq.keys = keys
                 seq.tail_tokens = list(tail)
-                counters = self.counters
-                counters["prefix_hit_blocks"] += num_hit
-                counters["prefix_miss_blocks"] += len(keys) - num_hit
-                counters["prefix_hit_tokens"] += seq.num_cached
-                counters["prefix_miss_tokens"] += num_tokens - seq.num_cached
+                self._count_hits(client, num_hit, len(keys) - num_hit, seq.num_cached,
+                                 num_tokens - seq.num_cached)
             self._ref(conn_id, seq)
             info = self._info(seq)
             results.append(info)
@@ -180,8 +179,22 @@ class Prefix(Handoffs):
                 self.pool.incref(new[:promote])  # the promotion's own hold
                 self.promotions.append(PendingPromotion(
                     seq, info, len(hits), keys[len(hits):len(hits) + promote], new[:promote],
-                    [self.pool.key_gen[b] for b in new[:promote]]))
+                    [self.pool.key_gen[b] for b in new[:promote]], client))
         return results
+
+    def _count_hits(self, client: Optional[List[int]], hit_blocks: int, miss_blocks: int,
+                    hit_tokens: int, miss_tokens: int) -> None:
+        """Count a prompt's hits and misses (or move some from hits to misses, when a
+        promotion ends early): in the table's counters and in the asking client's, the
+        one place either is changed, so the clients' counts sum to the table's."""
+        counters = self.counters
+        counters["prefix_hit_blocks"] += hit_blocks
+        counters["prefix_miss_blocks"] += miss_blocks
+        counters["prefix_hit_tokens"] += hit_tokens
+        counters["prefix_miss_tokens"] += miss_tokens
+        if client is not None:
+            client[0] += hit_tokens
+            client[1] += miss_tokens
 
     def take_promotions(self) -> List[PendingPromotion]:
         """The promotions the last allocate started (the coordinator copies them in)."""
@@ -217,11 +230,8 @@ class Prefix(Handoffs):
             seq.num_cached -= lost * self.block_size
             seq.rank_tokens = [seq.num_cached] * self.tp_size
             record.info["num_cached"] = seq.num_cached
-            counters = self.counters
-            counters["prefix_hit_blocks"] -= lost
-            counters["prefix_miss_blocks"] += lost
-            counters["prefix_hit_tokens"] -= lost * self.block_size
-            counters["prefix_miss_tokens"] += lost * self.block_size
+            tokens = lost * self.block_size
+            self._count_hits(record.client, -lost, lost, -tokens, tokens)
         pool.decref(reversed(record.blocks))
         return num_ok
 

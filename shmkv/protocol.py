@@ -79,7 +79,7 @@ def exception_for(code: int, message: str) -> errors.ShmkvError:
 
 OPS = {
     "hello": {"version": ("int", True), "tp_rank": ("int", False), "tp_size": ("int", False),
-              "pid": ("int", False)},
+              "pid": ("int", False), "name": ("str", False)},
     "ping": {},
     "allocate": {"num_tokens": ("int", True), "prompt": ("tokens", False),
                  "cache_salt": ("bytes", False), "request_id": ("str", False),
@@ -173,6 +173,22 @@ def pack_i64s(values: Union[Iterable[int], np.ndarray]) -> bytes:
         out = array("q", out)
         out.byteswap()
     return out.tobytes()
+
+
+# A client names itself at hello (``shmkv.connect(name=...)``): counted apart in /metrics.
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.:/-")
+
+
+def check_client_name(name: object) -> str:
+    """``name`` if it is a client name (1-64 of ``A-Z a-z 0-9 _ . : / -``).
+
+    Raises:
+        InvalidArgument: it is not.
+    """
+    if not isinstance(name, str) or not 1 <= len(name) <= 64 or not _NAME_CHARS.issuperset(name):
+        raise errors.InvalidArgument(f"client name {name!r} must be 1-64 characters of "
+                                     "letters, digits and _ . : / -")
+    return name
 
 
 def validate_args(op: str, args: Any) -> dict:

@@ -30,6 +30,7 @@ class Refs(Rows):
     def drop_connection(self, conn_id: int) -> int:
         """Drop every reference the connection holds; returns how many were dropped."""
         refs = self.conn_refs.pop(conn_id, {})
+        self.client_counts.pop(conn_id, None)
         held = self._held_np.pop(conn_id, None)
         self._held_mv.pop(conn_id, None)
         self._conn_steps.pop(conn_id, None)

@@ -138,6 +138,7 @@ class Rows:
     _next_serial: int
     _next_handoff_id: int
     counters: Dict[str, int]
+    client_counts: Dict[int, List[int]]
 
     def _light_slot(self, cache_id: int) -> int:
         """The slot of ``cache_id`` if it is a live plain sequence without an object,

@@ -163,6 +163,10 @@ class SequenceTable(Decode):
         self._handoff_heap: list = []
         self._next_serial = 1
         self._next_handoff_id = 1
+        # Per connection: the ``[hit tokens, miss tokens]`` of its prompts, a list the
+        # coordinator shares among the connections of one client name (``/metrics``);
+        # every connection has one, so they sum to the two counters below.
+        self.client_counts: Dict[int, List[int]] = {}
         self.counters = {"prefix_hit_tokens": 0, "prefix_miss_tokens": 0,
                          "prefix_hit_blocks": 0, "prefix_miss_blocks": 0,
                          "cow_copies": 0, "published_blocks": 0, "exported_handoffs": 0,

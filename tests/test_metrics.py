@@ -132,6 +132,80 @@ def test_metrics_follow_real_traffic(unique_name):
                                timeout=2)
 
 
+def _hit_and_miss(m: dict, client: str) -> tuple:
+    return (m.get(("shmkv_client_prefix_hit_tokens_total", (("client", client),))),
+            m.get(("shmkv_client_prefix_miss_tokens_total", (("client", client),))))
+
+
+def test_prefix_hits_are_counted_per_client_name(unique_name, tmp_path):
+    """Each client names itself at connect; /metrics counts its prompt tokens hit and
+    missed under that name (unnamed ones together), summing to the pool's counts, and
+    keeps them after it disconnects. A promotion that ends early moves its tokens from
+    the asking client's hits to its misses."""
+    cfg = shmkv.PoolConfig(num_layers=1, num_kv_heads=1, head_dim=4, num_blocks=32,
+                           block_size=4, dtype=torch.float32)
+    prompt = list(range(16))                              # four full blocks
+    with shmkv.Coordinator(cfg, name=unique_name, metrics_port=0,
+                           tiers=[shmkv.DiskTier(str(tmp_path / "disk"), 1 << 20)]) as coord:
+        with shmkv.connect(coord.address, name="engine-a", timeout=10) as a, \
+                shmkv.connect(coord.address, name="engine-b", timeout=10) as b, \
+                shmkv.connect(coord.address, name="engine-b", timeout=10) as b2, \
+                shmkv.connect(coord.address, timeout=10) as anon:
+            h = a.allocate(prompt=prompt)
+            h.write(0, torch.ones(16, 1, 4), torch.ones(16, 1, 4))
+            h.commit()
+            b.allocate(prompt=prompt + [7]).close()        # 16 hit, 1 missed
+            b2.allocate(prompt=prompt[:8]).close()         # 8 hit, same name
+            anon.allocate(prompt=[50, 51, 52, 53]).close()  # 4 missed
+            anon.allocate(8).close()                       # no prompt: not counted
+            m = scrape(coord)
+            assert _hit_and_miss(m, "engine-a") == (0, 16)
+            assert _hit_and_miss(m, "engine-b") == (24, 1)
+            assert _hit_and_miss(m, "unnamed") == (0, 4)
+            for i, kind in enumerate(("hit", "miss")):
+                total = value(m, f"shmkv_prefix_{kind}_tokens_total")
+                assert total == sum(v[i] for v in (_hit_and_miss(m, c) for c in
+                                                   ("engine-a", "engine-b", "unnamed")))
+            h.close()
+        settle(coord, 0)
+        assert _hit_and_miss(scrape(coord), "engine-b") == (24, 1)   # kept past the close
+        with pytest.raises(shmkv.InvalidArgument, match="client name"):
+            shmkv.connect(coord.address, name="a b", timeout=10)
+        with pytest.raises(shmkv.InvalidArgument, match="client name"):
+            shmkv.connect(coord.address, name="x" * 65, timeout=10)
+
+        # from disk: the prompt leaves the pool, its third block's file is damaged, so
+        # the promotion ends after two blocks and engine-c's hit shrinks to 8 tokens
+        with shmkv.connect(coord.address, timeout=10) as filler:
+            wait_tiers(filler)
+            filler.allocate(32 * 4).close()                # evicts every cached block
+            wait_tiers(filler)
+        from shmkv import hashing
+        key = hashing.block_keys(prompt, 4, hashing.root_key())[2]
+        path = tmp_path / "disk" / "blocks" / (key.hex() + ".kv")
+        data = bytearray(path.read_bytes())
+        data[-5] ^= 0xFF
+        path.write_bytes(bytes(data))
+        with shmkv.connect(coord.address, name="engine-c", timeout=10) as c:
+            got = c.allocate(prompt=prompt)
+            assert got.num_cached_tokens == 8
+            got.close()
+        m = scrape(coord)
+        assert _hit_and_miss(m, "engine-c") == (8, 8)
+        assert value(m, "shmkv_prefix_hit_tokens_total") == 24 + 8
+        assert value(m, "shmkv_prefix_miss_tokens_total") == 16 + 1 + 4 + 8
+
+
+def wait_tiers(client, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        io = client.stats()["tier_io"]
+        if not io["pending"] and not io["scanning"] and not io["promotions_in_flight"]:
+            return
+        assert time.monotonic() < deadline, f"tiers still busy: {io}"
+        time.sleep(0.01)
+
+
 def test_a_busy_metrics_port_is_a_clear_error(small_config, unique_name):
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))

@@ -77,8 +77,9 @@ def names():
 def engines(tmp_path_factory, names):
     model = make_model(str(tmp_path_factory.mktemp("model")))
     n1, n2 = (shmkv.default_address(names[k]) for k in ("node1", "node2"))
-    specs = {"ref": None, "a": connector_config(n1),
-             "b": connector_config(n1, connector="FaultyShmkvConnector", module="vllm_engine"),
+    specs = {"ref": None, "a": connector_config(n1, **{"shmkv.client_name": "engine-a"}),
+             "b": connector_config(n1, connector="FaultyShmkvConnector", module="vllm_engine",
+                                   **{"shmkv.client_name": "engine-b"}),
              "c": connector_config(n2), "tp": connector_config(n1)}
     options = {"tp": {"tp": 2}}
     started = {}
@@ -159,6 +160,12 @@ def test_engine_b_generates_from_what_engine_a_computed(engines, names):
         assert b["num_cached_tokens"] == HIT          # 7 blocks from shmkv, none from vLLM
         hits = client.stats()
         assert hits != misses
+        # /metrics counts each engine's prompt tokens by its client name
+        a_hit, a_miss = coord.client_counts["engine-a"]
+        b_hit, b_miss = coord.client_counts["engine-b"]
+        assert (a_hit, b_hit) == (0, HIT) and a_miss >= HIT
+        assert a_hit + b_hit + coord.client_counts.get("unnamed", [0, 0])[0] == \
+            hits["prefix_hit_tokens"]
 
 
 def test_a_restarted_coordinator_on_a_disk_tier_still_serves(engines, names, tmp_path):
@@ -296,6 +303,16 @@ def connector():
     takes seconds of the CPUs they start on)."""
     from shmkv.integrations import vllm as module
     return module
+
+
+def test_the_client_name_is_the_configured_one_or_a_valid_one_from_the_engine_id(connector):
+    assert connector.client_name("engine-a", "ignored") == "engine-a"
+    assert connector.client_name(None, "0b1e-42") == "vllm-0b1e-42"
+    assert connector.client_name(None, "my engine #1") == "vllm-my_engine__1"
+    assert connector.client_name(None, "x" * 100) == ("vllm-" + "x" * 100)[:64]
+    assert connector.client_name(None, None) == "vllm-engine"
+    with pytest.raises(connector.ConnectorConfigError, match="shmkv.client_name"):
+        connector.client_name("a b", None)
 
 
 def _vllm_config(model, block_size=BLOCK, **extra):

@@ -64,7 +64,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 import shmkv
-from shmkv.errors import ShmkvError
+from shmkv.errors import InvalidArgument, ShmkvError
+from shmkv.protocol import check_client_name
 
 try:  # vLLM 0.32 has connector stats; older releases may not
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -273,6 +274,23 @@ class _SchedReq:
     exported: bool = False
 
 
+def client_name(given: Optional[str], engine_id: Optional[str]) -> str:
+    """The name this engine's clients give the coordinator (its ``/metrics`` count hits
+    by it): ``shmkv.client_name`` if set, else ``vllm-ENGINE_ID`` made a valid name
+    (vLLM's ``kv_transfer_config.engine_id``; set it for a name that survives restarts).
+
+    Raises:
+        ConnectorConfigError: ``shmkv.client_name`` is not a valid client name.
+    """
+    if given is not None:
+        try:
+            return check_client_name(given)
+        except InvalidArgument as exc:
+            raise ConnectorConfigError(f"shmkv.client_name: {exc}") from None
+    name = re.sub(r"[^A-Za-z0-9_.:/-]", "_", f"vllm-{engine_id or 'engine'}")
+    return name[:64]
+
+
 class ShmkvConnector(KVConnectorBase_V1):
     """vLLM KV connector over a shmkv coordinator (see the module docstring).
 
@@ -300,6 +318,8 @@ class ShmkvConnector(KVConnectorBase_V1):
                 "{\"shmkv.address\": PATH}: the coordinator to use (shmkv serve --name NAME)")
         self._address = str(self._address)
         self._retry_s = float(extra.get("shmkv.retry_s", DEFAULT_RETRY_S))
+        self._client_name = client_name(extra.get("shmkv.client_name"),
+                                        self._kv_transfer_config.engine_id)
         self._layout = extra.get("shmkv.kv_layout")
         self._block_size = vllm_config.cache_config.block_size
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
@@ -345,9 +365,9 @@ class ShmkvConnector(KVConnectorBase_V1):
         try:
             if self._tp_size > 1 and self._tp_rank is not None:
                 client = shmkv.connect(self._address, tp_rank=self._tp_rank,
-                                       tp_size=self._tp_size)
+                                       tp_size=self._tp_size, name=self._client_name)
             else:
-                client = shmkv.connect(self._address)
+                client = shmkv.connect(self._address, name=self._client_name)
         except (ShmkvError, OSError) as exc:
             self._down_until = time.monotonic() + self._retry_s
             log.warning("shmkv coordinator at %s unavailable (%s); no hits, retry in %.0f s",
