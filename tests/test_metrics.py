@@ -427,3 +427,22 @@ def test_scrapes_close_together_share_a_render_and_are_never_stale(small_config,
         head.close()
         assert data.startswith(b"HTTP/1.1 200") and data.endswith(b"\r\n\r\n")
         assert b"shmkv_" not in data
+
+
+def test_every_series_is_documented_in_operations(small_config, unique_name, tmp_path):
+    """docs/operations.md's table names every family the exporter gives (tiers on), and
+    nothing it does not give."""
+    import pathlib
+    import re
+
+    from shmkv.metrics import families
+    doc = (pathlib.Path(__file__).parent.parent / "docs" / "operations.md").read_text()
+    table = {name for row in doc.splitlines() if row.startswith("| `shmkv_")
+             for name in re.findall(r"`(shmkv_\w+)`", row.split("|")[1])}
+    with shmkv.Coordinator(small_config, name=unique_name,
+                           tiers=[shmkv.HostTier(1 << 20),
+                                  shmkv.DiskTier(str(tmp_path), 1 << 20)]) as coord:
+        given = {name + ("_total" if kind == "counter" else "")
+                 for name, kind, _doc, _samples in families(coord)}
+    assert given - table == set(), "not documented"
+    assert table - given == set(), "documented but not exported"
