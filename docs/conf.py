@@ -77,7 +77,9 @@ nitpick_ignore = [
 nitpick_ignore_regex = [
     (r"py:.*", r"(torch|numpy|np|transformers|msgpack|redis|prometheus_client)(\..*)?"),
     (r"py:class", r"(Tensor|ndarray|socket\.socket|selectors\..*)"),
-    (r"py:class", r"array\.array"),   # the standard library's typed arrays
+    (r"py:class", r"array(\.array)?"),   # the standard library's typed arrays
+    # typing.Sequence as some modules import it (``Sequence`` is shmkv.rows' class)
+    (r"py:class", r"Seq"),
 ]
 
 html_theme = "alabaster"

@@ -43,6 +43,7 @@ from .errors import (
     LimitExceeded,
     OutOfRange,
     ProtocolError,
+    ShmkvError,
     WrongType,
 )
 from .handle import KvCacheHandle, SequenceView
@@ -298,6 +299,14 @@ class Client:
         if op is not None and response.code and len(self._posted_errors) < _MAX_POSTED_ERRORS:
             self._posted_errors.append(
                 (op, protocol.exception_for(response.code, response.message)))
+
+    def posted_errors(self) -> List[Tuple[str, ShmkvError]]:
+        """The ``(op, error)`` of each request sent without waiting that the coordinator
+        refused, as answers came in so far (never waits; the list is emptied). At most
+        the first 64 are kept between two calls."""
+        with self._lock:
+            errors, self._posted_errors = self._posted_errors, []
+        return errors
 
     def flush(self) -> None:
         """Wait until the coordinator has served every request this client sent without

@@ -24,7 +24,7 @@ import dataclasses
 import time
 import weakref
 from operator import itemgetter
-from typing import List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, List, Literal, Optional, Sequence, Tuple, overload
 
 import torch
 
@@ -33,6 +33,9 @@ from .errors import HandleClosed, InvalidArgument, OutOfRange, UnknownCache, Wro
 from .memory import storage_view
 from .sequences import format_cache_id
 from .tables import CACHE_ID, GENERATION, NUM_TOKENS, read_row
+
+if TYPE_CHECKING:
+    from .client import Client
 
 # Widest plain element types K/V rows are reinterpreted as for indexed copies: torch's
 # CPU index_copy_ moves one element per step, so 16-byte elements make it 8x fewer
@@ -376,6 +379,11 @@ class KvCacheHandle:
                                 utilization=self.num_tokens / capacity if capacity else 0.0,
                                 last_access=self._last_access)
 
+    @property
+    def client(self) -> "Client":
+        """The client this handle was made by (its requests go through it)."""
+        return self._client
+
     def is_valid(self) -> bool:
         """True while this reference is open and its coordinator is alive (no round trip)."""
         return not self._closed and self._client.is_alive()
@@ -409,13 +417,33 @@ class KvCacheHandle:
                                   "extend a handle on the whole sequence")
         return self._client.extend_many([(self, num_tokens, tokens)])[0]
 
-    def commit(self, num_tokens: Optional[int] = None) -> int:
+    @overload
+    def commit(self, num_tokens: Optional[int] = None,
+               wait: Literal[True] = True) -> int: ...
+
+    @overload
+    def commit(self, num_tokens: Optional[int] = None, *, wait: Literal[False]) -> None: ...
+
+    @overload
+    def commit(self, num_tokens: Optional[int], wait: Literal[False]) -> None: ...
+
+    def commit(self, num_tokens: Optional[int] = None, wait: bool = True) -> Optional[int]:
         """Declare the first ``num_tokens`` (default: all) slots fully written by this
         client (its rank, under tensor parallelism). Full blocks with known token ids
         become prefix-cache hits for other requests once every rank has committed.
-        Returns the number of leading blocks published."""
+        Returns the number of leading blocks published.
+
+        With ``wait=False`` the commit is sent and not waited for (a worker that has
+        nothing to do with the answer): returns None; the coordinator serves it before
+        this client's next request, and a refusal is kept for
+        :meth:`~shmkv.client.Client.flush` and :meth:`~shmkv.client.Client.posted_errors`.
+        """
         self._check_open()
         n = self.num_tokens if num_tokens is None else num_tokens
+        if not wait:
+            self._client._post("commit", cache_id=self._cache_id, num_tokens=n,
+                               tp_rank=self._client.tp_rank)
+            return None
         return self._client.request("commit", cache_id=self._cache_id, num_tokens=n,
                                     tp_rank=self._client.tp_rank)
 

@@ -242,6 +242,23 @@ def test_close_many_without_waiting_is_served_before_the_next_request(coord, cli
     assert client.stats()["sequences"] == base["sequences"]   # and the client goes on
 
 
+def test_a_commit_without_waiting_publishes_before_the_next_request(coord, client):
+    prompt = list(range(4 * coord.config.block_size))
+    h = client.allocate(prompt=prompt)
+    assert h.commit(wait=False) is None
+    again = client.allocate(prompt=prompt)               # served after the commit
+    assert again.num_cached_tokens == len(prompt)
+    assert client.posted_errors() == []
+    # a commit the coordinator refuses (past the sequence's end) is kept, once
+    again.commit(len(prompt) + 100, wait=False)
+    client.ping()                                        # its answer came in on the way
+    refused = client.posted_errors()
+    assert [(op, type(exc)) for op, exc in refused] == [("commit", errors.OutOfRange)]
+    assert client.posted_errors() == []
+    client.flush()                                       # already taken: nothing raised
+    client.close_many([h, again])
+
+
 def test_a_dropped_connection_frees_plain_and_object_sequences():
     table = make_table()
     ids, _ = table.allocate_counts(1, [4, 8, 1])

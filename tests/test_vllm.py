@@ -492,6 +492,83 @@ def test_copy_runs_are_one_per_vllm_block_when_pool_blocks_are_consecutive(conne
         connector.copy_runs([1], table, 0, 256, 128, 32)   # past the request's blocks
 
 
+def test_runs_of_whole_vllm_blocks_consecutive_both_ways_merge(connector):
+    per = 4
+    runs = connector.copy_runs([3, 4, 5, 9, 10], list(range(100, 120)), 0, 640, 128, 32)
+    assert connector.merge_runs(runs, per) == [(3, 0, 100, 12), (9, 0, 112, 8)]
+    # a pool gap, a vLLM gap, and a partial block each end a merged run
+    table = list(range(100, 108)) + list(range(200, 212))
+    runs = connector.copy_runs([3, 4, 5, 6, 8], table, 0, 608, 128, 32)
+    assert connector.merge_runs(runs, per) == [
+        (3, 0, 100, 8), (5, 0, 200, 8), (8, 0, 208, 3)]
+    runs = connector.copy_runs([3, 4], list(range(100, 108)), 64, 256, 128, 32)
+    assert connector.merge_runs(runs, per) == [(3, 2, 102, 2), (4, 0, 104, 4)]
+    assert connector.merge_runs([], per) == []
+
+
+@pytest.mark.parametrize("layout", ["cpu", "split", "flash"])
+def test_merged_copies_load_and_save_the_same_bytes(model_path, unique_name, layout, connector):
+    """A load into consecutive vLLM blocks (one copy per layer for several blocks) and a
+    save from them give the bytes a block-by-block copy gives."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    nb, heads, dim, layers = 16, 2, 32, 2
+    shapes = {"cpu": (nb, heads, BLOCK, 2 * dim), "split": (nb, heads, BLOCK, 2 * dim),
+              "flash": (2, nb, BLOCK, heads, dim)}
+    with shmkv.Coordinator(pool_config(256), name=unique_name) as coord, \
+            shmkv.connect(coord.address) as client:
+        w = connector.ShmkvConnector(_vllm_config(model_path, address=coord.address,
+                                                  **{"shmkv.kv_layout": layout}),
+                                     KVConnectorRole.WORKER, None)
+        caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(shapes[layout])
+                  for i in range(layers)}
+        w.register_kv_caches(caches)
+        g = torch.Generator().manual_seed(2)
+        toks = prompt(21, 3 * BLOCK)
+        h = client.allocate(prompt=toks)
+        for layer in range(layers):
+            h.write(layer, torch.randn(3 * BLOCK, heads, dim, generator=g),
+                    torch.randn(3 * BLOCK, heads, dim, generator=g), start=0)
+        h.commit()
+        table = list(h.block_table.physical_blocks)
+        runs = connector.copy_runs([6, 7, 8], table, 0, 3 * BLOCK, BLOCK,
+                                   h.block_table.block_size)
+        assert len(connector.merge_runs(runs, BLOCK // h.block_table.block_size)) == 1
+        w.bind_connector_metadata(connector.ShmkvConnectorMetadata(requests=[
+            connector.ShmkvReqMeta(req_id="r1", block_ids=[6, 7, 8], tokens=[h.export()],
+                                   load=(0, 3 * BLOCK), done=True)]))
+        w.start_load_kv(None)
+        w.wait_for_save()
+        assert w.get_block_ids_with_load_errors() == set()
+        for layer in range(layers):
+            k, v = connector.kv_views(caches[f"model.layers.{layer}.self_attn.attn"], layout)
+            got_k = k[6:9].permute(0, 2, 1, 3).reshape(3 * BLOCK, heads, dim)
+            got_v = v[6:9].permute(0, 2, 1, 3).reshape(3 * BLOCK, heads, dim)
+            assert torch.equal(got_k, h.key_cache(layer))
+            assert torch.equal(got_v, h.value_cache(layer))
+            assert not k[:6].any() and not k[9:].any()   # nothing else written
+        # save from consecutive vLLM blocks 1, 2 into a new sequence
+        for t in caches.values():
+            t.normal_(generator=g)
+        toks2 = prompt(22, 2 * BLOCK)
+        h2 = client.allocate(prompt=toks2)
+        w.bind_connector_metadata(connector.ShmkvConnectorMetadata(requests=[
+            connector.ShmkvReqMeta(req_id="r2", block_ids=[1, 2], tokens=[h2.export()],
+                                   save=(0, 2 * BLOCK), done=True)]))
+        w.start_load_kv(None)
+        w.wait_for_save()
+        h3 = client.allocate(prompt=toks2)
+        assert h3.num_cached_tokens == 2 * BLOCK
+        for layer in range(layers):
+            k, v = connector.kv_views(caches[f"model.layers.{layer}.self_attn.attn"], layout)
+            assert torch.equal(h3.key_cache(layer),
+                               k[1:3].permute(0, 2, 1, 3).reshape(2 * BLOCK, heads, dim))
+            assert torch.equal(h3.value_cache(layer),
+                               v[1:3].permute(0, 2, 1, 3).reshape(2 * BLOCK, heads, dim))
+        for handle in (h, h2, h3):
+            handle.close()
+        w.shutdown()
+
+
 def test_a_coordinator_lost_within_a_step_fails_the_load_it_promised(model_path, unique_name,
                                                                      connector):
     """The scheduler told vLLM of a hit, then the coordinator went away before the step's

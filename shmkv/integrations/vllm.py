@@ -157,6 +157,35 @@ def copy_runs(block_ids: List[int], table: List[int], start: int, end: int,
     return runs
 
 
+def _release(handle) -> None:
+    """Drop a reference without waiting for the answer (the coordinator serves it before
+    the client's next request; nothing here needs the blocks afterwards)."""
+    try:
+        handle.client.close_many([handle], wait=False)
+    except (ShmkvError, OSError):
+        pass   # a coordinator gone: its references went with it
+
+
+def merge_runs(runs: List[Tuple[int, int, int, int]],
+               per: int) -> List[Tuple[int, int, int, int]]:
+    """:func:`copy_runs` with the runs of whole vLLM blocks that follow one another both
+    in vLLM's blocks and in the pool merged: a run of ``count > per`` pool blocks (``per``
+    to a vLLM block) covers ``count // per`` whole vLLM blocks from ``vllm_block`` on,
+    one strided copy per layer for K and one for V however many blocks it covers (a
+    fresh engine and a fresh sequence get consecutive blocks: one copy per layer)."""
+    out: List[Tuple[int, int, int, int]] = []
+    for run in runs:
+        vblock, sub, pool, count = run
+        if out and sub == 0 and count == per:
+            last_v, last_sub, last_pool, last_count = out[-1]
+            if last_sub == 0 and last_count % per == 0 and \
+                    last_v + last_count // per == vblock and last_pool + last_count == pool:
+                out[-1] = (last_v, 0, last_pool, last_count + per)
+                continue
+        out.append(run)
+    return out
+
+
 def tp_shard_heads(num_kv_heads: int, tp_rank: int, tp_size: int) -> range:
     """The K/V heads vLLM's tensor-parallel rank ``tp_rank`` of ``tp_size`` holds: a
     contiguous slice, the same slice shmkv's head shard ``tp_rank`` maps."""
@@ -476,6 +505,7 @@ class ShmkvConnector(KVConnectorBase_V1):
         """This step's loads and saves, with the hand-off tokens of new requests."""
         meta = ShmkvConnectorMetadata(closed=self._closed)
         self._closed = []
+        self._log_refused()
         computed: Dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
             state = self._reqs.get(new.req_id)
@@ -526,10 +556,7 @@ class ShmkvConnector(KVConnectorBase_V1):
         state = self._reqs.pop(req_id, None)
         if state is None:
             return
-        try:
-            state.handle.close()
-        except (ShmkvError, OSError):
-            pass
+        _release(state.handle)
         if tell_workers and state.exported:
             self._closed.append(req_id)
 
@@ -595,8 +622,9 @@ class ShmkvConnector(KVConnectorBase_V1):
         copy on the CPU)."""
         table = handle.block_table
         bs = table.block_size
-        runs = copy_runs(block_ids, list(table.physical_blocks), span[0], span[1],
-                         self._block_size, bs)
+        per = self._block_size // bs
+        runs = merge_runs(copy_runs(block_ids, list(table.physical_blocks), span[0], span[1],
+                                    self._block_size, bs), per)
         if self._client is None:
             raise shmkv.CoordinatorGone("the coordinator went away since the hand-off was opened")
         pool = self._client.pool
@@ -604,10 +632,17 @@ class ShmkvConnector(KVConnectorBase_V1):
             for which in (0, 1):
                 pages, paged = pool[:, layer, which], kv[which]
                 for vblock, sub, first, count in runs:
-                    # vLLM [heads, tokens, dim] -> [count, block, heads, dim], the pool's order
-                    theirs = paged[vblock, :, sub * bs:(sub + count) * bs] \
-                        .unflatten(1, (count, bs)).permute(1, 2, 0, 3)
                     ours = pages[first:first + count]
+                    if count > per:   # whole vLLM blocks vblock, vblock + 1, ...
+                        n = count // per
+                        # [n, heads, per * block, dim] -> [n, per, block, heads, dim]
+                        theirs = paged[vblock:vblock + n].unflatten(2, (per, bs)) \
+                            .permute(0, 2, 3, 1, 4)
+                        ours = ours.unflatten(0, (n, per))
+                    else:
+                        # [heads, tokens, dim] -> [count, block, heads, dim], the pool's order
+                        theirs = paged[vblock, :, sub * bs:(sub + count) * bs] \
+                            .unflatten(1, (count, bs)).permute(1, 2, 0, 3)
                     if load:
                         theirs.copy_(ours)
                     else:
@@ -657,6 +692,15 @@ class ShmkvConnector(KVConnectorBase_V1):
                 self._save(item, handle)
             if item.done:
                 self._close(item.req_id)
+        self._log_refused()
+
+    def _log_refused(self) -> None:
+        """Log what the coordinator refused of the requests sent without waiting (commits
+        and releases: a refused commit is a save not cached)."""
+        client = self._client
+        if client is not None:
+            for op, exc in client.posted_errors():
+                log.warning("shmkv: %s refused (%s); that save is not cached", op, exc)
 
     def _save(self, item: ShmkvReqMeta, handle) -> None:
         # The saved range starts past the handle's cached prefix, at a block boundary: its
@@ -667,7 +711,9 @@ class ShmkvConnector(KVConnectorBase_V1):
             if start < handle.num_cached_tokens or start % handle.block_table.block_size:
                 raise ShmkvError(f"save of [{start}, {end}) would write the cached prefix")
             self._copy(handle, item.block_ids, item.save, load=False)
-            handle.commit(end)
+            # Not waited for: the bytes are in the pool now (vLLM may reuse its blocks),
+            # and a refused commit is only a later miss (logged by wait_for_save).
+            handle.commit(end, wait=False)
         except Exception as exc:  # noqa: BLE001 - a failed save is a later miss
             log.warning("shmkv: save of %s failed (%s); not cached", item.req_id, exc)
             self._close(item.req_id)
@@ -677,10 +723,7 @@ class ShmkvConnector(KVConnectorBase_V1):
     def _close(self, req_id: str) -> None:
         handle = self._handles.pop(req_id, None)
         if handle is not None:
-            try:
-                handle.close()
-            except (ShmkvError, OSError):
-                pass
+            _release(handle)
 
     def get_block_ids_with_load_errors(self) -> set:
         """vLLM block ids whose load failed since the last call (vLLM recomputes them)."""
