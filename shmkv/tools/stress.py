@@ -3,8 +3,11 @@
 Owns the stress program: a coordinator in its own process, N worker processes
 (``spawn`` context) that run a random mix of every handle operation, a parent that
 routes hand-off tokens between workers, SIGKILLs and restarts workers (and, when
-asked, the coordinator), shows progress on stderr, and writes the final report.
-It uses only the public API; it does not reach into the coordinator's state.
+asked, the coordinator), shows progress on stderr, judges the run and writes the
+report. The value scheme below and the checks the parent makes itself (hand-offs it
+opens, the leak count at the end, every prefix read back from the tiers, the store and
+a restarted coordinator) are in :mod:`.stress_checks`. It uses only the public API; it
+does not reach into the coordinator's state.
 
 Every K/V value a worker writes is a function of a per-position *tag* and the
 (layer, K/V, position, head, dim) coordinates. A worker keeps the tag of every
@@ -40,13 +43,21 @@ import random
 import shutil
 import signal
 import sys
-import tempfile
 import time
 import traceback
 from multiprocessing.connection import wait as mp_wait
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 from .progress import ProgressBar, enabled as progress_enabled
+from .stress_checks import (
+    _MODULUS,
+    _NUM_PREFIXES,
+    TOKEN_TAG_BASE,
+    _Checks,
+    expected_kv,
+    prefix_tokens,
+    token_tags,
+)
 
 if TYPE_CHECKING:   # (the library is imported by the run, not by the command line)
     from multiprocessing.connection import Connection
@@ -54,45 +65,9 @@ if TYPE_CHECKING:   # (the library is imported by the run, not by the command li
 
     from ..client import Client
     from ..coordinator import SpawnedCoordinator
-    from ..remote import RedisTier
-    from ..tiers import DiskTier, HostTier
 
 EXPECTED_ERRORS = ("PoolExhausted", "HandoffError")
-TOKEN_TAG_BASE = 1 << 30
-# Values must be exact in the pool dtype: integers below 2**(mantissa bits + 1).
-_MODULUS = {"float32": 65521, "float64": 65521, "float16": 2039, "bfloat16": 251}
-_NUM_PREFIXES = 4
-_NUM_PREFIXES_TIERED = 24   # with tiers: more shared prefix blocks than the pool holds
 _STATS_EVERY_S = 0.25
-
-
-def expected_kv(tags: List[int], start: int, num_layers: int, num_heads: int, head_dim: int,
-                dtype):
-    """K/V ``[num_layers, 2, len(tags), num_heads, head_dim]`` for positions from ``start``.
-
-    Position ``start + i`` holds the values of tag ``tags[i]``.
-    """
-    import torch
-    mod = _MODULUS[str(dtype).removeprefix("torch.")]
-    tag = torch.tensor(tags, dtype=torch.int64)[None, None, :, None, None]
-    pos = torch.arange(start, start + len(tags))[None, None, :, None, None]
-    layer = torch.arange(num_layers)[:, None, None, None, None]
-    kv = torch.arange(2)[None, :, None, None, None]
-    head = torch.arange(num_heads)[None, None, None, :, None]
-    dim = torch.arange(head_dim)[None, None, None, None, :]
-    value = (tag * 40503 + pos * 9973 + layer * 7919 + kv * 104729 + head * 613
-             + dim * 31) % mod
-    return value.to(dtype)
-
-
-def prefix_tokens(index: int, length: int) -> List[int]:
-    """Token ids of shared prompt prefix ``index`` (the same in every process)."""
-    return [(index * 7919 + i * 31 + 11) % 50000 for i in range(length)]
-
-
-def token_tags(tokens: List[int]) -> List[int]:
-    """The tags of prompt positions: a function of the token id only."""
-    return [TOKEN_TAG_BASE + t for t in tokens]
 
 
 # -- worker ------------------------------------------------------------------------------
@@ -525,7 +500,7 @@ class _Slot:
         return self.conn, self.process
 
 
-class StressRun:
+class StressRun(_Checks):
     """The parent of a stress run: starts, routes, kills, restarts, checks, reports.
 
     Args:
@@ -533,6 +508,7 @@ class StressRun:
     """
 
     def __init__(self, args):
+        super().__init__()
         self.args = args
         self.rng = random.Random(args.seed)
         self.ctx = multiprocessing.get_context("spawn")
@@ -561,8 +537,6 @@ class StressRun:
         self.started = 0.0
         self.ended = 0.0
         self._stopping = False
-        self.tier_dir: Optional[str] = None   # the disk tier's directory (with --tiers)
-        self.prefix_checks: Dict[str, dict] = {}   # the parent's reads of every prefix
 
     # -- worker processes ----------------------------------------------------------------
 
@@ -780,105 +754,6 @@ class StressRun:
     def _total_ops(self) -> int:
         return sum(self.ops.values())
 
-    # -- tiers and the store -------------------------------------------------------------
-
-    def _num_prefixes(self) -> int:
-        a = self.args
-        return _NUM_PREFIXES_TIERED if a.tiers or a.redis else _NUM_PREFIXES
-
-    def _tier_specs(self, config) -> list:
-        """The tiers under the pool: host memory (a quarter of the pool) and a disk
-        directory (four times the pool) with ``--tiers``, the store with ``--redis``."""
-        from ..remote import RedisTier
-        from ..tiers import DiskTier, HostTier
-        a = self.args
-        specs: List[Union[HostTier, DiskTier, RedisTier]] = []
-        if a.tiers:
-            if self.tier_dir is None:
-                self.tier_dir = a.tier_dir or tempfile.mkdtemp(prefix="shmkv-stress-tiers-")
-            specs.append(HostTier(max(1, config.num_blocks // 4) * config.block_nbytes))
-            specs.append(DiskTier(self.tier_dir, 4 * config.nbytes))
-        if a.redis:
-            specs.append(RedisTier(a.redis, timeout=2.0, max_backoff=1.0))
-        return specs
-
-    def _wait_tiers_idle(self, client, timeout: float = 30.0) -> dict:
-        """Stats once no tier copy, promotion or store write is pending (or ``timeout``)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            stats = client.stats()
-            io = stats.get("tier_io")
-            if io is None or not (io["pending"] or io["promotions_in_flight"]
-                                  or io.get("scanning") or io.get("redis_queued")):
-                return stats
-            if time.monotonic() > deadline:
-                return stats
-            time.sleep(0.02)
-
-    def _evict_pool(self, client) -> None:
-        """Take every free and cached block once (evicting every cached one), then give
-        them back: prefixes read next come from the tiers (once their copies are done)."""
-        self._wait_tiers_idle(client)
-        stats = client.stats()
-        cfg = client.config
-        tokens = (stats["free_blocks"] + stats["cached_blocks"]) * cfg.block_size
-        per = cfg.max_seq_len - cfg.max_seq_len % cfg.block_size
-        counts = [per] * (tokens // per) + ([tokens % per] if tokens % per else [])
-        if counts:
-            client.close_many(client.allocate_many(counts))
-        self._wait_tiers_idle(client)
-
-    def check_prefixes(self, client, label: str) -> dict:
-        """Allocate every shared prefix through ``client`` and compare what it hits with
-        the tags every worker writes (``label``: where the hits come from). Closed after."""
-        import torch
-
-        from ..errors import PoolExhausted
-        cfg = client.config
-        out = {"prefixes": 0, "hit_tokens": 0, "corrupted": 0, "exhausted": 0}
-        for index in range(self._num_prefixes()):
-            tokens = prefix_tokens(index, (2 + index % 3) * cfg.block_size)
-            try:
-                h = client.allocate(prompt=tokens)
-            except PoolExhausted:
-                out["exhausted"] += 1
-                continue
-            try:
-                cached = h.num_cached_tokens
-                out["prefixes"] += 1
-                out["hit_tokens"] += cached
-                if cached:
-                    want = expected_kv(token_tags(tokens[:cached]), 0, h.num_layers,
-                                       h.num_heads, h.head_dim, h.dtype)
-                    got = h.gather_all()[:, :, :cached]
-                    self.verified += want.numel()
-                    if not torch.equal(got, want):
-                        out["corrupted"] += 1
-                        self.corrupted += 1
-                        self.samples.append(f"{label}: prefix {index} ({cached} cached "
-                                            "tokens) differs from what the workers wrote")
-            finally:
-                h.close()
-        self.prefix_checks[label] = out
-        return out
-
-    def _check_store(self, config, name: str) -> None:
-        """A second coordinator (another node) on the same store reads every prefix."""
-        from ..client import connect
-        from ..coordinator import Coordinator
-        from ..remote import RedisTier
-        node = Coordinator(config, name=f"{name}-node2",
-                           tiers=[RedisTier(self.args.redis, timeout=2.0)])
-        node.start()
-        try:
-            with connect(node.address, timeout=self.args.client_timeout) as client:
-                self.check_prefixes(client, "store, read by a second coordinator")
-                stats = self._wait_tiers_idle(client)
-                self.prefix_checks["store, read by a second coordinator"]["store"] = \
-                    stats["tiers"][-1]
-        finally:
-            node.stop()
-
     def _loop(self) -> None:
         a = self.args
         duration = a.duration
@@ -951,81 +826,6 @@ class StressRun:
                         self.kills -= 1
                 break
             self._pump(0.05)
-
-    def _open_here(self, token: bytes, tags: List[int]) -> None:
-        """Open an undeliverable token in the parent, verify it, and close it."""
-        import torch
-
-        from ..errors import HandoffError
-        assert self.client is not None   # (connected by _run)
-        try:
-            h = self.client.open(token)
-        except HandoffError:
-            self.handoffs["drain_expired"] += 1
-            return
-        self.handoffs["drained"] += 1
-        want = expected_kv(tags[:h.num_tokens], 0, h.num_layers, h.num_heads, h.head_dim,
-                           h.dtype)
-        got = h.gather_all()
-        self.verified += want.numel()
-        if not torch.equal(got, want):
-            self.corrupted += 1
-            self.samples.append(f"parent: hand-off {h.cache_id} differs from its tags")
-        h.close()
-
-    def _final_check(self) -> dict:
-        """Drain undelivered tokens, wait out hand-offs in flight, measure leaks."""
-        pending, self.pending_tokens = self.pending_tokens, []
-        for token, tags in pending:
-            self._open_here(token, tags)
-        deadline = time.monotonic() + self.args.handoff_ttl + 10.0
-        assert self.client is not None   # (connected by _run)
-        stats = self.client.stats()
-        while (stats["handoffs"] or stats["referenced_blocks"] or stats["sequences"]) \
-                and time.monotonic() < deadline:
-            time.sleep(0.1)
-            stats = self.client.stats()
-        keys = ("num_blocks", "free_blocks", "cached_blocks", "referenced_blocks",
-                "sequences", "handoffs", "connections", "evictions", "cow_copies",
-                "published_blocks", "expired_handoffs", "prefix_hit_tokens",
-                "prefix_miss_tokens", "ops", "dropped_connections")
-        unaccounted = stats["num_blocks"] - stats["free_blocks"] - stats["cached_blocks"]
-        return {"blocks_leaked": max(unaccounted, stats["referenced_blocks"]),
-                "sequences_left": stats["sequences"], "handoffs_left": stats["handoffs"],
-                "final_stats": {k: stats.get(k) for k in keys}}
-
-    def _check_restart(self, config, name: str) -> dict:
-        """After the coordinator's death: stale socket, fresh start (on the same tiers,
-        whose prefixes it serves with the bytes written before the kill), clean stop."""
-        from ..client import connect
-        from ..coordinator import Coordinator, default_address
-        from ..errors import CoordinatorGone
-        out: Dict[str, object] = {"parent_client_saw_gone": False,
-                                  "stale_socket": os.path.exists(default_address(name))}
-        assert self.client is not None   # (connected by _run)
-        try:
-            self.client.stats()
-        except CoordinatorGone:
-            out["parent_client_saw_gone"] = True
-        self.client.close()
-        try:
-            coord = Coordinator.spawn(config, name=name,
-                                      tiers=self._tier_specs(config) or None)
-        except Exception as exc:
-            out["restart"] = f"failed: {type(exc).__name__}: {exc}"
-            return out
-        try:
-            with connect(coord.address, timeout=10) as client:
-                stats = client.stats()
-                out["restart"] = "ok" if stats["free_blocks"] == config.num_blocks else \
-                    f"unexpected stats {stats}"
-                if self.args.tiers or self.args.redis:
-                    self._wait_tiers_idle(client)   # the disk's index is scanned
-                    self.check_prefixes(client, "restarted coordinator's tiers")
-        finally:
-            coord.stop()
-        out["socket_removed_after_stop"] = not os.path.exists(coord.address)
-        return out
 
     # -- output --------------------------------------------------------------------------
 
