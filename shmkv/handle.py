@@ -24,7 +24,7 @@ import dataclasses
 import time
 import weakref
 from operator import itemgetter
-from typing import TYPE_CHECKING, List, Literal, Optional, Sequence, Tuple, overload
+from typing import Any, List, Literal, Optional, Sequence, Tuple, overload
 
 import torch
 
@@ -33,9 +33,6 @@ from .errors import HandleClosed, InvalidArgument, OutOfRange, UnknownCache, Wro
 from .memory import storage_view
 from .sequences import format_cache_id
 from .tables import CACHE_ID, GENERATION, NUM_TOKENS, read_row
-
-if TYPE_CHECKING:
-    from .client import Client
 
 # Widest plain element types K/V rows are reinterpreted as for indexed copies: torch's
 # CPU index_copy_ moves one element per step, so 16-byte elements make it 8x fewer
@@ -380,8 +377,9 @@ class KvCacheHandle:
                                 last_access=self._last_access)
 
     @property
-    def client(self) -> "Client":
-        """The client this handle was made by (its requests go through it)."""
+    def client(self) -> Any:
+        """The :class:`~shmkv.client.Client` this handle was made by (its requests go
+        through it; typed loosely here, as ``shmkv.client`` imports this module)."""
         return self._client
 
     def is_valid(self) -> bool:

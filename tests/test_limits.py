@@ -242,8 +242,8 @@ def test_requests_held_behind_a_promotion_are_bounded_in_bytes(cfg, unique_name,
     import socket
     import time
 
-    from shmkv import coordinator as coordinator_module
-    monkeypatch.setattr(coordinator_module, "MAX_HELD_BYTES", 8192)
+    from shmkv import connections as connections
+    monkeypatch.setattr(connections, "MAX_HELD_BYTES", 8192)
     cfg = shmkv.PoolConfig(num_layers=L, num_kv_heads=H, head_dim=D, num_blocks=256,
                            block_size=BS, dtype=torch.float32, max_sequences=16)
     coord = shmkv.Coordinator(cfg, name=unique_name)
@@ -252,7 +252,7 @@ def test_requests_held_behind_a_promotion_are_bounded_in_bytes(cfg, unique_name,
     mine, theirs = socket.socketpair()
     try:
         mine.setblocking(False)
-        conn = coordinator_module._Conn(mine, 7, os.getpid(), coord.max_frame)
+        conn = connections._Conn(mine, 7, os.getpid(), coord.max_frame)
         conn.greeted = True
         coord._conns[7] = conn
         coord.table.add_connection(7)
@@ -297,15 +297,15 @@ def test_requests_held_again_behind_a_second_promotion_count_again(cfg, unique_n
     import socket
     import time
 
-    from shmkv import coordinator as coordinator_module
-    monkeypatch.setattr(coordinator_module, "MAX_HELD_BYTES", 8192)
+    from shmkv import connections as connections
+    monkeypatch.setattr(connections, "MAX_HELD_BYTES", 8192)
     coord = shmkv.Coordinator(cfg, name=unique_name)
     coord.open()
     selector = selectors.DefaultSelector()
     mine, theirs = socket.socketpair()
     try:
         mine.setblocking(False)
-        conn = coordinator_module._Conn(mine, 7, os.getpid(), coord.max_frame)
+        conn = connections._Conn(mine, 7, os.getpid(), coord.max_frame)
         conn.greeted = True
         coord._conns[7] = conn
         coord.table.add_connection(7)

@@ -778,7 +778,7 @@ def test_a_promotion_pins_its_entries_before_its_turn_places_demotions(unique_na
     import socket
 
     from shmkv import protocol
-    from shmkv.coordinator import _Conn
+    from shmkv.connections import _Conn
     monkeypatch.setattr(tiers_mod, "IO_PROCESS", False)
     cfg = make_config(num_blocks=8)
     coord = shmkv.Coordinator(cfg, name=unique_name,
