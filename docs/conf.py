@@ -31,7 +31,7 @@ release = version = "0.1.0"
 
 extensions = [
     "sphinx.ext.autodoc",
-    "sphinx.ext.napoleon",      # the "Args:" / "Returns:" / "Raises:" sections
+    "sphinx.ext.napoleon",  # the "Args:" / "Returns:" / "Raises:" sections
     "myst_parser",
 ]
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
@@ -50,7 +50,7 @@ autodoc_default_options = {
 }
 autodoc_typehints = "signature"
 autodoc_typehints_format = "short"
-autoclass_content = "both"     # the class docstring and __init__'s (the arguments)
+autoclass_content = "both"  # the class docstring and __init__'s (the arguments)
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False
@@ -77,7 +77,7 @@ nitpick_ignore = [
 nitpick_ignore_regex = [
     (r"py:.*", r"(torch|numpy|np|transformers|msgpack|redis|prometheus_client)(\..*)?"),
     (r"py:class", r"(Tensor|ndarray|socket\.socket|selectors\..*)"),
-    (r"py:class", r"array(\.array)?"),   # the standard library's typed arrays
+    (r"py:class", r"array(\.array)?"),  # the standard library's typed arrays
     # typing.Sequence as some modules import it (``Sequence`` is shmkv.rows' class)
     (r"py:class", r"Seq"),
 ]
@@ -95,8 +95,10 @@ html_show_sourcelink = False
 # importing it and retried under the name of the object it is; a reference whose object
 # is not documented under its own name still fails the build.
 
+
 def _canonical(target: str, modname: str):
     import importlib
+
     candidates = [target]
     if modname:
         candidates.insert(0, f"{modname}.{target}")
@@ -133,8 +135,15 @@ def _resolve_alias(app, env, node, contnode):
     if canonical is None:
         return None
     domain = env.get_domain("py")
-    return domain.resolve_xref(env, node.get("refdoc", env.docname), app.builder,
-                               node.get("reftype"), canonical, node, contnode)
+    return domain.resolve_xref(
+        env,
+        node.get("refdoc", env.docname),
+        app.builder,
+        node.get("reftype"),
+        canonical,
+        node,
+        contnode,
+    )
 
 
 # -- links from the Markdown pages to files of the repository outside docs/ ------------------
@@ -158,7 +167,7 @@ def _outside_links(app, docname, source):
 
     def repl(match):
         if match.group(1).lower().endswith(_IMAGES):
-            return match.group(0)        # an image: Sphinx copies it, wherever it is
+            return match.group(0)  # an image: Sphinx copies it, wherever it is
         target = os.path.abspath(os.path.join(here, match.group(1)))
         if target == srcdir or target.startswith(srcdir + os.sep):
             return match.group(0)
@@ -173,12 +182,16 @@ def _outside_links(app, docname, source):
 # contents before the API reference, so that adding a page never fails the build with
 # "document isn't included in any toctree"; the index names the pages it orders.
 
+
 def _every_page_in_toc(app, docname, source):
     if docname != "index":
         return
     listed = set(re.findall(r"^([\w/-]+)$", source[0], flags=re.M))
-    pages = sorted(os.path.splitext(name)[0] for name in os.listdir(app.srcdir)
-                   if name.endswith((".md", ".rst")) and name not in ("index.md", "README.md"))
+    pages = sorted(
+        os.path.splitext(name)[0]
+        for name in os.listdir(app.srcdir)
+        if name.endswith((".md", ".rst")) and name not in ("index.md", "README.md")
+    )
     missing = [page for page in pages if page not in listed]
     if missing:
         listing = "".join(p + "\n" for p in missing)
@@ -192,6 +205,7 @@ def _every_page_in_toc(app, docname, source):
 # docstrings never give a type that way (annotations do), so such a docstring is opened
 # with an empty reST comment, a first line without a colon: napoleon then reads "no type".
 
+
 def _no_inline_type(app, what, name, obj, options, lines):
     if what in ("attribute", "property", "data") and lines and ": " in lines[0]:
         lines[:0] = ["..", ""]
@@ -203,10 +217,15 @@ def _no_inline_type(app, what, name, obj, options, lines):
 # dropped from its "Bases:" line, and the reference lists the parts' public members as
 # the class's own (``:inherited-members:`` in api.rst stops at the public base).
 
+
 def _public_bases(app, name, obj, options, bases):
-    bases[:] = [base for base in bases
-                if not (getattr(base, "__module__", "").startswith("shmkv")
-                        and base.__name__.startswith("_"))]
+    bases[:] = [
+        base
+        for base in bases
+        if not (
+            getattr(base, "__module__", "").startswith("shmkv") and base.__name__.startswith("_")
+        )
+    ]
 
 
 def setup(app):

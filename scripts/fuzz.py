@@ -46,9 +46,21 @@ from shmkv import protocol
 
 MAX_FRAME = 64 * 1024
 MAX_TTL = 0.2
-MUTATING = {"info", "clone", "fork", "release", "release_many", "export", "commit",
-            "prepare_write", "extend", "extend_many", "extend_batch", "prepare_batch",
-            "commit_batch"}
+MUTATING = {
+    "info",
+    "clone",
+    "fork",
+    "release",
+    "release_many",
+    "export",
+    "commit",
+    "prepare_write",
+    "extend",
+    "extend_many",
+    "extend_batch",
+    "prepare_batch",
+    "commit_batch",
+}
 
 
 class Failure(Exception):
@@ -67,16 +79,24 @@ class Reference:
         g = torch.Generator().manual_seed(1)
         hs = [c.allocate(n) for n in (5, 17, 1, 32)]
         for h in hs:
-            h.write_all(torch.randn(h.num_layers, 2, h.num_tokens, h.num_heads, h.head_dim,
-                                    generator=g), start=0)
+            h.write_all(
+                torch.randn(h.num_layers, 2, h.num_tokens, h.num_heads, h.head_dim, generator=g),
+                start=0,
+            )
         hs.append(hs[1].fork())
-        hs[1].write(0, torch.ones(2, hs[1].num_heads, hs[1].head_dim),
-                    torch.ones(2, hs[1].num_heads, hs[1].head_dim), start=0)
+        hs[1].write(
+            0,
+            torch.ones(2, hs[1].num_heads, hs[1].head_dim),
+            torch.ones(2, hs[1].num_heads, hs[1].head_dim),
+            start=0,
+        )
         hs.append(hs[0].clone_handle())
         self.prompt = list(range(100, 100 + 3 * block_size + 2))
         p = c.allocate(prompt=self.prompt)
-        p.write_all(torch.randn(p.num_layers, 2, p.num_tokens, p.num_heads, p.head_dim,
-                                generator=g), start=0)
+        p.write_all(
+            torch.randn(p.num_layers, 2, p.num_tokens, p.num_heads, p.head_dim, generator=g),
+            start=0,
+        )
         p.commit()
         hs.append(p)
         self.handles = hs
@@ -90,12 +110,13 @@ class Reference:
         c.ping()
         stats = c.stats()
         base = self.baseline
-        for key in ("num_blocks", "referenced_blocks", "sequences", "handoffs",
-                    "connections"):
+        for key in ("num_blocks", "referenced_blocks", "sequences", "handoffs", "connections"):
             if stats[key] != base[key]:
                 raise Failure(f"stats[{key!r}] is {stats[key]}, was {base[key]}")
-        if stats["free_blocks"] + stats["cached_blocks"] != \
-                stats["num_blocks"] - stats["referenced_blocks"]:
+        if (
+            stats["free_blocks"] + stats["cached_blocks"]
+            != stats["num_blocks"] - stats["referenced_blocks"]
+        ):
             raise Failure(f"block states do not add up: {stats}")
         for h, data, table in zip(self.handles, self.data, self.tables):
             h.refresh()
@@ -251,17 +272,39 @@ class Gen:
             return [self.value(depth + 1) for _ in range(rng.randrange(4))]
         if depth < 3 and r < 0.25:
             return {self.text(): self.value(depth + 1) for _ in range(rng.randrange(3))}
-        return rng.choice([None, True, False, rng.randrange(-5, 300), rng.getrandbits(64),
-                           -rng.getrandbits(63), rng.random() * 1e6, float("nan"),
-                           float("inf"), self.text(), rng.randbytes(rng.randrange(30))])
+        return rng.choice(
+            [
+                None,
+                True,
+                False,
+                rng.randrange(-5, 300),
+                rng.getrandbits(64),
+                -rng.getrandbits(63),
+                rng.random() * 1e6,
+                float("nan"),
+                float("inf"),
+                self.text(),
+                rng.randbytes(rng.randrange(30)),
+            ]
+        )
 
     def text(self) -> str:
         return "".join(self.rng.choice("abcxyz_é\u2603") for _ in range(self.rng.randrange(8)))
 
     def int_(self):
         rng = self.rng
-        return rng.choice([rng.randrange(0, 40), rng.randrange(0, 40), rng.randrange(-3, 3),
-                           2**31, 2**63 - 1, 2**64 - 1, -2**63, rng.getrandbits(40)])
+        return rng.choice(
+            [
+                rng.randrange(0, 40),
+                rng.randrange(0, 40),
+                rng.randrange(-3, 3),
+                2**31,
+                2**63 - 1,
+                2**64 - 1,
+                -(2**63),
+                rng.getrandbits(40),
+            ]
+        )
 
     def cache_id(self):
         r = self.rng.random()
@@ -278,8 +321,9 @@ class Gen:
         n = self.rng.randrange(0, 20) if n is None else n
         if self.rng.random() < 0.5:
             start = self.rng.randrange(len(self.ref.prompt))
-            return (self.ref.prompt[:start] + [self.rng.choice(self.vocab)
-                                               for _ in range(n)])[:max(n, 1)]
+            return (self.ref.prompt[:start] + [self.rng.choice(self.vocab) for _ in range(n)])[
+                : max(n, 1)
+            ]
         return [self.rng.choice(self.vocab) for _ in range(n)]
 
     def token(self):
@@ -291,8 +335,14 @@ class Gen:
             t = bytearray(self.rng.choice(tokens))
             t[self.rng.randrange(len(t))] ^= 1 << self.rng.randrange(8)
             return bytes(t)
-        return self.rng.choice([b"\x01" + self.rng.randbytes(24), self.rng.randbytes(25),
-                                b"", self.rng.randbytes(self.rng.randrange(60))])
+        return self.rng.choice(
+            [
+                b"\x01" + self.rng.randbytes(24),
+                self.rng.randbytes(25),
+                b"",
+                self.rng.randbytes(self.rng.randrange(60)),
+            ]
+        )
 
     def arg(self, op: str, name: str, kind: str):
         rng = self.rng
@@ -308,9 +358,9 @@ class Gen:
                 values = [self.cache_id() for _ in range(count)]
             else:
                 values = [rng.choice([0, 1, 2, 7, -1, 2**40]) for _ in range(count)]
-            values = [v if type(v) is int and -2**63 <= v < 2**63 else 0 for v in values]
+            values = [v if type(v) is int and -(2**63) <= v < 2**63 else 0 for v in values]
             data = protocol.pack_i64s(values)
-            return data if rng.random() > 0.1 else data[:rng.randrange(len(data) + 1)]
+            return data if rng.random() > 0.1 else data[: rng.randrange(len(data) + 1)]
         if name in ("num_tokens", "start"):
             return self.int_()
         if name == "prompt":
@@ -320,8 +370,16 @@ class Gen:
         if name == "token":
             return self.token()
         if name == "ttl":
-            return rng.choice([rng.uniform(0.01, MAX_TTL), rng.uniform(0.01, MAX_TTL), 0,
-                               -1.0, MAX_TTL * 10, float("nan")])
+            return rng.choice(
+                [
+                    rng.uniform(0.01, MAX_TTL),
+                    rng.uniform(0.01, MAX_TTL),
+                    0,
+                    -1.0,
+                    MAX_TTL * 10,
+                    float("nan"),
+                ]
+            )
         if name == "version":
             return rng.choice([protocol.PROTOCOL_VERSION, 0, 2, -1])
         if name in ("tp_rank", "tp_size", "pid"):
@@ -347,8 +405,9 @@ class Gen:
                     req["prompt"] = self.tokens()
                     req["num_tokens"] = rng.choice([0, len(req["prompt"]), 3])
                 if rng.random() < 0.1:
-                    req[rng.choice(["cache_salt", "request_id", "bogus", "num_tokens"])] = \
+                    req[rng.choice(["cache_salt", "request_id", "bogus", "num_tokens"])] = (
                         self.value()
+                    )
                 reqs.append(req if rng.random() > 0.05 else self.value())
             return reqs
         return self.value()
@@ -362,8 +421,7 @@ class Gen:
         elif r < 0.96:
             op = "hello"
         else:
-            op = rng.choice(["", "nope", "_op_stats", "__init__", "stats ", "PING",
-                             self.text()])
+            op = rng.choice(["", "nope", "_op_stats", "__init__", "stats ", "PING", self.text()])
         spec = protocol.OPS.get(op, {})
         args = {}
         for name, (kind, required) in spec.items():
@@ -398,16 +456,21 @@ class Gen:
             return "random body", struct.pack(">I", len(body)) + body, True
         if kind == 2:
             full = protocol.encode_request(rng.randrange(1 << 20), "stats")
-            return "truncated frame", full[:rng.randrange(1, len(full))], True
+            return "truncated frame", full[: rng.randrange(1, len(full))], True
         if kind == 3:
-            size = rng.choice([MAX_FRAME + 1, 2**31, 2**32 - 1,
-                               rng.randrange(MAX_FRAME + 1, 2**32)])
+            size = rng.choice(
+                [MAX_FRAME + 1, 2**31, 2**32 - 1, rng.randrange(MAX_FRAME + 1, 2**32)]
+            )
             return "oversized length", struct.pack(">I", size) + rng.randbytes(64), True
         if kind == 4:
             envelope, _ = self.request()
             keys = {b"x": 1, "y": 2} if rng.random() < 0.3 else {}
-            if keys and isinstance(envelope, list) and len(envelope) == 3 and \
-                    isinstance(envelope[2], dict):
+            if (
+                keys
+                and isinstance(envelope, list)
+                and len(envelope) == 3
+                and isinstance(envelope[2], dict)
+            ):
                 envelope[2].update(keys)
             return "odd msgpack", frame(envelope), rng.random() < 0.9
         if kind == 5:
@@ -453,11 +516,18 @@ def names_reference(envelope, ref_ids) -> bool:
 
 def run(args) -> int:
     rng = random.Random(args.seed)
-    cfg = shmkv.PoolConfig(num_layers=2, num_kv_heads=2, head_dim=8, num_blocks=args.num_blocks,
-                           block_size=4, dtype=torch.float32)
+    cfg = shmkv.PoolConfig(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=8,
+        num_blocks=args.num_blocks,
+        block_size=4,
+        dtype=torch.float32,
+    )
     name = f"fuzz-{os.getpid()}"
-    coord = shmkv.Coordinator.spawn(cfg, name=name, max_frame=MAX_FRAME,
-                                    max_handoff_ttl=MAX_TTL, max_handoffs=64)
+    coord = shmkv.Coordinator.spawn(
+        cfg, name=name, max_frame=MAX_FRAME, max_handoff_ttl=MAX_TTL, max_handoffs=64
+    )
     ref = Reference(coord.address, cfg.block_size)
     session = Session(coord.address)
     gen = Gen(rng, ref, session)
@@ -507,8 +577,11 @@ def run(args) -> int:
                     continue
                 if names_reference(envelope, ref_ids) and response.code == 0:
                     raise Failure(f"input #{done} acted on a reference sequence: {envelope!r}")
-                if response.code == 0 and isinstance(response.result, dict) and \
-                        "cache_id" in response.result:
+                if (
+                    response.code == 0
+                    and isinstance(response.result, dict)
+                    and "cache_id" in response.result
+                ):
                     session.own_ids.append(response.result["cache_id"])
                 if response.code == 0 and isinstance(response.result, list):
                     for item in response.result:
@@ -516,18 +589,26 @@ def run(args) -> int:
                             session.own_ids.append(item["cache_id"])
                 if response.code == 0 and op == "export":
                     session.tokens.append(response.result)
-                if isinstance(envelope, list) and len(envelope) == 3 and \
-                        type(envelope[0]) is int and response.request_id != envelope[0]:
-                    raise Failure(f"input #{done}: answer for request {response.request_id}, "
-                                  f"sent {envelope[0]}")
+                if (
+                    isinstance(envelope, list)
+                    and len(envelope) == 3
+                    and type(envelope[0]) is int
+                    and response.request_id != envelope[0]
+                ):
+                    raise Failure(
+                        f"input #{done}: answer for request {response.request_id}, "
+                        f"sent {envelope[0]}"
+                    )
             session.close()
             deadline = time.monotonic() + 5
             while True:
                 if not coord.is_alive():
                     raise Failure("the coordinator process died")
                 stats = ref.client.stats()
-                if stats["handoffs"] == ref.baseline["handoffs"] and \
-                        stats["connections"] == ref.baseline["connections"]:
+                if (
+                    stats["handoffs"] == ref.baseline["handoffs"]
+                    and stats["connections"] == ref.baseline["connections"]
+                ):
                     break
                 if time.monotonic() > deadline:
                     break
@@ -536,8 +617,13 @@ def run(args) -> int:
             batches += 1
             if not args.quiet and sys.stderr.isatty():
                 rate = done / (time.monotonic() - t0)
-                print(f"\r{done}/{args.inputs} inputs, {batches} batches checked, "
-                      f"{rate:.0f} inputs/s", end="", file=sys.stderr, flush=True)
+                print(
+                    f"\r{done}/{args.inputs} inputs, {batches} batches checked, "
+                    f"{rate:.0f} inputs/s",
+                    end="",
+                    file=sys.stderr,
+                    flush=True,
+                )
     except Failure as exc:
         failure = str(exc)
     except shmkv.ShmkvError as exc:
@@ -561,26 +647,36 @@ def run(args) -> int:
     socket_left = os.path.exists(coord.address)
     shm_left = [n for n in os.listdir("/dev/shm") if n.startswith("shmkv-")]
 
-    print(f"shmkv fuzz: {done} inputs in {elapsed:.1f} s ({done / max(elapsed, 1e-9):.0f}/s), "
-          f"seed {args.seed}, {batches} batches of up to {args.batch} checked")
+    print(
+        f"shmkv fuzz: {done} inputs in {elapsed:.1f} s ({done / max(elapsed, 1e-9):.0f}/s), "
+        f"seed {args.seed}, {batches} batches of up to {args.batch} checked"
+    )
     structured = sum(v for k, v in kinds.items() if k.startswith("structured"))
     print(f"  structured requests: {structured}; raw-bytes inputs: {done - structured}")
     for kind, count in sorted(kinds.items()):
         print(f"    {kind:<36} {count:>7}")
     print("  answers by code: " + ", ".join(f"{k} {v}" for k, v in codes.most_common()))
-    print(f"  structured connections dropped by the coordinator: {drops} ({silent_drops} "
-          f"without an error frame); reconnects: {session.reconnects}")
+    print(
+        f"  structured connections dropped by the coordinator: {drops} ({silent_drops} "
+        f"without an error frame); reconnects: {session.reconnects}"
+    )
     if final:
-        print(f"  coordinator: {final['ops']} ops served, {final['dropped_connections']} "
-              f"connections dropped, evictions {final['evictions']}, prefix hit tokens "
-              f"{final['prefix_hit_tokens']}, expired hand-offs {final['expired_handoffs']}, "
-              f"copy-on-write {final['cow_copies']}")
-        print(f"  reference client after all batches: {len(ref.handles)} sequences, "
-              f"blocks and bytes unchanged; referenced {final['referenced_blocks']}, "
-              f"sequences {final['sequences']}, hand-offs {final['handoffs']}, "
-              f"connections {final['connections']} (as at the start)")
-    print(f"  coordinator alive at the end: {alive}; socket left after stop: {socket_left}; "
-          f"/dev/shm entries: {len(shm_left)}")
+        print(
+            f"  coordinator: {final['ops']} ops served, {final['dropped_connections']} "
+            f"connections dropped, evictions {final['evictions']}, prefix hit tokens "
+            f"{final['prefix_hit_tokens']}, expired hand-offs {final['expired_handoffs']}, "
+            f"copy-on-write {final['cow_copies']}"
+        )
+        print(
+            f"  reference client after all batches: {len(ref.handles)} sequences, "
+            f"blocks and bytes unchanged; referenced {final['referenced_blocks']}, "
+            f"sequences {final['sequences']}, hand-offs {final['handoffs']}, "
+            f"connections {final['connections']} (as at the start)"
+        )
+    print(
+        f"  coordinator alive at the end: {alive}; socket left after stop: {socket_left}; "
+        f"/dev/shm entries: {len(shm_left)}"
+    )
     if failure:
         print(f"FAILED after input #{done}: {failure}")
         print("  last inputs:")
@@ -590,8 +686,10 @@ def run(args) -> int:
     if not alive or socket_left or shm_left:
         print("FAILED: coordinator state after the run")
         return 1
-    print("PASSED: every input got a well-formed error or answer, or a drop of only its "
-          "connection; the coordinator stayed up and the reference client saw no change")
+    print(
+        "PASSED: every input got a well-formed error or answer, or a drop of only its "
+        "connection; the coordinator stayed up and the reference client saw no change"
+    )
     return 0
 
 

@@ -43,9 +43,13 @@ def data_plane(client, seq_len, report):
     gather_s = timed(lambda: h.gather_all())
     assert torch.equal(h.gather_all(), kv)
     report[f"seq{seq_len}"] = {
-        "bytes": nbytes, "copy_GBps": nbytes / copy_s / 1e9,
-        "write_GBps": nbytes / write_s / 1e9, "gather_GBps": nbytes / gather_s / 1e9,
-        "write_ratio": copy_s / write_s, "gather_ratio": copy_s / gather_s}
+        "bytes": nbytes,
+        "copy_GBps": nbytes / copy_s / 1e9,
+        "write_GBps": nbytes / write_s / 1e9,
+        "gather_GBps": nbytes / gather_s / 1e9,
+        "write_ratio": copy_s / write_s,
+        "gather_ratio": copy_s / gather_s,
+    }
     h.close()
 
 
@@ -100,9 +104,11 @@ def handoff(address, report, repeat=5):
             p.join(60)
             torch_times.append(end - t0)
     # both include one process start; the ratio compares like with like
-    report["handoff"] = {"shmkv_s": statistics.median(shmkv_times),
-                         "torch_mp_s": statistics.median(torch_times),
-                         "speedup": statistics.median(torch_times) / statistics.median(shmkv_times)}
+    report["handoff"] = {
+        "shmkv_s": statistics.median(shmkv_times),
+        "torch_mp_s": statistics.median(torch_times),
+        "speedup": statistics.median(torch_times) / statistics.median(shmkv_times),
+    }
 
 
 def main():
@@ -110,8 +116,15 @@ def main():
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     report = {"device": torch.cuda.get_device_name(0)}
-    cfg = shmkv.PoolConfig(num_layers=32, num_kv_heads=8, head_dim=128, num_blocks=4096,
-                           block_size=16, dtype=torch.bfloat16, device="cuda:0")
+    cfg = shmkv.PoolConfig(
+        num_layers=32,
+        num_kv_heads=8,
+        head_dim=128,
+        num_blocks=4096,
+        block_size=16,
+        dtype=torch.bfloat16,
+        device="cuda:0",
+    )
     with shmkv.Coordinator(cfg, name=f"gpu-{uuid.uuid4().hex[:8]}") as coord:
         with shmkv.connect(coord.address) as client:
             for seq_len in (512, 2048, 8192):

@@ -84,8 +84,13 @@ class BlockPool:
             the pool lives).
     """
 
-    def __init__(self, num_blocks: int, owner: Optional[Int64Buffer] = None,
-                 epoch: Optional[Int64Buffer] = None, owner_np: Optional[np.ndarray] = None):
+    def __init__(
+        self,
+        num_blocks: int,
+        owner: Optional[Int64Buffer] = None,
+        epoch: Optional[Int64Buffer] = None,
+        owner_np: Optional[np.ndarray] = None,
+    ):
         self.num_blocks = num_blocks
         # int64 per block, with a numpy view for bulk stores (never resized)
         self.ref_cnt = array("q", bytes(8 * num_blocks))
@@ -100,8 +105,9 @@ class BlockPool:
         self._cached: "OrderedDict[int, None]" = OrderedDict()
         self.prefix_index: dict = {}
         self.owner = owner if owner is not None else array("q", bytes(8 * num_blocks))
-        self._owner_np = owner_np if owner_np is not None else \
-            np.frombuffer(self.owner, dtype=np.int64)
+        self._owner_np = (
+            owner_np if owner_np is not None else np.frombuffer(self.owner, dtype=np.int64)
+        )
         self.epoch = epoch if epoch is not None else array("q", [0])
         # Key generation per block: moves when a key is bound (publish) and unbound
         # (eviction); see the module doc. Only the loop writes it.
@@ -109,7 +115,7 @@ class BlockPool:
         self.num_evictions = 0
         self.num_copies_discarded = 0
         self.newly_cached: Optional[List[int]] = None
-        self.on_evict: Optional[Callable[..., None]] = None   # (block_id, key); see the module doc
+        self.on_evict: Optional[Callable[..., None]] = None  # (block_id, key); see the module doc
         # (tiers) blocks whose copy down a tier is not done
         self.copying: Optional[Collection[int]] = None
 
@@ -136,8 +142,9 @@ class BlockPool:
 
     # -- allocation --------------------------------------------------------------------
 
-    def allocate(self, num: int,
-                 owner_id: Union[int, Sequence[int], np.ndarray]) -> Optional[List[int]]:
+    def allocate(
+        self, num: int, owner_id: Union[int, Sequence[int], np.ndarray]
+    ) -> Optional[List[int]]:
         """Take ``num`` blocks with ``ref_cnt = 1`` writable by ``owner_id``: one id for
         all, or one per block (in the order returned).
 
@@ -148,19 +155,19 @@ class BlockPool:
         if num == 0:
             return []
         take = min(num, len(self._free))
-        ids = self._free[len(self._free) - take:]
-        del self._free[len(self._free) - take:]
+        ids = self._free[len(self._free) - take :]
+        del self._free[len(self._free) - take :]
         ids.reverse()  # ascending ids from a fresh pool
-        if num > take:   # evictions: the loop's hot path under tiers, so names are local
+        if num > take:  # evictions: the loop's hot path under tiers, so names are local
             popitem, block_key, index = self._cached.popitem, self.block_key, self.prefix_index
-            if self.copying:   # blocks already safe in a tier go first
+            if self.copying:  # blocks already safe in a tier go first
                 popitem = self._victims(num - take)
             on_evict, key_gen = self.on_evict, self.key_gen
             for _ in range(num - take):
                 block_id, _unused = popitem(last=False)
                 key = block_key[block_id]
                 del index[key]
-                block_key[block_id] = None   # the one place a key is unbound
+                block_key[block_id] = None  # the one place a key is unbound
                 key_gen[block_id] += 1
                 if on_evict is not None:
                     on_evict(block_id, key)
@@ -173,8 +180,7 @@ class BlockPool:
             return ids
         ref_cnt, owner = self.ref_cnt, self.owner
         # (isinstance, not np.ndim: cold, np.ndim of an int took 38 us in the loop)
-        owners = [owner_id] * len(ids) if isinstance(owner_id, (int, np.integer)) \
-            else owner_id
+        owners = [owner_id] * len(ids) if isinstance(owner_id, (int, np.integer)) else owner_id
         for block_id, block_owner in zip(ids, owners):
             ref_cnt[block_id] = 1
             owner[block_id] = block_owner
@@ -185,7 +191,7 @@ class BlockPool:
         ``copying`` first, then those in it, each oldest first. Scans at most ``num``
         blocks plus those in ``copying`` (the copies in flight and waiting)."""
         copying, cached = self.copying, self._cached
-        assert copying is not None   # called only while a tier set watches the pool
+        assert copying is not None  # called only while a tier set watches the pool
         safe: List[int] = []
         waiting: List[int] = []
         for block_id in cached:
@@ -201,6 +207,7 @@ class BlockPool:
             block_id = next(order)
             del cached[block_id]
             return block_id, None
+
         return pop
 
     def allocate_each(self, owner_ids: Sequence[int]) -> Optional[List[int]]:
@@ -287,7 +294,7 @@ class BlockPool:
         if key in self.prefix_index or self.block_key[block_id] is not None:
             return False
         assert self.ref_cnt[block_id] > 0, f"publish of unreferenced block {block_id}"
-        self.block_key[block_id] = key   # the one place a key is bound
+        self.block_key[block_id] = key  # the one place a key is bound
         self.key_gen[block_id] += 1
         self.prefix_index[key] = block_id
         if self.owner[block_id] != NO_OWNER:  # published blocks are immutable

@@ -96,8 +96,9 @@ class AttentionWorkspace:
         if buf is None or buf.dtype != dtype or buf.device != device:
             buf = self._buffer = torch.empty(numel, dtype=dtype, device=device)
         elif buf.numel() < numel:
-            buf = self._buffer = torch.empty(max(numel, 2 * buf.numel()), dtype=dtype,
-                                             device=device)
+            buf = self._buffer = torch.empty(
+                max(numel, 2 * buf.numel()), dtype=dtype, device=device
+            )
         return buf[:numel]
 
 
@@ -106,6 +107,7 @@ class _Seq(NamedTuple):
     rows ``row0 .. row0 + num_queries - 1`` sit at positions ``start .. start +
     num_queries - 1`` and read keys ``0 .. num_keys - 1``. (Not ``index`` and ``count``:
     those are tuple's methods.)"""
+
     batch_index: int
     row0: int
     num_queries: int
@@ -116,8 +118,9 @@ class _Seq(NamedTuple):
 def _as_lengths(name: str, value: IntsLike, batch: int) -> List[int]:
     t = torch.as_tensor(value)
     if t.dim() != 1 or t.shape[0] != batch:
-        raise ValueError(f"{name} must have one entry per sequence ({batch}), "
-                         f"got shape {tuple(t.shape)}")
+        raise ValueError(
+            f"{name} must have one entry per sequence ({batch}), got shape {tuple(t.shape)}"
+        )
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         raise TypeError(f"{name} must hold integers, got {t.dtype}")
     return t.tolist()
@@ -150,44 +153,74 @@ class PagedAttentionPlan:
         ValueError / TypeError: as :func:`paged_attention` for the same arguments.
     """
 
-    __slots__ = ("query_shape", "num_rows", "num_heads", "num_kv_heads", "head_dim",
-                 "block_size", "device", "query_device", "groups", "zero_rows", "whole",
-                 "low", "high", "decode_group")
+    __slots__ = (
+        "query_shape",
+        "num_rows",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "block_size",
+        "device",
+        "query_device",
+        "groups",
+        "zero_rows",
+        "whole",
+        "low",
+        "high",
+        "decode_group",
+    )
 
-    def __init__(self, query: torch.Tensor, k_pages: torch.Tensor, block_table: torch.Tensor,
-                 seq_lens: IntsLike, *, causal: bool = True,
-                 query_start: Optional[IntsLike] = None,
-                 query_start_loc: Optional[IntsLike] = None) -> None:
+    def __init__(
+        self,
+        query: torch.Tensor,
+        k_pages: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: IntsLike,
+        *,
+        causal: bool = True,
+        query_start: Optional[IntsLike] = None,
+        query_start_loc: Optional[IntsLike] = None,
+    ) -> None:
         packed = query_start_loc is not None
         if packed:
             if query.dim() != 3:
-                raise ValueError("with query_start_loc, query must be packed tokens [num_tokens, "
-                                 f"num_heads, head_dim], got shape {tuple(query.shape)}")
+                raise ValueError(
+                    "with query_start_loc, query must be packed tokens [num_tokens, "
+                    f"num_heads, head_dim], got shape {tuple(query.shape)}"
+                )
             if query_start is not None:
-                raise ValueError("query_start belongs to the batch form; with query_start_loc "
-                                 "the queries are the last tokens of each sequence")
+                raise ValueError(
+                    "query_start belongs to the batch form; with query_start_loc "
+                    "the queries are the last tokens of each sequence"
+                )
             q = query
         else:
             q = query.unsqueeze(1) if query.dim() == 3 else query
             if q.dim() != 4:
-                raise ValueError("query must be [batch, q_len, num_heads, head_dim] or "
-                                 f"[batch, num_heads, head_dim], got shape {tuple(query.shape)}")
+                raise ValueError(
+                    "query must be [batch, q_len, num_heads, head_dim] or "
+                    f"[batch, num_heads, head_dim], got shape {tuple(query.shape)}"
+                )
         if not query.dtype.is_floating_point:
             raise TypeError(f"query must be floating point, got {query.dtype}")
         if k_pages.dim() != 4:
-            raise ValueError("k_pages and v_pages must both be [num_blocks, block_size, "
-                             f"num_kv_heads, head_dim], got {tuple(k_pages.shape)}")
+            raise ValueError(
+                "k_pages and v_pages must both be [num_blocks, block_size, "
+                f"num_kv_heads, head_dim], got {tuple(k_pages.shape)}"
+            )
         num_heads, head_dim = q.shape[-2:]
         num_blocks, block_size, num_kv_heads, kv_dim = k_pages.shape
         if kv_dim != head_dim:
             raise ValueError(f"query head_dim {head_dim} differs from the pages' {kv_dim}")
         if num_kv_heads == 0 or num_heads % num_kv_heads:
-            raise ValueError(f"num_heads={num_heads} is not a multiple of "
-                             f"num_kv_heads={num_kv_heads}")
+            raise ValueError(
+                f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}"
+            )
         if block_table.dim() != 2 or (not packed and block_table.shape[0] != q.shape[0]):
             rows = "batch" if packed else f"batch={q.shape[0]}"
-            raise ValueError(f"block_table must be [{rows}, max_blocks], "
-                             f"got shape {tuple(block_table.shape)}")
+            raise ValueError(
+                f"block_table must be [{rows}, max_blocks], got shape {tuple(block_table.shape)}"
+            )
         batch = block_table.shape[0]
         if block_table.dtype.is_floating_point or block_table.dtype == torch.bool:
             raise TypeError(f"block_table must hold integers, got {block_table.dtype}")
@@ -195,21 +228,30 @@ class PagedAttentionPlan:
         if lens and min(lens) < 0:
             raise ValueError(f"seq_lens must not be negative, got {lens}")
         if lens and -(-max(lens) // block_size) > block_table.shape[1]:
-            raise ValueError(f"seq_lens {lens} need more blocks than block_table has "
-                             f"({block_table.shape[1]} of {block_size} tokens)")
-        if query_start_loc is not None:   # (packed)
+            raise ValueError(
+                f"seq_lens {lens} need more blocks than block_table has "
+                f"({block_table.shape[1]} of {block_size} tokens)"
+            )
+        if query_start_loc is not None:  # (packed)
             locs = _as_lengths("query_start_loc", query_start_loc, batch + 1)
             num_rows = q.shape[0]
             if locs[0] < 0 or locs[-1] > num_rows or any(a > b for a, b in zip(locs, locs[1:])):
-                raise ValueError(f"query_start_loc must be non-decreasing offsets into the "
-                                 f"{num_rows} query rows, got {locs}")
-            seqs = [_Seq(b, locs[b], locs[b + 1] - locs[b], lens[b] - (locs[b + 1] - locs[b]),
-                         lens[b]) for b in range(batch)]
+                raise ValueError(
+                    f"query_start_loc must be non-decreasing offsets into the "
+                    f"{num_rows} query rows, got {locs}"
+                )
+            seqs = [
+                _Seq(b, locs[b], locs[b + 1] - locs[b], lens[b] - (locs[b + 1] - locs[b]), lens[b])
+                for b in range(batch)
+            ]
         else:
             q_len = q.shape[1]
             num_rows = batch * q_len
-            starts = ([n - q_len for n in lens] if query_start is None or not causal
-                      else _as_lengths("query_start", query_start, batch))
+            starts = (
+                [n - q_len for n in lens]
+                if query_start is None or not causal
+                else _as_lengths("query_start", query_start, batch)
+            )
             seqs = [_Seq(b, b * q_len, q_len, starts[b], lens[b]) for b in range(batch)]
         work = _trim(seqs, causal)
 
@@ -229,10 +271,17 @@ class PagedAttentionPlan:
                 table = table.to(self.device)
             if table.dtype not in (torch.int32, torch.int64):
                 table = table.long()
-            self.groups = [_Group(table, g, causal, num_heads, num_kv_heads, block_size,
-                                  self.device, query.device) for g in _groups(work)]
-            ids = (self.groups[0].index if len(self.groups) == 1
-                   else torch.cat([g.index for g in self.groups]))
+            self.groups = [
+                _Group(
+                    table, g, causal, num_heads, num_kv_heads, block_size, self.device, query.device
+                )
+                for g in _groups(work)
+            ]
+            ids = (
+                self.groups[0].index
+                if len(self.groups) == 1
+                else torch.cat([g.index for g in self.groups])
+            )
             if ids.device.type == "cpu":
                 ids_np = ids.numpy()
                 self.low, self.high = int(ids_np.min()), int(ids_np.max())
@@ -241,8 +290,12 @@ class PagedAttentionPlan:
         first = self.groups[0] if len(self.groups) == 1 else None
         self.whole = False
         self.decode_group: Optional[_Group] = None
-        if (first is not None and first.rows is None and first.row0 == 0
-                and first.size * first.count == num_rows):
+        if (
+            first is not None
+            and first.rows is None
+            and first.row0 == 0
+            and first.size * first.count == num_rows
+        ):
             self.whole = first.whole = True
             # One query per sequence, all in one group of folded heads: what a model's
             # decode step is. _Group.decode runs it with the fewest torch calls.
@@ -255,8 +308,11 @@ class PagedAttentionPlan:
         is not of that kind (sequences of different lengths) or the key needs a block
         more."""
         group = self.decode_group
-        if group is None or group.mask is not None \
-                or group.num_keys >= group.blocks * self.block_size:
+        if (
+            group is None
+            or group.mask is not None
+            or group.num_keys >= group.blocks * self.block_size
+        ):
             return None
         plan = PagedAttentionPlan.__new__(PagedAttentionPlan)
         for name in PagedAttentionPlan.__slots__:
@@ -266,16 +322,23 @@ class PagedAttentionPlan:
         return plan
 
 
-def paged_attention(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
-                    block_table: Optional[torch.Tensor] = None,
-                    seq_lens: Optional[IntsLike] = None, *,
-                    scale: Optional[float] = None, causal: bool = True,
-                    query_start: Optional[IntsLike] = None,
-                    query_start_loc: Optional[IntsLike] = None,
-                    out: Optional[torch.Tensor] = None,
-                    workspace: Optional[AttentionWorkspace] = None,
-                    k_scale: ScaleLike = None, v_scale: ScaleLike = None,
-                    plan: Optional[PagedAttentionPlan] = None) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: Optional[torch.Tensor] = None,
+    seq_lens: Optional[IntsLike] = None,
+    *,
+    scale: Optional[float] = None,
+    causal: bool = True,
+    query_start: Optional[IntsLike] = None,
+    query_start_loc: Optional[IntsLike] = None,
+    out: Optional[torch.Tensor] = None,
+    workspace: Optional[AttentionWorkspace] = None,
+    k_scale: ScaleLike = None,
+    v_scale: ScaleLike = None,
+    plan: Optional[PagedAttentionPlan] = None,
+) -> torch.Tensor:
     """Attention of ``query`` against paged K/V, per sequence of a batch.
 
     Sequence ``b`` owns the K/V tokens ``0 .. seq_lens[b] - 1``; token ``t`` lives in
@@ -345,47 +408,74 @@ def paged_attention(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.T
     if plan is None:
         if block_table is None or seq_lens is None:
             raise TypeError("paged_attention needs block_table and seq_lens, or a plan")
-        plan = PagedAttentionPlan(query, k_pages, block_table, seq_lens, causal=causal,
-                                  query_start=query_start, query_start_loc=query_start_loc)
+        plan = PagedAttentionPlan(
+            query,
+            k_pages,
+            block_table,
+            seq_lens,
+            causal=causal,
+            query_start=query_start,
+            query_start_loc=query_start_loc,
+        )
     elif not isinstance(plan, PagedAttentionPlan):
         raise TypeError(f"plan must be a PagedAttentionPlan, got {type(plan).__name__}")
-    elif (block_table is not None or seq_lens is not None or query_start is not None
-          or query_start_loc is not None or causal is not True):
-        raise TypeError("pass either a plan or block_table / seq_lens / causal / query_start / "
-                        "query_start_loc, not both: the plan holds them")
+    elif (
+        block_table is not None
+        or seq_lens is not None
+        or query_start is not None
+        or query_start_loc is not None
+        or causal is not True
+    ):
+        raise TypeError(
+            "pass either a plan or block_table / seq_lens / causal / query_start / "
+            "query_start_loc, not both: the plan holds them"
+        )
     elif query.shape != plan.query_shape or query.device != plan.query_device:
-        raise ValueError(f"query {tuple(query.shape)} on {query.device} does not match the "
-                         f"plan's {plan.query_shape} on {plan.query_device}")
+        raise ValueError(
+            f"query {tuple(query.shape)} on {query.device} does not match the "
+            f"plan's {plan.query_shape} on {plan.query_device}"
+        )
     elif not query.dtype.is_floating_point:
         raise TypeError(f"query must be floating point, got {query.dtype}")
-    if (k_pages.shape != v_pages.shape or k_pages.dim() != 4
-            or k_pages.shape[1:] != (plan.block_size, plan.num_kv_heads, plan.head_dim)):
-        raise ValueError("k_pages and v_pages must both be [num_blocks, block_size, "
-                         f"num_kv_heads, head_dim] (block_size={plan.block_size}, "
-                         f"num_kv_heads={plan.num_kv_heads}, head_dim={plan.head_dim}), "
-                         f"got {tuple(k_pages.shape)} and {tuple(v_pages.shape)}")
+    if (
+        k_pages.shape != v_pages.shape
+        or k_pages.dim() != 4
+        or k_pages.shape[1:] != (plan.block_size, plan.num_kv_heads, plan.head_dim)
+    ):
+        raise ValueError(
+            "k_pages and v_pages must both be [num_blocks, block_size, "
+            f"num_kv_heads, head_dim] (block_size={plan.block_size}, "
+            f"num_kv_heads={plan.num_kv_heads}, head_dim={plan.head_dim}), "
+            f"got {tuple(k_pages.shape)} and {tuple(v_pages.shape)}"
+        )
     if not (_readable(k_pages.dtype) and _readable(v_pages.dtype)):
-        raise TypeError(f"k_pages and v_pages must be floating point or int8 (quantized), got "
-                        f"{k_pages.dtype} and {v_pages.dtype}")
+        raise TypeError(
+            f"k_pages and v_pages must be floating point or int8 (quantized), got "
+            f"{k_pages.dtype} and {v_pages.dtype}"
+        )
     if k_pages.device != plan.device or v_pages.device != plan.device:
-        raise ValueError(f"the pages are on {k_pages.device} and {v_pages.device}, the plan "
-                         f"on {plan.device}")
+        raise ValueError(
+            f"the pages are on {k_pages.device} and {v_pages.device}, the plan on {plan.device}"
+        )
     if workspace is not None and not isinstance(workspace, AttentionWorkspace):
-        raise TypeError(f"workspace must be an AttentionWorkspace, got "
-                        f"{type(workspace).__name__}")
+        raise TypeError(f"workspace must be an AttentionWorkspace, got {type(workspace).__name__}")
     if out is not None:
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"out must be a tensor, got {type(out).__name__}")
         if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
-            raise ValueError(f"out must be shaped like query {tuple(query.shape)} "
-                             f"({query.dtype} on {query.device}), got {tuple(out.shape)} "
-                             f"({out.dtype} on {out.device})")
+            raise ValueError(
+                f"out must be shaped like query {tuple(query.shape)} "
+                f"({query.dtype} on {query.device}), got {tuple(out.shape)} "
+                f"({out.dtype} on {out.device})"
+            )
     if plan.low < 0 or plan.high >= k_pages.shape[0]:
         raise _page_outside(k_pages.shape[0])
     scales = (None, None)
     if k_scale is not None or v_scale is not None:
-        scales = (_as_scale("k_scale", k_scale, plan.num_kv_heads, query),
-                  _as_scale("v_scale", v_scale, plan.num_kv_heads, query))
+        scales = (
+            _as_scale("k_scale", k_scale, plan.num_kv_heads, query),
+            _as_scale("v_scale", v_scale, plan.num_kv_heads, query),
+        )
     scale = None if scale is None else float(scale)
 
     if plan.whole:  # one group over every row in order: its output is the result
@@ -404,7 +494,7 @@ def paged_attention(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.T
     for group in plan.groups:
         o = group.run(flat_q, k_pages, v_pages, scale, workspace, scales)
         if group.rows is None:
-            result[group.row0:group.row0 + o.shape[0]].copy_(o)
+            result[group.row0 : group.row0 + o.shape[0]].copy_(o)
         else:
             result.index_copy_(0, group.rows, o)
     if out is None:
@@ -446,8 +536,10 @@ def _as_scale(name: str, value: ScaleLike, num_kv_heads: int, query: torch.Tenso
                 return tuple(float(x) for x in per_head)
             value = float(per_head[0])
         else:
-            raise ValueError(f"{name} must be a number, one value, or [num_kv_heads="
-                             f"{num_kv_heads}] values, got shape {tuple(value.shape)}")
+            raise ValueError(
+                f"{name} must be a number, one value, or [num_kv_heads="
+                f"{num_kv_heads}] values, got shape {tuple(value.shape)}"
+            )
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number or a tensor, got {type(value).__name__}")
     if not math.isfinite(value):
@@ -481,8 +573,9 @@ def _zero_slots(gathered: torch.Tensor, slots: torch.Tensor) -> None:
 
 
 def _page_outside(num_blocks: int) -> ValueError:
-    return ValueError(f"block_table names a page outside [0, {num_blocks}) "
-                      "within a sequence's blocks")
+    return ValueError(
+        f"block_table names a page outside [0, {num_blocks}) within a sequence's blocks"
+    )
 
 
 def _unwritten(num_rows: int, work: List[_Seq]) -> List[tuple]:
@@ -522,8 +615,11 @@ def _groups(work: List[_Seq]) -> List[List[_Seq]]:
     groups: List[List[_Seq]] = []
     for s in ordered:
         head = groups[-1][0] if groups else None
-        if (head is None or head.num_queries != s.num_queries
-                or (head.num_keys - s.num_keys) * s.num_queries > _MAX_PAD_SCORES):
+        if (
+            head is None
+            or head.num_queries != s.num_queries
+            or (head.num_keys - s.num_keys) * s.num_queries > _MAX_PAD_SCORES
+        ):
             groups.append([s])
         else:
             groups[-1].append(s)
@@ -533,22 +629,46 @@ def _groups(work: List[_Seq]) -> List[List[_Seq]]:
 class _Group:
     """One SDPA call of a plan: its members' gather index, query rows and mask."""
 
-    __slots__ = ("index", "size", "count", "blocks", "num_keys", "row0", "rows", "mask",
-                 "grouped", "is_causal", "whole", "_held", "_kv", "lens", "_native",
-                 "outside")
+    __slots__ = (
+        "index",
+        "size",
+        "count",
+        "blocks",
+        "num_keys",
+        "row0",
+        "rows",
+        "mask",
+        "grouped",
+        "is_causal",
+        "whole",
+        "_held",
+        "_kv",
+        "lens",
+        "_native",
+        "outside",
+    )
 
-    def __init__(self, table: torch.Tensor, group: List[_Seq], causal: bool, num_heads: int,
-                 num_kv_heads: int, block_size: int, device: torch.device,
-                 query_device: torch.device) -> None:
+    def __init__(
+        self,
+        table: torch.Tensor,
+        group: List[_Seq],
+        causal: bool,
+        num_heads: int,
+        num_kv_heads: int,
+        block_size: int,
+        device: torch.device,
+        query_device: torch.device,
+    ) -> None:
         heads_per_kv = num_heads // num_kv_heads
         size, count = len(group), group[0].num_queries
         num_keys = max(s.num_keys for s in group)
         blocks = -(-num_keys // block_size)
         self.size, self.count, self.blocks, self.num_keys = size, count, blocks, num_keys
-        self.whole = False      # the plan's only group, over every query row in order
+        self.whole = False  # the plan's only group, over every query row in order
         # (workspace buffer, gather outputs, their K/V views)
-        self._held: Optional[Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor,
-                                   torch.Tensor, torch.Tensor]] = None
+        self._held: Optional[
+            Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+        ] = None
         # those views cut to num_keys
         self._kv: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         # (int32 table, int64 lengths) for the native kernel
@@ -557,21 +677,24 @@ class _Group:
         first = group[0].batch_index
         indexes = [s.batch_index for s in group]
         if indexes == list(range(first, first + size)):
-            idx = table[first:first + size, :blocks]
+            idx = table[first : first + size, :blocks]
         else:
             idx = table.index_select(0, torch.tensor(indexes, device=table.device))[:, :blocks]
         short = [-(-s.num_keys // block_size) for s in group]
         if min(short) < blocks:  # table entries past a member's last block may be garbage
-            unused = (torch.arange(blocks, device=table.device)[None, :]
-                      >= torch.tensor(short, device=table.device)[:, None])
+            unused = (
+                torch.arange(blocks, device=table.device)[None, :]
+                >= torch.tensor(short, device=table.device)[:, None]
+            )
             idx = idx.masked_fill(unused, 0)
         self.index = idx.reshape(-1).contiguous()
 
         self.row0 = group[0].row0
         self.rows = None
         if any(b.row0 != a.row0 + count for a, b in zip(group, group[1:])):
-            self.rows = torch.tensor([s.row0 + i for s in group for i in range(count)],
-                                     device=query_device)
+            self.rows = torch.tensor(
+                [s.row0 + i for s in group for i in range(count)], device=query_device
+            )
 
         pad = any(s.num_keys < num_keys for s in group)
         # Rows of the gathered [size * blocks * block_size] key slots that lie past their
@@ -591,27 +714,33 @@ class _Group:
         if pad or restrict:
             key_pos = torch.arange(num_keys, device=device)
             lengths = torch.tensor([s.num_keys for s in group], device=device)
-            mask = key_pos < lengths[:, None, None]                       # [size, 1, keys]
+            mask = key_pos < lengths[:, None, None]  # [size, 1, keys]
             if restrict:
-                query_pos = (torch.tensor([s.start for s in group], device=device)[:, None]
-                             + torch.arange(count, device=device))
-                mask = mask & (key_pos <= query_pos[:, :, None])          # [size, count, keys]
-            mask = mask[:, None]                                   # [size, 1, count or 1, keys]
+                query_pos = torch.tensor([s.start for s in group], device=device)[
+                    :, None
+                ] + torch.arange(count, device=device)
+                mask = mask & (key_pos <= query_pos[:, :, None])  # [size, count, keys]
+            mask = mask[:, None]  # [size, 1, count or 1, keys]
 
-        self.grouped = heads_per_kv > 1 and (count * heads_per_kv <= _GROUPED_MAX_ROWS
-                                             or not _HAS_ENABLE_GQA)
+        self.grouped = heads_per_kv > 1 and (
+            count * heads_per_kv <= _GROUPED_MAX_ROWS or not _HAS_ENABLE_GQA
+        )
         self.is_causal = False
         if self.grouped:
             if mask is not None and mask.shape[2] > 1:
-                mask = (mask[:, :, :, None].expand(size, 1, count, heads_per_kv, num_keys)
-                        .reshape(size, 1, count * heads_per_kv, num_keys))
+                mask = (
+                    mask[:, :, :, None]
+                    .expand(size, 1, count, heads_per_kv, num_keys)
+                    .reshape(size, 1, count * heads_per_kv, num_keys)
+                )
         elif restrict and not pad and count == num_keys and all(s.start == 0 for s in group):
             # whole-sequence prefills: SDPA's own top-left mask is the same
             self.is_causal, mask = True, None
         self.mask = mask
 
-    def gather(self, k_pages: torch.Tensor, v_pages: torch.Tensor,
-               workspace: Optional[AttentionWorkspace]) -> tuple:
+    def gather(
+        self, k_pages: torch.Tensor, v_pages: torch.Tensor, workspace: Optional[AttentionWorkspace]
+    ) -> tuple:
         """The members' K and V, ``[size, kv_heads, keys, head_dim]`` views of the pages'
         dtype (into the workspace when there is one)."""
         index = self.index
@@ -624,8 +753,13 @@ class _Group:
                 numel = num * rest.numel()
                 space = workspace._take(2 * numel, k_pages.dtype, k_pages.device)
                 k_out, v_out = space[:numel].view(num, *rest), space[numel:].view(num, *rest)
-                held = self._held = (workspace._buffer, k_out, v_out, self._keys(k_out),
-                                     self._keys(v_out))
+                held = self._held = (
+                    workspace._buffer,
+                    k_out,
+                    v_out,
+                    self._keys(k_out),
+                    self._keys(v_out),
+                )
                 self._kv = None
             torch.index_select(k_pages, 0, index, out=held[1])
             torch.index_select(v_pages, 0, index, out=held[2])
@@ -634,20 +768,21 @@ class _Group:
                 _zero_slots(held[2], self.outside)
             kv = self._kv
             if kv is None:
-                kv = self._kv = (held[3][:, :, :self.num_keys], held[4][:, :, :self.num_keys])
+                kv = self._kv = (held[3][:, :, : self.num_keys], held[4][:, :, : self.num_keys])
             return kv
         k, v = k_pages.index_select(0, index), v_pages.index_select(0, index)
         if self.outside is not None:
             _zero_slots(k, self.outside)
             _zero_slots(v, self.outside)
-        return (self._keys(k)[:, :, :self.num_keys], self._keys(v)[:, :, :self.num_keys])
+        return (self._keys(k)[:, :, : self.num_keys], self._keys(v)[:, :, : self.num_keys])
 
     def _keys(self, gathered: torch.Tensor) -> torch.Tensor:
         """``[size * blocks, block_size, kv_heads, dim]`` -> ``[size, kv_heads, blocks *
         block_size, dim]``."""
         _, block_size, num_kv_heads, head_dim = gathered.shape
-        return gathered.view(self.size, self.blocks * block_size, num_kv_heads,
-                             head_dim).transpose(1, 2)
+        return gathered.view(self.size, self.blocks * block_size, num_kv_heads, head_dim).transpose(
+            1, 2
+        )
 
     def with_keys(self, num_keys: int) -> "_Group":
         """This group of one query per sequence with ``num_keys`` keys each, in the same
@@ -660,8 +795,13 @@ class _Group:
         group.lens = [num_keys] * self.size
         return group
 
-    def native(self, query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
-               scale: Optional[float]) -> Optional[torch.Tensor]:
+    def native(
+        self,
+        query: torch.Tensor,
+        k_pages: torch.Tensor,
+        v_pages: torch.Tensor,
+        scale: Optional[float],
+    ) -> Optional[torch.Tensor]:
         """The group's decode by the native kernel (:mod:`shmkv.native`), reading the
         pages in place: ``[size, num_heads, head_dim]``; None when the kernel does not
         take this call (more than one query per member, another dtype or device, pages
@@ -675,15 +815,30 @@ class _Group:
         if made is None:
             made = self._native = (
                 self.index.view(self.size, self.blocks).to(torch.int32).contiguous(),
-                torch.tensor(self.lens, dtype=torch.int64))
+                torch.tensor(self.lens, dtype=torch.int64),
+            )
         head_dim = k_pages.shape[3]
         q = query.reshape(self.size, -1, head_dim).contiguous()
-        return native.run_checked(kernels, q, k_pages, v_pages, made[0], made[1], self.lens,
-                                  head_dim ** -0.5 if scale is None else scale,
-                                  torch.empty(q.shape, dtype=q.dtype))
+        return native.run_checked(
+            kernels,
+            q,
+            k_pages,
+            v_pages,
+            made[0],
+            made[1],
+            self.lens,
+            head_dim**-0.5 if scale is None else scale,
+            torch.empty(q.shape, dtype=q.dtype),
+        )
 
-    def decode(self, query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
-               scale: Optional[float], workspace: Optional[AttentionWorkspace]) -> torch.Tensor:
+    def decode(
+        self,
+        query: torch.Tensor,
+        k_pages: torch.Tensor,
+        v_pages: torch.Tensor,
+        scale: Optional[float],
+        workspace: Optional[AttentionWorkspace],
+    ) -> torch.Tensor:
         """A plan's ``decode_group``, unchecked: ``query`` holds ``[size, num_heads,
         head_dim]`` elements in that order (any shape), the pages are of the query's dtype
         and shaped as the plan's (callers that built the plan from pages and queries like
@@ -695,12 +850,22 @@ class _Group:
             return o.view(self.size, num_kv_heads, -1, head_dim)
         k, v = self.gather(k_pages, v_pages, workspace)
         return F.scaled_dot_product_attention(
-            query.reshape(self.size, num_kv_heads, -1, head_dim), k, v,
-            attn_mask=self.mask, scale=scale)
+            query.reshape(self.size, num_kv_heads, -1, head_dim),
+            k,
+            v,
+            attn_mask=self.mask,
+            scale=scale,
+        )
 
-    def run(self, query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
-            scale: Optional[float], workspace: Optional[AttentionWorkspace],
-            scales: tuple) -> torch.Tensor:
+    def run(
+        self,
+        query: torch.Tensor,
+        k_pages: torch.Tensor,
+        v_pages: torch.Tensor,
+        scale: Optional[float],
+        workspace: Optional[AttentionWorkspace],
+        scales: tuple,
+    ) -> torch.Tensor:
         """The group's attention over its query rows in order: ``[size * count,
         num_heads, head_dim]``, or any shape of as many elements when the group is the
         whole call (``query`` is then the caller's query, else its rows flattened)."""
@@ -708,8 +873,13 @@ class _Group:
         num_heads = query.shape[-2]
         size, count = self.size, self.count
         if scales == (None, None) and self.lens is not None:
-            q = query if self.whole else query[self.row0:self.row0 + size] if self.rows is None \
+            q = (
+                query
+                if self.whole
+                else query[self.row0 : self.row0 + size]
+                if self.rows is None
                 else query.index_select(0, self.rows)
+            )
             o = self.native(q, k_pages, v_pages, scale)
             if o is not None:
                 return o
@@ -725,29 +895,45 @@ class _Group:
         if self.grouped and count == 1:
             # Decode: the query heads of each K/V head are the rows of one SDPA "head"
             # [size, kv_heads, heads_per_kv, dim], a view of the query (of any form).
-            q = query if self.whole else query[self.row0:self.row0 + size] if self.rows is None \
+            q = (
+                query
+                if self.whole
+                else query[self.row0 : self.row0 + size]
+                if self.rows is None
                 else query.index_select(0, self.rows)
+            )
             o = F.scaled_dot_product_attention(
-                q.reshape(size, num_kv_heads, heads_per_kv, head_dim), k, v,
-                attn_mask=self.mask, scale=scale)
+                q.reshape(size, num_kv_heads, heads_per_kv, head_dim),
+                k,
+                v,
+                attn_mask=self.mask,
+                scale=scale,
+            )
             return o if self.whole else o.reshape(size, num_heads, head_dim)
         flat_q = query.reshape(-1, num_heads, head_dim) if self.whole else query
         rows = self.rows
-        q = (flat_q if self.whole else flat_q[self.row0:self.row0 + size * count] if rows is None
-             else flat_q.index_select(0, rows))                 # [size * count, heads, dim]
+        q = (
+            flat_q
+            if self.whole
+            else flat_q[self.row0 : self.row0 + size * count]
+            if rows is None
+            else flat_q.index_select(0, rows)
+        )  # [size * count, heads, dim]
         if self.grouped:
             # Fold the query heads of each K/V head into the rows: [size, kv_heads,
             # count * heads_per_kv, dim] against K/V as they are.
-            qg = (q.reshape(size, count, num_kv_heads, heads_per_kv, head_dim)
-                  .permute(0, 2, 1, 3, 4)
-                  .reshape(size, num_kv_heads, count * heads_per_kv, head_dim))
+            qg = (
+                q.reshape(size, count, num_kv_heads, heads_per_kv, head_dim)
+                .permute(0, 2, 1, 3, 4)
+                .reshape(size, num_kv_heads, count * heads_per_kv, head_dim)
+            )
             o = F.scaled_dot_product_attention(qg, k, v, attn_mask=self.mask, scale=scale)
-            o = (o.reshape(size, num_kv_heads, count, heads_per_kv, head_dim)
-                 .permute(0, 2, 1, 3, 4))
+            o = o.reshape(size, num_kv_heads, count, heads_per_kv, head_dim).permute(0, 2, 1, 3, 4)
         else:
             qh = q.reshape(size, count, num_heads, head_dim).transpose(1, 2)
             extra = {"enable_gqa": True} if num_heads != num_kv_heads else {}
-            o = F.scaled_dot_product_attention(qh, k, v, attn_mask=self.mask,
-                                               is_causal=self.is_causal, scale=scale, **extra)
-            o = o.transpose(1, 2)                              # [size, count, heads, dim]
+            o = F.scaled_dot_product_attention(
+                qh, k, v, attn_mask=self.mask, is_causal=self.is_causal, scale=scale, **extra
+            )
+            o = o.transpose(1, 2)  # [size, count, heads, dim]
         return o.reshape(size * count, num_heads, head_dim)

@@ -34,14 +34,14 @@ from .tables import CACHE_ID, GENERATION, LOCK, NUM_TOKENS, SEQ_FIELDS
 
 _DESC_MAGIC = b"SKVS"
 _DESC_VERSION = 1
-_DESC_HEADER = struct.Struct("<4sBxxxi8sI")   # magic, version, uniform count, instance, B
+_DESC_HEADER = struct.Struct("<4sBxxxi8sI")  # magic, version, uniform count, instance, B
 _READ_TRIES = 1000
 # Writes of fewer new tokens copy rows in the pool's dtype, not in a wider copy unit.
 _UNIT_MIN_TOKENS = 64
 # Step.advance checks batches of up to this many sequences in a plain loop.
 _PLAIN_MAX_SEQS = 32
 # The arrays of a step made by Step.advance: its root step's, moved by its shift.
-_KEEP_RETRY = 16   # steps after which a batch the coordinator did not keep asks again
+_KEEP_RETRY = 16  # steps after which a batch the coordinator did not keep asks again
 _SHIFTED = ("_starts", "_ends", "_positions", "_slot_np")
 
 
@@ -71,13 +71,17 @@ class Batch:
         ids, slot_list, cached = [], [], []
         for h in handles:
             if getattr(h, "_client", None) is not client:
-                raise InvalidArgument(f"{h!r} is not a handle of this client "
-                                      f"({client.address}); a batch takes one client's handles")
+                raise InvalidArgument(
+                    f"{h!r} is not a handle of this client "
+                    f"({client.address}); a batch takes one client's handles"
+                )
             if h._closed:
                 raise HandleClosed(f"handle on {h.cache_id} is closed")
             if h._view_len is not None:
-                raise InvalidArgument(f"{h!r} views a fixed length (with_sequence_length); a "
-                                      "batch steps handles on whole sequences")
+                raise InvalidArgument(
+                    f"{h!r} views a fixed length (with_sequence_length); a "
+                    "batch steps handles on whole sequences"
+                )
             ids.append(h._cache_id)
             slot_list.append(h._slot)
             cached.append(h._num_cached)
@@ -100,8 +104,8 @@ class Batch:
         # slot_mapping, longest end).
         self._kept = 0
         self._kept_state: Optional[tuple] = None
-        self._full: dict = {}   # a count -> [B] of it
-        self._arange = np.arange(len(self.handles), dtype=np.int64)   # (read-only)
+        self._full: dict = {}  # a count -> [B] of it
+        self._arange = np.arange(len(self.handles), dtype=np.int64)  # (read-only)
         self._arange.flags.writeable = False
 
     def __len__(self) -> int:
@@ -128,8 +132,10 @@ class Batch:
             if counts < 0:
                 raise InvalidArgument(f"{name} must be >= 0, got {counts}")
             if counts > most:
-                raise LimitExceeded(f"{name} of {counts}: a sequence holds at most {most} "
-                                    "tokens (PoolConfig.max_seq_len); raise max_seq_len")
+                raise LimitExceeded(
+                    f"{name} of {counts}: a sequence holds at most {most} "
+                    "tokens (PoolConfig.max_seq_len); raise max_seq_len"
+                )
             full = self._full.get(counts)
             if full is None:  # read-only, shared by this batch's steps of that count
                 full = np.full(num, counts, dtype=np.int64)
@@ -140,7 +146,7 @@ class Batch:
             counts = counts.cpu().numpy()
         try:
             t = np.asarray(counts)
-        except OverflowError:   # (ints past 64 bits, with numpy refusing them)
+        except OverflowError:  # (ints past 64 bits, with numpy refusing them)
             t = np.asarray(counts, dtype=object)
         if t.dtype.kind == "O" and t.ndim == 1 and all(type(v) is int for v in t.tolist()):
             t = np.array([min(max(v, -1), most + 1) for v in t.tolist()], dtype=np.int64)
@@ -149,8 +155,10 @@ class Batch:
         if num and int(t.min()) < 0:
             raise InvalidArgument(f"{name} must be >= 0, got {int(t.min())}")
         if num and int(t.max()) > most:
-            raise LimitExceeded(f"{name} of {int(t.max())}: a sequence holds at most {most} "
-                                "tokens (PoolConfig.max_seq_len); raise max_seq_len")
+            raise LimitExceeded(
+                f"{name} of {int(t.max())}: a sequence holds at most {most} "
+                "tokens (PoolConfig.max_seq_len); raise max_seq_len"
+            )
         return -1, t.astype(np.int64)
 
     def extend(self, counts=1, tokens: Optional[Sequence] = None) -> "Step":
@@ -184,8 +192,7 @@ class Batch:
             args["tokens"] = tokens
         epoch = client._memory.epoch[0]
         lens = _int64s(client.request("extend_batch", **args))
-        return Step(client, self._ids, self._slots, lens - counts_t, counts_t, uniform, epoch,
-                    self)
+        return Step(client, self._ids, self._slots, lens - counts_t, counts_t, uniform, epoch, self)
 
     def _extend_uniform(self, count: int, counts_t: np.ndarray) -> "Step":
         """The decode step: through the coordinator's kept batch once it keeps one, else
@@ -193,34 +200,64 @@ class Batch:
         sequences opened a block, and the step is made from the last one's arrays."""
         client = self.client
         epoch = client._memory.epoch[0]
-        state, self._kept_state = self._kept_state, None   # (set again by a kept step)
+        state, self._kept_state = self._kept_state, None  # (set again by a kept step)
         answer = None
         if self._kept > 0:
-            answer = client.request("extend_kept", batch=self._kept, count=count,
-                                    seen=state[0] if state is not None else -1)
-            if answer is None:   # no longer kept (the coordinator keeps the newest)
+            answer = client.request(
+                "extend_kept",
+                batch=self._kept,
+                count=count,
+                seen=state[0] if state is not None else -1,
+            )
+            if answer is None:  # no longer kept (the coordinator keeps the newest)
                 self._kept = 0
-        if answer is None and self._kept < 0:   # did not qualify lately
+        if answer is None and self._kept < 0:  # did not qualify lately
             self._kept += 1
-            answer = {"lens": client.request("extend_batch", ids=self._ids_wire, count=count,
-                                             slots=self._slots_wire), "same": False}
+            answer = {
+                "lens": client.request(
+                    "extend_batch", ids=self._ids_wire, count=count, slots=self._slots_wire
+                ),
+                "same": False,
+            }
         elif answer is None:
-            answer = client.request("extend_batch", ids=self._ids_wire, count=count,
-                                    slots=self._slots_wire, keep=True)
+            answer = client.request(
+                "extend_batch", ids=self._ids_wire, count=count, slots=self._slots_wire, keep=True
+            )
             # (one that does not qualify, a sequence with a second holder say, asks
             # again some steps later)
             self._kept = answer["batch"] or -_KEEP_RETRY
             answer["steps"], answer["same"] = 0, False
         if answer["same"]:
-            assert state is not None   # (the answer to a step that named its last one)
+            assert state is not None  # (the answer to a step that named its last one)
             grown = answer["grown"]
-            step = Step._next_decode(self, state, count, counts_t, epoch, *(
-                (np.frombuffer(grown, dtype="<i8"), np.frombuffer(answer["blocks"], dtype="<i8"))
-                if grown else (_NONE, _NONE)))
+            step = Step._next_decode(
+                self,
+                state,
+                count,
+                counts_t,
+                epoch,
+                *(
+                    (
+                        np.frombuffer(grown, dtype="<i8"),
+                        np.frombuffer(answer["blocks"], dtype="<i8"),
+                    )
+                    if grown
+                    else (_NONE, _NONE)
+                ),
+            )
         else:
-            lens = np.frombuffer(answer["lens"], dtype="<i8")   # (read-only: only read)
-            step = Step(client, self._ids, self._slots, lens - counts_t, counts_t, count,
-                        epoch, self, ends=lens)
+            lens = np.frombuffer(answer["lens"], dtype="<i8")  # (read-only: only read)
+            step = Step(
+                client,
+                self._ids,
+                self._slots,
+                lens - counts_t,
+                counts_t,
+                count,
+                epoch,
+                self,
+                ends=lens,
+            )
         if self._kept > 0:
             self._kept_state = (answer["steps"], step._ends, step._slot_np, step._max_len)
         return step
@@ -249,7 +286,7 @@ class Batch:
         if start is None:
             starts = self._num_cached.copy()
         else:
-            starts = self._counts(start, "start")[1].copy()   # (its own: positions may view it)
+            starts = self._counts(start, "start")[1].copy()  # (its own: positions may view it)
         if client.lock_free:
             current = client._memory.seq_np[self._slots, NUM_TOKENS]
         else:
@@ -263,17 +300,23 @@ class Batch:
             uniform, counts_t = self._counts(num_tokens, "num_tokens")
             if num and bool((starts + counts_t > current).any()):
                 i = int(np.argmax(starts + counts_t > current))
-                raise OutOfRange(f"slots [{int(starts[i])}, {int(starts[i] + counts_t[i])}) of "
-                                 f"{self.handles[i].cache_id} are not all reserved "
-                                 f"({int(current[i])} are); extend first")
+                raise OutOfRange(
+                    f"slots [{int(starts[i])}, {int(starts[i] + counts_t[i])}) of "
+                    f"{self.handles[i].cache_id} are not all reserved "
+                    f"({int(current[i])} are); extend first"
+                )
         if num and uniform < 0 and bool((counts_t == counts_t[0]).all()):
             uniform = int(counts_t[0])
         epoch = client._memory.epoch[0]
         step = Step(client, self._ids, self._slots, starts, counts_t, uniform, epoch, self)
         if step._owned():
             return step
-        client.request("prepare_batch", ids=self._ids_wire, starts=starts.astype("<i8").tobytes(),
-                       counts=counts_t.astype("<i8").tobytes())
+        client.request(
+            "prepare_batch",
+            ids=self._ids_wire,
+            starts=starts.astype("<i8").tobytes(),
+            counts=counts_t.astype("<i8").tobytes(),
+        )
         return Step(client, self._ids, self._slots, starts, counts_t, uniform, epoch, self)
 
 
@@ -296,9 +339,18 @@ class Step:
     the decode step after one, :meth:`advance`.
     """
 
-    def __init__(self, client, cache_ids: np.ndarray, slot_ids: np.ndarray,
-                 starts: np.ndarray, counts: np.ndarray, uniform: int, epoch: int,
-                 batch: Optional[Batch] = None, ends: Optional[np.ndarray] = None):
+    def __init__(
+        self,
+        client,
+        cache_ids: np.ndarray,
+        slot_ids: np.ndarray,
+        starts: np.ndarray,
+        counts: np.ndarray,
+        uniform: int,
+        epoch: int,
+        batch: Optional[Batch] = None,
+        ends: Optional[np.ndarray] = None,
+    ):
         # The index arithmetic runs in numpy (about a microsecond an op, against a few
         # for torch's dispatcher on tensors this small); the results are exposed as
         # tensors sharing that memory, those a write does not need made on first use.
@@ -324,11 +376,20 @@ class Step:
         self._qsl = qsl
         self._max_len = max_len = int(ends.max()) if num else 0
         tables = self._read_tables(max(1, -(-max_len // bs)), ends)
-        self._finish(tables, ends, *slots.batch_slots(tables, starts, counts, qsl,
-                                                      self.num_tokens, bs, uniform))
+        self._finish(
+            tables,
+            ends,
+            *slots.batch_slots(tables, starts, counts, qsl, self.num_tokens, bs, uniform),
+        )
 
-    def _finish(self, tables: np.ndarray, ends: np.ndarray, slot_mapping: np.ndarray,
-                seq_index: np.ndarray, positions: np.ndarray) -> None:
+    def _finish(
+        self,
+        tables: np.ndarray,
+        ends: np.ndarray,
+        slot_mapping: np.ndarray,
+        seq_index: np.ndarray,
+        positions: np.ndarray,
+    ) -> None:
         self._ends = ends
         self._seq_index = seq_index
         self._positions = positions
@@ -338,12 +399,20 @@ class Step:
         self._rows: Optional[torch.Tensor] = None
         # (rows view of the pool or None, [2 * num_layers] row indexes): see _write_targets
         self._targets: Optional[Tuple[Optional[torch.Tensor], Tuple[torch.Tensor, ...]]] = None
-        self._live = False   # the client was checked by a write of this step (CPU pools)
-        self._plain = None   # for advance: (slots, cache ids, generations, starts) as lists
+        self._live = False  # the client was checked by a write of this step (CPU pools)
+        self._plain = None  # for advance: (slots, cache ids, generations, starts) as lists
 
     @classmethod
-    def _next_decode(cls, batch: Batch, state: tuple, count: int, counts: np.ndarray,
-                     epoch: int, grown: np.ndarray, blocks: np.ndarray) -> "Step":
+    def _next_decode(
+        cls,
+        batch: Batch,
+        state: tuple,
+        count: int,
+        counts: np.ndarray,
+        epoch: int,
+        grown: np.ndarray,
+        blocks: np.ndarray,
+    ) -> "Step":
         """The step of a kept batch whose answer says nothing changed it since our last
         kept step (``state``) but this step's ``count`` tokens a sequence, and block
         ``blocks[i]`` for sequence ``grown[i]``: made from the last step's arrays, with
@@ -367,11 +436,14 @@ class Step:
         if count == 1 and last_slots.shape[0] == num:  # one token on from the last step's
             slot_mapping = last_slots + 1
             if grown.shape[0]:
-                slot_mapping[grown] = blocks * bs   # the first slot of its new block
+                slot_mapping[grown] = blocks * bs  # the first slot of its new block
             step._finish(tables, ends, slot_mapping, batch._arange, starts)
         else:
-            step._finish(tables, ends, *slots.batch_slots(tables, starts, counts, None,
-                                                          step.num_tokens, bs, count))
+            step._finish(
+                tables,
+                ends,
+                *slots.batch_slots(tables, starts, counts, None, step.num_tokens, bs, count),
+            )
         return step
 
     def __getattr__(self, name: str):
@@ -414,35 +486,52 @@ class Step:
             # between a model's layers (several times their warm cost).
             plain = root._plain
             if plain is None:
-                plain = root._plain = (root._slots.tolist(), root._ids.tolist(),
-                                       root._generations.tolist(), root._starts.tolist())
+                plain = root._plain = (
+                    root._slots.tolist(),
+                    root._ids.tolist(),
+                    root._generations.tolist(),
+                    root._starts.tolist(),
+                )
             seq = memory.seq
             for slot, cache_id, generation, start in zip(*plain):
-                pos = start + shift   # the new token's position
+                pos = start + shift  # the new token's position
                 base = slot * SEQ_FIELDS
                 lock = seq[base + LOCK]
-                if (pos % bs == 0 or lock & 1 or seq[base + CACHE_ID] != cache_id
-                        or seq[base + GENERATION] != generation
-                        or seq[base + NUM_TOKENS] <= pos or seq[base + LOCK] != lock):
+                if (
+                    pos % bs == 0
+                    or lock & 1
+                    or seq[base + CACHE_ID] != cache_id
+                    or seq[base + GENERATION] != generation
+                    or seq[base + NUM_TOKENS] <= pos
+                    or seq[base + LOCK] != lock
+                ):
                     return None
         else:
             starts = root._starts + shift
             seq_np, slot_ids = memory.seq_np, self._slots
             rows = seq_np[slot_ids]
-            if (bool((starts % bs == 0).any())
-                    or not _same(rows[:, LOCK], seq_np[slot_ids, LOCK] & ~1)
-                    or not _same(rows[:, CACHE_ID], self._ids)
-                    or not _same(rows[:, GENERATION], root._generations)
-                    or not bool((rows[:, NUM_TOKENS] > starts).all())):
+            if (
+                bool((starts % bs == 0).any())
+                or not _same(rows[:, LOCK], seq_np[slot_ids, LOCK] & ~1)
+                or not _same(rows[:, CACHE_ID], self._ids)
+                or not _same(rows[:, GENERATION], root._generations)
+                or not bool((rows[:, NUM_TOKENS] > starts).all())
+            ):
                 return None
         step = Step.__new__(Step)
         fields = step.__dict__
         fields.update(self.__dict__)
         for name in _SHIFTED:
             fields.pop(name, None)
-        tables = self._lazy.get("block_tables")   # the same tables: the same tensor
-        fields.update(_root=root, _shift=shift, _lazy={} if tables is None else
-                      {"block_tables": tables}, _rows=None, _targets=None, _live=False)
+        tables = self._lazy.get("block_tables")  # the same tables: the same tensor
+        fields.update(
+            _root=root,
+            _shift=shift,
+            _lazy={} if tables is None else {"block_tables": tables},
+            _rows=None,
+            _targets=None,
+            _live=False,
+        )
         return step
 
     @property
@@ -467,8 +556,12 @@ class Step:
             if self._qsl is not None:
                 return self._qsl.astype(np.int32)
             num, count = self._ids.shape[0], self._uniform
-            return (np.arange(0, (num + 1) * count, count, dtype=np.int32) if count
-                    else np.zeros(num + 1, dtype=np.int32))
+            return (
+                np.arange(0, (num + 1) * count, count, dtype=np.int32)
+                if count
+                else np.zeros(num + 1, dtype=np.int32)
+            )
+
         return self._tensor("query_start_loc", qsl)
 
     @property
@@ -477,8 +570,12 @@ class Step:
 
     @property
     def seq_index(self) -> torch.Tensor:
-        return self._tensor("seq_index", lambda: self._seq_index.copy()
-                            if not self._seq_index.flags.writeable else self._seq_index)
+        return self._tensor(
+            "seq_index",
+            lambda: (
+                self._seq_index.copy() if not self._seq_index.flags.writeable else self._seq_index
+            ),
+        )
 
     def _tensor(self, name: str, make) -> torch.Tensor:
         t = self._lazy.get(name)
@@ -526,7 +623,7 @@ class Step:
         tables = private.copy()  # the step's own: its tensors outlive later reads
         if self.batch is not None:
             self.batch._known_tables = (private, self._generations)
-            self.batch._kept_state = None   # (only a kept step's rows may be grown on)
+            self.batch._kept_state = None  # (only a kept step's rows may be grown on)
         if self.batch is None and bool((before[:, NUM_TOKENS] < ends).any()):
             raise StaleStep("a sequence of this step is shorter than the step says")
         return tables
@@ -545,21 +642,22 @@ class Step:
             raise StaleStep("a sequence of this step is shorter than the step says")
         return tables
 
-    def _patched_tables(self, width: int, grown: np.ndarray,
-                        blocks: np.ndarray) -> Optional[np.ndarray]:
+    def _patched_tables(
+        self, width: int, grown: np.ndarray, blocks: np.ndarray
+    ) -> Optional[np.ndarray]:
         """The batch's rows from its last step's, for a step of a kept batch whose
         answer says they are current once sequence ``grown[i]`` has block ``blocks[i]``
         after its others; no read of the shared tables. None when the batch holds no
         rows of a width it can grow to."""
         batch = self.batch
-        assert batch is not None   # (a step of a kept batch)
+        assert batch is not None  # (a step of a kept batch)
         known = batch._known_tables
         if known is None or known[0].shape[1] > width:
             return None
         private, generations = known
-        if private.shape[1] < width:   # entries past a plain sequence's blocks are 0
+        if private.shape[1] < width:  # entries past a plain sequence's blocks are 0
             wider = np.zeros((private.shape[0], width), dtype=private.dtype)
-            wider[:, :private.shape[1]] = private   # (np.pad: 30x the time)
+            wider[:, : private.shape[1]] = private  # (np.pad: 30x the time)
             private = wider
         if grown.shape[0]:
             bs = self.client.config.block_size
@@ -596,7 +694,8 @@ class Step:
             cache_id = int(self._ids[self._seq_index[bad]])
             raise StaleStep(
                 f"block {block} of kv-{cache_id:x} was shared (fork, prefix hit) or published "
-                "(commit) after this step was made; make a new step (nothing was written)")
+                "(commit) after this step was made; make a new step (nothing was written)"
+            )
         self._epoch = epoch
 
     def _ready(self) -> None:
@@ -620,11 +719,16 @@ class Step:
         sequence's slot is emptied, and a cache id is never reused), so a step that
         outlived one of them never writes into the blocks another sequence got since."""
         client = self.client
-        cache_ids = (client._memory.seq_np[self._slots, CACHE_ID] if client.lock_free
-                     else client._rows(self._slots, 0)[0][:, CACHE_ID])
+        cache_ids = (
+            client._memory.seq_np[self._slots, CACHE_ID]
+            if client.lock_free
+            else client._rows(self._slots, 0)[0][:, CACHE_ID]
+        )
         if not _same(cache_ids, self._ids):
-            raise StaleStep("a sequence of this step was closed since the step was made "
-                            "(by the rank that owns it); make a new step (nothing was written)")
+            raise StaleStep(
+                "a sequence of this step was closed since the step was made "
+                "(by the rank that owns it); make a new step (nothing was written)"
+            )
 
     # -- writes ------------------------------------------------------------------------------
 
@@ -635,10 +739,10 @@ class Step:
             if root is not None:  # slots moved by k in their blocks: rows moved by k
                 rows = self._rows = root._layer_rows() + self._shift
                 return rows
-            cfg = self.client.config   # (layer 0's K row of a slot is the slot)
+            cfg = self.client.config  # (layer 0's K row of a slot is the slot)
             rows = self._rows = slots.all_layer_rows(
-                self.slot_mapping, cfg.num_layers, cfg.num_blocks, cfg.block_size).to(
-                self.client.pool.device)
+                self.slot_mapping, cfg.num_layers, cfg.num_blocks, cfg.block_size
+            ).to(self.client.pool.device)
         return rows
 
     def _write_targets(self) -> tuple:
@@ -650,8 +754,9 @@ class Step:
             plain_rows, _chunks, plain_dtype = views.plain
             # Few rows are copied in the pool's dtype (viewing them in a wider copy unit
             # costs more than the copy); float8 always as bytes (torch has no CPU copy).
-            rows = (plain_rows if self.num_tokens < _UNIT_MIN_TOKENS and plain_dtype is None
-                    else None)
+            rows = (
+                plain_rows if self.num_tokens < _UNIT_MIN_TOKENS and plain_dtype is None else None
+            )
             targets = self._targets = (rows, self._layer_rows().unbind(0))
         return targets
 
@@ -674,12 +779,22 @@ class Step:
         pool = self.client.pool
         # What a model loop passes (plain tensors as the pool holds them) is accepted by
         # these few comparisons; anything else goes through the checks that name the fault.
-        if not (type(layer) is int and 0 <= layer < pool.shape[1]
-                and type(k) is torch.Tensor and type(v) is torch.Tensor
-                and k.dtype == pool.dtype and v.dtype == pool.dtype
-                and k.shape == v.shape and k.dim() == 3 and k.shape[0] == self.num_tokens
-                and k.shape[1:] == pool.shape[4:] and k.is_contiguous() and v.is_contiguous()
-                and k.device == pool.device and v.device == pool.device):
+        if not (
+            type(layer) is int
+            and 0 <= layer < pool.shape[1]
+            and type(k) is torch.Tensor
+            and type(v) is torch.Tensor
+            and k.dtype == pool.dtype
+            and v.dtype == pool.dtype
+            and k.shape == v.shape
+            and k.dim() == 3
+            and k.shape[0] == self.num_tokens
+            and k.shape[1:] == pool.shape[4:]
+            and k.is_contiguous()
+            and v.is_contiguous()
+            and k.device == pool.device
+            and v.device == pool.device
+        ):
             if isinstance(layer, bool) or not isinstance(layer, int):
                 raise WrongType(f"layer must be an int, got {type(layer).__name__}")
             if not 0 <= layer < pool.shape[1]:
@@ -700,8 +815,9 @@ class Step:
         head_dim]`` (one copy kernel). Same checks as :meth:`write`."""
         self._ready()
         cfg, pool = self.client.config, self.client.pool
-        self._check_tensor("kv", kv, (cfg.num_layers, 2, self.num_tokens, pool.shape[4],
-                                      pool.shape[5]))
+        self._check_tensor(
+            "kv", kv, (cfg.num_layers, 2, self.num_tokens, pool.shape[4], pool.shape[5])
+        )
         if not self.num_tokens:
             return
         rows, _chunks, src = _views(self.client).select(kv.view(-1, *kv.shape[3:]))
@@ -713,19 +829,29 @@ class Step:
         token ids are published once every rank has committed them. Returns the number
         of blocks published by this call."""
         self.client.check()
-        return self.client.request("commit_batch", ids=self._ids.astype("<i8").tobytes(),
-                                   num_tokens=(self._starts + self._counts).astype("<i8").tobytes(),
-                                   tp_rank=self.client.tp_rank)
+        return self.client.request(
+            "commit_batch",
+            ids=self._ids.astype("<i8").tobytes(),
+            num_tokens=(self._starts + self._counts).astype("<i8").tobytes(),
+            tp_rank=self.client.tp_rank,
+        )
 
     # -- descriptors -------------------------------------------------------------------------
 
     def descriptor(self) -> bytes:
         """A few bytes from which another process attached to the same coordinator
         rebuilds this step (``client.step_from``), with no round trip."""
-        header = _DESC_HEADER.pack(_DESC_MAGIC, _DESC_VERSION, self._uniform,
-                                   bytes.fromhex(self.client.instance), len(self._ids))
-        return header + np.stack([self._ids, self._slots, self._starts,
-                                  self._counts]).astype("<i8").tobytes()
+        header = _DESC_HEADER.pack(
+            _DESC_MAGIC,
+            _DESC_VERSION,
+            self._uniform,
+            bytes.fromhex(self.client.instance),
+            len(self._ids),
+        )
+        return (
+            header
+            + np.stack([self._ids, self._slots, self._starts, self._counts]).astype("<i8").tobytes()
+        )
 
     @classmethod
     def from_descriptor(cls, client, data) -> "Step":
@@ -735,24 +861,34 @@ class Step:
         if len(data) < _DESC_HEADER.size:
             raise InvalidArgument("malformed step descriptor (too short)")
         magic, version, uniform, instance, num = _DESC_HEADER.unpack_from(data)
-        if magic != _DESC_MAGIC or version != _DESC_VERSION \
-                or len(data) != _DESC_HEADER.size + 32 * num:
+        if (
+            magic != _DESC_MAGIC
+            or version != _DESC_VERSION
+            or len(data) != _DESC_HEADER.size + 32 * num
+        ):
             raise InvalidArgument("malformed step descriptor")
         if instance.hex() != client.instance:
-            raise InvalidArgument("this step descriptor was made against another coordinator "
-                                  f"than the one at {client.address}")
-        body = _int64s(data[_DESC_HEADER.size:]).reshape(4, num)
+            raise InvalidArgument(
+                "this step descriptor was made against another coordinator "
+                f"than the one at {client.address}"
+            )
+        body = _int64s(data[_DESC_HEADER.size :]).reshape(4, num)
         cache_ids, slot_ids, starts, counts = (np.ascontiguousarray(row) for row in body)
         memory = client._memory
         most = client.config.max_seq_len
-        if num and (int(slot_ids.min()) < 0
-                    or int(slot_ids.max()) >= memory.layout.max_sequences
-                    or int(starts.min()) < 0 or int(counts.min()) < 0
-                    or int(starts.max()) > most or int(counts.max()) > most):
+        if num and (
+            int(slot_ids.min()) < 0
+            or int(slot_ids.max()) >= memory.layout.max_sequences
+            or int(starts.min()) < 0
+            or int(counts.min()) < 0
+            or int(starts.max()) > most
+            or int(counts.max()) > most
+        ):
             raise InvalidArgument("malformed step descriptor (values out of range)")
         if uniform < -1 or (uniform >= 0 and num and not bool((counts == uniform).all())):
-            raise InvalidArgument("malformed step descriptor (its uniform count disagrees "
-                                  "with its counts)")
+            raise InvalidArgument(
+                "malformed step descriptor (its uniform count disagrees with its counts)"
+            )
         step = cls(client, cache_ids, slot_ids, starts, counts, uniform, memory.epoch[0])
         step._verify_owners()
         return step

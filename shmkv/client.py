@@ -55,8 +55,8 @@ from .tables import lock_free_reads
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_PICKLE_TTL = 300.0
 _RECV_SIZE = 1 << 18
-_MAX_POSTED_ERRORS = 64   # refusals of requests sent without waiting, kept for flush()
-_UCRED = struct.Struct("3i")   # SO_PEERCRED: pid, uid, gid
+_MAX_POSTED_ERRORS = 64  # refusals of requests sent without waiting, kept for flush()
+_UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 
 
 class Client:
@@ -68,21 +68,32 @@ class Client:
     tensor parallelism), ``timeout`` (seconds per request).
     """
 
-    def __init__(self, address: str, tp_rank: Optional[int] = None,
-                 tp_size: Optional[int] = None, timeout: float = DEFAULT_TIMEOUT,
-                 pickle_ttl: float = DEFAULT_PICKLE_TTL, trust_uid: Optional[int] = None,
-                 name: Optional[str] = None):
+    def __init__(
+        self,
+        address: str,
+        tp_rank: Optional[int] = None,
+        tp_size: Optional[int] = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        pickle_ttl: float = DEFAULT_PICKLE_TTL,
+        trust_uid: Optional[int] = None,
+        name: Optional[str] = None,
+    ):
         if name is not None:
             protocol.check_client_name(name)
-        if trust_uid is not None and (isinstance(trust_uid, bool)
-                                      or not isinstance(trust_uid, int) or trust_uid < 0):
-            raise InvalidArgument(f"trust_uid must be a uid (an int >= 0) or None, got "
-                                  f"{trust_uid!r}")
+        if trust_uid is not None and (
+            isinstance(trust_uid, bool) or not isinstance(trust_uid, int) or trust_uid < 0
+        ):
+            raise InvalidArgument(
+                f"trust_uid must be a uid (an int >= 0) or None, got {trust_uid!r}"
+            )
         if (tp_rank is None) != (tp_size is None):
             raise InvalidArgument("pass both tp_rank= and tp_size=, or neither")
-        if tp_size is not None and (not isinstance(tp_size, int) or tp_size < 1
-                                    or not isinstance(tp_rank, int)
-                                    or not 0 <= tp_rank < tp_size):
+        if tp_size is not None and (
+            not isinstance(tp_size, int)
+            or tp_size < 1
+            or not isinstance(tp_rank, int)
+            or not 0 <= tp_rank < tp_size
+        ):
             raise InvalidArgument(f"tp_rank={tp_rank!r} must lie in [0, tp_size={tp_size!r})")
         self._given_address = str(address)
         self.address = _normal(address)
@@ -96,10 +107,10 @@ class Client:
         self._next_id = 1
         self._decoder = protocol.FrameDecoder(protocol.DEFAULT_MAX_FRAME * 4)
         self._pending: list = []
-        self._posted: dict = {}       # request id -> op, of requests sent without waiting
+        self._posted: dict = {}  # request id -> op, of requests sent without waiting
         self._posted_errors: list = []
         self._sock: Optional[socket.socket] = None
-        self._poll = select.poll()   # (registered with the socket by the handshake)
+        self._poll = select.poll()  # (registered with the socket by the handshake)
         self._memory: Optional[PoolMemory] = None
         self._owns_memory = False
         self._gone = False
@@ -107,7 +118,7 @@ class Client:
         self._pid = os.getpid()
         self._handles: "set" = set()
         self._states: dict = {}
-        self.num_closed = 0   # handles closed so far (a batch re-checks its handles when it moves)
+        self.num_closed = 0  # handles closed so far (a batch re-checks its handles when it moves)
         try:
             self._handshake()
         except BaseException:
@@ -122,10 +133,10 @@ class Client:
         self._sock = sock
         sock.settimeout(self.timeout)
         try:
-            sock.connect(self._given_address)   # (the resolved path may be past 108 bytes)
+            sock.connect(self._given_address)  # (the resolved path may be past 108 bytes)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             raise CoordinatorGone(f"no coordinator at {self.address} ({exc.strerror})") from None
-        self._check_peer(sock)   # before a byte is sent: the hello names this process
+        self._check_peer(sock)  # before a byte is sent: the hello names this process
         args: Dict[str, Any] = {"version": protocol.PROTOCOL_VERSION, "pid": os.getpid()}
         if self.tp_rank is not None:
             args.update(tp_rank=self.tp_rank, tp_size=self.tp_size)
@@ -142,8 +153,9 @@ class Client:
                 data, got, _flags, _addr = socket.recv_fds(sock, _RECV_SIZE, 4)
                 fds += got
                 if not data:
-                    raise CoordinatorGone(f"coordinator at {self.address} closed the "
-                                          "connection during the handshake")
+                    raise CoordinatorGone(
+                        f"coordinator at {self.address} closed the connection during the handshake"
+                    )
                 for obj in self._decoder.feed(data):
                     response = protocol.parse_response(obj)
                     break
@@ -158,8 +170,10 @@ class Client:
             # here, before anything is sent.
             self.max_frame = int(hello.get("max_frame", protocol.DEFAULT_MAX_FRAME))
             from .coordinator import LOCAL_POOLS
+
             local = LOCAL_POOLS.get(self._given_address) or next(
-                (m for a, m in list(LOCAL_POOLS.items()) if _normal(a) == self.address), None)
+                (m for a, m in list(LOCAL_POOLS.items()) if _normal(a) == self.address), None
+            )
             if local is not None and config.is_cuda:
                 for fd in fds:
                     os.close(fd)
@@ -171,11 +185,13 @@ class Client:
                 self._memory = attach_pool(config, hello["memory"], owned)
                 self._owns_memory = True
         except socket.timeout:
-            raise CoordinatorTimeout(f"handshake with {self.address} timed out after "
-                                     f"{self.timeout} s") from None
+            raise CoordinatorTimeout(
+                f"handshake with {self.address} timed out after {self.timeout} s"
+            ) from None
         except ConnectionResetError:
-            raise CoordinatorGone(f"coordinator at {self.address} reset the connection "
-                                  "during the handshake") from None
+            raise CoordinatorGone(
+                f"coordinator at {self.address} reset the connection during the handshake"
+            ) from None
         finally:
             for fd in fds:
                 os.close(fd)
@@ -192,12 +208,14 @@ class Client:
         this user's memory anyway). Whoever serves the socket gets every K/V this
         client writes, so a socket planted by another user must not be used."""
         _pid, uid, _gid = _UCRED.unpack(
-            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+        )
         if uid not in (os.getuid(), 0, self.trust_uid):
             raise AccessDenied(
                 f"the coordinator at {self.address} runs as uid {uid}, not as this user "
                 f"(uid {os.getuid()}); nothing was sent. Pass connect(..., trust_uid={uid}) "
-                "if that user is meant to hold this process's K/V")
+                "if that user is meant to hold this process's K/V"
+            )
 
     def _hung_up(self) -> bool:
         # A poll object may not be polled by two threads at once; the lock is uncontended
@@ -222,15 +240,17 @@ class Client:
 
     def _gone_message(self) -> str:
         if os.getpid() != self._pid:
-            return ("this client was made in another process (fork); connect again in this "
-                    "process (use the spawn start method)")
+            return (
+                "this client was made in another process (fork); connect again in this "
+                "process (use the spawn start method)"
+            )
         return f"the coordinator at {self.address} is gone; its handles are no longer valid"
 
     def request(self, op: str, **args):
         """Send one request and wait for its result (raises the mapped error)."""
         self.check()
         sock = self._sock
-        assert sock is not None   # (connected by the handshake, never unset)
+        assert sock is not None  # (connected by the handshake, never unset)
         with self._lock:
             try:
                 request_id = self._send(op, args)
@@ -269,8 +289,9 @@ class Client:
                 self._posted[self._send(op, args)] = op
             except socket.timeout:
                 self._gone = True  # part of a frame may be out: the stream is out of step
-                raise CoordinatorTimeout(f"{op} could not be sent within {self.timeout} s") \
-                    from None
+                raise CoordinatorTimeout(
+                    f"{op} could not be sent within {self.timeout} s"
+                ) from None
             except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError):
                 self._gone = True
                 raise self._drop_reason() from None
@@ -284,12 +305,14 @@ class Client:
         request_id = self._next_id
         frame = protocol.encode_request(request_id, op, args)
         if len(frame) - protocol.HEADER_SIZE > self.max_frame:
-            raise LimitExceeded(f"{op} request of {len(frame) - protocol.HEADER_SIZE} bytes "
-                                f"exceeds the coordinator's maximum frame of {self.max_frame} "
-                                "bytes (nothing was sent); split it, or start the coordinator "
-                                "with a larger max_frame")
+            raise LimitExceeded(
+                f"{op} request of {len(frame) - protocol.HEADER_SIZE} bytes "
+                f"exceeds the coordinator's maximum frame of {self.max_frame} "
+                "bytes (nothing was sent); split it, or start the coordinator "
+                "with a larger max_frame"
+            )
         self._next_id += 1
-        assert self._sock is not None   # (connected by the handshake, never unset)
+        assert self._sock is not None  # (connected by the handshake, never unset)
         self._sock.sendall(frame)
         return request_id
 
@@ -298,7 +321,8 @@ class Client:
         op = self._posted.pop(response.request_id, None)
         if op is not None and response.code and len(self._posted_errors) < _MAX_POSTED_ERRORS:
             self._posted_errors.append(
-                (op, protocol.exception_for(response.code, response.message)))
+                (op, protocol.exception_for(response.code, response.message))
+            )
 
     def posted_errors(self) -> List[Tuple[str, ShmkvError]]:
         """The ``(op, error)`` of each request sent without waiting that the coordinator
@@ -316,7 +340,7 @@ class Client:
             ShmkvError: what the coordinator answered a request sent without waiting.
         """
         if self._posted:
-            self.request("ping")   # answered after everything sent before it
+            self.request("ping")  # answered after everything sent before it
         with self._lock:
             errors, self._posted_errors = self._posted_errors, []
         if errors:
@@ -329,7 +353,7 @@ class Client:
         before closing (an oversized request, say), else ``CoordinatorGone``."""
         frames = list(self._pending)
         sock = self._sock
-        assert sock is not None   # (connected by the handshake, never unset)
+        assert sock is not None  # (connected by the handshake, never unset)
         try:
             sock.setblocking(False)
             while True:
@@ -352,22 +376,27 @@ class Client:
         """Rows of the shared tables, read by the coordinator (for a client that may not
         read them lock-free): ``(seq int64 [n, 4], table int32 [n, width], owner int64
         of each of blocks, or None)``."""
-        args = {"slots": protocol.pack_i64s(np.asarray(slots, dtype=np.int64)),
-                "width": int(width)}
+        args = {"slots": protocol.pack_i64s(np.asarray(slots, dtype=np.int64)), "width": int(width)}
         if blocks is not None:
             args["blocks"] = protocol.pack_i64s(np.asarray(blocks, dtype=np.int64))
         got = self.request("rows", **args)
         seq = np.frombuffer(got["seq"], dtype="<i8").astype(np.int64).reshape(-1, 4)
-        table = np.frombuffer(got["table"], dtype="<i4").astype(np.int32).reshape(
-            seq.shape[0], int(width))
-        owner = (np.frombuffer(got["owner"], dtype="<i8").astype(np.int64)
-                 if "owner" in got else None)
+        table = (
+            np.frombuffer(got["table"], dtype="<i4")
+            .astype(np.int32)
+            .reshape(seq.shape[0], int(width))
+        )
+        owner = (
+            np.frombuffer(got["owner"], dtype="<i8").astype(np.int64) if "owner" in got else None
+        )
         return seq, table, owner
 
     def _check_own(self, handle) -> None:
         if getattr(handle, "_client", None) is not self:
-            raise InvalidArgument(f"{handle!r} is not a handle of this client ({self.address});"
-                                  " use the client that made it")
+            raise InvalidArgument(
+                f"{handle!r} is not a handle of this client ({self.address});"
+                " use the client that made it"
+            )
 
     # -- handles -----------------------------------------------------------------------------
 
@@ -394,8 +423,13 @@ class Client:
     def _handle(self, info: dict, view_len: Optional[int] = None) -> KvCacheHandle:
         return KvCacheHandle._from_info(self, info, view_len)
 
-    def allocate(self, num_tokens: int = 0, prompt: Optional[Sequence[int]] = None,
-                 cache_salt: Optional[bytes] = None, request_id: Optional[str] = None):
+    def allocate(
+        self,
+        num_tokens: int = 0,
+        prompt: Optional[Sequence[int]] = None,
+        cache_salt: Optional[bytes] = None,
+        request_id: Optional[str] = None,
+    ):
         """A new sequence with ``num_tokens`` reserved slots (one round trip).
 
         With ``prompt`` (token ids), ``num_tokens`` defaults to ``len(prompt)``, the
@@ -407,8 +441,16 @@ class Client:
         Raises:
             PoolExhausted: not enough free or evictable blocks (nothing changed).
         """
-        return self.allocate_many([dict(num_tokens=num_tokens, prompt=prompt,
-                                        cache_salt=cache_salt, request_id=request_id)])[0]
+        return self.allocate_many(
+            [
+                dict(
+                    num_tokens=num_tokens,
+                    prompt=prompt,
+                    cache_salt=cache_salt,
+                    request_id=request_id,
+                )
+            ]
+        )[0]
 
     def allocate_many(self, requests: Iterable) -> list:
         """Allocate several sequences in one round trip, all or none.
@@ -420,13 +462,16 @@ class Client:
             if min(requests) < 0:
                 raise InvalidArgument(f"num_tokens must be >= 0, got {min(requests)}")
             if max(requests) > self.config.max_seq_len:
-                raise LimitExceeded(f"num_tokens of {max(requests)}: a sequence holds at most "
-                                    f"{self.config.max_seq_len} tokens "
-                                    "(PoolConfig.max_seq_len); raise max_seq_len")
+                raise LimitExceeded(
+                    f"num_tokens of {max(requests)}: a sequence holds at most "
+                    f"{self.config.max_seq_len} tokens "
+                    "(PoolConfig.max_seq_len); raise max_seq_len"
+                )
             data = self.request("allocate_many", counts=protocol.pack_i64s(requests))
             half = len(data) // 2
-            return KvCacheHandle._many(self, protocol.unpack_i64s(data[:half]),
-                                       protocol.unpack_i64s(data[half:]))
+            return KvCacheHandle._many(
+                self, protocol.unpack_i64s(data[:half]), protocol.unpack_i64s(data[half:])
+            )
         wire = []
         for req in requests:
             if isinstance(req, int) and not isinstance(req, bool):
@@ -437,18 +482,20 @@ class Client:
             prompt = req.get("prompt")
             if prompt is not None:
                 prompt = token_list(prompt)
-                try:   # packed: the coordinator neither decodes nor checks each token
+                try:  # packed: the coordinator neither decodes nor checks each token
                     req["prompt"] = pack_tokens(prompt)
                 except OverflowError:
-                    raise InvalidArgument("prompt token ids must be ints in the int64 "
-                                          "range") from None
+                    raise InvalidArgument(
+                        "prompt token ids must be ints in the int64 range"
+                    ) from None
                 # Its full blocks' prefix keys, hashed here rather than in the
                 # coordinator's loop, which every client waits on (a salt that is not
                 # bytes is left to the coordinator to refuse).
                 salt = req.get("cache_salt")
                 if salt is None or isinstance(salt, bytes):
-                    req["keys"] = b"".join(packed_block_keys(
-                        req["prompt"], self.config.block_size, root_key(salt)))
+                    req["keys"] = b"".join(
+                        packed_block_keys(req["prompt"], self.config.block_size, root_key(salt))
+                    )
                 if not req.get("num_tokens"):
                     req["num_tokens"] = len(prompt)
             req.setdefault("num_tokens", 0)
@@ -457,8 +504,9 @@ class Client:
         handles: list = []
         try:
             for part in parts:
-                handles += [self._handle(info)
-                            for info in self.request("allocate_many", requests=part)]
+                handles += [
+                    self._handle(info) for info in self.request("allocate_many", requests=part)
+                ]
         except BaseException:
             # All or none across the parts too: the ones allocated are given back.
             if handles:
@@ -482,8 +530,10 @@ class Client:
             if handle._closed:  # liveness is checked once, by request()
                 raise HandleClosed(f"handle on {handle.cache_id} is closed")
             if handle._view_len is not None:
-                raise InvalidArgument("a handle viewing a fixed length (with_sequence_length) "
-                                      "cannot extend; extend a handle on the whole sequence")
+                raise InvalidArgument(
+                    "a handle viewing a fixed length (with_sequence_length) "
+                    "cannot extend; extend a handle on the whole sequence"
+                )
             entry = [handle._cache_id, num]
             if len(item) > 2 and item[2] is not None:
                 entry.append(token_list(item[2]))
@@ -506,7 +556,7 @@ class Client:
         for h in handles:
             if getattr(h, "_client", None) is not self:
                 self._check_own(h)
-        live = list({id(h): h for h in handles if not h._closed}.values())   # once each
+        live = list({id(h): h for h in handles if not h._closed}.values())  # once each
         if not live:
             return
         ids = protocol.pack_i64s(array("q", [h._cache_id for h in live]))
@@ -532,10 +582,11 @@ class Client:
         if isinstance(token, str):
             raise WrongType("token must be bytes (any bytes-like object), got str")
         try:
-            token = memoryview(token).tobytes()   # bytes, bytearray, memoryview, array...
+            token = memoryview(token).tobytes()  # bytes, bytearray, memoryview, array...
         except TypeError:
-            raise WrongType(f"token must be bytes (any bytes-like object), got "
-                            f"{type(token).__name__}") from None
+            raise WrongType(
+                f"token must be bytes (any bytes-like object), got {type(token).__name__}"
+            ) from None
         return self._handle(self.request("open", token=token))
 
     # -- batches -----------------------------------------------------------------------------
@@ -591,18 +642,25 @@ class Client:
             OutOfRange: a bad layer.
             InvalidArgument: a scale that is not a finite number > 0.
         """
+
         def number(name, value):
             if isinstance(value, bool):
                 raise WrongType(f"{name} must be a number, got bool")
             try:
                 return float(value)  # a Python number, or a one-element tensor
             except OverflowError:
-                raise InvalidArgument(f"{name} must be a finite number > 0, got an int too "
-                                      "large for a float") from None
+                raise InvalidArgument(
+                    f"{name} must be a finite number > 0, got an int too large for a float"
+                ) from None
             except (TypeError, ValueError, RuntimeError):
                 raise WrongType(f"{name} must be a number, got {type(value).__name__}") from None
-        self.request("set_kv_scales", layer=layer, k_scale=number("k_scale", k_scale),
-                     v_scale=number("v_scale", v_scale))
+
+        self.request(
+            "set_kv_scales",
+            layer=layer,
+            k_scale=number("k_scale", k_scale),
+            v_scale=number("v_scale", v_scale),
+        )
 
     def kv_scales(self, layer: int) -> Tuple[float, float]:
         """One layer's ``(k_scale, v_scale)``, read from shared memory with no round trip;
@@ -613,14 +671,15 @@ class Client:
             OutOfRange / WrongType: a bad layer.
         """
         from .tables import read_scales
+
         if isinstance(layer, bool) or not isinstance(layer, int):
             raise WrongType(f"layer must be an int, got {type(layer).__name__}")
         if not 0 <= layer < self.config.num_layers:
             raise OutOfRange(f"layer {layer} outside [0, {self.config.num_layers})")
         self.check()
-        assert self._memory is not None   # (mapped by the handshake)
+        assert self._memory is not None  # (mapped by the handshake)
         lock, scales = self._memory.scale_lock, self._memory.scales
-        assert lock is not None and scales is not None   # (mapped until the client closes)
+        assert lock is not None and scales is not None  # (mapped until the client closes)
         return read_scales(lock, scales, layer)
 
     def ping(self) -> None:
@@ -664,7 +723,7 @@ class Client:
 
 # -- per-process registry, for unpickling handles --------------------------------------------
 
-_registry: List[Client] = []          # open clients made in this process, oldest first
+_registry: List[Client] = []  # open clients made in this process, oldest first
 _registry_lock = threading.Lock()
 _unpickle_targets = threading.local()
 
@@ -677,9 +736,11 @@ def _split_requests(wire: list, max_frame: int) -> List[list]:
     """Allocation requests in parts whose frames stay under ``max_frame`` (one part in
     the common case). A request too large for any frame stays alone in its part, and
     the send refuses it."""
-    budget = max_frame // 2   # (room for the envelope and msgpack's lengths)
-    sizes = [len(req.get("prompt") or b"") + len(req.get("keys") or b"") + _REQUEST_OVERHEAD
-             for req in wire]
+    budget = max_frame // 2  # (room for the envelope and msgpack's lengths)
+    sizes = [
+        len(req.get("prompt") or b"") + len(req.get("keys") or b"") + _REQUEST_OVERHEAD
+        for req in wire
+    ]
     if sum(sizes) <= budget:
         return [wire]
     parts: List[list] = []
@@ -722,9 +783,15 @@ def _clients_of(address: str) -> List[Client]:
     return [c for c in found if c.is_alive()]
 
 
-def connect(address, tp_rank: Optional[int] = None, tp_size: Optional[int] = None,
-            timeout: float = DEFAULT_TIMEOUT, pickle_ttl: float = DEFAULT_PICKLE_TTL,
-            trust_uid: Optional[int] = None, name: Optional[str] = None) -> Client:
+def connect(
+    address,
+    tp_rank: Optional[int] = None,
+    tp_size: Optional[int] = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    pickle_ttl: float = DEFAULT_PICKLE_TTL,
+    trust_uid: Optional[int] = None,
+    name: Optional[str] = None,
+) -> Client:
     """Connect to the coordinator at ``address`` and map its pool (zero copy).
 
     Args:
@@ -753,8 +820,9 @@ def connect(address, tp_rank: Optional[int] = None, tp_size: Optional[int] = Non
     return Client(address, tp_rank, tp_size, timeout, pickle_ttl, trust_uid, name)
 
 
-def process_client(address: str, tp_rank: Optional[int] = None,
-                   tp_size: Optional[int] = None) -> Client:
+def process_client(
+    address: str, tp_rank: Optional[int] = None, tp_size: Optional[int] = None
+) -> Client:
     """A live client of this process for ``address`` with this rank (None: full view),
     connecting one if there is none."""
     for client in _clients_of(address):
@@ -776,11 +844,13 @@ def open_pickled(address: str, token: bytes, view_len: Optional[int]) -> KvCache
     if client is None:
         clients = _clients_of(address)
         if len(clients) > 1:
-            ranks = ", ".join("full view" if c.tp_rank is None else f"tp_rank={c.tp_rank}"
-                              for c in clients)
+            ranks = ", ".join(
+                "full view" if c.tp_rank is None else f"tp_rank={c.tp_rank}" for c in clients
+            )
             raise InvalidArgument(
                 f"this process has {len(clients)} clients of {address} ({ranks}); unpickling "
-                "cannot choose: wrap it in `with client.as_unpickle_target():`")
+                "cannot choose: wrap it in `with client.as_unpickle_target():`"
+            )
         client = clients[0] if clients else Client(address)
     handle = client.open(token)
     handle._view_len = view_len

@@ -61,8 +61,20 @@ def _shutdown_and_close(sock: socket.socket) -> None:
 
 
 class _Conn:
-    __slots__ = ("sock", "conn_id", "decoder", "outbuf", "pid", "greeted", "closing", "events",
-                 "tp_rank", "reason", "held", "held_bytes")
+    __slots__ = (
+        "sock",
+        "conn_id",
+        "decoder",
+        "outbuf",
+        "pid",
+        "greeted",
+        "closing",
+        "events",
+        "tp_rank",
+        "reason",
+        "held",
+        "held_bytes",
+    )
 
     def __init__(self, sock: socket.socket, conn_id: int, pid: int, max_frame: int):
         self.sock = sock
@@ -73,17 +85,18 @@ class _Conn:
         self.greeted = False
         self.closing = False
         self.events = selectors.EVENT_READ  # what the selector watches for this socket
-        self.tp_rank = None                 # the rank this connection said it is, if any
-        self.reason = ""                    # why it is closing (for the drop's log line)
+        self.tp_rank = None  # the rank this connection said it is, if any
+        self.reason = ""  # why it is closing (for the drop's log line)
         # While a request waits for a tier promotion: the requests this connection sent
         # after it, with their frame sizes, answered in order after it.
         self.held: Optional[List[Tuple[object, int]]] = None
-        self.held_bytes = 0   # the frame bytes of ``held``
+        self.held_bytes = 0  # the frame bytes of ``held``
 
 
 class _Refused:
     """A request refused while it waited behind a promotion (over MAX_HELD_BYTES): its
     body is dropped at once, and its error is answered in order, after the promotion."""
+
     __slots__ = ("request_id", "error")
 
     def __init__(self, request_id: int, error: Exception):
@@ -124,24 +137,32 @@ class Connections(Ops):
                     self._accept_paused_until = now + 0.1
                     if now - self._fd_warned_at > 10.0:  # once per 10 s, not per retry
                         self._fd_warned_at = now
-                        log.warning("out of file descriptors (%s): new connections wait; "
-                                    "raise the limit (ulimit -n) or close clients",
-                                    os.strerror(exc.errno))
+                        log.warning(
+                            "out of file descriptors (%s): new connections wait; "
+                            "raise the limit (ulimit -n) or close clients",
+                            os.strerror(exc.errno),
+                        )
                     return
                 raise
             pid, uid, _gid = _UCRED.unpack(
-                sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+                sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+            )
             refusal: Optional[ShmkvError] = None
             if uid != os.getuid():
-                refusal = AccessDenied(f"uid {uid} may not use a coordinator of uid "
-                                       f"{os.getuid()}")
-                log.warning("refused pid %d: uid %d is not this coordinator's uid %d",
-                            pid, uid, os.getuid())
+                refusal = AccessDenied(f"uid {uid} may not use a coordinator of uid {os.getuid()}")
+                log.warning(
+                    "refused pid %d: uid %d is not this coordinator's uid %d", pid, uid, os.getuid()
+                )
             elif len(self._conns) >= self.max_connections:
-                refusal = LimitExceeded(f"{len(self._conns)} connections open, the limit is "
-                                        f"{self.max_connections}")
-                log.warning("refused pid %d: limit hit: %d connections open "
-                            "(max_connections=%d)", pid, len(self._conns), self.max_connections)
+                refusal = LimitExceeded(
+                    f"{len(self._conns)} connections open, the limit is {self.max_connections}"
+                )
+                log.warning(
+                    "refused pid %d: limit hit: %d connections open (max_connections=%d)",
+                    pid,
+                    len(self._conns),
+                    self.max_connections,
+                )
             if refusal is not None:
                 self.num_refused += 1
                 try:
@@ -160,8 +181,14 @@ class Connections(Ops):
             selector.register(sock, selectors.EVENT_READ, conn)
             log.info("connection %d from pid %d (%d open)", conn.conn_id, pid, len(self._conns))
 
-    def _drop(self, conn: _Conn, selector=None, count: bool = True,
-              reason: str = "closed by the client", level: int = logging.INFO) -> None:
+    def _drop(
+        self,
+        conn: _Conn,
+        selector=None,
+        count: bool = True,
+        reason: str = "closed by the client",
+        level: int = logging.INFO,
+    ) -> None:
         if self._conns.pop(conn.conn_id, None) is None:
             return
         if selector is not None:
@@ -176,8 +203,14 @@ class Connections(Ops):
             released = self.table.drop_connection(conn.conn_id)
         if count:
             self.num_dropped += 1
-        log.log(level, "connection %d (pid %d) dropped: %s; %d references released",
-                conn.conn_id, conn.pid, conn.reason or reason, released)
+        log.log(
+            level,
+            "connection %d (pid %d) dropped: %s; %d references released",
+            conn.conn_id,
+            conn.pid,
+            conn.reason or reason,
+            released,
+        )
 
     def _on_readable(self, conn: _Conn, selector) -> None:
         try:
@@ -195,15 +228,22 @@ class Connections(Ops):
             for obj in decoder.feed(data):
                 if conn.held is not None:  # answered in order, after the promotion
                     if len(conn.held) >= MAX_HELD_REQUESTS:
-                        raise ProtocolError(f"over {MAX_HELD_REQUESTS} requests sent while "
-                                            "one waits")
+                        raise ProtocolError(
+                            f"over {MAX_HELD_REQUESTS} requests sent while one waits"
+                        )
                     size = decoder.last_size
-                    if conn.held_bytes + size > MAX_HELD_BYTES and \
-                            type(obj) is not protocol.OversizedFrame:
-                        obj = _Refused(protocol.request_id_of(obj), LimitExceeded(
-                            f"{conn.held_bytes + size} bytes of requests sent while one "
-                            f"waits for a tier, the limit is {MAX_HELD_BYTES}; this one was "
-                            "refused: wait for answers before sending more"))
+                    if (
+                        conn.held_bytes + size > MAX_HELD_BYTES
+                        and type(obj) is not protocol.OversizedFrame
+                    ):
+                        obj = _Refused(
+                            protocol.request_id_of(obj),
+                            LimitExceeded(
+                                f"{conn.held_bytes + size} bytes of requests sent while one "
+                                f"waits for a tier, the limit is {MAX_HELD_BYTES}; this one was "
+                                "refused: wait for answers before sending more"
+                            ),
+                        )
                         size = 0
                     conn.held_bytes += size
                     conn.held.append((obj, size))
@@ -233,8 +273,12 @@ class Connections(Ops):
             self._drop(conn, selector, level=logging.WARNING)  # an error frame was tried above
             return
         if len(conn.outbuf) > _MAX_OUTBUF:
-            self._drop(conn, selector, level=logging.WARNING,
-                       reason=f"limit hit: over {_MAX_OUTBUF >> 20} MiB of answers unread")
+            self._drop(
+                conn,
+                selector,
+                level=logging.WARNING,
+                reason=f"limit hit: over {_MAX_OUTBUF >> 20} MiB of answers unread",
+            )
             return
         events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.outbuf else 0)
         if events != conn.events:  # a syscall per request otherwise
@@ -250,8 +294,9 @@ class Connections(Ops):
             # refused, the stream still in step: an error answer, the connection stays
             self.num_errors += 1
             error = obj.error() if kind is protocol.OversizedFrame else obj.error
-            log.warning("connection %d (pid %d): request refused: %s", conn.conn_id, conn.pid,
-                        error)
+            log.warning(
+                "connection %d (pid %d): request refused: %s", conn.conn_id, conn.pid, error
+            )
             conn.outbuf += protocol.encode_error(obj.request_id, error)
             return
         request_id = protocol.request_id_of(obj)
@@ -279,8 +324,8 @@ class Connections(Ops):
             self.num_errors += 1
             log.exception("internal error while serving %r", obj)
             conn.outbuf += protocol.encode_error(
-                request_id, ShmkvError(f"internal coordinator error: {type(exc).__name__}: "
-                                       f"{exc}"))
+                request_id, ShmkvError(f"internal coordinator error: {type(exc).__name__}: {exc}")
+            )
             return
         op = request.op
         self._served = True

@@ -64,7 +64,7 @@ _MAX_WAIT_S = 1.0
 # wake-up, which costs tens of microseconds on a virtual machine.
 DEFAULT_SPIN_US = 300.0
 MAX_SPIN_US = 10000.0
-_SPIN_WEIGHT = 0.05   # of the latest turn in the running rate of spins that catch a request
+_SPIN_WEIGHT = 0.05  # of the latest turn in the running rate of spins that catch a request
 # Pools of coordinators running in this process, by address: a client here uses the
 # original tensors (required for CUDA, whose IPC handles cannot be opened by their
 # exporter).
@@ -74,7 +74,7 @@ LOCAL_POOLS: Dict[str, PoolMemory] = {}
 # How many suffixed names (``shmkv-UID-1`` ...) runtime_dir tries in the temp dir when
 # ``shmkv-UID`` is taken by someone else, before a private directory of this process.
 _RUNTIME_FALLBACKS = 8
-_private_runtime: Dict[str, str] = {}   # temp dir -> this process's mkdtemp fallback
+_private_runtime: Dict[str, str] = {}  # temp dir -> this process's mkdtemp fallback
 _runtime_warned: set = set()
 
 
@@ -123,10 +123,15 @@ def _private_dir(path: str, strict: bool) -> Optional[str]:
 
 
 def _warn_runtime(taken: str, why: str, used: str, extra: str = "") -> None:
-    if (taken, used) not in _runtime_warned:   # once per process, not per address
+    if (taken, used) not in _runtime_warned:  # once per process, not per address
         _runtime_warned.add((taken, used))
-        log.warning("runtime directory %s %s; named coordinators of this user use %s%s",
-                    taken, why, used, extra)
+        log.warning(
+            "runtime directory %s %s; named coordinators of this user use %s%s",
+            taken,
+            why,
+            used,
+            extra,
+        )
 
 
 def runtime_dir() -> str:
@@ -166,8 +171,10 @@ def runtime_dir() -> str:
     if path is not None:
         why = _private_dir(path, strict=True)
         if why is not None:
-            raise AccessDenied(f"runtime directory {path} {why}; remove it, or set "
-                               "SHMKV_RUNTIME_DIR to a directory of yours")
+            raise AccessDenied(
+                f"runtime directory {path} {why}; remove it, or set "
+                "SHMKV_RUNTIME_DIR to a directory of yours"
+            )
         return path
     tmp = tempfile.gettempdir()
     first = os.path.join(tmp, f"shmkv-{os.getuid()}")
@@ -183,11 +190,13 @@ def runtime_dir() -> str:
             why_first = why or ""
     private = _private_runtime.get(tmp)
     if private is None or _private_dir(private, strict=False) is not None:
-        private = _private_runtime[tmp] = tempfile.mkdtemp(prefix=f"shmkv-{os.getuid()}.",
-                                                           dir=tmp)
-    _warn_runtime(first, f"{why_first}, and so are {first}-1..{_RUNTIME_FALLBACKS}", private,
-                  " (this process only: set SHMKV_RUNTIME_DIR for other processes to "
-                  "find its coordinators)")
+        private = _private_runtime[tmp] = tempfile.mkdtemp(prefix=f"shmkv-{os.getuid()}.", dir=tmp)
+    _warn_runtime(
+        first,
+        f"{why_first}, and so are {first}-1..{_RUNTIME_FALLBACKS}",
+        private,
+        " (this process only: set SHMKV_RUNTIME_DIR for other processes to find its coordinators)",
+    )
     return private
 
 
@@ -198,15 +207,20 @@ def _trusted_base(base: str) -> bool:
         st = os.stat(base)
     except OSError:
         return False
-    return (stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
-            and not st.st_mode & 0o022 and os.access(base, os.W_OK))
+    return (
+        stat.S_ISDIR(st.st_mode)
+        and st.st_uid == os.getuid()
+        and not st.st_mode & 0o022
+        and os.access(base, os.W_OK)
+    )
 
 
 def default_address(name: str) -> str:
     """The socket path a coordinator called ``name`` listens on."""
     if not name or "/" in name or name.startswith(".") or len(name) > 64:
-        raise InvalidArgument(f"coordinator name {name!r} must be 1-64 characters "
-                              "without '/' and not start with '.'")
+        raise InvalidArgument(
+            f"coordinator name {name!r} must be 1-64 characters without '/' and not start with '.'"
+        )
     return os.path.join(runtime_dir(), f"{name}.sock")
 
 
@@ -242,14 +256,18 @@ def _take_lock(address: str) -> Optional[int]:
             if exc.errno == errno.ELOOP:
                 raise AccessDenied(f"lock file {path} is a symbolic link; remove it") from None
             if exc.errno in (errno.EACCES, errno.EPERM):
-                raise AccessDenied(f"lock file {path} cannot be opened ({exc.strerror}); "
-                                   "remove it, or choose another address") from None
+                raise AccessDenied(
+                    f"lock file {path} cannot be opened ({exc.strerror}); "
+                    "remove it, or choose another address"
+                ) from None
             raise
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-                raise AccessDenied(f"lock file {path} is not a regular file of this user "
-                                   f"(uid {st.st_uid}); remove it, or choose another address")
+                raise AccessDenied(
+                    f"lock file {path} is not a regular file of this user "
+                    f"(uid {st.st_uid}); remove it, or choose another address"
+                )
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -262,7 +280,7 @@ def _take_lock(address: str) -> Optional[int]:
                 same = False
             if same:
                 return fd
-            os.close(fd)   # its holder let it go (and unlinked it) as we took it: again
+            os.close(fd)  # its holder let it go (and unlinked it) as we took it: again
         except BaseException:
             try:
                 os.close(fd)
@@ -299,9 +317,9 @@ def remove_stale_socket(address: str) -> bool:
     try:
         fd = _take_lock(address)
     except FileNotFoundError:
-        return False   # the directory is gone: nothing to remove
+        return False  # the directory is gone: nothing to remove
     if fd is None:
-        return False   # a live coordinator holds it
+        return False  # a live coordinator holds it
     try:
         if not stat.S_ISSOCK(os.lstat(address).st_mode):
             return False
@@ -368,43 +386,65 @@ class Coordinator(Connections):
             be allocated (with what to change).
     """
 
-    def __init__(self, config: PoolConfig, name: Optional[str] = None,
-                 address: Optional[str] = None, max_connections: int = 1024,
-                 max_frame: int = protocol.DEFAULT_MAX_FRAME, max_handoffs: int = 65536,
-                 max_handoff_ttl: float = 3600.0, metrics_port: Optional[int] = None,
-                 metrics_host: str = "127.0.0.1", tiers=None, spin_us: float = 0.0):
+    def __init__(
+        self,
+        config: PoolConfig,
+        name: Optional[str] = None,
+        address: Optional[str] = None,
+        max_connections: int = 1024,
+        max_frame: int = protocol.DEFAULT_MAX_FRAME,
+        max_handoffs: int = 65536,
+        max_handoff_ttl: float = 3600.0,
+        metrics_port: Optional[int] = None,
+        metrics_host: str = "127.0.0.1",
+        tiers=None,
+        spin_us: float = 0.0,
+    ):
         if not isinstance(config, PoolConfig):
             raise WrongType(f"config must be a PoolConfig, got {type(config).__name__}")
         if (name is None) == (address is None):
             raise InvalidArgument("pass exactly one of name= and address=")
-        for label, value in (("max_connections", max_connections), ("max_frame", max_frame),
-                             ("max_handoffs", max_handoffs)):
+        for label, value in (
+            ("max_connections", max_connections),
+            ("max_frame", max_frame),
+            ("max_handoffs", max_handoffs),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidArgument(f"{label} must be a positive int, got {value!r}")
-        if metrics_port is not None and (isinstance(metrics_port, bool) or not isinstance(
-                metrics_port, int) or not 0 <= metrics_port <= 65535):
-            raise InvalidArgument(f"metrics_port must be an int in [0, 65535] or None, got "
-                                  f"{metrics_port!r}")
-        if isinstance(spin_us, bool) or not isinstance(spin_us, (int, float)) \
-                or not 0 <= spin_us <= MAX_SPIN_US:
-            raise InvalidArgument(f"spin_us must be a number of microseconds in [0, "
-                                  f"{MAX_SPIN_US:g}], got {spin_us!r}")
+        if metrics_port is not None and (
+            isinstance(metrics_port, bool)
+            or not isinstance(metrics_port, int)
+            or not 0 <= metrics_port <= 65535
+        ):
+            raise InvalidArgument(
+                f"metrics_port must be an int in [0, 65535] or None, got {metrics_port!r}"
+            )
+        if (
+            isinstance(spin_us, bool)
+            or not isinstance(spin_us, (int, float))
+            or not 0 <= spin_us <= MAX_SPIN_US
+        ):
+            raise InvalidArgument(
+                f"spin_us must be a number of microseconds in [0, {MAX_SPIN_US:g}], got {spin_us!r}"
+            )
         self.config = config
         self.spin_us = float(spin_us)
         # Never on a machine with one CPU, where polling only keeps the client from running.
         # The machine's count, not this process's affinity: a coordinator pinned to a core
         # of its own (the placement that gains most) still polls.
         self._spin_s = self.spin_us * 1e-6 if (os.cpu_count() or 1) > 1 else 0.0
-        self._served = False        # the last turn served a request
+        self._served = False  # the last turn served a request
         self._turn_began = 0.0
-        self._spin_hits = 0.0       # how often a spin caught (or would have caught) the next;
+        self._spin_hits = 0.0  # how often a spin caught (or would have caught) the next;
         # from none: a coordinator polls once it has seen requests come back to back
         if address is None and name is None:
             raise InvalidArgument("a coordinator needs a name= or an address=")
         self.address = str(address) if address is not None else default_address(name or "")
         if len(os.fsencode(self.address)) > 107:
-            raise InvalidArgument(f"socket path {self.address!r} is longer than the 107 bytes "
-                                  "a Unix socket address can hold; use a shorter path or name=")
+            raise InvalidArgument(
+                f"socket path {self.address!r} is longer than the 107 bytes "
+                "a Unix socket address can hold; use a shorter path or name="
+            )
         self.max_connections = max_connections
         self.max_frame = max_frame
         self.max_handoffs = max_handoffs
@@ -415,14 +455,14 @@ class Coordinator(Connections):
         self._metrics: Optional[MetricsServer] = None
         local_tiers, self._remote_spec = split_specs(tiers)
         self._tier_specs = check_specs(local_tiers)
-        self.tiers: Optional[Union[TierSet, RemoteTierSet]] = None   # a store over tiers
+        self.tiers: Optional[Union[TierSet, RemoteTierSet]] = None  # a store over tiers
         # Fields that teardown may meet half-built default to "nothing to release". The
         # pool and its table are None until open() and after close(); the handlers (Ops)
         # run only in between, so Ops types them as set.
         self.memory = None  # type: ignore[assignment]  # see above
         self.table = None  # type: ignore[assignment]  # see above
         self._listener: Optional[socket.socket] = None
-        self._lock_fd: Optional[int] = None   # the address lock (see _take_lock)
+        self._lock_fd: Optional[int] = None  # the address lock (see _take_lock)
         self._wake_r: Optional[socket.socket] = None
         self._wake_w: Optional[socket.socket] = None
         self._thread: Optional[threading.Thread] = None
@@ -431,7 +471,7 @@ class Coordinator(Connections):
         self._stopping = False
         self._serving = False
         self._accept_paused_until = 0.0
-        self._close_lock = threading.RLock()   # re-entrant: stop() may run in a signal handler
+        self._close_lock = threading.RLock()  # re-entrant: stop() may run in a signal handler
         self._started_at = 0.0
         self.num_ops = 0
         self.ops_by_type: Dict[str, int] = {}
@@ -444,7 +484,7 @@ class Coordinator(Connections):
         # Ops._name_client); kept when they close, for /metrics
         self.client_counts: Dict[str, List[int]] = {}
         self._to_promote: list = []  # promotions this turn's requests need (see _turn)
-        self._woken = False          # the wake socket was readable this turn (see _turn)
+        self._woken = False  # the wake socket was readable this turn (see _turn)
         self._fd_warned_at = -math.inf
         # Names this coordinator instance (not its address, which a restart reuses), so
         # a step descriptor made against another coordinator is refused.
@@ -460,18 +500,29 @@ class Coordinator(Connections):
             self.memory = memory = create_pool(self.config)
             owner, seq, table = memory.owner_t, memory.seq, memory.table
             seq_np, table_np = memory.seq_np, memory.table_np
-            assert (owner is not None and seq is not None and table is not None
-                    and seq_np is not None and table_np is not None), \
-                "create_pool maps the metadata segment"
+            assert (
+                owner is not None
+                and seq is not None
+                and table is not None
+                and seq_np is not None
+                and table_np is not None
+            ), "create_pool maps the metadata segment"
             self.table = SequenceTable(
-                BlockPool(self.config.num_blocks, owner=memory.owner, epoch=memory.epoch,
-                          owner_np=owner.numpy()),
-                self.config.block_size, self.config.tp_size,
-                copy_block=memory.copy_block, max_handoffs=self.max_handoffs,
+                BlockPool(
+                    self.config.num_blocks,
+                    owner=memory.owner,
+                    epoch=memory.epoch,
+                    owner_np=owner.numpy(),
+                ),
+                self.config.block_size,
+                self.config.tp_size,
+                copy_block=memory.copy_block,
+                max_handoffs=self.max_handoffs,
                 max_handoff_ttl=self.max_handoff_ttl,
                 tables=TableWriter(memory.layout, seq, table, (seq_np, table_np)),
                 arrays=(seq_np, table_np, owner.numpy()),
-                max_seq_len=self.config.max_seq_len)
+                max_seq_len=self.config.max_seq_len,
+            )
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self._listener = listener
             old_umask = os.umask(0o177)
@@ -487,22 +538,39 @@ class Coordinator(Connections):
             self._started_at = time.monotonic()
             LOCAL_POOLS[self.address] = self.memory
             if self._tier_specs:  # after the wake socket: workers wake the loop with it
-                self.tiers = TierSet(self._tier_specs, self.config, memory, self.table,
-                                     self._wake_for_tiers, wake_sock=self._wake_w)
+                self.tiers = TierSet(
+                    self._tier_specs,
+                    self.config,
+                    memory,
+                    self.table,
+                    self._wake_for_tiers,
+                    wake_sock=self._wake_w,
+                )
                 self.table.tiers = self.tiers
             if self._remote_spec is not None:  # the store under the local tiers
-                self.tiers = RemoteTierSet(self._remote_spec, self.tiers, self.config, memory,
-                                           self.table, self._wake_for_tiers)
+                self.tiers = RemoteTierSet(
+                    self._remote_spec,
+                    self.tiers,
+                    self.config,
+                    memory,
+                    self.table,
+                    self._wake_for_tiers,
+                )
                 self.table.tiers = self.tiers
             if self.metrics_port is not None:
                 from .metrics import MetricsServer
-                metrics = self._metrics = MetricsServer(self, self.metrics_port,
-                                                        self.metrics_host)
+
+                metrics = self._metrics = MetricsServer(self, self.metrics_port, self.metrics_host)
                 self.metrics_address = metrics.address
-            log.info("coordinator %s: %d blocks x %d tokens, %s, %.1f MiB%s", self.address,
-                     self.config.num_blocks, self.config.block_size, self.config.dtype,
-                     self.config.nbytes / 2**20,
-                     "" if self._metrics is None else f"; metrics at {self._metrics.url}")
+            log.info(
+                "coordinator %s: %d blocks x %d tokens, %s, %.1f MiB%s",
+                self.address,
+                self.config.num_blocks,
+                self.config.block_size,
+                self.config.dtype,
+                self.config.nbytes / 2**20,
+                "" if self._metrics is None else f"; metrics at {self._metrics.url}",
+            )
         except BaseException:
             self.close()
             raise
@@ -513,14 +581,16 @@ class Coordinator(Connections):
             raise InvalidArgument(f"socket directory {directory} does not exist")
         lock = _take_lock(self.address)
         if lock is None:
-            raise ShmkvError(f"{self.address} is served by a live coordinator; stop it "
-                             "or choose another name")
+            raise ShmkvError(
+                f"{self.address} is served by a live coordinator; stop it or choose another name"
+            )
         self._lock_fd = lock
         _LIVE.add(self)  # from the first descriptor on, a fork must drop them in the child
         if os.path.lexists(self.address):  # left by a dead coordinator: we hold the lock
             if not stat.S_ISSOCK(os.lstat(self.address).st_mode):
-                raise InvalidArgument(f"{self.address} exists and is not a socket; "
-                                      "choose another address")
+                raise InvalidArgument(
+                    f"{self.address} exists and is not a socket; choose another address"
+                )
             os.unlink(self.address)
 
     def start(self) -> "Coordinator":
@@ -529,8 +599,9 @@ class Coordinator(Connections):
             raise ShmkvError("coordinator already started")
         if self._listener is None:
             self.open()
-        self._thread = threading.Thread(target=self.serve_forever, name="shmkv-coordinator",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self.serve_forever, name="shmkv-coordinator", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -551,7 +622,7 @@ class Coordinator(Connections):
             self._thread.join(timeout)
             if self._thread.is_alive():
                 raise ShmkvError(f"coordinator thread did not stop within {timeout} s")
-        with self._close_lock:   # serve_forever decides under it whether it serves
+        with self._close_lock:  # serve_forever decides under it whether it serves
             if not self._serving:  # a running loop closes everything itself as it exits
                 self._close()
 
@@ -566,8 +637,7 @@ class Coordinator(Connections):
             self._metrics.close()
             self._metrics = None
         for conn in list(self._conns.values()):
-            self._drop(conn, count=False, reason="the coordinator is stopping",
-                       level=logging.DEBUG)
+            self._drop(conn, count=False, reason="the coordinator is stopping", level=logging.DEBUG)
         if self._listener is not None:
             _shutdown_and_close(self._listener)  # refuses connects from any process
             self._listener = None
@@ -580,7 +650,7 @@ class Coordinator(Connections):
             if sock is not None:
                 sock.close()
                 setattr(self, name, None)
-        if self._lock_fd is not None:   # last of the address: the socket file is gone
+        if self._lock_fd is not None:  # last of the address: the socket file is gone
             _drop_lock(self.address, self._lock_fd)
             self._lock_fd = None
         if self.tiers is not None:  # its workers copy pool memory: stop them first
@@ -602,7 +672,7 @@ class Coordinator(Connections):
         tables live in shared memory. ``stop()`` in the child then releases only the
         child's copy of the pool mapping.
         """
-        self._close_lock = threading.RLock()   # re-entrant: stop() may run in a signal handler
+        self._close_lock = threading.RLock()  # re-entrant: stop() may run in a signal handler
         self._stopping = True
         self._serving = False
         for conn in self._conns.values():
@@ -617,7 +687,7 @@ class Coordinator(Connections):
             if sock is not None:
                 sock.close()
                 setattr(self, name, None)
-        if self._lock_fd is not None:   # closed, not dropped: the parent still holds it
+        if self._lock_fd is not None:  # closed, not dropped: the parent still holds it
             os.close(self._lock_fd)
             self._lock_fd = None
         if self.memory is not None and LOCAL_POOLS.get(self.address) is self.memory:
@@ -630,15 +700,22 @@ class Coordinator(Connections):
         self.stop()
 
     @classmethod
-    def spawn(cls, config: PoolConfig, name: Optional[str] = None,
-              address: Optional[str] = None, timeout: float = 60.0, **options):
+    def spawn(
+        cls,
+        config: PoolConfig,
+        name: Optional[str] = None,
+        address: Optional[str] = None,
+        timeout: float = 60.0,
+        **options,
+    ):
         """Serve from a new process (spawn context); returns a :class:`SpawnedCoordinator`.
 
         The process stops when :meth:`SpawnedCoordinator.stop` is called or when this
         process dies.
         """
-        return SpawnedCoordinator.start(config, name=name, address=address, timeout=timeout,
-                                        **options)
+        return SpawnedCoordinator.start(
+            config, name=name, address=address, timeout=timeout, **options
+        )
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -651,8 +728,9 @@ class Coordinator(Connections):
         # first (nothing is served) or the loop serves and closes everything as it exits.
         listener, wake = self._listener, self._wake_r
         with self._close_lock:
-            serving = self._serving = (not self._stopping and listener is not None
-                                       and wake is not None)
+            serving = self._serving = (
+                not self._stopping and listener is not None and wake is not None
+            )
         if not serving or listener is None or wake is None:
             self.close()
             return
@@ -673,9 +751,12 @@ class Coordinator(Connections):
         promotions those requests need, let the tiers move blocks, expire hand-offs."""
         self._turn_began = _clock()
         deadline = self.table.next_deadline()
-        wait = _MAX_WAIT_S if deadline is None else max(
-            0.0, min(_MAX_WAIT_S, deadline - time.monotonic()))
-        if self._to_promote:   # held requests answered last turn need copies: start them
+        wait = (
+            _MAX_WAIT_S
+            if deadline is None
+            else max(0.0, min(_MAX_WAIT_S, deadline - time.monotonic()))
+        )
+        if self._to_promote:  # held requests answered last turn need copies: start them
             wait = 0.0
         elif self.tiers is not None:
             wait = min(wait, self.tiers.max_wait())
@@ -693,7 +774,7 @@ class Coordinator(Connections):
             ready = selector.select(wait)
             caught = bool(polls) and _clock() - self._turn_began <= self._spin_s  # would it?
         self._serve_ready(selector, ready)
-        if polls:   # a hit: a request, soon enough (not a tier wake-up or a connect)
+        if polls:  # a hit: a request, soon enough (not a tier wake-up or a connect)
             self._spin_hits += _SPIN_WEIGHT * ((caught and self._served) - self._spin_hits)
         if self._to_promote or self._woken:
             # The requests that came in meanwhile go first (a ping should not wait for
@@ -710,8 +791,9 @@ class Coordinator(Connections):
         if self.tiers is not None:
             self._tier_turn(self.tiers, selector)
         if deadline is not None and self.table.expire():
-            log.info("hand-offs expired unopened (%d so far)",
-                     self.table.counters["expired_handoffs"])
+            log.info(
+                "hand-offs expired unopened (%d so far)", self.table.counters["expired_handoffs"]
+            )
 
     def _spin(self, selector, wait: float) -> list:
         """After a turn that served a request: poll for the next one for ``spin_us``
@@ -722,12 +804,12 @@ class Coordinator(Connections):
         catches nothing takes a CPU from the clients and the tier copies."""
         if self._spin_hits < 0.5:
             return []
-        end = _clock() + min(self._spin_s, wait)   # (a deadline due sooner goes first)
+        end = _clock() + min(self._spin_s, wait)  # (a deadline due sooner goes first)
         while True:
             ready = selector.select(0)
             if ready or _clock() >= end:
                 return ready
-            os.sched_yield()   # a client waiting for this CPU runs first
+            os.sched_yield()  # a client waiting for this CPU runs first
 
     def _serve_ready(self, selector, ready) -> None:
         for key, events in ready:
@@ -772,7 +854,6 @@ class Coordinator(Connections):
             self._flush(conn, selector)
 
 
-
 def freeze_startup_objects() -> None:
     """For a process that only serves a coordinator: move everything alive now (torch,
     the pool's views) out of the garbage collector's reach, so that collections
@@ -787,11 +868,13 @@ def freeze_startup_objects() -> None:
 # stopping it, and making sure it never outlives the process that started it: the child
 # watches a pipe to its parent and stops when the pipe closes, however the parent dies.
 
+
 def _child_main(config_wire: dict, name, address, options: dict, pipe) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's Ctrl-C is the parent's
     try:
-        coord = Coordinator(PoolConfig.from_wire(config_wire), name=name, address=address,
-                            **options)
+        coord = Coordinator(
+            PoolConfig.from_wire(config_wire), name=name, address=address, **options
+        )
         coord.open()
     except BaseException as exc:  # report any start failure to the parent, then exit
         pipe.send(("error", type(exc).__name__, str(exc)))
@@ -825,14 +908,23 @@ class SpawnedCoordinator:
         self.pid = pid
 
     @classmethod
-    def start(cls, config: PoolConfig, name: Optional[str] = None,
-              address: Optional[str] = None, timeout: float = 60.0,
-              **options) -> "SpawnedCoordinator":
-        options.setdefault("spin_us", DEFAULT_SPIN_US)   # its own process: see _spin
+    def start(
+        cls,
+        config: PoolConfig,
+        name: Optional[str] = None,
+        address: Optional[str] = None,
+        timeout: float = 60.0,
+        **options,
+    ) -> "SpawnedCoordinator":
+        options.setdefault("spin_us", DEFAULT_SPIN_US)  # its own process: see _spin
         ctx = multiprocessing.get_context("spawn")
         parent_end, child_end = ctx.Pipe()
-        process = ctx.Process(target=_child_main, name="shmkv-coordinator", daemon=True,
-                              args=(config.to_wire(), name, address, options, child_end))
+        process = ctx.Process(
+            target=_child_main,
+            name="shmkv-coordinator",
+            daemon=True,
+            args=(config.to_wire(), name, address, options, child_end),
+        )
         process.start()
         child_end.close()
         if not parent_end.poll(timeout):
@@ -843,8 +935,11 @@ class SpawnedCoordinator:
         try:
             message = parent_end.recv()
         except EOFError:
-            message = ("error", "ShmkvError", f"coordinator process died at start "
-                                              f"(exit code {process.exitcode})")
+            message = (
+                "error",
+                "ShmkvError",
+                f"coordinator process died at start (exit code {process.exitcode})",
+            )
         if message[0] != "ready":
             process.join(5)
             if process.is_alive():
@@ -852,6 +947,7 @@ class SpawnedCoordinator:
                 process.join(5)
             parent_end.close()
             from . import errors
+
             cls_ = getattr(errors, message[1], ShmkvError)
             if not (isinstance(cls_, type) and issubclass(cls_, ShmkvError)):
                 cls_ = ShmkvError

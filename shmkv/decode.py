@@ -26,25 +26,44 @@ class _Kept:
     """A connection's kept batch (``SequenceTable.keep_batch``): its sequences, their
     slots, and what its checks hold against (``version``, ``conn_steps``)."""
 
-    __slots__ = ("ids", "where", "lengths_at", "version", "conn_steps", "steps", "phases",
-                 "added", "longest", "objects", "heavy")
+    __slots__ = (
+        "ids",
+        "where",
+        "lengths_at",
+        "version",
+        "conn_steps",
+        "steps",
+        "phases",
+        "added",
+        "longest",
+        "objects",
+        "heavy",
+    )
 
-    def __init__(self, ids: np.ndarray, where: np.ndarray, version: int, conn_steps: int,
-                 objects: Optional[List[Optional[Sequence]]] = None):
+    def __init__(
+        self,
+        ids: np.ndarray,
+        where: np.ndarray,
+        version: int,
+        conn_steps: int,
+        objects: Optional[List[Optional[Sequence]]] = None,
+    ):
         self.ids, self.where, self.steps = ids, where, 0
-        self.lengths_at = where * SEQ_FIELDS + NUM_TOKENS   # in the flat sequence rows
+        self.lengths_at = where * SEQ_FIELDS + NUM_TOKENS  # in the flat sequence rows
         self.reset(version, conn_steps, objects)
 
-    def reset(self, version: int, conn_steps: int,
-              objects: Optional[List[Optional[Sequence]]] = None) -> None:
+    def reset(
+        self, version: int, conn_steps: int, objects: Optional[List[Optional[Sequence]]] = None
+    ) -> None:
         self.version, self.conn_steps = version, conn_steps
-        self.objects = objects   # per sequence: its Sequence, or None for a plain one
-        self.heavy: Optional[List[Sequence]] = \
+        self.objects = objects  # per sequence: its Sequence, or None for a plain one
+        self.heavy: Optional[List[Sequence]] = (
             None if objects is None else [s for s in objects if s is not None]
+        )
         # for one token a step: {offset in a block: sequences}
         self.phases: Optional[Dict[int, np.ndarray]] = None
-        self.added = 0       # tokens each sequence got since ``phases`` was made
-        self.longest = 0     # the longest sequence's length when ``phases`` was made
+        self.added = 0  # tokens each sequence got since ``phases`` was made
+        self.longest = 0  # the longest sequence's length when ``phases`` was made
 
 
 _NONE = np.zeros(0, dtype=np.int64)
@@ -52,8 +71,10 @@ _NONE = np.zeros(0, dtype=np.int64)
 
 class Decode(Growth):
     """The array fast paths of a batch step and kept batches (see the module doc)."""
-    def _extend_uniform(self, conn_id: int, cache_ids: Seq[int], slots: Seq[int],
-                        count: int) -> Optional[np.ndarray]:
+
+    def _extend_uniform(
+        self, conn_id: int, cache_ids: Seq[int], slots: Seq[int], count: int
+    ) -> Optional[np.ndarray]:
         """The decode step (``count`` more tokens in every sequence, no token ids) with
         array operations over the whole batch: a constant number of them, whatever the
         batch size, plus Python work only for the sequences that need a new block, a
@@ -74,10 +95,10 @@ class Decode(Growth):
         have = self._num_blocks_np[where]
         new = lens + count
         if int(new.max()) > self.max_seq_len:
-            return None   # the general path names the sequence
+            return None  # the general path names the sequence
         full = (lens % bs) == 0
         last = self._table_np[where, np.maximum(have - 1, 0)]
-        writable = full | (self._owner_np[last] == ids)   # the last block, if partial
+        writable = full | (self._owner_np[last] == ids)  # the last block, if partial
         fits = new <= have * bs
         # One new block, and nothing else to do: the other common decode case.
         grow = ~fits & writable & (new <= (have + 1) * bs)
@@ -86,12 +107,13 @@ class Decode(Growth):
             # per-sequence path (rare in a decode loop), for the whole batch
             return None
         sequences = self.sequences
-        heavy = ~self._light_np[where]   # sequences with objects, which keep a copy
+        heavy = ~self._light_np[where]  # sequences with objects, which keep a copy
         grow_at = np.flatnonzero(grow)
         if grow_at.size:
             blocks = self._grow(where, ids, grow_at, have[grow_at], new[grow_at])
-            for cache_id, block_id, keep in zip(ids[grow_at].tolist(), blocks,
-                                                heavy[grow_at].tolist()):
+            for cache_id, block_id, keep in zip(
+                ids[grow_at].tolist(), blocks, heavy[grow_at].tolist()
+            ):
                 if keep:
                     sequences[cache_id].block_ids.append(block_id)
         if heavy.any():
@@ -100,8 +122,14 @@ class Decode(Growth):
         seq_np[where, NUM_TOKENS] = new
         return new
 
-    def _grow(self, where: np.ndarray, ids: np.ndarray, grow_at: np.ndarray, have: np.ndarray,
-              new: np.ndarray) -> list:
+    def _grow(
+        self,
+        where: np.ndarray,
+        ids: np.ndarray,
+        grow_at: np.ndarray,
+        have: np.ndarray,
+        new: np.ndarray,
+    ) -> list:
         """One new block for each sequence ``grow_at`` indexes (``have`` blocks now,
         ``new`` tokens after the step, both for those sequences only), all or none;
         returns the blocks. The caller stores the lengths after."""
@@ -110,15 +138,17 @@ class Decode(Growth):
         over = (longer > tables.max_seq_blocks) & (longer <= pool.num_blocks)
         if over.any():  # (a sequence longer than the pool is PoolExhausted below)
             i = int(np.argmax(over))
-            tables.check_blocks(int(longer[i]), f"{format_cache_id(int(ids[grow_at[i]]))} at "
-                                                 f"{int(new[i])} tokens")
+            tables.check_blocks(
+                int(longer[i]), f"{format_cache_id(int(ids[grow_at[i]]))} at {int(new[i])} tokens"
+            )
         if grow_at.size > pool.num_available:
             raise PoolExhausted(
                 f"pool exhausted: the step needs {grow_at.size} blocks, "
                 f"{pool.num_available} free or evictable (num_blocks={pool.num_blocks}); "
-                "free handles or raise num_blocks")
+                "free handles or raise num_blocks"
+            )
         blocks = pool.allocate_each(ids[grow_at].tolist())
-        assert blocks is not None   # (counted above)
+        assert blocks is not None  # (counted above)
         grow_where = where[grow_at]
         # the shared-table order: entries, then generation, then (after) the length
         self._table_np[grow_where, have] = blocks
@@ -126,8 +156,9 @@ class Decode(Growth):
         self._num_blocks_np[grow_where] += 1
         return blocks
 
-    def _extend_light(self, where: np.ndarray, ids: np.ndarray,
-                      count: int) -> Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    def _extend_light(
+        self, where: np.ndarray, ids: np.ndarray, count: int
+    ) -> Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """:meth:`_extend_uniform` for a checked batch of plain sequences without
         objects: their blocks are theirs alone and they cover exactly their tokens, so
         the step is a length store, plus a block for each that crosses into a new one.
@@ -148,13 +179,16 @@ class Decode(Growth):
             grow_at = np.flatnonzero(more)
         blocks = grow_at  # (empty)
         if grow_at.size:
-            blocks = np.array(self._grow(where, ids, grow_at, (lens[grow_at] + bs - 1) // bs,
-                                         new[grow_at]), dtype=np.int64)
+            blocks = np.array(
+                self._grow(where, ids, grow_at, (lens[grow_at] + bs - 1) // bs, new[grow_at]),
+                dtype=np.int64,
+            )
         seq_np[where, NUM_TOKENS] = new
         return new, grow_at, blocks
 
-    def _keepable(self, conn_id: int, cache_ids: Union[Seq[int], np.ndarray]
-                  ) -> Optional[Tuple[np.ndarray, Optional[List[Optional[Sequence]]]]]:
+    def _keepable(
+        self, conn_id: int, cache_ids: Union[Seq[int], np.ndarray]
+    ) -> Optional[Tuple[np.ndarray, Optional[List[Optional[Sequence]]]]]:
         """``(slots, objects)`` when a batch can be kept, else None: distinct live
         sequences held by this connection, each plain, or with an object (``objects[i]``,
         None for a plain one) that this connection alone holds, that takes no more prefix
@@ -170,15 +204,19 @@ class Decode(Growth):
             return where, None
         rows, bs = where[heavy], self.block_size
         lens = self._seq_np[rows, NUM_TOKENS]
-        if self._keys_open_np[rows].any() or \
-                not np.array_equal(self._num_blocks_np[rows], (lens + bs - 1) // bs):
+        if self._keys_open_np[rows].any() or not np.array_equal(
+            self._num_blocks_np[rows], (lens + bs - 1) // bs
+        ):
             return None
         objects: List[Optional[Sequence]] = [None] * ids.shape[0]
         refs, owner = self.conn_refs[conn_id], self._owner_np
         for i, cache_id in zip(heavy.tolist(), ids[heavy].tolist()):
             seq = self.sequences[cache_id]
-            if seq.num_refs != 1 or refs.get(cache_id) != 1 or (
-                    seq.num_tokens % bs and owner[seq.block_ids[-1]] != cache_id):
+            if (
+                seq.num_refs != 1
+                or refs.get(cache_id) != 1
+                or (seq.num_tokens % bs and owner[seq.block_ids[-1]] != cache_id)
+            ):
                 return None
             objects[i] = seq
         return where, objects
@@ -197,26 +235,28 @@ class Decode(Growth):
             self._move_objects(kept, count, done[1], done[2])
             return done[1:]
         bs, seq_flat, at = self.block_size, self._seq_flat, kept.lengths_at
-        if kept.phases is None:   # sequences by their length's offset in a block
+        if kept.phases is None:  # sequences by their length's offset in a block
             lengths = seq_flat[at]
             phase = lengths % bs
             kept.phases = {p: np.flatnonzero(phase == p) for p in np.unique(phase).tolist()}
             kept.added = 0
             kept.longest = int(lengths.max())
         if kept.longest + kept.added + 1 > self.max_seq_len:
-            return None   # (the general path names the sequence)
+            return None  # (the general path names the sequence)
         grown = kept.phases.get(-kept.added % bs, _NONE)
         kept.added += 1
         blocks = _NONE
         if grown.shape[0]:
             old = seq_flat[at[grown]]
             try:
-                blocks = np.array(self._grow(kept.where, kept.ids, grown, (old + bs - 1) // bs,
-                                             old + 1), dtype=np.int64)
+                blocks = np.array(
+                    self._grow(kept.where, kept.ids, grown, (old + bs - 1) // bs, old + 1),
+                    dtype=np.int64,
+                )
             except BaseException:
-                kept.phases = None   # (nothing changed; the next step starts again)
+                kept.phases = None  # (nothing changed; the next step starts again)
                 raise
-        seq_flat[at] += 1   # the lengths, after any new entries (the tables' order)
+        seq_flat[at] += 1  # the lengths, after any new entries (the tables' order)
         self._move_objects(kept, 1, grown, blocks)
         return grown, blocks
 
@@ -224,7 +264,7 @@ class Decode(Growth):
     def _move_objects(kept: "_Kept", count: int, grown: np.ndarray, blocks: np.ndarray) -> None:
         """A kept step's changes, made to the objects of its sequences that have one."""
         objects, heavy = kept.objects, kept.heavy
-        if objects is None or heavy is None:   # (both None, or neither)
+        if objects is None or heavy is None:  # (both None, or neither)
             return
         for seq in heavy:
             seq.num_tokens += count

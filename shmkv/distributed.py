@@ -73,22 +73,25 @@ from .errors import InvalidArgument, LayoutMismatch, ProtocolError, ShmkvError, 
 from .hashing import KEY_SIZE, pack_tokens, packed_block_keys, root_key, token_list
 from .memory import block_bytes
 
-MAGIC = 0x73686D6B76703270          # b"shmkvp2p" as an int64
-VERSION = 2                         # 2: the root key in place of the salt; the trailer
+MAGIC = 0x73686D6B76703270  # b"shmkvp2p" as an int64
+VERSION = 2  # 2: the root key in place of the salt; the trailer
 HEADER_WORDS = 16
-DEFAULT_CHUNK_BYTES = 8 << 20       # bytes per message of K/V (several are in flight)
+DEFAULT_CHUNK_BYTES = 8 << 20  # bytes per message of K/V (several are in flight)
 MAX_SALT_BYTES = 256
 
 # header / reply status codes
 OK = 0
-ERR_LAYOUT = 1       # the block layouts differ
-ERR_ALLOCATE = 2     # the receiver could not allocate (pool exhausted, bad prompt)
-ERR_SENDER = 3       # the sender cannot send (a closed handle, bad arguments)
-ERR_HEADER = 4       # not a header of this protocol or version
+ERR_LAYOUT = 1  # the block layouts differ
+ERR_ALLOCATE = 2  # the receiver could not allocate (pool exhausted, bad prompt)
+ERR_SENDER = 3  # the sender cannot send (a closed handle, bad arguments)
+ERR_HEADER = 4  # not a header of this protocol or version
 
-_STATUS_TEXT = {ERR_LAYOUT: "the block layouts differ", ERR_ALLOCATE: "the receiver could "
-                "not allocate the sequence", ERR_SENDER: "the sender could not send",
-                ERR_HEADER: "a message of another protocol or version"}
+_STATUS_TEXT = {
+    ERR_LAYOUT: "the block layouts differ",
+    ERR_ALLOCATE: "the receiver could not allocate the sequence",
+    ERR_SENDER: "the sender could not send",
+    ERR_HEADER: "a message of another protocol or version",
+}
 
 
 class MoveFailed(ShmkvError):
@@ -112,15 +115,20 @@ class MoveStats:
 
 def _fingerprint_words(config) -> List[int]:
     raw = bytes.fromhex(config.block_fingerprint())
-    return [int.from_bytes(raw[:8], "little", signed=True),
-            int.from_bytes(raw[8:], "little", signed=True)]
+    return [
+        int.from_bytes(raw[:8], "little", signed=True),
+        int.from_bytes(raw[8:], "little", signed=True),
+    ]
 
 
 def _comm_device(group, pool_device: torch.device) -> torch.device:
     """Where the bytes travel from: CPU for Gloo, the current CUDA device for NCCL."""
     if dist.get_backend(group) == "nccl":
-        return pool_device if pool_device.type == "cuda" else \
-            torch.device("cuda", torch.cuda.current_device())
+        return (
+            pool_device
+            if pool_device.type == "cuda"
+            else torch.device("cuda", torch.cuda.current_device())
+        )
     return torch.device("cpu")
 
 
@@ -136,8 +144,9 @@ class _Link:
         try:
             done = work.wait(self.timeout)
         except RuntimeError as exc:  # Gloo reports a timeout or a lost peer this way
-            raise MoveFailed(f"{what} with rank {self.peer} failed or timed out after "
-                             f"{self.seconds} s: {exc}") from None
+            raise MoveFailed(
+                f"{what} with rank {self.peer} failed or timed out after {self.seconds} s: {exc}"
+            ) from None
         if done is False:
             raise MoveFailed(f"{what} with rank {self.peer} timed out after {self.seconds} s")
 
@@ -148,8 +157,9 @@ class _Link:
         return dist.irecv(tensor, self.peer, group=self.group)
 
     def send_i64(self, values: Sequence[int], what: str) -> None:
-        self.wait(self.isend(torch.tensor(list(values), dtype=torch.int64,
-                                          device=self.device)), what)
+        self.wait(
+            self.isend(torch.tensor(list(values), dtype=torch.int64, device=self.device)), what
+        )
 
     def recv_i64(self, n: int, what: str) -> List[int]:
         t = torch.empty(n, dtype=torch.int64, device=self.device)
@@ -162,9 +172,11 @@ def _block_rows(client) -> torch.Tensor:
     (``shmkv.memory.block_bytes``: a block is a chunk of each layer's K and V)."""
     pool = client.pool
     if client.tp_rank is not None:
-        raise InvalidArgument("moving a sequence needs a client that sees every head: "
-                              "connect without tp_rank= (a CPU pool, or a CUDA pool with "
-                              "tp_size=1)")
+        raise InvalidArgument(
+            "moving a sequence needs a client that sees every head: "
+            "connect without tp_rank= (a CPU pool, or a CUDA pool with "
+            "tp_size=1)"
+        )
     return block_bytes(pool)
 
 
@@ -192,7 +204,7 @@ def _gather(rows: torch.Tensor, blocks: Sequence[int], out: torch.Tensor) -> Non
     runs = _runs(blocks)
     if len(runs) <= _MAX_RUNS:
         for i, first, length in runs:
-            out.view(len(blocks), *shape)[i:i + length].copy_(rows[first:first + length])
+            out.view(len(blocks), *shape)[i : i + length].copy_(rows[first : first + length])
     else:
         index = torch.tensor(list(blocks), dtype=torch.int64, device=rows.device)
         if out.device == rows.device:
@@ -208,15 +220,14 @@ def _scatter(src: torch.Tensor, rows: torch.Tensor, blocks: Sequence[int]) -> No
     runs = _runs(blocks)
     if len(runs) <= _MAX_RUNS:
         for i, first, length in runs:
-            rows[first:first + length].copy_(src[i:i + length])
+            rows[first : first + length].copy_(src[i : i + length])
     else:
         index = torch.tensor(list(blocks), dtype=torch.int64, device=rows.device)
         rows.index_copy_(0, index, src.to(rows.device))
 
 
 def _chunks(num_blocks: int, chunk_blocks: int) -> List[tuple]:
-    return [(lo, min(lo + chunk_blocks, num_blocks))
-            for lo in range(0, num_blocks, chunk_blocks)]
+    return [(lo, min(lo + chunk_blocks, num_blocks)) for lo in range(0, num_blocks, chunk_blocks)]
 
 
 def _sync(device: torch.device) -> None:
@@ -235,17 +246,25 @@ def _staging(device: torch.device, nbytes: int, count: int = 2) -> list:
         cache = _LOCAL.buffers = {}
     bufs = cache.get(device)
     if bufs is None or bufs[0].numel() < nbytes or len(bufs) < count:
-        bufs = cache[device] = [torch.empty(nbytes, dtype=torch.uint8, device=device)
-                                for _ in range(count)]
+        bufs = cache[device] = [
+            torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(count)
+        ]
     return bufs
 
 
 # -- the sender -------------------------------------------------------------------------
 
 
-def send_sequence(handle, dst: int, *, tokens=None, cache_salt: Optional[bytes] = None,
-                  group=None, timeout: float = 60.0,
-                  chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> MoveStats:
+def send_sequence(
+    handle,
+    dst: int,
+    *,
+    tokens=None,
+    cache_salt: Optional[bytes] = None,
+    group=None,
+    timeout: float = 60.0,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> MoveStats:
     """Send the sequence of ``handle`` to rank ``dst``, which calls :func:`recv_sequence`.
 
     Returns once the receiver has written every token into its pool; the caller may
@@ -276,9 +295,24 @@ def send_sequence(handle, dst: int, *, tokens=None, cache_salt: Optional[bytes] 
     link = _Link(dst, group, timeout, device)
     fp = _fingerprint_words(config)
     chunk_blocks = max(1, int(chunk_bytes) // config.block_nbytes)
-    header = [MAGIC, VERSION, OK, 0, 0, 0, fp[0], fp[1], chunk_blocks, config.block_size,
-              config.num_layers, config.num_kv_heads, config.head_dim, config.itemsize,
-              config.tp_size, 0]
+    header = [
+        MAGIC,
+        VERSION,
+        OK,
+        0,
+        0,
+        0,
+        fp[0],
+        fp[1],
+        chunk_blocks,
+        config.block_size,
+        config.num_layers,
+        config.num_kv_heads,
+        config.head_dim,
+        config.itemsize,
+        config.tp_size,
+        0,
+    ]
     try:  # every argument error is told to the receiver too, so it does not wait
         rows = _block_rows(client)
         num_tokens = handle.num_tokens
@@ -286,19 +320,24 @@ def send_sequence(handle, dst: int, *, tokens=None, cache_salt: Optional[bytes] 
         if tokens is not None:
             ids = token_list(tokens)
             if len(ids) != num_tokens:
-                raise InvalidArgument(f"tokens has {len(ids)} ids, the handle holds "
-                                      f"{num_tokens} tokens; pass one id per token")
-        if cache_salt is not None and (not isinstance(cache_salt, bytes)
-                                       or len(cache_salt) > MAX_SALT_BYTES):
+                raise InvalidArgument(
+                    f"tokens has {len(ids)} ids, the handle holds "
+                    f"{num_tokens} tokens; pass one id per token"
+                )
+        if cache_salt is not None and (
+            not isinstance(cache_salt, bytes) or len(cache_salt) > MAX_SALT_BYTES
+        ):
             raise WrongType(f"cache_salt must be bytes of at most {MAX_SALT_BYTES}")
         root = None
-        if ids is not None:   # the root its keys chain from, as its coordinator has it
+        if ids is not None:  # the root its keys chain from, as its coordinator has it
             handle._check_open()
             root = client.request("info", cache_id=handle._cache_id).get("root")
             if cache_salt is not None and root is not None and root != root_key(cache_salt):
-                raise InvalidArgument("cache_salt is not the salt the sequence was allocated "
-                                      "with (its coordinator keeps that one: leave it out)")
-            if root is None:   # allocated without a prompt: no salt, the default root
+                raise InvalidArgument(
+                    "cache_salt is not the salt the sequence was allocated "
+                    "with (its coordinator keeps that one: leave it out)"
+                )
+            if root is None:  # allocated without a prompt: no salt, the default root
                 root = root_key(cache_salt)
         blocks = list(handle.block_table.physical_blocks)
     except BaseException:
@@ -322,30 +361,35 @@ def send_sequence(handle, dst: int, *, tokens=None, cache_salt: Optional[bytes] 
     link.wait(reply_work, "receiving the reply")
     status, have, num_send, _ = reply.tolist()
     if status == ERR_LAYOUT:
-        raise LayoutMismatch(f"rank {dst} holds another block layout (this pool's block "
-                             f"fingerprint is {config.block_fingerprint()})")
+        raise LayoutMismatch(
+            f"rank {dst} holds another block layout (this pool's block "
+            f"fingerprint is {config.block_fingerprint()})"
+        )
     if status != OK:
-        raise MoveFailed(f"rank {dst} refused the sequence: "
-                         f"{_STATUS_TEXT.get(status, f'status {status}')}")
+        raise MoveFailed(
+            f"rank {dst} refused the sequence: {_STATUS_TEXT.get(status, f'status {status}')}"
+        )
     bs = config.block_size
     first = have // bs
     if have % bs or have > num_tokens or num_send != len(blocks) - first:
-        raise ProtocolError(f"rank {dst} answered {have} tokens held and {num_send} blocks "
-                            f"to send for a sequence of {num_tokens} tokens")
+        raise ProtocolError(
+            f"rank {dst} answered {have} tokens held and {num_send} blocks "
+            f"to send for a sequence of {num_tokens} tokens"
+        )
     send = blocks[first:]
     nbytes = rows.shape[1] * rows.shape[2]
     if send:
         # Each chunk of blocks is gathered into one of two staging buffers (a block's
         # bytes lie in 2 * num_layers pieces of the pool), the next while the last is sent.
         bufs = None
-        staged: list = [None, None]     # the send still reading each staging buffer
+        staged: list = [None, None]  # the send still reading each staging buffer
         slot = 0
         for lo, hi in _chunks(len(send), chunk_blocks):
             if bufs is None:
                 bufs = _staging(device, min(chunk_blocks, len(send)) * nbytes)
             if staged[slot] is not None:  # the send before last used this buffer
                 link.wait(staged[slot], "sending K/V")
-            buf = bufs[slot][:(hi - lo) * nbytes]
+            buf = bufs[slot][: (hi - lo) * nbytes]
             _gather(rows, send[lo:hi], buf)
             _sync(rows.device)
             staged[slot] = link.isend(buf)
@@ -354,28 +398,36 @@ def send_sequence(handle, dst: int, *, tokens=None, cache_salt: Optional[bytes] 
             link.wait(work, "sending K/V")
     # After the last read: did the sequence still have the blocks it was read from?
     try:
-        same = list(handle.block_table.physical_blocks[:len(blocks)]) == blocks
-    except ShmkvError:   # closed meanwhile
+        same = list(handle.block_table.physical_blocks[: len(blocks)]) == blocks
+    except ShmkvError:  # closed meanwhile
         same = False
     link.send_i64([OK if same else ERR_SENDER], "sending the trailer")
     if not same:
-        raise MoveFailed("the sequence lost or replaced its blocks while they were sent "
-                         "(its handle closed, or a block copied on write): the receiver "
-                         "discarded them")
+        raise MoveFailed(
+            "the sequence lost or replaced its blocks while they were sent "
+            "(its handle closed, or a block copied on write): the receiver "
+            "discarded them"
+        )
     ack = link.recv_i64(1, "receiving the acknowledgement")[0]
     if ack != OK:
-        raise MoveFailed(f"rank {dst} failed to store the sequence: "
-                         f"{_STATUS_TEXT.get(ack, f'status {ack}')}")
-    return MoveStats(num_tokens=num_tokens, num_sent_tokens=num_tokens - have,
-                     num_reused_tokens=have, num_sent_blocks=len(send),
-                     sent_bytes=len(send) * nbytes)
+        raise MoveFailed(
+            f"rank {dst} failed to store the sequence: {_STATUS_TEXT.get(ack, f'status {ack}')}"
+        )
+    return MoveStats(
+        num_tokens=num_tokens,
+        num_sent_tokens=num_tokens - have,
+        num_reused_tokens=have,
+        num_sent_blocks=len(send),
+        sent_bytes=len(send) * nbytes,
+    )
 
 
 # -- the receiver ------------------------------------------------------------------------
 
 
-def recv_sequence(client, src: int, *, group=None, request_id: Optional[str] = None,
-                  timeout: float = 60.0):
+def recv_sequence(
+    client, src: int, *, group=None, request_id: Optional[str] = None, timeout: float = 60.0
+):
     """Receive a sequence that rank ``src`` sends with :func:`send_sequence`.
 
     Allocates the sequence in ``client``'s pool (with the sender's token ids as the
@@ -427,16 +479,21 @@ def recv_sequence(client, src: int, *, group=None, request_id: Optional[str] = N
             f"elements, tp_size {header[14]}); this pool has block_size "
             f"{config.block_size}, {config.num_layers} layers, {config.num_kv_heads} kv "
             f"heads x {config.head_dim}, {config.itemsize}-byte {config.dtype}, tp_size "
-            f"{config.tp_size}")
+            f"{config.tp_size}"
+        )
     chunk_blocks = header[8]
     try:
         if root is None:
             handle = client.allocate(num_tokens=num_tokens, prompt=ids, request_id=request_id)
-        else:   # the sender's keys: its prompt under its root (its salt's)
-            assert ids is not None   # (a root key comes with token ids: checked above)
+        else:  # the sender's keys: its prompt under its root (its salt's)
+            assert ids is not None  # (a root key comes with token ids: checked above)
             packed = pack_tokens(ids)
-            req = {"num_tokens": num_tokens, "prompt": packed, "root": root,
-                   "keys": b"".join(packed_block_keys(packed, config.block_size, root))}
+            req = {
+                "num_tokens": num_tokens,
+                "prompt": packed,
+                "root": root,
+                "keys": b"".join(packed_block_keys(packed, config.block_size, root)),
+            }
             if request_id is not None:
                 req["request_id"] = request_id
             handle = client._handle(client.request("allocate_many", requests=[req])[0])
@@ -461,8 +518,8 @@ def recv_sequence(client, src: int, *, group=None, request_id: Optional[str] = N
             # pool while the next chunks arrive. Receives are posted in message order.
             chunks = _chunks(len(recv), max(1, chunk_blocks))
             bufs = _staging(device, (chunks[0][1] - chunks[0][0]) * nbytes)
-            free = [1, 0]                 # staging buffers not receiving or scattering
-            posted: Deque[tuple] = deque()   # (work, staging buffer index, lo, hi)
+            free = [1, 0]  # staging buffers not receiving or scattering
+            posted: Deque[tuple] = deque()  # (work, staging buffer index, lo, hi)
             next_chunk = 0
 
             def post_more() -> None:
@@ -471,8 +528,7 @@ def recv_sequence(client, src: int, *, group=None, request_id: Optional[str] = N
                     lo, hi = chunks[next_chunk]
                     if free:
                         slot = free.pop()
-                        posted.append((link.irecv(bufs[slot][:(hi - lo) * nbytes]), slot,
-                                       lo, hi))
+                        posted.append((link.irecv(bufs[slot][: (hi - lo) * nbytes]), slot, lo, hi))
                     else:
                         return
                     next_chunk += 1
@@ -483,15 +539,17 @@ def recv_sequence(client, src: int, *, group=None, request_id: Optional[str] = N
             while posted:
                 work, slot, lo, hi = posted.popleft()
                 link.wait(work, "receiving K/V")
-                _scatter(bufs[slot][:(hi - lo) * nbytes], rows, recv[lo:hi])
+                _scatter(bufs[slot][: (hi - lo) * nbytes], rows, recv[lo:hi])
                 free.append(slot)
                 post_more()
             _sync(rows.device)
         if reply_work is not None:
             link.wait(reply_work, "sending the reply")
         if link.recv_i64(1, "receiving the trailer")[0] != OK:
-            raise MoveFailed(f"rank {src} no longer had the blocks it sent when it had read "
-                             "them; they are discarded")
+            raise MoveFailed(
+                f"rank {src} no longer had the blocks it sent when it had read "
+                "them; they are discarded"
+            )
         link.send_i64([OK], "sending the acknowledgement")  # the bytes are in place
         handle.commit(num_tokens)
     except BaseException:

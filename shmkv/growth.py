@@ -21,6 +21,7 @@ from .tables import NUM_TOKENS, SEQ_FIELDS
 
 class Growth(Prefix):
     """Extends, copy-on-write, prepared writes and forks (see the module doc)."""
+
     def _writable(self, seq: Sequence, index: int) -> bool:
         """Whether block ``index`` of ``seq`` can be written in place (claims it if so)."""
         block_id = seq.block_ids[index]
@@ -31,7 +32,8 @@ class Growth(Prefix):
         neither this sequence's to write nor claimable (shared or published)."""
         pool, block_id = self.pool, seq.block_ids[index]
         return pool.owner[block_id] != seq.cache_id and not (
-            pool.ref_cnt[block_id] == 1 and pool.block_key[block_id] is None)
+            pool.ref_cnt[block_id] == 1 and pool.block_key[block_id] is None
+        )
 
     def _cow(self, seq: Sequence, index: int) -> None:
         self._touch(seq.slot)
@@ -44,11 +46,13 @@ class Growth(Prefix):
         self.pool.decref((old,))
         self.counters["cow_copies"] += 1
 
-    def _plan_extend(self, conn_id: int,
-                     item: object) -> Tuple[Sequence, int, Optional[List[int]], int, bool]:
+    def _plan_extend(
+        self, conn_id: int, item: object
+    ) -> Tuple[Sequence, int, Optional[List[int]], int, bool]:
         if not (isinstance(item, (list, tuple)) and len(item) in (2, 3)):
-            raise WrongType("extend item must be [cache_id, num_tokens] or "
-                            "[cache_id, num_tokens, tokens]")
+            raise WrongType(
+                "extend item must be [cache_id, num_tokens] or [cache_id, num_tokens, tokens]"
+            )
         seq = self._held(conn_id, item[0])
         num = _check_count("num_tokens", item[1])
         tokens = item[2] if len(item) == 3 else None
@@ -83,7 +87,8 @@ class Growth(Prefix):
         if need > self.pool.num_available:
             raise PoolExhausted(
                 f"pool exhausted: need {need} blocks, {self.pool.num_available} free or "
-                f"evictable (num_blocks={self.pool.num_blocks}); free handles or raise num_blocks")
+                f"evictable (num_blocks={self.pool.num_blocks}); free handles or raise num_blocks"
+            )
         results = []
         for seq, num, tokens, need_blocks, copy_last in plans:
             table_from = len(seq.block_ids)
@@ -97,24 +102,36 @@ class Growth(Prefix):
             seq.num_tokens += num
             if need_blocks:
                 new = self.pool.allocate(need_blocks, seq.cache_id)
-                assert new is not None   # (counted above)
+                assert new is not None  # (counted above)
                 self.tables.append(seq.slot, len(seq.block_ids), new, seq.num_tokens)
                 seq.block_ids += new
             else:
                 self.tables.set_length(seq.slot, seq.num_tokens)
             self._extend_keys(seq, num, tokens)
-            results.append({"start": start, "num_tokens": seq.num_tokens,
-                            "table_from": table_from, "blocks": seq.block_ids[table_from:]})
+            results.append(
+                {
+                    "start": start,
+                    "num_tokens": seq.num_tokens,
+                    "table_from": table_from,
+                    "blocks": seq.block_ids[table_from:],
+                }
+            )
         return results
 
-    def extend(self, conn_id: int, cache_id: int, num_tokens: int,
-               tokens: Optional[List[int]] = None) -> dict:
+    def extend(
+        self, conn_id: int, cache_id: int, num_tokens: int, tokens: Optional[List[int]] = None
+    ) -> dict:
         """Reserve ``num_tokens`` more slots at the end of a sequence (see :meth:`extend_many`)."""
         item = [cache_id, num_tokens] if tokens is None else [cache_id, num_tokens, tokens]
         return self.extend_many(conn_id, [item])[0]
 
-    def _extend_general(self, conn_id: int, cache_ids: Seq[int], counts: Union[int, Seq[int]],
-                        tokens: Optional[List[List[int]]] = None) -> array[int]:
+    def _extend_general(
+        self,
+        conn_id: int,
+        cache_ids: Seq[int],
+        counts: Union[int, Seq[int]],
+        tokens: Optional[List[List[int]]] = None,
+    ) -> array[int]:
         """``SequenceTable.extend_batch`` one sequence at a time: any counts, token ids,
         copies of shared last blocks, new blocks; names every error. ``counts`` were
         checked to lie in ``[0, max_seq_len]`` (the facade did)."""
@@ -126,12 +143,15 @@ class Growth(Prefix):
             raise InvalidArgument(f"{len(counts)} counts for a batch of {num_seqs} sequences")
         if tokens is not None:
             if not isinstance(tokens, list) or len(tokens) != num_seqs:
-                raise InvalidArgument(f"tokens must be one list of token ids per sequence "
-                                      f"({num_seqs})")
+                raise InvalidArgument(
+                    f"tokens must be one list of token ids per sequence ({num_seqs})"
+                )
             for ids, num in zip(tokens, counts):
                 if not isinstance(ids, list) or len(ids) != num:
-                    raise InvalidArgument(f"tokens must hold exactly the step's count of token "
-                                          f"ids for each sequence (expected {num})")
+                    raise InvalidArgument(
+                        f"tokens must hold exactly the step's count of token "
+                        f"ids for each sequence (expected {num})"
+                    )
                 try:
                     hashing.pack_tokens(ids)
                 except (OverflowError, TypeError):
@@ -148,20 +168,25 @@ class Growth(Prefix):
             if old + num > max_len:
                 self._check_length(old + num, format_cache_id(seq.cache_id))
             have = len(seq.block_ids)
-            if old + num <= have * bs and (not old % bs
-                                           or owner[seq.block_ids[-1]] == seq.cache_id):
+            if old + num <= have * bs and (
+                not old % bs or owner[seq.block_ids[-1]] == seq.cache_id
+            ):
                 continue  # the plain case: no block, no copy
             special.append(i)
             total = (old + num + bs - 1) // bs
             if total > have:
                 need += total - have
-            if old % bs and owner[seq.block_ids[-1]] != seq.cache_id and \
-                    self._needs_copy(seq, have - 1):
+            if (
+                old % bs
+                and owner[seq.block_ids[-1]] != seq.cache_id
+                and self._needs_copy(seq, have - 1)
+            ):
                 need += 1
         if need > pool.num_available:
             raise PoolExhausted(
                 f"pool exhausted: the step needs {need} blocks, {pool.num_available} free or "
-                f"evictable (num_blocks={pool.num_blocks}); free handles or raise num_blocks")
+                f"evictable (num_blocks={pool.num_blocks}); free handles or raise num_blocks"
+            )
         # Pass 2, apply: the plain case is a length store; the listed ones take blocks.
         tables = self.tables
         table_seq, stride = tables.seq, SEQ_FIELDS
@@ -176,8 +201,8 @@ class Growth(Prefix):
             total = (old + num + bs - 1) // bs
             if total > have:
                 new = pool.allocate(total - have, seq.cache_id)
-                assert new is not None   # (counted above)
-                tables.append(seq.slot, have, new, old)   # blocks first, the length below
+                assert new is not None  # (counted above)
+                tables.append(seq.slot, have, new, old)  # blocks first, the length below
                 seq.block_ids += new
         lens = array("q", bytes(8 * len(seqs)))
         for i, (seq, num) in enumerate(zip(seqs, counts)):
@@ -192,8 +217,9 @@ class Growth(Prefix):
                 lens[i] = seq.num_tokens
         return lens
 
-    def prepare_batch(self, conn_id: int, cache_ids: Seq[int], starts: Seq[int],
-                      counts: Seq[int]) -> array:
+    def prepare_batch(
+        self, conn_id: int, cache_ids: Seq[int], starts: Seq[int], counts: Seq[int]
+    ) -> array:
         """Make slots ``[starts[i], starts[i] + counts[i])`` of each sequence writable in
         place (a step over slots already reserved, such as a prompt's prefill), all or
         none. Returns every sequence's current length (int64 array)."""
@@ -201,22 +227,28 @@ class Growth(Prefix):
             self._conn_steps[conn_id] += 1
         seqs = self._batch_sequences(conn_id, cache_ids)
         if not len(starts) == len(counts) == len(seqs):
-            raise InvalidArgument(f"starts and counts need one entry per sequence "
-                                  f"({len(seqs)}), got {len(starts)} and {len(counts)}")
+            raise InvalidArgument(
+                f"starts and counts need one entry per sequence "
+                f"({len(seqs)}), got {len(starts)} and {len(counts)}"
+            )
         bs, plans, num_copies = self.block_size, [], 0
         for seq, start, num in zip(seqs, starts, counts):
             if start < 0 or num < 0 or start + num > seq.num_tokens:
-                raise OutOfRange(f"slots [{start}, {start + num}) of "
-                                 f"{format_cache_id(seq.cache_id)} are not all reserved "
-                                 f"({seq.num_tokens} are); extend first")
+                raise OutOfRange(
+                    f"slots [{start}, {start + num}) of "
+                    f"{format_cache_id(seq.cache_id)} are not all reserved "
+                    f"({seq.num_tokens} are); extend first"
+                )
             if num:
                 first, last = start // bs, (start + num - 1) // bs
                 copies = [i for i in range(first, last + 1) if self._needs_copy(seq, i)]
                 num_copies += len(copies)
                 plans.append((seq, first, last, copies))
         if num_copies > self.pool.num_available:
-            raise PoolExhausted(f"pool exhausted: copy-on-write needs {num_copies} blocks, "
-                                f"{self.pool.num_available} free or evictable")
+            raise PoolExhausted(
+                f"pool exhausted: copy-on-write needs {num_copies} blocks, "
+                f"{self.pool.num_available} free or evictable"
+            )
         for seq, first, last, copies in plans:
             for i in range(first, last + 1):
                 if i in copies:
@@ -235,15 +267,19 @@ class Growth(Prefix):
         _check_count("start", start)
         _check_count("num_tokens", num_tokens)
         if start + num_tokens > seq.num_tokens:
-            raise OutOfRange(f"slots [{start}, {start + num_tokens}) lie past the "
-                             f"{seq.num_tokens} reserved in {format_cache_id(cache_id)}; "
-                             f"extend first")
+            raise OutOfRange(
+                f"slots [{start}, {start + num_tokens}) lie past the "
+                f"{seq.num_tokens} reserved in {format_cache_id(cache_id)}; "
+                f"extend first"
+            )
         if num_tokens:
             first, last = start // self.block_size, (start + num_tokens - 1) // self.block_size
             copies = {i for i in range(first, last + 1) if self._needs_copy(seq, i)}
             if len(copies) > self.pool.num_available:
-                raise PoolExhausted(f"pool exhausted: copy-on-write needs {len(copies)} "
-                                    f"blocks, {self.pool.num_available} free or evictable")
+                raise PoolExhausted(
+                    f"pool exhausted: copy-on-write needs {len(copies)} "
+                    f"blocks, {self.pool.num_available} free or evictable"
+                )
             for i in range(first, last + 1):
                 if i in copies:
                     self._cow(seq, i)
@@ -257,7 +293,7 @@ class Growth(Prefix):
         self.tables.check_slots(1)
         child = self._new_sequence(parent.root, None)
         self.pool.incref(parent.block_ids)
-        self._touch(parent.slot)   # its last block is shared now
+        self._touch(parent.slot)  # its last block is shared now
         child.block_ids = list(parent.block_ids)
         child.num_tokens = parent.num_tokens
         child.keys = list(parent.keys) if parent.keys is not None else None

@@ -46,8 +46,12 @@ _BYTE_UNITS = {torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
 def _fits(t: torch.Tensor, size: int) -> bool:
     """Whether ``t`` (last dim contiguous) can be viewed with ``size``-byte elements."""
     itemsize = t.element_size()
-    return (size > itemsize and (t.shape[-1] * itemsize) % size == 0
-            and t.data_ptr() % size == 0 and (t.storage_offset() * itemsize) % size == 0)
+    return (
+        size > itemsize
+        and (t.shape[-1] * itemsize) % size == 0
+        and t.data_ptr() % size == 0
+        and (t.storage_offset() * itemsize) % size == 0
+    )
 
 
 class _PoolViews:
@@ -62,8 +66,16 @@ class _PoolViews:
     fits: the pool's own dtype (None), or bytes where torch cannot index-copy it.
     """
 
-    __slots__ = ("pool", "rows", "chunks", "unit", "unit_dtype", "unit_rows", "unit_chunks",
-                 "plain")
+    __slots__ = (
+        "pool",
+        "rows",
+        "chunks",
+        "unit",
+        "unit_dtype",
+        "unit_rows",
+        "unit_chunks",
+        "plain",
+    )
 
     def __init__(self, pool: torch.Tensor):
         self.pool = pool
@@ -79,8 +91,11 @@ class _PoolViews:
                 self.unit_rows, self.unit_chunks = self.rows.view(dtype), self.chunks.view(dtype)
                 break
         byte = _BYTE_UNITS.get(pool.dtype)
-        self.plain = ((self.rows, self.chunks, None) if byte is None
-                      else (self.rows.view(byte), self.chunks.view(byte), byte))
+        self.plain = (
+            (self.rows, self.chunks, None)
+            if byte is None
+            else (self.rows.view(byte), self.chunks.view(byte), byte)
+        )
 
     def select(self, *tensors) -> tuple:
         """``(rows, chunks, *tensors)``, all in the copy unit when every tensor's offset
@@ -110,8 +125,9 @@ def _views(client) -> _PoolViews:
     return views
 
 
-def check_kv_tensor(pool: torch.Tensor, name: str, t, shape: Optional[tuple],
-                    shape_tail: tuple = (), what: str = "") -> int:
+def check_kv_tensor(
+    pool: torch.Tensor, name: str, t, shape: Optional[tuple], shape_tail: tuple = (), what: str = ""
+) -> int:
     """Check K/V handed to a write against the pool: a contiguous tensor of the pool's
     dtype and device, of exactly ``shape`` (or ``[n, *shape_tail]``). Returns its
     token count. Handles and steps share it, so both refuse bad input alike.
@@ -123,17 +139,21 @@ def check_kv_tensor(pool: torch.Tensor, name: str, t, shape: Optional[tuple],
     if not isinstance(t, torch.Tensor):
         raise WrongType(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype != pool.dtype:
-        raise InvalidArgument(f"{name} has dtype {t.dtype}, the pool holds {pool.dtype}; "
-                              f"convert with .to({pool.dtype})")
+        raise InvalidArgument(
+            f"{name} has dtype {t.dtype}, the pool holds {pool.dtype}; "
+            f"convert with .to({pool.dtype})"
+        )
     if t.device != pool.device:
         raise InvalidArgument(f"{name} is on {t.device}, the pool is on {pool.device}")
     if shape is not None:
         if tuple(t.shape) != shape:
-            raise InvalidArgument(f"{name} has shape {tuple(t.shape)}, expected "
-                                  f"{list(shape)}{what}")
+            raise InvalidArgument(
+                f"{name} has shape {tuple(t.shape)}, expected {list(shape)}{what}"
+            )
     elif t.dim() != len(shape_tail) + 1 or tuple(t.shape[1:]) != shape_tail:
-        raise InvalidArgument(f"{name} has shape {tuple(t.shape)}, expected "
-                              f"[n, {', '.join(map(str, shape_tail))}]")
+        raise InvalidArgument(
+            f"{name} has shape {tuple(t.shape)}, expected [n, {', '.join(map(str, shape_tail))}]"
+        )
     if not t.is_contiguous():
         raise InvalidArgument(f"{name} is not contiguous; pass {name}.contiguous()")
     return t.shape[0]
@@ -166,22 +186,37 @@ class SequenceView:
     """A client's copy of one sequence's row of the shared tables, shared by all its
     handles on that sequence, with the index tensors built for its block table."""
 
-    __slots__ = ("cache_id", "slot", "num_tokens", "generation", "blocks", "index_cache",
-                 "num_handles")
+    __slots__ = (
+        "cache_id",
+        "slot",
+        "num_tokens",
+        "generation",
+        "blocks",
+        "index_cache",
+        "num_handles",
+    )
 
     def __init__(self, cache_id: int, slot: int):
         self.cache_id = cache_id
         self.slot = slot
         self.num_tokens = 0
-        self.generation = -1          # the table generation ``blocks`` were read at
+        self.generation = -1  # the table generation ``blocks`` were read at
         self.blocks: list = []
-        self.index_cache: dict = {}   # position-to-row index tensors for ``blocks``
+        self.index_cache: dict = {}  # position-to-row index tensors for ``blocks``
         self.num_handles = 0
 
     def refresh(self, memory, block_size: int) -> "SequenceView":
         """Read the shared row again (no round trip); returns self."""
-        got = read_row(memory.seq, memory.table, memory.layout.max_seq_blocks, block_size,
-                       self.slot, self.cache_id, self.generation, len(self.blocks))
+        got = read_row(
+            memory.seq,
+            memory.table,
+            memory.layout.max_seq_blocks,
+            block_size,
+            self.slot,
+            self.cache_id,
+            self.generation,
+            len(self.blocks),
+        )
         return self._apply(got)
 
     def refresh_asking(self, client) -> "SequenceView":
@@ -202,7 +237,7 @@ class SequenceView:
             raise UnknownCache(f"{format_cache_id(self.cache_id)} no longer exists")
         self.num_tokens, generation, blocks = got
         if blocks is not None:
-            if blocks != self.blocks[:len(blocks)] or len(blocks) < len(self.blocks):
+            if blocks != self.blocks[: len(blocks)] or len(blocks) < len(self.blocks):
                 self.index_cache.clear()
             elif len(blocks) > len(self.blocks):  # appended: the whole-table index grows
                 self.index_cache.pop("base", None)
@@ -232,11 +267,28 @@ class KvCacheHandle:
     """
 
     # Plain slots: a scheduler makes and drops hundreds of handles a step.
-    __slots__ = ("_client", "_cache_id", "_slot", "_num_cached", "_request_id", "_view_len",
-                 "_closed", "_last_access", "_shared", "__weakref__")
+    __slots__ = (
+        "_client",
+        "_cache_id",
+        "_slot",
+        "_num_cached",
+        "_request_id",
+        "_view_len",
+        "_closed",
+        "_last_access",
+        "_shared",
+        "__weakref__",
+    )
 
-    def __init__(self, client, cache_id: int, slot: int, num_cached: int = 0,
-                 request_id: Optional[str] = None, view_len: Optional[int] = None):
+    def __init__(
+        self,
+        client,
+        cache_id: int,
+        slot: int,
+        num_cached: int = 0,
+        request_id: Optional[str] = None,
+        view_len: Optional[int] = None,
+    ):
         self._client = client
         self._cache_id = cache_id
         self._slot = slot
@@ -249,8 +301,9 @@ class KvCacheHandle:
         client._handles.add(self)
 
     @classmethod
-    def _many(cls, client, cache_ids: Sequence[int], slot_ids: Sequence[int]
-              ) -> List["KvCacheHandle"]:
+    def _many(
+        cls, client, cache_ids: Sequence[int], slot_ids: Sequence[int]
+    ) -> List["KvCacheHandle"]:
         """Handles on new plain sequences (``allocate_many`` of lengths): the fields of
         :meth:`__init__`, set without a call per handle."""
         now, new = time.time(), object.__new__
@@ -276,8 +329,14 @@ class KvCacheHandle:
 
     @classmethod
     def _from_info(cls, client, info: dict, view_len: Optional[int] = None) -> "KvCacheHandle":
-        return cls(client, info["cache_id"], info["slot"], info["num_cached"],
-                   info.get("request_id"), view_len)
+        return cls(
+            client,
+            info["cache_id"],
+            info["slot"],
+            info["num_cached"],
+            info.get("request_id"),
+            view_len,
+        )
 
     def _view(self) -> SequenceView:
         """The sequence's current row (read from the shared tables)."""
@@ -362,7 +421,7 @@ class KvCacheHandle:
         view = self._view()
         n = view.num_tokens if self._view_len is None else self._view_len
         bs = self._client.config.block_size
-        return BlockTable(tuple(view.blocks[:-(-n // bs)]), bs, n)
+        return BlockTable(tuple(view.blocks[: -(-n // bs)]), bs, n)
 
     def stats(self) -> CacheHandleStats:
         """What this handle's view holds. Raises ``HandleClosed`` once closed."""
@@ -371,10 +430,13 @@ class KvCacheHandle:
         blocks = -(-self.num_tokens // self._client.config.block_size)
         per_block = pool[0].numel() * pool.element_size()
         capacity = blocks * self._client.config.block_size
-        return CacheHandleStats(memory_bytes=blocks * per_block, blocks_allocated=blocks,
-                                tokens_stored=self.num_tokens,
-                                utilization=self.num_tokens / capacity if capacity else 0.0,
-                                last_access=self._last_access)
+        return CacheHandleStats(
+            memory_bytes=blocks * per_block,
+            blocks_allocated=blocks,
+            tokens_stored=self.num_tokens,
+            utilization=self.num_tokens / capacity if capacity else 0.0,
+            last_access=self._last_access,
+        )
 
     @property
     def client(self) -> Any:
@@ -411,13 +473,14 @@ class KvCacheHandle:
             PoolExhausted: not enough blocks (nothing changed).
         """
         if self._view_len is not None:
-            raise InvalidArgument("this handle views a fixed length (with_sequence_length); "
-                                  "extend a handle on the whole sequence")
+            raise InvalidArgument(
+                "this handle views a fixed length (with_sequence_length); "
+                "extend a handle on the whole sequence"
+            )
         return self._client.extend_many([(self, num_tokens, tokens)])[0]
 
     @overload
-    def commit(self, num_tokens: Optional[int] = None,
-               wait: Literal[True] = True) -> int: ...
+    def commit(self, num_tokens: Optional[int] = None, wait: Literal[True] = True) -> int: ...
 
     @overload
     def commit(self, num_tokens: Optional[int] = None, *, wait: Literal[False]) -> None: ...
@@ -439,23 +502,27 @@ class KvCacheHandle:
         self._check_open()
         n = self.num_tokens if num_tokens is None else num_tokens
         if not wait:
-            self._client._post("commit", cache_id=self._cache_id, num_tokens=n,
-                               tp_rank=self._client.tp_rank)
+            self._client._post(
+                "commit", cache_id=self._cache_id, num_tokens=n, tp_rank=self._client.tp_rank
+            )
             return None
-        return self._client.request("commit", cache_id=self._cache_id, num_tokens=n,
-                                    tp_rank=self._client.tp_rank)
+        return self._client.request(
+            "commit", cache_id=self._cache_id, num_tokens=n, tp_rank=self._client.tp_rank
+        )
 
     def clone_handle(self) -> "KvCacheHandle":
         """A new reference to the same sequence (no copy)."""
         self._check_open()
         return KvCacheHandle._from_info(
-            self._client, self._client.request("clone", cache_id=self._cache_id), self._view_len)
+            self._client, self._client.request("clone", cache_id=self._cache_id), self._view_len
+        )
 
     def fork(self) -> "KvCacheHandle":
         """A new sequence (new cache id) sharing every block; writes copy first."""
         self._check_open()
-        return KvCacheHandle._from_info(self._client,
-                                        self._client.request("fork", cache_id=self._cache_id))
+        return KvCacheHandle._from_info(
+            self._client, self._client.request("fork", cache_id=self._cache_id)
+        )
 
     def with_sequence_length(self, num_tokens: int) -> "KvCacheHandle":
         """A new reference to the same sequence that views its first ``num_tokens``."""
@@ -465,7 +532,8 @@ class KvCacheHandle:
         if not 0 <= num_tokens <= seq_len:
             raise OutOfRange(f"with_sequence_length({num_tokens}) outside [0, {seq_len}]")
         return KvCacheHandle._from_info(
-            self._client, self._client.request("clone", cache_id=self._cache_id), num_tokens)
+            self._client, self._client.request("clone", cache_id=self._cache_id), num_tokens
+        )
 
     def export(self, ttl: float = 60.0) -> bytes:
         """A one-shot hand-off token; ``client.open(token)`` in any process of this user
@@ -520,8 +588,10 @@ class KvCacheHandle:
         if isinstance(start, bool) or not isinstance(start, int):
             raise WrongType(f"start must be an int, got {type(start).__name__}")
         if start < 0 or start + n > limit:
-            raise OutOfRange(f"write of {n} tokens at {start} goes past the {limit} slots "
-                             f"reserved in {self.cache_id}; extend first")
+            raise OutOfRange(
+                f"write of {n} tokens at {start} goes past the {limit} slots "
+                f"reserved in {self.cache_id}; extend first"
+            )
         return start
 
     def _ensure_writable(self, view: SequenceView, start: int, n: int) -> SequenceView:
@@ -529,7 +599,7 @@ class KvCacheHandle:
         to write through (copy-on-write may have replaced blocks)."""
         bs = self._client.config.block_size
         owner, cid = self._client.owner, self._cache_id
-        blocks = view.blocks[start // bs:(start + n - 1) // bs + 1]
+        blocks = view.blocks[start // bs : (start + n - 1) // bs + 1]
         if len(blocks) == 1:
             writable = owner[blocks[0]] == cid
         else:  # one C-level pass over the shared owner array, not a Python loop per block
@@ -553,15 +623,17 @@ class KvCacheHandle:
     def _layer_rows(self, start: int, n: int, layer: int, which: int) -> torch.Tensor:
         """Rows of positions ``[start, start + n)`` of one layer's K (0) or V (1)."""
         cfg = self._client.config
-        return self._base()[start:start + n] + slots.layer_row(layer, which, cfg.num_blocks,
-                                                               cfg.block_size)
+        return self._base()[start : start + n] + slots.layer_row(
+            layer, which, cfg.num_blocks, cfg.block_size
+        )
 
     def _rows(self, start: int, n: int) -> torch.Tensor:
         """Rows of positions ``[start, start + n)`` in the pool's ``rows`` view:
         ``[2 * num_layers, n]``, row ``2 * layer + (0 for K, 1 for V)``."""
         cfg = self._client.config
-        return slots.all_layer_rows(self._base()[start:start + n], cfg.num_layers,
-                                    cfg.num_blocks, cfg.block_size)
+        return slots.all_layer_rows(
+            self._base()[start : start + n], cfg.num_layers, cfg.num_blocks, cfg.block_size
+        )
 
     def _spans(self, start: int, n: int) -> tuple:
         """``slots.spans`` of ``[start, start + n)`` for this table, cached per table."""
@@ -569,8 +641,15 @@ class KvCacheHandle:
         found = self._index_cache.get(key)
         if found is None:
             cfg = self._client.config
-            found = slots.spans(self._state.blocks, cfg.block_size, cfg.num_layers,
-                                cfg.num_blocks, start, n, self.device)
+            found = slots.spans(
+                self._state.blocks,
+                cfg.block_size,
+                cfg.num_layers,
+                cfg.num_blocks,
+                start,
+                n,
+                self.device,
+            )
             self._cache_index(key, found)
         return found
 
@@ -588,15 +667,17 @@ class KvCacheHandle:
             raise WrongType(f"out must be a torch.Tensor, got {type(out).__name__}")
         pool = self._client.pool
         if out.dtype != pool.dtype or out.device != pool.device:
-            raise InvalidArgument(f"out is {out.dtype} on {out.device}, the pool holds "
-                                  f"{pool.dtype} on {pool.device}")
+            raise InvalidArgument(
+                f"out is {out.dtype} on {out.device}, the pool holds {pool.dtype} on {pool.device}"
+            )
         if tuple(out.shape) != shape:
             raise InvalidArgument(f"out has shape {tuple(out.shape)}, expected {list(shape)}")
         if not out.is_contiguous():
             raise InvalidArgument("out is not contiguous")
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor,
-              start: Optional[int] = None) -> None:
+    def write(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, start: Optional[int] = None
+    ) -> None:
         """Write K and V (each ``[n, num_heads, head_dim]``) of one layer at positions
         ``[start, start + n)``; ``start`` defaults to the last ``n`` reserved slots.
 
@@ -634,11 +715,12 @@ class KvCacheHandle:
                 rows.narrow(0, head_row + offset, head_len).copy_(src[:head_len])
             if middle is not None:
                 full = middle.shape[1]
-                whole = src[head_len:head_len + full * bs] if head_len or tail_len else src
-                chunks.index_copy_(0, middle_rows[2 * layer + which],
-                                   whole.view(full, bs, *src.shape[1:]))
+                whole = src[head_len : head_len + full * bs] if head_len or tail_len else src
+                chunks.index_copy_(
+                    0, middle_rows[2 * layer + which], whole.view(full, bs, *src.shape[1:])
+                )
             if tail_len:
-                rows.narrow(0, tail_row + offset, tail_len).copy_(src[n - tail_len:])
+                rows.narrow(0, tail_row + offset, tail_len).copy_(src[n - tail_len :])
 
     def write_all(self, kv: torch.Tensor, start: Optional[int] = None) -> None:
         """Write every layer at once: ``kv`` is ``[num_layers, 2, n, num_heads, head_dim]``
@@ -647,8 +729,10 @@ class KvCacheHandle:
         if not isinstance(kv, torch.Tensor) or kv.dim() != 5:
             raise InvalidArgument("kv must be a tensor [num_layers, 2, n, num_heads, head_dim]")
         if tuple(kv.shape[:2]) != (self.num_layers, 2):
-            raise InvalidArgument(f"kv has shape {tuple(kv.shape)}, expected "
-                                  f"[{self.num_layers}, 2, n, {self.num_heads}, {self.head_dim}]")
+            raise InvalidArgument(
+                f"kv has shape {tuple(kv.shape)}, expected "
+                f"[{self.num_layers}, 2, n, {self.num_heads}, {self.head_dim}]"
+            )
         n = kv.shape[2]
         if not kv.is_contiguous():
             raise InvalidArgument("kv is not contiguous; pass kv.contiguous()")
@@ -686,13 +770,18 @@ class KvCacheHandle:
             return views.rows.index_select(0, self._layer_rows(0, n, layer, which))
         _, (middle, middle_rows), (tail_row, tail_len) = self._spans(0, n)
         full = middle.shape[1]
-        dst = out[:full * bs] if tail_len else out
-        torch.index_select(views.chunks, 0, middle_rows[2 * layer + which],
-                           out=dst.view(full, bs, *out.shape[1:]))
+        dst = out[: full * bs] if tail_len else out
+        torch.index_select(
+            views.chunks, 0, middle_rows[2 * layer + which], out=dst.view(full, bs, *out.shape[1:])
+        )
         if tail_len:
-            out[n - tail_len:].copy_(views.rows.narrow(
-                0, tail_row + slots.layer_row(layer, which, self._client.config.num_blocks, bs),
-                tail_len))
+            out[n - tail_len :].copy_(
+                views.rows.narrow(
+                    0,
+                    tail_row + slots.layer_row(layer, which, self._client.config.num_blocks, bs),
+                    tail_len,
+                )
+            )
         return out
 
     def key_cache(self, layer: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -733,11 +822,11 @@ class KvCacheHandle:
         _, (middle, _), (_, tail_len) = self._spans(0, n)
         if not tail_len:  # whole blocks: one memcpy per block and layer
             bs = self._client.config.block_size
-            torch.index_select(views.chunks, 0, middle.view(-1),
-                               out=out.view(-1, bs, *shape[3:]))
+            torch.index_select(views.chunks, 0, middle.view(-1), out=out.view(-1, bs, *shape[3:]))
         else:
-            torch.index_select(views.rows, 0, self._rows(0, n).view(-1),
-                               out=out.view(-1, *shape[3:]))
+            torch.index_select(
+                views.rows, 0, self._rows(0, n).view(-1), out=out.view(-1, *shape[3:])
+            )
         return out
 
     def paged_kv(self, layer: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

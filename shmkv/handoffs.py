@@ -26,6 +26,7 @@ class _Handoff:
 
 class Handoffs(Refs):
     """Hand-off tokens and their expiry (see the module doc)."""
+
     def export(self, conn_id: int, cache_id: int, ttl: float) -> bytes:
         """A one-shot token that gives its opener a reference, until ``ttl`` seconds pass.
 
@@ -33,14 +34,20 @@ class Handoffs(Refs):
         It carries a 128-bit random secret: knowing the cache id is not enough.
         """
         seq = self._held(conn_id, cache_id)
-        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not (
-                0 < ttl <= self.max_handoff_ttl):
-            raise InvalidArgument(f"ttl must be in (0, {self.max_handoff_ttl}] seconds, "
-                                  f"got {ttl!r}")
+        if (
+            isinstance(ttl, bool)
+            or not isinstance(ttl, (int, float))
+            or not (0 < ttl <= self.max_handoff_ttl)
+        ):
+            raise InvalidArgument(
+                f"ttl must be in (0, {self.max_handoff_ttl}] seconds, got {ttl!r}"
+            )
         self.expire()
         if len(self.handoffs) >= self.max_handoffs:
-            raise LimitExceeded(f"{len(self.handoffs)} hand-offs outstanding, the limit is "
-                                f"{self.max_handoffs}; open or let some expire first")
+            raise LimitExceeded(
+                f"{len(self.handoffs)} hand-offs outstanding, the limit is "
+                f"{self.max_handoffs}; open or let some expire first"
+            )
         handoff_id = self._next_handoff_id
         self._next_handoff_id += 1
         secret = os.urandom(16)
@@ -48,7 +55,7 @@ class Handoffs(Refs):
         self.handoffs[handoff_id] = _Handoff(secret, seq.cache_id, deadline)
         heapq.heappush(self._handoff_heap, (deadline, handoff_id))
         seq.num_refs += 1
-        self._touch(seq.slot)   # its opener may extend it too
+        self._touch(seq.slot)  # its opener may extend it too
         self.counters["exported_handoffs"] += 1
         return bytes([TOKEN_VERSION]) + handoff_id.to_bytes(8, "big") + secret
 

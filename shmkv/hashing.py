@@ -27,15 +27,16 @@ _ROOT_TAG = b"shmkv-prefix-v1"
 
 def root_key(extra_key: Optional[bytes] = None) -> bytes:
     """The parent key of a sequence's first block, for namespace ``extra_key``."""
-    if not extra_key:   # the common case, without a call (cold, the cached call took 12 us)
+    if not extra_key:  # the common case, without a call (cold, the cached call took 12 us)
         return _NO_SALT_ROOT
     return _root_key(bytes(extra_key))
 
 
-@lru_cache(maxsize=1024)   # one per salt in use: the loop asks for it every prompt
+@lru_cache(maxsize=1024)  # one per salt in use: the loop asks for it every prompt
 def _root_key(extra: bytes) -> bytes:
-    return hashlib.blake2b(_ROOT_TAG + len(extra).to_bytes(4, "little") + extra,
-                           digest_size=KEY_SIZE).digest()
+    return hashlib.blake2b(
+        _ROOT_TAG + len(extra).to_bytes(4, "little") + extra, digest_size=KEY_SIZE
+    ).digest()
 
 
 _NO_SALT_ROOT = _root_key(b"")
@@ -53,7 +54,7 @@ def unpack_tokens(packed: bytes, start: int = 0) -> List[int]:
     """The token ids of :func:`pack_tokens` bytes, from token ``start`` on. Plain Python
     rather than numpy: the loop calls it for every prompt, and after its sleeps a numpy
     call costs it twice as much as this (its code comes back from memory too)."""
-    tokens = array("q", packed[8 * start:])
+    tokens = array("q", packed[8 * start :])
     if _BIG_ENDIAN:
         tokens.byteswap()
     return tokens.tolist()
@@ -73,7 +74,7 @@ def packed_block_keys(data: bytes, block_size: int, parent: bytes) -> List[bytes
     keys = []
     blake2b = hashlib.blake2b  # hot loop: one C call per block
     for offset in range(0, (len(data) // step) * step, step):
-        parent = blake2b(parent + data[offset:offset + step], digest_size=KEY_SIZE).digest()
+        parent = blake2b(parent + data[offset : offset + step], digest_size=KEY_SIZE).digest()
         keys.append(parent)
     return keys
 
@@ -86,13 +87,13 @@ def split_keys(joined: bytes) -> List[bytes]:
     num = len(joined) // KEY_SIZE
     if num <= _SPLIT_MAX:
         return list(_keys_struct(num).unpack(joined))
-    return [joined[i:i + KEY_SIZE] for i in range(0, num * KEY_SIZE, KEY_SIZE)]
+    return [joined[i : i + KEY_SIZE] for i in range(0, num * KEY_SIZE, KEY_SIZE)]
 
 
-_SPLIT_MAX = 128   # (their Structs: 32 bytes a key, about 260 KB for all)
+_SPLIT_MAX = 128  # (their Structs: 32 bytes a key, about 260 KB for all)
 
 
-@lru_cache(maxsize=None)   # at most _SPLIT_MAX + 1 of them
+@lru_cache(maxsize=None)  # at most _SPLIT_MAX + 1 of them
 def _keys_struct(num: int) -> struct.Struct:
     return struct.Struct(f"{KEY_SIZE}s" * num)
 
@@ -104,7 +105,7 @@ def token_list(tokens: Iterable[SupportsIndex]) -> List[int]:
         tokens = tokens.tolist()
     tokens = list(tokens)
     if all(type(t) is int for t in tokens):
-        return cast(List[int], tokens)   # (each one an int, checked just above)
+        return cast(List[int], tokens)  # (each one an int, checked just above)
     out = []
     for t in tokens:
         if isinstance(t, bool):

@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 
 from .errors import InvalidArgument, WrongType
 
-if TYPE_CHECKING:   # (annotations only: torch_dtype alone imports torch, when called)
+if TYPE_CHECKING:  # (annotations only: torch_dtype alone imports torch, when called)
     import torch
 
-LAYOUT_VERSION = 2          # 1: stored block-major; 2: stored layer-major
-BLOCK_FORMAT_VERSION = 1    # the order of one block's bytes when copied out of the pool
+LAYOUT_VERSION = 2  # 1: stored block-major; 2: stored layer-major
+BLOCK_FORMAT_VERSION = 1  # the order of one block's bytes when copied out of the pool
 DEFAULT_MAX_SEQ_LEN = 32768
 MAX_SEQUENCES = 1 << 20
 MAX_TABLE_BYTES = 1 << 30
@@ -42,13 +42,28 @@ MAX_TABLE_BYTES = 1 << 30
 # name -> bytes per element. The names are torch's attribute names. The 1-byte types
 # are quantized pools: their bytes are stored exactly, and the scale that turns them
 # back into values is the caller's (``Client.set_kv_scales`` keeps one per layer).
-DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8,
-               "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1}
+DTYPE_SIZES = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float64": 8,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+}
 QUANTIZED_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2", "int8"})
-_DTYPE_ALIASES = {"half": "float16", "float": "float32", "double": "float64", "fp16": "float16",
-                  "bf16": "bfloat16", "fp32": "float32", "fp8": "float8_e4m3fn",
-                  "fp8_e4m3": "float8_e4m3fn", "float8": "float8_e4m3fn",
-                  "fp8_e5m2": "float8_e5m2"}
+_DTYPE_ALIASES = {
+    "half": "float16",
+    "float": "float32",
+    "double": "float64",
+    "fp16": "float16",
+    "bf16": "bfloat16",
+    "fp32": "float32",
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "float8": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+}
 
 
 def dtype_name(dtype: Any) -> str:
@@ -60,13 +75,15 @@ def dtype_name(dtype: Any) -> str:
         name = str(dtype).removeprefix("torch.")
     if name not in DTYPE_SIZES:
         raise InvalidArgument(
-            f"unsupported dtype {dtype!r}: use one of {', '.join(sorted(DTYPE_SIZES))}")
+            f"unsupported dtype {dtype!r}: use one of {', '.join(sorted(DTYPE_SIZES))}"
+        )
     return name
 
 
 def torch_dtype(name: str) -> torch.dtype:
     """Return the ``torch.dtype`` for a canonical dtype name."""
     import torch
+
     return getattr(torch, name)
 
 
@@ -129,31 +146,44 @@ class PoolConfig:
     max_seq_len: Optional[int] = None
 
     def __post_init__(self) -> None:
-        for field in ("num_layers", "num_kv_heads", "head_dim", "num_blocks", "block_size",
-                      "tp_size", "max_sequences"):
+        for field in (
+            "num_layers",
+            "num_kv_heads",
+            "head_dim",
+            "num_blocks",
+            "block_size",
+            "tp_size",
+            "max_sequences",
+        ):
             _check_positive(field, getattr(self, field))
         if self.max_seq_len is None:
-            object.__setattr__(self, "max_seq_len",
-                               min(self.num_blocks * self.block_size, DEFAULT_MAX_SEQ_LEN))
+            object.__setattr__(
+                self, "max_seq_len", min(self.num_blocks * self.block_size, DEFAULT_MAX_SEQ_LEN)
+            )
         _check_positive("max_seq_len", self.max_seq_len)
         if self.max_sequences > MAX_SEQUENCES:
-            raise InvalidArgument(f"PoolConfig.max_sequences={self.max_sequences} is above "
-                                  f"the supported {MAX_SEQUENCES}")
+            raise InvalidArgument(
+                f"PoolConfig.max_sequences={self.max_sequences} is above "
+                f"the supported {MAX_SEQUENCES}"
+            )
         if self.table_nbytes > MAX_TABLE_BYTES:
             raise InvalidArgument(
                 f"shared block tables of max_sequences={self.max_sequences} x "
                 f"{self.max_seq_blocks} blocks (max_seq_len={self.max_seq_len}) would take "
-                f"{self.table_nbytes / 2**20:.0f} MiB; lower max_sequences or max_seq_len")
+                f"{self.table_nbytes / 2**20:.0f} MiB; lower max_sequences or max_seq_len"
+            )
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
         object.__setattr__(self, "device", normalize_device(self.device))
         if self.num_kv_heads % self.tp_size:
             raise InvalidArgument(
-                f"num_kv_heads={self.num_kv_heads} is not divisible by tp_size={self.tp_size}")
+                f"num_kv_heads={self.num_kv_heads} is not divisible by tp_size={self.tp_size}"
+            )
         if self.devices is not None:
             devices = tuple(normalize_device(d) for d in self.devices)
             if len(devices) != self.tp_size:
-                raise InvalidArgument(f"devices has {len(devices)} entries, "
-                                      f"tp_size={self.tp_size} needs one per rank")
+                raise InvalidArgument(
+                    f"devices has {len(devices)} entries, tp_size={self.tp_size} needs one per rank"
+                )
             if any(d == "cpu" for d in devices) != (self.device == "cpu"):
                 raise InvalidArgument("devices and device must be all 'cpu' or all CUDA")
             object.__setattr__(self, "devices", devices)
@@ -173,15 +203,27 @@ class PoolConfig:
     @property
     def shape(self) -> tuple:
         """Shape of the whole pool (all heads)."""
-        return (self.num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads,
-                self.head_dim)
+        return (
+            self.num_blocks,
+            self.num_layers,
+            2,
+            self.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+        )
 
     @property
     def storage_shape(self) -> tuple:
         """Shape of the pool's memory in storage order (layer-major): ``shape`` with the
         block axis moved after the layer and K/V axes."""
-        return (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads,
-                self.head_dim)
+        return (
+            self.num_layers,
+            2,
+            self.num_blocks,
+            self.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+        )
 
     @property
     def chunk_nbytes(self) -> int:
@@ -192,8 +234,14 @@ class PoolConfig:
     @property
     def block_nbytes(self) -> int:
         """Bytes of one block: all layers, K and V, all heads."""
-        return (self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
-                * self.itemsize)
+        return (
+            self.num_layers
+            * 2
+            * self.block_size
+            * self.num_kv_heads
+            * self.head_dim
+            * self.itemsize
+        )
 
     @property
     def nbytes(self) -> int:
@@ -203,7 +251,7 @@ class PoolConfig:
     def max_seq_blocks(self) -> int:
         """Entries of one sequence's shared block table."""
         max_seq_len = self.max_seq_len
-        assert max_seq_len is not None   # set by __post_init__
+        assert max_seq_len is not None  # set by __post_init__
         return -(-max_seq_len // self.block_size)
 
     @property
@@ -230,12 +278,19 @@ class PoolConfig:
 
     def to_wire(self) -> dict:
         """A msgpack-able dict of this config (names and ints only)."""
-        return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
-                "head_dim": self.head_dim, "num_blocks": self.num_blocks,
-                "block_size": self.block_size, "dtype": self.dtype, "device": self.device,
-                "tp_size": self.tp_size,
-                "devices": list(self.devices) if self.devices is not None else None,
-                "max_sequences": self.max_sequences, "max_seq_len": self.max_seq_len}
+        return {
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "num_blocks": self.num_blocks,
+            "block_size": self.block_size,
+            "dtype": self.dtype,
+            "device": self.device,
+            "tp_size": self.tp_size,
+            "devices": list(self.devices) if self.devices is not None else None,
+            "max_sequences": self.max_sequences,
+            "max_seq_len": self.max_seq_len,
+        }
 
     @classmethod
     def from_wire(cls, data: dict) -> "PoolConfig":
@@ -247,8 +302,15 @@ class PoolConfig:
 
     def fingerprint(self) -> str:
         """A hex digest of everything that decides where a byte lives in the pool."""
-        text = repr((LAYOUT_VERSION, self.shape, self.dtype, self.tp_size,
-                     "layer-major[num_layers,2,num_blocks,block_size,heads,head_dim]"))
+        text = repr(
+            (
+                LAYOUT_VERSION,
+                self.shape,
+                self.dtype,
+                self.tp_size,
+                "layer-major[num_layers,2,num_blocks,block_size,heads,head_dim]",
+            )
+        )
         return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
     def block_fingerprint(self, scales: Optional[Iterable[float]] = None) -> str:
@@ -261,8 +323,13 @@ class PoolConfig:
         that keep blocks past the pool (disk, Redis) name their blocks by them too, and
         blocks stored under some scales are never read under others. Ignored for pools
         that are not quantized (their fingerprint never depends on scales)."""
-        parts: tuple = (BLOCK_FORMAT_VERSION, self.shape[1:], self.dtype, self.tp_size,
-                        "block[num_layers,2,block_size,heads,head_dim]")
+        parts: tuple = (
+            BLOCK_FORMAT_VERSION,
+            self.shape[1:],
+            self.dtype,
+            self.tp_size,
+            "block[num_layers,2,block_size,heads,head_dim]",
+        )
         if scales is not None and self.is_quantized:
             parts += (tuple(float(x) for x in scales),)
         return hashlib.blake2b(repr(parts).encode(), digest_size=16).hexdigest()

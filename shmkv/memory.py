@@ -22,7 +22,7 @@ from .layout import PoolConfig, torch_dtype
 from .tables import SEQ_FIELDS, TableLayout
 from .views import pool_view, storage_view  # used here, and still importable from here
 
-if TYPE_CHECKING:   # (torch is imported where memory is mapped)
+if TYPE_CHECKING:  # (torch is imported where memory is mapped)
     import mmap
 
     import numpy as np
@@ -75,16 +75,19 @@ class PoolMemory:
         cfg = self.config
         if tp_rank is None:
             if cfg.is_cuda and cfg.tp_size > 1:
-                raise LayoutMismatch("a CUDA pool with tp_size > 1 has one pool per rank: "
-                                     "connect with tp_rank= and tp_size=")
+                raise LayoutMismatch(
+                    "a CUDA pool with tp_size > 1 has one pool per rank: "
+                    "connect with tp_rank= and tp_size="
+                )
             return self.device_pools[0]
         if tp_size != cfg.tp_size:
-            raise LayoutMismatch(f"tp_size={tp_size} but the pool was built with "
-                                 f"tp_size={cfg.tp_size}")
+            raise LayoutMismatch(
+                f"tp_size={tp_size} but the pool was built with tp_size={cfg.tp_size}"
+            )
         if cfg.is_cuda:
             return self.device_pools[tp_rank]
         heads = cfg.heads_per_rank
-        return self.device_pools[0][..., tp_rank * heads:(tp_rank + 1) * heads, :]
+        return self.device_pools[0][..., tp_rank * heads : (tp_rank + 1) * heads, :]
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one block (all layers, K and V, every rank): ``2 * num_layers`` chunks."""
@@ -94,18 +97,24 @@ class PoolMemory:
     def _map_meta(self, fd: int, nbytes: int, writable: bool) -> None:
         layout = self.layout
         if nbytes != layout.nbytes:
-            raise LayoutMismatch(f"metadata segment of {nbytes} bytes, expected "
-                                 f"{layout.nbytes}")
+            raise LayoutMismatch(f"metadata segment of {nbytes} bytes, expected {layout.nbytes}")
         self._meta_map = shm.map_bytes(fd, nbytes, writable)
         self.owner, self.epoch, self.seq, self.table = layout.views(self._meta_map)
         self.scale_lock, self.scales = layout.scale_views(self._meta_map)
         import torch
+
         raw = shm.map_tensor(fd, nbytes)  # the storage keeps its own mapping alive
-        self.owner_t = raw[layout.owner_offset:layout.epoch_offset].view(torch.int64)
-        self.seq_t = raw[layout.seq_offset:layout.table_offset].view(torch.int64).view(
-            layout.max_sequences, SEQ_FIELDS)
-        self.table_t = raw[layout.table_offset:layout.nbytes].view(torch.int32).view(
-            layout.max_sequences, layout.max_seq_blocks)
+        self.owner_t = raw[layout.owner_offset : layout.epoch_offset].view(torch.int64)
+        self.seq_t = (
+            raw[layout.seq_offset : layout.table_offset]
+            .view(torch.int64)
+            .view(layout.max_sequences, SEQ_FIELDS)
+        )
+        self.table_t = (
+            raw[layout.table_offset : layout.nbytes]
+            .view(torch.int32)
+            .view(layout.max_sequences, layout.max_seq_blocks)
+        )
         # numpy views of the same memory (its storage still owns the mapping): a batch
         # step's small index arithmetic costs about a microsecond an op in numpy
         self.seq_np, self.table_np = self.seq_t.numpy(), self.table_t.numpy()
@@ -142,9 +151,9 @@ def block_bytes(pool):
     chunk bytes]`` (no copy). Block ``b``'s bytes are ``[b]``: its layers' K and V in
     order, each row contiguous, rows ``num_blocks`` chunks apart."""
     import torch
+
     num_blocks, num_layers = pool.shape[0], pool.shape[1]
-    return (storage_view(pool).view(2 * num_layers, num_blocks, -1).view(torch.uint8)
-            .transpose(0, 1))
+    return storage_view(pool).view(2 * num_layers, num_blocks, -1).view(torch.uint8).transpose(0, 1)
 
 
 def create_pool(config: PoolConfig) -> PoolMemory:
@@ -156,12 +165,13 @@ def create_pool(config: PoolConfig) -> PoolMemory:
         memory.fds.append(meta_fd)
         memory._map_meta(meta_fd, meta_bytes, writable=True)
         scales = memory.scales
-        assert scales is not None   # (mapped just now)
+        assert scales is not None  # (mapped just now)
         for i in range(len(scales)):  # K/V scales are 1.0 until a caller sets them
             scales[i] = 1.0
         memory.descriptor = {"meta_bytes": meta_bytes, "fingerprint": config.fingerprint()}
         if config.is_cuda:
             from . import cuda
+
             memory.device_pools = cuda.allocate_pools(config)
             memory.descriptor["cuda"] = [cuda.export_tensor(t) for t in memory.device_pools]
         else:
@@ -184,15 +194,19 @@ def attach_pool(config: PoolConfig, descriptor: dict, fds: List[int]) -> PoolMem
     memory.fds = list(fds)
     try:
         if descriptor.get("fingerprint") != config.fingerprint():
-            raise LayoutMismatch("pool layout fingerprint differs from the coordinator's "
-                                 "description; client and coordinator versions disagree")
+            raise LayoutMismatch(
+                "pool layout fingerprint differs from the coordinator's "
+                "description; client and coordinator versions disagree"
+            )
         expected_fds = 1 if config.is_cuda else 2
         if len(fds) != expected_fds:
-            raise LayoutMismatch(f"handshake passed {len(fds)} descriptors, expected "
-                                 f"{expected_fds}")
+            raise LayoutMismatch(
+                f"handshake passed {len(fds)} descriptors, expected {expected_fds}"
+            )
         memory._map_meta(fds[0], descriptor["meta_bytes"], writable=False)
         if config.is_cuda:
             from . import cuda
+
             memory.device_pools = [cuda.open_tensor(d) for d in descriptor["cuda"]]
         else:
             memory.device_pools = [_typed(shm.map_tensor(fds[1], config.nbytes), config)]
@@ -201,4 +215,3 @@ def attach_pool(config: PoolConfig, descriptor: dict, fds: List[int]) -> PoolMem
         raise
     memory.close_fds()
     return memory
-

@@ -46,13 +46,27 @@ log = logging.getLogger("shmkv.metrics")
 # sum]`` as a plain list: observing a request is a clock read, a bisect and two adds
 # (see ``Coordinator._handle``). Here, not in the coordinator, so that the coordinator
 # imports this module and never the other way round.
-LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3,
-                   50e-3, 100e-3, 250e-3, 1.0)
+LATENCY_BUCKETS = (
+    25e-6,
+    50e-6,
+    100e-6,
+    250e-6,
+    500e-6,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    10e-3,
+    25e-3,
+    50e-3,
+    100e-3,
+    250e-3,
+    1.0,
+)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 DEFAULT_MAX_CONNECTIONS = 16
-DEFAULT_TIMEOUT = 5.0          # seconds for one connection's whole exchange
-_MAX_HEAD = 8192               # bytes of a request line and headers
+DEFAULT_TIMEOUT = 5.0  # seconds for one connection's whole exchange
+_MAX_HEAD = 8192  # bytes of a request line and headers
 _WARN_EVERY_S = 10.0
 # The least time between two renders of /metrics. Requests that arrive sooner wait (in
 # the selector, without the GIL) and share the next render, so no scraper, however
@@ -64,11 +78,10 @@ MIN_RENDER_INTERVAL_S = 0.05
 # -- the series ------------------------------------------------------------------------------
 
 Labels = Tuple[Tuple[str, str], ...]
-Sample = Tuple[str, Labels, float]                        # (sample name, labels, value)
-Family = Tuple[str, str, str, Optional[List[Sample]]]     # (name, type, help, samples)
+Sample = Tuple[str, Labels, float]  # (sample name, labels, value)
+Family = Tuple[str, str, str, Optional[List[Sample]]]  # (name, type, help, samples)
 
-_LATENCY_DOC = ("Time the coordinator's loop spent on a request (decode, handle, encode), "
-                "by op")
+_LATENCY_DOC = "Time the coordinator's loop spent on a request (decode, handle, encode), by op"
 
 
 def _latency_samples(op: str, values: Sequence[float]) -> List[Sample]:
@@ -77,8 +90,13 @@ def _latency_samples(op: str, values: Sequence[float]) -> List[Sample]:
     total = 0.0
     for bound, num in zip(LATENCY_BUCKETS, values):
         total += num
-        out.append(("shmkv_request_duration_seconds_bucket",
-                    (("op", op), ("le", floatToGoString(bound))), total))
+        out.append(
+            (
+                "shmkv_request_duration_seconds_bucket",
+                (("op", op), ("le", floatToGoString(bound))),
+                total,
+            )
+        )
     total += values[len(LATENCY_BUCKETS)]
     out.append(("shmkv_request_duration_seconds_bucket", (("op", op), ("le", "+Inf")), total))
     out.append(("shmkv_request_duration_seconds_count", (("op", op),), total))
@@ -104,76 +122,161 @@ def families(coord, latency: bool = True) -> List[Family]:
     def counter(name, doc, value):
         out.append((name, "counter", doc, [(name + "_total", (), value)]))
 
-    samples: List[Sample] = [("shmkv_blocks", (("tier", tier), ("state", state)), num)
-               for tier, states in coord.block_counts().items() for state, num in states.items()]
-    out.append(("shmkv_blocks", "gauge",
-                "Blocks by tier and state: free (no data), cached (unreferenced, kept for "
-                "prefix hits, evictable), referenced (held by a sequence)", samples))
+    samples: List[Sample] = [
+        ("shmkv_blocks", (("tier", tier), ("state", state)), num)
+        for tier, states in coord.block_counts().items()
+        for state, num in states.items()
+    ]
+    out.append(
+        (
+            "shmkv_blocks",
+            "gauge",
+            "Blocks by tier and state: free (no data), cached (unreferenced, kept for "
+            "prefix hits, evictable), referenced (held by a sequence)",
+            samples,
+        )
+    )
     gauge("shmkv_pool_blocks", "Blocks in the pool", cfg.num_blocks)
     gauge("shmkv_pool_bytes", "Bytes of K/V memory in the pool", cfg.nbytes)
     gauge("shmkv_block_bytes", "Bytes of one block (all layers, K and V)", cfg.block_nbytes)
     gauge("shmkv_sequences", "Live sequences", table.num_sequences)
-    gauge("shmkv_prefix_index_blocks", "Blocks published in the prefix index",
-          len(table.pool.prefix_index))
+    gauge(
+        "shmkv_prefix_index_blocks",
+        "Blocks published in the prefix index",
+        len(table.pool.prefix_index),
+    )
     for name, key, doc in (
-            ("shmkv_prefix_hit_tokens", "prefix_hit_tokens",
-             "Prompt tokens found in the prefix cache at allocation"),
-            ("shmkv_prefix_miss_tokens", "prefix_miss_tokens",
-             "Prompt tokens not found in the prefix cache at allocation"),
-            ("shmkv_prefix_hit_blocks", "prefix_hit_blocks",
-             "Full prompt blocks found in the prefix cache"),
-            ("shmkv_prefix_miss_blocks", "prefix_miss_blocks",
-             "Full prompt blocks not found in the prefix cache"),
-            ("shmkv_cow_copies", "cow_copies", "Blocks copied on write"),
-            ("shmkv_published_blocks", "published_blocks",
-             "Blocks published for prefix reuse (committed by every rank)")):
+        (
+            "shmkv_prefix_hit_tokens",
+            "prefix_hit_tokens",
+            "Prompt tokens found in the prefix cache at allocation",
+        ),
+        (
+            "shmkv_prefix_miss_tokens",
+            "prefix_miss_tokens",
+            "Prompt tokens not found in the prefix cache at allocation",
+        ),
+        (
+            "shmkv_prefix_hit_blocks",
+            "prefix_hit_blocks",
+            "Full prompt blocks found in the prefix cache",
+        ),
+        (
+            "shmkv_prefix_miss_blocks",
+            "prefix_miss_blocks",
+            "Full prompt blocks not found in the prefix cache",
+        ),
+        ("shmkv_cow_copies", "cow_copies", "Blocks copied on write"),
+        (
+            "shmkv_published_blocks",
+            "published_blocks",
+            "Blocks published for prefix reuse (committed by every rank)",
+        ),
+    ):
         counter(name, doc, counters.get(key, 0))
-    by_client = sorted((name, tuple(counts)) for name, counts in
-                       list(coord.client_counts.items()))
+    by_client = sorted((name, tuple(counts)) for name, counts in list(coord.client_counts.items()))
     for name, index, doc in (
-            ("shmkv_client_prefix_hit_tokens", 0,
-             "Prompt tokens found in the prefix cache at allocation, by client name (as "
-             "the client said at connect; unnamed, or other past 64 names)"),
-            ("shmkv_client_prefix_miss_tokens", 1,
-             "Prompt tokens not found in the prefix cache at allocation, by client name")):
-        out.append((name, "counter", doc, [(name + "_total", (("client", client),), counts[index])
-                                           for client, counts in by_client]))
+        (
+            "shmkv_client_prefix_hit_tokens",
+            0,
+            "Prompt tokens found in the prefix cache at allocation, by client name (as "
+            "the client said at connect; unnamed, or other past 64 names)",
+        ),
+        (
+            "shmkv_client_prefix_miss_tokens",
+            1,
+            "Prompt tokens not found in the prefix cache at allocation, by client name",
+        ),
+    ):
+        out.append(
+            (
+                name,
+                "counter",
+                doc,
+                [
+                    (name + "_total", (("client", client),), counts[index])
+                    for client, counts in by_client
+                ],
+            )
+        )
     counter("shmkv_evictions", "Cached blocks evicted to make room", table.pool.num_evictions)
-    counter("shmkv_copies_discarded", "Copies of blocks into or out of the pool (tiers, the "
-            "store) dropped because the block no longer held their key once copied",
-            table.pool.num_copies_discarded)
+    counter(
+        "shmkv_copies_discarded",
+        "Copies of blocks into or out of the pool (tiers, the "
+        "store) dropped because the block no longer held their key once copied",
+        table.pool.num_copies_discarded,
+    )
     if coord.tiers is not None:
         tier_io = coord.tiers.io_stats()
-        counter("shmkv_tier_lost_evictions", "Blocks the pool evicted that no tier held or "
-                "could take (their copy down a tier was not done, and no room to rescue it)",
-                tier_io.get("lost_evictions", 0))
-        counter("shmkv_tier_rescued_evictions", "Blocks the pool evicted before their copy "
-                "down a tier was done, copied by the coordinator's loop at eviction",
-                tier_io.get("rescued_evictions", 0))
-    out.append(("shmkv_handoffs", "counter", "Hand-off tokens by event",
-                [("shmkv_handoffs_total", (("event", event),),
-                  counters.get(f"{event}_handoffs", 0))
-                 for event in ("exported", "opened", "expired")]))
-    gauge("shmkv_handoffs_outstanding", "Hand-off tokens exported and not yet opened or expired",
-          len(table.handoffs))
+        counter(
+            "shmkv_tier_lost_evictions",
+            "Blocks the pool evicted that no tier held or "
+            "could take (their copy down a tier was not done, and no room to rescue it)",
+            tier_io.get("lost_evictions", 0),
+        )
+        counter(
+            "shmkv_tier_rescued_evictions",
+            "Blocks the pool evicted before their copy "
+            "down a tier was done, copied by the coordinator's loop at eviction",
+            tier_io.get("rescued_evictions", 0),
+        )
+    out.append(
+        (
+            "shmkv_handoffs",
+            "counter",
+            "Hand-off tokens by event",
+            [
+                ("shmkv_handoffs_total", (("event", event),), counters.get(f"{event}_handoffs", 0))
+                for event in ("exported", "opened", "expired")
+            ],
+        )
+    )
+    gauge(
+        "shmkv_handoffs_outstanding",
+        "Hand-off tokens exported and not yet opened or expired",
+        len(table.handoffs),
+    )
     gauge("shmkv_connections_open", "Client connections open now", len(coord._conns))
-    out.append(("shmkv_connections", "counter",
-                "Client connections by event: accepted, refused (another user, or "
-                "max_connections reached), closed (cleanly or not)",
-                [("shmkv_connections_total", (("event", "accepted"),), coord.num_accepted),
-                 ("shmkv_connections_total", (("event", "refused"),), coord.num_refused),
-                 ("shmkv_connections_total", (("event", "closed"),), coord.num_dropped)]))
-    out.append(("shmkv_ops", "counter", "Requests served, by op",
-                [("shmkv_ops_total", (("op", op),), num)
-                 for op, num in sorted(dict(coord.ops_by_type).items())]))
-    counter("shmkv_request_errors", "Requests answered with an error (any code)",
-            coord.num_errors)
+    out.append(
+        (
+            "shmkv_connections",
+            "counter",
+            "Client connections by event: accepted, refused (another user, or "
+            "max_connections reached), closed (cleanly or not)",
+            [
+                ("shmkv_connections_total", (("event", "accepted"),), coord.num_accepted),
+                ("shmkv_connections_total", (("event", "refused"),), coord.num_refused),
+                ("shmkv_connections_total", (("event", "closed"),), coord.num_dropped),
+            ],
+        )
+    )
+    out.append(
+        (
+            "shmkv_ops",
+            "counter",
+            "Requests served, by op",
+            [
+                ("shmkv_ops_total", (("op", op),), num)
+                for op, num in sorted(dict(coord.ops_by_type).items())
+            ],
+        )
+    )
+    counter("shmkv_request_errors", "Requests answered with an error (any code)", coord.num_errors)
 
     if latency:
-        out.append(("shmkv_request_duration_seconds", "histogram", _LATENCY_DOC,
-                    [sample for op, values in sorted(dict(coord.latency).items())
-                     for sample in _latency_samples(op, list(values))]))
-    else:   # render() formats it per op, reusing the text of ops that did not move
+        out.append(
+            (
+                "shmkv_request_duration_seconds",
+                "histogram",
+                _LATENCY_DOC,
+                [
+                    sample
+                    for op, values in sorted(dict(coord.latency).items())
+                    for sample in _latency_samples(op, list(values))
+                ],
+            )
+        )
+    else:  # render() formats it per op, reusing the text of ops that did not move
         out.append(("shmkv_request_duration_seconds", "histogram", _LATENCY_DOC, None))
     uptime = time.monotonic() - coord._started_at if coord._started_at else 0.0
     gauge("shmkv_uptime_seconds", "Seconds since the coordinator opened", uptime)
@@ -187,7 +290,7 @@ def _label(value: str) -> str:
 def _number(value) -> str:
     """A sample value as Prometheus' Go client writes it (``1.0``, ``1e+09``, ``+Inf``),
     the spelling ``prometheus_client`` gives too."""
-    if type(value) is int and -10**15 < value < 10**6:   # most samples: no call needed
+    if type(value) is int and -(10**15) < value < 10**6:  # most samples: no call needed
         return f"{value}.0"
     return floatToGoString(value)
 
@@ -218,7 +321,7 @@ def render(coord, cache: Optional[dict] = None) -> bytes:
             _lines(lines, samples)
             continue
         for op, values in sorted(dict(coord.latency).items()):
-            values = tuple(values)   # a copy: the loop keeps adding to the original
+            values = tuple(values)  # a copy: the loop keeps adding to the original
             kept = cache.get(op)
             if kept is None or kept[0] != values:
                 chunk: List[str] = []
@@ -245,14 +348,16 @@ class CoordinatorCollector:
 
     def collect(self) -> Iterator:
         from prometheus_client.core import Metric
+
         for name, kind, doc, samples in families(self._coord):
             metric = Metric(name, doc, kind)
-            for sample, labels, value in samples or ():   # (all given, with latency)
+            for sample, labels, value in samples or ():  # (all given, with latency)
                 metric.add_sample(sample, dict(labels), value)
             yield metric
 
 
 # -- the server ------------------------------------------------------------------------------
+
 
 class _Http:
     __slots__ = ("sock", "peer", "deadline", "head", "out", "sent", "head_only")
@@ -260,14 +365,16 @@ class _Http:
     def __init__(self, sock, peer, deadline):
         self.sock, self.peer, self.deadline = sock, peer, deadline
         self.head = bytearray()
-        self.out: Optional[bytes] = None   # b"": waiting for the next render
+        self.out: Optional[bytes] = None  # b"": waiting for the next render
         self.sent = 0
         self.head_only = False
 
 
 def _response(status: str, kind: str, body: bytes, head_only: bool = False) -> bytes:
-    head = (f"HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n"
-            "Connection: close\r\n\r\n").encode("ascii")
+    head = (
+        f"HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n"
+    ).encode("ascii")
     return head if head_only else head + body
 
 
@@ -277,11 +384,13 @@ def _bind_address(host: str, port: int) -> Tuple[int, tuple, bool]:
         raise InvalidArgument(f"metrics_host must be a string, got {host!r}")
     name = host or "0.0.0.0"
     try:
-        infos = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM,
-                                   flags=socket.AI_PASSIVE | socket.AI_NUMERICSERV)
+        infos = socket.getaddrinfo(
+            name, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE | socket.AI_NUMERICSERV
+        )
     except (socket.gaierror, UnicodeError) as exc:
-        raise ShmkvError(f"metrics server cannot listen on {host!r}:{port}: the host does "
-                         f"not resolve ({exc})") from None
+        raise ShmkvError(
+            f"metrics server cannot listen on {host!r}:{port}: the host does not resolve ({exc})"
+        ) from None
     family, _type, _proto, _name, sockaddr = infos[0]
     try:
         loopback = ipaddress.ip_address(str(sockaddr[0]).split("%", 1)[0]).is_loopback
@@ -309,27 +418,34 @@ class MetricsServer:
         InvalidArgument: a bad host, limit or timeout.
     """
 
-    def __init__(self, coordinator, port: int, host: str = "127.0.0.1",
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                 timeout: float = DEFAULT_TIMEOUT):
-        if isinstance(max_connections, bool) or not isinstance(max_connections, int) \
-                or max_connections < 1:
-            raise InvalidArgument(f"max_connections must be an int >= 1, got "
-                                  f"{max_connections!r}")
+    def __init__(
+        self,
+        coordinator,
+        port: int,
+        host: str = "127.0.0.1",
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        timeout: float = DEFAULT_TIMEOUT,
+    ):
+        if (
+            isinstance(max_connections, bool)
+            or not isinstance(max_connections, int)
+            or max_connections < 1
+        ):
+            raise InvalidArgument(f"max_connections must be an int >= 1, got {max_connections!r}")
         if not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
             raise InvalidArgument(f"timeout must be a number of seconds > 0, got {timeout!r}")
         self._coord = coordinator
         self.max_connections = max_connections
         self.timeout = float(timeout)
-        self.num_served = 0    # responses sent
-        self.num_closed = 0    # connections closed before an answer (timeout, error, limit)
+        self.num_served = 0  # responses sent
+        self.num_closed = 0  # connections closed before an answer (timeout, error, limit)
         self._stopping = False
         self._listener: Optional[socket.socket] = None
         self._wake_r: Optional[socket.socket] = None
         self._wake_w: Optional[socket.socket] = None
-        self._conns: dict = {}     # socket -> _Http, oldest first
-        self._cache: dict = {}     # op -> (its latency counts, their text): see render()
-        self._waiting: list = []   # connections whose /metrics waits for the next render
+        self._conns: dict = {}  # socket -> _Http, oldest first
+        self._cache: dict = {}  # op -> (its latency counts, their text): see render()
+        self._waiting: list = []  # connections whose /metrics waits for the next render
         self._rendered_at = -MIN_RENDER_INTERVAL_S
         self._warned_at = -_WARN_EVERY_S
         family, sockaddr, loopback = _bind_address(host, port)
@@ -341,20 +457,25 @@ class MetricsServer:
             listener.setblocking(False)
         except OSError as exc:
             listener.close()
-            raise ShmkvError(f"metrics server cannot listen on {host}:{port} "
-                             f"({exc.strerror or exc}); choose another metrics port, or 0 "
-                             "for any free one") from None
+            raise ShmkvError(
+                f"metrics server cannot listen on {host}:{port} "
+                f"({exc.strerror or exc}); choose another metrics port, or 0 "
+                "for any free one"
+            ) from None
         self._listener = listener
         self.address: Tuple[str, int] = tuple(listener.getsockname()[:2])
         if not loopback:
-            log.warning("metrics endpoint binds %s (%s): reachable from other machines; pass "
-                        "metrics_host='127.0.0.1' to keep it local",
-                        self.url, "every interface" if sockaddr[0] in ("0.0.0.0", "::")
-                        else "not a loopback address")
+            log.warning(
+                "metrics endpoint binds %s (%s): reachable from other machines; pass "
+                "metrics_host='127.0.0.1' to keep it local",
+                self.url,
+                "every interface" if sockaddr[0] in ("0.0.0.0", "::") else "not a loopback address",
+            )
         self._wake_r, self._wake_w = wake, _ = socket.socketpair()
         wake.setblocking(False)
-        self._thread = threading.Thread(target=self._serve, args=(listener, wake),
-                                        name="shmkv-metrics", daemon=True)
+        self._thread = threading.Thread(
+            target=self._serve, args=(listener, wake), name="shmkv-metrics", daemon=True
+        )
         self._thread.start()
 
     @property
@@ -391,12 +512,11 @@ class MetricsServer:
                             selector.unregister(listener)
                             paused_until = time.monotonic() + 0.1
                         continue
-                    if key.data.sock in self._conns:   # (not closed earlier this turn)
+                    if key.data.sock in self._conns:  # (not closed earlier this turn)
                         try:
                             self._on_event(key.data, events, selector)
-                        except Exception:   # a bug: this connection goes, the server stays
-                            log.exception("metrics connection from %s failed",
-                                          key.data.peer)
+                        except Exception:  # a bug: this connection goes, the server stays
+                            log.exception("metrics connection from %s failed", key.data.peer)
                             self._close(key.data, selector)
                 if self._waiting:
                     self._maybe_render(selector, time.monotonic())
@@ -417,15 +537,17 @@ class MetricsServer:
                 return False
             except OSError as exc:
                 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    self._warn("out of descriptors (%s): new connections wait",
-                               exc.strerror)
+                    self._warn("out of descriptors (%s): new connections wait", exc.strerror)
                     return True
                 log.debug("metrics accept failed: %s", exc)  # ECONNABORTED and the like
                 continue
             if len(self._conns) >= self.max_connections:
                 oldest = next(iter(self._conns.values()))
-                self._warn("%d connections open (the limit): closed the oldest, from %s",
-                           len(self._conns), oldest.peer)
+                self._warn(
+                    "%d connections open (the limit): closed the oldest, from %s",
+                    len(self._conns),
+                    oldest.peer,
+                )
                 self._close(oldest, selector)
                 self.num_closed += 1
             sock.setblocking(False)
@@ -437,7 +559,7 @@ class MetricsServer:
         try:
             if conn.out is None:
                 data = conn.sock.recv(4096)
-                if not data:   # gone before asking
+                if not data:  # gone before asking
                     self._close(conn, selector)
                     return
                 conn.head += data
@@ -446,12 +568,18 @@ class MetricsServer:
                     end = conn.head.find(b"\n\n")
                 if end < 0:
                     if len(conn.head) > _MAX_HEAD:
-                        self._answer(conn, _response("431 Request Header Fields Too Large",
-                                                     "text/plain", b"request too large\n"),
-                                     selector)
+                        self._answer(
+                            conn,
+                            _response(
+                                "431 Request Header Fields Too Large",
+                                "text/plain",
+                                b"request too large\n",
+                            ),
+                            selector,
+                        )
                     return
                 response = self._respond(conn, bytes(conn.head[:end]))
-                if response is None:   # /metrics: answered by the next render
+                if response is None:  # /metrics: answered by the next render
                     conn.out = b""
                     selector.unregister(conn.sock)
                     self._waiting.append(conn)
@@ -459,7 +587,7 @@ class MetricsServer:
                     self._answer(conn, response, selector)
             else:
                 self._send(conn, selector)
-        except OSError as exc:   # reset, broken pipe: the peer's business, not ours
+        except OSError as exc:  # reset, broken pipe: the peer's business, not ours
             log.debug("metrics connection from %s: %s", conn.peer, exc)
             self._close(conn, selector)
             self.num_closed += 1
@@ -476,7 +604,7 @@ class MetricsServer:
             return 1.0
         try:
             response = ("200 OK", CONTENT_TYPE, render(self._coord, self._cache))
-        except Exception:   # a bug: say so to the scrapers and the log, keep serving
+        except Exception:  # a bug: say so to the scrapers and the log, keep serving
             log.exception("metrics could not be rendered")
             response = ("500 Internal Server Error", "text/plain", b"metrics failed\n")
         self._rendered_at = time.monotonic()
@@ -502,16 +630,18 @@ class MetricsServer:
             conn.head_only = head_only
             return None
         if target == b"/":
-            return _response("200 OK", "text/plain",
-                             b"shmkv coordinator: metrics at /metrics\n", head_only)
-        return _response("404 Not Found", "text/plain",
-                         b"not found; metrics are at /metrics\n", head_only)
+            return _response(
+                "200 OK", "text/plain", b"shmkv coordinator: metrics at /metrics\n", head_only
+            )
+        return _response(
+            "404 Not Found", "text/plain", b"not found; metrics are at /metrics\n", head_only
+        )
 
     def _answer(self, conn: _Http, response: bytes, selector) -> None:
         conn.out = response
         try:
             selector.modify(conn.sock, selectors.EVENT_WRITE, conn)
-        except KeyError:   # waited for a render, unregistered meanwhile
+        except KeyError:  # waited for a render, unregistered meanwhile
             selector.register(conn.sock, selectors.EVENT_WRITE, conn)
         self._send(conn, selector)
 
@@ -519,7 +649,7 @@ class MetricsServer:
         out = conn.out
         assert out is not None, "only an answered connection waits to write"
         try:
-            conn.sent += conn.sock.send(memoryview(out)[conn.sent:])
+            conn.sent += conn.sock.send(memoryview(out)[conn.sent :])
         except (BlockingIOError, InterruptedError):
             return
         if conn.sent >= len(out):
@@ -535,8 +665,11 @@ class MetricsServer:
             conn = next(iter(self._conns.values()))
             if conn.deadline > now:
                 return
-            log.debug("metrics connection from %s: no request within %.1f s, closed",
-                      conn.peer, self.timeout)
+            log.debug(
+                "metrics connection from %s: no request within %.1f s, closed",
+                conn.peer,
+                self.timeout,
+            )
             self._close(conn, selector)
             self.num_closed += 1
 
@@ -552,7 +685,7 @@ class MetricsServer:
     def _warn(self, message: str, *args) -> None:
         now = time.monotonic()
         # ``message`` is the caller's %-format for ``args``: prefixed, it stays lazy.
-        if now - self._warned_at >= _WARN_EVERY_S:   # once per interval, not per connection
+        if now - self._warned_at >= _WARN_EVERY_S:  # once per interval, not per connection
             self._warned_at = now
             log.warning("metrics endpoint %s: " + message, self.url, *args)  # noqa: G003
         else:

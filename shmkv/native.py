@@ -75,9 +75,10 @@ _lock = threading.Lock()
 
 class _State(TypedDict):
     """What :func:`decoder` found (written once, under ``_lock``)."""
-    fn: Optional[dict]   # the loaded kernels by dtype; None: not (yet) available
+
+    fn: Optional[dict]  # the loaded kernels by dtype; None: not (yet) available
     tried: bool
-    status: str          # what status() returns
+    status: str  # what status() returns
 
 
 _state: _State = {"fn": None, "tried": False, "status": "not built yet"}
@@ -110,8 +111,10 @@ def _untrusted(info: os.stat_result, directory: bool) -> Optional[str]:
     if info.st_uid != os.geteuid():
         return f"is owned by uid {info.st_uid}, not by this user (uid {os.geteuid()})"
     if info.st_mode & 0o022:
-        return (f"can be written by its group or others (mode "
-                f"{stat.S_IMODE(info.st_mode):o}; chmod go-w it, or remove it)")
+        return (
+            f"can be written by its group or others (mode "
+            f"{stat.S_IMODE(info.st_mode):o}; chmod go-w it, or remove it)"
+        )
     return None
 
 
@@ -162,16 +165,21 @@ def cache_dir() -> Optional[str]:
     if explicit:
         candidates = [explicit]
     else:
-        base = (os.environ.get("XDG_CACHE_HOME")
-                or os.path.join(os.path.expanduser("~"), ".cache"))
-        candidates = [os.path.join(base, "shmkv"),
-                      os.path.join(tempfile.gettempdir(), f"shmkv-{os.getuid()}")]
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        candidates = [
+            os.path.join(base, "shmkv"),
+            os.path.join(tempfile.gettempdir(), f"shmkv-{os.getuid()}"),
+        ]
     for path in candidates:
         why, unsafe = _private_dir(path)
         if why is None:
             return path
-        log.log(logging.WARNING if unsafe else logging.INFO,
-                "shmkv: not using %s for the native kernel's library: it %s", path, why)
+        log.log(
+            logging.WARNING if unsafe else logging.INFO,
+            "shmkv: not using %s for the native kernel's library: it %s",
+            path,
+            why,
+        )
     return None
 
 
@@ -199,8 +207,13 @@ def _run(command: list) -> Optional[str]:
     """Run a compiler step; None when it succeeded, else why not. On a timeout the
     whole process group goes (the driver's cc1 and ld with it)."""
     try:
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
     except OSError as exc:
         return str(exc)
     try:
@@ -239,12 +252,27 @@ def _library_names(cc: str) -> List[str]:
     Raises OSError / SubprocessError when the source cannot be read or ``cc`` run."""
     with open(SOURCE, "rb") as f:
         source = f.read()
-    version = subprocess.run([cc, "--version"], capture_output=True, timeout=30,
-                             start_new_session=True).stdout
-    return ["paged_decode-" + hashlib.sha256(b"\0".join([
-        source, cc.encode(), version, " ".join(flags).encode(), BUILD_KIND.encode(),
-        platform.machine().encode(), _cpu_flags().encode()])).hexdigest()[:20] + ".so"
-        for flags in FLAG_SETS]
+    version = subprocess.run(
+        [cc, "--version"], capture_output=True, timeout=30, start_new_session=True
+    ).stdout
+    return [
+        "paged_decode-"
+        + hashlib.sha256(
+            b"\0".join(
+                [
+                    source,
+                    cc.encode(),
+                    version,
+                    " ".join(flags).encode(),
+                    BUILD_KIND.encode(),
+                    platform.machine().encode(),
+                    _cpu_flags().encode(),
+                ]
+            )
+        ).hexdigest()[:20]
+        + ".so"
+        for flags in FLAG_SETS
+    ]
 
 
 def _compile(cc: str, flags: list, directory: str, path: str) -> Optional[str]:
@@ -260,12 +288,14 @@ def _compile(cc: str, flags: list, directory: str, path: str) -> Optional[str]:
         # Compiled with the flags, linked without them: a link with -ffast-math adds
         # start-up code that sets flush-to-zero for the whole process (subnormals
         # would read as zero in every computation, torch's included).
-        for command in ([cc, *flags, "-fPIC", "-c", "-o", obj, SOURCE],
-                        [cc, "-shared", "-o", tmp, obj, "-lm"]):
+        for command in (
+            [cc, *flags, "-fPIC", "-c", "-o", obj, SOURCE],
+            [cc, "-shared", "-o", tmp, obj, "-lm"],
+        ):
             failed = _run(command)
             if failed:
                 return failed
-        os.chmod(tmp, 0o755)    # the linker's mode follows the umask
+        os.chmod(tmp, 0o755)  # the linker's mode follows the umask
         os.replace(tmp, path)
         return None
     except (OSError, subprocess.SubprocessError) as exc:
@@ -291,7 +321,7 @@ def _build() -> tuple:
     private = None
     if directory is None:
         try:
-            private = directory = tempfile.mkdtemp(prefix="shmkv-build-")   # 0700, ours
+            private = directory = tempfile.mkdtemp(prefix="shmkv-build-")  # 0700, ours
         except OSError as exc:
             return None, f"cannot make a private directory to build in: {exc}"
     errors = []
@@ -318,7 +348,7 @@ def _build() -> tuple:
                 errors.append(f"loading {path}: {exc}")
     finally:
         if private is not None:
-            shutil.rmtree(private, ignore_errors=True)   # what is loaded stays mapped
+            shutil.rmtree(private, ignore_errors=True)  # what is loaded stays mapped
     return None, f"building with {cc} failed: " + "; ".join(errors)
 
 
@@ -338,8 +368,9 @@ def load(path: str) -> dict:
         OSError / AttributeError: it cannot be opened or loaded, or lacks the kernels.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
-                     | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(
+            path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+        )
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise UntrustedLibrary(f"refusing to load {path}: it is a symbolic link") from None
@@ -353,13 +384,14 @@ def load(path: str) -> dict:
         os.close(fd)
         raise
     _loaded_fds.append(fd)
-    kernels = {torch.float32: lib.shmkv_paged_decode_f32,
-               torch.bfloat16: lib.shmkv_paged_decode_bf16,
-               torch.float16: lib.shmkv_paged_decode_f16}
+    kernels = {
+        torch.float32: lib.shmkv_paged_decode_f32,
+        torch.bfloat16: lib.shmkv_paged_decode_bf16,
+        torch.float16: lib.shmkv_paged_decode_f16,
+    }
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     for fn in kernels.values():
-        fn.argtypes = [p, p, p, i64, i64, p, i64, p, i64, i64, i64, i64, i64,
-                       ctypes.c_float, p]
+        fn.argtypes = [p, p, p, i64, i64, p, i64, p, i64, i64, i64, i64, i64, ctypes.c_float, p]
         fn.restype = ctypes.c_int
     return kernels
 
@@ -376,8 +408,11 @@ def decoder() -> Optional[dict]:
             _state["fn"] = fn
             _state["status"] = "loaded" if fn is not None else why
             if fn is None and why != "disabled by SHMKV_NATIVE":
-                log.warning("shmkv: the native decode kernel is not available, attention takes "
-                            "its torch path: %s", why)
+                log.warning(
+                    "shmkv: the native decode kernel is not available, attention takes "
+                    "its torch path: %s",
+                    why,
+                )
             _state["tried"] = True
     return _state["fn"]
 
@@ -394,16 +429,26 @@ def usable(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) ->
     """Whether :func:`paged_decode` takes these tensors: float32, bfloat16 or float16
     (all three alike) on the CPU, pages whose every page is one contiguous
     ``[block_size, kv_heads, head_dim]`` chunk, K and V pages alike."""
-    return (query.dtype == k_pages.dtype == v_pages.dtype and query.dtype in DTYPES
-            and k_pages.shape[0] <= _MAX_PAGES
-            and query.device.type == k_pages.device.type == v_pages.device.type == "cpu"
-            and k_pages.stride() == v_pages.stride()
-            and k_pages.stride()[1:] == (k_pages.shape[2] * k_pages.shape[3], k_pages.shape[3], 1))
+    return (
+        query.dtype == k_pages.dtype == v_pages.dtype
+        and query.dtype in DTYPES
+        and k_pages.shape[0] <= _MAX_PAGES
+        and query.device.type == k_pages.device.type == v_pages.device.type == "cpu"
+        and k_pages.stride() == v_pages.stride()
+        and k_pages.stride()[1:] == (k_pages.shape[2] * k_pages.shape[3], k_pages.shape[3], 1)
+    )
 
 
-def paged_decode(kernels: dict, query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
-                 table: torch.Tensor, lens: torch.Tensor, scale: float,
-                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def paged_decode(
+    kernels: dict,
+    query: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    table: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """One query token per sequence against its pages, with the ``kernels`` of
     :func:`decoder`: ``query`` holds ``[rows, heads, head_dim]`` elements in that order
     (any shape); ``table`` is ``[rows, >= pages of the longest row]`` int32, ``lens``
@@ -418,36 +463,58 @@ def paged_decode(kernels: dict, query: torch.Tensor, k_pages: torch.Tensor, v_pa
             hold part of the result).
     """
     if not usable(query, k_pages, v_pages) or k_pages.shape != v_pages.shape:
-        raise TypeError("the native kernel takes float32, bfloat16 or float16 CPU tensors "
-                        "(one dtype), pages of one contiguous [block_size, kv_heads, "
-                        "head_dim] chunk each, K and V alike")
+        raise TypeError(
+            "the native kernel takes float32, bfloat16 or float16 CPU tensors "
+            "(one dtype), pages of one contiguous [block_size, kv_heads, "
+            "head_dim] chunk each, K and V alike"
+        )
     num_pages, block_size, kv_heads, head_dim = k_pages.shape
-    if (lens.dtype != torch.int64 or lens.dim() != 1 or table.dtype != torch.int32
-            or table.dim() != 2 or table.shape[0] != lens.shape[0]):
+    if (
+        lens.dtype != torch.int64
+        or lens.dim() != 1
+        or table.dtype != torch.int32
+        or table.dim() != 2
+        or table.shape[0] != lens.shape[0]
+    ):
         raise TypeError("lens must be [rows] int64 and table [rows, pages] int32")
     rows = lens.shape[0]
     if rows == 0 or query.numel() % (rows * head_dim):
-        raise ValueError(f"query has {query.numel()} elements, not rows x heads x "
-                         f"{head_dim} for {rows} rows")
+        raise ValueError(
+            f"query has {query.numel()} elements, not rows x heads x {head_dim} for {rows} rows"
+        )
     heads = query.numel() // (rows * head_dim)
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads is not a multiple of {kv_heads} K/V heads")
     table, lens = table.contiguous(), lens.contiguous()
     if bool((lens < 0).any()) or -(-int(lens.max()) // block_size) > table.shape[1]:
-        raise ValueError(f"lens {lens.tolist()} need more pages than the table's "
-                         f"{table.shape[1]} (or are negative)")
+        raise ValueError(
+            f"lens {lens.tolist()} need more pages than the table's "
+            f"{table.shape[1]} (or are negative)"
+        )
     q = query.reshape(rows, heads, head_dim).contiguous()
     if out is None:
         out = torch.empty((rows, heads, head_dim), dtype=q.dtype)
-    elif (out.shape != (rows, heads, head_dim) or out.dtype != q.dtype
-          or not out.is_contiguous() or out.device.type != "cpu"):
+    elif (
+        out.shape != (rows, heads, head_dim)
+        or out.dtype != q.dtype
+        or not out.is_contiguous()
+        or out.device.type != "cpu"
+    ):
         raise ValueError(f"out must be contiguous {q.dtype} [{rows}, {heads}, {head_dim}]")
     return run_checked(kernels, q, k_pages, v_pages, table, lens, lens.tolist(), scale, out)
 
 
-def run_checked(kernels: dict, q: torch.Tensor, k_pages: torch.Tensor,
-                v_pages: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, keys: list,
-                scale: float, out: torch.Tensor) -> torch.Tensor:
+def run_checked(
+    kernels: dict,
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    table: torch.Tensor,
+    lens: torch.Tensor,
+    keys: list,
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
     """:func:`paged_decode` of arguments already checked (a plan's): ``q`` and ``out``
     contiguous ``[rows, heads, head_dim]`` of the pages' dtype, ``table`` contiguous
     int32 wide enough, ``lens`` contiguous int64 and ``keys`` the same lengths as a
@@ -460,10 +527,23 @@ def run_checked(kernels: dict, q: torch.Tensor, k_pages: torch.Tensor,
     row_bytes = heads * head_dim * q.element_size()
 
     def run(lo: int, hi: int) -> int:
-        return fn(q.data_ptr() + lo * row_bytes, k_base, v_base, stride, num_pages,
-                  table.data_ptr() + lo * row_stride * 4, row_stride,
-                  lens.data_ptr() + lo * 8, hi - lo, heads, kv_heads, head_dim, block_size,
-                  scale, out.data_ptr() + lo * row_bytes)
+        return fn(
+            q.data_ptr() + lo * row_bytes,
+            k_base,
+            v_base,
+            stride,
+            num_pages,
+            table.data_ptr() + lo * row_stride * 4,
+            row_stride,
+            lens.data_ptr() + lo * 8,
+            hi - lo,
+            heads,
+            kv_heads,
+            head_dim,
+            block_size,
+            scale,
+            out.data_ptr() + lo * row_bytes,
+        )
 
     threads = min(torch.get_num_threads(), rows)
     total = sum(keys) if threads > 1 else 0
@@ -506,6 +586,7 @@ def _executor() -> ThreadPoolExecutor:
     if _pool is None:
         with _lock:
             if _pool is None:
-                _pool = ThreadPoolExecutor(max(1, (os.cpu_count() or 2) - 1),
-                                           thread_name_prefix="shmkv-decode")
+                _pool = ThreadPoolExecutor(
+                    max(1, (os.cpu_count() or 2) - 1), thread_name_prefix="shmkv-decode"
+                )
     return _pool

@@ -67,39 +67,54 @@ class Ops:
 
     def _op_hello(self, conn, version, tp_rank=None, tp_size=None, pid=None, name=None):
         if version != protocol.PROTOCOL_VERSION:
-            raise ProtocolError(f"protocol version {version} is not supported; the "
-                                f"coordinator speaks {protocol.PROTOCOL_VERSION}")
+            raise ProtocolError(
+                f"protocol version {version} is not supported; the "
+                f"coordinator speaks {protocol.PROTOCOL_VERSION}"
+            )
         if conn.greeted:
             raise ProtocolError("hello sent twice")
         if (tp_rank is not None or tp_size is not None) and (
-                tp_size != self.config.tp_size or tp_rank is None
-                or not 0 <= tp_rank < self.config.tp_size):
-            raise InvalidArgument(f"tp_rank={tp_rank}, tp_size={tp_size} do not fit a pool "
-                                  f"with tp_size={self.config.tp_size}")
+            tp_size != self.config.tp_size
+            or tp_rank is None
+            or not 0 <= tp_rank < self.config.tp_size
+        ):
+            raise InvalidArgument(
+                f"tp_rank={tp_rank}, tp_size={tp_size} do not fit a pool "
+                f"with tp_size={self.config.tp_size}"
+            )
         if name is not None:
             check_client_name(name)
         conn.greeted = True
         conn.tp_rank = tp_rank
         self._name_client(conn, name)
-        return {"version": protocol.PROTOCOL_VERSION, "pool": self.config.to_wire(),
-                "memory": self.memory.descriptor, "coordinator_pid": os.getpid(),
-                "conn_id": conn.conn_id, "instance": self.instance,
-                "max_handoff_ttl": self.max_handoff_ttl, "max_frame": self.max_frame}
+        return {
+            "version": protocol.PROTOCOL_VERSION,
+            "pool": self.config.to_wire(),
+            "memory": self.memory.descriptor,
+            "coordinator_pid": os.getpid(),
+            "conn_id": conn.conn_id,
+            "instance": self.instance,
+            "max_handoff_ttl": self.max_handoff_ttl,
+            "max_frame": self.max_frame,
+        }
 
     def _op_ping(self, conn):
         return {}
 
-    def _op_allocate(self, conn, num_tokens, prompt=None, cache_salt=None, request_id=None,
-                     keys=None, root=None):
-        return self.table.allocate(conn.conn_id, num_tokens, prompt, cache_salt, request_id,
-                                   keys, root)
+    def _op_allocate(
+        self, conn, num_tokens, prompt=None, cache_salt=None, request_id=None, keys=None, root=None
+    ):
+        return self.table.allocate(
+            conn.conn_id, num_tokens, prompt, cache_salt, request_id, keys, root
+        )
 
     def _op_allocate_many(self, conn, requests=None, counts=None):
         if (requests is None) == (counts is None):
             raise InvalidArgument("allocate_many takes one of requests and counts")
         if counts is not None:  # plain sequences of given lengths: packed both ways
-            cache_ids, slots = self.table.allocate_counts(conn.conn_id,
-                                                          protocol.unpack_i64s(counts))
+            cache_ids, slots = self.table.allocate_counts(
+                conn.conn_id, protocol.unpack_i64s(counts)
+            )
             return protocol.pack_i64s(cache_ids) + protocol.pack_i64s(slots)
         checked = []
         for req in requests:
@@ -118,8 +133,10 @@ class Ops:
     def _check_rank(self, conn, tp_rank) -> None:
         """A connection that said its tensor-parallel rank commits only that rank's shard."""
         if conn.tp_rank is not None and tp_rank != conn.tp_rank:
-            raise InvalidArgument(f"a connection of tp_rank={conn.tp_rank} commits only its "
-                                  f"own shard, not tp_rank={tp_rank}")
+            raise InvalidArgument(
+                f"a connection of tp_rank={conn.tp_rank} commits only its "
+                f"own shard, not tp_rank={tp_rank}"
+            )
 
     def _op_commit(self, conn, cache_id, num_tokens, tp_rank=None):
         self._check_rank(conn, tp_rank)
@@ -143,8 +160,9 @@ class Ops:
     def _op_release_many(self, conn, cache_ids=None, ids=None):
         if (cache_ids is None) == (ids is None):
             raise InvalidArgument("release_many takes one of cache_ids and ids")
-        self.table.release_many(conn.conn_id,
-                                cache_ids if ids is None else protocol.unpack_i64s(ids))
+        self.table.release_many(
+            conn.conn_id, cache_ids if ids is None else protocol.unpack_i64s(ids)
+        )
 
     def _op_export(self, conn, cache_id, ttl):
         return self.table.export(conn.conn_id, cache_id, ttl)
@@ -152,15 +170,22 @@ class Ops:
     def _op_open(self, conn, token):
         return self.table.open(conn.conn_id, token)
 
-    def _op_extend_batch(self, conn, ids, count=None, counts=None, tokens=None, slots=None,
-                         keep=False):
+    def _op_extend_batch(
+        self, conn, ids, count=None, counts=None, tokens=None, slots=None, keep=False
+    ):
         if (count is None) == (counts is None):
             raise InvalidArgument("extend_batch takes one of count and counts")
         counts = count if counts is None else protocol.unpack_i64s(counts)
         cache_ids = protocol.unpack_i64s(ids)
-        lens = protocol.pack_i64s(self.table.extend_batch(
-            conn.conn_id, cache_ids, counts, tokens,
-            None if slots is None else protocol.unpack_i64s(slots)))
+        lens = protocol.pack_i64s(
+            self.table.extend_batch(
+                conn.conn_id,
+                cache_ids,
+                counts,
+                tokens,
+                None if slots is None else protocol.unpack_i64s(slots),
+            )
+        )
         if not keep:
             return lens
         # the answer names the kept batch (0: not kept) for extend_kept
@@ -175,8 +200,12 @@ class Ops:
         return done
 
     def _op_prepare_batch(self, conn, ids, starts, counts):
-        lens = self.table.prepare_batch(conn.conn_id, protocol.unpack_i64s(ids),
-                                        protocol.unpack_i64s(starts), protocol.unpack_i64s(counts))
+        lens = self.table.prepare_batch(
+            conn.conn_id,
+            protocol.unpack_i64s(ids),
+            protocol.unpack_i64s(starts),
+            protocol.unpack_i64s(counts),
+        )
         return protocol.pack_i64s(lens)
 
     def _op_commit_batch(self, conn, ids, num_tokens, tp_rank=None):
@@ -184,9 +213,13 @@ class Ops:
         # A rank of a tensor-parallel pool may commit its shard of a step it rebuilt from
         # a descriptor (it holds no reference); everyone else only what it holds.
         rank_connection = conn.tp_rank is not None and self.config.tp_size > 1
-        return self.table.commit_batch(conn.conn_id, protocol.unpack_i64s(ids),
-                                       protocol.unpack_i64s(num_tokens), tp_rank,
-                                       rank_connection=rank_connection)
+        return self.table.commit_batch(
+            conn.conn_id,
+            protocol.unpack_i64s(ids),
+            protocol.unpack_i64s(num_tokens),
+            tp_rank,
+            rank_connection=rank_connection,
+        )
 
     def _op_rows(self, conn, slots, width, blocks=None):
         """Rows of the shared tables read on the writer's thread (``shmkv.tables``, memory
@@ -194,15 +227,18 @@ class Ops:
         ``owner`` of each of ``blocks``."""
         memory, layout = self.memory, self.memory.layout
         seq_np, table_np, owner = memory.seq_np, memory.table_np, memory.owner_t
-        assert seq_np is not None and table_np is not None and owner is not None, \
+        assert seq_np is not None and table_np is not None and owner is not None, (
             "a served pool is mapped"
+        )
         where = np.frombuffer(slots, dtype="<i8")
         if not 0 <= width <= layout.max_seq_blocks:
             raise OutOfRange(f"width {width} outside [0, {layout.max_seq_blocks}]")
         if where.shape[0] and (int(where.min()) < 0 or int(where.max()) >= layout.max_sequences):
             raise OutOfRange(f"slots outside [0, {layout.max_sequences})")
-        out = {"seq": seq_np[where].astype("<i8").tobytes(),
-               "table": table_np[where, :width].astype("<i4").tobytes()}
+        out = {
+            "seq": seq_np[where].astype("<i8").tobytes(),
+            "table": table_np[where, :width].astype("<i4").tobytes(),
+        }
         if blocks is not None:
             ids = np.frombuffer(blocks, dtype="<i8")
             if ids.shape[0] and (int(ids.min()) < 0 or int(ids.max()) >= layout.num_blocks):
@@ -229,8 +265,13 @@ class Ops:
         when configured. Read by the metrics exporter (``shmkv.metrics``), which labels
         every series with the tier and the state."""
         pool = self.table.pool
-        counts = {"pool": {"free": pool.num_free, "cached": pool.num_cached,
-                           "referenced": pool.num_referenced}}
+        counts = {
+            "pool": {
+                "free": pool.num_free,
+                "cached": pool.num_cached,
+                "referenced": pool.num_referenced,
+            }
+        }
         tiers = self.tiers
         if tiers is not None and tiers.host is not None:
             counts["host"] = {"free": len(tiers.host.free), "cached": tiers.host.num_ready}
@@ -242,15 +283,24 @@ class Ops:
         """Counters of the pool, the prefix cache, connections and operations."""
         out = self.table.stats()
         uptime = max(time.monotonic() - self._started_at, 1e-9)
-        out.update({"address": self.address, "pid": os.getpid(), "uptime_s": uptime,
-                    "ops": self.num_ops, "ops_per_s": self.num_ops / uptime,
-                    "ops_by_type": dict(self.ops_by_type), "refused_connections":
-                    self.num_refused, "dropped_connections": self.num_dropped,
-                    "accepted_connections": self.num_accepted, "request_errors":
-                    self.num_errors, "metrics_port": (None if self.metrics_address is None
-                                                      else self.metrics_address[1]),
-                    "pool_bytes": self.config.nbytes, "block_bytes": self.config.block_nbytes,
-                    "config": self.config.to_wire()})
+        out.update(
+            {
+                "address": self.address,
+                "pid": os.getpid(),
+                "uptime_s": uptime,
+                "ops": self.num_ops,
+                "ops_per_s": self.num_ops / uptime,
+                "ops_by_type": dict(self.ops_by_type),
+                "refused_connections": self.num_refused,
+                "dropped_connections": self.num_dropped,
+                "accepted_connections": self.num_accepted,
+                "request_errors": self.num_errors,
+                "metrics_port": (None if self.metrics_address is None else self.metrics_address[1]),
+                "pool_bytes": self.config.nbytes,
+                "block_bytes": self.config.block_nbytes,
+                "config": self.config.to_wire(),
+            }
+        )
         if self.tiers is not None:
             out["tiers"] = self.tiers.stats()
             out["tier_io"] = self.tiers.io_stats()

@@ -24,15 +24,16 @@ from .tables import NUM_TOKENS
 
 class AllocationPlan(NamedTuple):
     """What one allocation request needs, decided before anything changes."""
-    num_tokens: int                #: the sequence's length
-    keys: Optional[List[bytes]]    #: prefix keys of the prompt's full blocks (None: no prompt)
-    tail: List[int]                #: the prompt's token ids after its last full block
-    root: Optional[bytes]          #: the root key of its chain (salt, model)
-    hits: List[int]                #: pool blocks of its longest published prefix
-    need: int                      #: new blocks it takes (promoted ones included)
-    request_id: Optional[str]      #: its request id, if the client named one
-    promote: int                   #: blocks a lower tier copies in after the pool hits
-    later: List[int]               #: pool blocks that hit again after the promoted ones
+
+    num_tokens: int  #: the sequence's length
+    keys: Optional[List[bytes]]  #: prefix keys of the prompt's full blocks (None: no prompt)
+    tail: List[int]  #: the prompt's token ids after its last full block
+    root: Optional[bytes]  #: the root key of its chain (salt, model)
+    hits: List[int]  #: pool blocks of its longest published prefix
+    need: int  #: new blocks it takes (promoted ones included)
+    request_id: Optional[str]  #: its request id, if the client named one
+    promote: int  #: blocks a lower tier copies in after the pool hits
+    later: List[int]  #: pool blocks that hit again after the promoted ones
 
 
 class PendingPromotion:
@@ -45,16 +46,25 @@ class PendingPromotion:
 
     __slots__ = ("seq", "info", "first", "keys", "blocks", "gens", "client")
 
-    def __init__(self, seq: Sequence, info: dict, first: int, keys: list, blocks: list,
-                 gens: Optional[list] = None, client: Optional[List[int]] = None):
+    def __init__(
+        self,
+        seq: Sequence,
+        info: dict,
+        first: int,
+        keys: list,
+        blocks: list,
+        gens: Optional[list] = None,
+        client: Optional[List[int]] = None,
+    ):
         self.seq, self.info, self.first, self.keys, self.blocks = seq, info, first, keys, blocks
         # each block's key generation when the copy in began (``BlockPool.identity``)
         self.gens = gens
-        self.client = client   # the asking client's counts (SequenceTable.client_counts)
+        self.client = client  # the asking client's counts (SequenceTable.client_counts)
 
 
 class Prefix(Handoffs):
     """Allocations, prefix keys, promotions and commits (see the module doc)."""
+
     def _prompt_keys(self, sent: Optional[bytes], packed: bytes, root: bytes) -> List[bytes]:
         """The prefix keys of a prompt's full blocks: the ones its client hashed and sent
         (``hashing.packed_block_keys`` of the packed prompt from ``root``), else hashed
@@ -67,8 +77,10 @@ class Prefix(Handoffs):
         full = len(packed) // (8 * self.block_size)
         if not isinstance(sent, bytes) or len(sent) != full * size:
             got = len(sent) if isinstance(sent, bytes) else type(sent).__name__
-            raise InvalidArgument(f"keys must be the {full} full blocks' {size}-byte prefix "
-                                  f"keys of the prompt, {full * size} bytes; got {got}")
+            raise InvalidArgument(
+                f"keys must be the {full} full blocks' {size}-byte prefix "
+                f"keys of the prompt, {full * size} bytes; got {got}"
+            )
         return hashing.split_keys(sent)
 
     def _plan_allocate(self, req: dict) -> AllocationPlan:
@@ -78,8 +90,9 @@ class Prefix(Handoffs):
         request_id = req.get("request_id")
         if salt is not None and (not isinstance(salt, bytes) or len(salt) > MAX_SALT_BYTES):
             raise InvalidArgument(f"cache_salt must be bytes of at most {MAX_SALT_BYTES}")
-        if request_id is not None and (not isinstance(request_id, str)
-                                       or len(request_id) > MAX_REQUEST_ID):
+        if request_id is not None and (
+            not isinstance(request_id, str) or len(request_id) > MAX_REQUEST_ID
+        ):
             raise InvalidArgument(f"request_id must be a str of at most {MAX_REQUEST_ID} chars")
         keys, tail, root = None, [], None
         if prompt is not None:
@@ -92,22 +105,25 @@ class Prefix(Handoffs):
                 try:
                     packed = hashing.pack_tokens(prompt)
                 except (OverflowError, TypeError):
-                    raise InvalidArgument("prompt token ids must be ints in the int64 "
-                                          "range") from None
+                    raise InvalidArgument(
+                        "prompt token ids must be ints in the int64 range"
+                    ) from None
             else:
                 raise WrongType("prompt must be a list of token ids")
             length = len(packed) // 8
             if num_tokens not in (0, length):
-                raise InvalidArgument(f"num_tokens={num_tokens} disagrees with a prompt of "
-                                      f"{length} tokens; pass one or make them equal")
+                raise InvalidArgument(
+                    f"num_tokens={num_tokens} disagrees with a prompt of "
+                    f"{length} tokens; pass one or make them equal"
+                )
             num_tokens = length
-            root = req.get("root")   # a moved sequence's (shmkv.distributed): its salt's root
+            root = req.get("root")  # a moved sequence's (shmkv.distributed): its salt's root
             if root is None:
                 root = hashing.root_key(salt)
-            elif salt is not None or not isinstance(root, bytes) or \
-                    len(root) != hashing.KEY_SIZE:
-                raise InvalidArgument(f"root must be a {hashing.KEY_SIZE}-byte root key, "
-                                      "given without cache_salt")
+            elif salt is not None or not isinstance(root, bytes) or len(root) != hashing.KEY_SIZE:
+                raise InvalidArgument(
+                    f"root must be a {hashing.KEY_SIZE}-byte root key, given without cache_salt"
+                )
             keys = self._prompt_keys(req.get("keys"), packed, root)
             tail = hashing.unpack_tokens(packed, len(keys) * self.block_size)
         elif salt is not None:
@@ -118,16 +134,17 @@ class Prefix(Handoffs):
         hits = self.pool.lookup(keys) if keys else []
         need = self._blocks_for(num_tokens) - len(hits)
         if need > self.pool.num_blocks:
-            raise PoolExhausted(f"pool exhausted: need {need} blocks for {num_tokens} tokens, "
-                                f"the whole pool has {self.pool.num_blocks}; raise num_blocks")
+            raise PoolExhausted(
+                f"pool exhausted: need {need} blocks for {num_tokens} tokens, "
+                f"the whole pool has {self.pool.num_blocks}; raise num_blocks"
+            )
         # Tier hits take fresh pool blocks, which ``need`` already counts. The pool may hold
         # blocks past them (their holder copied an earlier one on write, and the published
         # original went down a tier): those are hits too.
-        promote = self.tiers.lookup(keys[len(hits):]) if keys and self.tiers is not None else 0
-        later = self.pool.lookup(keys[len(hits) + promote:]) if promote and keys else []
+        promote = self.tiers.lookup(keys[len(hits) :]) if keys and self.tiers is not None else 0
+        later = self.pool.lookup(keys[len(hits) + promote :]) if promote and keys else []
         need -= len(later)
-        return AllocationPlan(num_tokens, keys, tail, root, hits, need, request_id, promote,
-                              later)
+        return AllocationPlan(num_tokens, keys, tail, root, hits, need, request_id, promote, later)
 
     def allocate_many(self, conn_id: int, requests: Seq[dict]) -> List[dict]:
         """Allocate one sequence per request, all or none.
@@ -143,13 +160,15 @@ class Prefix(Handoffs):
         plans = [self._plan_allocate(req) for req in requests]
         self.tables.check_slots(len(plans))
         need = sum(plan.need for plan in plans)
-        cached_hits = {b for plan in plans for b in plan.hits + plan.later
-                       if self.pool.ref_cnt[b] == 0}
+        cached_hits = {
+            b for plan in plans for b in plan.hits + plan.later if self.pool.ref_cnt[b] == 0
+        }
         available = self.pool.num_available - len(cached_hits)
         if need > available:
             raise PoolExhausted(
                 f"pool exhausted: need {need} blocks, {available} free or evictable "
-                f"(num_blocks={self.pool.num_blocks}); free handles or raise num_blocks")
+                f"(num_blocks={self.pool.num_blocks}); free handles or raise num_blocks"
+            )
         for plan in plans:  # take every hit before any allocation can evict it
             self.pool.incref(plan.hits)
             self.pool.incref(plan.later)
@@ -170,20 +189,39 @@ class Prefix(Handoffs):
             if keys is not None:
                 seq.keys = keys
                 seq.tail_tokens = list(tail)
-                self._count_hits(client, num_hit, len(keys) - num_hit, seq.num_cached,
-                                 num_tokens - seq.num_cached)
+                self._count_hits(
+                    client,
+                    num_hit,
+                    len(keys) - num_hit,
+                    seq.num_cached,
+                    num_tokens - seq.num_cached,
+                )
             self._ref(conn_id, seq)
             info = self._info(seq)
             results.append(info)
-            if promote and keys is not None:   # (only prompts with keys promote)
+            if promote and keys is not None:  # (only prompts with keys promote)
                 self.pool.incref(new[:promote])  # the promotion's own hold
-                self.promotions.append(PendingPromotion(
-                    seq, info, len(hits), keys[len(hits):len(hits) + promote], new[:promote],
-                    [self.pool.key_gen[b] for b in new[:promote]], client))
+                self.promotions.append(
+                    PendingPromotion(
+                        seq,
+                        info,
+                        len(hits),
+                        keys[len(hits) : len(hits) + promote],
+                        new[:promote],
+                        [self.pool.key_gen[b] for b in new[:promote]],
+                        client,
+                    )
+                )
         return results
 
-    def _count_hits(self, client: Optional[List[int]], hit_blocks: int, miss_blocks: int,
-                    hit_tokens: int, miss_tokens: int) -> None:
+    def _count_hits(
+        self,
+        client: Optional[List[int]],
+        hit_blocks: int,
+        miss_blocks: int,
+        hit_tokens: int,
+        miss_tokens: int,
+    ) -> None:
         """Count a prompt's hits and misses (or move some from hits to misses, when a
         promotion ends early): in the table's counters and in the asking client's, the
         one place either is changed, so the clients' counts sum to the table's."""
@@ -210,7 +248,7 @@ class Prefix(Handoffs):
         closed). Returns how many blocks were published (fewer than ``num_ok`` when a
         block changed under its copy: ``BlockPool.still_holds``)."""
         pool, seq = self.pool, record.seq
-        if record.gens is not None:   # a block that changed under the copy ends the hit
+        if record.gens is not None:  # a block that changed under the copy ends the hit
             for i in range(num_ok):
                 if not pool.still_holds(record.blocks[i], None, record.gens[i]):
                     pool.discard_copies(num_ok - i)
@@ -242,19 +280,20 @@ class Prefix(Handoffs):
         doc). Returns ``(cache_ids, slots)`` as int64 arrays."""
         tokens = np.asarray(counts, dtype=np.int64).reshape(-1)
         num = tokens.shape[0]
-        self._check_counts("num_tokens", tokens)   # (before any arithmetic on them)
+        self._check_counts("num_tokens", tokens)  # (before any arithmetic on them)
         hi = int(tokens.max()) if num else 0
         lo = int(tokens.min()) if num else 0
         bs, pool, tables = self.block_size, self.pool, self.tables
         blocks = (tokens + bs - 1) // bs
         longest = (hi + bs - 1) // bs
         tables.check_slots(num)
-        uniform = lo == hi      # (a scheduler admitting requests of one size)
+        uniform = lo == hi  # (a scheduler admitting requests of one size)
         need = num * longest if uniform else int(blocks.sum())
         if need > pool.num_available:
             raise PoolExhausted(
                 f"pool exhausted: need {need} blocks, {pool.num_available} free or evictable "
-                f"(num_blocks={pool.num_blocks}); free handles or raise num_blocks")
+                f"(num_blocks={pool.num_blocks}); free handles or raise num_blocks"
+            )
         slot_ids = np.array(tables.take(num), dtype=np.int64)
         serial = self._next_serial
         self._next_serial += num
@@ -268,15 +307,30 @@ class Prefix(Handoffs):
         self._held_np[conn_id][slot_ids] = True
         return cache_ids, slot_ids
 
-    def allocate(self, conn_id: int, num_tokens: int = 0,
-                 prompt: Union[List[int], bytes, None] = None, cache_salt: Optional[bytes] = None,
-                 request_id: Optional[str] = None, keys: Optional[bytes] = None,
-                 root: Optional[bytes] = None) -> dict:
+    def allocate(
+        self,
+        conn_id: int,
+        num_tokens: int = 0,
+        prompt: Union[List[int], bytes, None] = None,
+        cache_salt: Optional[bytes] = None,
+        request_id: Optional[str] = None,
+        keys: Optional[bytes] = None,
+        root: Optional[bytes] = None,
+    ) -> dict:
         """Allocate one sequence (see :meth:`allocate_many`)."""
-        return self.allocate_many(conn_id, [{"num_tokens": num_tokens, "prompt": prompt,
-                                             "cache_salt": cache_salt,
-                                             "request_id": request_id, "keys": keys,
-                                             "root": root}])[0]
+        return self.allocate_many(
+            conn_id,
+            [
+                {
+                    "num_tokens": num_tokens,
+                    "prompt": prompt,
+                    "cache_salt": cache_salt,
+                    "request_id": request_id,
+                    "keys": keys,
+                    "root": root,
+                }
+            ],
+        )[0]
 
     def _extend_keys(self, seq: Sequence, num: int, tokens: Optional[List[int]]) -> None:
         if not seq.keys_open or not num:
@@ -293,10 +347,11 @@ class Prefix(Handoffs):
         parent = seq.keys[-1] if seq.keys else seq.root
         new_keys = hashing.block_keys(tail, self.block_size, parent)
         seq.keys += new_keys
-        seq.tail_tokens = tail[len(new_keys) * self.block_size:]
+        seq.tail_tokens = tail[len(new_keys) * self.block_size :]
 
-    def commit(self, conn_id: int, cache_id: int, num_tokens: int,
-               tp_rank: Optional[int] = None) -> int:
+    def commit(
+        self, conn_id: int, cache_id: int, num_tokens: int, tp_rank: Optional[int] = None
+    ) -> int:
         """Declare the first ``num_tokens`` slots fully written (by ``tp_rank``, or all ranks).
 
         Full blocks with known token ids become prefix-cache hits once every rank has
@@ -313,8 +368,11 @@ class Prefix(Handoffs):
         if tp_rank is None:
             ranks = range(self.tp_size)
         else:
-            if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not (
-                    0 <= tp_rank < self.tp_size):
+            if (
+                isinstance(tp_rank, bool)
+                or not isinstance(tp_rank, int)
+                or not (0 <= tp_rank < self.tp_size)
+            ):
                 raise InvalidArgument(f"tp_rank must be in [0, {self.tp_size}), got {tp_rank}")
             ranks = (tp_rank,)
         for rank in ranks:
@@ -326,14 +384,21 @@ class Prefix(Handoffs):
             if self.pool.publish(seq.block_ids[index], seq.keys[index]):
                 self.counters["published_blocks"] += 1
                 if self.newly_published is not None:
-                    block_id = seq.block_ids[index]   # with the binding's identity
-                    self.newly_published.append((block_id, seq.keys, index,
-                                                 self.pool.key_gen[block_id]))
+                    block_id = seq.block_ids[index]  # with the binding's identity
+                    self.newly_published.append(
+                        (block_id, seq.keys, index, self.pool.key_gen[block_id])
+                    )
         seq.num_committed = max(seq.num_committed, ready)
         return seq.num_committed
 
-    def commit_batch(self, conn_id: int, cache_ids: Seq[int], num_tokens: Seq[int],
-                     tp_rank: Optional[int] = None, rank_connection: bool = False) -> int:
+    def commit_batch(
+        self,
+        conn_id: int,
+        cache_ids: Seq[int],
+        num_tokens: Seq[int],
+        tp_rank: Optional[int] = None,
+        rank_connection: bool = False,
+    ) -> int:
         """:meth:`commit` for every sequence of a batch, all or none checked first.
 
         ``rank_connection``: the connection is a tensor-parallel rank that may commit
@@ -347,16 +412,17 @@ class Prefix(Handoffs):
             if tp_rank is not None and not 0 <= tp_rank < self.tp_size:
                 raise InvalidArgument(f"tp_rank must be in [0, {self.tp_size}), got {tp_rank}")
             if len(num_tokens) != len(cache_ids):
-                raise InvalidArgument(f"num_tokens needs one entry per sequence "
-                                      f"({len(cache_ids)})")
+                raise InvalidArgument(f"num_tokens needs one entry per sequence ({len(cache_ids)})")
             wanted = np.asarray(num_tokens, dtype=np.int64)
             have = self._seq_np[slot_ids, NUM_TOKENS]
             bad = (wanted < 0) | (wanted > have)
             if bad.any():
                 i = int(np.argmax(bad))
-                raise OutOfRange(f"commit of {int(wanted[i])} tokens, "
-                                 f"{format_cache_id(int(cache_ids[i]))} has {int(have[i])} "
-                                 "reserved")
+                raise OutOfRange(
+                    f"commit of {int(wanted[i])} tokens, "
+                    f"{format_cache_id(int(cache_ids[i]))} has {int(have[i])} "
+                    "reserved"
+                )
             return 0
         seqs = self._batch_sequences(conn_id, cache_ids, any_live=rank_connection)
         if tp_rank is not None and not 0 <= tp_rank < self.tp_size:
@@ -365,8 +431,10 @@ class Prefix(Handoffs):
             raise InvalidArgument(f"num_tokens needs one entry per sequence ({len(seqs)})")
         for seq, num in zip(seqs, num_tokens):
             if num < 0 or num > seq.num_tokens:
-                raise OutOfRange(f"commit of {num} tokens, {format_cache_id(seq.cache_id)} "
-                                 f"has {seq.num_tokens} reserved")
+                raise OutOfRange(
+                    f"commit of {num} tokens, {format_cache_id(seq.cache_id)} "
+                    f"has {seq.num_tokens} reserved"
+                )
         before = self.counters["published_blocks"]
         for seq, num in zip(seqs, num_tokens):
             self._commit(seq, num, tp_rank)

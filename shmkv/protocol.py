@@ -28,10 +28,10 @@ import msgpack
 
 from . import errors
 
-if TYPE_CHECKING:   # (annotations only: the protocol imports no numpy)
+if TYPE_CHECKING:  # (annotations only: the protocol imports no numpy)
     import numpy as np
 
-PROTOCOL_VERSION = 2   # 2: an allocation's prompt comes with its block keys
+PROTOCOL_VERSION = 2  # 2: an allocation's prompt comes with its block keys
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
 _HEADER = struct.Struct(">I")
 HEADER_SIZE = _HEADER.size
@@ -78,20 +78,31 @@ def exception_for(code: int, message: str) -> errors.ShmkvError:
 # arguments.
 
 OPS = {
-    "hello": {"version": ("int", True), "tp_rank": ("int", False), "tp_size": ("int", False),
-              "pid": ("int", False), "name": ("str", False)},
+    "hello": {
+        "version": ("int", True),
+        "tp_rank": ("int", False),
+        "tp_size": ("int", False),
+        "pid": ("int", False),
+        "name": ("str", False),
+    },
     "ping": {},
-    "allocate": {"num_tokens": ("int", True), "prompt": ("tokens", False),
-                 "cache_salt": ("bytes", False), "request_id": ("str", False),
-                 "keys": ("bytes", False), "root": ("bytes", False)},
+    "allocate": {
+        "num_tokens": ("int", True),
+        "prompt": ("tokens", False),
+        "cache_salt": ("bytes", False),
+        "request_id": ("str", False),
+        "keys": ("bytes", False),
+        "root": ("bytes", False),
+    },
     "allocate_many": {"requests": ("list", False), "counts": ("i64s", False)},
-    "extend": {"cache_id": ("int", True), "num_tokens": ("int", True),
-               "tokens": ("ints", False)},
+    "extend": {"cache_id": ("int", True), "num_tokens": ("int", True), "tokens": ("ints", False)},
     "extend_many": {"items": ("list", True)},
-    "commit": {"cache_id": ("int", True), "num_tokens": ("int", True),
-               "tp_rank": ("int", False)},
-    "prepare_write": {"cache_id": ("int", True), "start": ("int", True),
-                      "num_tokens": ("int", True)},
+    "commit": {"cache_id": ("int", True), "num_tokens": ("int", True), "tp_rank": ("int", False)},
+    "prepare_write": {
+        "cache_id": ("int", True),
+        "start": ("int", True),
+        "num_tokens": ("int", True),
+    },
     "info": {"cache_id": ("int", True)},
     "clone": {"cache_id": ("int", True)},
     "fork": {"cache_id": ("int", True)},
@@ -100,26 +111,34 @@ OPS = {
     "export": {"cache_id": ("int", True), "ttl": ("num", True)},
     "open": {"token": ("bytes", True)},
     "stats": {},
-    "set_kv_scales": {"layer": ("int", True), "k_scale": ("num", True),
-                      "v_scale": ("num", True)},
+    "set_kv_scales": {"layer": ("int", True), "k_scale": ("num", True), "v_scale": ("num", True)},
     # Batches: sequences as packed int64 arrays ("i64s": little-endian bytes), so a
     # step of any size is one small frame and decodes without a Python loop.
-    "extend_batch": {"ids": ("i64s", True), "count": ("int", False), "counts": ("i64s", False),
-                     "tokens": ("list", False), "slots": ("i64s", False),
-                     "keep": ("bool", False)},
+    "extend_batch": {
+        "ids": ("i64s", True),
+        "count": ("int", False),
+        "counts": ("i64s", False),
+        "tokens": ("list", False),
+        "slots": ("i64s", False),
+        "keep": ("bool", False),
+    },
     "extend_kept": {"batch": ("int", True), "count": ("int", True), "seen": ("int", True)},
-    "prepare_batch": {"ids": ("i64s", True), "starts": ("i64s", True),
-                      "counts": ("i64s", True)},
-    "commit_batch": {"ids": ("i64s", True), "num_tokens": ("i64s", True),
-                     "tp_rank": ("int", False)},
+    "prepare_batch": {"ids": ("i64s", True), "starts": ("i64s", True), "counts": ("i64s", True)},
+    "commit_batch": {
+        "ids": ("i64s", True),
+        "num_tokens": ("i64s", True),
+        "tp_rank": ("int", False),
+    },
     # Rows of the shared tables (and owners of blocks), for readers that may not read
     # them lock-free (``shmkv.tables.lock_free_reads``).
     "rows": {"slots": ("i64s", True), "width": ("int", True), "blocks": ("i64s", False)},
 }
 
 
-_REQUIRED = {op: tuple(name for name, (_kind, required) in spec.items() if required)
-             for op, spec in OPS.items()}
+_REQUIRED = {
+    op: tuple(name for name, (_kind, required) in spec.items() if required)
+    for op, spec in OPS.items()
+}
 
 
 def _check_kind(op: str, name: str, kind: str, value: Any) -> None:
@@ -140,19 +159,25 @@ def _check_kind(op: str, name: str, kind: str, value: Any) -> None:
         ok = isinstance(value, dict)
     elif kind == "i64s":
         ok = isinstance(value, bytes) and len(value) % 8 == 0
-    elif kind == "tokens":   # packed: nothing to check per token, nothing to decode
-        ok = len(value) % 8 == 0 if isinstance(value, bytes) else (
-            isinstance(value, list) and all(type(v) is int for v in value))
+    elif kind == "tokens":  # packed: nothing to check per token, nothing to decode
+        ok = (
+            len(value) % 8 == 0
+            if isinstance(value, bytes)
+            else (isinstance(value, list) and all(type(v) is int for v in value))
+        )
     elif kind == "ints":
         ok = isinstance(value, list) and all(
-            type(v) is int for v in value)  # bool is not a token id
+            type(v) is int for v in value
+        )  # bool is not a token id
     if not ok:
-        what = {"tokens": "token ids: a list of ints, or whole little-endian int64s packed "
-                          "in bytes",
-                "i64s": "whole little-endian int64s packed in bytes"}.get(kind, kind)
-        raise errors.WrongType(f"{op}: argument {name!r} must be {what}, got "
-                               f"{type(value).__name__}"
-                               + (f" of {len(value)}" if isinstance(value, bytes) else ""))
+        what = {
+            "tokens": "token ids: a list of ints, or whole little-endian int64s packed in bytes",
+            "i64s": "whole little-endian int64s packed in bytes",
+        }.get(kind, kind)
+        raise errors.WrongType(
+            f"{op}: argument {name!r} must be {what}, got "
+            f"{type(value).__name__}" + (f" of {len(value)}" if isinstance(value, bytes) else "")
+        )
 
 
 def unpack_i64s(data: bytes) -> "array":
@@ -166,7 +191,7 @@ def unpack_i64s(data: bytes) -> "array":
 
 def pack_i64s(values: Union[Iterable[int], np.ndarray]) -> bytes:
     """The ``i64s`` form of a sequence of ints (or of a numpy integer array)."""
-    if hasattr(values, "astype"):   # (no copy when they are little-endian int64s)
+    if hasattr(values, "astype"):  # (no copy when they are little-endian int64s)
         return values.astype("<i8", copy=False).tobytes()
     out = values if isinstance(values, array) and values.typecode == "q" else array("q", values)
     if sys.byteorder != "little":
@@ -186,8 +211,9 @@ def check_client_name(name: object) -> str:
         InvalidArgument: it is not.
     """
     if not isinstance(name, str) or not 1 <= len(name) <= 64 or not _NAME_CHARS.issuperset(name):
-        raise errors.InvalidArgument(f"client name {name!r} must be 1-64 characters of "
-                                     "letters, digits and _ . : / -")
+        raise errors.InvalidArgument(
+            f"client name {name!r} must be 1-64 characters of letters, digits and _ . : / -"
+        )
     return name
 
 
@@ -216,6 +242,7 @@ def validate_args(op: str, args: Any) -> dict:
 @dataclasses.dataclass(frozen=True)
 class Request:
     """A validated request."""
+
     request_id: int
     op: str
     args: dict
@@ -224,6 +251,7 @@ class Request:
 @dataclasses.dataclass(frozen=True)
 class Response:
     """A response: ``code == 0`` carries ``result``, otherwise ``message``."""
+
     request_id: int
     code: int
     result: Any = None
@@ -237,6 +265,7 @@ class Response:
 
 
 # -- framing -----------------------------------------------------------------------------
+
 
 def encode(obj: Any) -> bytes:
     """One frame: length prefix + msgpack body.
@@ -272,6 +301,7 @@ class OversizedFrame:
     length and the request id read from its first bytes (-1 when they did not say). The
     body is skipped as it arrives, never buffered, so the stream stays in step: the
     receiver answers ``error()`` and goes on with the next frame."""
+
     request_id: int
     length: int
     max_frame: int
@@ -279,7 +309,8 @@ class OversizedFrame:
     def error(self) -> errors.ProtocolError:
         return errors.ProtocolError(
             f"frame of {self.length} bytes exceeds the maximum of {self.max_frame}; it was "
-            "skipped (the connection stays): split the request")
+            "skipped (the connection stays): split the request"
+        )
 
 
 def _peek_request_id(head: bytes, whole: bool) -> int | None:
@@ -294,7 +325,7 @@ def _peek_request_id(head: bytes, whole: bool) -> int | None:
         request_id = unpacker.unpack()
     except msgpack.OutOfData:
         return -1 if whole else None
-    except Exception:   # not an envelope: msgpack raises several classes
+    except Exception:  # not an envelope: msgpack raises several classes
         return -1
     return request_id if type(request_id) is int else -1
 
@@ -318,7 +349,7 @@ class FrameDecoder:
     def __init__(self, max_frame: int = DEFAULT_MAX_FRAME):
         self.max_frame = max_frame
         self._buf = bytearray()
-        self._skip = 0   # bytes of an oversized frame's body still to come
+        self._skip = 0  # bytes of an oversized frame's body still to come
         self.last_size = 0
 
     @property
@@ -338,16 +369,16 @@ class FrameDecoder:
                 return
             (length,) = _HEADER.unpack_from(self._buf)
             if length > self.max_frame:
-                head = bytes(self._buf[HEADER_SIZE:HEADER_SIZE + _PEEK])
+                head = bytes(self._buf[HEADER_SIZE : HEADER_SIZE + _PEEK])
                 request_id = _peek_request_id(head, whole=len(head) >= min(length, _PEEK))
                 if request_id is None:
-                    return   # the request id is in the body's first bytes: wait for them
+                    return  # the request id is in the body's first bytes: wait for them
                 got = min(len(self._buf) - HEADER_SIZE, length)
-                del self._buf[:HEADER_SIZE + got]
+                del self._buf[: HEADER_SIZE + got]
                 self._skip = length - got
                 self.last_size = HEADER_SIZE + got
                 yield OversizedFrame(request_id, length, self.max_frame)
-                continue   # (the buffer is empty while a body is being skipped)
+                continue  # (the buffer is empty while a body is being skipped)
             end = HEADER_SIZE + length
             if len(self._buf) < end:
                 return
@@ -360,8 +391,7 @@ class FrameDecoder:
 def decode_body(body: bytes) -> Any:
     """Strictly decode one msgpack object that must fill ``body`` exactly."""
     try:
-        return msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True,
-                               timestamp=0)
+        return msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True, timestamp=0)
     except Exception as exc:  # msgpack raises several unrelated classes
         raise errors.ProtocolError(f"undecodable frame: {type(exc).__name__}: {exc}") from None
 
@@ -387,8 +417,12 @@ def request_id_of(obj: Any) -> int:
 
 def parse_response(obj: Any) -> Response:
     """Validate a decoded response envelope."""
-    if not (isinstance(obj, list) and len(obj) == 3 and isinstance(obj[0], int)
-            and isinstance(obj[1], int)):
+    if not (
+        isinstance(obj, list)
+        and len(obj) == 3
+        and isinstance(obj[0], int)
+        and isinstance(obj[1], int)
+    ):
         raise errors.ProtocolError("response must be [request_id, code, result_or_message]")
     request_id, code, payload = obj
     if code == 0:

@@ -20,6 +20,7 @@ from .tables import CACHE_ID, run_index
 
 class Refs(Rows):
     """References of connections to sequences (see the module doc)."""
+
     def add_connection(self, conn_id: int) -> None:
         self.conn_refs[conn_id] = {}
         self._conn_steps[conn_id] = 0
@@ -57,9 +58,11 @@ class Refs(Rows):
             slot = self._light_slot(cache_id)
             if slot >= 0 and self._held_mv[conn_id][slot]:
                 return self._materialize(slot)
-        raise UnknownCache(f"cache {format_cache_id(cache_id) if cache_id >= 0 else cache_id}"
-                           " is not held by this connection (closed, never opened, or"
-                           " another connection's)")
+        raise UnknownCache(
+            f"cache {format_cache_id(cache_id) if cache_id >= 0 else cache_id}"
+            " is not held by this connection (closed, never opened, or"
+            " another connection's)"
+        )
 
     def _ref(self, conn_id: int, seq: Sequence) -> None:
         refs = self.conn_refs[conn_id]
@@ -77,8 +80,9 @@ class Refs(Rows):
             self.tables.release(seq.slot, len(seq.block_ids))
             self.pool.decref(reversed(seq.block_ids))  # tail first into the LRU
 
-    def _light_slots(self, conn_id: int, cache_ids: Seq[int],
-                     any_holder: bool = False) -> Optional[np.ndarray]:
+    def _light_slots(
+        self, conn_id: int, cache_ids: Seq[int], any_holder: bool = False
+    ) -> Optional[np.ndarray]:
         """The slots of ``cache_ids`` when they are distinct plain sequences without
         objects, each held by this connection (or by any, with ``any_holder``), checked
         with array operations; None otherwise (the caller's general path then checks
@@ -86,8 +90,14 @@ class Refs(Rows):
         ids = np.asarray(cache_ids, dtype=np.int64)
         return self._checked_rows(conn_id, ids, ids & self._slot_mask, any_holder, light=True)
 
-    def _checked_rows(self, conn_id: int, ids: np.ndarray, where: np.ndarray,
-                      any_holder: bool = False, light: bool = False) -> Optional[np.ndarray]:
+    def _checked_rows(
+        self,
+        conn_id: int,
+        ids: np.ndarray,
+        where: np.ndarray,
+        any_holder: bool = False,
+        light: bool = False,
+    ) -> Optional[np.ndarray]:
         """``where`` when it names distinct rows of the shared tables holding the live
         sequences ``ids``, each held by this connection (or by any, with
         ``any_holder``), and with ``light`` each a plain sequence without an object;
@@ -97,7 +107,7 @@ class Refs(Rows):
         if not num or held is None or where.shape[0] != num or int(ids.min()) <= 0:
             return None
         rows = run_index(where)
-        if isinstance(rows, slice):   # one ascending run: distinct rows, bounds at its ends
+        if isinstance(rows, slice):  # one ascending run: distinct rows, bounds at its ends
             if rows.start < 0 or rows.stop > held.shape[0]:
                 return None
         elif int(where.min()) < 0 or int(where.max()) >= held.shape[0]:
@@ -113,8 +123,9 @@ class Refs(Rows):
                 return None
         return where
 
-    def _batch_sequences(self, conn_id: int, cache_ids: Seq[int],
-                         any_live: bool = False) -> List[Sequence]:
+    def _batch_sequences(
+        self, conn_id: int, cache_ids: Seq[int], any_live: bool = False
+    ) -> List[Sequence]:
         """The sequences named by a batch, each held by this connection (or merely live,
         with ``any_live``)."""
         if len(set(cache_ids)) != len(cache_ids):
@@ -126,8 +137,10 @@ class Refs(Rows):
             except UnknownCache:
                 seq = None
             if seq is None:
-                raise UnknownCache(f"cache {format_cache_id(cache_id)} of the batch is closed "
-                                   "(or not held by this connection)")
+                raise UnknownCache(
+                    f"cache {format_cache_id(cache_id)} of the batch is closed "
+                    "(or not held by this connection)"
+                )
             seqs.append(seq)
         return seqs
 
@@ -147,7 +160,7 @@ class Refs(Rows):
         """A new reference to the same sequence (no copy)."""
         seq = self._held(conn_id, cache_id)
         self._ref(conn_id, seq)
-        self._touch(seq.slot)   # two references now: no kept batch steps it
+        self._touch(seq.slot)  # two references now: no kept batch steps it
         return self._info(seq)
 
     def release(self, conn_id: int, cache_id: int) -> None:
@@ -158,7 +171,7 @@ class Refs(Rows):
         """Drop one reference per listed id (an id may repeat); all or none."""
         refs = self.conn_refs.get(conn_id, {})
         light = len(cache_ids) > 8
-        if not light:   # (a loop: cold, a generator expression cost the loop more)
+        if not light:  # (a loop: cold, a generator expression cost the loop more)
             for cache_id in cache_ids:
                 if type(cache_id) is int and self._light_slot(cache_id) >= 0:
                     light = True
@@ -173,9 +186,11 @@ class Refs(Rows):
             wanted[cache_id] = wanted.get(cache_id, 0) + 1
         for cache_id, count in wanted.items():
             if refs[cache_id] < count:
-                raise UnknownCache(f"release of {count} references to "
-                                   f"{format_cache_id(cache_id)}, this connection holds "
-                                   f"{refs[cache_id]}")
+                raise UnknownCache(
+                    f"release of {count} references to "
+                    f"{format_cache_id(cache_id)}, this connection holds "
+                    f"{refs[cache_id]}"
+                )
         held = self._held_mv[conn_id]
         for cache_id, count in wanted.items():
             refs[cache_id] -= count

@@ -94,14 +94,14 @@ log = logging.getLogger("shmkv.remote")
 
 MAGIC = b"SHMKVRED"
 FORMAT_VERSION = 1
-_HEAD = struct.Struct("<8sHHI16s16s5I12sQI")   # everything up to the header's own crc
+_HEAD = struct.Struct("<8sHHI16s16s5I12sQI")  # everything up to the header's own crc
 _CRC = struct.Struct("<I")
-HEADER_SIZE = _HEAD.size + _CRC.size             # 96
+HEADER_SIZE = _HEAD.size + _CRC.size  # 96
 KEY_PREFIX = "shmkv"
 
-PUT_BATCH = 32            # blocks per write pipeline, at most
-GET_BATCH = 64            # blocks per read pipeline, at most
-BATCH_BYTES = 8 << 20     # value bytes per pipeline, at most (one block at least): the
+PUT_BATCH = 32  # blocks per write pipeline, at most
+GET_BATCH = 64  # blocks per read pipeline, at most
+BATCH_BYTES = 8 << 20  # value bytes per pipeline, at most (one block at least): the
 #                           client parses smaller replies faster, and the next span is read
 #                           while the one before is checked and copied
 MIN_BACKOFF_S = 0.1
@@ -121,8 +121,9 @@ def _redis_module():
     try:
         import redis
     except ImportError:
-        raise ShmkvError("RedisTier needs the redis client: pip install 'shmkv[redis]' "
-                         "(or pip install redis)") from None
+        raise ShmkvError(
+            "RedisTier needs the redis client: pip install 'shmkv[redis]' (or pip install redis)"
+        ) from None
     return redis
 
 
@@ -155,9 +156,18 @@ class RedisTier:
 
     kind = "redis"
 
-    def __init__(self, url: str, *, salt: bytes = b"", ttl: Optional[float] = 3600.0,
-                 timeout: float = 0.5, max_queue: int = 1024, cluster: bool = False,
-                 hash_group: int = 16, max_backoff: float = 5.0):
+    def __init__(
+        self,
+        url: str,
+        *,
+        salt: bytes = b"",
+        ttl: Optional[float] = 3600.0,
+        timeout: float = 0.5,
+        max_queue: int = 1024,
+        cluster: bool = False,
+        hash_group: int = 16,
+        max_backoff: float = 5.0,
+    ):
         if not isinstance(url, str) or "://" not in url:
             raise WrongType("RedisTier url must be a str such as 'redis://127.0.0.1:6379'")
         if url.split("://", 1)[0] not in ("redis", "rediss", "unix", "valkey", "valkeys"):
@@ -178,9 +188,11 @@ class RedisTier:
         self.max_backoff = float(_check_number("max_backoff", max_backoff, 0))
 
     def __repr__(self) -> str:
-        where = self.url.split("@")[-1]   # never print a password
-        return (f"RedisTier({where!r}, ttl={self.ttl}, timeout={self.timeout}"
-                f"{', cluster=True' if self.cluster else ''})")
+        where = self.url.split("@")[-1]  # never print a password
+        return (
+            f"RedisTier({where!r}, ttl={self.ttl}, timeout={self.timeout}"
+            f"{', cluster=True' if self.cluster else ''})"
+        )
 
 
 def split_specs(tiers) -> tuple:
@@ -192,8 +204,10 @@ def split_specs(tiers) -> tuple:
     if not remote:
         return tiers, None
     if len(remote) > 1 or tiers[-1] is not remote[0]:
-        raise InvalidArgument("tiers takes one RedisTier, as the last (lowest) tier: "
-                              "[HostTier(...), DiskTier(...), RedisTier(url)]")
+        raise InvalidArgument(
+            "tiers takes one RedisTier, as the last (lowest) tier: "
+            "[HostTier(...), DiskTier(...), RedisTier(url)]"
+        )
     return list(tiers[:-1]), remote[0]
 
 
@@ -210,22 +224,44 @@ class Codec:
         self.value_nbytes = HEADER_SIZE + self.payload_nbytes
         fingerprint = config.block_fingerprint(scales)
         self.namespace = hashlib.blake2b(
-            b"shmkv-remote/%d/%s/%d/" % (FORMAT_VERSION, fingerprint.encode(),
-                                         hash_group) + salt, digest_size=16).digest()
+            b"shmkv-remote/%d/%s/%d/" % (FORMAT_VERSION, fingerprint.encode(), hash_group) + salt,
+            digest_size=16,
+        ).digest()
         self._prefix = f"{KEY_PREFIX}:{self.namespace.hex()}:{{"
-        self._shape = (config.num_layers, config.block_size, config.num_kv_heads,
-                       config.head_dim, config.tp_size, config.dtype.encode())
+        self._shape = (
+            config.num_layers,
+            config.block_size,
+            config.num_kv_heads,
+            config.head_dim,
+            config.tp_size,
+            config.dtype.encode(),
+        )
 
     def names(self, chain: list, start: int, stop: int) -> List[str]:
         """Key names of blocks ``start..stop-1`` of a prefix whose keys are ``chain``."""
         group, prefix = self.hash_group, self._prefix
-        return [f"{prefix}{chain[i - i % group].hex()}}}:{chain[i].hex()}"
-                for i in range(start, stop)]
+        return [
+            f"{prefix}{chain[i - i % group].hex()}}}:{chain[i].hex()}" for i in range(start, stop)
+        ]
 
     def header(self, key: bytes, crc: int) -> bytes:
         layers, block_size, heads, head_dim, tp, dtype = self._shape
-        head = _HEAD.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, 0, self.namespace, key, layers,
-                          block_size, heads, head_dim, tp, dtype, self.payload_nbytes, crc)
+        head = _HEAD.pack(
+            MAGIC,
+            FORMAT_VERSION,
+            HEADER_SIZE,
+            0,
+            self.namespace,
+            key,
+            layers,
+            block_size,
+            heads,
+            head_dim,
+            tp,
+            dtype,
+            self.payload_nbytes,
+            crc,
+        )
         return head + _CRC.pack(zlib.crc32(head))
 
     def check(self, value, key: bytes) -> Optional[str]:
@@ -233,19 +269,42 @@ class Codec:
         if not isinstance(value, (bytes, bytearray, memoryview)):
             return "not a string value"
         if len(value) != self.value_nbytes:
-            return (f"size {len(value)}, expected {self.value_nbytes}"
-                    if len(value) >= HEADER_SIZE else "truncated header")
-        head = bytes(value[:_HEAD.size])
+            return (
+                f"size {len(value)}, expected {self.value_nbytes}"
+                if len(value) >= HEADER_SIZE
+                else "truncated header"
+            )
+        head = bytes(value[: _HEAD.size])
         if _CRC.unpack_from(value, _HEAD.size)[0] != zlib.crc32(head):
             return "header checksum"
-        (magic, version, header_size, _flags, namespace, value_key, layers, block_size, heads,
-         head_dim, tp, dtype, payload, crc) = _HEAD.unpack(head)
+        (
+            magic,
+            version,
+            header_size,
+            _flags,
+            namespace,
+            value_key,
+            layers,
+            block_size,
+            heads,
+            head_dim,
+            tp,
+            dtype,
+            payload,
+            crc,
+        ) = _HEAD.unpack(head)
         if magic != MAGIC or version != FORMAT_VERSION or header_size != HEADER_SIZE:
             return "not a block value of this format"
         if namespace != self.namespace or value_key != key:
             return "another namespace or key"
-        if (layers, block_size, heads, head_dim, tp, dtype.rstrip(b"\0")) != self._shape \
-                or payload != self.payload_nbytes:
+        if (
+            layers,
+            block_size,
+            heads,
+            head_dim,
+            tp,
+            dtype.rstrip(b"\0"),
+        ) != self._shape or payload != self.payload_nbytes:
             return "another shape"
         if zlib.crc32(memoryview(value)[HEADER_SIZE:]) != crc:
             return "payload checksum"
@@ -280,9 +339,12 @@ class _Health:
         first = not self.backoff
         self.backoff = min(self.max_backoff, max(MIN_BACKOFF_S, self.backoff * 2))
         self.down_until = time.monotonic() + self.backoff
-        log.log(logging.WARNING if first else logging.DEBUG,
-                "redis tier: %s; the store is skipped for %.1f s (local tiers go on)",
-                self.last_error, self.backoff)
+        log.log(
+            logging.WARNING if first else logging.DEBUG,
+            "redis tier: %s; the store is skipped for %.1f s (local tiers go on)",
+            self.last_error,
+            self.backoff,
+        )
 
 
 # -- the work items ------------------------------------------------------------------------------
@@ -298,7 +360,7 @@ class _Put:
     def __init__(self, block: int, chain: list, index: int, gen: int, codec: Codec):
         self.block, self.chain, self.index, self.gen = block, chain, index, gen
         self.discarded = False
-        self.codec = codec   # the namespace it is written under
+        self.codec = codec  # the namespace it is written under
 
     def holds(self, pool) -> bool:
         """The block still holds the key it was published under (see ``_Put``)."""
@@ -313,7 +375,7 @@ class _Fetch:
     def __init__(self, record, chain: list, first: int, codec: Codec):
         self.record, self.chain, self.first = record, chain, first
         self.num_ok = 0
-        self.codec = codec   # the namespace it was asked under
+        self.codec = codec  # the namespace it was asked under
 
 
 class RemotePromotion:
@@ -323,9 +385,9 @@ class RemotePromotion:
     __slots__ = ("local", "fetches", "pairs", "local_done", "remote_done", "context")
 
     def __init__(self):
-        self.local = None          # the local TierSet's Promotion, if any
+        self.local = None  # the local TierSet's Promotion, if any
         self.fetches: List[_Fetch] = []
-        self.pairs: list = []      # (info, num_cached before, local record, store record)
+        self.pairs: list = []  # (info, num_cached before, local record, store record)
         self.local_done = True
         self.remote_done = True
         self.context = None
@@ -365,28 +427,40 @@ class RemoteTierSet:
         self._wake_fn = wake
         self._wake_pending = False
         self._cv = threading.Condition()
-        self._puts: deque = deque()          # waiting for the writer (bounded)
-        self._fetch_q: deque = deque()       # RemotePromotions waiting for the reader
-        self._done: deque = deque()          # RemotePromotions back from the reader
-        self._put_done: deque = deque()      # _Puts back from the writer
+        self._puts: deque = deque()  # waiting for the writer (bounded)
+        self._fetch_q: deque = deque()  # RemotePromotions waiting for the reader
+        self._done: deque = deque()  # RemotePromotions back from the reader
+        self._put_done: deque = deque()  # _Puts back from the writer
         self._threads: List[threading.Thread] = []
         self._clients: dict = {}
         self._client_lock = threading.Lock()
         self._stopping = False
         self._landing: Optional[ThreadPoolExecutor] = None
         self._by_local: dict = {}
-        self._ready: list = []               # promotions finished outside tick()
+        self._ready: list = []  # promotions finished outside tick()
         self._count_lock = threading.Lock()  # counters that worker threads add to
-        self._puts_in = 0                    # blocks queued for the writer (loop)
-        self._puts_out = 0                   # blocks the writer is done with (writer)
+        self._puts_in = 0  # blocks queued for the writer (loop)
+        self._puts_out = 0  # blocks the writer is done with (writer)
         self.num_promotions_in_flight = 0
-        self.counters = {"lookups": 0, "hits": 0, "misses": 0, "writes": 0, "present": 0,
-                         "dropped": 0, "discarded": 0, "corrupt": 0, "errors": 0,
-                         "skipped_lookups": 0, "bytes_read": 0, "bytes_written": 0}
+        self.counters = {
+            "lookups": 0,
+            "hits": 0,
+            "misses": 0,
+            "writes": 0,
+            "present": 0,
+            "dropped": 0,
+            "discarded": 0,
+            "corrupt": 0,
+            "errors": 0,
+            "skipped_lookups": 0,
+            "bytes_read": 0,
+            "bytes_written": 0,
+        }
         # [num_blocks, 2 * num_layers, chunk bytes] per rank (shmkv.memory.block_bytes)
         self._pool_u8: Optional[List[Any]] = [block_bytes(p) for p in memory.device_pools]
         self._pool_np: Optional[List[np.ndarray]] = (
-            None if config.is_cuda else [t.numpy() for t in self._pool_u8])
+            None if config.is_cuda else [t.numpy() for t in self._pool_u8]
+        )
         table.newly_published = []
         try:
             self._landing = ThreadPoolExecutor(1, thread_name_prefix="shmkv-redis-land")
@@ -413,17 +487,21 @@ class RemoteTierSet:
 
     @property
     def num_pending(self) -> int:
-        return (len(self._puts) + self.num_promotions_in_flight
-                + (self.local.num_pending if self.local is not None else 0))
+        return (
+            len(self._puts)
+            + self.num_promotions_in_flight
+            + (self.local.num_pending if self.local is not None else 0)
+        )
 
     def _codec(self) -> Codec:
         """The namespace writes and lookups use now (loop thread)."""
         if self._scales is not None and self.config.is_quantized:
-            version = self._scale_lock[0]   # (the loop writes the scales: never odd here)
+            version = self._scale_lock[0]  # (the loop writes the scales: never odd here)
             if version != self._scales_at:
                 self._scales_at = version
-                self.codec = Codec(self.config, self.spec.salt, self.spec.hash_group,
-                                   scales=list(self._scales))
+                self.codec = Codec(
+                    self.config, self.spec.salt, self.spec.hash_group, scales=list(self._scales)
+                )
         return self.codec
 
     # -- loop side: lookups and promotions -------------------------------------------------------
@@ -448,16 +526,27 @@ class RemoteTierSet:
             local_rec = store_rec = None
             gens = record.gens
             if num_local:
-                local_rec = PendingPromotion(record.seq, record.info, record.first,
-                                             record.keys[:num_local], record.blocks[:num_local],
-                                             None if gens is None else gens[:num_local])
+                local_rec = PendingPromotion(
+                    record.seq,
+                    record.info,
+                    record.first,
+                    record.keys[:num_local],
+                    record.blocks[:num_local],
+                    None if gens is None else gens[:num_local],
+                )
                 local_records.append(local_rec)
             if num_local < len(record.keys):
-                store_rec = PendingPromotion(record.seq, record.info, record.first + num_local,
-                                             record.keys[num_local:], record.blocks[num_local:],
-                                             None if gens is None else gens[num_local:])
-                promo.fetches.append(_Fetch(store_rec, record.seq.keys, store_rec.first,
-                                            self._codec()))
+                store_rec = PendingPromotion(
+                    record.seq,
+                    record.info,
+                    record.first + num_local,
+                    record.keys[num_local:],
+                    record.blocks[num_local:],
+                    None if gens is None else gens[num_local:],
+                )
+                promo.fetches.append(
+                    _Fetch(store_rec, record.seq.keys, store_rec.first, self._codec())
+                )
             promo.pairs.append((record.info, record.info["num_cached"], local_rec, store_rec))
         if local_records:
             promo.local = self.local.promote(local_records)
@@ -483,7 +572,8 @@ class RemoteTierSet:
                 continue
             lost_locally = local_rec is not None and info["num_cached"] < num_cached
             num_ok = self.table.finish_promotion(
-                store_rec, 0 if lost_locally else fetched[id(store_rec)])
+                store_rec, 0 if lost_locally else fetched[id(store_rec)]
+            )
             self.counters["hits"] += num_ok
             self.counters["misses"] += len(store_rec.blocks) - num_ok
         self.num_promotions_in_flight -= 1
@@ -533,14 +623,17 @@ class RemoteTierSet:
         generation)``), those whose block still holds its key: within this turn it may
         have been released, evicted and taken by another sequence already."""
         pool, codec = self.pool, self._codec()
-        new = [_Put(block, chain, index, gen, codec) for block, chain, index, gen in published
-               if pool.still_holds(block, chain[index], gen)]
+        new = [
+            _Put(block, chain, index, gen, codec)
+            for block, chain, index, gen in published
+            if pool.still_holds(block, chain[index], gen)
+        ]
         if len(new) < len(published):
             self._discard(len(published) - len(new))
         room = self.spec.max_queue - len(self._puts)
         if room < len(new):
             self.counters["dropped"] += len(new) - max(room, 0)
-            new = new[:max(room, 0)]
+            new = new[: max(room, 0)]
         if not new:
             return
         self._puts_in += len(new)
@@ -557,11 +650,15 @@ class RemoteTierSet:
             redis = _redis_module()
             from redis.backoff import NoBackoff
             from redis.retry import Retry
-            options = dict(socket_timeout=self.spec.timeout,
-                           socket_connect_timeout=self.spec.timeout,
-                           retry=Retry(NoBackoff(), 0))  # our own backoff, not redis-py's
+
+            options = dict(
+                socket_timeout=self.spec.timeout,
+                socket_connect_timeout=self.spec.timeout,
+                retry=Retry(NoBackoff(), 0),
+            )  # our own backoff, not redis-py's
             if self.spec.cluster:
                 from redis.cluster import RedisCluster
+
                 client = RedisCluster.from_url(self.spec.url, **options)
             else:
                 client = redis.Redis.from_url(self.spec.url, **options)
@@ -633,7 +730,7 @@ class RemoteTierSet:
         try:
             client = self._client("get")
             landings = self._landing
-            assert landings is not None   # (made before the reader starts; close() stops it)
+            assert landings is not None  # (made before the reader starts; close() stops it)
             for lo, hi in spans:
                 names = codec.names(fetch.chain, lo, hi)
                 pipe = client.pipeline(transaction=False)
@@ -641,7 +738,7 @@ class RemoteTierSet:
                     pipe.get(name)
                 values = pipe.execute(raise_on_error=False)  # a bad key: a bad value
                 if landing is not None and not landing.result():
-                    return True          # the previous span ended the hit
+                    return True  # the previous span ended the hit
                 present = 0
                 while present < len(values) and values[present] is not None:
                     present += 1
@@ -654,7 +751,7 @@ class RemoteTierSet:
             return True
         except Exception as exc:
             if landing is not None:
-                landing.result()         # what already arrived stays usable
+                landing.result()  # what already arrived stays usable
             if self._stopping:
                 return False
             self._count(errors=1)
@@ -678,8 +775,7 @@ class RemoteTierSet:
             reason = codec.check(value, record.keys[offset + j])
             if reason is not None:
                 self._count(corrupt=1)
-                log.warning("redis tier: value of %s not served and deleted: %s",
-                            names[j], reason)
+                log.warning("redis tier: value of %s not served and deleted: %s", names[j], reason)
                 try:
                     self._client("get").delete(names[j])
                 except Exception as exc:
@@ -697,6 +793,7 @@ class RemoteTierSet:
         staging = None
         if self._pool_np is None:
             import torch
+
             staging = torch.from_numpy(payload.copy())  # writable; one copy to the device
         flat_to_pool(staging, payload, self._pool_np, self._pool_u8, block)
 
@@ -714,8 +811,7 @@ class RemoteTierSet:
                 size = max(1, min(PUT_BATCH, BATCH_BYTES // self.codec.value_nbytes))
                 buffers = np.empty((size, self.codec.value_nbytes), dtype=np.uint8)
             with self._cv:
-                batch = [self._puts.popleft()
-                         for _ in range(min(len(buffers), len(self._puts)))]
+                batch = [self._puts.popleft() for _ in range(min(len(buffers), len(self._puts)))]
             try:
                 self._put_batch(batch, buffers)
             except Exception:  # a bug must not kill the writer: the batch is dropped
@@ -726,7 +822,7 @@ class RemoteTierSet:
     def _put_batch(self, batch: list, buffers: np.ndarray) -> None:
         codec, ttl, pool = self.codec, self.spec.ttl, self.pool
         live = []
-        for put in batch:   # changed while queued: not even asked about
+        for put in batch:  # changed while queued: not even asked about
             if put.holds(pool):
                 live.append(put)
             else:
@@ -755,15 +851,17 @@ class RemoteTierSet:
                     continue
                 key = put.chain[put.index]
                 buf[:HEADER_SIZE] = np.frombuffer(
-                    put.codec.header(key, zlib.crc32(buf[HEADER_SIZE:])), dtype=np.uint8)
+                    put.codec.header(key, zlib.crc32(buf[HEADER_SIZE:])), dtype=np.uint8
+                )
                 if ttl is not None:
                     pipe.set(name, memoryview(buf), px=int(ttl * 1000))
                 else:
                     pipe.set(name, memoryview(buf))
                 num_set += 1
             pipe.execute()
-            self._count(writes=num_set, present=num_present,
-                        bytes_written=num_set * codec.value_nbytes)
+            self._count(
+                writes=num_set, present=num_present, bytes_written=num_set * codec.value_nbytes
+            )
             self.health.ok()
         except Exception as exc:
             self._count(errors=1)
@@ -773,6 +871,7 @@ class RemoteTierSet:
         staging = None
         if self._pool_np is None:
             import torch
+
             staging = torch.from_numpy(out)
         pool_to_flat(self._pool_np, self._pool_u8, block, staging, out)
 
@@ -783,13 +882,24 @@ class RemoteTierSet:
         what this node wrote; ``hits``/``promotions``: blocks pulled into the pool)."""
         c = self.counters
         now = time.monotonic()
-        state = "up" if self.health.usable(now) else \
-            f"backing off {self.health.down_until - now:.1f} s: {self.health.last_error}"
+        state = (
+            "up"
+            if self.health.usable(now)
+            else f"backing off {self.health.down_until - now:.1f} s: {self.health.last_error}"
+        )
         where = self.spec.url.split("@")[-1]
-        out = {"tier": "redis", "url": where, "blocks": c["writes"],
-               "bytes": c["bytes_written"], "capacity_bytes": None, "demotions": c["writes"],
-               "promotions": c["hits"], "queued": len(self._puts),
-               "recoveries": self.health.num_recoveries, "state": state}
+        out = {
+            "tier": "redis",
+            "url": where,
+            "blocks": c["writes"],
+            "bytes": c["bytes_written"],
+            "capacity_bytes": None,
+            "demotions": c["writes"],
+            "promotions": c["hits"],
+            "queued": len(self._puts),
+            "recoveries": self.health.num_recoveries,
+            "state": state,
+        }
         out.update(c)
         return out
 
@@ -800,12 +910,16 @@ class RemoteTierSet:
 
     def io_stats(self) -> dict:
         """What is moving: the local tiers' figures, plus the store's queue and pulls."""
-        out = self.local.io_stats() if self.local is not None else {
-            "pending": 0, "promotions_in_flight": 0, "lost_evictions": 0, "scanning": False}
+        out = (
+            self.local.io_stats()
+            if self.local is not None
+            else {"pending": 0, "promotions_in_flight": 0, "lost_evictions": 0, "scanning": False}
+        )
         out = dict(out)
         out["pending"] = self.num_pending
-        out["promotions_in_flight"] = out.get("promotions_in_flight", 0) + \
-            self.num_promotions_in_flight
+        out["promotions_in_flight"] = (
+            out.get("promotions_in_flight", 0) + self.num_promotions_in_flight
+        )
         out["redis_queued"] = len(self._puts)
         return out
 

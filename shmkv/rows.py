@@ -39,8 +39,6 @@ MAX_SALT_BYTES = 1024
 MAX_REQUEST_ID = 256
 
 
-
-
 def format_cache_id(cache_id: int) -> str:
     """The user-facing form of a cache id."""
     return f"kv-{cache_id:x}"
@@ -49,12 +47,25 @@ def format_cache_id(cache_id: int) -> str:
 class Sequence:
     """One cached sequence. Plain slots: this is on every hot path."""
 
-    __slots__ = ("cache_id", "block_ids", "num_tokens", "num_refs", "keys", "keys_open",
-                 "tail_tokens", "root", "num_committed", "rank_tokens", "num_cached",
-                 "request_id", "slot")
+    __slots__ = (
+        "cache_id",
+        "block_ids",
+        "num_tokens",
+        "num_refs",
+        "keys",
+        "keys_open",
+        "tail_tokens",
+        "root",
+        "num_committed",
+        "rank_tokens",
+        "num_cached",
+        "request_id",
+        "slot",
+    )
 
-    def __init__(self, cache_id: int, root: Optional[bytes], tp_size: int,
-                 request_id: Optional[str]):
+    def __init__(
+        self, cache_id: int, root: Optional[bytes], tp_size: int, request_id: Optional[str]
+    ):
         self.cache_id = cache_id
         self.block_ids: List[int] = []
         self.num_tokens = 0
@@ -65,18 +76,23 @@ class Sequence:
         # publishable, no later block gets one.
         self.keys: Optional[List[bytes]] = [] if root is not None else None
         self.keys_open = root is not None
-        self.tail_tokens: List[int] = []   # token ids after the last keyed block
+        self.tail_tokens: List[int] = []  # token ids after the last keyed block
         self.root = root
-        self.num_committed = 0             # leading blocks already published/committed
-        self.rank_tokens = [0] * tp_size   # tokens each tensor-parallel rank committed
-        self.num_cached = 0                # tokens reused from the prefix cache at allocate
-        self.request_id = request_id       # None: the default, format_cache_id(cache_id)
-        self.slot = -1                     # row in the shared tables
+        self.num_committed = 0  # leading blocks already published/committed
+        self.rank_tokens = [0] * tp_size  # tokens each tensor-parallel rank committed
+        self.num_cached = 0  # tokens reused from the prefix cache at allocate
+        self.request_id = request_id  # None: the default, format_cache_id(cache_id)
+        self.slot = -1  # row in the shared tables
 
     def info(self) -> dict:
-        return {"cache_id": self.cache_id, "slot": self.slot, "blocks": list(self.block_ids),
-                "num_tokens": self.num_tokens, "num_cached": self.num_cached,
-                "request_id": self.request_id}
+        return {
+            "cache_id": self.cache_id,
+            "slot": self.slot,
+            "blocks": list(self.block_ids),
+            "num_tokens": self.num_tokens,
+            "num_cached": self.num_cached,
+            "request_id": self.request_id,
+        }
 
 
 def _same(a: np.ndarray, b: np.ndarray) -> bool:
@@ -144,8 +160,12 @@ class Rows:
         """The slot of ``cache_id`` if it is a live plain sequence without an object,
         else -1."""
         slot = cache_id & self._slot_mask
-        if cache_id > 0 and slot < len(self._light_mv) and self._light_mv[slot] and \
-                self._seq_np[slot, CACHE_ID] == cache_id:
+        if (
+            cache_id > 0
+            and slot < len(self._light_mv)
+            and self._light_mv[slot]
+            and self._seq_np[slot, CACHE_ID] == cache_id
+        ):
             return slot
         return -1
 
@@ -159,7 +179,7 @@ class Rows:
         seq = Sequence(cache_id, None, self.tp_size, None)
         seq.slot = slot
         seq.num_tokens = int(self._seq_np[slot, NUM_TOKENS])
-        seq.block_ids = self._table_np[slot, :self._num_blocks_np[slot]].tolist()
+        seq.block_ids = self._table_np[slot, : self._num_blocks_np[slot]].tolist()
         seq.num_refs = 1
         self.sequences[cache_id] = seq
         self.conn_refs[int(self._light_conn[slot])][cache_id] = 1
@@ -181,7 +201,7 @@ class Rows:
         operations. ``slots`` are distinct."""
         if not slots.shape[0]:
             return
-        rows = run_index(slots)   # a slice when they are one run: views, cheaper stores
+        rows = run_index(slots)  # a slice when they are one run: views, cheaper stores
         self._light_np[rows] = False
         held[rows] = False
         self._num_light -= int(slots.shape[0])
@@ -190,9 +210,9 @@ class Rows:
         used = self._num_blocks_np[rows]
         widest = int(used.max())
         blocks = self._table_np[rows, :widest]
-        if not bool((used == widest).all()):   # (entries past a row's own are 0: not its)
+        if not bool((used == widest).all()):  # (entries past a row's own are 0: not its)
             blocks = blocks[np.arange(widest) < used[:, None]]
-        freed = blocks.ravel().astype(np.int64)   # a copy: the release zeroes the rows
+        freed = blocks.ravel().astype(np.int64)  # a copy: the release zeroes the rows
         self.tables.release_many(slots, rows, widest)
         self.pool.free_private(freed)
 
@@ -244,14 +264,17 @@ class Rows:
         name = what() if callable(what) else what
         blocks = self._blocks_for(num_tokens)
         if blocks > self.pool.num_blocks:
-            raise PoolExhausted(f"pool exhausted: {name} would need {blocks} blocks for "
-                                f"{num_tokens} tokens, the whole pool has "
-                                f"{self.pool.num_blocks}; raise num_blocks")
-        raise LimitExceeded(f"{name}: {num_tokens} tokens, but a sequence holds at most "
-                            f"{self.max_seq_len} (PoolConfig.max_seq_len); raise max_seq_len")
+            raise PoolExhausted(
+                f"pool exhausted: {name} would need {blocks} blocks for "
+                f"{num_tokens} tokens, the whole pool has "
+                f"{self.pool.num_blocks}; raise num_blocks"
+            )
+        raise LimitExceeded(
+            f"{name}: {num_tokens} tokens, but a sequence holds at most "
+            f"{self.max_seq_len} (PoolConfig.max_seq_len); raise max_seq_len"
+        )
 
-    def _check_counts(self, name: str, counts: Union[Seq[int], np.ndarray],
-                      lo: int = 0) -> None:
+    def _check_counts(self, name: str, counts: Union[Seq[int], np.ndarray], lo: int = 0) -> None:
         """Every one of ``counts`` (ints or an int64 array) lies in ``[lo, max_seq_len]``:
         ``InvalidArgument`` below, the length check above."""
         if isinstance(counts, np.ndarray):

@@ -58,11 +58,20 @@ from .rows import (
 )
 from .tables import CACHE_ID, NUM_TOKENS, SEQ_FIELDS, TableLayout, TableWriter
 
-__all__ = ["SequenceTable", "Sequence", "PendingPromotion", "AllocationPlan",
-           "format_cache_id", "MAX_KEPT", "MAX_REQUEST_ID", "MAX_SALT_BYTES", "TOKEN_SIZE",
-           "TOKEN_VERSION"]
+__all__ = [
+    "SequenceTable",
+    "Sequence",
+    "PendingPromotion",
+    "AllocationPlan",
+    "format_cache_id",
+    "MAX_KEPT",
+    "MAX_REQUEST_ID",
+    "MAX_SALT_BYTES",
+    "TOKEN_SIZE",
+    "TOKEN_VERSION",
+]
 
-MAX_KEPT = 64        # kept batches per connection (SequenceTable.keep_batch)
+MAX_KEPT = 64  # kept batches per connection (SequenceTable.keep_batch)
 
 
 class SequenceTable(Decode):
@@ -84,13 +93,21 @@ class SequenceTable(Decode):
         max_seq_len: tokens one sequence may hold; default the tables' row, in tokens.
     """
 
-    def __init__(self, pool: BlockPool, block_size: int, tp_size: int = 1,
-                 copy_block: Callable[[int, int], None] = lambda src, dst: None,
-                 max_handoffs: int = 65536, max_handoff_ttl: float = 3600.0,
-                 clock: Callable[[], float] = time.monotonic,
-                 tables: Optional[TableWriter] = None, max_sequences: int = 1024,
-                 max_seq_blocks: Optional[int] = None, arrays: Optional[tuple] = None,
-                 max_seq_len: Optional[int] = None):
+    def __init__(
+        self,
+        pool: BlockPool,
+        block_size: int,
+        tp_size: int = 1,
+        copy_block: Callable[[int, int], None] = lambda src, dst: None,
+        max_handoffs: int = 65536,
+        max_handoff_ttl: float = 3600.0,
+        clock: Callable[[], float] = time.monotonic,
+        tables: Optional[TableWriter] = None,
+        max_sequences: int = 1024,
+        max_seq_blocks: Optional[int] = None,
+        arrays: Optional[tuple] = None,
+        max_seq_len: Optional[int] = None,
+    ):
         self.pool = pool
         self.block_size = block_size
         self.tp_size = tp_size
@@ -107,15 +124,17 @@ class SequenceTable(Decode):
         # Tokens one sequence may hold (PoolConfig.max_seq_len), exactly, not rounded up
         # to whole blocks. Every count and length is checked against it (in Python ints)
         # before any array arithmetic, which therefore never leaves int64.
-        self.max_seq_len = max_seq_len if max_seq_len is not None else \
-            layout.max_seq_blocks * block_size
+        self.max_seq_len = (
+            max_seq_len if max_seq_len is not None else layout.max_seq_blocks * block_size
+        )
         if arrays is None:
-            arrays = (np.frombuffer(tables.seq, dtype=np.int64).reshape(-1, SEQ_FIELDS),
-                      np.frombuffer(tables.table, dtype=np.int32).reshape(
-                          -1, layout.max_seq_blocks),
-                      pool._owner_np)
+            arrays = (
+                np.frombuffer(tables.seq, dtype=np.int64).reshape(-1, SEQ_FIELDS),
+                np.frombuffer(tables.table, dtype=np.int32).reshape(-1, layout.max_seq_blocks),
+                pool._owner_np,
+            )
         self._seq_np, self._table_np, self._owner_np = arrays
-        self._seq_flat = self._seq_np.reshape(-1)   # (a view: the rows are contiguous)
+        self._seq_flat = self._seq_np.reshape(-1)  # (a view: the rows are contiguous)
         self._num_blocks_np = np.frombuffer(tables.num_blocks, dtype=np.int64)
         # Slots whose sequence still extends its prefix keys (``Sequence.keys_open``),
         # and, per connection, the slots it holds: what a batch step checks at once.
@@ -167,15 +186,26 @@ class SequenceTable(Decode):
         # coordinator shares among the connections of one client name (``/metrics``);
         # every connection has one, so they sum to the two counters below.
         self.client_counts: Dict[int, List[int]] = {}
-        self.counters = {"prefix_hit_tokens": 0, "prefix_miss_tokens": 0,
-                         "prefix_hit_blocks": 0, "prefix_miss_blocks": 0,
-                         "cow_copies": 0, "published_blocks": 0, "exported_handoffs": 0,
-                         "opened_handoffs": 0, "expired_handoffs": 0}
+        self.counters = {
+            "prefix_hit_tokens": 0,
+            "prefix_miss_tokens": 0,
+            "prefix_hit_blocks": 0,
+            "prefix_miss_blocks": 0,
+            "cow_copies": 0,
+            "published_blocks": 0,
+            "exported_handoffs": 0,
+            "opened_handoffs": 0,
+            "expired_handoffs": 0,
+        }
 
-
-    def extend_batch(self, conn_id: int, cache_ids: Seq[int], counts: Union[int, Seq[int]],
-                     tokens: Optional[List[List[int]]] = None,
-                     slots: Optional[Seq[int]] = None) -> Union[np.ndarray, array[int]]:
+    def extend_batch(
+        self,
+        conn_id: int,
+        cache_ids: Seq[int],
+        counts: Union[int, Seq[int]],
+        tokens: Optional[List[List[int]]] = None,
+        slots: Optional[Seq[int]] = None,
+    ) -> Union[np.ndarray, array[int]]:
         """Reserve ``counts`` (an int for all, or one per sequence) more slots in each
         sequence of a batch, all or none; copy-on-write of shared partly filled last
         blocks included. ``tokens``: one list of token ids per sequence, or None.
@@ -218,8 +248,13 @@ class SequenceTable(Decode):
             self._kept_count[kept.pop(next(iter(kept))).where] -= 1
         batch_id = self._next_kept
         self._next_kept += 1
-        kept[batch_id] = _Kept(np.asarray(cache_ids, dtype=np.int64), keep[0],
-                               self._kept_version, self._conn_steps[conn_id], keep[1])
+        kept[batch_id] = _Kept(
+            np.asarray(cache_ids, dtype=np.int64),
+            keep[0],
+            self._kept_version,
+            self._conn_steps[conn_id],
+            keep[1],
+        )
         self._kept_count[keep[0]] += 1
         return batch_id
 
@@ -240,35 +275,45 @@ class SequenceTable(Decode):
             return None
         count = _check_count("count", count, 1)
         self._check_length(count, "count")
-        current = kept.version == self._kept_version and \
-            kept.conn_steps == self._conn_steps[conn_id]
+        current = (
+            kept.version == self._kept_version and kept.conn_steps == self._conn_steps[conn_id]
+        )
         self._conn_steps[conn_id] += 1
         done = self._step_kept(kept, count) if current else None
         kept.steps += 1
         if done is None:  # rechecked, and any error named, by the general path
             kept.version = -1
-            lens = self.extend_batch(conn_id, kept.ids.tolist(), count, None,
-                                     kept.where.tolist())
+            lens = self.extend_batch(conn_id, kept.ids.tolist(), count, None, kept.where.tolist())
             keep = self._keepable(conn_id, kept.ids)
             if keep is not None:
                 kept.reset(self._kept_version, self._conn_steps[conn_id], keep[1])
             return {"steps": kept.steps, "same": False, "lens": lens}
         kept.conn_steps = self._conn_steps[conn_id]
         grown, blocks = done
-        out = {"steps": kept.steps, "same": seen == kept.steps - 1, "grown": grown,
-               "blocks": blocks}
+        out = {
+            "steps": kept.steps,
+            "same": seen == kept.steps - 1,
+            "grown": grown,
+            "blocks": blocks,
+        }
         if not out["same"]:
             out["lens"] = self._seq_flat[kept.lengths_at]
         return out
 
     def stats(self) -> dict:
         pool = self.pool
-        out = {"num_blocks": pool.num_blocks, "free_blocks": pool.num_free,
-               "cached_blocks": pool.num_cached, "referenced_blocks": pool.num_referenced,
-               "evictions": pool.num_evictions, "sequences": self.num_sequences,
-               "copies_discarded": pool.num_copies_discarded,
-               "connections": len(self.conn_refs), "handoffs": len(self.handoffs),
-               "prefix_index_blocks": len(pool.prefix_index)}
+        out = {
+            "num_blocks": pool.num_blocks,
+            "free_blocks": pool.num_free,
+            "cached_blocks": pool.num_cached,
+            "referenced_blocks": pool.num_referenced,
+            "evictions": pool.num_evictions,
+            "sequences": self.num_sequences,
+            "copies_discarded": pool.num_copies_discarded,
+            "connections": len(self.conn_refs),
+            "handoffs": len(self.handoffs),
+            "prefix_index_blocks": len(pool.prefix_index),
+        }
         out.update(self.counters)
         return out
 
@@ -307,10 +352,13 @@ class SequenceTable(Decode):
         for handoff in self.handoffs.values():
             refs[handoff.cache_id] = refs.get(handoff.cache_id, 0) + 1
         light = self._seq_np[np.flatnonzero(self._light_np), CACHE_ID].tolist()
-        refs.update(dict.fromkeys(light, 1))   # each held once, by its connection
+        refs.update(dict.fromkeys(light, 1))  # each held once, by its connection
         assert refs == self.live()
         for conn_id, held in self._held_np.items():
-            assert {int(self._seq_np[slot, CACHE_ID]) for slot in np.flatnonzero(held).tolist()
-                    } == set(self.conn_refs[conn_id]) | {
-                        cache_id for cache_id in light
-                        if self._light_conn[cache_id & self._slot_mask] == conn_id}
+            assert {
+                int(self._seq_np[slot, CACHE_ID]) for slot in np.flatnonzero(held).tolist()
+            } == set(self.conn_refs[conn_id]) | {
+                cache_id
+                for cache_id in light
+                if self._light_conn[cache_id & self._slot_mask] == conn_id
+            }

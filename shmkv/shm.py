@@ -35,7 +35,7 @@ import posix_ipc
 
 from .errors import InvalidArgument, ShmkvError
 
-if TYPE_CHECKING:   # (imported where a tensor is made: not needed to sweep or size)
+if TYPE_CHECKING:  # (imported where a tensor is made: not needed to sweep or size)
     import torch
 
 log = logging.getLogger("shmkv.shm")
@@ -99,7 +99,8 @@ def create_segment(nbytes: int, what: str = "pool") -> int:
     if nbytes > free:
         raise InvalidArgument(
             f"{what} of {nbytes / 2**20:.1f} MiB does not fit in {SHM_DIR}: "
-            f"{free / 2**20:.1f} MiB free; lower num_blocks or enlarge {SHM_DIR}")
+            f"{free / 2**20:.1f} MiB free; lower num_blocks or enlarge {SHM_DIR}"
+        )
     name = f"/shmkv-{os.getpid()}-{secrets.token_hex(8)}"
     segment = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
     fd = segment.fd
@@ -111,7 +112,8 @@ def create_segment(nbytes: int, what: str = "pool") -> int:
         if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
             raise InvalidArgument(
                 f"{what} of {nbytes / 2**20:.1f} MiB could not be reserved in {SHM_DIR} "
-                f"({exc.strerror}); lower num_blocks or free shared memory") from None
+                f"({exc.strerror}); lower num_blocks or free shared memory"
+            ) from None
         raise ShmkvError(f"could not size the {what} segment: {exc}") from exc
     except BaseException:
         os.close(fd)
@@ -122,6 +124,7 @@ def create_segment(nbytes: int, what: str = "pool") -> int:
 def map_tensor(fd: int, nbytes: int) -> torch.Tensor:
     """A writable uint8 tensor over the segment; the mapping lives as long as the tensor."""
     import torch
+
     if os.fstat(fd).st_size < nbytes:
         raise ShmkvError(f"shared segment is {os.fstat(fd).st_size} bytes, expected {nbytes}")
     storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=True, nbytes=nbytes)

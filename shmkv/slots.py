@@ -31,8 +31,9 @@ def layer_row(layer: int, which: int, num_blocks: int, block_size: int) -> int:
     return (2 * layer + which) * num_blocks * block_size
 
 
-def position_rows(blocks: Sequence[int], block_size: int,
-                  device: Optional[torch.device] = None) -> torch.Tensor:
+def position_rows(
+    blocks: Sequence[int], block_size: int, device: Optional[torch.device] = None
+) -> torch.Tensor:
     """Row of layer 0's K (the slot) of every position a block table covers:
     ``[len(blocks) * block_size]`` int64. Add :func:`layer_row` for another layer."""
     table = torch.tensor(blocks, dtype=torch.int64)
@@ -40,23 +41,34 @@ def position_rows(blocks: Sequence[int], block_size: int,
     return base.reshape(-1).to(device) if device is not None else base.reshape(-1)
 
 
-def layer_offsets(num_layers: int, num_blocks: int, block_size: int,
-                  device: Optional[torch.device] = None) -> torch.Tensor:
+def layer_offsets(
+    num_layers: int, num_blocks: int, block_size: int, device: Optional[torch.device] = None
+) -> torch.Tensor:
     """``[2 * num_layers]``: what to add to a layer-0-K row for layer ``l``, K or V
     (index ``2 * l + which``)."""
     return torch.arange(2 * num_layers, device=device) * (num_blocks * block_size)
 
 
-def all_layer_rows(base_rows: torch.Tensor, num_layers: int, num_blocks: int,
-                   block_size: int) -> torch.Tensor:
+def all_layer_rows(
+    base_rows: torch.Tensor, num_layers: int, num_blocks: int, block_size: int
+) -> torch.Tensor:
     """``[2 * num_layers, n]``: rows of every layer's K and V for layer-0-K rows
     ``base_rows`` (slots); row ``2 * l + which`` of the result is contiguous."""
-    return (layer_offsets(num_layers, num_blocks, block_size, base_rows.device)[:, None]
-            + base_rows[None, :])
+    return (
+        layer_offsets(num_layers, num_blocks, block_size, base_rows.device)[:, None]
+        + base_rows[None, :]
+    )
 
 
-def spans(blocks: Sequence[int], block_size: int, num_layers: int, num_blocks: int,
-          start: int, n: int, device: Optional[torch.device] = None) -> tuple:
+def spans(
+    blocks: Sequence[int],
+    block_size: int,
+    num_layers: int,
+    num_blocks: int,
+    start: int,
+    n: int,
+    device: Optional[torch.device] = None,
+) -> tuple:
     """How positions ``[start, start + n)`` of a table lie in blocks:
     ``(head, (middle, middle_rows), tail)``.
 
@@ -73,7 +85,7 @@ def spans(blocks: Sequence[int], block_size: int, num_layers: int, num_blocks: i
     full = (n - head_len) // block_size
     middle = middle_rows = None
     if full:
-        table = torch.tensor(blocks[index:index + full], dtype=torch.int64)
+        table = torch.tensor(blocks[index : index + full], dtype=torch.int64)
         middle = table[None, :] + torch.arange(2 * num_layers)[:, None] * num_blocks
         if device is not None:
             middle = middle.to(device)
@@ -83,9 +95,15 @@ def spans(blocks: Sequence[int], block_size: int, num_layers: int, num_blocks: i
     return head, (middle, middle_rows), tail
 
 
-def batch_slots(tables: np.ndarray, starts: np.ndarray, counts: np.ndarray,
-                query_start_loc: Optional[np.ndarray], num_tokens: int, block_size: int,
-                uniform_count: int = -1) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+def batch_slots(
+    tables: np.ndarray,
+    starts: np.ndarray,
+    counts: np.ndarray,
+    query_start_loc: Optional[np.ndarray],
+    num_tokens: int,
+    block_size: int,
+    uniform_count: int = -1,
+) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(slot_mapping, seq_index, positions)`` of a step's new tokens, vectorized
     (numpy: these arrays are small, and numpy's per-op cost is a fraction of torch's).
 
@@ -114,7 +132,7 @@ def batch_slots(tables: np.ndarray, starts: np.ndarray, counts: np.ndarray,
     if uniform_count > 0:
         seq_index, offsets = tokens // uniform_count, tokens % uniform_count
     else:
-        assert query_start_loc is not None   # (None only with a uniform count)
+        assert query_start_loc is not None  # (None only with a uniform count)
         seq_index = np.searchsorted(query_start_loc[1:], tokens, side="right")
         offsets = tokens - query_start_loc[seq_index]
     positions = starts[seq_index] + offsets

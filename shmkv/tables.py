@@ -75,6 +75,7 @@ _ZEROS = array("i", bytes(4 * 4096))
 def _zeros(num: int) -> array:
     return _ZEROS[:num] if num <= len(_ZEROS) else array("i", bytes(4 * num))
 
+
 def run_index(ids: np.ndarray) -> Union[slice, np.ndarray]:
     """``ids`` (int64, distinct) as an index: a slice when they are one ascending run
     (slots and blocks taken from a stack usually are), else themselves. Stores through a
@@ -97,17 +98,30 @@ def lock_free_reads(machine: str = "") -> bool:
     doc): on x86 unless ``SHMKV_TABLE_READS=round-trip``; never elsewhere."""
     ordered = (machine or platform.machine()).lower() in _ORDERED_MACHINES
     return ordered and os.environ.get("SHMKV_TABLE_READS", "shared") != "round-trip"
+
+
 EPOCH_WORDS = 8  # the epoch and spare words, so the sequence rows stay 64-byte aligned
 
 
 class TableLayout:
     """Offsets and sizes of the metadata segment of one pool."""
 
-    __slots__ = ("num_blocks", "max_sequences", "max_seq_blocks", "num_layers", "owner_offset",
-                 "epoch_offset", "scales_offset", "seq_offset", "table_offset", "nbytes")
+    __slots__ = (
+        "num_blocks",
+        "max_sequences",
+        "max_seq_blocks",
+        "num_layers",
+        "owner_offset",
+        "epoch_offset",
+        "scales_offset",
+        "seq_offset",
+        "table_offset",
+        "nbytes",
+    )
 
-    def __init__(self, num_blocks: int, max_sequences: int, max_seq_blocks: int,
-                 num_layers: int = 0):
+    def __init__(
+        self, num_blocks: int, max_sequences: int, max_seq_blocks: int, num_layers: int = 0
+    ):
         self.num_blocks = num_blocks
         self.max_sequences = max_sequences
         self.max_seq_blocks = max_seq_blocks
@@ -122,16 +136,17 @@ class TableLayout:
 
     @classmethod
     def of(cls, config: PoolConfig) -> "TableLayout":
-        return cls(config.num_blocks, config.max_sequences, config.max_seq_blocks,
-                   config.num_layers)
+        return cls(
+            config.num_blocks, config.max_sequences, config.max_seq_blocks, config.num_layers
+        )
 
     def scale_views(self, buffer: Buffer) -> Tuple[memoryview, memoryview[float]]:
         """``(lock, scales)`` memoryviews over a buffer of ``nbytes``: the int64 seqlock
         word and float64 ``[num_layers * 2]`` (K then V of each layer)."""
         whole = memoryview(buffer)
-        lock = whole[self.scales_offset:self.scales_offset + 8].cast("q")
+        lock = whole[self.scales_offset : self.scales_offset + 8].cast("q")
         start = self.scales_offset + 8
-        scales = whole[start:start + 16 * self.num_layers].cast("d")
+        scales = whole[start : start + 16 * self.num_layers].cast("d")
         whole.release()
         return lock, scales
 
@@ -139,10 +154,10 @@ class TableLayout:
         """``(owner, epoch, seq, table)`` memoryviews over a buffer of ``nbytes``:
         int64, int64, int64 (flat, ``SEQ_FIELDS`` per slot), int32 (flat)."""
         whole = memoryview(buffer)
-        owner = whole[self.owner_offset:self.epoch_offset].cast("q")
-        epoch = whole[self.epoch_offset:self.seq_offset].cast("q")
-        seq = whole[self.seq_offset:self.table_offset].cast("q")
-        table = whole[self.table_offset:self.nbytes].cast("i")
+        owner = whole[self.owner_offset : self.epoch_offset].cast("q")
+        epoch = whole[self.epoch_offset : self.seq_offset].cast("q")
+        seq = whole[self.seq_offset : self.table_offset].cast("q")
+        table = whole[self.table_offset : self.nbytes].cast("i")
         whole.release()
         return owner, epoch, seq, table
 
@@ -159,8 +174,13 @@ class TableWriter:
             (then those views cannot be released while the writer lives).
     """
 
-    def __init__(self, layout: TableLayout, seq: memoryview, table: memoryview,
-                 arrays: Optional[Tuple[np.ndarray, np.ndarray]] = None):
+    def __init__(
+        self,
+        layout: TableLayout,
+        seq: memoryview,
+        table: memoryview,
+        arrays: Optional[Tuple[np.ndarray, np.ndarray]] = None,
+    ):
         self.layout = layout
         self.seq = seq
         self.table = table
@@ -171,8 +191,10 @@ class TableWriter:
         # checks over a whole batch at once. Never resized: arrays may view it.
         self.num_blocks = array("q", bytes(8 * layout.max_sequences))
         if arrays is None:
-            arrays = (np.frombuffer(seq, dtype=np.int64).reshape(-1, SEQ_FIELDS),
-                      np.frombuffer(table, dtype=np.int32).reshape(-1, layout.max_seq_blocks))
+            arrays = (
+                np.frombuffer(seq, dtype=np.int64).reshape(-1, SEQ_FIELDS),
+                np.frombuffer(table, dtype=np.int32).reshape(-1, layout.max_seq_blocks),
+            )
         self.seq_np: np.ndarray
         self.table_np: np.ndarray
         self.seq_np, self.table_np = arrays
@@ -188,7 +210,8 @@ class TableWriter:
             raise LimitExceeded(
                 f"{self.layout.max_sequences - len(self._free)} sequences live and {num} more "
                 f"asked for: the shared block tables hold {self.layout.max_sequences} "
-                f"(PoolConfig.max_sequences); close handles or raise max_sequences")
+                f"(PoolConfig.max_sequences); close handles or raise max_sequences"
+            )
 
     def check_blocks(self, num_blocks: int, what: str) -> None:
         """Raise ``LimitExceeded`` when one sequence would need more table entries than
@@ -197,14 +220,15 @@ class TableWriter:
             raise LimitExceeded(
                 f"{what} would need {num_blocks} blocks, a shared block table holds "
                 f"{self.max_seq_blocks} per sequence (PoolConfig.max_seq_len="
-                f"{self.max_seq_blocks} blocks); raise max_seq_len")
+                f"{self.max_seq_blocks} blocks); raise max_seq_len"
+            )
 
     def take(self, num: int) -> List[int]:
         """``num`` free slots for new sequences (the caller checked :meth:`check_slots`
         and fills each with :meth:`assign` or :meth:`assign_many`)."""
         free = self._free
-        slots = free[len(free) - num:]
-        del free[len(free) - num:]
+        slots = free[len(free) - num :]
+        del free[len(free) - num :]
         slots.reverse()
         return slots
 
@@ -216,14 +240,20 @@ class TableWriter:
         seq[base + LOCK] += 1
         if block_ids:
             row = slot * self.max_seq_blocks
-            self.table[row:row + len(block_ids)] = array("i", block_ids)
+            self.table[row : row + len(block_ids)] = array("i", block_ids)
         seq[base + CACHE_ID] = cache_id
         seq[base + NUM_TOKENS] = num_tokens
         seq[base + GENERATION] += 1
         seq[base + LOCK] += 1
 
-    def assign_many(self, slots: np.ndarray, cache_ids: np.ndarray, blocks: np.ndarray,
-                    counts: np.ndarray, num_tokens: np.ndarray) -> None:
+    def assign_many(
+        self,
+        slots: np.ndarray,
+        cache_ids: np.ndarray,
+        blocks: np.ndarray,
+        counts: np.ndarray,
+        num_tokens: np.ndarray,
+    ) -> None:
         """:meth:`assign` for several new sequences at once, with a fixed number of array
         operations: sequence ``i`` gets slot ``slots[i]``, ``counts[i]`` of ``blocks``
         (one sequence's after another's) and ``num_tokens[i]``."""
@@ -235,16 +265,16 @@ class TableWriter:
             self.table_np[rows, 0] = blocks
         elif blocks.shape[0]:
             first = np.cumsum(counts) - counts
-            self.table_np[np.repeat(slots, counts),
-                          np.arange(blocks.shape[0]) - np.repeat(first, counts)] = blocks
+            self.table_np[
+                np.repeat(slots, counts), np.arange(blocks.shape[0]) - np.repeat(first, counts)
+            ] = blocks
         seq[rows, CACHE_ID] = cache_ids
         seq[rows, NUM_TOKENS] = num_tokens
         seq[rows, GENERATION] += 1
         seq[rows, LOCK] += 1
         self.num_blocks_np[rows] = counts
 
-    def release_many(self, slots: np.ndarray, rows: Union[slice, np.ndarray],
-                     widest: int) -> None:
+    def release_many(self, slots: np.ndarray, rows: Union[slice, np.ndarray], widest: int) -> None:
         """:meth:`release` for several dead sequences at once (distinct slots): ``rows``
         is ``run_index(slots)``, ``widest`` the most table entries one of them uses."""
         seq = self.seq_np
@@ -268,7 +298,7 @@ class TableWriter:
         seq[base + NUM_TOKENS] = 0
         if num_blocks:
             row = slot * self.max_seq_blocks
-            self.table[row:row + num_blocks] = _zeros(num_blocks)
+            self.table[row : row + num_blocks] = _zeros(num_blocks)
         seq[base + GENERATION] += 1
         seq[base + LOCK] += 1
         self._free.append(slot)
@@ -279,7 +309,7 @@ class TableWriter:
         if block_ids:
             self.num_blocks[slot] = index + len(block_ids)
             row = slot * self.max_seq_blocks + index
-            self.table[row:row + len(block_ids)] = array("i", block_ids)
+            self.table[row : row + len(block_ids)] = array("i", block_ids)
             self.seq[base + GENERATION] += 1
         self.seq[base + NUM_TOKENS] = num_tokens
 
@@ -296,8 +326,9 @@ class TableWriter:
         seq[base + LOCK] += 1
 
 
-def write_scales(lock: memoryview, scales: memoryview[float], layer: int, k_scale: float,
-                 v_scale: float) -> None:
+def write_scales(
+    lock: memoryview, scales: memoryview[float], layer: int, k_scale: float, v_scale: float
+) -> None:
     """Store one layer's K/V scales (the coordinator only; a seqlock, as for rows)."""
     lock[0] += 1
     scales[2 * layer] = k_scale
@@ -305,8 +336,9 @@ def write_scales(lock: memoryview, scales: memoryview[float], layer: int, k_scal
     lock[0] += 1
 
 
-def read_scales(lock: memoryview, scales: memoryview[float], layer: int,
-                tries: int = 10000) -> Tuple[float, float]:
+def read_scales(
+    lock: memoryview, scales: memoryview[float], layer: int, tries: int = 10000
+) -> Tuple[float, float]:
     """One layer's ``(k_scale, v_scale)``, never half of an update.
 
     Raises:
@@ -322,9 +354,17 @@ def read_scales(lock: memoryview, scales: memoryview[float], layer: int,
     raise LimitExceeded(f"K/V scales of layer {layer} kept changing for {tries} reads")
 
 
-def read_row(seq: memoryview, table: memoryview, max_seq_blocks: int, block_size: int,
-             slot: int, cache_id: int, known_generation: int = -1, known_blocks: int = 0,
-             tries: int = 10000) -> Optional[Tuple[int, int, Optional[List[int]]]]:
+def read_row(
+    seq: memoryview,
+    table: memoryview,
+    max_seq_blocks: int,
+    block_size: int,
+    slot: int,
+    cache_id: int,
+    known_generation: int = -1,
+    known_blocks: int = 0,
+    tries: int = 10000,
+) -> Optional[Tuple[int, int, Optional[List[int]]]]:
     """One sequence's ``(num_tokens, generation, blocks)``, consistent (see the module
     rules). ``blocks`` is None when the caller's copy (``known_blocks`` entries read at
     ``known_generation``) is current and covers ``num_tokens``. Returns None when the
@@ -346,7 +386,7 @@ def read_row(seq: memoryview, table: memoryview, max_seq_blocks: int, block_size
         needed = -(-num_tokens // block_size)
         if generation != known_generation or needed > known_blocks:
             row = slot * max_seq_blocks
-            blocks = table[row:row + needed].tolist()
+            blocks = table[row : row + needed].tolist()
         owner_ok = seq[base + CACHE_ID] == cache_id
         if seq[base + LOCK] != lock:
             continue

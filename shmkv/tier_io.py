@@ -74,6 +74,7 @@ from __future__ import annotations
 
 if __name__ == "__main__":  # run as the I/O process: this file's folder is no package root
     import sys
+
     del sys.path[0]
 
 import errno
@@ -101,14 +102,14 @@ MAGIC = b"SHMKVBLK"
 # namespace is the block layout's (``PoolConfig.block_fingerprint``), so a pool of another
 # size uses the same directory.
 FORMAT_VERSION = 3
-_HEAD = struct.Struct("<8sHHI16s16s5I12sQQ")   # everything up to the header's own crc
+_HEAD = struct.Struct("<8sHHI16s16s5I12sQQ")  # everything up to the header's own crc
 _CRC = struct.Struct("<I")
-HEADER_SIZE = _HEAD.size + _CRC.size             # 100
+HEADER_SIZE = _HEAD.size + _CRC.size  # 100
 
 OPS = ("none", "p2h", "h2p", "h2d", "p2d", "d2p", "del", "p2s", "s2d")
 _OP_CODE = {op: i for i, op in enumerate(OPS)}
 OP_NONE, OP_H2P, OP_D2P = _OP_CODE["none"], _OP_CODE["h2p"], _OP_CODE["d2p"]
-PROMOTE, DEMOTE, DISK = 0, 1, 2                 # the queues of a Copier, best first
+PROMOTE, DEMOTE, DISK = 0, 1, 2  # the queues of a Copier, best first
 OK, CANCELLED, DAMAGED, ENOSPC, FAILED = range(5)
 
 # The I/O process's priority. "idle": SCHED_IDLE, it runs on CPU time nobody else wants;
@@ -122,15 +123,22 @@ IO_PROCESS_NICE = 19
 # (other work keeps the CPUs busy) is served by workers at normal priority until they
 # take from it again: as if the requesting client copied the blocks itself.
 URGENT_AFTER_S = 0.002
-WORKER_NICE = 10             # how much nicer than the loop in-process worker threads run
+WORKER_NICE = 10  # how much nicer than the loop in-process worker threads run
 IO_SWITCH_INTERVAL_S = 0.0002  # GIL switch interval of the I/O process (why: shmkv.tiers)
-PARENT_CHECK_S = 1.0         # the I/O process looks for its parent at least this often
+PARENT_CHECK_S = 1.0  # the I/O process looks for its parent at least this often
 # Whether this CPU keeps a thread's loads in order (x86 and x86-64: total store order).
 # Only then may a copy out of the pool trust its own cancel check (the module doc);
 # elsewhere (aarch64, POWER, RISC-V) ``shmkv.tiers`` never lets one write a block file
 # straight from the pool.
-STRONG_ORDER = platform.machine().lower() in ("x86_64", "amd64", "i386", "i486", "i586",
-                                              "i686", "x86")
+STRONG_ORDER = platform.machine().lower() in (
+    "x86_64",
+    "amd64",
+    "i386",
+    "i486",
+    "i586",
+    "i686",
+    "x86",
+)
 
 _FRAME = struct.Struct("<I")
 _JOB = struct.Struct("<cIBI")
@@ -192,14 +200,34 @@ class Copy:
     (pool to a staging slot, staging slot to disk), del (delete a file) or none. ``gen``:
     the block's cancel generation when it was scheduled."""
 
-    __slots__ = ("op", "key", "block", "slot", "gen", "entry", "src", "cancelled", "ok",
-                 "error", "damaged", "enospc")
+    __slots__ = (
+        "op",
+        "key",
+        "block",
+        "slot",
+        "gen",
+        "entry",
+        "src",
+        "cancelled",
+        "ok",
+        "error",
+        "damaged",
+        "enospc",
+    )
 
-    def __init__(self, op: str, key: bytes, block: int = -1, slot: int = -1, entry: Any = None,
-                 src: Any = None, gen: int = 0):
+    def __init__(
+        self,
+        op: str,
+        key: bytes,
+        block: int = -1,
+        slot: int = -1,
+        entry: Any = None,
+        src: Any = None,
+        gen: int = 0,
+    ):
         self.op, self.key, self.block, self.slot, self.gen = op, key, block, slot, gen
-        self.entry = entry      # the tier entry this copy fills (demotions; loop side)
-        self.src = src          # the tier entry this copy reads and pins (loop side)
+        self.entry = entry  # the tier entry this copy fills (demotions; loop side)
+        self.src = src  # the tier entry this copy reads and pins (loop side)
         self.cancelled = False
         self.ok = False
         self.error: Optional[str] = None
@@ -216,17 +244,33 @@ class Job:
     as ``statuses`` (one status byte a copy, ``OK`` ...) and ``errors`` (copy index ->
     the error text of a copy that failed), which :func:`apply_done` records on it."""
 
-    __slots__ = ("copies", "promotion", "job_id", "queue", "queued_at", "num_taken",
-                 "num_left", "num_copies", "statuses", "errors")
+    __slots__ = (
+        "copies",
+        "promotion",
+        "job_id",
+        "queue",
+        "queued_at",
+        "num_taken",
+        "num_left",
+        "num_copies",
+        "statuses",
+        "errors",
+    )
 
-    def __init__(self, copies: Optional[List[Copy]], promotion: Any = None, job_id: int = 0,
-                 queue: int = PROMOTE, num_copies: Optional[int] = None):
+    def __init__(
+        self,
+        copies: Optional[List[Copy]],
+        promotion: Any = None,
+        job_id: int = 0,
+        queue: int = PROMOTE,
+        num_copies: Optional[int] = None,
+    ):
         self.copies = copies
         self.promotion = promotion
         self.job_id = job_id
         self.queue = queue
         self.queued_at = 0.0
-        self.num_taken = self.num_left = 0   # copies taken by workers, not finished (Copier)
+        self.num_taken = self.num_left = 0  # copies taken by workers, not finished (Copier)
         if num_copies is None:
             assert copies is not None, "a job sent as columns says how many copies it has"
             num_copies = len(copies)
@@ -255,8 +299,15 @@ class BlockFiles:
 
     before_rename: Optional[Callable[[], None]] = None
 
-    def __init__(self, blocks_dir: str, session: str, namespace: bytes, shape: tuple,
-                 payload_nbytes: int, fsync: bool):
+    def __init__(
+        self,
+        blocks_dir: str,
+        session: str,
+        namespace: bytes,
+        shape: tuple,
+        payload_nbytes: int,
+        fsync: bool,
+    ):
         self.blocks_dir = blocks_dir
         self.session = session
         self.namespace = namespace
@@ -267,25 +318,49 @@ class BlockFiles:
     def files_wire(self) -> dict:
         """What the I/O process needs to make the same :class:`BlockFiles` (JSON)."""
         layers, block_size, heads, head_dim, tp, dtype = self._shape
-        return {"blocks_dir": self.blocks_dir, "session": self.session,
-                "namespace": self.namespace.hex(), "payload_nbytes": self.payload_nbytes,
-                "shape": [layers, block_size, heads, head_dim, tp, dtype.decode()],
-                "fsync": self.fsync}
+        return {
+            "blocks_dir": self.blocks_dir,
+            "session": self.session,
+            "namespace": self.namespace.hex(),
+            "payload_nbytes": self.payload_nbytes,
+            "shape": [layers, block_size, heads, head_dim, tp, dtype.decode()],
+            "fsync": self.fsync,
+        }
 
     @classmethod
     def from_wire(cls, wire: dict) -> "BlockFiles":
         shape = list(wire["shape"])
         shape[5] = shape[5].encode()
-        return cls(wire["blocks_dir"], wire["session"], bytes.fromhex(wire["namespace"]),
-                   tuple(shape), wire["payload_nbytes"], wire["fsync"])
+        return cls(
+            wire["blocks_dir"],
+            wire["session"],
+            bytes.fromhex(wire["namespace"]),
+            tuple(shape),
+            wire["payload_nbytes"],
+            wire["fsync"],
+        )
 
     def file_path(self, key: bytes) -> str:
         return os.path.join(self.blocks_dir, key.hex() + ".kv")
 
     def _header(self, key: bytes, crc: int) -> bytes:
         layers, block_size, heads, head_dim, tp, dtype = self._shape
-        head = _HEAD.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, 0, self.namespace, key, layers,
-                          block_size, heads, head_dim, tp, dtype, self.payload_nbytes, crc)
+        head = _HEAD.pack(
+            MAGIC,
+            FORMAT_VERSION,
+            HEADER_SIZE,
+            0,
+            self.namespace,
+            key,
+            layers,
+            block_size,
+            heads,
+            head_dim,
+            tp,
+            dtype,
+            self.payload_nbytes,
+            crc,
+        )
         return head + _CRC.pack(zlib.crc32(head))
 
     def read_header(self, key: bytes) -> tuple:
@@ -293,8 +368,7 @@ class BlockFiles:
         valid (the disk scan); Damaged otherwise (FileNotFoundError passes)."""
         fd, st = _open_block(self.file_path(key))
         try:
-            return st.st_mtime_ns, self.check_header(os.pread(fd, HEADER_SIZE, 0), key,
-                                                     st.st_size)
+            return st.st_mtime_ns, self.check_header(os.pread(fd, HEADER_SIZE, 0), key, st.st_size)
         finally:
             os.close(fd)
 
@@ -302,18 +376,35 @@ class BlockFiles:
         """The payload checksum of a valid header; raises Damaged with the reason otherwise."""
         if size < HEADER_SIZE or len(header) < HEADER_SIZE:
             raise Damaged("truncated header")
-        head = header[:_HEAD.size]
+        head = header[: _HEAD.size]
         if _CRC.unpack_from(header, _HEAD.size)[0] != zlib.crc32(head):
             raise Damaged("header checksum")
-        (magic, version, header_size, _flags, namespace, file_key, layers, block_size, heads,
-         head_dim, tp, dtype, payload, crc) = _HEAD.unpack(head)
+        (
+            magic,
+            version,
+            header_size,
+            _flags,
+            namespace,
+            file_key,
+            layers,
+            block_size,
+            heads,
+            head_dim,
+            tp,
+            dtype,
+            payload,
+            crc,
+        ) = _HEAD.unpack(head)
         if magic != MAGIC or version != FORMAT_VERSION or header_size != HEADER_SIZE:
             raise Damaged("not a block file of this format")
         if namespace != self.namespace:
             raise Damaged("another namespace")
         dtype = dtype.rstrip(b"\0")
-        if file_key != key or (layers, block_size, heads, head_dim, tp, dtype) != self._shape \
-                or payload != self.payload_nbytes:
+        if (
+            file_key != key
+            or (layers, block_size, heads, head_dim, tp, dtype) != self._shape
+            or payload != self.payload_nbytes
+        ):
             raise Damaged("another key or shape")
         if size != HEADER_SIZE + payload:
             raise Damaged("truncated" if size < HEADER_SIZE + payload else "trailing bytes")
@@ -342,8 +433,9 @@ class BlockFiles:
                 pass
             raise
         if self.fsync:
-            dfd = os.open(self.blocks_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
-                          | os.O_CLOEXEC)
+            dfd = os.open(
+                self.blocks_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+            )
             try:
                 os.fsync(dfd)
             finally:
@@ -359,7 +451,7 @@ class BlockFiles:
             size = st.st_size
             header = bytearray(HEADER_SIZE)
             _read_all(fd, [header])
-            crc = self.check_header(header, key, size)   # the size is checked there too
+            crc = self.check_header(header, key, size)  # the size is checked there too
             if isinstance(out, np.ndarray) and out.ndim == 2 and not out.flags.c_contiguous:
                 views = [memoryview(row) for row in out]
             else:
@@ -434,7 +526,7 @@ def _write_all(fd: int, buffers: list) -> None:
     """Write ``buffers`` from the start of the file, ``IO_CHUNK`` bytes a call at most."""
     for offset, group, size in _io_groups(_byte_views(buffers), 0):
         done = os.pwritev(fd, group, offset)
-        while done < size:   # a short write: rare on a regular file, never assumed away
+        while done < size:  # a short write: rare on a regular file, never assumed away
             if done == 0:
                 raise OSError(errno.EIO, "write made no progress")
             group, offset, size = _rest(group, done), offset + done, size - done
@@ -456,7 +548,7 @@ def _pread_group(fd: int, group: list, offset: int, size: int) -> int:
     returns the bytes read (short only at end of file)."""
     got = os.preadv(fd, group, offset)
     total = got
-    while got and total < size:   # a short read before the end: rare, never assumed away
+    while got and total < size:  # a short read before the end: rare, never assumed away
         got = os.preadv(fd, _rest(group, total), offset + total)
         total += got
     return total
@@ -500,9 +592,19 @@ class Mover:
 
     check: Optional[Callable[[], None]] = None
 
-    def __init__(self, block_nbytes: int, pool_np=None, pool_u8=None, host_np=None,
-                 host_t=None, files: Optional[BlockFiles] = None, gens=None,
-                 pinned: bool = False, staging_np=None, staging_t=None):
+    def __init__(
+        self,
+        block_nbytes: int,
+        pool_np=None,
+        pool_u8=None,
+        host_np=None,
+        host_t=None,
+        files: Optional[BlockFiles] = None,
+        gens=None,
+        pinned: bool = False,
+        staging_np=None,
+        staging_t=None,
+    ):
         self.block_nbytes = block_nbytes
         self.pool_np, self.pool_u8 = pool_np, pool_u8
         self.host_np, self.host_t = host_np, host_t
@@ -546,6 +648,7 @@ class Mover:
         if buf is None:
             if self.pinned:
                 import torch
+
                 tensor = torch.empty(self.block_nbytes, dtype=torch.uint8, pin_memory=True)
                 buf = (tensor, tensor.numpy())
             else:
@@ -573,17 +676,20 @@ class Mover:
         return (None if self.host_t is None else self.host_t[slot]), self.host_np[slot]
 
     def _op_p2h(self, copy: Copy) -> None:
-        if self._cancelled(copy):   # evicted while queued: skip the work
+        if self._cancelled(copy):  # evicted while queued: skip the work
             raise Cancelled
         self._pool_to(copy.block, *self._host(copy.slot))
-        if self._cancelled(copy):   # read after the copy: see the module doc
+        if self._cancelled(copy):  # read after the copy: see the module doc
             raise Cancelled
 
     def _op_p2s(self, copy: Copy) -> None:
         if self._cancelled(copy):
             raise Cancelled
-        self._pool_to(copy.block, None if self.staging_t is None else
-                      self.staging_t[copy.slot], self.staging_np[copy.slot])
+        self._pool_to(
+            copy.block,
+            None if self.staging_t is None else self.staging_t[copy.slot],
+            self.staging_np[copy.slot],
+        )
         if self._cancelled(copy):
             raise Cancelled
 
@@ -647,9 +753,16 @@ class Copier:
         urgent_after: seconds without progress before the urgent threads step in.
     """
 
-    def __init__(self, mover: Mover, on_done: Callable[[Job], None], num_workers: int = 2,
-                 disk: bool = False, nice: int = 0, policy: Optional[str] = None,
-                 urgent_after: Optional[float] = None):
+    def __init__(
+        self,
+        mover: Mover,
+        on_done: Callable[[Job], None],
+        num_workers: int = 2,
+        disk: bool = False,
+        nice: int = 0,
+        policy: Optional[str] = None,
+        urgent_after: Optional[float] = None,
+    ):
         self.mover = mover
         self._on_done = on_done
         self._nice = nice
@@ -657,11 +770,11 @@ class Copier:
         self._urgent_after = urgent_after
         self._cv = threading.Condition()
         self._queues: Tuple[Deque[Job], Deque[Job], Deque[Job]] = (deque(), deque(), deque())
-        self._progress = [0.0, 0.0, 0.0]   # per queue: when a worker last took a copy
+        self._progress = [0.0, 0.0, 0.0]  # per queue: when a worker last took a copy
         self._disk_busy = False
         self._stopping = False
         self._threads: List[threading.Thread] = []
-        self.num_urgent = 0   # copies the urgent threads took
+        self.num_urgent = 0  # copies the urgent threads took
         try:
             for i in range(num_workers):
                 self._start(self._worker, ((PROMOTE, DEMOTE),), f"shmkv-tier-io-{i}")
@@ -701,7 +814,7 @@ class Copier:
         jobs = self._queues[queue]
         job = jobs[0]
         copies = job.copies
-        assert copies is not None   # (submit() queues only jobs with copies)
+        assert copies is not None  # (submit() queues only jobs with copies)
         copy = copies[job.num_taken]
         job.num_taken += 1
         if job.num_taken == len(copies):
@@ -724,11 +837,12 @@ class Copier:
     def _worker(self, queues: tuple) -> None:
         if self._policy is not None:
             lower_priority(self._policy)
-        elif self._nice:   # copies and checksums yield the CPU to the loop and the clients
+        elif self._nice:  # copies and checksums yield the CPU to the loop and the clients
             try:
                 tid = threading.get_native_id()
-                os.setpriority(os.PRIO_PROCESS, tid,
-                               min(19, os.getpriority(os.PRIO_PROCESS, tid) + self._nice))
+                os.setpriority(
+                    os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + self._nice)
+                )
             except (AttributeError, OSError):
                 pass
         while True:
@@ -740,7 +854,7 @@ class Copier:
                     self._cv.wait(1.0)  # re-checks even if a notify were lost
                 if self._stopping:
                     return
-                assert queue is not None   # (the wait ends on a queue or on stopping)
+                assert queue is not None  # (the wait ends on a queue or on stopping)
                 self._progress[queue] = time.monotonic()
                 taken = self._take(queue)
             self._run_one(*taken)
@@ -749,7 +863,7 @@ class Copier:
         """(a queue with work that no worker took from for ``urgent_after`` seconds, or
         None; seconds until one might be)."""
         after, wait = self._urgent_after, 1.0
-        assert after is not None   # (only the urgent threads ask)
+        assert after is not None  # (only the urgent threads ask)
         for queue in (PROMOTE, DEMOTE, DISK):
             if self._ready(queue):
                 since = max(self._progress[queue], self._queues[queue][0].queued_at)
@@ -769,7 +883,7 @@ class Copier:
                     self._cv.wait(wait)
                 if self._stopping:
                     return
-                assert queue is not None   # (the wait ends on a queue or on stopping)
+                assert queue is not None  # (the wait ends on a queue or on stopping)
                 self.num_urgent += 1
                 taken = self._take(queue)
             self._run_one(*taken)
@@ -796,8 +910,9 @@ _JOB_FRAMES: Dict[int, struct.Struct] = {}
 _JOB_FRAMES_MAX = 128
 
 
-def encode_columns(job_id: int, queue: int, ops: list, blocks: list, slots: list,
-                   gens: list, keys: list) -> bytes:
+def encode_columns(
+    job_id: int, queue: int, ops: list, blocks: list, slots: list, gens: list, keys: list
+) -> bytes:
     """A job frame (loop side) from its copies' columns: op codes (indexes in ``OPS``),
     pool blocks, host slots, cancel generations, keys. One pack of the whole frame: a
     promotion's job is built without an object or a call per block."""
@@ -807,17 +922,29 @@ def encode_columns(job_id: int, queue: int, ops: list, blocks: list, slots: list
         frame = struct.Struct("<I" + _JOB.format.lstrip("<") + _JOB_COPY.format.lstrip("<") * n)
         if n <= _JOB_FRAMES_MAX:
             _JOB_FRAMES[n] = frame
-    return frame.pack(frame.size - _FRAME.size, b"J", job_id, queue, n,
-                      *chain.from_iterable(zip(ops, blocks, slots, gens, keys)))
+    return frame.pack(
+        frame.size - _FRAME.size,
+        b"J",
+        job_id,
+        queue,
+        n,
+        *chain.from_iterable(zip(ops, blocks, slots, gens, keys)),
+    )
 
 
 def encode_job(queue: int, job: Job) -> bytes:
     """A job frame (loop side) of a job of copies."""
     copies = job.copies
     assert copies is not None, "a promotion's job is encoded from its columns"
-    return encode_columns(job.job_id, queue, [_OP_CODE[c.op] for c in copies],
-                          [c.block for c in copies], [c.slot for c in copies],
-                          [c.gen for c in copies], [c.key for c in copies])
+    return encode_columns(
+        job.job_id,
+        queue,
+        [_OP_CODE[c.op] for c in copies],
+        [c.block for c in copies],
+        [c.slot for c in copies],
+        [c.gen for c in copies],
+        [c.key for c in copies],
+    )
 
 
 def decode_job(body: bytes) -> tuple:
@@ -826,7 +953,7 @@ def decode_job(body: bytes) -> tuple:
     if kind != b"J" or queue > DISK or len(body) != _JOB.size + n * _JOB_COPY.size:
         raise ValueError("not a job frame")
     copies = []
-    for op, block, slot, gen, key in _JOB_COPY.iter_unpack(body[_JOB.size:]):
+    for op, block, slot, gen, key in _JOB_COPY.iter_unpack(body[_JOB.size :]):
         copies.append(Copy(OPS[op], key, block=block, slot=slot, gen=gen))
     return queue, Job(copies, job_id=job_id, queue=queue)
 
@@ -845,7 +972,7 @@ def status_of(copy: Copy) -> int:
 def encode_done(job: Job) -> bytes:
     """A completion frame (I/O process side)."""
     copies = job.copies
-    assert copies is not None   # (the I/O process decodes every job into copies)
+    assert copies is not None  # (the I/O process decodes every job into copies)
     statuses = bytes(status_of(c) for c in copies)
     parts = [_DONE.pack(b"D", job.job_id, len(statuses)), statuses]
     for c, status in zip(copies, statuses):
@@ -865,13 +992,13 @@ def apply_done(body: bytes, jobs: dict) -> Job:
     if kind != b"D" or job is None or n != job.num_copies or len(body) < _DONE.size + n:
         raise ValueError("not a completion of a job in flight")
     at = _DONE.size + n
-    statuses = body[_DONE.size:at]
+    statuses = body[_DONE.size : at]
     errors = {}
-    if statuses.count(OK) != n:   # (the common case has nothing more to read)
+    if statuses.count(OK) != n:  # (the common case has nothing more to read)
         for i, status in enumerate(statuses):
             if status not in (OK, CANCELLED):
                 (length,) = _MSG.unpack_from(body, at)
-                errors[i] = body[at + 2:at + 2 + length].decode("utf-8", "replace")
+                errors[i] = body[at + 2 : at + 2 + length].decode("utf-8", "replace")
                 at += 2 + length
     if job.copies is None:
         job.statuses, job.errors = statuses, errors
@@ -899,7 +1026,7 @@ def split_frames(buf: bytearray) -> list:
         (length,) = _FRAME.unpack_from(buf, at)
         if len(buf) - at - 4 < length:
             break
-        out.append(bytes(buf[at + 4:at + 4 + length]))
+        out.append(bytes(buf[at + 4 : at + 4 + length]))
         at += 4 + length
     del buf[:at]
     return out
@@ -923,15 +1050,15 @@ def pool_to_flat(pool_np, pool_u8, block: int, dst, dst_np) -> None:
     offset = 0
     if pool_np is not None:
         for rank in pool_np:
-            rows = rank[block]   # [2 * num_layers, chunk bytes]: the block's chunks
+            rows = rank[block]  # [2 * num_layers, chunk bytes]: the block's chunks
             n = rows.size
-            np.copyto(dst_np[offset:offset + n].reshape(rows.shape), rows)
+            np.copyto(dst_np[offset : offset + n].reshape(rows.shape), rows)
             offset += n
         return
     for rank in pool_u8:
         rows = rank[block]
         n = rows.numel()
-        dst[offset:offset + n].view(rows.shape).copy_(rows)
+        dst[offset : offset + n].view(rows.shape).copy_(rows)
         offset += n
 
 
@@ -943,14 +1070,15 @@ def flat_to_pool(src, src_np, pool_np, pool_u8, block: int) -> None:
         for rank in pool_np:
             rows = rank[block]
             n = rows.size
-            np.copyto(rows, src_np[offset:offset + n].reshape(rows.shape))
+            np.copyto(rows, src_np[offset : offset + n].reshape(rows.shape))
             offset += n
         return
     import torch
+
     for rank in pool_u8:
         rows = rank[block]
         n = rows.numel()
-        rows.copy_(src[offset:offset + n].view(rows.shape))
+        rows.copy_(src[offset : offset + n].view(rows.shape))
         offset += n
         # Into strided rows, copy_ lands in a device buffer first and returns before
         # the last step on the device is done: the block counts as in only after it.
@@ -988,19 +1116,31 @@ class _Process:
         fd, num_blocks = spec["gens"]
         gens = _map(fd, 4 * num_blocks, 1).view(np.uint32).reshape(num_blocks)
         for fd in [spec["pool"][0], spec["gens"][0]] + [
-                spec[name][0] for name in ("host", "staging") if spec.get(name) is not None]:
-            os.close(fd)   # the mappings stay
-        self.mover = Mover(spec["block_nbytes"], pool_np=[pool], host_np=host, files=files,
-                           gens=gens, staging_np=staging)
+            spec[name][0] for name in ("host", "staging") if spec.get(name) is not None
+        ]:
+            os.close(fd)  # the mappings stay
+        self.mover = Mover(
+            spec["block_nbytes"],
+            pool_np=[pool],
+            host_np=host,
+            files=files,
+            gens=gens,
+            staging_np=staging,
+        )
         self.mover.check = self.exit_if_orphaned
         # This thread (reading jobs) keeps the priority the process started with, and so
         # do the urgent workers; the others run at the lowest.
-        self.copier = Copier(self.mover, self.send_done, spec["workers"],
-                             disk=files is not None, policy=spec["policy"],
-                             urgent_after=URGENT_AFTER_S)
+        self.copier = Copier(
+            self.mover,
+            self.send_done,
+            spec["workers"],
+            disk=files is not None,
+            policy=spec["policy"],
+            urgent_after=URGENT_AFTER_S,
+        )
 
     def exit_if_orphaned(self) -> None:
-        if os.getppid() != self.parent:   # the coordinator died: do nothing more
+        if os.getppid() != self.parent:  # the coordinator died: do nothing more
             os._exit(0)
 
     def send_done(self, job: Job) -> None:
@@ -1008,14 +1148,14 @@ class _Process:
         with self._send_lock:
             while data:
                 try:
-                    data = data[self.sock.send(data):]
+                    data = data[self.sock.send(data) :]
                 except socket.timeout:
                     self.exit_if_orphaned()
-                except OSError:   # the coordinator closed its end: it is stopping
+                except OSError:  # the coordinator closed its end: it is stopping
                     return
         try:
             self.wake.send(b"t", socket.MSG_DONTWAIT)
-        except OSError:   # full (the loop is awake anyway) or closed (it is stopping)
+        except OSError:  # full (the loop is awake anyway) or closed (it is stopping)
             pass
 
     def serve(self) -> None:
@@ -1029,7 +1169,7 @@ class _Process:
                 continue
             except OSError:
                 data = b""
-            if not data:   # the coordinator closed its end, or died
+            if not data:  # the coordinator closed its end, or died
                 self.exit_if_orphaned()
                 self.copier.close(timeout=10.0)
                 return
@@ -1060,14 +1200,15 @@ def main(argv: List[str]) -> int:
     if os.getppid() != spec["parent"]:
         return 0
     sys.setswitchinterval(IO_SWITCH_INTERVAL_S)
-    if spec.get("preload"):   # fault injection in tests: "path.py:function"
+    if spec.get("preload"):  # fault injection in tests: "path.py:function"
         import runpy
+
         path, func = spec["preload"].rsplit(":", 1)
         runpy.run_path(path)[func](sys.modules[__name__])
     process = _Process(spec)
     try:
         process.sock.sendall(encode_ready())
-    except OSError:   # the coordinator gave up on it already
+    except OSError:  # the coordinator gave up on it already
         return 0
     process.serve()
     return 0

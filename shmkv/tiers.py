@@ -133,7 +133,7 @@ _TMP_RE = re.compile(r"^[0-9a-f]{32}\.kv\.tmp-([0-9a-f]+)$")
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([kmgtp]?)(i?b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
 
-MAX_DISK_WRITES_IN_FLIGHT = 256   # blocks queued to the disk writer at once
+MAX_DISK_WRITES_IN_FLIGHT = 256  # blocks queued to the disk writer at once
 DEMOTION_CHUNK = 64
 # Host entries one search for a slot looks at, oldest first, for one already on disk
 # (with a disk tier): the search stays short when the disk is slow to take spills.
@@ -142,19 +142,19 @@ HOST_SCAN = 512
 # down a tier is done is copied here by the loop at once (and written to disk from
 # here); off x86 every block goes to disk through one (``tier_io``: memory ordering).
 STAGING_BLOCKS = 64
-STAGING_RESCUE = 16   # of them kept for rescues (the others carry the writes off x86)
+STAGING_RESCUE = 16  # of them kept for rescues (the others carry the writes off x86)
 # Blocks are written to disk straight from the pool (``p2d``) only where the CPU keeps
 # loads in order; elsewhere through a staging slot the loop has checked (``tier_io``).
 DIRECT_DISK_DEMOTION = tier_io.STRONG_ORDER
-SCAN_CHUNK = 2048                 # keys merged into the disk index per loop turn
-DISK_FULL_BACKOFF_S = 1.0         # after ENOSPC, demotion to disk pauses this long
+SCAN_CHUNK = 2048  # keys merged into the disk index per loop turn
+DISK_FULL_BACKOFF_S = 1.0  # after ENOSPC, demotion to disk pauses this long
 # Where a CPU pool's copies run: True, the tier I/O process (``shmkv.tier_io``); False,
 # worker threads of the coordinator, as a CUDA pool's always do.
 IO_PROCESS = True
 # For tests: "path.py:function", run by the tier I/O process before it serves, with
 # the ``tier_io`` module as argument (to inject faults there). None in production.
 IO_PROCESS_PRELOAD: Optional[str] = None
-IO_PROCESS_EXIT_S = 15.0          # close() waits this long for the I/O process, then kills
+IO_PROCESS_EXIT_S = 15.0  # close() waits this long for the I/O process, then kills
 # The coordinator opens once its I/O process has mapped the pool and serves (or after this
 # long, with copies in threads): copies queued to a process still starting would wait,
 # and the blocks the pool evicts meanwhile would be lost.
@@ -163,7 +163,7 @@ IO_PROCESS_START_S = 60.0
 # process that died wakes nobody, and the requests waiting for its promotions would wait
 # for ever.
 IO_PROCESS_CHECK_S = 0.25
-_POLL_RECV = 1 << 16             # bytes a recv of the I/O process's completions asks for
+_POLL_RECV = 1 << 16  # bytes a recv of the I/O process's completions asks for
 # While worker threads of a TierSet run in the coordinator (CUDA pools), the process's
 # GIL switch interval is at most this (restored when the last TierSet closes). Workers
 # release the GIL in every read, write, copy and checksum and take it back at once; at
@@ -184,8 +184,10 @@ def parse_size(text) -> int:
         return text
     match = _SIZE_RE.match(str(text))
     if not match:
-        raise InvalidArgument(f"{text!r} is not a size: use bytes or a number with K, M, G "
-                              "or T (powers of 1024), such as 8G")
+        raise InvalidArgument(
+            f"{text!r} is not a size: use bytes or a number with K, M, G "
+            "or T (powers of 1024), such as 8G"
+        )
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
@@ -215,21 +217,29 @@ def check_trusted_dir(path: str, top: str) -> None:
     try:
         st = os.stat(path) if path == top else os.lstat(path)
     except OSError as exc:
-        raise ShmkvError(f"disk tier directory {top}: {path} cannot be examined "
-                         f"({exc.strerror}); choose another directory") from None
+        raise ShmkvError(
+            f"disk tier directory {top}: {path} cannot be examined "
+            f"({exc.strerror}); choose another directory"
+        ) from None
     if not stat.S_ISDIR(st.st_mode):
         kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory"
-        raise ShmkvError(f"disk tier directory {top} is damaged: {path} is {kind}; remove "
-                         "it (or empty the directory) or choose another directory")
+        raise ShmkvError(
+            f"disk tier directory {top} is damaged: {path} is {kind}; remove "
+            "it (or empty the directory) or choose another directory"
+        )
     uid = os.geteuid()
     if st.st_uid != uid:
-        raise ShmkvError(f"disk tier directory {path} is owned by uid {st.st_uid}, not by "
-                         f"this process's uid {uid}: another user could plant blocks there; "
-                         "use a directory of your own (or chown it)")
+        raise ShmkvError(
+            f"disk tier directory {path} is owned by uid {st.st_uid}, not by "
+            f"this process's uid {uid}: another user could plant blocks there; "
+            "use a directory of your own (or chown it)"
+        )
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise ShmkvError(f"disk tier directory {path} is writable by group or others (mode "
-                         f"{stat.S_IMODE(st.st_mode):04o}): they could plant blocks there; "
-                         f"run chmod go-w {path} or use a directory of your own")
+        raise ShmkvError(
+            f"disk tier directory {path} is writable by group or others (mode "
+            f"{stat.S_IMODE(st.st_mode):04o}): they could plant blocks there; "
+            f"run chmod go-w {path} or use a directory of your own"
+        )
 
 
 def _check_writable(path: str, need: int) -> None:
@@ -240,17 +250,23 @@ def _check_writable(path: str, need: int) -> None:
     try:
         os.makedirs(path, mode=0o700, exist_ok=True)
     except OSError as exc:
-        raise ShmkvError(f"disk tier directory {path} cannot be created ({exc.strerror}); "
-                         "choose a writable directory") from None
+        raise ShmkvError(
+            f"disk tier directory {path} cannot be created ({exc.strerror}); "
+            "choose a writable directory"
+        ) from None
     check_trusted_dir(path, path)
     probe = os.path.join(path, f".probe-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         fd, _st = open_regular(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError as exc:
-        what = "is on a read-only filesystem" if exc.errno == errno.EROFS else \
-            f"is not writable ({exc.strerror})"
-        raise ShmkvError(f"disk tier directory {path} {what}; choose a writable "
-                         "directory") from None
+        what = (
+            "is on a read-only filesystem"
+            if exc.errno == errno.EROFS
+            else f"is not writable ({exc.strerror})"
+        )
+        raise ShmkvError(
+            f"disk tier directory {path} {what}; choose a writable directory"
+        ) from None
     try:
         os.close(fd)
     finally:
@@ -260,9 +276,11 @@ def _check_writable(path: str, need: int) -> None:
             pass
     free = _free_bytes(path)
     if free < need:
-        raise ShmkvError(f"disk tier directory {path} is on a full filesystem: {free} bytes "
-                         f"free, a block file needs {need}; free space or choose another "
-                         "directory")
+        raise ShmkvError(
+            f"disk tier directory {path} is on a full filesystem: {free} bytes "
+            f"free, a block file needs {need}; free space or choose another "
+            "directory"
+        )
 
 
 class HostTier:
@@ -354,11 +372,14 @@ def check_specs(tiers) -> list:
         return []
     if not isinstance(tiers, (list, tuple)):
         raise WrongType("tiers must be a list such as [HostTier(...), DiskTier(...)]")
-    kinds = [getattr(t, "kind", None) if isinstance(t, (HostTier, DiskTier)) else None
-             for t in tiers]
+    kinds = [
+        getattr(t, "kind", None) if isinstance(t, (HostTier, DiskTier)) else None for t in tiers
+    ]
     if kinds not in ([], ["host"], ["disk"], ["host", "disk"]):
-        raise InvalidArgument("tiers must be [HostTier(...)], [DiskTier(...)] or "
-                              "[HostTier(...), DiskTier(...)], top tier first")
+        raise InvalidArgument(
+            "tiers must be [HostTier(...)], [DiskTier(...)] or "
+            "[HostTier(...), DiskTier(...)], top tier first"
+        )
     return list(tiers)
 
 
@@ -376,9 +397,9 @@ class _Entry:
         self.src_gen = -1
         self.ready = ready
         self.pins = 0
-        self.from_scan = from_scan   # indexed from the directory at start (not written by us)
-        self.staged = False          # (disk) its bytes are in a staging slot, being written
-        self.doomed = False          # found damaged while pinned: removed at the last unpin
+        self.from_scan = from_scan  # indexed from the directory at start (not written by us)
+        self.staged = False  # (disk) its bytes are in a staging slot, being written
+        self.doomed = False  # found damaged while pinned: removed at the last unpin
 
 
 class Promotion:
@@ -391,8 +412,17 @@ class Promotion:
     hot path, so it makes no object per block: the job frame is packed from the columns
     and its outcomes come back as one status byte a block."""
 
-    __slots__ = ("records", "row_lens", "ops", "blocks", "slots", "keys", "srcs",
-                 "num_host", "context")
+    __slots__ = (
+        "records",
+        "row_lens",
+        "ops",
+        "blocks",
+        "slots",
+        "keys",
+        "srcs",
+        "num_host",
+        "context",
+    )
 
     def __init__(self, records: list):
         self.records = records
@@ -402,7 +432,7 @@ class Promotion:
         self.slots: List[int] = []
         self.keys: List[bytes] = []
         self.srcs: list = []
-        self.num_host = 0      # copies from the host tier (the others: disk, or none)
+        self.num_host = 0  # copies from the host tier (the others: disk, or none)
         self.context: Any = None
 
     def copies(self) -> list:
@@ -425,36 +455,42 @@ class _HostStore:
         self.slot_nbytes = config.block_nbytes
         self.num_slots = spec.capacity_bytes // self.slot_nbytes
         self.capacity_bytes = spec.capacity_bytes
-        self.data: Optional[torch.Tensor] = None   # uint8 [num_slots, slot_nbytes]
-        self.np: Optional[np.ndarray] = None       # the same, as numpy
-        self.fd: Optional[int] = None   # for the tier I/O process (closed once it has it)
-        self._registered: Optional[int] = None     # the address cudaHostRegister took
+        self.data: Optional[torch.Tensor] = None  # uint8 [num_slots, slot_nbytes]
+        self.np: Optional[np.ndarray] = None  # the same, as numpy
+        self.fd: Optional[int] = None  # for the tier I/O process (closed once it has it)
+        self._registered: Optional[int] = None  # the address cudaHostRegister took
         if self.num_slots < 1:
-            raise InvalidArgument(f"HostTier capacity_bytes={spec.capacity_bytes} holds no "
-                                  f"block of {self.slot_nbytes} bytes; raise it")
+            raise InvalidArgument(
+                f"HostTier capacity_bytes={spec.capacity_bytes} holds no "
+                f"block of {self.slot_nbytes} bytes; raise it"
+            )
         nbytes = self.num_slots * self.slot_nbytes
         self.fd = shm.create_segment(nbytes, what)
         self.data = shm.map_tensor(self.fd, nbytes).view(self.num_slots, self.slot_nbytes)
-        self.np = self.data.numpy()   # the mapping lives as long as these views
+        self.np = self.data.numpy()  # the mapping lives as long as these views
         if config.is_cuda:  # page-locked, so copies to and from the GPU are DMA
             import torch
+
             ptr = self.data.data_ptr()
             code = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
             if int(code) == 0:
                 self._registered = ptr
             else:
-                log.warning("%s: cudaHostRegister failed (%s); copies will be staged", what,
-                            code)
+                log.warning("%s: cudaHostRegister failed (%s); copies will be staged", what, code)
         self.free: List[int] = list(range(self.num_slots - 1, -1, -1))
         self.index: "OrderedDict[bytes, _Entry]" = OrderedDict()
         self.num_ready = 0
-        self.counters = {"hits": 0, "demotions": 0, "promotions": 0, "dropped": 0,
-                         "errors": 0}
+        self.counters = {"hits": 0, "demotions": 0, "promotions": 0, "dropped": 0, "errors": 0}
 
     def stats(self) -> dict:
         blocks = self.num_ready
-        out = {"tier": "host", "blocks": blocks, "bytes": blocks * self.slot_nbytes,
-               "capacity_bytes": self.capacity_bytes, "slots": self.num_slots}
+        out = {
+            "tier": "host",
+            "blocks": blocks,
+            "bytes": blocks * self.slot_nbytes,
+            "capacity_bytes": self.capacity_bytes,
+            "slots": self.num_slots,
+        }
         out.update(self.counters)
         return out
 
@@ -467,6 +503,7 @@ class _HostStore:
         self.close_fd()
         if self._registered is not None:
             import torch
+
             torch.cuda.cudart().cudaHostUnregister(self._registered)
             self._registered = None
         self.data = self.np = None  # the mapping goes with the last tensor
@@ -521,35 +558,52 @@ class _DiskStore(BlockFiles):
         # A quantized pool's blocks mean values only with its K/V scales: the namespace
         # holds the scales in force at open, and while the pool's differ from them the
         # tier neither serves nor stores (same_scales).
-        self._scale_lock: Optional[memoryview] = None   # the pool's seqlock word and
-        self._scales: Optional[memoryview] = None       # K/V scales (shmkv.memory)
+        self._scale_lock: Optional[memoryview] = None  # the pool's seqlock word and
+        self._scales: Optional[memoryview] = None  # K/V scales (shmkv.memory)
         scales = None
         if config.is_quantized and memory is not None and memory.scales is not None:
             self._scale_lock, self._scales = memory.scale_lock, memory.scales
             scales = tuple(memory.scales)
         self._opened_scales, self._scales_same = scales, True
-        self._scales_at: Optional[int] = None   # the seqlock's value same_scales last saw
+        self._scales_at: Optional[int] = None  # the seqlock's value same_scales last saw
         # What a block's bytes mean, not how many the pool has: a pool restarted with
         # another num_blocks hits the blocks it left.
         self.fingerprint = config.block_fingerprint(scales)
         self.salt_digest = hashlib.blake2b(spec.salt, digest_size=16).hexdigest()
         super().__init__(
-            os.path.join(self.path, "blocks"), secrets.token_hex(6),
-            hashlib.blake2b(f"{self.fingerprint}/{self.salt_digest}".encode(),
-                            digest_size=16).digest(),
-            (config.num_layers, config.block_size, config.num_kv_heads, config.head_dim,
-             config.tp_size, config.dtype.encode()),
-            config.block_nbytes, spec.fsync)
+            os.path.join(self.path, "blocks"),
+            secrets.token_hex(6),
+            hashlib.blake2b(
+                f"{self.fingerprint}/{self.salt_digest}".encode(), digest_size=16
+            ).digest(),
+            (
+                config.num_layers,
+                config.block_size,
+                config.num_kv_heads,
+                config.head_dim,
+                config.tp_size,
+                config.dtype.encode(),
+            ),
+            config.block_nbytes,
+            spec.fsync,
+        )
         self.file_nbytes = HEADER_SIZE + self.payload_nbytes
         self.disabled: Optional[str] = None
         self.scanning = False
         self.full_until = 0.0
         self.index: "OrderedDict[bytes, _Entry]" = OrderedDict()
         self.num_ready = 0
-        self.bytes = 0            # files written, being written, or found at start
-        self.counters = {"hits": 0, "demotions": 0, "promotions": 0, "dropped": 0,
-                         "errors": 0, "full": 0, "removed_damaged": 0,
-                         "removed_incomplete": 0}
+        self.bytes = 0  # files written, being written, or found at start
+        self.counters = {
+            "hits": 0,
+            "demotions": 0,
+            "promotions": 0,
+            "dropped": 0,
+            "errors": 0,
+            "full": 0,
+            "removed_damaged": 0,
+            "removed_incomplete": 0,
+        }
         self._lock_fd: Optional[int] = None
         _check_writable(self.path, self.file_nbytes)
         self._lock()
@@ -561,9 +615,11 @@ class _DiskStore(BlockFiles):
                 except FileExistsError:
                     pass
                 except OSError as exc:
-                    raise ShmkvError(f"disk tier directory {self.path}: {self.blocks_dir} "
-                                     f"cannot be created ({exc.strerror}); choose a "
-                                     "writable directory") from None
+                    raise ShmkvError(
+                        f"disk tier directory {self.path}: {self.blocks_dir} "
+                        f"cannot be created ({exc.strerror}); choose a "
+                        "writable directory"
+                    ) from None
                 check_trusted_dir(self.blocks_dir, self.path)
         except BaseException:
             self.close()
@@ -574,12 +630,18 @@ class _DiskStore(BlockFiles):
         try:
             fd, _st = open_regular(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as exc:
-            kind = "a symbolic link" if exc.errno == errno.ELOOP else \
-                "not a regular file" if isinstance(exc, NotRegular) or \
-                exc.errno == errno.EISDIR else f"unusable ({exc.strerror})"
-            raise ShmkvError(f"disk tier directory {self.path} is damaged: its lock file "
-                             f"{lock_path} is {kind}; remove it (the coordinator makes a "
-                             "new one) or choose another directory") from None
+            kind = (
+                "a symbolic link"
+                if exc.errno == errno.ELOOP
+                else "not a regular file"
+                if isinstance(exc, NotRegular) or exc.errno == errno.EISDIR
+                else f"unusable ({exc.strerror})"
+            )
+            raise ShmkvError(
+                f"disk tier directory {self.path} is damaged: its lock file "
+                f"{lock_path} is {kind}; remove it (the coordinator makes a "
+                "new one) or choose another directory"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -587,9 +649,11 @@ class _DiskStore(BlockFiles):
                 holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             finally:
                 os.close(fd)
-            raise ShmkvError(f"disk tier directory {self.path} is in use by another "
-                             f"coordinator (pid {holder}); stop it or choose another "
-                             "directory") from None
+            raise ShmkvError(
+                f"disk tier directory {self.path} is in use by another "
+                f"coordinator (pid {holder}); stop it or choose another "
+                "directory"
+            ) from None
         except BaseException:
             os.close(fd)
             raise
@@ -600,12 +664,18 @@ class _DiskStore(BlockFiles):
 
     def _check_namespace(self, config) -> None:
         ns_path = os.path.join(self.path, "namespace")
-        wanted = {"format": NAMESPACE_FORMAT, "version": FORMAT_VERSION,
-                  "fingerprint": self.fingerprint, "salt_digest": self.salt_digest,
-                  "block_nbytes": self.payload_nbytes,
-                  "layout": {k: v for k, v in config.to_wire().items()
-                             if k in ("num_layers", "num_kv_heads", "head_dim", "block_size",
-                                      "dtype", "tp_size")}}
+        wanted = {
+            "format": NAMESPACE_FORMAT,
+            "version": FORMAT_VERSION,
+            "fingerprint": self.fingerprint,
+            "salt_digest": self.salt_digest,
+            "block_nbytes": self.payload_nbytes,
+            "layout": {
+                k: v
+                for k, v in config.to_wire().items()
+                if k in ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "tp_size")
+            },
+        }
         try:
             fd, _st = open_regular(ns_path, os.O_RDONLY)
             with open(fd, "rb") as f:
@@ -620,10 +690,12 @@ class _DiskStore(BlockFiles):
                     os.fsync(f.fileno())
                 os.replace(tmp, ns_path)
             except OSError as exc:
-                raise ShmkvError(f"disk tier directory {self.path}: its namespace file "
-                                 f"{ns_path} cannot be written ({exc.strerror or exc}); "
-                                 "remove what is in its way or choose another "
-                                 "directory") from None
+                raise ShmkvError(
+                    f"disk tier directory {self.path}: its namespace file "
+                    f"{ns_path} cannot be written ({exc.strerror or exc}); "
+                    "remove what is in its way or choose another "
+                    "directory"
+                ) from None
             return
         except (OSError, ValueError) as exc:
             self._disable(f"its namespace file cannot be read ({exc})")
@@ -631,18 +703,26 @@ class _DiskStore(BlockFiles):
         if not isinstance(found, dict) or found.get("format") != NAMESPACE_FORMAT:
             self._disable("its namespace file is not a shmkv disk tier's")
         elif found.get("version") != FORMAT_VERSION:
-            self._disable(f"it holds format version {found.get('version')}, this shmkv "
-                          f"writes {FORMAT_VERSION}")
+            self._disable(
+                f"it holds format version {found.get('version')}, this shmkv "
+                f"writes {FORMAT_VERSION}"
+            )
         elif found.get("fingerprint") != self.fingerprint:
-            self._disable(f"it holds blocks of layout fingerprint {found.get('fingerprint')}, "
-                          f"this pool's block layout is {self.fingerprint}")
+            self._disable(
+                f"it holds blocks of layout fingerprint {found.get('fingerprint')}, "
+                f"this pool's block layout is {self.fingerprint}"
+            )
         elif found.get("salt_digest") != self.salt_digest:
             self._disable("it holds blocks made with another salt")
 
     def _disable(self, reason: str) -> None:
         self.disabled = reason
-        log.warning("disk tier %s is not used: %s; point the disk tier at another directory "
-                    "(or empty this one) to use it", self.path, reason)
+        log.warning(
+            "disk tier %s is not used: %s; point the disk tier at another directory "
+            "(or empty this one) to use it",
+            self.path,
+            reason,
+        )
         self.forget_lock(close=True)
 
     def forget_lock(self, close: bool = True) -> None:
@@ -671,23 +751,36 @@ class _DiskStore(BlockFiles):
         version = lock[0]
         if version != self._scales_at:
             self._scales_at = version
-            assert self._scales is not None   # (set with the lock)
+            assert self._scales is not None  # (set with the lock)
             same = tuple(self._scales) == self._opened_scales
             if same != self._scales_same:
-                log.warning("disk tier %s: the pool's K/V scales %s those its blocks were "
-                            "stored under; it %s", self.path,
-                            "are again" if same else "now differ from",
-                            "serves and stores again" if same else
-                            "neither serves nor stores until they are the same")
+                log.warning(
+                    "disk tier %s: the pool's K/V scales %s those its blocks were "
+                    "stored under; it %s",
+                    self.path,
+                    "are again" if same else "now differ from",
+                    "serves and stores again"
+                    if same
+                    else "neither serves nor stores until they are the same",
+                )
             self._scales_same = same
         return self._scales_same
 
     def stats(self) -> dict:
         blocks = self.num_ready
-        state = ("disabled: " + self.disabled) if self.disabled else \
-            ("scanning" if self.scanning else "ready")
-        out = {"tier": "disk", "blocks": blocks, "bytes": self.bytes,
-               "capacity_bytes": self.capacity_bytes, "path": self.path, "state": state}
+        state = (
+            ("disabled: " + self.disabled)
+            if self.disabled
+            else ("scanning" if self.scanning else "ready")
+        )
+        out = {
+            "tier": "disk",
+            "blocks": blocks,
+            "bytes": self.bytes,
+            "capacity_bytes": self.capacity_bytes,
+            "path": self.path,
+            "state": state,
+        }
         out.update(self.counters)
         return out
 
@@ -705,12 +798,12 @@ class _IoProcess:
     """
 
     def __init__(self, spec: dict, fds: list):
-        self.jobs: dict = {}          # job id -> Job sent and not completed
+        self.jobs: dict = {}  # job id -> Job sent and not completed
         self.alive = False
         self.proc: Optional[subprocess.Popen] = None
         self.sock: Optional[socket.socket] = None
         self._next_id = 1
-        self._out = bytearray()       # job frames the socket did not take yet
+        self._out = bytearray()  # job frames the socket did not take yet
         self._in = bytearray()
         mine, theirs = socket.socketpair()
         try:
@@ -720,7 +813,10 @@ class _IoProcess:
             # children and whose spawn would re-run an unguarded __main__.
             self.proc = subprocess.Popen(
                 [sys.executable, tier_io.__file__, json.dumps(spec)],
-                pass_fds=fds + [theirs.fileno()], stdin=subprocess.DEVNULL, close_fds=True)
+                pass_fds=fds + [theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+                close_fds=True,
+            )
         except BaseException:
             mine.close()
             raise
@@ -736,7 +832,7 @@ class _IoProcess:
         the pool and serves). None once it came; else why not (the process is left to
         :meth:`close`)."""
         sock, proc = self.sock, self.proc
-        assert sock is not None and proc is not None   # (started in __init__, not closed)
+        assert sock is not None and proc is not None  # (started in __init__, not closed)
         want = tier_io.encode_ready()
         got = bytearray()
         deadline = time.monotonic() + timeout
@@ -750,7 +846,7 @@ class _IoProcess:
                     data = sock.recv(len(want) - len(got))
                 except socket.timeout:
                     continue
-                if not data:   # it exited (or closed its end): say how, once it has
+                if not data:  # it exited (or closed its end): say how, once it has
                     try:
                         proc.wait(min(5.0, max(0.0, deadline - time.monotonic())))
                     except subprocess.TimeoutExpired:
@@ -775,16 +871,23 @@ class _IoProcess:
             self._out += tier_io.encode_job(queue, job)
             return
         promo = job.promotion
-        self._out += tier_io.encode_columns(job.job_id, queue, promo.ops, promo.blocks,
-                                            promo.slots, [0] * job.num_copies, promo.keys)
+        self._out += tier_io.encode_columns(
+            job.job_id,
+            queue,
+            promo.ops,
+            promo.blocks,
+            promo.slots,
+            [0] * job.num_copies,
+            promo.keys,
+        )
 
     def flush(self) -> None:
         """Send the jobs submitted since (as much as the socket takes; the rest later)."""
         if self._out and self.alive:
-            assert self.sock is not None   # (alive: not closed)
+            assert self.sock is not None  # (alive: not closed)
             try:
                 sent = self.sock.send(self._out)
-            except BlockingIOError:   # the process is behind: the next turn sends the rest
+            except BlockingIOError:  # the process is behind: the next turn sends the rest
                 return
             except OSError:
                 self.alive = False
@@ -796,7 +899,7 @@ class _IoProcess:
         ``alive`` False when the process has gone."""
         self.flush()
         while self.alive:
-            assert self.sock is not None   # (alive: not closed)
+            assert self.sock is not None  # (alive: not closed)
             try:
                 data = self.sock.recv(_POLL_RECV)
             except BlockingIOError:
@@ -807,7 +910,7 @@ class _IoProcess:
                 self.alive = False
                 break
             self._in += data
-            if len(data) < _POLL_RECV:   # all there was: no second recv (and its exception)
+            if len(data) < _POLL_RECV:  # all there was: no second recv (and its exception)
                 break
         finished = []
         for body in tier_io.split_frames(self._in):
@@ -838,8 +941,11 @@ class _IoProcess:
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                log.warning("tier I/O process %d did not exit within %.0f s; killing it",
-                            self.proc.pid, timeout)
+                log.warning(
+                    "tier I/O process %d did not exit within %.0f s; killing it",
+                    self.proc.pid,
+                    timeout,
+                )
                 self.proc.kill()
                 self.proc.wait(5.0)
             self.proc = None
@@ -848,7 +954,7 @@ class _IoProcess:
     def forget_after_fork(self) -> None:
         """In a forked child: close this copy of the socket; the process is the parent's."""
         if self.sock is not None:
-            self.sock.close()   # no shutdown: that would end the parent's connection too
+            self.sock.close()  # no shutdown: that would end the parent's connection too
             self.sock = None
         self.proc = None
         self.alive = False
@@ -894,14 +1000,14 @@ class _Demotion:
         if self._reading and block in self._reading:
             copy = self._reading.pop(block)
             unsafe = True
-            if copy is not None:       # its demotion is still copying: cancel it
+            if copy is not None:  # its demotion is still copying: cancel it
                 copy.cancelled = True
-                if self._gens is not None:   # and tell the I/O process (before anyone
-                    self._gens[block] += 1   # writes)
-            else:                      # never copied: it leaves the backlog
+                if self._gens is not None:  # and tell the I/O process (before anyone
+                    self._gens[block] += 1  # writes)
+            else:  # never copied: it leaves the backlog
                 self._backlog.pop(block, None)
         host = self.host
-        if host is not None:   # the common case, first: the host tier has it
+        if host is not None:  # the common case, first: the host tier has it
             entry = host.index.get(key)
             if entry is not None and entry.ready:
                 return
@@ -909,7 +1015,7 @@ class _Demotion:
             return
         if unsafe and self._rescue(block, key):
             self.num_rescued_evictions += 1
-        else:                  # no tier has it, nor can take it now: lost
+        else:  # no tier has it, nor can take it now: lost
             self.num_lost_evictions += 1
 
     def _rescue(self, block: int, key: bytes) -> bool:
@@ -923,9 +1029,8 @@ class _Demotion:
         if host is not None:
             slot = self._host_slot()
             if slot is not None:
-                assert host.data is not None and host.np is not None   # (open)
-                pool_to_flat(self._pool_np, self._pool_u8, block, host.data[slot],
-                             host.np[slot])
+                assert host.data is not None and host.np is not None  # (open)
+                pool_to_flat(self._pool_np, self._pool_u8, block, host.data[slot], host.np[slot])
                 # (an unfinished copy's entry is replaced: its completion frees its slot)
                 host.index[key] = _Entry(slot, ready=True)
                 host.num_ready += 1
@@ -935,14 +1040,14 @@ class _Demotion:
                 return True
         if staging is None or not staging.free:
             return False
-        assert disk is not None   # (staging slots exist only under a disk tier)
+        assert disk is not None  # (staging slots exist only under a disk tier)
         if not disk.usable(time.monotonic()):
             return False
         # (a key in the index already: an unfinished copy's, whose room it takes over)
         if key not in disk.index and not self._disk_reserve():
             return False
         slot = staging.free.pop()
-        assert staging.data is not None and staging.np is not None   # (open)
+        assert staging.data is not None and staging.np is not None  # (open)
         pool_to_flat(self._pool_np, self._pool_u8, block, staging.data[slot], staging.np[slot])
         entry = _Entry()
         entry.staged = True
@@ -966,9 +1071,9 @@ class _Demotion:
         while backlog:
             block, key = next(iter(backlog.items()))
             if block_key[block] == key and not self._place(block, key, queued=True):
-                return   # no room yet: it stays first
+                return  # no room yet: it stays first
             del backlog[block]
-            if reading.get(block, False) is None:   # (a copy placed now replaced the mark)
+            if reading.get(block, False) is None:  # (a copy placed now replaced the mark)
                 del reading[block]
 
     def _place(self, block: int, key: bytes, queued: bool = False) -> bool:
@@ -991,42 +1096,47 @@ class _Demotion:
                         if not queued:
                             disk.index.move_to_end(key)
                     elif entry.ready:
-                        self._spill[key] = None   # an earlier write failed (a full disk)
+                        self._spill[key] = None  # an earlier write failed (a full disk)
                 return True
             slot = self._host_slot()
             if slot is not None:
                 entry = _Entry(slot)
-                entry.src_gen = self.pool.key_gen[block]   # checked as the copy completes
+                entry.src_gen = self.pool.key_gen[block]  # checked as the copy completes
                 host.index[key] = entry
-                copy = _Copy("p2h", key, block=block, slot=slot, entry=entry,
-                             gen=0 if self._gens is None else int(self._gens[block]))
+                copy = _Copy(
+                    "p2h",
+                    key,
+                    block=block,
+                    slot=slot,
+                    entry=entry,
+                    gen=0 if self._gens is None else int(self._gens[block]),
+                )
                 self._reading[block] = copy
                 self._new_demotes.append(copy)
                 return True
         if disk is None or disk.disabled is not None:
-            return host is None   # the host tier's slots are all busy: wait for one
+            return host is None  # the host tier's slots are all busy: wait for one
         if key in disk.index:
             if not queued:
                 disk.index.move_to_end(key)
             return True
         if not disk.usable(time.monotonic()) or disk.file_nbytes > disk.capacity_bytes:
-            return True           # full: demotion to disk pauses (counted in "full")
+            return True  # full: demotion to disk pauses (counted in "full")
         if self._disk_in_flight >= MAX_DISK_WRITES_IN_FLIGHT:
-            return False   # every write in flight: wait
+            return False  # every write in flight: wait
         staging = self._staging
-        assert staging is not None   # (made with a disk tier that is used)
+        assert staging is not None  # (made with a disk tier that is used)
         staged = not DIRECT_DISK_DEMOTION
         if staged and len(staging.free) <= STAGING_RESCUE:
-            return False   # every staging slot busy (but those kept for rescues): wait
+            return False  # every staging slot busy (but those kept for rescues): wait
         if not self._disk_reserve():
-            return False   # every disk entry busy: wait
+            return False  # every disk entry busy: wait
         entry = _Entry()
-        entry.src_gen = self.pool.key_gen[block]   # checked as the copy completes
+        entry.src_gen = self.pool.key_gen[block]  # checked as the copy completes
         disk.index[key] = entry
         gen = 0 if self._gens is None else int(self._gens[block])
-        if staged:   # through a staging slot, checked by the loop (tier_io: memory ordering)
-            copy = _Copy("p2s", key, block=block, slot=staging.free.pop(), entry=entry,
-                         gen=gen)
+        if staged:  # through a staging slot, checked by the loop (tier_io: memory ordering)
+            copy = _Copy("p2s", key, block=block, slot=staging.free.pop(), entry=entry, gen=gen)
             self._new_demotes.append(copy)
         else:
             copy = _Copy("p2d", key, block=block, entry=entry, gen=gen)
@@ -1042,7 +1152,7 @@ class _Demotion:
         oldest of the first ``HOST_SCAN`` entries; an entry whose disk write is still to
         come is busy): the host tier drops nothing the disk does not hold."""
         host, disk = self.host, self.disk
-        assert host is not None   # (only the host tier has slots)
+        assert host is not None  # (only the host tier has slots)
         if host.free:
             return host.free.pop()
         on_disk = None
@@ -1056,7 +1166,7 @@ class _Demotion:
                     break
                 target = on_disk.get(key)
                 if target is None:
-                    if key not in spill:   # its disk write failed: nothing to wait for
+                    if key not in spill:  # its disk write failed: nothing to wait for
                         break
                 elif target.ready:
                     break
@@ -1076,10 +1186,11 @@ class _Demotion:
     def _disk_reserve(self) -> bool:
         """Make room for one file by deleting the disk's LRU blocks; False if it cannot."""
         disk = self.disk
-        assert disk is not None   # (called only with a disk tier)
+        assert disk is not None  # (called only with a disk tier)
         while disk.bytes + disk.file_nbytes > disk.capacity_bytes:
-            victim = next((key for key, entry in disk.index.items()
-                           if entry.ready and not entry.pins), None)
+            victim = next(
+                (key for key, entry in disk.index.items() if entry.ready and not entry.pins), None
+            )
             if victim is None:
                 return False
             self._disk_remove(victim)
@@ -1090,7 +1201,7 @@ class _Demotion:
     def _disk_remove(self, key: bytes) -> None:
         """Forget a disk block and delete its file (after any write queued before)."""
         disk = self.disk
-        assert disk is not None   # (called only with a disk tier)
+        assert disk is not None  # (called only with a disk tier)
         self._unready(disk, disk.index.pop(key))
         disk.bytes -= disk.file_nbytes
         self._new_disk.append(_Copy("del", key))
@@ -1173,8 +1284,16 @@ class TierSet(_Demotion):
         ShmkvError and subclasses: a tier cannot be opened (nothing is left open).
     """
 
-    def __init__(self, specs: list, config, memory, table, wake: Callable[[], None],
-                 num_workers: int = 2, wake_sock: Optional[socket.socket] = None):
+    def __init__(
+        self,
+        specs: list,
+        config,
+        memory,
+        table,
+        wake: Callable[[], None],
+        num_workers: int = 2,
+        wake_sock: Optional[socket.socket] = None,
+    ):
         self.config = config
         self.table = table
         self.pool = table.pool
@@ -1182,16 +1301,16 @@ class TierSet(_Demotion):
         self._wake_fn = wake
         self.host: Optional[_HostStore] = None
         self.disk: Optional[_DiskStore] = None
-        self._staging: Optional[_HostStore] = None   # staging slots (under a disk tier)
-        self._copier: Optional[Copier] = None     # worker threads, or
-        self._proc: Optional[_IoProcess] = None   # the tier I/O process
-        self._gens = None                         # cancel generations, for the process
-        self._done: Deque[_Job] = deque()   # jobs the workers finished
-        self._scan_q: Deque[Tuple[str, Any]] = deque()   # (kind, payload) from the disk scan
-        self._threads: List[threading.Thread] = []   # the disk scan
+        self._staging: Optional[_HostStore] = None  # staging slots (under a disk tier)
+        self._copier: Optional[Copier] = None  # worker threads, or
+        self._proc: Optional[_IoProcess] = None  # the tier I/O process
+        self._gens = None  # cancel generations, for the process
+        self._done: Deque[_Job] = deque()  # jobs the workers finished
+        self._scan_q: Deque[Tuple[str, Any]] = deque()  # (kind, payload) from the disk scan
+        self._threads: List[threading.Thread] = []  # the disk scan
         self._stopping = False
         self._wake_pending = False
-        self._proc_checked = 0.0           # when the I/O process was last polled
+        self._proc_checked = 0.0  # when the I/O process was last polled
         # Pool block -> the demotion copy reading it, or None while it waits in the backlog
         # (the pool evicts these blocks last: ``BlockPool.copying``).
         self._reading: Dict[int, Optional[_Copy]] = {}
@@ -1201,8 +1320,8 @@ class TierSet(_Demotion):
         self._spill: "OrderedDict[bytes, None]" = OrderedDict()  # host keys to write to disk
         self._new_demotes: List[_Copy] = []
         self._new_disk: List[_Copy] = []
-        self._jobs_out = 0                 # jobs handed to workers, not yet back in tick()
-        self._disk_in_flight = 0           # disk writes handed to the writer, not back yet
+        self._jobs_out = 0  # jobs handed to workers, not yet back in tick()
+        self._disk_in_flight = 0  # disk writes handed to the writer, not back yet
         self.num_lost_evictions = 0
         self.num_rescued_evictions = 0
         self.num_promotions_in_flight = 0
@@ -1215,8 +1334,11 @@ class TierSet(_Demotion):
                 else:
                     self.disk = _DiskStore(spec, config, memory)
             if self.disk is not None and self.disk.disabled is None:
-                self._staging = _HostStore(HostTier(STAGING_BLOCKS * config.block_nbytes),
-                                           config, what="tier staging slots")
+                self._staging = _HostStore(
+                    HostTier(STAGING_BLOCKS * config.block_nbytes),
+                    config,
+                    what="tier staging slots",
+                )
             # Byte views of every rank's pool by block: [num_blocks, 2 * num_layers, chunk
             # bytes of that rank] (a block is a chunk of each layer's K and V).
             self._pool_u8 = [block_bytes(p) for p in memory.device_pools]
@@ -1230,8 +1352,7 @@ class TierSet(_Demotion):
                 self._start_threads()
             if self.disk is not None and self.disk.disabled is None:
                 self.disk.scanning = True
-                thread = threading.Thread(target=self._scan, name="shmkv-tier-scan",
-                                          daemon=True)
+                thread = threading.Thread(target=self._scan, name="shmkv-tier-scan", daemon=True)
                 thread.start()
                 self._threads.append(thread)
         except BaseException:
@@ -1244,33 +1365,46 @@ class TierSet(_Demotion):
 
     def _start_threads(self) -> None:
         host, staging = self.host, self._staging
-        mover = Mover(self.config.block_nbytes, pool_np=self._pool_np, pool_u8=self._pool_u8,
-                      host_np=None if host is None else host.np,
-                      host_t=None if host is None else host.data, files=self._files(),
-                      gens=self._gens, pinned=self.config.is_cuda,
-                      staging_np=None if staging is None else staging.np,
-                      staging_t=None if staging is None else staging.data)
+        mover = Mover(
+            self.config.block_nbytes,
+            pool_np=self._pool_np,
+            pool_u8=self._pool_u8,
+            host_np=None if host is None else host.np,
+            host_t=None if host is None else host.data,
+            files=self._files(),
+            gens=self._gens,
+            pinned=self.config.is_cuda,
+            staging_np=None if staging is None else staging.np,
+            staging_t=None if staging is None else staging.data,
+        )
         _shorten_switch_interval()
         self._switch = True
-        self._copier = Copier(mover, self._finish, self.num_workers,
-                              disk=self._files() is not None, nice=WORKER_NICE)
+        self._copier = Copier(
+            mover, self._finish, self.num_workers, disk=self._files() is not None, nice=WORKER_NICE
+        )
 
     def _start_process(self, memory, wake_sock: socket.socket) -> None:
         cfg = self.config
         fd = shm.create_segment(4 * cfg.num_blocks, "tier cancel generations")
         try:
-            gens_map = mmap.mmap(fd, 4 * cfg.num_blocks, mmap.MAP_SHARED,
-                                 mmap.PROT_READ | mmap.PROT_WRITE)
+            gens_map = mmap.mmap(
+                fd, 4 * cfg.num_blocks, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
+            )
             self._gens = np.frombuffer(gens_map, dtype=np.uint32)
             host, files = self.host, self._files()
             fds = [memory.fds[1], fd, wake_sock.fileno()]
-            spec = {"parent": os.getpid(), "block_nbytes": cfg.block_nbytes,
-                    "pool": [memory.fds[1], cfg.num_blocks, cfg.block_nbytes,
-                             2 * cfg.num_layers],
-                    "gens": [fd, cfg.num_blocks], "wake": wake_sock.fileno(),
-                    "host": None, "files": None if files is None else files.files_wire(),
-                    "workers": self.num_workers, "policy": tier_io.IO_PROCESS_POLICY,
-                    "preload": IO_PROCESS_PRELOAD}
+            spec = {
+                "parent": os.getpid(),
+                "block_nbytes": cfg.block_nbytes,
+                "pool": [memory.fds[1], cfg.num_blocks, cfg.block_nbytes, 2 * cfg.num_layers],
+                "gens": [fd, cfg.num_blocks],
+                "wake": wake_sock.fileno(),
+                "host": None,
+                "files": None if files is None else files.files_wire(),
+                "workers": self.num_workers,
+                "policy": tier_io.IO_PROCESS_POLICY,
+                "preload": IO_PROCESS_PRELOAD,
+            }
             for name, store in (("host", host), ("staging", self._staging)):
                 if store is not None:
                     spec[name] = [store.fd, store.num_slots, store.slot_nbytes]
@@ -1283,8 +1417,11 @@ class TierSet(_Demotion):
                     store.close_fd()
         why = self._proc.wait_ready(IO_PROCESS_START_S)
         if why is not None:
-            log.warning("tier I/O process did not start (%s); tier copies run in threads of "
-                        "the coordinator", why)
+            log.warning(
+                "tier I/O process did not start (%s); tier copies run in threads of "
+                "the coordinator",
+                why,
+            )
             self._proc.close(5.0)
             self._proc = None
             self._start_threads()
@@ -1336,10 +1473,10 @@ class TierSet(_Demotion):
                 srcs.append(entry)
         promo.num_host = len(ops) - num_disk - ops.count(OP_NONE)
         if promo.num_host:
-            assert self.host is not None   # (its entries were read)
+            assert self.host is not None  # (its entries were read)
             self.host.counters["hits"] += promo.num_host
         if num_disk:
-            assert self.disk is not None   # (its entries were read)
+            assert self.disk is not None  # (its entries were read)
             self.disk.counters["hits"] += num_disk
         # One job: workers take its copies one at a time, so reads and checksums of one
         # request still run in parallel, and the loop takes back one completion.
@@ -1354,15 +1491,12 @@ class TierSet(_Demotion):
         """Hand a job to the workers (threads or the I/O process); tick() takes it back."""
         self._jobs_out += 1
         if self._proc is not None:
-            self._proc.submit(queue, job)   # sent at the end of this turn's tick()
+            self._proc.submit(queue, job)  # sent at the end of this turn's tick()
         else:
-            assert self._copier is not None   # (the threads run when no process does)
+            assert self._copier is not None  # (the threads run when no process does)
             self._copier.submit(queue, job)
 
     # -- loop side: hooks from the pool ---------------------------------------------------
-
-
-
 
     # -- loop side: the turn ----------------------------------------------------------------
 
@@ -1376,8 +1510,11 @@ class TierSet(_Demotion):
         no byte, and its jobs must not wait for one (see :meth:`max_wait`)."""
         self._wake_pending = False
         finished: List[Promotion] = []
-        if self._proc is not None and self._jobs_out and (
-                woken or time.monotonic() - self._proc_checked >= IO_PROCESS_CHECK_S):
+        if (
+            self._proc is not None
+            and self._jobs_out
+            and (woken or time.monotonic() - self._proc_checked >= IO_PROCESS_CHECK_S)
+        ):
             self._proc_checked = time.monotonic()
             self._poll_process()
         done = self._done
@@ -1395,14 +1532,17 @@ class TierSet(_Demotion):
             # prefix's first blocks are placed first, and wait least when room runs out.
             for block in reversed(newly):
                 key = block_key[block]
-                if key is not None and block not in reading and (
-                        backlog or not self._place(block, key)):
+                if (
+                    key is not None
+                    and block not in reading
+                    and (backlog or not self._place(block, key))
+                ):
                     backlog[block] = key
                     reading[block] = None
         if self._spill:
             self._schedule_spills()
         self._submit()
-        if self._proc is not None:   # one send a turn for every job of the turn
+        if self._proc is not None:  # one send a turn for every job of the turn
             self._proc.flush()
             if not self._proc.alive:
                 self._take_over()
@@ -1417,15 +1557,20 @@ class TierSet(_Demotion):
     @property
     def num_pending(self) -> int:
         """Copies scheduled or running, plus blocks waiting for a disk write."""
-        return (self._jobs_out + len(self._spill) + len(self._new_demotes)
-                + len(self._new_disk) + len(self._backlog))
+        return (
+            self._jobs_out
+            + len(self._spill)
+            + len(self._new_demotes)
+            + len(self._new_disk)
+            + len(self._backlog)
+        )
 
     def _submit(self) -> None:
         if not (self._new_demotes or self._new_disk):
             return
         new = self._new_demotes
         for i in range(0, len(new), DEMOTION_CHUNK):
-            self._send(DEMOTE, _Job(new[i:i + DEMOTION_CHUNK]))
+            self._send(DEMOTE, _Job(new[i : i + DEMOTION_CHUNK]))
         if self._new_disk:
             self._send(DISK, _Job(self._new_disk))
         self._new_demotes, self._new_disk = [], []
@@ -1433,7 +1578,7 @@ class TierSet(_Demotion):
     def _poll_process(self) -> None:
         """Take the I/O process's completions; if it died, hand its jobs to threads."""
         proc = self._proc
-        assert proc is not None   # (called while it runs)
+        assert proc is not None  # (called while it runs)
         self._done.extend(proc.poll())
         if not proc.alive:
             self._take_over()
@@ -1444,18 +1589,21 @@ class TierSet(_Demotion):
         outcome of these jobs yet, the pool blocks they fill are still reserved, the
         ones they read are checked for cancellation, and files are renamed into place."""
         proc = self._proc
-        assert proc is not None   # (called while it runs)
-        log.warning("tier I/O process exited (%s); its %d unfinished jobs and all tier "
-                    "copies from now on run in threads of the coordinator",
-                    proc.exit_reason(), len(proc.jobs))
+        assert proc is not None  # (called while it runs)
+        log.warning(
+            "tier I/O process exited (%s); its %d unfinished jobs and all tier "
+            "copies from now on run in threads of the coordinator",
+            proc.exit_reason(),
+            len(proc.jobs),
+        )
         jobs = list(proc.jobs.values())
-        proc.close(0.0)   # killed if it was still there: no copy runs in two places
+        proc.close(0.0)  # killed if it was still there: no copy runs in two places
         self._proc = None
         self._start_threads()
         copier = self._copier
-        assert copier is not None   # (started just now)
+        assert copier is not None  # (started just now)
         for job in jobs:
-            if job.copies is None:   # a promotion's columns: as copies, for the threads
+            if job.copies is None:  # a promotion's columns: as copies, for the threads
                 job.copies = job.promotion.copies()
             copier.submit(job.queue, job)
 
@@ -1465,22 +1613,22 @@ class TierSet(_Demotion):
         copies = job.copies
         if promo is not None:
             statuses, errors = job.statuses, job.errors
-            if statuses is None:   # it ran in threads: the outcomes are on its copies
+            if statuses is None:  # it ran in threads: the outcomes are on its copies
                 assert copies is not None
                 statuses = bytes(tier_io.status_of(c) for c in copies)
                 errors = {i: c.error for i, c in enumerate(copies) if c.error is not None}
-            assert errors is not None   # (the I/O process's completion sets both)
+            assert errors is not None  # (the I/O process's completion sets both)
             self._complete_promotion(promo, statuses, errors)
             finished.append(promo)
             return
-        assert copies is not None   # (only a promotion's job travels as columns)
+        assert copies is not None  # (only a promotion's job travels as columns)
         host, disk = self.host, self.disk
-        entry: _Entry   # the tier entry a demotion's copy fills
+        entry: _Entry  # the tier entry a demotion's copy fills
         for copy in copies:
             op = copy.op
             block = copy.block
             if op == "p2h":
-                assert host is not None   # (a copy into the host tier)
+                assert host is not None  # (a copy into the host tier)
                 if self._reading.get(block) is copy:
                     del self._reading[block]
                 entry = copy.entry
@@ -1497,16 +1645,16 @@ class TierSet(_Demotion):
                     if host.index.get(copy.key) is entry:
                         del host.index[copy.key]
                     host.free.append(entry.slot)
-            elif op == "p2s":   # a block on its way to disk: in its staging slot now
-                assert disk is not None and self._staging is not None   # (its copies)
+            elif op == "p2s":  # a block on its way to disk: in its staging slot now
+                assert disk is not None and self._staging is not None  # (its copies)
                 if self._reading.get(block) is copy:
                     del self._reading[block]
                 entry = copy.entry
                 held = self._still_holds(copy)
                 if copy.ok and held and not copy.cancelled and disk.index.get(copy.key) is entry:
-                    entry.staged = True   # out of the pool: safe from eviction
+                    entry.staged = True  # out of the pool: safe from eviction
                     self._new_disk.append(_Copy("s2d", copy.key, slot=copy.slot, entry=entry))
-                    continue   # (still a write in flight)
+                    continue  # (still a write in flight)
                 self._disk_in_flight -= 1
                 self._staging.free.append(copy.slot)
                 if copy.error is not None:
@@ -1515,12 +1663,12 @@ class TierSet(_Demotion):
                     del disk.index[copy.key]
                     disk.bytes -= disk.file_nbytes
             elif op in ("h2d", "p2d", "s2d"):
-                assert disk is not None   # (a copy into the disk tier)
+                assert disk is not None  # (a copy into the disk tier)
                 self._disk_in_flight -= 1
                 if op == "h2d":
                     self._unpin(copy.src, copy.key)
                 elif op == "s2d":
-                    assert self._staging is not None   # (its slot)
+                    assert self._staging is not None  # (its slot)
                     self._staging.free.append(copy.slot)
                 elif self._reading.get(block) is copy:
                     del self._reading[block]
@@ -1528,7 +1676,7 @@ class TierSet(_Demotion):
                 mine = disk.index.get(copy.key) is entry
                 if op == "p2d" and not self._still_holds(copy):
                     if copy.ok and not copy.cancelled and (mine or copy.key not in disk.index):
-                        self._new_disk.append(_Copy("del", copy.key))   # renamed in: remove
+                        self._new_disk.append(_Copy("del", copy.key))  # renamed in: remove
                     copy.ok = False
                 if copy.ok and not copy.cancelled:
                     if mine:
@@ -1541,23 +1689,25 @@ class TierSet(_Demotion):
                 if copy.enospc:
                     disk.counters["full"] += 1
                     now = time.monotonic()
-                    if now >= disk.full_until:   # once per pause, not once per block
-                        log.warning("disk tier %s: filesystem full; demotion to disk pauses "
-                                    "for %.0f s (nothing in the pool is lost)", disk.path,
-                                    DISK_FULL_BACKOFF_S)
+                    if now >= disk.full_until:  # once per pause, not once per block
+                        log.warning(
+                            "disk tier %s: filesystem full; demotion to disk pauses "
+                            "for %.0f s (nothing in the pool is lost)",
+                            disk.path,
+                            DISK_FULL_BACKOFF_S,
+                        )
                     disk.full_until = now + DISK_FULL_BACKOFF_S
                     # (an h2d copy is a spill from the host tier)
                     if op == "h2d" and host is not None and host.index.get(copy.key) is copy.src:
-                        self._spill[copy.key] = None   # still in host memory: try again later
+                        self._spill[copy.key] = None  # still in host memory: try again later
                 elif copy.error is not None:
                     disk.counters["errors"] += 1
-                    log.warning("disk tier %s: writing a block failed: %s", disk.path,
-                                copy.error)
+                    log.warning("disk tier %s: writing a block failed: %s", disk.path, copy.error)
                 if mine:
                     del disk.index[copy.key]
                     disk.bytes -= disk.file_nbytes
             elif op == "del" and copy.error is not None:
-                assert disk is not None   # (a file of the disk tier)
+                assert disk is not None  # (a file of the disk tier)
                 disk.counters["errors"] += 1
 
     def _complete_promotion(self, promo: Promotion, statuses: bytes, errors: dict) -> None:
@@ -1567,13 +1717,13 @@ class TierSet(_Demotion):
         self.num_promotions_in_flight -= 1
         host, disk = self.host, self.disk
         srcs = promo.srcs
-        if statuses.count(OK) == len(statuses):   # the common case: every block is in
+        if statuses.count(OK) == len(statuses):  # the common case: every block is in
             num_disk = len(statuses) - promo.num_host
             if promo.num_host:
-                assert host is not None   # (its entries were read)
+                assert host is not None  # (its entries were read)
                 host.counters["promotions"] += promo.num_host
             if num_disk:
-                assert disk is not None   # (its entries were read)
+                assert disk is not None  # (its entries were read)
                 disk.counters["promotions"] += num_disk
             for entry, key in zip(srcs, promo.keys):
                 entry.pins -= 1
@@ -1581,31 +1731,35 @@ class TierSet(_Demotion):
                     self._unpin_doomed(entry, key)
         else:
             for i, (entry, key, status) in enumerate(zip(srcs, promo.keys, statuses)):
-                if entry is None:   # nothing was read
+                if entry is None:  # nothing was read
                     continue
                 store = host if promo.ops[i] == OP_H2P else disk
-                assert store is not None   # (the entry is the store's)
+                assert store is not None  # (the entry is the store's)
                 if status == OK:
                     store.counters["promotions"] += 1
                 else:
                     store.counters["errors"] += 1
                     if status == DAMAGED:
-                        assert disk is not None   # (only a block file is found damaged)
+                        assert disk is not None  # (only a block file is found damaged)
                         self._unready(store, entry)
                         entry.doomed = True
                         disk.counters["removed_damaged"] += 1
-                        log.warning("disk tier %s: block %s not served and removed: %s",
-                                    disk.path, key.hex(), errors.get(i, "damaged"))
+                        log.warning(
+                            "disk tier %s: block %s not served and removed: %s",
+                            disk.path,
+                            key.hex(),
+                            errors.get(i, "damaged"),
+                        )
                 self._unpin(entry, key)
         at, ok = 0, bytes([OK])
         for record, length in zip(promo.records, promo.row_lens):
-            row = statuses[at:at + length]
+            row = statuses[at : at + length]
             self.table.finish_promotion(record, length - len(row.lstrip(ok)))
             at += length
 
     def _merge_scan(self) -> None:
         disk = self.disk
-        assert disk is not None   # (only the disk tier is scanned)
+        assert disk is not None  # (only the disk tier is scanned)
         budget = SCAN_CHUNK
         while self._scan_q and budget > 0:
             kind, payload = self._scan_q.popleft()
@@ -1614,7 +1768,7 @@ class TierSet(_Demotion):
                 for key in payload:
                     if key not in index:
                         index[key] = _Entry(ready=True, from_scan=True)
-                        index.move_to_end(key, last=False)   # older than this run's blocks
+                        index.move_to_end(key, last=False)  # older than this run's blocks
                         disk.num_ready += 1
                         disk.bytes += disk.file_nbytes
                 budget -= len(payload)
@@ -1624,14 +1778,18 @@ class TierSet(_Demotion):
                 if entry is not None and entry.from_scan:
                     disk.counters["removed_damaged"] += 1
                     disk.counters["errors"] += 1
-                    log.warning("disk tier %s: block file %s not served and removed: %s",
-                                disk.path, key.hex(), reason)
+                    log.warning(
+                        "disk tier %s: block file %s not served and removed: %s",
+                        disk.path,
+                        key.hex(),
+                        reason,
+                    )
                     if entry.pins:
                         self._unready(disk, entry)
                         entry.doomed = True
                     else:
                         self._disk_remove(key)
-            elif kind == "order":   # oldest last, so each moves to the front in turn
+            elif kind == "order":  # oldest last, so each moves to the front in turn
                 index = disk.index
                 for key in payload:
                     entry = index.get(key)
@@ -1648,14 +1806,15 @@ class TierSet(_Demotion):
         # A smaller capacity than last run: trimmed once the scan has put the blocks in
         # LRU order (their files' modification times).
         while not disk.scanning and disk.bytes > disk.capacity_bytes:
-            victim = next((key for key, entry in disk.index.items()
-                           if entry.ready and not entry.pins), None)
+            victim = next(
+                (key for key, entry in disk.index.items() if entry.ready and not entry.pins), None
+            )
             if victim is None:
                 break
             self._disk_remove(victim)
             disk.counters["dropped"] += 1
         if self._scan_q:
-            self._wake()   # more next turn: the loop stays responsive meanwhile
+            self._wake()  # more next turn: the loop stays responsive meanwhile
 
     # -- worker side -------------------------------------------------------------------
 
@@ -1672,7 +1831,7 @@ class TierSet(_Demotion):
         """Rebuild the disk index from the directory: names first (so hits start at
         once), then every header, then the LRU order by modification time."""
         disk = self.disk
-        assert disk is not None   # (only the disk tier is scanned)
+        assert disk is not None  # (only the disk tier is scanned)
         post = self._scan_q.append
         try:
             keys, incomplete = [], 0
@@ -1683,7 +1842,7 @@ class TierSet(_Demotion):
                     match = _FILE_RE.match(item.name)
                     if match:
                         if not item.is_file(follow_symlinks=False):
-                            continue   # a link, FIFO, device or folder: never a block
+                            continue  # a link, FIFO, device or folder: never a block
                         keys.append(bytes.fromhex(match.group(1)))
                         if len(keys) % SCAN_CHUNK == 0:
                             post(("keys", keys[-SCAN_CHUNK:]))
@@ -1697,7 +1856,7 @@ class TierSet(_Demotion):
                         except OSError:
                             pass
             if len(keys) % SCAN_CHUNK:
-                post(("keys", keys[-(len(keys) % SCAN_CHUNK):]))
+                post(("keys", keys[-(len(keys) % SCAN_CHUNK) :]))
             if incomplete:
                 post(("incomplete", incomplete))
             self._wake()
@@ -1710,7 +1869,7 @@ class TierSet(_Demotion):
                     ages.append((mtime, key))
                 except FileNotFoundError:
                     continue
-                except (_Damaged, OSError) as exc:   # (swapped for a link or FIFO since)
+                except (_Damaged, OSError) as exc:  # (swapped for a link or FIFO since)
                     post(("bad", (key, str(exc))))
                     self._wake()
             ages.sort(reverse=True)
@@ -1729,10 +1888,13 @@ class TierSet(_Demotion):
 
     def io_stats(self) -> dict:
         """What is moving: pending copies, promotions in flight, evictions that lost a block."""
-        return {"pending": self.num_pending, "promotions_in_flight":
-                self.num_promotions_in_flight, "lost_evictions": self.num_lost_evictions,
-                "rescued_evictions": self.num_rescued_evictions,
-                "scanning": bool(self.disk is not None and self.disk.scanning)}
+        return {
+            "pending": self.num_pending,
+            "promotions_in_flight": self.num_promotions_in_flight,
+            "lost_evictions": self.num_lost_evictions,
+            "rescued_evictions": self.num_rescued_evictions,
+            "scanning": bool(self.disk is not None and self.disk.scanning),
+        }
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the workers or the I/O process (a copy under way finishes; queued ones are

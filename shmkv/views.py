@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:   # (for the annotations only: this module imports no torch)
+if TYPE_CHECKING:  # (for the annotations only: this module imports no torch)
     import torch
 
 

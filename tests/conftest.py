@@ -144,8 +144,9 @@ def unique_name() -> str:
 
 @pytest.fixture
 def small_config() -> shmkv.PoolConfig:
-    return shmkv.PoolConfig(num_layers=3, num_kv_heads=4, head_dim=8, num_blocks=64,
-                            block_size=4, dtype=torch.float32)
+    return shmkv.PoolConfig(
+        num_layers=3, num_kv_heads=4, head_dim=8, num_blocks=64, block_size=4, dtype=torch.float32
+    )
 
 
 @pytest.fixture

@@ -12,8 +12,9 @@ BS = 4
 
 def make_table(num_blocks=16, **kw):
     copies = []
-    table = SequenceTable(BlockPool(num_blocks), BS, copy_block=lambda s, d: copies.append((s, d)),
-                          **kw)
+    table = SequenceTable(
+        BlockPool(num_blocks), BS, copy_block=lambda s, d: copies.append((s, d)), **kw
+    )
     table.add_connection(1)
     table.add_connection(2)
     return table, copies
@@ -46,14 +47,14 @@ def test_references_per_connection_and_drop():
     cid = info["cache_id"]
     table.clone(1, cid)
     with pytest.raises(errors.UnknownCache, match="not held by this connection"):
-        table.release(2, cid)            # another connection's cache id
+        table.release(2, cid)  # another connection's cache id
     token = table.export(1, cid, ttl=30)
     assert table.drop_connection(1) == 2
-    assert cid in table.sequences        # the hand-off keeps it alive
+    assert cid in table.sequences  # the hand-off keeps it alive
     opened = table.open(2, token)
     assert opened["blocks"] == info["blocks"]
     with pytest.raises(errors.HandoffError):
-        table.open(2, token)             # one-shot
+        table.open(2, token)  # one-shot
     table.release(2, cid)
     assert table.pool.num_free == 16
     table.check_invariants()
@@ -93,12 +94,12 @@ def test_extend_reserves_and_reports_table_tail():
 
 def test_fork_copy_on_write_of_partial_last_block():
     table, copies = make_table()
-    parent = table.allocate(1, 6)["cache_id"]          # blocks [0, 1], block 1 half full
+    parent = table.allocate(1, 6)["cache_id"]  # blocks [0, 1], block 1 half full
     child = table.fork(1, parent)["cache_id"]
     assert list(table.pool.ref_cnt[:2]) == [2, 2]
     r = table.extend(1, child, 1)
-    assert copies == [(1, r["blocks"][0])]             # the shared last block was copied
-    assert table.sequences[child].block_ids[0] == 0    # full blocks stay shared
+    assert copies == [(1, r["blocks"][0])]  # the shared last block was copied
+    assert table.sequences[child].block_ids[0] == 0  # full blocks stay shared
     assert table.pool.ref_cnt[1] == 1
     # the parent's partial block is now only its own: extending it needs no copy
     table.extend(1, parent, 1)
@@ -110,7 +111,7 @@ def test_prepare_write_copies_shared_blocks_only():
     table, copies = make_table()
     a = table.allocate(1, 8)["cache_id"]
     b = table.fork(1, a)["cache_id"]
-    info = table.prepare_write(1, b, 5, 2)             # touches block 1 only
+    info = table.prepare_write(1, b, 5, 2)  # touches block 1 only
     assert len(copies) == 1 and copies[0][0] == 1
     assert info["blocks"][0] == 0 and info["blocks"][1] != 1
     assert table.pool.owner[info["blocks"][1]] == b
@@ -121,7 +122,7 @@ def test_prepare_write_copies_shared_blocks_only():
 
 def test_prefix_publish_hit_and_lru_eviction():
     table, _ = make_table(num_blocks=6)
-    prompt = list(range(12))                           # 3 full blocks
+    prompt = list(range(12))  # 3 full blocks
     a = table.allocate(1, prompt=prompt)
     assert a["num_cached"] == 0
     assert table.commit(1, a["cache_id"], 12) == 3
@@ -131,7 +132,7 @@ def test_prefix_publish_hit_and_lru_eviction():
     table.release(2, b["cache_id"])
     assert table.pool.num_cached == 3
     # LRU: the tail of the prefix was freed first, so it is evicted first
-    c = table.allocate(1, 16)                          # 3 free + 1 evicted
+    c = table.allocate(1, 16)  # 3 free + 1 evicted
     assert table.pool.num_evictions == 1
     assert a["blocks"][2] in c["blocks"]
     assert table.pool.lookup(hashing.block_keys(prompt, BS, hashing.root_key())) == a["blocks"][:2]
@@ -152,7 +153,7 @@ def test_salt_separates_namespaces_and_uncommitted_blocks_are_not_hits():
     table, _ = make_table()
     prompt = list(range(8))
     a = table.allocate(1, prompt=prompt)
-    assert table.allocate(2, prompt=prompt)["num_cached"] == 0    # not committed yet
+    assert table.allocate(2, prompt=prompt)["num_cached"] == 0  # not committed yet
     table.commit(1, a["cache_id"], 8)
     assert table.allocate(2, prompt=prompt, cache_salt=b"other")["num_cached"] == 0
     assert table.allocate(2, prompt=prompt)["num_cached"] == 8
@@ -182,10 +183,12 @@ def test_hashing_is_deterministic_and_chained():
     assert len(keys) == 2 and all(len(k) == 16 for k in keys)
     assert hashing.block_keys([0, 1, 2, 3], 4, root) == keys[:1]
     other = hashing.block_keys([9, 1, 2, 3, 4, 5, 6, 7], 4, root)
-    assert other[1] != keys[1]                          # the parent is part of the key
+    assert other[1] != keys[1]  # the parent is part of the key
     # a fixed vector: keys must not change between processes, runs, versions or machines
-    assert hashing.block_keys([1, 2, 3, 4], 4, hashing.root_key())[0].hex() == \
-        "c07abdb4dd08e109ffbff08c8961885f"
+    assert (
+        hashing.block_keys([1, 2, 3, 4], 4, hashing.root_key())[0].hex()
+        == "c07abdb4dd08e109ffbff08c8961885f"
+    )
     # keys sent joined (as clients send a prompt's) come apart in order
     assert hashing.split_keys(b"".join(keys + other)) == keys + other
     assert hashing.split_keys(b"") == []
@@ -204,18 +207,17 @@ def test_a_blocks_identity_moves_where_its_key_is_bound_and_unbound():
     assert pool.publish(block, key)
     bound = pool.identity(block)
     assert bound[0] == key and bound[1] != unkeyed[1]
-    assert not pool.still_holds(block, None, unkeyed[1])   # a copy in must not publish
-    pool.decref([block])                                     # cached: keeps its binding
+    assert not pool.still_holds(block, None, unkeyed[1])  # a copy in must not publish
+    pool.decref([block])  # cached: keeps its binding
     pool.incref([block])
     pool.decref([block])
     assert pool.still_holds(block, key, bound[1])
-    other = pool.allocate(2, owner_id=2)                     # evicts it
+    other = pool.allocate(2, owner_id=2)  # evicts it
     assert block in other and not pool.still_holds(block, key, bound[1])
-    pool.publish(block, key)                                 # the same key again
-    assert not pool.still_holds(block, key, bound[1])       # another binding
+    pool.publish(block, key)  # the same key again
+    assert not pool.still_holds(block, key, bound[1])  # another binding
     assert pool.still_holds(block, *pool.identity(block))
     pool.discard_copies(2)
     pool.discard_copies(0)
     assert pool.num_copies_discarded == 2
     pool.check_invariants()
-

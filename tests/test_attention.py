@@ -16,8 +16,11 @@ NUM_KV_HEADS = 2
 def random_pages(num_blocks: int, block_size: int, dtype=torch.float32, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
-    return (torch.randn(shape, generator=gen).to(dtype),
-            torch.randn(shape, generator=gen).to(dtype), gen)
+    return (
+        torch.randn(shape, generator=gen).to(dtype),
+        torch.randn(shape, generator=gen).to(dtype),
+        gen,
+    )
 
 
 def random_table(seq_lens, block_size: int, num_blocks: int, gen, pad: int = -1):
@@ -33,11 +36,12 @@ def random_table(seq_lens, block_size: int, num_blocks: int, gen, pad: int = -1)
 
 def gather(pages, table_row, n: int, block_size: int) -> torch.Tensor:
     pos = torch.arange(n)
-    return pages[table_row.long()[pos // block_size], pos % block_size]      # [n, heads, dim]
+    return pages[table_row.long()[pos // block_size], pos % block_size]  # [n, heads, dim]
 
 
-def dense_reference(q, k_pages, v_pages, table, seq_lens, block_size, causal=True,
-                    query_start=None):
+def dense_reference(
+    q, k_pages, v_pages, table, seq_lens, block_size, causal=True, query_start=None
+):
     """Per sequence: gather K/V, repeat heads for GQA, run SDPA with an explicit mask."""
     batch, q_len, num_heads, _ = q.shape
     out = torch.zeros_like(q)
@@ -52,8 +56,9 @@ def dense_reference(q, k_pages, v_pages, table, seq_lens, block_size, causal=Tru
         mask = None
         if causal:
             mask = torch.arange(n)[None, :] <= (start + torch.arange(q_len))[:, None]
-        out[b] = F.scaled_dot_product_attention(q[b].transpose(0, 1)[None], k, v,
-                                                attn_mask=mask)[0].transpose(0, 1)
+        out[b] = F.scaled_dot_product_attention(q[b].transpose(0, 1)[None], k, v, attn_mask=mask)[
+            0
+        ].transpose(0, 1)
     return out
 
 
@@ -93,8 +98,9 @@ def test_whole_sequence_prefill_equals_is_causal_sdpa():
     got = paged_attention(q, k_pages, v_pages, table, [n])
     k = gather(k_pages, table[0], n, block_size).transpose(0, 1)[None]
     v = gather(v_pages, table[0], n, block_size).transpose(0, 1)[None]
-    want = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True,
-                                          enable_gqa=True).transpose(1, 2)
+    want = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k, v, is_causal=True, enable_gqa=True
+    ).transpose(1, 2)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -109,8 +115,9 @@ def test_query_start_and_non_causal():
     want = dense_reference(q, k_pages, v_pages, table, seq_lens, block_size, query_start=starts)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     got = paged_attention(q, k_pages, v_pages, table, seq_lens, causal=False, scale=0.3)
-    want = dense_reference(q * (0.3 * HEAD_DIM ** 0.5), k_pages, v_pages, table, seq_lens,
-                           block_size, causal=False)
+    want = dense_reference(
+        q * (0.3 * HEAD_DIM**0.5), k_pages, v_pages, table, seq_lens, block_size, causal=False
+    )
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(got, paged_attention(q, k_pages, v_pages, table, seq_lens))
 
@@ -126,8 +133,9 @@ def test_rows_without_keys_are_zero_and_half_precision():
     assert got.dtype == torch.bfloat16
     assert torch.equal(got[1, :2], torch.zeros_like(got[1, :2]))  # positions -2, -1
     assert not torch.isnan(got).any()
-    want = dense_reference(q.float(), k_pages.float(), v_pages.float(), table, seq_lens,
-                           block_size, query_start=starts)
+    want = dense_reference(
+        q.float(), k_pages.float(), v_pages.float(), table, seq_lens, block_size, query_start=starts
+    )
     torch.testing.assert_close(got[0].float(), want[0], rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got[1, 2:].float(), want[1, 2:], rtol=2e-2, atol=2e-2)
 
@@ -140,8 +148,13 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="more blocks"):
         paged_attention(torch.randn(1, 2, HEAD_DIM), k_pages, v_pages, table, [9])
     with pytest.raises(ValueError, match="outside"):
-        paged_attention(torch.randn(1, 2, HEAD_DIM), k_pages, v_pages,
-                        torch.tensor([[8, 0]], dtype=torch.int32), [3])
+        paged_attention(
+            torch.randn(1, 2, HEAD_DIM),
+            k_pages,
+            v_pages,
+            torch.tensor([[8, 0]], dtype=torch.int32),
+            [3],
+        )
     with pytest.raises(TypeError):
         paged_attention(torch.randn(1, 2, HEAD_DIM), k_pages, v_pages, table.float(), [3])
 
@@ -154,13 +167,17 @@ def test_on_shmkv_handles(client):
     handles = [client.allocate(num_tokens=n) for n in lengths]
     layer = 1
     for h, n in zip(handles, lengths):
-        h.write(layer, torch.randn(n, cfg.num_kv_heads, cfg.head_dim, generator=gen),
-                torch.randn(n, cfg.num_kv_heads, cfg.head_dim, generator=gen), start=0)
+        h.write(
+            layer,
+            torch.randn(n, cfg.num_kv_heads, cfg.head_dim, generator=gen),
+            torch.randn(n, cfg.num_kv_heads, cfg.head_dim, generator=gen),
+            start=0,
+        )
     k_pages, v_pages, _ = handles[0].paged_kv(layer)
     tables = [h.paged_kv(layer)[2] for h in handles]
     table = torch.zeros(len(handles), max(t.numel() for t in tables), dtype=torch.int32)
     for b, t in enumerate(tables):
-        table[b, :t.numel()] = t
+        table[b, : t.numel()] = t
     group = 2
     q_len = 3
     q = torch.randn(len(handles), q_len, cfg.num_kv_heads * group, cfg.head_dim, generator=gen)
@@ -170,8 +187,12 @@ def test_on_shmkv_handles(client):
         n = h.num_tokens
         mask = torch.arange(n)[None, :] <= (n - q_len + torch.arange(q_len))[:, None]
         want = F.scaled_dot_product_attention(
-            q[b].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            attn_mask=mask, enable_gqa=True)[0].transpose(0, 1)
+            q[b].transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            attn_mask=mask,
+            enable_gqa=True,
+        )[0].transpose(0, 1)
         # A query position before the first key (n < q_len) has nothing to attend to.
         valid = (n - q_len + torch.arange(q_len)) >= 0
         torch.testing.assert_close(got[b][valid], want[valid], rtol=1e-5, atol=1e-5)
@@ -181,21 +202,28 @@ def test_on_shmkv_handles(client):
 
 # --- packed (varlen) form, output buffers, the old implementation as a baseline ---
 
+
 def pool_pages(num_blocks: int, block_size: int, num_kv_heads: int, dtype, seed: int):
     """K/V pages as strided views of a pool stored ``[blocks, layers, 2, block, heads,
     dim]`` (block-major: pages a block apart, the strided case; shmkv's own pool is
     stored layer-major, whose layer views are contiguous)."""
     gen = torch.Generator().manual_seed(seed)
-    pool = torch.randn(num_blocks, 3, 2, block_size, num_kv_heads, HEAD_DIM,
-                       generator=gen).to(dtype)
+    pool = torch.randn(num_blocks, 3, 2, block_size, num_kv_heads, HEAD_DIM, generator=gen).to(
+        dtype
+    )
     return pool[:, 1, 0], pool[:, 1, 1], gen
 
 
 def garbage_table(seq_lens, block_size: int, num_blocks: int, gen, extra: int = 2):
     """Distinct random pages per sequence; every entry past a sequence's blocks is junk."""
     need = [-(-n // block_size) for n in seq_lens]
-    table = torch.randint(-2**31, 2**31 - 1, (len(seq_lens), max(need + [0]) + extra),
-                          generator=gen, dtype=torch.int64).to(torch.int32)
+    table = torch.randint(
+        -(2**31),
+        2**31 - 1,
+        (len(seq_lens), max(need + [0]) + extra),
+        generator=gen,
+        dtype=torch.int64,
+    ).to(torch.int32)
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     for b, count in enumerate(need):
         table[b, :count] = torch.tensor(perm[:count], dtype=torch.int32)
@@ -208,7 +236,7 @@ def varlen_reference(q, k_pages, v_pages, table, seq_lens, locs, causal=True, sc
     tokens of their sequence); rows of no sequence and rows with no key stay zero."""
     num_rows, num_heads, head_dim = q.shape
     block_size = k_pages.shape[1]
-    scale = head_dim ** -0.5 if scale is None else scale
+    scale = head_dim**-0.5 if scale is None else scale
     out = torch.zeros(num_rows, num_heads, head_dim, dtype=torch.float64)
     for b, n in enumerate(seq_lens):
         r0, r1 = locs[b], locs[b + 1]
@@ -227,9 +255,11 @@ def varlen_reference(q, k_pages, v_pages, table, seq_lens, locs, causal=True, sc
     return out
 
 
-TOLERANCE = {torch.float32: dict(rtol=2e-5, atol=2e-5),
-             torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
-             torch.float16: dict(rtol=2e-3, atol=2e-3)}
+TOLERANCE = {
+    torch.float32: dict(rtol=2e-5, atol=2e-5),
+    torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
+    torch.float16: dict(rtol=2e-3, atol=2e-3),
+}
 
 
 def packed_batch(counts, seq_lens, group, block_size, dtype, seed, pad_rows=0):
@@ -251,22 +281,30 @@ def test_packed_mixed_prefill_and_decode_match_reference(dtype, group, block_siz
     # (prefill with earlier context), a sequence idle this step, speculative tokens.
     counts = [37, 1, 9, 1, 0, 1, 3, 1, 20]
     seq_lens = [37, 2 * block_size, 9 + 3 * block_size + 1, 1, 12, 150, 3 * block_size, 7, 61]
-    q, k_pages, v_pages, table, locs = packed_batch(counts, seq_lens, group, block_size, dtype,
-                                                    seed=group * 10 + block_size, pad_rows=3)
-    got = paged_attention(q, k_pages, v_pages, table, torch.tensor(seq_lens, dtype=torch.int32),
-                          query_start_loc=torch.tensor(locs, dtype=torch.int32))
+    q, k_pages, v_pages, table, locs = packed_batch(
+        counts, seq_lens, group, block_size, dtype, seed=group * 10 + block_size, pad_rows=3
+    )
+    got = paged_attention(
+        q,
+        k_pages,
+        v_pages,
+        table,
+        torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=torch.tensor(locs, dtype=torch.int32),
+    )
     assert got.shape == q.shape and got.dtype == dtype
     want = varlen_reference(q, k_pages, v_pages, table, seq_lens, locs)
     torch.testing.assert_close(got.double(), want, **TOLERANCE[dtype])
-    assert torch.equal(got[locs[-1]:], torch.zeros_like(got[locs[-1]:]))  # padding rows
+    assert torch.equal(got[locs[-1] :], torch.zeros_like(got[locs[-1] :]))  # padding rows
 
 
 @pytest.mark.parametrize("group", [1, 2, 4])
 def test_packed_non_causal_and_scale(group):
     counts, seq_lens = [4, 1, 6], [10, 33, 6]
     q, k_pages, v_pages, table, locs = packed_batch(counts, seq_lens, group, 8, torch.float32, 3)
-    got = paged_attention(q, k_pages, v_pages, table, seq_lens, query_start_loc=locs,
-                          causal=False, scale=0.2)
+    got = paged_attention(
+        q, k_pages, v_pages, table, seq_lens, query_start_loc=locs, causal=False, scale=0.2
+    )
     want = varlen_reference(q, k_pages, v_pages, table, seq_lens, locs, causal=False, scale=0.2)
     torch.testing.assert_close(got.double(), want, **TOLERANCE[torch.float32])
 
@@ -306,8 +344,9 @@ def test_decode_batch_is_one_call_and_matches(group, monkeypatch):
     block_size = 16
     seq_lens = [200, 190, 201, 180, 199]
     counts = [1] * len(seq_lens)
-    q, k_pages, v_pages, table, locs = packed_batch(counts, seq_lens, group, block_size,
-                                                    torch.float32, seed=group)
+    q, k_pages, v_pages, table, locs = packed_batch(
+        counts, seq_lens, group, block_size, torch.float32, seed=group
+    )
     calls = count_sdpa_calls(monkeypatch)
     got = paged_attention(q, k_pages, v_pages, table, seq_lens, query_start_loc=locs)
     assert len(calls) == 1
@@ -320,8 +359,9 @@ def test_decode_batch_is_one_call_and_matches(group, monkeypatch):
 def test_far_apart_lengths_and_prefills_get_their_own_calls(monkeypatch):
     block_size = 8
     counts, seq_lens = [1, 1, 30, 1], [6, 700, 30, 5]
-    q, k_pages, v_pages, table, locs = packed_batch(counts, seq_lens, 4, block_size,
-                                                    torch.float32, seed=9)
+    q, k_pages, v_pages, table, locs = packed_batch(
+        counts, seq_lens, 4, block_size, torch.float32, seed=9
+    )
     calls = count_sdpa_calls(monkeypatch)
     got = paged_attention(q, k_pages, v_pages, table, seq_lens, query_start_loc=locs)
     # Decodes of 6 and 5 keys share a call; the 700-key decode and the prefill do not
@@ -334,6 +374,7 @@ def test_far_apart_lengths_and_prefills_get_their_own_calls(monkeypatch):
 def test_without_enable_gqa_folds_heads(monkeypatch):
     """The torch < 2.5 path (query heads folded into rows) gives the same result."""
     import shmkv.attention as attention
+
     counts, seq_lens = [12, 1, 3], [12, 40, 20]
     q, k_pages, v_pages, table, locs = packed_batch(counts, seq_lens, 4, 4, torch.float32, 5)
     monkeypatch.setattr(attention, "_HAS_ENABLE_GQA", False)
@@ -344,16 +385,20 @@ def test_without_enable_gqa_folds_heads(monkeypatch):
 
 def test_out_is_written_and_returned():
     counts, seq_lens = [5, 0, 1, 2], [5, 4, 30, 1]
-    q, k_pages, v_pages, table, locs = packed_batch(counts, seq_lens, 2, 4, torch.float32, 6,
-                                                    pad_rows=2)
+    q, k_pages, v_pages, table, locs = packed_batch(
+        counts, seq_lens, 2, 4, torch.float32, 6, pad_rows=2
+    )
     want = paged_attention(q, k_pages, v_pages, table, seq_lens, query_start_loc=locs)
     out = torch.full_like(q, float("nan"))
-    assert paged_attention(q, k_pages, v_pages, table, seq_lens, query_start_loc=locs,
-                           out=out) is out
+    assert (
+        paged_attention(q, k_pages, v_pages, table, seq_lens, query_start_loc=locs, out=out) is out
+    )
     assert torch.equal(out, want)  # padding and keyless rows overwritten with zeros
     strided = torch.full((q.shape[1], q.shape[0], q.shape[2]), float("nan")).transpose(0, 1)
-    assert paged_attention(q, k_pages, v_pages, table, seq_lens, query_start_loc=locs,
-                           out=strided) is strided
+    assert (
+        paged_attention(q, k_pages, v_pages, table, seq_lens, query_start_loc=locs, out=strided)
+        is strided
+    )
     assert torch.equal(strided, want)
     batch_q = q[:4].view(2, 2, *q.shape[1:])
     batch_out = torch.empty_like(batch_q)
@@ -363,26 +408,33 @@ def test_out_is_written_and_returned():
 
 
 def test_workspace_is_reused_and_changes_nothing(monkeypatch):
-    monkeypatch.setattr(native, "decoder", lambda: None)   # the torch path gathers into it
+    monkeypatch.setattr(native, "decoder", lambda: None)  # the torch path gathers into it
     workspace = AttentionWorkspace()
     assert workspace.nbytes == 0
-    steps = [([1, 1, 1], [5, 9, 30], torch.float32), ([7, 1, 1], [40, 10, 31], torch.float32),
-             ([1, 1, 1], [6, 10, 32], torch.float32), ([4, 1], [60, 3], torch.bfloat16),
-             ([1, 1, 1], [7, 11, 33], torch.float32)]
+    steps = [
+        ([1, 1, 1], [5, 9, 30], torch.float32),
+        ([7, 1, 1], [40, 10, 31], torch.float32),
+        ([1, 1, 1], [6, 10, 32], torch.float32),
+        ([4, 1], [60, 3], torch.bfloat16),
+        ([1, 1, 1], [7, 11, 33], torch.float32),
+    ]
     held = []
     for seed, (counts, seq_lens, dtype) in enumerate(steps):
         q, k_pages, v_pages, table, locs = packed_batch(counts, seq_lens, 2, 4, dtype, seed)
-        got = paged_attention(q, k_pages, v_pages, table, seq_lens, query_start_loc=locs,
-                              workspace=workspace)
-        assert torch.equal(got, paged_attention(q, k_pages, v_pages, table, seq_lens,
-                                                query_start_loc=locs))
+        got = paged_attention(
+            q, k_pages, v_pages, table, seq_lens, query_start_loc=locs, workspace=workspace
+        )
+        assert torch.equal(
+            got, paged_attention(q, k_pages, v_pages, table, seq_lens, query_start_loc=locs)
+        )
         held.append(workspace.nbytes)
     assert held[0] > 0 and held[2] == held[1]  # a smaller call reuses what is there
     workspace.clear()
     assert workspace.nbytes == 0
     with pytest.raises(TypeError, match="AttentionWorkspace"):
-        paged_attention(q, k_pages, v_pages, table, seq_lens, query_start_loc=locs,
-                        workspace=torch.empty(10))
+        paged_attention(
+            q, k_pages, v_pages, table, seq_lens, query_start_loc=locs, workspace=torch.empty(10)
+        )
 
 
 def test_pages_of_another_dtype_are_converted():
@@ -404,18 +456,27 @@ def test_packed_bad_arguments():
     with pytest.raises(ValueError, match="non-decreasing"):
         paged_attention(q, k_pages, v_pages, table, seq_lens, query_start_loc=[0, 2, 4])
     with pytest.raises(TypeError, match="integers"):
-        paged_attention(q, k_pages, v_pages, table, seq_lens,
-                        query_start_loc=torch.tensor([0.0, 2.0, 3.0]))
+        paged_attention(
+            q, k_pages, v_pages, table, seq_lens, query_start_loc=torch.tensor([0.0, 2.0, 3.0])
+        )
     with pytest.raises(ValueError, match="packed tokens"):
         paged_attention(q[None], k_pages, v_pages, table, seq_lens, query_start_loc=locs)
     with pytest.raises(ValueError, match="query_start"):
-        paged_attention(q, k_pages, v_pages, table, seq_lens, query_start_loc=locs,
-                        query_start=[0, 0])
+        paged_attention(
+            q, k_pages, v_pages, table, seq_lens, query_start_loc=locs, query_start=[0, 0]
+        )
     with pytest.raises(ValueError, match="negative"):
         paged_attention(q, k_pages, v_pages, table, [4, -1], query_start_loc=locs)
     with pytest.raises(ValueError, match="out must be shaped like query"):
-        paged_attention(q, k_pages, v_pages, table, seq_lens, query_start_loc=locs,
-                        out=torch.empty(3, *q.shape[1:], dtype=torch.bfloat16))
+        paged_attention(
+            q,
+            k_pages,
+            v_pages,
+            table,
+            seq_lens,
+            query_start_loc=locs,
+            out=torch.empty(3, *q.shape[1:], dtype=torch.bfloat16),
+        )
     with pytest.raises(TypeError, match="floating point"):
         paged_attention(q.long(), k_pages, v_pages, table, seq_lens, query_start_loc=locs)
     bad = table.clone()
@@ -451,10 +512,15 @@ def test_batch_form_equals_old_implementation(dtype, group, block_size, monkeypa
     for start in (0, 2):
         torch.testing.assert_close(
             paged_attention(q, k_pages, v_pages, table[4:], [5], query_start=[start]),
-            old_paged_attention(q, k_pages, v_pages, table[4:], [5], query_start=[start]), **tol)
+            old_paged_attention(q, k_pages, v_pages, table[4:], [5], query_start=[start]),
+            **tol,
+        )
     q = torch.randn(len(seq_lens), heads, HEAD_DIM, generator=gen).to(dtype)  # decode
-    torch.testing.assert_close(paged_attention(q, k_pages, v_pages, table, seq_lens),
-                               old_paged_attention(q, k_pages, v_pages, table, seq_lens), **tol)
+    torch.testing.assert_close(
+        paged_attention(q, k_pages, v_pages, table, seq_lens),
+        old_paged_attention(q, k_pages, v_pages, table, seq_lens),
+        **tol,
+    )
 
 
 @pytest.mark.parametrize("packed", [True, False])
@@ -482,21 +548,26 @@ def test_one_plan_serves_every_layer_of_a_step(packed):
 def test_decode_plan_and_the_plan_of_the_next_step():
     block_size = 4
     seq_lens = [6, 6, 6]
-    q, k_pages, v_pages, table, locs = packed_batch([1] * 3, seq_lens, 4, block_size,
-                                                    torch.float32, 12)
+    q, k_pages, v_pages, table, locs = packed_batch(
+        [1] * 3, seq_lens, 4, block_size, torch.float32, 12
+    )
     plan = PagedAttentionPlan(q, k_pages, table, seq_lens)
     assert plan.decode_group is not None
     got = plan.decode_group.decode(q, k_pages, v_pages, None, AttentionWorkspace())
-    torch.testing.assert_close(got.reshape(q.shape).double(),
-                               varlen_reference(q, k_pages, v_pages, table, seq_lens, locs),
-                               **TOLERANCE[torch.float32])
-    for n in (7, 8):                      # one more key each step, in the blocks held
+    torch.testing.assert_close(
+        got.reshape(q.shape).double(),
+        varlen_reference(q, k_pages, v_pages, table, seq_lens, locs),
+        **TOLERANCE[torch.float32],
+    )
+    for n in (7, 8):  # one more key each step, in the blocks held
         plan = plan._next_decode()
-        assert torch.equal(paged_attention(q, k_pages, v_pages, plan=plan),
-                           paged_attention(q, k_pages, v_pages, table, [n] * 3))
-    assert plan._next_decode() is None    # a ninth key needs a third block
+        assert torch.equal(
+            paged_attention(q, k_pages, v_pages, plan=plan),
+            paged_attention(q, k_pages, v_pages, table, [n] * 3),
+        )
+    assert plan._next_decode() is None  # a ninth key needs a third block
     mixed = PagedAttentionPlan(q, k_pages, table, [6, 5, 6])
-    assert mixed._next_decode() is None   # lengths differ: masked, planned each step
+    assert mixed._next_decode() is None  # lengths differ: masked, planned each step
 
 
 def test_plan_arguments_are_checked():
@@ -514,9 +585,13 @@ def test_plan_arguments_are_checked():
     with pytest.raises(ValueError, match="does not match the plan"):
         paged_attention(q[:2], k_pages, v_pages, plan=plan)
     with pytest.raises(ValueError, match="block_size=4"):
-        paged_attention(q, k_pages.reshape(-1, 2, *k_pages.shape[2:]),
-                        v_pages.reshape(-1, 2, *v_pages.shape[2:]), plan=plan)
-    with pytest.raises(ValueError, match="outside"):   # fewer pages than the plan's ids
+        paged_attention(
+            q,
+            k_pages.reshape(-1, 2, *k_pages.shape[2:]),
+            v_pages.reshape(-1, 2, *v_pages.shape[2:]),
+            plan=plan,
+        )
+    with pytest.raises(ValueError, match="outside"):  # fewer pages than the plan's ids
         paged_attention(q, k_pages[:1], v_pages[:1], plan=plan)
     with pytest.raises(ValueError, match="multiple"):
         PagedAttentionPlan(q[:, :3], k_pages, table, seq_lens, query_start_loc=locs)
@@ -529,17 +604,21 @@ def test_plan_arguments_are_checked():
 # largest value, on every path and page dtype.
 
 QUANTIZED = (torch.float8_e5m2, torch.float8_e4m3fn, torch.int8)
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="no CUDA device"))]
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+    ),
+]
 
 
 def poison_values(dtype) -> list:
     """What a slot of a page of ``dtype`` can hold that a mask alone does not stop."""
     if dtype == torch.int8:
-        return [127.0, -128.0]                       # no NaN or inf in int8: its extremes
+        return [127.0, -128.0]  # no NaN or inf in int8: its extremes
     info = torch.finfo(dtype)
-    values = [float("nan"), info.max, -info.max]     # 1.7e38 in float32, 448 in e4m3 ...
-    if dtype != torch.float8_e4m3fn:                 # e4m3fn has no inf
+    values = [float("nan"), info.max, -info.max]  # 1.7e38 in float32, 448 in e4m3 ...
+    if dtype != torch.float8_e4m3fn:  # e4m3fn has no inf
         values += [float("inf"), float("-inf")]
     if dtype in (torch.float32, torch.bfloat16):
         values.append(1e38)
@@ -560,33 +639,36 @@ def poisoned_pool(seq_lens, block_size, dtype, poison: float, seed: int, device=
         k, v = (k * 40).round().clamp(-127, 127), (v * 40).round().clamp(-127, 127)
     inside = torch.zeros(num_blocks, block_size, dtype=torch.bool)
     table = torch.zeros(len(seq_lens), max(need) + 2, dtype=torch.int32)
-    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()   # never page 0
+    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # never page 0
     for b, (n, count) in enumerate(zip(seq_lens, need)):
         pages, free = free[:count], free[count:]
         table[b, :count] = torch.tensor(pages, dtype=torch.int32)
         # past its blocks: a poisoned unused page, then page 0, alternately
         table[b, count:] = torch.tensor([free[0], 0], dtype=torch.int32)[
-            torch.arange(table.shape[1] - count) % 2]
+            torch.arange(table.shape[1] - count) % 2
+        ]
         for i, page in enumerate(pages):
-            inside[page, :min(block_size, n - i * block_size)] = True
+            inside[page, : min(block_size, n - i * block_size)] = True
     clean_k, clean_v = k.to(dtype), v.to(dtype)
     outside = ~inside[:, :, None, None].expand(shape)
     # through integer views of the bits: torch fills no float8 tensor
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[dtype.itemsize]
     bad = torch.tensor([poison]).to(dtype).view(bits)
-    k_bad, v_bad = (torch.where(outside, bad, x.view(bits)).view(dtype).to(device)
-                    for x in (clean_k, clean_v))
+    k_bad, v_bad = (
+        torch.where(outside, bad, x.view(bits)).view(dtype).to(device) for x in (clean_k, clean_v)
+    )
     return (k_bad, v_bad), (clean_k.to(device), clean_v.to(device)), table.to(device), gen
 
 
 def outside_reference(q, k_pages, v_pages, table, seq_lens, locs, causal, k_scale, v_scale):
     """float64 attention of packed query rows over each sequence's own keys only."""
-    scales = [torch.as_tensor(s, dtype=torch.float64).reshape(-1)[None, :, None]
-              if s is not None else 1.0 for s in (k_scale, v_scale)]
+    scales = [
+        torch.as_tensor(s, dtype=torch.float64).reshape(-1)[None, :, None] if s is not None else 1.0
+        for s in (k_scale, v_scale)
+    ]
     k64 = k_pages.cpu().double() * (scales[0] if k_scale is not None else 1.0)
     v64 = v_pages.cpu().double() * (scales[1] if v_scale is not None else 1.0)
-    return varlen_reference(q.cpu().double(), k64, v64, table.cpu(), seq_lens, locs,
-                            causal=causal)
+    return varlen_reference(q.cpu().double(), k64, v64, table.cpu(), seq_lens, locs, causal=causal)
 
 
 CASES = {
@@ -603,8 +685,11 @@ CASES = {
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("path", ["torch", "native"])
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, *QUANTIZED],
-                         ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, torch.bfloat16, torch.float16, *QUANTIZED],
+    ids=lambda d: str(d).removeprefix("torch."),
+)
 def test_values_outside_a_sequence_contribute_nothing(dtype, case, path, device, monkeypatch):
     counts, seq_lens, causal = CASES[case]
     quantized = dtype in QUANTIZED
@@ -630,13 +715,15 @@ def test_values_outside_a_sequence_contribute_nothing(dtype, case, path, device,
     tol = TOLERANCE[qdtype]
     for i, poison in enumerate(poison_values(dtype)):
         (k_bad, v_bad), (k_clean, v_clean), table, gen = poisoned_pool(
-            seq_lens, 8, dtype, poison, seed=i, device=device)
+            seq_lens, 8, dtype, poison, seed=i, device=device
+        )
         q = torch.randn(locs[-1], NUM_KV_HEADS * 2, HEAD_DIM, generator=gen).to(qdtype)
         q = q.to(device)
-        want = outside_reference(q, k_clean, v_clean, table, seq_lens, locs, causal,
-                                 k_scale, v_scale)
+        want = outside_reference(
+            q, k_clean, v_clean, table, seq_lens, locs, causal, k_scale, v_scale
+        )
         forms = [dict(query_start_loc=locs)]
-        if len(set(counts)) == 1:                    # the batch form too
+        if len(set(counts)) == 1:  # the batch form too
             forms.append(dict(batch=counts[0]))
         for form in forms:
             kwargs = dict(causal=causal, k_scale=k_scale, v_scale=v_scale)
@@ -648,50 +735,82 @@ def test_values_outside_a_sequence_contribute_nothing(dtype, case, path, device,
             else:
                 kwargs.update(form)
             for workspace in (None, AttentionWorkspace()):
-                got = paged_attention(query, k_bad, v_bad, table, seq_lens, workspace=workspace,
-                                      **kwargs)
-                clean = paged_attention(query, k_clean, v_clean, table, seq_lens,
-                                        workspace=workspace, **kwargs)
+                got = paged_attention(
+                    query, k_bad, v_bad, table, seq_lens, workspace=workspace, **kwargs
+                )
+                clean = paged_attention(
+                    query, k_clean, v_clean, table, seq_lens, workspace=workspace, **kwargs
+                )
                 assert torch.isfinite(got).all(), (poison, form)
-                assert torch.equal(got, clean), (poison, form)   # exactly nothing
+                assert torch.equal(got, clean), (poison, form)  # exactly nothing
                 torch.testing.assert_close(got.reshape(q.shape).cpu().double(), want, **tol)
     assert bool(ran) == (path == "native")
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("qdtype", [torch.float16, torch.bfloat16, torch.float32],
-                         ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize(
+    "qdtype",
+    [torch.float16, torch.bfloat16, torch.float32],
+    ids=lambda d: str(d).removeprefix("torch."),
+)
 def test_scales_apply_in_float32_as_a_tensor_or_a_number(qdtype, device, monkeypatch):
     # Scales below float16's smallest normal (6.1e-5): rounded to the query's dtype
     # first, they would keep a few bits (1e-6 as a float16 is 1.013e-6).
     monkeypatch.setattr(native, "decoder", lambda: None)
-    seq_lens = [30, 7, 64]              # decode, a chunk of 4, decode
+    seq_lens = [30, 7, 64]  # decode, a chunk of 4, decode
     locs = [0, 1, 5, 6]
     gen = torch.Generator().manual_seed(5)
     shape = (24, 8, NUM_KV_HEADS, HEAD_DIM)
-    k_pages, v_pages = ((torch.randn(shape, generator=gen) * 1.5e4).clamp(-57344, 57344)
-                        .to(torch.float8_e5m2).to(device) for _ in range(2))
+    k_pages, v_pages = (
+        (torch.randn(shape, generator=gen) * 1.5e4)
+        .clamp(-57344, 57344)
+        .to(torch.float8_e5m2)
+        .to(device)
+        for _ in range(2)
+    )
     table = torch.randperm(24, generator=gen).view(3, 8).int().to(device)
     q = torch.randn(locs[-1], NUM_KV_HEADS * 2, HEAD_DIM, generator=gen).to(qdtype).to(device)
     k_num, v_num = 2.1e-5, 1.03e-6
-    by_number = paged_attention(q, k_pages, v_pages, table, seq_lens, query_start_loc=locs,
-                                k_scale=k_num, v_scale=v_num)
+    by_number = paged_attention(
+        q, k_pages, v_pages, table, seq_lens, query_start_loc=locs, k_scale=k_num, v_scale=v_num
+    )
     for kind in (torch.float32, torch.float64, qdtype):
         per_head = paged_attention(
-            q, k_pages, v_pages, table, seq_lens, query_start_loc=locs,
+            q,
+            k_pages,
+            v_pages,
+            table,
+            seq_lens,
+            query_start_loc=locs,
             k_scale=torch.full((NUM_KV_HEADS,), k_num, dtype=torch.float64).to(kind),
-            v_scale=torch.full((NUM_KV_HEADS,), v_num, dtype=torch.float64).to(kind))
+            v_scale=torch.full((NUM_KV_HEADS,), v_num, dtype=torch.float64).to(kind),
+        )
         if kind != qdtype or qdtype == torch.float32:
             assert torch.equal(per_head, by_number), kind
-    one = paged_attention(q, k_pages, v_pages, table, seq_lens, query_start_loc=locs,
-                          k_scale=torch.tensor(k_num, dtype=torch.float64),
-                          v_scale=torch.tensor([v_num], dtype=torch.float64))
+    one = paged_attention(
+        q,
+        k_pages,
+        v_pages,
+        table,
+        seq_lens,
+        query_start_loc=locs,
+        k_scale=torch.tensor(k_num, dtype=torch.float64),
+        v_scale=torch.tensor([v_num], dtype=torch.float64),
+    )
     assert torch.equal(one, by_number)
 
     # different scales per head, against float64 attention over stored * scale
     k_heads, v_heads = torch.tensor([2.1e-5, 7.7e-6]), torch.tensor([1.03e-6, 3.1e-7])
-    got = paged_attention(q, k_pages, v_pages, table, seq_lens, query_start_loc=locs,
-                          k_scale=k_heads.to(device), v_scale=v_heads.to(device))
+    got = paged_attention(
+        q,
+        k_pages,
+        v_pages,
+        table,
+        seq_lens,
+        query_start_loc=locs,
+        k_scale=k_heads.to(device),
+        v_scale=v_heads.to(device),
+    )
     k64 = k_pages.cpu().double() * k_heads.double()[None, None, :, None]
     v64 = v_pages.cpu().double() * v_heads.double()[None, None, :, None]
     want = varlen_reference(q.cpu().double(), k64, v64, table.cpu(), seq_lens, locs)

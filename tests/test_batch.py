@@ -15,9 +15,16 @@ L, H, D, BS = 2, 4, 8, 4
 
 @pytest.fixture
 def cfg():
-    return shmkv.PoolConfig(num_layers=L, num_kv_heads=H, head_dim=D, num_blocks=96,
-                            block_size=BS, dtype=torch.float32, max_sequences=64,
-                            max_seq_len=64)
+    return shmkv.PoolConfig(
+        num_layers=L,
+        num_kv_heads=H,
+        head_dim=D,
+        num_blocks=96,
+        block_size=BS,
+        dtype=torch.float32,
+        max_sequences=64,
+        max_seq_len=64,
+    )
 
 
 @pytest.fixture
@@ -40,7 +47,7 @@ def reference_step(handles, starts, counts):
         for pos in range(start, start + count):
             slot_mapping.append(table.physical_blocks[pos // BS] * BS + pos % BS)
         seq_lens.append(start + count)
-        tables.append(list(table.physical_blocks[:-(-(start + count) // BS)]))
+        tables.append(list(table.physical_blocks[: -(-(start + count) // BS)]))
     width = max(1, max(len(t) for t in tables))
     padded = [t + [0] * (width - len(t)) for t in tables]
     return slot_mapping, seq_lens, padded
@@ -49,8 +56,11 @@ def reference_step(handles, starts, counts):
 def write_step(step, heads=H):
     ids = step.cache_ids[step.seq_index]
     for layer in range(L):
-        step.write(layer, workers.step_value(ids, step.positions, layer, 0, heads, D),
-                   workers.step_value(ids, step.positions, layer, 1, heads, D))
+        step.write(
+            layer,
+            workers.step_value(ids, step.positions, layer, 0, heads, D),
+            workers.step_value(ids, step.positions, layer, 1, heads, D),
+        )
 
 
 def expected_kv(h, layer, which, n=None):
@@ -76,7 +86,7 @@ def test_step_tensors_equal_each_handles_own_table(client):
         assert step.num_tokens == sum(per)
         assert [h.num_tokens for h in hs] == seq_lens
         write_step(step)
-    for h, first in zip(hs, [0, 3, 4, 9, 1]):   # every token the steps added reads back
+    for h, first in zip(hs, [0, 3, 4, 9, 1]):  # every token the steps added reads back
         for layer in range(L):
             assert torch.equal(h.key_cache(layer)[first:], expected_kv(h, layer, 0)[first:])
             assert torch.equal(h.value_cache(layer)[first:], expected_kv(h, layer, 1)[first:])
@@ -103,7 +113,7 @@ def test_prefill_step_covers_the_uncached_prompt_and_commits(client):
     step = client.batch([first]).prefill()
     assert step.positions.tolist() == list(range(10)) and step.seq_lens.tolist() == [10]
     write_step(step)
-    assert step.commit() == 2                      # two full blocks published
+    assert step.commit() == 2  # two full blocks published
     again = client.allocate_many([{"prompt": prompt}, {"prompt": prompt[:9] + [99]}])
     step = client.batch(again).prefill()
     assert [h.num_cached_tokens for h in again] == [8, 8]
@@ -117,7 +127,7 @@ def test_fork_in_a_batch_never_changes_its_sibling(client):
     write_step(step)
     child = parent.fork()
     before = parent.gather_all().clone()
-    step = client.batch([parent, child]).extend(1)   # both copy the shared last block
+    step = client.batch([parent, child]).extend(1)  # both copy the shared last block
     assert len(set(step.block_tables[:, 1].tolist())) == 2
     k = torch.full((2, H, D), 5.0)
     k[1] = 9.0
@@ -131,11 +141,11 @@ def test_fork_in_a_batch_never_changes_its_sibling(client):
 def test_a_step_refuses_to_write_a_block_shared_after_it_was_made(client):
     h = client.allocate(5)
     step = client.batch([h]).extend(2)
-    fork = h.fork()                                   # shares the block the step writes
+    fork = h.fork()  # shares the block the step writes
     snapshot = client.pool.clone()
     with pytest.raises(shmkv.StaleStep, match="make a new step"):
         step.write(0, torch.ones(2, H, D), torch.ones(2, H, D))
-    assert torch.equal(client.pool, snapshot)         # nothing written
+    assert torch.equal(client.pool, snapshot)  # nothing written
     client.batch([h]).extend(0).write(0, torch.zeros(0, H, D), torch.zeros(0, H, D))
     fork.close()
 
@@ -146,14 +156,23 @@ def test_bad_input_gets_specific_errors_and_writes_nothing(coord, client):
     snapshot = client.pool.clone()
     stats = client.stats()
     bad = [
-        (shmkv.InvalidArgument, dict(k=torch.ones(3, H, D), v=torch.ones(3, H, D))),   # count
-        (shmkv.InvalidArgument, dict(k=torch.ones(2, H, D, dtype=torch.float64),
-                                     v=torch.ones(2, H, D, dtype=torch.float64))),      # dtype
-        (shmkv.InvalidArgument, dict(k=torch.ones(2, H, D, device="meta"),
-                                     v=torch.ones(2, H, D, device="meta"))),            # device
+        (shmkv.InvalidArgument, dict(k=torch.ones(3, H, D), v=torch.ones(3, H, D))),  # count
+        (
+            shmkv.InvalidArgument,
+            dict(
+                k=torch.ones(2, H, D, dtype=torch.float64),
+                v=torch.ones(2, H, D, dtype=torch.float64),
+            ),
+        ),  # dtype
+        (
+            shmkv.InvalidArgument,
+            dict(k=torch.ones(2, H, D, device="meta"), v=torch.ones(2, H, D, device="meta")),
+        ),  # device
         (shmkv.InvalidArgument, dict(k=torch.ones(2, H + 1, D), v=torch.ones(2, H + 1, D))),
-        (shmkv.InvalidArgument, dict(k=torch.ones(D, H, 2).transpose(0, 2),
-                                     v=torch.ones(D, H, 2).transpose(0, 2))),           # strides
+        (
+            shmkv.InvalidArgument,
+            dict(k=torch.ones(D, H, 2).transpose(0, 2), v=torch.ones(D, H, 2).transpose(0, 2)),
+        ),  # strides
         (shmkv.WrongType, dict(k=[[1.0]], v=[[1.0]])),
     ]
     for error, kv in bad:
@@ -175,7 +194,7 @@ def test_bad_input_gets_specific_errors_and_writes_nothing(coord, client):
     with pytest.raises(shmkv.InvalidArgument, match="name one sequence"):
         client.batch([hs[0], hs[0]])
     with pytest.raises(shmkv.InvalidArgument):
-        client.batch(hs).extend([1])                 # one count for two sequences
+        client.batch(hs).extend([1])  # one count for two sequences
     with pytest.raises(shmkv.InvalidArgument):
         client.batch(hs).extend(-1)
     batch = client.batch(hs)
@@ -192,7 +211,7 @@ def test_bad_input_gets_specific_errors_and_writes_nothing(coord, client):
             other.step_from(desc)
     assert torch.equal(client.pool, snapshot)
     after = client.stats()
-    assert after["free_blocks"] == stats["free_blocks"] + 1   # only hs[1]'s block came back
+    assert after["free_blocks"] == stats["free_blocks"] + 1  # only hs[1]'s block came back
 
 
 def test_table_bounds_are_refused_with_nothing_changed(coord, client, cfg):
@@ -210,27 +229,38 @@ def test_table_bounds_are_refused_with_nothing_changed(coord, client, cfg):
         client.allocate_many([0] * 64)
     assert client.stats()["sequences"] == 1
     with pytest.raises(shmkv.InvalidArgument, match="max_sequences"):
-        shmkv.PoolConfig(num_layers=1, num_kv_heads=1, head_dim=1, num_blocks=8,
-                         max_sequences=2**21)
+        shmkv.PoolConfig(
+            num_layers=1, num_kv_heads=1, head_dim=1, num_blocks=8, max_sequences=2**21
+        )
 
 
 def test_two_tp_ranks_share_one_step(unique_name):
-    cfg = shmkv.PoolConfig(num_layers=L, num_kv_heads=H, head_dim=D, num_blocks=64,
-                           block_size=BS, dtype=torch.float32, tp_size=2)
+    cfg = shmkv.PoolConfig(
+        num_layers=L,
+        num_kv_heads=H,
+        head_dim=D,
+        num_blocks=64,
+        block_size=BS,
+        dtype=torch.float32,
+        tp_size=2,
+    )
     with shmkv.Coordinator(cfg, name=unique_name) as coord:
         descs, results = SPAWN.Queue(), SPAWN.Queue()
-        rank1 = SPAWN.Process(target=workers.tp_step_rank,
-                              args=(coord.address, 1, 2, descs, results))
+        rank1 = SPAWN.Process(
+            target=workers.tp_step_rank, args=(coord.address, 1, 2, descs, results)
+        )
         rank1.start()
         try:
-            with shmkv.connect(coord.address, tp_rank=0, tp_size=2, timeout=20) as r0, \
-                    shmkv.connect(coord.address, timeout=20) as reader:
+            with (
+                shmkv.connect(coord.address, tp_rank=0, tp_size=2, timeout=20) as r0,
+                shmkv.connect(coord.address, timeout=20) as reader,
+            ):
                 prompt = list(range(8))
                 hs = [r0.allocate(prompt=prompt), r0.allocate(3)]
                 batch = r0.batch(hs)
                 steps = [batch.prefill(start=0), batch.extend([3, 1])]
                 for step in steps:
-                    descs.put(step.descriptor())     # rank 1 rebuilds it: no round trip
+                    descs.put(step.descriptor())  # rank 1 rebuilds it: no round trip
                     ids = step.cache_ids[step.seq_index]
                     for layer in range(L):
                         k = workers.step_value(ids, step.positions, layer, 0, H, D)[:, :2]
@@ -242,9 +272,9 @@ def test_two_tp_ranks_share_one_step(unique_name):
                     assert seq_lens == step.seq_lens.tolist()
                 # rank 1 committed its shard of every step; rank 0 has not: nothing public yet
                 assert reader.allocate(prompt=prompt).num_cached_tokens == 0
-                assert steps[-1].commit() >= 1       # now every rank has: published
+                assert steps[-1].commit() >= 1  # now every rank has: published
                 assert reader.allocate(prompt=prompt).num_cached_tokens == 8
-                for h in hs:                         # a full-head reader sees both shards
+                for h in hs:  # a full-head reader sees both shards
                     whole = reader.open(h.export(10))
                     for layer in range(L):
                         assert torch.equal(whole.key_cache(layer), expected_kv(whole, layer, 0))
@@ -264,7 +294,7 @@ def test_reader_never_sees_a_table_the_coordinator_never_had(coord, client):
     def record():
         info = client.request("info", cache_id=h._cache_id)
         n = info["num_tokens"]
-        states.add((n, tuple(info["blocks"][:-(-n // BS)])))
+        states.add((n, tuple(info["blocks"][: -(-n // BS)])))
 
     record()
     assert q.get(timeout=60) == "reading"
@@ -272,11 +302,11 @@ def test_reader_never_sees_a_table_the_coordinator_never_had(coord, client):
     k = torch.ones(1, H, D)
     while time.monotonic() < deadline:
         if h.num_tokens < 60:
-            h.extend(1)               # append (a new block every BS tokens)
+            h.extend(1)  # append (a new block every BS tokens)
             record()
-        fork = h.fork()               # shares every block
+        fork = h.fork()  # shares every block
         record()
-        h.write(0, k, k)              # copy-on-write replaces the last entry
+        h.write(0, k, k)  # copy-on-write replaces the last entry
         record()
         fork.close()
         record()
@@ -309,29 +339,36 @@ def test_sigkill_of_a_rank_mid_step_leaks_nothing(coord, client):
 
 
 def same_step(got, want):
-    for name in ("slot_mapping", "seq_lens", "block_tables", "positions", "seq_index",
-                 "query_start_loc", "cache_ids"):
+    for name in (
+        "slot_mapping",
+        "seq_lens",
+        "block_tables",
+        "positions",
+        "seq_index",
+        "query_start_loc",
+        "cache_ids",
+    ):
         a, b = getattr(got, name), getattr(want, name)
         assert a.dtype == b.dtype and a.tolist() == b.tolist(), name
     assert got.num_tokens == want.num_tokens
 
 
-@pytest.mark.parametrize("plain_max", [32, 0])   # checked in a loop, or by numpy
+@pytest.mark.parametrize("plain_max", [32, 0])  # checked in a loop, or by numpy
 def test_advance_is_the_next_decode_step_while_the_tables_hold(client, plain_max, monkeypatch):
     monkeypatch.setattr(shmkv.batch, "_PLAIN_MAX_SEQS", plain_max)
-    hs = client.allocate_many([13, 6])            # slots reserved past the steps below
+    hs = client.allocate_many([13, 6])  # slots reserved past the steps below
     batch = client.batch(hs)
     step = batch.prefill(start=[8, 1], num_tokens=1)
     write_step(step)
     for starts in ([9, 2], [10, 3]):
-        step = step.advance()                     # no table read, no round trip
+        step = step.advance()  # no table read, no round trip
         same_step(step, batch.prefill(start=starts, num_tokens=1))
         write_step(step)
-    assert step.advance() is None                 # position 4 of the second opens a block
-    for h, first in zip(hs, [8, 1]):              # the advanced steps wrote their own slots
+    assert step.advance() is None  # position 4 of the second opens a block
+    for h, first in zip(hs, [8, 1]):  # the advanced steps wrote their own slots
         for layer in range(L):
             want = expected_kv(h, layer, 0)
-            assert torch.equal(h.key_cache(layer)[first:first + 3], want[first:first + 3])
+            assert torch.equal(h.key_cache(layer)[first : first + 3], want[first : first + 3])
     # not reserved: the second sequence holds 6 slots
     assert batch.prefill(start=[9, 5], num_tokens=1).advance() is None
     # not a one-token step, or not of a batch
@@ -344,22 +381,30 @@ def test_advance_is_the_next_decode_step_while_the_tables_hold(client, plain_max
     assert step.advance() is None
     fork.close()
     step = batch.prefill(start=[8, 1], num_tokens=1)
-    hs[1].extend(3)                               # 9 tokens: a third block
+    hs[1].extend(3)  # 9 tokens: a third block
     assert step.advance() is None
     step = batch.prefill(start=[8, 1], num_tokens=1)
     advanced = step.advance()
-    hs[1].close()                                 # its row is released: no step after it
+    hs[1].close()  # its row is released: no step after it
     assert step.advance() is None
-    with pytest.raises(shmkv.HandleClosed):       # and a step made before refuses to write
+    with pytest.raises(shmkv.HandleClosed):  # and a step made before refuses to write
         write_step(advanced)
     client.close_many(hs)
 
 
 def test_few_token_writes_of_a_float8_pool_move_bytes(unique_name):
-    cfg = shmkv.PoolConfig(num_layers=L, num_kv_heads=H, head_dim=D, num_blocks=16,
-                           block_size=BS, dtype=torch.float8_e4m3fn)
-    with shmkv.Coordinator(cfg, name=unique_name) as coord, \
-            shmkv.connect(coord.address, timeout=20) as client:
+    cfg = shmkv.PoolConfig(
+        num_layers=L,
+        num_kv_heads=H,
+        head_dim=D,
+        num_blocks=16,
+        block_size=BS,
+        dtype=torch.float8_e4m3fn,
+    )
+    with (
+        shmkv.Coordinator(cfg, name=unique_name) as coord,
+        shmkv.connect(coord.address, timeout=20) as client,
+    ):
         hs = client.allocate_many([3, 5])
         step = client.batch(hs).extend(1)
         raw = torch.randint(0, 256, (2, 2, H, D), dtype=torch.uint8)

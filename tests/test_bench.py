@@ -19,8 +19,23 @@ from shmkv.bench import core
 from shmkv.bench.sections import SECTIONS
 from shmkv.tools.cli import main
 
-EXPECTED = {"data", "attach", "control", "handoff", "scaling", "memory", "batch", "prefix",
-            "attention", "native", "transformers", "tiers", "remote", "metrics", "vllm"}
+EXPECTED = {
+    "data",
+    "attach",
+    "control",
+    "handoff",
+    "scaling",
+    "memory",
+    "batch",
+    "prefix",
+    "attention",
+    "native",
+    "transformers",
+    "tiers",
+    "remote",
+    "metrics",
+    "vllm",
+}
 OTHERS = sorted(EXPECTED - set(SECTIONS))
 
 
@@ -49,7 +64,7 @@ def test_only_name_quick_resolves(name, capsys):
     assert callable(module.main)
     assert out[0].startswith(f"shmkv bench: {name}: python -m {module.__name__}")
     argv = module.cli_args(True, "benchmarks")
-    if "--out" in argv:   # a quick run never replaces the committed result
+    if "--out" in argv:  # a quick run never replaces the committed result
         assert argv[argv.index("--out") + 1].endswith("-quick")
 
 
@@ -57,16 +72,20 @@ def test_sections_run_together_in_their_order(capsys):
     assert main(["bench", "--only", "control", "data", "tiers", "--dry-run"]) == 0
     assert capsys.readouterr().out.splitlines() == [
         "shmkv bench: sections data control",
-        "shmkv bench: tiers: python -m shmkv.bench.tiers"]
+        "shmkv bench: tiers: python -m shmkv.bench.tiers",
+    ]
     assert main(["bench", "--dry-run"]) == 0
     assert capsys.readouterr().out.splitlines() == [f"shmkv bench: sections {' '.join(SECTIONS)}"]
 
 
 def test_suite_options_after_double_dash(capsys):
-    assert main(["bench", "--only", "tiers", "--dry-run", "--", "--only", "ping",
-                 "--spin-us", "150"]) == 0
+    assert (
+        main(["bench", "--only", "tiers", "--dry-run", "--", "--only", "ping", "--spin-us", "150"])
+        == 0
+    )
     assert capsys.readouterr().out.splitlines() == [
-        "shmkv bench: tiers: python -m shmkv.bench.tiers --only ping --spin-us 150"]
+        "shmkv bench: tiers: python -m shmkv.bench.tiers --only ping --spin-us 150"
+    ]
 
 
 @pytest.mark.parametrize("only", [["tiers", "data"], ["tiers", "remote"], ["data"]])
@@ -85,8 +104,7 @@ def test_unknown_suite_is_refused(capsys):
 
 def test_name_and_out_reach_the_suite(capsys, tmp_path):
     out = str(tmp_path / "b")
-    assert main(["bench", "--only", "native", "--name", "mine", "--out", out,
-                 "--dry-run"]) == 0
+    assert main(["bench", "--only", "native", "--name", "mine", "--out", out, "--dry-run"]) == 0
     line = capsys.readouterr().out.strip()
     assert line.endswith(f"--out {os.path.join(out, 'results', 'mine')}")
 
@@ -97,34 +115,52 @@ def test_moved_suites_write_their_committed_names(name, committed):
     full, quick = module.cli_args(False, "benchmarks"), module.cli_args(True, "benchmarks")
     if "--out" in full:
         assert full[full.index("--out") + 1] == os.path.join("benchmarks", "results", committed)
-    assert quick[quick.index("--out") + 1] == os.path.join("benchmarks", "results",
-                                                           f"{committed}-quick")
+    assert quick[quick.index("--out") + 1] == os.path.join(
+        "benchmarks", "results", f"{committed}-quick"
+    )
 
 
 def test_vllm_suite_imports_without_vllm():
     """The suite module and its options need no vLLM: it is imported by the engines'
     processes only (``shmkv bench --list`` and ``--dry-run`` import every suite)."""
-    code = ("import sys; sys.modules['vllm'] = None\n"   # import vllm would raise
-            "from shmkv.bench import vllm\n"
-            "try:\n    vllm.main(['--help'])\nexcept SystemExit as e:\n"
-            "    assert e.code == 0, e.code\n"
-            "assert vllm.engine_driver().__file__.endswith('vllm_engine.py')\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120)
+    code = (
+        "import sys; sys.modules['vllm'] = None\n"  # import vllm would raise
+        "from shmkv.bench import vllm\n"
+        "try:\n    vllm.main(['--help'])\nexcept SystemExit as e:\n"
+        "    assert e.code == 0, e.code\n"
+        "assert vllm.engine_driver().__file__.endswith('vllm_engine.py')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "--report-only" in proc.stdout
 
 
 def test_vllm_report_from_a_record(tmp_path):
     from shmkv.bench import vllm
-    rows = [{"tokens": n, "recompute": r, "vllm_hit": 0.01, "shmkv_hit": 0.012,
-             "example_hit": 0.05, "shmkv_cached": n - 128, "example_cached": n - 128}
-            for n, r in ((1024, 0.1), (4096, 0.4))]
-    record = {"date": "d", "vllm": "0.32.0", "torch": "t", "cpus": 2, "reps": 2,
-              "model": {"layers": 4, "kv_heads": 2, "head_dim": 64,
-                        "kv_bytes_per_token": 4096},
-              "engine_startup_s": 30.0, "ttft": rows,
-              "throughput_tokens_per_s": {"plain": 1000.0, "shmkv": 980.0}}
+
+    rows = [
+        {
+            "tokens": n,
+            "recompute": r,
+            "vllm_hit": 0.01,
+            "shmkv_hit": 0.012,
+            "example_hit": 0.05,
+            "shmkv_cached": n - 128,
+            "example_cached": n - 128,
+        }
+        for n, r in ((1024, 0.1), (4096, 0.4))
+    ]
+    record = {
+        "date": "d",
+        "vllm": "0.32.0",
+        "torch": "t",
+        "cpus": 2,
+        "reps": 2,
+        "model": {"layers": 4, "kv_heads": 2, "head_dim": 64, "kv_bytes_per_token": 4096},
+        "engine_startup_s": 30.0,
+        "ttft": rows,
+        "throughput_tokens_per_s": {"plain": 1000.0, "shmkv": 980.0},
+    }
     base = tmp_path / "results" / "vllm-x"
     base.parent.mkdir()
     base.with_suffix(".json").write_text(json.dumps(record))
@@ -138,8 +174,10 @@ def test_vllm_report_from_a_record(tmp_path):
 
 def test_metrics_summary_is_paired_medians():
     from shmkv.bench import metrics
-    runs = [{"ratio_p99": r, "control_ratio_p99": c}
-            for r, c in ((1.0, 0.9), (1.3, 1.1), (1.1, 1.0))]
+
+    runs = [
+        {"ratio_p99": r, "control_ratio_p99": c} for r, c in ((1.0, 0.9), (1.3, 1.1), (1.1, 1.0))
+    ]
     s = metrics.summarise(runs)
     assert (s["median_ratio_p99"], s["min_ratio_p99"], s["max_ratio_p99"]) == (1.1, 1.0, 1.3)
     assert s["within_bound"] and s["runs_within_bound"] == 2 and s["runs"] == 3
@@ -147,6 +185,7 @@ def test_metrics_summary_is_paired_medians():
 
 
 # -- the shared core -------------------------------------------------------------------------
+
 
 def test_paired_ratio_is_the_median_of_the_rounds_ratios():
     # Per-round ratios 1/3, 2, 1.5: their median is 1.5; the ratio of medians would be 1.
@@ -159,16 +198,15 @@ def test_paired_ratio_is_the_median_of_the_rounds_ratios():
 
 
 def test_spread():
-    assert core.spread([3.0, 1.0, 2.0, 10.0]) == {"median": 2.5, "min": 1.0, "max": 10.0,
-                                                  "n": 4}
+    assert core.spread([3.0, 1.0, 2.0, 10.0]) == {"median": 2.5, "min": 1.0, "max": 10.0, "n": 4}
     with pytest.raises(ValueError):
         core.spread([])
 
 
 def test_percentiles():
-    values = list(range(100, 0, -1))          # 100 .. 1, unsorted on purpose
-    assert core.p99(values) == 100            # index int(0.99 * 100) = 99 of the sorted
-    assert core.p99(list(range(10))) == 9     # under 100 values: the largest
+    values = list(range(100, 0, -1))  # 100 .. 1, unsorted on purpose
+    assert core.p99(values) == 100  # index int(0.99 * 100) = 99 of the sorted
+    assert core.p99(list(range(10))) == 9  # under 100 values: the largest
     assert core.percentile(values, 50) == 50  # nearest rank
     assert core.percentile(values, 99) == 99
     assert core.median([5, 1, 3]) == 3
@@ -180,8 +218,9 @@ def test_interleaved_times_every_function_in_every_round():
     def count(name):
         calls[name] += 1
 
-    times = core.interleaved({"a": lambda: count("a"), "b": lambda: count("b")}, repeats=4,
-                             warmup=2)
+    times = core.interleaved(
+        {"a": lambda: count("a"), "b": lambda: count("b")}, repeats=4, warmup=2
+    )
     assert calls == {"a": 6, "b": 6}
     assert {k: len(v) for k, v in times.items()} == {"a": 4, "b": 4}
     assert all(t >= 0 for v in times.values() for t in v)
@@ -195,7 +234,8 @@ def test_write_results(tmp_path):
     assert base.with_suffix(".md").read_text() == "| a |\n"
     only_json = tmp_path / "other"
     assert core.write_results(str(only_json), {"z": 2}, None, indent=2, sort_keys=True) == [
-        f"{only_json}.json"]
+        f"{only_json}.json"
+    ]
     assert not only_json.with_suffix(".md").exists()
     assert only_json.with_suffix(".json").read_text() == '{\n  "z": 2\n}'
 
@@ -205,14 +245,24 @@ def test_markdown_table_escapes_pipes():
 
 
 def test_format_table_and_targets():
-    figures = [core.Figure("data", "write_all", 9.5, "GB/s", 10.0, "copy", 0.95, ">= 0.7", True),
-               core.Figure("control", "rate", 600000.0, "blocks/s", target=">= 500000",
-                           met=True, target_of="value"),
-               core.Figure("control", "p50", 43.0, "us", 23.0, "echo", 1.87, "<= 1.5", False)]
+    figures = [
+        core.Figure("data", "write_all", 9.5, "GB/s", 10.0, "copy", 0.95, ">= 0.7", True),
+        core.Figure(
+            "control", "rate", 600000.0, "blocks/s", target=">= 500000", met=True, target_of="value"
+        ),
+        core.Figure("control", "p50", 43.0, "us", 23.0, "echo", 1.87, "<= 1.5", False),
+    ]
     rows = core.table_rows(figures)
     assert rows[0] == ["section", "figure", "value", "baseline", "ratio", "target", "met?"]
-    assert rows[1] == ["data", "write_all", "9.50 GB/s", "10.00 GB/s (copy)", "0.95", ">= 0.7",
-                       "yes"]
+    assert rows[1] == [
+        "data",
+        "write_all",
+        "9.50 GB/s",
+        "10.00 GB/s (copy)",
+        "0.95",
+        ">= 0.7",
+        "yes",
+    ]
     assert rows[2][5] == ">= 500,000 blocks/s"
     assert rows[3][6] == "NO"
     text = core.format_table(figures).splitlines()
@@ -224,6 +274,5 @@ def test_result_paths_follow_out_dir(monkeypatch, tmp_path):
     monkeypatch.setattr(core, "OUT_DIR", str(tmp_path))
     assert core.result_base("tiers") == os.path.join(str(tmp_path), "results", "tiers")
     assert core.plot_path("x-context") == os.path.join(str(tmp_path), "plots", "x-context.png")
-    assert core.result_base("tiers", "elsewhere") == os.path.join("elsewhere", "results",
-                                                                  "tiers")
-    assert os.path.exists(core.trace_path())   # the committed chat trace of the checkout
+    assert core.result_base("tiers", "elsewhere") == os.path.join("elsewhere", "results", "tiers")
+    assert os.path.exists(core.trace_path())  # the committed chat trace of the checkout

@@ -39,20 +39,23 @@ def test_every_flag_of_every_subcommand_has_help_with_its_default():
         assert "(default:" in text or name == "bench", name
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["serve", "--pool-size", "8X"], "is not a size"),
-    (["serve", "--pool-size", "8G", "--num-blocks", "4"], "not allowed with"),
-    (["serve", "--metrics-port", "70000"], "port must lie in"),
-    (["serve", "--metrics-port", "http"], "is not an integer"),
-    (["serve", "--log-level", "loud"], "is not one of"),
-    (["serve", "--dtype", "float4"], "unsupported dtype"),
-    (["serve", "--num-blocks", "0"], "must be at least 1"),
-    (["serve", "--pool-size", "1K"], "holds no block"),
-    (["stats", "--watch", "0"], "must be greater than 0"),
-    (["stats", "--count", "-1"], "must be 0 or more"),
-    (["--log-level", "verbose", "stats"], "is not one of"),
-    (["serve", "--no-such-flag"], "unrecognized arguments"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["serve", "--pool-size", "8X"], "is not a size"),
+        (["serve", "--pool-size", "8G", "--num-blocks", "4"], "not allowed with"),
+        (["serve", "--metrics-port", "70000"], "port must lie in"),
+        (["serve", "--metrics-port", "http"], "is not an integer"),
+        (["serve", "--log-level", "loud"], "is not one of"),
+        (["serve", "--dtype", "float4"], "unsupported dtype"),
+        (["serve", "--num-blocks", "0"], "must be at least 1"),
+        (["serve", "--pool-size", "1K"], "holds no block"),
+        (["stats", "--watch", "0"], "must be greater than 0"),
+        (["stats", "--count", "-1"], "must be 0 or more"),
+        (["--log-level", "verbose", "stats"], "is not one of"),
+        (["serve", "--no-such-flag"], "unrecognized arguments"),
+    ],
+)
 def test_bad_flags_are_refused_before_anything_starts(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(argv)
@@ -64,7 +67,7 @@ def test_pool_size_is_an_alternative_to_num_blocks():
     parser = cli.build_parser()
     args = parser.parse_args(["serve", "--pool-size", "8M", "--dtype", "fp8"])
     cfg = cli._config(args)
-    block = 4 * 2 * 16 * 8 * 64 * 1                    # layers, K/V, tokens, heads, dim, bytes
+    block = 4 * 2 * 16 * 8 * 64 * 1  # layers, K/V, tokens, heads, dim, bytes
     assert cfg.dtype == "float8_e4m3fn" and cfg.num_blocks == (8 << 20) // block
     assert cli._config(parser.parse_args(["serve"])).num_blocks == 1024
     assert cli._config(parser.parse_args(["serve", "--num-blocks", "7"])).num_blocks == 7
@@ -81,6 +84,7 @@ def _line_reader(stream) -> "queue.Queue":
         for line in stream:
             lines.put(line)
         lines.put("")
+
     threading.Thread(target=pump, daemon=True).start()
     return lines
 
@@ -88,9 +92,28 @@ def _line_reader(stream) -> "queue.Queue":
 def test_serve_serves_metrics_and_logs_connections(tmp_path):
     address = str(tmp_path / "serve.sock")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "shmkv", "serve", "--address", address, "--num-blocks", "16",
-         "--num-layers", "1", "--head-dim", "8", "--metrics-port", "0", "--dtype", "int8"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "shmkv",
+            "serve",
+            "--address",
+            address,
+            "--num-blocks",
+            "16",
+            "--num-layers",
+            "1",
+            "--head-dim",
+            "8",
+            "--metrics-port",
+            "0",
+            "--dtype",
+            "int8",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         lines, errors, url = _line_reader(proc.stdout), _line_reader(proc.stderr), None
         while url is None:
@@ -120,21 +143,23 @@ def test_serve_serves_metrics_and_logs_connections(tmp_path):
             proc.kill()
             proc.wait(timeout=10)
     assert "stopped" in out
-    assert "INFO shmkv.coordinator: connection 1 from pid" in err     # --log-level info
+    assert "INFO shmkv.coordinator: connection 1 from pid" in err  # --log-level info
     assert "dropped: closed by the client" in err
     assert not os.path.exists(address)
 
 
 def test_stats_watch_shows_a_live_view(coord, client, capsys):
     client.allocate(6)
-    args = cli.build_parser().parse_args(["stats", "--address", coord.address, "--watch",
-                                          "0.05", "--count", "3"])
+    args = cli.build_parser().parse_args(
+        ["stats", "--address", coord.address, "--watch", "0.05", "--count", "3"]
+    )
     assert cli.cmd_stats(args) == 0
     out = capsys.readouterr().out
     assert out.count("shmkv coordinator") == 3
     assert "referenced of 64" in out and "requests" in out
-    args = cli.build_parser().parse_args(["stats", "--address", coord.address, "--watch",
-                                          "--count", "2", "--json"])
+    args = cli.build_parser().parse_args(
+        ["stats", "--address", coord.address, "--watch", "--count", "2", "--json"]
+    )
     assert args.watch == 1.0
     args.watch = 0.05
     assert cli.cmd_stats(args) == 0
@@ -143,11 +168,25 @@ def test_stats_watch_shows_a_live_view(coord, client, capsys):
 
 
 def test_demo_output_carries_no_third_party_warnings():
-    out = subprocess.run([sys.executable, "-m", "shmkv", "demo", "--prompts", "3", "--workers",
-                          "1", "--decode-steps", "1"], capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shmkv",
+            "demo",
+            "--prompts",
+            "3",
+            "--workers",
+            "1",
+            "--decode-steps",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
-    assert out.stderr == "", out.stderr                 # no warnings, no progress bar (a pipe)
+    assert out.stderr == "", out.stderr  # no warnings, no progress bar (a pipe)
     assert "warn" not in out.stdout.lower() and "numpy" not in out.stdout.lower()
     assert "nothing left in /dev/shm" in out.stdout
 
@@ -155,10 +194,28 @@ def test_demo_output_carries_no_third_party_warnings():
 def _stress(tmp_path, *flags) -> dict:
     """Run a short ``shmkv stress`` with ``flags``; its JSON report (it must pass)."""
     report = tmp_path / "stress.json"
-    out = subprocess.run([sys.executable, "-m", "shmkv", "stress", "--workers", "2",
-                          "--num-blocks", "48", "--block-size", "4", "--quiet",
-                          "--json", str(report), *flags],
-                         capture_output=True, text=True, timeout=300, check=False)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shmkv",
+            "stress",
+            "--workers",
+            "2",
+            "--num-blocks",
+            "48",
+            "--block-size",
+            "4",
+            "--quiet",
+            "--json",
+            str(report),
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     result = json.loads(report.read_text())
     assert result["passed"] and result["corrupted_reads"] == 0, out.stdout
@@ -178,7 +235,7 @@ def test_stress_with_tiers_promotes_demotes_and_reports_zeros(tmp_path):
     assert tiers["host"]["promotions"] + tiers["disk"]["promotions"] > 0
     check = result["prefix_checks"]["tiers, the pool evicted"]
     assert check["prefixes"] == 24 and check["hit_tokens"] > 0 and check["corrupted"] == 0
-    assert os.listdir(tmp_path / "tier" / "blocks")   # --tier-dir is kept
+    assert os.listdir(tmp_path / "tier" / "blocks")  # --tier-dir is kept
 
 
 def test_stress_with_a_killed_coordinator_restarts_on_its_tiers(tmp_path):
@@ -187,7 +244,7 @@ def test_stress_with_a_killed_coordinator_restarts_on_its_tiers(tmp_path):
     kill = result["coordinator_kill"]
     assert kill["restart"] == "ok" and not kill["workers_missing"]
     check = result["prefix_checks"]["restarted coordinator's tiers"]
-    assert check["hit_tokens"] > 0 and check["corrupted"] == 0   # from the disk
+    assert check["hit_tokens"] > 0 and check["corrupted"] == 0  # from the disk
 
 
 def test_stress_with_a_redis_store_reads_it_back_from_a_second_coordinator(tmp_path):

@@ -35,9 +35,9 @@ def _resolve_base(module: str, is_package: bool, level: int, target: Optional[st
         return target or ""
     parts = module.split(".")
     if not is_package:
-        parts = parts[:-1]          # a module's dot is its package
+        parts = parts[:-1]  # a module's dot is its package
     if level > 1:
-        parts = parts[:len(parts) - (level - 1)]
+        parts = parts[: len(parts) - (level - 1)]
     return ".".join(parts + ([target] if target else []))
 
 
@@ -65,7 +65,7 @@ def imports_of(module: str, path: Path, modules: Dict[str, Path]) -> Set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = _resolve_base(module, is_package, node.level, node.module)
             out |= _with_packages(base, module, modules)
-            for alias in node.names:             # "from . import protocol" names a module
+            for alias in node.names:  # "from . import protocol" names a module
                 sub = f"{base}.{alias.name}" if base else alias.name
                 if sub in modules:
                     out.add(sub)
@@ -152,7 +152,7 @@ def test_resolves_relative_and_absolute_imports(tmp_path):
     assert graph["pkg"] == {"pkg.a"}
     assert graph["pkg.a"] == {"pkg.b"}
     assert graph["pkg.b"] == {"pkg.sub", "pkg.sub.c"}
-    assert graph["pkg.sub.c"] == {"pkg.d", "pkg.e"}       # its own package is loaded first
+    assert graph["pkg.sub.c"] == {"pkg.d", "pkg.e"}  # its own package is loaded first
     assert graph["pkg.e"] == {"pkg.sub", "pkg.sub.c"}
     cycles = find_cycles(graph)
     assert len(cycles) == 1
@@ -169,4 +169,5 @@ def test_no_import_cycles():
     assert "shmkv.coordinator" in graph and graph["shmkv.coordinator"], "no graph built"
     cycles = find_cycles(graph)
     assert not cycles, "import cycles in shmkv/:\n" + "\n".join(
-        "  " + " -> ".join(cycle) for cycle in cycles)
+        "  " + " -> ".join(cycle) for cycle in cycles
+    )

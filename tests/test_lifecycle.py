@@ -37,6 +37,7 @@ def kill_and_reap(pid: int) -> None:
 
 # -- child processes ---------------------------------------------------------------------
 
+
 def hold_then_watch_stop(address, served, stopped, results):
     """Hold a sequence; extend it once after the parent forked; after the parent's
     stop, report how long ``is_valid()`` took to turn False and what the next request
@@ -66,11 +67,13 @@ def hold_then_watch_stop(address, served, stopped, results):
 
 # -- defects 1 and 2: a fork of the coordinator's process ------------------------------------
 
+
 def test_stop_reaches_workers_while_a_forked_child_lives(small_config, unique_name):
     coord = shmkv.Coordinator(small_config, name=unique_name).start()
     served, stopped, results = SPAWN.Event(), SPAWN.Event(), SPAWN.Queue()
-    worker = SPAWN.Process(target=hold_then_watch_stop,
-                           args=(coord.address, served, stopped, results))
+    worker = SPAWN.Process(
+        target=hold_then_watch_stop, args=(coord.address, served, stopped, results)
+    )
     worker.start()
     child = None
     try:
@@ -113,6 +116,7 @@ def test_stopped_name_is_free_while_a_forked_child_lives(small_config, unique_na
 
 # -- defect 3: the test session looks only at what it made -----------------------------------
 
+
 @pytest.fixture(scope="module")
 def outlives_tests():
     """Things a test starts on purpose to outlive it (another user of shmkv on this
@@ -144,15 +148,18 @@ def test_runtime_dir_honours_SHMKV_RUNTIME_DIR(tmp_path, monkeypatch):
             runtime_dir()
 
 
-def test_leak_checks_ignore_other_coordinators_on_the_machine(small_config, monkeypatch,
-                                                              outlives_tests):
+def test_leak_checks_ignore_other_coordinators_on_the_machine(
+    small_config, monkeypatch, outlives_tests
+):
     coordinators, files = outlives_tests
     with monkeypatch.context() as m:  # where a shmkv user outside this test run puts sockets
         m.delenv("SHMKV_RUNTIME_DIR")
         elsewhere = runtime_dir()
     assert elsewhere != conftest.RUNTIME_DIR
-    other = shmkv.Coordinator(small_config, address=os.path.join(
-        elsewhere, f"other-{os.getpid()}-{secrets.token_hex(4)}.sock"))
+    other = shmkv.Coordinator(
+        small_config,
+        address=os.path.join(elsewhere, f"other-{os.getpid()}-{secrets.token_hex(4)}.sock"),
+    )
     coordinators.append(other)
     other.start()  # still serving when this test's leak check runs
     assert os.path.basename(other.address) not in conftest.socket_files()
@@ -175,38 +182,42 @@ def test_leak_checks_ignore_other_coordinators_on_the_machine(small_config, monk
 
 # -- defect 4: command-line arguments ------------------------------------------------------
 
-@pytest.mark.parametrize("argv, message", [
-    (["demo", "--prompts", "0"], "--prompts: must be at least 1, got 0"),
-    (["demo", "--workers", "0"], "--workers: must be at least 1, got 0"),
-    (["demo", "--decode-steps", "-1"], "--decode-steps: must be 0 or more, got -1"),
-    (["demo", "--prompts", "two"], "--prompts: 'two' is not an integer"),
-    (["demo", "--dtype", "int4"], "--dtype: unsupported dtype 'int4'"),
-    (["demo", "--model", "huge"], "--model: invalid choice"),
-    (["serve", "--num-blocks", "0"], "--num-blocks: must be at least 1"),
-    (["serve", "--block-size", "-4"], "--block-size: must be at least 1"),
-    (["serve", "--max-connections", "0"], "--max-connections: must be at least 1"),
-    (["serve", "--tp-size", "0"], "--tp-size: must be at least 1"),
-    (["serve", "--spin-us", "-1"], "--spin-us: must lie in [0, 10000]"),
-    (["serve", "--spin-us", "20000"], "--spin-us: must lie in [0, 10000]"),
-    (["serve", "--device", "tpu"], "--device: unsupported device 'tpu'"),
-    (["serve", "--name", "a/b"], "--name: 'a/b' must be 1-64 characters"),
-    (["serve", "--address", "/tmp/" + "x" * 120], "longer than the 107 bytes"),
-    (["serve", "--num-kv-heads", "6", "--tp-size", "4"], "not divisible by tp_size=4"),
-    (["stats", "--timeout", "0"], "--timeout: must be greater than 0"),
-    (["stats", "--timeout", "nan"], "--timeout: 'nan' is not a finite number"),
-    (["stress", "--workers", "0"], "--workers: must be at least 1"),
-    (["stress", "--duration", "-1"], "--duration: must be greater than 0"),
-    (["stress", "--ops", "0"], "--ops: must be at least 1"),
-    (["stress", "--kill-rate", "-0.5"], "--kill-rate: must be 0 or more"),
-    (["stress", "--kill-coordinator-at", "1.5"], "--kill-coordinator-at: must lie in [0, 1]"),
-    (["stress", "--gone-deadline", "0"], "--gone-deadline: must be greater than 0"),
-    (["stress", "--max-seqs", "0"], "--max-seqs: must be at least 1"),
-    (["stress", "--handoff-ttl", "inf"], "--handoff-ttl: 'inf' is not a finite number"),
-    (["stress", "--json", ""], "--json: path must not be empty"),
-    (["bench", "--repeats", "0"], "--repeats: must be at least 1"),
-    (["bench", "--threads", "-1"], "--threads: must be 0 or more"),
-    (["bench", "--name", ".hidden"], "--name: '.hidden' must be 1-64 characters"),
-])
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["demo", "--prompts", "0"], "--prompts: must be at least 1, got 0"),
+        (["demo", "--workers", "0"], "--workers: must be at least 1, got 0"),
+        (["demo", "--decode-steps", "-1"], "--decode-steps: must be 0 or more, got -1"),
+        (["demo", "--prompts", "two"], "--prompts: 'two' is not an integer"),
+        (["demo", "--dtype", "int4"], "--dtype: unsupported dtype 'int4'"),
+        (["demo", "--model", "huge"], "--model: invalid choice"),
+        (["serve", "--num-blocks", "0"], "--num-blocks: must be at least 1"),
+        (["serve", "--block-size", "-4"], "--block-size: must be at least 1"),
+        (["serve", "--max-connections", "0"], "--max-connections: must be at least 1"),
+        (["serve", "--tp-size", "0"], "--tp-size: must be at least 1"),
+        (["serve", "--spin-us", "-1"], "--spin-us: must lie in [0, 10000]"),
+        (["serve", "--spin-us", "20000"], "--spin-us: must lie in [0, 10000]"),
+        (["serve", "--device", "tpu"], "--device: unsupported device 'tpu'"),
+        (["serve", "--name", "a/b"], "--name: 'a/b' must be 1-64 characters"),
+        (["serve", "--address", "/tmp/" + "x" * 120], "longer than the 107 bytes"),
+        (["serve", "--num-kv-heads", "6", "--tp-size", "4"], "not divisible by tp_size=4"),
+        (["stats", "--timeout", "0"], "--timeout: must be greater than 0"),
+        (["stats", "--timeout", "nan"], "--timeout: 'nan' is not a finite number"),
+        (["stress", "--workers", "0"], "--workers: must be at least 1"),
+        (["stress", "--duration", "-1"], "--duration: must be greater than 0"),
+        (["stress", "--ops", "0"], "--ops: must be at least 1"),
+        (["stress", "--kill-rate", "-0.5"], "--kill-rate: must be 0 or more"),
+        (["stress", "--kill-coordinator-at", "1.5"], "--kill-coordinator-at: must lie in [0, 1]"),
+        (["stress", "--gone-deadline", "0"], "--gone-deadline: must be greater than 0"),
+        (["stress", "--max-seqs", "0"], "--max-seqs: must be at least 1"),
+        (["stress", "--handoff-ttl", "inf"], "--handoff-ttl: 'inf' is not a finite number"),
+        (["stress", "--json", ""], "--json: path must not be empty"),
+        (["bench", "--repeats", "0"], "--repeats: must be at least 1"),
+        (["bench", "--threads", "-1"], "--threads: must be 0 or more"),
+        (["bench", "--name", ".hidden"], "--name: '.hidden' must be 1-64 characters"),
+    ],
+)
 def test_cli_rejects_bad_arguments_with_usage_and_status_2(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
         cli.main(argv)
@@ -227,12 +238,13 @@ def test_serve_forever_after_stop_returns_and_leaves_nothing(small_config, uniqu
     """A stop that lands before the loop begins (a spawned coordinator whose parent died
     at once) ends it: the loop neither opens the pool again nor serves a closed socket."""
     import threading
+
     coord = shmkv.Coordinator(small_config, name=unique_name)
     coord.open()
     coord.stop()
     assert not os.path.exists(coord.address)
     opened = []
-    coord.open = lambda: opened.append(1)   # the pool must not be made again
+    coord.open = lambda: opened.append(1)  # the pool must not be made again
     thread = threading.Thread(target=coord.serve_forever, daemon=True)
     thread.start()
     thread.join(10)
@@ -243,20 +255,22 @@ def test_serve_forever_after_stop_returns_and_leaves_nothing(small_config, uniqu
 
 
 def test_a_stop_from_a_signal_handler_while_the_loop_decides_does_not_deadlock(
-        small_config, unique_name):
+    small_config, unique_name
+):
     """stop() runs in a signal handler on the loop's own thread (shmkv serve): a signal
     landing while serve_forever holds the close lock must not wait for that lock."""
     import threading
+
     coord = shmkv.Coordinator(small_config, name=unique_name)
     coord.open()
 
-    class SignalInside:   # the close lock, with a "signal" (stop()) arriving inside it
+    class SignalInside:  # the close lock, with a "signal" (stop()) arriving inside it
         def __init__(self, lock):
             self.lock, self.fired = lock, False
 
         def __enter__(self):
             self.lock.acquire()
-            if not self.fired:   # the loop's own entry, the first
+            if not self.fired:  # the loop's own entry, the first
                 self.fired = True
                 coord.stop()
 

@@ -17,9 +17,16 @@ L, H, D, BS = 2, 4, 8, 4
 
 @pytest.fixture
 def cfg():
-    return shmkv.PoolConfig(num_layers=L, num_kv_heads=H, head_dim=D, num_blocks=64,
-                            block_size=BS, dtype=torch.float32, max_sequences=16,
-                            max_seq_len=10)
+    return shmkv.PoolConfig(
+        num_layers=L,
+        num_kv_heads=H,
+        head_dim=D,
+        num_blocks=64,
+        block_size=BS,
+        dtype=torch.float32,
+        max_sequences=16,
+        max_seq_len=10,
+    )
 
 
 @pytest.fixture
@@ -42,26 +49,37 @@ def snapshot(coord, client):
     """The coordinator's counts, with its invariants checked."""
     coord.table.check_invariants()
     stats = client.stats()
-    return {k: stats[k] for k in ("free_blocks", "cached_blocks", "referenced_blocks",
-                                  "sequences")}, coord.table.tables.num_free
+    return {
+        k: stats[k] for k in ("free_blocks", "cached_blocks", "referenced_blocks", "sequences")
+    }, coord.table.tables.num_free
 
 
 # -- a step rebuilt elsewhere, after its sequence closed (26.3) -----------------------------
 
+
 def test_a_descriptor_step_never_writes_into_a_block_its_closed_sequence_gave_up(unique_name):
-    cfg = shmkv.PoolConfig(num_layers=L, num_kv_heads=H, head_dim=D, num_blocks=16,
-                           block_size=BS, dtype=torch.float32, tp_size=2)
-    with shmkv.Coordinator(cfg, name=unique_name) as coord, \
-            shmkv.connect(coord.address, tp_rank=0, tp_size=2, timeout=20) as r0, \
-            shmkv.connect(coord.address, tp_rank=1, tp_size=2, timeout=20) as r1, \
-            shmkv.connect(coord.address, timeout=20) as reader:
+    cfg = shmkv.PoolConfig(
+        num_layers=L,
+        num_kv_heads=H,
+        head_dim=D,
+        num_blocks=16,
+        block_size=BS,
+        dtype=torch.float32,
+        tp_size=2,
+    )
+    with (
+        shmkv.Coordinator(cfg, name=unique_name) as coord,
+        shmkv.connect(coord.address, tp_rank=0, tp_size=2, timeout=20) as r0,
+        shmkv.connect(coord.address, tp_rank=1, tp_size=2, timeout=20) as r1,
+        shmkv.connect(coord.address, timeout=20) as reader,
+    ):
         h = r0.allocate(0)
         step = r0.batch([h]).extend(4)
-        stale = r1.step_from(step.descriptor())      # rank 1's copy of the step
+        stale = r1.step_from(step.descriptor())  # rank 1's copy of the step
         stale.write(0, kv(4, 1.0, 2), kv(4, 1.0, 2))  # fine while the sequence lives
         block = h.block_table.physical_blocks[0]
         h.close()
-        h2 = r0.allocate(4)                          # takes the block back
+        h2 = r0.allocate(4)  # takes the block back
         assert h2.block_table.physical_blocks[0] == block
         h2.write(0, kv(4, 7.0, 2), kv(4, 7.0, 2), start=0)
         with pytest.raises(shmkv.StaleStep, match="closed"):
@@ -83,14 +101,15 @@ def test_a_descriptor_whose_uniform_count_disagrees_is_refused(client):
         header.pack_into(desc, 0, magic, version, uniform, instance, num)
         with pytest.raises(shmkv.InvalidArgument, match="malformed step descriptor"):
             client.step_from(bytes(desc))
-    body = np.frombuffer(bytes(desc[header.size:]), dtype="<i8").copy().reshape(4, num)
-    body[3, 0] = 2**62                                # a count past any sequence
+    body = np.frombuffer(bytes(desc[header.size :]), dtype="<i8").copy().reshape(4, num)
+    body[3, 0] = 2**62  # a count past any sequence
     header.pack_into(desc, 0, magic, version, -1, instance, num)
     with pytest.raises(shmkv.InvalidArgument, match="out of range"):
-        client.step_from(bytes(desc[:header.size]) + body.tobytes())
+        client.step_from(bytes(desc[: header.size]) + body.tobytes())
 
 
 # -- counts at the int64 edges, max_seq_len exactly (26.5, 26.6, 26.15) ---------------------
+
 
 def test_counts_at_the_int64_edges_are_refused_and_change_nothing(coord, client):
     h = client.allocate(2)
@@ -101,14 +120,21 @@ def test_counts_at_the_int64_edges_are_refused_and_change_nothing(coord, client)
             batch.extend(count)
         with pytest.raises(shmkv.LimitExceeded, match="max_seq_len"):
             batch.extend([count])
-    too_long = (shmkv.LimitExceeded, shmkv.PoolExhausted)   # past max_seq_len, past the pool
-    for count in (2**63 - 1, 2**62, 9):               # straight to the coordinator
+    too_long = (shmkv.LimitExceeded, shmkv.PoolExhausted)  # past max_seq_len, past the pool
+    for count in (2**63 - 1, 2**62, 9):  # straight to the coordinator
         with pytest.raises(too_long, match="max_seq_len|whole pool"):
-            client.request("extend_batch", ids=protocol.pack_i64s([h._cache_id]), count=count,
-                           slots=protocol.pack_i64s([h._slot]))
+            client.request(
+                "extend_batch",
+                ids=protocol.pack_i64s([h._cache_id]),
+                count=count,
+                slots=protocol.pack_i64s([h._slot]),
+            )
         with pytest.raises(too_long, match="max_seq_len|whole pool"):
-            client.request("extend_batch", ids=protocol.pack_i64s([h._cache_id]),
-                           counts=protocol.pack_i64s([count]))
+            client.request(
+                "extend_batch",
+                ids=protocol.pack_i64s([h._cache_id]),
+                counts=protocol.pack_i64s([count]),
+            )
         with pytest.raises(too_long, match="max_seq_len|whole pool"):
             client.request("extend_many", items=[[h._cache_id, count]])
         with pytest.raises((shmkv.LimitExceeded, shmkv.PoolExhausted)):
@@ -118,13 +144,13 @@ def test_counts_at_the_int64_edges_are_refused_and_change_nothing(coord, client)
     with pytest.raises(shmkv.InvalidArgument, match="k_scale"):
         client.set_kv_scales(0, 10**400, 1)
     assert snapshot(coord, client) == before
-    batch.extend(1).write(0, kv(1, 1.0), kv(1, 1.0))   # the batch still steps
+    batch.extend(1).write(0, kv(1, 1.0), kv(1, 1.0))  # the batch still steps
     assert h.num_tokens == 3
 
 
 def test_allocate_many_at_the_int64_edge_keeps_every_table_slot(coord, client):
     before = snapshot(coord, client)
-    for _ in range(6):                                # max_sequences=16: would run out
+    for _ in range(6):  # max_sequences=16: would run out
         with pytest.raises(shmkv.PoolExhausted, match="whole pool"):
             client.request("allocate_many", counts=protocol.pack_i64s([2**63 - 1, 1]))
         with pytest.raises(shmkv.LimitExceeded, match="max_seq_len"):
@@ -134,7 +160,7 @@ def test_allocate_many_at_the_int64_edge_keeps_every_table_slot(coord, client):
         with pytest.raises(shmkv.LimitExceeded, match="max_seq_len"):
             client.allocate_many([2**64, 1])
     assert snapshot(coord, client) == before
-    handles = client.allocate_many([1] * 16)            # every slot is still there
+    handles = client.allocate_many([1] * 16)  # every slot is still there
     client.close_many(handles)
 
 
@@ -142,8 +168,11 @@ def test_max_seq_len_is_enforced_in_tokens_not_whole_blocks(coord, client):
     # max_seq_len=10, block_size=4: the last block has room for 12, but only 10 are allowed
     h = client.allocate(10)
     before = snapshot(coord, client)
-    for grow in (lambda: h.extend(1), lambda: client.batch([h]).extend(1),
-                 lambda: client.batch([h]).extend([2])):
+    for grow in (
+        lambda: h.extend(1),
+        lambda: client.batch([h]).extend(1),
+        lambda: client.batch([h]).extend([2]),
+    ):
         with pytest.raises(shmkv.LimitExceeded, match="max_seq_len"):
             grow()
     for n in (11, 12):
@@ -167,14 +196,32 @@ def test_max_seq_len_is_enforced_in_tokens_not_whole_blocks(coord, client):
 
 # -- frames past the limit (26.7) -------------------------------------------------------------
 
-def test_an_oversized_request_is_split_or_refused_and_the_connection_stays(small_config,
-                                                                           unique_name):
-    cfg = shmkv.PoolConfig(num_layers=1, num_kv_heads=1, head_dim=8, num_blocks=2048,
-                           block_size=16, dtype=torch.float32, max_seq_len=4096)
-    cfg = shmkv.PoolConfig(num_layers=1, num_kv_heads=1, head_dim=8, num_blocks=8192,
-                           block_size=16, dtype=torch.float32, max_seq_len=4096)
-    with shmkv.Coordinator(cfg, name=unique_name, max_frame=64 << 10) as coord, \
-            shmkv.connect(coord.address, timeout=20) as client:
+
+def test_an_oversized_request_is_split_or_refused_and_the_connection_stays(
+    small_config, unique_name
+):
+    cfg = shmkv.PoolConfig(
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=8,
+        num_blocks=2048,
+        block_size=16,
+        dtype=torch.float32,
+        max_seq_len=4096,
+    )
+    cfg = shmkv.PoolConfig(
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=8,
+        num_blocks=8192,
+        block_size=16,
+        dtype=torch.float32,
+        max_seq_len=4096,
+    )
+    with (
+        shmkv.Coordinator(cfg, name=unique_name, max_frame=64 << 10) as coord,
+        shmkv.connect(coord.address, timeout=20) as client,
+    ):
         assert client.max_frame == 64 << 10
         running = client.allocate(prompt=list(range(32)))
         # 24 prompts of 4,000 tokens: over 700 KiB packed, so the client splits them
@@ -185,8 +232,9 @@ def test_an_oversized_request_is_split_or_refused_and_the_connection_stays(small
         # too many for the pool across the parts: all or none still
         free = client.stats()["free_blocks"]
         with pytest.raises(shmkv.PoolExhausted):
-            client.allocate_many([{"prompt": [i * 10_000 + t for t in range(4000)]}
-                                  for i in range(40)])
+            client.allocate_many(
+                [{"prompt": [i * 10_000 + t for t in range(4000)]} for i in range(40)]
+            )
         assert client.stats()["free_blocks"] == free
         # one request that cannot be split: refused before it is sent
         with pytest.raises(shmkv.LimitExceeded, match="maximum frame"):
@@ -201,7 +249,7 @@ def test_an_oversized_request_is_split_or_refused_and_the_connection_stays(small
                     answer = protocol.parse_response(obj)
         assert answer.request_id == 77 and answer.code == 4
         assert "exceeds the maximum" in answer.message
-        client.ping()                                  # still connected, sequences alive
+        client.ping()  # still connected, sequences alive
         assert running.is_valid() and running.num_tokens == 32
         assert client.stats()["sequences"] == 1
 
@@ -211,8 +259,8 @@ def test_decoder_skips_an_oversized_body_without_buffering_it():
     big = msgpack.packb([9, "allocate", {"prompt": b"x" * 5000}])
     frames = struct.pack(">I", len(big)) + big + protocol.encode_request(10, "ping")
     got = []
-    for i in range(0, len(frames), 700):              # in pieces, as a socket gives them
-        got += list(decoder.feed(frames[i:i + 700]))
+    for i in range(0, len(frames), 700):  # in pieces, as a socket gives them
+        got += list(decoder.feed(frames[i : i + 700]))
         assert decoder.buffered < 1024
     assert isinstance(got[0], protocol.OversizedFrame)
     assert (got[0].request_id, got[0].length) == (9, len(big))
@@ -223,11 +271,11 @@ def test_an_oversized_frame_whose_header_arrives_alone_keeps_its_request_id():
     decoder = protocol.FrameDecoder(max_frame=1024)
     big = msgpack.packb([2**62, "allocate", {"prompt": b"x" * 5000}])
     frames = struct.pack(">I", len(big)) + big + protocol.encode_request(10, "ping")
-    got = list(decoder.feed(frames[:4]))                # the length prefix alone
-    got += list(decoder.feed(frames[4:7]))              # then 3 bytes: the id is not whole
+    got = list(decoder.feed(frames[:4]))  # the length prefix alone
+    got += list(decoder.feed(frames[4:7]))  # then 3 bytes: the id is not whole
     assert got == []
     for i in range(7, len(frames), 5):
-        got += list(decoder.feed(frames[i:i + 5]))
+        got += list(decoder.feed(frames[i : i + 5]))
         assert decoder.buffered < 1024
     assert isinstance(got[0], protocol.OversizedFrame)
     assert (got[0].request_id, got[0].length) == (2**62, len(big))
@@ -236,6 +284,7 @@ def test_an_oversized_frame_whose_header_arrives_alone_keeps_its_request_id():
 
 # -- requests queued behind a promotion (26.11) -----------------------------------------------
 
+
 def test_requests_held_behind_a_promotion_are_bounded_in_bytes(cfg, unique_name, monkeypatch):
     import os
     import selectors
@@ -243,11 +292,19 @@ def test_requests_held_behind_a_promotion_are_bounded_in_bytes(cfg, unique_name,
     import time
 
     from shmkv import connections as connections
+
     monkeypatch.setattr(connections, "MAX_HELD_BYTES", 8192)
-    cfg = shmkv.PoolConfig(num_layers=L, num_kv_heads=H, head_dim=D, num_blocks=256,
-                           block_size=BS, dtype=torch.float32, max_sequences=16)
+    cfg = shmkv.PoolConfig(
+        num_layers=L,
+        num_kv_heads=H,
+        head_dim=D,
+        num_blocks=256,
+        block_size=BS,
+        dtype=torch.float32,
+        max_sequences=16,
+    )
     coord = shmkv.Coordinator(cfg, name=unique_name)
-    coord.open()                                       # served by hand below: no thread
+    coord.open()  # served by hand below: no thread
     selector = selectors.DefaultSelector()
     mine, theirs = socket.socketpair()
     try:
@@ -257,10 +314,12 @@ def test_requests_held_behind_a_promotion_are_bounded_in_bytes(cfg, unique_name,
         coord._conns[7] = conn
         coord.table.add_connection(7)
         selector.register(mine, selectors.EVENT_READ, conn)
-        conn.held = []                                 # as while its promotion is copied in
+        conn.held = []  # as while its promotion is copied in
         prompt = protocol.pack_i64s(list(range(400)))  # 3.2 KB a request
-        frames = [protocol.encode_request(100 + i, "allocate", {
-            "num_tokens": 0, "prompt": prompt}) for i in range(4)]
+        frames = [
+            protocol.encode_request(100 + i, "allocate", {"num_tokens": 0, "prompt": prompt})
+            for i in range(4)
+        ]
         theirs.sendall(b"".join(frames) + protocol.encode_request(200, "ping"))
         deadline = time.monotonic() + 10
         while len(conn.held) < 5:
@@ -271,15 +330,20 @@ def test_requests_held_behind_a_promotion_are_bounded_in_bytes(cfg, unique_name,
         assert kinds == ["list", "list", "_Refused", "_Refused", "list"], kinds
         assert "the limit is 8192" in str(conn.held[2][0].error)
         assert conn.held_bytes == sum(size for _, size in conn.held)
-        coord._answer_held(conn)                       # the wait ends: answered in order
+        coord._answer_held(conn)  # the wait ends: answered in order
         coord._flush(conn, selector)
         decoder, answers = protocol.FrameDecoder(), []
         theirs.settimeout(5)
         while len(answers) < 5:
             answers += [protocol.parse_response(o) for o in decoder.feed(theirs.recv(1 << 16))]
         assert [(a.request_id, a.code) for a in answers] == [
-            (100, 0), (101, 0), (102, 9), (103, 9), (200, 0)]
-        assert 7 in coord._conns                       # the connection stays
+            (100, 0),
+            (101, 0),
+            (102, 9),
+            (103, 9),
+            (200, 0),
+        ]
+        assert 7 in coord._conns  # the connection stays
         assert coord.table.num_sequences == 2
         coord.table.check_invariants()
     finally:
@@ -288,8 +352,7 @@ def test_requests_held_behind_a_promotion_are_bounded_in_bytes(cfg, unique_name,
         coord.close()
 
 
-def test_requests_held_again_behind_a_second_promotion_count_again(cfg, unique_name,
-                                                                      monkeypatch):
+def test_requests_held_again_behind_a_second_promotion_count_again(cfg, unique_name, monkeypatch):
     """A held request that itself waits for a tier holds the rest once more: their bytes
     stay counted, so what arrives meanwhile is bounded by the same MAX_HELD_BYTES."""
     import os
@@ -298,6 +361,7 @@ def test_requests_held_again_behind_a_second_promotion_count_again(cfg, unique_n
     import time
 
     from shmkv import connections as connections
+
     monkeypatch.setattr(connections, "MAX_HELD_BYTES", 8192)
     coord = shmkv.Coordinator(cfg, name=unique_name)
     coord.open()
@@ -312,29 +376,38 @@ def test_requests_held_again_behind_a_second_promotion_count_again(cfg, unique_n
         selector.register(mine, selectors.EVENT_READ, conn)
         conn.held = []
         prompt = protocol.pack_i64s(list(range(400)))  # 3.2 KB a request
-        theirs.sendall(b"".join(protocol.encode_request(100 + i, "allocate", {
-            "num_tokens": 0, "prompt": prompt}) for i in range(2)))
+        theirs.sendall(
+            b"".join(
+                protocol.encode_request(100 + i, "allocate", {"num_tokens": 0, "prompt": prompt})
+                for i in range(2)
+            )
+        )
         deadline = time.monotonic() + 10
         while len(conn.held) < 2:
             assert time.monotonic() < deadline
             coord._on_readable(conn, selector)
         handle = coord._handle
 
-        def waits_again(c, obj):                       # request 100 waits for a tier too
+        def waits_again(c, obj):  # request 100 waits for a tier too
             handle(c, obj)
             if protocol.request_id_of(obj) == 100:
                 c.held = []
+
         monkeypatch.setattr(coord, "_handle", waits_again)
         coord._answer_held(conn)
         assert [protocol.request_id_of(obj) for obj, _ in conn.held] == [101]
-        assert conn.held_bytes == conn.held[0][1] > 3000   # still counted
-        theirs.sendall(b"".join(protocol.encode_request(102 + i, "allocate", {
-            "num_tokens": 0, "prompt": prompt}) for i in range(2)))
+        assert conn.held_bytes == conn.held[0][1] > 3000  # still counted
+        theirs.sendall(
+            b"".join(
+                protocol.encode_request(102 + i, "allocate", {"num_tokens": 0, "prompt": prompt})
+                for i in range(2)
+            )
+        )
         while len(conn.held) < 3:
             assert time.monotonic() < deadline
             coord._on_readable(conn, selector)
         kinds = [type(obj).__name__ for obj, _ in conn.held]
-        assert kinds == ["list", "list", "_Refused"], kinds   # 3 x 3.2 KB > 8 KiB
+        assert kinds == ["list", "list", "_Refused"], kinds  # 3 x 3.2 KB > 8 KiB
         assert conn.held_bytes <= 8192
     finally:
         selector.close()
@@ -344,14 +417,16 @@ def test_requests_held_again_behind_a_second_promotion_count_again(cfg, unique_n
 
 # -- memory ordering off x86 (26.17): the round-trip fallback -----------------------------------
 
+
 def test_tables_are_read_lock_free_only_where_loads_and_stores_keep_their_order(monkeypatch):
     from shmkv.tables import lock_free_reads
+
     monkeypatch.delenv("SHMKV_TABLE_READS", raising=False)
     assert lock_free_reads("x86_64") and lock_free_reads("AMD64")
     for machine in ("aarch64", "arm64", "ppc64le", "riscv64", "s390x"):
         assert not lock_free_reads(machine)
     monkeypatch.setenv("SHMKV_TABLE_READS", "shared")
-    assert not lock_free_reads("aarch64")             # never off x86
+    assert not lock_free_reads("aarch64")  # never off x86
     monkeypatch.setenv("SHMKV_TABLE_READS", "round-trip")
     assert not lock_free_reads("x86_64")
 
@@ -364,9 +439,8 @@ def test_the_round_trip_fallback_reads_what_the_shared_tables_hold(coord, monkey
             assert not slow.lock_free and fast.lock_free
             hs = [slow.allocate(prompt=[1, 2, 3, 4, 5]), slow.allocate(3)]
             batch = slow.batch(hs)
-            steps = [batch.prefill(start=0), batch.extend([1, 2]), batch.extend(1),
-                     batch.extend(1)]
-            assert steps[-1].advance() is None        # no lock-free shortcut
+            steps = [batch.prefill(start=0), batch.extend([1, 2]), batch.extend(1), batch.extend(1)]
+            assert steps[-1].advance() is None  # no lock-free shortcut
             for step in steps:
                 ids = step.cache_ids[step.seq_index].to(torch.float32)
                 for layer in range(L):
@@ -395,14 +469,23 @@ def test_the_round_trip_fallback_reads_what_the_shared_tables_hold(coord, monkey
 
 
 def test_a_rank_connection_commits_only_its_own_shard_per_handle_too(unique_name):
-    cfg = shmkv.PoolConfig(num_layers=L, num_kv_heads=H, head_dim=D, num_blocks=16,
-                           block_size=BS, dtype=torch.float32, tp_size=2)
-    with shmkv.Coordinator(cfg, name=unique_name) as coord, \
-            shmkv.connect(coord.address, tp_rank=0, tp_size=2, timeout=20) as r0, \
-            shmkv.connect(coord.address, timeout=20) as reader:
+    cfg = shmkv.PoolConfig(
+        num_layers=L,
+        num_kv_heads=H,
+        head_dim=D,
+        num_blocks=16,
+        block_size=BS,
+        dtype=torch.float32,
+        tp_size=2,
+    )
+    with (
+        shmkv.Coordinator(cfg, name=unique_name) as coord,
+        shmkv.connect(coord.address, tp_rank=0, tp_size=2, timeout=20) as r0,
+        shmkv.connect(coord.address, timeout=20) as reader,
+    ):
         h = r0.allocate(prompt=list(range(8)))
-        for rank in (1, None):   # another rank's shard, or every rank's at once
+        for rank in (1, None):  # another rank's shard, or every rank's at once
             with pytest.raises(shmkv.InvalidArgument, match="commits only its own shard"):
                 r0.request("commit", cache_id=h._cache_id, num_tokens=8, tp_rank=rank)
-        assert h.commit() == 0                        # its own: rank 1 has not committed
+        assert h.commit() == 0  # its own: rank 1 has not committed
         assert reader.allocate(prompt=list(range(8))).num_cached_tokens == 0

@@ -49,8 +49,9 @@ def settle(coord, connections: int) -> None:
 
 
 def test_metrics_follow_real_traffic(unique_name):
-    cfg = shmkv.PoolConfig(num_layers=2, num_kv_heads=2, head_dim=4, num_blocks=8,
-                           block_size=4, dtype=torch.float32)
+    cfg = shmkv.PoolConfig(
+        num_layers=2, num_kv_heads=2, head_dim=4, num_blocks=8, block_size=4, dtype=torch.float32
+    )
     with shmkv.Coordinator(cfg, name=unique_name, metrics_port=0, max_connections=2) as coord:
         m = scrape(coord)
         assert blocks(m, "free") == 8 and blocks(m, "cached") == 0
@@ -61,7 +62,7 @@ def test_metrics_follow_real_traffic(unique_name):
         assert value(m, "shmkv_connections_total", event="accepted") == 0
 
         with shmkv.connect(coord.address, timeout=10) as client:
-            prompt = list(range(12))                      # three full blocks
+            prompt = list(range(12))  # three full blocks
             h = client.allocate(prompt=prompt)
             h.commit()
             m = scrape(coord)
@@ -76,12 +77,12 @@ def test_metrics_follow_real_traffic(unique_name):
             assert value(m, "shmkv_prefix_hit_tokens_total") == 12
             assert value(m, "shmkv_prefix_miss_tokens_total") == 13
 
-            branch = h.fork()                              # copy on write
+            branch = h.fork()  # copy on write
             branch.write(0, torch.ones(1, 2, 4), torch.ones(1, 2, 4), start=11)
             m = scrape(coord)
             assert value(m, "shmkv_cow_copies_total") == 1
 
-            token = branch.export(ttl=30)                  # a hand-off
+            token = branch.export(ttl=30)  # a hand-off
             assert value(scrape(coord), "shmkv_handoffs_outstanding") == 1
             client.open(token).close()
             m = scrape(coord)
@@ -89,11 +90,11 @@ def test_metrics_follow_real_traffic(unique_name):
             assert value(m, "shmkv_handoffs_total", event="opened") == 1
             assert value(m, "shmkv_handoffs_outstanding") == 0
 
-            for handle in (branch, again, h):              # cached, then evicted
+            for handle in (branch, again, h):  # cached, then evicted
                 handle.close()
             m = scrape(coord)
             assert blocks(m, "cached") == 3 and blocks(m, "referenced") == 0
-            client.allocate(8 * 4).close()                # needs every block
+            client.allocate(8 * 4).close()  # needs every block
             m = scrape(coord)
             assert value(m, "shmkv_evictions_total") == 3
             assert blocks(m, "free") == 8
@@ -115,7 +116,7 @@ def test_metrics_follow_real_traffic(unique_name):
             m = scrape(coord)
             for op, num in ops.items():
                 got = value(m, "shmkv_ops_total", op=op)
-                assert got >= num                           # stats itself came after
+                assert got >= num  # stats itself came after
                 count = value(m, "shmkv_request_duration_seconds_count", op=op)
                 inf = value(m, "shmkv_request_duration_seconds_bucket", op=op, le="+Inf")
                 assert count == inf == got
@@ -128,13 +129,14 @@ def test_metrics_follow_real_traffic(unique_name):
         assert value(m, "shmkv_connections_total", event="closed") == 2
         assert blocks(m, "free") + blocks(m, "cached") == 8
     with pytest.raises(OSError):  # stopped with the coordinator
-        urllib.request.urlopen(f"http://127.0.0.1:{coord.metrics_address[1]}/metrics",
-                               timeout=2)
+        urllib.request.urlopen(f"http://127.0.0.1:{coord.metrics_address[1]}/metrics", timeout=2)
 
 
 def _hit_and_miss(m: dict, client: str) -> tuple:
-    return (m.get(("shmkv_client_prefix_hit_tokens_total", (("client", client),))),
-            m.get(("shmkv_client_prefix_miss_tokens_total", (("client", client),))))
+    return (
+        m.get(("shmkv_client_prefix_hit_tokens_total", (("client", client),))),
+        m.get(("shmkv_client_prefix_miss_tokens_total", (("client", client),))),
+    )
 
 
 def test_prefix_hits_are_counted_per_client_name(unique_name, tmp_path):
@@ -142,33 +144,41 @@ def test_prefix_hits_are_counted_per_client_name(unique_name, tmp_path):
     missed under that name (unnamed ones together), summing to the pool's counts, and
     keeps them after it disconnects. A promotion that ends early moves its tokens from
     the asking client's hits to its misses."""
-    cfg = shmkv.PoolConfig(num_layers=1, num_kv_heads=1, head_dim=4, num_blocks=32,
-                           block_size=4, dtype=torch.float32)
-    prompt = list(range(16))                              # four full blocks
-    with shmkv.Coordinator(cfg, name=unique_name, metrics_port=0,
-                           tiers=[shmkv.DiskTier(str(tmp_path / "disk"), 1 << 20)]) as coord:
-        with shmkv.connect(coord.address, name="engine-a", timeout=10) as a, \
-                shmkv.connect(coord.address, name="engine-b", timeout=10) as b, \
-                shmkv.connect(coord.address, name="engine-b", timeout=10) as b2, \
-                shmkv.connect(coord.address, timeout=10) as anon:
+    cfg = shmkv.PoolConfig(
+        num_layers=1, num_kv_heads=1, head_dim=4, num_blocks=32, block_size=4, dtype=torch.float32
+    )
+    prompt = list(range(16))  # four full blocks
+    with shmkv.Coordinator(
+        cfg,
+        name=unique_name,
+        metrics_port=0,
+        tiers=[shmkv.DiskTier(str(tmp_path / "disk"), 1 << 20)],
+    ) as coord:
+        with (
+            shmkv.connect(coord.address, name="engine-a", timeout=10) as a,
+            shmkv.connect(coord.address, name="engine-b", timeout=10) as b,
+            shmkv.connect(coord.address, name="engine-b", timeout=10) as b2,
+            shmkv.connect(coord.address, timeout=10) as anon,
+        ):
             h = a.allocate(prompt=prompt)
             h.write(0, torch.ones(16, 1, 4), torch.ones(16, 1, 4))
             h.commit()
-            b.allocate(prompt=prompt + [7]).close()        # 16 hit, 1 missed
-            b2.allocate(prompt=prompt[:8]).close()         # 8 hit, same name
+            b.allocate(prompt=prompt + [7]).close()  # 16 hit, 1 missed
+            b2.allocate(prompt=prompt[:8]).close()  # 8 hit, same name
             anon.allocate(prompt=[50, 51, 52, 53]).close()  # 4 missed
-            anon.allocate(8).close()                       # no prompt: not counted
+            anon.allocate(8).close()  # no prompt: not counted
             m = scrape(coord)
             assert _hit_and_miss(m, "engine-a") == (0, 16)
             assert _hit_and_miss(m, "engine-b") == (24, 1)
             assert _hit_and_miss(m, "unnamed") == (0, 4)
             for i, kind in enumerate(("hit", "miss")):
                 total = value(m, f"shmkv_prefix_{kind}_tokens_total")
-                assert total == sum(v[i] for v in (_hit_and_miss(m, c) for c in
-                                                   ("engine-a", "engine-b", "unnamed")))
+                assert total == sum(
+                    v[i] for v in (_hit_and_miss(m, c) for c in ("engine-a", "engine-b", "unnamed"))
+                )
             h.close()
         settle(coord, 0)
-        assert _hit_and_miss(scrape(coord), "engine-b") == (24, 1)   # kept past the close
+        assert _hit_and_miss(scrape(coord), "engine-b") == (24, 1)  # kept past the close
         with pytest.raises(shmkv.InvalidArgument, match="client name"):
             shmkv.connect(coord.address, name="a b", timeout=10)
         with pytest.raises(shmkv.InvalidArgument, match="client name"):
@@ -178,9 +188,10 @@ def test_prefix_hits_are_counted_per_client_name(unique_name, tmp_path):
         # the promotion ends after two blocks and engine-c's hit shrinks to 8 tokens
         with shmkv.connect(coord.address, timeout=10) as filler:
             wait_tiers(filler)
-            filler.allocate(32 * 4).close()                # evicts every cached block
+            filler.allocate(32 * 4).close()  # evicts every cached block
             wait_tiers(filler)
         from shmkv import hashing
+
         key = hashing.block_keys(prompt, 4, hashing.root_key())[2]
         path = tmp_path / "disk" / "blocks" / (key.hex() + ".kv")
         data = bytearray(path.read_bytes())
@@ -211,8 +222,9 @@ def test_a_busy_metrics_port_is_a_clear_error(small_config, unique_name):
     busy.bind(("127.0.0.1", 0))
     busy.listen(1)
     try:
-        coord = shmkv.Coordinator(small_config, name=unique_name,
-                                  metrics_port=busy.getsockname()[1])
+        coord = shmkv.Coordinator(
+            small_config, name=unique_name, metrics_port=busy.getsockname()[1]
+        )
         with pytest.raises(shmkv.ShmkvError, match="metrics"):
             coord.start()
         coord.stop()
@@ -224,8 +236,9 @@ def test_a_busy_metrics_port_is_a_clear_error(small_config, unique_name):
 
 def test_connects_drops_refusals_and_limits_are_logged(small_config, unique_name, caplog):
     caplog.set_level(logging.DEBUG, logger="shmkv")
-    with shmkv.Coordinator(small_config, name=unique_name, max_connections=2,
-                           max_handoffs=1) as coord:
+    with shmkv.Coordinator(
+        small_config, name=unique_name, max_connections=2, max_handoffs=1
+    ) as coord:
         with shmkv.connect(coord.address, timeout=10) as client:
             h = client.allocate(4)
             h.export(ttl=30)
@@ -234,11 +247,11 @@ def test_connects_drops_refusals_and_limits_are_logged(small_config, unique_name
             raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # a peer speaking nonsense
             raw.settimeout(10)
             raw.connect(coord.address)
-            raw.sendall(b"\x00\x00\x00\x01\xc1")              # 0xc1 is never valid msgpack
-            while raw.recv(4096):                                # the error frame, then EOF:
-                pass                                             # the coordinator dropped it
+            raw.sendall(b"\x00\x00\x00\x01\xc1")  # 0xc1 is never valid msgpack
+            while raw.recv(4096):  # the error frame, then EOF:
+                pass  # the coordinator dropped it
             raw.close()
-            with shmkv.connect(coord.address, timeout=10):       # the second of two allowed
+            with shmkv.connect(coord.address, timeout=10):  # the second of two allowed
                 with pytest.raises(shmkv.LimitExceeded):
                     shmkv.connect(coord.address, timeout=10)
         settle(coord, 0)
@@ -251,8 +264,9 @@ def test_connects_drops_refusals_and_limits_are_logged(small_config, unique_name
     assert at(logging.INFO, "connection 1 from pid"), text
     assert at(logging.WARNING, "limit hit", "hand-offs outstanding"), text
     assert at(logging.WARNING, "refused pid", "max_connections=2"), text
-    assert at(logging.INFO, "connection 1", "dropped: closed by the client",
-              "references released"), text
+    assert at(
+        logging.INFO, "connection 1", "dropped: closed by the client", "references released"
+    ), text
     assert at(logging.WARNING, "dropped: protocol error"), text
 
 
@@ -274,21 +288,25 @@ def test_the_library_prints_nothing_by_itself(tmp_path):
                 except shmkv.PoolExhausted:
                     pass
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout == "" and out.stderr == "", (out.stdout, out.stderr)
 
 
 # -- the endpoint is bounded -----------------------------------------------------------------
 
+
 def parse(text: str) -> dict:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
-def test_idle_connections_make_no_threads_and_a_scrape_still_succeeds(small_config,
-                                                                     unique_name):
+def test_idle_connections_make_no_threads_and_a_scrape_still_succeeds(small_config, unique_name):
     with shmkv.Coordinator(small_config, name=unique_name, metrics_port=0) as coord:
         host, port = coord.metrics_address
         scrape(coord)
@@ -298,12 +316,12 @@ def test_idle_connections_make_no_threads_and_a_scrape_still_succeeds(small_conf
             for _ in range(300):
                 sock = socket.create_connection((host, port), timeout=10)
                 idle.append(sock)
-            assert threading.active_count() <= threads          # no thread per connection
-            m = scrape(coord)                                   # a real scrape gets through
+            assert threading.active_count() <= threads  # no thread per connection
+            m = scrape(coord)  # a real scrape gets through
             assert blocks(m, "free") == small_config.num_blocks
             assert threading.active_count() <= threads
             idle[0].settimeout(10)
-            assert idle[0].recv(1) == b""                       # the oldest were closed
+            assert idle[0].recv(1) == b""  # the oldest were closed
         finally:
             for sock in idle:
                 sock.close()
@@ -312,17 +330,18 @@ def test_idle_connections_make_no_threads_and_a_scrape_still_succeeds(small_conf
 
 def test_an_idle_connection_is_closed_after_its_timeout(small_config, unique_name):
     from shmkv.metrics import MetricsServer
+
     with shmkv.Coordinator(small_config, name=unique_name) as coord:
         server = MetricsServer(coord, 0, timeout=0.3)
         try:
             sock = socket.create_connection(server.address, timeout=10)
-            sock.sendall(b"GET /metr")                          # never finished
-            assert sock.recv(1) == b""                          # closed, not held forever
+            sock.sendall(b"GET /metr")  # never finished
+            assert sock.recv(1) == b""  # closed, not held forever
             sock.close()
             with urllib.request.urlopen(server.url, timeout=10) as response:
                 assert b"shmkv_pool_blocks" in response.read()
             raw = socket.create_connection(server.address, timeout=10)
-            raw.sendall(b"GET /" + b"x" * 10000)                # a head past 8 KiB
+            raw.sendall(b"GET /" + b"x" * 10000)  # a head past 8 KiB
             assert raw.recv(64).startswith(b"HTTP/1.1 431")
             raw.close()
         finally:
@@ -359,8 +378,9 @@ def test_a_client_dropping_early_prints_nothing(tmp_path):
             with urllib.request.urlopen(url, timeout=10) as response:
                 assert b"shmkv_pool_blocks" in response.read()
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout == "" and out.stderr == "", (out.stdout, out.stderr)
 
@@ -368,16 +388,22 @@ def test_a_client_dropping_early_prints_nothing(tmp_path):
 @pytest.mark.parametrize("host", ["", "0.0.0.0"])
 def test_a_bind_beyond_loopback_is_logged(small_config, unique_name, caplog, host):
     caplog.set_level(logging.WARNING, logger="shmkv")
-    with shmkv.Coordinator(small_config, name=unique_name, metrics_port=0,
-                           metrics_host=host) as coord:
+    with shmkv.Coordinator(
+        small_config, name=unique_name, metrics_port=0, metrics_host=host
+    ) as coord:
         assert coord.metrics_address[0] == "0.0.0.0"
-        with urllib.request.urlopen(f"http://127.0.0.1:{coord.metrics_address[1]}/metrics",
-                                    timeout=10) as response:
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{coord.metrics_address[1]}/metrics", timeout=10
+        ) as response:
             assert response.status == 200
-    warnings = [r.getMessage() for r in caplog.records
-                if r.levelno == logging.WARNING and r.name.startswith("shmkv")]
-    assert any("every interface" in w and "reachable from other machines" in w
-               for w in warnings), warnings
+    warnings = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and r.name.startswith("shmkv")
+    ]
+    assert any("every interface" in w and "reachable from other machines" in w for w in warnings), (
+        warnings
+    )
 
 
 def test_a_loopback_bind_logs_no_warning(small_config, unique_name, caplog):
@@ -391,6 +417,7 @@ def test_the_collector_gives_the_endpoints_series(small_config, unique_name):
     from prometheus_client import CollectorRegistry, generate_latest
 
     from shmkv.metrics import CoordinatorCollector
+
     with shmkv.Coordinator(small_config, name=unique_name, metrics_port=0) as coord:
         with shmkv.connect(coord.address, timeout=10) as client:
             client.allocate(prompt=list(range(8))).close()
@@ -401,12 +428,14 @@ def test_the_collector_gives_the_endpoints_series(small_config, unique_name):
             collected = parse(generate_latest(registry).decode())
     uptime = ("shmkv_uptime_seconds", ())
     assert served.pop(uptime) > 0 and collected.pop(uptime) > 0
-    assert collected == served        # (a scrape is no request: nothing moved between)
+    assert collected == served  # (a scrape is no request: nothing moved between)
 
 
 def test_scrapes_close_together_share_a_render_and_are_never_stale(small_config, unique_name):
-    with shmkv.Coordinator(small_config, name=unique_name, metrics_port=0) as coord, \
-            shmkv.connect(coord.address, timeout=10) as client:
+    with (
+        shmkv.Coordinator(small_config, name=unique_name, metrics_port=0) as coord,
+        shmkv.connect(coord.address, timeout=10) as client,
+    ):
         socks = [socket.create_connection(coord.metrics_address, timeout=10) for _ in range(5)]
         for sock in socks:
             sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -416,7 +445,7 @@ def test_scrapes_close_together_share_a_render_and_are_never_stale(small_config,
                 data += chunk
             sock.close()
             assert data.startswith(b"HTTP/1.1 200") and b"shmkv_pool_blocks" in data
-        for expected in range(1, 6):          # each answer is rendered after its request
+        for expected in range(1, 6):  # each answer is rendered after its request
             client.ping()
             assert value(scrape(coord), "shmkv_ops_total", op="ping") == expected
         head = socket.create_connection(coord.metrics_address, timeout=10)
@@ -436,13 +465,22 @@ def test_every_series_is_documented_in_operations(small_config, unique_name, tmp
     import re
 
     from shmkv.metrics import families
+
     doc = (pathlib.Path(__file__).parent.parent / "docs" / "operations.md").read_text()
-    table = {name for row in doc.splitlines() if row.startswith("| `shmkv_")
-             for name in re.findall(r"`(shmkv_\w+)`", row.split("|")[1])}
-    with shmkv.Coordinator(small_config, name=unique_name,
-                           tiers=[shmkv.HostTier(1 << 20),
-                                  shmkv.DiskTier(str(tmp_path), 1 << 20)]) as coord:
-        given = {name + ("_total" if kind == "counter" else "")
-                 for name, kind, _doc, _samples in families(coord)}
+    table = {
+        name
+        for row in doc.splitlines()
+        if row.startswith("| `shmkv_")
+        for name in re.findall(r"`(shmkv_\w+)`", row.split("|")[1])
+    }
+    with shmkv.Coordinator(
+        small_config,
+        name=unique_name,
+        tiers=[shmkv.HostTier(1 << 20), shmkv.DiskTier(str(tmp_path), 1 << 20)],
+    ) as coord:
+        given = {
+            name + ("_total" if kind == "counter" else "")
+            for name, kind, _doc, _samples in families(coord)
+        }
     assert given - table == set(), "not documented"
     assert table - given == set(), "documented but not exported"

@@ -42,10 +42,9 @@ def reference(q, k_pages, v_pages, table, lens, scale=None):
         blocks = -(-n // k_pages.shape[1])
         k = k_pages[table[b, :blocks].long()].reshape(-1, kv_heads, dim)[:n].double()
         v = v_pages[table[b, :blocks].long()].reshape(-1, kv_heads, dim)[:n].double()
-        k = k.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)   # [heads, n, dim]
+        k = k.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)  # [heads, n, dim]
         v = v.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
-        out[b] = F.scaled_dot_product_attention(q[b].double()[:, None], k, v,
-                                                scale=scale)[:, 0]
+        out[b] = F.scaled_dot_product_attention(q[b].double()[:, None], k, v, scale=scale)[:, 0]
     return out
 
 
@@ -53,9 +52,8 @@ def batch(lens, heads, kv_heads, dim, block_size, seed=0, layers=3):
     gen = torch.Generator().manual_seed(seed + 100)
     per_row = max(-(-n // block_size) for n in lens) + 1
     num_blocks = len(lens) * per_row + 5
-    k_pages, v_pages = pool_pages(num_blocks, layers, block_size, kv_heads, dim, layer=1,
-                                  seed=seed)
-    table = torch.randperm(num_blocks, generator=gen)[:len(lens) * per_row]
+    k_pages, v_pages = pool_pages(num_blocks, layers, block_size, kv_heads, dim, layer=1, seed=seed)
+    table = torch.randperm(num_blocks, generator=gen)[: len(lens) * per_row]
     table = table.view(len(lens), per_row).to(torch.int32)
     q = torch.randn(len(lens), heads, dim, generator=gen)
     return q, k_pages, v_pages, table
@@ -89,8 +87,11 @@ def test_the_kernel_builds_and_loads_here():
 
 # bfloat16 and float16: K/V and queries rounded to them, the result rounded to them
 # (one part in 256, one in 2048).
-TOLERANCES = {torch.float32: TOLERANCE, torch.bfloat16: dict(rtol=1e-2, atol=1e-2),
-              torch.float16: dict(rtol=1e-3, atol=1e-3)}
+TOLERANCES = {
+    torch.float32: TOLERANCE,
+    torch.bfloat16: dict(rtol=1e-2, atol=1e-2),
+    torch.float16: dict(rtol=1e-3, atol=1e-3),
+}
 
 
 @needs_cc
@@ -99,15 +100,16 @@ TOLERANCES = {torch.float32: TOLERANCE, torch.bfloat16: dict(rtol=1e-2, atol=1e-
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 def test_decode_matches_reference_without_sdpa(dim, group, dtype, monkeypatch):
     kv_heads = 2
-    lens = [1, 37, 16, 64, 5, 100]     # one key, partial and whole last blocks
+    lens = [1, 37, 16, 64, 5, 100]  # one key, partial and whole last blocks
     q, k_pages, v_pages, table = batch(lens, kv_heads * group, kv_heads, dim, 16, seed=dim)
     q, k_pages, v_pages = q.to(dtype), k_pages.to(dtype), v_pages.to(dtype)
     calls = sdpa_calls(monkeypatch)
     got = paged_attention(q, k_pages, v_pages, table, lens)
-    assert not calls                                  # the kernel, not SDPA
+    assert not calls  # the kernel, not SDPA
     assert got.dtype == dtype
-    torch.testing.assert_close(got.double(), reference(q, k_pages, v_pages, table, lens),
-                               **TOLERANCES[dtype])
+    torch.testing.assert_close(
+        got.double(), reference(q, k_pages, v_pages, table, lens), **TOLERANCES[dtype]
+    )
 
 
 @needs_cc
@@ -116,9 +118,9 @@ def test_block_sizes_scale_and_the_torch_path_agree(block_size, monkeypatch):
     lens = [3, 70, 33]
     q, k_pages, v_pages, table = batch(lens, 8, 2, 32, block_size, seed=block_size)
     got = paged_attention(q, k_pages, v_pages, table, lens, scale=0.3)
-    torch.testing.assert_close(got.double(),
-                               reference(q, k_pages, v_pages, table, lens, scale=0.3),
-                               **TOLERANCE)
+    torch.testing.assert_close(
+        got.double(), reference(q, k_pages, v_pages, table, lens, scale=0.3), **TOLERANCE
+    )
     monkeypatch.setattr(native, "decoder", lambda: None)
     calls = sdpa_calls(monkeypatch)
     torch_path = paged_attention(q, k_pages, v_pages, table, lens, scale=0.3)
@@ -139,8 +141,9 @@ def test_packed_decodes_beside_a_prefill(monkeypatch):
     got = paged_attention(q, k_pages, v_pages, table, lens, query_start_loc=locs)
     assert [args[1].shape[0] for args in ran] == [2]  # the two decode rows, in one call
     monkeypatch.setattr(native, "decoder", lambda: None)
-    torch.testing.assert_close(got, paged_attention(q, k_pages, v_pages, table, lens,
-                                                    query_start_loc=locs), **TOLERANCE)
+    torch.testing.assert_close(
+        got, paged_attention(q, k_pages, v_pages, table, lens, query_start_loc=locs), **TOLERANCE
+    )
 
 
 @needs_cc
@@ -155,16 +158,20 @@ def test_rows_split_over_threads_give_the_same_result(monkeypatch):
         torch.set_num_threads(3)
         kernel, spans = native.decoder()[torch.float32], []
         # the kernel's calls, each a span of rows (its 9th argument: how many)
-        monkeypatch.setattr(native, "decoder", lambda: {
-            torch.float32: lambda *args: spans.append(args[8]) or kernel(*args)})
+        monkeypatch.setattr(
+            native,
+            "decoder",
+            lambda: {torch.float32: lambda *args: spans.append(args[8]) or kernel(*args)},
+        )
         split = paged_attention(q, k_pages, v_pages, plan=plan)
     finally:
         torch.set_num_threads(threads)
     # three threads, about as many keys each: rows 0-1 (3500 keys), 2 (1999), 3 (700)
     assert sorted(spans) == [1, 1, 2]
     assert torch.equal(one, split)
-    torch.testing.assert_close(one.double(), reference(q, k_pages, v_pages, table, lens),
-                               **TOLERANCE)
+    torch.testing.assert_close(
+        one.double(), reference(q, k_pages, v_pages, table, lens), **TOLERANCE
+    )
 
 
 @needs_cc
@@ -186,7 +193,7 @@ def test_a_bad_page_id_is_an_error_not_a_crash():
 
 @needs_cc
 def test_the_next_decode_steps_plan_reads_one_key_more():
-    lens = [30, 30, 30]                               # room for two more keys in the blocks
+    lens = [30, 30, 30]  # room for two more keys in the blocks
     q, k_pages, v_pages, table = batch(lens, 8, 2, 32, 16, seed=6)
     plan = PagedAttentionPlan(q, k_pages, table, lens)
     for step in range(1, 3):
@@ -195,7 +202,9 @@ def test_the_next_decode_steps_plan_reads_one_key_more():
         longer = [n + step for n in lens]
         torch.testing.assert_close(
             paged_attention(q, k_pages, v_pages, plan=plan).double(),
-            reference(q, k_pages, v_pages, table, longer), **TOLERANCE)
+            reference(q, k_pages, v_pages, table, longer),
+            **TOLERANCE,
+        )
 
 
 @needs_cc
@@ -204,7 +213,7 @@ def test_the_kernels_own_entry_refuses_what_it_cannot_take():
     q, k_pages, v_pages, table = batch([20, 20], 4, 2, 32, 16)
     kernels = native.decoder()
     call = native.paged_decode
-    with pytest.raises(ValueError, match="multiple"):          # 3 query heads over 2
+    with pytest.raises(ValueError, match="multiple"):  # 3 query heads over 2
         call(kernels, torch.randn(2, 3, 32), k_pages, v_pages, table, lens, 0.1)
     with pytest.raises(ValueError, match="not rows x heads"):
         call(kernels, torch.randn(2, 4, 31), k_pages, v_pages, table, lens, 0.1)
@@ -221,8 +230,9 @@ def test_the_kernels_own_entry_refuses_what_it_cannot_take():
     with pytest.raises(ValueError, match="rows"):
         call(kernels, q[:0], k_pages, v_pages, table[:0], lens[:0], 0.1)
     want = reference(q, k_pages, v_pages, table, [20, 20], scale=0.1)
-    torch.testing.assert_close(call(kernels, q, k_pages, v_pages, table, lens, 0.1).double(), want,
-                               **TOLERANCE)
+    torch.testing.assert_close(
+        call(kernels, q, k_pages, v_pages, table, lens, 0.1).double(), want, **TOLERANCE
+    )
 
 
 @needs_cc
@@ -261,12 +271,15 @@ def _kernel_of_values(kernels, v_rows: torch.Tensor, keys: int) -> torch.Tensor:
     table = torch.arange(rows * keys, dtype=torch.int32).reshape(rows, keys)
     q = torch.zeros(rows, 1, 16, dtype=torch.float16)
     lens = torch.full((rows,), keys, dtype=torch.int64)
-    return native.paged_decode(kernels, q, torch.zeros_like(pages), pages, table, lens,
-                               1.0).reshape(-1, 16)
+    return native.paged_decode(
+        kernels, q, torch.zeros_like(pages), pages, table, lens, 1.0
+    ).reshape(-1, 16)
 
 
-F16_BUILDS = {"plain-code conversion": ["-DSHMKV_SOFT_F16"],
-              "F16C without AVX-512": ["-mno-avx512f", "-mavx2", "-mf16c"]}
+F16_BUILDS = {
+    "plain-code conversion": ["-DSHMKV_SOFT_F16"],
+    "F16C without AVX-512": ["-mno-avx512f", "-mavx2", "-mf16c"],
+}
 
 
 @pytest.fixture(params=["as built", *F16_BUILDS])
@@ -280,8 +293,19 @@ def f16_kernels(request, tmp_path):
         pytest.skip("this CPU has no F16C")
     cc = native._compiler()
     obj, lib = str(tmp_path / "f16.o"), str(tmp_path / "f16.so")
-    for command in ([cc, *native.FLAG_SETS[0], *F16_BUILDS[request.param], "-fPIC", "-c",
-                     "-o", obj, native.SOURCE], [cc, "-shared", "-o", lib, obj, "-lm"]):
+    for command in (
+        [
+            cc,
+            *native.FLAG_SETS[0],
+            *F16_BUILDS[request.param],
+            "-fPIC",
+            "-c",
+            "-o",
+            obj,
+            native.SOURCE,
+        ],
+        [cc, "-shared", "-o", lib, obj, "-lm"],
+    ):
         failed = native._run(command)
         assert not failed, failed
     return native.load(lib)
@@ -291,8 +315,8 @@ def f16_kernels(request, tmp_path):
 def test_float16_values_are_read_and_rounded_as_torch_does(f16_kernels):
     bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
     values = bits.view(torch.float16)
-    finite = values[torch.isfinite(values)]            # subnormals and both zeros included
-    finite = finite[:finite.numel() // 16 * 16].reshape(-1, 16)
+    finite = values[torch.isfinite(values)]  # subnormals and both zeros included
+    finite = finite[: finite.numel() // 16 * 16].reshape(-1, 16)
     # One key each: every finite float16 comes back with the same bits (-0 as +0: the
     # sum starts at +0, as float32's does).
     want = (finite.float() + 0.0).half()
@@ -301,7 +325,7 @@ def test_float16_values_are_read_and_rounded_as_torch_does(f16_kernels):
     # Two keys: the float32 mean of two float16 values, often halfway between two of
     # them, rounded as torch rounds it (to nearest, ties to even).
     pairs = finite[torch.randperm(finite.shape[0], generator=torch.Generator().manual_seed(3))]
-    pairs = pairs[:pairs.shape[0] // 2 * 2]
+    pairs = pairs[: pairs.shape[0] // 2 * 2]
     want = ((pairs[0::2].float() + pairs[1::2].float()) * 0.5).half()
     got = _kernel_of_values(f16_kernels, pairs, 2)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
@@ -314,7 +338,7 @@ def test_other_dtypes_and_quantized_pages_take_the_torch_path(monkeypatch):
     got = paged_attention(q.double(), k_pages.double(), v_pages.double(), table, lens)
     assert calls and got.dtype == torch.float64
     assert not native.usable(q.double(), k_pages.double(), v_pages.double())
-    assert not native.usable(q, k_pages.bfloat16(), v_pages.bfloat16())   # mixed dtypes
+    assert not native.usable(q, k_pages.bfloat16(), v_pages.bfloat16())  # mixed dtypes
     calls.clear()
     paged_attention(q, k_pages, v_pages, table, lens, k_scale=2.0, v_scale=0.5)
     assert calls
@@ -323,8 +347,13 @@ def test_other_dtypes_and_quantized_pages_take_the_torch_path(monkeypatch):
 
 
 def _child(env: dict, code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env},
-                          capture_output=True, text=True, timeout=180)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
 
 
 CHILD = """
@@ -370,7 +399,7 @@ def test_disabled_by_the_environment(tmp_path):
     done = _child({"SHMKV_NATIVE": "0", "SHMKV_CACHE_DIR": str(tmp_path)}, CHILD)
     assert done.returncode == 0, done.stderr
     assert "STATUS disabled by SHMKV_NATIVE" in done.stdout
-    assert not os.listdir(tmp_path)                   # nothing built
+    assert not os.listdir(tmp_path)  # nothing built
 
 
 def test_a_failing_compiler_leaves_the_torch_path_and_says_why(tmp_path):
@@ -378,7 +407,7 @@ def test_a_failing_compiler_leaves_the_torch_path_and_says_why(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "STATUS building with" in done.stdout and "failed" in done.stdout
     assert "native decode kernel is not available" in done.stderr
-    assert not os.listdir(tmp_path)                   # no partial library left behind
+    assert not os.listdir(tmp_path)  # no partial library left behind
 
 
 @needs_cc
@@ -396,7 +425,8 @@ def test_a_fresh_cache_directory_is_built_into_then_reused(tmp_path):
 
 
 def test_a_home_that_cannot_be_written_builds_in_a_private_temporary_directory(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     home = tmp_path / "home"
     home.mkdir()
     (home / ".cache").write_text("a file where the cache directory would go")
@@ -409,7 +439,7 @@ def test_a_home_that_cannot_be_written_builds_in_a_private_temporary_directory(
     private = temp / f"shmkv-{os.getuid()}"
     assert native.cache_dir() == str(private)
     assert private.is_dir() and not private.stat().st_mode & 0o077
-    private.chmod(0o777)                  # one others could write is never used
+    private.chmod(0o777)  # one others could write is never used
     assert native.cache_dir() != str(private)
 
 
@@ -421,26 +451,38 @@ def test_generate_decodes_through_the_kernel_equal_to_dynamic_cache(monkeypatch)
     import shmkv
     from shmkv.integrations.transformers import ShmkvCache, cache_argument, pool_config
 
-    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, bos_token_id=None, eos_token_id=None,
-                         pad_token_id=None)        # head_dim 32: the vector kernel
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )  # head_dim 32: the vector kernel
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     ids = torch.randint(0, 256, (3, 40), generator=torch.Generator().manual_seed(1))
     key = cache_argument(model)
     with torch.no_grad():
         model.set_attn_implementation("sdpa")
-        want = model.generate(ids, max_new_tokens=12, do_sample=False,
-                              **{key: DynamicCache(config=config)})
+        want = model.generate(
+            ids, max_new_tokens=12, do_sample=False, **{key: DynamicCache(config=config)}
+        )
         calls = counted(monkeypatch, native, "run_checked")
         model.set_attn_implementation("shmkv")
         cfg = pool_config(config, num_blocks=64, block_size=16, dtype=torch.float32)
-        with shmkv.Coordinator(cfg, name=f"native-{os.getpid()}") as coord, \
-                shmkv.connect(coord.address) as client, ShmkvCache(client) as cache:
+        with (
+            shmkv.Coordinator(cfg, name=f"native-{os.getpid()}") as coord,
+            shmkv.connect(coord.address) as client,
+            ShmkvCache(client) as cache,
+        ):
             got = model.generate(ids, max_new_tokens=12, do_sample=False, **{key: cache})
     assert torch.equal(got, want)
-    assert len(calls) >= 11 * config.num_hidden_layers   # every decode step, every layer
+    assert len(calls) >= 11 * config.num_hidden_layers  # every decode step, every layer
 
 
 # -- only a library this user built is loaded ---------------------------------------------
@@ -462,11 +504,13 @@ def planted(tmp_path):
     marker = tmp_path / "marker"
     src, lib = tmp_path / "planted.c", tmp_path / "planted.so"
     src.write_text(PLANTED_C)
-    failed = native._run([native._compiler(), "-shared", "-fPIC", f'-DMARKER="{marker}"',
-                          "-o", str(lib), str(src)])
+    failed = native._run(
+        [native._compiler(), "-shared", "-fPIC", f'-DMARKER="{marker}"', "-o", str(lib), str(src)]
+    )
     assert not failed, failed
-    subprocess.run([sys.executable, "-c", f"import ctypes; ctypes.CDLL({str(lib)!r})"],
-                   check=True, timeout=60)
+    subprocess.run(
+        [sys.executable, "-c", f"import ctypes; ctypes.CDLL({str(lib)!r})"], check=True, timeout=60
+    )
     assert marker.read_text() == "the planted library ran"
     marker.unlink()
     return lib, marker
@@ -490,13 +534,17 @@ def built_kernels_work(kernels):
     lens = [20, 7]
     q, k_pages, v_pages, table = batch(lens, 4, 2, 32, 16)
     got = native.paged_decode(kernels, q, k_pages, v_pages, table, torch.tensor(lens), 0.1)
-    torch.testing.assert_close(got.double(), reference(q, k_pages, v_pages, table, lens,
-                                                       scale=0.1), **TOLERANCE)
+    torch.testing.assert_close(
+        got.double(), reference(q, k_pages, v_pages, table, lens, scale=0.1), **TOLERANCE
+    )
 
 
 def refusals(caplog) -> str:
-    return " ".join(r.getMessage() for r in caplog.records
-                    if r.name.startswith("shmkv") and r.levelno >= logging.WARNING)
+    return " ".join(
+        r.getMessage()
+        for r in caplog.records
+        if r.name.startswith("shmkv") and r.levelno >= logging.WARNING
+    )
 
 
 @needs_cc
@@ -514,8 +562,12 @@ def test_a_library_that_fails_the_check_is_refused_before_any_of_it_runs(planted
     link.symlink_to(lib)
     fifo = cases / "fifo.so"
     os.mkfifo(fifo)
-    refused = {writable: "written by its group or others", group: "group or others",
-               link: "symbolic link", fifo: "not a regular file"}
+    refused = {
+        writable: "written by its group or others",
+        group: "group or others",
+        link: "symbolic link",
+        fifo: "not a regular file",
+    }
     if os.geteuid() == 0:
         foreign = cases / "foreign.so"
         shutil.copyfile(lib, foreign)
@@ -525,21 +577,21 @@ def test_a_library_that_fails_the_check_is_refused_before_any_of_it_runs(planted
         with pytest.raises(native.UntrustedLibrary, match=why):
             native.load(str(path))
         assert not marker.exists(), path
-    with pytest.raises(PermissionError):      # UntrustedLibrary is one
+    with pytest.raises(PermissionError):  # UntrustedLibrary is one
         native.load(str(writable))
 
 
 @needs_cc
 @pytest.mark.parametrize("case", ["mode 0666", "symlink", "other uid"])
-def test_a_planted_library_in_the_cache_is_rebuilt_not_loaded(case, planted, tmp_path,
-                                                              monkeypatch, caplog):
+def test_a_planted_library_in_the_cache_is_rebuilt_not_loaded(
+    case, planted, tmp_path, monkeypatch, caplog
+):
     if case == "other uid" and os.geteuid() != 0:
         pytest.skip("giving a file to another uid needs root")
     lib, marker = planted
     cache = tmp_path / "cache"
     cache.mkdir(mode=0o700)
-    paths = plant(lib, cache, mode=0o666 if case == "mode 0666" else 0o755,
-                  link=case == "symlink")
+    paths = plant(lib, cache, mode=0o666 if case == "mode 0666" else 0o755, link=case == "symlink")
     if case == "other uid":
         for path in paths:
             os.chown(path, 65534, 65534)
@@ -564,14 +616,15 @@ def test_a_planted_library_in_the_cache_is_rebuilt_not_loaded(case, planted, tmp
 
 @needs_cc
 @pytest.mark.parametrize("case", ["mode 0777", "symlink", "other uid"])
-def test_a_cache_directory_others_could_write_is_not_used(case, planted, tmp_path,
-                                                          monkeypatch, caplog):
+def test_a_cache_directory_others_could_write_is_not_used(
+    case, planted, tmp_path, monkeypatch, caplog
+):
     if case == "other uid" and os.geteuid() != 0:
         pytest.skip("giving a directory to another uid needs root")
     lib, marker = planted
     real = tmp_path / "real"
     real.mkdir(mode=0o700)
-    paths = plant(lib, real)                   # files that pass the check themselves
+    paths = plant(lib, real)  # files that pass the check themselves
     cache = real
     if case == "mode 0777":
         real.chmod(0o777)
@@ -589,15 +642,16 @@ def test_a_cache_directory_others_could_write_is_not_used(case, planted, tmp_pat
         kernels, why = native._build()
     assert not marker.exists()
     assert why is None
-    built_kernels_work(kernels)                # built in a private directory instead
+    built_kernels_work(kernels)  # built in a private directory instead
     assert f"not using {cache}" in refusals(caplog)
-    assert all(Path(p).read_bytes() == lib.read_bytes() for p in paths)   # left alone
-    assert not os.listdir(temp)                # the private build directory is gone
+    assert all(Path(p).read_bytes() == lib.read_bytes() for p in paths)  # left alone
+    assert not os.listdir(temp)  # the private build directory is gone
 
 
 @needs_cc
 def test_a_default_cache_directory_others_could_write_falls_back_to_a_private_one(
-        planted, tmp_path, monkeypatch, caplog):
+    planted, tmp_path, monkeypatch, caplog
+):
     lib, marker = planted
     xdg = tmp_path / "xdg"
     (xdg / "shmkv").mkdir(parents=True)
@@ -653,8 +707,11 @@ print("UMASK OK")
 @needs_cc
 def test_with_umask_000_the_cache_directory_is_created_0700(tmp_path):
     env = {"XDG_CACHE_HOME": str(tmp_path / "a" / "b")}
-    done = subprocess.run([sys.executable, "-c", UMASK_CHILD, str(tmp_path)],
-                          env={k: v for k, v in {**os.environ, **env}.items()
-                               if k != "SHMKV_CACHE_DIR"},
-                          capture_output=True, text=True, timeout=180)
+    done = subprocess.run(
+        [sys.executable, "-c", UMASK_CHILD, str(tmp_path)],
+        env={k: v for k, v in {**os.environ, **env}.items() if k != "SHMKV_CACHE_DIR"},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert done.returncode == 0 and "UMASK OK" in done.stdout, done.stderr

@@ -11,7 +11,7 @@ import shmkv
 
 
 def test_prefix_written_in_a_is_reused_by_b_with_identical_kv(coord, client):
-    prompt = list(range(100, 123))            # 5 full blocks of 4 + 3 tokens
+    prompt = list(range(100, 123))  # 5 full blocks of 4 + 3 tokens
     q = SPAWN.Queue()
     a = SPAWN.Process(target=workers.prefix_writer, args=(coord.address, prompt, q))
     a.start()
@@ -45,7 +45,7 @@ def test_writer_killed_mid_write_publishes_nothing(coord, client):
 
 
 def test_forks_diverge_without_seeing_each_other(client):
-    parent = client.allocate(6)                 # blocks: one full, one half full
+    parent = client.allocate(6)  # blocks: one full, one half full
     base = torch.randn(6, 4, 8)
     for layer in range(3):
         parent.write(layer, base, -base, start=0)
@@ -57,10 +57,10 @@ def test_forks_diverge_without_seeing_each_other(client):
         start = h.extend(1)
         for layer in range(3):
             h.write(layer, x, x, start=start)
-    child.write(0, a * 9, a * 9, start=1)       # overwrite inside the shared full block
+    child.write(0, a * 9, a * 9, start=1)  # overwrite inside the shared full block
     for h, x in ((parent, a), (child, b), (grandchild, c)):
         assert torch.equal(h.key_cache(1), torch.cat([base, x]))
-    assert torch.equal(parent.key_cache(0), torch.cat([base, a]))      # prefix intact
+    assert torch.equal(parent.key_cache(0), torch.cat([base, a]))  # prefix intact
     assert torch.equal(child.key_cache(0)[1], (a * 9)[0])
     assert torch.equal(grandchild.key_cache(0)[:6], base)
     assert client.stats()["cow_copies"] >= 3
@@ -77,40 +77,40 @@ def test_fork_across_processes_is_private(coord, client):
     token = f.export(ttl=30)
     f.close()
     results, go = SPAWN.Queue(), SPAWN.Event()
-    reader = SPAWN.Process(target=workers.read_back,
-                           args=(coord.address, token, 5, 0, results, go))
+    reader = SPAWN.Process(target=workers.read_back, args=(coord.address, token, 5, 0, results, go))
     reader.start()
     results.get(timeout=30)
     h.write(0, torch.full((1, 4, 8), 5.0), torch.full((1, 4, 8), 5.0), start=4)
     go.set()
     _tag, row = results.get(timeout=30)
-    assert row == torch.ones(4, 8).tolist()     # the fork never sees the parent's write
+    assert row == torch.ones(4, 8).tolist()  # the fork never sees the parent's write
     assert join_or_kill(reader) == 0
 
 
 def test_eviction_picks_lru_unreferenced_and_never_referenced(unique_name):
-    cfg = shmkv.PoolConfig(num_layers=1, num_kv_heads=1, head_dim=4, num_blocks=8,
-                           block_size=2, dtype=torch.float32)
+    cfg = shmkv.PoolConfig(
+        num_layers=1, num_kv_heads=1, head_dim=4, num_blocks=8, block_size=2, dtype=torch.float32
+    )
     with shmkv.Coordinator(cfg, name=unique_name) as coord, shmkv.connect(coord.address) as c:
-        old = c.allocate(prompt=[1, 2, 3, 4])       # 2 blocks
+        old = c.allocate(prompt=[1, 2, 3, 4])  # 2 blocks
         old.commit()
         new = c.allocate(prompt=[9, 8, 7, 6])
         new.commit()
         held = c.allocate(prompt=[5, 5, 5, 5])
-        held.commit()                                # referenced: must never be evicted
+        held.commit()  # referenced: must never be evicted
         old.close()
         new.close()
-        c.allocate(prompt=[9, 8, 7, 6]).close()      # touch "new": now more recent than "old"
+        c.allocate(prompt=[9, 8, 7, 6]).close()  # touch "new": now more recent than "old"
         assert c.stats()["cached_blocks"] == 4
-        big = c.allocate(8)                          # 4 blocks: 2 free + 2 evicted
+        big = c.allocate(8)  # 4 blocks: 2 free + 2 evicted
         assert c.stats()["evictions"] == 2
         assert c.stats()["prefix_index_blocks"] == 4  # old's keys are forgotten at once
-        probe = c.allocate(prompt=[9, 8, 7, 6])      # new survived (a full hit, no allocation)
+        probe = c.allocate(prompt=[9, 8, 7, 6])  # new survived (a full hit, no allocation)
         assert probe.num_cached_tokens == 4
         probe.close()
-        assert c.allocate(prompt=[5, 5, 5, 5]).num_cached_tokens == 4   # held survived
+        assert c.allocate(prompt=[5, 5, 5, 5]).num_cached_tokens == 4  # held survived
         with pytest.raises(shmkv.PoolExhausted):
-            c.allocate(16)                           # cannot take referenced blocks
+            c.allocate(16)  # cannot take referenced blocks
         assert c.stats()["evictions"] == 2
         big.close()
 
@@ -149,7 +149,8 @@ def test_packed_and_listed_prompts_key_the_same_blocks(client):
     older client, another language) finds the same published blocks, and a packed
     prompt that is not whole int64s is refused with nothing taken."""
     from shmkv import hashing
-    prompt = list(range(900, 913))             # 3 full blocks of 4 + 1 token
+
+    prompt = list(range(900, 913))  # 3 full blocks of 4 + 1 token
     h = client.allocate(prompt=prompt)
     k = torch.randn(len(prompt), 4, 8)
     for layer in range(3):
@@ -158,8 +159,9 @@ def test_packed_and_listed_prompts_key_the_same_blocks(client):
     h.close()
     before = client.stats()
     listed = client.request("allocate_many", requests=[{"num_tokens": 0, "prompt": prompt}])
-    packed = client.request("allocate_many",
-                            requests=[{"num_tokens": 0, "prompt": hashing.pack_tokens(prompt)}])
+    packed = client.request(
+        "allocate_many", requests=[{"num_tokens": 0, "prompt": hashing.pack_tokens(prompt)}]
+    )
     assert listed[0]["num_cached"] == packed[0]["num_cached"] == 12
     with pytest.raises(shmkv.errors.WrongType, match="int64"):
         client.request("allocate_many", requests=[{"num_tokens": 0, "prompt": b"\x01" * 12}])
@@ -176,39 +178,51 @@ def test_a_prompt_comes_with_its_block_keys_from_the_client(client, monkeypatch)
     loop uses them as they are (hashing only a request that has none), checks their
     size, and a request it refuses takes nothing."""
     from shmkv import hashing
+
     hashed_in_loop = []
     real = hashing.packed_block_keys
-    monkeypatch.setattr(hashing, "packed_block_keys",
-                        lambda *a: hashed_in_loop.append(a) or real(*a))
+    monkeypatch.setattr(
+        hashing, "packed_block_keys", lambda *a: hashed_in_loop.append(a) or real(*a)
+    )
     salt = b"model-a"
-    prompt = list(range(300, 313))             # 3 full blocks of 4 + 1 token
+    prompt = list(range(300, 313))  # 3 full blocks of 4 + 1 token
     h = client.allocate(prompt=prompt, cache_salt=salt)
     k = torch.randn(len(prompt), 4, 8)
     for layer in range(3):
         h.write(layer, k, -k, start=0)
     h.commit(len(prompt))
     h.close()
-    assert not hashed_in_loop                  # the client's keys were used
+    assert not hashed_in_loop  # the client's keys were used
     packed = hashing.pack_tokens(prompt)
     # A request without keys is hashed in the loop, to the same keys.
-    info = client.request("allocate_many", requests=[
-        {"num_tokens": 0, "prompt": packed, "cache_salt": salt}])[0]
+    info = client.request(
+        "allocate_many", requests=[{"num_tokens": 0, "prompt": packed, "cache_salt": salt}]
+    )[0]
     assert info["num_cached"] == 12 and len(hashed_in_loop) == 1
     # The keys are what the loop looks up: another prompt's keys find its blocks.
     other = hashing.pack_tokens(list(range(1, 14)))
     keys = b"".join(real(packed, 4, hashing.root_key(salt)))
-    info2 = client.request("allocate_many", requests=[
-        {"num_tokens": 0, "prompt": other, "cache_salt": salt, "keys": keys}])[0]
+    info2 = client.request(
+        "allocate_many",
+        requests=[{"num_tokens": 0, "prompt": other, "cache_salt": salt, "keys": keys}],
+    )[0]
     assert info2["num_cached"] == 12 and info2["blocks"][:3] == info["blocks"][:3]
     client.request("release_many", cache_ids=[info["cache_id"], info2["cache_id"]])
     before = client.stats()
     for req, error, match in (
-            ({"prompt": packed, "keys": keys[:-1]}, shmkv.errors.InvalidArgument, "48 bytes"),
-            ({"prompt": packed, "keys": keys + keys[:16]}, shmkv.errors.InvalidArgument,
-             "3 full blocks"),
-            ({"num_tokens": 4, "keys": keys[:16]}, shmkv.errors.InvalidArgument,
-             "come with the prompt"),
-            ({"prompt": packed, "keys": "text"}, shmkv.errors.WrongType, "keys")):
+        ({"prompt": packed, "keys": keys[:-1]}, shmkv.errors.InvalidArgument, "48 bytes"),
+        (
+            {"prompt": packed, "keys": keys + keys[:16]},
+            shmkv.errors.InvalidArgument,
+            "3 full blocks",
+        ),
+        (
+            {"num_tokens": 4, "keys": keys[:16]},
+            shmkv.errors.InvalidArgument,
+            "come with the prompt",
+        ),
+        ({"prompt": packed, "keys": "text"}, shmkv.errors.WrongType, "keys"),
+    ):
         with pytest.raises(error, match=match):
             client.request("allocate_many", requests=[{"num_tokens": 0, **req}])
     after = client.stats()

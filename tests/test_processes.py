@@ -19,7 +19,7 @@ def test_two_processes_see_the_same_bytes_without_copying(coord, client):
     q = SPAWN.Queue()
     child = SPAWN.Process(target=workers.write_and_handoff, args=(coord.address, 9, 5, q))
     child.start()
-    h = q.get(timeout=30)             # unpickled: a handle opened through the hand-off
+    h = q.get(timeout=30)  # unpickled: a handle opened through the hand-off
     q.get(timeout=30)
     assert join_or_kill(child) == 0
     assert isinstance(h, shmkv.KvCacheHandle) and h.num_tokens == 9
@@ -30,8 +30,7 @@ def test_two_processes_see_the_same_bytes_without_copying(coord, client):
     # the other direction, and in place: a reader sees a later write with no round trip
     token = h.export(ttl=30)
     results, go = SPAWN.Queue(), SPAWN.Event()
-    reader = SPAWN.Process(target=workers.read_back,
-                           args=(coord.address, token, 9, 5, results, go))
+    reader = SPAWN.Process(target=workers.read_back, args=(coord.address, token, 9, 5, results, go))
     reader.start()
     assert results.get(timeout=30)[1] is True
     marker = torch.full((1, 4, 8), 42.0)
@@ -44,7 +43,7 @@ def test_two_processes_see_the_same_bytes_without_copying(coord, client):
 
 def test_writes_cross_block_boundaries_at_any_start(client):
     h = client.allocate(0)
-    h.extend(37)                      # block_size 4: ten blocks, the last partly filled
+    h.extend(37)  # block_size 4: ten blocks, the last partly filled
     ref = torch.zeros(3, 2, 37, 4, 8)
     for start in range(0, 37):
         for n in (1, 3, 4, 5, 9):
@@ -54,8 +53,8 @@ def test_writes_cross_block_boundaries_at_any_start(client):
             k = torch.randn(n, 4, 8)
             v = torch.randn(n, 4, 8)
             h.write(layer, k, v, start=start)
-            ref[layer, 0, start:start + n] = k
-            ref[layer, 1, start:start + n] = v
+            ref[layer, 0, start : start + n] = k
+            ref[layer, 1, start : start + n] = v
     for layer in range(3):
         assert torch.equal(h.key_cache(layer), ref[layer, 0])
         assert torch.equal(h.value_cache(layer), ref[layer, 1])
@@ -95,11 +94,11 @@ def test_handle_api_names_and_views(client):
     c = h.clone_handle()
     assert c.cache_id == h.cache_id
     h.close()
-    h.close()                          # idempotent
+    h.close()  # idempotent
     assert not h.is_valid() and c.is_valid()
     with pytest.raises(shmkv.HandleClosed):
         h.key_cache(0)
-    assert torch.equal(c.key_cache(0), k)   # the clone's reference keeps it alive
+    assert torch.equal(c.key_cache(0), k)  # the clone's reference keeps it alive
     with c, short:
         pass
     assert client.stats()["referenced_blocks"] == 0
@@ -147,8 +146,8 @@ def test_sigkilled_worker_blocks_come_back(coord, client):
     deadline = time.monotonic() + 5
     while client.stats()["free_blocks"] != free0 - 2 - 3 and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert client.stats()["free_blocks"] == free0 - 2 - 3   # the hand-off keeps 3 blocks
-    opened = client.open(token)          # and it still opens after its producer died
+    assert client.stats()["free_blocks"] == free0 - 2 - 3  # the hand-off keeps 3 blocks
+    opened = client.open(token)  # and it still opens after its producer died
     assert torch.equal(opened.key_cache(0), torch.ones(12, 4, 8))
     opened.close()
     assert client.stats()["free_blocks"] == free0 - 2
@@ -176,9 +175,13 @@ class _Prefill(torch.utils.data.Dataset):
 
 
 def test_handles_cross_a_dataloader(coord, client):
-    loader = torch.utils.data.DataLoader(_Prefill(coord.address), batch_size=None,
-                                         num_workers=2, multiprocessing_context="spawn",
-                                         timeout=60)
+    loader = torch.utils.data.DataLoader(
+        _Prefill(coord.address),
+        batch_size=None,
+        num_workers=2,
+        multiprocessing_context="spawn",
+        timeout=60,
+    )
     items = list(loader)
     assert sorted(i["index"] for i in items) == list(range(6))
     for item in items:
@@ -186,7 +189,7 @@ def test_handles_cross_a_dataloader(coord, client):
         assert h.num_tokens == 5 + index
         assert torch.equal(h.key_cache(2), torch.full((5 + index, 4, 8), float(index)))
         h.close()
-    deadline = time.monotonic() + 5     # worker connections close as the workers exit
+    deadline = time.monotonic() + 5  # worker connections close as the workers exit
     while client.stats()["referenced_blocks"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert client.stats()["referenced_blocks"] == 0
@@ -206,9 +209,12 @@ def test_spawned_coordinator_and_cli_entry(small_config, unique_name):
             h = client.allocate(4)
             h.write(0, torch.ones(4, 4, 8), torch.ones(4, 4, 8), start=0)
             assert torch.equal(h.key_cache(0), torch.ones(4, 4, 8))
-        out = subprocess.run([sys.executable, "-m", "shmkv", "stats", "--address",
-                              coord.address, "--json"], capture_output=True, text=True,
-                             timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-m", "shmkv", "stats", "--address", coord.address, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 0, out.stderr
         assert '"num_blocks": 64' in out.stdout
     assert not os.path.exists(coord.address)
@@ -217,7 +223,7 @@ def test_spawned_coordinator_and_cli_entry(small_config, unique_name):
 def test_second_coordinator_on_a_live_name_is_refused(coord, small_config):
     with pytest.raises(shmkv.ShmkvError, match="live coordinator"):
         shmkv.Coordinator(small_config, address=coord.address).start()
-    with shmkv.connect(coord.address) as c:   # the first one is untouched
+    with shmkv.connect(coord.address) as c:  # the first one is untouched
         c.ping()
 
 
@@ -231,7 +237,7 @@ def test_close_many_drops_each_handle_once(client):
     keep = h.clone_handle()
     k = torch.randn(4, 4, 8)
     h.write(0, k, k, start=0)
-    client.close_many([h, h])              # the same handle twice: one reference dropped
+    client.close_many([h, h])  # the same handle twice: one reference dropped
     assert client.stats()["referenced_blocks"] == 1
     assert torch.equal(keep.key_cache(0), k)
     keep.close()

@@ -32,7 +32,7 @@ import shmkv
 from shmkv import hashing
 
 L, H, D, BS, NUM_BLOCKS = 2, 1, 2, 2, 24
-VOCAB = [3, 5, 7]          # a tiny vocabulary, so prompts share prefixes often
+VOCAB = [3, 5, 7]  # a tiny vocabulary, so prompts share prefixes often
 
 
 def token_value(tokens, positions, layer):
@@ -48,11 +48,11 @@ class Seq:
 
     def __init__(self, n, prompt=None):
         self.values = torch.zeros(L, 2, n, H, D)
-        self.written = torch.zeros(L, n, dtype=torch.bool)   # per layer
-        self.prompt = prompt or []          # the leading token ids known to the coordinator
-        self.keyed = prompt is not None     # prefix keys exist (a prompt sequence)
+        self.written = torch.zeros(L, n, dtype=torch.bool)  # per layer
+        self.prompt = prompt or []  # the leading token ids known to the coordinator
+        self.keyed = prompt is not None  # prefix keys exist (a prompt sequence)
         self.keys_open = prompt is not None  # later token ids still extend the keys
-        self.committed = 0                  # leading blocks committed (commit's answer)
+        self.committed = 0  # leading blocks committed (commit's answer)
 
     def copy(self):
         other = Seq(0, list(self.prompt))
@@ -70,20 +70,29 @@ class PoolMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.cfg = shmkv.PoolConfig(num_layers=L, num_kv_heads=H, head_dim=D,
-                                    num_blocks=NUM_BLOCKS, block_size=BS, dtype=torch.float32)
+        self.cfg = shmkv.PoolConfig(
+            num_layers=L,
+            num_kv_heads=H,
+            head_dim=D,
+            num_blocks=NUM_BLOCKS,
+            block_size=BS,
+            dtype=torch.float32,
+        )
         self.tier_dir = tempfile.mkdtemp(prefix="shmkv-prop-tier-")
         self.prompts_seen = []
         self._start_coordinator()
-        self.seqs = {}      # cache id -> Seq (shared by clones)
-        self.refs = {}      # cache id -> live handles
+        self.seqs = {}  # cache id -> Seq (shared by clones)
+        self.refs = {}  # cache id -> live handles
         self.values_rng = torch.Generator().manual_seed(0)
 
     def _start_coordinator(self):
-        tiers = [shmkv.HostTier(8 * self.cfg.block_nbytes),    # small: its LRU works too
-                 shmkv.DiskTier(self.tier_dir, 1 << 20)]
-        self.coord = shmkv.Coordinator(self.cfg, name=f"prop-{uuid.uuid4().hex[:12]}",
-                                       tiers=tiers).start()
+        tiers = [
+            shmkv.HostTier(8 * self.cfg.block_nbytes),  # small: its LRU works too
+            shmkv.DiskTier(self.tier_dir, 1 << 20),
+        ]
+        self.coord = shmkv.Coordinator(
+            self.cfg, name=f"prop-{uuid.uuid4().hex[:12]}", tiers=tiers
+        ).start()
         self.client = shmkv.connect(self.coord.address, timeout=20)
 
     def teardown(self):
@@ -103,7 +112,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     def _track(self, h, seq):
         if seq.keyed and len(seq.prompt) >= BS:
-            self.prompts_seen.append(list(seq.prompt))   # for the promote rule
+            self.prompts_seen.append(list(seq.prompt))  # for the promote rule
         self.seqs.setdefault(h.cache_id, seq)
         self.refs[h.cache_id] = self.refs.get(h.cache_id, 0) + 1
         return h
@@ -141,13 +150,16 @@ class PoolMachine(RuleBasedStateMachine):
         cached = h.num_cached_tokens
         assert cached % BS == 0 and cached <= len(prompt)
         seq.committed = cached // BS
-        for layer in range(L):   # a hit carries the K/V its publisher committed
+        for layer in range(L):  # a hit carries the K/V its publisher committed
             seq.values[layer, :, :cached] = token_value(prompt[:cached], range(cached), layer)
         seq.written[:, :cached] = True
         return self._track(h, seq)
 
-    @rule(target=handles, prompt=st.lists(st.sampled_from(VOCAB), min_size=2, max_size=9),
-          commit_now=st.booleans())
+    @rule(
+        target=handles,
+        prompt=st.lists(st.sampled_from(VOCAB), min_size=2, max_size=9),
+        commit_now=st.booleans(),
+    )
     def prefill_and_commit(self, prompt, commit_now):
         """What a model does: allocate a prompt, write the uncached rest, commit (now, or
         later: after decode extends, with or without ids, by the commit rule)."""
@@ -166,15 +178,23 @@ class PoolMachine(RuleBasedStateMachine):
             self.commit(h)
         return h
 
-    @rule(h=handles, n=st.integers(0, 5), with_ids=st.booleans(), batched=st.booleans(),
-          data=st.data())
+    @rule(
+        h=handles,
+        n=st.integers(0, 5),
+        with_ids=st.booleans(),
+        batched=st.booleans(),
+        data=st.data(),
+    )
     def extend(self, h, n, with_ids, batched, data):
         """Extend with or without token ids, one handle or as a batch step."""
         if h is None or h._closed or h._view_len is not None:
             return
         seq = self.seqs[h.cache_id]
-        ids = data.draw(st.lists(st.sampled_from(VOCAB), min_size=n, max_size=n)) \
-            if with_ids else None
+        ids = (
+            data.draw(st.lists(st.sampled_from(VOCAB), min_size=n, max_size=n))
+            if with_ids
+            else None
+        )
         before = seq.written.shape[1]
         try:
             if batched:
@@ -189,7 +209,7 @@ class PoolMachine(RuleBasedStateMachine):
         seq.grow(n)
         if n and seq.keyed:
             if ids is None:
-                seq.keys_open = False        # no further keys; the ones known stay
+                seq.keys_open = False  # no further keys; the ones known stay
             elif seq.keys_open:
                 seq.prompt += ids
 
@@ -209,8 +229,7 @@ class PoolMachine(RuleBasedStateMachine):
                     live.setdefault(h.cache_id, h)
             if not live:
                 return
-            chosen = data.draw(st.lists(st.sampled_from(sorted(live)), min_size=1,
-                                        unique=True))
+            chosen = data.draw(st.lists(st.sampled_from(sorted(live)), min_size=1, unique=True))
             hs = [live[c] for c in chosen]
             batch = self.last_batch = self.client.batch(hs)
         try:
@@ -220,7 +239,7 @@ class PoolMachine(RuleBasedStateMachine):
         assert step.seq_lens.tolist() == [h.num_tokens for h in hs]
         for row, h in zip(step.block_tables.tolist(), hs):
             table = list(h.block_table.physical_blocks)
-            assert row == (table + [0] * len(row))[:len(row)]
+            assert row == (table + [0] * len(row))[: len(row)]
         for h in hs:
             seq = self.seqs[h.cache_id]
             seq.grow(count)
@@ -232,8 +251,8 @@ class PoolMachine(RuleBasedStateMachine):
             for i, h in enumerate(hs):
                 seq = self.seqs[h.cache_id]
                 n = seq.written.shape[1]
-                seq.values[layer, :, n - count:] = kv[:, i * count:(i + 1) * count]
-                seq.written[layer, n - count:] = True
+                seq.values[layer, :, n - count :] = kv[:, i * count : (i + 1) * count]
+                seq.written[layer, n - count :] = True
 
     @rule(h=handles, data=st.data())
     def write(self, h, data):
@@ -246,15 +265,16 @@ class PoolMachine(RuleBasedStateMachine):
         layer = data.draw(st.integers(0, L - 1))
         kv = torch.randn(2, n, H, D, generator=self.values_rng)
         in_prompt = max(0, min(len(seq.prompt), start + n) - start)
-        if in_prompt:   # prompt slots always get the prompt's K/V, as a model would write
-            kv[:, :in_prompt] = token_value(seq.prompt[start:start + in_prompt],
-                                            range(start, start + in_prompt), layer)
+        if in_prompt:  # prompt slots always get the prompt's K/V, as a model would write
+            kv[:, :in_prompt] = token_value(
+                seq.prompt[start : start + in_prompt], range(start, start + in_prompt), layer
+            )
         try:
             h.write(layer, kv[0].contiguous(), kv[1].contiguous(), start=start)
-        except shmkv.PoolExhausted:   # copy-on-write needed a block and none was left
+        except shmkv.PoolExhausted:  # copy-on-write needed a block and none was left
             return
-        seq.values[layer, :, start:start + n] = kv
-        seq.written[layer, start:start + n] = True
+        seq.values[layer, :, start : start + n] = kv
+        seq.written[layer, start : start + n] = True
 
     @rule()
     def demote(self):
@@ -277,8 +297,9 @@ class PoolMachine(RuleBasedStateMachine):
         just now: its prefix is the pool's hit continued by the tiers' (promoted) and then
         by the pool's again, exactly as the indexes said (all its full blocks, after a
         round trip), with the K/V that was committed."""
-        seen = self.prompts_seen + [s.prompt for s in self.seqs.values()
-                                    if s.keyed and len(s.prompt) >= BS]
+        seen = self.prompts_seen + [
+            s.prompt for s in self.seqs.values() if s.keyed and len(s.prompt) >= BS
+        ]
         if mode == "seen" and seen:
             prompt = list(data.draw(st.sampled_from(seen)))
         else:
@@ -290,13 +311,13 @@ class PoolMachine(RuleBasedStateMachine):
             self.close(h)
             self.demote()
         elif data.draw(st.booleans()):
-            self.demote()   # so that what is not referenced must come from a tier
+            self.demote()  # so that what is not referenced must come from a tier
         self._tiers_idle()
         keys = hashing.block_keys(prompt, BS, hashing.root_key())
         pool = self.coord.table.pool
         in_pool = len(pool.lookup(keys))
         expected = in_pool + self.coord.tiers.lookup(keys[in_pool:])
-        if expected > in_pool:   # blocks the pool holds past the tiers' are hits too
+        if expected > in_pool:  # blocks the pool holds past the tiers' are hits too
             expected += len(pool.lookup(keys[expected:]))
         if mode == "round_trip":
             assert expected == len(keys)
@@ -326,7 +347,7 @@ class PoolMachine(RuleBasedStateMachine):
         # commit only what is written in every layer: a correct caller's rule
         ok = self._fully_written(seq)
         published = h.commit(ok)
-        if seq.keyed and len(seq.prompt) >= BS:   # blocks whose ids are known get published
+        if seq.keyed and len(seq.prompt) >= BS:  # blocks whose ids are known get published
             seq.committed = max(seq.committed, min(ok // BS, len(seq.prompt) // BS))
         assert published == seq.committed
 
@@ -345,8 +366,9 @@ class PoolMachine(RuleBasedStateMachine):
         kv = torch.randn(2, n, H, D, generator=self.values_rng)
         in_prompt = max(0, min(len(seq.prompt), m) - start)
         if in_prompt:
-            kv[:, :in_prompt] = token_value(seq.prompt[start:start + in_prompt],
-                                            range(start, start + in_prompt), 0)
+            kv[:, :in_prompt] = token_value(
+                seq.prompt[start : start + in_prompt], range(start, start + in_prompt), 0
+            )
         try:
             view.write(0, kv[0].contiguous(), kv[1].contiguous())
         except shmkv.PoolExhausted:
@@ -379,7 +401,7 @@ class PoolMachine(RuleBasedStateMachine):
         if h is None or h._closed:
             return
         h.close()
-        for name in ("block_table", "num_tokens"):   # a closed handle answers nothing
+        for name in ("block_table", "num_tokens"):  # a closed handle answers nothing
             with pytest.raises(shmkv.HandleClosed):
                 getattr(h, name)
         self.refs[h.cache_id] -= 1
@@ -431,6 +453,8 @@ def shmkv_none():
 
 PoolMachine.TestCase.settings = settings(
     max_examples=int(__import__("os").environ.get("SHMKV_PROPERTY_EXAMPLES", 100)),
-    stateful_step_count=30, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
 test_pool_model = pytest.mark.timeout(600)(PoolMachine.TestCase)

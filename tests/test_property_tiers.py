@@ -58,30 +58,41 @@ import shmkv
 from shmkv import hashing
 from shmkv.remote import HEADER_SIZE
 
-redis = pytest.importorskip("redis", reason="the redis client is not installed: "
-                            "pip install -e '.[test]'")
+redis = pytest.importorskip(
+    "redis", reason="the redis client is not installed: pip install -e '.[test]'"
+)
 # (after the skip above: test_remote needs the redis client too)
 from test_remote import SERVER, RedisServer, _free_port  # noqa: E402
 
-L, H, D, BS, TP = 2, 2, 2, 2, 2      # one head per rank
+L, H, D, BS, TP = 2, 2, 2, 2, 2  # one head per rank
 NUM_BLOCKS_A, NUM_BLOCKS_B = 20, 16
-HOST_SLOTS = 4                        # fewer than one close can cache: bursts overflow it
-VOCAB = [3, 5, 7]                     # a tiny vocabulary, so prompts share prefixes often
+HOST_SLOTS = 4  # fewer than one close can cache: bursts overflow it
+VOCAB = [3, 5, 7]  # a tiny vocabulary, so prompts share prefixes often
 EXAMPLES = int(os.environ.get("SHMKV_PROPERTY_EXAMPLES", "15"))
 WAIT_S = 20.0
 PROMPT = st.lists(st.sampled_from(VOCAB), min_size=BS, max_size=12)
 SEEN = st.none() | st.integers(0, 1 << 16)
 PICKS = st.lists(st.integers(0, 15), min_size=1, max_size=4)
 # A tier's counters of blocks it dropped (its LRU), skipped, lost or could not write.
-LOSS_COUNTERS = ("dropped", "skipped", "lost", "discarded", "errors", "full",
-                 "removed_damaged", "removed_incomplete")
+LOSS_COUNTERS = (
+    "dropped",
+    "skipped",
+    "lost",
+    "discarded",
+    "errors",
+    "full",
+    "removed_damaged",
+    "removed_incomplete",
+)
 
 # [L, 2, BS, H, D]: what sets apart the values of one block's positions.
-_GRID = (torch.arange(BS)[None, None, :, None, None] * 32
-         + torch.arange(L)[:, None, None, None, None] * 8
-         + torch.arange(2)[None, :, None, None, None] * 4
-         + torch.arange(H)[None, None, None, :, None] * 2
-         + torch.arange(D)[None, None, None, None, :]).to(torch.float32)
+_GRID = (
+    torch.arange(BS)[None, None, :, None, None] * 32
+    + torch.arange(L)[:, None, None, None, None] * 8
+    + torch.arange(2)[None, :, None, None, None] * 4
+    + torch.arange(H)[None, None, None, :, None] * 2
+    + torch.arange(D)[None, None, None, None, :]
+).to(torch.float32)
 
 
 def block_values(key: bytes) -> torch.Tensor:
@@ -98,8 +109,11 @@ def prompt_values(prompt: list) -> torch.Tensor:
     tail = len(prompt) - len(keys) * BS
     if tail:
         parent = keys[-1] if keys else hashing.root_key()
-        parts.append(block_values(hashing.block_keys(
-            prompt[len(keys) * BS:] + [0] * (BS - tail), BS, parent)[0])[:, :, :tail])
+        parts.append(
+            block_values(
+                hashing.block_keys(prompt[len(keys) * BS :] + [0] * (BS - tail), BS, parent)[0]
+            )[:, :, :tail]
+        )
     return torch.cat(parts, dim=2) if parts else torch.zeros(L, 2, 0, H, D)
 
 
@@ -114,7 +128,7 @@ def read_blocks(full_client, blocks: list, n: int) -> torch.Tensor:
     a client that sees the whole pool."""
     if not blocks:
         return torch.zeros(L, 2, 0, H, D)
-    got = full_client.pool[torch.tensor(blocks, dtype=torch.int64)]   # [nb, L, 2, BS, H, D]
+    got = full_client.pool[torch.tensor(blocks, dtype=torch.int64)]  # [nb, L, 2, BS, H, D]
     return got.permute(1, 2, 0, 3, 4, 5).reshape(L, 2, len(blocks) * BS, H, D)[:, :, :n]
 
 
@@ -124,26 +138,29 @@ def check_hit(full_client, handle, prompt: list, node: str) -> int:
     cached = handle.num_cached_tokens
     assert cached % BS == 0 and 0 <= cached <= len(prompt), (node, cached, len(prompt))
     if cached:
-        blocks = list(handle.block_table.physical_blocks)[:cached // BS]
+        blocks = list(handle.block_table.physical_blocks)[: cached // BS]
         got = read_blocks(full_client, blocks, cached)
         want = prompt_values(prompt[:cached])
         assert torch.equal(got, want), (
             f"node {node} served wrong K/V for a {cached}-token prefix hit of {prompt}: "
-            f"{int((got != want).sum())} values differ")
+            f"{int((got != want).sum())} values differ"
+        )
     return cached
 
 
 def shard(kv: torch.Tensor, rank: int) -> torch.Tensor:
     """Rank ``rank``'s heads of ``[L, 2, n, H, D]``."""
     per = H // TP
-    return kv[:, :, :, rank * per:(rank + 1) * per].contiguous()
+    return kv[:, :, :, rank * per : (rank + 1) * per].contiguous()
 
 
 def store_done(client) -> int:
     """Published blocks the store writer of ``client``'s node is done with (however)."""
     store = client.stats()["tiers"][-1]
-    return sum(store.get(k, 0) for k in ("writes", "present", "cancelled", "discarded",
-                                         "dropped", "errors"))
+    return sum(
+        store.get(k, 0)
+        for k in ("writes", "present", "cancelled", "discarded", "dropped", "errors")
+    )
 
 
 def wait_stopped(pid: int) -> None:
@@ -181,11 +198,18 @@ class Shared:
         self.server = server
         self.store = server.client()
         self.url = server.url
-        self.cfg_b = shmkv.PoolConfig(num_layers=L, num_kv_heads=H, head_dim=D,
-                                      num_blocks=NUM_BLOCKS_B, block_size=BS,
-                                      dtype=torch.float32, tp_size=TP)
-        self.b = shmkv.Coordinator.spawn(self.cfg_b, name=f"prop-b-{uuid.uuid4().hex[:10]}",
-                                         tiers=[self.tier()])
+        self.cfg_b = shmkv.PoolConfig(
+            num_layers=L,
+            num_kv_heads=H,
+            head_dim=D,
+            num_blocks=NUM_BLOCKS_B,
+            block_size=BS,
+            dtype=torch.float32,
+            tp_size=TP,
+        )
+        self.b = shmkv.Coordinator.spawn(
+            self.cfg_b, name=f"prop-b-{uuid.uuid4().hex[:10]}", tiers=[self.tier()]
+        )
         self.b0 = shmkv.connect(self.b.address, tp_rank=0, tp_size=TP, timeout=WAIT_S)
         self.b1 = shmkv.connect(self.b.address, tp_rank=1, tp_size=TP, timeout=WAIT_S)
         self.bf = shmkv.connect(self.b.address, timeout=WAIT_S)
@@ -213,16 +237,22 @@ class TierStoreMachine(RuleBasedStateMachine):
         super().__init__()
         self.shared = shared
         shared.reset()
-        self.cfg = shmkv.PoolConfig(num_layers=L, num_kv_heads=H, head_dim=D,
-                                    num_blocks=NUM_BLOCKS_A, block_size=BS,
-                                    dtype=torch.float32, tp_size=TP)
+        self.cfg = shmkv.PoolConfig(
+            num_layers=L,
+            num_kv_heads=H,
+            head_dim=D,
+            num_blocks=NUM_BLOCKS_A,
+            block_size=BS,
+            dtype=torch.float32,
+            tp_size=TP,
+        )
         self.tier_dir = tempfile.mkdtemp(prefix="shmkv-prop-tiers-")
         self.kinds = None
         self.coord = None
         self.clients = ()
-        self.handles = []            # live rank-0 handles of node A
-        self.seqs = {}               # cache id -> Seq
-        self.rank1_steps = []        # (rank 1's step, the cache ids it covers)
+        self.handles = []  # live rank-0 handles of node A
+        self.seqs = {}  # cache id -> Seq
+        self.rank1_steps = []  # (rank 1's step, the cache ids it covers)
         self.prompts_seen = []
         self.next_tag = 0
         self.missing_before = set()  # keys cached in A's pool and on no tier, last check
@@ -237,8 +267,9 @@ class TierStoreMachine(RuleBasedStateMachine):
         if "disk" in self.kinds:
             tiers.append(shmkv.DiskTier(self.tier_dir, 1 << 20))
         tiers.append(self.shared.tier())
-        self.coord = shmkv.Coordinator(self.cfg, name=f"prop-a-{uuid.uuid4().hex[:10]}",
-                                       tiers=tiers).start()
+        self.coord = shmkv.Coordinator(
+            self.cfg, name=f"prop-a-{uuid.uuid4().hex[:10]}", tiers=tiers
+        ).start()
         address = self.coord.address
         self.a0 = shmkv.connect(address, tp_rank=0, tp_size=TP, timeout=WAIT_S)
         self.a1 = shmkv.connect(address, tp_rank=1, tp_size=TP, timeout=WAIT_S)
@@ -267,9 +298,11 @@ class TierStoreMachine(RuleBasedStateMachine):
 
     def _idle_a(self) -> None:
         """Every write-behind copy of A done (local tiers and store), the disk scanned."""
+
         def idle():
             io = self.af.stats()["tier_io"]
             return not (io["pending"] or io["scanning"] or io["promotions_in_flight"])
+
         wait_for(idle, "node A's tiers idle")
         assert self.coord.tiers.flush(WAIT_S), "node A's store writes did not drain"
 
@@ -278,8 +311,9 @@ class TierStoreMachine(RuleBasedStateMachine):
         draws never depend on what the run made)."""
         if not self.handles:
             return []
-        return list({id(h): h for h in (self.handles[i % len(self.handles)]
-                                        for i in picks)}.values())
+        return list(
+            {id(h): h for h in (self.handles[i % len(self.handles)] for i in picks)}.values()
+        )
 
     def _prompt(self, seen, new: list) -> list:
         """A prompt seen before when ``seen`` is an index (modulo their number), else new."""
@@ -315,10 +349,12 @@ class TierStoreMachine(RuleBasedStateMachine):
         self.kinds = kinds
         self._start_a()
 
-    @rule(prompt=st.lists(st.sampled_from(VOCAB), min_size=1, max_size=12),
-          commit=st.sampled_from(["both", "both", "rank 0", "none"]),
-          then=st.sampled_from(["keep", "close", "close without waiting"]),
-          quiet=st.booleans())
+    @rule(
+        prompt=st.lists(st.sampled_from(VOCAB), min_size=1, max_size=12),
+        commit=st.sampled_from(["both", "both", "rank 0", "none"]),
+        then=st.sampled_from(["keep", "close", "close without waiting"]),
+        quiet=st.booleans(),
+    )
     def prefill(self, prompt, commit, then, quiet):
         """What a TP engine does: rank 0 allocates the prompt (its prefix hit read back),
         rank 0 and rank 1 each write their heads of the rest, each commits its shard.
@@ -346,7 +382,7 @@ class TierStoreMachine(RuleBasedStateMachine):
             step1.commit()
         if then != "keep":
             self._close([h], wait=then == "close")
-            self.a0.flush()              # (served before this in any case)
+            self.a0.flush()  # (served before this in any case)
             self._stale_steps_refuse()
         if quiet:
             self.quiet_then_every_cached_block_is_on_a_tier()
@@ -495,7 +531,7 @@ class TierStoreMachine(RuleBasedStateMachine):
             return
         cached = check_hit(b.bf, h, prompt, "B")
         keys = hashing.block_keys(prompt, BS, hashing.root_key())
-        if cached == len(keys) * BS:          # nothing new to publish
+        if cached == len(keys) * BS:  # nothing new to publish
             b.b0.close_many([h])
             return
         step0 = b.b0.batch([h]).prefill()
@@ -503,11 +539,12 @@ class TierStoreMachine(RuleBasedStateMachine):
         step0.write_all(shard(values, 0))
         step1 = b.b1.step_from(step0.descriptor())
         step1.write_all(shard(values, 1))
-        step0.commit()                           # rank 0: nothing published yet
+        step0.commit()  # rank 0: nothing published yet
         done_before = store_done(b.b0)
         stats = b.b0.stats()
-        fill_tokens = (stats["num_blocks"] - stats["referenced_blocks"]
-                       + len(h.block_table.physical_blocks)) * BS
+        fill_tokens = (
+            stats["num_blocks"] - stats["referenced_blocks"] + len(h.block_table.physical_blocks)
+        ) * BS
         results = {}
 
         tag = self._tag()
@@ -522,7 +559,7 @@ class TierStoreMachine(RuleBasedStateMachine):
             try:
                 b.b0.close_many([h], wait=False)
                 fill = results["fill"] = b.b0.allocate(fill_tokens)
-                fill.write_all(shard(tag_values(tag, fill_tokens), 0))   # at once
+                fill.write_all(shard(tag_values(tag, fill_tokens), 0))  # at once
             except BaseException as exc:  # noqa: BLE001 (raised below)
                 results["error"] = exc
 
@@ -543,22 +580,23 @@ class TierStoreMachine(RuleBasedStateMachine):
                 thread = threading.Thread(target=target, daemon=True)
                 thread.start()
                 threads.append(thread)
-                time.sleep(0.05)   # (only orders the two sends: rank 1's commit first)
+                time.sleep(0.05)  # (only orders the two sends: rank 1's commit first)
         finally:
-            os.kill(b.b.pid, signal.SIGCONT)     # node B serves the three in one turn
+            os.kill(b.b.pid, signal.SIGCONT)  # node B serves the three in one turn
             for thread in threads:
                 thread.join(WAIT_S)
-            os.kill(store_pid, signal.SIGCONT)   # and the store answers B's writer now
+            os.kill(store_pid, signal.SIGCONT)  # and the store answers B's writer now
             for handle in (h, results.get("fill")):
                 if handle is not None:
-                    handle.close()   # (idempotent: h was closed by close_many already)
+                    handle.close()  # (idempotent: h was closed by close_many already)
         assert not any(t.is_alive() for t in threads), "node B did not answer"
         if "error" in results:
             raise results["error"]
         if not results.get("published"):
-            return                             # refused or nothing published: nothing to check
-        wait_for(lambda: store_done(b.b0) >= done_before + results["published"],
-                 "node B's store writes")
+            return  # refused or nothing published: nothing to check
+        wait_for(
+            lambda: store_done(b.b0) >= done_before + results["published"], "node B's store writes"
+        )
         self.audit_store()
 
     @rule()
@@ -571,14 +609,15 @@ class TierStoreMachine(RuleBasedStateMachine):
         values = b.store.mget(names) if names else []
         for name, value in zip(names, values):
             if value is None:
-                continue                       # expired or deleted meanwhile
+                continue  # expired or deleted meanwhile
             key = bytes.fromhex(name.decode().rsplit(":", 1)[1])
             payload = torch.frombuffer(bytearray(value[HEADER_SIZE:]), dtype=torch.float32)
             want = block_values(key).reshape(-1)
             assert payload.shape == want.shape and torch.equal(payload, want), (
                 f"the store holds other K/V than its prefix key's under {name.decode()}: "
                 f"{int((payload != want).sum()) if payload.shape == want.shape else 'size'}"
-                " values differ")
+                " values differ"
+            )
 
     # -- checks --------------------------------------------------------------------------
 
@@ -592,21 +631,22 @@ class TierStoreMachine(RuleBasedStateMachine):
         pool = self.coord.table.pool
         cached = [pool.block_key[b] for b in list(pool._cached)]
         missing = {k for k in cached if k is not None and local.lookup([k]) == 0}
-        losses = 0   # whatever a tier counts as a block it let go or could not keep
+        losses = 0  # whatever a tier counts as a block it let go or could not keep
         for t in local.stats():
             losses += sum(t.get(name, 0) for name in LOSS_COUNTERS)
         new = missing - self.missing_before
         assert len(new) <= losses - self.losses_before, (
             f"{len(new)} blocks cached in node A's pool since the last check reached no "
             f"tier ({self.kinds}), and the tiers counted {losses - self.losses_before} "
-            f"dropped or failed blocks")
+            f"dropped or failed blocks"
+        )
         self.missing_before, self.losses_before = missing, losses
 
     @invariant()
     def tables_consistent(self):
         if self.coord is None:
             return
-        self.a0.flush()              # a release sent without waiting is served first
+        self.a0.flush()  # a release sent without waiting is served first
         table = self.coord.table
         table.check_invariants()
         live = {shmkv.sequences.format_cache_id(c) for c in table.live()}
@@ -621,8 +661,9 @@ class TierStoreMachine(RuleBasedStateMachine):
             got = read_blocks(self.af, list(h.block_table.physical_blocks), n)
             for rank in range(TP):
                 mask = seq.written[rank]
-                assert torch.equal(shard(got, rank)[:, :, mask],
-                                   shard(seq.values, rank)[:, :, mask]), (h, rank)
+                assert torch.equal(
+                    shard(got, rank)[:, :, mask], shard(seq.values, rank)[:, :, mask]
+                ), (h, rank)
 
 
 @pytest.fixture
@@ -653,8 +694,12 @@ def test_tiers_and_the_store_serve_only_what_was_written(redis_server):
     try:
         run_state_machine_as_test(
             lambda: TierStoreMachine(shared),
-            settings=settings(max_examples=EXAMPLES, stateful_step_count=25, deadline=None,
-                              suppress_health_check=[HealthCheck.too_slow,
-                                                     HealthCheck.filter_too_much]))
+            settings=settings(
+                max_examples=EXAMPLES,
+                stateful_step_count=25,
+                deadline=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+            ),
+        )
     finally:
         shared.close()

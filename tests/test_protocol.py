@@ -22,7 +22,7 @@ def test_oversized_length_prefix_refused_before_buffering():
     assert "exceeds the maximum of 1024" in str(got[0].error())
     assert isinstance(got[0].error(), errors.ProtocolError)
     assert decoder.buffered < 1024
-    assert list(decoder.feed(b"y" * 4096)) == [] and decoder.buffered == 0   # skipped
+    assert list(decoder.feed(b"y" * 4096)) == [] and decoder.buffered == 0  # skipped
 
 
 def test_undecodable_and_trailing_bytes_rejected():
@@ -39,15 +39,18 @@ def test_non_string_map_keys_rejected():
         list(protocol.FrameDecoder().feed(len(body).to_bytes(4, "big") + body))
 
 
-@pytest.mark.parametrize("obj, match", [
-    ([1, "nope", {}], "unknown op"),
-    ([1, "allocate", {"num_tokens": 1, "evil": 1}], "unknown argument"),
-    ([1, "extend", {"cache_id": 1}], "missing argument"),
-    ("hello", "request must be"),
-    ([True, "ping", {}], "request_id"),
-    ([1, 2, {}], "op must be"),
-    ([1, "ping", []], "must be a map"),
-])
+@pytest.mark.parametrize(
+    "obj, match",
+    [
+        ([1, "nope", {}], "unknown op"),
+        ([1, "allocate", {"num_tokens": 1, "evil": 1}], "unknown argument"),
+        ([1, "extend", {"cache_id": 1}], "missing argument"),
+        ("hello", "request must be"),
+        ([True, "ping", {}], "request_id"),
+        ([1, 2, {}], "op must be"),
+        ([1, "ping", []], "must be a map"),
+    ],
+)
 def test_malformed_requests(obj, match):
     with pytest.raises(errors.ProtocolError, match=match):
         protocol.parse_request(obj)
@@ -62,8 +65,9 @@ def test_wrong_argument_types_are_type_errors():
 
 def test_error_codes_round_trip_to_the_same_class():
     for code, cls in protocol.ERROR_CODES.items():
-        response = protocol.parse_response(msgpack.unpackb(
-            protocol.encode_error(7, cls("boom"))[4:], raw=False))
+        response = protocol.parse_response(
+            msgpack.unpackb(protocol.encode_error(7, cls("boom"))[4:], raw=False)
+        )
         assert response.code == code
         with pytest.raises(cls, match="boom"):
             response.unwrap()
@@ -74,8 +78,9 @@ def test_two_peers_over_a_fake_link():
     link = protocol.encode_request(3, "extend", {"cache_id": 9, "num_tokens": 2})
     (obj,) = protocol.FrameDecoder().feed(link)
     request = protocol.parse_request(obj)
-    assert request == protocol.Request(3, "extend", {"cache_id": 9, "num_tokens": 2,
-                                                     "tokens": None})
+    assert request == protocol.Request(
+        3, "extend", {"cache_id": 9, "num_tokens": 2, "tokens": None}
+    )
     reply = protocol.encode_ok(request.request_id, {"start": 0})
     (robj,) = protocol.FrameDecoder().feed(reply)
     assert protocol.parse_response(robj).unwrap() == {"start": 0}
@@ -84,11 +89,18 @@ def test_two_peers_over_a_fake_link():
 def test_protocol_and_allocator_import_without_torch():
     import subprocess
     import sys
+
     # the package __init__ imports torch, so load the pure modules as a bare package
-    code = ("import sys, importlib.util, types; sys.modules['torch'] = None\n"
-            "pkg = types.ModuleType('shmkv'); pkg.__path__ = ['shmkv']\n"
-            "sys.modules['shmkv'] = pkg\n"
-            "import shmkv.protocol, shmkv.allocator, shmkv.sequences, shmkv.hashing\n"
-            "import shmkv.layout\n")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60,
-                   cwd=__import__("os").path.dirname(__import__("os").path.dirname(__file__)))
+    code = (
+        "import sys, importlib.util, types; sys.modules['torch'] = None\n"
+        "pkg = types.ModuleType('shmkv'); pkg.__path__ = ['shmkv']\n"
+        "sys.modules['shmkv'] = pkg\n"
+        "import shmkv.protocol, shmkv.allocator, shmkv.sequences, shmkv.hashing\n"
+        "import shmkv.layout\n"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code],
+        check=True,
+        timeout=60,
+        cwd=__import__("os").path.dirname(__import__("os").path.dirname(__file__)),
+    )

@@ -24,14 +24,20 @@ def values(seed: int, n: int, heads: int = 4, dim: int = 8) -> torch.Tensor:
 
 def write_seq(h, seed: int) -> None:
     for layer in range(h.num_layers):
-        h.write(layer, values(seed + layer, h.num_tokens), values(seed + 50 + layer, h.num_tokens),
-                start=0)
+        h.write(
+            layer,
+            values(seed + layer, h.num_tokens),
+            values(seed + 50 + layer, h.num_tokens),
+            start=0,
+        )
 
 
 def seq_ok(h, seed: int) -> bool:
-    return all(torch.equal(h.key_cache(layer), values(seed + layer, h.num_tokens))
-               and torch.equal(h.value_cache(layer), values(seed + 50 + layer, h.num_tokens))
-               for layer in range(h.num_layers))
+    return all(
+        torch.equal(h.key_cache(layer), values(seed + layer, h.num_tokens))
+        and torch.equal(h.value_cache(layer), values(seed + 50 + layer, h.num_tokens))
+        for layer in range(h.num_layers)
+    )
 
 
 def wait_until(predicate, timeout: float, step: float = 0.01) -> float:
@@ -45,6 +51,7 @@ def wait_until(predicate, timeout: float, step: float = 0.01) -> float:
 
 
 # -- child processes ---------------------------------------------------------------------
+
 
 def producer_until_killed(address, queue):
     """Hold sequences, export two of them, then write in a loop until SIGKILLed."""
@@ -90,6 +97,7 @@ def wait_for_gone(address, queue):
 
 # -- tests -------------------------------------------------------------------------------
 
+
 def test_killed_worker_reclaimed_promptly_while_its_handoffs_live(coord, client):
     survivor = client.allocate(30)
     write_seq(survivor, 100)
@@ -108,15 +116,16 @@ def test_killed_worker_reclaimed_promptly_while_its_handoffs_live(coord, client)
 
     os.kill(child.pid, signal.SIGKILL)
     assert join_or_kill(child, 10) == -signal.SIGKILL
-    took = wait_until(lambda: client.stats()["referenced_blocks"] == survivor_blocks + 3 + 2,
-                      timeout=1.0)
+    took = wait_until(
+        lambda: client.stats()["referenced_blocks"] == survivor_blocks + 3 + 2, timeout=1.0
+    )
     after = client.stats()
     assert time.monotonic() < answered_at + 4, "too slow to see the hand-offs alive"
     assert (after["sequences"], after["handoffs"], after["connections"]) == (3, 2, 1), after
     assert after["free_blocks"] + after["cached_blocks"] + after["referenced_blocks"] == 64
     assert took < 1.0
 
-    opened = client.open(long_token)            # outlived its producer
+    opened = client.open(long_token)  # outlived its producer
     assert opened.num_tokens == 12 and seq_ok(opened, 500)
 
     wait_until(lambda: client.stats()["handoffs"] == 0, timeout=6.0, step=0.05)
@@ -183,7 +192,7 @@ def test_killed_coordinator_every_call_raises_gone_within_a_second(small_config,
             with pytest.raises(shmkv.CoordinatorGone):
                 call()
             assert time.monotonic() - t0 < 1.0, name
-        h.close()                    # a no-op once the coordinator is gone
+        h.close()  # a no-op once the coordinator is gone
         h.close()
         client.close()
 
@@ -219,7 +228,7 @@ def test_new_coordinator_after_a_dead_one_and_refusal_while_live(small_config, u
                 shmkv.Coordinator(small_config, name=unique_name).start()
             with pytest.raises(shmkv.ShmkvError, match="served by a live coordinator"):
                 shmkv.Coordinator.spawn(small_config, name=unique_name)
-            assert os.stat(live.address).st_ino == inode   # nobody replaced the socket
+            assert os.stat(live.address).st_ino == inode  # nobody replaced the socket
             c.ping()
             assert seq_ok(h, 1)
             with shmkv.connect(live.address, timeout=10) as other:
@@ -231,10 +240,30 @@ def test_new_coordinator_after_a_dead_one_and_refusal_while_live(small_config, u
 def test_serve_stops_cleanly_on_signal(sig, unique_name):
     address = shmkv.default_address(unique_name)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "shmkv", "serve", "--name", unique_name, "--num-blocks", "32",
-         "--num-layers", "2", "--num-kv-heads", "4", "--head-dim", "8", "--block-size", "4",
-         "--dtype", "float32"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "shmkv",
+            "serve",
+            "--name",
+            unique_name,
+            "--num-blocks",
+            "32",
+            "--num-layers",
+            "2",
+            "--num-kv-heads",
+            "4",
+            "--head-dim",
+            "8",
+            "--block-size",
+            "4",
+            "--dtype",
+            "float32",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 60)
         assert ready, "serve printed nothing within 60 s"
@@ -262,10 +291,31 @@ def test_serve_stops_cleanly_on_signal(sig, unique_name):
 def test_short_stress_run_with_kills_passes(tmp_path, unique_name):
     report_path = tmp_path / "stress.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "shmkv", "stress", "--workers", "3", "--duration", "4",
-         "--kill-rate", "1", "--handoff-ttl", "2", "--num-blocks", "64", "--name", unique_name,
-         "--quiet", "--json", str(report_path)],
-        capture_output=True, text=True, timeout=150)
+        [
+            sys.executable,
+            "-m",
+            "shmkv",
+            "stress",
+            "--workers",
+            "3",
+            "--duration",
+            "4",
+            "--kill-rate",
+            "1",
+            "--handoff-ttl",
+            "2",
+            "--num-blocks",
+            "64",
+            "--name",
+            unique_name,
+            "--quiet",
+            "--json",
+            str(report_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(report_path.read_text())
     assert report["passed"] and report["failures"] == []

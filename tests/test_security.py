@@ -20,8 +20,18 @@ from conftest import SPAWN, join_or_kill
 import shmkv
 from shmkv.coordinator import runtime_dir
 
-STATE_KEYS = ("num_blocks", "free_blocks", "cached_blocks", "referenced_blocks", "sequences",
-              "handoffs", "prefix_index_blocks", "evictions", "cow_copies", "published_blocks")
+STATE_KEYS = (
+    "num_blocks",
+    "free_blocks",
+    "cached_blocks",
+    "referenced_blocks",
+    "sequences",
+    "handoffs",
+    "prefix_index_blocks",
+    "evictions",
+    "cow_copies",
+    "published_blocks",
+)
 NOBODY = 65534
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch uid")
@@ -58,6 +68,7 @@ def wait_until(predicate, timeout: float) -> None:
 
 
 # -- permissions -------------------------------------------------------------------------
+
 
 def test_socket_dir_is_0700_and_socket_0600(coord):
     directory = os.path.dirname(coord.address)
@@ -126,7 +137,7 @@ def test_other_users_are_refused(small_config, unique_name, coord):
         os.chmod(directory, 0o755)
         address = os.path.join(directory, "c.sock")
         with shmkv.Coordinator(small_config, address=address) as open_coord:
-            os.chmod(address, 0o666)   # loosen the file layer to reach the peer check
+            os.chmod(address, 0o666)  # loosen the file layer to reach the peer check
             with shmkv.connect(address, timeout=10) as mine:
                 h = mine.allocate(4)
                 q = SPAWN.Queue()
@@ -149,22 +160,30 @@ def test_other_users_are_refused(small_config, unique_name, coord):
 
 # -- hand-off tokens ---------------------------------------------------------------------
 
+
 def test_forged_and_malformed_tokens_fail(client):
     h = client.allocate(6)
     h.write(0, torch.ones(6, 4, 8), torch.ones(6, 4, 8), start=0)
     token = h.export(ttl=30)
     with Unchanged(client):
         wrong_secret = token[:-1] + bytes([token[-1] ^ 1])
-        forged = [wrong_secret, token[:9] + os.urandom(16), b"\x01" + os.urandom(24),
-                  token[:1] + (2).to_bytes(8, "big") + token[9:],
-                  b"\x02" + token[1:], token[:-1], token + b"\x00", b""]
+        forged = [
+            wrong_secret,
+            token[:9] + os.urandom(16),
+            b"\x01" + os.urandom(24),
+            token[:1] + (2).to_bytes(8, "big") + token[9:],
+            b"\x02" + token[1:],
+            token[:-1],
+            token + b"\x00",
+            b"",
+        ]
         for bad in forged:
             with pytest.raises(shmkv.HandoffError):
                 client.open(bad)
         with pytest.raises(shmkv.WrongType):
             client.open(token.hex())
         assert client.stats()["handoffs"] == 1
-    opened = client.open(token)         # the failed attempts did not consume it
+    opened = client.open(token)  # the failed attempts did not consume it
     assert torch.equal(opened.key_cache(0), torch.ones(6, 4, 8))
 
 
@@ -193,14 +212,16 @@ def test_expired_token_fails_and_its_reference_is_gone(client):
     after = state(client)
     assert after["handoffs"] == 0 and after["referenced_blocks"] == 0
     assert after["sequences"] == before["sequences"]
-    assert client.stats()["expired_handoffs"] == 1      # it expired, not something else
+    assert client.stats()["expired_handoffs"] == 1  # it expired, not something else
 
 
 def test_a_token_of_another_coordinator_fails(small_config, unique_name, client):
     token = client.allocate(2).export(ttl=30)
-    with shmkv.Coordinator(small_config, name=unique_name + "-b") as other_coord, \
-            shmkv.connect(other_coord.address, timeout=10) as other:
-        theirs = other.allocate(2).export(ttl=30)   # the same hand-off id over there
+    with (
+        shmkv.Coordinator(small_config, name=unique_name + "-b") as other_coord,
+        shmkv.connect(other_coord.address, timeout=10) as other,
+    ):
+        theirs = other.allocate(2).export(ttl=30)  # the same hand-off id over there
         assert theirs[:9] == token[:9]
         with Unchanged(other):
             with pytest.raises(shmkv.HandoffError):
@@ -220,13 +241,14 @@ def test_bad_ttl_is_refused(client):
 
 # -- limits ------------------------------------------------------------------------------
 
+
 def test_max_connections(small_config, unique_name):
     with shmkv.Coordinator(small_config, name=unique_name, max_connections=2) as coord:
         a = shmkv.connect(coord.address, timeout=10)
         b = shmkv.connect(coord.address, timeout=10)
         h = a.allocate(4)
         with Unchanged(a):
-            for _ in range(40):   # refused before or after the hello is sent: same error
+            for _ in range(40):  # refused before or after the hello is sent: same error
                 with pytest.raises(shmkv.LimitExceeded, match="the limit is 2"):
                     shmkv.connect(coord.address, timeout=10)
         a.ping()
@@ -241,18 +263,20 @@ def test_max_connections(small_config, unique_name):
 
 
 def test_max_frame(small_config, unique_name):
-    with shmkv.Coordinator(small_config, name=unique_name, max_frame=4096) as coord, \
-            shmkv.connect(coord.address, timeout=10) as keeper:
+    with (
+        shmkv.Coordinator(small_config, name=unique_name, max_frame=4096) as coord,
+        shmkv.connect(coord.address, timeout=10) as keeper,
+    ):
         h = keeper.allocate(4)
         h.write(0, torch.ones(4, 4, 8), torch.ones(4, 4, 8), start=0)
         with Unchanged(keeper):
-            for n in (2000, 300_000):   # below, and far above, the socket buffer
+            for n in (2000, 300_000):  # below, and far above, the socket buffer
                 sender = shmkv.connect(coord.address, timeout=10)
                 held = sender.allocate(2)
                 # refused before it is sent: the client knows the coordinator's limit
                 with pytest.raises(shmkv.LimitExceeded, match="maximum frame of 4096"):
                     sender.allocate(prompt=list(range(n)))
-                sender.ping()             # the connection stays, and so do its sequences
+                sender.ping()  # the connection stays, and so do its sequences
                 assert held.is_valid() and held.num_tokens == 2
                 held.close()
                 sender.close()
@@ -264,8 +288,10 @@ def test_max_frame(small_config, unique_name):
 
 
 def test_max_handoffs(small_config, unique_name):
-    with shmkv.Coordinator(small_config, name=unique_name, max_handoffs=3) as coord, \
-            shmkv.connect(coord.address, timeout=10) as client:
+    with (
+        shmkv.Coordinator(small_config, name=unique_name, max_handoffs=3) as coord,
+        shmkv.connect(coord.address, timeout=10) as client,
+    ):
         handles = [client.allocate(1) for _ in range(5)]
         tokens = [h.export(ttl=30) for h in handles[:3]]
         with Unchanged(client):
@@ -284,6 +310,7 @@ def test_max_handoffs(small_config, unique_name):
 
 
 # -- bad API input -----------------------------------------------------------------------
+
 
 def test_bad_tensors_raise_and_write_nothing(client):
     h = client.allocate(6)
@@ -307,9 +334,13 @@ def test_bad_tensors_raise_and_write_nothing(client):
         for exc, match, k, v in cases:
             with pytest.raises(exc, match=match):
                 h.write(0, k, v, start=0)
-        for bad_kv in (torch.randn(3, 2, 2, 4, 8).double(), torch.randn(2, 2, 2, 4, 8),
-                       torch.randn(3, 2, 2, 4, 8).transpose(3, 4).contiguous(),
-                       torch.randn(3, 2, 4, 2, 8).transpose(2, 3), torch.randn(3, 2, 4, 8)):
+        for bad_kv in (
+            torch.randn(3, 2, 2, 4, 8).double(),
+            torch.randn(2, 2, 2, 4, 8),
+            torch.randn(3, 2, 2, 4, 8).transpose(3, 4).contiguous(),
+            torch.randn(3, 2, 4, 2, 8).transpose(2, 3),
+            torch.randn(3, 2, 4, 8),
+        ):
             with pytest.raises(shmkv.InvalidArgument):
                 h.write_all(bad_kv, start=0)
 
@@ -319,9 +350,12 @@ def test_bad_layers_and_positions_raise_and_write_nothing(client):
     kv = torch.randn(2, 4, 8)
     with Unchanged(client):
         for layer in (-1, 3, 100):
-            for call in (lambda n=layer: h.write(n, kv, kv, start=0),
-                         lambda n=layer: h.key_cache(n), lambda n=layer: h.value_cache(n),
-                         lambda n=layer: h.paged_kv(n)):
+            for call in (
+                lambda n=layer: h.write(n, kv, kv, start=0),
+                lambda n=layer: h.key_cache(n),
+                lambda n=layer: h.value_cache(n),
+                lambda n=layer: h.paged_kv(n),
+            ):
                 with pytest.raises(shmkv.OutOfRange):
                     call()
         for layer in (True, 1.0, "0", None):
@@ -379,13 +413,22 @@ def test_closed_handles_and_clients_raise(coord, client):
     h.close()
     kv = torch.randn(1, 4, 8)
     with Unchanged(client):
-        calls = [lambda: h.write(0, kv, kv, start=0),
-                 lambda: h.write_all(torch.randn(3, 2, 1, 4, 8), start=0),
-                 lambda: h.key_cache(0), lambda: h.value_cache(0), lambda: h.gather_all(),
-                 lambda: h.paged_kv(0), lambda: h.extend(1), lambda: h.fork(),
-                 lambda: h.clone_handle(), lambda: h.export(), lambda: h.commit(),
-                 lambda: h.refresh(), lambda: h.with_sequence_length(1),
-                 lambda: client.extend_many([(keep, 1), (h, 1)])]
+        calls = [
+            lambda: h.write(0, kv, kv, start=0),
+            lambda: h.write_all(torch.randn(3, 2, 1, 4, 8), start=0),
+            lambda: h.key_cache(0),
+            lambda: h.value_cache(0),
+            lambda: h.gather_all(),
+            lambda: h.paged_kv(0),
+            lambda: h.extend(1),
+            lambda: h.fork(),
+            lambda: h.clone_handle(),
+            lambda: h.export(),
+            lambda: h.commit(),
+            lambda: h.refresh(),
+            lambda: h.with_sequence_length(1),
+            lambda: client.extend_many([(keep, 1), (h, 1)]),
+        ]
         for call in calls:
             with pytest.raises(shmkv.HandleClosed):
                 call()
@@ -407,7 +450,7 @@ def test_foreign_handles_are_refused(coord, client, small_config, unique_name):
     mine.write(0, torch.ones(4, 4, 8), torch.ones(4, 4, 8), start=0)
     with shmkv.connect(coord.address, timeout=10) as other:
         theirs = other.allocate(4)
-        shared = other.open(mine.export(ttl=30))    # the same sequence, another client
+        shared = other.open(mine.export(ttl=30))  # the same sequence, another client
         with Unchanged(client):
             with pytest.raises(shmkv.InvalidArgument, match="not a handle of this client"):
                 other.extend_many([(mine, 4)])
@@ -425,8 +468,10 @@ def test_foreign_handles_are_refused(coord, client, small_config, unique_name):
     wait_until(lambda: client.stats()["referenced_blocks"] == 0, 2.0)
 
     # a handle of another coordinator whose cache id exists here too
-    with shmkv.Coordinator(small_config, name=unique_name + "-b") as coord_b, \
-            shmkv.connect(coord_b.address, timeout=10) as client_b:
+    with (
+        shmkv.Coordinator(small_config, name=unique_name + "-b") as coord_b,
+        shmkv.connect(coord_b.address, timeout=10) as client_b,
+    ):
         here = client.allocate(4)
         # A cache id is (serial << slot bits) | slot: hold B's lower slots, and close
         # sequences in the target slot until B's serial reaches here's.
@@ -453,6 +498,7 @@ def test_foreign_handles_are_refused(coord, client, small_config, unique_name):
 
 # -- the runtime directory in a shared temp dir --------------------------------------------
 
+
 @pytest.fixture
 def shared_tmp(tmp_path, monkeypatch):
     """``tempfile.gettempdir()`` is a fresh directory, and neither $SHMKV_RUNTIME_DIR nor
@@ -471,17 +517,18 @@ def test_runtime_dir_never_follows_a_planted_symlink(shared_tmp, caplog):
     planted = shared_tmp / f"shmkv-{os.getuid()}"
     planted.symlink_to(target)
     got = runtime_dir()
-    assert stat.S_IMODE(os.stat(target).st_mode) == 0o755      # not chmod'ed through the link
+    assert stat.S_IMODE(os.stat(target).st_mode) == 0o755  # not chmod'ed through the link
     assert os.path.islink(planted) and os.readlink(planted) == str(target)
     assert got == f"{planted}-1"
     st = os.lstat(got)
     assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700
     assert st.st_uid == os.getuid()
-    assert any("is a symbolic link" in r.getMessage() and got in r.getMessage()
-               for r in caplog.records), caplog.text
-    assert runtime_dir() == got                                # stable: the same walk
+    assert any(
+        "is a symbolic link" in r.getMessage() and got in r.getMessage() for r in caplog.records
+    ), caplog.text
+    assert runtime_dir() == got  # stable: the same walk
     planted.unlink()
-    (shared_tmp / f"shmkv-{os.getuid()}").write_text("")       # a plain file: also taken
+    (shared_tmp / f"shmkv-{os.getuid()}").write_text("")  # a plain file: also taken
     assert runtime_dir() == got
 
 
@@ -503,15 +550,16 @@ def meet_by_name(tmp_dir: str, name: str, queue) -> None:
 
 @root_only
 def test_runtime_dir_of_another_owner_falls_back_and_named_coordinators_meet(
-        shared_tmp, small_config, unique_name, caplog):
+    shared_tmp, small_config, unique_name, caplog
+):
     caplog.set_level(logging.WARNING, logger="shmkv")
     taken = shared_tmp / f"shmkv-{os.getuid()}"
     taken.mkdir(mode=0o700)
-    os.chown(taken, NOBODY, NOBODY)                              # another user was first
+    os.chown(taken, NOBODY, NOBODY)  # another user was first
     os.chmod(taken, 0o700)
     with shmkv.Coordinator(small_config, name=unique_name) as coord:
         assert os.path.dirname(coord.address) == f"{taken}-1"
-        assert os.lstat(taken).st_uid == NOBODY                   # left as it was
+        assert os.lstat(taken).st_uid == NOBODY  # left as it was
         assert stat.S_IMODE(os.lstat(taken).st_mode) == 0o700
         q = SPAWN.Queue()
         child = SPAWN.Process(target=meet_by_name, args=(str(shared_tmp), unique_name, q))
@@ -519,8 +567,7 @@ def test_runtime_dir_of_another_owner_falls_back_and_named_coordinators_meet(
         result = q.get(timeout=60)
         assert join_or_kill(child) == 0
         assert result == ("ok", coord.address), result
-    assert any(f"belongs to uid {NOBODY}" in r.getMessage() for r in caplog.records), \
-        caplog.text
+    assert any(f"belongs to uid {NOBODY}" in r.getMessage() for r in caplog.records), caplog.text
 
 
 def test_runtime_dir_when_every_name_is_taken_is_private_and_said(shared_tmp, caplog):
@@ -533,18 +580,21 @@ def test_runtime_dir_when_every_name_is_taken_is_private_and_said(shared_tmp, ca
     assert os.path.basename(got).startswith(f"shmkv-{os.getuid()}.")
     st = os.lstat(got)
     assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700
-    assert runtime_dir() == got                                  # stable in this process
-    assert any(got in r.getMessage() and "SHMKV_RUNTIME_DIR" in r.getMessage()
-               for r in caplog.records), caplog.text
+    assert runtime_dir() == got  # stable in this process
+    assert any(
+        got in r.getMessage() and "SHMKV_RUNTIME_DIR" in r.getMessage() for r in caplog.records
+    ), caplog.text
 
 
 # -- /dev/shm entries of other users -------------------------------------------------------
 
+
 @root_only
 def test_a_planted_shm_entry_of_another_user_neither_blocks_a_start_nor_is_removed(
-        small_config, unique_name):
+    small_config, unique_name
+):
     dead = subprocess.Popen(["true"])
-    dead.wait(timeout=30)                        # a pid that no longer runs
+    dead.wait(timeout=30)  # a pid that no longer runs
     name = f"shmkv-{dead.pid}-{os.urandom(8).hex()}"
     path = os.path.join("/dev/shm", name)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
@@ -555,15 +605,19 @@ def test_a_planted_shm_entry_of_another_user_neither_blocks_a_start_nor_is_remov
         with shmkv.Coordinator(small_config, name=unique_name) as coord:
             with shmkv.connect(coord.address, timeout=10) as client:
                 client.ping()
-        after = os.lstat(path)                   # untouched
-        assert (after.st_ino, after.st_uid, stat.S_IMODE(after.st_mode)) == \
-            (before.st_ino, NOBODY, 0o600)
+        after = os.lstat(path)  # untouched
+        assert (after.st_ino, after.st_uid, stat.S_IMODE(after.st_mode)) == (
+            before.st_ino,
+            NOBODY,
+            0o600,
+        )
     finally:
         if os.path.lexists(path):
             os.unlink(path)
 
 
 # -- the coordinator's uid, checked by the client ----------------------------------------
+
 
 def listen_as_nobody(directory: str, queue) -> None:
     """Bind a socket in ``directory`` as root, become uid 65534, then listen (the peer
@@ -589,7 +643,7 @@ def listen_as_nobody(directory: str, queue) -> None:
                 if not data:
                     break
                 got += data
-                if len(got) > 16:      # a hello arrived: enough to tell
+                if len(got) > 16:  # a hello arrived: enough to tell
                     break
         except socket.timeout:
             pass
@@ -611,7 +665,7 @@ def test_connect_refuses_a_coordinator_of_another_uid_and_sends_nothing(tmp_path
         with pytest.raises(shmkv.AccessDenied, match=f"runs as uid {NOBODY}") as info:
             shmkv.connect(address, timeout=10)
         assert "trust_uid" in str(info.value)
-        assert q.get(timeout=30) == ("received", b"")             # not even the hello
+        assert q.get(timeout=30) == ("received", b"")  # not even the hello
         # opting in: the client speaks to it (which here only hangs up)
         with pytest.raises(shmkv.CoordinatorGone):
             shmkv.connect(address, timeout=10, trust_uid=NOBODY)
@@ -628,11 +682,13 @@ def test_connect_refuses_a_coordinator_of_another_uid_and_sends_nothing(tmp_path
 
 # -- the address lock: another uid can neither take nor block it ------------------------
 
+
 def squat_as_nobody(address: str, queue, inbox) -> None:
     """As uid 65534: bind every abstract-namespace name a lock of ``address`` could have
     had (uid 0's, by the old scheme's digest) and try to plant its lock file; report,
     then hold what was bound until told to stop."""
     import hashlib
+
     os.setgroups([])
     os.setgid(NOBODY)
     os.setuid(NOBODY)
@@ -645,7 +701,7 @@ def squat_as_nobody(address: str, queue, inbox) -> None:
     except OSError as exc:
         planted = type(exc).__name__
     queue.put(("squatting", planted, os.getuid()))
-    inbox.get(timeout=120)          # "stop"
+    inbox.get(timeout=120)  # "stop"
     squat.close()
 
 
@@ -658,7 +714,7 @@ def test_another_uid_cannot_block_a_named_coordinator(small_config, unique_name)
     try:
         what, planted, uid = from_child.get(timeout=60)
         assert what == "squatting" and uid == NOBODY
-        assert planted == "PermissionError"        # the runtime directory keeps it out
+        assert planted == "PermissionError"  # the runtime directory keeps it out
         with shmkv.Coordinator(small_config, name=unique_name) as coord:
             with shmkv.connect(coord.address, timeout=10) as client:
                 assert client.allocate(4).num_tokens == 4
@@ -683,7 +739,7 @@ def plant_lock_as_nobody(path: str, queue) -> None:
 def test_a_lock_file_planted_by_another_uid_is_refused_and_left_alone(small_config):
     directory = tempfile.mkdtemp(prefix="shmkv-shared-")
     try:
-        os.chmod(directory, 0o1777)          # a shared, sticky directory, like /tmp
+        os.chmod(directory, 0o1777)  # a shared, sticky directory, like /tmp
         address = os.path.join(directory, "c.sock")
         q = SPAWN.Queue()
         child = SPAWN.Process(target=plant_lock_as_nobody, args=(address + ".lock", q))
@@ -692,7 +748,7 @@ def test_a_lock_file_planted_by_another_uid_is_refused_and_left_alone(small_conf
         assert join_or_kill(child) == 0
         with pytest.raises(shmkv.AccessDenied, match="lock file .*c.sock.lock"):
             shmkv.Coordinator(small_config, address=address).open()
-        assert sorted(os.listdir(directory)) == ["c.sock.lock"]   # no socket, file kept
+        assert sorted(os.listdir(directory)) == ["c.sock.lock"]  # no socket, file kept
         with open(address + ".lock") as f:
             assert f.read() == "mine"
     finally:
@@ -722,7 +778,7 @@ def test_a_killed_coordinators_lock_is_free_and_its_files_are_replaced(small_con
             shmkv.Coordinator(small_config, address=address).open()
     finally:
         spawned.kill()
-    assert sorted(os.listdir(tmp_path)) == ["c.sock", "c.sock.lock"]   # as a crash leaves
+    assert sorted(os.listdir(tmp_path)) == ["c.sock", "c.sock.lock"]  # as a crash leaves
     with shmkv.Coordinator(small_config, address=address) as coord:
         with shmkv.connect(coord.address, timeout=10) as client:
             assert client.allocate(4).num_tokens == 4
@@ -735,22 +791,32 @@ def test_a_killed_coordinators_lock_is_free_and_its_files_are_replaced(small_con
 
 # -- addresses are compared resolved ------------------------------------------------------
 
+
 def test_a_relative_spelling_of_the_address_finds_the_ranks_client(tmp_path, monkeypatch):
-    cfg = shmkv.PoolConfig(num_layers=1, num_kv_heads=2, head_dim=4, num_blocks=8,
-                           block_size=4, dtype=torch.float32, tp_size=2)
+    cfg = shmkv.PoolConfig(
+        num_layers=1,
+        num_kv_heads=2,
+        head_dim=4,
+        num_blocks=8,
+        block_size=4,
+        dtype=torch.float32,
+        tp_size=2,
+    )
     address = str(tmp_path / "c.sock")
     with shmkv.Coordinator(cfg, address=address):
         monkeypatch.chdir(tmp_path)
-        with shmkv.connect(address, timeout=10) as sender, \
-                shmkv.connect("c.sock", tp_rank=1, tp_size=2, timeout=10) as rank:
+        with (
+            shmkv.connect(address, timeout=10) as sender,
+            shmkv.connect("c.sock", tp_rank=1, tp_size=2, timeout=10) as rank,
+        ):
             assert rank.address == sender.address == os.path.realpath(address)
             h = sender.allocate(4)
-            with rank.as_unpickle_target():                  # made current: this spelling
+            with rank.as_unpickle_target():  # made current: this spelling
                 got = pickle.loads(pickle.dumps(h))
             assert got._client is rank
             got.close()
             data = pickle.dumps(h)
-            sender.close()                                    # now the only client
+            sender.close()  # now the only client
             got = pickle.loads(data)
             assert got._client is rank and got._client.tp_rank == 1
             got.close()
@@ -759,8 +825,13 @@ def test_a_relative_spelling_of_the_address_finds_the_ranks_client(tmp_path, mon
 def test_open_takes_any_bytes_like_token(client):
     h = client.allocate(4)
     h.write(0, torch.ones(4, 4, 8), torch.ones(4, 4, 8), start=0)
-    for convert in (bytes, bytearray, memoryview,
-                    lambda t: memoryview(bytearray(t)), lambda t: array.array("B", t)):
+    for convert in (
+        bytes,
+        bytearray,
+        memoryview,
+        lambda t: memoryview(bytearray(t)),
+        lambda t: array.array("B", t),
+    ):
         opened = client.open(convert(h.export(ttl=30)))
         assert torch.equal(opened.key_cache(0), torch.ones(4, 4, 8))
         opened.close()

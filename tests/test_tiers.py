@@ -29,8 +29,14 @@ BS = 4
 
 
 def make_config(num_blocks=16, **kw) -> shmkv.PoolConfig:
-    args = dict(num_layers=2, num_kv_heads=2, head_dim=8, num_blocks=num_blocks, block_size=BS,
-                dtype=torch.float32)
+    args = dict(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=8,
+        num_blocks=num_blocks,
+        block_size=BS,
+        dtype=torch.float32,
+    )
     args.update(kw)
     return shmkv.PoolConfig(**args)
 
@@ -39,8 +45,13 @@ def token_kv(prompt, layer, heads, dim):
     """K and V of a prompt: a function of token, position, layer, head and channel."""
     t = torch.tensor(prompt, dtype=torch.float32)[:, None, None]
     p = torch.arange(len(prompt), dtype=torch.float32)[:, None, None]
-    k = t * 0.5 + p * 0.01 + layer + torch.arange(heads)[None, :, None] * 0.25 \
+    k = (
+        t * 0.5
+        + p * 0.01
+        + layer
+        + torch.arange(heads)[None, :, None] * 0.25
         + torch.arange(dim)[None, None, :] * 0.125
+    )
     return k.contiguous(), (-k - 7).contiguous()
 
 
@@ -131,6 +142,7 @@ def io_process_of(pid: int) -> psutil.Process:
 
 # -- children (spawned) ---------------------------------------------------------------------
 
+
 def _writer(address, prompts, queue):
     with shmkv.connect(address, timeout=30) as client:
         queue.put([write_prompt(client, p) for p in prompts])
@@ -146,8 +158,11 @@ def _slow_disk_coordinator(config_wire, address, path, queue):
     temporary file holds a partial block for a while before the real write, so a SIGKILL
     lands mid-demotion."""
     tiers_mod.IO_PROCESS_PRELOAD = tier_faults.spec("slow_disk_write")
-    coord = shmkv.Coordinator(shmkv.PoolConfig.from_wire(config_wire), address=address,
-                              tiers=[shmkv.DiskTier(path, 1 << 24)])
+    coord = shmkv.Coordinator(
+        shmkv.PoolConfig.from_wire(config_wire),
+        address=address,
+        tiers=[shmkv.DiskTier(path, 1 << 24)],
+    )
     coord.open()
     queue.put("ready")
     coord.serve_forever()
@@ -165,9 +180,11 @@ def run_child(target, *args, timeout=60.0):
 
 # -- demotion and promotion ------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("kinds", ["host", "disk", "host+disk"])
-def test_bytes_equal_after_demote_and_promote_read_from_another_process(tmp_path, unique_name,
-                                                                        kinds, io):
+def test_bytes_equal_after_demote_and_promote_read_from_another_process(
+    tmp_path, unique_name, kinds, io
+):
     cfg = make_config(num_blocks=16)
     specs = []
     if "host" in kinds:
@@ -175,13 +192,15 @@ def test_bytes_equal_after_demote_and_promote_read_from_another_process(tmp_path
     if "disk" in kinds:
         specs.append(shmkv.DiskTier(tmp_path / "tier", 1 << 20))
     prompts = prompts_of(3, 3)
-    with shmkv.Coordinator(cfg, name=unique_name, tiers=specs) as coord, \
-            shmkv.connect(coord.address, timeout=20) as client:
+    with (
+        shmkv.Coordinator(cfg, name=unique_name, tiers=specs) as coord,
+        shmkv.connect(coord.address, timeout=20) as client,
+    ):
         assert run_child(_writer, coord.address, prompts) == [0, 0, 0]
         wait_idle(client)
         evict_all(client)
         st = wait_idle(client)
-        assert st["prefix_index_blocks"] == 0          # nothing left in the pool
+        assert st["prefix_index_blocks"] == 0  # nothing left in the pool
         assert st["tier_io"]["lost_evictions"] == 0
         got = run_child(_reader, coord.address, prompts)
         assert got == [(12, True)] * 3
@@ -193,17 +212,19 @@ def test_bytes_equal_after_demote_and_promote_read_from_another_process(tmp_path
 
 def test_working_set_4x_the_pool_is_served_from_the_tiers(tmp_path, unique_name):
     cfg = make_config(num_blocks=16)
-    prompts = prompts_of(16, 4)          # 64 blocks: four times the pool
+    prompts = prompts_of(16, 4)  # 64 blocks: four times the pool
     specs = [shmkv.HostTier(24 * cfg.block_nbytes), shmkv.DiskTier(tmp_path, 1 << 20)]
-    with shmkv.Coordinator(cfg, name=unique_name, tiers=specs) as coord, \
-            shmkv.connect(coord.address, timeout=20) as client:
+    with (
+        shmkv.Coordinator(cfg, name=unique_name, tiers=specs) as coord,
+        shmkv.connect(coord.address, timeout=20) as client,
+    ):
         for p in prompts:
             write_prompt(client, p)
             wait_idle(client)
-        for _round in range(2):   # a cycle over all: LRU's worst case, served from disk
+        for _round in range(2):  # a cycle over all: LRU's worst case, served from disk
             for p in prompts:
                 assert read_prompt(client, p) == (16, True)
-        for p in reversed(prompts[-8:]):   # the recent ones: from the pool, then host memory
+        for p in reversed(prompts[-8:]):  # the recent ones: from the pool, then host memory
             assert read_prompt(client, p) == (16, True)
         st = wait_idle(client)
         assert st["evictions"] > 64
@@ -217,16 +238,19 @@ def test_working_set_4x_the_pool_is_served_from_the_tiers(tmp_path, unique_name)
 def test_promotion_is_all_or_nothing_when_the_pool_cannot_supply(unique_name):
     cfg = make_config(num_blocks=8)
     prompt = prompts_of(1, 6)[0]
-    with shmkv.Coordinator(cfg, name=unique_name,
-                           tiers=[shmkv.HostTier(16 * cfg.block_nbytes)]) as coord, \
-            shmkv.connect(coord.address, timeout=20) as client:
+    with (
+        shmkv.Coordinator(
+            cfg, name=unique_name, tiers=[shmkv.HostTier(16 * cfg.block_nbytes)]
+        ) as coord,
+        shmkv.connect(coord.address, timeout=20) as client,
+    ):
         write_prompt(client, prompt)
         wait_idle(client)
         evict_all(client)
         before = wait_idle(client)
-        hold = client.allocate(4 * BS)                  # 4 of 8 blocks referenced
+        hold = client.allocate(4 * BS)  # 4 of 8 blocks referenced
         with pytest.raises(shmkv.PoolExhausted):
-            client.allocate(prompt=prompt)              # needs 6
+            client.allocate(prompt=prompt)  # needs 6
         after = wait_idle(client)
         assert tier(after, "host") == tier(before, "host")
         assert after["free_blocks"] == 4 and after["prefix_hit_blocks"] == 0
@@ -246,22 +270,25 @@ def _published_then_copied_on_write(client, prompt):
         h.write(layer, k, v, start=0)
     h.commit()
     k, v = token_kv(prompt, 0, h.num_heads, h.head_dim)
-    h.write(0, k[:1].contiguous(), v[:1].contiguous(), start=0)   # copy on write
+    h.write(0, k[:1].contiguous(), v[:1].contiguous(), start=0)  # copy on write
     return h
 
 
 def test_blocks_the_pool_holds_past_a_tier_hit_are_hits_too(unique_name):
     cfg = make_config(num_blocks=8)
     prompt = prompts_of(1, 3)[0]
-    with shmkv.Coordinator(cfg, name=unique_name,
-                           tiers=[shmkv.HostTier(16 * cfg.block_nbytes)]) as coord, \
-            shmkv.connect(coord.address, timeout=20) as client:
+    with (
+        shmkv.Coordinator(
+            cfg, name=unique_name, tiers=[shmkv.HostTier(16 * cfg.block_nbytes)]
+        ) as coord,
+        shmkv.connect(coord.address, timeout=20) as client,
+    ):
         h = _published_then_copied_on_write(client, prompt)
         wait_idle(client)
-        evict_all(client)                        # the published first block: host tier only
+        evict_all(client)  # the published first block: host tier only
         before = wait_idle(client)
         assert before["cached_blocks"] == 0 and tier(before, "host")["blocks"] == 1
-        assert read_prompt(client, prompt) == (3 * BS, True)   # promoted + 2 pool hits
+        assert read_prompt(client, prompt) == (3 * BS, True)  # promoted + 2 pool hits
         after = wait_idle(client)
         assert after["prefix_hit_blocks"] - before["prefix_hit_blocks"] == 3
         assert tier(after, "host")["promotions"] - tier(before, "host")["promotions"] == 1
@@ -272,20 +299,27 @@ def test_blocks_the_pool_holds_past_a_tier_hit_are_hits_too(unique_name):
 def test_a_failed_promotion_ends_the_hit_before_the_pool_blocks_past_it(tmp_path, unique_name):
     cfg = make_config(num_blocks=8)
     prompt = prompts_of(1, 3)[0]
-    with shmkv.Coordinator(cfg, name=unique_name,
-                           tiers=[shmkv.DiskTier(tmp_path, 1 << 20)]) as coord, \
-            shmkv.connect(coord.address, timeout=20) as client:
+    with (
+        shmkv.Coordinator(
+            cfg, name=unique_name, tiers=[shmkv.DiskTier(tmp_path, 1 << 20)]
+        ) as coord,
+        shmkv.connect(coord.address, timeout=20) as client,
+    ):
         h = _published_then_copied_on_write(client, prompt)
         wait_idle(client)
         evict_all(client)
         before = wait_idle(client)
         from shmkv import hashing
-        first = tmp_path / "blocks" / (hashing.block_keys(prompt, BS, hashing.root_key())[0]
-                                       .hex() + ".kv")
+
+        first = (
+            tmp_path
+            / "blocks"
+            / (hashing.block_keys(prompt, BS, hashing.root_key())[0].hex() + ".kv")
+        )
         data = bytearray(first.read_bytes())
-        data[-5] ^= 0xFF                                      # payload damaged
+        data[-5] ^= 0xFF  # payload damaged
         first.write_bytes(bytes(data))
-        assert read_prompt(client, prompt) == (0, True)      # nothing past the lost block
+        assert read_prompt(client, prompt) == (0, True)  # nothing past the lost block
         after = wait_idle(client)
         assert after["prefix_hit_blocks"] == before["prefix_hit_blocks"]
         assert tier(after, "disk")["removed_damaged"] == 1
@@ -296,11 +330,14 @@ def test_a_failed_promotion_ends_the_hit_before_the_pool_blocks_past_it(tmp_path
 def test_tensor_parallel_ranks_read_their_shards_of_a_promoted_block(unique_name):
     cfg = make_config(num_blocks=8, num_kv_heads=4, tp_size=2)
     prompt = prompts_of(1, 2)[0]
-    with shmkv.Coordinator(cfg, name=unique_name,
-                           tiers=[shmkv.HostTier(8 * cfg.block_nbytes)]) as coord, \
-            shmkv.connect(coord.address, timeout=20) as full, \
-            shmkv.connect(coord.address, tp_rank=0, tp_size=2, timeout=20) as r0, \
-            shmkv.connect(coord.address, tp_rank=1, tp_size=2, timeout=20) as r1:
+    with (
+        shmkv.Coordinator(
+            cfg, name=unique_name, tiers=[shmkv.HostTier(8 * cfg.block_nbytes)]
+        ) as coord,
+        shmkv.connect(coord.address, timeout=20) as full,
+        shmkv.connect(coord.address, tp_rank=0, tp_size=2, timeout=20) as r0,
+        shmkv.connect(coord.address, tp_rank=1, tp_size=2, timeout=20) as r1,
+    ):
         write_prompt(full, prompt)
         wait_idle(full)
         evict_all(full)
@@ -321,10 +358,13 @@ def test_the_loop_serves_others_while_a_promotion_copies(unique_name, monkeypatc
     cfg = make_config(num_blocks=8)
     prompt = prompts_of(1, 2)[0]
     inject(monkeypatch, io, "slow_h2p")
-    with shmkv.Coordinator(cfg, name=unique_name,
-                           tiers=[shmkv.HostTier(8 * cfg.block_nbytes)]) as coord, \
-            shmkv.connect(coord.address, timeout=20) as a, \
-            shmkv.connect(coord.address, timeout=20) as b:
+    with (
+        shmkv.Coordinator(
+            cfg, name=unique_name, tiers=[shmkv.HostTier(8 * cfg.block_nbytes)]
+        ) as coord,
+        shmkv.connect(coord.address, timeout=20) as a,
+        shmkv.connect(coord.address, timeout=20) as b,
+    ):
         write_prompt(a, prompt)
         wait_idle(a)
         evict_all(a)
@@ -343,13 +383,14 @@ def test_the_loop_serves_others_while_a_promotion_copies(unique_name, monkeypatc
         t0 = time.monotonic()
         for _ in range(20):
             b.request("ping")
-        assert time.monotonic() - t0 < 0.4           # not queued behind the copies
+        assert time.monotonic() - t0 < 0.4  # not queued behind the copies
         thread.join(10)
         assert result["got"] == (8, True) and result["s"] >= 0.9
 
 
-def test_pipelined_requests_that_each_need_a_promotion_are_all_answered(unique_name,
-                                                                          monkeypatch, io):
+def test_pipelined_requests_that_each_need_a_promotion_are_all_answered(
+    unique_name, monkeypatch, io
+):
     """A client sends two allocations in one write, each a hit in the host tier. The
     second is held until the first's copies are in, and needs copies of its own: they
     start in the very next turn, not when something else wakes the loop (here it would
@@ -357,12 +398,16 @@ def test_pipelined_requests_that_each_need_a_promotion_are_all_answered(unique_n
     import socket
 
     from shmkv import coordinator as coordinator_mod, protocol
+
     monkeypatch.setattr(coordinator_mod, "_MAX_WAIT_S", 60.0)
     cfg = make_config(num_blocks=8)
     p, q = prompts_of(2, 2)
-    with shmkv.Coordinator(cfg, name=unique_name,
-                           tiers=[shmkv.HostTier(8 * cfg.block_nbytes)]) as coord, \
-            shmkv.connect(coord.address, timeout=20) as client:
+    with (
+        shmkv.Coordinator(
+            cfg, name=unique_name, tiers=[shmkv.HostTier(8 * cfg.block_nbytes)]
+        ) as coord,
+        shmkv.connect(coord.address, timeout=20) as client,
+    ):
         for prompt in (p, q):
             write_prompt(client, prompt)
         wait_idle(client)
@@ -372,17 +417,24 @@ def test_pipelined_requests_that_each_need_a_promotion_are_all_answered(unique_n
         sock.settimeout(20)
         try:
             sock.connect(coord.address)
-            sock.sendall(protocol.encode_request(0, "hello", {
-                "version": protocol.PROTOCOL_VERSION}))
-            sock.sendall(b"".join(
-                protocol.encode_request(i + 1, "allocate_many", {"requests": [
-                    {"num_tokens": 0, "prompt": protocol.pack_i64s(prompt)}]})
-                for i, prompt in enumerate((p, q))))
+            sock.sendall(
+                protocol.encode_request(0, "hello", {"version": protocol.PROTOCOL_VERSION})
+            )
+            sock.sendall(
+                b"".join(
+                    protocol.encode_request(
+                        i + 1,
+                        "allocate_many",
+                        {"requests": [{"num_tokens": 0, "prompt": protocol.pack_i64s(prompt)}]},
+                    )
+                    for i, prompt in enumerate((p, q))
+                )
+            )
             decoder, answers = protocol.FrameDecoder(1 << 24), {}
             deadline = time.monotonic() + 20
             while len(answers) < 3:
                 assert time.monotonic() < deadline, f"answers so far: {sorted(answers)}"
-                data = sock.recv(1 << 16)   # (the hello's descriptors are dropped)
+                data = sock.recv(1 << 16)  # (the hello's descriptors are dropped)
                 assert data, "the coordinator closed the connection"
                 for obj in decoder.feed(data):
                     response = protocol.parse_response(obj)
@@ -395,6 +447,7 @@ def test_pipelined_requests_that_each_need_a_promotion_are_all_answered(unique_n
 
 
 # -- the disk tier -----------------------------------------------------------------------
+
 
 def _spawn(cfg, name, path, cap=1 << 20, **kw):
     return shmkv.Coordinator.spawn(cfg, name=name, tiers=[shmkv.DiskTier(path, cap, **kw)])
@@ -421,13 +474,17 @@ def test_a_pool_of_another_size_hits_the_blocks_it_left_on_disk(tmp_path, unique
     """The directory's namespace is the block layout, not the pool: a coordinator
     restarted with more blocks, or fewer, serves the same files with exact bytes."""
     prompts = prompts_of(3, 3)
-    with _spawn(make_config(num_blocks=16), unique_name, tmp_path) as coord, \
-            shmkv.connect(coord.address, timeout=20) as client:
+    with (
+        _spawn(make_config(num_blocks=16), unique_name, tmp_path) as coord,
+        shmkv.connect(coord.address, timeout=20) as client,
+    ):
         assert [write_prompt(client, p) for p in prompts] == [0] * 3
         assert tier(wait_idle(client), "disk")["blocks"] == 9
     for num_blocks in (40, 12):
-        with _spawn(make_config(num_blocks=num_blocks), unique_name, tmp_path) as coord, \
-                shmkv.connect(coord.address, timeout=20) as client:
+        with (
+            _spawn(make_config(num_blocks=num_blocks), unique_name, tmp_path) as coord,
+            shmkv.connect(coord.address, timeout=20) as client,
+        ):
             wait_idle(client)
             assert [read_prompt(client, p) for p in prompts] == [(3 * BS, True)] * 3
             disk = tier(wait_idle(client), "disk")
@@ -435,60 +492,71 @@ def test_a_pool_of_another_size_hits_the_blocks_it_left_on_disk(tmp_path, unique
             assert disk["promotions"] >= 9 and disk["removed_damaged"] == 0
 
 
-def test_damaged_files_are_never_served_and_are_counted_and_removed(tmp_path, unique_name,
-                                                                     caplog):
+def test_damaged_files_are_never_served_and_are_counted_and_removed(tmp_path, unique_name, caplog):
     cfg = make_config(num_blocks=16)
     prompts = prompts_of(5, 2)
-    with shmkv.Coordinator(cfg, name=unique_name,
-                           tiers=[shmkv.DiskTier(tmp_path, 1 << 20)]) as coord, \
-            shmkv.connect(coord.address, timeout=20) as client:
+    with (
+        shmkv.Coordinator(
+            cfg, name=unique_name, tiers=[shmkv.DiskTier(tmp_path, 1 << 20)]
+        ) as coord,
+        shmkv.connect(coord.address, timeout=20) as client,
+    ):
         for p in prompts:
             write_prompt(client, p)
         wait_idle(client)
         keys = coord.table.pool.prefix_index.copy()
     # Blocks of another namespace (another salt), to plant under one of our names.
     other = tmp_path / "other"
-    with shmkv.Coordinator(cfg, name=unique_name,
-                           tiers=[shmkv.DiskTier(other, 1 << 20, salt=b"x")]) as coord, \
-            shmkv.connect(coord.address, timeout=20) as client:
+    with (
+        shmkv.Coordinator(
+            cfg, name=unique_name, tiers=[shmkv.DiskTier(other, 1 << 20, salt=b"x")]
+        ) as coord,
+        shmkv.connect(coord.address, timeout=20) as client,
+    ):
         write_prompt(client, prompts[4])
         wait_idle(client)
     from shmkv import hashing
+
     first = [hashing.block_keys(p, BS, hashing.root_key())[0].hex() + ".kv" for p in prompts]
     assert set(first) <= set(block_files(tmp_path)) and len(keys) == 10
     path = lambda name: tmp_path / "blocks" / name  # noqa: E731
     size = os.path.getsize(path(first[0]))
-    os.truncate(path(first[0]), size - 100)                   # truncated
+    os.truncate(path(first[0]), size - 100)  # truncated
     data = bytearray(path(first[1]).read_bytes())
-    data[-5] ^= 0xFF                                          # payload damaged
+    data[-5] ^= 0xFF  # payload damaged
     path(first[1]).write_bytes(bytes(data))
     data = bytearray(path(first[2]).read_bytes())
-    data[20] ^= 0x01                                          # header damaged
+    data[20] ^= 0x01  # header damaged
     path(first[2]).write_bytes(bytes(data))
-    os.replace(other / "blocks" / first[4], path(first[3]))   # another namespace, misnamed
+    os.replace(other / "blocks" / first[4], path(first[3]))  # another namespace, misnamed
     caplog.set_level(logging.WARNING, logger="shmkv.tiers")
-    with shmkv.Coordinator(cfg, name=unique_name,
-                           tiers=[shmkv.DiskTier(tmp_path, 1 << 20)]) as coord, \
-            shmkv.connect(coord.address, timeout=20) as client:
+    with (
+        shmkv.Coordinator(
+            cfg, name=unique_name, tiers=[shmkv.DiskTier(tmp_path, 1 << 20)]
+        ) as coord,
+        shmkv.connect(coord.address, timeout=20) as client,
+    ):
         wait_idle(client)
         got = [read_prompt(client, p) for p in prompts]
         assert got == [(0, True)] * 4 + [(8, True)]
         st = wait_idle(client)
         disk = tier(st, "disk")
         assert disk["removed_damaged"] == 4 and disk["errors"] == 4
-        assert disk["blocks"] == 6 and disk["promotions"] == 3   # one after the damaged one
+        assert disk["blocks"] == 6 and disk["promotions"] == 3  # one after the damaged one
     assert not set(first[:4]) & set(block_files(tmp_path))
     assert "not served and removed" in caplog.text
 
 
 def test_kill_in_the_middle_of_demotion_then_restart_serves_only_complete_blocks(
-        tmp_path, unique_name):
+    tmp_path, unique_name
+):
     cfg = make_config(num_blocks=64)
     prompts = prompts_of(6, 4)
     address = shmkv.default_address(unique_name)
     q = SPAWN.Queue()
-    proc = SPAWN.Process(target=_slow_disk_coordinator,
-                         args=(cfg.to_wire(), address, str(tmp_path), q))
+    proc = SPAWN.Process(
+        target=_slow_disk_coordinator, args=(cfg.to_wire(), address, str(tmp_path), q)
+    )
     proc.start()
     try:
         assert q.get(timeout=60) == "ready"
@@ -502,7 +570,7 @@ def test_kill_in_the_middle_of_demotion_then_restart_serves_only_complete_blocks
                 time.sleep(0.005)
             proc.kill()
             join_or_kill(proc, 10)
-            try:   # the I/O process follows its coordinator, renaming nothing more
+            try:  # the I/O process follows its coordinator, renaming nothing more
                 io_process.wait(10)
             except psutil.TimeoutExpired:
                 io_process.kill()
@@ -539,13 +607,16 @@ def test_io_process_runs_niced_and_dies_with_a_killed_coordinator(tmp_path, uniq
             # Its copy workers (not the urgent ones, nor the thread reading jobs) run at
             # the lowest priority.
             tids = [t.id for t in io_process.threads()]
-            lowest = [tid for tid in tids if os.getpriority(os.PRIO_PROCESS, tid)
-                      == tier_io.IO_PROCESS_NICE]
-            assert len(lowest) == 3   # the 2 workers and the disk writer
+            lowest = [
+                tid
+                for tid in tids
+                if os.getpriority(os.PRIO_PROCESS, tid) == tier_io.IO_PROCESS_NICE
+            ]
+            assert len(lowest) == 3  # the 2 workers and the disk writer
             if tier_io.IO_PROCESS_POLICY == "idle" and hasattr(os, "SCHED_IDLE"):
                 assert all(os.sched_getscheduler(tid) == os.SCHED_IDLE for tid in lowest)
             assert io_process.is_running()
-            evict_all(client)   # copies under way as the coordinator dies
+            evict_all(client)  # copies under way as the coordinator dies
         os.kill(coord.pid, signal.SIGKILL)
         coord.process.join(10)
         try:
@@ -570,8 +641,10 @@ def test_threads_take_over_when_the_io_process_dies(tmp_path, unique_name, caplo
     prompts = prompts_of(3, 3)
     specs = [shmkv.HostTier(32 * cfg.block_nbytes), shmkv.DiskTier(tmp_path, 1 << 20)]
     caplog.set_level(logging.WARNING, logger="shmkv.tiers")
-    with shmkv.Coordinator(cfg, name=unique_name, tiers=specs) as coord, \
-            shmkv.connect(coord.address, timeout=20) as client:
+    with (
+        shmkv.Coordinator(cfg, name=unique_name, tiers=specs) as coord,
+        shmkv.connect(coord.address, timeout=20) as client,
+    ):
         assert run_child(_writer, coord.address, prompts[:2]) == [0, 0]
         wait_idle(client)
         io_process_of(os.getpid()).kill()
@@ -588,7 +661,8 @@ def test_threads_take_over_when_the_io_process_dies(tmp_path, unique_name, caplo
 
 
 def test_a_promotion_in_flight_when_the_io_process_dies_is_finished_by_threads(
-        unique_name, monkeypatch, caplog):
+    unique_name, monkeypatch, caplog
+):
     """The I/O process is killed while it copies a promotion in (each copy slowed there):
     worker threads run the promotion's copies again, and the request is answered with
     every block a hit and its exact bytes; no entry stays pinned."""
@@ -596,9 +670,12 @@ def test_a_promotion_in_flight_when_the_io_process_dies_is_finished_by_threads(
     prompt = prompts_of(1, 3)[0]
     monkeypatch.setattr(tiers_mod, "IO_PROCESS_PRELOAD", tier_faults.spec("slow_h2p"))
     caplog.set_level(logging.WARNING, logger="shmkv.tiers")
-    with shmkv.Coordinator(cfg, name=unique_name,
-                           tiers=[shmkv.HostTier(8 * cfg.block_nbytes)]) as coord, \
-            shmkv.connect(coord.address, timeout=30) as client:
+    with (
+        shmkv.Coordinator(
+            cfg, name=unique_name, tiers=[shmkv.HostTier(8 * cfg.block_nbytes)]
+        ) as coord,
+        shmkv.connect(coord.address, timeout=30) as client,
+    ):
         write_prompt(client, prompt)
         wait_idle(client, timeout=60)
         evict_all(client)
@@ -625,8 +702,10 @@ def test_capacities_are_respected(tmp_path, unique_name):
     cfg = make_config(num_blocks=8)
     file_nbytes = tiers_mod.HEADER_SIZE + cfg.block_nbytes
     specs = [shmkv.HostTier(5 * cfg.block_nbytes + 10), shmkv.DiskTier(tmp_path, 12 * file_nbytes)]
-    with shmkv.Coordinator(cfg, name=unique_name, tiers=specs) as coord, \
-            shmkv.connect(coord.address, timeout=20) as client:
+    with (
+        shmkv.Coordinator(cfg, name=unique_name, tiers=specs) as coord,
+        shmkv.connect(coord.address, timeout=20) as client,
+    ):
         for p in prompts_of(10, 3):
             write_prompt(client, p)
             st = wait_idle(client)
@@ -638,47 +717,64 @@ def test_capacities_are_respected(tmp_path, unique_name):
         assert disk["dropped"] == 30 - 12 and disk["blocks"] == 12
         assert host["blocks"] == 5
     # A smaller capacity on restart trims the directory.
-    with shmkv.Coordinator(cfg, name=unique_name,
-                           tiers=[shmkv.DiskTier(tmp_path, 4 * file_nbytes)]) as coord, \
-            shmkv.connect(coord.address, timeout=20) as client:
+    with (
+        shmkv.Coordinator(
+            cfg, name=unique_name, tiers=[shmkv.DiskTier(tmp_path, 4 * file_nbytes)]
+        ) as coord,
+        shmkv.connect(coord.address, timeout=20) as client,
+    ):
         disk = tier(wait_idle(client), "disk")
         assert disk["blocks"] == 4 and disk["dropped"] == 8
     assert len(block_files(tmp_path)) == 4
 
 
-def test_disk_full_stops_demotion_counts_it_and_loses_nothing(tmp_path, unique_name,
-                                                              monkeypatch, io):
+def test_disk_full_stops_demotion_counts_it_and_loses_nothing(
+    tmp_path, unique_name, monkeypatch, io
+):
     inject(monkeypatch, io, "disk_full")
     cfg = make_config(num_blocks=16)
     prompt = prompts_of(1, 3)[0]
-    with shmkv.Coordinator(cfg, name=unique_name,
-                           tiers=[shmkv.DiskTier(tmp_path, 1 << 20)]) as coord, \
-            shmkv.connect(coord.address, timeout=20) as client:
+    with (
+        shmkv.Coordinator(
+            cfg, name=unique_name, tiers=[shmkv.DiskTier(tmp_path, 1 << 20)]
+        ) as coord,
+        shmkv.connect(coord.address, timeout=20) as client,
+    ):
         write_prompt(client, prompt)
         disk = tier(wait_idle(client), "disk")
         assert disk["full"] >= 1 and disk["blocks"] == 0 and disk["bytes"] == 0
-        assert read_prompt(client, prompt) == (12, True)    # still in the pool
+        assert read_prompt(client, prompt) == (12, True)  # still in the pool
     assert block_files(tmp_path) == []
 
 
 def test_other_fingerprint_or_salt_does_not_use_the_directory_and_says_why(
-        tmp_path, unique_name, caplog):
+    tmp_path, unique_name, caplog
+):
     cfg = make_config(num_blocks=16)
     prompt = prompts_of(1, 2)[0]
-    with shmkv.Coordinator(cfg, name=unique_name,
-                           tiers=[shmkv.DiskTier(tmp_path, 1 << 20)]) as coord, \
-            shmkv.connect(coord.address, timeout=20) as client:
+    with (
+        shmkv.Coordinator(
+            cfg, name=unique_name, tiers=[shmkv.DiskTier(tmp_path, 1 << 20)]
+        ) as coord,
+        shmkv.connect(coord.address, timeout=20) as client,
+    ):
         write_prompt(client, prompt)
         wait_idle(client)
     before = block_files(tmp_path)
     caplog.set_level(logging.WARNING, logger="shmkv.tiers")
     for other, spec, why in (
-            (make_config(num_blocks=16, head_dim=4), shmkv.DiskTier(tmp_path, 1 << 20),
-             "layout fingerprint"),
-            (cfg, shmkv.DiskTier(tmp_path, 1 << 20, salt=b"another model"), "another salt")):
+        (
+            make_config(num_blocks=16, head_dim=4),
+            shmkv.DiskTier(tmp_path, 1 << 20),
+            "layout fingerprint",
+        ),
+        (cfg, shmkv.DiskTier(tmp_path, 1 << 20, salt=b"another model"), "another salt"),
+    ):
         caplog.clear()
-        with shmkv.Coordinator(other, name=unique_name, tiers=[spec]) as coord, \
-                shmkv.connect(coord.address, timeout=20) as client:
+        with (
+            shmkv.Coordinator(other, name=unique_name, tiers=[spec]) as coord,
+            shmkv.connect(coord.address, timeout=20) as client,
+        ):
             if other is cfg:
                 assert read_prompt(client, prompt) == (0, True)
             disk = tier(wait_idle(client), "disk")
@@ -702,8 +798,11 @@ def test_bad_construction_gives_clear_errors(tmp_path, unique_name, monkeypatch)
     with pytest.raises(shmkv.InvalidArgument, match="not a directory"):
         shmkv.DiskTier(tmp_path / "file", 1 << 20)
     with pytest.raises(shmkv.InvalidArgument, match="tiers must be"):
-        shmkv.Coordinator(make_config(), name=unique_name,
-                          tiers=[shmkv.DiskTier(tmp_path, 1 << 20), shmkv.HostTier(1 << 20)])
+        shmkv.Coordinator(
+            make_config(),
+            name=unique_name,
+            tiers=[shmkv.DiskTier(tmp_path, 1 << 20), shmkv.HostTier(1 << 20)],
+        )
     with pytest.raises(shmkv.InvalidArgument, match="holds no block"):
         shmkv.Coordinator(make_config(), name=unique_name, tiers=[shmkv.HostTier(100)]).open()
 
@@ -730,20 +829,30 @@ def test_bad_construction_gives_clear_errors(tmp_path, unique_name, monkeypatch)
         with pytest.raises(shmkv.ShmkvError, match="in use by another coordinator"):
             shmkv.Coordinator.spawn(make_config(), name=unique_name + "c", tiers=[spec])
     with shmkv.Coordinator(make_config(), name=unique_name, tiers=[spec]):
-        pass   # free again once the first stopped
+        pass  # free again once the first stopped
 
 
 def test_stats_and_cli_show_every_tier(tmp_path, unique_name, capsys):
     from shmkv.tools import cli
+
     cfg = make_config(num_blocks=16)
     specs = [shmkv.HostTier(8 * cfg.block_nbytes), shmkv.DiskTier(tmp_path, 1 << 20)]
-    with shmkv.Coordinator(cfg, name=unique_name, tiers=specs) as coord, \
-            shmkv.connect(coord.address, timeout=20) as client:
+    with (
+        shmkv.Coordinator(cfg, name=unique_name, tiers=specs) as coord,
+        shmkv.connect(coord.address, timeout=20) as client,
+    ):
         write_prompt(client, prompts_of(1, 2)[0])
         st = wait_idle(client)
         for t in st["tiers"]:
-            for field in ("blocks", "bytes", "hits", "demotions", "promotions", "dropped",
-                          "errors"):
+            for field in (
+                "blocks",
+                "bytes",
+                "hits",
+                "demotions",
+                "promotions",
+                "dropped",
+                "errors",
+            ):
                 assert field in t
         assert cli.main(["stats", "--address", coord.address]) == 0
         out = capsys.readouterr().out
@@ -752,23 +861,25 @@ def test_stats_and_cli_show_every_tier(tmp_path, unique_name, capsys):
 
 def test_cli_serve_parses_tier_flags(tmp_path):
     from shmkv.tools import cli
+
     assert tiers_mod.parse_size("8G") == 8 << 30 and tiers_mod.parse_size("64g") == 64 << 30
     assert tiers_mod.parse_size("1.5M") == 3 << 19 and tiers_mod.parse_size("4096") == 4096
     with pytest.raises(shmkv.InvalidArgument):
         tiers_mod.parse_size("lots")
-    specs = cli.tier_specs(cli_args(host_tier_size=8 << 20, disk_tier=str(tmp_path),
-                                    disk_tier_size=64 << 20))
+    specs = cli.tier_specs(
+        cli_args(host_tier_size=8 << 20, disk_tier=str(tmp_path), disk_tier_size=64 << 20)
+    )
     assert [s.kind for s in specs] == ["host", "disk"]
     assert specs[1].capacity_bytes == 64 << 20
 
 
 def cli_args(**kw):
     import argparse
+
     return argparse.Namespace(**kw)
 
 
-def test_a_promotion_pins_its_entries_before_its_turn_places_demotions(unique_name,
-                                                                        monkeypatch):
+def test_a_promotion_pins_its_entries_before_its_turn_places_demotions(unique_name, monkeypatch):
     """A client's release and its next allocate arrive in one loop turn (two frames of
     one read, as after ``close_many(..., wait=False)``); the release's blocks are demoted
     into a full host tier that turn, whose oldest entries are the very ones the allocate
@@ -779,10 +890,10 @@ def test_a_promotion_pins_its_entries_before_its_turn_places_demotions(unique_na
 
     from shmkv import protocol
     from shmkv.connections import _Conn
+
     monkeypatch.setattr(tiers_mod, "IO_PROCESS", False)
     cfg = make_config(num_blocks=8)
-    coord = shmkv.Coordinator(cfg, name=unique_name,
-                              tiers=[shmkv.HostTier(4 * cfg.block_nbytes)])
+    coord = shmkv.Coordinator(cfg, name=unique_name, tiers=[shmkv.HostTier(4 * cfg.block_nbytes)])
     coord.open()
     selector = selectors.DefaultSelector()
     mine, theirs = socket.socketpair()
@@ -791,7 +902,7 @@ def test_a_promotion_pins_its_entries_before_its_turn_places_demotions(unique_na
 
         def settle():
             deadline = time.monotonic() + 20
-            tiers.tick()   # (places what became cached)
+            tiers.tick()  # (places what became cached)
             while tiers.num_pending or tiers.num_promotions_in_flight:
                 assert time.monotonic() < deadline, "tier copies never finished"
                 time.sleep(0.005)
@@ -805,22 +916,27 @@ def test_a_promotion_pins_its_entries_before_its_turn_places_demotions(unique_na
         selector.register(mine, selectors.EVENT_READ, conn)
         selector.register(coord._wake_r, selectors.EVENT_READ, None)
         p, q, r = prompts_of(3, 2)
-        for prompt in (p, q):   # p demoted first: the oldest entries of the full host tier
+        for prompt in (p, q):  # p demoted first: the oldest entries of the full host tier
             info = table.allocate(7, prompt=prompt)
             table.commit(7, info["cache_id"], len(prompt))
             table.release(7, info["cache_id"])
             settle()
-        ids, _ = table.allocate_counts(7, [8 * BS])     # evicts p and q from the pool
+        ids, _ = table.allocate_counts(7, [8 * BS])  # evicts p and q from the pool
         table.release_many(7, ids.tolist())
         held = table.allocate(7, prompt=r)
-        table.commit(7, held["cache_id"], len(r))       # published, still held
+        table.commit(7, held["cache_id"], len(r))  # published, still held
         settle()
         assert len(tiers.host.index) == 4
         theirs.sendall(
-            protocol.encode_request(1, "release_many", {"ids": protocol.pack_i64s(
-                [held["cache_id"]])})
-            + protocol.encode_request(2, "allocate_many", {"requests": [
-                {"num_tokens": 0, "prompt": protocol.pack_i64s(p)}]}))
+            protocol.encode_request(
+                1, "release_many", {"ids": protocol.pack_i64s([held["cache_id"]])}
+            )
+            + protocol.encode_request(
+                2,
+                "allocate_many",
+                {"requests": [{"num_tokens": 0, "prompt": protocol.pack_i64s(p)}]},
+            )
+        )
         decoder, answers = protocol.FrameDecoder(), {}
         deadline = time.monotonic() + 20
         theirs.settimeout(0.01)
@@ -834,7 +950,7 @@ def test_a_promotion_pins_its_entries_before_its_turn_places_demotions(unique_na
                 response = protocol.parse_response(obj)
                 answers[response.request_id] = response.unwrap()
             assert time.monotonic() < deadline, f"answers so far: {answers}"
-        assert answers[2][0]["num_cached"] == len(p)     # both blocks came from the tier
+        assert answers[2][0]["num_cached"] == len(p)  # both blocks came from the tier
         assert tiers.host.counters["hits"] >= 2
         table.check_invariants()
     finally:
@@ -851,16 +967,21 @@ def test_job_frames_of_columns_and_of_copies_are_the_same_and_come_back():
     ops = [tier_io.OP_H2P, tier_io.OP_D2P, tier_io.OP_NONE]
     blocks, slots, keys = [5, 7, 9], [2, -1, -1], [b"a" * 16, b"b" * 16, b"c" * 16]
     frame = tier_io.encode_columns(42, tier_io.PROMOTE, ops, blocks, slots, [0, 0, 0], keys)
-    copies = [tier_io.Copy(tier_io.OPS[op], key, block=block, slot=slot)
-              for op, block, slot, key in zip(ops, blocks, slots, keys)]
+    copies = [
+        tier_io.Copy(tier_io.OPS[op], key, block=block, slot=slot)
+        for op, block, slot, key in zip(ops, blocks, slots, keys)
+    ]
     assert tier_io.encode_job(tier_io.PROMOTE, tier_io.Job(copies, job_id=42)) == frame
     (body,) = tier_io.split_frames(bytearray(frame))
     queue, job = tier_io.decode_job(body)
     assert queue == tier_io.PROMOTE and job.job_id == 42
     assert [(c.op, c.block, c.slot, c.key) for c in job.copies] == [
-        ("h2p", 5, 2, b"a" * 16), ("d2p", 7, -1, b"b" * 16), ("none", 9, -1, b"c" * 16)]
-    job.copies[0].ok = True                       # the I/O process ran them: in, damaged,
-    job.copies[1].damaged, job.copies[1].error = True, "payload checksum"   # cancelled
+        ("h2p", 5, 2, b"a" * 16),
+        ("d2p", 7, -1, b"b" * 16),
+        ("none", 9, -1, b"c" * 16),
+    ]
+    job.copies[0].ok = True  # the I/O process ran them: in, damaged,
+    job.copies[1].damaged, job.copies[1].error = True, "payload checksum"  # cancelled
     (done,) = tier_io.split_frames(bytearray(tier_io.encode_done(job)))
     columns = tier_io.Job(None, "promotion", job_id=42, num_copies=3)
     assert tier_io.apply_done(done, {42: columns}) is columns
@@ -869,39 +990,44 @@ def test_job_frames_of_columns_and_of_copies_are_the_same_and_come_back():
     mine = [tier_io.Copy(c.op, c.key, block=c.block, slot=c.slot) for c in job.copies]
     tier_io.apply_done(done, {42: tier_io.Job(mine, job_id=42)})
     assert [(c.ok, c.damaged, c.error) for c in mine] == [
-        (True, False, None), (False, True, "payload checksum"), (False, False, None)]
+        (True, False, None),
+        (False, True, "payload checksum"),
+        (False, False, None),
+    ]
     with pytest.raises(ValueError):
-        tier_io.apply_done(done, {})              # no such job in flight
+        tier_io.apply_done(done, {})  # no such job in flight
     with pytest.raises(ValueError):
         tier_io.apply_done(done, {42: tier_io.Job(None, job_id=42, num_copies=2)})
     # A long job is framed the same way, without keeping a Struct of its size.
     n = tier_io._JOB_FRAMES_MAX + 1
-    long_frame = tier_io.encode_columns(43, tier_io.DEMOTE, [tier_io.OP_H2P] * n,
-                                        list(range(n)), [-1] * n, [0] * n, [b"k" * 16] * n)
+    long_frame = tier_io.encode_columns(
+        43, tier_io.DEMOTE, [tier_io.OP_H2P] * n, list(range(n)), [-1] * n, [0] * n, [b"k" * 16] * n
+    )
     (long_body,) = tier_io.split_frames(bytearray(long_frame))
     assert [c.block for c in tier_io.decode_job(long_body)[1].copies] == list(range(n))
     assert n not in tier_io._JOB_FRAMES
 
 
 @pytest.mark.parametrize("iov_max", [tier_io.IOV_MAX, 3])
-def test_a_block_file_reads_straight_into_the_pools_strided_rows(tmp_path, monkeypatch,
-                                                                  iov_max):
+def test_a_block_file_reads_straight_into_the_pools_strided_rows(tmp_path, monkeypatch, iov_max):
     """A block read from disk into its place in a layer-major pool: one row per layer's K
     or V, the rows a pool's worth of chunks apart, more rows than one preadv may take
     when ``IOV_MAX`` is small. Bytes and checksum as written, the other blocks' rows
     untouched; a damaged file is refused."""
     import numpy as np
+
     monkeypatch.setattr(tier_io, "IOV_MAX", iov_max)
     rows, chunk, num_blocks = 8, 48, 5
-    files = tier_io.BlockFiles(str(tmp_path), "s1", b"n" * 16, (4, 4, 2, 3, 1, b"f4"),
-                               rows * chunk, fsync=False)
+    files = tier_io.BlockFiles(
+        str(tmp_path), "s1", b"n" * 16, (4, 4, 2, 3, 1, b"f4"), rows * chunk, fsync=False
+    )
     payload = np.random.default_rng(0).integers(0, 256, rows * chunk, dtype=np.uint8)
     files.write_block(b"k" * 16, payload)
     pool = np.zeros((rows, num_blocks, chunk), dtype=np.uint8).transpose(1, 0, 2)
     files.read_block(b"k" * 16, pool[3])
     assert np.array_equal(pool[3].reshape(-1), payload)
     assert not pool[[0, 1, 2, 4]].any()
-    with open(files.file_path(b"k" * 16), "r+b") as f:   # one payload byte flipped
+    with open(files.file_path(b"k" * 16), "r+b") as f:  # one payload byte flipped
         f.seek(tier_io.HEADER_SIZE + 5 * chunk + 7)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
@@ -917,20 +1043,23 @@ def test_block_file_io_moves_at_most_io_chunk_bytes_a_call(tmp_path, monkeypatch
     pool included; with ``short``, every call moves fewer bytes than asked (as a signal
     or a full pipe may make it), and the bytes still arrive whole and in order."""
     import numpy as np
+
     monkeypatch.setattr(tier_io, "IO_CHUNK", 100)
     rows, chunk, num_blocks = 8, 48, 3
-    files = tier_io.BlockFiles(str(tmp_path), "s1", b"n" * 16, (4, 4, 2, 3, 1, b"f4"),
-                               rows * chunk, fsync=False)
+    files = tier_io.BlockFiles(
+        str(tmp_path), "s1", b"n" * 16, (4, 4, 2, 3, 1, b"f4"), rows * chunk, fsync=False
+    )
     calls = []
 
     def wrap(real):
         def call(fd, buffers, offset):
             asked = sum(len(b) for b in buffers)
             calls.append(asked)
-            if short and asked > 1:   # move only part of the last buffer asked for
-                cut = list(buffers[:-1]) + [buffers[-1][:max(1, len(buffers[-1]) // 2)]]
+            if short and asked > 1:  # move only part of the last buffer asked for
+                cut = list(buffers[:-1]) + [buffers[-1][: max(1, len(buffers[-1]) // 2)]]
                 return real(fd, cut, offset)
             return real(fd, buffers, offset)
+
         return call
 
     monkeypatch.setattr(tier_io.os, "pwritev", wrap(os.pwritev))
@@ -955,8 +1084,10 @@ def test_block_file_io_moves_at_most_io_chunk_bytes_a_call(tmp_path, monkeypatch
 
 # -- demotion under load: bursts, backlog, eviction preference ------------------------------
 
+
 def keys_of(prompt) -> list:
     from shmkv import hashing
+
     return hashing.block_keys(prompt, BS, hashing.root_key())
 
 
@@ -978,32 +1109,39 @@ def test_a_burst_past_the_disk_writes_in_flight_reaches_disk_head_first(tmp_path
     assert tiers_mod.MAX_DISK_WRITES_IN_FLIGHT < 300
     cfg = make_config(num_blocks=320)
     prompt = prompts_of(1, 300)[0]
-    with _spawn(cfg, unique_name, tmp_path) as coord, \
-            shmkv.connect(coord.address, timeout=20) as client:
+    with (
+        _spawn(cfg, unique_name, tmp_path) as coord,
+        shmkv.connect(coord.address, timeout=20) as client,
+    ):
         assert write_prompt(client, prompt) == 0
         disk = tier(wait_idle(client, timeout=60), "disk")
         assert disk["blocks"] == 300 and disk["demotions"] == 300
     assert len(block_files(tmp_path)) == 300
-    with _spawn(cfg, unique_name, tmp_path) as coord, \
-            shmkv.connect(coord.address, timeout=20) as client:
+    with (
+        _spawn(cfg, unique_name, tmp_path) as coord,
+        shmkv.connect(coord.address, timeout=20) as client,
+    ):
         wait_idle(client)
         assert read_prompt(client, prompt) == (1200, True)
 
 
 def test_a_burst_past_the_host_slots_and_the_disk_writes_keeps_the_prefix_head(
-        tmp_path, unique_name, io):
+    tmp_path, unique_name, io
+):
     """HostTier(64 slots) + DiskTier, 340 blocks cached in one turn: more than the host
     slots and the disk writes in flight together. Block 0 (and every block) reaches a
     tier, and the disk ends up with all of them."""
     cfg = make_config(num_blocks=360)
     prompt = prompts_of(1, 340)[0]
     specs = [shmkv.HostTier(64 * cfg.block_nbytes), shmkv.DiskTier(tmp_path, 1 << 22)]
-    with shmkv.Coordinator(cfg, name=unique_name, tiers=specs) as coord, \
-            shmkv.connect(coord.address, timeout=20) as client:
+    with (
+        shmkv.Coordinator(cfg, name=unique_name, tiers=specs) as coord,
+        shmkv.connect(coord.address, timeout=20) as client,
+    ):
         write_prompt(client, prompt)
         st = wait_idle(client, timeout=60)
         keys = keys_of(prompt)
-        assert coord.tiers.lookup(keys[:1]) == 1            # block 0 is on a tier
+        assert coord.tiers.lookup(keys[:1]) == 1  # block 0 is on a tier
         assert coord.tiers.lookup(keys) == 340
         assert tier(st, "disk")["blocks"] == 340
         assert tier(st, "host")["blocks"] == 64
@@ -1016,9 +1154,12 @@ def test_close_many_of_512_blocks_writes_all_512(tmp_path, unique_name, io):
     written to disk (256 in flight at once, the rest as writes finish)."""
     cfg = make_config(num_blocks=520)
     prompts = prompts_of(64, 8, seed=3)
-    with shmkv.Coordinator(cfg, name=unique_name,
-                           tiers=[shmkv.DiskTier(tmp_path, 1 << 22)]) as coord, \
-            shmkv.connect(coord.address, timeout=20) as client:
+    with (
+        shmkv.Coordinator(
+            cfg, name=unique_name, tiers=[shmkv.DiskTier(tmp_path, 1 << 22)]
+        ) as coord,
+        shmkv.connect(coord.address, timeout=20) as client,
+    ):
         handles = [written_prompt(client, p) for p in prompts]
         client.close_many(handles)
         st = wait_idle(client, timeout=60)
@@ -1029,20 +1170,26 @@ def test_close_many_of_512_blocks_writes_all_512(tmp_path, unique_name, io):
 
 
 @pytest.mark.parametrize("kinds", ["host", "disk", "disk, staged"])
-def test_a_pool_filled_back_to_back_keeps_its_first_prompt_on_a_tier(tmp_path, unique_name,
-                                                                     kinds, io, monkeypatch):
+def test_a_pool_filled_back_to_back_keeps_its_first_prompt_on_a_tier(
+    tmp_path, unique_name, kinds, io, monkeypatch
+):
     """A 16-block pool filled back to back, from the moment the coordinator opens, by 8
     prompts of 3 blocks (the pool evicts 8 blocks): prompt 0 ends up on a tier. Its
     copies must not wait for the tier I/O process to start, and eviction takes blocks
     already safe in a tier first. Any block evicted before its copy finished is counted."""
     cfg = make_config(num_blocks=16)
-    spec = shmkv.HostTier(64 * cfg.block_nbytes) if kinds == "host" else \
-        shmkv.DiskTier(tmp_path, 1 << 20)
-    if kinds == "disk, staged":   # as off x86 (tier_io: memory ordering)
+    spec = (
+        shmkv.HostTier(64 * cfg.block_nbytes)
+        if kinds == "host"
+        else shmkv.DiskTier(tmp_path, 1 << 20)
+    )
+    if kinds == "disk, staged":  # as off x86 (tier_io: memory ordering)
         monkeypatch.setattr(tiers_mod, "DIRECT_DISK_DEMOTION", False)
     prompts = prompts_of(8, 3, seed=5)
-    with shmkv.Coordinator(cfg, name=unique_name, tiers=[spec]) as coord, \
-            shmkv.connect(coord.address, timeout=20) as client:
+    with (
+        shmkv.Coordinator(cfg, name=unique_name, tiers=[spec]) as coord,
+        shmkv.connect(coord.address, timeout=20) as client,
+    ):
         for p in prompts:
             write_prompt(client, p)
         st = wait_idle(client)
@@ -1054,6 +1201,7 @@ def test_a_pool_filled_back_to_back_keeps_its_first_prompt_on_a_tier(tmp_path, u
         lost = sum(3 - max(t, c) for t, c in zip(on_tier, in_pool))
         assert lost == st["tier_io"]["lost_evictions"]
         from shmkv import metrics  # and the counters are exported
+
         series = {name: samples for name, _kind, _doc, samples in metrics.families(coord)}
         for name in ("lost", "rescued"):
             (sample,) = series[f"shmkv_tier_{name}_evictions"]
@@ -1064,8 +1212,8 @@ def test_a_pool_filled_back_to_back_keeps_its_first_prompt_on_a_tier(tmp_path, u
 
 # -- a disk tier directory that is not to be trusted, or damaged ----------------------------
 
-def test_a_directory_writable_by_others_or_owned_by_another_user_is_refused(tmp_path,
-                                                                             unique_name):
+
+def test_a_directory_writable_by_others_or_owned_by_another_user_is_refused(tmp_path, unique_name):
     """Whoever can write into a disk tier directory decides what is served from it: a
     directory of mode 0777, or owned by another uid, is refused with the path and what
     to do, both as the tier is made and when a coordinator opens it."""
@@ -1076,7 +1224,7 @@ def test_a_directory_writable_by_others_or_owned_by_another_user_is_refused(tmp_
         shmkv.DiskTier(open_dir, 1 << 20)
     assert str(open_dir) in str(err.value) and "chmod go-w" in str(err.value)
     later = tmp_path / "later"
-    spec = shmkv.DiskTier(later, 1 << 20)      # fine when made, opened up before use
+    spec = shmkv.DiskTier(later, 1 << 20)  # fine when made, opened up before use
     os.chmod(later, 0o775)
     with pytest.raises(shmkv.ShmkvError, match="writable by group or others"):
         shmkv.Coordinator(make_config(), name=unique_name, tiers=[spec]).open()
@@ -1114,9 +1262,10 @@ def test_a_block_file_that_is_a_symlink_is_never_served(tmp_path, unique_name):
     cfg = make_config(num_blocks=16)
     p, q = prompts_of(2, 2)
     path = tmp_path / "tier"
-    with shmkv.Coordinator(cfg, name=unique_name,
-                           tiers=[shmkv.DiskTier(path, 1 << 20)]) as coord, \
-            shmkv.connect(coord.address, timeout=20) as client:
+    with (
+        shmkv.Coordinator(cfg, name=unique_name, tiers=[shmkv.DiskTier(path, 1 << 20)]) as coord,
+        shmkv.connect(coord.address, timeout=20) as client,
+    ):
         write_prompt(client, p)
         write_prompt(client, q)
         wait_idle(client)
@@ -1126,18 +1275,19 @@ def test_a_block_file_that_is_a_symlink_is_never_served(tmp_path, unique_name):
         (tmp_path / name).write_bytes(genuine[name])
     _first_block_file(path, p).unlink()
     os.symlink(tmp_path / "p", _first_block_file(path, p))
-    with shmkv.Coordinator(cfg, name=unique_name,
-                           tiers=[shmkv.DiskTier(path, 1 << 20)]) as coord, \
-            shmkv.connect(coord.address, timeout=20) as client:
+    with (
+        shmkv.Coordinator(cfg, name=unique_name, tiers=[shmkv.DiskTier(path, 1 << 20)]) as coord,
+        shmkv.connect(coord.address, timeout=20) as client,
+    ):
         st = wait_idle(client)
-        assert tier(st, "disk")["blocks"] == 3           # the link is not indexed
-        _first_block_file(path, q).unlink()               # a link in place after the scan
+        assert tier(st, "disk")["blocks"] == 3  # the link is not indexed
+        _first_block_file(path, q).unlink()  # a link in place after the scan
         os.symlink(tmp_path / "q", _first_block_file(path, q))
         assert read_prompt(client, p) == (0, True)
         assert read_prompt(client, q) == (0, True)
         disk = tier(wait_idle(client), "disk")
         assert disk["removed_damaged"] == 1 and disk["errors"] == 1
-    for name in ("p", "q"):   # the links' targets: never written, truncated nor removed
+    for name in ("p", "q"):  # the links' targets: never written, truncated nor removed
         assert (tmp_path / name).read_bytes() == genuine[name]
 
 
@@ -1148,9 +1298,10 @@ def test_a_fifo_named_like_a_block_file_hangs_nothing(tmp_path, unique_name, io)
     cfg = make_config(num_blocks=16)
     p, q = prompts_of(2, 2, seed=7)
     path = tmp_path / "tier"
-    with shmkv.Coordinator(cfg, name=unique_name,
-                           tiers=[shmkv.DiskTier(path, 1 << 20)]) as coord, \
-            shmkv.connect(coord.address, timeout=20) as client:
+    with (
+        shmkv.Coordinator(cfg, name=unique_name, tiers=[shmkv.DiskTier(path, 1 << 20)]) as coord,
+        shmkv.connect(coord.address, timeout=20) as client,
+    ):
         write_prompt(client, p)
         write_prompt(client, q)
         wait_idle(client)
@@ -1166,14 +1317,14 @@ def test_a_fifo_named_like_a_block_file_hangs_nothing(tmp_path, unique_name, io)
             fifos[1].unlink()
             os.mkfifo(fifos[1])
             assert read_prompt(client, p) == (0, True)
-            assert read_prompt(client, q) == (0, True)    # answered: the FIFO is refused
+            assert read_prompt(client, q) == (0, True)  # answered: the FIFO is refused
             assert tier(wait_idle(client), "disk")["removed_damaged"] == 1
         closer = threading.Thread(target=coord.stop)
         closer.start()
         closer.join(10)
         assert not closer.is_alive(), "the coordinator did not stop"
     finally:
-        for fifo in fifos:   # a reader still blocked in open() (the old defect) lets go
+        for fifo in fifos:  # a reader still blocked in open() (the old defect) lets go
             try:
                 os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
             except OSError:
@@ -1194,8 +1345,9 @@ def test_a_damaged_directory_is_a_clear_error_naming_the_path(tmp_path, unique_n
     else:
         bad.mkdir()
     with pytest.raises(shmkv.ShmkvError) as err:
-        shmkv.Coordinator(make_config(), name=unique_name,
-                          tiers=[shmkv.DiskTier(path, 1 << 20)]).open()
+        shmkv.Coordinator(
+            make_config(), name=unique_name, tiers=[shmkv.DiskTier(path, 1 << 20)]
+        ).open()
     assert str(bad) in str(err.value) and "remove it" in str(err.value)
     assert not isinstance(err.value, OSError)
 
@@ -1204,6 +1356,7 @@ def test_a_damaged_directory_is_a_clear_error_naming_the_path(tmp_path, unique_n
 def test_shmkv_serve_on_a_damaged_directory_exits_with_one_clear_line(tmp_path, damage):
     import subprocess
     import sys
+
     path = tmp_path / "tier"
     path.mkdir(mode=0o700)
     if damage == "blocks":
@@ -1211,10 +1364,28 @@ def test_shmkv_serve_on_a_damaged_directory_exits_with_one_clear_line(tmp_path, 
     else:
         (path / "lock").mkdir()
     proc = subprocess.run(
-        [sys.executable, "-m", "shmkv", "serve", "--address", str(tmp_path / "s.sock"),
-         "--num-blocks", "16", "--num-layers", "1", "--head-dim", "8", "--disk-tier",
-         str(path), "--disk-tier-size", "1M"],
-        capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "shmkv",
+            "serve",
+            "--address",
+            str(tmp_path / "s.sock"),
+            "--num-blocks",
+            "16",
+            "--num-layers",
+            "1",
+            "--head-dim",
+            "8",
+            "--disk-tier",
+            str(path),
+            "--disk-tier-size",
+            "1M",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "ShmkvError" in line]
@@ -1224,43 +1395,58 @@ def test_shmkv_serve_on_a_damaged_directory_exits_with_one_clear_line(tmp_path, 
 
 # -- off x86: no block file written straight from the pool -----------------------------------
 
+
 @pytest.mark.parametrize("direct", [True, False])
-def test_disk_demotion_through_checked_staging_slots_serves_exact_bytes(tmp_path, unique_name,
-                                                                       monkeypatch, io, direct):
+def test_disk_demotion_through_checked_staging_slots_serves_exact_bytes(
+    tmp_path, unique_name, monkeypatch, io, direct
+):
     """``DIRECT_DISK_DEMOTION`` False is the path of CPUs that may reorder loads (aarch64):
     every block reaches disk through a staging slot the loop checked (``p2s`` then ``s2d``),
     none straight from the pool. A burst of 72 blocks (past the staging slots), then a
     restart: every block on disk, exact bytes."""
     monkeypatch.setattr(tiers_mod, "DIRECT_DISK_DEMOTION", direct)
     ops = []
-    if io == "threads":   # which copies ran (the I/O process's are its own)
+    if io == "threads":  # which copies ran (the I/O process's are its own)
         real = tier_io.Mover.run
-        monkeypatch.setattr(tier_io.Mover, "run", lambda self, copies, stopping: (
-            ops.extend(c.op for c in copies), real(self, copies, stopping))[1])
+        monkeypatch.setattr(
+            tier_io.Mover,
+            "run",
+            lambda self, copies, stopping: (
+                ops.extend(c.op for c in copies),
+                real(self, copies, stopping),
+            )[1],
+        )
     assert tiers_mod.STAGING_BLOCKS < 72
     cfg = make_config(num_blocks=80)
     prompts = prompts_of(12, 6, seed=9)
-    with shmkv.Coordinator(cfg, name=unique_name,
-                           tiers=[shmkv.DiskTier(tmp_path, 1 << 22)]) as coord, \
-            shmkv.connect(coord.address, timeout=20) as client:
+    with (
+        shmkv.Coordinator(
+            cfg, name=unique_name, tiers=[shmkv.DiskTier(tmp_path, 1 << 22)]
+        ) as coord,
+        shmkv.connect(coord.address, timeout=20) as client,
+    ):
         client.close_many([written_prompt(client, p) for p in prompts])
         st = wait_idle(client, timeout=60)
         assert tier(st, "disk")["blocks"] == 72 and tier(st, "disk")["demotions"] == 72
-        assert len(coord.tiers._staging.free) == tiers_mod.STAGING_BLOCKS   # all back
+        assert len(coord.tiers._staging.free) == tiers_mod.STAGING_BLOCKS  # all back
     if io == "threads":
         if direct:
             assert ops.count("p2d") == 72 and "p2s" not in ops
         else:
             assert "p2d" not in ops and ops.count("p2s") == ops.count("s2d") == 72
-    with shmkv.Coordinator(cfg, name=unique_name,
-                           tiers=[shmkv.DiskTier(tmp_path, 1 << 22)]) as coord, \
-            shmkv.connect(coord.address, timeout=20) as client:
+    with (
+        shmkv.Coordinator(
+            cfg, name=unique_name, tiers=[shmkv.DiskTier(tmp_path, 1 << 22)]
+        ) as coord,
+        shmkv.connect(coord.address, timeout=20) as client,
+    ):
         wait_idle(client)
         assert [read_prompt(client, p) for p in prompts] == [(24, True)] * 12
 
 
 def test_a_tier_io_process_that_never_gets_ready_leaves_the_copies_to_threads(
-        tmp_path, unique_name, monkeypatch, caplog):
+    tmp_path, unique_name, monkeypatch, caplog
+):
     """The coordinator opens once its tier I/O process has said it serves; one that exits
     before it does is reported, and worker threads run the copies from the start."""
     fault = tmp_path / "fault.py"
@@ -1269,9 +1455,12 @@ def test_a_tier_io_process_that_never_gets_ready_leaves_the_copies_to_threads(
     caplog.set_level(logging.WARNING, logger="shmkv.tiers")
     cfg = make_config(num_blocks=16)
     prompt = prompts_of(1, 3)[0]
-    with shmkv.Coordinator(cfg, name=unique_name,
-                           tiers=[shmkv.HostTier(8 * cfg.block_nbytes)]) as coord, \
-            shmkv.connect(coord.address, timeout=20) as client:
+    with (
+        shmkv.Coordinator(
+            cfg, name=unique_name, tiers=[shmkv.HostTier(8 * cfg.block_nbytes)]
+        ) as coord,
+        shmkv.connect(coord.address, timeout=20) as client,
+    ):
         assert coord.tiers._proc is None and coord.tiers._copier is not None
         assert "tier I/O process did not start (exit code 3)" in caplog.text
         write_prompt(client, prompt)
@@ -1285,11 +1474,12 @@ def test_the_pool_evicts_blocks_safe_in_a_tier_before_those_still_copying():
     """``BlockPool.copying`` (the tiers' blocks copying or waiting): an eviction takes the
     other cached blocks first, least recently used first, then those, oldest first."""
     from shmkv.allocator import BlockPool
+
     pool = BlockPool(8)
     ids = pool.allocate(8, 1)
     for block in ids:
         assert pool.publish(block, bytes([block]) * 16)
-    pool.decref(ids)                      # cached, block 0 the oldest
+    pool.decref(ids)  # cached, block 0 the oldest
     evicted = []
     pool.on_evict = lambda block, key: evicted.append(block)
     pool.copying = {0, 1, 2, 6}
@@ -1301,22 +1491,26 @@ def test_the_pool_evicts_blocks_safe_in_a_tier_before_those_still_copying():
     pool.check_invariants()
 
 
-def test_an_eviction_spares_a_block_whose_disk_write_is_under_way(tmp_path, unique_name,
-                                                                  monkeypatch, io):
+def test_an_eviction_spares_a_block_whose_disk_write_is_under_way(
+    tmp_path, unique_name, monkeypatch, io
+):
     """Prompt B's blocks are being written (slowly) when an allocation must evict three
     blocks; prompt A's, already on disk, are more recently used but go first: B's stay
     in the pool, nothing is lost or needs rescuing, and both are served exactly."""
     inject(monkeypatch, io, "slow_disk_write")
     cfg = make_config(num_blocks=8)
     a, b = prompts_of(2, 3, seed=11)
-    with shmkv.Coordinator(cfg, name=unique_name,
-                           tiers=[shmkv.DiskTier(tmp_path, 1 << 20)]) as coord, \
-            shmkv.connect(coord.address, timeout=20) as client:
+    with (
+        shmkv.Coordinator(
+            cfg, name=unique_name, tiers=[shmkv.DiskTier(tmp_path, 1 << 20)]
+        ) as coord,
+        shmkv.connect(coord.address, timeout=20) as client,
+    ):
         write_prompt(client, a)
-        wait_idle(client)                                # A is safe on disk
-        write_prompt(client, b)                          # B: its writes under way
-        assert read_prompt(client, a) == (12, True)      # A: the pool's newest now
-        client.allocate(5 * BS).close()                  # 2 free + 3 evicted
+        wait_idle(client)  # A is safe on disk
+        write_prompt(client, b)  # B: its writes under way
+        assert read_prompt(client, a) == (12, True)  # A: the pool's newest now
+        client.allocate(5 * BS).close()  # 2 free + 3 evicted
         st = wait_idle(client)
         assert st["evictions"] == 3
         assert len(coord.table.pool.lookup(keys_of(b))) == 3
@@ -1340,8 +1534,9 @@ def slow(mod, set_attr=setattr):
 
 
 @pytest.mark.parametrize("kinds", ["host", "disk", "disk, staged"])
-def test_a_block_evicted_while_its_copy_waits_is_rescued_by_the_loop(tmp_path, unique_name,
-                                                                     monkeypatch, io, kinds):
+def test_a_block_evicted_while_its_copy_waits_is_rescued_by_the_loop(
+    tmp_path, unique_name, monkeypatch, io, kinds
+):
     """Every cached block is still copying (demotions slowed) when an allocation evicts
     them: the loop copies each at eviction, into a host slot or through a staging slot to
     disk, and the late copies, cancelled, change nothing. Counted as rescued, none lost;
@@ -1352,23 +1547,29 @@ def test_a_block_evicted_while_its_copy_waits_is_rescued_by_the_loop(tmp_path, u
         monkeypatch.setattr(tiers_mod, "IO_PROCESS_PRELOAD", f"{fault}:slow")
     else:
         import runpy
+
         runpy.run_path(str(fault))["slow"](tier_io, monkeypatch.setattr)
     if kinds == "disk, staged":
         monkeypatch.setattr(tiers_mod, "DIRECT_DISK_DEMOTION", False)
     cfg = make_config(num_blocks=4)
-    spec = shmkv.HostTier(8 * cfg.block_nbytes) if kinds == "host" else \
-        shmkv.DiskTier(tmp_path / "tier", 1 << 20)
+    spec = (
+        shmkv.HostTier(8 * cfg.block_nbytes)
+        if kinds == "host"
+        else shmkv.DiskTier(tmp_path / "tier", 1 << 20)
+    )
     prompt = prompts_of(1, 3, seed=13)[0]
-    with shmkv.Coordinator(cfg, name=unique_name, tiers=[spec]) as coord, \
-            shmkv.connect(coord.address, timeout=20) as client:
-        write_prompt(client, prompt)                         # its copies start late
-        client.allocate(4 * BS).close()                      # 1 free + 3 evicted
+    with (
+        shmkv.Coordinator(cfg, name=unique_name, tiers=[spec]) as coord,
+        shmkv.connect(coord.address, timeout=20) as client,
+    ):
+        write_prompt(client, prompt)  # its copies start late
+        client.allocate(4 * BS).close()  # 1 free + 3 evicted
         st = wait_idle(client)
         assert st["evictions"] == 3
         assert st["tier_io"]["rescued_evictions"] == 3
         assert st["tier_io"]["lost_evictions"] == 0
         assert coord.tiers.lookup(keys_of(prompt)) == 3
-        assert read_prompt(client, prompt) == (12, True)    # promoted back, exact
+        assert read_prompt(client, prompt) == (12, True)  # promoted back, exact
         if coord.tiers._staging is not None:
             assert len(coord.tiers._staging.free) == tiers_mod.STAGING_BLOCKS
         coord.table.check_invariants()

@@ -12,8 +12,15 @@ TP = 2
 
 @pytest.fixture
 def tp_coord(unique_name):
-    cfg = shmkv.PoolConfig(num_layers=2, num_kv_heads=4, head_dim=8, num_blocks=32,
-                           block_size=4, dtype=torch.float32, tp_size=TP)
+    cfg = shmkv.PoolConfig(
+        num_layers=2,
+        num_kv_heads=4,
+        head_dim=8,
+        num_blocks=32,
+        block_size=4,
+        dtype=torch.float32,
+        tp_size=TP,
+    )
     with shmkv.Coordinator(cfg, name=unique_name) as coord:
         yield coord
 
@@ -24,9 +31,12 @@ def test_rank_processes_write_shards_reader_sees_whole_heads(tp_coord):
         h = reader.allocate(prompt=list(range(n)))
         assert h.num_heads == 4
         q = SPAWN.Queue()
-        procs = [SPAWN.Process(target=workers.tp_rank_writer,
-                               args=(tp_coord.address, rank, TP, h.export(30), n, q))
-                 for rank in range(TP)]
+        procs = [
+            SPAWN.Process(
+                target=workers.tp_rank_writer, args=(tp_coord.address, rank, TP, h.export(30), n, q)
+            )
+            for rank in range(TP)
+        ]
         for p in procs:
             p.start()
         got = sorted(q.get(timeout=60) for _ in procs)
@@ -43,15 +53,17 @@ def test_rank_processes_write_shards_reader_sees_whole_heads(tp_coord):
 
 
 def test_rank_view_is_a_head_slice_of_the_same_memory(tp_coord):
-    with shmkv.connect(tp_coord.address, tp_rank=1, tp_size=TP) as r1, \
-            shmkv.connect(tp_coord.address) as full:
+    with (
+        shmkv.connect(tp_coord.address, tp_rank=1, tp_size=TP) as r1,
+        shmkv.connect(tp_coord.address) as full,
+    ):
         assert r1.pool.shape == (32, 2, 2, 4, 2, 8)
         h = r1.allocate(3)
         k = torch.randn(3, 2, 8)
         h.write(1, k, k, start=0)
         whole = full.open(h.export(10))
         assert torch.equal(whole.key_cache(1)[:, 2:], k)
-        assert r1.pool.stride() == full.pool.stride()     # a slice of the pool, not a copy
+        assert r1.pool.stride() == full.pool.stride()  # a slice of the pool, not a copy
         assert r1.pool.storage_offset() == 2 * 8
         with pytest.raises(shmkv.InvalidArgument, match="expected"):
             h.write(0, torch.randn(3, 4, 8), torch.randn(3, 4, 8), start=0)

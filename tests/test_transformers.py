@@ -51,8 +51,8 @@ from shmkv.integrations.transformers import (  # noqa: E402
 VOCAB = 256
 NEW_TOKENS = 10
 BLOCK_SIZE = 4
-TIGHT = dict(rtol=1e-5, atol=1e-6)      # same computation, another home for the K/V
-REUSED = dict(rtol=1e-4, atol=1e-5)     # prefix K/V computed in another (longer) prefill
+TIGHT = dict(rtol=1e-5, atol=1e-6)  # same computation, another home for the K/V
+REUSED = dict(rtol=1e-4, atol=1e-5)  # prefix K/V computed in another (longer) prefill
 
 GQA2 = dict(num_attention_heads=4, num_key_value_heads=2)
 MODELS = {
@@ -72,16 +72,24 @@ MODELS = {
 }
 FULL_ATTENTION = ["llama", "qwen2", "mistral", "gemma", "granite", "olmo2", "phi3"]
 ATTN = ["shmkv", "shmkv-mirror", "sdpa"]
-IMPL = {"shmkv": "shmkv", "shmkv-mirror": "shmkv", "sdpa": "sdpa"}    # attn_implementation
+IMPL = {"shmkv": "shmkv", "shmkv-mirror": "shmkv", "sdpa": "sdpa"}  # attn_implementation
 CACHE = {"shmkv": {}, "shmkv-mirror": {"mirror": True}, "sdpa": {}}  # ShmkvCache arguments
 PATH = {"shmkv": "paged", "shmkv-mirror": "paged", "sdpa": "dense"}
 
 
 def build(kind: str, seed: int = 0, attn: str = "sdpa", **overrides):
     model_cls, config_cls, heads = MODELS[kind]
-    fields = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  max_position_embeddings=512, bos_token_id=None, eos_token_id=None,
-                  pad_token_id=None, **heads)
+    fields = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        max_position_embeddings=512,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        **heads,
+    )
     config = config_cls(**{**fields, **overrides})
     torch.manual_seed(seed)
     model = model_cls(config).eval()
@@ -98,8 +106,8 @@ def prompt(seed: int, n: int) -> list:
 
 
 PROMPT_A = prompt(1, 23)
-PROMPT_B = PROMPT_A[:16] + prompt(2, 9)     # shares 4 full blocks of A
-PROMPT_C = PROMPT_A[:16]                    # wholly cached once A is committed
+PROMPT_B = PROMPT_A[:16] + prompt(2, 9)  # shares 4 full blocks of A
+PROMPT_C = PROMPT_A[:16]  # wholly cached once A is committed
 
 
 @torch.no_grad()
@@ -110,9 +118,14 @@ def greedy(model, ids, cache=None, max_new_tokens=NEW_TOKENS, attention_mask=Non
     if cache is not None:
         kwargs[cache_argument(model)] = cache
     kwargs.setdefault("do_sample", False)
-    return model.generate(ids, attention_mask=attention_mask if attention_mask is not None
-                          else torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                          return_dict_in_generate=True, output_logits=True, **kwargs)
+    return model.generate(
+        ids,
+        attention_mask=attention_mask if attention_mask is not None else torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        return_dict_in_generate=True,
+        output_logits=True,
+        **kwargs,
+    )
 
 
 def cache_of(output):
@@ -187,8 +200,9 @@ def test_shmkv_attention_without_shmkv_cache_is_sdpa():
     for a, b in zip(got.logits, want.logits):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     torch.testing.assert_close(model(ids, use_cache=False).logits, full, rtol=0, atol=0)
-    config = MODELS["llama"][1](**dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=2, **GQA2))
+    config = MODELS["llama"][1](
+        **dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, **GQA2)
+    )
     loaded = LlamaForCausalLM._from_config(config, attn_implementation="shmkv")
     assert loaded.config._attn_implementation == "shmkv"
 
@@ -212,10 +226,11 @@ def test_batched_generate_with_padding(attn, model_coord):
             assert len(cache.handles) == 2
             assert cache.attention_path == PATH[attn]
             total = ids.shape[1] + NEW_TOKENS - 1
-            if PATH[attn] == "paged":   # the padding is not stored
+            if PATH[attn] == "paged":  # the padding is not stored
                 assert cache.left_padding == [0, ids.shape[1] - lengths[1]]
-                assert [h.num_tokens for h in cache.handles] == \
-                    [n + NEW_TOKENS - 1 for n in lengths]
+                assert [h.num_tokens for h in cache.handles] == [
+                    n + NEW_TOKENS - 1 for n in lengths
+                ]
             else:
                 assert [h.num_tokens for h in cache.handles] == [total, total]
             assert cache.get_seq_length() == total
@@ -228,8 +243,14 @@ def test_num_return_sequences(attn, model_coord):
     """Sampling three sequences per prompt of a padded batch (six rows)."""
     model = build("qwen2")
     ids, mask, _ = padded_batch()
-    kwargs = dict(attention_mask=mask, pad_token_id=0, do_sample=True, num_return_sequences=3,
-                  top_k=0, max_new_tokens=6)
+    kwargs = dict(
+        attention_mask=mask,
+        pad_token_id=0,
+        do_sample=True,
+        num_return_sequences=3,
+        top_k=0,
+        max_new_tokens=6,
+    )
     torch.manual_seed(11)
     want = greedy(model, ids, **kwargs)
     model.set_attn_implementation(IMPL[attn])
@@ -263,7 +284,7 @@ def test_prompt_lookup_decoding_crops(attn, model_coord):
     """Prompt-lookup decoding drafts tokens from n-grams of the prompt, verifies them in one
     forward and crops the rejected ones from the cache."""
     model = build("llama")
-    ids = (PROMPT_A[:8] * 4)[:30]              # repeats: n-gram matches to draft from
+    ids = (PROMPT_A[:8] * 4)[:30]  # repeats: n-gram matches to draft from
     kwargs = dict(prompt_lookup_num_tokens=4, max_new_tokens=16)
     want = greedy(model, ids, **kwargs)
     model.set_attn_implementation(IMPL[attn])
@@ -298,7 +319,9 @@ def test_decode_over_reserved_slots_advances_steps(attn, model_coord, monkeypatc
         def call(*args, **kwargs):
             made[key] += 1
             return real(*args, **kwargs)
+
         monkeypatch.setattr(cls, name, call)
+
     counting(shmkv.batch.Step, "advance", "advance")
     counting(shmkv.batch.Batch, "prefill", "prefill")
     counting(shmkv.batch.Batch, "extend", "extend")
@@ -321,8 +344,9 @@ def test_decode_over_reserved_slots_advances_steps(attn, model_coord, monkeypatc
                     for layer in range(handle.num_layers):
                         torch.testing.assert_close(
                             handle.key_cache(layer),
-                            reference.layers[layer].keys[b, :, :handle.num_tokens].transpose(0, 1),
-                            **TIGHT)
+                            reference.layers[layer].keys[b, :, : handle.num_tokens].transpose(0, 1),
+                            **TIGHT,
+                        )
 
 
 @pytest.mark.parametrize("attn", ATTN)
@@ -336,12 +360,11 @@ def test_decode_past_the_first_buffer_capacity(attn, model_coord):
     model.set_attn_implementation(IMPL[attn])
     with shmkv.connect(model_coord(model).address, timeout=20) as client:
         with ShmkvCache(client, **CACHE[attn]) as cache:
-            got = greedy(model, ids, cache, attention_mask=mask, pad_token_id=0,
-                         max_new_tokens=12)
+            got = greedy(model, ids, cache, attention_mask=mask, pad_token_id=0, max_new_tokens=12)
             assert cache.get_seq_length() == ids.shape[1] + 11 > 256
             for b, handle in enumerate(cache.handles):
-                pad = cache.left_padding[b]     # not stored on the paged path; 0 on the dense
-                keys = cache_of(want).layers[1].keys[b, :, pad:pad + handle.num_tokens]
+                pad = cache.left_padding[b]  # not stored on the paged path; 0 on the dense
+                keys = cache_of(want).layers[1].keys[b, :, pad : pad + handle.num_tokens]
                 torch.testing.assert_close(handle.key_cache(1), keys.transpose(0, 1), **TIGHT)
         assert_same_generation(got, want, ids.shape[1])
         assert client.stats()["referenced_blocks"] == 0
@@ -363,13 +386,17 @@ def test_two_generate_calls_in_a_row(attn, model_coord):
         outputs = {}
         for name in ("dynamic", "shmkv"):
             model.set_attn_implementation("sdpa" if name == "dynamic" else IMPL[attn])
-            cache = (DynamicCache(config=model.config) if name == "dynamic"
-                     else ShmkvCache(client, **CACHE[attn]))
+            cache = (
+                DynamicCache(config=model.config)
+                if name == "dynamic"
+                else ShmkvCache(client, **CACHE[attn])
+            )
             first = greedy(model, ids, cache, attention_mask=mask, pad_token_id=0)
             seq = first.sequences
-            longer = torch.cat([mask, torch.ones_like(seq[:, ids.shape[1]:])], 1)
-            second = greedy(model, seq, cache, pad_token_id=0, max_new_tokens=7,
-                            attention_mask=longer)
+            longer = torch.cat([mask, torch.ones_like(seq[:, ids.shape[1] :])], 1)
+            second = greedy(
+                model, seq, cache, pad_token_id=0, max_new_tokens=7, attention_mask=longer
+            )
             outputs[name] = (first, second)
             if name == "shmkv":
                 assert cache.attention_path == PATH[attn]
@@ -392,14 +419,16 @@ def test_right_padding_takes_the_dense_path(model_coord):
     longer = torch.cat([mask, torch.ones_like(extra)], 1)
     with shmkv.connect(model_coord(model).address, timeout=20) as client, torch.no_grad():
         dynamic = DynamicCache(config=model.config)
-        want = [model(ids, attention_mask=mask, use_cache=True, **{key: dynamic}).logits,
-                model(extra, attention_mask=longer, use_cache=True, **{key: dynamic}).logits]
+        want = [
+            model(ids, attention_mask=mask, use_cache=True, **{key: dynamic}).logits,
+            model(extra, attention_mask=longer, use_cache=True, **{key: dynamic}).logits,
+        ]
         use_shmkv_attention(model)
         with ShmkvCache(client) as cache:
             got = [model(ids, attention_mask=mask, use_cache=True, **{key: cache}).logits]
             assert cache.attention_path == "dense"
             got.append(model(extra, attention_mask=longer, use_cache=True, **{key: cache}).logits)
-            assert cache.attention_path == "dense"    # the stored padding stays masked
+            assert cache.attention_path == "dense"  # the stored padding stays masked
         torch.testing.assert_close(got[0][0], want[0][0], **TIGHT)
         torch.testing.assert_close(got[0][1, :9], want[0][1, :9], **TIGHT)
         torch.testing.assert_close(got[1], want[1], **TIGHT)
@@ -427,7 +456,7 @@ def test_forward_calls_with_use_cache(kind, model_coord):
             assert_kv_equal(cache.handle, dynamic, ids.shape[1])
             cache.crop(-3)
             dynamic.crop(-3)
-            with torch.enable_grad():   # the pool must stay out of any autograd graph
+            with torch.enable_grad():  # the pool must stay out of any autograd graph
                 got = model(ids[:, -3:], use_cache=True, **{key: cache})
             want = model(ids[:, -3:], use_cache=True, **{key: dynamic})
             torch.testing.assert_close(got.logits.detach(), want.logits, **TIGHT)
@@ -440,7 +469,8 @@ def test_prefix_reuse_skips_shared_prefill(model_coord):
     model = build("qwen2")
     ran = []
     hook = model.model.embed_tokens.register_forward_hook(
-        lambda module, args, out: ran.append(args[0].shape[1]))
+        lambda module, args, out: ran.append(args[0].shape[1])
+    )
     try:
         with shmkv.connect(model_coord(model).address, timeout=20) as client:
             for ids, cached in [(PROMPT_A, 0), (PROMPT_B, 16), (PROMPT_C, 15)]:
@@ -449,12 +479,12 @@ def test_prefix_reuse_skips_shared_prefill(model_coord):
                 with ShmkvCache.from_prompt(client, ids, model_config=model.config) as cache:
                     assert cache.num_cached_tokens == cached
                     got = greedy(model, ids, cache)
-                    assert ran[0] == len(ids) - cached     # only the uncached part ran
+                    assert ran[0] == len(ids) - cached  # only the uncached part ran
                     assert_kv_equal(cache.handle, cache_of(want), cache.handle.num_tokens, REUSED)
                 assert_same_generation(got, want, len(ids), REUSED)
             stats = client.stats()
             assert stats["prefix_hit_tokens"] == 16 + 16
-            assert stats["cow_copies"] >= 1                # C's last token lands in a shared block
+            assert stats["cow_copies"] >= 1  # C's last token lands in a shared block
             assert stats["referenced_blocks"] == 0
     finally:
         hook.remove()
@@ -479,17 +509,22 @@ def test_mismatched_model_is_refused(model_coord):
 def test_sliding_window_models_are_refused(layers, model_coord):
     """Sliding-window layers (all of them, or some: a hybrid model) are refused, at
     construction with model_config=, and by the "shmkv" attention at the first forward."""
-    window = dict(use_sliding_window=True, sliding_window=8,
-                  max_window_layers=0 if layers == "sliding" else 1)
+    window = dict(
+        use_sliding_window=True, sliding_window=8, max_window_layers=0 if layers == "sliding" else 1
+    )
     model = build("qwen2", attn="shmkv", **window)
     kinds = set(model.config.layer_types)
     assert ("full_attention" in kinds) == (layers == "hybrid")
     with shmkv.connect(model_coord(model).address, timeout=20) as client:
-        with pytest.raises(shmkv.InvalidArgument,
-                           match="full-attention layers only.*sliding_attention.*DynamicCache"):
+        with pytest.raises(
+            shmkv.InvalidArgument,
+            match="full-attention layers only.*sliding_attention.*DynamicCache",
+        ):
             ShmkvCache(client, model_config=model.config)
-        with ShmkvCache(client) as cache, \
-                pytest.raises(shmkv.InvalidArgument, match="sliding_attention"):
+        with (
+            ShmkvCache(client) as cache,
+            pytest.raises(shmkv.InvalidArgument, match="sliding_attention"),
+        ):
             greedy(model, PROMPT_A, cache)
         assert client.stats()["referenced_blocks"] == 0
 
@@ -501,9 +536,12 @@ def test_prefix_reuse_for_a_batch_of_prompts(attn, model_coord):
     model = build("qwen2")
     ran = []
     hook = model.model.embed_tokens.register_forward_hook(
-        lambda module, args, out: ran.append(args[0].shape[1]))
-    batches = [[PROMPT_A, prompt(7, 11)],
-               [PROMPT_B, PROMPT_C, prompt(8, 6)]]   # B: 16 tokens of A cached, C: all 16
+        lambda module, args, out: ran.append(args[0].shape[1])
+    )
+    batches = [
+        [PROMPT_A, prompt(7, 11)],
+        [PROMPT_B, PROMPT_C, prompt(8, 6)],
+    ]  # B: 16 tokens of A cached, C: all 16
     try:
         with shmkv.connect(model_coord(model).address, timeout=20) as client:
             for prompts, tol in zip(batches, [TIGHT, REUSED]):
@@ -512,15 +550,17 @@ def test_prefix_reuse_for_a_batch_of_prompts(attn, model_coord):
                 want = greedy(model, ids, attention_mask=mask, pad_token_id=0)
                 model.set_attn_implementation(IMPL[attn])
                 ran.clear()
-                with ShmkvCache.from_prompts(client, ids, attention_mask=mask,
-                                             model_config=model.config, **CACHE[attn]) as cache:
+                with ShmkvCache.from_prompts(
+                    client, ids, attention_mask=mask, model_config=model.config, **CACHE[attn]
+                ) as cache:
                     start = cache.num_cached_tokens
                     got = greedy(model, ids, cache, attention_mask=mask, pad_token_id=0)
-                    assert ran[0] == ids.shape[1] - start     # only the uncached part ran
+                    assert ran[0] == ids.shape[1] - start  # only the uncached part ran
                     assert cache.attention_path == PATH[attn]
                     assert cache.left_padding == [ids.shape[1] - len(p) for p in prompts]
-                    assert [h.num_tokens for h in cache.handles] == \
-                        [len(p) + NEW_TOKENS - 1 for p in prompts]
+                    assert [h.num_tokens for h in cache.handles] == [
+                        len(p) + NEW_TOKENS - 1 for p in prompts
+                    ]
                 assert_same_generation(got, want, ids.shape[1], tol)
             # A: 20 tokens (5 blocks) cached, B reuses 16 of them, C all 16 (it runs one).
             assert start == 16
@@ -536,14 +576,16 @@ def test_from_prompts_takes_left_padding_only(model_coord):
     with shmkv.connect(model_coord(model).address, timeout=20) as client:
         ids, mask = left_pad([PROMPT_A, PROMPT_C])
         with pytest.raises(shmkv.InvalidArgument, match="left"):
-            ShmkvCache.from_prompts(client, ids, attention_mask=mask.flip(1),
-                                    model_config=model.config)
+            ShmkvCache.from_prompts(
+                client, ids, attention_mask=mask.flip(1), model_config=model.config
+            )
         with pytest.raises(shmkv.InvalidArgument, match="empty"):
             ShmkvCache.from_prompts(client, [PROMPT_A, []], model_config=model.config)
         assert client.stats()["referenced_blocks"] == 0
 
 
 # -- positions, model identity and expansion of prompt caches -----------------------------------
+
 
 def padded_prompts(seed: int) -> tuple:
     """A long prompt and a short one (left padded by 23 in the batch), by seed."""
@@ -561,18 +603,27 @@ def test_padded_prefill_then_decode_equals_dynamic_cache(attn, model_coord):
     want = greedy(model, ids, attention_mask=mask, pad_token_id=0)
     model.set_attn_implementation(IMPL[attn])
     with shmkv.connect(model_coord(model).address, timeout=20) as client:
-        with ShmkvCache.from_prompts(client, ids, attention_mask=mask, model_config=model,
-                                     **CACHE[attn]) as cache:
+        with ShmkvCache.from_prompts(
+            client, ids, attention_mask=mask, model_config=model, **CACHE[attn]
+        ) as cache:
             logits = prefill(model, cache, ids, mask)
             torch.testing.assert_close(logits, want.logits[0], **TIGHT)
             firsts = logits.argmax(-1).tolist()
             assert firsts == want.sequences[:, ids.shape[1]].tolist()
             ids2, mask2 = left_pad([long + firsts[:1], short + firsts[1:]])
-            got = greedy(model, ids2, cache, attention_mask=mask2, pad_token_id=0,
-                         max_new_tokens=NEW_TOKENS - 1)
+            got = greedy(
+                model,
+                ids2,
+                cache,
+                attention_mask=mask2,
+                pad_token_id=0,
+                max_new_tokens=NEW_TOKENS - 1,
+            )
             assert cache.attention_path == PATH[attn]
-        assert got.sequences[:, ids2.shape[1]:].tolist() == \
-            want.sequences[:, ids.shape[1] + 1:].tolist()
+        assert (
+            got.sequences[:, ids2.shape[1] :].tolist()
+            == want.sequences[:, ids.shape[1] + 1 :].tolist()
+        )
         for step, (a, b) in enumerate(zip(got.logits, want.logits[1:])):
             torch.testing.assert_close(a, b, **TIGHT, msg=lambda m, step=step: f"step {step}: {m}")
         assert client.stats()["referenced_blocks"] == 0
@@ -587,14 +638,13 @@ def test_padded_prefill_does_not_poison_the_prefix_cache(seed, model_coord):
     long, short = padded_prompts(seed)
     ids, mask = left_pad([long, short])
     with shmkv.connect(model_coord(model).address, timeout=20) as client:
-        with ShmkvCache.from_prompts(client, ids, attention_mask=mask,
-                                     model_config=model) as cache:
+        with ShmkvCache.from_prompts(client, ids, attention_mask=mask, model_config=model) as cache:
             prefill(model, cache, ids, mask)
             assert cache.left_padding == [0, len(long) - len(short)]
         model.set_attn_implementation("sdpa")
         want = greedy(model, short)
         with ShmkvCache.from_prompt(client, short, model_config=model) as cache:
-            assert cache.num_cached_tokens == 16      # four blocks of the padded row
+            assert cache.num_cached_tokens == 16  # four blocks of the padded row
             got = greedy(model, short, cache)
         assert_same_generation(got, want, len(short), REUSED)
         assert client.stats()["referenced_blocks"] == 0
@@ -611,8 +661,12 @@ def test_forward_numbered_from_the_padding_leaves_the_row_unpublished(attn, mode
     ids, mask = left_pad([long, short])
     key = cache_argument(model)
     with shmkv.connect(model_coord(model).address, timeout=20) as client:
-        with ShmkvCache.from_prompts(client, ids, attention_mask=mask, model_config=model,
-                                     **CACHE[attn]) as cache, torch.no_grad():
+        with (
+            ShmkvCache.from_prompts(
+                client, ids, attention_mask=mask, model_config=model, **CACHE[attn]
+            ) as cache,
+            torch.no_grad(),
+        ):
             model(ids, attention_mask=mask, use_cache=True, **{key: cache})
             cache.commit()
         model.set_attn_implementation("sdpa")
@@ -629,8 +683,7 @@ def test_prefill_checks_its_mask(model_coord):
     model = build("llama")
     ids, mask = left_pad([PROMPT_A, PROMPT_C])
     with shmkv.connect(model_coord(model).address, timeout=20) as client:
-        with ShmkvCache.from_prompts(client, ids, attention_mask=mask,
-                                     model_config=model) as cache:
+        with ShmkvCache.from_prompts(client, ids, attention_mask=mask, model_config=model) as cache:
             with pytest.raises(shmkv.InvalidArgument, match="shape"):
                 prefill(model, cache, ids, mask[:, 1:])
             assert cache.get_seq_length() == 0
@@ -648,15 +701,23 @@ def test_quantized_pool_with_left_padding(source, dtype, attn, model_coord):
     ids, mask, _ = padded_batch()
     want = greedy(model, ids, attention_mask=mask, pad_token_id=0)
     model.set_attn_implementation(IMPL[attn])
-    with shmkv.connect(model_coord(model, dtype=getattr(torch, dtype)).address,
-                       timeout=20) as client:
+    with shmkv.connect(
+        model_coord(model, dtype=getattr(torch, dtype)).address, timeout=20
+    ) as client:
         limit = 127.0 if dtype == "int8" else float(torch.finfo(getattr(torch, dtype)).max)
         for layer, cached in enumerate(cache_of(want).layers):
-            client.set_kv_scales(layer, float(cached.keys.abs().max()) / limit,
-                                 float(cached.values.abs().max()) / limit)
-        cache = (ShmkvCache(client, **CACHE[attn]) if source == "client" else
-                 ShmkvCache.from_prompts(client, ids, attention_mask=mask, model_config=model,
-                                         **CACHE[attn]))
+            client.set_kv_scales(
+                layer,
+                float(cached.keys.abs().max()) / limit,
+                float(cached.values.abs().max()) / limit,
+            )
+        cache = (
+            ShmkvCache(client, **CACHE[attn])
+            if source == "client"
+            else ShmkvCache.from_prompts(
+                client, ids, attention_mask=mask, model_config=model, **CACHE[attn]
+            )
+        )
         with cache:
             got = greedy(model, ids, cache, attention_mask=mask, pad_token_id=0)
             assert cache.attention_path == PATH[attn]
@@ -665,10 +726,11 @@ def test_quantized_pool_with_left_padding(source, dtype, attn, model_coord):
         # flip a greedy near-tie, after which the two runs see other tokens)
         model.set_attn_implementation("sdpa")
         seq = got.sequences
-        full_mask = torch.cat([mask, torch.ones_like(seq[:, ids.shape[1]:])], 1)
+        full_mask = torch.cat([mask, torch.ones_like(seq[:, ids.shape[1] :])], 1)
         with torch.no_grad():
-            ref = model(seq, attention_mask=full_mask,
-                        position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0)).logits
+            ref = model(
+                seq, attention_mask=full_mask, position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0)
+            ).logits
         torch.testing.assert_close(ref[:, ids.shape[1] - 1], want.logits[0], **REUSED)
         for step, a in enumerate(got.logits):
             b = ref[:, ids.shape[1] - 1 + step]
@@ -722,7 +784,7 @@ def test_model_identity_and_salt(model_coord):
     assert salt == model_cache_salt(model) == model_cache_salt(build("llama", seed=5).config)
     assert len(salt) == 32
     assert model_cache_salt(model, b"tenant-1") not in (salt, model_cache_salt(model, b"t2"))
-    model.set_attn_implementation("shmkv")      # how it attends is not who it is
+    model.set_attn_implementation("shmkv")  # how it attends is not who it is
     assert model_cache_salt(model) == salt
     with pytest.raises(shmkv.WrongType, match="cache_salt"):
         model_cache_salt(model, "tenant-1")
@@ -732,15 +794,17 @@ def test_model_identity_and_salt(model_coord):
         with pytest.raises(shmkv.InvalidArgument, match="model_config=model"):
             ShmkvCache.from_prompt(client, PROMPT_A)
         # the salt is what from_prompts allocates with: a plain client request shares it
-        with ShmkvCache.from_prompt(client, PROMPT_A, model_config=model,
-                                    cache_salt=b"tenant-1") as cache:
+        with ShmkvCache.from_prompt(
+            client, PROMPT_A, model_config=model, cache_salt=b"tenant-1"
+        ) as cache:
             greedy(model, PROMPT_A, cache)
-        with client.allocate(prompt=PROMPT_A, cache_salt=model_cache_salt(model, b"tenant-1")) \
-                as handle:
+        with client.allocate(
+            prompt=PROMPT_A, cache_salt=model_cache_salt(model, b"tenant-1")
+        ) as handle:
             assert handle.num_cached_tokens == 20
             assert_kv_equal(handle, cache_of(want), 20, REUSED)
         with ShmkvCache.from_prompt(client, PROMPT_A, model_config=model) as cache:
-            assert cache.num_cached_tokens == 0   # another tenant's
+            assert cache.num_cached_tokens == 0  # another tenant's
             other = build("llama", intermediate_size=96)
             with pytest.raises(shmkv.InvalidArgument, match="another model"):
                 prefill(other, cache, torch.tensor(PROMPT_A))
@@ -754,16 +818,23 @@ def test_from_prompts_with_num_return_sequences(attn, model_coord):
     batch): the cache forks each row's sequence as often, and reuses the prefix."""
     model = build("qwen2")
     ids, mask, _ = padded_batch()
-    kwargs = dict(attention_mask=mask, pad_token_id=0, do_sample=True, num_return_sequences=3,
-                  top_k=0, max_new_tokens=6)
+    kwargs = dict(
+        attention_mask=mask,
+        pad_token_id=0,
+        do_sample=True,
+        num_return_sequences=3,
+        top_k=0,
+        max_new_tokens=6,
+    )
     torch.manual_seed(11)
     want = greedy(model, ids, **kwargs)
     model.set_attn_implementation(IMPL[attn])
     with shmkv.connect(model_coord(model).address, timeout=20) as client:
         with ShmkvCache.from_prompt(client, PROMPT_A, model_config=model) as cache:
-            greedy(model, PROMPT_A, cache)       # PROMPT_A's 20 tokens cached
-        with ShmkvCache.from_prompts(client, ids, attention_mask=mask, model_config=model,
-                                     **CACHE[attn]) as cache:
+            greedy(model, PROMPT_A, cache)  # PROMPT_A's 20 tokens cached
+        with ShmkvCache.from_prompts(
+            client, ids, attention_mask=mask, model_config=model, **CACHE[attn]
+        ) as cache:
             assert cache.num_cached_tokens == 14 and len(cache.handles) == 2
             torch.manual_seed(11)
             got = greedy(model, ids, cache, **kwargs)
@@ -785,8 +856,7 @@ def test_from_prompts_with_beam_search(attn, model_coord):
     with shmkv.connect(model_coord(model).address, timeout=20) as client:
         with ShmkvCache.from_prompt(client, PROMPT_A, model_config=model) as cache:
             greedy(model, PROMPT_A, cache)
-        with ShmkvCache.from_prompt(client, PROMPT_B, model_config=model,
-                                    **CACHE[attn]) as cache:
+        with ShmkvCache.from_prompt(client, PROMPT_B, model_config=model, **CACHE[attn]) as cache:
             assert cache.num_cached_tokens == 16
             got = greedy(model, PROMPT_B, cache, **kwargs)
             assert len(cache.handles) == 3
@@ -796,15 +866,20 @@ def test_from_prompts_with_beam_search(attn, model_coord):
         assert stats["referenced_blocks"] == 0
         # a batch that is no multiple of the cache's rows is refused, not expanded
         ids, mask = left_pad([PROMPT_A, PROMPT_C])
-        with ShmkvCache.from_prompts(client, ids, attention_mask=mask,
-                                     model_config=model) as cache:
+        with ShmkvCache.from_prompts(client, ids, attention_mask=mask, model_config=model) as cache:
             with pytest.raises(shmkv.InvalidArgument, match="holds 2 sequences.*batch of 3"):
-                greedy(model, torch.cat([ids, ids[:1]]), cache,
-                       attention_mask=torch.cat([mask, mask[:1]]), pad_token_id=0)
+                greedy(
+                    model,
+                    torch.cat([ids, ids[:1]]),
+                    cache,
+                    attention_mask=torch.cat([mask, mask[:1]]),
+                    pad_token_id=0,
+                )
         assert client.stats()["referenced_blocks"] == 0
 
 
 # -- prefill in a spawned process, decode here ------------------------------------------------
+
 
 def prefill_worker(address: str, kind: str, prompts: list, queue, acks) -> None:
     """Prefill each prompt (reusing cached prefixes), commit it, and send the parent what
@@ -822,9 +897,15 @@ def prefill_worker(address: str, kind: str, prompts: list, queue, acks) -> None:
                 caches.append(cache)
                 logits = prefill(model, cache, torch.tensor(ids))
                 cache.commit()
-                queue.put({"kv": cache.handle if i == 0 else cache,
-                           "first": int(logits.argmax(-1)), "logits": logits[0].tolist(),
-                           "cached": cache.num_cached_tokens, "checksum": checksum(model)})
+                queue.put(
+                    {
+                        "kv": cache.handle if i == 0 else cache,
+                        "first": int(logits.argmax(-1)),
+                        "logits": logits[0].tolist(),
+                        "cached": cache.num_cached_tokens,
+                        "checksum": checksum(model),
+                    }
+                )
                 acks.get(timeout=60)
             queue.close()
             queue.join_thread()
@@ -839,9 +920,11 @@ def test_prefill_in_child_decode_in_parent(model_coord):
     prompts = [PROMPT_A, PROMPT_B]
     wants = [greedy(model, ids) for ids in prompts]
     queue, acks = SPAWN.Queue(), SPAWN.Queue()
-    child = SPAWN.Process(target=prefill_worker,
-                          args=(coord.address, "llama", prompts, queue, acks),
-                          name="prefill-worker")
+    child = SPAWN.Process(
+        target=prefill_worker,
+        args=(coord.address, "llama", prompts, queue, acks),
+        name="prefill-worker",
+    )
     child.start()
     try:
         with shmkv.connect(coord.address, timeout=20) as client:
@@ -854,16 +937,16 @@ def test_prefill_in_child_decode_in_parent(model_coord):
                 assert item["checksum"] == checksum(model), "child built other weights"
                 assert item["cached"] == cached
                 assert item["first"] == int(want.sequences[0, len(ids)])
-                torch.testing.assert_close(torch.tensor([item["logits"]]), want.logits[0],
-                                           **REUSED)
+                torch.testing.assert_close(torch.tensor([item["logits"]]), want.logits[0], **REUSED)
                 kv = item["kv"]
                 cache = kv if isinstance(kv, ShmkvCache) else ShmkvCache(kv)
                 handle = cache.handle
                 assert handle.num_tokens == len(ids) and cache.get_seq_length() == len(ids)
                 assert_kv_equal(handle, cache_of(want), len(ids), REUSED)
                 got = greedy(model, ids + [item["first"]], cache, max_new_tokens=NEW_TOKENS - 1)
-                assert got.sequences[0, len(ids):].tolist() == \
-                    want.sequences[0, len(ids):].tolist()
+                assert (
+                    got.sequences[0, len(ids) :].tolist() == want.sequences[0, len(ids) :].tolist()
+                )
                 for a, b in zip(got.logits, want.logits[1:]):
                     torch.testing.assert_close(a, b, **REUSED)
                 cache.close()
@@ -879,8 +962,8 @@ def test_demo_model_main(capsys):
     """``shmkv demo --model tiny``: prefill in a spawned DataLoader worker, decode here,
     every token verified; exit code 0 and nothing left behind (the leak check)."""
     from shmkv.tools import demo_model
-    args = argparse.Namespace(model="tiny", prompts=3, workers=1, decode_steps=4,
-                              dtype="float32")
+
+    args = argparse.Namespace(model="tiny", prompts=3, workers=1, decode_steps=4, dtype="float32")
     code = demo_model.main(args)
     out = capsys.readouterr().out
     assert code == 0, out
@@ -894,6 +977,7 @@ def test_demo_model_in_16_bits_passes_and_tells_a_near_tie_from_a_wrong_token(dt
     """In 16 bits the kernel rounds otherwise than SDPA: the demo passes, every prompt
     equal to DynamicCache's or parting at a near-tie; a token that is not one fails."""
     from shmkv.tools import demo_model
+
     args = argparse.Namespace(model="tiny", prompts=4, workers=1, decode_steps=6, dtype=dtype)
     assert demo_model.main(args) == 0, capsys.readouterr().out
     assert "verified: " in capsys.readouterr().out
@@ -910,6 +994,7 @@ def test_demo_model_in_16_bits_passes_and_tells_a_near_tie_from_a_wrong_token(dt
 
 # -- a batch prefilled in DataLoader workers, decoded here ------------------------------------
 
+
 class PrefillPrompts(torch.utils.data.Dataset):
     """Prompt i -> a hand-off token of its sequence, prefilled in a DataLoader worker,
     with the first greedy token and its logits."""
@@ -922,6 +1007,7 @@ class PrefillPrompts(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int) -> dict:
         from shmkv.client import process_client
+
         model = build(self.kind, attn="shmkv")
         client = process_client(self.address, None, None)
         ids = self.prompts[index]
@@ -930,8 +1016,13 @@ class PrefillPrompts(torch.utils.data.Dataset):
             # Exported in this thread, then this worker's own reference is dropped: the
             # hand-off keeps the sequence until the main process opens it.
             token = cache.handle.export(ttl=120.0)
-        return {"index": index, "token": token, "first": int(logits.argmax(-1)),
-                "logits": logits[0].tolist(), "checksum": checksum(model)}
+        return {
+            "index": index,
+            "token": token,
+            "first": int(logits.argmax(-1)),
+            "logits": logits[0].tolist(),
+            "checksum": checksum(model),
+        }
 
 
 def test_batch_prefilled_in_dataloader_workers(model_coord):
@@ -944,27 +1035,40 @@ def test_batch_prefilled_in_dataloader_workers(model_coord):
     want = greedy(model, ids, attention_mask=mask, pad_token_id=0)
     use_shmkv_attention(model)
     coord = model_coord(model)
-    loader = torch.utils.data.DataLoader(PrefillPrompts(coord.address, "llama", prompts),
-                                         batch_size=None, num_workers=2,
-                                         multiprocessing_context="spawn", timeout=120)
+    loader = torch.utils.data.DataLoader(
+        PrefillPrompts(coord.address, "llama", prompts),
+        batch_size=None,
+        num_workers=2,
+        multiprocessing_context="spawn",
+        timeout=120,
+    )
     items = sorted(loader, key=lambda item: item["index"])
     del loader
     assert all(item["checksum"] == checksum(model) for item in items), "other weights"
     firsts = [item["first"] for item in items]
     assert firsts == want.sequences[:, ids.shape[1]].tolist()
-    torch.testing.assert_close(torch.tensor([item["logits"] for item in items]),
-                               want.logits[0], **REUSED)
+    torch.testing.assert_close(
+        torch.tensor([item["logits"] for item in items]), want.logits[0], **REUSED
+    )
     with shmkv.connect(coord.address, timeout=20) as client:
         handles = [client.open(item["token"]) for item in items]
         with ShmkvCache(handles, padding_side="left") as cache:
             assert cache.get_seq_length() == ids.shape[1]
             assert cache.left_padding == [ids.shape[1] - len(p) for p in prompts]
             ids2, mask2 = left_pad([p + [f] for p, f in zip(prompts, firsts)])
-            got = greedy(model, ids2, cache, attention_mask=mask2, pad_token_id=0,
-                         max_new_tokens=NEW_TOKENS - 1)
+            got = greedy(
+                model,
+                ids2,
+                cache,
+                attention_mask=mask2,
+                pad_token_id=0,
+                max_new_tokens=NEW_TOKENS - 1,
+            )
             assert cache.attention_path == "paged"
-        assert got.sequences[:, ids2.shape[1]:].tolist() == \
-            want.sequences[:, ids.shape[1] + 1:].tolist()
+        assert (
+            got.sequences[:, ids2.shape[1] :].tolist()
+            == want.sequences[:, ids.shape[1] + 1 :].tolist()
+        )
         for a, b in zip(got.logits, want.logits[1:]):
             torch.testing.assert_close(a, b, **REUSED)
         client.close_many(handles)
@@ -988,9 +1092,12 @@ def test_quantized_pool_stays_within_the_stated_tolerance(dtype, attn, model_coo
     model.set_attn_implementation(IMPL[attn])
     with shmkv.connect(model_coord(model, dtype=dtype).address, timeout=20) as client:
         limit = 127.0 if dtype == "int8" else float(torch.finfo(getattr(torch, dtype)).max)
-        for layer, cached in enumerate(reference.layers):   # calibrated from a real prefill
-            client.set_kv_scales(layer, float(cached.keys.abs().max()) / limit,
-                                 float(cached.values.abs().max()) / limit)
+        for layer, cached in enumerate(reference.layers):  # calibrated from a real prefill
+            client.set_kv_scales(
+                layer,
+                float(cached.keys.abs().max()) / limit,
+                float(cached.values.abs().max()) / limit,
+            )
         with ShmkvCache(client, model_config=model.config, **CACHE[attn]) as cache:
             got = greedy(model, PROMPT_A, cache)
             assert cache.attention_path == PATH[attn]
@@ -1000,6 +1107,6 @@ def test_quantized_pool_stays_within_the_stated_tolerance(dtype, attn, model_coo
                 assert error <= QUANTIZED_TOL[dtype], f"step {step}: {error:.4f}"
             # the pool holds K/V to the dtype's precision, scaled back
             k_scale, v_scale = client.kv_scales(0)
-            stored = cache.handle.key_cache(0)[:len(PROMPT_A)].float() * k_scale
-            want_k = reference.layers[0].keys[0, :, :len(PROMPT_A)].transpose(0, 1)
+            stored = cache.handle.key_cache(0)[: len(PROMPT_A)].float() * k_scale
+            want_k = reference.layers[0].keys[0, :, : len(PROMPT_A)].transpose(0, 1)
             assert float((stored - want_k).abs().max()) <= 0.13 * float(want_k.abs().max())

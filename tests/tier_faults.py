@@ -41,7 +41,7 @@ def slow_disk_write(mod, set_attr=setattr) -> None:
     def slow(self, key, payload):
         tmp = f"{self.file_path(key)}.tmp-{self.session}"
         with open(tmp, "wb") as f:
-            f.write(bytes(payload)[:len(payload) // 2])
+            f.write(bytes(payload)[: len(payload) // 2])
         time.sleep(0.3)
         orig(self, key, payload)
 
@@ -50,6 +50,7 @@ def slow_disk_write(mod, set_attr=setattr) -> None:
 
 def disk_full(mod, set_attr=setattr) -> None:
     """Every block file write fails: no space left on the device."""
+
     def full(self, key, payload):
         raise OSError(errno.ENOSPC, "No space left on device")
 

@@ -16,19 +16,28 @@ import time
 
 SPAWN = multiprocessing.get_context("spawn")
 VOCAB = 512
-BLOCK = 128          # vLLM's block size (its CPU kernels take multiples of 32)
+BLOCK = 128  # vLLM's block size (its CPU kernels take multiples of 32)
 
 
-def make_model(path: str, layers: int = 2, kv_heads: int = 2, head_dim: int = 32,
-               hidden: int = 128) -> str:
+def make_model(
+    path: str, layers: int = 2, kv_heads: int = 2, head_dim: int = 32, hidden: int = 128
+) -> str:
     """Save a random Llama to ``path`` (float32, peaked logits so greedy is stable)."""
     import torch
     import transformers
+
     cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
-        num_hidden_layers=layers, num_attention_heads=hidden // head_dim,
-        num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=16384,
-        initializer_range=0.2, dtype="float32")
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // head_dim,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=16384,
+        initializer_range=0.2,
+        dtype="float32",
+    )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(path)
     return path
@@ -37,17 +46,18 @@ def make_model(path: str, layers: int = 2, kv_heads: int = 2, head_dim: int = 32
 def prompt(seed: int, n: int, prefix=()) -> list:
     """``n`` token ids from ``seed`` (after ``prefix``)."""
     import random
+
     rng = random.Random(seed)
     return list(prefix) + [rng.randrange(1, VOCAB) for _ in range(n - len(prefix))]
 
 
 # -- the engine child -----------------------------------------------------------------------
 
-_FAULT = {"handoff": 0}   # requests whose hand-off tokens the next steps damage
+_FAULT = {"handoff": 0}  # requests whose hand-off tokens the next steps damage
 
 
 def _serve(conn, model: str, kv: dict | None, options: dict) -> None:
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # the engine core in this process
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     # torch.compile of the sampler's logprobs costs 7 s on the first request here
@@ -56,16 +66,25 @@ def _serve(conn, model: str, kv: dict | None, options: dict) -> None:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("OMP_NUM_THREADS", str(options.get("threads", 1)))
     import logging
+
     logging.getLogger("shmkv").addHandler(logging.StreamHandler())
     logging.getLogger("shmkv").setLevel(logging.WARNING)
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
-    kwargs = dict(model=model, skip_tokenizer_init=True, dtype="float32",
-                  max_model_len=options.get("max_model_len", 2048), enforce_eager=True,
-                  block_size=BLOCK, max_num_seqs=options.get("max_num_seqs", 8),
-                  max_num_batched_tokens=options.get("max_num_batched_tokens", 2048),
-                  enable_prefix_caching=options.get("prefix_caching", True), seed=0)
+
+    kwargs = dict(
+        model=model,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=options.get("max_model_len", 2048),
+        enforce_eager=True,
+        block_size=BLOCK,
+        max_num_seqs=options.get("max_num_seqs", 8),
+        max_num_batched_tokens=options.get("max_num_batched_tokens", 2048),
+        enable_prefix_caching=options.get("prefix_caching", True),
+        seed=0,
+    )
     if options.get("tp", 1) > 1:  # one worker process per rank, started by vLLM
         kwargs.update(tensor_parallel_size=options["tp"], distributed_executor_backend="mp")
     if kv is not None:
@@ -81,7 +100,7 @@ def _serve(conn, model: str, kv: dict | None, options: dict) -> None:
         try:
             if op == "stop":
                 if options.get("tp", 1) > 1:
-                    llm.llm_engine.engine_core.shutdown()   # stops the rank processes
+                    llm.llm_engine.engine_core.shutdown()  # stops the rank processes
                 conn.send(("ok", None))
                 conn.close()
                 # vLLM's exit handlers take seconds; nothing of this process needs them
@@ -94,11 +113,17 @@ def _serve(conn, model: str, kv: dict | None, options: dict) -> None:
                 conn.send(("ok", previous))
             elif op == "generate":
                 prompts, max_tokens = args
-                params = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=1,
-                                        detokenize=False, ignore_eos=True)
+                params = SamplingParams(
+                    max_tokens=max_tokens,
+                    temperature=0,
+                    logprobs=1,
+                    detokenize=False,
+                    ignore_eos=True,
+                )
                 t0 = time.perf_counter()
-                outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                                    params, use_tqdm=False)
+                outs = llm.generate(
+                    [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+                )
                 wall = time.perf_counter() - t0
                 result = []
                 for out in outs:
@@ -106,11 +131,20 @@ def _serve(conn, model: str, kv: dict | None, options: dict) -> None:
                     lps = [lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs)]
                     ttft = None
                     m = getattr(out, "metrics", None)
-                    if m is not None and getattr(m, "first_token_ts", 0) and \
-                            getattr(m, "scheduled_ts", 0):
+                    if (
+                        m is not None
+                        and getattr(m, "first_token_ts", 0)
+                        and getattr(m, "scheduled_ts", 0)
+                    ):
                         ttft = m.first_token_ts - m.scheduled_ts
-                    result.append(dict(tokens=list(o.token_ids), logprobs=lps,
-                                       num_cached_tokens=out.num_cached_tokens, ttft=ttft))
+                    result.append(
+                        dict(
+                            tokens=list(o.token_ids),
+                            logprobs=lps,
+                            num_cached_tokens=out.num_cached_tokens,
+                            ttft=ttft,
+                        )
+                    )
                 conn.send(("ok", dict(outputs=result, wall=wall)))
             else:
                 conn.send(("error", f"unknown op {op}"))
@@ -123,8 +157,9 @@ class Engine:
 
     def __init__(self, model: str, kv: dict | None = None, timeout: float = 240.0, **options):
         self.conn, child = SPAWN.Pipe()
-        self.proc = SPAWN.Process(target=_serve, args=(child, model, kv, options),
-                                  name="vllm-engine")  # not daemonic: TP ranks are its children
+        self.proc = SPAWN.Process(
+            target=_serve, args=(child, model, kv, options), name="vllm-engine"
+        )  # not daemonic: TP ranks are its children
         self.proc.start()
         child.close()
         self._pending = None
@@ -182,12 +217,19 @@ class Engine:
         self.conn.close()
 
 
-def connector_config(address: str, connector: str = "ShmkvConnector",
-                     module: str = "shmkv.integrations.vllm", **extra) -> dict:
+def connector_config(
+    address: str,
+    connector: str = "ShmkvConnector",
+    module: str = "shmkv.integrations.vllm",
+    **extra,
+) -> dict:
     """``KVTransferConfig`` keywords for shmkv at ``address``."""
-    return dict(kv_connector=connector, kv_connector_module_path=module, kv_role="kv_both",
-                kv_connector_extra_config={"shmkv.address": address, "shmkv.retry_s": 0,
-                                           **extra})
+    return dict(
+        kv_connector=connector,
+        kv_connector_module_path=module,
+        kv_role="kv_both",
+        kv_connector_extra_config={"shmkv.address": address, "shmkv.retry_s": 0, **extra},
+    )
 
 
 # -- a connector with one switchable fault --------------------------------------------------

@@ -19,20 +19,26 @@ def write_and_handoff(address, n, seed, queue):
     with shmkv.connect(address, timeout=20) as client:
         h = client.allocate(n)
         for layer in range(h.num_layers):
-            h.write(layer, pattern(seed + layer, n, h.num_heads, h.head_dim),
-                    pattern(seed + 100 + layer, n, h.num_heads, h.head_dim), start=0)
-        queue.put(h)          # pickles through export/open, in the queue's feeder thread
+            h.write(
+                layer,
+                pattern(seed + layer, n, h.num_heads, h.head_dim),
+                pattern(seed + 100 + layer, n, h.num_heads, h.head_dim),
+                start=0,
+            )
+        queue.put(h)  # pickles through export/open, in the queue's feeder thread
         queue.put(os.getpid())
         queue.close()
-        queue.join_thread()   # so the export has happened before the client closes
+        queue.join_thread()  # so the export has happened before the client closes
 
 
 def read_back(address, token, n, seed, results, wait_for=None):
     """Open a token, check K/V, optionally wait for the parent's write, report."""
     with shmkv.connect(address, timeout=20) as client:
         h = client.open(token)
-        ok = all(torch.equal(h.key_cache(layer), pattern(seed + layer, n, h.num_heads, h.head_dim))
-                 for layer in range(h.num_layers))
+        ok = all(
+            torch.equal(h.key_cache(layer), pattern(seed + layer, n, h.num_heads, h.head_dim))
+            for layer in range(h.num_layers)
+        )
         results.put(("first", ok, h.key_cache(0).data_ptr() != 0))
         if wait_for is not None:
             wait_for.wait(20)
@@ -45,8 +51,9 @@ def hold_and_sleep(address, n, queue, export_ttl=None):
     """Allocate (and optionally export) a sequence, then sleep until killed."""
     client = shmkv.connect(address, timeout=20)
     h = client.allocate(n)
-    h.write(0, torch.ones(n, h.num_heads, h.head_dim), torch.ones(n, h.num_heads, h.head_dim),
-            start=0)
+    h.write(
+        0, torch.ones(n, h.num_heads, h.head_dim), torch.ones(n, h.num_heads, h.head_dim), start=0
+    )
     token = h.export(export_ttl) if export_ttl else None
     queue.put((h.cache_id, token))
     time.sleep(120)
@@ -57,8 +64,12 @@ def die_by_sigkill_mid_write(address, prompt, queue):
     client = shmkv.connect(address, timeout=20)
     h = client.allocate(prompt=prompt)
     n = len(prompt)
-    h.write(0, torch.full((n, h.num_heads, h.head_dim), 7.0),
-            torch.full((n, h.num_heads, h.head_dim), 7.0), start=0)
+    h.write(
+        0,
+        torch.full((n, h.num_heads, h.head_dim), 7.0),
+        torch.full((n, h.num_heads, h.head_dim), 7.0),
+        start=0,
+    )
     queue.put("written")
     queue.close()
     queue.join_thread()
@@ -81,17 +92,25 @@ def prefix_reader(address, prompt, queue):
     with shmkv.connect(address, timeout=20) as client:
         h = client.allocate(prompt=prompt)
         cached = h.num_cached_tokens
-        same = all(torch.equal(h.key_cache(layer)[:cached],
-                               token_kv(prompt, layer, h.num_heads, h.head_dim)[0][:cached])
-                   for layer in range(h.num_layers))
+        same = all(
+            torch.equal(
+                h.key_cache(layer)[:cached],
+                token_kv(prompt, layer, h.num_heads, h.head_dim)[0][:cached],
+            )
+            for layer in range(h.num_layers)
+        )
         queue.put((cached, same))
         h.close()
 
 
 def token_kv(tokens, layer, heads, dim):
     t = torch.tensor(tokens, dtype=torch.float32)[:, None, None]
-    base = t * 0.5 + layer + torch.arange(heads)[None, :, None] * 0.25 \
+    base = (
+        t * 0.5
+        + layer
+        + torch.arange(heads)[None, :, None] * 0.25
         + torch.arange(dim)[None, None, :] * 0.125
+    )
     return base, -base
 
 
@@ -102,25 +121,32 @@ def tp_rank_writer(address, rank, tp_size, token, n, queue):
         heads = h.num_heads
         for layer in range(h.num_layers):
             k = full_heads(n, heads * tp_size, h.head_dim, layer)
-            k = k[:, rank * heads:(rank + 1) * heads]
+            k = k[:, rank * heads : (rank + 1) * heads]
             h.write(layer, k.contiguous(), (-k).contiguous(), start=0)
         queue.put((rank, heads, h.commit()))
         h.close()
 
 
 def full_heads(n, heads, dim, layer):
-    return (torch.arange(n * heads * dim, dtype=torch.float32).view(n, heads, dim)
-            + 1000 * layer)
+    return torch.arange(n * heads * dim, dtype=torch.float32).view(n, heads, dim) + 1000 * layer
 
 
 # -- batches and steps -------------------------------------------------------------------
 
+
 def step_value(cache_ids, positions, layer, which, heads, dim):
     """K (which=0) or V (1) of new tokens: a function of (sequence, position, layer, head)."""
-    base = (cache_ids.to(torch.float32) * 1000 + positions.to(torch.float32) * 3
-            + layer * 100 + which * 50)[:, None, None]
-    return (base + torch.arange(heads)[None, :, None] * 0.5
-            + torch.arange(dim)[None, None, :] * 0.25).expand(-1, heads, dim).contiguous()
+    base = (
+        cache_ids.to(torch.float32) * 1000
+        + positions.to(torch.float32) * 3
+        + layer * 100
+        + which * 50
+    )[:, None, None]
+    return (
+        (base + torch.arange(heads)[None, :, None] * 0.5 + torch.arange(dim)[None, None, :] * 0.25)
+        .expand(-1, heads, dim)
+        .contiguous()
+    )
 
 
 def tp_step_rank(address, rank, tp_size, desc_queue, result_queue):
@@ -134,15 +160,33 @@ def tp_step_rank(address, rank, tp_size, desc_queue, result_queue):
             step = client.step_from(desc)
             heads = client.pool.shape[4]
             for layer in range(client.config.num_layers):
-                full_k = step_value(step.cache_ids[step.seq_index], step.positions, layer, 0,
-                                    heads * tp_size, client.config.head_dim)
-                full_v = step_value(step.cache_ids[step.seq_index], step.positions, layer, 1,
-                                    heads * tp_size, client.config.head_dim)
+                full_k = step_value(
+                    step.cache_ids[step.seq_index],
+                    step.positions,
+                    layer,
+                    0,
+                    heads * tp_size,
+                    client.config.head_dim,
+                )
+                full_v = step_value(
+                    step.cache_ids[step.seq_index],
+                    step.positions,
+                    layer,
+                    1,
+                    heads * tp_size,
+                    client.config.head_dim,
+                )
                 sl = slice(rank * heads, (rank + 1) * heads)
                 step.write(layer, full_k[:, sl].contiguous(), full_v[:, sl].contiguous())
-            result_queue.put(("stepped", step.slot_mapping.tolist(),
-                              step.block_tables.tolist(), step.seq_lens.tolist(),
-                              step.commit()))
+            result_queue.put(
+                (
+                    "stepped",
+                    step.slot_mapping.tolist(),
+                    step.block_tables.tolist(),
+                    step.seq_lens.tolist(),
+                    step.commit(),
+                )
+            )
 
 
 def hammer_tables(address, token, seconds, result_queue):
@@ -180,13 +224,21 @@ def batch_write_and_handoff(address, lengths, queue):
     with shmkv.connect(address, timeout=20) as client:
         hs = client.allocate_many(lengths)
         batch = client.batch(hs)
-        steps = [batch.prefill(start=0), batch.extend(1), batch.extend([1, 2, 0][:len(hs)])]
+        steps = [batch.prefill(start=0), batch.extend(1), batch.extend([1, 2, 0][: len(hs)])]
         heads, dim = client.pool.shape[4], client.config.head_dim
         for step in steps:
             ids = step.cache_ids[step.seq_index]
-            kv = torch.stack([torch.stack([step_value(ids, step.positions, layer, which, heads,
-                                                      dim) for which in (0, 1)])
-                              for layer in range(client.config.num_layers)])
+            kv = torch.stack(
+                [
+                    torch.stack(
+                        [
+                            step_value(ids, step.positions, layer, which, heads, dim)
+                            for which in (0, 1)
+                        ]
+                    )
+                    for layer in range(client.config.num_layers)
+                ]
+            )
             step.write_all(kv.contiguous())
         for h in hs:
             queue.put((h, int(h._cache_id)))
@@ -195,6 +247,7 @@ def batch_write_and_handoff(address, lengths, queue):
 
 
 # -- handles crossing processes between tensor-parallel ranks ------------------------------
+
 
 def tp_rank0_sends(address, prompt, queue):
     """Rank 0: allocate a prompt, write its shard, commit, send the handle."""
@@ -220,7 +273,7 @@ def tp_rank1_receives(address, queue, result_queue, extra_full_client=False):
                     queue.get(timeout=60)
                     result_queue.put(("no error",))
                     return
-                except shmkv.InvalidArgument as exc:   # two clients: unpickling cannot choose
+                except shmkv.InvalidArgument as exc:  # two clients: unpickling cannot choose
                     result_queue.put(("ambiguous", str(exc)))
                     return
             h = queue.get(timeout=60)

@@ -66,13 +66,15 @@ def plan(args) -> list:
     sections = tuple(s for s in SECTIONS if s in names)
     others = [n for n in names if n not in SECTIONS]
     if args.suite_args and (sections or len(others) != 1):
-        raise ValueError("options after -- go to one suite run on its own "
-                         f"(--only names {', '.join(names)})")
+        raise ValueError(
+            f"options after -- go to one suite run on its own (--only names {', '.join(names)})"
+        )
     steps: list = [("sections", sections)] if sections else []
     for n in others:
         name = args.name if (args.name is None or len(others) == 1) else f"{args.name}-{n}"
-        steps.append((n, suite_module(n).cli_args(args.quick, args.out, name)
-                      + list(args.suite_args)))
+        steps.append(
+            (n, suite_module(n).cli_args(args.quick, args.out, name) + list(args.suite_args))
+        )
     return steps
 
 
@@ -88,27 +90,35 @@ def cmd_bench(args) -> int:
     except ValueError as exc:
         args.bench_parser.error(str(exc))
     from . import core
+
     core.OUT_DIR = args.out
     if args.dry_run:
         for name, what in steps:
             if name == "sections":
                 print(f"shmkv bench: sections {' '.join(what)}")
             else:
-                print(" ".join([f"shmkv bench: {name}: python -m shmkv.bench.{SUITES[name][0]}",
-                                *what]))
+                print(
+                    " ".join(
+                        [f"shmkv bench: {name}: python -m shmkv.bench.{SUITES[name][0]}", *what]
+                    )
+                )
         return 0
     failed = []
     for name, what in steps:
         if name == "sections":
             from .sections import cmd_sections
+
             only = list(what) if args.only else None
             rc = cmd_sections(argparse.Namespace(**{**vars(args), "only": only}))
         else:
             print(f"shmkv bench: {name} ...", flush=True)
             t0 = time.perf_counter()
             rc = suite_module(name).main(what)
-            print(f"shmkv bench: {name} done in {time.perf_counter() - t0:.0f} s "
-                  f"(exit status {rc or 0})", flush=True)
+            print(
+                f"shmkv bench: {name} done in {time.perf_counter() - t0:.0f} s "
+                f"(exit status {rc or 0})",
+                flush=True,
+            )
         if rc:
             failed.append(name)
     if failed:
@@ -120,30 +130,64 @@ def cmd_bench(args) -> int:
 def add_parser(sub) -> None:
     """Register ``shmkv bench`` on an argparse subparsers object."""
     from ..tools.args import name_arg, non_negative_int, path_arg, positive_int
-    p = sub.add_parser("bench", help="run the benchmark suites",
-                       description="Measure shmkv against plain baselines; writes "
-                                   "benchmarks/results/NAME.json and .md and "
-                                   "benchmarks/plots/NAME-*.png. Without --only: the "
-                                   f"sections ({', '.join(SECTIONS)}) as one run.")
-    p.add_argument("--quick", action="store_true",
-                   help="fewer sizes and repeats (the sections: under 2 minutes)")
-    p.add_argument("--name", type=name_arg, default=None,
-                   help="name of the result files (default: quick or full for the "
-                        "sections, the suite's name otherwise)")
-    p.add_argument("--only", nargs="+", choices=list(SUITES), metavar="SUITE",
-                   help=f"run only these: {', '.join(SUITES)}")
-    p.add_argument("--repeats", type=positive_int, default=None,
-                   help="sections: timed runs per figure after the warm-up (default 5 "
-                        "quick, 7 full)")
-    p.add_argument("--threads", type=non_negative_int, default=1,
-                   help="sections: torch threads in the measuring processes (default 1: "
-                        "on a shared machine a descheduled OpenMP thread stalls every "
-                        "parallel copy; 0 keeps torch's default)")
-    p.add_argument("--out", type=path_arg, default="benchmarks",
-                   help="directory holding results/ and plots/ (default: benchmarks)")
+
+    p = sub.add_parser(
+        "bench",
+        help="run the benchmark suites",
+        description="Measure shmkv against plain baselines; writes "
+        "benchmarks/results/NAME.json and .md and "
+        "benchmarks/plots/NAME-*.png. Without --only: the "
+        f"sections ({', '.join(SECTIONS)}) as one run.",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer sizes and repeats (the sections: under 2 minutes)",
+    )
+    p.add_argument(
+        "--name",
+        type=name_arg,
+        default=None,
+        help="name of the result files (default: quick or full for the "
+        "sections, the suite's name otherwise)",
+    )
+    p.add_argument(
+        "--only",
+        nargs="+",
+        choices=list(SUITES),
+        metavar="SUITE",
+        help=f"run only these: {', '.join(SUITES)}",
+    )
+    p.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=None,
+        help="sections: timed runs per figure after the warm-up (default 5 quick, 7 full)",
+    )
+    p.add_argument(
+        "--threads",
+        type=non_negative_int,
+        default=1,
+        help="sections: torch threads in the measuring processes (default 1: "
+        "on a shared machine a descheduled OpenMP thread stalls every "
+        "parallel copy; 0 keeps torch's default)",
+    )
+    p.add_argument(
+        "--out",
+        type=path_arg,
+        default="benchmarks",
+        help="directory holding results/ and plots/ (default: benchmarks)",
+    )
     p.add_argument("--list", action="store_true", help="list the suites and exit")
-    p.add_argument("--dry-run", action="store_true",
-                   help="print what would run (each suite with its arguments) and exit")
-    p.add_argument("suite_args", nargs="*", metavar="-- SUITE-OPTION",
-                   help="after --: options of the one suite named by --only")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print what would run (each suite with its arguments) and exit",
+    )
+    p.add_argument(
+        "suite_args",
+        nargs="*",
+        metavar="-- SUITE-OPTION",
+        help="after --: options of the one suite named by --only",
+    )
     p.set_defaults(func=cmd_bench, bench_parser=p)

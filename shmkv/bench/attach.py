@@ -30,6 +30,7 @@ from .core import (
 
 # -- 2 and 6. attach time and resident memory, per pool size ---------------------------------
 
+
 def _child_attach(conn, address: str, baseline: str, repeats: int, touch: bool) -> None:
     """Worker side: time connect (imports already done), measure memory, then time
     connects to ``address`` alternating with connects to the ``baseline`` pool."""
@@ -38,6 +39,7 @@ def _child_attach(conn, address: str, baseline: str, repeats: int, touch: bool) 
     import torch
 
     from ..client import connect
+
     ready = _next_command(conn)  # start timing only when the parent says so
     if ready is None:
         return
@@ -47,6 +49,7 @@ def _child_attach(conn, address: str, baseline: str, repeats: int, touch: bool) 
     result = {"cold_s": cold, "attached": memory_of()}
     if touch:  # map every page of the pool by reading one byte of each
         from ..memory import storage_view
+
         pages = storage_view(client.pool).reshape(-1).view(torch.uint8)[::4096]
         pages.sum()
         del pages
@@ -76,24 +79,32 @@ def _pool_sweep(opts: Options, cleanup: _Cleanup, cache: dict) -> list:
         return cache["pools"]
     from ..coordinator import Coordinator
     from ..shm import shm_free_bytes
+
     sizes = [64 * MIB, 256 * MIB, GIB] + ([] if opts.quick else [4 * GIB, 8 * GIB])
     block_size = 16
     block_bytes = _model_config(1, block_size).block_nbytes
     rows = []
     # The smallest pool stays up: every size is timed alternating with it.
-    baseline = cleanup.add(Coordinator.spawn(_model_config(sizes[0] // block_bytes, block_size),
-                                             name=_unique("attach"), timeout=120))
+    baseline = cleanup.add(
+        Coordinator.spawn(
+            _model_config(sizes[0] // block_bytes, block_size), name=_unique("attach"), timeout=120
+        )
+    )
     for size in sizes:
         if size + 512 * MIB > shm_free_bytes():
             cache.setdefault("notes", []).append(
                 f"pool of {size / GIB:g} GiB skipped: /dev/shm has "
-                f"{shm_free_bytes() / GIB:.1f} GiB free")
+                f"{shm_free_bytes() / GIB:.1f} GiB free"
+            )
             continue
         # Spawn the worker first: its interpreter starts while the pool is allocated.
         worker = cleanup.add(Helper(_child_attach_wait, name="shmkv-bench-attach"))
         t0 = time.perf_counter()
-        coord = cleanup.add(Coordinator.spawn(_model_config(size // block_bytes, block_size),
-                                              name=_unique("attach"), timeout=120))
+        coord = cleanup.add(
+            Coordinator.spawn(
+                _model_config(size // block_bytes, block_size), name=_unique("attach"), timeout=120
+            )
+        )
         create_s = time.perf_counter() - t0
         try:
             worker.send((coord.address, baseline.address, 5 * opts.repeats, True))
@@ -119,6 +130,7 @@ def _child_attach_wait(conn) -> None:
     import torch  # noqa: F401  (imports are outside the timed region)
 
     from .. import client  # noqa: F401
+
     args = _next_command(conn)
     if args is None:
         return
@@ -131,22 +143,40 @@ def bench_attach(opts: Options, cleanup: _Cleanup, series: dict, cache: dict) ->
     rows = _pool_sweep(opts, cleanup, cache)
     if not rows:
         return []
-    points = [{"pool_bytes": r["pool_bytes"], "warm_s": _median(r["warm_s"]),
-               "baseline_s": _median(r["baseline_s"]), "cold_s": r["cold_s"],
-               "create_s": r["create_s"]} for r in rows]
+    points = [
+        {
+            "pool_bytes": r["pool_bytes"],
+            "warm_s": _median(r["warm_s"]),
+            "baseline_s": _median(r["baseline_s"]),
+            "cold_s": r["cold_s"],
+            "create_s": r["create_s"],
+        }
+        for r in rows
+    ]
     series["attach"] = points
     small, large = points[0], points[-1]
     figures = []
     for p in points:
         ratio = p["warm_s"] / p["baseline_s"]
         target = "<= 1.5" if p is large and p is not small else None
-        figures.append(Figure("attach", f"attach, {_size(p['pool_bytes'])} pool",
-                              p["warm_s"] * 1e3, "ms", p["baseline_s"] * 1e3,
-                              f"{_size(small['pool_bytes'])} pool, same worker", ratio,
-                              target, _check(ratio, target) if target else None,
-                              params={"first_attach_ms": p["cold_s"] * 1e3,
-                                      "first_attach_ratio": p["cold_s"] / small["cold_s"],
-                                      "coordinator_start_s": p["create_s"]}))
+        figures.append(
+            Figure(
+                "attach",
+                f"attach, {_size(p['pool_bytes'])} pool",
+                p["warm_s"] * 1e3,
+                "ms",
+                p["baseline_s"] * 1e3,
+                f"{_size(small['pool_bytes'])} pool, same worker",
+                ratio,
+                target,
+                _check(ratio, target) if target else None,
+                params={
+                    "first_attach_ms": p["cold_s"] * 1e3,
+                    "first_attach_ratio": p["cold_s"] / small["cold_s"],
+                    "coordinator_start_s": p["create_s"],
+                },
+            )
+        )
     return figures
 
 
@@ -155,9 +185,15 @@ def bench_memory(opts: Options, cleanup: _Cleanup, series: dict, cache: dict) ->
     rows = _pool_sweep(opts, cleanup, cache)
     if not rows:
         return []
-    points = [{"pool_bytes": r["pool_bytes"], "coordinator": r["coordinator"],
-               "worker_attached": r["attached"], "worker_touched": r.get("touched")}
-              for r in rows]
+    points = [
+        {
+            "pool_bytes": r["pool_bytes"],
+            "coordinator": r["coordinator"],
+            "worker_attached": r["attached"],
+            "worker_touched": r.get("touched"),
+        }
+        for r in rows
+    ]
     series["memory"] = points
     small, large = points[0], points[-1]
     figures = []
@@ -166,19 +202,35 @@ def bench_memory(opts: Options, cleanup: _Cleanup, series: dict, cache: dict) ->
             continue
         label = who.replace("_", " ")
         for kind in ("rss", "uss", "anon"):
-            figures.append(Figure("memory", f"{label} {kind.upper()} ({_size(large['pool_bytes'])} "
-                                            "pool)", large[who][kind] / MIB, "MiB",
-                                  small[who][kind] / MIB, f"{_size(small['pool_bytes'])} pool",
-                                  params={"values_mib": {p["pool_bytes"]: p[who][kind] / MIB
-                                                         for p in points}}))
+            figures.append(
+                Figure(
+                    "memory",
+                    f"{label} {kind.upper()} ({_size(large['pool_bytes'])} pool)",
+                    large[who][kind] / MIB,
+                    "MiB",
+                    small[who][kind] / MIB,
+                    f"{_size(small['pool_bytes'])} pool",
+                    params={"values_mib": {p["pool_bytes"]: p[who][kind] / MIB for p in points}},
+                )
+            )
     # The check: no process grows private anonymous memory with the pool (no copy).
     for who in ("coordinator", "worker_attached", "worker_touched"):
         if large[who] is None:
             continue
-        growth = (large[who]["anon"] - small[who]["anon"])
+        growth = large[who]["anon"] - small[who]["anon"]
         pool_growth = large["pool_bytes"] - small["pool_bytes"]
         ratio = growth / pool_growth
-        figures.append(Figure("memory", f"{who.replace('_', ' ')} anon growth / pool growth",
-                              growth / MIB, "MiB", pool_growth / MIB, "pool growth", ratio,
-                              "<= 0.01", _check(ratio, "<= 0.01")))
+        figures.append(
+            Figure(
+                "memory",
+                f"{who.replace('_', ' ')} anon growth / pool growth",
+                growth / MIB,
+                "MiB",
+                pool_growth / MIB,
+                "pool growth",
+                ratio,
+                "<= 0.01",
+                _check(ratio, "<= 0.01"),
+            )
+        )
     return figures

@@ -31,8 +31,9 @@ NUM_LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 8, 2, 32, 16
 WAYS = ("baseline", "batch", "packed", "+ws")
 
 
-def baseline_paged_attention(query, k_pages, v_pages, block_table, seq_lens, *, scale=None,
-                             causal=True, query_start=None):
+def baseline_paged_attention(
+    query, k_pages, v_pages, block_table, seq_lens, *, scale=None, causal=True, query_start=None
+):
     """The reference implementation this replaces: every sequence's blocks gathered into
     a padded dense batch, all K/V upcast to float32, einsum + softmax."""
     decode = query.dim() == 3
@@ -42,7 +43,7 @@ def baseline_paged_attention(query, k_pages, v_pages, block_table, seq_lens, *, 
     lens = torch.as_tensor(seq_lens).to(torch.int64)
     starts = lens - q_len if query_start is None else torch.as_tensor(query_start).long()
     group = num_heads // num_kv_heads
-    scale = head_dim ** -0.5 if scale is None else float(scale)
+    scale = head_dim**-0.5 if scale is None else float(scale)
     max_blocks = max(-(-int(lens.max()) // block_size), 1)
     table = block_table[:, :max_blocks].long()
     used = torch.arange(max_blocks)[None, :] * block_size < lens[:, None]
@@ -74,8 +75,9 @@ def make_step(seq_lens, counts, dtype, seed=0):
     gen = torch.Generator().manual_seed(seed)
     need = [-(-n // BLOCK) for n in seq_lens]
     num_blocks = sum(need) + 64
-    pool = pool_view(torch.randn(NUM_LAYERS, 2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM,
-                                 generator=gen).to(dtype))   # as shmkv stores it
+    pool = pool_view(
+        torch.randn(NUM_LAYERS, 2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    )  # as shmkv stores it
     k_pages, v_pages = pool[:, 3, 0], pool[:, 3, 1]
     table = torch.full((len(seq_lens), max(need) + 4), 10**6, dtype=torch.int32)
     perm = torch.randperm(num_blocks, generator=gen).tolist()
@@ -87,7 +89,7 @@ def make_step(seq_lens, counts, dtype, seed=0):
     q_len = max(counts)
     padded = torch.zeros(len(seq_lens), q_len, HEADS, HEAD_DIM, dtype=dtype)
     for b, c in enumerate(counts):
-        padded[b, q_len - c:] = packed[locs[b]:locs[b + 1]]
+        padded[b, q_len - c :] = packed[locs[b] : locs[b + 1]]
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     return k_pages, v_pages, table, lens, packed, locs, padded
 
@@ -110,7 +112,7 @@ def per_call_ms(fn, seconds: float) -> float:
 
 def run_case(name, seq_lens, counts, dtype, seconds):
     k_pages, v_pages, table, lens, packed, locs, padded = make_step(seq_lens, counts, dtype)
-    tol = 2e-5 if dtype == torch.float32 else 3e-2   # rtol and atol
+    tol = 2e-5 if dtype == torch.float32 else 3e-2  # rtol and atol
     decode = max(counts) == 1
     batch_q = padded[:, 0] if decode else padded
     workspace = AttentionWorkspace()
@@ -125,72 +127,110 @@ def run_case(name, seq_lens, counts, dtype, seconds):
         return paged_attention(packed, k_pages, v_pages, table, lens, query_start_loc=locs)
 
     def new_ws() -> torch.Tensor:
-        return paged_attention(packed, k_pages, v_pages, table, lens, query_start_loc=locs,
-                               workspace=workspace)
+        return paged_attention(
+            packed, k_pages, v_pages, table, lens, query_start_loc=locs, workspace=workspace
+        )
 
     want = old()
     torch.testing.assert_close(new_batch(), want, rtol=tol, atol=tol)
-    rows = torch.cat([want.view(-1, HEADS, HEAD_DIM)[b * max(counts) + max(counts) - c:
-                                                      (b + 1) * max(counts)]
-                      for b, c in enumerate(counts)])
+    rows = torch.cat(
+        [
+            want.view(-1, HEADS, HEAD_DIM)[
+                b * max(counts) + max(counts) - c : (b + 1) * max(counts)
+            ]
+            for b, c in enumerate(counts)
+        ]
+    )
     torch.testing.assert_close(new_packed(), rows, rtol=tol, atol=tol)
     torch.testing.assert_close(new_ws(), rows, rtol=tol, atol=tol)
     times = [per_call_ms(fn, seconds) for fn in (old, new_batch, new_packed, new_ws)]
-    print(f"{name:<40}" + "".join(f"{t:9.3f}" for t in times)
-          + "".join(f"{times[0] / t:7.1f}x" for t in times[1:]))
-    return {"case": name, "ms": dict(zip(WAYS, times)),
-            "speedup": {w: times[0] / t for w, t in zip(WAYS[1:], times[1:])}}
+    print(
+        f"{name:<40}"
+        + "".join(f"{t:9.3f}" for t in times)
+        + "".join(f"{times[0] / t:7.1f}x" for t in times[1:])
+    )
+    return {
+        "case": name,
+        "ms": dict(zip(WAYS, times)),
+        "speedup": {w: times[0] / t for w, t in zip(WAYS[1:], times[1:])},
+    }
 
 
 def markdown(record: dict) -> str:
     """The record as the suite's Markdown table."""
     from .core import markdown_table
-    head = (f"`paged_attention` against the reference implementation it replaced, one "
-            f"attention-layer call, milliseconds per call, median of 5 rounds of "
-            f"{record['seconds']:g} s / 5 ({record['host']}; {HEADS} query heads, {KV_HEADS} K/V "
-            f"heads, head_dim {HEAD_DIM}, block {BLOCK}, pool of {NUM_LAYERS} layers). batch: "
-            "the padded batch form; packed: `query_start_loc`, no padding; +ws: packed with "
-            "a reused `AttentionWorkspace`. Speedup: the baseline's time over the new one's. "
-            "Reproduce: `shmkv bench --only attention`.")
+
+    head = (
+        f"`paged_attention` against the reference implementation it replaced, one "
+        f"attention-layer call, milliseconds per call, median of 5 rounds of "
+        f"{record['seconds']:g} s / 5 ({record['host']}; {HEADS} query heads, {KV_HEADS} K/V "
+        f"heads, head_dim {HEAD_DIM}, block {BLOCK}, pool of {NUM_LAYERS} layers). batch: "
+        "the padded batch form; packed: `query_start_loc`, no padding; +ws: packed with "
+        "a reused `AttentionWorkspace`. Speedup: the baseline's time over the new one's. "
+        "Reproduce: `shmkv bench --only attention`."
+    )
     rows = [["case", *WAYS, *(f"speedup {w}" for w in WAYS[1:])]]
     for r in record["cases"]:
-        rows.append([r["case"], *(f"{r['ms'][w]:.3f}" for w in WAYS),
-                     *(f"{r['speedup'][w]:.1f}x" for w in WAYS[1:])])
+        rows.append(
+            [
+                r["case"],
+                *(f"{r['ms'][w]:.3f}" for w in WAYS),
+                *(f"{r['speedup'][w]:.1f}x" for w in WAYS[1:]),
+            ]
+        )
     return head + "\n\n" + markdown_table(rows)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=0.4,
-                        help="time spent per measurement (default 0.4)")
-    parser.add_argument("--out", default=None,
-                        help="results path without extension (default: "
-                             "benchmarks/results/attention)")
+    parser.add_argument(
+        "--seconds", type=float, default=0.4, help="time spent per measurement (default 0.4)"
+    )
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="results path without extension (default: benchmarks/results/attention)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    print(f"torch {torch.__version__}, 1 thread; {HEADS} query heads, {KV_HEADS} K/V heads, "
-          f"head_dim {HEAD_DIM}, block {BLOCK}, pool of {NUM_LAYERS} layers; one layer call")
+    print(
+        f"torch {torch.__version__}, 1 thread; {HEADS} query heads, {KV_HEADS} K/V heads, "
+        f"head_dim {HEAD_DIM}, block {BLOCK}, pool of {NUM_LAYERS} layers; one layer call"
+    )
     print(f"{'':<40}{'milliseconds per call':^36}{'speedup':^24}")
-    print(f"{'case':<40}" + "".join(f"{h:>9}" for h in ("baseline", "batch", "packed", "+ws"))
-          + "".join(f"{h:>8}" for h in ("batch", "packed", "+ws")))
+    print(
+        f"{'case':<40}"
+        + "".join(f"{h:>9}" for h in ("baseline", "batch", "packed", "+ws"))
+        + "".join(f"{h:>8}" for h in ("batch", "packed", "+ws"))
+    )
     f32, bf16 = torch.float32, torch.bfloat16
     cases = [
         ("decode B=4 ctx 1024 fp32", [1024] * 4, [1] * 4, f32),
         ("decode B=1 ctx 4096 fp32", [4096], [1], f32),
-        ("decode B=8 ctx 128..2048 fp32", [128, 2048, 512, 1024, 256, 1536, 768, 2000],
-         [1] * 8, f32),
+        (
+            "decode B=8 ctx 128..2048 fp32",
+            [128, 2048, 512, 1024, 256, 1536, 768, 2000],
+            [1] * 8,
+            f32,
+        ),
         ("decode B=4 ctx 1024 bf16", [1024] * 4, [1] * 4, bf16),
         ("prefill 512 + 3 decodes @1024 fp32", [512, 1024, 1024, 1024], [512, 1, 1, 1], f32),
-        ("chunk 256 @2048 + 3 decodes @1024 fp32", [2048, 1024, 1024, 1024],
-         [256, 1, 1, 1], f32),
+        ("chunk 256 @2048 + 3 decodes @1024 fp32", [2048, 1024, 1024, 1024], [256, 1, 1, 1], f32),
     ]
-    record = {"host": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-                      "1 thread", "seconds": args.seconds,
-              "cases": [run_case(name, seq_lens, counts, dtype, args.seconds)
-                        for name, seq_lens, counts, dtype in cases]}
+    record = {
+        "host": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        "1 thread",
+        "seconds": args.seconds,
+        "cases": [
+            run_case(name, seq_lens, counts, dtype, args.seconds)
+            for name, seq_lens, counts, dtype in cases
+        ],
+    }
     write_results(args.out or result_base("attention"), record, markdown(record))
-    print("batch: the padded batch form; packed: query_start_loc, no padding; +ws: packed "
-          "with a reused AttentionWorkspace. Speedup: baseline time / new time.")
+    print(
+        "batch: the padded batch form; packed: query_start_loc, no padding; +ws: packed "
+        "with a reused AttentionWorkspace. Speedup: baseline time / new time."
+    )
     return 0
 
 

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 def _child_echo(conn, path: str) -> None:
     """A raw msgpack echo server with the coordinator's framing, one connection."""
     from .. import protocol
+
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         listener.bind(path)
@@ -64,6 +65,7 @@ class _EchoClient:
 
     def __init__(self, path: str):
         from .. import protocol
+
         self.protocol = protocol
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(30)
@@ -95,8 +97,9 @@ def bench_control(opts: Options, cleanup: _Cleanup, series: dict) -> List[Figure
     from ..layout import PoolConfig
 
     # The coordinator's work does not depend on block bytes: a tiny block keeps the pool small.
-    cfg = PoolConfig(num_layers=1, num_kv_heads=1, head_dim=8, num_blocks=16384, block_size=16,
-                     dtype="float16")
+    cfg = PoolConfig(
+        num_layers=1, num_kv_heads=1, head_dim=8, num_blocks=16384, block_size=16, dtype="float16"
+    )
     path = os.path.join(runtime_dir(), _unique("echo") + ".sock")
     echo = cleanup.add(Helper(_child_echo, path, name="shmkv-bench-echo"))
     coord = cleanup.add(Coordinator.spawn(cfg, name=_unique("control"), timeout=120))
@@ -127,18 +130,32 @@ def bench_control(opts: Options, cleanup: _Cleanup, series: dict) -> List[Figure
                     for q in (50, 99):
                         value = _percentile(samples[kind], q)
                         ratio = value / echo_p[q]
-                        figures.append(Figure(
-                            "control", f"{kind} round trip p{q}, {place}", value * 1e6, "us",
-                            echo_p[q] * 1e6, f"echo p{q}", ratio, "<= 1.5",
-                            _check(ratio, "<= 1.5"),
-                            params={"samples": len(samples[kind]), "client_cpu": client_cpu,
-                                    "server_cpu": server_cpu}))
+                        figures.append(
+                            Figure(
+                                "control",
+                                f"{kind} round trip p{q}, {place}",
+                                value * 1e6,
+                                "us",
+                                echo_p[q] * 1e6,
+                                f"echo p{q}",
+                                ratio,
+                                "<= 1.5",
+                                _check(ratio, "<= 1.5"),
+                                params={
+                                    "samples": len(samples[kind]),
+                                    "client_cpu": client_cpu,
+                                    "server_cpu": server_cpu,
+                                },
+                            )
+                        )
         finally:
             os.sched_setaffinity(0, cpus)
             for pid in (echo.process.pid, coord.pid):
                 os.sched_setaffinity(pid, cpus)
-        series["latency"] = {place: {k: [t * 1e6 for t in v] for k, v in samples.items()}
-                             for place, samples in latency.items()}
+        series["latency"] = {
+            place: {k: [t * 1e6 for t in v] for k, v in samples.items()}
+            for place, samples in latency.items()
+        }
 
         # -- batched allocate + free through the coordinator
         batches = (1, 4, 16, 64, 256, 1024)
@@ -146,23 +163,32 @@ def bench_control(opts: Options, cleanup: _Cleanup, series: dict) -> List[Figure
         bs = cfg.block_size
         throughput = []
         for batch in batches:
-            rates = _rates(_allocate_and_free(client, batch, bs), batch, budget,
-                           opts.repeats)
+            rates = _rates(_allocate_and_free(client, batch, bs), batch, budget, opts.repeats)
             throughput.append({"batch": batch, **rates})
         pool = BlockPool(65536)
         for row in throughput:
-            row["BlockPool"] = _rates(_pool_allocate_and_free(pool, row["batch"]),
-                                      row["batch"], budget, opts.repeats)["BlockPool"]
+            row["BlockPool"] = _rates(
+                _pool_allocate_and_free(pool, row["batch"]), row["batch"], budget, opts.repeats
+            )["BlockPool"]
         series["throughput"] = throughput
         for row in throughput:
             for kind in ("allocate_many+close_many", "allocate+close", "BlockPool"):
                 target = ">= 500000" if row["batch"] >= 256 and kind != "BlockPool" else None
                 alone = kind == "BlockPool"
-                figures.append(Figure(
-                    "control", f"{kind} batch={row['batch']}", row[kind], "blocks/s",
-                    None if alone else row["BlockPool"], "" if alone else "BlockPool alone",
-                    None if alone else row[kind] / row["BlockPool"], target,
-                    _check(row[kind], target) if target else None, "value"))
+                figures.append(
+                    Figure(
+                        "control",
+                        f"{kind} batch={row['batch']}",
+                        row[kind],
+                        "blocks/s",
+                        None if alone else row["BlockPool"],
+                        "" if alone else "BlockPool alone",
+                        None if alone else row[kind] / row["BlockPool"],
+                        target,
+                        _check(row[kind], target) if target else None,
+                        "value",
+                    )
+                )
     finally:
         echo_client.close()
         client.close()
@@ -174,20 +200,24 @@ def bench_control(opts: Options, cleanup: _Cleanup, series: dict) -> List[Figure
 def _allocate_and_free(client, batch: int, block_size: int) -> Dict[str, Callable[[], None]]:
     """Allocate + free of ``batch`` blocks through the coordinator: one sequence of
     ``batch`` blocks, and ``batch`` one-block sequences in one round trip each way."""
+
     def many() -> None:
         client.close_many(client.allocate_many([block_size] * batch))
 
     def one() -> None:
         client.allocate(batch * block_size).close()
+
     return {"allocate_many+close_many": many, "allocate+close": one}
 
 
 def _pool_allocate_and_free(pool: BlockPool, batch: int) -> Dict[str, Callable[[], None]]:
     """The same ``batch`` blocks from a :class:`BlockPool` alone (no socket)."""
+
     def alloc_free() -> None:
         blocks = pool.allocate(batch, 1)
         assert blocks is not None, "the pool ran out of blocks"
         pool.decref(blocks)
+
     return {"BlockPool": alloc_free}
 
 
@@ -198,8 +228,11 @@ def _latency_rounds(client, echo_client, block: int, total: int) -> dict:
     handle = client.allocate(0)
     try:
         for round_ in range(total // block + 2):
-            for kind, fn in (("echo", echo_client.ping), ("ping", client.ping),
-                             ("extend(1)", functools.partial(handle.extend, 1))):
+            for kind, fn in (
+                ("echo", echo_client.ping),
+                ("ping", client.ping),
+                ("extend(1)", functools.partial(handle.extend, 1)),
+            ):
                 for _ in range(block):
                     t0 = time.perf_counter()
                     fn()
@@ -227,6 +260,7 @@ def _rates(fns: dict, batch: int, budget: float, repeats: int) -> dict:
         def run():
             for _ in range(k):
                 fn()
+
         return run
 
     times = interleaved({name: looped(fn, calls[name]) for name, fn in fns.items()}, repeats)

@@ -50,6 +50,7 @@ def _next_command(conn, timeout: float = CHILD_IDLE_TIMEOUT):
     except (EOFError, OSError):
         return None
 
+
 class BenchError(RuntimeError):
     """A benchmark step failed or a helper process did not answer in time."""
 
@@ -103,8 +104,9 @@ def _percentile(values, q: float) -> float:
     return ordered[index]
 
 
-def interleaved(fns: Dict[str, Callable[[], object]], repeats: int,
-                warmup: int = 1) -> Dict[str, List[float]]:
+def interleaved(
+    fns: Dict[str, Callable[[], object]], repeats: int, warmup: int = 1
+) -> Dict[str, List[float]]:
     """Time each function ``repeats`` times after ``warmup`` rounds. Every round runs
     all of them in a new random order (fixed seed), so that they share the machine's
     state and none always follows the same neighbour (whose data may still be in
@@ -133,9 +135,12 @@ def memory_of(pid="self") -> dict:
             parts = line.split()
             if len(parts) == 3 and parts[2] == "kB":
                 fields[parts[0].rstrip(":")] = int(parts[1]) * 1024
-    return {"rss": fields.get("Rss", 0), "pss": fields.get("Pss", 0),
-            "uss": fields.get("Private_Clean", 0) + fields.get("Private_Dirty", 0),
-            "anon": fields.get("Anonymous", 0)}
+    return {
+        "rss": fields.get("Rss", 0),
+        "pss": fields.get("Pss", 0),
+        "uss": fields.get("Private_Clean", 0) + fields.get("Private_Dirty", 0),
+        "anon": fields.get("Anonymous", 0),
+    }
 
 
 def _shm_entries() -> set:
@@ -146,6 +151,7 @@ def _shm_entries() -> set:
 
 
 # -- helper processes ------------------------------------------------------------------------
+
 
 def _child_main(target: Callable, conn, args: tuple) -> None:
     """Entry point of every helper process: run ``target`` (a module-level function of a
@@ -173,8 +179,9 @@ class Helper:
         self.name = name
         self.conn: Optional[Connection]
         self.conn, child = SPAWN.Pipe()
-        self.process = SPAWN.Process(target=_child_main, args=(target, child, args),
-                                     name=name, daemon=True)
+        self.process = SPAWN.Process(
+            target=_child_main, args=(target, child, args), name=name, daemon=True
+        )
         self.process.start()
         child.close()
 
@@ -247,6 +254,7 @@ def _unique(tag: str) -> str:
 
 def _model_config(num_blocks: int, block_size: int = 16, **overrides):
     from ..layout import PoolConfig
+
     shape = dict(MODEL, **overrides)
     return PoolConfig(num_blocks=num_blocks, block_size=block_size, device="cpu", **shape)
 
@@ -254,6 +262,7 @@ def _model_config(num_blocks: int, block_size: int = 16, **overrides):
 def _pattern(numel: int, dtype):
     """A ``numel`` tensor of varied bit patterns (no NaN or Inf), made in one copy."""
     import torch
+
     period = 1 << 20
     base = torch.randint(-3000, 3000, (period,), dtype=torch.int32).to(dtype)
     reps = -(-numel // period)
@@ -262,9 +271,9 @@ def _pattern(numel: int, dtype):
 
 def _same_bits(a, b) -> bool:
     import torch
+
     size = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
     return a.shape == b.shape and torch.equal(a.contiguous().view(size), b.contiguous().view(size))
-
 
 
 def _size(nbytes: int) -> str:
@@ -275,6 +284,7 @@ def _size(nbytes: int) -> str:
 
 
 # -- tables --------------------------------------------------------------------------------
+
 
 def _fmt(value: Optional[float]) -> str:
     if value is None:
@@ -300,8 +310,17 @@ def table_rows(figures: List[Figure]) -> List[List[str]]:
         target = f.target or "-"
         if f.target and f.target_of == "value":
             target = f"{f.target.split()[0]} {_fmt(float(f.target.split()[1]))} {f.unit}"
-        rows.append([f.section, f.name, f"{_fmt(f.value)} {f.unit}", baseline,
-                     "-" if f.ratio is None else _fmt(f.ratio), target, met])
+        rows.append(
+            [
+                f.section,
+                f.name,
+                f"{_fmt(f.value)} {f.unit}",
+                baseline,
+                "-" if f.ratio is None else _fmt(f.ratio),
+                target,
+                met,
+            ]
+        )
     return rows
 
 
@@ -315,6 +334,7 @@ def format_table(figures: List[Figure]) -> str:
 
 
 # -- ratios and spread ----------------------------------------------------------------------
+
 
 def median(values) -> float:
     """The median of ``values``."""
@@ -337,8 +357,10 @@ def paired_ratio(values: Sequence[float], baselines: Sequence[float]) -> float:
     """The median of the per-round ratios ``values[i] / baselines[i]``: a figure and its
     baseline measured in the same rounds, so a slow round slows both alike."""
     if len(values) != len(baselines) or not values:
-        raise ValueError(f"paired_ratio needs two equally long, non-empty sequences "
-                         f"(got {len(values)} and {len(baselines)})")
+        raise ValueError(
+            f"paired_ratio needs two equally long, non-empty sequences "
+            f"(got {len(values)} and {len(baselines)})"
+        )
     return statistics.median(v / b for v, b in zip(values, baselines))
 
 
@@ -346,8 +368,12 @@ def spread(values: Sequence[float]) -> dict:
     """``{"median", "min", "max", "n"}`` of ``values`` (how far runs of one figure part)."""
     if not values:
         raise ValueError("spread of no values")
-    return {"median": statistics.median(values), "min": min(values), "max": max(values),
-            "n": len(values)}
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+    }
 
 
 # -- where results go -----------------------------------------------------------------------
@@ -357,8 +383,9 @@ def spread(values: Sequence[float]) -> dict:
 OUT_DIR = "benchmarks"
 # Inputs committed with the benchmarks (the chat trace), found next to the package in a
 # checkout, else under OUT_DIR.
-_CHECKOUT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "benchmarks")
+_CHECKOUT = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks"
+)
 
 
 def result_base(suite: str, out_dir: Optional[str] = None) -> str:
@@ -377,8 +404,9 @@ def trace_path(name: str = "chat.jsonl") -> str:
     return here if os.path.exists(here) else os.path.join(OUT_DIR, "traces", name)
 
 
-def write_results(base: str, record: dict, markdown: Optional[str], *, indent: int = 1,
-                  sort_keys: bool = False) -> List[str]:
+def write_results(
+    base: str, record: dict, markdown: Optional[str], *, indent: int = 1, sort_keys: bool = False
+) -> List[str]:
     """Write ``BASE.json`` (``record``) and, unless ``markdown`` is None, ``BASE.md``
     (ending in one newline); creates the directory. Returns the paths written."""
     os.makedirs(os.path.dirname(base) or ".", exist_ok=True)

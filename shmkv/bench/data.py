@@ -50,9 +50,11 @@ def bench_data(opts: Options, cleanup: _Cleanup, series: dict) -> List[Figure]:
     L, H, D = probe.num_layers, probe.num_kv_heads, probe.head_dim
     dtype = getattr(torch, probe.dtype)
     max_n = max(lengths)
-    buffers = {"source": _pattern(L * 2 * max_n * H * D, dtype),
-               "all": torch.zeros(L * 2 * max_n * H * D, dtype=dtype),
-               "layer": torch.zeros(max_n * H * D, dtype=dtype)}
+    buffers = {
+        "source": _pattern(L * 2 * max_n * H * D, dtype),
+        "all": torch.zeros(L * 2 * max_n * H * D, dtype=dtype),
+        "layer": torch.zeros(max_n * H * D, dtype=dtype),
+    }
     points = []
     for bs in block_sizes:
         # Room for the measured sequence and a filler taking every other block.
@@ -76,15 +78,29 @@ def bench_data(opts: Options, cleanup: _Cleanup, series: dict) -> List[Figure]:
                 p[op + "_ratio"] = p[op] / p[base]
             worst = min(rows, key=lambda p: p[op + "_ratio"])
             ratio = worst[op + "_ratio"]
-            params = {"block_size": bs, "n": worst["n"],
-                      "ratios": {p["n"]: round(p[op + "_ratio"], 3) for p in rows}}
+            params = {
+                "block_size": bs,
+                "n": worst["n"],
+                "ratios": {p["n"]: round(p[op + "_ratio"], 3) for p in rows},
+            }
             if op in ("gather_all", "key_cache"):  # fresh outputs: what a clone gets
                 params["reference_ratios"] = {
-                    p["n"]: round(p[_REFERENCE[base]] / p[base], 3) for p in rows}
-            figures.append(Figure(
-                "data", f"{label} bs={bs} (worst: n={worst['n']})", worst[op] / 1e9, "GB/s",
-                worst[base] / 1e9, base.replace("_", " "), ratio, target, _check(ratio, target),
-                params=params))
+                    p["n"]: round(p[_REFERENCE[base]] / p[base], 3) for p in rows
+                }
+            figures.append(
+                Figure(
+                    "data",
+                    f"{label} bs={bs} (worst: n={worst['n']})",
+                    worst[op] / 1e9,
+                    "GB/s",
+                    worst[base] / 1e9,
+                    base.replace("_", " "),
+                    ratio,
+                    target,
+                    _check(ratio, target),
+                    params=params,
+                )
+            )
     return figures
 
 
@@ -96,10 +112,10 @@ def _data_point(client, buffers: dict, n: int, repeats: int) -> dict:
     try:
         for _ in range(n // bs):  # interleave the two tables: no two neighbours are adjacent
             client.extend_many([(handle, bs), (filler, bs)])
-        kv = buffers["source"][:L * 2 * n * H * D].view(L, 2, n, H, D)
-        out_all = buffers["all"][:kv.numel()].view_as(kv)
+        kv = buffers["source"][: L * 2 * n * H * D].view(L, 2, n, H, D)
+        out_all = buffers["all"][: kv.numel()].view_as(kv)
         layer_src = kv[3, 0]
-        out_layer = buffers["layer"][:layer_src.numel()].view_as(layer_src)
+        out_layer = buffers["layer"][: layer_src.numel()].view_as(layer_src)
 
         def write_layers():
             for layer in range(L):
@@ -108,18 +124,21 @@ def _data_point(client, buffers: dict, n: int, repeats: int) -> dict:
         handle.write_all(kv, 0)
         if not (_same_bits(handle.gather_all(), kv) and _same_bits(handle.key_cache(3), layer_src)):
             raise BenchError(f"data plane read back wrong values (n={n}, block_size={bs})")
-        times = interleaved({
-            "copy_all": lambda: out_all.copy_(kv),
-            "clone_all": kv.clone,
-            "write_all": lambda: handle.write_all(kv, 0),
-            "write": write_layers,
-            "gather_all_out": lambda: handle.gather_all(out=out_all),
-            "gather_all": handle.gather_all,
-            "copy_layer": lambda: out_layer.copy_(layer_src),
-            "clone_layer": layer_src.clone,
-            "key_cache_out": lambda: handle.key_cache(3, out=out_layer),
-            "key_cache": lambda: handle.key_cache(3),
-        }, repeats if n >= 1024 else 3 * repeats)  # small points are cheap: more runs
+        times = interleaved(
+            {
+                "copy_all": lambda: out_all.copy_(kv),
+                "clone_all": kv.clone,
+                "write_all": lambda: handle.write_all(kv, 0),
+                "write": write_layers,
+                "gather_all_out": lambda: handle.gather_all(out=out_all),
+                "gather_all": handle.gather_all,
+                "copy_layer": lambda: out_layer.copy_(layer_src),
+                "clone_layer": layer_src.clone,
+                "key_cache_out": lambda: handle.key_cache(3, out=out_layer),
+                "key_cache": lambda: handle.key_cache(3),
+            },
+            repeats if n >= 1024 else 3 * repeats,
+        )  # small points are cheap: more runs
         all_bytes = kv.numel() * kv.element_size()
         layer_bytes = layer_src.numel() * layer_src.element_size()
         point = {"n": n, "block_size": bs, "bytes_all": all_bytes, "bytes_layer": layer_bytes}

@@ -36,17 +36,18 @@ def _clock() -> int:
 
 def _checksum(t) -> int:
     import torch
+
     return int(t.reshape(-1)[::257].view(torch.int16).to(torch.int64).sum())
 
 
-def _child_producer(conn, address: str, tokens: int, threads: int, torch_queue,
-                    meta_queue) -> None:
+def _child_producer(conn, address: str, tokens: int, threads: int, torch_queue, meta_queue) -> None:
     """Prefill side: fresh K/V each round (untimed), then hand it off by one method."""
     from multiprocessing import shared_memory
 
     import torch
 
     from ..client import connect
+
     torch.set_num_threads(threads)
     client = connect(address)
     cfg = client.config
@@ -78,8 +79,9 @@ def _child_producer(conn, address: str, tokens: int, threads: int, torch_queue,
                 torch_queue.put(kv)
             else:
                 nbytes = kv.numel() * kv.element_size()
-                seg = shared_memory.SharedMemory(create=True, size=nbytes,
-                                                 name=f"shmkvbench-{os.getpid()}-{rep}")
+                seg = shared_memory.SharedMemory(
+                    create=True, size=nbytes, name=f"shmkvbench-{os.getpid()}-{rep}"
+                )
                 segments.append(seg)
                 view = torch.frombuffer(seg.buf, dtype=kv.dtype, count=kv.numel())
                 view.copy_(kv.view(-1))
@@ -94,8 +96,7 @@ def _child_producer(conn, address: str, tokens: int, threads: int, torch_queue,
         client.close()
 
 
-def _child_consumer(conn, address: str, tokens: int, threads: int, torch_queue,
-                    meta_queue) -> None:
+def _child_consumer(conn, address: str, tokens: int, threads: int, torch_queue, meta_queue) -> None:
     """Decode side: receive one hand-off by the named method and read all of it into a
     K/V buffer of its own."""
     from multiprocessing import shared_memory
@@ -103,12 +104,14 @@ def _child_consumer(conn, address: str, tokens: int, threads: int, torch_queue,
     import torch
 
     from ..client import connect
+
     torch.set_num_threads(threads)
     client = connect(address)
     cfg = client.config
     # The decoder's own K/V buffer, allocated and touched once: every method reads into it.
-    out = torch.zeros((cfg.num_layers, 2, tokens, cfg.num_kv_heads, cfg.head_dim),
-                      dtype=client.pool.dtype)
+    out = torch.zeros(
+        (cfg.num_layers, 2, tokens, cfg.num_kv_heads, cfg.head_dim), dtype=client.pool.dtype
+    )
     conn.send("ready")
     while True:
         method = _next_command(conn)
@@ -140,15 +143,34 @@ def bench_handoff(opts: Options, cleanup: _Cleanup, series: dict) -> List[Figure
     import torch.multiprocessing as tmp
 
     from ..coordinator import Coordinator
+
     tokens = 2048
     cfg = _model_config(2 * (tokens // 16) + 8, 16)
     coord = cleanup.add(Coordinator.spawn(cfg, name=_unique("handoff"), timeout=120))
     torch_queue = tmp.get_context("spawn").Queue()
     meta_queue = SPAWN.Queue()
-    producer = cleanup.add(Helper(_child_producer, coord.address, tokens, opts.threads,
-                                  torch_queue, meta_queue, name="shmkv-bench-producer"))
-    consumer = cleanup.add(Helper(_child_consumer, coord.address, tokens, opts.threads,
-                                  torch_queue, meta_queue, name="shmkv-bench-consumer"))
+    producer = cleanup.add(
+        Helper(
+            _child_producer,
+            coord.address,
+            tokens,
+            opts.threads,
+            torch_queue,
+            meta_queue,
+            name="shmkv-bench-producer",
+        )
+    )
+    consumer = cleanup.add(
+        Helper(
+            _child_consumer,
+            coord.address,
+            tokens,
+            opts.threads,
+            torch_queue,
+            meta_queue,
+            name="shmkv-bench-consumer",
+        )
+    )
     try:
         producer.recv(120)
         consumer.recv(120)
@@ -156,7 +178,7 @@ def bench_handoff(opts: Options, cleanup: _Cleanup, series: dict) -> List[Figure
         times: Dict[str, List[float]] = {m: [] for m in HANDOFF_METHODS}
         rep = 0
         for round_ in range(repeats + 1):
-            order = HANDOFF_METHODS[round_ % 3:] + HANDOFF_METHODS[:round_ % 3]
+            order = HANDOFF_METHODS[round_ % 3 :] + HANDOFF_METHODS[: round_ % 3]
             for method in order:
                 rep += 1
                 consumer.send(method)
@@ -178,15 +200,28 @@ def bench_handoff(opts: Options, cleanup: _Cleanup, series: dict) -> List[Figure
     medians = {m: _median(t) for m, t in times.items()}
     series["handoff"] = {"bytes": nbytes, "times_s": times, "median_s": medians}
     figures = []
-    params = {"tokens": tokens, "bytes": nbytes, "layers": cfg.num_layers,
-              "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "dtype": cfg.dtype}
+    params = {
+        "tokens": tokens,
+        "bytes": nbytes,
+        "layers": cfg.num_layers,
+        "kv_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "dtype": cfg.dtype,
+    }
     for method in HANDOFF_METHODS:
         speedup = medians[method] / medians["shmkv"]
-        figures.append(Figure("handoff", f"hand-off {method}", medians[method] * 1e3, "ms",
-                              medians["shmkv"] * 1e3 if method != "shmkv" else None,
-                              "shmkv" if method != "shmkv" else "",
-                              speedup if method != "shmkv" else None,
-                              ">= 5" if method == "torch.multiprocessing" else None,
-                              _check(speedup, ">= 5") if method == "torch.multiprocessing"
-                              else None, params=params))
+        figures.append(
+            Figure(
+                "handoff",
+                f"hand-off {method}",
+                medians[method] * 1e3,
+                "ms",
+                medians["shmkv"] * 1e3 if method != "shmkv" else None,
+                "shmkv" if method != "shmkv" else "",
+                speedup if method != "shmkv" else None,
+                ">= 5" if method == "torch.multiprocessing" else None,
+                _check(speedup, ">= 5") if method == "torch.multiprocessing" else None,
+                params=params,
+            )
+        )
     return figures

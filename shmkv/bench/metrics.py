@@ -61,8 +61,7 @@ def _scrape(port: int) -> int:
     """One ``GET /metrics`` over a plain socket, as lean as a Go scraper (urllib would
     cost the machine more CPU than the server's side); returns the body's size."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n"
-                     b"Accept: text/plain\r\n\r\n")
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nAccept: text/plain\r\n\r\n")
         data = bytearray()
         while True:
             chunk = sock.recv(65536)
@@ -77,8 +76,11 @@ def _scrape(port: int) -> int:
 
 def _serve_body(listener: socket.socket, body: bytes) -> None:
     """The control's server: answer every connection with ``body`` (as /metrics would)."""
-    head = (b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: "
-            + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n")
+    head = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\nConnection: close\r\n\r\n"
+    )
     while True:
         try:
             conn, _ = listener.accept()
@@ -94,8 +96,9 @@ def _serve_body(listener: socket.socket, body: bytes) -> None:
             conn.sendall(head + body)
 
 
-def _scraper(port: int, nbytes: int, go: Any, stop: Any, queue: Any, rate: float,
-             label: str) -> None:
+def _scraper(
+    port: int, nbytes: int, go: Any, stop: Any, queue: Any, rate: float, label: str
+) -> None:
     """Scrape ``/metrics`` at ``port`` while ``go`` is set, ``rate`` times a second (0:
     back to back). With ``nbytes`` (the control), scrape a server of this process that
     answers as many bytes instead: the same work on the machine, none in the
@@ -103,7 +106,7 @@ def _scraper(port: int, nbytes: int, go: Any, stop: Any, queue: Any, rate: float
     if nbytes:
         listener = socket.create_server(("127.0.0.1", 0))
         port = listener.getsockname()[1]
-        body = (b"x" * (nbytes - 21)) + b"\nshmkv_uptime_seconds"   # passes _scrape's check
+        body = (b"x" * (nbytes - 21)) + b"\nshmkv_uptime_seconds"  # passes _scrape's check
         threading.Thread(target=_serve_body, args=(listener, body), daemon=True).start()
     num, failed, size, busy = 0, 0, 0, 0.0
     queue.put(("ready", None))
@@ -124,23 +127,26 @@ def _scraper(port: int, nbytes: int, go: Any, stop: Any, queue: Any, rate: float
     queue.put((label, (num, failed, size, busy)))
 
 
-def run(address: str, port: int, nbytes: int, cycles: int, phase_s: float,
-        rate: float) -> Dict[str, Any]:
+def run(
+    address: str, port: int, nbytes: int, cycles: int, phase_s: float, rate: float
+) -> Dict[str, Any]:
     """One paired run: phases idle, scraped, control, idle, scraped, control, ...,
     pinged throughout."""
     q = SPAWN.Queue()
     stop = SPAWN.Event()
     gates = {"scraped": SPAWN.Event(), "control": SPAWN.Event()}
-    workers = [SPAWN.Process(target=_scraper, args=(port, 0, gates["scraped"], stop, q, rate,
-                                                    "scraped")),
-               SPAWN.Process(target=_scraper, args=(port, nbytes, gates["control"], stop, q,
-                                                    rate, "control"))]
+    workers = [
+        SPAWN.Process(target=_scraper, args=(port, 0, gates["scraped"], stop, q, rate, "scraped")),
+        SPAWN.Process(
+            target=_scraper, args=(port, nbytes, gates["control"], stop, q, rate, "control")
+        ),
+    ]
     for proc in workers:
         proc.start()
         assert q.get(timeout=120)[0] == "ready"
     pinger = SPAWN.Process(target=_pinger, args=(address, stop, q))
     pinger.start()
-    assert q.get(timeout=120)[0] == "ready"   # the pinger imported, connected, warmed up
+    assert q.get(timeout=120)[0] == "ready"  # the pinger imported, connected, warmed up
     time.sleep(0.2)
     phases: List[Tuple[float, float, str]] = []
     for _ in range(cycles):
@@ -168,12 +174,16 @@ def run(address: str, port: int, nbytes: int, cycles: int, phase_s: float,
     out: Dict[str, Any] = {}
     for label, values in lat.items():
         values = sorted(values)
-        out[label] = {"p50_us": values[len(values) // 2] * 1e6, "p99_us": p99(values) * 1e6,
-                      "pings": len(values)}
+        out[label] = {
+            "p50_us": values[len(values) // 2] * 1e6,
+            "p99_us": p99(values) * 1e6,
+            "pings": len(values),
+        }
     for label in gates:
         num, failed, size, busy_s = results[label]
-        out[label].update(scrapes=num, failed=failed, per_s=num / max(busy_s, 1e-9),
-                          body_bytes=size)
+        out[label].update(
+            scrapes=num, failed=failed, per_s=num / max(busy_s, 1e-9), body_bytes=size
+        )
     out["ratio_p99"] = out["scraped"]["p99_us"] / out["idle"]["p99_us"]
     out["control_ratio_p99"] = out["control"]["p99_us"] / out["idle"]["p99_us"]
     return out
@@ -183,13 +193,18 @@ def summarise(runs: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     """The median p99 ratios of ``runs`` and their spread, against :data:`BOUND`."""
     ratios = spread([r["ratio_p99"] for r in runs])
     controls = spread([r["control_ratio_p99"] for r in runs])
-    return {"median_ratio_p99": ratios["median"], "min_ratio_p99": ratios["min"],
-            "max_ratio_p99": ratios["max"], "bound": BOUND,
-            "within_bound": ratios["median"] <= BOUND,
-            "runs_within_bound": sum(r["ratio_p99"] <= BOUND for r in runs),
-            "runs": ratios["n"],
-            "median_control_ratio_p99": controls["median"],
-            "min_control_ratio_p99": controls["min"], "max_control_ratio_p99": controls["max"]}
+    return {
+        "median_ratio_p99": ratios["median"],
+        "min_ratio_p99": ratios["min"],
+        "max_ratio_p99": ratios["max"],
+        "bound": BOUND,
+        "within_bound": ratios["median"] <= BOUND,
+        "runs_within_bound": sum(r["ratio_p99"] <= BOUND for r in runs),
+        "runs": ratios["n"],
+        "median_control_ratio_p99": controls["median"],
+        "min_control_ratio_p99": controls["min"],
+        "max_control_ratio_p99": controls["max"],
+    }
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -198,19 +213,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--cycles", type=int, default=24)
     parser.add_argument("--phase-s", type=float, default=0.3)
     parser.add_argument("--rate", type=float, default=10.0)
-    parser.add_argument("--out", default=None, help="results path without extension "
-                        f"(default: benchmarks/results/{NAME})")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help=f"results path without extension (default: benchmarks/results/{NAME})",
+    )
     args = parser.parse_args(argv)
     args.out = args.out or result_base(NAME)
 
     load_before = os.getloadavg()[0]
-    cfg = shmkv.PoolConfig(num_layers=2, num_kv_heads=2, head_dim=16, num_blocks=256,
-                           block_size=16, dtype=torch.float16)
+    cfg = shmkv.PoolConfig(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=16,
+        num_blocks=256,
+        block_size=16,
+        dtype=torch.float16,
+    )
     name = f"bench-metrics-{os.getpid()}"
     with shmkv.Coordinator.spawn(cfg, name=name, metrics_port=0) as coord:
         with shmkv.connect(coord.address, timeout=60) as client:
             port = client.stats()["metrics_port"]
-            for i in range(32):   # something to report: sequences, hits, ops of several kinds
+            for i in range(32):  # something to report: sequences, hits, ops of several kinds
                 h = client.allocate(prompt=list(range(i % 4 * 16, i % 4 * 16 + 48)))
                 h.commit()
                 if i % 2:
@@ -218,32 +242,44 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             nbytes = _scrape(port)
             runs = []
             for i in range(args.runs):
-                runs.append(run(coord.address, port, nbytes, args.cycles, args.phase_s,
-                                args.rate))
+                runs.append(run(coord.address, port, nbytes, args.cycles, args.phase_s, args.rate))
                 r = runs[-1]
-                print(f"run {i}: p99 idle {r['idle']['p99_us']:.1f} us, scraped "
-                      f"{r['scraped']['p99_us']:.1f} us (ratio {r['ratio_p99']:.3f}), control "
-                      f"{r['control']['p99_us']:.1f} us (ratio {r['control_ratio_p99']:.3f}); "
-                      f"{r['scraped']['scrapes']} scrapes at {r['scraped']['per_s']:.1f}/s, "
-                      f"{r['scraped']['failed']} failed", flush=True)
-            flat_out = run(coord.address, port, nbytes, max(2, args.cycles // 4), args.phase_s,
-                           0)
-            print(f"back to back: p99 idle {flat_out['idle']['p99_us']:.1f} us, scraped "
-                  f"{flat_out['scraped']['p99_us']:.1f} us (ratio {flat_out['ratio_p99']:.3f}, "
-                  f"{flat_out['scraped']['per_s']:.0f} scrapes/s), control ratio "
-                  f"{flat_out['control_ratio_p99']:.3f}", flush=True)
+                print(
+                    f"run {i}: p99 idle {r['idle']['p99_us']:.1f} us, scraped "
+                    f"{r['scraped']['p99_us']:.1f} us (ratio {r['ratio_p99']:.3f}), control "
+                    f"{r['control']['p99_us']:.1f} us (ratio {r['control_ratio_p99']:.3f}); "
+                    f"{r['scraped']['scrapes']} scrapes at {r['scraped']['per_s']:.1f}/s, "
+                    f"{r['scraped']['failed']} failed",
+                    flush=True,
+                )
+            flat_out = run(coord.address, port, nbytes, max(2, args.cycles // 4), args.phase_s, 0)
+            print(
+                f"back to back: p99 idle {flat_out['idle']['p99_us']:.1f} us, scraped "
+                f"{flat_out['scraped']['p99_us']:.1f} us (ratio {flat_out['ratio_p99']:.3f}, "
+                f"{flat_out['scraped']['per_s']:.0f} scrapes/s), control ratio "
+                f"{flat_out['control_ratio_p99']:.3f}",
+                flush=True,
+            )
     s = summarise(runs)
-    print(f"median ratio {s['median_ratio_p99']:.3f} (min {s['min_ratio_p99']:.3f}, max "
-          f"{s['max_ratio_p99']:.3f}); control {s['median_control_ratio_p99']:.3f} (min "
-          f"{s['min_control_ratio_p99']:.3f}, max {s['max_control_ratio_p99']:.3f}); bound "
-          f"{BOUND}: {'met' if s['within_bound'] else 'NOT met'}")
-    result = {"args": vars(args), "machine": {"cpus": os.cpu_count(),
-                                              "python": platform.python_version(),
-                                              "platform": platform.platform(),
-                                              "host": socket.gethostname(),
-                                              "loadavg_1min": [load_before,
-                                                               os.getloadavg()[0]]},
-              "runs": runs, "back_to_back": flat_out, "summary": s}
+    print(
+        f"median ratio {s['median_ratio_p99']:.3f} (min {s['min_ratio_p99']:.3f}, max "
+        f"{s['max_ratio_p99']:.3f}); control {s['median_control_ratio_p99']:.3f} (min "
+        f"{s['min_control_ratio_p99']:.3f}, max {s['max_control_ratio_p99']:.3f}); bound "
+        f"{BOUND}: {'met' if s['within_bound'] else 'NOT met'}"
+    )
+    result = {
+        "args": vars(args),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "host": socket.gethostname(),
+            "loadavg_1min": [load_before, os.getloadavg()[0]],
+        },
+        "runs": runs,
+        "back_to_back": flat_out,
+        "summary": s,
+    }
     write_results(args.out, result, markdown(result))
     return 0
 
@@ -272,10 +308,12 @@ def markdown(result: Dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for i, r in enumerate(result["runs"]):
-        lines.append(f"| {i} | {r['idle']['p50_us']:.1f} | {r['idle']['p99_us']:.1f} | "
-                     f"{r['scraped']['p99_us']:.1f} | {r['ratio_p99']:.3f} | "
-                     f"{r['control']['p99_us']:.1f} | {r['control_ratio_p99']:.3f} | "
-                     f"{r['scraped']['scrapes']} ({r['scraped']['failed']}) |")
+        lines.append(
+            f"| {i} | {r['idle']['p50_us']:.1f} | {r['idle']['p99_us']:.1f} | "
+            f"{r['scraped']['p99_us']:.1f} | {r['ratio_p99']:.3f} | "
+            f"{r['control']['p99_us']:.1f} | {r['control_ratio_p99']:.3f} | "
+            f"{r['scraped']['scrapes']} ({r['scraped']['failed']}) |"
+        )
     b = result["back_to_back"]
     lines += [
         "",
@@ -300,8 +338,10 @@ def cli_args(quick: bool, out_dir: str, name: Optional[str] = None) -> List[str]
     """The arguments ``shmkv bench --only metrics`` runs :func:`main` with (a quick run:
     two runs of six cycles, written as ``metrics-scrape-quick``)."""
     name = name or (f"{NAME}-quick" if quick else NAME)
-    return ((["--runs", "2", "--cycles", "6"] if quick else [])
-            + ["--out", result_base(name, out_dir)])
+    return (["--runs", "2", "--cycles", "6"] if quick else []) + [
+        "--out",
+        result_base(name, out_dir),
+    ]
 
 
 if __name__ == "__main__":

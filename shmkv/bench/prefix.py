@@ -40,20 +40,25 @@ def median_time(fn, repeat=15, warmup=3):
 
 def _fork_and_release(table: SequenceTable, cache_id: int) -> Callable[[], None]:
     """Fork sequence ``cache_id`` of connection 1 in ``table`` and release the fork."""
+
     def run() -> None:
         table.release(1, table.fork(1, cache_id)["cache_id"])
+
     return run
 
 
 def _fork_and_close(handle: shmkv.KvCacheHandle) -> Callable[[], None]:
     """Fork ``handle`` through its coordinator and close the fork."""
+
     def run() -> None:
         handle.fork().close()
+
     return run
 
 
 def main(argv=None) -> int:
     import argparse
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="default benchmarks/results/prefix")
     args = parser.parse_args(argv)
@@ -76,8 +81,9 @@ def main(argv=None) -> int:
         table.release(1, info["cache_id"])
 
     miss_prompt = [t + 1 for t in prompt]
-    t_miss = median_time(lambda: (table.release(1, table.allocate(1, prompt=miss_prompt)
-                                                ["cache_id"])))
+    t_miss = median_time(
+        lambda: table.release(1, table.allocate(1, prompt=miss_prompt)["cache_id"])
+    )
     t_hit = median_time(hit)
     out["alloc_4k_miss_us_per_block"] = 1e6 * t_miss / blocks
     out["alloc_4k_hit_us_per_block"] = 1e6 * t_hit / blocks
@@ -100,10 +106,19 @@ def main(argv=None) -> int:
     out["client_keys_speedup"] = t_packed / t_keys
 
     fork_in_process, fork_e2e = {}, {}
-    cfg = shmkv.PoolConfig(num_layers=4, num_kv_heads=2, head_dim=16, num_blocks=8192,
-                           block_size=BS, dtype=torch.float16, max_seq_len=65536)
-    with shmkv.Coordinator(cfg, name=f"bp-{uuid.uuid4().hex[:8]}") as coord, \
-            shmkv.connect(coord.address) as client:
+    cfg = shmkv.PoolConfig(
+        num_layers=4,
+        num_kv_heads=2,
+        head_dim=16,
+        num_blocks=8192,
+        block_size=BS,
+        dtype=torch.float16,
+        max_seq_len=65536,
+    )
+    with (
+        shmkv.Coordinator(cfg, name=f"bp-{uuid.uuid4().hex[:8]}") as coord,
+        shmkv.connect(coord.address) as client,
+    ):
         for tokens in (256, 1024, 4096, 16384, 65536):
             info = table.allocate(1, tokens)
             t = median_time(_fork_and_release(table, info["cache_id"]))

@@ -29,13 +29,14 @@ def _child_scaling(conn, address: str) -> None:
     import torch
 
     from ..client import connect
+
     torch.set_num_threads(1)  # one thread per worker: the workers share the machine
     client = connect(address)
     cfg = client.config
     data = client.allocate(SCALING_TOKENS)
-    kv = _pattern(cfg.num_layers * 2 * SCALING_TOKENS * cfg.num_kv_heads * cfg.head_dim,
-                  client.pool.dtype).view(cfg.num_layers, 2, SCALING_TOKENS, cfg.num_kv_heads,
-                                          cfg.head_dim)
+    kv = _pattern(
+        cfg.num_layers * 2 * SCALING_TOKENS * cfg.num_kv_heads * cfg.head_dim, client.pool.dtype
+    ).view(cfg.num_layers, 2, SCALING_TOKENS, cfg.num_kv_heads, cfg.head_dim)
     out = torch.zeros_like(kv)
     step_bytes = 2 * kv.numel() * kv.element_size()
     conn.send("ready")
@@ -68,13 +69,16 @@ def _child_scaling(conn, address: str) -> None:
 def bench_scaling(opts: Options, cleanup: _Cleanup, series: dict) -> List[Figure]:
     """Aggregate ops/s and bandwidth with several workers on one coordinator."""
     from ..coordinator import Coordinator
+
     counts = (1, 2, 4) if opts.quick else (1, 2, 4, 8)
     duration = 0.3 if opts.quick else 1.0
     repeats = 2 if opts.quick else 3
     cfg = _model_config(max(counts) * (SCALING_TOKENS // 16 + 40) + 64, 16)
     coord = cleanup.add(Coordinator.spawn(cfg, name=_unique("scaling"), timeout=120))
-    workers = [cleanup.add(Helper(_child_scaling, coord.address, name=f"shmkv-bench-w{i}"))
-               for i in range(max(counts))]
+    workers = [
+        cleanup.add(Helper(_child_scaling, coord.address, name=f"shmkv-bench-w{i}"))
+        for i in range(max(counts))
+    ]
     points: List[Dict[str, Any]] = []
     try:
         for w in workers:
@@ -90,8 +94,13 @@ def bench_scaling(opts: Options, cleanup: _Cleanup, series: dict) -> List[Figure
                     if round_:
                         results.setdefault((kind, n), []).append(total / duration)
         for n in counts:
-            points.append({"workers": n, "ops_per_s": _median(results[("ops", n)]),
-                           "bytes_per_s": _median(results[("bw", n)])})
+            points.append(
+                {
+                    "workers": n,
+                    "ops_per_s": _median(results[("ops", n)]),
+                    "bytes_per_s": _median(results[("bw", n)]),
+                }
+            )
     finally:
         for w in workers:
             cleanup.remove(w)
@@ -100,16 +109,31 @@ def bench_scaling(opts: Options, cleanup: _Cleanup, series: dict) -> List[Figure
     one = points[0]
     figures = []
     for p in points:
-        figures.append(Figure("scaling", f"ops/s, {_workers(p['workers'])}", p["ops_per_s"],
-                              "ops/s", one["ops_per_s"], "1 worker",
-                              p["ops_per_s"] / one["ops_per_s"],
-                              params={"op": "extend(1), allocate/close every 256"}))
+        figures.append(
+            Figure(
+                "scaling",
+                f"ops/s, {_workers(p['workers'])}",
+                p["ops_per_s"],
+                "ops/s",
+                one["ops_per_s"],
+                "1 worker",
+                p["ops_per_s"] / one["ops_per_s"],
+                params={"op": "extend(1), allocate/close every 256"},
+            )
+        )
     for p in points:
-        figures.append(Figure("scaling", f"bandwidth, {_workers(p['workers'])}",
-                              p["bytes_per_s"] / 1e9, "GB/s", one["bytes_per_s"] / 1e9,
-                              "1 worker", p["bytes_per_s"] / one["bytes_per_s"],
-                              params={"op": f"write_all + gather_all(out=) of {SCALING_TOKENS} "
-                                            "tokens"}))
+        figures.append(
+            Figure(
+                "scaling",
+                f"bandwidth, {_workers(p['workers'])}",
+                p["bytes_per_s"] / 1e9,
+                "GB/s",
+                one["bytes_per_s"] / 1e9,
+                "1 worker",
+                p["bytes_per_s"] / one["bytes_per_s"],
+                params={"op": f"write_all + gather_all(out=) of {SCALING_TOKENS} tokens"},
+            )
+        )
     return figures
 
 

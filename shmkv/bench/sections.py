@@ -42,53 +42,76 @@ from .scaling import bench_scaling
 
 SECTIONS = ("data", "attach", "control", "handoff", "scaling", "memory", "batch")
 
+
 def format_markdown(figures: List[Figure], series: dict) -> str:
     """The table as Markdown, followed by the data-plane ratio grid."""
     out = markdown_table(table_rows(figures)).split("\n")
     points = series.get("data")
     if points:
         lengths = sorted({p["n"] for p in points})
-        out += ["", "Data plane, ratio to the contiguous copy, per block size and sequence "
-                    "length:", "",
-                "| op | block size | " + " | ".join(f"n={n}" for n in lengths) + " |",
-                "|---|---|" + "---|" * len(lengths)]
+        out += [
+            "",
+            "Data plane, ratio to the contiguous copy, per block size and sequence length:",
+            "",
+            "| op | block size | " + " | ".join(f"n={n}" for n in lengths) + " |",
+            "|---|---|" + "---|" * len(lengths),
+        ]
         for op, label, _base, _target in DATA_OPS:
             for bs in sorted({p["block_size"] for p in points}):
                 by_n = {p["n"]: p[op + "_ratio"] for p in points if p["block_size"] == bs}
-                out.append(f"| {label} | {bs} | " + " | ".join(
-                    f"{by_n[n]:.2f}" if n in by_n else "-" for n in lengths) + " |")
+                out.append(
+                    f"| {label} | {bs} | "
+                    + " | ".join(f"{by_n[n]:.2f}" if n in by_n else "-" for n in lengths)
+                    + " |"
+                )
         for base, ref in _REFERENCE.items():
             for bs in sorted({p["block_size"] for p in points}):
                 by_n = {p["n"]: p[ref] / p[base] for p in points if p["block_size"] == bs}
-                out.append(f"| reference: {ref.replace('_', ' ')} (fresh tensor) | {bs} | "
-                           + " | ".join(f"{by_n[n]:.2f}" if n in by_n else "-"
-                                        for n in lengths) + " |")
+                out.append(
+                    f"| reference: {ref.replace('_', ' ')} (fresh tensor) | {bs} | "
+                    + " | ".join(f"{by_n[n]:.2f}" if n in by_n else "-" for n in lengths)
+                    + " |"
+                )
     batch = series.get("batch")
     if batch:
-        out += ["", "Batched decode step, milliseconds per step (32 layers, 8 KV heads x 128, "
-                    "bfloat16, block size 16, 512-token shared context):", "",
-                "| B | floor (bf16 rows) | floor (16-byte rows) | batch step | of which "
-                "extend(1) | per-handle | batch / floor | per-handle / batch |",
-                "|---|---|---|---|---|---|---|---|"]
+        out += [
+            "",
+            "Batched decode step, milliseconds per step (32 layers, 8 KV heads x 128, "
+            "bfloat16, block size 16, 512-token shared context):",
+            "",
+            "| B | floor (bf16 rows) | floor (16-byte rows) | batch step | of which "
+            "extend(1) | per-handle | batch / floor | per-handle / batch |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for p in batch["decode"]:
-            out.append(f"| {p['batch_size']} | {p['floor_s'] * 1e3:.3f} | "
-                       f"{p['floor_16b_s'] * 1e3:.3f} | {p['batch_s'] * 1e3:.3f} | "
-                       f"{p['extend_s'] * 1e3:.3f} | {p['per_handle_s'] * 1e3:.3f} | "
-                       f"{p['batch_s'] / p['floor_s']:.2f} | "
-                       f"{p['per_handle_s'] / p['batch_s']:.1f} |")
+            out.append(
+                f"| {p['batch_size']} | {p['floor_s'] * 1e3:.3f} | "
+                f"{p['floor_16b_s'] * 1e3:.3f} | {p['batch_s'] * 1e3:.3f} | "
+                f"{p['extend_s'] * 1e3:.3f} | {p['per_handle_s'] * 1e3:.3f} | "
+                f"{p['batch_s'] / p['floor_s']:.2f} | "
+                f"{p['per_handle_s'] / p['batch_s']:.1f} |"
+            )
         c = batch["control"]
-        out += ["", "Where a control-plane call goes (microseconds; table and msgpack timed in "
-                    "process, wire = ping round trips, other = the rest):", "",
-                "| call | total | coordinator table | msgpack, both sides | wire (ping) | "
-                "other | Step built by the client |", "|---|---|---|---|---|---|---|"]
-        for prefix, label in (("alloc", "allocate_many([1]*256) + close_many"),
-                              ("extend", "batch.extend(1), 256 sequences")):
+        out += [
+            "",
+            "Where a control-plane call goes (microseconds; table and msgpack timed in "
+            "process, wire = ping round trips, other = the rest):",
+            "",
+            "| call | total | coordinator table | msgpack, both sides | wire (ping) | "
+            "other | Step built by the client |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for prefix, label in (
+            ("alloc", "allocate_many([1]*256) + close_many"),
+            ("extend", "batch.extend(1), 256 sequences"),
+        ):
             split = _split(c, prefix)
-            out.append(f"| {label} | {split['total_us']:.0f} | {split['table_us']:.0f} | "
-                       f"{split['codec_us']:.0f} | {split['ping_us']:.0f} | "
-                       f"{split['other_us']:.0f} | "
-                       + (f"{split['step_build_us']:.0f} |" if "step_build_us" in split
-                          else "- |"))
+            out.append(
+                f"| {label} | {split['total_us']:.0f} | {split['table_us']:.0f} | "
+                f"{split['codec_us']:.0f} | {split['ping_us']:.0f} | "
+                f"{split['other_us']:.0f} | "
+                + (f"{split['step_build_us']:.0f} |" if "step_build_us" in split else "- |")
+            )
     return "\n".join(out)
 
 
@@ -112,12 +135,22 @@ def draw_plots(series: dict, plot_dir: str, name: str) -> List[str]:
             bound = float(target.split()[1])
             for i, bs in enumerate(sorted({p["block_size"] for p in points})):
                 rows = sorted((p for p in points if p["block_size"] == bs), key=lambda p: p["n"])
-                ax.plot([p["n"] for p in rows], [p[op + "_ratio"] for p in rows], marker="o",
-                        color=f"C{i}", label=f"block size {bs}")
+                ax.plot(
+                    [p["n"] for p in rows],
+                    [p[op + "_ratio"] for p in rows],
+                    marker="o",
+                    color=f"C{i}",
+                    label=f"block size {bs}",
+                )
                 if op in ("gather_all", "key_cache"):
-                    ax.plot([p["n"] for p in rows], [p[_REFERENCE[base]] / p[base] for p in rows],
-                            color=f"C{i}", linestyle=":", alpha=0.6,
-                            label=f"clone (fresh tensor), bs {bs}" if i == 0 else None)
+                    ax.plot(
+                        [p["n"] for p in rows],
+                        [p[_REFERENCE[base]] / p[base] for p in rows],
+                        color=f"C{i}",
+                        linestyle=":",
+                        alpha=0.6,
+                        label=f"clone (fresh tensor), bs {bs}" if i == 0 else None,
+                    )
             ax.axhline(bound, color="red", linestyle="--", label=f"target {bound}")
             ax.set_xscale("log", base=2)
             ax.set_title(f"{label} / {base.replace('_', ' ')}")
@@ -133,10 +166,20 @@ def draw_plots(series: dict, plot_dir: str, name: str) -> List[str]:
         fig, ax = plt.subplots(figsize=(6, 4))
         x = [p["pool_bytes"] / MIB for p in points]
         ax.plot(x, [p["warm_s"] * 1e3 for p in points], marker="o", label="attach (median)")
-        ax.plot(x, [p["baseline_s"] * 1e3 for p in points], marker=".", alpha=0.6,
-                label=f"{_size(points[0]['pool_bytes'])} pool, timed alternately")
-        ax.plot(x, [p["cold_s"] * 1e3 for p in points], marker="x", linestyle=":",
-                label="first attach in the process")
+        ax.plot(
+            x,
+            [p["baseline_s"] * 1e3 for p in points],
+            marker=".",
+            alpha=0.6,
+            label=f"{_size(points[0]['pool_bytes'])} pool, timed alternately",
+        )
+        ax.plot(
+            x,
+            [p["cold_s"] * 1e3 for p in points],
+            marker="x",
+            linestyle=":",
+            label="first attach in the process",
+        )
         ax.set_xscale("log", base=2)
         ax.set_xlabel("pool size (MiB)")
         ax.set_ylabel("shmkv.connect (ms)")
@@ -163,8 +206,9 @@ def draw_plots(series: dict, plot_dir: str, name: str) -> List[str]:
         if "throughput" in series:
             rows = series["throughput"]
             for kind in ("allocate_many+close_many", "allocate+close", "BlockPool"):
-                axes[1].plot([r["batch"] for r in rows], [r[kind] for r in rows], marker="o",
-                             label=kind)
+                axes[1].plot(
+                    [r["batch"] for r in rows], [r[kind] for r in rows], marker="o", label=kind
+                )
             axes[1].axhline(500000, color="red", linestyle="--", label="target (batch >= 256)")
             axes[1].set_xscale("log", base=2)
             axes[1].set_yscale("log")
@@ -199,14 +243,20 @@ def draw_plots(series: dict, plot_dir: str, name: str) -> List[str]:
         fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
         x = [p["pool_bytes"] / MIB for p in points]
         for ax, who in zip(axes, ("coordinator", "worker")):
-            keys = ["coordinator"] if who == "coordinator" else ["worker_attached",
-                                                                  "worker_touched"]
+            keys = (
+                ["coordinator"] if who == "coordinator" else ["worker_attached", "worker_touched"]
+            )
             for key in keys:
                 if points[0][key] is None:
                     continue
                 for kind, style in (("rss", "-"), ("uss", "--"), ("anon", ":")):
-                    ax.plot(x, [p[key][kind] / MIB for p in points], marker="o",
-                            linestyle=style, label=f"{key.replace('_', ' ')} {kind.upper()}")
+                    ax.plot(
+                        x,
+                        [p[key][kind] / MIB for p in points],
+                        marker="o",
+                        linestyle=style,
+                        label=f"{key.replace('_', ' ')} {kind.upper()}",
+                    )
             ax.plot(x, x, color="grey", alpha=0.4, label="pool size")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log", base=2)
@@ -221,10 +271,12 @@ def draw_plots(series: dict, plot_dir: str, name: str) -> List[str]:
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
         b = [p["batch_size"] for p in points]
         ax = axes[0]
-        for key, label, style in (("batch_s", "batch: extend(1) + step.write x32", "-"),
-                                  ("per_handle_s", "per handle: extend_many + h.write", "-"),
-                                  ("floor_s", "floor: index_copy_ x64 (bf16 rows)", "--"),
-                                  ("floor_16b_s", "floor, 16-byte rows", ":")):
+        for key, label, style in (
+            ("batch_s", "batch: extend(1) + step.write x32", "-"),
+            ("per_handle_s", "per handle: extend_many + h.write", "-"),
+            ("floor_s", "floor: index_copy_ x64 (bf16 rows)", "--"),
+            ("floor_16b_s", "floor, 16-byte rows", ":"),
+        ):
             ax.plot(b, [p[key] * 1e3 for p in points], marker="o", linestyle=style, label=label)
         ax.set_xscale("log", base=2)
         ax.set_xticks(b, [str(x) for x in b])
@@ -242,12 +294,20 @@ def draw_plots(series: dict, plot_dir: str, name: str) -> List[str]:
             split, left = _split(control, prefix), 0.0
             for i, (part, part_label) in enumerate(zip(parts, part_labels)):
                 width = max(0.0, split.get(part, 0.0))
-                ax.barh(row, width, left=left, color=f"C{i}",
-                        label=part_label if row == 0 else None)
+                ax.barh(
+                    row, width, left=left, color=f"C{i}", label=part_label if row == 0 else None
+                )
                 left += width
             # The parts are timed apart (and on a shared machine): mark the measured whole.
-            ax.plot([split["total_us"]], [row], marker="|", markersize=40, color="black",
-                    linestyle="none", label="measured call" if row == 0 else None)
+            ax.plot(
+                [split["total_us"]],
+                [row],
+                marker="|",
+                markersize=40,
+                color="black",
+                linestyle="none",
+                label="measured call" if row == 0 else None,
+            )
         ax.set_yticks([0, 1], ["allocate_many\n+ close_many", "batch.extend(1)"])
         ax.set_xlabel("microseconds, 256 sequences")
         ax.set_title("where a control-plane call goes")
@@ -258,9 +318,11 @@ def draw_plots(series: dict, plot_dir: str, name: str) -> List[str]:
 
 # -- driver ---------------------------------------------------------------------------------
 
+
 def run(opts: Options) -> dict:
     """Run the selected sections; returns the record that is written as JSON."""
     import torch
+
     if opts.threads > 0:
         torch.set_num_threads(opts.threads)
     opts.threads = torch.get_num_threads()
@@ -273,6 +335,7 @@ def run(opts: Options) -> dict:
     cache: dict = {}
     timings = {}
     from ..tools.progress import ProgressBar  # a live bar on a terminal, nothing otherwise
+
     bar = ProgressBar("bench", total=sum(s in opts.sections for s in SECTIONS), unit="sections")
     try:
         for section in SECTIONS:
@@ -309,16 +372,25 @@ def run(opts: Options) -> dict:
     if new_shm:
         notes.append(f"new /dev/shm entries at the end: {new_shm}")
     return {
-        "name": opts.name, "quick": opts.quick, "sections": list(opts.sections),
+        "name": opts.name,
+        "quick": opts.quick,
+        "sections": list(opts.sections),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
-        "duration_s": time.perf_counter() - t0, "section_s": timings,
+        "duration_s": time.perf_counter() - t0,
+        "section_s": timings,
         "repeats": opts.repeats,
-        "host": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                 "python": platform.python_version(), "torch": torch.__version__,
-                 "torch_threads": torch.get_num_threads(),
-                 "load_avg": os.getloadavg()},
-        "model": MODEL, "figures": [dataclasses.asdict(f) for f in figures],
-        "series": series, "notes": notes,
+        "host": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+            "load_avg": os.getloadavg(),
+        },
+        "model": MODEL,
+        "figures": [dataclasses.asdict(f) for f in figures],
+        "series": series,
+        "notes": notes,
     }
 
 
@@ -328,8 +400,14 @@ def cmd_sections(args) -> int:
     mode = "quick" if args.quick else "full"
     name = args.name or (mode if not args.only else f"{mode}-{'-'.join(args.only)}")
     repeats = args.repeats or (5 if args.quick else 7)
-    opts = Options(quick=args.quick, repeats=repeats, sections=sections, out_dir=args.out,
-                   name=name, threads=args.threads)
+    opts = Options(
+        quick=args.quick,
+        repeats=repeats,
+        sections=sections,
+        out_dir=args.out,
+        name=name,
+        threads=args.threads,
+    )
     record = run(opts)
     figures = [Figure(**f) for f in record["figures"]]
     print()
@@ -338,14 +416,18 @@ def cmd_sections(args) -> int:
         plots = draw_plots(record["series"], os.path.join(opts.out_dir, "plots"), name)
     except ImportError:
         plots = []
-        record["notes"].append("matplotlib is not installed: plots skipped "
-                               "(pip install 'shmkv[plot]')")
-    json_path, md_path = write_results(result_base(name, opts.out_dir), record,
-                                       format_markdown(figures, record["series"]))
+        record["notes"].append(
+            "matplotlib is not installed: plots skipped (pip install 'shmkv[plot]')"
+        )
+    json_path, md_path = write_results(
+        result_base(name, opts.out_dir), record, format_markdown(figures, record["series"])
+    )
     for note in record["notes"]:
         print(f"note: {note}")
     missed = [f for f in figures if f.met is False]
-    print(f"\n{sum(f.met is True for f in figures)} targets met, {len(missed)} missed; "
-          f"{record['duration_s']:.0f} s; results in {json_path} and {md_path}"
-          + (f"; plots in {os.path.dirname(plots[0])}" if plots else ""))
+    print(
+        f"\n{sum(f.met is True for f in figures)} targets met, {len(missed)} missed; "
+        f"{record['duration_s']:.0f} s; results in {json_path} and {md_path}"
+        + (f"; plots in {os.path.dirname(plots[0])}" if plots else "")
+    )
     return 0

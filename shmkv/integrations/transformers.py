@@ -74,9 +74,11 @@ try:
     )
     from transformers.modeling_utils import AttentionInterface
 except ImportError as exc:  # transformers before per-layer caches and attention interfaces
-    raise ImportError("shmkv.integrations.transformers needs a transformers release whose "
-                      "Cache is a list of CacheLayerMixin layers and which has an "
-                      "AttentionInterface (5.x): pip install -U transformers") from exc
+    raise ImportError(
+        "shmkv.integrations.transformers needs a transformers release whose "
+        "Cache is a list of CacheLayerMixin layers and which has an "
+        "AttentionInterface (5.x): pip install -U transformers"
+    ) from exc
 
 from ..attention import AttentionWorkspace, PagedAttentionPlan, paged_attention
 from ..client import Client
@@ -87,9 +89,18 @@ from ..layout import PoolConfig
 if TYPE_CHECKING:
     from ..batch import Batch
 
-__all__ = ["ATTN_IMPLEMENTATION", "ShmkvCache", "cache_argument", "left_pad", "model_cache_salt",
-           "pool_config", "prefill", "register", "shmkv_attention_forward",
-           "use_shmkv_attention"]
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "ShmkvCache",
+    "cache_argument",
+    "left_pad",
+    "model_cache_salt",
+    "pool_config",
+    "prefill",
+    "register",
+    "shmkv_attention_forward",
+    "use_shmkv_attention",
+]
 
 ATTN_IMPLEMENTATION = "shmkv"
 
@@ -106,8 +117,11 @@ _WARM_MIN_NUMEL = 1 << 16
 # "No position": above any row position.
 _NEVER = 1 << 62
 
-_QUANTIZED = (torch.int8, getattr(torch, "float8_e4m3fn", None),
-              getattr(torch, "float8_e5m2", None))
+_QUANTIZED = (
+    torch.int8,
+    getattr(torch, "float8_e4m3fn", None),
+    getattr(torch, "float8_e5m2", None),
+)
 
 
 def _quantize(t: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
@@ -120,8 +134,9 @@ def _quantize(t: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor
     return t.clamp_(-limit, limit).to(dtype)
 
 
-def pool_config(model_config, num_blocks: int, block_size: int = 16, dtype=None,
-                device="cpu") -> PoolConfig:
+def pool_config(
+    model_config, num_blocks: int, block_size: int = 16, dtype=None, device="cpu"
+) -> PoolConfig:
     """A :class:`PoolConfig` with the layer count, K/V heads and head size of a model.
 
     Args:
@@ -141,9 +156,15 @@ def pool_config(model_config, num_blocks: int, block_size: int = 16, dtype=None,
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     if dtype is None:
         dtype = getattr(text, "dtype", None) or torch.float32
-    return PoolConfig(num_layers=text.num_hidden_layers, num_kv_heads=kv_heads,
-                      head_dim=head_dim, num_blocks=num_blocks, block_size=block_size,
-                      dtype=dtype, device=device)
+    return PoolConfig(
+        num_layers=text.num_hidden_layers,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        dtype=dtype,
+        device=device,
+    )
 
 
 def cache_argument(model) -> str:
@@ -164,8 +185,8 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int = 0) -> tuple:
     ids = torch.full((len(rows), width), pad_token_id, dtype=torch.int64)
     mask = torch.zeros((len(rows), width), dtype=torch.int64)
     for b, row in enumerate(rows):
-        ids[b, width - len(row):] = torch.tensor(row, dtype=torch.int64)
-        mask[b, width - len(row):] = 1
+        ids[b, width - len(row) :] = torch.tensor(row, dtype=torch.int64)
+        mask[b, width - len(row) :] = 1
     return ids, mask
 
 
@@ -173,24 +194,42 @@ def _check_full_attention(model_config) -> None:
     text = _config_of(model_config)[0].get_text_config(decoder=True)
     try:
         from transformers.cache_utils import get_layer_types_and_kwargs
+
         layer_types, _ = get_layer_types_and_kwargs(text)
     except (ImportError, AttributeError, TypeError):
         layer_types = getattr(text, "layer_types", None) or []
     other = sorted({t for t in layer_types if t != "full_attention"})
     if other:
-        raise InvalidArgument(f"ShmkvCache holds full-attention layers only; this model also "
-                              f"has {', '.join(other)} layers: use transformers' DynamicCache")
+        raise InvalidArgument(
+            f"ShmkvCache holds full-attention layers only; this model also "
+            f"has {', '.join(other)} layers: use transformers' DynamicCache"
+        )
 
 
 # What names a model's K/V in the prefix keys: its checkpoint (name or path, revision), its
 # dtype and the fields of its config that shape the K/V it computes. Runtime switches
 # (attention implementation, use_cache, output flags) are not part of it: the same weights
 # give the same K/V whichever way their layers attend.
-_IDENTITY_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size",
-                    "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                    "hidden_act", "rms_norm_eps", "layer_norm_eps", "attention_bias",
-                    "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor",
-                    "max_position_embeddings", "tie_word_embeddings")
+_IDENTITY_FIELDS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "rms_norm_eps",
+    "layer_norm_eps",
+    "attention_bias",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "partial_rotary_factor",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+)
 
 
 def _config_of(model_or_config):
@@ -198,11 +237,13 @@ def _config_of(model_or_config):
     and the dtype it declares (unset: torch's default dtype, what a model made from it
     gets)."""
     config = getattr(model_or_config, "config", None)
-    if config is not None and hasattr(config, "get_text_config"):   # a model
+    if config is not None and hasattr(config, "get_text_config"):  # a model
         return config, getattr(model_or_config, "dtype", None)
     if not hasattr(model_or_config, "get_text_config"):
-        raise WrongType(f"model_config must be a transformers config or model, got "
-                        f"{type(model_or_config).__name__}")
+        raise WrongType(
+            f"model_config must be a transformers config or model, got "
+            f"{type(model_or_config).__name__}"
+        )
     text = model_or_config.get_text_config(decoder=True)
     dtype = getattr(text, "dtype", None) or getattr(model_or_config, "dtype", None)
     if isinstance(dtype, str):
@@ -261,14 +302,23 @@ def model_cache_salt(model_config, cache_salt: Optional[bytes] = None) -> bytes:
 
 # -- the "shmkv" attention implementation ------------------------------------------------------
 
+
 class _ShmkvMask:
     """What the "shmkv" mask function gives every layer of one forward over a
     :class:`ShmkvCache`: the cache, the 2-d padding mask (bool ``[batch, kv_length]``,
     None for no padding) and, built only if a layer needs it, the 4-d mask SDPA would
     get."""
 
-    __slots__ = ("cache", "padding", "batch_size", "q_length", "kv_length", "_kwargs",
-                 "_dense", "_built")
+    __slots__ = (
+        "cache",
+        "padding",
+        "batch_size",
+        "q_length",
+        "kv_length",
+        "_kwargs",
+        "_dense",
+        "_built",
+    )
 
     def __init__(self, cache: "ShmkvCache", padding, kwargs: dict):
         self.cache = cache
@@ -298,10 +348,11 @@ def _mask_position_ids():
     promise (see :meth:`ShmkvCache.commit`). None reads as transformers' default: the
     padded positions (``cache_position``), which is safe: a padded row is then not
     published."""
-    frame = sys._getframe(2)   # 0: here, 1: ShmkvCache.get_mask_sizes, 2: its caller
+    frame = sys._getframe(2)  # 0: here, 1: ShmkvCache.get_mask_sizes, 2: its caller
     try:
-        if frame.f_code.co_name == "_preprocess_mask_arguments" and \
-                frame.f_globals.get("__name__", "").startswith("transformers."):
+        if frame.f_code.co_name == "_preprocess_mask_arguments" and frame.f_globals.get(
+            "__name__", ""
+        ).startswith("transformers."):
             positions = frame.f_locals.get("position_ids")
             return positions if isinstance(positions, torch.Tensor) else None
         return None
@@ -314,31 +365,48 @@ def _shmkv_mask(**kwargs):
     :class:`ShmkvCache` with a plain causal mask; then a :class:`_ShmkvMask` that lets
     the layers attend over the pool."""
     cache = _MASK_SIZES.__dict__.pop("cache", None)
-    if (cache is None or kwargs.get("mask_function") is not causal_mask_function
-            or kwargs.get("kv_offset", 0) != 0 or kwargs.get("local_size") is not None
-            or kwargs.get("q_offset", 0) != cache.get_seq_length()
-            or kwargs["kv_length"] != cache.get_seq_length() + kwargs["q_length"]):
+    if (
+        cache is None
+        or kwargs.get("mask_function") is not causal_mask_function
+        or kwargs.get("kv_offset", 0) != 0
+        or kwargs.get("local_size") is not None
+        or kwargs.get("q_offset", 0) != cache.get_seq_length()
+        or kwargs["kv_length"] != cache.get_seq_length() + kwargs["q_length"]
+    ):
         return sdpa_mask(**kwargs)
     config = kwargs.get("config")
     if config is not None and not cache._config_checked:
         _check_full_attention(config)
         cache._config_checked = True
     padding = kwargs.get("attention_mask")
-    if padding is not None and not cache._any_pad and padding.dim() == 2 \
-            and padding.shape[1] == kwargs["kv_length"] and bool(padding.all()):
+    if (
+        padding is not None
+        and not cache._any_pad
+        and padding.dim() == 2
+        and padding.shape[1] == kwargs["kv_length"]
+        and bool(padding.all())
+    ):
         padding = None  # no padding at all (decode steps of unpadded rows): nothing to check
     if padding is not None:
         padding = prepare_padding_mask(padding, kwargs["kv_length"], 0)
-        assert padding is not None   # (transformers gives None for no mask only)
-        padding = padding[:, :kwargs["kv_length"]].to(device="cpu", dtype=torch.bool)
+        assert padding is not None  # (transformers gives None for no mask only)
+        padding = padding[:, : kwargs["kv_length"]].to(device="cpu", dtype=torch.bool)
     claim = _ShmkvMask(cache, padding, kwargs)
     cache._claim = claim
     return claim
 
 
-def shmkv_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            attention_mask, dropout: float = 0.0, scaling: Optional[float] = None,
-                            is_causal: Optional[bool] = None, **kwargs):
+def shmkv_attention_forward(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    is_causal: Optional[bool] = None,
+    **kwargs,
+):
     """transformers attention function of ``attn_implementation="shmkv"``.
 
     ``query`` is ``[batch, heads, q_len, head_dim]``; returns ``([batch, q_len, heads,
@@ -353,13 +421,24 @@ def shmkv_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
         if cache._pending is not None:
             if cache._pending is not key:
                 cache._pending = None
-                raise InvalidArgument("the layer changed the K/V its ShmkvCache handed it on the "
-                                      "paged path; run this model with attn_implementation='sdpa'")
+                raise InvalidArgument(
+                    "the layer changed the K/V its ShmkvCache handed it on the "
+                    "paged path; run this model with attn_implementation='sdpa'"
+                )
             cache._pending = None
             return cache._attend(module, query, scaling, dropout, is_causal, kwargs), None
         attention_mask = attention_mask.dense()
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                  scaling=scaling, is_causal=is_causal, **kwargs)
+    return sdpa_attention_forward(
+        module,
+        query,
+        key,
+        value,
+        attention_mask,
+        dropout=dropout,
+        scaling=scaling,
+        is_causal=is_causal,
+        **kwargs,
+    )
 
 
 def register() -> str:
@@ -383,6 +462,7 @@ register()
 
 
 # -- the cache ---------------------------------------------------------------------------------
+
 
 class _ShmkvLayer(CacheLayerMixin):
     """One model layer of a :class:`ShmkvCache`: how many tokens it holds (counting left
@@ -446,16 +526,29 @@ class _ShmkvLayer(CacheLayerMixin):
 class _Forward:
     """One forward's step: what the first layer's update reserved, for every layer."""
 
-    __slots__ = ("start", "n", "step", "paged", "select", "layers_done", "dense_index",
-                 "dense_pad", "plan", "query_shape", "out_shape", "mirror", "append",
-                 "mirror_mask")
+    __slots__ = (
+        "start",
+        "n",
+        "step",
+        "paged",
+        "select",
+        "layers_done",
+        "dense_index",
+        "dense_pad",
+        "plan",
+        "query_shape",
+        "out_shape",
+        "mirror",
+        "append",
+        "mirror_mask",
+    )
 
     def __init__(self, start: int, n: int, step, paged: bool, select):
-        self.start = start            # padded position of the first new token
-        self.n = n                    # new tokens per row (padding included)
-        self.step = step              # the shmkv Step: slots, block tables, lengths
-        self.paged = paged            # layers attend over the pool
-        self.select = select          # rows of [batch * n] that are written; None: all
+        self.start = start  # padded position of the first new token
+        self.n = n  # new tokens per row (padding included)
+        self.step = step  # the shmkv Step: slots, block tables, lengths
+        self.paged = paged  # layers attend over the pool
+        self.select = select  # rows of [batch * n] that are written; None: all
         self.layers_done: Set[int] = set()
         # dense fill: (first position, layer-0 K row of each)
         self.dense_index: Optional[Tuple[int, torch.Tensor]] = None
@@ -466,8 +559,8 @@ class _Forward:
         self.plan: Optional[PagedAttentionPlan] = None
         self.query_shape: Optional[torch.Size] = None
         self.out_shape: Optional[Tuple[int, int, int, int]] = None
-        self.mirror = False           # a decode step over the mirror (paged path),
-        self.append = False           # by _append (dtype, device, grad mode allow it)
+        self.mirror = False  # a decode step over the mirror (paged path),
+        self.append = False  # by _append (dtype, device, grad mode allow it)
         # (padding mask or None, warm) for it; False: not yet
         self.mirror_mask: Union[Literal[False], Tuple[Optional[torch.Tensor], bool]] = False
 
@@ -506,7 +599,8 @@ class _CacheState:
     _reserved: int
     _uniform_lens: int
 
-    if TYPE_CHECKING:   # defined by ShmkvCache and _CacheAttention
+    if TYPE_CHECKING:  # defined by ShmkvCache and _CacheAttention
+
         @property
         def _stored(self) -> torch.Tensor: ...
 
@@ -529,8 +623,9 @@ class _CacheSteps(_CacheState):
     tokens' slots (one batch step), checking each written token sits at its own position
     (what ``commit`` may publish), and writing K/V. Part of ShmkvCache (its state)."""
 
-    def _append(self, fwd: _Forward, layer_idx: int, key_states: torch.Tensor,
-                value_states: torch.Tensor) -> bool:
+    def _append(
+        self, fwd: _Forward, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> bool:
         """A decode step over the mirror, in the fewest calls: write the new token of
         every row into the pool and append it to the layer's mirror, which holds every
         position before it and has room for it. False (nothing done) when any of that
@@ -538,14 +633,24 @@ class _CacheSteps(_CacheState):
         the forward's dtype, device and grad mode allow it.)"""
         bufs = self._dense_bufs[layer_idx] if self._dense_bufs is not None else None
         start = fwd.start
-        if (bufs is None or self._dense_len[layer_idx] != start or bufs[0].shape[2] <= start
-                or bufs[0].shape[0] != key_states.shape[0] or bufs[0].dtype != key_states.dtype
-                or value_states.dtype != key_states.dtype or bufs[0].device != key_states.device
-                or not key_states.is_contiguous() or not value_states.is_contiguous()):
+        if (
+            bufs is None
+            or self._dense_len[layer_idx] != start
+            or bufs[0].shape[2] <= start
+            or bufs[0].shape[0] != key_states.shape[0]
+            or bufs[0].dtype != key_states.dtype
+            or value_states.dtype != key_states.dtype
+            or bufs[0].device != key_states.device
+            or not key_states.is_contiguous()
+            or not value_states.is_contiguous()
+        ):
             return False
         batch, heads, _, head_dim = key_states.shape
-        fwd.step.write(layer_idx, key_states.view(batch, heads, head_dim),
-                       value_states.view(batch, heads, head_dim))
+        fwd.step.write(
+            layer_idx,
+            key_states.view(batch, heads, head_dim),
+            value_states.view(batch, heads, head_dim),
+        )
         k_buf, v_buf = bufs
         k_buf.narrow(2, start, 1).copy_(key_states)
         v_buf.narrow(2, start, 1).copy_(value_states)
@@ -565,7 +670,7 @@ class _CacheSteps(_CacheState):
         _MASK_SIZES.__dict__.pop("cache", None)
         batch, heads, n, head_dim = key_states.shape
         if self._handles is None:
-            assert self._client is not None   # (a cache made from a client)
+            assert self._client is not None  # (a cache made from a client)
             self._handles = self._client.allocate_many([0] * batch)
             self._owned.update(self._handles)
             self._set_rows([0] * batch, [0] * batch, [0] * batch)
@@ -576,43 +681,57 @@ class _CacheSteps(_CacheState):
             self.batch_repeat_interleave(batch // rows)
         self._expandable = False
         if len(self._handles) != batch:
-            raise InvalidArgument(f"the cache holds {len(self._handles)} sequences, the model "
-                                  f"ran a batch of {batch}")
+            raise InvalidArgument(
+                f"the cache holds {len(self._handles)} sequences, the model ran a batch of {batch}"
+            )
         first = self._handles[0]
         if (heads, head_dim) != (first.num_heads, first.head_dim):
-            raise InvalidArgument(f"the model's K/V is {heads} heads x {head_dim}, the pool holds "
-                                  f"{first.num_heads} x {first.head_dim}; size the pool with "
-                                  "pool_config(model.config)")
+            raise InvalidArgument(
+                f"the model's K/V is {heads} heads x {head_dim}, the pool holds "
+                f"{first.num_heads} x {first.head_dim}; size the pool with "
+                "pool_config(model.config)"
+            )
         if self._commit_upto is not None and start >= self._commit_upto:
             self.commit()  # before slots without token ids end the sequences' prefix keys
         if self._batch is None:
             client = self._client if self._client is not None else first._client
             self._batch = client.batch(self._handles)
             self._pool = client.pool
-            if self._mirror is None:   # off unless asked for: it holds a second copy
+            if self._mirror is None:  # off unless asked for: it holds a second copy
                 self._mirror = False
         kv_length = start + n
         padding = None
-        paged = claim is not None and (claim.batch_size, claim.q_length, claim.kv_length) == \
-            (batch, n, kv_length)
+        paged = claim is not None and (claim.batch_size, claim.q_length, claim.kv_length) == (
+            batch,
+            n,
+            kv_length,
+        )
         if paged:
-            assert claim is not None   # (what paged says)
+            assert claim is not None  # (what paged says)
             padding = claim.padding
             if padding is not None and not self._any_pad and bool(padding.all()):
                 padding = None
             elif padding is None and self._any_pad:
-                raise InvalidArgument("this ShmkvCache holds rows with left padding, and the "
-                                      "forward has no attention mask: pass the attention mask "
-                                      "that marks the padding (left_pad() makes one)")
-        if padding is None and self._aligned == start and (
-                self._reserved >= kv_length or self._uniform_lens == start):
+                raise InvalidArgument(
+                    "this ShmkvCache holds rows with left padding, and the "
+                    "forward has no attention mask: pass the attention mask "
+                    "that marks the padding (left_pad() makes one)"
+                )
+        if (
+            padding is None
+            and self._aligned == start
+            and (self._reserved >= kv_length or self._uniform_lens == start)
+        ):
             # Decode fast path: every row holds exactly `start` tokens, no padding; the
             # new ones go into slots already reserved (after a crop, say: no round trip)
             # or into slots reserved now at the end of every row.
             last = self._fwd
             # the last forward, when this one is the step after it (one token on); else None
-            prev = (last if last is not None and n == 1 and last.n == 1
-                    and last.start + 1 == start else None)
+            prev = (
+                last
+                if last is not None and n == 1 and last.n == 1 and last.start + 1 == start
+                else None
+            )
             step = None
             if self._reserved >= kv_length:
                 if prev is not None:  # the step after the last one, from its tables: no table read
@@ -621,26 +740,31 @@ class _CacheSteps(_CacheState):
                     step = self._batch.prefill(start=start, num_tokens=n)
             else:
                 step = self._extend(n)
-                assert self._lens is not None   # (set with the rows)
+                assert self._lens is not None  # (set with the rows)
                 self._lens += n
                 self._reserved = self._uniform_lens = kv_length
             plan = None
-            if prev is not None and prev.plan is not None and (
+            if (
+                prev is not None
+                and prev.plan is not None
+                and (
                     step.block_tables is prev.step.block_tables
-                    or torch.equal(step.block_tables, prev.step.block_tables)):
+                    or torch.equal(step.block_tables, prev.step.block_tables)
+                )
+            ):
                 # The same blocks, one more key each: the last step's attention plan moved on.
                 plan = prev.plan._next_decode()
             if positions is not None and start < self._check_below:
                 self._check_positions(positions, start, n, None, None)
             self._aligned = kv_length
-            self._stored_t = None   # every row: kv_length (made into a tensor when needed)
+            self._stored_t = None  # every row: kv_length (made into a tensor when needed)
             fwd = _Forward(start, n, step, paged, None)
             if plan is not None:
-                assert prev is not None   # (whose plan moved on)
+                assert prev is not None  # (whose plan moved on)
                 fwd.plan, fwd.query_shape, fwd.out_shape = plan, prev.query_shape, prev.out_shape
             return fwd
         pad = self._pad
-        assert pad is not None   # (set with the rows)
+        assert pad is not None  # (set with the rows)
         if padding is not None:
             # Skip new leading padding in rows that hold nothing yet; the mask must then
             # be exactly "padding, then tokens" for the paged path.
@@ -651,16 +775,19 @@ class _CacheSteps(_CacheState):
             if bool((padding & ~expected).any()):
                 raise InvalidArgument(
                     "the attention mask marks as tokens positions this ShmkvCache holds as left "
-                    "padding (not stored); keep the mask of the padded prompts")
+                    "padding (not stored); keep the mask of the padded prompts"
+                )
             paged = torch.equal(padding, expected)
         stored, lens = self._stored, self._lens
-        assert lens is not None   # (set with the rows)
-        skip = (pad + stored - start).clamp(0, n)      # new tokens a row does not write
+        assert lens is not None  # (set with the rows)
+        skip = (pad + stored - start).clamp(0, n)  # new tokens a row does not write
         if bool((pad + stored < start).any()):
-            raise InvalidArgument("a row of this ShmkvCache holds fewer tokens than the cache "
-                                  "length; was a forward interrupted? crop() the cache back")
+            raise InvalidArgument(
+                "a row of this ShmkvCache holds fewer tokens than the cache "
+                "length; was a forward interrupted? crop() the cache back"
+            )
         counts = n - skip
-        hstart = (start + skip - pad).clamp(min=0)     # first written position in each row
+        hstart = (start + skip - pad).clamp(min=0)  # first written position in each row
         ends = hstart + counts
         need = (ends - lens).clamp(min=0)
         uniform = not bool(skip.any())
@@ -688,11 +815,17 @@ class _CacheSteps(_CacheState):
         (``pad``, ``skip``: per row, None for none) and is computed at
         ``positions[:, j]`` (the forward's ``position_ids``; None: transformers'
         default, ``start + j``). Tokens a row skips (``skip``) are not written."""
-        if pad is None and n == 1 and positions is not None and positions.dim() == 2 \
-                and positions.shape[-1] == 1 and bool((positions == start).all()):
-            return   # a decode step of unpadded rows at their positions: the common case
+        if (
+            pad is None
+            and n == 1
+            and positions is not None
+            and positions.dim() == 2
+            and positions.shape[-1] == 1
+            and bool((positions == start).all())
+        ):
+            return  # a decode step of unpadded rows at their positions: the common case
         steps = torch.arange(n)
-        own = start + steps[None, :]                        # [1 or batch, n]
+        own = start + steps[None, :]  # [1 or batch, n]
         if pad is not None:
             own = own - pad[:, None]
         if positions is None or positions.dim() != 2 or positions.shape[-1] != n:
@@ -712,21 +845,29 @@ class _CacheSteps(_CacheState):
     def _extend(self, counts):
         """``batch.extend(counts)``: one round trip (copy-on-write of forked rows' shared
         last blocks included)."""
-        assert self._batch is not None   # (made by _begin)
+        assert self._batch is not None  # (made by _begin)
         return self._batch.extend(counts)
 
     def _write(self, fwd: _Forward, layer_idx: int, key_states, value_states) -> None:
         """One batch write of the layer's new K/V (the rows ``fwd.select`` names)."""
         pool = self._pool
-        assert pool is not None   # (set with the batch, by _begin)
+        assert pool is not None  # (set with the batch, by _begin)
         batch, heads, n, head_dim = key_states.shape
-        if n == 1 and fwd.select is None and key_states.dtype == value_states.dtype == pool.dtype \
-                and key_states.is_contiguous() and value_states.is_contiguous() \
-                and not (key_states.requires_grad or value_states.requires_grad) \
-                and key_states.device == pool.device:
+        if (
+            n == 1
+            and fwd.select is None
+            and key_states.dtype == value_states.dtype == pool.dtype
+            and key_states.is_contiguous()
+            and value_states.is_contiguous()
+            and not (key_states.requires_grad or value_states.requires_grad)
+            and key_states.device == pool.device
+        ):
             # Decode: [batch, heads, 1, dim] is already the [batch, heads, dim] rows.
-            fwd.step.write(layer_idx, key_states.view(batch, heads, head_dim),
-                           value_states.view(batch, heads, head_dim))
+            fwd.step.write(
+                layer_idx,
+                key_states.view(batch, heads, head_dim),
+                value_states.view(batch, heads, head_dim),
+            )
             return
         k = key_states.detach().transpose(1, 2).reshape(batch * n, heads, head_dim)
         v = value_states.detach().transpose(1, 2).reshape(batch * n, heads, head_dim)
@@ -749,7 +890,7 @@ class _CacheAttention(_CacheState):
 
     def _scales(self, layer_idx: int) -> tuple:
         """The layer's ``(k_scale, v_scale)`` of a quantized pool (shared memory)."""
-        assert self._batch is not None   # (made by the forward's first update)
+        assert self._batch is not None  # (made by the forward's first update)
         return self._batch.client.kv_scales(layer_idx)
 
     def _attn_pages(self, layer_idx: int) -> tuple:
@@ -758,7 +899,7 @@ class _CacheAttention(_CacheState):
         contiguous run of pages: the pool is stored layer-major)."""
         if self._pages is None:
             pool = self._pool
-            assert pool is not None   # (set with the batch)
+            assert pool is not None  # (set with the batch)
             self._pages = [(pool[:, i, 0], pool[:, i, 1]) for i in range(pool.shape[1])]
         return self._pages[layer_idx]
 
@@ -769,15 +910,22 @@ class _CacheAttention(_CacheState):
     def _attend(self, module, query: torch.Tensor, scaling, dropout, is_causal, kwargs):
         """The paged path of the "shmkv" attention function: ``query`` ``[batch, heads,
         n, head_dim]`` against the pool through the step's block tables."""
-        if dropout or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None \
-                or kwargs.get("s_aux") is not None or is_causal is False \
-                or kwargs.get("sliding_window") is not None \
-                or not getattr(module, "is_causal", True):
-            raise InvalidArgument("the 'shmkv' attention over a ShmkvCache does causal attention "
-                                  "without dropout, softcap, sinks, biases or windows; this layer "
-                                  "needs one: use attn_implementation='sdpa'")
+        if (
+            dropout
+            or kwargs.get("softcap") is not None
+            or kwargs.get("position_bias") is not None
+            or kwargs.get("s_aux") is not None
+            or is_causal is False
+            or kwargs.get("sliding_window") is not None
+            or not getattr(module, "is_causal", True)
+        ):
+            raise InvalidArgument(
+                "the 'shmkv' attention over a ShmkvCache does causal attention "
+                "without dropout, softcap, sinks, biases or windows; this layer "
+                "needs one: use attn_implementation='sdpa'"
+            )
         fwd = self._fwd
-        assert fwd is not None   # (this forward's, made by its first update)
+        assert fwd is not None  # (this forward's, made by its first update)
         mirror, self._mirror_kv = self._mirror_kv, None
         if mirror is not None and mirror[0] == module.layer_idx:
             return self._attend_mirror(fwd, query, mirror[1], mirror[2], scaling)
@@ -785,29 +933,45 @@ class _CacheAttention(_CacheState):
         plan = fwd.plan
         if plan is None:
             # Once per step: every layer shares the block tables and lengths.
-            plan = fwd.plan = PagedAttentionPlan(query.transpose(1, 2), k_pages,
-                                                 self._page_table(fwd.step), fwd.step.seq_lens)
+            plan = fwd.plan = PagedAttentionPlan(
+                query.transpose(1, 2), k_pages, self._page_table(fwd.step), fwd.step.seq_lens
+            )
             batch, heads, n, head_dim = fwd.query_shape = query.shape
             fwd.out_shape = (batch, n, heads, head_dim)
         scales = {}
         if k_pages.dtype in _QUANTIZED:  # dequantized on the way into attention
             scales["k_scale"], scales["v_scale"] = self._scales(module.layer_idx)
         if query.shape != fwd.query_shape:  # a layer unlike the first: planned on its own
-            return paged_attention(query.transpose(1, 2), k_pages, v_pages,
-                                   self._page_table(fwd.step), fwd.step.seq_lens,
-                                   scale=scaling, workspace=self._workspace, **scales)
+            return paged_attention(
+                query.transpose(1, 2),
+                k_pages,
+                v_pages,
+                self._page_table(fwd.step),
+                fwd.step.seq_lens,
+                scale=scaling,
+                workspace=self._workspace,
+                **scales,
+            )
         group = plan.decode_group
         if group is not None and query.dtype == k_pages.dtype:
             # Decode: the plan was checked against this model's queries and pages; the
             # result, [batch, kv_heads, heads_per_kv, dim], holds [batch, 1, heads, dim].
             out = group.decode(query, k_pages, v_pages, scaling, self._workspace)
-            assert fwd.out_shape is not None   # (set with the plan)
+            assert fwd.out_shape is not None  # (set with the plan)
             return out.reshape(fwd.out_shape)
-        return paged_attention(query.transpose(1, 2), k_pages, v_pages, scale=scaling,
-                               workspace=self._workspace, plan=plan, **scales)
+        return paged_attention(
+            query.transpose(1, 2),
+            k_pages,
+            v_pages,
+            scale=scaling,
+            workspace=self._workspace,
+            plan=plan,
+            **scales,
+        )
 
-    def _attend_mirror(self, fwd: _Forward, query: torch.Tensor, k: torch.Tensor,
-                       v: torch.Tensor, scaling) -> torch.Tensor:
+    def _attend_mirror(
+        self, fwd: _Forward, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling
+    ) -> torch.Tensor:
         """A decode step's attention over the mirror: ``query`` ``[batch, heads, 1,
         head_dim]`` against ``k``, ``v`` ``[batch, kv_heads, tokens, head_dim]`` (padded
         positions, left padding masked); returns ``[batch, 1, heads, head_dim]``.
@@ -816,14 +980,13 @@ class _CacheAttention(_CacheState):
         on CPU 2x faster than SDPA's ``enable_gqa``, which repeats K/V."""
         batch, heads, _, head_dim = query.shape
         made = fwd.mirror_mask
-        if made is False:   # once per step: every layer has the same padding and size
+        if made is False:  # once per step: every layer has the same padding and size
             mask = None
             if self._any_pad:
-                assert self._pad is not None   # (set with the rows)
+                assert self._pad is not None  # (set with the rows)
                 positions = torch.arange(k.shape[2], device=k.device)
                 mask = (positions[None, :] >= self._pad.to(k.device)[:, None])[:, None, None]
-            made = fwd.mirror_mask = (mask, k.device.type == "cpu"
-                                      and k.numel() >= _WARM_MIN_NUMEL)
+            made = fwd.mirror_mask = (mask, k.device.type == "cpu" and k.numel() >= _WARM_MIN_NUMEL)
         mask, warm = made
         if warm:
             # Warm the CPU caches first: the mirror was last read a step ago and the
@@ -833,12 +996,17 @@ class _CacheAttention(_CacheState):
             k.sum()
             v.sum()
         out = F.scaled_dot_product_attention(
-            query.reshape(batch, k.shape[1], heads // k.shape[1], head_dim), k, v,
-            attn_mask=mask, scale=scaling)
+            query.reshape(batch, k.shape[1], heads // k.shape[1], head_dim),
+            k,
+            v,
+            attn_mask=mask,
+            scale=scaling,
+        )
         return out.view(batch, 1, heads, head_dim)
 
-    def _dense(self, fwd: _Forward, layer_idx: int, key_states: torch.Tensor,
-               value_states: torch.Tensor) -> tuple:
+    def _dense(
+        self, fwd: _Forward, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple:
         """The dense path: the layer's whole K/V, ``[batch, kv_heads, tokens, head_dim]``
         views of buffers kept across steps (left padding reads as zeros).
 
@@ -849,17 +1017,18 @@ class _CacheAttention(_CacheState):
         batch, heads, n, head_dim = key_states.shape
         start = fwd.start
         kv_length = start + n
-        bufs = self._dense_buffers(layer_idx, batch, heads, kv_length, head_dim,
-                                   key_states.dtype, key_states.device)
+        bufs = self._dense_buffers(
+            layer_idx, batch, heads, kv_length, head_dim, key_states.dtype, key_states.device
+        )
         valid = min(self._dense_len[layer_idx], start)
         if valid == start and fwd.select is None:
-            assert self._handles is not None   # (the forward's rows)
+            assert self._handles is not None  # (the forward's rows)
             first = self._handles[0]
             quantized = first.dtype in _QUANTIZED
             scales = self._scales(layer_idx) if quantized else (None, None)
             for buf, new, scale in zip(bufs, (key_states, value_states), scales):
                 new = new.detach()
-                if quantized:   # hold what the pool holds: the stored value times its scale
+                if quantized:  # hold what the pool holds: the stored value times its scale
                     new = (_quantize(new, first.dtype, scale).float() * scale).to(new.dtype)
                 elif new.dtype != first.dtype:
                     new = new.to(first.dtype).to(new.dtype)
@@ -872,24 +1041,28 @@ class _CacheAttention(_CacheState):
             k, v = k.clone(), v.clone()
         return k, v
 
-    def _dense_buffers(self, layer_idx: int, batch: int, heads: int, kv_length: int,
-                       head_dim: int, dtype, device) -> tuple:
+    def _dense_buffers(
+        self, layer_idx: int, batch: int, heads: int, kv_length: int, head_dim: int, dtype, device
+    ) -> tuple:
         """This layer's K and V buffers ``[batch, kv_heads, capacity, head_dim]``, grown
         (doubling, keeping what they hold) to at least ``kv_length`` tokens."""
         if self._dense_bufs is None or len(self._dense_bufs) != len(self.layers):
             self._dense_bufs = [None] * len(self.layers)
             self._dense_len = [0] * len(self.layers)
         bufs = self._dense_bufs[layer_idx]
-        if bufs is not None and (bufs[0].shape[0] != batch or bufs[0].dtype != dtype
-                                 or bufs[0].device != device):
+        if bufs is not None and (
+            bufs[0].shape[0] != batch or bufs[0].dtype != dtype or bufs[0].device != device
+        ):
             bufs, self._dense_len[layer_idx] = None, 0
         if bufs is None or bufs[0].shape[2] < kv_length:
             # Grown by a quarter at least, in whole 256-token steps: a decode step seldom
             # reallocates, and the buffers hold at most ~25% more than DynamicCache's.
             old = bufs[0].shape[2] if bufs is not None else 0
             capacity = -(-max(kv_length + 1, old + old // 4) // 256) * 256
-            grown = tuple(torch.empty((batch, heads, capacity, head_dim), dtype=dtype,
-                                      device=device) for _ in range(2))
+            grown = tuple(
+                torch.empty((batch, heads, capacity, head_dim), dtype=dtype, device=device)
+                for _ in range(2)
+            )
             keep = self._dense_len[layer_idx]
             if bufs is not None and keep:
                 for new, held in zip(grown, bufs):
@@ -899,33 +1072,37 @@ class _CacheAttention(_CacheState):
 
     def _fill(self, fwd: _Forward, layer_idx: int, bufs: tuple, lo: int, hi: int) -> None:
         """Gather padded positions ``[lo, hi)`` of every row from the pool into ``bufs``."""
-        assert self._handles is not None and self._pad is not None   # (the forward's rows)
+        assert self._handles is not None and self._pad is not None  # (the forward's rows)
         pool = self._handles[0]._client.pool
         bs = pool.shape[3]
         batch = bufs[0].shape[0]
         heads, head_dim = pool.shape[4], pool.shape[5]
         if fwd.dense_index is None or fwd.dense_index[0] != lo:
-            pos = torch.arange(lo, hi)[None, :] - self._pad[:, None]   # position in the row
+            pos = torch.arange(lo, hi)[None, :] - self._pad[:, None]  # position in the row
             pad = pos < 0
             pos = pos.clamp(min=0)
             blocks = fwd.step.block_tables.to(torch.int64).gather(1, pos // bs)
-            rows = (blocks * bs + pos % bs).reshape(-1).to(pool.device)   # slots
+            rows = (blocks * bs + pos % bs).reshape(-1).to(pool.device)  # slots
             fwd.dense_index = (lo, rows)
             fwd.dense_pad = pad.to(pool.device) if bool(pad.any()) else None
         rows = fwd.dense_index[1]
         for which, buf in enumerate(bufs):
-            pages = pool[:, layer_idx, which]   # [num_blocks, bs, heads, dim]: slots' rows
-            if not pages.is_contiguous():       # a head shard of the pool
+            pages = pool[:, layer_idx, which]  # [num_blocks, bs, heads, dim]: slots' rows
+            if not pages.is_contiguous():  # a head shard of the pool
                 got = pages[rows // bs, rows % bs]
-            elif pages.dtype in _QUANTIZED:     # as bytes: no float8 kernels
-                got = pages.view(torch.uint8).view(-1, heads, head_dim).index_select(
-                    0, rows).view(pages.dtype)
+            elif pages.dtype in _QUANTIZED:  # as bytes: no float8 kernels
+                got = (
+                    pages.view(torch.uint8)
+                    .view(-1, heads, head_dim)
+                    .index_select(0, rows)
+                    .view(pages.dtype)
+                )
             else:
                 got = pages.view(-1, heads, head_dim).index_select(0, rows)
             got = got.view(batch, hi - lo, heads, head_dim)
-            if got.dtype in _QUANTIZED:   # dequantized first: float8 has no masked_fill
+            if got.dtype in _QUANTIZED:  # dequantized first: float8 has no masked_fill
                 got = got.float() * self._scales(layer_idx)[which]
-            if fwd.dense_pad is not None:   # whatever the padding's slots hold (NaN, inf)
+            if fwd.dense_pad is not None:  # whatever the padding's slots hold (NaN, inf)
                 got.masked_fill_(fwd.dense_pad[:, :, None, None], 0)
             buf[:, :, lo:hi].copy_(got.transpose(1, 2))
 
@@ -985,13 +1162,19 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
     # types the list as holding any kind of layer.
     layers: List[_ShmkvLayer]  # type: ignore[assignment]
 
-    def __init__(self, source, *, num_tokens: Optional[int] = None,
-                 padding_side: Optional[str] = None, model_config=None,
-                 mirror: Optional[bool] = None):
+    def __init__(
+        self,
+        source,
+        *,
+        num_tokens: Optional[int] = None,
+        padding_side: Optional[str] = None,
+        model_config=None,
+        mirror: Optional[bool] = None,
+    ):
         if mirror is not None and not isinstance(mirror, bool):
             raise WrongType(f"mirror must be True, False or None, got {type(mirror).__name__}")
-        self._mirror = mirror       # None: decided at the first forward (off if quantized)
-        self._mirror_kv = None      # (layer, K, V) of the mirror for the layer's attention
+        self._mirror = mirror  # None: decided at the first forward (off if quantized)
+        self._mirror_kv = None  # (layer, K, V) of the mirror for the layer's attention
         # (The types of the fields the parts share: _CacheState.)
         self._client = None
         self._handles = None
@@ -1003,7 +1186,7 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
         # dtype of its weights counts) or a config (the dtype it declares)
         self._model_salt: Optional[bytes] = None
         self._salt_of_model = False
-        self._expandable = False    # from_prompts, before its first forward: may fork rows
+        self._expandable = False  # from_prompts, before its first forward: may fork rows
         # The position_ids of the forward whose mask is being built (None: transformers'
         # default, the padded positions); taken by that forward's first update.
         self._positions = None
@@ -1011,14 +1194,14 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
         # below that of a cache that may publish (from_prompts: its prompts; handles: not
         # known), none of a cache made from a client (its sequences carry no token ids).
         self._check_below = 0 if isinstance(source, Client) else _NEVER
-        self._claim = None      # set by the mask function, per forward
-        self._pending = None    # key handed to a layer on the paged path
+        self._claim = None  # set by the mask function, per forward
+        self._pending = None  # key handed to a layer on the paged path
         self._fwd = None
         self._batch = None
         self._pages = None
-        self._pool = None       # the client's pool view (set with _batch)
-        self._dense_bufs = None   # per layer (K, V) buffers, dense path
-        self._dense_len = []      # per layer: padded positions they hold
+        self._pool = None  # the client's pool view (set with _batch)
+        self._dense_bufs = None  # per layer (K, V) buffers, dense path
+        self._dense_len = []  # per layer: padded positions they hold
         # Gathered K/V goes into scratch memory kept across layers and steps.
         self._workspace = AttentionWorkspace()
         # Per row (int64 [B]): left padding not stored, tokens stored (valid K/V in every
@@ -1040,28 +1223,33 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
         else:
             handles = [source] if isinstance(source, KvCacheHandle) else list(source)
             if not handles or not all(isinstance(h, KvCacheHandle) for h in handles):
-                raise WrongType("source must be a shmkv Client, a KvCacheHandle or a "
-                                "non-empty list of handles")
+                raise WrongType(
+                    "source must be a shmkv Client, a KvCacheHandle or a non-empty list of handles"
+                )
             lengths = [h.num_tokens for h in handles]
             shortest, longest = min(lengths), max(lengths)
             pads = [0] * len(handles)
             stored = None
             if num_tokens is None:
                 if shortest != longest and padding_side != "left":
-                    raise InvalidArgument(f"handles hold different token counts {sorted(lengths)};"
-                                          " pass padding_side='left' (rows padded on the left "
-                                          "to the longest) or num_tokens= (what every row holds)")
+                    raise InvalidArgument(
+                        f"handles hold different token counts {sorted(lengths)};"
+                        " pass padding_side='left' (rows padded on the left "
+                        "to the longest) or num_tokens= (what every row holds)"
+                    )
                 num_tokens = longest
                 pads = [longest - n for n in lengths]
                 stored = lengths
             if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
                 raise WrongType(f"num_tokens must be an int, got {type(num_tokens).__name__}")
             if not 0 <= num_tokens <= shortest and stored is None:
-                raise InvalidArgument(f"num_tokens={num_tokens} outside [0, {shortest}] "
-                                      "(the tokens the handles hold)")
+                raise InvalidArgument(
+                    f"num_tokens={num_tokens} outside [0, {shortest}] (the tokens the handles hold)"
+                )
             self._handles = handles
-            self._set_rows(pads, stored if stored is not None else [num_tokens] * len(handles),
-                           lengths)
+            self._set_rows(
+                pads, stored if stored is not None else [num_tokens] * len(handles), lengths
+            )
             num_layers = handles[0].num_layers
         if model_config is not None:
             _check_full_attention(model_config)
@@ -1075,7 +1263,7 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
     def _stored(self) -> torch.Tensor:
         stored = self._stored_t
         if stored is None:  # left so by a decode step: every row holds _aligned tokens
-            assert self._pad is not None   # (set with the rows)
+            assert self._pad is not None  # (set with the rows)
             stored = self._stored_t = torch.full_like(self._pad, self._aligned)
         return stored
 
@@ -1089,13 +1277,16 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
         self._lens = torch.as_tensor(lens, dtype=torch.int64)
         # Per row: the first position whose K/V may have been computed at another position
         # (a forward that numbered the row from its padding); commit stops there.
-        self._unpublished = (torch.full_like(self._pad, _NEVER) if unpublished is None
-                             else torch.as_tensor(unpublished, dtype=torch.int64))
+        self._unpublished = (
+            torch.full_like(self._pad, _NEVER)
+            if unpublished is None
+            else torch.as_tensor(unpublished, dtype=torch.int64)
+        )
         self._refresh_rows()
 
     def _refresh_rows(self) -> None:
         pad, lens = self._pad, self._lens
-        assert pad is not None and lens is not None   # (set with the rows)
+        assert pad is not None and lens is not None  # (set with the rows)
         self._any_pad = bool(pad.any())
         first = int(self._stored[0]) if len(self._stored) else 0
         uniform = not self._any_pad and bool((self._stored == first).all())
@@ -1105,8 +1296,16 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
         self._uniform_lens = low if low == high else -1
 
     @classmethod
-    def _with_rows(cls, handles, num_tokens: int, pads, stored, lens,
-                   model_config=None, mirror: Optional[bool] = None) -> "ShmkvCache":
+    def _with_rows(
+        cls,
+        handles,
+        num_tokens: int,
+        pads,
+        stored,
+        lens,
+        model_config=None,
+        mirror: Optional[bool] = None,
+    ) -> "ShmkvCache":
         """A cache over ``handles`` at padded length ``num_tokens`` with the given row
         state (see ``_set_rows``)."""
         cache = cls(handles, num_tokens=0, model_config=model_config, mirror=mirror)
@@ -1117,9 +1316,16 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
         return cache
 
     @classmethod
-    def from_prompt(cls, client: Client, prompt: Sequence[int], *,
-                    cache_salt: Optional[bytes] = None, request_id: Optional[str] = None,
-                    model_config=None, mirror: Optional[bool] = None) -> "ShmkvCache":
+    def from_prompt(
+        cls,
+        client: Client,
+        prompt: Sequence[int],
+        *,
+        cache_salt: Optional[bytes] = None,
+        request_id: Optional[str] = None,
+        model_config=None,
+        mirror: Optional[bool] = None,
+    ) -> "ShmkvCache":
         """A cache for one prompt that reuses the longest cached prefix of it.
 
         Allocates a sequence for ``prompt`` (token ids) with prefix reuse; the cache
@@ -1133,17 +1339,31 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
         """
         prompt = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
         if prompt and isinstance(prompt[0], list):
-            raise InvalidArgument("from_prompt takes one prompt (a flat list of token ids); "
-                                  "use from_prompts for a batch")
-        return cls.from_prompts(client, [prompt], cache_salt=cache_salt,
-                                request_ids=None if request_id is None else [request_id],
-                                model_config=model_config, mirror=mirror)
+            raise InvalidArgument(
+                "from_prompt takes one prompt (a flat list of token ids); "
+                "use from_prompts for a batch"
+            )
+        return cls.from_prompts(
+            client,
+            [prompt],
+            cache_salt=cache_salt,
+            request_ids=None if request_id is None else [request_id],
+            model_config=model_config,
+            mirror=mirror,
+        )
 
     @classmethod
-    def from_prompts(cls, client: Client, prompts, *, attention_mask=None,
-                     cache_salt: Optional[bytes] = None,
-                     request_ids: Optional[Sequence[str]] = None,
-                     model_config=None, mirror: Optional[bool] = None) -> "ShmkvCache":
+    def from_prompts(
+        cls,
+        client: Client,
+        prompts,
+        *,
+        attention_mask=None,
+        cache_salt: Optional[bytes] = None,
+        request_ids: Optional[Sequence[str]] = None,
+        model_config=None,
+        mirror: Optional[bool] = None,
+    ) -> "ShmkvCache":
         """A cache for a batch of prompts, each reusing the longest cached prefix of its
         own tokens, in one round trip.
 
@@ -1185,20 +1405,33 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
                 "from_prompts needs model_config=model (or model.config): its prefix keys are "
                 "namespaced by the model (name or path, revision, dtype, shape), so that K/V "
                 "another model left on this coordinator is never reused; cache_salt= adds a "
-                "namespace of your own on top")
+                "namespace of your own on top"
+            )
         salt = model_cache_salt(model_config, cache_salt)
         rows = _prompt_rows(prompts, attention_mask)
         width = max(map(len, rows))
-        requests = [dict(prompt=row, cache_salt=salt,
-                         request_id=None if request_ids is None else request_ids[b])
-                    for b, row in enumerate(rows)]
+        requests = [
+            dict(
+                prompt=row,
+                cache_salt=salt,
+                request_id=None if request_ids is None else request_ids[b],
+            )
+            for b, row in enumerate(rows)
+        ]
         handles = client.allocate_many(requests)
         try:
             pads = [width - len(row) for row in rows]
             reused = [min(h.num_cached_tokens, len(row) - 1) for h, row in zip(handles, rows)]
             start = min(p + r for p, r in zip(pads, reused))
-            cache = cls._with_rows(handles, start, pads, reused, [len(row) for row in rows],
-                                   model_config=model_config, mirror=mirror)
+            cache = cls._with_rows(
+                handles,
+                start,
+                pads,
+                reused,
+                [len(row) for row in rows],
+                model_config=model_config,
+                mirror=mirror,
+            )
         except BaseException:
             client.close_many(handles)
             raise
@@ -1221,8 +1454,9 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
     def handle(self) -> KvCacheHandle:
         """The one sequence of a batch-1 cache."""
         if not self._handles or len(self._handles) != 1:
-            raise InvalidArgument(f"the cache holds {len(self._handles or [])} sequences, "
-                                  "not one; use .handles")
+            raise InvalidArgument(
+                f"the cache holds {len(self._handles or [])} sequences, not one; use .handles"
+            )
         return self._handles[0]
 
     @property
@@ -1261,9 +1495,14 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
         n = self.num_tokens
         published = []
         if self._handles:
-            assert self._pad is not None   # (set with the rows)
-            written = (n - self._pad).clamp(min=0).minimum(self._stored).minimum(
-                self._unpublished).tolist()
+            assert self._pad is not None  # (set with the rows)
+            written = (
+                (n - self._pad)
+                .clamp(min=0)
+                .minimum(self._stored)
+                .minimum(self._unpublished)
+                .tolist()
+            )
             published = [h.commit(min(w, h.num_tokens)) for h, w in zip(self._handles, written)]
         if self._commit_upto is not None and n >= self._commit_upto:
             self._commit_upto = None
@@ -1279,8 +1518,9 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
         self._positions = _mask_position_ids()
         return super().get_mask_sizes(query_length, layer_idx)
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-               *args, **kwargs):
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ):
         """Write one layer's new K/V (``[batch, kv_heads, n, head_dim]``) into the pool.
 
         Returns the new tokens' own ``key_states``/``value_states`` on the paged path
@@ -1290,7 +1530,8 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
         if layer_idx >= len(self.layers):
             raise InvalidArgument(
                 f"the model has a layer {layer_idx}, the pool only {len(self.layers)} layers; "
-                "size the pool with shmkv.integrations.transformers.pool_config(model.config)")
+                "size the pool with shmkv.integrations.transformers.pool_config(model.config)"
+            )
         self._check_open()
         layer = self.layers[layer_idx]
         if not layer.is_initialized:
@@ -1302,15 +1543,20 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
             raise InvalidArgument(
                 "a layer attended over a ShmkvCache on the paged path without the 'shmkv' "
                 "attention function (the model's attention implementation changed during the "
-                "forward?); run the model with attn_implementation='shmkv' throughout")
-        if (fwd is None or fwd.start != start or fwd.n != n or layer_idx in fwd.layers_done):
+                "forward?); run the model with attn_implementation='shmkv' throughout"
+            )
+        if fwd is None or fwd.start != start or fwd.n != n or layer_idx in fwd.layers_done:
             fwd = self._fwd = self._begin(start, key_states)
             self._last_path = "paged" if fwd.paged else "dense"
             fwd.mirror = fwd.paged and n == 1 and bool(self._mirror) and fwd.select is None
             pool = self._pool
-            assert pool is not None   # (set with the batch, by _begin)
-            fwd.append = (fwd.mirror and key_states.dtype == pool.dtype
-                          and key_states.device == pool.device and not torch.is_grad_enabled())
+            assert pool is not None  # (set with the batch, by _begin)
+            fwd.append = (
+                fwd.mirror
+                and key_states.dtype == pool.dtype
+                and key_states.device == pool.device
+                and not torch.is_grad_enabled()
+            )
         fwd.layers_done.add(layer_idx)
         if fwd.append and self._append(fwd, layer_idx, key_states, value_states):
             layer.num_tokens = start + 1
@@ -1321,8 +1567,10 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
             self._pending = key_states
             if fwd.mirror:
                 # Decode: the attention function reads the mirror, brought up to date here.
-                self._mirror_kv = (layer_idx, *self._dense(fwd, layer_idx, key_states,
-                                                           value_states))
+                self._mirror_kv = (
+                    layer_idx,
+                    *self._dense(fwd, layer_idx, key_states, value_states),
+                )
             return key_states, value_states
         return self._dense(fwd, layer_idx, key_states, value_states)
 
@@ -1336,8 +1584,9 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
         """Forget the last ``-tokens_to_remove`` tokens (a negative count, as for
         ``DynamicCache.crop``); their slots are written over later."""
         if tokens_to_remove > 0:
-            raise InvalidArgument(f"crop takes a negative count of tokens to remove, "
-                                  f"got {tokens_to_remove}")
+            raise InvalidArgument(
+                f"crop takes a negative count of tokens to remove, got {tokens_to_remove}"
+            )
         if tokens_to_remove == 0:
             return
         for layer in self.layers:
@@ -1359,8 +1608,9 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
         self._pad = self._pad.clamp(max=n)
         self._stored = self._stored.minimum((n - self._pad).clamp(min=0))
         # rows cropped to before their first misplaced token hold none any more
-        self._unpublished = torch.where(self._stored <= self._unpublished, _NEVER,
-                                        self._unpublished)
+        self._unpublished = torch.where(
+            self._stored <= self._unpublished, _NEVER, self._unpublished
+        )
         self._refresh_rows()
         self._fwd = None
 
@@ -1398,12 +1648,14 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
         self._batch = self._fwd = None
         index = torch.tensor(rows, dtype=torch.int64)
         if self._dense_bufs is not None:  # as DynamicCache reorders its tensors
-            self._dense_bufs = [None if bufs is None else
-                                tuple(b.index_select(0, index.to(b.device)) for b in bufs)
-                                for bufs in self._dense_bufs]
-        assert self._pad is not None and self._lens is not None   # (set with the rows)
-        self._set_rows(self._pad[index], self._stored[index], self._lens[index],
-                       self._unpublished[index])
+            self._dense_bufs = [
+                None if bufs is None else tuple(b.index_select(0, index.to(b.device)) for b in bufs)
+                for bufs in self._dense_bufs
+            ]
+        assert self._pad is not None and self._lens is not None  # (set with the rows)
+        self._set_rows(
+            self._pad[index], self._stored[index], self._lens[index], self._unpublished[index]
+        )
         self._close_owned([h for b, h in enumerate(old) if b not in taken])
 
     def _close_owned(self, handles) -> None:
@@ -1421,8 +1673,11 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
             return
         owned, self._owned = list(self._owned), set()
         try:
-            if self._commit_upto is not None and self.num_tokens and all(
-                    h.is_valid() for h in self._handles or []):
+            if (
+                self._commit_upto is not None
+                and self.num_tokens
+                and all(h.is_valid() for h in self._handles or [])
+            ):
                 self.commit()
         finally:
             self._closed = True
@@ -1444,9 +1699,18 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
         self._check_open()
         if self._handles is None:
             raise InvalidArgument("an empty ShmkvCache holds no sequence to hand over")
-        assert self._pad is not None   # (set with the rows)
-        return (_rebuild, (list(self._handles), self.num_tokens, self._pad.tolist(),
-                           self._stored.tolist(), self._mirror, self._unpublished.tolist()))
+        assert self._pad is not None  # (set with the rows)
+        return (
+            _rebuild,
+            (
+                list(self._handles),
+                self.num_tokens,
+                self._pad.tolist(),
+                self._stored.tolist(),
+                self._mirror,
+                self._unpublished.tolist(),
+            ),
+        )
 
     def __repr__(self) -> str:
         rows = len(self._handles) if self._handles is not None else 0
@@ -1454,10 +1718,14 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
 
 
 def _rebuild(handles, num_tokens, pads=None, stored=None, mirror=None, unpublished=None):
-    cache = ShmkvCache._with_rows(handles, num_tokens,
-                                  pads if pads is not None else [0] * len(handles),
-                                  stored if stored is not None else [num_tokens] * len(handles),
-                                  [h.num_tokens for h in handles], mirror=mirror)
+    cache = ShmkvCache._with_rows(
+        handles,
+        num_tokens,
+        pads if pads is not None else [0] * len(handles),
+        stored if stored is not None else [num_tokens] * len(handles),
+        [h.num_tokens for h in handles],
+        mirror=mirror,
+    )
     if unpublished is not None:
         cache._unpublished = torch.as_tensor(unpublished, dtype=torch.int64)
     cache._owned.update(handles)
@@ -1472,12 +1740,14 @@ def _prompt_rows(prompts, attention_mask) -> List[List[int]]:
             return [row for row in ids.tolist()]
         mask = torch.as_tensor(attention_mask).to(torch.bool)
         if mask.shape != ids.shape:
-            raise InvalidArgument(f"attention_mask has shape {tuple(mask.shape)}, input_ids "
-                                  f"{tuple(ids.shape)}")
+            raise InvalidArgument(
+                f"attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(ids.shape)}"
+            )
         lead = (~mask).cumprod(1).sum(1)
         if not bool((mask.sum(1) == ids.shape[1] - lead).all()):
-            raise InvalidArgument("from_prompts takes prompts padded on the left only "
-                                  "(padding_side='left')")
+            raise InvalidArgument(
+                "from_prompts takes prompts padded on the left only (padding_side='left')"
+            )
         rows = [row[p:] for row, p in zip(ids.tolist(), lead.tolist())]
     else:
         if attention_mask is not None:
@@ -1489,8 +1759,9 @@ def _prompt_rows(prompts, attention_mask) -> List[List[int]]:
 
 
 @torch.no_grad()
-def prefill(model, cache: ShmkvCache, input_ids: torch.Tensor,
-            attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+def prefill(
+    model, cache: ShmkvCache, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """Run the tokens of ``input_ids`` that ``cache`` does not hold yet through
     ``model``, writing their K/V into the pool; returns the logits of the last token,
     ``[batch, vocab]`` (their argmax is the first greedy token).
@@ -1508,25 +1779,29 @@ def prefill(model, cache: ShmkvCache, input_ids: torch.Tensor,
     ids = input_ids[None] if input_ids.dim() == 1 else input_ids
     done = cache.get_seq_length()
     if not 0 <= done < ids.shape[1]:
-        raise InvalidArgument(f"the cache holds {done} tokens; the prompt has {ids.shape[1]}, "
-                              "so there is nothing left to run")
+        raise InvalidArgument(
+            f"the cache holds {done} tokens; the prompt has {ids.shape[1]}, "
+            "so there is nothing left to run"
+        )
     if cache._model_salt is not None and cache._model_salt != model_cache_salt(
-            model if cache._salt_of_model else model.config):
+        model if cache._salt_of_model else model.config
+    ):
         raise InvalidArgument(
             "this ShmkvCache was made for another model: its model_config names other weights, "
             "revision, shape or dtype than this model's, and its prefix keys and K/V are that "
-            "model's; make the cache with this model's model_config (model or model.config)")
+            "model's; make the cache with this model's model_config (model or model.config)"
+        )
     kwargs = {}
     if attention_mask is not None:
         mask = attention_mask[None] if attention_mask.dim() == 1 else attention_mask
         if mask.shape != ids.shape:
-            raise InvalidArgument(f"attention_mask has shape {tuple(mask.shape)}, input_ids "
-                                  f"{tuple(ids.shape)}")
+            raise InvalidArgument(
+                f"attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(ids.shape)}"
+            )
         kwargs["attention_mask"] = mask
         if "position_ids" in inspect.signature(type(model).forward).parameters:
             # as generate() numbers a left-padded row: its first token is position 0
             positions = (mask.long().cumsum(-1) - 1).clamp_(min=0)
             kwargs["position_ids"] = positions[:, done:]
-    out = model(input_ids=ids[:, done:], use_cache=True, **{cache_argument(model): cache},
-                **kwargs)
+    out = model(input_ids=ids[:, done:], use_cache=True, **{cache_argument(model): cache}, **kwargs)
     return out.logits[:, -1]

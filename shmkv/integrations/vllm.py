@@ -97,7 +97,8 @@ def detect_layout(kv: torch.Tensor) -> str:
         return "cpu" if kv.device.type == "cpu" else "split"
     raise ConnectorConfigError(
         f"unknown vLLM KV cache layout: shape {tuple(kv.shape)}; set "
-        f"\"shmkv.kv_layout\" to one of {LAYOUTS}")
+        f'"shmkv.kv_layout" to one of {LAYOUTS}'
+    )
 
 
 def kv_views(kv: torch.Tensor, layout: str) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -109,27 +110,39 @@ def kv_views(kv: torch.Tensor, layout: str) -> Tuple[torch.Tensor, torch.Tensor]
     """
     if layout == "cpu":
         if kv.dim() != 4 or kv.shape[-1] % 2:
-            raise ConnectorConfigError(f"a CPU KV cache is [blocks, heads, block_size, "
-                                       f"2 * head_size], got {tuple(kv.shape)}")
+            raise ConnectorConfigError(
+                f"a CPU KV cache is [blocks, heads, block_size, "
+                f"2 * head_size], got {tuple(kv.shape)}"
+            )
         nb, heads, bs, width = kv.shape
         both = kv.view(nb, heads, 2, bs, width // 2)  # the CPU kernels' own view, split
         return both[:, :, 0], both[:, :, 1]
     if layout == "split":
         if kv.dim() != 4 or kv.shape[-1] % 2:
-            raise ConnectorConfigError(f"a split KV cache is [blocks, heads, block_size, "
-                                       f"2 * head_size], got {tuple(kv.shape)}")
+            raise ConnectorConfigError(
+                f"a split KV cache is [blocks, heads, block_size, "
+                f"2 * head_size], got {tuple(kv.shape)}"
+            )
         half = kv.shape[-1] // 2
         return kv[..., :half], kv[..., half:]
     if layout == "flash":
         if kv.dim() != 5 or kv.shape[0] != 2:
-            raise ConnectorConfigError(f"a FlashAttention KV cache is [2, blocks, block_size,"
-                                       f" heads, head_size], got {tuple(kv.shape)}")
+            raise ConnectorConfigError(
+                f"a FlashAttention KV cache is [2, blocks, block_size,"
+                f" heads, head_size], got {tuple(kv.shape)}"
+            )
         return kv[0].permute(0, 2, 1, 3), kv[1].permute(0, 2, 1, 3)
     raise ConnectorConfigError(f"shmkv.kv_layout must be one of {LAYOUTS}, got {layout!r}")
 
 
-def copy_runs(block_ids: List[int], table: List[int], start: int, end: int,
-              vllm_block_size: int, pool_block_size: int) -> List[Tuple[int, int, int, int]]:
+def copy_runs(
+    block_ids: List[int],
+    table: List[int],
+    start: int,
+    end: int,
+    vllm_block_size: int,
+    pool_block_size: int,
+) -> List[Tuple[int, int, int, int]]:
     """The copies that move tokens ``[start, end)`` of one request (multiples of
     ``pool_block_size``) between vLLM's blocks ``block_ids`` and the pool blocks ``table``
     (the handle's block table): ``(vllm_block, first_sub_block, first_pool_block, count)``
@@ -163,11 +176,10 @@ def _release(handle) -> None:
     try:
         handle.client.close_many([handle], wait=False)
     except (ShmkvError, OSError):
-        pass   # a coordinator gone: its references went with it
+        pass  # a coordinator gone: its references went with it
 
 
-def merge_runs(runs: List[Tuple[int, int, int, int]],
-               per: int) -> List[Tuple[int, int, int, int]]:
+def merge_runs(runs: List[Tuple[int, int, int, int]], per: int) -> List[Tuple[int, int, int, int]]:
     """:func:`copy_runs` with the runs of whole vLLM blocks that follow one another both
     in vLLM's blocks and in the pool merged: a run of ``count > per`` pool blocks (``per``
     to a vLLM block) covers ``count // per`` whole vLLM blocks from ``vllm_block`` on,
@@ -178,8 +190,12 @@ def merge_runs(runs: List[Tuple[int, int, int, int]],
         vblock, sub, pool, count = run
         if out and sub == 0 and count == per:
             last_v, last_sub, last_pool, last_count = out[-1]
-            if last_sub == 0 and last_count % per == 0 and \
-                    last_v + last_count // per == vblock and last_pool + last_count == pool:
+            if (
+                last_sub == 0
+                and last_count % per == 0
+                and last_v + last_count // per == vblock
+                and last_pool + last_count == pool
+            ):
                 out[-1] = (last_v, 0, last_pool, last_count + per)
                 continue
         out.append(run)
@@ -204,8 +220,10 @@ def model_namespace(vllm_config, salt: str = "") -> bytes:
     ``"shmkv.salt"``. Engines of another model, revision or dtype never share bytes."""
     mc, cc = vllm_config.model_config, vllm_config.cache_config
     identity = {
-        "model": str(mc.model), "revision": mc.revision,
-        "dtype": str(mc.dtype), "kv_cache_dtype": str(cc.cache_dtype),
+        "model": str(mc.model),
+        "revision": mc.revision,
+        "dtype": str(mc.dtype),
+        "kv_cache_dtype": str(cc.cache_dtype),
         "salt": str(salt),
     }
     digest = hashlib.blake2b(b"shmkv.integrations.vllm model\0", digest_size=32)
@@ -293,13 +311,13 @@ class ShmkvConnectorStats(KVConnectorStats):
 
 @dataclass
 class _SchedReq:
-    handle: Any                 # the scheduler's reference (pins hit blocks until loaded)
-    prompt_tokens: int          # tokens the handle covers (the prompt's full vLLM blocks)
-    hit: int                    # loadable tokens in shmkv, whole vLLM blocks
-    cached: int                 # the handle's num_cached_tokens (pool blocks)
+    handle: Any  # the scheduler's reference (pins hit blocks until loaded)
+    prompt_tokens: int  # tokens the handle covers (the prompt's full vLLM blocks)
+    hit: int  # loadable tokens in shmkv, whole vLLM blocks
+    cached: int  # the handle's num_cached_tokens (pool blocks)
     block_ids: List[int] = field(default_factory=list)
     load: Tuple[int, int] = (0, 0)
-    saved: int = 0              # tokens [0, saved) are in the pool or sent to be saved
+    saved: int = 0  # tokens [0, saved) are in the pool or sent to be saved
     exported: bool = False
 
 
@@ -343,12 +361,14 @@ class ShmkvConnector(KVConnectorBase_V1):
             self._address = shmkv.default_address(str(extra["shmkv.name"]))
         if self._address is None:
             raise ConnectorConfigError(
-                "ShmkvConnector needs kv_connector_extra_config={\"shmkv.name\": NAME} or "
-                "{\"shmkv.address\": PATH}: the coordinator to use (shmkv serve --name NAME)")
+                'ShmkvConnector needs kv_connector_extra_config={"shmkv.name": NAME} or '
+                '{"shmkv.address": PATH}: the coordinator to use (shmkv serve --name NAME)'
+            )
         self._address = str(self._address)
         self._retry_s = float(extra.get("shmkv.retry_s", DEFAULT_RETRY_S))
-        self._client_name = client_name(extra.get("shmkv.client_name"),
-                                        self._kv_transfer_config.engine_id)
+        self._client_name = client_name(
+            extra.get("shmkv.client_name"), self._kv_transfer_config.engine_id
+        )
         self._layout = extra.get("shmkv.kv_layout")
         self._block_size = vllm_config.cache_config.block_size
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
@@ -366,6 +386,7 @@ class ShmkvConnector(KVConnectorBase_V1):
             self._connect(strict=True)  # refuses a misfit pool at start-up when it is up
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
             self._tp_rank = get_tensor_model_parallel_rank() if self._tp_size > 1 else 0
             self._k: List[torch.Tensor] = []
             self._v: List[torch.Tensor] = []
@@ -393,14 +414,22 @@ class ShmkvConnector(KVConnectorBase_V1):
             return None
         try:
             if self._tp_size > 1 and self._tp_rank is not None:
-                client = shmkv.connect(self._address, tp_rank=self._tp_rank,
-                                       tp_size=self._tp_size, name=self._client_name)
+                client = shmkv.connect(
+                    self._address,
+                    tp_rank=self._tp_rank,
+                    tp_size=self._tp_size,
+                    name=self._client_name,
+                )
             else:
                 client = shmkv.connect(self._address, name=self._client_name)
         except (ShmkvError, OSError) as exc:
             self._down_until = time.monotonic() + self._retry_s
-            log.warning("shmkv coordinator at %s unavailable (%s); no hits, retry in %.0f s",
-                        self._address, exc, self._retry_s)
+            log.warning(
+                "shmkv coordinator at %s unavailable (%s); no hits, retry in %.0f s",
+                self._address,
+                exc,
+                self._retry_s,
+            )
             return None
         try:
             self._check_pool(client.config)
@@ -438,19 +467,29 @@ class ShmkvConnector(KVConnectorBase_V1):
                 f"shmkv pool block size {cfg.block_size} does not divide vLLM's block size "
                 f"{self._block_size}: start the coordinator with --block-size one of "
                 f"{divisors} (or vLLM with --block-size a multiple of {cfg.block_size} that "
-                f"its kernels take)")
+                f"its kernels take)"
+            )
 
     def _check_layers(self, cfg, heads: int, head_dim: int, dtype) -> None:
-        want = dict(num_layers=len(self._k), kv_heads=heads * self._tp_size,
-                    head_dim=head_dim, dtype=str(dtype).replace("torch.", ""))
-        have = dict(num_layers=cfg.num_layers, kv_heads=cfg.num_kv_heads,
-                    head_dim=cfg.head_dim, dtype=str(cfg.dtype).replace("torch.", ""))
+        want = dict(
+            num_layers=len(self._k),
+            kv_heads=heads * self._tp_size,
+            head_dim=head_dim,
+            dtype=str(dtype).replace("torch.", ""),
+        )
+        have = dict(
+            num_layers=cfg.num_layers,
+            kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            dtype=str(cfg.dtype).replace("torch.", ""),
+        )
         if want != have:
             raise ConnectorConfigError(
                 f"the shmkv pool at {self._address} holds {have}, this model's K/V is "
                 f"{want}: start it with shmkv serve --for-model MODEL_PATH (or --num-layers "
                 f"{want['num_layers']} --num-kv-heads {want['kv_heads']} --head-dim "
-                f"{head_dim} --dtype {want['dtype']})")
+                f"{head_dim} --dtype {want['dtype']})"
+            )
 
     # -- scheduler side ---------------------------------------------------------------------
 
@@ -474,10 +513,15 @@ class ShmkvConnector(KVConnectorBase_V1):
         if client is None:
             return None
         try:
-            handle = client.allocate(prompt=prompt[:full],
-                                     cache_salt=request_salt(self._namespace, request))
-        except (shmkv.CoordinatorGone, shmkv.CoordinatorTimeout, shmkv.ProtocolError,
-                OSError) as exc:
+            handle = client.allocate(
+                prompt=prompt[:full], cache_salt=request_salt(self._namespace, request)
+            )
+        except (
+            shmkv.CoordinatorGone,
+            shmkv.CoordinatorTimeout,
+            shmkv.ProtocolError,
+            OSError,
+        ) as exc:
             self._drop_client(f"lookup failed ({exc})")
             return None
         except ShmkvError as exc:  # no room, a prompt past max_seq_len: this one is not cached
@@ -485,8 +529,7 @@ class ShmkvConnector(KVConnectorBase_V1):
             return None
         cached = handle.num_cached_tokens
         hit = min(cached // bs * bs, (len(prompt) - 1) // bs * bs)
-        state = _SchedReq(handle=handle, prompt_tokens=full, hit=hit, cached=cached,
-                          saved=cached)
+        state = _SchedReq(handle=handle, prompt_tokens=full, hit=hit, cached=cached, saved=cached)
         self._reqs[request.request_id] = state
         return state
 
@@ -531,8 +574,9 @@ class ShmkvConnector(KVConnectorBase_V1):
             load = state.load
             if save == (0, 0) and load == (0, 0) and state.exported:
                 continue
-            item = ShmkvReqMeta(req_id=req_id, block_ids=list(state.block_ids), load=load,
-                                save=save)
+            item = ShmkvReqMeta(
+                req_id=req_id, block_ids=list(state.block_ids), load=load, save=save
+            )
             if not state.exported:
                 item.tokens = self._export(state)
                 state.exported = True
@@ -571,6 +615,7 @@ class ShmkvConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]):
         """Learn vLLM's paged K/V tensors (one per attention layer) and check them against
         the pool. Raises :class:`ConnectorConfigError` on a mismatch."""
+
         def index(name: str) -> int:
             found = re.findall(r"\.(\d+)\.", name)
             return int(found[-1]) if found else 0
@@ -585,11 +630,19 @@ class ShmkvConnector(KVConnectorBase_V1):
             self._v.append(v)
         nb, heads, bs, head_dim = self._k[0].shape
         if bs != self._block_size:
-            raise ConnectorConfigError(f"vLLM's KV cache has blocks of {bs} tokens, its "
-                                       f"config says {self._block_size}")
+            raise ConnectorConfigError(
+                f"vLLM's KV cache has blocks of {bs} tokens, its config says {self._block_size}"
+            )
         self._shape = (heads, head_dim, first.dtype)
-        log.info("shmkv: %d layers of %s K/V, %d heads x %d, blocks of %d (%s)", len(names),
-                 first.dtype, heads, head_dim, bs, layout)
+        log.info(
+            "shmkv: %d layers of %s K/V, %d heads x %d, blocks of %d (%s)",
+            len(names),
+            first.dtype,
+            heads,
+            head_dim,
+            bs,
+            layout,
+        )
         self._connect(strict=True)  # refuses a misfit pool at start-up when it is up
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
@@ -623,8 +676,12 @@ class ShmkvConnector(KVConnectorBase_V1):
         table = handle.block_table
         bs = table.block_size
         per = self._block_size // bs
-        runs = merge_runs(copy_runs(block_ids, list(table.physical_blocks), span[0], span[1],
-                                    self._block_size, bs), per)
+        runs = merge_runs(
+            copy_runs(
+                block_ids, list(table.physical_blocks), span[0], span[1], self._block_size, bs
+            ),
+            per,
+        )
         if self._client is None:
             raise shmkv.CoordinatorGone("the coordinator went away since the hand-off was opened")
         pool = self._client.pool
@@ -632,17 +689,23 @@ class ShmkvConnector(KVConnectorBase_V1):
             for which in (0, 1):
                 pages, paged = pool[:, layer, which], kv[which]
                 for vblock, sub, first, count in runs:
-                    ours = pages[first:first + count]
-                    if count > per:   # whole vLLM blocks vblock, vblock + 1, ...
+                    ours = pages[first : first + count]
+                    if count > per:  # whole vLLM blocks vblock, vblock + 1, ...
                         n = count // per
                         # [n, heads, per * block, dim] -> [n, per, block, heads, dim]
-                        theirs = paged[vblock:vblock + n].unflatten(2, (per, bs)) \
+                        theirs = (
+                            paged[vblock : vblock + n]
+                            .unflatten(2, (per, bs))
                             .permute(0, 2, 3, 1, 4)
+                        )
                         ours = ours.unflatten(0, (n, per))
                     else:
                         # [heads, tokens, dim] -> [count, block, heads, dim], the pool's order
-                        theirs = paged[vblock, :, sub * bs:(sub + count) * bs] \
-                            .unflatten(1, (count, bs)).permute(1, 2, 0, 3)
+                        theirs = (
+                            paged[vblock, :, sub * bs : (sub + count) * bs]
+                            .unflatten(1, (count, bs))
+                            .permute(1, 2, 0, 3)
+                        )
                     if load:
                         theirs.copy_(ours)
                     else:
@@ -658,7 +721,7 @@ class ShmkvConnector(KVConnectorBase_V1):
         if client is None:
             return None
         try:
-            handle = client.open(item.tokens[self._tp_rank or 0])   # (a worker: set)
+            handle = client.open(item.tokens[self._tp_rank or 0])  # (a worker: set)
         except (ShmkvError, OSError, IndexError) as exc:
             log.warning("shmkv: hand-off of %s could not be opened (%s)", item.req_id, exc)
             if not client.is_alive():

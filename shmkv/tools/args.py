@@ -29,35 +29,48 @@ def _float(text: str) -> float:
 def _checked(name: str, parse, ok, rule: str, doc: str):
     """An argument type: ``parse`` the text, then refuse values ``ok`` rejects, saying
     ``rule`` (messages quote the value as given)."""
+
     def check(text: str):
         value = parse(text)
         if not ok(value):
             raise argparse.ArgumentTypeError(f"{rule}, got {text.strip()}")
         return value
+
     check.__name__ = check.__qualname__ = name
     check.__doc__ = doc
     return check
 
 
-positive_int = _checked("positive_int", _int, lambda v: v >= 1, "must be at least 1",
-                        "An integer >= 1.")
-non_negative_int = _checked("non_negative_int", _int, lambda v: v >= 0, "must be 0 or more",
-                            "An integer >= 0.")
-positive_float = _checked("positive_float", _float, lambda v: v > 0, "must be greater than 0",
-                          "A finite number > 0.")
-non_negative_float = _checked("non_negative_float", _float, lambda v: v >= 0,
-                              "must be 0 or more", "A finite number >= 0.")
-spin_arg = _checked("spin_arg", _float, lambda v: 0 <= v <= 10000, "must lie in [0, 10000]",
-                    "Microseconds of polling, 0-10000.")
-fraction = _checked("fraction", _float, lambda v: 0.0 <= v <= 1.0, "must lie in [0, 1]",
-                    "A number in [0, 1].")
+positive_int = _checked(
+    "positive_int", _int, lambda v: v >= 1, "must be at least 1", "An integer >= 1."
+)
+non_negative_int = _checked(
+    "non_negative_int", _int, lambda v: v >= 0, "must be 0 or more", "An integer >= 0."
+)
+positive_float = _checked(
+    "positive_float", _float, lambda v: v > 0, "must be greater than 0", "A finite number > 0."
+)
+non_negative_float = _checked(
+    "non_negative_float", _float, lambda v: v >= 0, "must be 0 or more", "A finite number >= 0."
+)
+spin_arg = _checked(
+    "spin_arg",
+    _float,
+    lambda v: 0 <= v <= 10000,
+    "must lie in [0, 10000]",
+    "Microseconds of polling, 0-10000.",
+)
+fraction = _checked(
+    "fraction", _float, lambda v: 0.0 <= v <= 1.0, "must lie in [0, 1]", "A number in [0, 1]."
+)
 
 
 def name_arg(text: str) -> str:
     """A coordinator or result name: 1-64 characters, no '/', not starting with '.'."""
     if not text or "/" in text or text.startswith(".") or len(text) > 64 or "\0" in text:
         raise argparse.ArgumentTypeError(
-            f"{text!r} must be 1-64 characters without '/' and not start with '.'")
+            f"{text!r} must be 1-64 characters without '/' and not start with '.'"
+        )
     return text
 
 
@@ -74,8 +87,8 @@ def socket_path(text: str) -> str:
         raise argparse.ArgumentTypeError("socket path must not be empty")
     if len(text.encode(errors="surrogateescape")) > 107:
         raise argparse.ArgumentTypeError(
-            f"socket path {text!r} is longer than the 107 bytes a Unix socket address "
-            "can hold")
+            f"socket path {text!r} is longer than the 107 bytes a Unix socket address can hold"
+        )
     return text
 
 
@@ -83,6 +96,7 @@ def dtype_arg(text: str) -> str:
     """A pool dtype name (float32, float16, bfloat16, float8_e4m3fn, float8_e5m2, int8)."""
     from ..errors import ShmkvError
     from ..layout import dtype_name
+
     try:
         return dtype_name(text)
     except ShmkvError as exc:
@@ -93,6 +107,7 @@ def device_arg(text: str) -> str:
     """'cpu' or 'cuda[:N]'."""
     from ..errors import ShmkvError
     from ..layout import normalize_device
+
     try:
         return normalize_device(text)
     except ShmkvError as exc:

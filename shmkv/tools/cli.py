@@ -31,7 +31,7 @@ from .args import (
     spin_arg,
 )
 
-if TYPE_CHECKING:   # (the tiers are imported when serve asks for them)
+if TYPE_CHECKING:  # (the tiers are imported when serve asks for them)
     from ..remote import RedisTier
     from ..tiers import DiskTier, HostTier
 
@@ -43,63 +43,120 @@ class HelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action) -> str:
         text = action.help or ""
         default = action.default
-        if ("%(default)" in text or "default" in text.lower() or default is None
-                or default is False or default is argparse.SUPPRESS
-                or not action.option_strings):
+        if (
+            "%(default)" in text
+            or "default" in text.lower()
+            or default is None
+            or default is False
+            or default is argparse.SUPPRESS
+            or not action.option_strings
+        ):
             return text
         return f"{text} (default: %(default)s)"
 
 
 def _pool_args(p: argparse.ArgumentParser, blocks: int = 1024) -> None:
     g = p.add_argument_group("pool")
-    g.add_argument("--num-layers", type=positive_int, default=4,
-                   help="transformer layers cached per block")
-    g.add_argument("--num-kv-heads", type=positive_int, default=8,
-                   help="key/value heads (all tensor-parallel ranks together)")
+    g.add_argument(
+        "--num-layers", type=positive_int, default=4, help="transformer layers cached per block"
+    )
+    g.add_argument(
+        "--num-kv-heads",
+        type=positive_int,
+        default=8,
+        help="key/value heads (all tensor-parallel ranks together)",
+    )
     g.add_argument("--head-dim", type=positive_int, default=64, help="elements per head")
     size = g.add_mutually_exclusive_group()
-    size.add_argument("--num-blocks", type=positive_int, default=None,
-                      help=f"blocks in the pool (default: {blocks}, or what --pool-size holds)")
-    size.add_argument("--pool-size", type=size_arg, default=None, metavar="BYTES",
-                      help="pool size instead of --num-blocks: bytes, or K/M/G/T (powers of "
-                           "1024, e.g. 8G); rounded down to whole blocks")
+    size.add_argument(
+        "--num-blocks",
+        type=positive_int,
+        default=None,
+        help=f"blocks in the pool (default: {blocks}, or what --pool-size holds)",
+    )
+    size.add_argument(
+        "--pool-size",
+        type=size_arg,
+        default=None,
+        metavar="BYTES",
+        help="pool size instead of --num-blocks: bytes, or K/M/G/T (powers of "
+        "1024, e.g. 8G); rounded down to whole blocks",
+    )
     g.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
-    g.add_argument("--dtype", type=dtype_arg, default="float16",
-                   help="element type: float32, float16, bfloat16, or quantized "
-                        "float8_e4m3fn (fp8), float8_e5m2, int8 (1 byte each)")
-    g.add_argument("--device", type=device_arg, default="cpu",
-                   help="'cpu' (POSIX shared memory) or 'cuda:N' (CUDA IPC)")
-    g.add_argument("--tp-size", type=positive_int, default=1,
-                   help="tensor-parallel ranks; each owns num_kv_heads / tp_size heads")
-    g.add_argument("--max-sequences", type=positive_int, default=4096,
-                   help="live sequences at once: the rows of the shared block tables")
-    g.add_argument("--max-seq-len", type=positive_int, default=None, metavar="TOKENS",
-                   help="tokens one sequence may hold: the columns of the shared block "
-                        "tables (default: the pool's tokens, at most 32768)")
+    g.add_argument(
+        "--dtype",
+        type=dtype_arg,
+        default="float16",
+        help="element type: float32, float16, bfloat16, or quantized "
+        "float8_e4m3fn (fp8), float8_e5m2, int8 (1 byte each)",
+    )
+    g.add_argument(
+        "--device",
+        type=device_arg,
+        default="cpu",
+        help="'cpu' (POSIX shared memory) or 'cuda:N' (CUDA IPC)",
+    )
+    g.add_argument(
+        "--tp-size",
+        type=positive_int,
+        default=1,
+        help="tensor-parallel ranks; each owns num_kv_heads / tp_size heads",
+    )
+    g.add_argument(
+        "--max-sequences",
+        type=positive_int,
+        default=4096,
+        help="live sequences at once: the rows of the shared block tables",
+    )
+    g.add_argument(
+        "--max-seq-len",
+        type=positive_int,
+        default=None,
+        metavar="TOKENS",
+        help="tokens one sequence may hold: the columns of the shared block "
+        "tables (default: the pool's tokens, at most 32768)",
+    )
     p.set_defaults(default_num_blocks=blocks)
 
 
 def _config(args):
     from ..errors import InvalidArgument
     from ..layout import DTYPE_SIZES, PoolConfig
+
     num_blocks = args.num_blocks or args.default_num_blocks
     dtype = args.dtype or "float16"  # serve's default is None (see --for-model)
     if getattr(args, "pool_size", None):
-        block_bytes = (args.num_layers * 2 * args.block_size * args.num_kv_heads * args.head_dim
-                       * DTYPE_SIZES[dtype])
+        block_bytes = (
+            args.num_layers
+            * 2
+            * args.block_size
+            * args.num_kv_heads
+            * args.head_dim
+            * DTYPE_SIZES[dtype]
+        )
         num_blocks = args.pool_size // block_bytes
         if num_blocks < 1:
-            raise InvalidArgument(f"--pool-size {args.pool_size} bytes holds no block of "
-                                  f"{block_bytes} bytes; give a larger size")
-    return PoolConfig(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads,
-                      head_dim=args.head_dim, num_blocks=num_blocks,
-                      block_size=args.block_size, dtype=dtype, device=args.device,
-                      tp_size=args.tp_size, max_sequences=args.max_sequences,
-                      max_seq_len=args.max_seq_len)
+            raise InvalidArgument(
+                f"--pool-size {args.pool_size} bytes holds no block of "
+                f"{block_bytes} bytes; give a larger size"
+            )
+    return PoolConfig(
+        num_layers=args.num_layers,
+        num_kv_heads=args.num_kv_heads,
+        head_dim=args.head_dim,
+        num_blocks=num_blocks,
+        block_size=args.block_size,
+        dtype=dtype,
+        device=args.device,
+        tp_size=args.tp_size,
+        max_sequences=args.max_sequences,
+        max_seq_len=args.max_seq_len,
+    )
 
 
 def _address(args) -> str:
     from ..coordinator import default_address
+
     return args.address or default_address(args.name)
 
 
@@ -107,6 +164,7 @@ def size_arg(text: str) -> int:
     """A size in bytes: a number, or with K, M, G or T (powers of 1024): 8G, 512M."""
     from ..errors import ShmkvError
     from ..tiers import parse_size
+
     try:
         value = parse_size(text)
     except ShmkvError as exc:
@@ -120,6 +178,7 @@ def tier_specs(args) -> list:
     """The tiers of ``serve --host-tier-size / --disk-tier / --disk-tier-size``."""
     from ..errors import InvalidArgument
     from ..tiers import DiskTier, HostTier
+
     if (args.disk_tier is None) != (args.disk_tier_size is None):
         raise InvalidArgument("--disk-tier DIR and --disk-tier-size SIZE go together")
     specs: List[Union[HostTier, DiskTier, RedisTier]] = []
@@ -129,19 +188,35 @@ def tier_specs(args) -> list:
         specs.append(DiskTier(args.disk_tier, args.disk_tier_size))
     if getattr(args, "redis_tier", None) is not None:
         from ..remote import RedisTier
+
         specs.append(RedisTier(args.redis_tier))
     return specs
 
 
 def _print_tiers(stats: dict) -> None:
     for tier in stats.get("tiers", ()):
-        extra = {k: v for k, v in tier.items() if k not in (
-            "tier", "blocks", "bytes", "capacity_bytes", "hits", "demotions", "promotions",
-            "dropped", "errors")}
-        print(f"tier {tier['tier']:<5} blocks {tier['blocks']}  bytes {tier['bytes']} of "
-              f"{tier['capacity_bytes']}  hits {tier['hits']}  demotions {tier['demotions']}  "
-              f"promotions {tier['promotions']}  dropped {tier['dropped']}  errors "
-              f"{tier['errors']}" + "".join(f"  {k} {v}" for k, v in extra.items()))
+        extra = {
+            k: v
+            for k, v in tier.items()
+            if k
+            not in (
+                "tier",
+                "blocks",
+                "bytes",
+                "capacity_bytes",
+                "hits",
+                "demotions",
+                "promotions",
+                "dropped",
+                "errors",
+            )
+        }
+        print(
+            f"tier {tier['tier']:<5} blocks {tier['blocks']}  bytes {tier['bytes']} of "
+            f"{tier['capacity_bytes']}  hits {tier['hits']}  demotions {tier['demotions']}  "
+            f"promotions {tier['promotions']}  dropped {tier['dropped']}  errors "
+            f"{tier['errors']}" + "".join(f"  {k} {v}" for k, v in extra.items())
+        )
 
 
 def for_model(args) -> None:
@@ -151,6 +226,7 @@ def for_model(args) -> None:
     from transformers import AutoConfig
 
     from ..integrations.transformers import pool_config
+
     path = args.for_model
     if os.path.isfile(path):
         path = os.path.dirname(os.path.abspath(path))
@@ -158,8 +234,10 @@ def for_model(args) -> None:
         model_config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as exc:
         from ..errors import InvalidArgument
-        raise InvalidArgument(f"--for-model {args.for_model}: no Hugging Face config there "
-                              f"({exc})") from None
+
+        raise InvalidArgument(
+            f"--for-model {args.for_model}: no Hugging Face config there ({exc})"
+        ) from None
     derived = pool_config(model_config, num_blocks=1, block_size=args.block_size)
     args.num_layers, args.num_kv_heads = derived.num_layers, derived.num_kv_heads
     args.head_dim = derived.head_dim
@@ -169,22 +247,32 @@ def for_model(args) -> None:
 
 def cmd_serve(args) -> int:
     from ..coordinator import DEFAULT_SPIN_US, Coordinator
+
     if args.for_model:
         for_model(args)
-    coord = Coordinator(_config(args), address=_address(args),
-                        max_connections=args.max_connections, metrics_port=args.metrics_port,
-                        metrics_host=args.metrics_host, tiers=tier_specs(args),
-                        spin_us=DEFAULT_SPIN_US if args.spin_us is None else args.spin_us)
+    coord = Coordinator(
+        _config(args),
+        address=_address(args),
+        max_connections=args.max_connections,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        tiers=tier_specs(args),
+        spin_us=DEFAULT_SPIN_US if args.spin_us is None else args.spin_us,
+    )
     coord.open()
     from ..coordinator import freeze_startup_objects
+
     freeze_startup_objects()
     signal.signal(signal.SIGINT, lambda *_: coord.stop())
     signal.signal(signal.SIGTERM, lambda *_: coord.stop())
     cfg = coord.config
     print(f"shmkv coordinator serving {coord.address}", flush=True)
-    print(f"  pool: {cfg.num_blocks} blocks x {cfg.block_size} tokens, {cfg.num_layers} layers,"
-          f" {cfg.num_kv_heads} kv heads x {cfg.head_dim}, {cfg.dtype}, {cfg.device}, "
-          f"{cfg.nbytes / 2**20:.1f} MiB", flush=True)
+    print(
+        f"  pool: {cfg.num_blocks} blocks x {cfg.block_size} tokens, {cfg.num_layers} layers,"
+        f" {cfg.num_kv_heads} kv heads x {cfg.head_dim}, {cfg.dtype}, {cfg.device}, "
+        f"{cfg.nbytes / 2**20:.1f} MiB",
+        flush=True,
+    )
     if coord.metrics_address is not None:
         host, port = coord.metrics_address
         print(f"  metrics: http://{host}:{port}/metrics", flush=True)
@@ -197,6 +285,7 @@ def cmd_serve(args) -> int:
 
 def cmd_stats(args) -> int:
     from ..client import connect
+
     with connect(_address(args), timeout=args.timeout) as client:
         if args.watch is not None:
             return _watch(client, args)
@@ -219,12 +308,13 @@ def cmd_stats(args) -> int:
 def format_watch(stats: dict, before: dict, interval: float) -> str:
     """The live view of ``shmkv stats --watch``: the pool, the prefix cache and rates
     over the last ``interval`` seconds (``before``: the previous sample, or {})."""
+
     def rate(new, old):
         return (new - old) / max(interval, 1e-9) if before else 0.0
+
     hits, misses = stats["prefix_hit_tokens"], stats["prefix_miss_tokens"]
     lines = [
-        f"shmkv coordinator {stats['address']}  pid {stats['pid']}  "
-        f"up {stats['uptime_s']:.0f} s",
+        f"shmkv coordinator {stats['address']}  pid {stats['pid']}  up {stats['uptime_s']:.0f} s",
         f"blocks       {stats['free_blocks']} free, {stats['cached_blocks']} cached, "
         f"{stats['referenced_blocks']} referenced of {stats['num_blocks']} "
         f"({stats['pool_bytes'] / 2**20:.1f} MiB)",
@@ -238,8 +328,9 @@ def format_watch(stats: dict, before: dict, interval: float) -> str:
         f"{stats.get('request_errors', 0)}",
     ]
     old = before.get("ops_by_type", {})
-    busy = sorted(((rate(n, old.get(op, 0)), op) for op, n in stats["ops_by_type"].items()),
-                  reverse=True)
+    busy = sorted(
+        ((rate(n, old.get(op, 0)), op) for op, n in stats["ops_by_type"].items()), reverse=True
+    )
     busiest = [f"{op} {r:.0f}/s" for r, op in busy if r > 0][:6]
     if busiest:
         lines.append("busiest      " + ", ".join(busiest))
@@ -268,10 +359,15 @@ def _watch(client, args) -> int:
 
 
 def _log_level_flag(p: argparse.ArgumentParser, default) -> None:
-    p.add_argument("--log-level", type=log_level_arg, default=default, metavar="LEVEL",
-                   help=f"log the shmkv messages of this level and above to stderr: "
-                        f"{', '.join(LOG_LEVELS)} (default: info for serve, warning "
-                        "otherwise)")
+    p.add_argument(
+        "--log-level",
+        type=log_level_arg,
+        default=default,
+        metavar="LEVEL",
+        help=f"log the shmkv messages of this level and above to stderr: "
+        f"{', '.join(LOG_LEVELS)} (default: info for serve, warning "
+        "otherwise)",
+    )
 
 
 class Parser(argparse.ArgumentParser):
@@ -283,65 +379,138 @@ class Parser(argparse.ArgumentParser):
 def build_parser() -> Parser:
     """The ``shmkv`` argument parser, with every subcommand."""
     parser = Parser(
-        prog="shmkv", formatter_class=HelpFormatter,
+        prog="shmkv",
+        formatter_class=HelpFormatter,
         description="A shared-memory, multi-process, paged KV cache for LLM inference. "
-                    "'shmkv COMMAND --help' describes each command's flags.")
+        "'shmkv COMMAND --help' describes each command's flags.",
+    )
     _log_level_flag(parser, None)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
-                                parser_class=argparse.ArgumentParser)
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=argparse.ArgumentParser
+    )
 
     p = sub.add_parser("serve", help="run a coordinator in the foreground")
-    p.add_argument("--name", type=name_arg, default="default",
-                   help="coordinator name: its socket is NAME.sock in the runtime directory")
-    p.add_argument("--address", type=socket_path, default=None, metavar="PATH",
-                   help="socket path (overrides --name)")
-    p.add_argument("--max-connections", type=positive_int, default=1024,
-                   help="client connections open at once; more are refused")
-    p.add_argument("--metrics-port", type=port_arg, default=None, metavar="PORT",
-                   help="serve Prometheus metrics at http://HOST:PORT/metrics (a TCP port; "
-                        "0: any free one; default: no metrics server)")
-    p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
-                   help="address the metrics server binds (0.0.0.0: every interface, "
-                        "logged as a warning)")
-    p.add_argument("--spin-us", type=spin_arg, default=None, metavar="US",
-                   help="after serving a request, poll this many microseconds for the next "
-                        "one before sleeping (skips a wake-up per request under load; 0: "
-                        "never; never on a one-CPU machine; default: 300)")
-    p.add_argument("--host-tier-size", type=size_arg, default=None, metavar="SIZE",
-                   help="a host-memory tier under the pool of SIZE (8G, 512M)")
-    p.add_argument("--disk-tier", default=None, metavar="DIR",
-                   help="a disk tier in DIR, kept across restarts (needs --disk-tier-size)")
-    p.add_argument("--disk-tier-size", type=size_arg, default=None, metavar="SIZE",
-                   help="the most bytes of block files the disk tier keeps (64G)")
-    p.add_argument("--redis-tier", default=None, metavar="URL",
-                   help="share committed blocks with other nodes through Redis/Valkey at "
-                        "URL (redis://host:6379/0); see shmkv.remote")
-    p.add_argument("--for-model", default=None, metavar="PATH",
-                   help="take --num-layers, --num-kv-heads, --head-dim and (unless given) "
-                        "--dtype from the Hugging Face config of the model at PATH (what "
-                        "vllm serve PATH runs)")
+    p.add_argument(
+        "--name",
+        type=name_arg,
+        default="default",
+        help="coordinator name: its socket is NAME.sock in the runtime directory",
+    )
+    p.add_argument(
+        "--address",
+        type=socket_path,
+        default=None,
+        metavar="PATH",
+        help="socket path (overrides --name)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=positive_int,
+        default=1024,
+        help="client connections open at once; more are refused",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=port_arg,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (a TCP port; "
+        "0: any free one; default: no metrics server)",
+    )
+    p.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="address the metrics server binds (0.0.0.0: every interface, logged as a warning)",
+    )
+    p.add_argument(
+        "--spin-us",
+        type=spin_arg,
+        default=None,
+        metavar="US",
+        help="after serving a request, poll this many microseconds for the next "
+        "one before sleeping (skips a wake-up per request under load; 0: "
+        "never; never on a one-CPU machine; default: 300)",
+    )
+    p.add_argument(
+        "--host-tier-size",
+        type=size_arg,
+        default=None,
+        metavar="SIZE",
+        help="a host-memory tier under the pool of SIZE (8G, 512M)",
+    )
+    p.add_argument(
+        "--disk-tier",
+        default=None,
+        metavar="DIR",
+        help="a disk tier in DIR, kept across restarts (needs --disk-tier-size)",
+    )
+    p.add_argument(
+        "--disk-tier-size",
+        type=size_arg,
+        default=None,
+        metavar="SIZE",
+        help="the most bytes of block files the disk tier keeps (64G)",
+    )
+    p.add_argument(
+        "--redis-tier",
+        default=None,
+        metavar="URL",
+        help="share committed blocks with other nodes through Redis/Valkey at "
+        "URL (redis://host:6379/0); see shmkv.remote",
+    )
+    p.add_argument(
+        "--for-model",
+        default=None,
+        metavar="PATH",
+        help="take --num-layers, --num-kv-heads, --head-dim and (unless given) "
+        "--dtype from the Hugging Face config of the model at PATH (what "
+        "vllm serve PATH runs)",
+    )
     _pool_args(p)
     p.set_defaults(func=cmd_serve, dtype=None)
 
     p = sub.add_parser("stats", help="print a running coordinator's counters")
-    p.add_argument("--name", type=name_arg, default="default",
-                   help="name of the coordinator to ask")
-    p.add_argument("--address", type=socket_path, default=None, metavar="PATH",
-                   help="socket path (overrides --name)")
-    p.add_argument("--json", action="store_true",
-                   help="print JSON (with --watch: one sample per line)")
-    p.add_argument("--timeout", type=positive_float, default=5.0,
-                   help="seconds to wait for the coordinator's answer")
-    p.add_argument("--watch", type=positive_float, nargs="?", const=1.0, default=None,
-                   metavar="SECONDS",
-                   help="redraw a live view every SECONDS (1 when given alone) until "
-                        "Ctrl-C; default: print once")
-    p.add_argument("--count", type=non_negative_int, default=0,
-                   help="with --watch: stop after this many samples (0: never)")
+    p.add_argument(
+        "--name", type=name_arg, default="default", help="name of the coordinator to ask"
+    )
+    p.add_argument(
+        "--address",
+        type=socket_path,
+        default=None,
+        metavar="PATH",
+        help="socket path (overrides --name)",
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print JSON (with --watch: one sample per line)"
+    )
+    p.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=5.0,
+        help="seconds to wait for the coordinator's answer",
+    )
+    p.add_argument(
+        "--watch",
+        type=positive_float,
+        nargs="?",
+        const=1.0,
+        default=None,
+        metavar="SECONDS",
+        help="redraw a live view every SECONDS (1 when given alone) until "
+        "Ctrl-C; default: print once",
+    )
+    p.add_argument(
+        "--count",
+        type=non_negative_int,
+        default=0,
+        help="with --watch: stop after this many samples (0: never)",
+    )
     p.set_defaults(func=cmd_stats)
 
     from .. import bench
     from . import demo, stress
+
     for module in (demo, stress, bench):
         module.add_parser(sub)
     for p in sub.choices.values():
@@ -375,7 +544,8 @@ def setup_logging(level: str) -> None:
     if _log_handler is None:
         _log_handler = _StderrHandler()
         _log_handler.setFormatter(
-            logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+            logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+        )
         logger.addHandler(_log_handler)
     logger.setLevel(getattr(logging, level.upper()))
 
@@ -387,6 +557,7 @@ def main(argv=None) -> int:
     setup_logging(args.log_level or ("info" if args.func is cmd_serve else "warning"))
     if args.func is cmd_serve:
         from ..errors import ShmkvError
+
         try:  # arguments that are fine alone but not together (heads vs tp_size, say)
             if args.for_model:
                 for_model(args)
@@ -394,6 +565,7 @@ def main(argv=None) -> int:
         except ShmkvError as exc:
             serve.error(str(exc))
     from ..errors import ShmkvError
+
     try:
         return args.func(args)
     except ShmkvError as exc:

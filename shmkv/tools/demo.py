@@ -26,8 +26,9 @@ from .progress import ProgressBar
 SYSTEM_PREFIX = 48  # tokens every prompt shares
 
 
-def expected_kv(layers: int, positions: torch.Tensor, heads: int, head_dim: int, tokens,
-                dtype) -> torch.Tensor:
+def expected_kv(
+    layers: int, positions: torch.Tensor, heads: int, head_dim: int, tokens, dtype
+) -> torch.Tensor:
     """K/V ``[layers, 2, n, heads, head_dim]`` for token ids ``tokens`` at ``positions``.
 
     A function of the token ids and positions only, so a shared prefix has identical
@@ -56,7 +57,8 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 def prompt_tokens(index: int, length: int) -> list:
     """A system prefix shared by every prompt, then tokens of this prompt."""
     return [1000 + (i % 97) for i in range(SYSTEM_PREFIX)] + [
-        (index * 131 + i * 17) % 32000 for i in range(length - SYSTEM_PREFIX)]
+        (index * 131 + i * 17) % 32000 for i in range(length - SYSTEM_PREFIX)
+    ]
 
 
 class PrefillDataset(torch.utils.data.Dataset):
@@ -71,6 +73,7 @@ class PrefillDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int):
         from ..client import process_client
+
         client = process_client(self.address, None, None)
         cfg = client.config
         tokens = prompt_tokens(index, self.lengths[index])
@@ -78,43 +81,75 @@ class PrefillDataset(torch.utils.data.Dataset):
         start = handle.num_cached_tokens
         n = len(tokens) - start
         if n:
-            kv = expected_kv(cfg.num_layers, torch.arange(start, len(tokens)),
-                             cfg.num_kv_heads, cfg.head_dim, tokens[start:],
-                             client.pool.dtype)
+            kv = expected_kv(
+                cfg.num_layers,
+                torch.arange(start, len(tokens)),
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                tokens[start:],
+                client.pool.dtype,
+            )
             t0 = time.perf_counter()
             handle.write_all(kv.contiguous(), start=start)
             elapsed = time.perf_counter() - t0
         else:
             elapsed = 0.0
         handle.commit()
-        return {"index": index, "tokens": tokens, "handle": handle,
-                "cached": start, "write_bytes": n * cfg.block_nbytes // cfg.block_size,
-                "write_s": elapsed, "pid": os.getpid()}
+        return {
+            "index": index,
+            "tokens": tokens,
+            "handle": handle,
+            "cached": start,
+            "write_bytes": n * cfg.block_nbytes // cfg.block_size,
+            "write_s": elapsed,
+            "pid": os.getpid(),
+        }
 
 
-def run(num_prompts: int = 24, workers: int = 3, decode_steps: int = 32, num_layers: int = 4,
-        num_kv_heads: int = 8, head_dim: int = 64, block_size: int = 16,
-        num_blocks: int = 2048, dtype: str = "float16", quiet: bool = False) -> dict:
+def run(
+    num_prompts: int = 24,
+    workers: int = 3,
+    decode_steps: int = 32,
+    num_layers: int = 4,
+    num_kv_heads: int = 8,
+    head_dim: int = 64,
+    block_size: int = 16,
+    num_blocks: int = 2048,
+    dtype: str = "float16",
+    quiet: bool = False,
+) -> dict:
     """Run the demo; returns its summary. Raises AssertionError on any wrong value."""
     from ..client import connect
     from ..coordinator import Coordinator
     from ..layout import PoolConfig
 
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
-    cfg = PoolConfig(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                     num_blocks=num_blocks, block_size=block_size, dtype=dtype)
+    cfg = PoolConfig(
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        dtype=dtype,
+    )
     lengths = [SYSTEM_PREFIX + 16 + (i * 37) % 200 for i in range(num_prompts)]
     name = f"demo-{os.getpid()}"
     started = time.perf_counter()
     with Coordinator(cfg, name=name) as coord, connect(coord.address) as client:
-        say(f"coordinator at {coord.address}: {cfg.num_blocks} blocks x {cfg.block_size} "
+        say(
+            f"coordinator at {coord.address}: {cfg.num_blocks} blocks x {cfg.block_size} "
             f"tokens, {cfg.num_layers} layers, {cfg.num_kv_heads}x{cfg.head_dim} {cfg.dtype}, "
-            f"{cfg.nbytes / 2**20:.1f} MiB shared")
+            f"{cfg.nbytes / 2**20:.1f} MiB shared"
+        )
         with warnings.catch_warnings():  # more workers than cores is fine: they wait on I/O
             warnings.filterwarnings("ignore", message=".*worker processes in total.*")
             loader = torch.utils.data.DataLoader(
-                PrefillDataset(coord.address, lengths), batch_size=None, num_workers=workers,
-                multiprocessing_context="spawn", timeout=120)
+                PrefillDataset(coord.address, lengths),
+                batch_size=None,
+                num_workers=workers,
+                multiprocessing_context="spawn",
+                timeout=120,
+            )
             items = []
             with ProgressBar("prefill", total=len(lengths), unit="prompts", quiet=quiet) as bar:
                 for item in loader:
@@ -127,9 +162,11 @@ def run(num_prompts: int = 24, workers: int = 3, decode_steps: int = 32, num_lay
             worker_pids.add(item["pid"])
         prefill_s = time.perf_counter() - started
         cached = sum(item["cached"] for item in items)
-        say(f"prefill: {len(items)} prompts in {len(worker_pids)} DataLoader worker processes, "
+        say(
+            f"prefill: {len(items)} prompts in {len(worker_pids)} DataLoader worker processes, "
             f"{sum(map(len, (i['tokens'] for i in items)))} tokens, {cached} reused from the "
-            f"prefix cache, {prefill_s:.2f} s")
+            f"prefix cache, {prefill_s:.2f} s"
+        )
 
         handles = [item["handle"] for item in items]
         batch = client.batch(handles)  # one round trip per step for every sequence
@@ -141,8 +178,9 @@ def run(num_prompts: int = 24, workers: int = 3, decode_steps: int = 32, num_lay
             new = torch.randint(0, 32000, (len(handles),), generator=rng).tolist()
             step = batch.extend(1, tokens=[[t] for t in new])
             # what a model step would produce for every sequence: [layers, 2, B, heads, dim]
-            step_kv = expected_kv(num_layers, step.positions, num_kv_heads, head_dim, new,
-                                  client.pool.dtype)
+            step_kv = expected_kv(
+                num_layers, step.positions, num_kv_heads, head_dim, new, client.pool.dtype
+            )
             t_write = time.perf_counter()
             for layer in range(num_layers):  # one copy for K and one for V per layer
                 step.write(layer, step_kv[layer, 0], step_kv[layer, 1])
@@ -158,8 +196,9 @@ def run(num_prompts: int = 24, workers: int = 3, decode_steps: int = 32, num_lay
             t_read = time.perf_counter()
             got = h.gather_all()
             read_s += time.perf_counter() - t_read
-            want = expected_kv(num_layers, torch.arange(len(toks)), num_kv_heads, head_dim,
-                               toks, client.pool.dtype)
+            want = expected_kv(
+                num_layers, torch.arange(len(toks)), num_kv_heads, head_dim, toks, client.pool.dtype
+            )
             assert h.num_tokens == len(toks), (h.num_tokens, len(toks))
             assert same_bytes(got, want), f"{h.cache_id}: K/V differs from what was written"
             for layer in range(num_layers):  # the per-layer API agrees with the bulk read
@@ -170,7 +209,7 @@ def run(num_prompts: int = 24, workers: int = 3, decode_steps: int = 32, num_lay
         stats = client.stats()
         probe = handles[0].clone_handle()
         t_ops = time.perf_counter()
-        for _ in range(500):           # control plane: real metadata ops, one round trip each
+        for _ in range(500):  # control plane: real metadata ops, one round trip each
             client.extend_many([(probe, 0)])
         ops_per_s = 500 / (time.perf_counter() - t_ops)
         probe.close()
@@ -182,56 +221,94 @@ def run(num_prompts: int = 24, workers: int = 3, decode_steps: int = 32, num_lay
     assert not leftovers, f"left in /dev/shm: {leftovers}"
     assert not os.path.exists(coord.address), "socket file left behind"
     summary = {
-        "sequences": len(handles), "tokens": sum(map(len, decode_tokens)),
-        "prefix_cached_tokens": cached, "decode_steps": decode_steps,
-        "bytes_written": prefill_bytes + decode_bytes, "bytes_read": read_bytes,
+        "sequences": len(handles),
+        "tokens": sum(map(len, decode_tokens)),
+        "prefix_cached_tokens": cached,
+        "decode_steps": decode_steps,
+        "bytes_written": prefill_bytes + decode_bytes,
+        "bytes_read": read_bytes,
         "values_verified": checked,
-        "prefill_write_GBps": (prefill_bytes / prefill_write_s / 1e9
-                               if prefill_write_s else 0.0),
+        "prefill_write_GBps": (prefill_bytes / prefill_write_s / 1e9 if prefill_write_s else 0.0),
         "decode_write_us": 1e6 * decode_write_s / max(num_writes, 1),
         "read_GBps": read_bytes / read_s / 1e9 if read_s else 0.0,
-        "coordinator_ops": stats["ops"], "coordinator_ops_per_s": ops_per_s,
-        "decode_step_ms": 1e3 * decode_s / max(decode_steps, 1), "elapsed_s": elapsed,
+        "coordinator_ops": stats["ops"],
+        "coordinator_ops_per_s": ops_per_s,
+        "decode_step_ms": 1e3 * decode_s / max(decode_steps, 1),
+        "elapsed_s": elapsed,
     }
-    say(f"decode: {decode_steps} steps x {len(handles)} sequences, each step one round trip "
-        f"and one write per layer for the whole batch, {summary['decode_step_ms']:.2f} ms/step")
-    say(f"verified {checked:,} K/V values in {len(handles)} sequences, "
-        f"{summary['tokens']:,} tokens: all equal to what was written")
-    say(f"written: prefill {prefill_bytes / 2**20:.1f} MiB at "
+    say(
+        f"decode: {decode_steps} steps x {len(handles)} sequences, each step one round trip "
+        f"and one write per layer for the whole batch, {summary['decode_step_ms']:.2f} ms/step"
+    )
+    say(
+        f"verified {checked:,} K/V values in {len(handles)} sequences, "
+        f"{summary['tokens']:,} tokens: all equal to what was written"
+    )
+    say(
+        f"written: prefill {prefill_bytes / 2**20:.1f} MiB at "
         f"{summary['prefill_write_GBps']:.2f} GB/s (write_all in the workers), decode "
         f"{decode_bytes / 2**20:.2f} MiB in {num_writes} batch layer writes, "
         f"{summary['decode_write_us']:.1f} us each; read {read_bytes / 2**20:.1f} MiB at "
-        f"{summary['read_GBps']:.2f} GB/s")
-    say(f"coordinator: served {stats['ops']} ops; {ops_per_s:.0f} round trips/s in a burst "
-        f"of real metadata ops")
+        f"{summary['read_GBps']:.2f} GB/s"
+    )
+    say(
+        f"coordinator: served {stats['ops']} ops; {ops_per_s:.0f} round trips/s in a burst "
+        f"of real metadata ops"
+    )
     say("nothing left in /dev/shm, socket removed: OK")
     return summary
 
 
 def add_parser(sub) -> None:
     from .args import dtype_arg, non_negative_int, positive_int
+
     p = sub.add_parser("demo", help="prefill in DataLoader workers, decode here, verify all")
-    p.add_argument("--prompts", type=positive_int, default=24,
-                   help="prompts (sequences) to prefill, sharing a 48-token system prefix")
-    p.add_argument("--workers", type=positive_int, default=3,
-                   help="DataLoader worker processes for the prefill (at least 1)")
-    p.add_argument("--decode-steps", type=non_negative_int, default=32,
-                   help="decode steps (one token per sequence each) after the prefill")
-    p.add_argument("--dtype", type=dtype_arg, default=None,
-                   help="pool element type (default float16, and float32 with --model; "
-                        "float8 and int8 pools are checked byte for byte)")
-    p.add_argument("--model", default=None, choices=("tiny",),
-                   help="'tiny': cross-process generation with a small random model")
+    p.add_argument(
+        "--prompts",
+        type=positive_int,
+        default=24,
+        help="prompts (sequences) to prefill, sharing a 48-token system prefix",
+    )
+    p.add_argument(
+        "--workers",
+        type=positive_int,
+        default=3,
+        help="DataLoader worker processes for the prefill (at least 1)",
+    )
+    p.add_argument(
+        "--decode-steps",
+        type=non_negative_int,
+        default=32,
+        help="decode steps (one token per sequence each) after the prefill",
+    )
+    p.add_argument(
+        "--dtype",
+        type=dtype_arg,
+        default=None,
+        help="pool element type (default float16, and float32 with --model; "
+        "float8 and int8 pools are checked byte for byte)",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        choices=("tiny",),
+        help="'tiny': cross-process generation with a small random model",
+    )
     p.set_defaults(func=_cmd)
 
 
 def _cmd(args) -> int:
     if args.model:
         from . import demo_model
+
         return demo_model.main(args)
     try:
-        run(num_prompts=args.prompts, workers=args.workers, decode_steps=args.decode_steps,
-            dtype=args.dtype or "float16")
+        run(
+            num_prompts=args.prompts,
+            workers=args.workers,
+            decode_steps=args.decode_steps,
+            dtype=args.dtype or "float16",
+        )
     except AssertionError as exc:
         print(f"shmkv demo: FAILED: {exc}", flush=True)
         return 1

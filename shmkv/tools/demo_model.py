@@ -28,12 +28,20 @@ from typing import Any, Dict
 import torch
 
 SEED = 0
-SYSTEM_PREFIX = 32   # tokens every prompt shares: two blocks of 16
+SYSTEM_PREFIX = 32  # tokens every prompt shares: two blocks of 16
 BLOCK_SIZE = 16
-MODEL: Dict[str, Any] = dict(   # LlamaConfig's keyword arguments
-    vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
-    bos_token_id=None, eos_token_id=None, pad_token_id=None)
+MODEL: Dict[str, Any] = dict(  # LlamaConfig's keyword arguments
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
 
 _worker_model = None
 
@@ -45,6 +53,7 @@ def build_model(dtype: str, attn: str = "sdpa"):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from ..integrations.transformers import register
+
     register()
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(LlamaConfig(**MODEL)).to(getattr(torch, dtype)).eval()
@@ -80,6 +89,7 @@ class PrefillDataset(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> dict:
         from ..client import process_client
         from ..integrations.transformers import ShmkvCache, prefill
+
         global _worker_model
         if _worker_model is None:
             _worker_model = build_model(self.dtype, attn="shmkv")
@@ -95,10 +105,16 @@ class PrefillDataset(torch.utils.data.Dataset):
         # client, and a client must not be used from two threads at once. This worker's
         # own reference goes when the worker exits.
         token = cache.handle.export(ttl=300.0)
-        return {"index": index, "tokens": tokens, "token": token,
-                "first": int(logits.argmax(-1)), "cached": cache.num_cached_tokens,
-                "prefill_s": time.perf_counter() - t0, "checksum": checksum(model),
-                "pid": os.getpid()}
+        return {
+            "index": index,
+            "tokens": tokens,
+            "token": token,
+            "first": int(logits.argmax(-1)),
+            "cached": cache.num_cached_tokens,
+            "prefill_s": time.perf_counter() - t0,
+            "checksum": checksum(model),
+            "pid": os.getpid(),
+        }
 
 
 @torch.no_grad()
@@ -109,6 +125,7 @@ def reference(model, prompts: list, steps: int) -> tuple:
     from transformers import DynamicCache
 
     from ..integrations.transformers import cache_argument
+
     key = cache_argument(model)
     outputs, decode_s = [], []
     for tokens in prompts:
@@ -126,9 +143,14 @@ def _continue(model, tokens: list, cache_kwargs: dict, steps: int) -> list:
     ids = torch.tensor([tokens])
     if steps <= 0:
         return []
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps,
-                         do_sample=False, **cache_kwargs)
-    return out[0, len(tokens):].tolist()
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=steps,
+        do_sample=False,
+        **cache_kwargs,
+    )
+    return out[0, len(tokens) :].tolist()
 
 
 # Two tokens whose logits lie within this many float16 / bfloat16 steps of the largest
@@ -151,8 +173,13 @@ def _rate(num_tokens: int, seconds: list) -> float:
     return num_tokens / median if num_tokens and median > 0 else 0.0
 
 
-def run(num_prompts: int = 8, workers: int = 2, decode_steps: int = 16, dtype: str = "float32",
-        say=print) -> dict:
+def run(
+    num_prompts: int = 8,
+    workers: int = 2,
+    decode_steps: int = 16,
+    dtype: str = "float32",
+    say=print,
+) -> dict:
     """Run the demo; returns its summary. Raises AssertionError when anything differs
     from single-process generation or is left behind."""
     from .. import Coordinator, connect
@@ -165,33 +192,46 @@ def run(num_prompts: int = 8, workers: int = 2, decode_steps: int = 16, dtype: s
     blocks = sum(-(-(len(p) + decode_steps) // BLOCK_SIZE) for p in prompts) + 16
     cfg = pool_config(model.config, num_blocks=blocks, block_size=BLOCK_SIZE, dtype=dtype)
     text = model.config
-    say(f"model: Llama-style, {text.num_hidden_layers} layers, {text.num_attention_heads} query "
+    say(
+        f"model: Llama-style, {text.num_hidden_layers} layers, {text.num_attention_heads} query "
         f"heads over {text.num_key_value_heads} K/V heads, vocab {text.vocab_size}, {dtype}, "
-        f"random weights (seed {SEED})")
+        f"random weights (seed {SEED})"
+    )
 
     want, ref_decode_s = reference(model, prompts, decode_steps)
     num_decoded = num_prompts * (decode_steps - 1)
 
     started = time.perf_counter()
-    with Coordinator(cfg, name=f"demo-model-{os.getpid()}") as coord, \
-            connect(coord.address) as client:
-        say(f"coordinator at {coord.address}: {cfg.num_blocks} blocks x {cfg.block_size} tokens, "
-            f"{cfg.nbytes / 2**20:.1f} MiB shared")
+    with (
+        Coordinator(cfg, name=f"demo-model-{os.getpid()}") as coord,
+        connect(coord.address) as client,
+    ):
+        say(
+            f"coordinator at {coord.address}: {cfg.num_blocks} blocks x {cfg.block_size} tokens, "
+            f"{cfg.nbytes / 2**20:.1f} MiB shared"
+        )
         with warnings.catch_warnings():  # more workers than cores is fine here
             warnings.filterwarnings("ignore", message=".*worker processes in total.*")
             loader = torch.utils.data.DataLoader(
-                PrefillDataset(coord.address, num_prompts, dtype), batch_size=None,
-                num_workers=workers, multiprocessing_context="spawn", timeout=120)
+                PrefillDataset(coord.address, num_prompts, dtype),
+                batch_size=None,
+                num_workers=workers,
+                multiprocessing_context="spawn",
+                timeout=120,
+            )
             items = sorted(loader, key=lambda item: item["index"])
         del loader
         prefill_s = time.perf_counter() - started
         ours = checksum(model)
-        assert all(item["checksum"] == ours for item in items), \
+        assert all(item["checksum"] == ours for item in items), (
             "a worker built other weights than the main process"
+        )
         cached = sum(item["cached"] for item in items)
-        say(f"prefill: {num_prompts} prompts, {sum(map(len, prompts))} tokens, in "
+        say(
+            f"prefill: {num_prompts} prompts, {sum(map(len, prompts))} tokens, in "
             f"{len({item['pid'] for item in items})} spawned DataLoader worker processes, "
-            f"{cached} tokens reused from the prefix cache, {prefill_s:.2f} s")
+            f"{cached} tokens reused from the prefix cache, {prefill_s:.2f} s"
+        )
 
         key = cache_argument(model)
         model.set_attn_implementation("shmkv")
@@ -200,11 +240,13 @@ def run(num_prompts: int = 8, workers: int = 2, decode_steps: int = 16, dtype: s
             handle = client.open(item["token"])
             with torch.no_grad(), ShmkvCache(handle) as cache:
                 t0 = time.perf_counter()
-                out = _continue(model, item["tokens"] + [item["first"]], {key: cache},
-                                decode_steps - 1)
+                out = _continue(
+                    model, item["tokens"] + [item["first"]], {key: cache}, decode_steps - 1
+                )
                 decode_s.append(time.perf_counter() - t0)
-                assert decode_steps < 2 or cache.attention_path == "paged", \
+                assert decode_steps < 2 or cache.attention_path == "paged", (
                     f"decoding took the {cache.attention_path} path, not the paged one"
+                )
             handle.close()
             got.append([item["first"]] + out)
         stats = client.stats()
@@ -226,25 +268,41 @@ def run(num_prompts: int = 8, workers: int = 2, decode_steps: int = 16, dtype: s
         assert margin <= limit, (
             f"prompt {i} generated other tokens than with DynamicCache: {a} != {b}; at "
             f"token {step} DynamicCache's logit of its token is {margin:.3g} above ours "
-            f"(a near-tie in {dtype} is within {limit:.3g})")
+            f"(a near-tie in {dtype} is within {limit:.3g})"
+        )
         ties.append(i)
-    summary = {"prompts": num_prompts, "tokens_generated": num_prompts * decode_steps,
-               "near_ties": len(ties), "prefix_cached_tokens": cached, "prefill_s": prefill_s,
-               "shmkv_decode_tok_s": _rate(decode_steps - 1, decode_s),
-               "dynamic_decode_tok_s": _rate(decode_steps - 1, ref_decode_s)}
-    say(f"decode: {num_decoded} tokens ({decode_steps - 1} per prompt after the worker's first), "
-        f"one sequence at a time; tokens/s of the median prompt")
-    say(f"  shmkv pool, decoded here from handed-over prefill ('shmkv' attention over the "
-        f"pool): {summary['shmkv_decode_tok_s']:.1f} tokens/s")
-    say(f"  DynamicCache, one process ('sdpa'):                                             "
-        f"{summary['dynamic_decode_tok_s']:.1f} tokens/s")
+    summary = {
+        "prompts": num_prompts,
+        "tokens_generated": num_prompts * decode_steps,
+        "near_ties": len(ties),
+        "prefix_cached_tokens": cached,
+        "prefill_s": prefill_s,
+        "shmkv_decode_tok_s": _rate(decode_steps - 1, decode_s),
+        "dynamic_decode_tok_s": _rate(decode_steps - 1, ref_decode_s),
+    }
+    say(
+        f"decode: {num_decoded} tokens ({decode_steps - 1} per prompt after the worker's first), "
+        f"one sequence at a time; tokens/s of the median prompt"
+    )
+    say(
+        f"  shmkv pool, decoded here from handed-over prefill ('shmkv' attention over the "
+        f"pool): {summary['shmkv_decode_tok_s']:.1f} tokens/s"
+    )
+    say(
+        f"  DynamicCache, one process ('sdpa'):                                             "
+        f"{summary['dynamic_decode_tok_s']:.1f} tokens/s"
+    )
     if ties:
-        say(f"verified: {num_prompts - len(ties)} of {num_prompts} prompts' tokens equal "
+        say(
+            f"verified: {num_prompts - len(ties)} of {num_prompts} prompts' tokens equal "
             f"generation with DynamicCache in one process; prompts {ties} part from it at a "
-            f"near-tie (its two top logits within {TIE_STEPS} {dtype} steps), checked")
+            f"near-tie (its two top logits within {TIE_STEPS} {dtype} steps), checked"
+        )
     else:
-        say(f"verified: all {num_prompts * decode_steps} generated tokens equal generation "
-            "with DynamicCache in one process")
+        say(
+            f"verified: all {num_prompts * decode_steps} generated tokens equal generation "
+            "with DynamicCache in one process"
+        )
     say("nothing left in /dev/shm, no worker process left, socket removed: OK")
     return summary
 
@@ -253,23 +311,29 @@ def main(args) -> int:
     """Entry point of ``shmkv demo --model tiny``; returns the exit code (0 only when
     every token was verified and nothing was left behind)."""
     if args.model != "tiny":
-        print(f"shmkv demo: unknown model {args.model!r}; the one available is 'tiny'",
-              flush=True)
+        print(f"shmkv demo: unknown model {args.model!r}; the one available is 'tiny'", flush=True)
         return 2
     try:
         import transformers  # noqa: F401
     except ImportError:
-        print("shmkv demo --model: needs transformers (pip install 'shmkv[transformers]')",
-              flush=True)
+        print(
+            "shmkv demo --model: needs transformers (pip install 'shmkv[transformers]')", flush=True
+        )
         return 2
     from ..layout import dtype_name
 
     def say(*a):
         print(*a, flush=True)
+
     try:
         dtype = dtype_name(args.dtype or "float32")
-        run(num_prompts=args.prompts, workers=args.workers, decode_steps=args.decode_steps,
-            dtype=dtype, say=say)
+        run(
+            num_prompts=args.prompts,
+            workers=args.workers,
+            decode_steps=args.decode_steps,
+            dtype=dtype,
+            say=say,
+        )
     except ValueError as exc:
         print(f"shmkv demo: {exc}", flush=True)
         return 2

@@ -13,7 +13,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
-if TYPE_CHECKING:   # (imported where a bar is shown)
+if TYPE_CHECKING:  # (imported where a bar is shown)
     from rich.progress import Progress, TaskID
 
 
@@ -37,8 +37,9 @@ class ProgressBar:
     Use as a context manager, or call :meth:`close` when done (idempotent).
     """
 
-    def __init__(self, description: str, total: Optional[float] = None, unit: str = "",
-                 quiet: bool = False):
+    def __init__(
+        self, description: str, total: Optional[float] = None, unit: str = "", quiet: bool = False
+    ):
         self._progress: Optional[Progress] = None
         self._task: Optional[TaskID] = None
         if quiet or not enabled():
@@ -55,25 +56,34 @@ class ProgressBar:
         except ImportError:  # rich is a dependency; a broken install only loses the bar
             return
         self._progress = Progress(
-            SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
             TextColumn("{task.completed:.0f}/{task.total:.0f} " + unit if total else unit),
-            TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
-            console=Console(stderr=True), transient=False)
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            console=Console(stderr=True),
+            transient=False,
+        )
         self._progress.start()
         self._task = self._progress.add_task(description, total=total, info="")
 
     def advance(self, amount: float = 1) -> None:
         """Count ``amount`` more units done."""
         if self._progress is not None:
-            assert self._task is not None   # (added with the progress)
+            assert self._task is not None  # (added with the progress)
             self._progress.advance(self._task, amount)
 
-    def update(self, completed: Optional[float] = None, description: Optional[str] = None,
-               info: Optional[str] = None) -> None:
+    def update(
+        self,
+        completed: Optional[float] = None,
+        description: Optional[str] = None,
+        info: Optional[str] = None,
+    ) -> None:
         """Set the units done, the description, or the free text after the bar."""
         if self._progress is None:
             return
-        assert self._task is not None   # (added with the progress)
+        assert self._task is not None  # (added with the progress)
         fields: Dict[str, Any] = {}
         if completed is not None:
             fields["completed"] = completed

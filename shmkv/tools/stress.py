@@ -59,7 +59,7 @@ from .stress_checks import (
     token_tags,
 )
 
-if TYPE_CHECKING:   # (the library is imported by the run, not by the command line)
+if TYPE_CHECKING:  # (the library is imported by the run, not by the command line)
     from multiprocessing.connection import Connection
     from multiprocessing.process import BaseProcess
 
@@ -86,9 +86,20 @@ class _Tracked:
 class _Worker:
     """One stress worker: a random mix of operations, every read verified."""
 
-    WEIGHTS = {"allocate": 10, "prefix_allocate": 8, "extend": 8, "extend_many": 2, "step": 8,
-               "write": 12, "read": 20, "fork": 6, "clone": 5, "export": 5,
-               "self_handoff": 2, "close": 9}
+    WEIGHTS = {
+        "allocate": 10,
+        "prefix_allocate": 8,
+        "extend": 8,
+        "extend_many": 2,
+        "step": 8,
+        "write": 12,
+        "read": 20,
+        "fork": 6,
+        "clone": 5,
+        "export": 5,
+        "self_handoff": 2,
+        "close": 9,
+    }
 
     def __init__(self, slot: int, client, conn, rng: random.Random, opts: dict):
         self.slot = slot
@@ -123,6 +134,7 @@ class _Worker:
     def timed(self, name: str, fn, *args, **kwargs):
         """Run one API call, recording its latency and outcome; re-raises errors."""
         from ..errors import CoordinatorGone
+
         self.last_op = name
         t0 = time.perf_counter()
         try:
@@ -144,8 +156,18 @@ class _Worker:
         if not force and now - self._last_flush < _STATS_EVERY_S:
             return
         self._last_flush = now
-        self.conn.send(("stats", self.slot, self._ops, self._errors, self._latency,
-                        self._corrupted, self._verified, self._samples))
+        self.conn.send(
+            (
+                "stats",
+                self.slot,
+                self._ops,
+                self._errors,
+                self._latency,
+                self._corrupted,
+                self._verified,
+                self._samples,
+            )
+        )
         self._ops, self._errors, self._latency = {}, {}, {}
         self._corrupted = self._verified = 0
         self._samples = []
@@ -161,12 +183,12 @@ class _Worker:
     # -- data ----------------------------------------------------------------------------
 
     def kv(self, tags: List[int], start: int):
-        return expected_kv(tags, start, self.num_layers, self.num_heads, self.head_dim,
-                           self.dtype)
+        return expected_kv(tags, start, self.num_layers, self.num_heads, self.head_dim, self.dtype)
 
     def verify(self, tracked: _Tracked, handle=None) -> bool:
         """Read through ``handle`` (default: the tracked one) and compare with the tags."""
         import torch
+
         h = handle if handle is not None else tracked.handle
         n = h.num_tokens
         want = self.kv(tracked.tags[:n], 0)
@@ -188,8 +210,9 @@ class _Worker:
             else:
                 bad = (got != want).nonzero()
                 where = f"{bad.shape[0]} values differ, first at {bad[0].tolist()}"
-            self._samples.append(f"worker {self.slot} pid {os.getpid()}: {h.cache_id} "
-                                 f"({n} tokens): {where}")
+            self._samples.append(
+                f"worker {self.slot} pid {os.getpid()}: {h.cache_id} ({n} tokens): {where}"
+            )
         return False
 
     def write_range(self, tracked: _Tracked, start: int, tags: List[int]) -> None:
@@ -201,7 +224,7 @@ class _Worker:
         else:
             for layer in range(self.num_layers):
                 self.timed("write", h.write, layer, kv[layer, 0], kv[layer, 1], start=start)
-        tracked.tags[start:start + len(tags)] = tags
+        tracked.tags[start : start + len(tags)] = tags
 
     def new_tag(self) -> int:
         return self.rng.randrange(1, TOKEN_TAG_BASE)
@@ -223,6 +246,7 @@ class _Worker:
 
     def op_allocate(self) -> None:
         from ..errors import PoolExhausted
+
         n = self.rng.randrange(0, 3 * self.block_size + 1)
         try:
             h = self.timed("allocate", self.client.allocate, n)
@@ -235,10 +259,12 @@ class _Worker:
 
     def op_prefix_allocate(self) -> None:
         from ..errors import PoolExhausted
+
         index = self.rng.randrange(self.opts.get("num_prefixes", _NUM_PREFIXES))
         prefix = prefix_tokens(index, (2 + index % 3) * self.block_size)
-        tokens = prefix + [self.rng.randrange(50000)
-                           for _ in range(self.rng.randrange(0, 2 * self.block_size))]
+        tokens = prefix + [
+            self.rng.randrange(50000) for _ in range(self.rng.randrange(0, 2 * self.block_size))
+        ]
         try:
             h = self.timed("prefix_allocate", self.client.allocate, prompt=tokens)
         except PoolExhausted:
@@ -255,6 +281,7 @@ class _Worker:
 
     def op_extend(self) -> None:
         from ..errors import PoolExhausted
+
         tracked = self.pick()
         if tracked is None or len(tracked.tags) >= self.opts["max_tokens"]:
             return self.op_allocate()
@@ -268,6 +295,7 @@ class _Worker:
 
     def op_extend_many(self) -> None:
         from ..errors import PoolExhausted
+
         room = [t for t in self.seqs if len(t.tags) < self.opts["max_tokens"]]
         if len(room) < 2:
             return self.op_extend()
@@ -287,6 +315,7 @@ class _Worker:
         import torch
 
         from ..errors import PoolExhausted, StaleStep
+
         room = [t for t in self.seqs if len(t.tags) < self.opts["max_tokens"]]
         if not room:
             return self.op_allocate()
@@ -312,10 +341,11 @@ class _Worker:
                     self.write_range(tracked, start, tags)
             return
         for tracked, tags, start in zip(chosen, new_tags, starts):
-            tracked.tags[start:start + len(tags)] = tags
+            tracked.tags[start : start + len(tags)] = tags
 
     def op_write(self) -> None:
         from ..errors import PoolExhausted
+
         tracked = self.pick()
         if tracked is None or not tracked.tags:
             return self.op_allocate()
@@ -372,6 +402,7 @@ class _Worker:
 
     def open_token(self, token: bytes, tags: List[int]) -> None:
         from ..errors import HandoffError
+
         try:
             h = self.timed("open", self.client.open, token)
         except HandoffError:  # expired while in flight, or its opener died after opening
@@ -414,13 +445,13 @@ class _Prefix:
         self.cache_id = handle.cache_id
 
     def gather_all(self):
-        return self._handle.gather_all()[:, :, :self.num_tokens]
+        return self._handle.gather_all()[:, :, : self.num_tokens]
 
     def key_cache(self, layer: int):
-        return self._handle.key_cache(layer)[:self.num_tokens]
+        return self._handle.key_cache(layer)[: self.num_tokens]
 
     def value_cache(self, layer: int):
-        return self._handle.value_cache(layer)[:self.num_tokens]
+        return self._handle.value_cache(layer)[: self.num_tokens]
 
 
 def _worker_main(slot: int, address: str, conn, seed: int, opts: dict) -> None:
@@ -428,6 +459,7 @@ def _worker_main(slot: int, address: str, conn, seed: int, opts: dict) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
     from ..client import connect
     from ..errors import CoordinatorGone
+
     worker = None
     try:
         try:
@@ -478,8 +510,17 @@ def _percentile(sorted_values: List[float], q: float) -> float:
 
 
 class _Slot:
-    __slots__ = ("index", "process", "conn", "pid", "ready", "finished", "generation",
-                 "ops_reported", "gone")
+    __slots__ = (
+        "index",
+        "process",
+        "conn",
+        "pid",
+        "ready",
+        "finished",
+        "generation",
+        "ops_reported",
+        "gone",
+    )
 
     def __init__(self, index: int):
         self.index = index
@@ -548,14 +589,22 @@ class StressRun(_Checks):
 
     def _start_worker(self, slot: _Slot) -> None:
         parent_end, child_end = self.ctx.Pipe(duplex=True)
-        opts = {"timeout": self.args.client_timeout, "handoff_ttl": self.args.handoff_ttl,
-                "max_seqs": self.args.max_seqs, "max_tokens": self.args.max_tokens,
-                "quota": self._quota(slot), "num_prefixes": self._num_prefixes()}
+        opts = {
+            "timeout": self.args.client_timeout,
+            "handoff_ttl": self.args.handoff_ttl,
+            "max_seqs": self.args.max_seqs,
+            "max_tokens": self.args.max_tokens,
+            "quota": self._quota(slot),
+            "num_prefixes": self._num_prefixes(),
+        }
         seed = self.args.seed * 1_000_003 + slot.index * 1009 + slot.generation
-        assert self.coord is not None   # (started by _run)
-        proc = self.ctx.Process(target=_worker_main, name=f"shmkv-stress-{slot.index}",
-                                args=(slot.index, self.coord.address, child_end, seed, opts),
-                                daemon=True)
+        assert self.coord is not None  # (started by _run)
+        proc = self.ctx.Process(
+            target=_worker_main,
+            name=f"shmkv-stress-{slot.index}",
+            args=(slot.index, self.coord.address, child_end, seed, opts),
+            daemon=True,
+        )
         proc.start()
         child_end.close()
         slot.process, slot.conn, slot.pid = proc, parent_end, None
@@ -582,7 +631,7 @@ class StressRun(_Checks):
 
     def _kill_worker(self, slot: _Slot) -> None:
         _conn, process = slot.running()
-        assert process.pid is not None   # (started)
+        assert process.pid is not None  # (started)
         os.kill(process.pid, signal.SIGKILL)
         process.join(10)
         self.kills += 1
@@ -603,7 +652,7 @@ class StressRun(_Checks):
                 self.latency.setdefault(name, []).extend(values)
             self.corrupted += corrupted
             self.verified += verified
-            self.samples += samples[:max(0, 10 - len(self.samples))]
+            self.samples += samples[: max(0, 10 - len(self.samples))]
         elif kind == "ready":
             slot.ready, slot.pid = True, message[2]
         elif kind == "token":
@@ -612,8 +661,12 @@ class StressRun(_Checks):
         elif kind == "done":
             slot.finished = True
         elif kind == "gone":
-            slot.gone = {"slot": slot.index, "seen_at": message[2], "op": message[3],
-                         "valid_handles_after": message[4]}
+            slot.gone = {
+                "slot": slot.index,
+                "seen_at": message[2],
+                "op": message[3],
+                "valid_handles_after": message[4],
+            }
             self.gone_reports.append(slot.gone)
         elif kind == "crash":
             self.crashes.append(f"worker {slot.index}: {message[2]}")
@@ -629,8 +682,14 @@ class StressRun(_Checks):
             return
         if self._stopping:
             return self._open_here(token, tags)
-        targets = [s for s in self.slots if s.ready and not s.finished and s.conn is not None
-                   and (s.index != sender or len(self.slots) == 1)]
+        targets = [
+            s
+            for s in self.slots
+            if s.ready
+            and not s.finished
+            and s.conn is not None
+            and (s.index != sender or len(self.slots) == 1)
+        ]
         while targets:
             target = self.rng.choice(targets)
             try:
@@ -645,10 +704,16 @@ class StressRun(_Checks):
 
     def _config(self):
         from ..layout import PoolConfig
+
         a = self.args
-        return PoolConfig(num_layers=a.num_layers, num_kv_heads=a.num_kv_heads,
-                          head_dim=a.head_dim, num_blocks=a.num_blocks,
-                          block_size=a.block_size, dtype=a.dtype)
+        return PoolConfig(
+            num_layers=a.num_layers,
+            num_kv_heads=a.num_kv_heads,
+            head_dim=a.head_dim,
+            num_blocks=a.num_blocks,
+            block_size=a.block_size,
+            dtype=a.dtype,
+        )
 
     def _say(self, text: str) -> None:
         if not self.args.quiet:
@@ -669,14 +734,20 @@ class StressRun(_Checks):
     def _run(self, config, name: str, shm_before: set) -> dict:
         from ..client import connect
         from ..coordinator import Coordinator
+
         a = self.args
-        coord = self.coord = Coordinator.spawn(config, name=name,
-                                               tiers=self._tier_specs(config) or None,
-                                               max_handoff_ttl=max(60.0, a.handoff_ttl))
+        coord = self.coord = Coordinator.spawn(
+            config,
+            name=name,
+            tiers=self._tier_specs(config) or None,
+            max_handoff_ttl=max(60.0, a.handoff_ttl),
+        )
         address = coord.address
         self.client = connect(address, timeout=a.client_timeout)
-        self._say(f"shmkv stress: coordinator pid {coord.pid} at {address}, "
-                  f"{config.num_blocks} blocks; starting {a.workers} workers")
+        self._say(
+            f"shmkv stress: coordinator pid {coord.pid} at {address}, "
+            f"{config.num_blocks} blocks; starting {a.workers} workers"
+        )
         try:
             for slot in self.slots:
                 self._start_worker(slot)
@@ -706,8 +777,10 @@ class StressRun(_Checks):
             self.coord.stop()
             restart = None
         else:
-            leak = {"blocks_leaked": None, "note": "the coordinator was killed: its pool "
-                                                  "died with it"}
+            leak = {
+                "blocks_leaked": None,
+                "note": "the coordinator was killed: its pool died with it",
+            }
             restart = self._check_restart(config, name)
         socket_left = os.path.exists(address)
         shm_left = sorted(set(shm_entries()) - shm_before)
@@ -723,8 +796,7 @@ class StressRun(_Checks):
     def _pump(self, timeout: float) -> None:
         """Wait for messages or exits for up to ``timeout`` s and handle them."""
         live = [(s, *s.running()) for s in self.slots if s.conn is not None]
-        waitables = ([conn for _, conn, _ in live]
-                     + [process.sentinel for _, _, process in live])
+        waitables = [conn for _, conn, _ in live] + [process.sentinel for _, _, process in live]
         ready = set(mp_wait(waitables, timeout)) if waitables else set()
         if not waitables:
             time.sleep(timeout)
@@ -740,14 +812,18 @@ class StressRun(_Checks):
                 self._drain(slot)
                 code = process.exitcode
                 if code != 0 and not slot.finished:
-                    self.unexpected_exits.append(f"worker {slot.index} (pid "
-                                                 f"{process.pid}) exit code {code}")
+                    self.unexpected_exits.append(
+                        f"worker {slot.index} (pid {process.pid}) exit code {code}"
+                    )
                 if not slot.finished and slot.gone is None and code == 0:
-                    self.unexpected_exits.append(f"worker {slot.index} exited without "
-                                                 "reporting")
+                    self.unexpected_exits.append(f"worker {slot.index} exited without reporting")
                 self._close_slot(slot)
-                if not slot.finished and slot.gone is None and \
-                        self.coordinator_killed_at is None and not self._stopping:
+                if (
+                    not slot.finished
+                    and slot.gone is None
+                    and self.coordinator_killed_at is None
+                    and not self._stopping
+                ):
                     self._start_worker(slot)
                     self.restarts += 1
 
@@ -772,15 +848,22 @@ class StressRun(_Checks):
                     break
             self._pump(0.05)
             now = time.monotonic()
-            if kill_coord_at is not None and self.coordinator_killed_at is None and (
-                    now >= kill_coord_at or (a.ops is not None
-                                             and self._total_ops() >= a.ops // 2)):
+            if (
+                kill_coord_at is not None
+                and self.coordinator_killed_at is None
+                and (
+                    now >= kill_coord_at or (a.ops is not None and self._total_ops() >= a.ops // 2)
+                )
+            ):
                 self._kill_coordinator()
                 break
             if next_kill is not None and now >= next_kill:
                 next_kill += kill_interval
-                victims = [s for s in self.slots if s.ready and not s.finished
-                           and s.process is not None and s.process.is_alive()]
+                victims = [
+                    s
+                    for s in self.slots
+                    if s.ready and not s.finished and s.process is not None and s.process.is_alive()
+                ]
                 if victims:
                     victim = self.rng.choice(victims)
                     self._kill_worker(victim)
@@ -794,7 +877,7 @@ class StressRun(_Checks):
         self._progress(deadline, final=True)
 
     def _kill_coordinator(self) -> None:
-        assert self.coord is not None   # (started by _run)
+        assert self.coord is not None  # (started by _run)
         self._say(f"\nSIGKILL coordinator pid {self.coord.pid}")
         self.coordinator_killed_at = time.time()
         self.coord.kill()
@@ -848,9 +931,13 @@ class StressRun(_Checks):
         done = min(elapsed, deadline - self.started) if deadline is not None else total
         errors = sum(self.errors.values())
         ops = f"{total} ops, " if deadline is not None else ""
-        self._bar.update(completed=done, info=(
-            f"{ops}{total / max(elapsed, 1e-9):.0f} ops/s  errors {errors}  "
-            f"kills {self.kills}  corrupted {self.corrupted}"))
+        self._bar.update(
+            completed=done,
+            info=(
+                f"{ops}{total / max(elapsed, 1e-9):.0f} ops/s  errors {errors}  "
+                f"kills {self.kills}  corrupted {self.corrupted}"
+            ),
+        )
         if final:
             self._close_bar()
 
@@ -859,19 +946,30 @@ class StressRun(_Checks):
         if bar is not None:
             bar.close()
 
-    def _report(self, config, elapsed: float, leak: dict, shm_left: List[str],
-                socket_left: bool, restart: Optional[dict]) -> dict:
+    def _report(
+        self,
+        config,
+        elapsed: float,
+        leak: dict,
+        shm_left: List[str],
+        socket_left: bool,
+        restart: Optional[dict],
+    ) -> dict:
         a = self.args
         latency = {}
         for name, values in sorted(self.latency.items()):
             values.sort()
-            latency[name] = {"n": len(values), "p50_ms": 1e3 * _percentile(values, 0.50),
-                             "p99_ms": 1e3 * _percentile(values, 0.99),
-                             "max_ms": 1e3 * values[-1]}
+            latency[name] = {
+                "n": len(values),
+                "p50_ms": 1e3 * _percentile(values, 0.50),
+                "p99_ms": 1e3 * _percentile(values, 0.99),
+                "max_ms": 1e3 * values[-1],
+            }
         unexpected = {k: v for k, v in self.errors.items() if k not in EXPECTED_ERRORS}
         report = {
             "args": {k: v for k, v in vars(a).items() if k not in ("func",)},
-            "pool": config.to_wire(), "elapsed_s": elapsed,
+            "pool": config.to_wire(),
+            "elapsed_s": elapsed,
             "ops_total": self._total_ops(),
             "ops_per_s": self._total_ops() / max(elapsed, 1e-9),
             "ops": dict(sorted(self.ops.items())),
@@ -879,12 +977,16 @@ class StressRun(_Checks):
             "unexpected_errors": unexpected,
             "latency_ms": latency,
             "values_verified": self.verified,
-            "corrupted_reads": self.corrupted, "corruption_samples": self.samples,
+            "corrupted_reads": self.corrupted,
+            "corruption_samples": self.samples,
             "handoffs": self.handoffs,
-            "worker_kills": self.kills, "worker_restarts": self.restarts,
-            "worker_crashes": self.crashes, "unexpected_exits": self.unexpected_exits,
+            "worker_kills": self.kills,
+            "worker_restarts": self.restarts,
+            "worker_crashes": self.crashes,
+            "unexpected_exits": self.unexpected_exits,
             "hung_workers": self.hung,
-            "shm_entries_left": shm_left, "socket_left": socket_left,
+            "shm_entries_left": shm_left,
+            "socket_left": socket_left,
             "prefix_checks": self.prefix_checks,
         }
         report.update(leak)
@@ -898,8 +1000,9 @@ class StressRun(_Checks):
         if unexpected:
             failures.append(f"unexpected errors: {unexpected}")
         if self.crashes or self.unexpected_exits:
-            failures.append(f"{len(self.crashes)} worker crashes, "
-                            f"{len(self.unexpected_exits)} unexpected exits")
+            failures.append(
+                f"{len(self.crashes)} worker crashes, {len(self.unexpected_exits)} unexpected exits"
+            )
         if self.hung:
             failures.append(f"{self.hung} workers did not stop")
         if self.coordinator_killed_at is None:
@@ -908,17 +1011,21 @@ class StressRun(_Checks):
             if self.gone_reports:
                 failures.append(f"{len(self.gone_reports)} workers saw CoordinatorGone")
             if leak.get("sequences_left") or leak.get("handoffs_left"):
-                failures.append(f"{leak.get('sequences_left')} sequences and "
-                                f"{leak.get('handoffs_left')} hand-offs left")
+                failures.append(
+                    f"{leak.get('sequences_left')} sequences and "
+                    f"{leak.get('handoffs_left')} hand-offs left"
+                )
         else:
             lat = [g["seen_at"] - self.coordinator_killed_at for g in self.gone_reports]
             missing = [s.index for s in self.slots if s.gone is None]
             report["coordinator_kill"] = {
-                "workers_saw_gone": len(self.gone_reports), "workers_missing": missing,
+                "workers_saw_gone": len(self.gone_reports),
+                "workers_missing": missing,
                 "detect_s_max": max(lat) if lat else None,
                 "detect_s_p50": sorted(lat)[len(lat) // 2] if lat else None,
-                "valid_handles_after_gone": sum(g["valid_handles_after"]
-                                                for g in self.gone_reports),
+                "valid_handles_after_gone": sum(
+                    g["valid_handles_after"] for g in self.gone_reports
+                ),
                 "ops_seen_in": sorted({g["op"] for g in self.gone_reports}),
             }
             report["coordinator_kill"].update(restart or {})
@@ -926,8 +1033,10 @@ class StressRun(_Checks):
                 failures.append(f"workers {missing} did not report CoordinatorGone")
             late = [x for x in lat if x > a.gone_deadline]
             if late:
-                failures.append(f"{len(late)} workers saw CoordinatorGone after more than "
-                                f"{a.gone_deadline} s (max {max(late):.2f} s)")
+                failures.append(
+                    f"{len(late)} workers saw CoordinatorGone after more than "
+                    f"{a.gone_deadline} s (max {max(late):.2f} s)"
+                )
             if report["coordinator_kill"]["valid_handles_after_gone"]:
                 failures.append("handles still valid after CoordinatorGone")
             if restart and restart.get("restart") != "ok":
@@ -946,62 +1055,84 @@ def format_report(report: dict) -> str:
     ran = f"{report['elapsed_s']:.1f} s"
     if "coordinator_kill" in report:
         ran += " until the coordinator was SIGKILLed"
-    lines = [f"shmkv stress: {report['args']['workers']} workers, {ran}, "
-             f"{report['ops_total']} ops ({report['ops_per_s']:.0f}/s), kill rate "
-             f"{report['args']['kill_rate']}/s, {report['worker_kills']} worker kills, "
-             f"{report['worker_restarts']} restarts"]
+    lines = [
+        f"shmkv stress: {report['args']['workers']} workers, {ran}, "
+        f"{report['ops_total']} ops ({report['ops_per_s']:.0f}/s), kill rate "
+        f"{report['args']['kill_rate']}/s, {report['worker_kills']} worker kills, "
+        f"{report['worker_restarts']} restarts"
+    ]
     lines.append("ops by type:")
     width = max([len(k) for k in report["latency_ms"]] + [10])
     for name, count in report["ops"].items():
         lat = report["latency_ms"].get(name, {})
-        lines.append(f"  {name:<{width}} {count:>9}   p50 {lat.get('p50_ms', 0):8.3f} ms   "
-                     f"p99 {lat.get('p99_ms', 0):8.3f} ms")
-    lines.append("errors by type: " + (", ".join(f"{k} {v}" for k, v in
-                                                  report["errors"].items()) or "none")
-                 + f" (expected under pressure: {', '.join(EXPECTED_ERRORS)})")
+        lines.append(
+            f"  {name:<{width}} {count:>9}   p50 {lat.get('p50_ms', 0):8.3f} ms   "
+            f"p99 {lat.get('p99_ms', 0):8.3f} ms"
+        )
+    lines.append(
+        "errors by type: "
+        + (", ".join(f"{k} {v}" for k, v in report["errors"].items()) or "none")
+        + f" (expected under pressure: {', '.join(EXPECTED_ERRORS)})"
+    )
     h = report["handoffs"]
-    lines.append(f"hand-offs between workers: {h['sent']} sent, {h['routed']} routed, "
-                 f"{h['drained']} opened by the parent at the end, {h['drain_expired']} "
-                 "expired before that")
+    lines.append(
+        f"hand-offs between workers: {h['sent']} sent, {h['routed']} routed, "
+        f"{h['drained']} opened by the parent at the end, {h['drain_expired']} "
+        "expired before that"
+    )
     lines.append(f"values verified: {report['values_verified']:,}")
     lines.append(f"corrupted reads: {report['corrupted_reads']}")
     for sample in report["corruption_samples"]:
         lines.append(f"  {sample}")
     leaked = report.get("blocks_leaked")
-    lines.append("blocks leaked: " + ("n/a (" + report.get("note", "") + ")" if leaked is None
-                                      else str(leaked)))
+    lines.append(
+        "blocks leaked: "
+        + ("n/a (" + report.get("note", "") + ")" if leaked is None else str(leaked))
+    )
     if "final_stats" in report:
         fs = report["final_stats"]
-        lines.append(f"  final: free {fs['free_blocks']} + cached {fs['cached_blocks']} of "
-                     f"{fs['num_blocks']}, referenced {fs['referenced_blocks']}, sequences "
-                     f"{fs['sequences']}, hand-offs {fs['handoffs']}, evictions "
-                     f"{fs['evictions']}, copy-on-write {fs['cow_copies']}, expired hand-offs "
-                     f"{fs['expired_handoffs']}, dropped connections "
-                     f"{fs['dropped_connections']}")
+        lines.append(
+            f"  final: free {fs['free_blocks']} + cached {fs['cached_blocks']} of "
+            f"{fs['num_blocks']}, referenced {fs['referenced_blocks']}, sequences "
+            f"{fs['sequences']}, hand-offs {fs['handoffs']}, evictions "
+            f"{fs['evictions']}, copy-on-write {fs['cow_copies']}, expired hand-offs "
+            f"{fs['expired_handoffs']}, dropped connections "
+            f"{fs['dropped_connections']}"
+        )
     for tier in report.get("tiers") or []:
-        lines.append(f"  tier {tier['tier']}: {tier.get('blocks', 0)} blocks, "
-                     f"{tier.get('demotions', 0)} demotions, {tier.get('promotions', 0)} "
-                     f"promotions, {tier.get('dropped', 0)} dropped, "
-                     f"{tier.get('errors', 0)} errors")
+        lines.append(
+            f"  tier {tier['tier']}: {tier.get('blocks', 0)} blocks, "
+            f"{tier.get('demotions', 0)} demotions, {tier.get('promotions', 0)} "
+            f"promotions, {tier.get('dropped', 0)} dropped, "
+            f"{tier.get('errors', 0)} errors"
+        )
     for label, check in report.get("prefix_checks", {}).items():
-        lines.append(f"prefixes read back ({label}): {check['prefixes']}, "
-                     f"{check['hit_tokens']} tokens hit, {check['corrupted']} corrupted")
-    lines.append(f"/dev/shm entries left: {len(report['shm_entries_left'])}"
-                 + (f" {report['shm_entries_left']}" if report["shm_entries_left"] else ""))
+        lines.append(
+            f"prefixes read back ({label}): {check['prefixes']}, "
+            f"{check['hit_tokens']} tokens hit, {check['corrupted']} corrupted"
+        )
+    lines.append(
+        f"/dev/shm entries left: {len(report['shm_entries_left'])}"
+        + (f" {report['shm_entries_left']}" if report["shm_entries_left"] else "")
+    )
     lines.append(f"socket file left: {report['socket_left']}")
     if "coordinator_kill" in report:
         ck = report["coordinator_kill"]
         det = ck["detect_s_max"]
-        lines.append(f"coordinator SIGKILLed: {ck['workers_saw_gone']} workers saw "
-                     f"CoordinatorGone (missing: {ck['workers_missing'] or 'none'}), "
-                     f"detection p50 {ck['detect_s_p50'] or 0:.3f} s, max "
-                     f"{det if det is not None else float('nan'):.3f} s, in ops "
-                     f"{ck['ops_seen_in']}; valid handles after: "
-                     f"{ck['valid_handles_after_gone']}")
-        lines.append(f"  parent client saw CoordinatorGone: {ck.get('parent_client_saw_gone')}"
-                     f"; stale socket: {ck.get('stale_socket')}; new coordinator on the "
-                     f"same name: {ck.get('restart')}; its socket removed at stop: "
-                     f"{ck.get('socket_removed_after_stop')}")
+        lines.append(
+            f"coordinator SIGKILLed: {ck['workers_saw_gone']} workers saw "
+            f"CoordinatorGone (missing: {ck['workers_missing'] or 'none'}), "
+            f"detection p50 {ck['detect_s_p50'] or 0:.3f} s, max "
+            f"{det if det is not None else float('nan'):.3f} s, in ops "
+            f"{ck['ops_seen_in']}; valid handles after: "
+            f"{ck['valid_handles_after_gone']}"
+        )
+        lines.append(
+            f"  parent client saw CoordinatorGone: {ck.get('parent_client_saw_gone')}"
+            f"; stale socket: {ck.get('stale_socket')}; new coordinator on the "
+            f"same name: {ck.get('restart')}; its socket removed at stop: "
+            f"{ck.get('socket_removed_after_stop')}"
+        )
     if report["worker_crashes"] or report["unexpected_exits"]:
         lines += ["worker crashes:"] + [f"  {c}" for c in report["worker_crashes"]]
         lines += [f"  {c}" for c in report["unexpected_exits"]]
@@ -1020,61 +1151,122 @@ def add_parser(sub) -> None:
         positive_float,
         positive_int,
     )
+
     p = sub.add_parser("stress", help="many processes, random ops, kills; everything verified")
-    p.add_argument("--workers", type=positive_int, default=8,
-                   help="worker processes doing random operations")
-    p.add_argument("--duration", type=positive_float, default=None,
-                   help="seconds to run (default 30, or until --ops are done)")
-    p.add_argument("--ops", type=positive_int, default=None,
-                   help="operations to run in all workers together (instead of --duration)")
-    p.add_argument("--kill-rate", type=non_negative_float, default=0.0,
-                   help="SIGKILL this many random workers per second, and restart them "
-                        "(kills per second)")
-    p.add_argument("--kill-coordinator", action="store_true",
-                   help="SIGKILL the coordinator partway; every worker must see "
-                        "CoordinatorGone")
-    p.add_argument("--kill-coordinator-at", type=fraction, default=0.5,
-                   help="when to kill it, as a fraction of --duration (0-1)")
-    p.add_argument("--gone-deadline", type=positive_float, default=2.0,
-                   help="seconds within which workers must see CoordinatorGone")
-    p.add_argument("--tiers", action="store_true",
-                   help="a host-memory tier (a quarter of the pool) and a disk tier (four "
-                        "times the pool) under the pool, with more shared prefixes than it "
-                        "holds: hits are promoted while others demote")
-    p.add_argument("--tier-dir", type=path_arg, default=None, metavar="DIR",
-                   help="the disk tier's directory with --tiers (default: a temporary one, "
-                        "removed at the end)")
-    p.add_argument("--redis", default=None, metavar="URL",
-                   help="the Redis/Valkey store under the pool (redis://host:6379/0); at "
-                        "the end a second coordinator reads every prefix from it")
-    p.add_argument("--json", type=path_arg, default=None, metavar="PATH",
-                   help="write the report here")
-    p.add_argument("--name", type=name_arg, default=None,
-                   help="coordinator name (default stress-PID)")
-    p.add_argument("--seed", type=non_negative_int, default=0,
-                   help="random seed of the operation mix (the same seed, the same plan)")
+    p.add_argument(
+        "--workers", type=positive_int, default=8, help="worker processes doing random operations"
+    )
+    p.add_argument(
+        "--duration",
+        type=positive_float,
+        default=None,
+        help="seconds to run (default 30, or until --ops are done)",
+    )
+    p.add_argument(
+        "--ops",
+        type=positive_int,
+        default=None,
+        help="operations to run in all workers together (instead of --duration)",
+    )
+    p.add_argument(
+        "--kill-rate",
+        type=non_negative_float,
+        default=0.0,
+        help="SIGKILL this many random workers per second, and restart them (kills per second)",
+    )
+    p.add_argument(
+        "--kill-coordinator",
+        action="store_true",
+        help="SIGKILL the coordinator partway; every worker must see CoordinatorGone",
+    )
+    p.add_argument(
+        "--kill-coordinator-at",
+        type=fraction,
+        default=0.5,
+        help="when to kill it, as a fraction of --duration (0-1)",
+    )
+    p.add_argument(
+        "--gone-deadline",
+        type=positive_float,
+        default=2.0,
+        help="seconds within which workers must see CoordinatorGone",
+    )
+    p.add_argument(
+        "--tiers",
+        action="store_true",
+        help="a host-memory tier (a quarter of the pool) and a disk tier (four "
+        "times the pool) under the pool, with more shared prefixes than it "
+        "holds: hits are promoted while others demote",
+    )
+    p.add_argument(
+        "--tier-dir",
+        type=path_arg,
+        default=None,
+        metavar="DIR",
+        help="the disk tier's directory with --tiers (default: a temporary one, "
+        "removed at the end)",
+    )
+    p.add_argument(
+        "--redis",
+        default=None,
+        metavar="URL",
+        help="the Redis/Valkey store under the pool (redis://host:6379/0); at "
+        "the end a second coordinator reads every prefix from it",
+    )
+    p.add_argument(
+        "--json", type=path_arg, default=None, metavar="PATH", help="write the report here"
+    )
+    p.add_argument(
+        "--name", type=name_arg, default=None, help="coordinator name (default stress-PID)"
+    )
+    p.add_argument(
+        "--seed",
+        type=non_negative_int,
+        default=0,
+        help="random seed of the operation mix (the same seed, the same plan)",
+    )
     p.add_argument("--num-blocks", type=positive_int, default=256, help="blocks in the pool")
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
     p.add_argument("--num-layers", type=positive_int, default=4, help="layers per block")
     p.add_argument("--num-kv-heads", type=positive_int, default=4, help="key/value heads")
     p.add_argument("--head-dim", type=positive_int, default=16, help="elements per head")
-    p.add_argument("--dtype", default="float32", choices=sorted(_MODULUS),
-                   help="pool element type")
-    p.add_argument("--max-seqs", type=positive_int, default=12,
-                   help="live sequences per worker at most")
-    p.add_argument("--max-tokens", type=positive_int, default=256,
-                   help="tokens per sequence at most")
-    p.add_argument("--handoff-ttl", type=positive_float, default=5.0,
-                   help="seconds a hand-off token lives before it expires")
-    p.add_argument("--client-timeout", type=positive_float, default=30.0,
-                   help="seconds a client waits for any answer of the coordinator")
-    p.add_argument("--start-timeout", type=positive_float, default=120.0,
-                   help="seconds the workers have to start and connect")
-    p.add_argument("--stop-timeout", type=positive_float, default=30.0,
-                   help="seconds the workers have to finish and report at the end")
-    p.add_argument("--quiet", action="store_true",
-                   help="no progress bar or status lines on stderr (the bar is shown only "
-                        "on a terminal anyway)")
+    p.add_argument("--dtype", default="float32", choices=sorted(_MODULUS), help="pool element type")
+    p.add_argument(
+        "--max-seqs", type=positive_int, default=12, help="live sequences per worker at most"
+    )
+    p.add_argument(
+        "--max-tokens", type=positive_int, default=256, help="tokens per sequence at most"
+    )
+    p.add_argument(
+        "--handoff-ttl",
+        type=positive_float,
+        default=5.0,
+        help="seconds a hand-off token lives before it expires",
+    )
+    p.add_argument(
+        "--client-timeout",
+        type=positive_float,
+        default=30.0,
+        help="seconds a client waits for any answer of the coordinator",
+    )
+    p.add_argument(
+        "--start-timeout",
+        type=positive_float,
+        default=120.0,
+        help="seconds the workers have to start and connect",
+    )
+    p.add_argument(
+        "--stop-timeout",
+        type=positive_float,
+        default=30.0,
+        help="seconds the workers have to finish and report at the end",
+    )
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress bar or status lines on stderr (the bar is shown only "
+        "on a terminal anyway)",
+    )
     p.set_defaults(func=_cmd)
 
 
@@ -1090,6 +1282,7 @@ def _cmd(args) -> int:
     if args.redis:
         from ..errors import ShmkvError
         from ..remote import RedisTier
+
         try:
             RedisTier(args.redis)
         except (ShmkvError, ValueError, TypeError) as exc:

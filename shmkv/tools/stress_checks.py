@@ -21,7 +21,7 @@ import tempfile
 import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Union
 
-if TYPE_CHECKING:   # (the library is imported by the run, not by the command line)
+if TYPE_CHECKING:  # (the library is imported by the run, not by the command line)
     from ..client import Client
     from ..remote import RedisTier
     from ..tiers import DiskTier, HostTier
@@ -30,16 +30,16 @@ TOKEN_TAG_BASE = 1 << 30
 # Values must be exact in the pool dtype: integers below 2**(mantissa bits + 1).
 _MODULUS = {"float32": 65521, "float64": 65521, "float16": 2039, "bfloat16": 251}
 _NUM_PREFIXES = 4
-_NUM_PREFIXES_TIERED = 24   # with tiers: more shared prefix blocks than the pool holds
+_NUM_PREFIXES_TIERED = 24  # with tiers: more shared prefix blocks than the pool holds
 
 
-def expected_kv(tags: List[int], start: int, num_layers: int, num_heads: int, head_dim: int,
-                dtype):
+def expected_kv(tags: List[int], start: int, num_layers: int, num_heads: int, head_dim: int, dtype):
     """K/V ``[num_layers, 2, len(tags), num_heads, head_dim]`` for positions from ``start``.
 
     Position ``start + i`` holds the values of tag ``tags[i]``.
     """
     import torch
+
     mod = _MODULUS[str(dtype).removeprefix("torch.")]
     tag = torch.tensor(tags, dtype=torch.int64)[None, None, :, None, None]
     pos = torch.arange(start, start + len(tags))[None, None, :, None, None]
@@ -47,8 +47,7 @@ def expected_kv(tags: List[int], start: int, num_layers: int, num_heads: int, he
     kv = torch.arange(2)[None, :, None, None, None]
     head = torch.arange(num_heads)[None, None, None, :, None]
     dim = torch.arange(head_dim)[None, None, None, None, :]
-    value = (tag * 40503 + pos * 9973 + layer * 7919 + kv * 104729 + head * 613
-             + dim * 31) % mod
+    value = (tag * 40503 + pos * 9973 + layer * 7919 + kv * 104729 + head * 613 + dim * 31) % mod
     return value.to(dtype)
 
 
@@ -70,17 +69,17 @@ class _Checks:
     reads and their samples are shared with the workers' reports.
     """
 
-    args: Any                        # the parsed command line
-    client: Optional[Client]         # the parent's client of the run's coordinator
+    args: Any  # the parsed command line
+    client: Optional[Client]  # the parent's client of the run's coordinator
     verified: int
     corrupted: int
     samples: List[str]
     handoffs: Dict[str, int]
-    pending_tokens: list             # hand-off tokens no worker has taken yet
+    pending_tokens: list  # hand-off tokens no worker has taken yet
 
     def __init__(self) -> None:
-        self.tier_dir: Optional[str] = None   # the disk tier's directory (with --tiers)
-        self.prefix_checks: Dict[str, dict] = {}   # the parent's reads of every prefix
+        self.tier_dir: Optional[str] = None  # the disk tier's directory (with --tiers)
+        self.prefix_checks: Dict[str, dict] = {}  # the parent's reads of every prefix
 
     # -- tiers and the store -------------------------------------------------------------
 
@@ -93,6 +92,7 @@ class _Checks:
         directory (four times the pool) with ``--tiers``, the store with ``--redis``."""
         from ..remote import RedisTier
         from ..tiers import DiskTier, HostTier
+
         a = self.args
         specs: List[Union[HostTier, DiskTier, RedisTier]] = []
         if a.tiers:
@@ -110,8 +110,12 @@ class _Checks:
         while True:
             stats = client.stats()
             io = stats.get("tier_io")
-            if io is None or not (io["pending"] or io["promotions_in_flight"]
-                                  or io.get("scanning") or io.get("redis_queued")):
+            if io is None or not (
+                io["pending"]
+                or io["promotions_in_flight"]
+                or io.get("scanning")
+                or io.get("redis_queued")
+            ):
                 return stats
             if time.monotonic() > deadline:
                 return stats
@@ -136,6 +140,7 @@ class _Checks:
         import torch
 
         from ..errors import PoolExhausted
+
         cfg = client.config
         out = {"prefixes": 0, "hit_tokens": 0, "corrupted": 0, "exhausted": 0}
         for index in range(self._num_prefixes()):
@@ -150,15 +155,23 @@ class _Checks:
                 out["prefixes"] += 1
                 out["hit_tokens"] += cached
                 if cached:
-                    want = expected_kv(token_tags(tokens[:cached]), 0, h.num_layers,
-                                       h.num_heads, h.head_dim, h.dtype)
+                    want = expected_kv(
+                        token_tags(tokens[:cached]),
+                        0,
+                        h.num_layers,
+                        h.num_heads,
+                        h.head_dim,
+                        h.dtype,
+                    )
                     got = h.gather_all()[:, :, :cached]
                     self.verified += want.numel()
                     if not torch.equal(got, want):
                         out["corrupted"] += 1
                         self.corrupted += 1
-                        self.samples.append(f"{label}: prefix {index} ({cached} cached "
-                                            "tokens) differs from what the workers wrote")
+                        self.samples.append(
+                            f"{label}: prefix {index} ({cached} cached "
+                            "tokens) differs from what the workers wrote"
+                        )
             finally:
                 h.close()
         self.prefix_checks[label] = out
@@ -169,15 +182,18 @@ class _Checks:
         from ..client import connect
         from ..coordinator import Coordinator
         from ..remote import RedisTier
-        node = Coordinator(config, name=f"{name}-node2",
-                           tiers=[RedisTier(self.args.redis, timeout=2.0)])
+
+        node = Coordinator(
+            config, name=f"{name}-node2", tiers=[RedisTier(self.args.redis, timeout=2.0)]
+        )
         node.start()
         try:
             with connect(node.address, timeout=self.args.client_timeout) as client:
                 self.check_prefixes(client, "store, read by a second coordinator")
                 stats = self._wait_tiers_idle(client)
-                self.prefix_checks["store, read by a second coordinator"]["store"] = \
-                    stats["tiers"][-1]
+                self.prefix_checks["store, read by a second coordinator"]["store"] = stats["tiers"][
+                    -1
+                ]
         finally:
             node.stop()
 
@@ -188,15 +204,15 @@ class _Checks:
         import torch
 
         from ..errors import HandoffError
-        assert self.client is not None   # (connected by _run)
+
+        assert self.client is not None  # (connected by _run)
         try:
             h = self.client.open(token)
         except HandoffError:
             self.handoffs["drain_expired"] += 1
             return
         self.handoffs["drained"] += 1
-        want = expected_kv(tags[:h.num_tokens], 0, h.num_layers, h.num_heads, h.head_dim,
-                           h.dtype)
+        want = expected_kv(tags[: h.num_tokens], 0, h.num_layers, h.num_heads, h.head_dim, h.dtype)
         got = h.gather_all()
         self.verified += want.numel()
         if not torch.equal(got, want):
@@ -210,20 +226,37 @@ class _Checks:
         for token, tags in pending:
             self._open_here(token, tags)
         deadline = time.monotonic() + self.args.handoff_ttl + 10.0
-        assert self.client is not None   # (connected by _run)
+        assert self.client is not None  # (connected by _run)
         stats = self.client.stats()
-        while (stats["handoffs"] or stats["referenced_blocks"] or stats["sequences"]) \
-                and time.monotonic() < deadline:
+        while (
+            stats["handoffs"] or stats["referenced_blocks"] or stats["sequences"]
+        ) and time.monotonic() < deadline:
             time.sleep(0.1)
             stats = self.client.stats()
-        keys = ("num_blocks", "free_blocks", "cached_blocks", "referenced_blocks",
-                "sequences", "handoffs", "connections", "evictions", "cow_copies",
-                "published_blocks", "expired_handoffs", "prefix_hit_tokens",
-                "prefix_miss_tokens", "ops", "dropped_connections")
+        keys = (
+            "num_blocks",
+            "free_blocks",
+            "cached_blocks",
+            "referenced_blocks",
+            "sequences",
+            "handoffs",
+            "connections",
+            "evictions",
+            "cow_copies",
+            "published_blocks",
+            "expired_handoffs",
+            "prefix_hit_tokens",
+            "prefix_miss_tokens",
+            "ops",
+            "dropped_connections",
+        )
         unaccounted = stats["num_blocks"] - stats["free_blocks"] - stats["cached_blocks"]
-        return {"blocks_leaked": max(unaccounted, stats["referenced_blocks"]),
-                "sequences_left": stats["sequences"], "handoffs_left": stats["handoffs"],
-                "final_stats": {k: stats.get(k) for k in keys}}
+        return {
+            "blocks_leaked": max(unaccounted, stats["referenced_blocks"]),
+            "sequences_left": stats["sequences"],
+            "handoffs_left": stats["handoffs"],
+            "final_stats": {k: stats.get(k) for k in keys},
+        }
 
     def _check_restart(self, config, name: str) -> dict:
         """After the coordinator's death: stale socket, fresh start (on the same tiers,
@@ -231,27 +264,32 @@ class _Checks:
         from ..client import connect
         from ..coordinator import Coordinator, default_address
         from ..errors import CoordinatorGone
-        out: Dict[str, object] = {"parent_client_saw_gone": False,
-                                  "stale_socket": os.path.exists(default_address(name))}
-        assert self.client is not None   # (connected by _run)
+
+        out: Dict[str, object] = {
+            "parent_client_saw_gone": False,
+            "stale_socket": os.path.exists(default_address(name)),
+        }
+        assert self.client is not None  # (connected by _run)
         try:
             self.client.stats()
         except CoordinatorGone:
             out["parent_client_saw_gone"] = True
         self.client.close()
         try:
-            coord = Coordinator.spawn(config, name=name,
-                                      tiers=self._tier_specs(config) or None)
+            coord = Coordinator.spawn(config, name=name, tiers=self._tier_specs(config) or None)
         except Exception as exc:
             out["restart"] = f"failed: {type(exc).__name__}: {exc}"
             return out
         try:
             with connect(coord.address, timeout=10) as client:
                 stats = client.stats()
-                out["restart"] = "ok" if stats["free_blocks"] == config.num_blocks else \
-                    f"unexpected stats {stats}"
+                out["restart"] = (
+                    "ok"
+                    if stats["free_blocks"] == config.num_blocks
+                    else f"unexpected stats {stats}"
+                )
                 if self.args.tiers or self.args.redis:
-                    self._wait_tiers_idle(client)   # the disk's index is scanned
+                    self._wait_tiers_idle(client)  # the disk's index is scanned
                     self.check_prefixes(client, "restarted coordinator's tiers")
         finally:
             coord.stop()
