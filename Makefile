@@ -3,9 +3,10 @@
 # The API reference and docs/ pages, nitpicky: a broken reference or link fails the build
 # (-E: every page read anew, so a reference broken by a change elsewhere is seen too).
 SPHINX = .venv/bin/python -m sphinx -E -W --keep-going -n -q -b html docs build/docs/html
-# Lint (ruff) over the tree and types (mypy) over shmkv/, as configured in pyproject.toml;
-# `make test` runs both before the suite, so that they fail fast.
+# Lint and format (ruff) over the tree and types (mypy) over shmkv/, as configured in
+# pyproject.toml; `make test` runs them before the suite, so that they fail fast.
 LINT = .venv/bin/ruff check --quiet
+FORMAT = .venv/bin/ruff format --check --quiet
 TYPECHECK = .venv/bin/python -m mypy
 
 demo:
@@ -14,12 +15,16 @@ demo:
 
 test:
 	./scripts/setup.sh test
+	$(LINT)
+	$(FORMAT)
+	$(TYPECHECK)
 	.venv/bin/python -m pytest -q
 	$(SPHINX)
 
 lint:
 	./scripts/setup.sh test
 	$(LINT)
+	$(FORMAT)
 
 typecheck:
 	./scripts/setup.sh test
