@@ -3,11 +3,9 @@ bytes. Whatever a peer sends, the coordinator answers with an error or drops onl
 connection, stays up, keeps serving another client unchanged, and its metadata is
 unchanged once the fuzzing connection is gone."""
 
-import os
 import random
 import socket
 import struct
-import sys
 import time
 
 import msgpack
@@ -17,9 +15,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import shmkv
 from shmkv import protocol
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
-from fuzz import frame, names_any, raw_connect  # noqa: E402  (one copy of the raw-socket helpers)
+from shmkv.tools.fuzz import frame, names_any, raw_connect  # (one copy of the raw-socket helpers)
 
 MAX_FRAME = 64 * 1024
 STATE_KEYS = (

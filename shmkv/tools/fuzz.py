@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Fuzz a live coordinator with structured requests and raw bytes; check it after every batch.
 
 The coordinator runs in its own process. A reference client holds written sequences
@@ -24,7 +23,8 @@ blocks referenced, sequences, hand-offs and connections exactly, and free + cach
 num_blocks - referenced (the fuzzer's own committed prompts may legitimately leave
 cached blocks behind).
 
-Prints a summary; exit status 1 on any failure.
+Prints a summary; exit status 1 on any failure. Run it as
+``python -m shmkv.tools.fuzz --inputs N`` (``--help`` for the options).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import socket
 import struct
 import sys
 import time
+from typing import Any, Dict, Optional
 
 import msgpack
 import torch
@@ -179,7 +180,7 @@ def exchange(sock: socket.socket, payload: bytes, what: str) -> list:
     except OSError:
         pass
     decoder = protocol.FrameDecoder(1 << 20)
-    frames = []
+    frames: list = []
     try:
         while True:
             data = sock.recv(1 << 16)
@@ -202,8 +203,8 @@ class Session:
 
     def __init__(self, address: str):
         self.address = address
-        self.sock = None
-        self.decoder = None
+        self.sock: Optional[socket.socket] = None
+        self.decoder = protocol.FrameDecoder(1 << 20)
         self.own_ids: list = []
         self.tokens: list = []
         self.reconnects = 0
@@ -224,13 +225,15 @@ class Session:
         """Send one request; returns its response, or None when the connection dropped
         without one (then the next call reconnects)."""
         self.ensure()
+        sock = self.sock
+        assert sock is not None  # (ensure connected it)
         try:
-            self.sock.sendall(payload)
+            sock.sendall(payload)
         except (BrokenPipeError, ConnectionResetError):
             pass
         try:
             while True:
-                data = self.sock.recv(1 << 16)
+                data = sock.recv(1 << 16)
                 if not data:
                     break
                 frames = list(self.decoder.feed(data))
@@ -242,7 +245,7 @@ class Session:
             pass
         except socket.timeout:
             raise Failure(f"{what}: no answer within 5 s") from None
-        self.sock.close()
+        sock.close()
         self.sock = None
         return None
 
@@ -400,7 +403,7 @@ class Gen:
         if name == "requests":
             reqs = []
             for _ in range(rng.randrange(4)):
-                req = {"num_tokens": rng.randrange(0, 30)}
+                req: Dict[str, Any] = {"num_tokens": rng.randrange(0, 30)}
                 if rng.random() < 0.5:
                     req["prompt"] = self.tokens()
                     req["num_tokens"] = rng.choice([0, len(req["prompt"]), 3])
@@ -475,10 +478,10 @@ class Gen:
             return "odd msgpack", frame(envelope), rng.random() < 0.9
         if kind == 5:
             envelope, _ = self.request()
-            body = bytearray(msgpack.packb(envelope, use_bin_type=True))
+            flipped = bytearray(msgpack.packb(envelope, use_bin_type=True))
             for _ in range(rng.randrange(1, 4)):
-                body[rng.randrange(len(body))] = rng.randrange(256)
-            return "bit-flipped request", struct.pack(">I", len(body)) + bytes(body), True
+                flipped[rng.randrange(len(flipped))] = rng.randrange(256)
+            return "bit-flipped request", struct.pack(">I", len(flipped)) + bytes(flipped), True
         if kind == 6:
             return "zero-length frame", struct.pack(">I", 0) + ping, True
         if kind == 7:
@@ -532,14 +535,14 @@ def run(args) -> int:
     session = Session(coord.address)
     gen = Gen(rng, ref, session)
     ref_ids = set(ref.cache_ids)
-    kinds = collections.Counter()
-    codes = collections.Counter()
+    kinds: collections.Counter = collections.Counter()
+    codes: collections.Counter = collections.Counter()
     code_names = {0: "ok", **{c: cls.__name__ for c, cls in protocol.ERROR_CODES.items()}}
     drops = 0
     silent_drops = 0
     batches = 0
     failure = None
-    recent = collections.deque(maxlen=5)
+    recent: collections.deque = collections.deque(maxlen=5)
     done = 0
     t0 = time.monotonic()
     try:
