@@ -1,10 +1,12 @@
 """The worker side: one connection to a coordinator and the pool mapped into this process.
 
-Owns the client socket (request ids, timeouts, detecting a gone coordinator), the
-handshake that maps the pool without copying, the batched operations of a
-scheduler step, and the per-process registry that lets pickled handles find a
-client when they are unpickled. Handles themselves are in ``shmkv.handle``, batches
-and steps in ``shmkv.batch``.
+Owns the client's user-facing API (allocating, extending, closing and opening handles,
+batches and steps, stats, KV scales), mapping the pool without copying from the
+handshake's descriptors, and the per-process registry that lets pickled handles find a
+client when they are unpickled. The socket itself (the handshake, the peer's uid,
+request ids, timeouts, requests sent without waiting, detecting a gone coordinator) is
+``shmkv.link``'s, a part :class:`Client` inherits. Handles themselves are in
+``shmkv.handle``, batches and steps in ``shmkv.batch``.
 
 Unpickling rule: a pickled handle is opened by a client of *the receiving process*
 for the same coordinator, so it gets the receiver's tensor-parallel rank, never the
@@ -23,49 +25,35 @@ from __future__ import annotations
 
 import contextlib
 import os
-import select
-import socket
-import struct
 import threading
 from array import array
-from typing import Any, ClassVar, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import ClassVar, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from . import protocol
 from .batch import Batch, Step
-from .errors import (
-    AccessDenied,
-    CoordinatorGone,
-    CoordinatorTimeout,
-    HandleClosed,
-    InvalidArgument,
-    LimitExceeded,
-    OutOfRange,
-    ProtocolError,
-    ShmkvError,
-    WrongType,
-)
+from .errors import HandleClosed, InvalidArgument, LimitExceeded, OutOfRange, WrongType
 from .handle import KvCacheHandle, SequenceView
 from .hashing import pack_tokens, packed_block_keys, root_key, token_list
 from .layout import PoolConfig
+from .link import _Link
 from .memory import PoolMemory, attach_pool
 from .tables import lock_free_reads
 
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_PICKLE_TTL = 300.0
-_RECV_SIZE = 1 << 18
-_MAX_POSTED_ERRORS = 64  # refusals of requests sent without waiting, kept for flush()
-_UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 
 
-class Client:
+class Client(_Link):
     """A connection to a coordinator, with its pool mapped zero copy.
 
     Use :func:`connect` to make one. Attributes: ``address``, ``config``
     (:class:`PoolConfig`), ``tp_rank`` / ``tp_size`` (None when this client sees all
     heads), ``pool`` (this client's 6-d view of the pool: its head shard under
-    tensor parallelism), ``timeout`` (seconds per request).
+    tensor parallelism), ``timeout`` (seconds per request). Its connection (requests,
+    :meth:`flush`, :meth:`posted_errors`, :meth:`check`, :meth:`is_alive`) is the part
+    in ``shmkv.link``.
     """
 
     def __init__(
@@ -102,18 +90,9 @@ class Client:
         self.name = name
         self.timeout = timeout
         self.pickle_ttl = pickle_ttl
-        self._lock = threading.Lock()
-        self._poll_lock = threading.Lock()
-        self._next_id = 1
-        self._decoder = protocol.FrameDecoder(protocol.DEFAULT_MAX_FRAME * 4)
-        self._pending: list = []
-        self._posted: dict = {}  # request id -> op, of requests sent without waiting
-        self._posted_errors: list = []
-        self._sock: Optional[socket.socket] = None
-        self._poll = select.poll()  # (registered with the socket by the handshake)
+        self._init_link()  # the socket and its requests: shmkv.link
         self._memory: Optional[PoolMemory] = None
         self._owns_memory = False
-        self._gone = False
         self._closed = False
         self._pid = os.getpid()
         self._handles: "set" = set()
@@ -126,49 +105,18 @@ class Client:
             raise
         _remember(self)
 
-    # -- connection ------------------------------------------------------------------------
+    # -- the pool, from the handshake --------------------------------------------------------
 
     def _handshake(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock = sock
-        sock.settimeout(self.timeout)
+        fds: List[int] = []  # the pool's descriptors, from the hello's answer
         try:
-            sock.connect(self._given_address)  # (the resolved path may be past 108 bytes)
-        except (FileNotFoundError, ConnectionRefusedError) as exc:
-            raise CoordinatorGone(f"no coordinator at {self.address} ({exc.strerror})") from None
-        self._check_peer(sock)  # before a byte is sent: the hello names this process
-        args: Dict[str, Any] = {"version": protocol.PROTOCOL_VERSION, "pid": os.getpid()}
-        if self.tp_rank is not None:
-            args.update(tp_rank=self.tp_rank, tp_size=self.tp_size)
-        if self.name is not None:
-            args["name"] = self.name
-        try:
-            sock.sendall(protocol.encode_request(0, "hello", args))
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # refused before the hello arrived: the reason waits below, to be read
-        fds: List[int] = []
-        response = None
-        try:
-            while response is None:
-                data, got, _flags, _addr = socket.recv_fds(sock, _RECV_SIZE, 4)
-                fds += got
-                if not data:
-                    raise CoordinatorGone(
-                        f"coordinator at {self.address} closed the connection during the handshake"
-                    )
-                for obj in self._decoder.feed(data):
-                    response = protocol.parse_response(obj)
-                    break
-            hello = response.unwrap()
+            hello = self._greet(fds)
             config = PoolConfig.from_wire(hello["pool"])
             self.config = config
             self.coordinator_pid = hello["coordinator_pid"]
             self.instance = hello["instance"]
             # Stay under the coordinator's limit, so pickling never fails on the ttl.
             self.pickle_ttl = min(self.pickle_ttl, float(hello["max_handoff_ttl"]))
-            # The largest request the coordinator reads: a larger one is split or refused
-            # here, before anything is sent.
-            self.max_frame = int(hello.get("max_frame", protocol.DEFAULT_MAX_FRAME))
             from .coordinator import LOCAL_POOLS
 
             local = LOCAL_POOLS.get(self._given_address) or next(
@@ -184,14 +132,6 @@ class Client:
                 owned, fds = fds, []  # attach_pool closes them, on failure too
                 self._memory = attach_pool(config, hello["memory"], owned)
                 self._owns_memory = True
-        except socket.timeout:
-            raise CoordinatorTimeout(
-                f"handshake with {self.address} timed out after {self.timeout} s"
-            ) from None
-        except ConnectionResetError:
-            raise CoordinatorGone(
-                f"coordinator at {self.address} reset the connection during the handshake"
-            ) from None
         finally:
             for fd in fds:
                 os.close(fd)
@@ -200,177 +140,8 @@ class Client:
         # Whether handles and steps read the shared tables lock-free, or ask (``rows``):
         # see ``shmkv.tables`` on memory ordering.
         self.lock_free = lock_free_reads()
-        self._poll.register(sock, select.POLLHUP | select.POLLERR)
 
-    def _check_peer(self, sock: socket.socket) -> None:
-        """Refuse a coordinator that runs as another uid (``SO_PEERCRED``, the uid the
-        listener was created under), unless it is ``trust_uid`` or root (which can read
-        this user's memory anyway). Whoever serves the socket gets every K/V this
-        client writes, so a socket planted by another user must not be used."""
-        _pid, uid, _gid = _UCRED.unpack(
-            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-        )
-        if uid not in (os.getuid(), 0, self.trust_uid):
-            raise AccessDenied(
-                f"the coordinator at {self.address} runs as uid {uid}, not as this user "
-                f"(uid {os.getuid()}); nothing was sent. Pass connect(..., trust_uid={uid}) "
-                "if that user is meant to hold this process's K/V"
-            )
-
-    def _hung_up(self) -> bool:
-        # A poll object may not be polled by two threads at once; the lock is uncontended
-        # in the common one-thread case.
-        with self._poll_lock:
-            if self._poll.poll(0):
-                self._gone = True
-        return self._gone
-
-    def is_alive(self) -> bool:
-        """False once the coordinator has hung up or this client was closed (no round trip)."""
-        if self._closed or self._gone:
-            return False
-        return not self._hung_up()
-
-    def check(self) -> None:
-        """Raise ``HandleClosed`` or ``CoordinatorGone`` unless the client is usable."""
-        if self._closed:
-            raise HandleClosed("client is closed")
-        if self._gone or (os.getpid() != self._pid) or self._hung_up():
-            raise CoordinatorGone(self._gone_message())
-
-    def _gone_message(self) -> str:
-        if os.getpid() != self._pid:
-            return (
-                "this client was made in another process (fork); connect again in this "
-                "process (use the spawn start method)"
-            )
-        return f"the coordinator at {self.address} is gone; its handles are no longer valid"
-
-    def request(self, op: str, **args):
-        """Send one request and wait for its result (raises the mapped error)."""
-        self.check()
-        sock = self._sock
-        assert sock is not None  # (connected by the handshake, never unset)
-        with self._lock:
-            try:
-                request_id = self._send(op, args)
-                while True:
-                    while self._pending:
-                        response = protocol.parse_response(self._pending.pop(0))
-                        if response.request_id == request_id:
-                            return response.unwrap()
-                        if response.request_id == -1:  # the coordinator dropped us
-                            self._gone = True
-                            response.unwrap()
-                        if self._posted:
-                            self._took_posted(response)
-                    data = sock.recv(_RECV_SIZE)
-                    if not data:
-                        self._gone = True
-                        raise CoordinatorGone(self._gone_message())
-                    self._pending.extend(self._decoder.feed(data))
-            except socket.timeout:
-                self._gone = True  # the stream is out of step now; stop using it
-                raise CoordinatorTimeout(f"{op} got no answer within {self.timeout} s") from None
-            except ProtocolError:
-                self._gone = True  # an undecodable answer: the stream cannot be trusted
-                raise
-            except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError):
-                self._gone = True
-                raise self._drop_reason() from None
-
-    def _post(self, op: str, **args) -> None:
-        """Send a request without waiting for its answer. The coordinator serves it
-        before any later request of this client; :meth:`request` takes its answer on the
-        way, and :meth:`flush` raises what it refused."""
-        self.check()
-        with self._lock:
-            try:
-                self._posted[self._send(op, args)] = op
-            except socket.timeout:
-                self._gone = True  # part of a frame may be out: the stream is out of step
-                raise CoordinatorTimeout(
-                    f"{op} could not be sent within {self.timeout} s"
-                ) from None
-            except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError):
-                self._gone = True
-                raise self._drop_reason() from None
-
-    def _send(self, op: str, args: dict) -> int:
-        """Send one request (holding ``_lock``); returns its id.
-
-        Raises:
-            LimitExceeded: the request is larger than the coordinator reads (nothing sent).
-        """
-        request_id = self._next_id
-        frame = protocol.encode_request(request_id, op, args)
-        if len(frame) - protocol.HEADER_SIZE > self.max_frame:
-            raise LimitExceeded(
-                f"{op} request of {len(frame) - protocol.HEADER_SIZE} bytes "
-                f"exceeds the coordinator's maximum frame of {self.max_frame} "
-                "bytes (nothing was sent); split it, or start the coordinator "
-                "with a larger max_frame"
-            )
-        self._next_id += 1
-        assert self._sock is not None  # (connected by the handshake, never unset)
-        self._sock.sendall(frame)
-        return request_id
-
-    def _took_posted(self, response) -> None:
-        """(Holding ``_lock``.) The answer to a request sent without waiting."""
-        op = self._posted.pop(response.request_id, None)
-        if op is not None and response.code and len(self._posted_errors) < _MAX_POSTED_ERRORS:
-            self._posted_errors.append(
-                (op, protocol.exception_for(response.code, response.message))
-            )
-
-    def posted_errors(self) -> List[Tuple[str, ShmkvError]]:
-        """The ``(op, error)`` of each request sent without waiting that the coordinator
-        refused, as answers came in so far (never waits; the list is emptied). At most
-        the first 64 are kept between two calls."""
-        with self._lock:
-            errors, self._posted_errors = self._posted_errors, []
-        return errors
-
-    def flush(self) -> None:
-        """Wait until the coordinator has served every request this client sent without
-        waiting (``close_many(..., wait=False)``); raise the first one it refused.
-
-        Raises:
-            ShmkvError: what the coordinator answered a request sent without waiting.
-        """
-        if self._posted:
-            self.request("ping")  # answered after everything sent before it
-        with self._lock:
-            errors, self._posted_errors = self._posted_errors, []
-        if errors:
-            op, exc = errors[0]
-            more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-            raise type(exc)(f"{op} (sent without waiting): {exc}{more}") from exc
-
-    def _drop_reason(self) -> Exception:
-        """Why the connection broke: the coordinator's last error frame if it sent one
-        before closing (an oversized request, say), else ``CoordinatorGone``."""
-        frames = list(self._pending)
-        sock = self._sock
-        assert sock is not None  # (connected by the handshake, never unset)
-        try:
-            sock.setblocking(False)
-            while True:
-                data = sock.recv(_RECV_SIZE)
-                if not data:
-                    break
-                frames.extend(self._decoder.feed(data))
-        except (OSError, ProtocolError):
-            pass
-        for obj in frames:
-            try:
-                response = protocol.parse_response(obj)
-            except ProtocolError:
-                continue
-            if response.request_id == -1 and response.code:
-                return protocol.exception_for(response.code, response.message)
-        return CoordinatorGone(self._gone_message())
+    # -- shared-table reads and ownership ----------------------------------------------------
 
     def _rows(self, slots, width: int, blocks=None) -> tuple:
         """Rows of the shared tables, read by the coordinator (for a client that may not
