@@ -970,9 +970,10 @@ class _Demotion:
     """How every block that becomes cached in the pool reaches a tier: its placement
     (a host slot, a disk write, or the backlog while neither has room, a prefix's first
     blocks first), the spills from host to disk, and the rescue of a block evicted
-    before its copy was done. Part of :class:`TierSet` (its state is TierSet's, made in
-    ``TierSet.__init__``); a copy's completion is checked there (``_complete``) against
-    the block's identity (``_still_holds``)."""
+    before its copy was done, and the completion of those copies (``_complete_demotions``:
+    published in a tier only if the block still held the key, ``_still_holds``). Part of
+    :class:`TierSet` (its state is TierSet's, made in ``TierSet.__init__``; TierSet's
+    ``_complete`` hands each finished job here or to :class:`_Promotions`)."""
 
     # TierSet's state the demotion side reads and writes (see TierSet.__init__).
     pool: Any
@@ -1254,8 +1255,240 @@ class _Demotion:
         if self.disk is not None and self.disk.index.get(key) is entry:
             self._disk_remove(key)
 
+    def _complete_demotions(self, copies: list) -> None:
+        """A job of demotion copies (or deletions) is back: publish each copy that
+        succeeded while its block still held the key (``_still_holds``) in its tier's
+        index, and release what the others reserved (their slot, room on disk, a pin).
+        A full disk pauses demotion to disk (``DISK_FULL_BACKOFF_S``)."""
+        host, disk = self.host, self.disk
+        entry: _Entry  # the tier entry a demotion's copy fills
+        for copy in copies:
+            op = copy.op
+            block = copy.block
+            if op == "p2h":
+                assert host is not None  # (a copy into the host tier)
+                if self._reading.get(block) is copy:
+                    del self._reading[block]
+                entry = copy.entry
+                held = self._still_holds(copy)
+                if copy.ok and held and not copy.cancelled and host.index.get(copy.key) is entry:
+                    entry.ready = True
+                    host.num_ready += 1
+                    host.counters["demotions"] += 1
+                    if disk is not None and disk.disabled is None and copy.key not in disk.index:
+                        self._spill[copy.key] = None
+                else:
+                    if copy.error is not None:
+                        host.counters["errors"] += 1
+                    if host.index.get(copy.key) is entry:
+                        del host.index[copy.key]
+                    host.free.append(entry.slot)
+            elif op == "p2s":  # a block on its way to disk: in its staging slot now
+                assert disk is not None and self._staging is not None  # (its copies)
+                if self._reading.get(block) is copy:
+                    del self._reading[block]
+                entry = copy.entry
+                held = self._still_holds(copy)
+                if copy.ok and held and not copy.cancelled and disk.index.get(copy.key) is entry:
+                    entry.staged = True  # out of the pool: safe from eviction
+                    self._new_disk.append(_Copy("s2d", copy.key, slot=copy.slot, entry=entry))
+                    continue  # (still a write in flight)
+                self._disk_in_flight -= 1
+                self._staging.free.append(copy.slot)
+                if copy.error is not None:
+                    disk.counters["errors"] += 1
+                if disk.index.get(copy.key) is entry:
+                    del disk.index[copy.key]
+                    disk.bytes -= disk.file_nbytes
+            elif op in ("h2d", "p2d", "s2d"):
+                assert disk is not None  # (a copy into the disk tier)
+                self._disk_in_flight -= 1
+                if op == "h2d":
+                    self._unpin(copy.src, copy.key)
+                elif op == "s2d":
+                    assert self._staging is not None  # (its slot)
+                    self._staging.free.append(copy.slot)
+                elif self._reading.get(block) is copy:
+                    del self._reading[block]
+                entry = copy.entry
+                mine = disk.index.get(copy.key) is entry
+                if op == "p2d" and not self._still_holds(copy):
+                    if copy.ok and not copy.cancelled and (mine or copy.key not in disk.index):
+                        self._new_disk.append(_Copy("del", copy.key))  # renamed in: remove
+                    copy.ok = False
+                if copy.ok and not copy.cancelled:
+                    if mine:
+                        entry.ready = True
+                        disk.num_ready += 1
+                        disk.counters["demotions"] += 1
+                    elif copy.key not in disk.index:  # forgotten while written: delete it
+                        self._new_disk.append(_Copy("del", copy.key))
+                    continue
+                if copy.enospc:
+                    disk.counters["full"] += 1
+                    now = time.monotonic()
+                    if now >= disk.full_until:  # once per pause, not once per block
+                        log.warning(
+                            "disk tier %s: filesystem full; demotion to disk pauses "
+                            "for %.0f s (nothing in the pool is lost)",
+                            disk.path,
+                            DISK_FULL_BACKOFF_S,
+                        )
+                    disk.full_until = now + DISK_FULL_BACKOFF_S
+                    # (an h2d copy is a spill from the host tier)
+                    if op == "h2d" and host is not None and host.index.get(copy.key) is copy.src:
+                        self._spill[copy.key] = None  # still in host memory: try again later
+                elif copy.error is not None:
+                    disk.counters["errors"] += 1
+                    log.warning("disk tier %s: writing a block failed: %s", disk.path, copy.error)
+                if mine:
+                    del disk.index[copy.key]
+                    disk.bytes -= disk.file_nbytes
+            elif op == "del" and copy.error is not None:
+                assert disk is not None  # (a file of the disk tier)
+                disk.counters["errors"] += 1
 
-class TierSet(_Demotion):
+
+class _Promotions(_Demotion):
+    """How blocks come back up from a tier: which leading keys of a prompt a tier can
+    serve (:meth:`lookup`), the promotion of a request's blocks into fresh pool blocks
+    (:meth:`promote`: its columns, the entries it reads and pins, the hits counted, one
+    job handed to the workers), and its completion (:meth:`_take_promotion`,
+    :meth:`_complete_promotion`: counted, sources unpinned, a damaged block file
+    removed, each record finished against the sequence table up to its first failed
+    copy). Part of :class:`TierSet`, building on :class:`_Demotion` (entries are
+    unpinned and removed there); its state is TierSet's, made in ``TierSet.__init__``,
+    and where the job runs (threads or the I/O process) is TierSet's (``_send``)."""
+
+    # TierSet's state the promotion side reads and writes (see TierSet.__init__).
+    table: Any
+    num_promotions_in_flight: int
+    _proc: Optional[_IoProcess]
+    _send: Callable[[int, _Job], None]
+
+    def lookup(self, keys) -> int:
+        """How many leading ``keys`` a tier can serve now (a pure index lookup)."""
+        host = self.host.index if self.host is not None else {}
+        disk = self.disk.index if self.disk is not None and self.disk.same_scales() else {}
+        num = 0
+        for key in keys:
+            entry = host.get(key)
+            if entry is None or not entry.ready:
+                entry = disk.get(key)
+                if entry is None or not entry.ready:
+                    break
+            num += 1
+        return num
+
+    def promote(self, records: list) -> Promotion:
+        """Start copying the blocks of ``records`` (``shmkv.sequences.PendingPromotion``)
+        into their fresh pool blocks; :meth:`tick` returns the promotion when done."""
+        promo = Promotion(records)
+        host = self.host.index if self.host is not None else None
+        disk = self.disk.index if self.disk is not None else None
+        ops, slots, srcs = promo.ops, promo.slots, promo.srcs
+        num_disk = 0
+        for record in records:
+            promo.row_lens.append(len(record.keys))
+            promo.blocks += record.blocks
+            promo.keys += record.keys
+            for key in record.keys:
+                if host is not None and (entry := host.get(key)) is not None and entry.ready:
+                    ops.append(OP_H2P)
+                    slots.append(entry.slot)
+                    host.move_to_end(key)
+                else:
+                    slots.append(-1)
+                    # (no entry: cannot happen after lookup())
+                    if disk is None or (entry := disk.get(key)) is None or not entry.ready:
+                        ops.append(OP_NONE)
+                        srcs.append(None)
+                        continue
+                    ops.append(OP_D2P)
+                    disk.move_to_end(key)
+                    num_disk += 1
+                entry.pins += 1
+                srcs.append(entry)
+        promo.num_host = len(ops) - num_disk - ops.count(OP_NONE)
+        if promo.num_host:
+            assert self.host is not None  # (its entries were read)
+            self.host.counters["hits"] += promo.num_host
+        if num_disk:
+            assert self.disk is not None  # (its entries were read)
+            self.disk.counters["hits"] += num_disk
+        # One job: workers take its copies one at a time, so reads and checksums of one
+        # request still run in parallel, and the loop takes back one completion.
+        self.num_promotions_in_flight += 1
+        if self._proc is not None:
+            self._send(PROMOTE, _Job(None, promo, num_copies=len(ops)))
+        else:
+            self._send(PROMOTE, _Job(promo.copies(), promo))
+        return promo
+
+    def _take_promotion(self, job: _Job) -> Promotion:
+        """A promotion's job is back: its outcomes (one status a copy, from the I/O
+        process's completion or from its copies in threads) are applied by
+        :meth:`_complete_promotion`. Returns the promotion, finished."""
+        promo = job.promotion
+        statuses, errors = job.statuses, job.errors
+        if statuses is None:  # it ran in threads: the outcomes are on its copies
+            copies = job.copies
+            assert copies is not None
+            statuses = bytes(tier_io.status_of(c) for c in copies)
+            errors = {i: c.error for i, c in enumerate(copies) if c.error is not None}
+        assert errors is not None  # (the I/O process's completion sets both)
+        self._complete_promotion(promo, statuses, errors)
+        return promo
+
+    def _complete_promotion(self, promo: Promotion, statuses: bytes, errors: dict) -> None:
+        """A promotion's copies are done (``statuses``: one ``tier_io`` status a copy):
+        count them, unpin their sources, and publish each record's blocks up to its
+        first copy that failed."""
+        self.num_promotions_in_flight -= 1
+        host, disk = self.host, self.disk
+        srcs = promo.srcs
+        if statuses.count(OK) == len(statuses):  # the common case: every block is in
+            num_disk = len(statuses) - promo.num_host
+            if promo.num_host:
+                assert host is not None  # (its entries were read)
+                host.counters["promotions"] += promo.num_host
+            if num_disk:
+                assert disk is not None  # (its entries were read)
+                disk.counters["promotions"] += num_disk
+            for entry, key in zip(srcs, promo.keys):
+                entry.pins -= 1
+                if entry.doomed and not entry.pins:
+                    self._unpin_doomed(entry, key)
+        else:
+            for i, (entry, key, status) in enumerate(zip(srcs, promo.keys, statuses)):
+                if entry is None:  # nothing was read
+                    continue
+                store = host if promo.ops[i] == OP_H2P else disk
+                assert store is not None  # (the entry is the store's)
+                if status == OK:
+                    store.counters["promotions"] += 1
+                else:
+                    store.counters["errors"] += 1
+                    if status == DAMAGED:
+                        assert disk is not None  # (only a block file is found damaged)
+                        self._unready(store, entry)
+                        entry.doomed = True
+                        disk.counters["removed_damaged"] += 1
+                        log.warning(
+                            "disk tier %s: block %s not served and removed: %s",
+                            disk.path,
+                            key.hex(),
+                            errors.get(i, "damaged"),
+                        )
+                self._unpin(entry, key)
+        at, ok = 0, bytes([OK])
+        for record, length in zip(promo.records, promo.row_lens):
+            row = statuses[at : at + length]
+            self.table.finish_promotion(record, length - len(row.lstrip(ok)))
+            at += length
+
+
+class TierSet(_Promotions):
     """The tiers of one coordinator, their indexes, and where their copies run.
 
     Made by the coordinator at open. Everything here runs on the coordinator's loop
@@ -1265,6 +1498,11 @@ class TierSet(_Demotion):
     (a CUDA pool); see ``shmkv.tier_io``. Should the I/O process die, the copies it
     had fail (promotions end their hit there, demotions are not kept) and worker
     threads take over, with a warning.
+
+    Its parts: :class:`_Demotion` (blocks down a tier and their completions) and
+    :class:`_Promotions` (lookups, promotions and their completions). TierSet itself
+    opens the tiers, starts the copies' workers (threads or the I/O process), hands them
+    jobs and takes the finished ones back each turn, merges the disk scan, and closes.
 
     Args:
         specs: checked ``tiers=`` list (see :func:`check_specs`).
@@ -1426,66 +1664,7 @@ class TierSet(_Demotion):
             self._proc = None
             self._start_threads()
 
-    # -- loop side: lookups and promotions ------------------------------------------------
-
-    def lookup(self, keys) -> int:
-        """How many leading ``keys`` a tier can serve now (a pure index lookup)."""
-        host = self.host.index if self.host is not None else {}
-        disk = self.disk.index if self.disk is not None and self.disk.same_scales() else {}
-        num = 0
-        for key in keys:
-            entry = host.get(key)
-            if entry is None or not entry.ready:
-                entry = disk.get(key)
-                if entry is None or not entry.ready:
-                    break
-            num += 1
-        return num
-
-    def promote(self, records: list) -> Promotion:
-        """Start copying the blocks of ``records`` (``shmkv.sequences.PendingPromotion``)
-        into their fresh pool blocks; :meth:`tick` returns the promotion when done."""
-        promo = Promotion(records)
-        host = self.host.index if self.host is not None else None
-        disk = self.disk.index if self.disk is not None else None
-        ops, slots, srcs = promo.ops, promo.slots, promo.srcs
-        num_disk = 0
-        for record in records:
-            promo.row_lens.append(len(record.keys))
-            promo.blocks += record.blocks
-            promo.keys += record.keys
-            for key in record.keys:
-                if host is not None and (entry := host.get(key)) is not None and entry.ready:
-                    ops.append(OP_H2P)
-                    slots.append(entry.slot)
-                    host.move_to_end(key)
-                else:
-                    slots.append(-1)
-                    # (no entry: cannot happen after lookup())
-                    if disk is None or (entry := disk.get(key)) is None or not entry.ready:
-                        ops.append(OP_NONE)
-                        srcs.append(None)
-                        continue
-                    ops.append(OP_D2P)
-                    disk.move_to_end(key)
-                    num_disk += 1
-                entry.pins += 1
-                srcs.append(entry)
-        promo.num_host = len(ops) - num_disk - ops.count(OP_NONE)
-        if promo.num_host:
-            assert self.host is not None  # (its entries were read)
-            self.host.counters["hits"] += promo.num_host
-        if num_disk:
-            assert self.disk is not None  # (its entries were read)
-            self.disk.counters["hits"] += num_disk
-        # One job: workers take its copies one at a time, so reads and checksums of one
-        # request still run in parallel, and the loop takes back one completion.
-        self.num_promotions_in_flight += 1
-        if self._proc is not None:
-            self._send(PROMOTE, _Job(None, promo, num_copies=len(ops)))
-        else:
-            self._send(PROMOTE, _Job(promo.copies(), promo))
-        return promo
+    # -- loop side: handing jobs out and taking them back ------------------------------------
 
     def _send(self, queue: int, job: _Job) -> None:
         """Hand a job to the workers (threads or the I/O process); tick() takes it back."""
@@ -1495,8 +1674,6 @@ class TierSet(_Demotion):
         else:
             assert self._copier is not None  # (the threads run when no process does)
             self._copier.submit(queue, job)
-
-    # -- loop side: hooks from the pool ---------------------------------------------------
 
     # -- loop side: the turn ----------------------------------------------------------------
 
@@ -1609,153 +1786,11 @@ class TierSet(_Demotion):
 
     def _complete(self, job: _Job, finished: list) -> None:
         self._jobs_out -= 1
-        promo = job.promotion
-        copies = job.copies
-        if promo is not None:
-            statuses, errors = job.statuses, job.errors
-            if statuses is None:  # it ran in threads: the outcomes are on its copies
-                assert copies is not None
-                statuses = bytes(tier_io.status_of(c) for c in copies)
-                errors = {i: c.error for i, c in enumerate(copies) if c.error is not None}
-            assert errors is not None  # (the I/O process's completion sets both)
-            self._complete_promotion(promo, statuses, errors)
-            finished.append(promo)
-            return
-        assert copies is not None  # (only a promotion's job travels as columns)
-        host, disk = self.host, self.disk
-        entry: _Entry  # the tier entry a demotion's copy fills
-        for copy in copies:
-            op = copy.op
-            block = copy.block
-            if op == "p2h":
-                assert host is not None  # (a copy into the host tier)
-                if self._reading.get(block) is copy:
-                    del self._reading[block]
-                entry = copy.entry
-                held = self._still_holds(copy)
-                if copy.ok and held and not copy.cancelled and host.index.get(copy.key) is entry:
-                    entry.ready = True
-                    host.num_ready += 1
-                    host.counters["demotions"] += 1
-                    if disk is not None and disk.disabled is None and copy.key not in disk.index:
-                        self._spill[copy.key] = None
-                else:
-                    if copy.error is not None:
-                        host.counters["errors"] += 1
-                    if host.index.get(copy.key) is entry:
-                        del host.index[copy.key]
-                    host.free.append(entry.slot)
-            elif op == "p2s":  # a block on its way to disk: in its staging slot now
-                assert disk is not None and self._staging is not None  # (its copies)
-                if self._reading.get(block) is copy:
-                    del self._reading[block]
-                entry = copy.entry
-                held = self._still_holds(copy)
-                if copy.ok and held and not copy.cancelled and disk.index.get(copy.key) is entry:
-                    entry.staged = True  # out of the pool: safe from eviction
-                    self._new_disk.append(_Copy("s2d", copy.key, slot=copy.slot, entry=entry))
-                    continue  # (still a write in flight)
-                self._disk_in_flight -= 1
-                self._staging.free.append(copy.slot)
-                if copy.error is not None:
-                    disk.counters["errors"] += 1
-                if disk.index.get(copy.key) is entry:
-                    del disk.index[copy.key]
-                    disk.bytes -= disk.file_nbytes
-            elif op in ("h2d", "p2d", "s2d"):
-                assert disk is not None  # (a copy into the disk tier)
-                self._disk_in_flight -= 1
-                if op == "h2d":
-                    self._unpin(copy.src, copy.key)
-                elif op == "s2d":
-                    assert self._staging is not None  # (its slot)
-                    self._staging.free.append(copy.slot)
-                elif self._reading.get(block) is copy:
-                    del self._reading[block]
-                entry = copy.entry
-                mine = disk.index.get(copy.key) is entry
-                if op == "p2d" and not self._still_holds(copy):
-                    if copy.ok and not copy.cancelled and (mine or copy.key not in disk.index):
-                        self._new_disk.append(_Copy("del", copy.key))  # renamed in: remove
-                    copy.ok = False
-                if copy.ok and not copy.cancelled:
-                    if mine:
-                        entry.ready = True
-                        disk.num_ready += 1
-                        disk.counters["demotions"] += 1
-                    elif copy.key not in disk.index:  # forgotten while written: delete it
-                        self._new_disk.append(_Copy("del", copy.key))
-                    continue
-                if copy.enospc:
-                    disk.counters["full"] += 1
-                    now = time.monotonic()
-                    if now >= disk.full_until:  # once per pause, not once per block
-                        log.warning(
-                            "disk tier %s: filesystem full; demotion to disk pauses "
-                            "for %.0f s (nothing in the pool is lost)",
-                            disk.path,
-                            DISK_FULL_BACKOFF_S,
-                        )
-                    disk.full_until = now + DISK_FULL_BACKOFF_S
-                    # (an h2d copy is a spill from the host tier)
-                    if op == "h2d" and host is not None and host.index.get(copy.key) is copy.src:
-                        self._spill[copy.key] = None  # still in host memory: try again later
-                elif copy.error is not None:
-                    disk.counters["errors"] += 1
-                    log.warning("disk tier %s: writing a block failed: %s", disk.path, copy.error)
-                if mine:
-                    del disk.index[copy.key]
-                    disk.bytes -= disk.file_nbytes
-            elif op == "del" and copy.error is not None:
-                assert disk is not None  # (a file of the disk tier)
-                disk.counters["errors"] += 1
-
-    def _complete_promotion(self, promo: Promotion, statuses: bytes, errors: dict) -> None:
-        """A promotion's copies are done (``statuses``: one ``tier_io`` status a copy):
-        count them, unpin their sources, and publish each record's blocks up to its
-        first copy that failed."""
-        self.num_promotions_in_flight -= 1
-        host, disk = self.host, self.disk
-        srcs = promo.srcs
-        if statuses.count(OK) == len(statuses):  # the common case: every block is in
-            num_disk = len(statuses) - promo.num_host
-            if promo.num_host:
-                assert host is not None  # (its entries were read)
-                host.counters["promotions"] += promo.num_host
-            if num_disk:
-                assert disk is not None  # (its entries were read)
-                disk.counters["promotions"] += num_disk
-            for entry, key in zip(srcs, promo.keys):
-                entry.pins -= 1
-                if entry.doomed and not entry.pins:
-                    self._unpin_doomed(entry, key)
+        if job.promotion is not None:
+            finished.append(self._take_promotion(job))
         else:
-            for i, (entry, key, status) in enumerate(zip(srcs, promo.keys, statuses)):
-                if entry is None:  # nothing was read
-                    continue
-                store = host if promo.ops[i] == OP_H2P else disk
-                assert store is not None  # (the entry is the store's)
-                if status == OK:
-                    store.counters["promotions"] += 1
-                else:
-                    store.counters["errors"] += 1
-                    if status == DAMAGED:
-                        assert disk is not None  # (only a block file is found damaged)
-                        self._unready(store, entry)
-                        entry.doomed = True
-                        disk.counters["removed_damaged"] += 1
-                        log.warning(
-                            "disk tier %s: block %s not served and removed: %s",
-                            disk.path,
-                            key.hex(),
-                            errors.get(i, "damaged"),
-                        )
-                self._unpin(entry, key)
-        at, ok = 0, bytes([OK])
-        for record, length in zip(promo.records, promo.row_lens):
-            row = statuses[at : at + length]
-            self.table.finish_promotion(record, length - len(row.lstrip(ok)))
-            at += length
+            assert job.copies is not None  # (only a promotion's job travels as columns)
+            self._complete_demotions(job.copies)
 
     def _merge_scan(self) -> None:
         disk = self.disk
