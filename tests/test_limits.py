@@ -2,7 +2,9 @@
 and requests queued behind a promotion: each refused with a specific error, nothing
 changed, the connection kept."""
 
+import os
 import struct
+import time
 
 import msgpack
 import numpy as np
@@ -285,15 +287,56 @@ def test_an_oversized_frame_whose_header_arrives_alone_keeps_its_request_id():
 # -- requests queued behind a promotion (26.11) -----------------------------------------------
 
 
-def test_requests_held_behind_a_promotion_are_bounded_in_bytes(cfg, unique_name, monkeypatch):
-    import os
-    import selectors
-    import socket
-    import time
+class HeldConnection:
+    """A coordinator served by hand (no thread) with one greeted connection ``conn``
+    whose requests are being held, as while one of its promotions is copied in;
+    ``send`` writes frames from the client's end, ``read_until`` lets the loop read them
+    until ``n`` are held. ``MAX_HELD_BYTES`` is 8192 meanwhile."""
 
-    from shmkv import connections as connections
+    def __init__(self, cfg, name: str, monkeypatch):
+        import selectors
+        import socket
 
-    monkeypatch.setattr(connections, "MAX_HELD_BYTES", 8192)
+        from shmkv import connections
+
+        monkeypatch.setattr(connections, "MAX_HELD_BYTES", 8192)
+        self.coord = shmkv.Coordinator(cfg, name=name)
+        self.coord.open()
+        self.selector = selectors.DefaultSelector()
+        mine, self.theirs = socket.socketpair()
+        mine.setblocking(False)
+        self.conn = connections._Conn(mine, 7, os.getpid(), self.coord.max_frame)
+        self.conn.greeted = True
+        self.coord._conns[7] = self.conn
+        self.coord.table.add_connection(7)
+        self.selector.register(mine, selectors.EVENT_READ, self.conn)
+        self.conn.held = []
+        self.deadline = time.monotonic() + 10
+
+    def send(self, *frames: bytes) -> None:
+        self.theirs.sendall(b"".join(frames))
+
+    def read_until(self, n: int) -> None:
+        while len(self.conn.held) < n:
+            assert time.monotonic() < self.deadline, f"read {len(self.conn.held)} of {n} frames"
+            self.coord._on_readable(self.conn, self.selector)
+
+    def kinds(self) -> list:
+        return [type(obj).__name__ for obj, _ in self.conn.held]
+
+    def close(self) -> None:
+        self.selector.close()
+        self.theirs.close()
+        self.coord.close()
+
+
+def _allocate_frame(request_id: int) -> bytes:
+    prompt = protocol.pack_i64s(list(range(400)))  # 3.2 KB a request
+    return protocol.encode_request(request_id, "allocate", {"num_tokens": 0, "prompt": prompt})
+
+
+@pytest.fixture
+def held(unique_name, monkeypatch):
     cfg = shmkv.PoolConfig(
         num_layers=L,
         num_kv_heads=H,
@@ -303,116 +346,60 @@ def test_requests_held_behind_a_promotion_are_bounded_in_bytes(cfg, unique_name,
         dtype=torch.float32,
         max_sequences=16,
     )
-    coord = shmkv.Coordinator(cfg, name=unique_name)
-    coord.open()  # served by hand below: no thread
-    selector = selectors.DefaultSelector()
-    mine, theirs = socket.socketpair()
+    h = HeldConnection(cfg, unique_name, monkeypatch)
     try:
-        mine.setblocking(False)
-        conn = connections._Conn(mine, 7, os.getpid(), coord.max_frame)
-        conn.greeted = True
-        coord._conns[7] = conn
-        coord.table.add_connection(7)
-        selector.register(mine, selectors.EVENT_READ, conn)
-        conn.held = []  # as while its promotion is copied in
-        prompt = protocol.pack_i64s(list(range(400)))  # 3.2 KB a request
-        frames = [
-            protocol.encode_request(100 + i, "allocate", {"num_tokens": 0, "prompt": prompt})
-            for i in range(4)
-        ]
-        theirs.sendall(b"".join(frames) + protocol.encode_request(200, "ping"))
-        deadline = time.monotonic() + 10
-        while len(conn.held) < 5:
-            assert time.monotonic() < deadline, f"read {len(conn.held)} of 5 frames"
-            coord._on_readable(conn, selector)
-        assert 0 < conn.held_bytes <= 8192
-        kinds = [type(obj).__name__ for obj, _ in conn.held]
-        assert kinds == ["list", "list", "_Refused", "_Refused", "list"], kinds
-        assert "the limit is 8192" in str(conn.held[2][0].error)
-        assert conn.held_bytes == sum(size for _, size in conn.held)
-        coord._answer_held(conn)  # the wait ends: answered in order
-        coord._flush(conn, selector)
-        decoder, answers = protocol.FrameDecoder(), []
-        theirs.settimeout(5)
-        while len(answers) < 5:
-            answers += [protocol.parse_response(o) for o in decoder.feed(theirs.recv(1 << 16))]
-        assert [(a.request_id, a.code) for a in answers] == [
-            (100, 0),
-            (101, 0),
-            (102, 9),
-            (103, 9),
-            (200, 0),
-        ]
-        assert 7 in coord._conns  # the connection stays
-        assert coord.table.num_sequences == 2
-        coord.table.check_invariants()
+        yield h
     finally:
-        selector.close()
-        theirs.close()
-        coord.close()
+        h.close()
 
 
-def test_requests_held_again_behind_a_second_promotion_count_again(cfg, unique_name, monkeypatch):
+def test_requests_held_behind_a_promotion_are_bounded_in_bytes(held):
+    coord, conn = held.coord, held.conn
+    held.send(*[_allocate_frame(100 + i) for i in range(4)], protocol.encode_request(200, "ping"))
+    held.read_until(5)
+    assert 0 < conn.held_bytes <= 8192
+    assert held.kinds() == ["list", "list", "_Refused", "_Refused", "list"]
+    assert "the limit is 8192" in str(conn.held[2][0].error)
+    assert conn.held_bytes == sum(size for _, size in conn.held)
+    coord._answer_held(conn)  # the wait ends: answered in order
+    coord._flush(conn, held.selector)
+    decoder, answers = protocol.FrameDecoder(), []
+    held.theirs.settimeout(5)
+    while len(answers) < 5:
+        answers += [protocol.parse_response(o) for o in decoder.feed(held.theirs.recv(1 << 16))]
+    assert [(a.request_id, a.code) for a in answers] == [
+        (100, 0),
+        (101, 0),
+        (102, 9),
+        (103, 9),
+        (200, 0),
+    ]
+    assert 7 in coord._conns  # the connection stays
+    assert coord.table.num_sequences == 2
+    coord.table.check_invariants()
+
+
+def test_requests_held_again_behind_a_second_promotion_count_again(held, monkeypatch):
     """A held request that itself waits for a tier holds the rest once more: their bytes
     stay counted, so what arrives meanwhile is bounded by the same MAX_HELD_BYTES."""
-    import os
-    import selectors
-    import socket
-    import time
+    coord, conn = held.coord, held.conn
+    held.send(_allocate_frame(100), _allocate_frame(101))
+    held.read_until(2)
+    handle = coord._handle
 
-    from shmkv import connections as connections
+    def waits_again(c, obj):  # request 100 waits for a tier too
+        handle(c, obj)
+        if protocol.request_id_of(obj) == 100:
+            c.held = []
 
-    monkeypatch.setattr(connections, "MAX_HELD_BYTES", 8192)
-    coord = shmkv.Coordinator(cfg, name=unique_name)
-    coord.open()
-    selector = selectors.DefaultSelector()
-    mine, theirs = socket.socketpair()
-    try:
-        mine.setblocking(False)
-        conn = connections._Conn(mine, 7, os.getpid(), coord.max_frame)
-        conn.greeted = True
-        coord._conns[7] = conn
-        coord.table.add_connection(7)
-        selector.register(mine, selectors.EVENT_READ, conn)
-        conn.held = []
-        prompt = protocol.pack_i64s(list(range(400)))  # 3.2 KB a request
-        theirs.sendall(
-            b"".join(
-                protocol.encode_request(100 + i, "allocate", {"num_tokens": 0, "prompt": prompt})
-                for i in range(2)
-            )
-        )
-        deadline = time.monotonic() + 10
-        while len(conn.held) < 2:
-            assert time.monotonic() < deadline
-            coord._on_readable(conn, selector)
-        handle = coord._handle
-
-        def waits_again(c, obj):  # request 100 waits for a tier too
-            handle(c, obj)
-            if protocol.request_id_of(obj) == 100:
-                c.held = []
-
-        monkeypatch.setattr(coord, "_handle", waits_again)
-        coord._answer_held(conn)
-        assert [protocol.request_id_of(obj) for obj, _ in conn.held] == [101]
-        assert conn.held_bytes == conn.held[0][1] > 3000  # still counted
-        theirs.sendall(
-            b"".join(
-                protocol.encode_request(102 + i, "allocate", {"num_tokens": 0, "prompt": prompt})
-                for i in range(2)
-            )
-        )
-        while len(conn.held) < 3:
-            assert time.monotonic() < deadline
-            coord._on_readable(conn, selector)
-        kinds = [type(obj).__name__ for obj, _ in conn.held]
-        assert kinds == ["list", "list", "_Refused"], kinds  # 3 x 3.2 KB > 8 KiB
-        assert conn.held_bytes <= 8192
-    finally:
-        selector.close()
-        theirs.close()
-        coord.close()
+    monkeypatch.setattr(coord, "_handle", waits_again)
+    coord._answer_held(conn)
+    assert [protocol.request_id_of(obj) for obj, _ in conn.held] == [101]
+    assert conn.held_bytes == conn.held[0][1] > 3000  # still counted
+    held.send(_allocate_frame(102), _allocate_frame(103))
+    held.read_until(3)
+    assert held.kinds() == ["list", "list", "_Refused"]  # 3 x 3.2 KB > 8 KiB
+    assert conn.held_bytes <= 8192
 
 
 # -- memory ordering off x86 (26.17): the round-trip fallback -----------------------------------

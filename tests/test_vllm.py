@@ -388,45 +388,59 @@ def test_a_pool_block_size_that_does_not_divide_vllms_is_refused(
             )
 
 
+HEADS, DIM, LAYERS = 2, 32, 2  # the pool_config() model's
+
+
+def _worker(connector, model_path, address: str, layout: str):
+    """A worker-side connector over zeroed vLLM caches of 16 blocks in ``layout``, one
+    per layer; returns it and the caches by layer name."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    nb = 16
+    shapes = {
+        "cpu": (nb, HEADS, BLOCK, 2 * DIM),
+        "split": (nb, HEADS, BLOCK, 2 * DIM),
+        "flash": (2, nb, BLOCK, HEADS, DIM),
+    }
+    w = connector.ShmkvConnector(
+        _vllm_config(model_path, address=address, **{"shmkv.kv_layout": layout}),
+        KVConnectorRole.WORKER,
+        None,
+    )
+    caches = {
+        f"model.layers.{i}.self_attn.attn": torch.zeros(shapes[layout]) for i in range(LAYERS)
+    }
+    w.register_kv_caches(caches)
+    return w, caches
+
+
+def _written(client, toks, g):
+    """A committed sequence of ``toks`` with random K/V in every layer."""
+    h = client.allocate(prompt=toks)
+    for layer in range(LAYERS):
+        k, v = (torch.randn(len(toks), HEADS, DIM, generator=g) for _ in range(2))
+        h.write(layer, k, v, start=0)
+    h.commit()
+    return h
+
+
 @pytest.mark.parametrize("layout", ["cpu", "split", "flash"])
 def test_worker_copies_whole_blocks_both_ways_in_each_layout(
     model_path, unique_name, layout, connector
 ):
     """The worker's load and save paths on each of vLLM's paged layouts (the CUDA ones
     on CPU tensors here): what is loaded equals the pool's bytes, what is saved too."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    nb, heads, dim, layers = 16, 2, 32, 2
-    shapes = {
-        "cpu": (nb, heads, BLOCK, 2 * dim),
-        "split": (nb, heads, BLOCK, 2 * dim),
-        "flash": (2, nb, BLOCK, heads, dim),
-    }
+    heads, dim, layers = HEADS, DIM, LAYERS
     with (
         shmkv.Coordinator(pool_config(256), name=unique_name) as coord,
         shmkv.connect(coord.address) as client,
     ):
-        w = connector.ShmkvConnector(
-            _vllm_config(model_path, address=coord.address, **{"shmkv.kv_layout": layout}),
-            KVConnectorRole.WORKER,
-            None,
-        )
-        caches = {
-            f"model.layers.{i}.self_attn.attn": torch.zeros(shapes[layout]) for i in range(layers)
-        }
-        w.register_kv_caches(caches)
+        w, caches = _worker(connector, model_path, coord.address, layout)
         g = torch.Generator().manual_seed(1)
         # load: a committed prefix of 2 vLLM blocks -> vLLM blocks 5 and 3
         toks = prompt(11, 2 * BLOCK)
-        h = client.allocate(prompt=toks)
-        for layer in range(layers):
-            h.write(
-                layer,
-                torch.randn(2 * BLOCK, heads, dim, generator=g),
-                torch.randn(2 * BLOCK, heads, dim, generator=g),
-                start=0,
-            )
-        h.commit()
+        h = _written(client, toks, g)
         meta = connector.ShmkvConnectorMetadata(
             requests=[
                 connector.ShmkvReqMeta(
@@ -626,38 +640,16 @@ def test_runs_of_whole_vllm_blocks_consecutive_both_ways_merge(connector):
 def test_merged_copies_load_and_save_the_same_bytes(model_path, unique_name, layout, connector):
     """A load into consecutive vLLM blocks (one copy per layer for several blocks) and a
     save from them give the bytes a block-by-block copy gives."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    nb, heads, dim, layers = 16, 2, 32, 2
-    shapes = {
-        "cpu": (nb, heads, BLOCK, 2 * dim),
-        "split": (nb, heads, BLOCK, 2 * dim),
-        "flash": (2, nb, BLOCK, heads, dim),
-    }
+    heads, dim, layers = HEADS, DIM, LAYERS
     with (
         shmkv.Coordinator(pool_config(256), name=unique_name) as coord,
         shmkv.connect(coord.address) as client,
     ):
-        w = connector.ShmkvConnector(
-            _vllm_config(model_path, address=coord.address, **{"shmkv.kv_layout": layout}),
-            KVConnectorRole.WORKER,
-            None,
-        )
-        caches = {
-            f"model.layers.{i}.self_attn.attn": torch.zeros(shapes[layout]) for i in range(layers)
-        }
-        w.register_kv_caches(caches)
+        w, caches = _worker(connector, model_path, coord.address, layout)
         g = torch.Generator().manual_seed(2)
         toks = prompt(21, 3 * BLOCK)
-        h = client.allocate(prompt=toks)
-        for layer in range(layers):
-            h.write(
-                layer,
-                torch.randn(3 * BLOCK, heads, dim, generator=g),
-                torch.randn(3 * BLOCK, heads, dim, generator=g),
-                start=0,
-            )
-        h.commit()
+        h = _written(client, toks, g)
         table = list(h.block_table.physical_blocks)
         runs = connector.copy_runs([6, 7, 8], table, 0, 3 * BLOCK, BLOCK, h.block_table.block_size)
         assert len(connector.merge_runs(runs, BLOCK // h.block_table.block_size)) == 1
