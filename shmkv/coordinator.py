@@ -255,7 +255,7 @@ def _take_lock(address: str) -> Optional[int]:
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise AccessDenied(f"lock file {path} is a symbolic link; remove it") from None
-            if exc.errno in (errno.EACCES, errno.EPERM):
+            if exc.errno in (errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENXIO):
                 raise AccessDenied(
                     f"lock file {path} cannot be opened ({exc.strerror}); "
                     "remove it, or choose another address"

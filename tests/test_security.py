@@ -768,6 +768,29 @@ def test_a_symbolic_link_at_the_lock_path_is_refused(small_config, tmp_path):
         shmkv.coordinator.remove_stale_socket(address)
 
 
+@pytest.mark.parametrize("kind", ["directory", "fifo", "socket"])
+def test_a_lock_path_that_is_not_a_file_is_refused_and_left_alone(small_config, tmp_path, kind):
+    address = str(tmp_path / "c.sock")
+    lock = address + ".lock"
+    planted = None
+    if kind == "directory":
+        os.mkdir(lock)
+    elif kind == "fifo":
+        os.mkfifo(lock)
+    else:
+        planted = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        planted.bind(lock)
+    try:
+        with pytest.raises(shmkv.AccessDenied, match="lock file"):
+            shmkv.Coordinator(small_config, address=address).open()
+        with pytest.raises(shmkv.AccessDenied, match="lock file"):
+            shmkv.coordinator.remove_stale_socket(address)
+        assert sorted(os.listdir(tmp_path)) == ["c.sock.lock"]  # no socket, the entry kept
+    finally:
+        if planted is not None:
+            planted.close()
+
+
 def test_a_killed_coordinators_lock_is_free_and_its_files_are_replaced(small_config, tmp_path):
     address = str(tmp_path / "c.sock")
     spawned = shmkv.SpawnedCoordinator.start(small_config, address=address)
