@@ -10,6 +10,7 @@ for the whole run. Coordinators of anyone else on the machine are not looked at.
 from __future__ import annotations
 
 import atexit
+import logging
 import multiprocessing
 import os
 import re
@@ -112,6 +113,22 @@ def _reap(grace: float) -> list:
 def socket_files() -> set:
     """Files in this session's runtime directory (``$SHMKV_RUNTIME_DIR``)."""
     return set(os.listdir(RUNTIME_DIR))
+
+
+@pytest.fixture(autouse=True)
+def _cli_logging_restored():
+    """``shmkv.tools.cli.main()`` run in this process (test_cli, test_lifecycle,
+    test_tiers, test_bench) sends the ``shmkv`` loggers to stderr, as a command should;
+    the tests after it must not inherit that handler (later tests' coordinator threads
+    would print their INFO lines from under pytest's capture)."""
+    from shmkv.tools import cli
+
+    logger = logging.getLogger("shmkv")
+    handlers, level = list(logger.handlers), logger.level
+    yield
+    logger.handlers[:] = handlers
+    logger.setLevel(level)
+    cli._log_handler = None
 
 
 @pytest.fixture(autouse=True)

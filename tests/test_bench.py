@@ -8,7 +8,6 @@ its arguments without measuring anything.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -18,22 +17,7 @@ import pytest
 from shmkv import bench
 from shmkv.bench import core
 from shmkv.bench.sections import SECTIONS
-from shmkv.tools import cli
 from shmkv.tools.cli import main
-
-
-@pytest.fixture(autouse=True)
-def _cli_logging_restored():
-    """``main()`` run in this process sends the ``shmkv`` loggers to stderr, as a command
-    should; the tests after these must not inherit that handler (its lines would be
-    printed from under pytest's capture by later tests' coordinator threads)."""
-    logger = logging.getLogger("shmkv")
-    handlers, level = list(logger.handlers), logger.level
-    yield
-    logger.handlers[:] = handlers
-    logger.setLevel(level)
-    cli._log_handler = None
-
 
 EXPECTED = {
     "data",
