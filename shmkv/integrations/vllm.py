@@ -70,7 +70,7 @@ from shmkv.protocol import check_client_name
 try:  # vLLM 0.32 has connector stats; older releases may not
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 except ImportError:  # pragma: no cover
-    KVConnectorStats = object  # type: ignore
+    KVConnectorStats = object  # type: ignore[misc, assignment]  # (no stats before 0.32)
 
 log = logging.getLogger("shmkv.vllm")
 
