@@ -33,6 +33,7 @@ spawned processes. Results go to ``OUT.json`` and ``OUT.md``.
 from __future__ import annotations
 
 import argparse
+import atexit
 import itertools
 import json
 import os
@@ -953,7 +954,10 @@ def main(argv=None) -> int:
     args.reps = 2 if args.quick else 3
     args.ping_cycles = 6 if args.quick else 20
     args.restart_blocks = 2000 if args.quick else 10000
-    os.environ.setdefault("SHMKV_RUNTIME_DIR", tempfile.mkdtemp(prefix="shmkv-bench-"))
+    if "SHMKV_RUNTIME_DIR" not in os.environ:  # a runtime directory of the run's own, removed
+        runtime = tempfile.mkdtemp(prefix="shmkv-bench-")
+        os.environ["SHMKV_RUNTIME_DIR"] = runtime
+        atexit.register(shutil.rmtree, runtime, True)
     root = tempfile.mkdtemp(prefix="shmkv-bench-tiers-", dir=args.dir)
     res = {}
     if args.only and os.path.exists(args.out + ".json"):  # update the parts run again
