@@ -8,6 +8,12 @@ starts a new coordinator on the same directory.
 After every step: every block is free, cached or referenced (never two), ref counts
 equal the references that exist, and every live sequence reads back exactly what
 the model says (slots never written are unconstrained).
+
+Every step also ends with the tiers idle (their copies done): the pool evicts first the
+cached blocks whose copy down a tier is done, so while copies run, which block an
+allocation evicts, and so whether a later prompt hits or the pool runs out, depends on
+the I/O's timing. Hypothesis needs the same draws to give the same run, or it fails the
+test as flaky. The pool racing its tiers is ``tests/test_property_tiers.py``'s subject.
 """
 
 import shutil
@@ -422,6 +428,11 @@ class PoolMachine(RuleBasedStateMachine):
             if not self.refs[h.cache_id]:
                 del self.refs[h.cache_id]
                 del self.seqs[h.cache_id]
+
+    @invariant()
+    def tiers_settled(self):
+        """(See the module's docstring: a step's outcome must not depend on timing.)"""
+        self._tiers_idle()
 
     @invariant()
     def metadata_consistent(self):
