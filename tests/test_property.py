@@ -336,9 +336,9 @@ class PoolMachine(RuleBasedStateMachine):
     def restart(self):
         """Close every handle, stop the coordinator, start a new one on the same disk
         directory: committed blocks come back from disk (the promote rule checks how)."""
-        self._tiers_idle()
         for h in self._live_handles():
             h.close()
+        self._tiers_idle()  # (stop abandons queued copies: what reaches the disk would vary)
         self.seqs, self.refs = {}, {}
         self.client.close()
         self.coord.stop()
