@@ -65,7 +65,10 @@ class Client(_Link):
         pickle_ttl: float = DEFAULT_PICKLE_TTL,
         trust_uid: Optional[int] = None,
         name: Optional[str] = None,
+        prefault: bool = False,
     ):
+        if not isinstance(prefault, bool):
+            raise InvalidArgument(f"prefault must be True or False, got {prefault!r}")
         if name is not None:
             protocol.check_client_name(name)
         if trust_uid is not None and (
@@ -98,8 +101,12 @@ class Client(_Link):
         self._handles: "set" = set()
         self._states: dict = {}
         self.num_closed = 0  # handles closed so far (a batch re-checks its handles when it moves)
+        self.prefault_s = 0.0  # how long prefault= took
         try:
             self._handshake()
+            if prefault:
+                assert self._memory is not None  # (mapped by the handshake)
+                self.prefault_s = self._memory.prefault()
         except BaseException:
             self._teardown()
             raise
@@ -562,6 +569,7 @@ def connect(
     pickle_ttl: float = DEFAULT_PICKLE_TTL,
     trust_uid: Optional[int] = None,
     name: Optional[str] = None,
+    prefault: bool = False,
 ) -> Client:
     """Connect to the coordinator at ``address`` and map its pool (zero copy).
 
@@ -579,6 +587,11 @@ def connect(
             tokens hit and missed are counted by name: ``engine-a``, ``vllm-0``; 1-64
             of ``A-Z a-z 0-9 _ . : / -``). Connections of one name count together;
             unnamed ones count as ``unnamed``.
+        prefault: map every page of a CPU pool into this process now, so that no
+            write meets a first-touch page fault later (about 0.1 s a GiB once the
+            coordinator has populated the pool, ``stats()["pool_memory"]``; it took
+            ``client.prefault_s``). For a worker that writes all over the pool at once
+            (a batch of decode steps); a short-lived client does not need it.
 
     ``client.address`` is ``address`` made absolute with links resolved, so every
     spelling of one socket path names the same coordinator (pickled handles carry it).
@@ -588,7 +601,7 @@ def connect(
         AccessDenied: the coordinator runs as another uid and ``trust_uid`` is not it
             (nothing was sent to it).
     """
-    return Client(address, tp_rank, tp_size, timeout, pickle_ttl, trust_uid, name)
+    return Client(address, tp_rank, tp_size, timeout, pickle_ttl, trust_uid, name, prefault)
 
 
 def process_client(

@@ -44,7 +44,7 @@ from .errors import (
     WrongType,
 )
 from .layout import PoolConfig
-from .memory import PoolMemory, create_pool
+from .memory import PoolMemory, Populator, create_pool
 from .remote import RemoteTierSet, split_specs
 from .sequences import SequenceTable
 from .tables import TableWriter
@@ -399,6 +399,8 @@ class Coordinator(Connections):
         metrics_host: str = "127.0.0.1",
         tiers=None,
         spin_us: float = 0.0,
+        populate: bool = True,
+        hugepages: bool = False,
     ):
         if not isinstance(config, PoolConfig):
             raise WrongType(f"config must be a PoolConfig, got {type(config).__name__}")
@@ -427,7 +429,13 @@ class Coordinator(Connections):
             raise InvalidArgument(
                 f"spin_us must be a number of microseconds in [0, {MAX_SPIN_US:g}], got {spin_us!r}"
             )
+        for label, flag in (("populate", populate), ("hugepages", hugepages)):
+            if not isinstance(flag, bool):
+                raise InvalidArgument(f"{label} must be True or False, got {flag!r}")
         self.config = config
+        self.populate = populate
+        self.hugepages = hugepages
+        self._populator: Optional[Populator] = None
         self.spin_us = float(spin_us)
         # Never on a machine with one CPU, where polling only keeps the client from running.
         # The machine's count, not this process's affinity: a coordinator pinned to a core
@@ -497,7 +505,7 @@ class Coordinator(Connections):
         try:
             self._claim_address()
             shm.sweep_stale()
-            self.memory = memory = create_pool(self.config)
+            self.memory = memory = create_pool(self.config, hugepages=self.hugepages)
             owner, seq, table = memory.owner_t, memory.seq, memory.table
             seq_np, table_np = memory.seq_np, memory.table_np
             assert (
@@ -562,13 +570,16 @@ class Coordinator(Connections):
 
                 metrics = self._metrics = MetricsServer(self, self.metrics_port, self.metrics_host)
                 self.metrics_address = metrics.address
+            if self.populate and memory.raw is not None:  # last: nothing after it can fail
+                self._populator = Populator(memory.raw)
             log.info(
-                "coordinator %s: %d blocks x %d tokens, %s, %.1f MiB%s",
+                "coordinator %s: %d blocks x %d tokens, %s, %.1f MiB%s%s",
                 self.address,
                 self.config.num_blocks,
                 self.config.block_size,
                 self.config.dtype,
                 self.config.nbytes / 2**20,
+                " of huge pages" if memory.hugepages else "",
                 "" if self._metrics is None else f"; metrics at {self._metrics.url}",
             )
         except BaseException:
@@ -656,6 +667,8 @@ class Coordinator(Connections):
         if self.tiers is not None:  # its workers copy pool memory: stop them first
             self.tiers.close()
             self.tiers = None
+        if self._populator is not None:
+            self._populator.stop()
         if self.memory is not None:
             if LOCAL_POOLS.get(self.address) is self.memory:
                 del LOCAL_POOLS[self.address]
@@ -679,6 +692,7 @@ class Coordinator(Connections):
             conn.sock.close()
         self._conns = {}
         self.tiers = None  # its threads are the parent's; shmkv.tiers drops the disk lock
+        self._populator = None  # (so is this one's)
         if self._metrics is not None:
             self._metrics.forget_after_fork()
             self._metrics = None

@@ -13,7 +13,10 @@ head slice of it), one per rank on CUDA (each with ``num_kv_heads // tp_size`` h
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+import time
 from typing import TYPE_CHECKING, List, Optional
 
 from . import shm
@@ -27,6 +30,9 @@ if TYPE_CHECKING:  # (torch is imported where memory is mapped)
 
     import numpy as np
     import torch
+
+log = logging.getLogger("shmkv.memory")
+POPULATE_CHUNK = 16 << 20  # bytes a populate call faults in between checks for stop
 
 
 class PoolMemory:
@@ -43,6 +49,10 @@ class PoolMemory:
     vectorized reads. ``fds`` are the
     descriptors a worker needs (coordinator side); ``descriptor`` is the msgpack-able
     description sent in the handshake.
+
+    ``raw`` is a CPU pool's whole mapping as uint8 (None on CUDA); ``hugepages`` says
+    whether it is made of huge pages, and ``hugepages_fallback`` why not, when they
+    were asked for and none could be had.
 
     ``close()`` releases this process's descriptors and metadata mapping; the pool
     tensors stay valid for as long as Python references them (their storage owns
@@ -69,6 +79,20 @@ class PoolMemory:
         self._meta_map: Optional[mmap.mmap] = None
         self.fds: List[int] = []
         self.descriptor: dict = {}
+        self.raw: Optional[torch.Tensor] = None
+        self.hugepages = False
+        self.hugepages_fallback = ""
+
+    def prefault(self) -> float:
+        """Fault in this process's mapping of a CPU pool (its page tables only: the
+        pages themselves are the coordinator's to clear, see :class:`Populator`), so
+        that no write of a step meets a page fault. Returns the seconds it took (0.0 on
+        CUDA)."""
+        if self.raw is None:
+            return 0.0
+        t0 = time.perf_counter()
+        shm.populate(self.raw, 0, self.raw.numel(), write=False)
+        return time.perf_counter() - t0
 
     def rank_view(self, tp_rank: Optional[int], tp_size: Optional[int]):
         """The 6-d pool view of one tensor-parallel rank (all heads when rank is None)."""
@@ -156,8 +180,11 @@ def block_bytes(pool):
     return storage_view(pool).view(2 * num_layers, num_blocks, -1).view(torch.uint8).transpose(0, 1)
 
 
-def create_pool(config: PoolConfig) -> PoolMemory:
-    """Allocate a pool and its metadata (coordinator side). Nothing leaks on failure."""
+def create_pool(config: PoolConfig, hugepages: bool = False) -> PoolMemory:
+    """Allocate a pool and its metadata (coordinator side). Nothing leaks on failure.
+
+    ``hugepages``: make a CPU pool of huge pages where enough are free, else (said in a
+    warning and in ``hugepages_fallback``) of ordinary shared memory."""
     memory = PoolMemory(config)
     meta_bytes = memory.layout.nbytes
     try:
@@ -175,10 +202,23 @@ def create_pool(config: PoolConfig) -> PoolMemory:
             memory.device_pools = cuda.allocate_pools(config)
             memory.descriptor["cuda"] = [cuda.export_tensor(t) for t in memory.device_pools]
         else:
-            pool_fd = shm.create_segment(config.nbytes, "pool")
+            pool_fd = None
+            if hugepages:
+                pool_fd, why = shm.create_huge_segment(config.nbytes)
+                if pool_fd is None:
+                    memory.hugepages_fallback = why
+                    log.warning("hugepages: not used, %s; the pool is in %s", why, shm.SHM_DIR)
+            if pool_fd is None:
+                pool_fd = shm.create_segment(config.nbytes, "pool")
+            else:
+                memory.hugepages = True
             memory.fds.append(pool_fd)
-            memory.device_pools = [_typed(shm.map_tensor(pool_fd, config.nbytes), config)]
+            map_bytes = shm.segment_bytes(pool_fd)  # (a huge-page segment is rounded up)
+            memory.raw = shm.map_tensor(pool_fd, map_bytes)
+            memory.device_pools = [_typed(memory.raw[: config.nbytes], config)]
             memory.descriptor["pool_bytes"] = config.nbytes
+            memory.descriptor["map_bytes"] = map_bytes
+            memory.descriptor["hugepages"] = memory.hugepages
     except BaseException:
         memory.close()
         raise
@@ -209,9 +249,74 @@ def attach_pool(config: PoolConfig, descriptor: dict, fds: List[int]) -> PoolMem
 
             memory.device_pools = [cuda.open_tensor(d) for d in descriptor["cuda"]]
         else:
-            memory.device_pools = [_typed(shm.map_tensor(fds[1], config.nbytes), config)]
+            map_bytes = descriptor.get("map_bytes", config.nbytes)
+            if not isinstance(map_bytes, int) or not config.nbytes <= map_bytes:
+                raise LayoutMismatch(
+                    f"pool mapping of {map_bytes!r} bytes, expected >= {config.nbytes}"
+                )
+            memory.raw = shm.map_tensor(fds[1], map_bytes)
+            memory.device_pools = [_typed(memory.raw[: config.nbytes], config)]
+            memory.hugepages = bool(descriptor.get("hugepages"))
     except BaseException:
         memory.close()
         raise
     memory.close_fds()
     return memory
+
+
+class Populator:
+    """Faults in a new CPU pool's pages from a background thread of the coordinator,
+    :data:`POPULATE_CHUNK` at a time, so that the first writes of a decode step do not
+    each clear and map a page (``shm.populate``). It changes no byte, so the pool is
+    served meanwhile. ``stats()`` gives its progress; ``stop()`` ends it between chunks.
+
+    Populated pages are cleared and in the pool's segment, and mapped in the
+    coordinator: a worker's own mapping still faults each page once, cheaply, or
+    ahead with ``connect(prefault=True)`` (:meth:`PoolMemory.prefault`).
+    """
+
+    def __init__(self, raw: torch.Tensor):
+        self._raw = raw
+        self.total_bytes = raw.numel()
+        self.done_bytes = 0
+        self.state = "running"  # then "done", "stopped" or "failed"
+        self.error = ""
+        self.seconds = 0.0  # how long it took (so far, while it runs)
+        self._t0 = time.perf_counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="shmkv-populate", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while self.done_bytes < self.total_bytes:
+                if self._stop.is_set():
+                    self.state = "stopped"
+                    return
+                n = min(POPULATE_CHUNK, self.total_bytes - self.done_bytes)
+                shm.populate(self._raw, self.done_bytes, n, write=True)
+                self.done_bytes += n
+            self.seconds = time.perf_counter() - self._t0
+            self.state = "done"
+            log.debug("populated %.1f MiB in %.2f s", self.total_bytes / 2**20, self.seconds)
+        except OSError as exc:  # (the pool is served either way: its pages fault later)
+            self.state, self.error = "failed", str(exc)
+            log.warning("populating the pool failed after %d bytes: %s", self.done_bytes, exc)
+        finally:
+            self.seconds = time.perf_counter() - self._t0
+            self._raw = None  # type: ignore[assignment]  # (its mapping is the pool's to free)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """End it at the next chunk and wait (at most ``timeout`` s). Idempotent."""
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def stats(self) -> dict:
+        running = self.state == "running"
+        return {
+            "state": self.state,
+            "bytes": self.done_bytes,
+            "total_bytes": self.total_bytes,
+            "seconds": time.perf_counter() - self._t0 if running else self.seconds,
+            "error": self.error,
+        }

@@ -139,6 +139,13 @@ def families(coord, latency: bool = True) -> List[Family]:
     gauge("shmkv_pool_blocks", "Blocks in the pool", cfg.num_blocks)
     gauge("shmkv_pool_bytes", "Bytes of K/V memory in the pool", cfg.nbytes)
     gauge("shmkv_block_bytes", "Bytes of one block (all layers, K and V)", cfg.block_nbytes)
+    memory = coord.pool_memory_stats()
+    gauge(
+        "shmkv_pool_populated_bytes",
+        "Bytes of the pool faulted in by its background populate so far",
+        memory["populate"]["bytes"],
+    )
+    gauge("shmkv_pool_hugepages", "1 when the pool is made of huge pages", int(memory["hugepages"]))
     gauge("shmkv_sequences", "Live sequences", table.num_sequences)
     gauge(
         "shmkv_prefix_index_blocks",

@@ -21,7 +21,7 @@ import numpy as np
 from . import protocol
 from .errors import InvalidArgument, OutOfRange, ProtocolError, WrongType
 from .layout import PoolConfig
-from .memory import PoolMemory
+from .memory import PoolMemory, Populator
 from .protocol import check_client_name
 from .sequences import SequenceTable
 from .tables import write_scales
@@ -53,6 +53,7 @@ class Ops:
     num_errors: int
     _started_at: float
     client_counts: Dict[str, List[int]]
+    _populator: Optional[Populator]
 
     def _name_client(self, conn, name: Optional[str]) -> None:
         """Count the prompts of ``conn`` under its client name (``/metrics``, at most
@@ -301,7 +302,22 @@ class Ops:
                 "config": self.config.to_wire(),
             }
         )
+        out["pool_memory"] = self.pool_memory_stats()
         if self.tiers is not None:
             out["tiers"] = self.tiers.stats()
             out["tier_io"] = self.tiers.io_stats()
         return out
+
+    def pool_memory_stats(self) -> dict:
+        """How the pool's memory is backed, and how far its background populate is."""
+        memory = self.memory
+        if self._populator is not None:
+            populate = self._populator.stats()
+        else:  # not asked for, or a CUDA pool (its memory is the device's)
+            total = 0 if self.config.is_cuda else self.config.nbytes
+            populate = dict(state="off", bytes=0, total_bytes=total, seconds=0.0, error="")
+        return {
+            "hugepages": memory.hugepages,
+            "hugepages_fallback": memory.hugepages_fallback,
+            "populate": populate,
+        }

@@ -15,13 +15,18 @@ user's entry, and never failing a start).
 
 Sizing uses ``posix_fallocate`` after a free-space check, so a pool larger than
 ``/dev/shm`` can hold fails with a clear error at creation instead of SIGBUS on
-first touch. Mappings are made by torch (``UntypedStorage.from_file`` on
+first touch. The pages it reserves are still cleared and mapped on first touch, about
+3 us a 4 KiB page: :func:`populate` does that ahead (``MADV_POPULATE_WRITE``), and
+:func:`create_huge_segment` makes a segment of huge pages instead (``memfd_create`` with
+``MFD_HUGETLB``: it has no name at all, so nothing to sweep), where the administrator
+reserved them (``vm.nr_hugepages``). Mappings are made by torch (``UntypedStorage.from_file`` on
 ``/proc/self/fd/N``), so the mapping lives exactly as long as a tensor view of it:
 nothing here can unmap memory that a tensor still points to.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import mmap
@@ -29,7 +34,7 @@ import os
 import re
 import secrets
 import stat
-from typing import TYPE_CHECKING, List
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 import posix_ipc
 
@@ -119,6 +124,84 @@ def create_segment(nbytes: int, what: str = "pool") -> int:
         os.close(fd)
         raise
     return fd
+
+
+def huge_pages() -> Tuple[int, int]:
+    """``(free huge pages, bytes of one)`` of the default size, from ``/proc/meminfo``
+    (``(0, 0)`` where the kernel has none)."""
+    free = size = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("HugePages_Free:"):
+                    free = int(line.split()[1])
+                elif line.startswith("Hugepagesize:"):
+                    size = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0, 0
+    return free, size
+
+
+def create_huge_segment(nbytes: int, what: str = "pool") -> Tuple[Optional[int], str]:
+    """A segment of huge pages (``memfd_create(MFD_HUGETLB)``), reserved whole now:
+    ``(fd, "")``, or ``(None, why not)`` where none can be had (no reserved huge pages,
+    too few free, no support). Its size is ``nbytes`` rounded up to a huge page: map it
+    whole (:func:`segment_bytes`), since a huge-page mapping is unmapped in huge pages."""
+    flag = getattr(os, "MFD_HUGETLB", None)
+    if flag is None or not hasattr(os, "memfd_create"):
+        return None, "this platform has no MFD_HUGETLB"
+    free, page = huge_pages()
+    if not page:
+        return None, "this kernel has no huge pages"
+    need = -(-max(nbytes, 1) // page)
+    if need > free:
+        return None, (
+            f"the {what} needs {need} huge pages of {page >> 20} MiB and {free} are free "
+            "(reserve them with sysctl vm.nr_hugepages)"
+        )
+    try:
+        fd = os.memfd_create(f"shmkv-{what}", os.MFD_CLOEXEC | flag)
+    except OSError as exc:
+        return None, f"memfd_create(MFD_HUGETLB) failed: {exc.strerror}"
+    try:
+        os.ftruncate(fd, need * page)
+        os.posix_fallocate(fd, 0, need * page)  # taken now, or ENOSPC: never SIGBUS later
+    except OSError as exc:
+        os.close(fd)
+        return None, f"{need} huge pages could not be reserved ({exc.strerror})"
+    return fd, ""
+
+
+def segment_bytes(fd: int) -> int:
+    """The size of a segment (a huge-page one is larger than what was asked)."""
+    return os.fstat(fd).st_size
+
+
+_MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23  # Linux 5.14
+_madvise = None
+
+
+def populate(tensor: torch.Tensor, start: int, nbytes: int, write: bool) -> None:
+    """Fault in bytes ``[start, start + nbytes)`` of a mapped uint8 tensor's memory:
+    ``write``: as a first write would (the segment's pages are cleared and mapped here:
+    the coordinator's populate), else as a read (this process's page tables only, for
+    pages another process cleared: a worker's prefault, much cheaper). Neither changes
+    a byte, so other processes may write meanwhile. ``start`` is a multiple of the page
+    size. On a kernel without ``MADV_POPULATE_*``, reads one byte a page instead (which
+    clears a page as a write would)."""
+    global _madvise
+    if _madvise is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.madvise.restype = ctypes.c_int
+        _madvise = libc.madvise
+    advice = _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ
+    if _madvise(tensor.data_ptr() + start, nbytes, advice) == 0:  # (the GIL is let go)
+        return
+    err = ctypes.get_errno()
+    if err != errno.EINVAL:  # EINVAL: an older kernel, or a mapping it cannot populate
+        raise OSError(err, os.strerror(err))
+    tensor[start : start + nbytes : mmap.PAGESIZE].sum()
 
 
 def map_tensor(fd: int, nbytes: int) -> torch.Tensor:

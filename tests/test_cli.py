@@ -263,3 +263,36 @@ def test_stress_with_a_redis_store_reads_it_back_from_a_second_coordinator(tmp_p
     check = result["prefix_checks"]["store, read by a second coordinator"]
     assert check["hit_tokens"] > 0 and check["corrupted"] == 0
     assert check["store"]["hits"] > 0 and check["store"]["corrupt"] == 0
+
+
+def test_serve_no_populate_and_hugepages_flags(tmp_path):
+    """--no-populate leaves the pool unpopulated; --hugepages without free huge pages says
+    so plainly and serves from /dev/shm."""
+    address = str(tmp_path / "serve.sock")
+    argv = [sys.executable, "-m", "shmkv", "serve", "--address", address, "--num-blocks", "16"]
+    proc = subprocess.Popen(
+        argv + ["--no-populate", "--hugepages"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        lines, out = _line_reader(proc.stdout), []
+        while not out or "pool:" not in out[-1]:
+            out.append(lines.get(timeout=60))
+            assert out[-1], "serve exited before it served"
+        with shmkv.connect(address, timeout=10) as client:
+            memory = client.stats()["pool_memory"]
+        assert memory["populate"]["state"] == "off"
+        if not memory["hugepages"]:
+            line = lines.get(timeout=10)
+            assert line.startswith("  hugepages: not used,") and "huge pages" in line, line
+            assert memory["hugepages_fallback"] in line
+        else:
+            assert "of huge pages" in out[-1]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)

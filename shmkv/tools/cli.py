@@ -258,6 +258,8 @@ def cmd_serve(args) -> int:
         metrics_host=args.metrics_host,
         tiers=tier_specs(args),
         spin_us=DEFAULT_SPIN_US if args.spin_us is None else args.spin_us,
+        populate=not args.no_populate,
+        hugepages=args.hugepages,
     )
     coord.open()
     from ..coordinator import freeze_startup_objects
@@ -270,9 +272,11 @@ def cmd_serve(args) -> int:
     print(
         f"  pool: {cfg.num_blocks} blocks x {cfg.block_size} tokens, {cfg.num_layers} layers,"
         f" {cfg.num_kv_heads} kv heads x {cfg.head_dim}, {cfg.dtype}, {cfg.device}, "
-        f"{cfg.nbytes / 2**20:.1f} MiB",
+        f"{cfg.nbytes / 2**20:.1f} MiB{' of huge pages' if coord.memory.hugepages else ''}",
         flush=True,
     )
+    if coord.memory.hugepages_fallback:
+        print(f"  hugepages: not used, {coord.memory.hugepages_fallback}", flush=True)
     if coord.metrics_address is not None:
         host, port = coord.metrics_address
         print(f"  metrics: http://{host}:{port}/metrics", flush=True)
@@ -431,6 +435,19 @@ def build_parser() -> Parser:
         help="after serving a request, poll this many microseconds for the next "
         "one before sleeping (skips a wake-up per request under load; 0: "
         "never; never on a one-CPU machine; default: 300)",
+    )
+    p.add_argument(
+        "--no-populate",
+        action="store_true",
+        help="do not fault in the pool's pages in the background at start (by default "
+        "they are, while serving, so that first writes do not each clear a page; "
+        "progress in `shmkv stats`)",
+    )
+    p.add_argument(
+        "--hugepages",
+        action="store_true",
+        help="make a CPU pool of huge pages (reserved by the administrator: sysctl "
+        "vm.nr_hugepages); where too few are free, says so and uses /dev/shm",
     )
     p.add_argument(
         "--host-tier-size",
