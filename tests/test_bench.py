@@ -35,6 +35,7 @@ EXPECTED = {
     "remote",
     "metrics",
     "vllm",
+    "warm",
 }
 OTHERS = sorted(EXPECTED - set(SECTIONS))
 
@@ -276,3 +277,23 @@ def test_result_paths_follow_out_dir(monkeypatch, tmp_path):
     assert core.plot_path("x-context") == os.path.join(str(tmp_path), "plots", "x-context.png")
     assert core.result_base("tiers", "elsewhere") == os.path.join("elsewhere", "results", "tiers")
     assert os.path.exists(core.trace_path())  # the committed chat trace of the checkout
+
+
+def test_warm_suite_runs_its_four_states_on_a_small_pool(tmp_path):
+    """The warm suite end to end, on a pool of a few MiB (its figures are not checked:
+    no timing here): the record has every state of every run and the target's verdict."""
+    import json
+
+    from shmkv.bench import warm
+
+    base = str(tmp_path / "warm")
+    argv = ["--runs", "1", "--pool-gib", "0.03", "--seqs", "2", "--steps", "3", "--out", base]
+    assert warm.main(argv) == 0
+    with open(base + ".json") as f:
+        record = json.load(f)
+    (run,) = record["runs"]
+    assert set(warm.STATES) <= set(run) and all(run[s] > 0 for s in warm.STATES)
+    assert record["ratio_to_warm"]["warm"] == 1.0
+    assert isinstance(record["met"], bool) and run["hugepages"] is False
+    with open(base + ".md") as f:
+        assert "| prefaulted |" in f.read()
