@@ -287,7 +287,8 @@ def test_warm_suite_runs_its_four_states_on_a_small_pool(tmp_path):
     from shmkv.bench import warm
 
     base = str(tmp_path / "warm")
-    argv = ["--runs", "1", "--pool-gib", "0.03", "--seqs", "2", "--steps", "3", "--out", base]
+    argv = ["--runs", "1", "--pool-gib", "0.03", "--seqs", "2", "--steps", "3", "--groups", "2"]
+    argv += ["--out", base]
     assert warm.main(argv) == 0
     with open(base + ".json") as f:
         record = json.load(f)

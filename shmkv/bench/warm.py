@@ -17,7 +17,9 @@ in this process, in four states of the pool:
 * ``warm``: the same client once it has written every page of the pool
   (``pool.zero_()``), new sequences again: the steady state, the baseline.
 
-Each figure is the mean step over the timed steps, as a ratio to ``warm`` in the same
+Each figure is the mean step over the timed steps, the median over ``--groups`` groups
+of new sequences (kept until all are timed, so each group writes blocks no earlier one
+did), as a ratio to ``warm`` in the same
 run; runs are repeated (each on new pools) and reported with their spread. The
 populate's and prefault's own time are reported per GiB. With ``--hugepages`` the
 populated pool is made of huge pages where enough are free (see ``shmkv serve
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import sys
 import time
 from typing import Any, Dict, List
@@ -49,23 +52,28 @@ STATES = ("cold", "populated", "prefaulted", "warm")
 TARGET = 1.2  # prefaulted / warm, after populate: the issue's bound
 
 
-def _steps(client, num_seqs: int, num_steps: int, layers) -> float:
+def _steps(client, num_seqs: int, num_steps: int, layers, groups: int) -> float:
     """The mean seconds of the first ``num_steps`` decode steps of ``num_seqs`` new
-    sequences; checks one written value, then closes them."""
-    handles = client.allocate_many([0] * num_seqs)
-    batch = client.batch(handles)
-    t0 = time.perf_counter()
-    for _ in range(num_steps):
-        step = batch.extend(1)
-        for layer, (k, v) in enumerate(layers):
-            step.write(layer, k, v)
-    elapsed = time.perf_counter() - t0
-    last = handles[-1].gather_all()[:, :, -1]
-    k, v = layers[0]
-    if not (_same_bits(last[0, 0], k[-1]) and _same_bits(last[0, 1], v[-1])):
-        raise BenchError("a decode step wrote wrong values")
-    client.close_many(handles)
-    return elapsed / num_steps
+    sequences: the median over ``groups`` groups of new sequences, each kept until all
+    are done, so that each group's blocks are blocks no earlier group wrote. Checks one
+    written value of each group, then closes them all."""
+    held, means = [], []
+    for _ in range(groups):
+        handles = client.allocate_many([0] * num_seqs)
+        held += handles
+        batch = client.batch(handles)
+        t0 = time.perf_counter()
+        for _ in range(num_steps):
+            step = batch.extend(1)
+            for layer, (k, v) in enumerate(layers):
+                step.write(layer, k, v)
+        means.append((time.perf_counter() - t0) / num_steps)
+        last = handles[-1].gather_all()[:, :, -1]
+        k, v = layers[0]
+        if not (_same_bits(last[0, 0], k[-1]) and _same_bits(last[0, 1], v[-1])):
+            raise BenchError("a decode step wrote wrong values")
+    client.close_many(held)
+    return statistics.median(means)
 
 
 def _wait_populated(client, timeout: float = 600.0) -> dict:
@@ -81,7 +89,7 @@ def _wait_populated(client, timeout: float = 600.0) -> dict:
         time.sleep(0.05)
 
 
-def one_run(num_blocks: int, num_seqs: int, num_steps: int, hugepages: bool) -> dict:
+def one_run(num_blocks: int, num_seqs: int, num_steps: int, groups: int, hugepages: bool) -> dict:
     """One run of the four states, each pool new."""
     import torch
 
@@ -96,34 +104,38 @@ def one_run(num_blocks: int, num_seqs: int, num_steps: int, hugepages: bool) -> 
     out: Dict[str, Any] = {}
     gib = cfg.nbytes / 2**30
 
+    t0 = time.perf_counter()
     coord = Coordinator.spawn(cfg, name=_unique("warm-cold"), timeout=300, populate=False)
+    out["start_s_cold"] = time.perf_counter() - t0  # (the pool reserved: posix_fallocate)
     try:
         client = connect(coord.address, timeout=120)
-        out["cold"] = _steps(client, num_seqs, num_steps, layers)
+        out["cold"] = _steps(client, num_seqs, num_steps, layers, groups)
         client.close()
     finally:
         coord.stop()
     del client
     gc.collect()  # (the pool's mapping goes with its last tensor)
 
+    t0 = time.perf_counter()
     coord = Coordinator.spawn(
         cfg, name=_unique("warm"), timeout=300, populate=True, hugepages=hugepages
     )
+    out["start_s"] = time.perf_counter() - t0  # (huge pages are cleared as they are reserved)
     try:
         client = connect(coord.address, timeout=120)
         memory = _wait_populated(client)
         out["populate_s_per_gib"] = memory["populate"]["seconds"] / gib
         out["hugepages"] = memory["hugepages"]
         out["hugepages_fallback"] = memory["hugepages_fallback"]
-        out["populated"] = _steps(client, num_seqs, num_steps, layers)
+        out["populated"] = _steps(client, num_seqs, num_steps, layers, groups)
         client.close()
         del client
         gc.collect()
         client = connect(coord.address, timeout=120, prefault=True)
         out["prefault_s_per_gib"] = client.prefault_s / gib
-        out["prefaulted"] = _steps(client, num_seqs, num_steps, layers)
+        out["prefaulted"] = _steps(client, num_seqs, num_steps, layers, groups)
         client.pool.zero_()  # every page written once through this mapping
-        out["warm"] = _steps(client, num_seqs, num_steps, layers)
+        out["warm"] = _steps(client, num_seqs, num_steps, layers, groups)
         client.close()
         del client
     finally:
@@ -137,15 +149,19 @@ def main(argv=None) -> int:
     parser.add_argument("--runs", type=int, default=5, help="runs, each on new pools")
     parser.add_argument("--pool-gib", type=float, default=2.0, help="pool size (GiB)")
     parser.add_argument("--seqs", type=int, default=64, help="sequences in a step")
-    parser.add_argument("--steps", type=int, default=32, help="timed steps per state")
+    parser.add_argument("--steps", type=int, default=32, help="timed steps per group")
+    parser.add_argument("--groups", type=int, default=4, help="groups of new sequences per state")
     parser.add_argument("--hugepages", action="store_true", help="populated pools of huge pages")
     parser.add_argument("--out", default=None, help="default benchmarks/results/warm")
     args = parser.parse_args(argv)
     block_nbytes = _model_config(1).block_nbytes
     num_blocks = max(1, int(args.pool_gib * 2**30) // block_nbytes)
+    per_seq = -(-args.steps // _model_config(1).block_size)
+    if args.groups * args.seqs * per_seq > num_blocks:
+        parser.error(f"{args.groups} groups of {args.seqs} sequences do not fit the pool")
     runs: List[dict] = []
     for i in range(args.runs):
-        run = one_run(num_blocks, args.seqs, args.steps, args.hugepages)
+        run = one_run(num_blocks, args.seqs, args.steps, args.groups, args.hugepages)
         runs.append(run)
         print(
             f"warm: run {i + 1}: "
@@ -167,6 +183,7 @@ def main(argv=None) -> int:
             "num_blocks": num_blocks,
             "seqs": args.seqs,
             "steps": args.steps,
+            "groups": args.groups,
             "model": {k: getattr(cfg, k) for k in ("num_layers", "num_kv_heads", "head_dim")},
             "dtype": str(cfg.dtype),
             "block_size": cfg.block_size,
@@ -178,6 +195,8 @@ def main(argv=None) -> int:
         "ratio_to_warm_spread": {s: spread(per_run[s]) for s in STATES},
         "populate_s_per_gib": spread([r["populate_s_per_gib"] for r in runs]),
         "prefault_s_per_gib": spread([r["prefault_s_per_gib"] for r in runs]),
+        "start_s": spread([r["start_s"] for r in runs]),
+        "start_s_cold": spread([r["start_s_cold"] for r in runs]),
         "target": f"prefaulted / warm <= {TARGET} in every run",
         "met": met,
     }
@@ -196,9 +215,11 @@ def main(argv=None) -> int:
     fallback = next((r["hugepages_fallback"] for r in runs if r["hugepages_fallback"]), "")
     md = (
         f"# warm: decode steps on a new pool\n\n"
-        f"{args.runs} runs, each on new pools of {cfg.nbytes / 2**30:.2f} GiB ({backing}"
-        f"{'; huge pages asked for, not used: ' + fallback if fallback else ''}); "
-        f"the first {args.steps} decode steps of {args.seqs} new sequences, mean step; "
+        f"{args.runs} runs, each on new pools of {cfg.nbytes / 2**30:.2f} GiB (populated: "
+        f"{backing}{'; huge pages asked for, not used: ' + fallback if fallback else ''}; "
+        "cold: 4 KiB pages, never populated); "
+        f"the first {args.steps} decode steps of {args.seqs} new sequences, mean step, median "
+        f"over {args.groups} groups of new sequences on blocks no earlier group wrote; "
         f"{cfg.num_layers} layers, {cfg.num_kv_heads} x {cfg.head_dim}, {cfg.dtype}. "
         "`warm` (every page written once through the worker's mapping) is the baseline "
         "of its run. See `shmkv/bench/warm.py`.\n\n"
@@ -206,7 +227,10 @@ def main(argv=None) -> int:
         + "\n\nPopulate (coordinator, background): "
         f"{record['populate_s_per_gib']['median']:.2f} s/GiB "
         f"({record['populate_s_per_gib']['min']:.2f}-{record['populate_s_per_gib']['max']:.2f}); "
-        f"prefault (worker, at attach): {record['prefault_s_per_gib']['median']:.3f} s/GiB.\n\n"
+        f"prefault (worker, at attach): {record['prefault_s_per_gib']['median']:.3f} s/GiB. "
+        f"Coordinator start (spawn to ready, pool reserved): "
+        f"{record['start_s']['median']:.2f} s populated, "
+        f"{record['start_s_cold']['median']:.2f} s cold.\n\n"
         f"Target: {record['target']}: **{'met' if met else 'missed'}**.\n"
     )
     print(md)
