@@ -21,7 +21,7 @@ arithmetic (``shmkv.slots``).
 from __future__ import annotations
 
 import struct
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -161,13 +161,29 @@ class Batch:
             )
         return -1, t.astype(np.int64)
 
-    def extend(self, counts=1, tokens: Optional[Sequence] = None) -> "Step":
+    def extend(
+        self, counts=1, tokens: Optional[Sequence] = None, reserve: Union[int, str] = 0
+    ) -> "Step":
         """Reserve ``counts`` more slots in every sequence (an int for all, or one per
         sequence) in ONE round trip, with copy-on-write of shared last blocks; returns
         the :class:`Step` over the new slots.
 
         ``tokens``: one list of token ids per sequence (its new tokens), so their blocks
         get prefix keys and can be reused once committed.
+
+        ``reserve``: that many more slots in every sequence after the step's (with an
+        int ``counts`` and no ``tokens``), which the next decode steps take with no
+        round trip (:meth:`Step.advance`); ``"block"``: as many as the last blocks
+        still hold after the step (the fewest over the batch), so that the reservation
+        takes no block. A decode loop gives back what it did not write with
+        :meth:`truncate`; until then the reserved slots count in the sequences'
+        lengths::
+
+            step = batch.extend(1, reserve="block")
+            for _ in range(num_new_tokens):
+                ...  # the model's forward, writing through step.write(layer, k, v)
+                step = step.advance() or batch.extend(1, reserve="block")
+            batch.truncate(step.seq_lens - 1)  # the last step was not written
 
         Raises:
             PoolExhausted / LimitExceeded: not enough blocks, or a table bound
@@ -177,6 +193,19 @@ class Batch:
         self._check()
         uniform, counts_t = self._counts(counts)
         client = self.client
+        if reserve == "block":
+            reserve = self._room(uniform)
+        if reserve:
+            if isinstance(reserve, bool) or not isinstance(reserve, int):
+                raise WrongType(f"reserve must be an int, got {type(reserve).__name__}")
+            if reserve < 0:
+                raise InvalidArgument(f"reserve must be >= 0, got {reserve}")
+            if uniform <= 0 or tokens is not None:
+                raise InvalidArgument(
+                    "reserve takes one int count for every sequence, and no tokens"
+                )
+            total = self._counts(uniform + reserve, "counts + reserve")[0]
+            return self._extend_uniform(total, self._counts(total)[1], uniform)
         if uniform > 0 and tokens is None:
             return self._extend_uniform(uniform, counts_t)
         args: Dict[str, Any] = {"ids": self._ids_wire}
@@ -194,13 +223,52 @@ class Batch:
         lens = _int64s(client.request("extend_batch", **args))
         return Step(client, self._ids, self._slots, lens - counts_t, counts_t, uniform, epoch, self)
 
-    def _extend_uniform(self, count: int, counts_t: np.ndarray) -> "Step":
+    def _room(self, count: int) -> int:
+        """Slots the fewest over the batch that its sequences' last blocks hold after
+        ``count`` more each (``extend(reserve="block")``)."""
+        if count <= 0 or not len(self.handles):
+            return 0
+        client = self.client
+        if client.lock_free:
+            lens = client._memory.seq_np[self._slots, NUM_TOKENS]
+        else:
+            lens = client._rows(self._slots, 0)[0][:, NUM_TOKENS]
+        return int((-(lens + count) % client.config.block_size).min())
+
+    def truncate(self, num_tokens) -> int:
+        """Shorten every sequence to ``num_tokens`` (an int for all, or one per sequence,
+        a tensor such as a step's ``seq_lens`` included) in one round trip: the slots
+        past it are given back (reserved ahead and never written, or draft tokens
+        rejected), and blocks past the new ends are released. Returns the number of
+        blocks released.
+
+        Steps made before it must not be written past the new ends (a write to a
+        released block raises ``StaleStep``); make new ones.
+
+        Raises:
+            OutOfRange: a sequence holds fewer tokens than asked (nothing changed).
+            InvalidArgument: a sequence has another reference (a clone, a view, an
+                export), which could read past its new end (nothing changed).
+        """
+        self._check()
+        _uniform, lens = self._counts(num_tokens, "num_tokens")
+        self._kept_state = None
+        return self.client.request(
+            "truncate_batch", ids=self._ids_wire, num_tokens=lens.astype("<i8").tobytes()
+        )
+
+    def _extend_uniform(self, count: int, counts_t: np.ndarray, step_count: int = 0) -> "Step":
         """The decode step: through the coordinator's kept batch once it keeps one, else
         by ids. While nothing else changed the batch, the answer says only which
-        sequences opened a block, and the step is made from the last one's arrays."""
+        sequences opened a block, and the step is made from the last one's arrays.
+
+        ``step_count`` (``extend(reserve=)``): the step covers only the first that many
+        of the ``count`` slots reserved; made from the lengths the answer carries."""
         client = self.client
         epoch = client._memory.epoch[0]
         state, self._kept_state = self._kept_state, None  # (set again by a kept step)
+        if step_count:
+            state = None  # (the answer then carries the lengths)
         answer = None
         if self._kept > 0:
             answer = client.request(
@@ -227,6 +295,21 @@ class Batch:
             # again some steps later)
             self._kept = answer["batch"] or -_KEEP_RETRY
             answer["steps"], answer["same"] = 0, False
+        if step_count:
+            lens = np.frombuffer(answer["lens"], dtype="<i8")
+            starts = lens - count
+            step = Step(
+                client,
+                self._ids,
+                self._slots,
+                starts,
+                self._counts(step_count)[1],
+                step_count,
+                epoch,
+                self,
+                ends=starts + step_count,
+            )
+            return step  # (no kept state: the next kept step asks for the lengths)
         if answer["same"]:
             assert state is not None  # (the answer to a step that named its last one)
             grown = answer["grown"]

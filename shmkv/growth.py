@@ -304,3 +304,69 @@ class Growth(Prefix):
         self._publish(child)
         self._ref(conn_id, child)
         return self._info(child)
+
+    def truncate_batch(self, conn_id: int, cache_ids: Seq[int], num_tokens: Seq[int]) -> int:
+        """Shorten each sequence of a batch to ``num_tokens[i]`` tokens, all or none: its
+        slots past that are given back (slots reserved ahead and never written, tokens
+        rejected by a draft model), and the blocks past its new last one are released.
+        Blocks that stay keep their bytes and their sharing: a kept block that is shared
+        or published is copied on the next write, as any. Prefix keys past the new end
+        are dropped; when the end falls inside a keyed block, the sequence gets no keys
+        from there on (the ids of that block's first tokens are not kept). Returns the
+        number of blocks released. Refused for a sequence with more than one reference
+        (a clone, a fixed-length view or an export could read past the new end).
+
+        A step made before the truncate that writes a released block fails on its next
+        write (the epoch moves, and the block is no longer the sequence's).
+        """
+        if conn_id in self._conn_steps:
+            self._conn_steps[conn_id] += 1
+        seqs = self._batch_sequences(conn_id, cache_ids)
+        if len(num_tokens) != len(seqs):
+            raise InvalidArgument(
+                f"num_tokens needs one entry per sequence ({len(seqs)}), got {len(num_tokens)}"
+            )
+        for seq, num in zip(seqs, num_tokens):
+            if seq.num_refs > 1:
+                # A clone, a fixed-length view or an export may read past the new end.
+                raise InvalidArgument(
+                    f"truncate of {format_cache_id(seq.cache_id)}: it has {seq.num_refs} "
+                    "references (clones, views or exports); only a sequence held once "
+                    "can be truncated (fork it, and truncate the fork)"
+                )
+            if not 0 <= num <= seq.num_tokens:
+                raise OutOfRange(
+                    f"truncate of {format_cache_id(seq.cache_id)} to {num} tokens: it holds "
+                    f"{seq.num_tokens} (a truncate only shortens)"
+                )
+        bs, released = self.block_size, 0
+        for seq, num in zip(seqs, num_tokens):
+            if num == seq.num_tokens:
+                continue
+            keep = self._blocks_for(num)
+            dropped = seq.block_ids[keep:]
+            del seq.block_ids[keep:]
+            seq.num_tokens = num
+            self._touch(seq.slot)
+            self.tables.truncate(seq.slot, keep, num)
+            if dropped:
+                self.pool.decref(reversed(dropped))  # (tail first, as a release does)
+                released += len(dropped)
+            full = num // bs
+            if seq.keys is not None:
+                if len(seq.keys) > full:
+                    del seq.keys[full:]
+                    seq.tail_tokens = []
+                    if num % bs:
+                        seq.keys_open = False
+                else:
+                    del seq.tail_tokens[num - len(seq.keys) * bs :]
+                self._keys_open_mv[seq.slot] = bool(seq.keys_open)
+            seq.num_committed = min(seq.num_committed, full)
+            seq.rank_tokens = [min(done, num) for done in seq.rank_tokens]
+            seq.num_cached = min(seq.num_cached, num)
+        if released:
+            # Writers that checked their blocks' owners check again: a released block is
+            # no longer theirs to write, though their handle stays open.
+            self.pool.epoch[0] += 1
+        return released

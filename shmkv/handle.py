@@ -28,7 +28,7 @@ from typing import Any, List, Literal, Optional, Sequence, Tuple, overload
 
 import torch
 
-from . import slots
+from . import protocol, slots
 from .errors import HandleClosed, InvalidArgument, OutOfRange, UnknownCache, WrongType
 from .memory import storage_view
 from .sequences import format_cache_id
@@ -478,6 +478,36 @@ class KvCacheHandle:
                 "extend a handle on the whole sequence"
             )
         return self._client.extend_many([(self, num_tokens, tokens)])[0]
+
+    def truncate(self, num_tokens: int) -> int:
+        """Shorten the sequence to its first ``num_tokens`` tokens: the slots past them
+        are given back (reserved and never written, or draft tokens rejected) and the
+        blocks past the new end are released. Returns the number of blocks released.
+
+        Raises:
+            OutOfRange: the sequence holds fewer than ``num_tokens`` (nothing changed).
+            InvalidArgument: the sequence has another reference (a clone, a view, an
+                export), which could read past the new end (nothing changed).
+        """
+        self._check_open()
+        if self._view_len is not None:
+            raise InvalidArgument(
+                "this handle views a fixed length (with_sequence_length); "
+                "truncate a handle on the whole sequence"
+            )
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+            raise WrongType(f"num_tokens must be an int, got {type(num_tokens).__name__}")
+        seq_len = self._seq_len
+        if not 0 <= num_tokens <= seq_len:
+            raise OutOfRange(
+                f"truncate of {self.cache_id} to {num_tokens} tokens: it holds {seq_len} "
+                "(a truncate only shortens)"
+            )
+        return self._client.request(
+            "truncate_batch",
+            ids=protocol.pack_i64s([self._cache_id]),
+            num_tokens=protocol.pack_i64s([num_tokens]),
+        )
 
     @overload
     def commit(self, num_tokens: Optional[int] = None, wait: Literal[True] = True) -> int: ...

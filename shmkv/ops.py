@@ -209,6 +209,11 @@ class Ops:
         )
         return protocol.pack_i64s(lens)
 
+    def _op_truncate_batch(self, conn, ids, num_tokens):
+        return self.table.truncate_batch(
+            conn.conn_id, protocol.unpack_i64s(ids), protocol.unpack_i64s(num_tokens)
+        )
+
     def _op_commit_batch(self, conn, ids, num_tokens, tp_rank=None):
         self._check_rank(conn, tp_rank)
         # A rank of a tensor-parallel pool may commit its shard of a step it rebuilt from

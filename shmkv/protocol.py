@@ -124,6 +124,7 @@ OPS = {
     },
     "extend_kept": {"batch": ("int", True), "count": ("int", True), "seen": ("int", True)},
     "prepare_batch": {"ids": ("i64s", True), "starts": ("i64s", True), "counts": ("i64s", True)},
+    "truncate_batch": {"ids": ("i64s", True), "num_tokens": ("i64s", True)},
     "commit_batch": {
         "ids": ("i64s", True),
         "num_tokens": ("i64s", True),

@@ -22,8 +22,9 @@ made in this order, and x86-64 keeps stores in program order (and loads in progr
 order, which the reader rule relies on):
 
 * appending blocks (extend): table entries, then ``generation``, then ``num_tokens``;
-* replacing an entry (copy-on-write), taking or freeing a slot: ``lock`` becomes odd,
-  the change is made, ``generation`` moves, ``lock`` becomes even again (a seqlock).
+* replacing an entry (copy-on-write), taking or freeing a slot, truncating a sequence:
+  ``lock`` becomes odd, the change is made, ``generation`` moves, ``lock`` becomes
+  even again (a seqlock).
 
 Reader rule: read ``lock``, then ``num_tokens``, then ``generation``, then the
 entries; read ``lock`` again. The read is good when both lock reads are equal and
@@ -312,6 +313,20 @@ class TableWriter:
             self.table[row : row + len(block_ids)] = array("i", block_ids)
             self.seq[base + GENERATION] += 1
         self.seq[base + NUM_TOKENS] = num_tokens
+
+    def truncate(self, slot: int, keep: int, num_tokens: int) -> None:
+        """The sequence ends at ``num_tokens``, in its first ``keep`` entries (a
+        truncate): under the seqlock, entries from ``keep`` on become 0."""
+        seq, base = self.seq, slot * SEQ_FIELDS
+        seq[base + LOCK] += 1
+        used = self.num_blocks[slot]
+        if used > keep:
+            row = slot * self.max_seq_blocks
+            self.table[row + keep : row + used] = _zeros(used - keep)
+            self.num_blocks[slot] = keep
+        seq[base + NUM_TOKENS] = num_tokens
+        seq[base + GENERATION] += 1
+        seq[base + LOCK] += 1
 
     def set_length(self, slot: int, num_tokens: int) -> None:
         """A new length whose blocks are all in the table already."""

@@ -60,6 +60,7 @@ MUTATING = {
     "extend_many",
     "extend_batch",
     "prepare_batch",
+    "truncate_batch",
     "commit_batch",
 }
 
