@@ -179,10 +179,10 @@ class Batch:
         :meth:`truncate`; until then the reserved slots count in the sequences'
         lengths::
 
-            step = batch.extend(1, reserve="block")
+            step = batch.extend(1, reserve=63)
             for _ in range(num_new_tokens):
                 ...  # the model's forward, writing through step.write(layer, k, v)
-                step = step.advance() or batch.extend(1, reserve="block")
+                step = step.next_decode() or batch.extend(1, reserve=63)
             batch.truncate(step.seq_lens - 1)  # the last step was not written
 
         Raises:
@@ -480,9 +480,10 @@ class Step:
         self._tables_np = tables
         self._lazy: dict = {}
         self._rows: Optional[torch.Tensor] = None
-        # (rows view of the pool or None, [2 * num_layers] row indexes): see _write_targets
-        self._targets: Optional[Tuple[Optional[torch.Tensor], Tuple[torch.Tensor, ...]]] = None
+        # (per-layer views of the pool or None, slot index): see _write_targets
+        self._targets: Optional[Tuple[Optional[Tuple[torch.Tensor, ...]], torch.Tensor]] = None
         self._live = False  # the client was checked by a write of this step (CPU pools)
+        self._sig: Optional[tuple] = None  # (layers, [T, heads, head_dim], dtype, device)
         self._plain = None  # for advance: (slots, cache ids, generations, starts) as lists
 
     @classmethod
@@ -539,6 +540,26 @@ class Step:
                 setattr(self, name, value)
                 return value
         raise AttributeError(f"'Step' object has no attribute {name!r}")
+
+    def next_decode(self) -> Optional["Step"]:
+        """The decode step after this one over slots already reserved (``extend(1,
+        reserve=...)``): :meth:`advance` while this step's tables hold; else, when every
+        sequence has its next slot reserved (a next token opens a reserved block, say),
+        a step from a fresh read of the tables (:meth:`Batch.prefill`: no round trip
+        while the blocks are the sequences' own to write). None when a sequence lacks
+        its next slot, or this is not a one-token-per-sequence step of a batch: make the
+        step with :meth:`Batch.extend` then."""
+        step = self.advance()
+        if step is not None or self._uniform != 1 or self.batch is None:
+            return step
+        client, ends = self.client, self._ends
+        if client.lock_free:
+            reserved = client._memory.seq_np[self._slots, NUM_TOKENS]
+        else:
+            reserved = client._rows(self._slots, 0)[0][:, NUM_TOKENS]
+        if not bool((reserved > ends).all()):
+            return None
+        return self.batch.prefill(start=ends, num_tokens=1)
 
     def advance(self) -> Optional["Step"]:
         """The decode step after this one: one more token in every sequence, in the slot
@@ -783,12 +804,12 @@ class Step:
 
     def _ready(self) -> None:
         client = self.client
-        if client._closed or not self._live or client.config.is_cuda:
+        if client._closed or not self._live:
             # A CPU pool's memory stays mapped while this process holds it, whatever
             # happens to the coordinator: one liveness check (a poll) per step is enough.
             # A device pool dies with the coordinator: checked before every write.
             client.check()
-            self._live = True
+            self._live = not client.config.is_cuda
         if self.batch is not None:
             self.batch._check()
         else:
@@ -829,18 +850,29 @@ class Step:
         return rows
 
     def _write_targets(self) -> tuple:
-        """``(rows view of the pool, [2 * num_layers] row indexes)`` for :meth:`write`,
-        made at the step's first write: a write then indexes a list, not a tensor."""
+        """``(per-layer views of the pool or None, slot index)`` for :meth:`write`, made
+        at the step's first write: a write then indexes a list of views with the step's
+        slot mapping, made into no new tensor (``_PoolViews.layer_views``). None: the
+        views are chosen per write (``_PoolViews.select``), the copy unit depending on
+        the tensors'. A step made by :meth:`advance` writes its root's slots moved by
+        its shift: one add a step."""
         targets = self._targets
         if targets is None:
-            views = _views(self.client)
-            plain_rows, _chunks, plain_dtype = views.plain
+            root = self.__dict__.get("_root")
+            if root is not None:
+                views, index = root._write_targets()
+                targets = self._targets = (views, index + self._shift)
+                return targets
+            pool_views = _views(self.client)
+            plain_rows, _chunks, plain_dtype = pool_views.plain
             # Few rows are copied in the pool's dtype (viewing them in a wider copy unit
             # costs more than the copy); float8 always as bytes (torch has no CPU copy).
-            rows = (
-                plain_rows if self.num_tokens < _UNIT_MIN_TOKENS and plain_dtype is None else None
+            views = (
+                pool_views.layer_views(plain_rows)
+                if self.num_tokens < _UNIT_MIN_TOKENS and plain_dtype is None
+                else None
             )
-            targets = self._targets = (rows, self._layer_rows().unbind(0))
+            targets = self._targets = (views, self.slot_mapping.to(self.client.pool.device))
         return targets
 
     def _check_tensor(self, name: str, t, shape: tuple) -> None:
@@ -859,25 +891,33 @@ class Step:
             Nothing is written in any of these cases.
         """
         self._ready()
-        pool = self.client.pool
+        sig = self._sig
+        if sig is None:  # what every write of the step is checked against
+            pool = self.client.pool
+            sig = self._sig = (
+                pool.shape[1],
+                (self.num_tokens, pool.shape[4], pool.shape[5]),
+                pool.dtype,
+                pool.device,
+            )
+        num_layers, shape, dtype, device = sig
         # What a model loop passes (plain tensors as the pool holds them) is accepted by
         # these few comparisons; anything else goes through the checks that name the fault.
         if not (
             type(layer) is int
-            and 0 <= layer < pool.shape[1]
+            and 0 <= layer < num_layers
             and type(k) is torch.Tensor
             and type(v) is torch.Tensor
-            and k.dtype == pool.dtype
-            and v.dtype == pool.dtype
-            and k.shape == v.shape
-            and k.dim() == 3
-            and k.shape[0] == self.num_tokens
-            and k.shape[1:] == pool.shape[4:]
+            and k.dtype == dtype
+            and v.dtype == dtype
+            and k.shape == shape
+            and v.shape == shape
             and k.is_contiguous()
             and v.is_contiguous()
-            and k.device == pool.device
-            and v.device == pool.device
+            and k.device == device
+            and v.device == device
         ):
+            pool = self.client.pool
             if isinstance(layer, bool) or not isinstance(layer, int):
                 raise WrongType(f"layer must be an int, got {type(layer).__name__}")
             if not 0 <= layer < pool.shape[1]:
@@ -887,11 +927,13 @@ class Step:
             self._check_tensor("v", v, shape)
         if not self.num_tokens:
             return
-        rows, index = self._write_targets()
-        if rows is None:
-            rows, _chunks, k, v = _views(self.client).select(k, v)
-        rows.index_copy_(0, index[2 * layer], k)
-        rows.index_copy_(0, index[2 * layer + 1], v)
+        views, index = self._write_targets()
+        if views is None:
+            pool_views = _views(self.client)
+            rows, _chunks, k, v = pool_views.select(k, v)
+            views = pool_views.layer_views(rows)
+        views[2 * layer].index_copy_(0, index, k)
+        views[2 * layer + 1].index_copy_(0, index, v)
 
     def write_all(self, kv: torch.Tensor) -> None:
         """Write every layer at once: ``kv`` is ``[num_layers, 2, T, num_heads,

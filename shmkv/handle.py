@@ -75,10 +75,12 @@ class _PoolViews:
         "unit_rows",
         "unit_chunks",
         "plain",
+        "_layers",
     )
 
     def __init__(self, pool: torch.Tensor):
         self.pool = pool
+        self._layers: dict = {}  # a rows dtype -> layer_views of it
         heads, head_dim = pool.shape[4], pool.shape[5]
         storage = storage_view(pool)
         self.rows = storage.view(-1, heads, head_dim)
@@ -96,6 +98,18 @@ class _PoolViews:
             if byte is None
             else (self.rows.view(byte), self.chunks.view(byte), byte)
         )
+
+    def layer_views(self, rows: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        """``rows`` (one of these row views) as ``2 * num_layers`` views, the one at
+        ``2 * layer + which`` holding that layer's K or V rows, indexed by slot (a
+        slot's layer-0 K row): made once per dtype, so that a write indexes them with
+        the step's slot mapping as it is."""
+        views = self._layers.get(rows.dtype)
+        if views is None:
+            views = self._layers[rows.dtype] = rows.view(
+                2 * self.pool.shape[1], -1, *rows.shape[1:]
+            ).unbind(0)
+        return views
 
     def select(self, *tensors) -> tuple:
         """``(rows, chunks, *tensors)``, all in the copy unit when every tensor's offset

@@ -215,3 +215,55 @@ def test_a_kept_batch_steps_right_after_a_truncate(client, coord):
     again = batch.extend(1)
     assert again.positions.tolist() == [5, 6, 7]
     coord.table.check_invariants()
+
+
+def test_next_decode_crosses_reserved_blocks_with_no_round_trip(client, coord):
+    hs = [client.allocate(3), client.allocate(3)]
+    batch = client.batch(hs)
+    base = _kv(3, 11)
+    for h in hs:
+        h.write_all(base, 0)
+    sent = []
+    request = client.request
+
+    def counted(op, **args):
+        sent.append(op)
+        return request(op, **args)
+
+    client.request = counted
+    step = batch.extend(1, reserve=12)  # positions 3..15: four blocks, one round trip
+    written = []
+    for t in range(13):
+        assert step.positions.tolist() == [3 + t, 3 + t]
+        kv = _kv(2, 200 + t)
+        for layer in range(L):
+            step.write(layer, kv[layer, 0].contiguous(), kv[layer, 1].contiguous())
+        written.append(kv)
+        if t < 12:
+            step = step.next_decode()
+            assert step is not None
+    assert step.next_decode() is None  # position 16 is not reserved: extend then
+    assert sent == ["extend_batch"] or sent == ["extend_kept"]
+    client.request = request
+    for i, h in enumerate(hs):
+        want = torch.cat([base] + [kv[:, :, i : i + 1] for kv in written], 2)
+        assert torch.equal(h.gather_all(), want)
+    coord.table.check_invariants()
+
+
+def test_next_decode_after_a_fork_copies_the_shared_block_first(client):
+    h = client.allocate(2)
+    batch = client.batch([h])
+    step = batch.extend(1, reserve=5)  # positions 2..7 reserved
+    kv = _kv(1, 12)
+    for layer in range(L):
+        step.write(layer, kv[layer, 0].contiguous(), kv[layer, 1].contiguous())
+    child = h.fork()  # every block shared now
+    before = child.gather_all()
+    nxt = step.next_decode()
+    assert nxt is not None
+    other = _kv(1, 13)
+    for layer in range(L):
+        nxt.write(layer, other[layer, 0].contiguous(), other[layer, 1].contiguous())
+    assert torch.equal(child.gather_all(), before)  # the fork's bytes never change
+    assert torch.equal(h.gather_all()[:, :, 3:4], other)
