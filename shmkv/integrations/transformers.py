@@ -598,6 +598,7 @@ class _CacheState:
     _aligned: int
     _reserved: int
     _uniform_lens: int
+    _ahead: bool
 
     if TYPE_CHECKING:  # defined by ShmkvCache and _CacheAttention
 
@@ -735,14 +736,20 @@ class _CacheSteps(_CacheState):
             step = None
             if self._reserved >= kv_length:
                 if prev is not None:  # the step after the last one, from its tables: no table read
-                    step = prev.step.advance()
+                    step = prev.step.next_decode()
                 if step is None:
                     step = self._batch.prefill(start=start, num_tokens=n)
             else:
-                step = self._extend(n)
+                # A decode step reserves the rest of the rows' last blocks too (no block
+                # more), which the next steps take with no round trip; the rows' stored
+                # counts, not their slots, say what they hold (as after a crop).
+                assert self._batch is not None  # (made by _begin)
+                ahead = -kv_length % self._batch.client.config.block_size if n == 1 else 0
+                step = self._extend(n, ahead)
                 assert self._lens is not None  # (set with the rows)
-                self._lens += n
-                self._reserved = self._uniform_lens = kv_length
+                self._lens += n + ahead
+                self._reserved = self._uniform_lens = kv_length + ahead
+                self._ahead = bool(ahead)
             plan = None
             if (
                 prev is not None
@@ -842,11 +849,11 @@ class _CacheSteps(_CacheState):
         first = torch.where(wrong, own.expand_as(wrong), _NEVER).amin(1)
         self._unpublished = torch.minimum(self._unpublished, first)
 
-    def _extend(self, counts):
-        """``batch.extend(counts)``: one round trip (copy-on-write of forked rows' shared
-        last blocks included)."""
+    def _extend(self, counts, reserve: int = 0):
+        """``batch.extend(counts, reserve=reserve)``: one round trip (copy-on-write of
+        forked rows' shared last blocks included)."""
         assert self._batch is not None  # (made by _begin)
-        return self._batch.extend(counts)
+        return self._batch.extend(counts, reserve=reserve)
 
     def _write(self, fwd: _Forward, layer_idx: int, key_states, value_states) -> None:
         """One batch write of the layer's new K/V (the rows ``fwd.select`` names)."""
@@ -1211,6 +1218,9 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
         self._pad = self._stored_t = self._lens = None
         self._any_pad = False
         self._aligned = self._reserved = self._uniform_lens = -1
+        # Decode steps reserved slots ahead that no row stores yet (given back when the
+        # handles are asked for; any other change of the rows keeps them, as a crop does).
+        self._ahead = False
         self._last_path: Optional[str] = None
         if padding_side not in (None, "left"):
             raise InvalidArgument(f"padding_side must be 'left' or None, got {padding_side!r}")
@@ -1285,6 +1295,7 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
         self._refresh_rows()
 
     def _refresh_rows(self) -> None:
+        self._ahead = False
         pad, lens = self._pad, self._lens
         assert pad is not None and lens is not None  # (set with the rows)
         self._any_pad = bool(pad.any())
@@ -1448,11 +1459,30 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
     def handles(self) -> List[KvCacheHandle]:
         """The sequences, one per batch row (empty before the first forward of a cache
         made from a client)."""
+        self._give_back()
         return list(self._handles or [])
+
+    def _give_back(self) -> None:
+        """Slots decode steps reserved ahead and did not write go back (one round trip),
+        so that every handle holds what its row stored. Kept, as after a crop, when a
+        sequence has another reference (a truncate is refused then)."""
+        if not self._ahead:
+            return
+        self._ahead = False
+        assert self._batch is not None and self._lens is not None  # (set by the step)
+        if self._aligned < 0 or self._uniform_lens <= self._aligned:
+            return
+        try:
+            self._batch.truncate(self._aligned)
+        except InvalidArgument:
+            return
+        self._lens = torch.full_like(self._lens, self._aligned)
+        self._reserved = self._uniform_lens = self._aligned
 
     @property
     def handle(self) -> KvCacheHandle:
         """The one sequence of a batch-1 cache."""
+        self._give_back()
         if not self._handles or len(self._handles) != 1:
             raise InvalidArgument(
                 f"the cache holds {len(self._handles or [])} sequences, not one; use .handles"
