@@ -36,6 +36,7 @@ EXPECTED = {
     "metrics",
     "vllm",
     "warm",
+    "load",
 }
 OTHERS = sorted(EXPECTED - set(SECTIONS))
 
@@ -298,3 +299,22 @@ def test_warm_suite_runs_its_four_states_on_a_small_pool(tmp_path):
     assert isinstance(record["met"], bool) and run["hugepages"] is False
     with open(base + ".md") as f:
         assert "| prefaulted |" in f.read()
+
+
+def test_load_suite_runs_on_a_small_pool(tmp_path):
+    """The load suite end to end with one client, one rate and a short ping figure (its
+    figures are not checked: timing belongs to the benchmark)."""
+    import json
+
+    from shmkv.bench import load
+
+    base = str(tmp_path / "load")
+    argv = ["--clients", "1", "--rates", "64", "--phase-s", "0.5", "--pool-blocks", "48"]
+    argv += ["--ping-cycles", "1", "--out", base, "--plot", str(tmp_path / "load.png")]
+    assert load.main(argv) == 0
+    with open(base + ".json") as f:
+        record = json.load(f)
+    (point,) = record["points"]
+    assert point["clients"] == 1 and point["achieved_ops_s"] > 0
+    assert sum(op["n"] for op in point["ops"].values()) > 0
+    assert record["ping"]["p99_ratio"] > 0

@@ -12,7 +12,7 @@ plots):
 * the suites run on their own with ``--only NAME``, each writing
   ``benchmarks/results/NAME.*`` (``NAME-quick.*`` with ``--quick``): ``prefix``,
   ``attention``, ``native``, ``transformers``, ``tiers``, ``remote``, ``metrics``,
-  ``vllm``, ``warm``. A suite's own options follow ``--``:
+  ``vllm``, ``warm``, ``load``. A suite's own options follow ``--``:
   ``shmkv bench --only tiers -- --only ping --spin-us 150``.
 
 ``--only`` may name several; the sections among them run first, as one record.
@@ -50,6 +50,7 @@ SUITES = {
     "metrics": ("metrics", "ping p99 while /metrics is scraped against idle"),
     "vllm": ("vllm", "vLLM with ShmkvConnector: TTFT and no-hit throughput"),
     "warm": ("warm", "decode steps on a new pool: cold, populated, prefaulted, warm"),
+    "load": ("load", "1-8 clients at rising offered rates: p50/p99/p999 per op, loop CPU"),
 }
 assert set(SECTIONS) <= set(SUITES)
 
