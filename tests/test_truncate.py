@@ -40,6 +40,12 @@ def _kv(n: int, seed: int) -> torch.Tensor:
     return torch.randn(L, 2, n, H, D, generator=g)
 
 
+def _write(step, kv: torch.Tensor) -> None:
+    """Every layer of ``kv`` ([L, 2, T, H, D]) through the step's writes."""
+    for layer in range(L):
+        step.write(layer, kv[layer, 0].contiguous(), kv[layer, 1].contiguous())
+
+
 def test_truncate_gives_back_slots_and_blocks_and_keeps_the_rest(client, coord):
     h = client.allocate(10)  # 3 blocks
     kv = _kv(10, 1)
@@ -169,8 +175,7 @@ def test_decode_over_slots_reserved_ahead(client, coord):
     for t in range(9):
         assert step.positions.tolist() == [5 + t, 5 + t]
         kv = _kv(2, 100 + t)  # [L, 2, B=2, H, D]: one token a sequence
-        for layer in range(L):
-            step.write(layer, kv[layer, 0].contiguous(), kv[layer, 1].contiguous())
+        _write(step, kv)
         written.append(kv)
         nxt = step.advance()
         if nxt is None:
@@ -236,8 +241,7 @@ def test_next_decode_crosses_reserved_blocks_with_no_round_trip(client, coord):
     for t in range(13):
         assert step.positions.tolist() == [3 + t, 3 + t]
         kv = _kv(2, 200 + t)
-        for layer in range(L):
-            step.write(layer, kv[layer, 0].contiguous(), kv[layer, 1].contiguous())
+        _write(step, kv)
         written.append(kv)
         if t < 12:
             step = step.next_decode()
@@ -256,14 +260,12 @@ def test_next_decode_after_a_fork_copies_the_shared_block_first(client):
     batch = client.batch([h])
     step = batch.extend(1, reserve=5)  # positions 2..7 reserved
     kv = _kv(1, 12)
-    for layer in range(L):
-        step.write(layer, kv[layer, 0].contiguous(), kv[layer, 1].contiguous())
+    _write(step, kv)
     child = h.fork()  # every block shared now
     before = child.gather_all()
     nxt = step.next_decode()
     assert nxt is not None
     other = _kv(1, 13)
-    for layer in range(L):
-        nxt.write(layer, other[layer, 0].contiguous(), other[layer, 1].contiguous())
+    _write(nxt, other)
     assert torch.equal(child.gather_all(), before)  # the fork's bytes never change
     assert torch.equal(h.gather_all()[:, :, 3:4], other)
