@@ -204,8 +204,8 @@ class Batch:
                 raise InvalidArgument(
                     "reserve takes one int count for every sequence, and no tokens"
                 )
-            total = self._counts(uniform + reserve, "counts + reserve")[0]
-            return self._extend_uniform(total, self._counts(total)[1], uniform)
+            total, total_t = self._counts(uniform + reserve, "counts + reserve")
+            return self._extend_uniform(total, total_t, uniform)
         if uniform > 0 and tokens is None:
             return self._extend_uniform(uniform, counts_t)
         args: Dict[str, Any] = {"ids": self._ids_wire}
@@ -228,12 +228,16 @@ class Batch:
         ``count`` more each (``extend(reserve="block")``)."""
         if count <= 0 or not len(self.handles):
             return 0
+        lens = self._lengths()
+        return int((-(lens + count) % self.client.config.block_size).min())
+
+    def _lengths(self) -> np.ndarray:
+        """Every sequence's length (slots reserved), from the shared tables (from the
+        coordinator where they are not read lock-free)."""
         client = self.client
         if client.lock_free:
-            lens = client._memory.seq_np[self._slots, NUM_TOKENS]
-        else:
-            lens = client._rows(self._slots, 0)[0][:, NUM_TOKENS]
-        return int((-(lens + count) % client.config.block_size).min())
+            return client._memory.seq_np[self._slots, NUM_TOKENS]
+        return client._rows(self._slots, 0)[0][:, NUM_TOKENS]
 
     def truncate(self, num_tokens) -> int:
         """Shorten every sequence to ``num_tokens`` (an int for all, or one per sequence,
@@ -370,10 +374,7 @@ class Batch:
             starts = self._num_cached.copy()
         else:
             starts = self._counts(start, "start")[1].copy()  # (its own: positions may view it)
-        if client.lock_free:
-            current = client._memory.seq_np[self._slots, NUM_TOKENS]
-        else:
-            current = client._rows(self._slots, 0)[0][:, NUM_TOKENS]
+        current = self._lengths()
         if num_tokens is None:
             counts_t = current - starts
             if num and int(counts_t.min()) < 0:
@@ -552,12 +553,8 @@ class Step:
         step = self.advance()
         if step is not None or self._uniform != 1 or self.batch is None:
             return step
-        client, ends = self.client, self._ends
-        if client.lock_free:
-            reserved = client._memory.seq_np[self._slots, NUM_TOKENS]
-        else:
-            reserved = client._rows(self._slots, 0)[0][:, NUM_TOKENS]
-        if not bool((reserved > ends).all()):
+        ends = self._ends
+        if not bool((self.batch._lengths() > ends).all()):
             return None
         return self.batch.prefill(start=ends, num_tokens=1)
 
