@@ -514,6 +514,222 @@ def test_worker_copies_whole_blocks_both_ways_in_each_layout(
         w.shutdown()
 
 
+def _layers_of(caches):
+    return sorted(caches, key=lambda name: int(name.split(".")[2]))
+
+
+def _forward(w, caches, waits=None):
+    """One step of vLLM's around ``w``'s bound metadata: start_load_kv, each layer's
+    wait_for_layer_load (those in ``waits``; all by default), wait_for_save."""
+    w.start_load_kv(None)
+    for i, name in enumerate(_layers_of(caches)):
+        if waits is None or i in waits:
+            w.wait_for_layer_load(name)
+    w.wait_for_save()
+
+
+def _load_meta(connector, handle, block_ids, req_id="r1"):
+    return connector.ShmkvConnectorMetadata(
+        requests=[
+            connector.ShmkvReqMeta(
+                req_id=req_id,
+                block_ids=block_ids,
+                tokens=[handle.export()],
+                load=(0, len(block_ids) * BLOCK),
+                done=True,
+            )
+        ]
+    )
+
+
+def _loaded(connector, caches, layer, block_ids, layout="cpu"):
+    """Layer ``layer``'s K and V in vLLM blocks ``block_ids``, as [tokens, heads, dim]."""
+    k, v = connector.kv_views(caches[f"model.layers.{layer}.self_attn.attn"], layout)
+    n = len(block_ids) * BLOCK
+    return tuple(t[block_ids].permute(0, 2, 1, 3).reshape(n, HEADS, DIM) for t in (k, v))
+
+
+def _gated_worker(connector, model_path, address, gate_layer):
+    """A real worker whose load thread stops before copying layer ``gate_layer`` until
+    ``w.gate`` is set (the copies of a slow layer, made visible)."""
+    import threading
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    class Gated(connector.ShmkvConnector):
+        gate = threading.Event()
+
+        def _copy_layer(self, pool, layer, runs, load, copy=torch.Tensor.copy_):
+            if layer == gate_layer and threading.current_thread() is not threading.main_thread():
+                self.gate.wait(30)
+            return super()._copy_layer(pool, layer, runs, load, copy)
+
+    w = Gated(_vllm_config(model_path, address=address), KVConnectorRole.WORKER, None)
+    caches = {
+        f"model.layers.{i}.self_attn.attn": torch.zeros(16, HEADS, BLOCK, 2 * DIM)
+        for i in range(LAYERS)
+    }
+    w.register_kv_caches(caches)
+    return w, caches
+
+
+def test_loads_arrive_layer_by_layer_once_vllm_waits_for_every_layer(
+    model_path, unique_name, connector
+):
+    """After a forward in which vLLM waited for every layer, a load is copied on the
+    worker's thread while the forward goes on: start_load_kv returns with a layer not
+    yet copied, each layer's wait returns once that layer is in vLLM's blocks, and the
+    bytes are the pool's."""
+    with (
+        shmkv.Coordinator(pool_config(256), name=unique_name) as coord,
+        shmkv.connect(coord.address) as client,
+    ):
+        w, caches = _gated_worker(connector, model_path, coord.address, gate_layer=1)
+        h = _written(client, prompt(21, 2 * BLOCK), torch.Generator().manual_seed(3))
+        # the first load: copied before the forward (nothing has shown vLLM waits yet)
+        w.bind_connector_metadata(_load_meta(connector, h, [5, 3]))
+        w.start_load_kv(None)
+        assert torch.equal(_loaded(connector, caches, 1, [5, 3])[0], h.key_cache(1))
+        for name in _layers_of(caches):
+            w.wait_for_layer_load(name)
+        w.wait_for_save()
+        assert w.get_block_ids_with_load_errors() == set()
+        # the next: layer by layer
+        w.bind_connector_metadata(_load_meta(connector, h, [7, 9], req_id="r2"))
+        w.start_load_kv(None)
+        w.wait_for_layer_load("model.layers.0.self_attn.attn")
+        k0, v0 = _loaded(connector, caches, 0, [7, 9])
+        assert torch.equal(k0, h.key_cache(0)) and torch.equal(v0, h.value_cache(0))
+        assert not _loaded(connector, caches, 1, [7, 9])[0].any()  # held at the gate
+        w.gate.set()
+        w.wait_for_layer_load("model.layers.1.self_attn.attn")
+        k1, v1 = _loaded(connector, caches, 1, [7, 9])
+        assert torch.equal(k1, h.key_cache(1)) and torch.equal(v1, h.value_cache(1))
+        w.wait_for_save()
+        assert w.get_block_ids_with_load_errors() == set()
+        assert w.get_kv_connector_stats().data["num_loaded_tokens"] == 4 * BLOCK
+        h.close()
+        w.shutdown()
+
+
+def test_a_layer_run_without_waiting_for_its_load_fails_the_steps_loads(
+    model_path, unique_name, connector
+):
+    """vLLM ran a layer's attention without wait_for_layer_load (a graph replay, another
+    attention path) while a load was under way: that step's loads are reported, so vLLM
+    recomputes them, and later loads are copied whole before the forward."""
+    with (
+        shmkv.Coordinator(pool_config(256), name=unique_name) as coord,
+        shmkv.connect(coord.address) as client,
+    ):
+        w, caches = _gated_worker(connector, model_path, coord.address, gate_layer=1)
+        w.gate.set()
+        h = _written(client, prompt(22, 2 * BLOCK), torch.Generator().manual_seed(4))
+        w.bind_connector_metadata(connector.ShmkvConnectorMetadata())
+        _forward(w, caches)  # vLLM waits for every layer: later loads go layer by layer
+        w.bind_connector_metadata(_load_meta(connector, h, [5, 3]))
+        _forward(w, caches, waits={0})  # layer 1 ran without waiting
+        assert w.get_block_ids_with_load_errors() == {5, 3}
+        assert w.get_kv_connector_stats().data == {
+            "num_loaded_tokens": 0,
+            "num_saved_tokens": 0,
+            "num_load_errors": 1,
+        }
+        # copied before the forward from now on: in place when start_load_kv returns
+        w.bind_connector_metadata(_load_meta(connector, h, [7, 9], req_id="r2"))
+        w.start_load_kv(None)
+        k1, v1 = _loaded(connector, caches, 1, [7, 9])
+        assert torch.equal(k1, h.key_cache(1)) and torch.equal(v1, h.value_cache(1))
+        w.wait_for_save()
+        assert w.get_block_ids_with_load_errors() == set()
+        h.close()
+        w.shutdown()
+
+
+def test_a_layer_load_that_fails_or_runs_late_is_recomputed_and_nothing_hangs(
+    model_path, unique_name, connector, monkeypatch
+):
+    """A copy that raises on the load thread, and a layer not loaded within
+    LAYER_WAIT_S: the forward's waits return, the step's loads are reported, nothing
+    raises into vLLM, and the next load is whole again."""
+    monkeypatch.setattr(connector, "LAYER_WAIT_S", 0.3)
+    with (
+        shmkv.Coordinator(pool_config(256), name=unique_name) as coord,
+        shmkv.connect(coord.address) as client,
+    ):
+        w, caches = _gated_worker(connector, model_path, coord.address, gate_layer=1)
+        h = _written(client, prompt(23, 2 * BLOCK), torch.Generator().manual_seed(5))
+        w.bind_connector_metadata(connector.ShmkvConnectorMetadata())
+        _forward(w, caches)
+        # late: layer 1 held past LAYER_WAIT_S
+        w.bind_connector_metadata(_load_meta(connector, h, [5, 3]))
+        t0 = time.monotonic()
+        w.start_load_kv(None)
+        for name in _layers_of(caches):
+            w.wait_for_layer_load(name)
+        assert time.monotonic() - t0 < 10  # gave up on layer 1 (waits 30 s at the gate)
+        w.gate.set()  # the stuck copy ends; the load thread stops after it
+        w.wait_for_save()
+        assert w.get_block_ids_with_load_errors() == {5, 3}
+        # raises: a load whose runs point past the pool fails on the thread
+        w.bind_connector_metadata(_load_meta(connector, h, [7, 9], req_id="r2"))
+        real = connector.ShmkvConnector._copy_layer
+
+        def broken(self, pool, layer, runs, load, copy=torch.Tensor.copy_):
+            if layer == 1:
+                raise RuntimeError("copy failed")
+            return real(self, pool, layer, runs, load, copy)
+
+        monkeypatch.setattr(connector.ShmkvConnector, "_copy_layer", broken)
+        _forward(w, caches)
+        assert w.get_block_ids_with_load_errors() == {7, 9}
+        assert w.get_kv_connector_stats().data == {
+            "num_loaded_tokens": 0,
+            "num_saved_tokens": 0,
+            "num_load_errors": 2,
+        }
+        h.close()
+        w.shutdown()
+
+
+def test_layerwise_and_prefault_are_flags(model_path, unique_name, connector):
+    """ "shmkv.layerwise" and "shmkv.prefault" take true or false, nothing else; with
+    layerwise false a worker copies every load before the forward."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    for key in ("shmkv.layerwise", "shmkv.prefault"):
+        with pytest.raises(connector.ConnectorConfigError, match="true or false"):
+            connector.ShmkvConnector(
+                _vllm_config(model_path, address="/nonexistent", **{key: "yes"}),
+                KVConnectorRole.WORKER,
+                None,
+            )
+    with (
+        shmkv.Coordinator(pool_config(256), name=unique_name) as coord,
+        shmkv.connect(coord.address) as client,
+    ):
+        cfg = _vllm_config(
+            model_path, address=coord.address, **{"shmkv.layerwise": False, "shmkv.prefault": False}
+        )
+        w = connector.ShmkvConnector(cfg, KVConnectorRole.WORKER, None)
+        caches = {
+            f"model.layers.{i}.self_attn.attn": torch.zeros(16, HEADS, BLOCK, 2 * DIM)
+            for i in range(LAYERS)
+        }
+        w.register_kv_caches(caches)
+        h = _written(client, prompt(24, BLOCK), torch.Generator().manual_seed(6))
+        for step in range(2):
+            w.bind_connector_metadata(_load_meta(connector, h, [2 + step], req_id=f"r{step}"))
+            w.start_load_kv(None)  # whole, both times
+            assert torch.equal(_loaded(connector, caches, 1, [2 + step])[1], h.value_cache(1))
+            for name in _layers_of(caches):
+                w.wait_for_layer_load(name)
+            w.wait_for_save()
+        assert w.get_block_ids_with_load_errors() == set()
+        h.close()
+        w.shutdown()
+
+
 def test_tp_rank_r_maps_onto_shmkv_head_shard_r(unique_name, connector):
     """vLLM's rank r of T holds K/V heads [r*H/T, (r+1)*H/T); shmkv's client of
     tp_rank=r sees exactly that slice of every block (with 2 heads a rank here, where

@@ -92,8 +92,8 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
         num_layers=LAYERS,
         num_kv_heads=KV_HEADS,
         head_dim=HEAD_DIM,
-        num_blocks=tokens_needed // 32 + 64,
-        block_size=32,
+        num_blocks=tokens_needed // BLOCK + 64,
+        block_size=BLOCK,  # vLLM's, as docs/vllm.md advises
         dtype=torch.float32,
         max_seq_len=max(sizes) + BLOCK,
     )

@@ -23,7 +23,9 @@ How a request goes through it:
   vLLM blocks, which token ranges to load and to save) and, the first time, one hand-off
   token per tensor-parallel rank (``handle.export``). No other round trip per step.
 * **Worker side**: :meth:`start_load_kv` opens the hand-offs and copies the hit blocks
-  into vLLM's paged tensors before the forward; after it, :meth:`wait_for_save` copies
+  into vLLM's paged tensors (on the CPU layer by layer on a thread of the worker's own,
+  each layer's attention waiting for its layer in :meth:`wait_for_layer_load`); after
+  the forward, :meth:`wait_for_save` copies
   the newly complete blocks into the pool and ``commit``s them (under tensor parallelism
   a block is published once every rank has committed its head shard). Copies go block to
   block, no Python loop per token: one strided copy per layer, K or V, and run of pool
@@ -52,10 +54,13 @@ import hashlib
 import json
 import logging
 import re
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -77,6 +82,7 @@ log = logging.getLogger("shmkv.vllm")
 LAYOUTS = ("cpu", "split", "flash")
 DEFAULT_RETRY_S = 5.0
 HANDOFF_TTL_S = 60.0
+LAYER_WAIT_S = 30.0  # the longest a layer's attention waits for its load before giving up
 
 
 class ConnectorConfigError(shmkv.InvalidArgument):
@@ -168,6 +174,22 @@ def copy_runs(
                 continue
         runs.append((vblock, sub, pool, 1))
     return runs
+
+
+_SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def assign(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for two views of one dtype and shape. On the CPU, a byte copy
+    through numpy: one thread, the GIL released, no OpenMP team to wake, where torch's
+    parallel copy of a strided view waits for a second thread that a busy engine's
+    forward holds (0.34 ms against 0.86 ms for a 1k-token layer here). Elsewhere torch's
+    copy, queued on the current stream."""
+    width = _SAME_WIDTH_INT.get(dst.element_size())
+    if dst.device.type == "cpu" and src.device.type == "cpu" and width is not None:
+        np.copyto(dst.view(width).numpy(), src.view(width).numpy())
+    else:
+        dst.copy_(src)
 
 
 def _release(handle) -> None:
@@ -338,6 +360,95 @@ def client_name(given: Optional[str], engine_id: Optional[str]) -> str:
     return name[:64]
 
 
+def _flag(extra: dict, key: str, default: bool = True) -> bool:
+    value = extra.get(key, default)
+    if not isinstance(value, bool):
+        raise ConnectorConfigError(f"{key!r} must be true or false, got {value!r}")
+    return value
+
+
+class _LayerLoader:
+    """A step's loads, copied layer by layer on a thread of its own, so that the forward
+    computes while the later layers arrive. ``start`` takes the step's loads; ``wait``
+    blocks until one layer of all of them is in vLLM's blocks; ``finish`` waits for the
+    rest and returns each load's failure (None for a load fully copied); ``cancel`` stops
+    the copies after the current one. One step at a time."""
+
+    def __init__(self, num_layers: int):
+        self._num_layers = num_layers
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shmkv-load")
+        self._layers = [threading.Event() for _ in range(num_layers)]
+        self._stop = threading.Event()
+        self._future: Any = None
+        self._failed: Dict[int, BaseException] = {}
+        self._loads: List[Any] = []
+
+    @property
+    def busy(self) -> bool:
+        """A step's loads were started and not finished."""
+        return self._future is not None
+
+    def start(self, pool, loads, copy_layer) -> None:
+        for event in self._layers:
+            event.clear()
+        self._stop.clear()
+        self._failed = {}
+        self._loads = loads
+        self._future = self._thread.submit(self._run, pool, loads, copy_layer)
+
+    def _run(self, pool, loads, copy_layer) -> None:
+        try:
+            for layer in range(self._num_layers):
+                for i, (_, runs) in enumerate(loads):
+                    if self._stop.is_set():
+                        self._failed.setdefault(i, ShmkvError("load stopped"))
+                    elif i not in self._failed:
+                        try:
+                            copy_layer(pool, layer, runs, load=True, copy=assign)
+                        except Exception as exc:  # noqa: BLE001 - reported by finish()
+                            self._failed[i] = exc
+                self._layers[layer].set()
+        finally:
+            for event in self._layers:  # nobody waits past the end, whatever happened
+                event.set()
+
+    def wait(self, layer: int, timeout: float) -> bool:
+        """Whether ``layer`` of every load was copied (or failed) within ``timeout``."""
+        return self._layers[layer].wait(timeout)
+
+    def cancel(self) -> None:
+        """Stop the copies after the current one; every load of the step then fails
+        (a layer may have been read before it was complete)."""
+        self._stop.set()
+
+    def finish(self) -> List[Tuple[Any, Optional[BaseException]]]:
+        """Wait for the copies to end (within one copy of :meth:`cancel`: a copy is
+        bounded by memory speed); each load with its failure, None where it was copied."""
+        future, self._future = self._future, None
+        if future is None:
+            return []
+        loads, self._loads = self._loads, []
+        failed: Dict[int, BaseException] = {}
+        try:
+            future.result(timeout=LAYER_WAIT_S)
+        except Exception as exc:  # noqa: BLE001 - _run catches its copies'; this is the rest
+            self.cancel()
+            try:
+                future.result(timeout=LAYER_WAIT_S)  # the copy under way, then it stops
+            except Exception:  # noqa: BLE001 - logged below, with the first failure
+                log.error("shmkv: a load still runs after %.0f s (%s)", 2 * LAYER_WAIT_S, exc)
+            failed = {i: exc for i in range(len(loads))}
+        else:
+            stopped = ShmkvError("load stopped: a layer was not loaded in time")
+            if self._stop.is_set():
+                failed = {i: stopped for i in range(len(loads))}
+            failed.update(self._failed)
+        return [(item, failed.get(i)) for i, (item, _) in enumerate(loads)]
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True, cancel_futures=True)
+
+
 class ShmkvConnector(KVConnectorBase_V1):
     """vLLM KV connector over a shmkv coordinator (see the module docstring).
 
@@ -345,7 +456,13 @@ class ShmkvConnector(KVConnectorBase_V1):
     coordinator), ``"shmkv.salt"`` (a namespace of your own), ``"shmkv.retry_s"``
     (seconds before connecting again after the coordinator was found gone, default 5),
     ``"shmkv.kv_layout"`` (``"cpu"``, ``"split"`` or ``"flash"``; detected by default),
-    ``"shmkv.on_load_error"`` (``"recompute"``, the default, or ``"fail"``).
+    ``"shmkv.on_load_error"`` (``"recompute"``, the default, or ``"fail"``),
+    ``"shmkv.prefault"`` (map the whole CPU pool into each worker when it connects,
+    default true: a load then copies at memory speed instead of meeting a page fault on
+    every 4 KiB of blocks another process wrote, about 0.1 s a GiB once per connection),
+    ``"shmkv.layerwise"`` (on the CPU, copy a step's loads on a thread of the worker's
+    own, layer by layer, while the forward computes; default true; false copies them all
+    before the forward).
 
     Raises (at start-up):
         ConnectorConfigError: no address; a pool block size that does not divide vLLM's
@@ -370,6 +487,8 @@ class ShmkvConnector(KVConnectorBase_V1):
             extra.get("shmkv.client_name"), self._kv_transfer_config.engine_id
         )
         self._layout = extra.get("shmkv.kv_layout")
+        self._prefault = _flag(extra, "shmkv.prefault")
+        self._layerwise_wanted = _flag(extra, "shmkv.layerwise")
         self._block_size = vllm_config.cache_config.block_size
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._namespace = model_namespace(vllm_config, extra.get("shmkv.salt", ""))
@@ -390,8 +509,15 @@ class ShmkvConnector(KVConnectorBase_V1):
             self._tp_rank = get_tensor_model_parallel_rank() if self._tp_size > 1 else 0
             self._k: List[torch.Tensor] = []
             self._v: List[torch.Tensor] = []
+            self._layer_index: Dict[str, int] = {}
             self._handles: Dict[str, Any] = {}
             self._load_errors: set = set()
+            self._loader: Optional[_LayerLoader] = None
+            # Whether vLLM calls wait_for_layer_load before every layer's attention here:
+            # None until a forward shows it, False for good once one did not (loads are
+            # then copied whole before the forward).
+            self._layerwise: Optional[bool] = None
+            self._waited: set = set()
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -412,6 +538,8 @@ class ShmkvConnector(KVConnectorBase_V1):
             self._drop_client("the coordinator went away")
         if time.monotonic() < self._down_until:
             return None
+        # Only a worker copies through the pool; the scheduler never touches its pages.
+        prefault = self._prefault and self._role != KVConnectorRole.SCHEDULER
         try:
             if self._tp_size > 1 and self._tp_rank is not None:
                 client = shmkv.connect(
@@ -419,9 +547,10 @@ class ShmkvConnector(KVConnectorBase_V1):
                     tp_rank=self._tp_rank,
                     tp_size=self._tp_size,
                     name=self._client_name,
+                    prefault=prefault,
                 )
             else:
-                client = shmkv.connect(self._address, name=self._client_name)
+                client = shmkv.connect(self._address, name=self._client_name, prefault=prefault)
         except (ShmkvError, OSError) as exc:
             self._down_until = time.monotonic() + self._retry_s
             log.warning(
@@ -433,6 +562,8 @@ class ShmkvConnector(KVConnectorBase_V1):
             return None
         try:
             self._check_pool(client.config)
+            if prefault:
+                log.info("shmkv: pool mapped into this worker in %.2f s", client.prefault_s)
             if self._role != KVConnectorRole.SCHEDULER and self._k:
                 self._check_layers(client.config, *self._shape)
         except ConnectorConfigError as exc:
@@ -624,6 +755,7 @@ class ShmkvConnector(KVConnectorBase_V1):
         first = kv_caches[names[0]]
         layout = self._layout or detect_layout(first)
         self._k, self._v = [], []
+        self._layer_index = {name: i for i, name in enumerate(names)}
         for name in names:
             k, v = kv_views(kv_caches[name], layout)
             self._k.append(k)
@@ -634,6 +766,8 @@ class ShmkvConnector(KVConnectorBase_V1):
                 f"vLLM's KV cache has blocks of {bs} tokens, its config says {self._block_size}"
             )
         self._shape = (heads, head_dim, first.dtype)
+        if first.device.type == "cpu" and self._layerwise_wanted and self._loader is None:
+            self._loader = _LayerLoader(len(names))
         log.info(
             "shmkv: %d layers of %s K/V, %d heads x %d, blocks of %d (%s)",
             len(names),
@@ -646,13 +780,21 @@ class ShmkvConnector(KVConnectorBase_V1):
         self._connect(strict=True)  # refuses a misfit pool at start-up when it is up
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
-        """Open this step's hand-offs and copy every hit block of the step into vLLM's
-        blocks, all layers, before the forward (see :func:`copy_runs`)."""
+        """Open this step's hand-offs and start copying every hit block of the step into
+        vLLM's blocks (see :func:`copy_runs`). On the CPU the copies run layer by layer
+        on a thread of their own while the forward computes, each layer's attention
+        waiting in :meth:`wait_for_layer_load` for its own layer only; elsewhere (and
+        until a forward has shown that vLLM waits for every layer) all layers are copied
+        before the forward."""
         meta = self._connector_metadata
+        self._finish_loads()  # (a step that raised before its wait_for_save)
+        self._waited = set()
         if not isinstance(meta, ShmkvConnectorMetadata):
             return
         for req_id in meta.closed:
             self._close(req_id)
+        loads: List[Tuple[ShmkvReqMeta, List[Tuple[int, int, int, int]]]] = []
+        opened: List[Any] = []  # the handles of loads
         for item in meta.requests:
             handle = self._open(item)
             if item.load == (0, 0):
@@ -661,55 +803,96 @@ class ShmkvConnector(KVConnectorBase_V1):
                 self._fail_load(item)
                 continue
             try:
-                self._copy(handle, item.block_ids, item.load, load=True)
+                loads.append((item, self._runs(handle, item.block_ids, item.load)))
             except Exception as exc:  # noqa: BLE001 - a failed load is recomputed, never fatal
-                log.warning("shmkv: load of %s failed (%s); vLLM recomputes", item.req_id, exc)
-                self._fail_load(item)
+                self._load_failed(item, exc)
+                continue
+            opened.append(handle)
+        client = self._client
+        if any(handle.client is not client for handle in opened):
+            # The coordinator went away while this step's hand-offs were opened: its
+            # handles (and pool) are not the client's now; every load of the step fails.
+            gone = shmkv.CoordinatorGone("the coordinator went away within the step")
+            for item, _ in loads:
+                self._load_failed(item, gone)
+            return
+        if not loads or client is None:
+            return
+        pool = client.pool
+        if self._loader is not None and self._layerwise:
+            self._loader.start(pool, loads, self._copy_layer)
+            return
+        for item, runs in loads:
+            try:
+                for layer in range(len(self._k)):
+                    self._copy_layer(pool, layer, runs, load=True)
+            except Exception as exc:  # noqa: BLE001 - a failed load is recomputed, never fatal
+                self._load_failed(item, exc)
                 continue
             self._stats.data["num_loaded_tokens"] += item.load[1] - item.load[0]
 
-    def _copy(self, handle, block_ids: List[int], span: Tuple[int, int], load: bool) -> None:
-        """Copy tokens ``span`` between the pool blocks of ``handle`` and vLLM's blocks
-        ``block_ids``, every layer, K and V: one strided copy per run and layer, into the
-        destination's own memory (no staging tensor, whose fresh pages cost more than the
-        copy on the CPU)."""
+    def _load_failed(self, item: ShmkvReqMeta, exc: BaseException) -> None:
+        log.warning("shmkv: load of %s failed (%s); vLLM recomputes", item.req_id, exc)
+        self._fail_load(item)
+
+    def _finish_loads(self) -> None:
+        """Wait for the step's layer-by-layer loads (if any) to end and account for them:
+        a load that failed, or that a layer's attention may have read before it was
+        copied (vLLM did not wait for that layer), is reported as a load error."""
+        loader = self._loader
+        if loader is None or not loader.busy:
+            return
+        missed = len(self._waited) < len(self._k)
+        if missed:
+            log.warning(
+                "shmkv: vLLM ran attention without waiting for the layer's load; this "
+                "step's loads are recomputed and later loads copied before the forward"
+            )
+            self._layerwise = False
+        for item, exc in loader.finish():
+            if exc is None and not missed:
+                self._stats.data["num_loaded_tokens"] += item.load[1] - item.load[0]
+            else:
+                self._load_failed(item, exc or ShmkvError("a layer was read before its load"))
+
+    def _runs(self, handle, block_ids: List[int], span: Tuple[int, int]):
+        """The merged copy runs (:func:`copy_runs`, :func:`merge_runs`) of tokens ``span``
+        between the pool blocks of ``handle`` and vLLM's blocks ``block_ids``."""
         table = handle.block_table
         bs = table.block_size
-        per = self._block_size // bs
-        runs = merge_runs(
-            copy_runs(
-                block_ids, list(table.physical_blocks), span[0], span[1], self._block_size, bs
-            ),
-            per,
+        runs = copy_runs(
+            block_ids, list(table.physical_blocks), span[0], span[1], self._block_size, bs
         )
-        if self._client is None:
-            raise shmkv.CoordinatorGone("the coordinator went away since the hand-off was opened")
-        pool = self._client.pool
-        for layer, kv in enumerate(zip(self._k, self._v)):
-            for which in (0, 1):
-                pages, paged = pool[:, layer, which], kv[which]
-                for vblock, sub, first, count in runs:
-                    ours = pages[first : first + count]
-                    if count > per:  # whole vLLM blocks vblock, vblock + 1, ...
-                        n = count // per
-                        # [n, heads, per * block, dim] -> [n, per, block, heads, dim]
-                        theirs = (
-                            paged[vblock : vblock + n]
-                            .unflatten(2, (per, bs))
-                            .permute(0, 2, 3, 1, 4)
-                        )
-                        ours = ours.unflatten(0, (n, per))
-                    else:
-                        # [heads, tokens, dim] -> [count, block, heads, dim], the pool's order
-                        theirs = (
-                            paged[vblock, :, sub * bs : (sub + count) * bs]
-                            .unflatten(1, (count, bs))
-                            .permute(1, 2, 0, 3)
-                        )
-                    if load:
-                        theirs.copy_(ours)
-                    else:
-                        ours.copy_(theirs)
+        return merge_runs(runs, self._block_size // bs)
+
+    def _copy_layer(self, pool, layer: int, runs, load: bool, copy=torch.Tensor.copy_) -> None:
+        """Copy ``runs`` (:meth:`_runs`) of one layer, K and V, between the pool and vLLM's
+        blocks: one strided ``copy(dst, src)`` per run, into the destination's own memory
+        (no staging tensor, whose fresh pages cost more than the copy on the CPU)."""
+        bs = pool.shape[3]
+        per = self._block_size // bs
+        for which, paged in enumerate((self._k[layer], self._v[layer])):
+            pages = pool[:, layer, which]
+            for vblock, sub, first, count in runs:
+                ours = pages[first : first + count]
+                if count > per:  # whole vLLM blocks vblock, vblock + 1, ...
+                    n = count // per
+                    # [n, heads, per * block, dim] -> [n, per, block, heads, dim]
+                    theirs = (
+                        paged[vblock : vblock + n].unflatten(2, (per, bs)).permute(0, 2, 3, 1, 4)
+                    )
+                    ours = ours.unflatten(0, (n, per))
+                else:
+                    # [heads, tokens, dim] -> [count, block, heads, dim], the pool's order
+                    theirs = (
+                        paged[vblock, :, sub * bs : (sub + count) * bs]
+                        .unflatten(1, (count, bs))
+                        .permute(1, 2, 0, 3)
+                    )
+                if load:
+                    copy(theirs, ours)
+                else:
+                    copy(ours, theirs)
 
     def _open(self, item: ShmkvReqMeta):
         handle = self._handles.get(item.req_id)
@@ -737,15 +920,32 @@ class ShmkvConnector(KVConnectorBase_V1):
         self._stats.data["num_load_errors"] += 1
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for: :meth:`start_load_kv` loaded every layer."""
-        return
+        """Wait until this step's loads of layer ``layer_name`` are in vLLM's blocks (at
+        most ``LAYER_WAIT_S``; past it the step's loads are stopped and recomputed)."""
+        layer = self._layer_index.get(layer_name)
+        if layer is None:
+            return
+        self._waited.add(layer)
+        loader = self._loader
+        if loader is not None and loader.busy and not loader.wait(layer, LAYER_WAIT_S):
+            log.error(
+                "shmkv: layer %s not loaded after %.0f s; stopping this step's loads "
+                "(vLLM recomputes them)",
+                layer_name,
+                LAYER_WAIT_S,
+            )
+            loader.cancel()
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
         """Nothing per layer: :meth:`wait_for_save` saves every layer after the forward."""
         return
 
     def wait_for_save(self):
-        """Copy this step's newly complete blocks into the pool and commit them."""
+        """Copy this step's newly complete blocks into the pool and commit them (after
+        the step's loads have ended)."""
+        self._finish_loads()
+        if self._layerwise is None and self._k and len(self._waited) == len(self._k):
+            self._layerwise = True  # vLLM waits for every layer: load layer by layer
         meta = self._connector_metadata
         if not isinstance(meta, ShmkvConnectorMetadata):
             return
@@ -773,7 +973,12 @@ class ShmkvConnector(KVConnectorBase_V1):
         try:
             if start < handle.num_cached_tokens or start % handle.block_table.block_size:
                 raise ShmkvError(f"save of [{start}, {end}) would write the cached prefix")
-            self._copy(handle, item.block_ids, item.save, load=False)
+            client = self._client
+            if client is None or handle.client is not client:
+                raise shmkv.CoordinatorGone("the coordinator went away since the hand-off")
+            runs = self._runs(handle, item.block_ids, item.save)
+            for layer in range(len(self._k)):
+                self._copy_layer(client.pool, layer, runs, load=False)
             # Not waited for: the bytes are in the pool now (vLLM may reuse its blocks),
             # and a refused commit is only a later miss (logged by wait_for_save).
             handle.commit(end, wait=False)
@@ -790,6 +995,7 @@ class ShmkvConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set:
         """vLLM block ids whose load failed since the last call (vLLM recomputes them)."""
+        self._finish_loads()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
@@ -811,6 +1017,10 @@ class ShmkvConnector(KVConnectorBase_V1):
             for req_id in list(self._reqs):
                 self._finish(req_id, tell_workers=False)
         else:
+            if self._loader is not None:
+                self._loader.cancel()
+                self._finish_loads()
+                self._loader.close()
             for req_id in list(self._handles):
                 self._close(req_id)
         client, self._client = self._client, None
