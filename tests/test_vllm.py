@@ -564,7 +564,8 @@ def _gated_worker(connector, model_path, address, gate_layer):
                 self.gate.wait(30)
             return super()._copy_layer(pool, layer, runs, load, copy)
 
-    w = Gated(_vllm_config(model_path, address=address), KVConnectorRole.WORKER, None)
+    cfg = _vllm_config(model_path, address=address, **{"shmkv.layerwise": True})
+    w = Gated(cfg, KVConnectorRole.WORKER, None)
     caches = {
         f"model.layers.{i}.self_attn.attn": torch.zeros(16, HEADS, BLOCK, 2 * DIM)
         for i in range(LAYERS)
@@ -693,8 +694,8 @@ def test_a_layer_load_that_fails_or_runs_late_is_recomputed_and_nothing_hangs(
 
 
 def test_layerwise_and_prefault_are_flags(model_path, unique_name, connector):
-    """ "shmkv.layerwise" and "shmkv.prefault" take true or false, nothing else; with
-    layerwise false a worker copies every load before the forward."""
+    """The keys shmkv.layerwise and shmkv.prefault take true or false, nothing else; by
+    default a worker copies every load before the forward, every step."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     for key in ("shmkv.layerwise", "shmkv.prefault"):
@@ -708,9 +709,7 @@ def test_layerwise_and_prefault_are_flags(model_path, unique_name, connector):
         shmkv.Coordinator(pool_config(256), name=unique_name) as coord,
         shmkv.connect(coord.address) as client,
     ):
-        cfg = _vllm_config(
-            model_path, address=coord.address, **{"shmkv.layerwise": False, "shmkv.prefault": False}
-        )
+        cfg = _vllm_config(model_path, address=coord.address, **{"shmkv.prefault": False})
         w = connector.ShmkvConnector(cfg, KVConnectorRole.WORKER, None)
         caches = {
             f"model.layers.{i}.self_attn.attn": torch.zeros(16, HEADS, BLOCK, 2 * DIM)

@@ -23,9 +23,9 @@ How a request goes through it:
   vLLM blocks, which token ranges to load and to save) and, the first time, one hand-off
   token per tensor-parallel rank (``handle.export``). No other round trip per step.
 * **Worker side**: :meth:`start_load_kv` opens the hand-offs and copies the hit blocks
-  into vLLM's paged tensors (on the CPU layer by layer on a thread of the worker's own,
-  each layer's attention waiting for its layer in :meth:`wait_for_layer_load`); after
-  the forward, :meth:`wait_for_save` copies
+  into vLLM's paged tensors before the forward (with ``"shmkv.layerwise"``, on the CPU,
+  layer by layer on a thread of the worker's own, each layer's attention waiting for its
+  layer in :meth:`wait_for_layer_load`); after the forward, :meth:`wait_for_save` copies
   the newly complete blocks into the pool and ``commit``s them (under tensor parallelism
   a block is published once every rank has committed its head shard). Copies go block to
   block, no Python loop per token: one strided copy per layer, K or V, and run of pool
@@ -461,8 +461,9 @@ class ShmkvConnector(KVConnectorBase_V1):
     default true: a load then copies at memory speed instead of meeting a page fault on
     every 4 KiB of blocks another process wrote, about 0.1 s a GiB once per connection),
     ``"shmkv.layerwise"`` (on the CPU, copy a step's loads on a thread of the worker's
-    own, layer by layer, while the forward computes; default true; false copies them all
-    before the forward).
+    own, layer by layer, while the forward computes; default false, which copies them
+    all before the forward: on a host whose cores the forward keeps busy the thread slows
+    the forward by more than the copy it hides, ``shmkv bench --only vllm``).
 
     Raises (at start-up):
         ConnectorConfigError: no address; a pool block size that does not divide vLLM's
@@ -488,7 +489,7 @@ class ShmkvConnector(KVConnectorBase_V1):
         )
         self._layout = extra.get("shmkv.kv_layout")
         self._prefault = _flag(extra, "shmkv.prefault")
-        self._layerwise_wanted = _flag(extra, "shmkv.layerwise")
+        self._layerwise_wanted = _flag(extra, "shmkv.layerwise", default=False)
         self._block_size = vllm_config.cache_config.block_size
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._namespace = model_namespace(vllm_config, extra.get("shmkv.salt", ""))
@@ -780,12 +781,12 @@ class ShmkvConnector(KVConnectorBase_V1):
         self._connect(strict=True)  # refuses a misfit pool at start-up when it is up
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
-        """Open this step's hand-offs and start copying every hit block of the step into
-        vLLM's blocks (see :func:`copy_runs`). On the CPU the copies run layer by layer
-        on a thread of their own while the forward computes, each layer's attention
-        waiting in :meth:`wait_for_layer_load` for its own layer only; elsewhere (and
-        until a forward has shown that vLLM waits for every layer) all layers are copied
-        before the forward."""
+        """Open this step's hand-offs and copy every hit block of the step into vLLM's
+        blocks (see :func:`copy_runs`), all layers, before the forward. With
+        ``"shmkv.layerwise"`` on the CPU, once a forward has shown that vLLM waits for
+        every layer, the copies run layer by layer on a thread of their own while the
+        forward computes, each layer's attention waiting in :meth:`wait_for_layer_load`
+        for its own layer only."""
         meta = self._connector_metadata
         self._finish_loads()  # (a step that raised before its wait_for_save)
         self._waited = set()
