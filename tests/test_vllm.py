@@ -559,10 +559,10 @@ def _gated_worker(connector, model_path, address, gate_layer):
     class Gated(connector.ShmkvConnector):
         gate = threading.Event()
 
-        def _copy_layer(self, pool, layer, runs, load, copy=torch.Tensor.copy_):
+        def _copy_layer(self, pool, layer, runs, load, parallel=True):
             if layer == gate_layer and threading.current_thread() is not threading.main_thread():
                 self.gate.wait(30)
-            return super()._copy_layer(pool, layer, runs, load, copy)
+            return super()._copy_layer(pool, layer, runs, load, parallel)
 
     cfg = _vllm_config(model_path, address=address, **{"shmkv.layerwise": True})
     w = Gated(cfg, KVConnectorRole.WORKER, None)
@@ -676,10 +676,10 @@ def test_a_layer_load_that_fails_or_runs_late_is_recomputed_and_nothing_hangs(
         w.bind_connector_metadata(_load_meta(connector, h, [7, 9], req_id="r2"))
         real = connector.ShmkvConnector._copy_layer
 
-        def broken(self, pool, layer, runs, load, copy=torch.Tensor.copy_):
+        def broken(self, pool, layer, runs, load, parallel=True):
             if layer == 1:
                 raise RuntimeError("copy failed")
-            return real(self, pool, layer, runs, load, copy)
+            return real(self, pool, layer, runs, load, parallel)
 
         monkeypatch.setattr(connector.ShmkvConnector, "_copy_layer", broken)
         _forward(w, caches)
