@@ -1193,6 +1193,17 @@ def lower_priority(policy: str) -> None:
             pass
 
 
+def batch_priority() -> None:
+    """SCHED_BATCH for the calling thread and the threads it starts later (Linux): the
+    process's own wake-ups (a job arrives, an urgent worker looks at its queues) then
+    never preempt the loop or a client, which still preempt it as before; it keeps its
+    fair share of the CPUs."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except (AttributeError, OSError):
+        pass
+
+
 def main(argv: List[str]) -> int:
     """The tier I/O process (``python tier_io.py SPEC``, started by ``shmkv.tiers``)."""
     spec = json.loads(argv[1])
@@ -1200,6 +1211,7 @@ def main(argv: List[str]) -> int:
     if os.getppid() != spec["parent"]:
         return 0
     sys.setswitchinterval(IO_SWITCH_INTERVAL_S)
+    batch_priority()
     if spec.get("preload"):  # fault injection in tests: "path.py:function"
         import runpy
 

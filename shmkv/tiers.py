@@ -816,6 +816,8 @@ class _IoProcess:
                 pass_fds=fds + [theirs.fileno()],
                 stdin=subprocess.DEVNULL,
                 close_fds=True,
+                # numpy's BLAS would start a thread per CPU at import; copies need none
+                env=dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1"),
             )
         except BaseException:
             mine.close()

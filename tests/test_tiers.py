@@ -615,6 +615,12 @@ def test_io_process_runs_niced_and_dies_with_a_killed_coordinator(tmp_path, uniq
             assert len(lowest) == 3  # the 2 workers and the disk writer
             if tier_io.IO_PROCESS_POLICY == "idle" and hasattr(os, "SCHED_IDLE"):
                 assert all(os.sched_getscheduler(tid) == os.SCHED_IDLE for tid in lowest)
+            # The rest (the thread reading jobs, the urgent workers) run SCHED_BATCH: their
+            # wake-ups never preempt the loop or a client.
+            if hasattr(os, "SCHED_BATCH"):
+                rest = [tid for tid in tids if tid not in lowest]
+                assert len(rest) >= 3  # the reader and 2 urgent workers
+                assert all(os.sched_getscheduler(tid) == os.SCHED_BATCH for tid in rest)
             assert io_process.is_running()
             evict_all(client)  # copies under way as the coordinator dies
         os.kill(coord.pid, signal.SIGKILL)
