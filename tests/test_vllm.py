@@ -650,29 +650,22 @@ def test_a_layer_run_without_waiting_for_its_load_fails_the_steps_loads(
 def test_a_layer_load_that_fails_or_runs_late_is_recomputed_and_nothing_hangs(
     model_path, unique_name, connector, monkeypatch
 ):
-    """A copy that raises on the load thread, and a layer not loaded within
-    LAYER_WAIT_S: the forward's waits return, the step's loads are reported, nothing
-    raises into vLLM, and the next load is whole again."""
+    """A layer not loaded within LAYER_WAIT_S, and a copy that raises on the load thread:
+    the forward waits at most one LAYER_WAIT_S for the step, the step's loads are
+    reported, nothing raises into vLLM. A copy still under way 2 x LAYER_WAIT_S after
+    its step leaves later loads copied before the forward (and it signals nothing of
+    theirs)."""
     monkeypatch.setattr(connector, "LAYER_WAIT_S", 0.3)
     with (
         shmkv.Coordinator(pool_config(256), name=unique_name) as coord,
         shmkv.connect(coord.address) as client,
     ):
-        w, caches = _gated_worker(connector, model_path, coord.address, gate_layer=1)
+        w, caches = _gated_worker(connector, model_path, coord.address, gate_layer=0)
         h = _written(client, prompt(23, 2 * BLOCK), torch.Generator().manual_seed(5))
         w.bind_connector_metadata(connector.ShmkvConnectorMetadata())
         _forward(w, caches)
-        # late: layer 1 held past LAYER_WAIT_S
-        w.bind_connector_metadata(_load_meta(connector, h, [5, 3]))
-        t0 = time.monotonic()
-        w.start_load_kv(None)
-        for name in _layers_of(caches):
-            w.wait_for_layer_load(name)
-        assert time.monotonic() - t0 < 10  # gave up on layer 1 (waits 30 s at the gate)
-        w.gate.set()  # the stuck copy ends; the load thread stops after it
-        w.wait_for_save()
-        assert w.get_block_ids_with_load_errors() == {5, 3}
-        # raises: a load whose runs point past the pool fails on the thread
+        # raises: a copy of layer 1 fails on the thread
+        w.gate.set()
         w.bind_connector_metadata(_load_meta(connector, h, [7, 9], req_id="r2"))
         real = connector.ShmkvConnector._copy_layer
 
@@ -684,12 +677,77 @@ def test_a_layer_load_that_fails_or_runs_late_is_recomputed_and_nothing_hangs(
         monkeypatch.setattr(connector.ShmkvConnector, "_copy_layer", broken)
         _forward(w, caches)
         assert w.get_block_ids_with_load_errors() == {7, 9}
+        monkeypatch.setattr(connector.ShmkvConnector, "_copy_layer", real)
+        # late: layer 0 held past LAYER_WAIT_S; layer 1's wait then returns at once
+        w.gate.clear()
+        w.bind_connector_metadata(_load_meta(connector, h, [5, 3]))
+        w.start_load_kv(None)
+        t0 = time.monotonic()
+        for name in _layers_of(caches):
+            w.wait_for_layer_load(name)
+        assert time.monotonic() - t0 < 2 * 0.3  # one timeout for the step, not one a layer
+        # ... and still held when the step ends: 2 x LAYER_WAIT_S, then given up on
+        t0 = time.monotonic()
+        w.wait_for_save()
+        assert 0.3 <= time.monotonic() - t0 < 5
+        assert w.get_block_ids_with_load_errors() == {5, 3}
         assert w.get_kv_connector_stats().data == {
             "num_loaded_tokens": 0,
             "num_saved_tokens": 0,
             "num_load_errors": 2,
         }
+        # the next load is copied before the forward, whole and right, while the stuck
+        # copy still waits at its gate
+        w.bind_connector_metadata(_load_meta(connector, h, [10, 11], req_id="r3"))
+        w.start_load_kv(None)
+        for layer in range(LAYERS):
+            k, v = _loaded(connector, caches, layer, [10, 11])
+            assert torch.equal(k, h.key_cache(layer)) and torch.equal(v, h.value_cache(layer))
+        for name in _layers_of(caches):
+            w.wait_for_layer_load(name)
+        w.wait_for_save()
+        assert w.get_block_ids_with_load_errors() == set()
+        w.gate.set()  # the stuck copy ends (into blocks 5, 3, its own step's)
         h.close()
+        w.shutdown()
+
+
+def test_a_request_whose_load_failed_saves_nothing_of_that_step(
+    model_path, unique_name, connector, monkeypatch
+):
+    """A prefix hit and a new block of one request in one step: its load fails (a layer
+    late), so the block its attention computed from the unloaded prefix is not saved,
+    and a later lookup hits the prefix only."""
+    monkeypatch.setattr(connector, "LAYER_WAIT_S", 0.3)
+    with (
+        shmkv.Coordinator(pool_config(256), name=unique_name) as coord,
+        shmkv.connect(coord.address) as client,
+    ):
+        w, caches = _gated_worker(connector, model_path, coord.address, gate_layer=1)
+        toks = prompt(25, 3 * BLOCK)
+        pre = _written(client, toks[: 2 * BLOCK], torch.Generator().manual_seed(8))
+        w.bind_connector_metadata(connector.ShmkvConnectorMetadata())
+        _forward(w, caches)
+        lookup = client.allocate(prompt=toks)  # the scheduler's
+        assert lookup.num_cached_tokens == 2 * BLOCK
+        item = connector.ShmkvReqMeta(
+            req_id="r1",
+            block_ids=[5, 3, 8],
+            tokens=[lookup.export()],
+            load=(0, 2 * BLOCK),
+            save=(2 * BLOCK, 3 * BLOCK),
+            done=True,
+        )
+        w.bind_connector_metadata(connector.ShmkvConnectorMetadata(requests=[item]))
+        _forward(w, caches)
+        w.gate.set()
+        assert w.get_block_ids_with_load_errors() == {5, 3}
+        assert w.get_kv_connector_stats().data["num_saved_tokens"] == 0
+        lookup.close()
+        later = client.allocate(prompt=toks)
+        assert later.num_cached_tokens == 2 * BLOCK  # the prefix; block 3 was not saved
+        for handle in (pre, later):
+            handle.close()
         w.shutdown()
 
 

@@ -53,12 +53,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import queue
 import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -375,87 +375,114 @@ def _flag(extra: dict, key: str, default: bool = True) -> bool:
     return value
 
 
-class _LayerLoader:
-    """A step's loads, copied layer by layer on a thread of its own, so that the forward
-    computes while the later layers arrive. ``start`` takes the step's loads; ``wait``
-    blocks until one layer of all of them is in vLLM's blocks; ``finish`` waits for the
-    rest and returns each load's failure (None for a load fully copied); ``cancel`` stops
-    the copies after the current one. One step at a time."""
+class _Run:
+    """One step's loads on the load thread: its own layer events, stop flag and failures,
+    so that a run that outlives its step can neither signal nor report for the next."""
 
-    def __init__(self, num_layers: int):
+    def __init__(self, pool, loads, num_layers: int):
+        self.pool = pool
+        self.loads = loads
+        self.layers = [threading.Event() for _ in range(num_layers)]
+        self.stop = threading.Event()
+        self.done = threading.Event()
+        self.failed: Dict[int, BaseException] = {}
+
+    def cancel(self) -> None:
+        self.stop.set()
+        for event in self.layers:  # every later wait of the step returns at once
+            event.set()
+
+
+class _LayerLoader:
+    """A step's loads, copied layer by layer on a daemon thread of their own, so that
+    the forward computes while the later layers arrive. ``start`` takes the step's
+    loads; ``wait`` blocks until one layer of all of them is in vLLM's blocks; ``finish``
+    waits for the rest and returns each load's failure (None for a load fully copied);
+    ``cancel`` stops the copies after the current one (the step's loads then all fail).
+    One step at a time. A run still copying ``2 * LAYER_WAIT_S`` after its step ended
+    makes the loader ``broken``: the connector copies before the forward from then on."""
+
+    def __init__(self, num_layers: int, copy_layer: Callable[..., None]):
         self._num_layers = num_layers
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shmkv-load")
-        self._layers = [threading.Event() for _ in range(num_layers)]
-        self._stop = threading.Event()
-        self._future: Any = None
-        self._failed: Dict[int, BaseException] = {}
-        self._loads: List[Any] = []
+        self._copy_layer = copy_layer
+        self._jobs: "queue.SimpleQueue[Optional[_Run]]" = queue.SimpleQueue()
+        self._run: Optional[_Run] = None
+        self.broken = False
+        self._thread = threading.Thread(target=self._serve, name="shmkv-load", daemon=True)
+        self._thread.start()
 
     @property
     def busy(self) -> bool:
         """A step's loads were started and not finished."""
-        return self._future is not None
+        return self._run is not None
 
-    def start(self, pool, loads, copy_layer) -> None:
-        for event in self._layers:
-            event.clear()
-        self._stop.clear()
-        self._failed = {}
-        self._loads = loads
-        self._future = self._thread.submit(self._run, pool, loads, copy_layer)
+    def start(self, pool, loads) -> None:
+        self._run = _Run(pool, loads, self._num_layers)
+        self._jobs.put(self._run)
 
-    def _run(self, pool, loads, copy_layer) -> None:
-        try:
-            for layer in range(self._num_layers):
-                for i, (_, runs) in enumerate(loads):
-                    if self._stop.is_set():
-                        self._failed.setdefault(i, ShmkvError("load stopped"))
-                    elif i not in self._failed:
-                        try:
-                            # one thread: torch's would wait on the forward's
-                            copy_layer(pool, layer, runs, load=True, parallel=False)
-                        except Exception as exc:  # noqa: BLE001 - reported by finish()
-                            self._failed[i] = exc
-                self._layers[layer].set()
-        finally:
-            for event in self._layers:  # nobody waits past the end, whatever happened
-                event.set()
+    def _serve(self) -> None:
+        while True:
+            run = self._jobs.get()
+            if run is None:
+                return
+            try:
+                self._copy(run)
+            finally:
+                for event in run.layers:  # nobody waits past the end, whatever happened
+                    event.set()
+                run.done.set()
+
+    def _copy(self, run: _Run) -> None:
+        for layer in range(self._num_layers):
+            for i, (_, runs) in enumerate(run.loads):
+                if run.stop.is_set():
+                    return
+                if i not in run.failed:
+                    try:
+                        # one thread: torch's parallel copy would wait on the forward's
+                        self._copy_layer(run.pool, layer, runs, load=True, parallel=False)
+                    except Exception as exc:  # noqa: BLE001 - reported by finish()
+                        run.failed[i] = exc
+            run.layers[layer].set()
 
     def wait(self, layer: int, timeout: float) -> bool:
-        """Whether ``layer`` of every load was copied (or failed) within ``timeout``."""
-        return self._layers[layer].wait(timeout)
+        """Whether ``layer`` of every load was copied (or failed, or the step's loads were
+        cancelled) within ``timeout``."""
+        run = self._run
+        return run is None or run.layers[layer].wait(timeout)
 
     def cancel(self) -> None:
-        """Stop the copies after the current one; every load of the step then fails
-        (a layer may have been read before it was complete)."""
-        self._stop.set()
+        if self._run is not None:
+            self._run.cancel()
 
     def finish(self) -> List[Tuple[Any, Optional[BaseException]]]:
-        """Wait for the copies to end (within one copy of :meth:`cancel`: a copy is
+        """Wait for the step's copies to end (within one copy of :meth:`cancel`: a copy is
         bounded by memory speed); each load with its failure, None where it was copied."""
-        future, self._future = self._future, None
-        if future is None:
+        run, self._run = self._run, None
+        if run is None:
             return []
-        loads, self._loads = self._loads, []
+        if not run.done.wait(LAYER_WAIT_S):
+            run.cancel()
+            if not run.done.wait(LAYER_WAIT_S):
+                log.error(
+                    "shmkv: a load still copies %.0f s after its step; loads are copied "
+                    "before the forward from now on",
+                    2 * LAYER_WAIT_S,
+                )
+                self.broken = True
         failed: Dict[int, BaseException] = {}
-        try:
-            future.result(timeout=LAYER_WAIT_S)
-        except Exception as exc:  # noqa: BLE001 - _run catches its copies'; this is the rest
-            self.cancel()
-            try:
-                future.result(timeout=LAYER_WAIT_S)  # the copy under way, then it stops
-            except Exception:  # noqa: BLE001 - logged below, with the first failure
-                log.error("shmkv: a load still runs after %.0f s (%s)", 2 * LAYER_WAIT_S, exc)
-            failed = {i: exc for i in range(len(loads))}
-        else:
+        if run.stop.is_set():
             stopped = ShmkvError("load stopped: a layer was not loaded in time")
-            if self._stop.is_set():
-                failed = {i: stopped for i in range(len(loads))}
-            failed.update(self._failed)
-        return [(item, failed.get(i)) for i, (item, _) in enumerate(loads)]
+            failed = {i: stopped for i in range(len(run.loads))}
+        failed.update(dict(run.failed))
+        return [(item, failed.get(i)) for i, (item, _) in enumerate(run.loads)]
 
     def close(self) -> None:
-        self._thread.shutdown(wait=True, cancel_futures=True)
+        """Stop the thread (after the copy under way, waiting for it at most
+        ``LAYER_WAIT_S``; it is a daemon thread, so a stuck copy cannot hold up exit)."""
+        self.cancel()
+        self._jobs.put(None)
+        self._thread.join(LAYER_WAIT_S)
 
 
 class ShmkvConnector(KVConnectorBase_V1):
@@ -528,6 +555,7 @@ class ShmkvConnector(KVConnectorBase_V1):
             # then copied whole before the forward).
             self._layerwise: Optional[bool] = None
             self._waited: set = set()
+            self._failed_reqs: set = set()  # requests whose load failed in this step
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -777,7 +805,7 @@ class ShmkvConnector(KVConnectorBase_V1):
             )
         self._shape = (heads, head_dim, first.dtype)
         if first.device.type == "cpu" and self._layerwise_wanted and self._loader is None:
-            self._loader = _LayerLoader(len(names))
+            self._loader = _LayerLoader(len(names), self._copy_layer)
         log.info(
             "shmkv: %d layers of %s K/V, %d heads x %d, blocks of %d (%s)",
             len(names),
@@ -799,6 +827,7 @@ class ShmkvConnector(KVConnectorBase_V1):
         meta = self._connector_metadata
         self._finish_loads()  # (a step that raised before its wait_for_save)
         self._waited = set()
+        self._failed_reqs = set()
         if not isinstance(meta, ShmkvConnectorMetadata):
             return
         for req_id in meta.closed:
@@ -829,8 +858,8 @@ class ShmkvConnector(KVConnectorBase_V1):
         if not loads or client is None:
             return
         pool = client.pool
-        if self._loader is not None and self._layerwise:
-            self._loader.start(pool, loads, self._copy_layer)
+        if self._loader is not None and self._layerwise and not self._loader.broken:
+            self._loader.start(pool, loads)
             return
         for item, runs in loads:
             try:
@@ -925,6 +954,7 @@ class ShmkvConnector(KVConnectorBase_V1):
         return handle
 
     def _fail_load(self, item: ShmkvReqMeta) -> None:
+        self._failed_reqs.add(item.req_id)
         first = item.load[0] // self._block_size
         last = -(-item.load[1] // self._block_size)
         self._load_errors.update(item.block_ids[first:last])
@@ -961,6 +991,11 @@ class ShmkvConnector(KVConnectorBase_V1):
         if not isinstance(meta, ShmkvConnectorMetadata):
             return
         for item in meta.requests:
+            if item.req_id in self._failed_reqs:
+                # Its attention read a prefix that was not loaded: nothing this step
+                # computed for it may be published (vLLM recomputes it, uncached).
+                self._close(item.req_id)
+                continue
             handle = self._handles.get(item.req_id)
             if handle is not None and item.save != (0, 0):
                 self._save(item, handle)
