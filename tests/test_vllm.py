@@ -549,6 +549,25 @@ def _loaded(connector, caches, layer, block_ids, layout="cpu"):
     return tuple(t[block_ids].permute(0, 2, 1, 3).reshape(n, HEADS, DIM) for t in (k, v))
 
 
+def _assert_loaded(connector, caches, handle, block_ids, layers=range(LAYERS)):
+    """vLLM blocks ``block_ids`` hold ``handle``'s K and V in each of ``layers``."""
+    for layer in layers:
+        k, v = _loaded(connector, caches, layer, block_ids)
+        assert torch.equal(k, handle.key_cache(layer))
+        assert torch.equal(v, handle.value_cache(layer))
+
+
+def _assert_failed(w, block_ids, num_errors):
+    """``w`` reports ``block_ids`` as failed loads, and ``num_errors`` failed loads in
+    all since its stats were last read, nothing loaded or saved."""
+    assert w.get_block_ids_with_load_errors() == set(block_ids)
+    assert w.get_kv_connector_stats().data == {
+        "num_loaded_tokens": 0,
+        "num_saved_tokens": 0,
+        "num_load_errors": num_errors,
+    }
+
+
 def _gated_worker(connector, model_path, address, gate_layer):
     """A real worker whose load thread stops before copying layer ``gate_layer`` until
     ``w.gate`` is set (the copies of a slow layer, made visible)."""
@@ -599,13 +618,11 @@ def test_loads_arrive_layer_by_layer_once_vllm_waits_for_every_layer(
         w.bind_connector_metadata(_load_meta(connector, h, [7, 9], req_id="r2"))
         w.start_load_kv(None)
         w.wait_for_layer_load("model.layers.0.self_attn.attn")
-        k0, v0 = _loaded(connector, caches, 0, [7, 9])
-        assert torch.equal(k0, h.key_cache(0)) and torch.equal(v0, h.value_cache(0))
+        _assert_loaded(connector, caches, h, [7, 9], layers=[0])
         assert not _loaded(connector, caches, 1, [7, 9])[0].any()  # held at the gate
         w.gate.set()
         w.wait_for_layer_load("model.layers.1.self_attn.attn")
-        k1, v1 = _loaded(connector, caches, 1, [7, 9])
-        assert torch.equal(k1, h.key_cache(1)) and torch.equal(v1, h.value_cache(1))
+        _assert_loaded(connector, caches, h, [7, 9], layers=[1])
         w.wait_for_save()
         assert w.get_block_ids_with_load_errors() == set()
         assert w.get_kv_connector_stats().data["num_loaded_tokens"] == 4 * BLOCK
@@ -630,17 +647,11 @@ def test_a_layer_run_without_waiting_for_its_load_fails_the_steps_loads(
         _forward(w, caches)  # vLLM waits for every layer: later loads go layer by layer
         w.bind_connector_metadata(_load_meta(connector, h, [5, 3]))
         _forward(w, caches, waits={0})  # layer 1 ran without waiting
-        assert w.get_block_ids_with_load_errors() == {5, 3}
-        assert w.get_kv_connector_stats().data == {
-            "num_loaded_tokens": 0,
-            "num_saved_tokens": 0,
-            "num_load_errors": 1,
-        }
+        _assert_failed(w, [5, 3], 1)
         # copied before the forward from now on: in place when start_load_kv returns
         w.bind_connector_metadata(_load_meta(connector, h, [7, 9], req_id="r2"))
         w.start_load_kv(None)
-        k1, v1 = _loaded(connector, caches, 1, [7, 9])
-        assert torch.equal(k1, h.key_cache(1)) and torch.equal(v1, h.value_cache(1))
+        _assert_loaded(connector, caches, h, [7, 9])
         w.wait_for_save()
         assert w.get_block_ids_with_load_errors() == set()
         h.close()
@@ -690,19 +701,12 @@ def test_a_layer_load_that_fails_or_runs_late_is_recomputed_and_nothing_hangs(
         t0 = time.monotonic()
         w.wait_for_save()
         assert 0.3 <= time.monotonic() - t0 < 5
-        assert w.get_block_ids_with_load_errors() == {5, 3}
-        assert w.get_kv_connector_stats().data == {
-            "num_loaded_tokens": 0,
-            "num_saved_tokens": 0,
-            "num_load_errors": 2,
-        }
+        _assert_failed(w, [5, 3], 2)
         # the next load is copied before the forward, whole and right, while the stuck
         # copy still waits at its gate
         w.bind_connector_metadata(_load_meta(connector, h, [10, 11], req_id="r3"))
         w.start_load_kv(None)
-        for layer in range(LAYERS):
-            k, v = _loaded(connector, caches, layer, [10, 11])
-            assert torch.equal(k, h.key_cache(layer)) and torch.equal(v, h.value_cache(layer))
+        _assert_loaded(connector, caches, h, [10, 11])
         for name in _layers_of(caches):
             w.wait_for_layer_load(name)
         w.wait_for_save()
