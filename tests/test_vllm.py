@@ -988,6 +988,53 @@ def test_merged_copies_load_and_save_the_same_bytes(model_path, unique_name, lay
         w.shutdown()
 
 
+def test_a_local_hit_shmkv_holds_whole_makes_no_hand_off(model_path, unique_name, connector):
+    """vLLM's own cache covers the prompt's hit and shmkv holds every full block: the
+    step's metadata carries nothing for the request (no hand-off to export, nothing for
+    a worker to open) and the lookup's reference is dropped at once. A request with
+    blocks left to save still gets its hand-off."""
+    from vllm import SamplingParams
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+    from vllm.v1.request import Request
+
+    with (
+        shmkv.Coordinator(pool_config(256), name=unique_name) as coord,
+        shmkv.connect(coord.address) as client,
+    ):
+        vcfg = _vllm_config(model_path, address=coord.address)
+        sched = connector.ShmkvConnector(vcfg, KVConnectorRole.SCHEDULER, None)
+        reqs = [
+            Request(f"r{i}", prompt(30 + i, 3 * BLOCK + 5), SamplingParams(max_tokens=1), None)
+            for i in range(2)
+        ]
+        held = reqs[0]  # shmkv holds its 3 full blocks; reqs[1]'s are new to it
+        salt = connector.request_salt(connector.model_namespace(vcfg, ""), held)
+        h = client.allocate(prompt=list(held.prompt_token_ids[: 3 * BLOCK]), cache_salt=salt)
+        h.commit()
+        h.close()
+        before = client.stats()["sequences"]
+        out = SchedulerOutput.make_empty()
+        for req in reqs:
+            # vLLM's own prefix cache has the 3 blocks: nothing external to load
+            assert sched.get_num_new_matched_tokens(req, 3 * BLOCK) == (0, False)
+            blocks = KVCacheBlocks(([KVCacheBlock(i) for i in (4, 5, 6, 7)],))
+            sched.update_state_after_alloc(req, blocks, 0)
+            req.num_computed_tokens = 3 * BLOCK
+            out.scheduled_new_reqs.append(NewRequestData.from_request(req, ([4, 5, 6, 7],)))
+            out.num_scheduled_tokens[req.request_id] = 5
+        assert client.stats()["sequences"] == before + 2  # the two lookups' references
+        meta = sched.build_connector_meta(out)
+        [item] = meta.requests  # reqs[1]: its blocks are saved from vLLM's
+        assert item.req_id == "r1" and item.save == (0, 3 * BLOCK) and len(item.tokens) == 1
+        assert client.stats()["sequences"] == before + 1  # held's reference dropped
+        for req in reqs:
+            sched.request_finished(req, [4, 5, 6, 7])
+        sched.shutdown()
+
+
 def test_a_coordinator_lost_within_a_step_fails_the_load_it_promised(
     model_path, unique_name, connector
 ):

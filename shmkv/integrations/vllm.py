@@ -741,7 +741,11 @@ class ShmkvConnector(KVConnectorBase_V1):
             end = min(after, state.prompt_tokens) // self._block_size * self._block_size
             save = (state.saved, end) if end > state.saved else (0, 0)
             load = state.load
-            if save == (0, 0) and load == (0, 0) and state.exported:
+            if save == (0, 0) and load == (0, 0):
+                if not state.exported and state.saved >= state.prompt_tokens:
+                    # Nothing to load (vLLM's own cache had it) nor to save (shmkv has it
+                    # all): no hand-off, no worker round trip; the lookup's pin goes.
+                    self._finish(req_id, tell_workers=False)
                 continue
             item = ShmkvReqMeta(
                 req_id=req_id, block_ids=list(state.block_ids), load=load, save=save
