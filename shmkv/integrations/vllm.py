@@ -848,7 +848,7 @@ class ShmkvConnector(KVConnectorBase_V1):
             try:
                 loads.append((item, self._runs(handle, item.block_ids, item.load)))
             except Exception as exc:  # noqa: BLE001 - a failed load is recomputed, never fatal
-                self._load_failed(item, exc)
+                self._fail_load(item, exc)
                 continue
             opened.append(handle)
         client = self._client
@@ -857,12 +857,12 @@ class ShmkvConnector(KVConnectorBase_V1):
             # handles (and pool) are not the client's now; every load of the step fails.
             gone = shmkv.CoordinatorGone("the coordinator went away within the step")
             for item, _ in loads:
-                self._load_failed(item, gone)
+                self._fail_load(item, gone)
             return
         if not loads or client is None:
             return
         pool = client.pool
-        if self._loader is not None and self._layerwise and not self._loader.broken:
+        if self._loader is not None and self._layerwise:
             self._loader.start(pool, loads)
             return
         for item, runs in loads:
@@ -870,13 +870,9 @@ class ShmkvConnector(KVConnectorBase_V1):
                 for layer in range(len(self._k)):
                     self._copy_layer(pool, layer, runs, load=True)
             except Exception as exc:  # noqa: BLE001 - a failed load is recomputed, never fatal
-                self._load_failed(item, exc)
+                self._fail_load(item, exc)
                 continue
             self._stats.data["num_loaded_tokens"] += item.load[1] - item.load[0]
-
-    def _load_failed(self, item: ShmkvReqMeta, exc: BaseException) -> None:
-        log.warning("shmkv: load of %s failed (%s); vLLM recomputes", item.req_id, exc)
-        self._fail_load(item)
 
     def _finish_loads(self) -> None:
         """Wait for the step's layer-by-layer loads (if any) to end and account for them:
@@ -892,11 +888,14 @@ class ShmkvConnector(KVConnectorBase_V1):
                 "step's loads are recomputed and later loads copied before the forward"
             )
             self._layerwise = False
-        for item, exc in loader.finish():
+        results = loader.finish()
+        if loader.broken:  # a run outlived its step: copy before the forward from now on
+            self._layerwise = False
+        for item, exc in results:
             if exc is None and not missed:
                 self._stats.data["num_loaded_tokens"] += item.load[1] - item.load[0]
             else:
-                self._load_failed(item, exc or ShmkvError("a layer was read before its load"))
+                self._fail_load(item, exc or ShmkvError("a layer was read before its load"))
 
     def _runs(self, handle, block_ids: List[int], span: Tuple[int, int]):
         """The merged copy runs (:func:`copy_runs`, :func:`merge_runs`) of tokens ``span``
@@ -957,7 +956,11 @@ class ShmkvConnector(KVConnectorBase_V1):
         self._handles[item.req_id] = handle
         return handle
 
-    def _fail_load(self, item: ShmkvReqMeta) -> None:
+    def _fail_load(self, item: ShmkvReqMeta, exc: Optional[BaseException] = None) -> None:
+        """Report ``item``'s load as failed (vLLM recomputes its blocks; the request saves
+        nothing of this step); ``exc``, when given, is logged as why."""
+        if exc is not None:
+            log.warning("shmkv: load of %s failed (%s); vLLM recomputes", item.req_id, exc)
         self._failed_reqs.add(item.req_id)
         first = item.load[0] // self._block_size
         last = -(-item.load[1] // self._block_size)
