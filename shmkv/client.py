@@ -207,6 +207,7 @@ class Client(_Link):
         prompt: Optional[Sequence[int]] = None,
         cache_salt: Optional[bytes] = None,
         request_id: Optional[str] = None,
+        wait: bool = True,
     ):
         """A new sequence with ``num_tokens`` reserved slots (one round trip).
 
@@ -215,6 +216,11 @@ class Client(_Link):
         says how many tokens are already present: write K/V from there on. Call
         ``handle.commit()`` once written so other requests can reuse it.
         ``cache_salt`` namespaces the prefix keys (model, adapter, tenant).
+
+        A prefix that a tier (host, disk, the shared store) holds is copied into the pool
+        first, and the answer waits for it. With ``wait=False`` it comes at once:
+        ``handle.num_promoting_tokens`` of the cached tokens are still on their way, and
+        ``handle.settle()`` waits for them (a scheduler that has other work meanwhile).
 
         Raises:
             PoolExhausted: not enough free or evictable blocks (nothing changed).
@@ -227,13 +233,15 @@ class Client(_Link):
                     cache_salt=cache_salt,
                     request_id=request_id,
                 )
-            ]
+            ],
+            wait=wait,
         )[0]
 
-    def allocate_many(self, requests: Iterable) -> list:
+    def allocate_many(self, requests: Iterable, wait: bool = True) -> list:
         """Allocate several sequences in one round trip, all or none.
 
-        Each request is an int (``num_tokens``) or a dict of :meth:`allocate`'s arguments.
+        Each request is an int (``num_tokens``) or a dict of :meth:`allocate`'s arguments
+        (``wait`` as there, for all of them).
         """
         requests = list(requests)
         if requests and set(map(type, requests)) == {int}:  # plain lengths: packed both ways
@@ -282,9 +290,12 @@ class Client(_Link):
         handles: list = []
         try:
             for part in parts:
-                handles += [
-                    self._handle(info) for info in self.request("allocate_many", requests=part)
-                ]
+                answer = (
+                    self.request("allocate_many", requests=part)
+                    if wait
+                    else self.request("allocate_many", requests=part, early=True)
+                )
+                handles += [self._handle(info) for info in answer]
         except BaseException:
             # All or none across the parts too: the ones allocated are given back.
             if handles:

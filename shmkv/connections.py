@@ -32,7 +32,7 @@ from .errors import (
     ShmkvError,
 )
 from .metrics import LATENCY_BUCKETS  # the request latency histogram's bucket bounds
-from .ops import Ops
+from .ops import SETTLE_LATER, Ops
 
 if TYPE_CHECKING:
     from .remote import RemoteTierSet
@@ -117,6 +117,8 @@ class Connections(Ops):
     max_connections: int
     latency: Dict[str, list]
     _to_promote: list
+    _promoting: Dict[int, int]
+    _settle_waiters: Dict[int, List[Tuple[_Conn, int]]]
     _served: bool
     tiers: Optional[Union["TierSet", "RemoteTierSet"]]
 
@@ -333,10 +335,18 @@ class Connections(Ops):
         self.ops_by_type[op] = self.ops_by_type.get(op, 0) + 1
         if op == "hello":
             self._send_hello(conn, request_id, result)
-        elif self.table.promotions:  # a tier copies blocks in: answer when they are
+        elif self.table.promotions:  # a tier copies blocks in
             # Started at the end of this turn, after the requests that came in meanwhile
-            # (see _turn).
-            self._to_promote.append((self.table.take_promotions(), conn, request_id, result))
+            # (see _turn). Answered when they are in, or now when asked ``early``.
+            records = self.table.take_promotions()
+            if request.args.get("early"):
+                self._promote_early(records)
+                conn.outbuf += protocol.encode_ok(request_id, result)
+            else:
+                self._to_promote.append((records, (conn, request_id, result)))
+                conn.held = []
+        elif result is SETTLE_LATER:  # answered by _settled, as the requests after it
+            self._settle_waiters.setdefault(request.args["cache_id"], []).append((conn, request_id))
             conn.held = []
         else:
             conn.outbuf += protocol.encode_ok(request_id, result)
@@ -347,6 +357,40 @@ class Connections(Ops):
         elapsed = _clock() - started
         latency[bisect_left(LATENCY_BUCKETS, elapsed)] += 1
         latency[-1] += elapsed
+
+    def _promote_early(self, records: list) -> None:
+        """Promotions answered before their blocks are in: each record's info says how
+        many blocks still come (``promoting``); its sequence counts in ``_promoting``
+        until they do, and ``settle`` on it waits (see :meth:`_settled`)."""
+        cache_ids = []
+        for record in records:
+            record.info["promoting"] = record.info.get("promoting", 0) + len(record.blocks)
+            cache_ids.append(record.seq.cache_id)
+        for cache_id in cache_ids:
+            self._promoting[cache_id] = self._promoting.get(cache_id, 0) + 1
+        self._to_promote.append((records, cache_ids))
+
+    def _settled(self, cache_ids: List[int], selector) -> None:
+        """An early promotion is done: answer the ``settle`` requests of the sequences
+        it was the last one copying into, with their hit now (shorter than the early
+        answer said when a block did not arrive), then what their connections sent
+        meanwhile."""
+        for cache_id in cache_ids:
+            left = self._promoting[cache_id] - 1
+            if left:
+                self._promoting[cache_id] = left
+                continue
+            del self._promoting[cache_id]
+            for conn, request_id in self._settle_waiters.pop(cache_id, ()):
+                if self._conns.get(conn.conn_id) is not conn:
+                    continue  # gone meanwhile
+                try:  # (still held: the connection's release waits behind the settle)
+                    answer = {"num_cached": self.table.info(conn.conn_id, cache_id)["num_cached"]}
+                    conn.outbuf += protocol.encode_ok(request_id, answer)
+                except ShmkvError as exc:
+                    conn.outbuf += protocol.encode_error(request_id, exc)
+                self._answer_held(conn)
+                self._flush(conn, selector)
 
     def _answer_held(self, conn: _Conn) -> None:
         """Serve, in order, the requests ``conn`` sent while one waited for a tier. One

@@ -491,7 +491,11 @@ class Coordinator(Connections):
         # client name -> [prompt tokens hit, missed], shared by its connections (see
         # Ops._name_client); kept when they close, for /metrics
         self.client_counts: Dict[str, List[int]] = {}
-        self._to_promote: list = []  # promotions this turn's requests need (see _turn)
+        # promotions this turn's requests need (see _turn): (records, whom to answer when
+        # done: (connection, request id, answer), or the cache ids of an early answer)
+        self._to_promote: list = []
+        self._promoting: Dict[int, int] = {}  # cache id -> early promotions still copying
+        self._settle_waiters: Dict[int, list] = {}  # cache id -> [(conn, request id)]
         self._woken = False  # the wake socket was readable this turn (see _turn)
         self._fd_warned_at = -math.inf
         # Names this coordinator instance (not its address, which a restart reuses), so
@@ -800,8 +804,8 @@ class Coordinator(Connections):
             to_promote, self._to_promote = self._to_promote, []
             tiers = self.tiers
             assert tiers is not None, "promotions are planned only against tiers"
-            for records, conn, request_id, result in to_promote:
-                tiers.promote(records).context = (conn, request_id, result)
+            for records, context in to_promote:
+                tiers.promote(records).context = context
         if self.tiers is not None:
             self._tier_turn(self.tiers, selector)
         if deadline is not None and self.table.expire():
@@ -859,6 +863,9 @@ class Coordinator(Connections):
         then the requests their connections sent meanwhile."""
         woken, self._woken = self._woken, False
         for promotion in tiers.tick(woken):
+            if isinstance(promotion.context, list):  # answered early
+                self._settled(promotion.context, selector)
+                continue
             asked, request_id, result = promotion.context
             conn = self._conns.get(asked.conn_id)
             if conn is None or conn is not asked:

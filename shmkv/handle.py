@@ -286,6 +286,7 @@ class KvCacheHandle:
         "_cache_id",
         "_slot",
         "_num_cached",
+        "_promoting",
         "_request_id",
         "_view_len",
         "_closed",
@@ -307,6 +308,7 @@ class KvCacheHandle:
         self._cache_id = cache_id
         self._slot = slot
         self._num_cached = num_cached
+        self._promoting = 0
         self._request_id = request_id
         self._view_len = view_len
         self._closed = False
@@ -326,6 +328,7 @@ class KvCacheHandle:
         for cache_id, slot in zip(cache_ids, slot_ids):
             h = new(cls)
             h._client, h._cache_id, h._slot, h._num_cached = client, cache_id, slot, 0
+            h._promoting = 0
             h._request_id = h._view_len = h._shared = None
             h._closed, h._last_access = False, now
             append(h)
@@ -343,7 +346,7 @@ class KvCacheHandle:
 
     @classmethod
     def _from_info(cls, client, info: dict, view_len: Optional[int] = None) -> "KvCacheHandle":
-        return cls(
+        handle = cls(
             client,
             info["cache_id"],
             info["slot"],
@@ -351,6 +354,10 @@ class KvCacheHandle:
             info.get("request_id"),
             view_len,
         )
+        promoting = info.get("promoting")
+        if promoting:  # an early answer (``allocate(..., wait=False)``)
+            handle._promoting = promoting * client.config.block_size
+        return handle
 
     def _view(self) -> SequenceView:
         """The sequence's current row (read from the shared tables)."""
@@ -401,6 +408,27 @@ class KvCacheHandle:
     def num_cached_tokens(self) -> int:
         """Tokens reused from the prefix cache when the sequence was allocated."""
         self._live()
+        return self._num_cached
+
+    @property
+    def num_promoting_tokens(self) -> int:
+        """Of :attr:`num_cached_tokens`, those a tier was still copying into the pool when
+        the allocation was answered (``allocate(..., wait=False)``); 0 once
+        :meth:`settle` returned. Do not read them before."""
+        self._live()
+        return self._promoting
+
+    def settle(self) -> int:
+        """Wait until the tier blocks of an allocation answered early (``wait=False``)
+        are in the pool; returns :attr:`num_cached_tokens`, which is shorter than the
+        early answer said when a block did not arrive (a damaged file, a lost store
+        entry). At once when none are coming. One round trip, bounded by the client's
+        timeout; the connection's other requests wait behind it."""
+        self._check_open()
+        if self._promoting:
+            got = self._client.request("settle", cache_id=self._cache_id)
+            self._num_cached = got["num_cached"]
+            self._promoting = 0
         return self._num_cached
 
     @property

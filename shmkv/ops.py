@@ -26,6 +26,9 @@ from .protocol import check_client_name
 from .sequences import SequenceTable
 from .tables import write_scales
 
+# What ``_op_settle`` returns for a sequence a tier still copies blocks into.
+SETTLE_LATER = object()
+
 # Client names counted apart in ``/metrics`` (a bound on the label's values).
 MAX_CLIENT_NAMES = 64
 
@@ -54,6 +57,7 @@ class Ops:
     _started_at: float
     client_counts: Dict[str, List[int]]
     _populator: Optional[Populator]
+    _promoting: Dict[int, int]
 
     def _name_client(self, conn, name: Optional[str]) -> None:
         """Count the prompts of ``conn`` under its client name (``/metrics``, at most
@@ -109,7 +113,9 @@ class Ops:
             conn.conn_id, num_tokens, prompt, cache_salt, request_id, keys, root
         )
 
-    def _op_allocate_many(self, conn, requests=None, counts=None):
+    def _op_allocate_many(self, conn, requests=None, counts=None, early=False):
+        # ``early``: answered at once though tier blocks are still coming (the
+        # coordinator's ``_handle``); ``settle`` waits for them.
         if (requests is None) == (counts is None):
             raise InvalidArgument("allocate_many takes one of requests and counts")
         if counts is not None:  # plain sequences of given lengths: packed both ways
@@ -170,6 +176,15 @@ class Ops:
 
     def _op_open(self, conn, token):
         return self.table.open(conn.conn_id, token)
+
+    def _op_settle(self, conn, cache_id):
+        # A held sequence's hit once its promoted blocks are in: now, or, while a tier
+        # still copies them, when it is done (``SETTLE_LATER``: the coordinator holds the
+        # answer, see ``Coordinator._settled``).
+        num_cached = self.table.info(conn.conn_id, cache_id)["num_cached"]
+        if cache_id in self._promoting:
+            return SETTLE_LATER
+        return {"num_cached": num_cached}
 
     def _op_extend_batch(
         self, conn, ids, count=None, counts=None, tokens=None, slots=None, keep=False

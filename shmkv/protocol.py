@@ -94,7 +94,11 @@ OPS = {
         "keys": ("bytes", False),
         "root": ("bytes", False),
     },
-    "allocate_many": {"requests": ("list", False), "counts": ("i64s", False)},
+    "allocate_many": {
+        "requests": ("list", False),
+        "counts": ("i64s", False),
+        "early": ("bool", False),
+    },
     "extend": {"cache_id": ("int", True), "num_tokens": ("int", True), "tokens": ("ints", False)},
     "extend_many": {"items": ("list", True)},
     "commit": {"cache_id": ("int", True), "num_tokens": ("int", True), "tp_rank": ("int", False)},
@@ -110,6 +114,7 @@ OPS = {
     "release_many": {"cache_ids": ("ints", False), "ids": ("i64s", False)},
     "export": {"cache_id": ("int", True), "ttl": ("num", True)},
     "open": {"token": ("bytes", True)},
+    "settle": {"cache_id": ("int", True)},
     "stats": {},
     "set_kv_scales": {"layer": ("int", True), "k_scale": ("num", True), "v_scale": ("num", True)},
     # Batches: sequences as packed int64 arrays ("i64s": little-endian bytes), so a

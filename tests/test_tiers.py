@@ -446,6 +446,123 @@ def test_pipelined_requests_that_each_need_a_promotion_are_all_answered(
         assert tier(client.stats(), "host")["promotions"] >= 4
 
 
+def test_an_early_answer_leaves_the_connection_free_and_settle_waits_for_the_bytes(
+    unique_name, monkeypatch, io
+):
+    """``allocate(..., wait=False)``: the answer says which cached tokens are still
+    coming while the host tier copies them (half a second a block here); the same
+    connection is served meanwhile; ``settle`` answers once they are in, and the bytes
+    are the ones written."""
+    cfg = make_config(num_blocks=8)
+    prompt = prompts_of(1, 2)[0]
+    inject(monkeypatch, io, "slow_h2p")
+    with (
+        shmkv.Coordinator(
+            cfg, name=unique_name, tiers=[shmkv.HostTier(8 * cfg.block_nbytes)]
+        ) as coord,
+        shmkv.connect(coord.address, timeout=20) as client,
+        shmkv.connect(coord.address, timeout=20) as other,
+    ):
+        write_prompt(client, prompt)
+        wait_idle(client)
+        evict_all(client)
+        wait_idle(client)
+        h = client.allocate(prompt=prompt, wait=False)
+        assert h.num_cached_tokens == len(prompt)
+        assert h.num_promoting_tokens == len(prompt)
+        client.ping()  # not held behind the copies
+        assert client.stats()["tier_io"]["promotions_in_flight"] == 1
+        assert coord._promoting == {h._cache_id: 1}
+        with pytest.raises(shmkv.UnknownCache):  # only a holder settles
+            other.request("settle", cache_id=h._cache_id)
+        assert h.settle() == len(prompt)
+        assert h.num_promoting_tokens == 0
+        assert client.stats()["tier_io"]["promotions_in_flight"] == 0
+        for layer in range(h.num_layers):
+            k, v = token_kv(prompt, layer, h.num_heads, h.head_dim)
+            assert torch.equal(h.key_cache(layer)[: len(prompt)], k)
+            assert torch.equal(h.value_cache(layer)[: len(prompt)], v)
+        assert h.settle() == len(prompt)  # nothing coming: at once, no round trip
+        h.close()
+        # A settle whose connection closes before the copies end: nothing answered to a
+        # closed socket, the sequence's references dropped, the pool whole.
+        evict_all(other)
+        wait_idle(other)
+        import socket
+
+        from shmkv import protocol
+
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(20)
+        try:
+            sock.connect(coord.address)
+            sock.sendall(
+                protocol.encode_request(0, "hello", {"version": protocol.PROTOCOL_VERSION})
+                + protocol.encode_request(
+                    1,
+                    "allocate_many",
+                    {
+                        "requests": [{"num_tokens": 0, "prompt": protocol.pack_i64s(prompt)}],
+                        "early": True,
+                    },
+                )
+            )
+            decoder, answers = protocol.FrameDecoder(1 << 24), {}
+            while 1 not in answers:
+                data = sock.recv(1 << 16)
+                assert data, "the coordinator closed the connection"
+                for obj in decoder.feed(data):
+                    response = protocol.parse_response(obj)
+                    answers[response.request_id] = response.unwrap()
+            assert answers[1][0]["promoting"] == 2
+            sock.sendall(
+                protocol.encode_request(2, "settle", {"cache_id": answers[1][0]["cache_id"]})
+            )
+            deadline = time.monotonic() + 20
+            while not coord._settle_waiters:
+                assert time.monotonic() < deadline, "the settle never arrived"
+                time.sleep(0.01)
+        finally:
+            sock.close()
+        wait_idle(client)
+        assert coord._promoting == {} and coord._settle_waiters == {}
+        coord.table.check_invariants()
+        assert read_prompt(client, prompt) == (len(prompt), True)
+
+
+def test_settle_reports_the_shorter_hit_when_a_promoted_block_is_damaged(tmp_path, unique_name):
+    cfg = make_config(num_blocks=8)
+    prompt = prompts_of(1, 3)[0]
+    with (
+        shmkv.Coordinator(
+            cfg, name=unique_name, tiers=[shmkv.DiskTier(tmp_path, 1 << 20)]
+        ) as coord,
+        shmkv.connect(coord.address, timeout=20) as client,
+    ):
+        write_prompt(client, prompt)
+        wait_idle(client)
+        evict_all(client)
+        wait_idle(client)
+        from shmkv import hashing
+
+        second = (
+            tmp_path
+            / "blocks"
+            / (hashing.block_keys(prompt, BS, hashing.root_key())[1].hex() + ".kv")
+        )
+        data = bytearray(second.read_bytes())
+        data[-5] ^= 0xFF  # payload damaged
+        second.write_bytes(bytes(data))
+        h = client.allocate(prompt=prompt, wait=False)
+        assert (h.num_cached_tokens, h.num_promoting_tokens) == (len(prompt), len(prompt))
+        assert h.settle() == BS == h.num_cached_tokens  # the first block only
+        k, v = token_kv(prompt, 0, h.num_heads, h.head_dim)
+        assert torch.equal(h.key_cache(0)[:BS], k[:BS])
+        h.close()
+        coord.table.check_invariants()
+        assert coord._promoting == {}
+
+
 # -- the disk tier -----------------------------------------------------------------------
 
 
