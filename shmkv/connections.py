@@ -360,11 +360,17 @@ class Connections(Ops):
 
     def _promote_early(self, records: list) -> None:
         """Promotions answered before their blocks are in: each record's info says how
-        many blocks still come (``promoting``); its sequence counts in ``_promoting``
-        until they do, and ``settle`` on it waits (see :meth:`_settled`)."""
+        many blocks still come (``promoting``), and how many of those are only asked of
+        the shared store, which may not have them (``fetching``); its sequence counts in
+        ``_promoting`` until they are in, and ``settle`` on it waits (see
+        :meth:`_settled`)."""
+        tiers = self.tiers
+        assert tiers is not None, "promotions are planned only against tiers"
         cache_ids = []
         for record in records:
-            record.info["promoting"] = record.info.get("promoting", 0) + len(record.blocks)
+            info, num = record.info, len(record.blocks)
+            info["promoting"] = info.get("promoting", 0) + num
+            info["fetching"] = info.get("fetching", 0) + num - tiers.held_here(record.keys)
             cache_ids.append(record.seq.cache_id)
         for cache_id in cache_ids:
             self._promoting[cache_id] = self._promoting.get(cache_id, 0) + 1

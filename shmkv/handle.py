@@ -287,6 +287,7 @@ class KvCacheHandle:
         "_slot",
         "_num_cached",
         "_promoting",
+        "_fetching",
         "_request_id",
         "_view_len",
         "_closed",
@@ -308,7 +309,7 @@ class KvCacheHandle:
         self._cache_id = cache_id
         self._slot = slot
         self._num_cached = num_cached
-        self._promoting = 0
+        self._promoting = self._fetching = 0
         self._request_id = request_id
         self._view_len = view_len
         self._closed = False
@@ -328,7 +329,7 @@ class KvCacheHandle:
         for cache_id, slot in zip(cache_ids, slot_ids):
             h = new(cls)
             h._client, h._cache_id, h._slot, h._num_cached = client, cache_id, slot, 0
-            h._promoting = 0
+            h._promoting = h._fetching = 0
             h._request_id = h._view_len = h._shared = None
             h._closed, h._last_access = False, now
             append(h)
@@ -357,6 +358,7 @@ class KvCacheHandle:
         promoting = info.get("promoting")
         if promoting:  # an early answer (``allocate(..., wait=False)``)
             handle._promoting = promoting * client.config.block_size
+            handle._fetching = info.get("fetching", 0) * client.config.block_size
         return handle
 
     def _view(self) -> SequenceView:
@@ -418,17 +420,26 @@ class KvCacheHandle:
         self._live()
         return self._promoting
 
+    @property
+    def num_fetching_tokens(self) -> int:
+        """Of :attr:`num_promoting_tokens`, the last ones, which are asked of the shared
+        store (``RedisTier``): the coordinator cannot know whether it has them until it
+        answers, so :meth:`settle` may well return fewer. The others are on this host
+        (host or disk tier) and fail only on a damaged file."""
+        self._live()
+        return self._fetching
+
     def settle(self) -> int:
         """Wait until the tier blocks of an allocation answered early (``wait=False``)
         are in the pool; returns :attr:`num_cached_tokens`, which is shorter than the
         early answer said when a block did not arrive (a damaged file, a lost store
-        entry). At once when none are coming. One round trip, bounded by the client's
-        timeout; the connection's other requests wait behind it."""
+        entry). Any handle on the sequence may wait (one opened from a hand-off of it,
+        too); answered at once when nothing is coming. One round trip, bounded by the
+        client's timeout; the connection's other requests wait behind it."""
         self._check_open()
-        if self._promoting:
-            got = self._client.request("settle", cache_id=self._cache_id)
-            self._num_cached = got["num_cached"]
-            self._promoting = 0
+        got = self._client.request("settle", cache_id=self._cache_id)
+        self._num_cached = got["num_cached"]
+        self._promoting = self._fetching = 0
         return self._num_cached
 
     @property

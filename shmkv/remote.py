@@ -516,6 +516,10 @@ class RemoteTierSet:
             self.counters["skipped_lookups"] += 1
         return num
 
+    def held_here(self, keys) -> int:
+        """Leading ``keys`` the local tiers hold (the store's are only maybe there)."""
+        return self.local.lookup(keys) if self.local is not None else 0
+
     def promote(self, records: list) -> RemotePromotion:
         """Start copying the blocks of ``records`` in: the local tiers' part through the
         local ``TierSet``, the rest from the store; :meth:`tick` returns the promotion."""

@@ -1382,6 +1382,11 @@ class _Promotions(_Demotion):
             num += 1
         return num
 
+    def held_here(self, keys) -> int:
+        """Leading ``keys`` whose bytes are on this host (all a lookup found: every tier
+        here is local), so a promotion of them fails only on a damaged file."""
+        return self.lookup(keys)
+
     def promote(self, records: list) -> Promotion:
         """Start copying the blocks of ``records`` (``shmkv.sequences.PendingPromotion``)
         into their fresh pool blocks; :meth:`tick` returns the promotion when done."""

@@ -601,8 +601,10 @@ def test_cuda_pools_share_through_the_store(redis_server, unique_name):
 
 
 @needs_server
-def test_one_prompt_promoted_from_the_host_tier_and_the_store(redis_server, unique_name):
-    """The first blocks come from B's host tier, the rest from the store: one answer."""
+@pytest.mark.parametrize("wait", [True, False])
+def test_one_prompt_promoted_from_the_host_tier_and_the_store(redis_server, unique_name, wait):
+    """The first blocks come from B's host tier, the rest from the store: one answer (or,
+    answered early, the store's part said to be only maybe there, then settled)."""
     prompt = list(range(5000, 5042))  # 10 full blocks and 2 tokens
     g = torch.Generator().manual_seed(11)
     kv = torch.randn(3, 2, len(prompt), 4, 8, generator=g)
@@ -626,7 +628,10 @@ def test_one_prompt_promoted_from_the_host_tier_and_the_store(redis_server, uniq
             pass
         assert cb.stats()["tiers"][0]["blocks"] >= 4
         hits_before = _store(b)["hits"]
-        hb = cb.allocate(prompt=prompt)
+        hb = cb.allocate(prompt=prompt, wait=wait)
+        if not wait:
+            assert (hb.num_promoting_tokens, hb.num_fetching_tokens) == (40, 24)
+            assert hb.settle() == 40
         assert hb.num_cached_tokens == 40
         assert torch.equal(hb.with_sequence_length(40).gather_all(), kv[:, :, :40])
         assert _store(b)["hits"] - hits_before == 6  # blocks 4..9 from the store
@@ -883,3 +888,34 @@ def test_a_quantized_pools_disk_tier_serves_and_stores_only_under_its_scales(tmp
             assert torch.equal(h.gather_all().view(torch.uint8), kv.view(torch.uint8))
         with cc.allocate(prompt=second) as h:
             assert h.num_cached_tokens == 0
+
+
+@needs_server
+def test_an_early_answer_settles_at_what_the_store_had(redis_server, unique_name):
+    """``allocate(..., wait=False)`` on node B: the store's blocks count as coming (the
+    loop cannot know what the store holds without asking it); ``settle`` gives the hit
+    the fetch found, with A's bytes, and 0 for a prompt the store never had."""
+    prompt = list(range(1000, 1042))  # 10 full blocks and 2 tokens
+    with (
+        shmkv.Coordinator(_config(), name=unique_name + "a", tiers=[_tier(redis_server)]) as a,
+        shmkv.Coordinator(_config(), name=unique_name + "b", tiers=[_tier(redis_server)]) as b,
+        shmkv.connect(a.address, timeout=10) as ca,
+        shmkv.connect(b.address, timeout=10) as cb,
+    ):
+        ha = _prefill(ca, prompt, seed=1)
+        _flush(a)
+        hb = cb.allocate(prompt=prompt, wait=False)
+        assert (hb.num_cached_tokens, hb.num_promoting_tokens, hb.num_fetching_tokens) == (
+            40,
+            40,
+            40,
+        )
+        assert hb.settle() == 40 == hb.num_cached_tokens
+        assert torch.equal(
+            hb.with_sequence_length(40).gather_all(), ha.with_sequence_length(40).gather_all()
+        )
+        never = cb.allocate(prompt=[7] * 42, wait=False)
+        assert never.num_promoting_tokens == never.num_fetching_tokens == 40
+        assert never.settle() == 0
+        assert b._promoting == {} and b._settle_waiters == {}
+        b.table.check_invariants()

@@ -470,19 +470,24 @@ def test_an_early_answer_leaves_the_connection_free_and_settle_waits_for_the_byt
         h = client.allocate(prompt=prompt, wait=False)
         assert h.num_cached_tokens == len(prompt)
         assert h.num_promoting_tokens == len(prompt)
+        assert h.num_fetching_tokens == 0  # all on this host
         client.ping()  # not held behind the copies
         assert client.stats()["tier_io"]["promotions_in_flight"] == 1
         assert coord._promoting == {h._cache_id: 1}
         with pytest.raises(shmkv.UnknownCache):  # only a holder settles
             other.request("settle", cache_id=h._cache_id)
+        # a handle opened from a hand-off waits as well (it cannot know what is coming)
+        opened = other.open(h.export(ttl=30))
+        assert opened.settle() == len(prompt)
+        assert client.stats()["tier_io"]["promotions_in_flight"] == 0
+        opened.close()
         assert h.settle() == len(prompt)
         assert h.num_promoting_tokens == 0
-        assert client.stats()["tier_io"]["promotions_in_flight"] == 0
         for layer in range(h.num_layers):
             k, v = token_kv(prompt, layer, h.num_heads, h.head_dim)
             assert torch.equal(h.key_cache(layer)[: len(prompt)], k)
             assert torch.equal(h.value_cache(layer)[: len(prompt)], v)
-        assert h.settle() == len(prompt)  # nothing coming: at once, no round trip
+        assert h.settle() == len(prompt)  # nothing coming: at once
         h.close()
         # A settle whose connection closes before the copies end: nothing answered to a
         # closed socket, the sequence's references dropped, the pool whole.

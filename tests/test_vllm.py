@@ -153,6 +153,11 @@ def fresh(engine, prompts, max_tokens=8, timeout=120.0) -> list:
     return engine.generate(prompts, max_tokens, timeout)
 
 
+def delta(after: dict, before: dict) -> dict:
+    """The counts that changed between two ``totals`` of a connector."""
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+
+
 def wait_idle(client, timeout=30.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
@@ -210,9 +215,16 @@ def test_a_restarted_coordinator_on_a_disk_tier_still_serves(engines, names, tmp
         shmkv.connect(coord.address) as client,
     ):
         wait_idle(client)
+        before = engines["b"].call("totals")
         b = fresh(engines["b"], [p])[0]
         same_output(b, want)
         assert b["num_cached_tokens"] == HIT
+        # the prefix came up from the disk tier while vLLM went on scheduling: the
+        # lookup was answered early and loaded asynchronously once it settled
+        assert coord.ops_by_type.get("settle") == 1
+        assert delta(engines["b"].call("totals"), before) == dict(
+            num_loaded_tokens=HIT, num_async_loads=1
+        )
     # a damaged block file: shmkv serves the prefix before it, vLLM computes the rest
     victim = tmp_path / "blocks" / files[len(files) // 2]
     with open(victim, "r+b") as f:
@@ -223,9 +235,18 @@ def test_a_restarted_coordinator_on_a_disk_tier_still_serves(engines, names, tmp
         shmkv.connect(coord.address) as client,
     ):
         wait_idle(client)
+        before = engines["b"].call("totals")
         b = fresh(engines["b"], [p])[0]
         same_output(b, want)
-        assert b["num_cached_tokens"] < HIT
+        # Settled short: the blocks from the damaged one on were reported lost, so vLLM
+        # recomputed them (its num_cached_tokens still counts the hit it was promised
+        # when it admitted the request: vLLM 0.32 keeps the first admission's figure).
+        assert coord.ops_by_type.get("settle") == 1
+        got = delta(engines["b"].call("totals"), before)
+        settled = coord.client_counts["engine-b"][0]  # the prefix before the damaged block
+        assert settled < HIT
+        assert got["num_async_loads"] == 1 and got["num_load_errors"] == 1
+        assert got.get("num_loaded_tokens", 0) == settled // BLOCK * BLOCK
 
 
 def test_an_engine_on_another_node_hits_through_redis(engines, names, redis_url):
@@ -236,12 +257,19 @@ def test_an_engine_on_another_node_hits_through_redis(engines, names, redis_url)
         shmkv.Coordinator(pool_config(), name=names["node1"], tiers=[tier()]) as n1,
         shmkv.Coordinator(pool_config(), name=names["node2"], tiers=[tier()]) as n2,
     ):
+        a_before, c_before = engines["a"].call("totals"), engines["c"].call("totals")
         assert fresh(engines["a"], [p])[0]["num_cached_tokens"] == 0
         assert n1.tiers.flush(10.0)
         c = fresh(engines["c"], [p])[0]
         same_output(c, want)
         assert c["num_cached_tokens"] == HIT
         assert n2.tiers.store_stats()["hits"] == HIT // POOL_BLOCK
+        # Each lookup asked the store off the scheduler's thread, vLLM asking again until
+        # it answered (a miss for A, the whole prefix for C): then loaded synchronously,
+        # with no load reported lost.
+        assert n1.ops_by_type.get("settle") == n2.ops_by_type.get("settle") == 1
+        assert delta(engines["a"].call("totals"), a_before) == dict(num_saved_tokens=HIT)
+        assert delta(engines["c"].call("totals"), c_before) == dict(num_loaded_tokens=HIT)
 
 
 def test_a_sequence_lost_between_lookup_and_load_is_recomputed(engines, names):
@@ -508,6 +536,7 @@ def test_worker_copies_whole_blocks_both_ways_in_each_layout(
             "num_loaded_tokens": 2 * BLOCK,
             "num_saved_tokens": 2 * BLOCK,
             "num_load_errors": 1,
+            "num_async_loads": 0,
         }
         for handle in (h, h2, h3, h4):
             handle.close()
@@ -565,6 +594,7 @@ def _assert_failed(w, block_ids, num_errors):
         "num_loaded_tokens": 0,
         "num_saved_tokens": 0,
         "num_load_errors": num_errors,
+        "num_async_loads": 0,
     }
 
 
@@ -1086,3 +1116,109 @@ def test_a_coordinator_lost_within_a_step_fails_the_load_it_promised(
     sched.request_finished(req, [4, 5, 6, 7])
     sched.shutdown()
     worker.shutdown()
+
+
+def test_a_prefix_coming_up_from_a_tier_loads_asynchronously(
+    model_path, unique_name, connector, monkeypatch
+):
+    """A hit the host tier holds: the lookup is answered while the tier still copies it
+    (here, until the test opens a gate), vLLM is told the load is asynchronous, the
+    workers get it once it settled, copy it whatever vLLM schedules, and report it
+    received. A request aborted while it waits is reported received with nothing
+    copied (vLLM frees its blocks then). Nothing stays held."""
+    import threading
+
+    from vllm import SamplingParams
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+    from shmkv import tier_io, tiers as tiers_mod
+
+    gate = threading.Event()
+    monkeypatch.setattr(tiers_mod, "IO_PROCESS", False)  # copies in threads: gated here
+    h2p = tier_io.Mover._op_h2p
+
+    def gated(self, copy):
+        assert gate.wait(30), "the test never opened the gate"
+        h2p(self, copy)
+
+    monkeypatch.setattr(tier_io.Mover, "_op_h2p", gated)
+    cfg = pool_config(64)
+    host = shmkv.HostTier(64 * cfg.block_nbytes)
+    toks = [prompt(40, 2 * BLOCK + 5), prompt(41, 2 * BLOCK + 5)]
+    reqs = [Request(f"r{i}", t, SamplingParams(max_tokens=1), None) for i, t in enumerate(toks)]
+    with (
+        shmkv.Coordinator(cfg, name=unique_name, tiers=[host]) as coord,
+        shmkv.connect(coord.address) as client,
+    ):
+        vcfg = _vllm_config(model_path, address=coord.address)
+        namespace = connector.model_namespace(vcfg, "")
+        g = torch.Generator().manual_seed(5)
+        for req in reqs:
+            salt = connector.request_salt(namespace, req)
+            h = client.allocate(prompt=list(req.prompt_token_ids[: 2 * BLOCK]), cache_salt=salt)
+            h.write_all(torch.randn(LAYERS, 2, 2 * BLOCK, HEADS, DIM, generator=g), start=0)
+            h.commit()
+            h.close()
+        wait_idle(client)
+        free = client.stats()
+        client.allocate((free["free_blocks"] + free["cached_blocks"]) * cfg.block_size).close()
+        wait_idle(client)  # both prompts' blocks are in the host tier only now
+        before = client.stats()["sequences"]
+        sched = connector.ShmkvConnector(vcfg, KVConnectorRole.SCHEDULER, None)
+        w, caches = _worker(connector, model_path, coord.address, "cpu")
+        ids = {"r0": [4, 5, 6], "r1": [7, 8, 9]}
+        for req in reqs:
+            assert sched.get_num_new_matched_tokens(req, 0) == (2 * BLOCK, True)
+            assert sched.get_num_new_matched_tokens(req, 0) == (2 * BLOCK, True)  # again
+            blocks = KVCacheBlocks(([KVCacheBlock(i) for i in ids[req.request_id]],))
+            sched.update_state_after_alloc(req, blocks, 2 * BLOCK)
+        assert coord.tiers.num_promotions_in_flight == 2
+        meta = sched.build_connector_meta(SchedulerOutput.make_empty())
+        assert meta.requests == [] and meta.recv_dropped == []  # nothing settled yet
+        sched.request_finished(reqs[1], ids["r1"])  # aborted while waiting
+        dropped = sched.build_connector_meta(SchedulerOutput.make_empty())
+        assert dropped.requests == [] and dropped.recv_dropped == ["r1"]
+        gate.set()
+        deadline = time.monotonic() + 30
+        while not meta.requests:
+            assert time.monotonic() < deadline, "the settled load was never handed over"
+            time.sleep(0.01)
+            meta = sched.build_connector_meta(SchedulerOutput.make_empty())
+            assert meta.recv_dropped == []  # (once)
+        [item] = meta.requests
+        assert (item.req_id, item.recv, item.load, item.valid) == ("r0", True, (0, 256), 256)
+        for step in (dropped, meta):  # two steps in which vLLM computes nothing
+            w.bind_connector_metadata(step)
+            w.start_load_kv(None)
+            w.wait_for_save()
+            finished = w.get_finished(set())
+            assert w.get_block_ids_with_load_errors() == set()
+            w.clear_connector_metadata()
+            assert finished == (None, {"r1"} if step is dropped else {"r0"})
+        assert w.get_finished(set()) == (None, None)  # reported once
+        assert w.totals.data["num_async_loads"] == 1
+        assert w.totals.data["num_loaded_tokens"] == 2 * BLOCK
+        salt = connector.request_salt(namespace, reqs[0])
+        with client.allocate(prompt=list(toks[0][: 2 * BLOCK]), cache_salt=salt) as h:
+            assert h.num_cached_tokens == 2 * BLOCK  # promoted: in the pool now
+            _assert_loaded(connector, caches, h, ids["r0"][:2])
+        # vLLM schedules r0 now (its prefix computed): nothing more to load
+        sched.update_state_after_alloc(reqs[0], KVCacheBlocks(([],)), 0)
+        sched.request_finished(reqs[0], ids["r0"])
+        step = sched.build_connector_meta(SchedulerOutput.make_empty())
+        assert step.closed == ["r0"]
+        w.bind_connector_metadata(step)
+        w.start_load_kv(None)
+        w.wait_for_save()
+        sched.shutdown()
+        w.shutdown()
+        deadline = time.monotonic() + 10
+        while client.stats()["sequences"] != before:
+            assert time.monotonic() < deadline, "references left held"
+            time.sleep(0.01)
+        assert coord._promoting == {} and coord._settle_waiters == {}
+        coord.table.check_invariants()

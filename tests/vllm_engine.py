@@ -108,6 +108,10 @@ def _serve(conn, model: str, kv: dict | None, options: dict) -> None:
                 os._exit(0)
             if op == "reset":
                 conn.send(("ok", llm.reset_prefix_cache()))
+            elif op == "totals":  # the worker connector's counts since it started
+                from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+                conn.send(("ok", dict(get_kv_transfer_group().totals.data)))
             elif op == "fault":
                 previous, _FAULT["handoff"] = _FAULT["handoff"], args
                 conn.send(("ok", previous))

@@ -17,8 +17,11 @@ How a request goes through it:
   adapter and ``cache_salt``, and ``"shmkv.salt"``. The handle's ``num_cached_tokens``,
   rounded down to whole vLLM blocks (and short of the prompt's last token, which vLLM
   must compute), is the hit. The handle pins the hit blocks until the workers have loaded
-  them, and its other slots receive the blocks vLLM computes. A tier or store hit is
-  promoted by the coordinator before the allocate answers, so the answer is synchronous.
+  them, and its other slots receive the blocks vLLM computes. The allocate is answered
+  at once (``wait=False``) also when a tier still copies part of the hit into the pool:
+  from this host's tiers the load is then asynchronous (``load_async``, handed to the
+  workers once a thread of the scheduler's has seen the copies settle); while the shared
+  store is asked, the hit is "not known yet" (None) and vLLM asks again.
 * **Metadata** (:meth:`build_connector_meta`): per request and step, a few ints (which
   vLLM blocks, which token ranges to load and to save) and, the first time, one hand-off
   token per tensor-parallel rank (``handle.export``). No other round trip per step.
@@ -57,7 +60,7 @@ import queue
 import re
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -83,6 +86,7 @@ LAYOUTS = ("cpu", "split", "flash")
 DEFAULT_RETRY_S = 5.0
 HANDOFF_TTL_S = 60.0
 LAYER_WAIT_S = 30.0  # the longest a layer's attention waits for its load before giving up
+SETTLE_TIMEOUT_S = 60.0  # the longest an asynchronous load waits for a tier's copies
 
 
 class ConnectorConfigError(shmkv.InvalidArgument):
@@ -286,7 +290,7 @@ class ShmkvReqMeta:
     worker reports the load as failed). ``block_ids``: the request's vLLM block ids.
     ``load``: the token range to copy from the pool into vLLM's blocks. ``save``: the
     token range to copy from vLLM's blocks into the pool and commit. ``done``: the worker
-    closes its handle after this step.
+    closes its handle after this step. ``recv``, ``valid``: see below.
     """
 
     req_id: str
@@ -295,25 +299,37 @@ class ShmkvReqMeta:
     load: Tuple[int, int] = (0, 0)
     save: Tuple[int, int] = (0, 0)
     done: bool = False
+    # An asynchronous load (``load_async``), its tier copies done: copied in this step
+    # whether or not vLLM schedules the request, then reported finished receiving; the
+    # blocks of ``load`` from ``valid`` on did not arrive (load errors).
+    recv: bool = False
+    valid: Optional[int] = None
 
 
 @dataclass
 class ShmkvConnectorMetadata(KVConnectorMetadata):
-    """The connector metadata of one step: requests with work, and requests whose
-    handles the workers close (finished, aborted or preempted)."""
+    """The connector metadata of one step: requests with work, requests whose handles
+    the workers close (finished, aborted or preempted), and asynchronous loads dropped."""
 
     requests: List[ShmkvReqMeta] = field(default_factory=list)
     closed: List[str] = field(default_factory=list)
+    # asynchronous loads of requests finished before they were handed over: reported
+    # finished receiving with nothing copied (vLLM frees their blocks then)
+    recv_dropped: List[str] = field(default_factory=list)
+
+
+COUNTS = ("num_loaded_tokens", "num_saved_tokens", "num_load_errors", "num_async_loads")
 
 
 @dataclass
 class ShmkvConnectorStats(KVConnectorStats):
-    """Loaded and saved tokens and failed loads, summed over an interval."""
+    """Loaded and saved tokens, failed loads and asynchronous loads (a prefix that came
+    up from a tier while vLLM scheduled on), summed over an interval."""
 
     data: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
-        for name in ("num_loaded_tokens", "num_saved_tokens", "num_load_errors"):
+        for name in COUNTS:
             self.data.setdefault(name, 0)
 
     def reset(self):
@@ -349,6 +365,11 @@ class _SchedReq:
     load: Tuple[int, int] = (0, 0)
     saved: int = 0  # tokens [0, saved) are in the pool or sent to be saved
     exported: bool = False
+    # A tier still copies part of the hit into the pool (the allocate answered early):
+    # vLLM is told the load is asynchronous, and the workers get it once it settled.
+    pending: bool = False
+    waiting: bool = False  # vLLM admitted it as an asynchronous load, not handed over yet
+    fetching: bool = False  # part of the pending hit is asked of the shared store
 
 
 def client_name(given: Optional[str], engine_id: Optional[str]) -> str:
@@ -485,6 +506,81 @@ class _LayerLoader:
         self._thread.join(LAYER_WAIT_S)
 
 
+class _Settler:
+    """Waits, on a daemon thread and a connection of its own, for the tier copies of the
+    scheduler's lookups that were answered early (``allocate(..., wait=False)``), so the
+    scheduler keeps scheduling meanwhile. ``submit`` takes a hand-off token of the
+    lookup's sequence; the thread opens it, waits in ``settle`` (at most
+    ``SETTLE_TIMEOUT_S``) and drops its reference; ``take`` gives the request's hit then: its
+    ``num_cached_tokens``, or None when the wait failed (the coordinator gone or too
+    slow: the load is then recomputed)."""
+
+    def __init__(self, address: str, name: str):
+        self._address = address
+        self._name = name
+        self._jobs: "queue.SimpleQueue[Optional[Tuple[str, bytes]]]" = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._wanted: set = set()
+        self._done: Dict[str, Optional[int]] = {}
+        self._client: Optional[shmkv.Client] = None
+        self._thread = threading.Thread(target=self._serve, name="shmkv-settle", daemon=True)
+        self._thread.start()
+
+    def submit(self, req_id: str, token: bytes) -> None:
+        with self._lock:
+            self._wanted.add(req_id)
+        self._jobs.put((req_id, token))
+
+    def take(self, req_id: str) -> Tuple[bool, Optional[int]]:
+        """``(True, hit or None)`` once the request's wait ended, else ``(False, None)``."""
+        with self._lock:
+            if req_id in self._done:
+                self._wanted.discard(req_id)
+                return True, self._done.pop(req_id)
+        return False, None
+
+    def forget(self, req_id: str) -> None:
+        """The request is gone: its answer, when it comes, is dropped."""
+        with self._lock:
+            self._wanted.discard(req_id)
+            self._done.pop(req_id, None)
+
+    def _serve(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                break
+            req_id, token = job
+            hit = self._settle(req_id, token)
+            with self._lock:
+                if req_id in self._wanted:
+                    self._done[req_id] = hit
+        if self._client is not None:
+            self._client.close()
+
+    def _settle(self, req_id: str, token: bytes) -> Optional[int]:
+        try:
+            client = self._client
+            if client is None or not client.is_alive():
+                if client is not None:
+                    client.close()
+                client = self._client = shmkv.connect(
+                    self._address, timeout=SETTLE_TIMEOUT_S, name=self._name
+                )
+            handle = client.open(token)
+            try:
+                return handle.settle()
+            finally:
+                _release(handle)
+        except Exception as exc:  # noqa: BLE001 - a failed wait is a recomputed load
+            log.warning("shmkv: waiting for the tier copies of %s failed (%s)", req_id, exc)
+            return None
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(1.0)
+
+
 class ShmkvConnector(KVConnectorBase_V1):
     """vLLM KV connector over a shmkv coordinator (see the module docstring).
 
@@ -532,12 +628,16 @@ class ShmkvConnector(KVConnectorBase_V1):
         self._client: Optional[shmkv.Client] = None
         self._down_until = 0.0
         self._stats = ShmkvConnectorStats()
+        self.totals = ShmkvConnectorStats()  # the same counts since the connector started
         if role == KVConnectorRole.SCHEDULER:
             if extra.get("shmkv.on_load_error", "recompute") == "recompute":
                 # A cache is best effort: a lost block is recomputed, never fatal.
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
             self._reqs: Dict[str, _SchedReq] = {}
             self._closed: List[str] = []
+            self._recv_dropped: List[str] = []
+            self._waiting: Dict[str, _SchedReq] = {}  # asynchronous loads not handed over
+            self._settler: Optional[_Settler] = None  # made by the first early answer
             self._tp_rank: Optional[int] = None
             self._connect(strict=True)  # refuses a misfit pool at start-up when it is up
         else:
@@ -556,6 +656,7 @@ class ShmkvConnector(KVConnectorBase_V1):
             self._layerwise: Optional[bool] = None
             self._waited: set = set()
             self._failed_reqs: set = set()  # requests whose load failed in this step
+            self._recving: set = set()  # asynchronous loads done, not yet reported
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -664,13 +765,25 @@ class ShmkvConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         """Tokens past ``num_computed_tokens`` that shmkv holds for ``request``, in whole vLLM
-        blocks, and False (the load is synchronous). 0 when the coordinator is gone."""
+        blocks, and whether they load asynchronously: True while a tier of this host (host
+        memory, disk) still copies part of them into the pool, False when they are there.
+        None (vLLM asks again later, scheduling others meanwhile) while the shared store
+        is asked for part of the prefix, which it may not have. 0 when the coordinator is
+        gone."""
         state = self._reqs.get(request.request_id)
         if state is None:
             state = self._lookup(request)
             if state is None:
                 return 0, False
-        return max(0, state.hit - num_computed_tokens), False
+        if (
+            state.pending
+            and not state.waiting
+            and not self._take_settled(request.request_id, state)  # (settled by now?)
+            and state.fetching
+        ):
+            return None, False  # the store is asked: the hit is known once it answers
+        num = max(0, state.hit - num_computed_tokens)
+        return num, num > 0 and state.pending
 
     def _lookup(self, request) -> Optional[_SchedReq]:
         prompt = list(request.prompt_token_ids or ())
@@ -683,7 +796,9 @@ class ShmkvConnector(KVConnectorBase_V1):
             return None
         try:
             handle = client.allocate(
-                prompt=prompt[:full], cache_salt=request_salt(self._namespace, request)
+                prompt=prompt[:full],
+                cache_salt=request_salt(self._namespace, request),
+                wait=False,
             )
         except (
             shmkv.CoordinatorGone,
@@ -696,11 +811,44 @@ class ShmkvConnector(KVConnectorBase_V1):
         except ShmkvError as exc:  # no room, a prompt past max_seq_len: this one is not cached
             log.info("shmkv: request %s not cached (%s)", request.request_id, exc)
             return None
+        settle = None
+        if handle.num_promoting_tokens:  # for the thread that waits for the tier copies
+            try:
+                settle = handle.export(ttl=HANDOFF_TTL_S)
+            except (ShmkvError, OSError) as exc:
+                _release(handle)
+                if not client.is_alive():
+                    self._drop_client(f"lookup failed ({exc})")
+                else:
+                    log.info("shmkv: request %s not cached (%s)", request.request_id, exc)
+                return None
         cached = handle.num_cached_tokens
         hit = min(cached // bs * bs, (len(prompt) - 1) // bs * bs)
         state = _SchedReq(handle=handle, prompt_tokens=full, hit=hit, cached=cached, saved=cached)
+        if settle is not None:  # a tier copies part of the hit in: wait off this thread
+            state.pending = True
+            state.fetching = handle.num_fetching_tokens > 0
+            if self._settler is None:
+                self._settler = _Settler(str(self._address), self._client_name)
+            self._settler.submit(request.request_id, settle)
         self._reqs[request.request_id] = state
         return state
+
+    def _take_settled(self, req_id: str, state: _SchedReq) -> bool:
+        """Whether the tier copies of ``state``'s lookup are done; if so its hit is the
+        settled one (shorter when a block did not arrive, 0 when the wait failed)."""
+        assert self._settler is not None  # (made by the lookup that set pending)
+        done, cached = self._settler.take(req_id)
+        if not done:
+            return False
+        state.pending = False
+        if cached is None:
+            state.hit = 0
+        else:
+            state.hit = min(state.hit, cached // self._block_size * self._block_size)
+            state.cached = cached
+            state.saved = min(state.saved, cached)
+        return True
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         """Note the vLLM blocks of ``request`` and the tokens to load into them."""
@@ -710,14 +858,23 @@ class ShmkvConnector(KVConnectorBase_V1):
         state.block_ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
         if num_external_tokens > 0:
             state.load = (state.hit - num_external_tokens, state.hit)
+            # vLLM was told the load is asynchronous: the request waits for the workers
+            # to report it received (build_connector_meta hands it over once settled)
+            state.waiting = state.pending
+            if state.waiting:
+                self._waiting[request.request_id] = state
         else:
             state.load = (0, 0)
 
     def build_connector_meta(self, scheduler_output) -> ShmkvConnectorMetadata:
         """This step's loads and saves, with the hand-off tokens of new requests."""
-        meta = ShmkvConnectorMetadata(closed=self._closed)
-        self._closed = []
+        meta = ShmkvConnectorMetadata(closed=self._closed, recv_dropped=self._recv_dropped)
+        self._closed, self._recv_dropped = [], []
         self._log_refused()
+        for req_id, waiting in list(self._waiting.items()):
+            if self._take_settled(req_id, waiting):
+                del self._waiting[req_id]
+                meta.requests.append(self._received(req_id, waiting))
         computed: Dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
             state = self._reqs.get(new.req_id)
@@ -762,6 +919,23 @@ class ShmkvConnector(KVConnectorBase_V1):
             meta.requests.append(item)
         return meta
 
+    def _received(self, req_id: str, state: _SchedReq) -> ShmkvReqMeta:
+        """The hand-over of an asynchronous load whose tier copies are done: the workers
+        copy what arrived and report the request received (see :class:`ShmkvReqMeta`)."""
+        state.waiting = False
+        start, end = state.load
+        item = ShmkvReqMeta(
+            req_id=req_id,
+            block_ids=list(state.block_ids),
+            load=(start, end),
+            recv=True,
+            valid=max(start, min(end, state.hit)),
+        )
+        item.tokens = self._export(state)
+        state.exported = True
+        state.load = (0, 0)
+        return item
+
     def _export(self, state: _SchedReq) -> List[bytes]:
         try:
             return [state.handle.export(ttl=HANDOFF_TTL_S) for _ in range(self._tp_size)]
@@ -779,7 +953,16 @@ class ShmkvConnector(KVConnectorBase_V1):
 
     def request_finished(self, request, block_ids):
         """Drops the request's references. Saves finish within the step that computed the
-        blocks (:meth:`wait_for_save` is synchronous), so vLLM may free the blocks now."""
+        blocks (:meth:`wait_for_save` is synchronous), so vLLM may free the blocks now (an
+        asynchronous load not handed over yet is reported received, with nothing copied,
+        in the next step: vLLM frees its blocks then)."""
+        state = self._reqs.get(request.request_id)
+        if state is not None and state.pending:
+            assert self._settler is not None  # (made by the lookup that set pending)
+            self._settler.forget(request.request_id)
+            if self._waiting.pop(request.request_id, None) is not None:
+                # vLLM holds its blocks until the workers report it received
+                self._recv_dropped.append(request.request_id)
         self._finish(request.request_id, tell_workers=True)
         return False, None
 
@@ -836,10 +1019,14 @@ class ShmkvConnector(KVConnectorBase_V1):
             return
         for req_id in meta.closed:
             self._close(req_id)
+        self._recving.update(meta.recv_dropped)
         loads: List[Tuple[ShmkvReqMeta, List[Tuple[int, int, int, int]]]] = []
         opened: List[Any] = []  # the handles of loads
         for item in meta.requests:
             handle = self._open(item)
+            if item.recv:
+                self._load_received(item, handle)
+                continue
             if item.load == (0, 0):
                 continue
             if handle is None:
@@ -872,7 +1059,46 @@ class ShmkvConnector(KVConnectorBase_V1):
             except Exception as exc:  # noqa: BLE001 - a failed load is recomputed, never fatal
                 self._fail_load(item, exc)
                 continue
-            self._stats.data["num_loaded_tokens"] += item.load[1] - item.load[0]
+            self._count("num_loaded_tokens", item.load[1] - item.load[0])
+
+    def _load_received(self, item: ShmkvReqMeta, handle) -> None:
+        """An asynchronous load whose tier copies are done: copy what arrived, all layers
+        (vLLM does not schedule the request in this step), report the blocks that did not
+        as load errors, and the request as received (:meth:`get_finished`)."""
+        self._recving.add(item.req_id)
+        self._count("num_async_loads", 1)
+        start, end = item.load
+        valid = end if item.valid is None else item.valid
+        # (Not a failure of this step's requests: vLLM schedules this one later, with the
+        # failed blocks recomputed, and its handle saves them then.)
+        if valid < end:
+            self._fail_load(
+                replace(item, load=(valid, end)),
+                ShmkvError(f"tier blocks from token {valid} on did not arrive"),
+                in_step=False,
+            )
+        if valid <= start:
+            return
+        part = replace(item, load=(start, valid))
+        client = self._client
+        if handle is None or client is None or handle.client is not client:
+            self._fail_load(part, in_step=False)
+            return
+        try:
+            runs = self._runs(handle, item.block_ids, part.load)
+            for layer in range(len(self._k)):
+                self._copy_layer(client.pool, layer, runs, load=True)
+        except Exception as exc:  # noqa: BLE001 - a failed load is recomputed, never fatal
+            self._fail_load(part, exc, in_step=False)
+            return
+        self._count("num_loaded_tokens", valid - start)
+
+    def get_finished(self, finished_req_ids):
+        """The asynchronous loads handed over since the last call (copied, or failed and
+        reported in :meth:`get_block_ids_with_load_errors`): vLLM schedules them now. No
+        saves finish late (:meth:`wait_for_save` is synchronous)."""
+        received, self._recving = self._recving, set()
+        return None, (received or None)
 
     def _finish_loads(self) -> None:
         """Wait for the step's layer-by-layer loads (if any) to end and account for them:
@@ -893,7 +1119,7 @@ class ShmkvConnector(KVConnectorBase_V1):
             self._layerwise = False
         for item, exc in results:
             if exc is None and not missed:
-                self._stats.data["num_loaded_tokens"] += item.load[1] - item.load[0]
+                self._count("num_loaded_tokens", item.load[1] - item.load[0])
             else:
                 self._fail_load(item, exc or ShmkvError("a layer was read before its load"))
 
@@ -956,16 +1182,20 @@ class ShmkvConnector(KVConnectorBase_V1):
         self._handles[item.req_id] = handle
         return handle
 
-    def _fail_load(self, item: ShmkvReqMeta, exc: Optional[BaseException] = None) -> None:
-        """Report ``item``'s load as failed (vLLM recomputes its blocks; the request saves
-        nothing of this step); ``exc``, when given, is logged as why."""
+    def _fail_load(
+        self, item: ShmkvReqMeta, exc: Optional[BaseException] = None, in_step: bool = True
+    ) -> None:
+        """Report ``item``'s load as failed (vLLM recomputes its blocks; a request of this
+        step's forward, ``in_step``, saves nothing of it); ``exc``, when given, is logged
+        as why."""
         if exc is not None:
             log.warning("shmkv: load of %s failed (%s); vLLM recomputes", item.req_id, exc)
-        self._failed_reqs.add(item.req_id)
+        if in_step:
+            self._failed_reqs.add(item.req_id)
         first = item.load[0] // self._block_size
         last = -(-item.load[1] // self._block_size)
         self._load_errors.update(item.block_ids[first:last])
-        self._stats.data["num_load_errors"] += 1
+        self._count("num_load_errors", 1)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Wait until this step's loads of layer ``layer_name`` are in vLLM's blocks (at
@@ -1039,7 +1269,7 @@ class ShmkvConnector(KVConnectorBase_V1):
             log.warning("shmkv: save of %s failed (%s); not cached", item.req_id, exc)
             self._close(item.req_id)
             return
-        self._stats.data["num_saved_tokens"] += end - start
+        self._count("num_saved_tokens", end - start)
 
     def _close(self, req_id: str) -> None:
         handle = self._handles.pop(req_id, None)
@@ -1051,6 +1281,10 @@ class ShmkvConnector(KVConnectorBase_V1):
         self._finish_loads()
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def _count(self, name: str, num: int) -> None:
+        self._stats.data[name] += num
+        self.totals.data[name] += num
 
     def get_kv_connector_stats(self):
         """Loaded and saved tokens and failed loads since the last call."""
@@ -1069,6 +1303,8 @@ class ShmkvConnector(KVConnectorBase_V1):
         if self._role == KVConnectorRole.SCHEDULER:
             for req_id in list(self._reqs):
                 self._finish(req_id, tell_workers=False)
+            if self._settler is not None:
+                self._settler.close()
         else:
             if self._loader is not None:
                 self._loader.cancel()
