@@ -292,7 +292,7 @@ class Client(_Link):
             for part in parts:
                 answer = (
                     self.request("allocate_many", requests=part)
-                    if wait
+                    if wait or "settle" not in self.features  # (an older coordinator waits)
                     else self.request("allocate_many", requests=part, early=True)
                 )
                 handles += [self._handle(info) for info in answer]

@@ -339,8 +339,7 @@ class Connections(Ops):
             # Started at the end of this turn, after the requests that came in meanwhile
             # (see _turn). Answered when they are in, or now when asked ``early``.
             records = self.table.take_promotions()
-            if request.args.get("early"):
-                self._promote_early(records)
+            if request.args.get("early") and self._promote_early(records):
                 conn.outbuf += protocol.encode_ok(request_id, result)
             else:
                 self._to_promote.append((records, (conn, request_id, result)))
@@ -358,23 +357,34 @@ class Connections(Ops):
         latency[bisect_left(LATENCY_BUCKETS, elapsed)] += 1
         latency[-1] += elapsed
 
-    def _promote_early(self, records: list) -> None:
+    def _promote_early(self, records: list) -> bool:
         """Promotions answered before their blocks are in: each record's info says how
-        many blocks still come (``promoting``), and how many of those are only asked of
-        the shared store, which may not have them (``fetching``); its sequence counts in
-        ``_promoting`` until they are in, and ``settle`` on it waits (see
-        :meth:`_settled`)."""
+        many blocks still come (``promoting``), from which block of the sequence on
+        (``promoting_from``), and how many of them are only asked of the shared store,
+        which may not have them (``fetching``); its sequence counts in ``_promoting``
+        until they are in, and ``settle`` on it waits (see :meth:`_settled`). False (the
+        request then waits as one not asked early) if the answer could not be made."""
         tiers = self.tiers
         assert tiers is not None, "promotions are planned only against tiers"
+        try:
+            marks = [
+                (len(record.blocks), record.first, tiers.held_here(record.keys))
+                for record in records
+            ]
+        except Exception:  # a bug here must not take the coordinator down
+            log.exception("early answer failed; the allocation waits for its promotions")
+            return False
         cache_ids = []
-        for record in records:
-            info, num = record.info, len(record.blocks)
+        for record, (num, first, here) in zip(records, marks):
+            info = record.info
             info["promoting"] = info.get("promoting", 0) + num
-            info["fetching"] = info.get("fetching", 0) + num - tiers.held_here(record.keys)
+            info["promoting_from"] = min(info.get("promoting_from", first), first)
+            info["fetching"] = info.get("fetching", 0) + num - here
             cache_ids.append(record.seq.cache_id)
         for cache_id in cache_ids:
             self._promoting[cache_id] = self._promoting.get(cache_id, 0) + 1
         self._to_promote.append((records, cache_ids))
+        return True
 
     def _settled(self, cache_ids: List[int], selector) -> None:
         """An early promotion is done: answer the ``settle`` requests of the sequences
@@ -391,7 +401,7 @@ class Connections(Ops):
                 if self._conns.get(conn.conn_id) is not conn:
                     continue  # gone meanwhile
                 try:  # (still held: the connection's release waits behind the settle)
-                    answer = {"num_cached": self.table.info(conn.conn_id, cache_id)["num_cached"]}
+                    answer = {"num_cached": self.table.settled(conn.conn_id, cache_id)}
                     conn.outbuf += protocol.encode_ok(request_id, answer)
                 except ShmkvError as exc:
                     conn.outbuf += protocol.encode_error(request_id, exc)

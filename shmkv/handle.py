@@ -288,6 +288,7 @@ class KvCacheHandle:
         "_num_cached",
         "_promoting",
         "_fetching",
+        "_resident",
         "_request_id",
         "_view_len",
         "_closed",
@@ -310,6 +311,7 @@ class KvCacheHandle:
         self._slot = slot
         self._num_cached = num_cached
         self._promoting = self._fetching = 0
+        self._resident = num_cached
         self._request_id = request_id
         self._view_len = view_len
         self._closed = False
@@ -329,7 +331,7 @@ class KvCacheHandle:
         for cache_id, slot in zip(cache_ids, slot_ids):
             h = new(cls)
             h._client, h._cache_id, h._slot, h._num_cached = client, cache_id, slot, 0
-            h._promoting = h._fetching = 0
+            h._promoting = h._fetching = h._resident = 0
             h._request_id = h._view_len = h._shared = None
             h._closed, h._last_access = False, now
             append(h)
@@ -357,8 +359,10 @@ class KvCacheHandle:
         )
         promoting = info.get("promoting")
         if promoting:  # an early answer (``allocate(..., wait=False)``)
-            handle._promoting = promoting * client.config.block_size
-            handle._fetching = info.get("fetching", 0) * client.config.block_size
+            bs = client.config.block_size
+            handle._promoting = promoting * bs
+            handle._fetching = info.get("fetching", 0) * bs
+            handle._resident = info.get("promoting_from", 0) * bs
         return handle
 
     def _view(self) -> SequenceView:
@@ -421,6 +425,14 @@ class KvCacheHandle:
         return self._promoting
 
     @property
+    def num_resident_tokens(self) -> int:
+        """The leading cached tokens whose blocks are in the pool now, readable at once:
+        :attr:`num_cached_tokens` but for an allocation answered early, whose promoted
+        blocks (and any pool hits after them) count from :meth:`settle` on."""
+        self._live()
+        return self._resident
+
+    @property
     def num_fetching_tokens(self) -> int:
         """Of :attr:`num_promoting_tokens`, the last ones, which are asked of the shared
         store (``RedisTier``): the coordinator cannot know whether it has them until it
@@ -437,8 +449,10 @@ class KvCacheHandle:
         too); answered at once when nothing is coming. One round trip, bounded by the
         client's timeout; the connection's other requests wait behind it."""
         self._check_open()
+        if "settle" not in self._client.features:  # an older coordinator: nothing comes
+            return self._num_cached
         got = self._client.request("settle", cache_id=self._cache_id)
-        self._num_cached = got["num_cached"]
+        self._num_cached = self._resident = got["num_cached"]
         self._promoting = self._fetching = 0
         return self._num_cached
 

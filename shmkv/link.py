@@ -54,6 +54,7 @@ class _Link:
     _closed: bool
     # Set by the hello.
     max_frame: int
+    features: frozenset  # the coordinator's ``protocol.FEATURES`` (its hello's list)
 
     def _init_link(self) -> None:
         """The link's state before it connects (nothing to close yet)."""
@@ -115,6 +116,7 @@ class _Link:
         # The largest request the coordinator reads: a larger one is split or refused
         # here, before anything is sent.
         self.max_frame = int(hello.get("max_frame", protocol.DEFAULT_MAX_FRAME))
+        self.features = frozenset(hello.get("features") or ())
         self._poll.register(sock, select.POLLHUP | select.POLLERR)
         return hello
 

@@ -101,6 +101,9 @@ class Ops:
             "instance": self.instance,
             "max_handoff_ttl": self.max_handoff_ttl,
             "max_frame": self.max_frame,
+            # what this coordinator serves beyond its protocol version's first release
+            # (a client sends those arguments and ops only where they are listed)
+            "features": list(protocol.FEATURES),
         }
 
     def _op_ping(self, conn):
@@ -181,10 +184,10 @@ class Ops:
         # A held sequence's hit once its promoted blocks are in: now, or, while a tier
         # still copies them, when it is done (``SETTLE_LATER``: the coordinator holds the
         # answer, see ``Coordinator._settled``).
-        num_cached = self.table.info(conn.conn_id, cache_id)["num_cached"]
         if cache_id in self._promoting:
+            self.table.info(conn.conn_id, cache_id)  # (only a holder may wait)
             return SETTLE_LATER
-        return {"num_cached": num_cached}
+        return {"num_cached": self.table.settled(conn.conn_id, cache_id)}
 
     def _op_extend_batch(
         self, conn, ids, count=None, counts=None, tokens=None, slots=None, keep=False

@@ -270,8 +270,39 @@ class Prefix(Handoffs):
             record.info["num_cached"] = seq.num_cached
             tokens = lost * self.block_size
             self._count_hits(record.client, -lost, lost, -tokens, tokens)
+            if "promoting" in record.info:
+                self._withhold_keys(seq)
         pool.decref(reversed(record.blocks))
         return num_ok
+
+    def _withhold_keys(self, seq: Sequence) -> None:
+        """An early-answered (``wait=False``) promotion of ``seq`` came up short. Its
+        holders were told of a longer hit and may write and commit from there on, never
+        into the blocks that did not arrive: until one of them learns the hit as it is
+        (:meth:`settled`), nothing from the first of those blocks on is published. (New
+        lists: the tiers' pending writes keep the old ones.)"""
+        if seq.keys is None:
+            return
+        if seq.withheld is None:
+            seq.withheld = (seq.keys, seq.keys_open, seq.tail_tokens, seq.num_tokens)
+        seq.keys = seq.keys[: seq.num_committed]
+        seq.keys_open, seq.tail_tokens = False, []
+        self._keys_open_np[seq.slot] = False
+
+    def settled(self, conn_id: int, cache_id: int) -> int:
+        """A holder of ``cache_id`` learns its hit once its early promotions have ended
+        (the ``settle`` answer): publishing past a short one resumes, as that holder
+        now writes from the hit as it is, and commits made before count only up to the
+        hit (they may cover blocks nobody wrote); unless the sequence grew meanwhile (its
+        keys would then miss the new tokens: it stays closed). Returns ``num_cached``."""
+        seq = self._held(conn_id, cache_id)
+        withheld, seq.withheld = seq.withheld, None
+        if withheld is not None and withheld[3] == seq.num_tokens:
+            seq.keys, seq.keys_open, seq.tail_tokens = withheld[:3]
+            self._keys_open_np[seq.slot] = seq.keys_open
+            # what was committed before anyone knew the hit counts no further than it
+            seq.rank_tokens = [min(n, seq.num_cached) for n in seq.rank_tokens]
+        return seq.num_cached
 
     def allocate_counts(self, conn_id: int, counts: Seq[int]) -> tuple:
         """Allocate one plain sequence (no prompt) per count, all or none: the fast form

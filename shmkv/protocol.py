@@ -32,6 +32,10 @@ if TYPE_CHECKING:  # (annotations only: the protocol imports no numpy)
     import numpy as np
 
 PROTOCOL_VERSION = 2  # 2: an allocation's prompt comes with its block keys
+# Additions to version 2 a client may use only with a coordinator whose hello lists them
+# (an older one closes the connection on an unknown argument or op): "settle", an
+# ``allocate_many`` answered ``early`` and the ``settle`` op.
+FEATURES = ("settle",)
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
 _HEADER = struct.Struct(">I")
 HEADER_SIZE = _HEADER.size

@@ -61,6 +61,7 @@ class Sequence:
         "num_cached",
         "request_id",
         "slot",
+        "withheld",
     )
 
     def __init__(
@@ -83,6 +84,8 @@ class Sequence:
         self.num_cached = 0  # tokens reused from the prefix cache at allocate
         self.request_id = request_id  # None: the default, format_cache_id(cache_id)
         self.slot = -1  # row in the shared tables
+        # (keys, keys_open, tail_tokens, num_tokens) kept back by Prefix._withhold_keys
+        self.withheld: Optional[tuple] = None
 
     def info(self) -> dict:
         return {

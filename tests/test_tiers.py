@@ -568,6 +568,91 @@ def test_settle_reports_the_shorter_hit_when_a_promoted_block_is_damaged(tmp_pat
         assert coord._promoting == {}
 
 
+def test_a_commit_after_an_early_promotion_came_up_short_publishes_nothing_past_it(
+    tmp_path, unique_name
+):
+    """Answered early, a client may write from the promised hit on and commit without
+    settling. The promotion then ends short (a damaged file): the blocks that did not
+    arrive hold nobody's bytes, so none of them, nor any block after them, is published
+    (another client hits only the first block, with the written bytes) until the client
+    has settled and written from the hit as it is."""
+    cfg = make_config(num_blocks=8)
+    prompt = prompts_of(1, 3)[0] + [7, 8]  # 3 full blocks and 2 tokens
+    with (
+        shmkv.Coordinator(
+            cfg, name=unique_name, tiers=[shmkv.DiskTier(tmp_path, 1 << 20)]
+        ) as coord,
+        shmkv.connect(coord.address, timeout=20) as client,
+        shmkv.connect(coord.address, timeout=20) as other,
+    ):
+        write_prompt(client, prompt[: 3 * BS])
+        wait_idle(client)
+        evict_all(client)
+        wait_idle(client)
+        from shmkv import hashing
+
+        second = (
+            tmp_path
+            / "blocks"
+            / (hashing.block_keys(prompt, BS, hashing.root_key())[1].hex() + ".kv")
+        )
+        data = bytearray(second.read_bytes())
+        data[-5] ^= 0xFF  # payload damaged
+        second.write_bytes(bytes(data))
+        h = client.allocate(prompt=prompt, wait=False)
+        assert h.num_cached_tokens == 3 * BS
+        deadline = time.monotonic() + 20
+        while coord._promoting:  # the promotion ended (short) before anything below
+            assert time.monotonic() < deadline, "the promotion never ended"
+            time.sleep(0.01)
+        for layer in range(h.num_layers):
+            k, v = token_kv(prompt, layer, h.num_heads, h.head_dim)
+            h.write(layer, k[3 * BS :].contiguous(), v[3 * BS :].contiguous(), start=3 * BS)
+        h.commit()  # not settled: it believes the promised hit
+        wait_idle(client)
+        assert read_prompt(other, prompt) == (BS, True)
+        # Settled: it knows the hit now. What it committed before counts no further than
+        # the hit; once it has written from there, its blocks are published.
+        assert h.settle() == BS
+        h.commit(BS)  # (true: the hit is in)
+        assert read_prompt(other, prompt) == (BS, True)
+        for layer in range(h.num_layers):
+            k, v = token_kv(prompt, layer, h.num_heads, h.head_dim)
+            h.write(layer, k[BS:].contiguous(), v[BS:].contiguous(), start=BS)
+        h.commit()
+        assert read_prompt(other, prompt) == (3 * BS, True)
+        h.close()
+        coord.table.check_invariants()
+
+
+def test_an_older_coordinator_is_asked_to_wait(unique_name, monkeypatch):
+    """A coordinator whose hello does not list "settle" (one from before it) closes the
+    connection on an unknown argument: the client does not send ``early`` to it, the
+    answer waits for the promotion, and ``settle`` asks nothing."""
+    from shmkv import protocol
+
+    monkeypatch.setattr(protocol, "FEATURES", ())
+    cfg = make_config(num_blocks=8)
+    prompt = prompts_of(1, 2)[0]
+    with (
+        shmkv.Coordinator(
+            cfg, name=unique_name, tiers=[shmkv.HostTier(8 * cfg.block_nbytes)]
+        ) as coord,
+        shmkv.connect(coord.address, timeout=20) as client,
+    ):
+        assert "settle" not in client.features
+        write_prompt(client, prompt)
+        wait_idle(client)
+        evict_all(client)
+        wait_idle(client)
+        h = client.allocate(prompt=prompt, wait=False)
+        assert (h.num_cached_tokens, h.num_promoting_tokens) == (len(prompt), 0)
+        assert client.stats()["tier_io"]["promotions_in_flight"] == 0  # it waited
+        assert h.settle() == len(prompt)
+        assert "settle" not in coord.ops_by_type and client.is_alive()
+        h.close()
+
+
 # -- the disk tier -----------------------------------------------------------------------
 
 

@@ -1118,6 +1118,45 @@ def test_a_coordinator_lost_within_a_step_fails_the_load_it_promised(
     worker.shutdown()
 
 
+def coord_promotions(client) -> int:
+    return client.stats()["tier_io"]["promotions_in_flight"]
+
+
+def _gated_host_tier(monkeypatch):
+    """Copies from the host tier to the pool run in threads and wait for the returned
+    event to be set (at most 30 s)."""
+    import threading
+
+    from shmkv import tier_io, tiers as tiers_mod
+
+    gate = threading.Event()
+    monkeypatch.setattr(tiers_mod, "IO_PROCESS", False)
+    h2p = tier_io.Mover._op_h2p
+
+    def gated(self, copy):
+        assert gate.wait(30), "the test never opened the gate"
+        h2p(self, copy)
+
+    monkeypatch.setattr(tier_io.Mover, "_op_h2p", gated)
+    return gate
+
+
+def _in_host_tier(client, connector, namespace, reqs, g):
+    """Write and commit each request's full vLLM blocks, then push them out of the pool:
+    they are in the host tier only."""
+    for req in reqs:
+        salt = connector.request_salt(namespace, req)
+        full = len(req.prompt_token_ids) // BLOCK * BLOCK
+        h = client.allocate(prompt=list(req.prompt_token_ids[:full]), cache_salt=salt)
+        h.write_all(torch.randn(LAYERS, 2, full, HEADS, DIM, generator=g), start=0)
+        h.commit()
+        h.close()
+    wait_idle(client)
+    st = client.stats()
+    client.allocate((st["free_blocks"] + st["cached_blocks"]) * client.config.block_size).close()
+    wait_idle(client)
+
+
 def test_a_prefix_coming_up_from_a_tier_loads_asynchronously(
     model_path, unique_name, connector, monkeypatch
 ):
@@ -1126,8 +1165,6 @@ def test_a_prefix_coming_up_from_a_tier_loads_asynchronously(
     workers get it once it settled, copy it whatever vLLM schedules, and report it
     received. A request aborted while it waits is reported received with nothing
     copied (vLLM frees its blocks then). Nothing stays held."""
-    import threading
-
     from vllm import SamplingParams
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -1135,17 +1172,7 @@ def test_a_prefix_coming_up_from_a_tier_loads_asynchronously(
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-    from shmkv import tier_io, tiers as tiers_mod
-
-    gate = threading.Event()
-    monkeypatch.setattr(tiers_mod, "IO_PROCESS", False)  # copies in threads: gated here
-    h2p = tier_io.Mover._op_h2p
-
-    def gated(self, copy):
-        assert gate.wait(30), "the test never opened the gate"
-        h2p(self, copy)
-
-    monkeypatch.setattr(tier_io.Mover, "_op_h2p", gated)
+    gate = _gated_host_tier(monkeypatch)
     cfg = pool_config(64)
     host = shmkv.HostTier(64 * cfg.block_nbytes)
     toks = [prompt(40, 2 * BLOCK + 5), prompt(41, 2 * BLOCK + 5)]
@@ -1176,7 +1203,7 @@ def test_a_prefix_coming_up_from_a_tier_loads_asynchronously(
             assert sched.get_num_new_matched_tokens(req, 0) == (2 * BLOCK, True)  # again
             blocks = KVCacheBlocks(([KVCacheBlock(i) for i in ids[req.request_id]],))
             sched.update_state_after_alloc(req, blocks, 2 * BLOCK)
-        assert coord.tiers.num_promotions_in_flight == 2
+        assert len(coord._promoting) == 2  # both answered before their copies
         meta = sched.build_connector_meta(SchedulerOutput.make_empty())
         assert meta.requests == [] and meta.recv_dropped == []  # nothing settled yet
         sched.request_finished(reqs[1], ids["r1"])  # aborted while waiting
@@ -1222,3 +1249,102 @@ def test_a_prefix_coming_up_from_a_tier_loads_asynchronously(
             time.sleep(0.01)
         assert coord._promoting == {} and coord._settle_waiters == {}
         coord.table.check_invariants()
+
+
+def test_what_vllm_is_told_while_a_tier_copies_and_a_lookup_again_gets_its_own_answer(
+    model_path, unique_name, connector, monkeypatch
+):
+    """While the host tier copies a prefix in: a request vLLM's own cache covers is told
+    0 (nothing waits for the tier); one whose needed blocks are all in the pool already is
+    told to load them synchronously; a request looked up again after its first lookup
+    was dropped unsettled gets the answer of its new lookup, not the old one (the old
+    wait's answer goes to no one, and nothing is left in the waiter). A wait past its
+    time gives up without asking."""
+    from vllm import SamplingParams
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+    from vllm.v1.request import Request
+
+    gate = _gated_host_tier(monkeypatch)
+    cfg = pool_config(64)
+    with (
+        shmkv.Coordinator(
+            cfg, name=unique_name, tiers=[shmkv.HostTier(64 * cfg.block_nbytes)]
+        ) as coord,
+        shmkv.connect(coord.address) as client,
+    ):
+        vcfg = _vllm_config(model_path, address=client.address)
+        namespace = connector.model_namespace(vcfg, "")
+        covered = Request("c", prompt(50, 2 * BLOCK + 5), SamplingParams(max_tokens=1), None)
+        exact = Request("e", prompt(51, 2 * BLOCK), SamplingParams(max_tokens=1), None)
+        again = Request("a", prompt(52, 2 * BLOCK + 5), SamplingParams(max_tokens=1), None)
+        _in_host_tier(client, connector, namespace, [covered, exact, again], torch.Generator())
+        # the first block of `exact` back in the pool, held there
+        salt = connector.request_salt(namespace, exact)
+        first = client.allocate(
+            prompt=list(exact.prompt_token_ids[:BLOCK]), cache_salt=salt, wait=False
+        )
+        gate.set()
+        assert first.settle() == BLOCK
+        gate.clear()
+        base = client.stats()["sequences"]
+        sched = connector.ShmkvConnector(vcfg, KVConnectorRole.SCHEDULER, None)
+        # vLLM's own cache has both blocks: nothing to wait for
+        assert sched.get_num_new_matched_tokens(covered, 2 * BLOCK) == (0, False)
+        # vLLM may load 1 block of `exact` (its last token must be computed): in the pool
+        assert sched.get_num_new_matched_tokens(exact, 0) == (BLOCK, False)
+        # `again`: looked up, covered by vLLM, dropped in the step's metadata unsettled
+        assert sched.get_num_new_matched_tokens(again, 2 * BLOCK) == (0, False)
+        sched.update_state_after_alloc(again, KVCacheBlocks(([KVCacheBlock(3)],)), 0)
+        again.num_computed_tokens = 2 * BLOCK
+        out = SchedulerOutput.make_empty()
+        out.scheduled_new_reqs.append(NewRequestData.from_request(again, ([1, 2, 3],)))
+        out.num_scheduled_tokens["a"] = 5
+        sched.build_connector_meta(out)
+        assert "a" not in sched._reqs  # shmkv holds it all, nothing to save: dropped
+        gate.set()
+        deadline = time.monotonic() + 10
+        # the copies done and the waits' own references dropped: only the scheduler's
+        # two lookups left (covered, exact), so `again`'s blocks can leave the pool
+        while client.stats()["sequences"] != base + 2 or coord._promoting:
+            assert time.monotonic() < deadline, "the waits never ended"
+            time.sleep(0.01)
+        wait_idle(client)
+        gate.clear()
+        _in_host_tier(client, connector, namespace, [], torch.Generator())  # out again
+        # looked up again from 0 (preempted): a tier copies it again, so asynchronously
+        again.num_computed_tokens = 0
+        assert sched.get_num_new_matched_tokens(again, 0) == (2 * BLOCK, True)
+        assert sched.get_num_new_matched_tokens(exact, 0) == (BLOCK, False)
+        gate.set()
+        for req in (covered, exact, again):
+            sched.request_finished(req, [])
+        first.close()
+        deadline = time.monotonic() + 10
+        while sched._settler._wanted or sched._settler._done:
+            assert time.monotonic() < deadline, "a wait's answer stayed"
+            time.sleep(0.01)
+        # a wait whose time is over gives up at once: it only drops its hand-off
+        wait_idle(client)
+        gate.clear()
+        _in_host_tier(client, connector, namespace, [], torch.Generator())
+        held = client.stats()["sequences"]
+        h = client.allocate(
+            prompt=list(again.prompt_token_ids[: 2 * BLOCK]),
+            cache_salt=connector.request_salt(namespace, again),
+            wait=False,
+        )
+        assert h.num_promoting_tokens == 2 * BLOCK
+        settler = connector._Settler(client.address, "late")
+        assert settler._settle(h.export(ttl=30), time.monotonic() - 1) is None  # no wait
+        assert coord_promotions(client) == 1
+        gate.set()
+        h.close()
+        settler.close()
+        deadline = time.monotonic() + 10
+        while client.stats()["sequences"] != held:
+            assert time.monotonic() < deadline, "the late wait's hand-off stayed open"
+            time.sleep(0.01)
+        sched.shutdown()

@@ -369,7 +369,10 @@ class _SchedReq:
     # vLLM is told the load is asynchronous, and the workers get it once it settled.
     pending: bool = False
     waiting: bool = False  # vLLM admitted it as an asynchronous load, not handed over yet
-    fetching: bool = False  # part of the pending hit is asked of the shared store
+    told_async: bool = False  # the last answer to vLLM said the load is asynchronous
+    ticket: int = 0  # the pending wait's (``_Settler``)
+    resident: int = 0  # leading hit tokens in the pool at the lookup, whole vLLM blocks
+    sure: int = 0  # leading hit tokens in the pool or this host's tiers, whole vLLM blocks
 
 
 def client_name(given: Optional[str], engine_id: Optional[str]) -> str:
@@ -510,55 +513,76 @@ class _Settler:
     """Waits, on a daemon thread and a connection of its own, for the tier copies of the
     scheduler's lookups that were answered early (``allocate(..., wait=False)``), so the
     scheduler keeps scheduling meanwhile. ``submit`` takes a hand-off token of the
-    lookup's sequence; the thread opens it, waits in ``settle`` (at most
-    ``SETTLE_TIMEOUT_S``) and drops its reference; ``take`` gives the request's hit then: its
-    ``num_cached_tokens``, or None when the wait failed (the coordinator gone or too
-    slow: the load is then recomputed)."""
+    lookup's sequence and returns a ticket; the thread opens the token, waits in
+    ``settle`` and drops its reference; ``take(ticket)`` gives the hit then: the
+    sequence's ``num_cached_tokens``, or None when the wait failed (the coordinator gone,
+    or the copies not done ``SETTLE_TIMEOUT_S`` after the lookup: the load then takes
+    only what was in the pool). One wait at a time: one queued behind a stuck one gives
+    up as soon as it is its turn past its own time, so every lookup's wait ends within
+    ``2 * SETTLE_TIMEOUT_S``."""
 
     def __init__(self, address: str, name: str):
         self._address = address
         self._name = name
-        self._jobs: "queue.SimpleQueue[Optional[Tuple[str, bytes]]]" = queue.SimpleQueue()
+        self._jobs: "queue.SimpleQueue[Optional[Tuple[int, bytes, float]]]" = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self._next = 0
         self._wanted: set = set()
-        self._done: Dict[str, Optional[int]] = {}
+        self._done: Dict[int, Optional[int]] = {}
+        self._stopped = False
         self._client: Optional[shmkv.Client] = None
         self._thread = threading.Thread(target=self._serve, name="shmkv-settle", daemon=True)
         self._thread.start()
 
-    def submit(self, req_id: str, token: bytes) -> None:
+    def submit(self, token: bytes) -> int:
+        """Wait for the sequence of hand-off ``token``; the ticket to :meth:`take`."""
         with self._lock:
-            self._wanted.add(req_id)
-        self._jobs.put((req_id, token))
+            self._next += 1
+            ticket = self._next
+            self._wanted.add(ticket)
+        self._jobs.put((ticket, token, time.monotonic() + SETTLE_TIMEOUT_S))
+        return ticket
 
-    def take(self, req_id: str) -> Tuple[bool, Optional[int]]:
-        """``(True, hit or None)`` once the request's wait ended, else ``(False, None)``."""
+    def take(self, ticket: int) -> Tuple[bool, Optional[int]]:
+        """``(True, hit or None)`` once the wait of ``ticket`` ended (given once), else
+        ``(False, None)``."""
         with self._lock:
-            if req_id in self._done:
-                self._wanted.discard(req_id)
-                return True, self._done.pop(req_id)
+            if ticket in self._done:
+                self._wanted.discard(ticket)
+                return True, self._done.pop(ticket)
         return False, None
 
-    def forget(self, req_id: str) -> None:
-        """The request is gone: its answer, when it comes, is dropped."""
+    def forget(self, ticket: int) -> None:
+        """Nobody takes ``ticket`` now: its answer, when it comes, is dropped."""
         with self._lock:
-            self._wanted.discard(req_id)
-            self._done.pop(req_id, None)
+            self._wanted.discard(ticket)
+            self._done.pop(ticket, None)
 
     def _serve(self) -> None:
         while True:
             job = self._jobs.get()
-            if job is None:
+            if job is None or self._stopped:
                 break
-            req_id, token = job
-            hit = self._settle(req_id, token)
+            ticket, token, deadline = job
             with self._lock:
-                if req_id in self._wanted:
-                    self._done[req_id] = hit
+                wanted = ticket in self._wanted
+            hit = self._settle(token, deadline, wanted)
+            with self._lock:
+                if ticket in self._wanted:
+                    self._done[ticket] = hit
         if self._client is not None:
             self._client.close()
 
-    def _settle(self, req_id: str, token: bytes) -> Optional[int]:
+    def _settle(self, token: bytes, deadline: float, wanted: bool = True) -> Optional[int]:
+        """The settled hit of hand-off ``token``'s sequence, or None. Not ``wanted`` (or
+        past ``deadline``) it only opens and drops the hand-off, which would otherwise
+        hold the sequence until it expires."""
+        late = time.monotonic() >= deadline
+        if late and wanted:
+            log.warning(
+                "shmkv: tier copies not done in %.0f s; loaded as far as in the pool",
+                SETTLE_TIMEOUT_S,
+            )
         try:
             client = self._client
             if client is None or not client.is_alive():
@@ -569,14 +593,17 @@ class _Settler:
                 )
             handle = client.open(token)
             try:
-                return handle.settle()
+                return handle.settle() if wanted and not late else None
             finally:
                 _release(handle)
-        except Exception as exc:  # noqa: BLE001 - a failed wait is a recomputed load
-            log.warning("shmkv: waiting for the tier copies of %s failed (%s)", req_id, exc)
+        except Exception as exc:  # noqa: BLE001 - a failed wait is a shorter load
+            log.warning("shmkv: waiting for tier copies failed (%s)", exc)
             return None
 
     def close(self) -> None:
+        """Stop after the wait under way (its thread is a daemon: a stuck wait cannot
+        hold up exit); queued waits are dropped."""
+        self._stopped = True
         self._jobs.put(None)
         self._thread.join(1.0)
 
@@ -766,24 +793,28 @@ class ShmkvConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         """Tokens past ``num_computed_tokens`` that shmkv holds for ``request``, in whole vLLM
         blocks, and whether they load asynchronously: True while a tier of this host (host
-        memory, disk) still copies part of them into the pool, False when they are there.
-        None (vLLM asks again later, scheduling others meanwhile) while the shared store
-        is asked for part of the prefix, which it may not have. 0 when the coordinator is
-        gone."""
+        memory, disk) still copies some of the blocks vLLM needs into the pool, False when
+        those are there (or nothing is needed). None (vLLM asks again later, scheduling
+        others meanwhile) while some of them are asked of the shared store, which may not
+        have them. 0 when the coordinator is gone."""
         state = self._reqs.get(request.request_id)
         if state is None:
             state = self._lookup(request)
             if state is None:
                 return 0, False
-        if (
-            state.pending
-            and not state.waiting
-            and not self._take_settled(request.request_id, state)  # (settled by now?)
-            and state.fetching
-        ):
-            return None, False  # the store is asked: the hit is known once it answers
+        if state.pending and not state.waiting:
+            self._take_settled(state)  # (settled by now? then the hit is final)
         num = max(0, state.hit - num_computed_tokens)
-        return num, num > 0 and state.pending
+        # What vLLM is told: synchronous unless a tier still copies blocks it needs;
+        # not known yet (None: vLLM asks again) while some of those are only maybe in
+        # the store.
+        state.told_async = False
+        if num == 0 or not state.pending or state.hit <= state.resident:
+            return num, False
+        if state.hit > state.sure:
+            return None, False
+        state.told_async = True
+        return num, True
 
     def _lookup(self, request) -> Optional[_SchedReq]:
         prompt = list(request.prompt_token_ids or ())
@@ -827,23 +858,25 @@ class ShmkvConnector(KVConnectorBase_V1):
         state = _SchedReq(handle=handle, prompt_tokens=full, hit=hit, cached=cached, saved=cached)
         if settle is not None:  # a tier copies part of the hit in: wait off this thread
             state.pending = True
-            state.fetching = handle.num_fetching_tokens > 0
+            state.resident = handle.num_resident_tokens // bs * bs
+            state.sure = (cached - handle.num_fetching_tokens) // bs * bs
             if self._settler is None:
                 self._settler = _Settler(str(self._address), self._client_name)
-            self._settler.submit(request.request_id, settle)
+            state.ticket = self._settler.submit(settle)
         self._reqs[request.request_id] = state
         return state
 
-    def _take_settled(self, req_id: str, state: _SchedReq) -> bool:
+    def _take_settled(self, state: _SchedReq) -> bool:
         """Whether the tier copies of ``state``'s lookup are done; if so its hit is the
-        settled one (shorter when a block did not arrive, 0 when the wait failed)."""
+        settled one (shorter when a block did not arrive; what was in the pool when the
+        wait failed)."""
         assert self._settler is not None  # (made by the lookup that set pending)
-        done, cached = self._settler.take(req_id)
+        done, cached = self._settler.take(state.ticket)
         if not done:
             return False
         state.pending = False
         if cached is None:
-            state.hit = 0
+            state.hit = min(state.hit, state.resident)
         else:
             state.hit = min(state.hit, cached // self._block_size * self._block_size)
             state.cached = cached
@@ -860,7 +893,7 @@ class ShmkvConnector(KVConnectorBase_V1):
             state.load = (state.hit - num_external_tokens, state.hit)
             # vLLM was told the load is asynchronous: the request waits for the workers
             # to report it received (build_connector_meta hands it over once settled)
-            state.waiting = state.pending
+            state.waiting = state.pending and state.told_async
             if state.waiting:
                 self._waiting[request.request_id] = state
         else:
@@ -872,7 +905,7 @@ class ShmkvConnector(KVConnectorBase_V1):
         self._closed, self._recv_dropped = [], []
         self._log_refused()
         for req_id, waiting in list(self._waiting.items()):
-            if self._take_settled(req_id, waiting):
+            if self._take_settled(waiting):
                 del self._waiting[req_id]
                 meta.requests.append(self._received(req_id, waiting))
         computed: Dict[str, int] = {}
@@ -896,7 +929,9 @@ class ShmkvConnector(KVConnectorBase_V1):
             state = self._reqs[req_id]
             after = before + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             end = min(after, state.prompt_tokens) // self._block_size * self._block_size
-            save = (state.saved, end) if end > state.saved else (0, 0)
+            if state.pending:  # saves start where the settled hit ends: none before it
+                self._take_settled(state)
+            save = (state.saved, end) if end > state.saved and not state.pending else (0, 0)
             load = state.load
             if save == (0, 0) and load == (0, 0):
                 if not state.exported and state.saved >= state.prompt_tokens:
@@ -947,6 +982,9 @@ class ShmkvConnector(KVConnectorBase_V1):
         state = self._reqs.pop(req_id, None)
         if state is None:
             return
+        if state.pending:  # its wait's answer, when it comes, goes to no one
+            assert self._settler is not None  # (made by the lookup that set pending)
+            self._settler.forget(state.ticket)
         _release(state.handle)
         if tell_workers and state.exported:
             self._closed.append(req_id)
@@ -956,13 +994,10 @@ class ShmkvConnector(KVConnectorBase_V1):
         blocks (:meth:`wait_for_save` is synchronous), so vLLM may free the blocks now (an
         asynchronous load not handed over yet is reported received, with nothing copied,
         in the next step: vLLM frees its blocks then)."""
-        state = self._reqs.get(request.request_id)
-        if state is not None and state.pending:
-            assert self._settler is not None  # (made by the lookup that set pending)
-            self._settler.forget(request.request_id)
-            if self._waiting.pop(request.request_id, None) is not None:
-                # vLLM holds its blocks until the workers report it received
-                self._recv_dropped.append(request.request_id)
+        if self._waiting.pop(request.request_id, None) is not None:
+            # an asynchronous load not handed over: vLLM holds its blocks until the
+            # workers report it received
+            self._recv_dropped.append(request.request_id)
         self._finish(request.request_id, tell_workers=True)
         return False, None
 
