@@ -106,6 +106,72 @@ def evict_all(client) -> None:
     h.close()
 
 
+def in_tier_only(client, *prompts) -> None:
+    """Write and commit each prompt, let the tiers take them, and push them out of the
+    pool: their blocks are in a lower tier only."""
+    for prompt in prompts:
+        write_prompt(client, prompt)
+    wait_idle(client)
+    evict_all(client)
+    wait_idle(client)
+
+
+def damage_block(path, prompt, index: int) -> None:
+    """Flip a payload byte of block ``index`` of ``prompt`` (unsalted) in the disk tier
+    at ``path``."""
+    from shmkv import hashing
+
+    key = hashing.block_keys(prompt, BS, hashing.root_key())[index]
+    file = path / "blocks" / (key.hex() + ".kv")
+    data = bytearray(file.read_bytes())
+    data[-5] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+class RawConnection:
+    """A connection that speaks the wire protocol by hand (requests pipelined in one
+    write, a connection closed with requests unanswered): hello on open, answers
+    collected by request id."""
+
+    def __init__(self, address: str):
+        import socket
+
+        from shmkv import protocol
+
+        self._protocol = protocol
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(20)
+        self.sock.connect(address)
+        self._decoder = protocol.FrameDecoder(1 << 24)
+        self._next = 0  # the next request's id
+        self.answers: dict = {}
+        self.send(("hello", {"version": protocol.PROTOCOL_VERSION}))
+
+    def send(self, *requests) -> None:
+        """``(op, args)`` pairs, numbered on from the last, in one write."""
+        frames = [
+            self._protocol.encode_request(self._next + i, op, args)
+            for i, (op, args) in enumerate(requests)
+        ]
+        self._next += len(frames)
+        self.sock.sendall(b"".join(frames))
+
+    def wait(self, count: int) -> dict:
+        """The answers once ``count`` have come (the hello's is number 0)."""
+        deadline = time.monotonic() + 20
+        while len(self.answers) < count:
+            assert time.monotonic() < deadline, f"answers so far: {sorted(self.answers)}"
+            data = self.sock.recv(1 << 16)  # (the hello's descriptors are dropped)
+            assert data, "the coordinator closed the connection"
+            for obj in self._decoder.feed(data):
+                response = self._protocol.parse_response(obj)
+                self.answers[response.request_id] = response.unwrap()
+        return self.answers
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 def tier(st, name) -> dict:
     return next(t for t in st["tiers"] if t["tier"] == name)
 
@@ -395,9 +461,8 @@ def test_pipelined_requests_that_each_need_a_promotion_are_all_answered(
     second is held until the first's copies are in, and needs copies of its own: they
     start in the very next turn, not when something else wakes the loop (here it would
     sleep a minute)."""
-    import socket
-
-    from shmkv import coordinator as coordinator_mod, protocol
+    from shmkv import coordinator as coordinator_mod
+    from shmkv.protocol import pack_i64s
 
     monkeypatch.setattr(coordinator_mod, "_MAX_WAIT_S", 60.0)
     cfg = make_config(num_blocks=8)
@@ -408,39 +473,18 @@ def test_pipelined_requests_that_each_need_a_promotion_are_all_answered(
         ) as coord,
         shmkv.connect(coord.address, timeout=20) as client,
     ):
-        for prompt in (p, q):
-            write_prompt(client, prompt)
-        wait_idle(client)
-        evict_all(client)
-        wait_idle(client)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(20)
+        in_tier_only(client, p, q)
+        raw = RawConnection(coord.address)
         try:
-            sock.connect(coord.address)
-            sock.sendall(
-                protocol.encode_request(0, "hello", {"version": protocol.PROTOCOL_VERSION})
-            )
-            sock.sendall(
-                b"".join(
-                    protocol.encode_request(
-                        i + 1,
-                        "allocate_many",
-                        {"requests": [{"num_tokens": 0, "prompt": protocol.pack_i64s(prompt)}]},
-                    )
-                    for i, prompt in enumerate((p, q))
+            raw.send(
+                *(
+                    ("allocate_many", {"requests": [{"num_tokens": 0, "prompt": pack_i64s(x)}]})
+                    for x in (p, q)
                 )
             )
-            decoder, answers = protocol.FrameDecoder(1 << 24), {}
-            deadline = time.monotonic() + 20
-            while len(answers) < 3:
-                assert time.monotonic() < deadline, f"answers so far: {sorted(answers)}"
-                data = sock.recv(1 << 16)  # (the hello's descriptors are dropped)
-                assert data, "the coordinator closed the connection"
-                for obj in decoder.feed(data):
-                    response = protocol.parse_response(obj)
-                    answers[response.request_id] = response.unwrap()
+            answers = raw.wait(3)
         finally:
-            sock.close()
+            raw.close()
         assert answers[1][0]["num_cached"] == len(p)
         assert answers[2][0]["num_cached"] == len(q)
         assert tier(client.stats(), "host")["promotions"] >= 4
@@ -463,10 +507,7 @@ def test_an_early_answer_leaves_the_connection_free_and_settle_waits_for_the_byt
         shmkv.connect(coord.address, timeout=20) as client,
         shmkv.connect(coord.address, timeout=20) as other,
     ):
-        write_prompt(client, prompt)
-        wait_idle(client)
-        evict_all(client)
-        wait_idle(client)
+        in_tier_only(client, prompt)
         h = client.allocate(prompt=prompt, wait=False)
         assert h.num_cached_tokens == len(prompt)
         assert h.num_promoting_tokens == len(prompt)
@@ -493,42 +534,21 @@ def test_an_early_answer_leaves_the_connection_free_and_settle_waits_for_the_byt
         # closed socket, the sequence's references dropped, the pool whole.
         evict_all(other)
         wait_idle(other)
-        import socket
+        from shmkv.protocol import pack_i64s
 
-        from shmkv import protocol
-
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(20)
+        raw = RawConnection(coord.address)
         try:
-            sock.connect(coord.address)
-            sock.sendall(
-                protocol.encode_request(0, "hello", {"version": protocol.PROTOCOL_VERSION})
-                + protocol.encode_request(
-                    1,
-                    "allocate_many",
-                    {
-                        "requests": [{"num_tokens": 0, "prompt": protocol.pack_i64s(prompt)}],
-                        "early": True,
-                    },
-                )
-            )
-            decoder, answers = protocol.FrameDecoder(1 << 24), {}
-            while 1 not in answers:
-                data = sock.recv(1 << 16)
-                assert data, "the coordinator closed the connection"
-                for obj in decoder.feed(data):
-                    response = protocol.parse_response(obj)
-                    answers[response.request_id] = response.unwrap()
-            assert answers[1][0]["promoting"] == 2
-            sock.sendall(
-                protocol.encode_request(2, "settle", {"cache_id": answers[1][0]["cache_id"]})
-            )
+            request = {"num_tokens": 0, "prompt": pack_i64s(prompt)}
+            raw.send(("allocate_many", {"requests": [request], "early": True}))
+            [info] = raw.wait(2)[1]
+            assert info["promoting"] == 2
+            raw.send(("settle", {"cache_id": info["cache_id"]}))
             deadline = time.monotonic() + 20
             while not coord._settle_waiters:
                 assert time.monotonic() < deadline, "the settle never arrived"
                 time.sleep(0.01)
         finally:
-            sock.close()
+            raw.close()
         wait_idle(client)
         assert coord._promoting == {} and coord._settle_waiters == {}
         coord.table.check_invariants()
@@ -544,20 +564,8 @@ def test_settle_reports_the_shorter_hit_when_a_promoted_block_is_damaged(tmp_pat
         ) as coord,
         shmkv.connect(coord.address, timeout=20) as client,
     ):
-        write_prompt(client, prompt)
-        wait_idle(client)
-        evict_all(client)
-        wait_idle(client)
-        from shmkv import hashing
-
-        second = (
-            tmp_path
-            / "blocks"
-            / (hashing.block_keys(prompt, BS, hashing.root_key())[1].hex() + ".kv")
-        )
-        data = bytearray(second.read_bytes())
-        data[-5] ^= 0xFF  # payload damaged
-        second.write_bytes(bytes(data))
+        in_tier_only(client, prompt)
+        damage_block(tmp_path, prompt, 1)
         h = client.allocate(prompt=prompt, wait=False)
         assert (h.num_cached_tokens, h.num_promoting_tokens) == (len(prompt), len(prompt))
         assert h.settle() == BS == h.num_cached_tokens  # the first block only
@@ -585,20 +593,8 @@ def test_a_commit_after_an_early_promotion_came_up_short_publishes_nothing_past_
         shmkv.connect(coord.address, timeout=20) as client,
         shmkv.connect(coord.address, timeout=20) as other,
     ):
-        write_prompt(client, prompt[: 3 * BS])
-        wait_idle(client)
-        evict_all(client)
-        wait_idle(client)
-        from shmkv import hashing
-
-        second = (
-            tmp_path
-            / "blocks"
-            / (hashing.block_keys(prompt, BS, hashing.root_key())[1].hex() + ".kv")
-        )
-        data = bytearray(second.read_bytes())
-        data[-5] ^= 0xFF  # payload damaged
-        second.write_bytes(bytes(data))
+        in_tier_only(client, prompt[: 3 * BS])
+        damage_block(tmp_path, prompt, 1)
         h = client.allocate(prompt=prompt, wait=False)
         assert h.num_cached_tokens == 3 * BS
         deadline = time.monotonic() + 20
@@ -641,10 +637,7 @@ def test_an_older_coordinator_is_asked_to_wait(unique_name, monkeypatch):
         shmkv.connect(coord.address, timeout=20) as client,
     ):
         assert "settle" not in client.features
-        write_prompt(client, prompt)
-        wait_idle(client)
-        evict_all(client)
-        wait_idle(client)
+        in_tier_only(client, prompt)
         h = client.allocate(prompt=prompt, wait=False)
         assert (h.num_cached_tokens, h.num_promoting_tokens) == (len(prompt), 0)
         assert client.stats()["tier_io"]["promotions_in_flight"] == 0  # it waited

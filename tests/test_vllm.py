@@ -1118,8 +1118,12 @@ def test_a_coordinator_lost_within_a_step_fails_the_load_it_promised(
     worker.shutdown()
 
 
-def coord_promotions(client) -> int:
-    return client.stats()["tier_io"]["promotions_in_flight"]
+def _until(cond, what: str, timeout: float = 10.0) -> None:
+    """Wait for ``cond()`` to hold (at most ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
 
 
 def _gated_host_tier(monkeypatch):
@@ -1243,10 +1247,7 @@ def test_a_prefix_coming_up_from_a_tier_loads_asynchronously(
         w.wait_for_save()
         sched.shutdown()
         w.shutdown()
-        deadline = time.monotonic() + 10
-        while client.stats()["sequences"] != before:
-            assert time.monotonic() < deadline, "references left held"
-            time.sleep(0.01)
+        _until(lambda: client.stats()["sequences"] == before, "references left held")
         assert coord._promoting == {} and coord._settle_waiters == {}
         coord.table.check_invariants()
 
@@ -1305,12 +1306,12 @@ def test_what_vllm_is_told_while_a_tier_copies_and_a_lookup_again_gets_its_own_a
         sched.build_connector_meta(out)
         assert "a" not in sched._reqs  # shmkv holds it all, nothing to save: dropped
         gate.set()
-        deadline = time.monotonic() + 10
         # the copies done and the waits' own references dropped: only the scheduler's
         # two lookups left (covered, exact), so `again`'s blocks can leave the pool
-        while client.stats()["sequences"] != base + 2 or coord._promoting:
-            assert time.monotonic() < deadline, "the waits never ended"
-            time.sleep(0.01)
+        _until(
+            lambda: client.stats()["sequences"] == base + 2 and not coord._promoting,
+            "the waits never ended",
+        )
         wait_idle(client)
         gate.clear()
         _in_host_tier(client, connector, namespace, [], torch.Generator())  # out again
@@ -1322,10 +1323,7 @@ def test_what_vllm_is_told_while_a_tier_copies_and_a_lookup_again_gets_its_own_a
         for req in (covered, exact, again):
             sched.request_finished(req, [])
         first.close()
-        deadline = time.monotonic() + 10
-        while sched._settler._wanted or sched._settler._done:
-            assert time.monotonic() < deadline, "a wait's answer stayed"
-            time.sleep(0.01)
+        _until(lambda: not (sched._settler._wanted or sched._settler._done), "an answer stayed")
         # a wait whose time is over gives up at once: it only drops its hand-off
         wait_idle(client)
         gate.clear()
@@ -1339,12 +1337,9 @@ def test_what_vllm_is_told_while_a_tier_copies_and_a_lookup_again_gets_its_own_a
         assert h.num_promoting_tokens == 2 * BLOCK
         settler = connector._Settler(client.address, "late")
         assert settler._settle(h.export(ttl=30), time.monotonic() - 1) is None  # no wait
-        assert coord_promotions(client) == 1
+        assert len(coord._promoting) == 1  # (still copying: the wait did not wait)
         gate.set()
         h.close()
         settler.close()
-        deadline = time.monotonic() + 10
-        while client.stats()["sequences"] != held:
-            assert time.monotonic() < deadline, "the late wait's hand-off stayed open"
-            time.sleep(0.01)
+        _until(lambda: client.stats()["sequences"] == held, "the late wait's hand-off stayed open")
         sched.shutdown()
