@@ -240,8 +240,11 @@ def connector_config(
 
 
 def __getattr__(name: str):
-    """``FaultyShmkvConnector``, made on first use: importing this module (as the tests
-    do) does not import vLLM; the engine child imports it when vLLM loads the class."""
+    """``FaultyShmkvConnector`` and ``NullHitConnector``, made on first use: importing
+    this module (as the tests do) does not import vLLM; the engine child imports it when
+    vLLM loads the class."""
+    if name == "NullHitConnector":
+        return _null_hit_connector()
     if name != "FaultyShmkvConnector":
         raise AttributeError(name)
     from shmkv.integrations.vllm import ShmkvConnector
@@ -261,3 +264,44 @@ def __getattr__(name: str):
 
     globals()[name] = FaultyShmkvConnector
     return FaultyShmkvConnector
+
+
+def _null_hit_connector():
+    """A connector that claims every prompt's full blocks short of its last token as an
+    external hit and loads nothing (vLLM computes the rest over whatever its blocks
+    hold): what an external hit costs vLLM itself, whoever supplies the K/V. For timing
+    only (``shmkv bench --only vllm``); its outputs are meaningless."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+    )
+
+    class NullHitConnector(KVConnectorBase_V1):
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            n = len(request.prompt_token_ids or ())
+            hit = (n - 1) // BLOCK * BLOCK
+            return max(0, hit - num_computed_tokens), False
+
+        def update_state_after_alloc(self, request, blocks, num_external_tokens):
+            return None
+
+        def build_connector_meta(self, scheduler_output):
+            return KVConnectorMetadata()
+
+        def start_load_kv(self, forward_context, **kwargs):
+            return None
+
+        def wait_for_layer_load(self, layer_name):
+            return None
+
+        def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+            return None
+
+        def wait_for_save(self):
+            return None
+
+        def request_finished(self, request, block_ids):
+            return False, None
+
+    globals()["NullHitConnector"] = NullHitConnector
+    return NullHitConnector

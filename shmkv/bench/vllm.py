@@ -19,6 +19,9 @@ token), in the same run:
 * Throughput of 8 concurrent 1k-token requests with no hits (32 tokens out each), an
   engine with ``ShmkvConnector`` (its saves included) against one without a connector.
 
+* (e): an engine whose connector claims the same hit and loads nothing, vLLM's own
+  cost of an external hit (the floor under (c) and (d)).
+
 Only one engine works at a time; the others wait idle. Writes
 ``benchmarks/results/vllm.json``, ``vllm.md`` and ``benchmarks/plots/vllm-ttft.png``
 (``vllm-quick`` with ``--quick`` from ``shmkv bench``; ``--out`` names another). Needs
@@ -118,6 +121,13 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
         "shmkv3": ve.connector_config(coord.address, **{"shmkv.layerwise": True}),
         "example1": example,
         "example2": example,
+        # (e): a connector that claims the hit and loads nothing: vLLM's own cost of an
+        # external hit, the floor under any connector's
+        "null": dict(
+            kv_connector="NullHitConnector",
+            kv_connector_module_path="vllm_engine",
+            kv_role="kv_both",
+        ),
     }
     engines: Dict[str, Any] = {}
     t0 = time.monotonic()
@@ -138,6 +148,7 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
                 "recompute": [],
                 "vllm_hit": [],
                 "vllm_hit_hot": [],
+                "null_hit": [],
                 "shmkv_hit": [],
                 "example_hit": [],
                 "layerwise_hit": [],
@@ -149,7 +160,16 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
             # (the first 5-10 shmkv hits at 4k took 33-54 ms, the rest 28), and the
             # recompute ahead of (b) would warm only the plain engine.
             w = ve.prompt(90000 + n, n)
-            for key in ("plain", "plain", "shmkv1", "shmkv2", "shmkv3", "example1", "example2"):
+            for key in (
+                "plain",
+                "plain",
+                "shmkv1",
+                "shmkv2",
+                "shmkv3",
+                "example1",
+                "example2",
+                "null",
+            ):
                 engines[key].generate([w], 1, 300)
             for _ in range(reps):
                 seed += 1
@@ -175,6 +195,7 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
                 out = engines["example2"].call("generate", ([p], 1), 300)
                 rec["example_hit"].append(out["wall"])
                 rec["example_cached"].append(out["outputs"][0]["num_cached_tokens"])
+                rec["null_hit"].append(ttft(engines["null"], p))
             row: Dict[str, Any] = {
                 "tokens": n,
                 **{k: median(v) for k, v in rec.items()},
@@ -266,7 +287,9 @@ def markdown(r: Dict[str, Any], name: str = NAME) -> str:
             "(d) ExampleConnector hit",
             "(c') shmkv hit, layerwise loads",
             "(b') vLLM hit right after its recompute",
+            "(e) external hit, nothing loaded",
             "(c)/(b)",
+            "(e)/(b)",
             "(c)/(b')",
             "(a)/(c)",
             "(d)/(c)",
@@ -283,7 +306,9 @@ def markdown(r: Dict[str, Any], name: str = NAME) -> str:
                 f"{d:.1f} ms ({row['example_cached']:.0f} cached)",
                 f"{row['layerwise_hit'] * 1e3:.1f} ms" if "layerwise_hit" in row else "-",
                 f"{row['vllm_hit_hot'] * 1e3:.1f} ms" if "vllm_hit_hot" in row else "-",
+                f"{row['null_hit'] * 1e3:.1f} ms" if "null_hit" in row else "-",
                 f"{c / b:.2f}",
+                f"{row['null_hit'] * 1e3 / b:.2f}" if "null_hit" in row else "-",
                 f"{c / (row['vllm_hit_hot'] * 1e3):.2f}" if "vllm_hit_hot" in row else "-",
                 f"{a / c:.2f}x",
                 f"{d / c:.2f}x",
@@ -305,7 +330,9 @@ def markdown(r: Dict[str, Any], name: str = NAME) -> str:
         "stores a round's prompt before any of its hits is timed, so each timed hit meets an "
         "engine that sat idle while others computed; (b') is the same engine's hit timed "
         "right after its own recompute of the prompt (threads awake, caches hot), the "
-        "method of runs before 2026-12-04.",
+        "method of runs before 2026-12-04. (e) is an engine whose connector claims the "
+        "same hit and loads nothing (`NullHitConnector` of `tests/vllm_engine.py`): what "
+        "an external hit costs vLLM itself, the floor under (c) and (d).",
         "",
         markdown_table(rows),
     ]
@@ -344,7 +371,7 @@ def markdown(r: Dict[str, Any], name: str = NAME) -> str:
             ]
         ),
         "",
-        f"Raw figures: [{name}.json]({name}.json). Engine start-up (5 engines at once): "
+        f"Raw figures: [{name}.json]({name}.json). Engine start-up (all engines at once): "
         f"{r['engine_startup_s']:.0f} s.",
     ]
     return "\n".join(lines) + "\n"
