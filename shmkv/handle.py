@@ -577,15 +577,30 @@ class KvCacheHandle:
         )
 
     @overload
-    def commit(self, num_tokens: Optional[int] = None, wait: Literal[True] = True) -> int: ...
+    def commit(
+        self,
+        num_tokens: Optional[int] = None,
+        wait: Literal[True] = True,
+        start: Optional[int] = None,
+    ) -> int: ...
 
     @overload
-    def commit(self, num_tokens: Optional[int] = None, *, wait: Literal[False]) -> None: ...
+    def commit(
+        self,
+        num_tokens: Optional[int] = None,
+        *,
+        wait: Literal[False],
+        start: Optional[int] = None,
+    ) -> None: ...
 
     @overload
-    def commit(self, num_tokens: Optional[int], wait: Literal[False]) -> None: ...
+    def commit(
+        self, num_tokens: Optional[int], wait: Literal[False], start: Optional[int] = None
+    ) -> None: ...
 
-    def commit(self, num_tokens: Optional[int] = None, wait: bool = True) -> Optional[int]:
+    def commit(
+        self, num_tokens: Optional[int] = None, wait: bool = True, start: Optional[int] = None
+    ) -> Optional[int]:
         """Declare the first ``num_tokens`` (default: all) slots fully written by this
         client (its rank, under tensor parallelism). Full blocks with known token ids
         become prefix-cache hits for other requests once every rank has committed.
@@ -595,17 +610,21 @@ class KvCacheHandle:
         nothing to do with the answer): returns None; the coordinator serves it before
         this client's next request, and a refusal is kept for
         :meth:`~shmkv.client.Client.flush` and :meth:`~shmkv.client.Client.posted_errors`.
+
+        ``start``: where this client's writes began. After an allocation answered early
+        (``wait=False``) whose promotion came up short, nothing from the first block that
+        did not arrive on is published until a commit says it wrote from there (or
+        before): write from what :meth:`settle` returns, and pass it here.
         """
         self._check_open()
         n = self.num_tokens if num_tokens is None else num_tokens
+        args: dict = dict(cache_id=self._cache_id, num_tokens=n, tp_rank=self._client.tp_rank)
+        if start is not None and "settle" in self._client.features:
+            args["start"] = start
         if not wait:
-            self._client._post(
-                "commit", cache_id=self._cache_id, num_tokens=n, tp_rank=self._client.tp_rank
-            )
+            self._client._post("commit", **args)
             return None
-        return self._client.request(
-            "commit", cache_id=self._cache_id, num_tokens=n, tp_rank=self._client.tp_rank
-        )
+        return self._client.request("commit", **args)
 
     def clone_handle(self) -> "KvCacheHandle":
         """A new reference to the same sequence (no copy)."""

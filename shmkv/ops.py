@@ -148,9 +148,9 @@ class Ops:
                 f"own shard, not tp_rank={tp_rank}"
             )
 
-    def _op_commit(self, conn, cache_id, num_tokens, tp_rank=None):
+    def _op_commit(self, conn, cache_id, num_tokens, tp_rank=None, start=None):
         self._check_rank(conn, tp_rank)
-        return self.table.commit(conn.conn_id, cache_id, num_tokens, tp_rank)
+        return self.table.commit(conn.conn_id, cache_id, num_tokens, tp_rank, start)
 
     def _op_prepare_write(self, conn, cache_id, start, num_tokens):
         return self.table.prepare_write(conn.conn_id, cache_id, start, num_tokens)

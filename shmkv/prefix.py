@@ -271,38 +271,21 @@ class Prefix(Handoffs):
             tokens = lost * self.block_size
             self._count_hits(record.client, -lost, lost, -tokens, tokens)
             if "promoting" in record.info:
-                self._withhold_keys(seq)
+                # Answered early (``wait=False``): its holders were told of a longer hit
+                # and may have written from there on, never into the blocks that did not
+                # arrive. Nothing from the first of them on is published until every rank
+                # has committed a write that starts at or before it (``_commit``).
+                first_lost = seq.num_committed
+                if seq.gap is not None:
+                    first_lost = min(first_lost, seq.gap[0])
+                seq.gap = (first_lost, set(range(self.tp_size)))
         pool.decref(reversed(record.blocks))
         return num_ok
 
-    def _withhold_keys(self, seq: Sequence) -> None:
-        """An early-answered (``wait=False``) promotion of ``seq`` came up short. Its
-        holders were told of a longer hit and may write and commit from there on, never
-        into the blocks that did not arrive: until one of them learns the hit as it is
-        (:meth:`settled`), nothing from the first of those blocks on is published. (New
-        lists: the tiers' pending writes keep the old ones.)"""
-        if seq.keys is None:
-            return
-        if seq.withheld is None:
-            seq.withheld = (seq.keys, seq.keys_open, seq.tail_tokens, seq.num_tokens)
-        seq.keys = seq.keys[: seq.num_committed]
-        seq.keys_open, seq.tail_tokens = False, []
-        self._keys_open_np[seq.slot] = False
-
     def settled(self, conn_id: int, cache_id: int) -> int:
-        """A holder of ``cache_id`` learns its hit once its early promotions have ended
-        (the ``settle`` answer): publishing past a short one resumes, as that holder
-        now writes from the hit as it is, and commits made before count only up to the
-        hit (they may cover blocks nobody wrote); unless the sequence grew meanwhile (its
-        keys would then miss the new tokens: it stays closed). Returns ``num_cached``."""
-        seq = self._held(conn_id, cache_id)
-        withheld, seq.withheld = seq.withheld, None
-        if withheld is not None and withheld[3] == seq.num_tokens:
-            seq.keys, seq.keys_open, seq.tail_tokens = withheld[:3]
-            self._keys_open_np[seq.slot] = seq.keys_open
-            # what was committed before anyone knew the hit counts no further than it
-            seq.rank_tokens = [min(n, seq.num_cached) for n in seq.rank_tokens]
-        return seq.num_cached
+        """The hit of held sequence ``cache_id`` once its early promotions have ended
+        (the ``settle`` answer)."""
+        return self._held(conn_id, cache_id).num_cached
 
     def allocate_counts(self, conn_id: int, counts: Seq[int]) -> tuple:
         """Allocate one plain sequence (no prompt) per count, all or none: the fast form
@@ -381,20 +364,31 @@ class Prefix(Handoffs):
         seq.tail_tokens = tail[len(new_keys) * self.block_size :]
 
     def commit(
-        self, conn_id: int, cache_id: int, num_tokens: int, tp_rank: Optional[int] = None
+        self,
+        conn_id: int,
+        cache_id: int,
+        num_tokens: int,
+        tp_rank: Optional[int] = None,
+        start: Optional[int] = None,
     ) -> int:
         """Declare the first ``num_tokens`` slots fully written (by ``tp_rank``, or all ranks).
 
         Full blocks with known token ids become prefix-cache hits once every rank has
-        committed them. Returns how many leading blocks are published now.
+        committed them. ``start``: where this commit's writes began (the hit it wrote
+        after), which a sequence whose early-answered promotion came up short needs
+        (see :meth:`finish_promotion`). Returns how many leading blocks are published now.
         """
         seq = self._held(conn_id, cache_id)
         _check_count("num_tokens", num_tokens)
+        if start is not None:
+            _check_count("start", start)
         if num_tokens > seq.num_tokens:
             raise OutOfRange(f"commit of {num_tokens} tokens, only {seq.num_tokens} reserved")
-        return self._commit(seq, num_tokens, tp_rank)
+        return self._commit(seq, num_tokens, tp_rank, start)
 
-    def _commit(self, seq: Sequence, num_tokens: int, tp_rank: Optional[int]) -> int:
+    def _commit(
+        self, seq: Sequence, num_tokens: int, tp_rank: Optional[int], start: Optional[int] = None
+    ) -> int:
         ranks: Seq[int]
         if tp_rank is None:
             ranks = range(self.tp_size)
@@ -408,9 +402,16 @@ class Prefix(Handoffs):
             ranks = (tp_rank,)
         for rank in ranks:
             seq.rank_tokens[rank] = max(seq.rank_tokens[rank], num_tokens)
+        gap = seq.gap
+        if gap is not None and start is not None and start <= gap[0] * self.block_size:
+            gap[1].difference_update(ranks)  # these ranks wrote the blocks that were lost
+            if not gap[1]:
+                seq.gap = gap = None
         if not seq.keys:
             return seq.num_committed
         ready = min(min(seq.rank_tokens) // self.block_size, len(seq.keys))
+        if gap is not None:  # nobody has written the lost blocks (of every rank) yet
+            ready = min(ready, gap[0])
         for index in range(seq.num_committed, ready):
             if self.pool.publish(seq.block_ids[index], seq.keys[index]):
                 self.counters["published_blocks"] += 1

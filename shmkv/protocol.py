@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # (annotations only: the protocol imports no numpy)
 PROTOCOL_VERSION = 2  # 2: an allocation's prompt comes with its block keys
 # Additions to version 2 a client may use only with a coordinator whose hello lists them
 # (an older one closes the connection on an unknown argument or op): "settle", an
-# ``allocate_many`` answered ``early`` and the ``settle`` op.
+# ``allocate_many`` answered ``early``, the ``settle`` op and ``commit``'s ``start``.
 FEATURES = ("settle",)
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
 _HEADER = struct.Struct(">I")
@@ -105,7 +105,12 @@ OPS = {
     },
     "extend": {"cache_id": ("int", True), "num_tokens": ("int", True), "tokens": ("ints", False)},
     "extend_many": {"items": ("list", True)},
-    "commit": {"cache_id": ("int", True), "num_tokens": ("int", True), "tp_rank": ("int", False)},
+    "commit": {
+        "cache_id": ("int", True),
+        "num_tokens": ("int", True),
+        "tp_rank": ("int", False),
+        "start": ("int", False),
+    },
     "prepare_write": {
         "cache_id": ("int", True),
         "start": ("int", True),

@@ -19,7 +19,7 @@ Pure: no torch, no sockets, no I/O.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence as Seq, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence as Seq, Set, Tuple, Union
 
 import numpy as np
 
@@ -61,7 +61,7 @@ class Sequence:
         "num_cached",
         "request_id",
         "slot",
-        "withheld",
+        "gap",
     )
 
     def __init__(
@@ -84,8 +84,9 @@ class Sequence:
         self.num_cached = 0  # tokens reused from the prefix cache at allocate
         self.request_id = request_id  # None: the default, format_cache_id(cache_id)
         self.slot = -1  # row in the shared tables
-        # (keys, keys_open, tail_tokens, num_tokens) kept back by Prefix._withhold_keys
-        self.withheld: Optional[tuple] = None
+        # (first block lost, ranks yet to write from there) after an early-answered
+        # promotion came up short (Prefix.finish_promotion, Prefix._commit)
+        self.gap: Optional[Tuple[int, Set[int]]] = None
 
     def info(self) -> dict:
         return {

@@ -582,8 +582,9 @@ def test_a_commit_after_an_early_promotion_came_up_short_publishes_nothing_past_
     """Answered early, a client may write from the promised hit on and commit without
     settling. The promotion then ends short (a damaged file): the blocks that did not
     arrive hold nobody's bytes, so none of them, nor any block after them, is published
-    (another client hits only the first block, with the written bytes) until the client
-    has settled and written from the hit as it is."""
+    (another client hits only the first block, with the written bytes), whoever commits
+    what, until a commit says it wrote from the first lost block (or before): the client
+    that settled and wrote from the hit as it is."""
     cfg = make_config(num_blocks=8)
     prompt = prompts_of(1, 3)[0] + [7, 8]  # 3 full blocks and 2 tokens
     with (
@@ -604,18 +605,20 @@ def test_a_commit_after_an_early_promotion_came_up_short_publishes_nothing_past_
         for layer in range(h.num_layers):
             k, v = token_kv(prompt, layer, h.num_heads, h.head_dim)
             h.write(layer, k[3 * BS :].contiguous(), v[3 * BS :].contiguous(), start=3 * BS)
-        h.commit()  # not settled: it believes the promised hit
+        h.commit(start=3 * BS)  # not settled: it believes the promised hit
         wait_idle(client)
         assert read_prompt(other, prompt) == (BS, True)
-        # Settled: it knows the hit now. What it committed before counts no further than
-        # the hit; once it has written from there, its blocks are published.
+        # another holder, opened from a hand-off, that wrote from the same promise
+        with other.open(h.export(ttl=30)) as opened:
+            opened.commit(start=3 * BS)
         assert h.settle() == BS
-        h.commit(BS)  # (true: the hit is in)
+        h.commit()  # (says nothing of where it wrote from)
         assert read_prompt(other, prompt) == (BS, True)
+        # Settled: it writes from the hit as it is, and says so; its blocks are published.
         for layer in range(h.num_layers):
             k, v = token_kv(prompt, layer, h.num_heads, h.head_dim)
             h.write(layer, k[BS:].contiguous(), v[BS:].contiguous(), start=BS)
-        h.commit()
+        h.commit(start=BS)
         assert read_prompt(other, prompt) == (3 * BS, True)
         h.close()
         coord.table.check_invariants()

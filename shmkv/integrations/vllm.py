@@ -1299,7 +1299,7 @@ class ShmkvConnector(KVConnectorBase_V1):
                 self._copy_layer(client.pool, layer, runs, load=False)
             # Not waited for: the bytes are in the pool now (vLLM may reuse its blocks),
             # and a refused commit is only a later miss (logged by wait_for_save).
-            handle.commit(end, wait=False)
+            handle.commit(end, wait=False, start=start)
         except Exception as exc:  # noqa: BLE001 - a failed save is a later miss
             log.warning("shmkv: save of %s failed (%s); not cached", item.req_id, exc)
             self._close(item.req_id)
