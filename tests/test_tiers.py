@@ -624,6 +624,40 @@ def test_a_commit_after_an_early_promotion_came_up_short_publishes_nothing_past_
         coord.table.check_invariants()
 
 
+def test_under_tensor_parallelism_every_rank_must_commit_from_the_lost_block(tmp_path, unique_name):
+    """A short early promotion in a pool of 2 head shards: the blocks past the lost one
+    are published only once both ranks committed with ``start`` at or before it."""
+    cfg = make_config(num_blocks=8, num_kv_heads=4, tp_size=2)
+    prompt = prompts_of(1, 3)[0]
+    with (
+        shmkv.Coordinator(
+            cfg, name=unique_name, tiers=[shmkv.DiskTier(tmp_path, 1 << 20)]
+        ) as coord,
+        shmkv.connect(coord.address, timeout=20) as full,
+        shmkv.connect(coord.address, tp_rank=0, tp_size=2, timeout=20) as r0,
+        shmkv.connect(coord.address, tp_rank=1, tp_size=2, timeout=20) as r1,
+    ):
+        in_tier_only(full, prompt)
+        damage_block(tmp_path, prompt, 1)
+        h0 = r0.allocate(prompt=prompt, wait=False)
+        assert h0.num_cached_tokens == 3 * BS
+        h1 = r1.open(h0.export(ttl=30))
+        assert h0.settle() == BS
+        for layer in range(2):  # each rank writes its shard from the hit as it is
+            k, v = token_kv(prompt, layer, 4, 8)
+            h0.write(layer, k[BS:, :2].contiguous(), v[BS:, :2].contiguous(), start=BS)
+            h1.write(layer, k[BS:, 2:].contiguous(), v[BS:, 2:].contiguous(), start=BS)
+        h0.commit(start=BS)
+        assert read_prompt(full, prompt) == (BS, True)  # rank 1 has not said so yet
+        h1.commit()  # (nor here: no start)
+        assert read_prompt(full, prompt) == (BS, True)
+        h1.commit(start=BS)
+        assert read_prompt(full, prompt) == (3 * BS, True)
+        h0.close()
+        h1.close()
+        coord.table.check_invariants()
+
+
 def test_an_older_coordinator_is_asked_to_wait(unique_name, monkeypatch):
     """A coordinator whose hello does not list "settle" (one from before it) closes the
     connection on an unknown argument: the client does not send ``early`` to it, the
