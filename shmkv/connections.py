@@ -376,13 +376,12 @@ class Connections(Ops):
             return False
         cache_ids = []
         for record, (num, first, here) in zip(records, marks):
-            info = record.info
+            info, cache_id = record.info, record.seq.cache_id
             info["promoting"] = info.get("promoting", 0) + num
             info["promoting_from"] = min(info.get("promoting_from", first), first)
             info["fetching"] = info.get("fetching", 0) + num - here
-            cache_ids.append(record.seq.cache_id)
-        for cache_id in cache_ids:
             self._promoting[cache_id] = self._promoting.get(cache_id, 0) + 1
+            cache_ids.append(cache_id)
         self._to_promote.append((records, cache_ids))
         return True
 

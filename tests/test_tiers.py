@@ -8,6 +8,7 @@ Copies run in the tier I/O process (CPU pools' default) unless a test says other
 faults are injected there with ``tier_faults`` (``IO_PROCESS_PRELOAD``).
 """
 
+import contextlib
 import errno
 import logging
 import os
@@ -104,6 +105,19 @@ def evict_all(client) -> None:
     st = client.stats()
     h = client.allocate((st["free_blocks"] + st["cached_blocks"]) * BS)
     h.close()
+
+
+@contextlib.contextmanager
+def tier_coordinator(cfg, name: str, tier=None, clients: int = 1):
+    """A coordinator over ``tier`` (default: a host tier of 8 blocks), and ``clients``
+    clients of it: ``(coord, client, ...)``."""
+    tier = shmkv.HostTier(8 * cfg.block_nbytes) if tier is None else tier
+    with contextlib.ExitStack() as stack:
+        coord = stack.enter_context(shmkv.Coordinator(cfg, name=name, tiers=[tier]))
+        conns = [
+            stack.enter_context(shmkv.connect(coord.address, timeout=20)) for _ in range(clients)
+        ]
+        yield (coord, *conns)
 
 
 def in_tier_only(client, *prompts) -> None:
@@ -424,13 +438,7 @@ def test_the_loop_serves_others_while_a_promotion_copies(unique_name, monkeypatc
     cfg = make_config(num_blocks=8)
     prompt = prompts_of(1, 2)[0]
     inject(monkeypatch, io, "slow_h2p")
-    with (
-        shmkv.Coordinator(
-            cfg, name=unique_name, tiers=[shmkv.HostTier(8 * cfg.block_nbytes)]
-        ) as coord,
-        shmkv.connect(coord.address, timeout=20) as a,
-        shmkv.connect(coord.address, timeout=20) as b,
-    ):
+    with tier_coordinator(cfg, unique_name, clients=2) as (coord, a, b):
         write_prompt(a, prompt)
         wait_idle(a)
         evict_all(a)
@@ -500,13 +508,7 @@ def test_an_early_answer_leaves_the_connection_free_and_settle_waits_for_the_byt
     cfg = make_config(num_blocks=8)
     prompt = prompts_of(1, 2)[0]
     inject(monkeypatch, io, "slow_h2p")
-    with (
-        shmkv.Coordinator(
-            cfg, name=unique_name, tiers=[shmkv.HostTier(8 * cfg.block_nbytes)]
-        ) as coord,
-        shmkv.connect(coord.address, timeout=20) as client,
-        shmkv.connect(coord.address, timeout=20) as other,
-    ):
+    with tier_coordinator(cfg, unique_name, clients=2) as (coord, client, other):
         in_tier_only(client, prompt)
         h = client.allocate(prompt=prompt, wait=False)
         assert h.num_cached_tokens == len(prompt)
@@ -558,12 +560,8 @@ def test_an_early_answer_leaves_the_connection_free_and_settle_waits_for_the_byt
 def test_settle_reports_the_shorter_hit_when_a_promoted_block_is_damaged(tmp_path, unique_name):
     cfg = make_config(num_blocks=8)
     prompt = prompts_of(1, 3)[0]
-    with (
-        shmkv.Coordinator(
-            cfg, name=unique_name, tiers=[shmkv.DiskTier(tmp_path, 1 << 20)]
-        ) as coord,
-        shmkv.connect(coord.address, timeout=20) as client,
-    ):
+    disk = shmkv.DiskTier(tmp_path, 1 << 20)
+    with tier_coordinator(cfg, unique_name, disk, clients=1) as (coord, client):
         in_tier_only(client, prompt)
         damage_block(tmp_path, prompt, 1)
         h = client.allocate(prompt=prompt, wait=False)
@@ -587,13 +585,8 @@ def test_a_commit_after_an_early_promotion_came_up_short_publishes_nothing_past_
     that settled and wrote from the hit as it is."""
     cfg = make_config(num_blocks=8)
     prompt = prompts_of(1, 3)[0] + [7, 8]  # 3 full blocks and 2 tokens
-    with (
-        shmkv.Coordinator(
-            cfg, name=unique_name, tiers=[shmkv.DiskTier(tmp_path, 1 << 20)]
-        ) as coord,
-        shmkv.connect(coord.address, timeout=20) as client,
-        shmkv.connect(coord.address, timeout=20) as other,
-    ):
+    disk = shmkv.DiskTier(tmp_path, 1 << 20)
+    with tier_coordinator(cfg, unique_name, disk, clients=2) as (coord, client, other):
         in_tier_only(client, prompt[: 3 * BS])
         damage_block(tmp_path, prompt, 1)
         h = client.allocate(prompt=prompt, wait=False)
@@ -667,12 +660,7 @@ def test_an_older_coordinator_is_asked_to_wait(unique_name, monkeypatch):
     monkeypatch.setattr(protocol, "FEATURES", ())
     cfg = make_config(num_blocks=8)
     prompt = prompts_of(1, 2)[0]
-    with (
-        shmkv.Coordinator(
-            cfg, name=unique_name, tiers=[shmkv.HostTier(8 * cfg.block_nbytes)]
-        ) as coord,
-        shmkv.connect(coord.address, timeout=20) as client,
-    ):
+    with tier_coordinator(cfg, unique_name) as (coord, client):
         assert "settle" not in client.features
         in_tier_only(client, prompt)
         h = client.allocate(prompt=prompt, wait=False)

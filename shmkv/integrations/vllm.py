@@ -368,7 +368,6 @@ class _SchedReq:
     # A tier still copies part of the hit into the pool (the allocate answered early):
     # vLLM is told the load is asynchronous, and the workers get it once it settled.
     pending: bool = False
-    waiting: bool = False  # vLLM admitted it as an asynchronous load, not handed over yet
     told_async: bool = False  # the last answer to vLLM said the load is asynchronous
     ticket: int = 0  # the pending wait's (``_Settler``)
     resident: int = 0  # leading hit tokens in the pool at the lookup, whole vLLM blocks
@@ -663,7 +662,8 @@ class ShmkvConnector(KVConnectorBase_V1):
             self._reqs: Dict[str, _SchedReq] = {}
             self._closed: List[str] = []
             self._recv_dropped: List[str] = []
-            self._waiting: Dict[str, _SchedReq] = {}  # asynchronous loads not handed over
+            # requests vLLM admitted as asynchronous loads, not handed to the workers yet
+            self._waiting: Dict[str, _SchedReq] = {}
             self._settler: Optional[_Settler] = None  # made by the first early answer
             self._tp_rank: Optional[int] = None
             self._connect(strict=True)  # refuses a misfit pool at start-up when it is up
@@ -802,7 +802,7 @@ class ShmkvConnector(KVConnectorBase_V1):
             state = self._lookup(request)
             if state is None:
                 return 0, False
-        if state.pending and not state.waiting:
+        if state.pending and request.request_id not in self._waiting:
             self._take_settled(state)  # (settled by now? then the hit is final)
         num = max(0, state.hit - num_computed_tokens)
         # What vLLM is told: synchronous unless a tier still copies blocks it needs;
@@ -893,8 +893,7 @@ class ShmkvConnector(KVConnectorBase_V1):
             state.load = (state.hit - num_external_tokens, state.hit)
             # vLLM was told the load is asynchronous: the request waits for the workers
             # to report it received (build_connector_meta hands it over once settled)
-            state.waiting = state.pending and state.told_async
-            if state.waiting:
+            if state.pending and state.told_async:
                 self._waiting[request.request_id] = state
         else:
             state.load = (0, 0)
@@ -957,7 +956,6 @@ class ShmkvConnector(KVConnectorBase_V1):
     def _received(self, req_id: str, state: _SchedReq) -> ShmkvReqMeta:
         """The hand-over of an asynchronous load whose tier copies are done: the workers
         copy what arrived and report the request received (see :class:`ShmkvReqMeta`)."""
-        state.waiting = False
         start, end = state.load
         item = ShmkvReqMeta(
             req_id=req_id,
