@@ -33,7 +33,7 @@ from .errors import (
     UnknownCache,
     WrongType,
 )
-from .handle import BlockTable, CacheHandleStats, KvCacheHandle
+from .handle import BlockTable, CacheHandleStats, KvCacheHandle, SequencePeek
 from .layout import PoolConfig
 from .remote import RedisTier
 from .tiers import DiskTier, HostTier
@@ -62,6 +62,7 @@ __all__ = [
     "PoolExhausted",
     "ProtocolError",
     "RedisTier",
+    "SequencePeek",
     "ShmkvError",
     "SpawnedCoordinator",
     "StaleStep",

@@ -34,7 +34,7 @@ import numpy as np
 from . import protocol
 from .batch import Batch, Step
 from .errors import HandleClosed, InvalidArgument, LimitExceeded, OutOfRange, WrongType
-from .handle import KvCacheHandle, SequenceView
+from .handle import KvCacheHandle, SequencePeek, SequenceView
 from .hashing import pack_tokens, packed_block_keys, root_key, token_list
 from .layout import PoolConfig
 from .link import _Link
@@ -377,6 +377,20 @@ class Client(_Link):
                 f"token must be bytes (any bytes-like object), got {type(token).__name__}"
             ) from None
         return self._handle(self.request("open", token=token))
+
+    def peek(self, descriptor: bytes) -> SequencePeek:
+        """The block table of the sequence a handle's :meth:`~KvCacheHandle.descriptor`
+        names, read from the shared tables (no round trip on x86), holding no reference:
+        copy its blocks out, then :meth:`SequencePeek.check` that the sequence outlived
+        the copy.
+
+        Raises:
+            WrongType: ``descriptor`` is not bytes.
+            InvalidArgument: it is malformed or from another coordinator.
+            UnknownCache: the sequence is closed.
+        """
+        self.check()
+        return SequencePeek.from_descriptor(self, descriptor)
 
     # -- batches -----------------------------------------------------------------------------
 

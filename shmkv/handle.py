@@ -21,6 +21,7 @@ was made with, and unpickling goes through the client module's own function.
 from __future__ import annotations
 
 import dataclasses
+import struct
 import time
 import weakref
 from operator import itemgetter
@@ -29,7 +30,14 @@ from typing import Any, List, Literal, Optional, Sequence, Tuple, overload
 import torch
 
 from . import protocol, slots
-from .errors import HandleClosed, InvalidArgument, OutOfRange, UnknownCache, WrongType
+from .errors import (
+    HandleClosed,
+    InvalidArgument,
+    OutOfRange,
+    StaleStep,
+    UnknownCache,
+    WrongType,
+)
 from .memory import storage_view
 from .sequences import format_cache_id
 from .tables import CACHE_ID, GENERATION, NUM_TOKENS, read_row
@@ -41,6 +49,11 @@ _COPY_UNITS = ((16, torch.complex128), (8, torch.int64), (4, torch.int32), (2, t
 # Pool dtypes torch has no CPU ``index_copy_`` kernel for: when no wider unit fits, their
 # rows are copied as the same-sized integer type (bits moved, never computed on).
 _BYTE_UNITS = {torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
+# A handle's descriptor (``KvCacheHandle.descriptor``, read back by ``Client.peek``):
+# magic, version, the coordinator instance, cache id, slot.
+_PEEK_MAGIC = b"SKVP"
+_PEEK_VERSION = 1
+_PEEK = struct.Struct("<4sBxxx8sqq")
 
 
 def _fits(t: torch.Tensor, size: int) -> bool:
@@ -258,6 +271,88 @@ class SequenceView:
             self.blocks = blocks
         self.generation = generation
         return self
+
+
+class SequencePeek:
+    """One sequence's block table as another process's handle holds it, read from the
+    shared tables with no round trip and no reference of its own (:meth:`Client.peek`).
+
+    The reader copies what it needs of the blocks, then calls :meth:`check`: the bytes it
+    copied are the sequence's only if the sequence was still alive, holding the same
+    blocks, after the copy (a cache id is never reused, so alive afterwards means alive
+    throughout, and a live sequence's blocks are never handed to another). Meant for a
+    prefix no holder writes any more (committed blocks); a holder's truncate and
+    re-extend in place is not told apart.
+    """
+
+    __slots__ = ("_client", "_view", "block_table")
+
+    def __init__(self, client, cache_id: int, slot: int):
+        self._client = client
+        self._view = SequenceView(cache_id, slot)
+        view = self._read()
+        bs = client.config.block_size
+        self.block_table = BlockTable(
+            tuple(view.blocks[: -(-view.num_tokens // bs)]), bs, view.num_tokens
+        )
+
+    @classmethod
+    def from_descriptor(cls, client, data) -> "SequencePeek":
+        """:meth:`Client.peek`'s reading of ``data`` (see there for the errors)."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise WrongType(f"a sequence descriptor is bytes, got {type(data).__name__}")
+        data = bytes(data)
+        if len(data) != _PEEK.size:
+            raise InvalidArgument(
+                f"malformed sequence descriptor ({len(data)} bytes, not {_PEEK.size})"
+            )
+        magic, version, instance, cache_id, slot = _PEEK.unpack(data)
+        if magic != _PEEK_MAGIC or version != _PEEK_VERSION:
+            raise InvalidArgument("malformed sequence descriptor")
+        if instance.hex() != client.instance:
+            raise InvalidArgument(
+                "this sequence descriptor was made against another coordinator "
+                f"than the one at {client.address}"
+            )
+        if not 0 <= slot < client._memory.layout.max_sequences or cache_id <= 0:
+            raise InvalidArgument("malformed sequence descriptor (values out of range)")
+        return cls(client, cache_id, slot)
+
+    def _read(self) -> SequenceView:
+        client = self._client
+        if not client.lock_free:
+            return self._view.refresh_asking(client)
+        return self._view.refresh(client._memory, client.config.block_size)
+
+    @property
+    def cache_id(self) -> str:
+        """The sequence's id (as :attr:`KvCacheHandle.cache_id` gives it)."""
+        return format_cache_id(self._view.cache_id)
+
+    @property
+    def client(self) -> Any:
+        """The client that peeked (its pool holds the blocks)."""
+        return self._client
+
+    def check(self) -> None:
+        """Raise unless the sequence is still alive with the blocks :attr:`block_table`
+        names (no round trip on x86).
+
+        Raises:
+            UnknownCache: the sequence was closed (its blocks may have been reused).
+            StaleStep: its blocks changed since the peek.
+            CoordinatorGone: this client's coordinator is gone (a device pool's memory
+                went with it).
+        """
+        self._client.check()
+        self._view.generation = -1  # (read the whole row again)
+        view = self._read()
+        blocks = self.block_table.physical_blocks
+        if tuple(view.blocks[: len(blocks)]) != blocks:
+            raise StaleStep(f"the blocks of {self.cache_id} changed since they were peeked")
+
+    def __repr__(self) -> str:
+        return f"<shmkv.SequencePeek {self.cache_id} {self.block_table.sequence_length} tokens>"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -657,6 +752,27 @@ class KvCacheHandle:
         even if this process exits."""
         self._check_open()
         return self._client.request("export", cache_id=self._cache_id, ttl=ttl)
+
+    def descriptor(self) -> bytes:
+        """A few bytes from which another process attached to the same coordinator reads
+        this sequence's block table with no round trip and no reference of its own
+        (:meth:`Client.peek`), to copy blocks out while this reference (or another) keeps
+        the sequence alive. Unlike :meth:`export`, it makes no request and holds nothing:
+        a reader whose copy outlived the sequence finds out in
+        :meth:`SequencePeek.check`. Gives no access a client lacks already (every client
+        maps the whole pool).
+
+        Raises:
+            HandleClosed: the handle is closed.
+        """
+        self._live()
+        return _PEEK.pack(
+            _PEEK_MAGIC,
+            _PEEK_VERSION,
+            bytes.fromhex(self._client.instance),
+            self._cache_id,
+            self._slot,
+        )
 
     def close(self) -> None:
         """Drop this reference. Idempotent; a no-op once the coordinator is gone."""

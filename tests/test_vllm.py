@@ -277,10 +277,14 @@ def test_a_sequence_lost_between_lookup_and_load_is_recomputed(engines, names):
     want = engines["ref"].generate([p], 16)[0]
     with shmkv.Coordinator(pool_config(), name=names["node1"]):
         fresh(engines["a"], [p])
+        before = engines["b"].call("totals")
         engines["b"].call("fault", 1)
         b = fresh(engines["b"], [p], 16)[0]
         assert engines["b"].call("fault", 0) == 0, "the fault did not fire"
         same_output(b, want)
+        # read through the lookup's descriptor, the sequence was gone: one load error,
+        # nothing counted loaded
+        assert delta(engines["b"].call("totals"), before) == dict(num_load_errors=1)
         # and the next request hits again
         b2 = fresh(engines["b"], [p], 16)[0]
         same_output(b2, want)
@@ -1343,3 +1347,109 @@ def test_what_vllm_is_told_while_a_tier_copies_and_a_lookup_again_gets_its_own_a
         settler.close()
         _until(lambda: client.stats()["sequences"] == held, "the late wait's hand-off stayed open")
         sched.shutdown()
+
+
+def _hit_step(connector, sched, req, block_ids, hit):
+    """vLLM's side of a step that schedules ``req`` with ``hit`` tokens to load from
+    shmkv into ``block_ids``: the lookup, the allocation, the step's metadata."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+
+    assert sched.get_num_new_matched_tokens(req, 0) == (hit, False)
+    sched.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(i) for i in block_ids],)), hit)
+    req.num_computed_tokens = hit
+    out = SchedulerOutput.make_empty()
+    out.scheduled_new_reqs = [NewRequestData.from_request(req, (list(block_ids),))]
+    out.num_scheduled_tokens = {req.request_id: len(req.prompt_token_ids) - hit}
+    return sched.build_connector_meta(out)
+
+
+def test_a_load_alone_is_read_through_the_lookups_descriptor(
+    model_path, unique_name, connector, monkeypatch
+):
+    """A request with a hit and nothing to save: the workers read the lookup's own
+    sequence through its descriptor (no hand-off made, opened or closed: no round trip
+    of the scheduler's step or the worker's), the bytes are the sequence's, and the
+    lookup's reference pins the blocks until vLLM reports the request finished. When
+    that sequence is gone by the end of the copy (its blocks could be another's), the
+    load is reported failed and counted nothing loaded."""
+    from vllm import SamplingParams
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.request import Request
+
+    g = torch.Generator().manual_seed(7)
+    with (
+        shmkv.Coordinator(pool_config(256), name=unique_name) as coord,
+        shmkv.connect(coord.address) as client,
+    ):
+        vcfg = _vllm_config(model_path, address=coord.address)
+        namespace = connector.model_namespace(vcfg, "")
+        sched = connector.ShmkvConnector(vcfg, KVConnectorRole.SCHEDULER, None)
+        w, caches = _worker(connector, model_path, coord.address, "cpu")
+        reqs = [
+            Request(f"r{i}", prompt(60 + i, 3 * BLOCK + 5), SamplingParams(max_tokens=1), None)
+            for i in range(2)
+        ]
+        held = []
+        for req in reqs:  # shmkv holds the 3 full blocks of each, with random K/V
+            toks = list(req.prompt_token_ids[: 3 * BLOCK])
+            h = client.allocate(prompt=toks, cache_salt=connector.request_salt(namespace, req))
+            for layer in range(LAYERS):
+                k, v = (torch.randn(len(toks), HEADS, DIM, generator=g) for _ in range(2))
+                h.write(layer, k, v, start=0)
+            h.commit()
+            held.append(h)
+        before = client.stats()["sequences"]
+        exports = coord.ops_by_type.get("export", 0)
+
+        meta = _hit_step(connector, sched, reqs[0], (4, 5, 6, 7), 3 * BLOCK)
+        [item] = meta.requests
+        assert item.load == (0, 3 * BLOCK) and item.save == (0, 0)
+        assert item.tokens is None and item.source is not None
+        w.bind_connector_metadata(meta)
+        _forward(w, caches)
+        _assert_loaded(connector, caches, held[0], [4, 5, 6])
+        assert w.get_block_ids_with_load_errors() == set()
+        assert w.totals.data["num_loaded_tokens"] == 3 * BLOCK
+        assert coord.ops_by_type.get("export", 0) == exports and "open" not in coord.ops_by_type
+        # the lookup's reference stays until the request is finished, then goes
+        assert client.stats()["sequences"] == before + 1
+        sched.request_finished(reqs[0], [4, 5, 6, 7])
+        _until(lambda: client.stats()["sequences"] == before, "the lookup's reference")
+
+        # The second: its sequence goes (every reference: the lookup's and the writer's)
+        # while the worker copies the first layer, and its blocks are given to a new
+        # sequence that writes them before the copy ends.
+        meta = _hit_step(connector, sched, reqs[1], (8, 9, 10, 11), 3 * BLOCK)
+        lookup = sched._reqs["r1"].handle
+        copy = w._copy_layer
+        lost = []
+
+        def copy_then_lose(pool, layer, runs, load, parallel=True):
+            copy(pool, layer, runs, load, parallel)
+            if not lost:
+                blocks = lookup.block_table.physical_blocks
+                lookup.close()
+                held[1].close()
+                st = client.stats()
+                free = st["num_blocks"] - st["referenced_blocks"]  # free or evictable
+                other = client.allocate(num_tokens=free * POOL_BLOCK)  # takes every one
+                for i in range(LAYERS):
+                    zeros = torch.zeros(other.num_tokens, HEADS, DIM)
+                    other.write(i, zeros, zeros, start=0)
+                assert set(blocks) <= set(other.block_table.physical_blocks)
+                lost.append(other)
+
+        monkeypatch.setattr(w, "_copy_layer", copy_then_lose)
+        w.bind_connector_metadata(meta)
+        _forward(w, caches)
+        assert lost, "the copy did not run"
+        assert w.get_block_ids_with_load_errors() == {8, 9, 10}
+        assert w.totals.data["num_loaded_tokens"] == 3 * BLOCK  # (the first request's)
+        assert w.totals.data["num_load_errors"] == 1
+        lost[0].close()
+        held[0].close()
+        sched.request_finished(reqs[1], [8, 9, 10, 11])
+        sched.shutdown()
+        w.shutdown()

@@ -250,9 +250,17 @@ def __getattr__(name: str):
     from shmkv.integrations.vllm import ShmkvConnector
 
     class FaultyShmkvConnector(ShmkvConnector):
-        """:class:`ShmkvConnector` whose scheduler damages the hand-off tokens of the next
-        ``_FAULT["handoff"]`` requests that have a hit to load: the workers cannot open
-        them, as when a sequence is lost between the lookup and the load."""
+        """:class:`ShmkvConnector` whose scheduler loses the sequence of the next
+        ``_FAULT["handoff"]`` requests that have a hit to load, between the lookup and the
+        load: a load read through the handle's descriptor finds the sequence gone, a
+        hand-off token is damaged (the workers cannot open it)."""
+
+        def _source(self, state):
+            descriptor = super()._source(state)
+            if descriptor is not None and _FAULT["handoff"] > 0:
+                _FAULT["handoff"] -= 1
+                state.handle.close()  # the lookup's reference goes, as a lost one's would
+            return descriptor
 
         def _export(self, state):
             tokens = super()._export(state)

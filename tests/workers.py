@@ -287,3 +287,22 @@ def tp_rank1_receives(address, queue, result_queue, extra_full_client=False):
         finally:
             if other is not None:
                 other.close()
+
+
+def peek_and_read(address, descriptor, n, seed, results):
+    """Read a sequence another process holds through its descriptor (no reference of
+    this process's own), check its K/V against the writer's pattern, report."""
+    with shmkv.connect(address, timeout=20) as client:
+        peek = client.peek(descriptor)
+        table = peek.block_table
+        pool, bs = client.pool, table.block_size
+        ok = True
+        for layer in range(client.config.num_layers):
+            for which, base in ((0, seed + layer), (1, seed + 100 + layer)):
+                got = pool[list(table.physical_blocks), layer, which].reshape(
+                    -1, client.config.num_kv_heads, client.config.head_dim
+                )[:n]
+                want = pattern(base, n, client.config.num_kv_heads, client.config.head_dim)
+                ok = ok and torch.equal(got, want)
+        peek.check()
+        results.put((ok, table.sequence_length, len(table.physical_blocks) * bs >= n))

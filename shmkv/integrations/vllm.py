@@ -23,16 +23,21 @@ How a request goes through it:
   workers once a thread of the scheduler's has seen the copies settle); while the shared
   store is asked, the hit is "not known yet" (None) and vLLM asks again.
 * **Metadata** (:meth:`build_connector_meta`): per request and step, a few ints (which
-  vLLM blocks, which token ranges to load and to save) and, the first time, one hand-off
+  vLLM blocks, which token ranges to load and to save) and, for a load alone, the
+  lookup handle's descriptor (``handle.descriptor()``: no request; the handle pins the
+  blocks until the request finishes), or, the first time a request saves, one hand-off
   token per tensor-parallel rank (``handle.export``). No other round trip per step.
-* **Worker side**: :meth:`start_load_kv` opens the hand-offs and copies the hit blocks
-  into vLLM's paged tensors before the forward (with ``"shmkv.layerwise"``, on the CPU,
+* **Worker side**: :meth:`start_load_kv` reads a load's pool blocks through the
+  descriptor (``client.peek``: no round trip, no reference), or opens the hand-offs,
+  and copies the hit blocks into vLLM's paged tensors before the forward (with ``"shmkv.layerwise"``, on the CPU,
   layer by layer on a thread of the worker's own, each layer's attention waiting for its
   layer in :meth:`wait_for_layer_load`); after the forward, :meth:`wait_for_save` copies
   the newly complete blocks into the pool and ``commit``s them (under tensor parallelism
   a block is published once every rank has committed its head shard). Copies go block to
   block, no Python loop per token: one strided copy per layer, K or V, and run of pool
-  blocks that lie one after another in one vLLM block (:func:`copy_runs`).
+  blocks that lie one after another in one vLLM block (:func:`copy_runs`). A load read
+  through a descriptor counts only if the sequence was still alive with the same blocks
+  after the copy (``peek.check()``); else it is a load error, recomputed.
 * **Failures never crash the engine.** A hand-off that cannot be opened, a coordinator
   gone or restarted, a copy that raises: the blocks of that load are reported through
   :meth:`get_block_ids_with_load_errors` and vLLM recomputes them (the connector sets
@@ -285,9 +290,13 @@ def request_salt(namespace: bytes, request) -> bytes:
 class ShmkvReqMeta:
     """One request's work for one step (plain data: it is pickled to the workers).
 
-    ``tokens``: the hand-off tokens, one per tensor-parallel rank, on the request's first
-    step only (``None`` after; an empty list when the scheduler lost its handle, so the
-    worker reports the load as failed). ``block_ids``: the request's vLLM block ids.
+    ``tokens``: the hand-off tokens, one per tensor-parallel rank, on the first step that
+    saves (``None`` otherwise; an empty list when the scheduler lost its handle, so the
+    worker reports the load as failed). ``source``: for a load while no hand-off was made,
+    the scheduler's handle's descriptor (``handle.descriptor()``): every rank reads the
+    pool blocks from the shared tables and copies them with no round trip and no
+    reference of its own, then checks the sequence outlived the copy (the scheduler holds
+    it until the request finishes). ``block_ids``: the request's vLLM block ids.
     ``load``: the token range to copy from the pool into vLLM's blocks. ``save``: the
     token range to copy from vLLM's blocks into the pool and commit. ``done``: the worker
     closes its handle after this step. ``recv``, ``valid``: see below.
@@ -296,6 +305,7 @@ class ShmkvReqMeta:
     req_id: str
     block_ids: List[int]
     tokens: Optional[List[bytes]] = None
+    source: Optional[bytes] = None
     load: Tuple[int, int] = (0, 0)
     save: Tuple[int, int] = (0, 0)
     done: bool = False
@@ -357,7 +367,7 @@ class ShmkvConnectorStats(KVConnectorStats):
 
 @dataclass
 class _SchedReq:
-    handle: Any  # the scheduler's reference (pins hit blocks until loaded)
+    handle: Any  # the scheduler's reference (pins the hit blocks until they are loaded)
     prompt_tokens: int  # tokens the handle covers (the prompt's full vLLM blocks)
     hit: int  # loadable tokens in shmkv, whole vLLM blocks
     cached: int  # the handle's num_cached_tokens (pool blocks)
@@ -365,6 +375,9 @@ class _SchedReq:
     load: Tuple[int, int] = (0, 0)
     saved: int = 0  # tokens [0, saved) are in the pool or sent to be saved
     exported: bool = False
+    # The workers read a load through the handle's descriptor: the handle stays until the
+    # request finishes (request_finished), however early it has nothing more to do.
+    peeked: bool = False
     # A tier still copies part of the hit into the pool (the allocate answered early):
     # vLLM is told the load is asynchronous, and the workers get it once it settled.
     pending: bool = False
@@ -675,6 +688,7 @@ class ShmkvConnector(KVConnectorBase_V1):
             self._v: List[torch.Tensor] = []
             self._layer_index: Dict[str, int] = {}
             self._handles: Dict[str, Any] = {}
+            self._peeks: Dict[str, Any] = {}  # this step's peeked loads, until checked
             self._load_errors: set = set()
             self._loader: Optional[_LayerLoader] = None
             # Whether vLLM calls wait_for_layer_load before every layer's attention here:
@@ -933,7 +947,7 @@ class ShmkvConnector(KVConnectorBase_V1):
             save = (state.saved, end) if end > state.saved and not state.pending else (0, 0)
             load = state.load
             if save == (0, 0) and load == (0, 0):
-                if not state.exported and state.saved >= state.prompt_tokens:
+                if not state.exported and not state.peeked and state.saved >= state.prompt_tokens:
                     # Nothing to load (vLLM's own cache had it) nor to save (shmkv has it
                     # all): no hand-off, no worker round trip; the lookup's pin goes.
                     self._finish(req_id, tell_workers=False)
@@ -941,7 +955,17 @@ class ShmkvConnector(KVConnectorBase_V1):
             item = ShmkvReqMeta(
                 req_id=req_id, block_ids=list(state.block_ids), load=load, save=save
             )
-            if not state.exported:
+            if state.exported:
+                pass
+            elif save == (0, 0):
+                # A load alone: the workers read the blocks through this handle's
+                # descriptor (no hand-off to make, none to open, none to close), and the
+                # handle pins them until the request finishes.
+                item.source = self._source(state)
+                if item.source is None:
+                    item.tokens = []  # (the workers report the load failed)
+                state.peeked = True
+            else:
                 item.tokens = self._export(state)
                 state.exported = True
             state.load = (0, 0)
@@ -949,7 +973,8 @@ class ShmkvConnector(KVConnectorBase_V1):
                 state.saved = save[1]
             if state.saved >= state.prompt_tokens:
                 item.done = True
-                self._finish(req_id, tell_workers=False)
+                if not state.peeked:
+                    self._finish(req_id, tell_workers=False)
             meta.requests.append(item)
         return meta
 
@@ -968,6 +993,15 @@ class ShmkvConnector(KVConnectorBase_V1):
         state.exported = True
         state.load = (0, 0)
         return item
+
+    def _source(self, state: _SchedReq) -> Optional[bytes]:
+        """The descriptor the workers read a load through (its handle stays open); None
+        when the handle was lost (the coordinator went away)."""
+        try:
+            return state.handle.descriptor()
+        except (ShmkvError, OSError) as exc:
+            log.warning("shmkv: the lookup's handle is gone (%s); the workers recompute", exc)
+            return None
 
     def _export(self, state: _SchedReq) -> List[bytes]:
         try:
@@ -1048,31 +1082,37 @@ class ShmkvConnector(KVConnectorBase_V1):
         self._finish_loads()  # (a step that raised before its wait_for_save)
         self._waited = set()
         self._failed_reqs = set()
+        self._peeks = {}
         if not isinstance(meta, ShmkvConnectorMetadata):
             return
         for req_id in meta.closed:
             self._close(req_id)
         self._recving.update(meta.recv_dropped)
         loads: List[Tuple[ShmkvReqMeta, List[Tuple[int, int, int, int]]]] = []
-        opened: List[Any] = []  # the handles of loads
+        opened: List[Any] = []  # the handles and peeks of loads
         for item in meta.requests:
-            handle = self._open(item)
-            if item.recv:
-                self._load_received(item, handle)
-                continue
-            if item.load == (0, 0):
-                continue
-            if handle is None:
-                self._fail_load(item)
-                continue
+            if item.source is not None and item.load != (0, 0) and not item.recv:
+                source = self._peek(item)
+                if source is None:
+                    continue
+            else:
+                source = self._open(item)
+                if item.recv:
+                    self._load_received(item, source)
+                    continue
+                if item.load == (0, 0):
+                    continue
+                if source is None:
+                    self._fail_load(item)
+                    continue
             try:
-                loads.append((item, self._runs(handle, item.block_ids, item.load)))
+                loads.append((item, self._runs(source.block_table, item.block_ids, item.load)))
             except Exception as exc:  # noqa: BLE001 - a failed load is recomputed, never fatal
                 self._fail_load(item, exc)
                 continue
-            opened.append(handle)
+            opened.append(source)
         client = self._client
-        if any(handle.client is not client for handle in opened):
+        if any(source.client is not client for source in opened):
             # The coordinator went away while this step's hand-offs were opened: its
             # handles (and pool) are not the client's now; every load of the step fails.
             gone = shmkv.CoordinatorGone("the coordinator went away within the step")
@@ -1089,10 +1129,36 @@ class ShmkvConnector(KVConnectorBase_V1):
             try:
                 for layer in range(len(self._k)):
                     self._copy_layer(pool, layer, runs, load=True)
+                self._check_peeked(item)
             except Exception as exc:  # noqa: BLE001 - a failed load is recomputed, never fatal
                 self._fail_load(item, exc)
                 continue
             self._count("num_loaded_tokens", item.load[1] - item.load[0])
+
+    def _peek(self, item: ShmkvReqMeta):
+        """The scheduler's sequence of ``item``'s load, read through its descriptor
+        (:meth:`shmkv.Client.peek`), kept until the copies are checked; None, the load
+        reported failed, when it cannot be read."""
+        client = self._connect()
+        if client is None:
+            self._fail_load(item)
+            return None
+        try:
+            peek = client.peek(item.source)
+        except (ShmkvError, OSError) as exc:
+            self._fail_load(item, exc)
+            if not client.is_alive():
+                self._drop_client("the coordinator went away")
+            return None
+        self._peeks[item.req_id] = peek
+        return peek
+
+    def _check_peeked(self, item: ShmkvReqMeta) -> None:
+        """Raise unless the sequence a peeked load copied from outlived the copy, with
+        the same blocks (else what was copied may be another sequence's bytes)."""
+        peek = self._peeks.pop(item.req_id, None)
+        if peek is not None:
+            peek.check()
 
     def _load_received(self, item: ShmkvReqMeta, handle) -> None:
         """An asynchronous load whose tier copies are done: copy what arrived, all layers
@@ -1118,7 +1184,7 @@ class ShmkvConnector(KVConnectorBase_V1):
             self._fail_load(part, in_step=False)
             return
         try:
-            runs = self._runs(handle, item.block_ids, part.load)
+            runs = self._runs(handle.block_table, item.block_ids, part.load)
             for layer in range(len(self._k)):
                 self._copy_layer(client.pool, layer, runs, load=True)
         except Exception as exc:  # noqa: BLE001 - a failed load is recomputed, never fatal
@@ -1152,14 +1218,19 @@ class ShmkvConnector(KVConnectorBase_V1):
             self._layerwise = False
         for item, exc in results:
             if exc is None and not missed:
+                try:
+                    self._check_peeked(item)
+                except Exception as err:  # noqa: BLE001 - a failed load is recomputed
+                    exc = err
+            if exc is None and not missed:
                 self._count("num_loaded_tokens", item.load[1] - item.load[0])
             else:
                 self._fail_load(item, exc or ShmkvError("a layer was read before its load"))
 
-    def _runs(self, handle, block_ids: List[int], span: Tuple[int, int]):
+    def _runs(self, table, block_ids: List[int], span: Tuple[int, int]):
         """The merged copy runs (:func:`copy_runs`, :func:`merge_runs`) of tokens ``span``
-        between the pool blocks of ``handle`` and vLLM's blocks ``block_ids``."""
-        table = handle.block_table
+        between the pool blocks of ``table`` (a :class:`shmkv.BlockTable`) and vLLM's
+        blocks ``block_ids``."""
         bs = table.block_size
         runs = copy_runs(
             block_ids, list(table.physical_blocks), span[0], span[1], self._block_size, bs
@@ -1292,7 +1363,7 @@ class ShmkvConnector(KVConnectorBase_V1):
             client = self._client
             if client is None or handle.client is not client:
                 raise shmkv.CoordinatorGone("the coordinator went away since the hand-off")
-            runs = self._runs(handle, item.block_ids, item.save)
+            runs = self._runs(handle.block_table, item.block_ids, item.save)
             for layer in range(len(self._k)):
                 self._copy_layer(client.pool, layer, runs, load=False)
             # Not waited for: the bytes are in the pool now (vLLM may reuse its blocks),
