@@ -29,13 +29,14 @@ How a request goes through it:
   token per tensor-parallel rank (``handle.export``). No other round trip per step.
 * **Worker side**: :meth:`start_load_kv` reads a load's pool blocks through the
   descriptor (``client.peek``: no round trip, no reference), or opens the hand-offs,
-  and copies the hit blocks into vLLM's paged tensors before the forward (with ``"shmkv.layerwise"``, on the CPU,
-  layer by layer on a thread of the worker's own, each layer's attention waiting for its
-  layer in :meth:`wait_for_layer_load`); after the forward, :meth:`wait_for_save` copies
-  the newly complete blocks into the pool and ``commit``s them (under tensor parallelism
-  a block is published once every rank has committed its head shard). Copies go block to
-  block, no Python loop per token: one strided copy per layer, K or V, and run of pool
-  blocks that lie one after another in one vLLM block (:func:`copy_runs`). A load read
+  and copies the hit blocks into vLLM's paged tensors before the forward (with
+  ``"shmkv.layerwise"``, on the CPU, layer by layer on a thread of the worker's own, each
+  layer's attention waiting for its layer in :meth:`wait_for_layer_load`); after the
+  forward, :meth:`wait_for_save` copies the newly complete blocks into the pool and
+  ``commit``s them (under tensor parallelism a block is published once every rank has
+  committed its head shard). Copies go block to block, no Python loop per token: one
+  strided copy per layer, K or V, and run of pool blocks that lie one after another in
+  one vLLM block (:func:`copy_runs`). A load read
   through a descriptor counts only if the sequence was still alive with the same blocks
   after the copy (``peek.check()``); else it is a load error, recomputed.
 * **Failures never crash the engine.** A hand-off that cannot be opened, a coordinator
