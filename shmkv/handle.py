@@ -246,6 +246,13 @@ class SequenceView:
         )
         return self._apply(got)
 
+    def read(self, client) -> "SequenceView":
+        """:meth:`refresh` where ``client`` may read the tables lock-free, else
+        :meth:`refresh_asking`; returns self."""
+        if not client.lock_free:
+            return self.refresh_asking(client)
+        return self.refresh(client._memory, client.config.block_size)
+
     def refresh_asking(self, client) -> "SequenceView":
         """:meth:`refresh` for a client that may not read the tables lock-free: the row
         comes from the coordinator (``shmkv.tables``, memory ordering)."""
@@ -319,10 +326,7 @@ class SequencePeek:
         return cls(client, cache_id, slot)
 
     def _read(self) -> SequenceView:
-        client = self._client
-        if not client.lock_free:
-            return self._view.refresh_asking(client)
-        return self._view.refresh(client._memory, client.config.block_size)
+        return self._view.read(self._client)
 
     @property
     def cache_id(self) -> str:
@@ -462,10 +466,7 @@ class KvCacheHandle:
 
     def _view(self) -> SequenceView:
         """The sequence's current row (read from the shared tables)."""
-        client = self._client
-        if not client.lock_free:
-            return self._state.refresh_asking(client)
-        return self._state.refresh(client._memory, client.config.block_size)
+        return self._state.read(self._client)
 
     @property
     def _blocks(self) -> list:

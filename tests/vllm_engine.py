@@ -54,6 +54,9 @@ def prompt(seed: int, n: int, prefix=()) -> list:
 # -- the engine child -----------------------------------------------------------------------
 
 _FAULT = {"handoff": 0}  # requests whose hand-off tokens the next steps damage
+# Per request finished, the seconds the timed connectors spent in each of their hooks
+# (and in the copies, "_copy_layer"), in order: {"hooks": {...}, "copy": s}.
+_HOOK_TIMES: list = []
 
 
 def _serve(conn, model: str, kv: dict | None, options: dict) -> None:
@@ -112,6 +115,9 @@ def _serve(conn, model: str, kv: dict | None, options: dict) -> None:
                 from vllm.distributed.kv_transfer import get_kv_transfer_group
 
                 conn.send(("ok", dict(get_kv_transfer_group().totals.data)))
+            elif op == "hook_times":  # the timed connectors' records since the last ask
+                conn.send(("ok", _HOOK_TIMES.copy()))
+                _HOOK_TIMES.clear()
             elif op == "fault":
                 previous, _FAULT["handoff"] = _FAULT["handoff"], args
                 conn.send(("ok", previous))
@@ -245,6 +251,8 @@ def __getattr__(name: str):
     vLLM loads the class."""
     if name == "NullHitConnector":
         return _null_hit_connector()
+    if name in ("TimedShmkvConnector", "TimedExportShmkvConnector"):
+        return _timed_connector(name)
     if name != "FaultyShmkvConnector":
         raise AttributeError(name)
     from shmkv.integrations.vllm import ShmkvConnector
@@ -313,3 +321,65 @@ def _null_hit_connector():
 
     globals()["NullHitConnector"] = NullHitConnector
     return NullHitConnector
+
+
+# -- the connector with its hooks timed ------------------------------------------------------
+
+HOOKS = (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "bind_connector_metadata",
+    "start_load_kv",
+    "wait_for_layer_load",
+    "save_kv_layer",
+    "wait_for_save",
+    "clear_connector_metadata",
+    "get_finished",
+    "get_block_ids_with_load_errors",
+    "get_kv_connector_stats",
+    "request_finished",
+)
+
+
+def _timed_connector(name: str):
+    """:class:`ShmkvConnector` whose vLLM hooks (and copies) are timed, for the benchmark:
+    each request's totals go to ``_HOOK_TIMES`` when vLLM reports it finished (the engine
+    op ``hook_times`` takes them). ``TimedExportShmkvConnector`` also hands every request's
+    sequence to the workers as hand-off tokens (``export``, ``open``, ``close``), as the
+    connector did before loads were read through the lookup's descriptor."""
+    import time
+
+    from shmkv.integrations.vllm import ShmkvConnector
+
+    current = {"hooks": {}, "copy": 0.0}
+
+    def timed(method):
+        def run(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                spent = time.perf_counter() - t0
+                if method.__name__ == "_copy_layer":
+                    current["copy"] += spent
+                else:
+                    hooks = current["hooks"]
+                    hooks[method.__name__] = hooks.get(method.__name__, 0.0) + spent
+                if method.__name__ == "request_finished":
+                    _HOOK_TIMES.append(dict(hooks=dict(current["hooks"]), copy=current["copy"]))
+                    current["hooks"], current["copy"] = {}, 0.0
+
+        return run
+
+    namespace = {h: timed(getattr(ShmkvConnector, h)) for h in HOOKS + ("_copy_layer",)}
+    if name == "TimedExportShmkvConnector":
+
+        def _hand_over(self, state, item):
+            item.tokens = self._export(state)
+            state.exported = True
+
+        namespace["_hand_over"] = _hand_over
+    cls = type(name, (ShmkvConnector,), namespace)
+    globals()[name] = cls
+    return cls

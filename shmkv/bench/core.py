@@ -336,6 +336,31 @@ def format_table(figures: List[Figure]) -> str:
 # -- ratios and spread ----------------------------------------------------------------------
 
 
+def cpu_model() -> str:
+    """The CPU's model name as Linux reports it (``/proc/cpuinfo``), with the widest
+    vector extension it lists ("avx512f", "avx2"), or "unknown": compute-bound
+    figures differ several-fold between the machines a benchmark lands on."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return "unknown"
+    name = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in info.splitlines()
+            if line.startswith("model name")
+        ),
+        "unknown",
+    )
+    flags = next(
+        (line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")),
+        [],
+    )
+    vector = next((f for f in ("amx_tile", "avx512f", "avx2") if f in flags), None)
+    return f"{name} ({vector})" if vector else name
+
+
 def median(values) -> float:
     """The median of ``values``."""
     return statistics.median(values)

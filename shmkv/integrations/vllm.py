@@ -956,19 +956,8 @@ class ShmkvConnector(KVConnectorBase_V1):
             item = ShmkvReqMeta(
                 req_id=req_id, block_ids=list(state.block_ids), load=load, save=save
             )
-            if state.exported:
-                pass
-            elif save == (0, 0):
-                # A load alone: the workers read the blocks through this handle's
-                # descriptor (no hand-off to make, none to open, none to close), and the
-                # handle pins them until the request finishes.
-                item.source = self._source(state)
-                if item.source is None:
-                    item.tokens = []  # (the workers report the load failed)
-                state.peeked = True
-            else:
-                item.tokens = self._export(state)
-                state.exported = True
+            if not state.exported:
+                self._hand_over(state, item)
             state.load = (0, 0)
             if save != (0, 0):
                 state.saved = save[1]
@@ -994,6 +983,20 @@ class ShmkvConnector(KVConnectorBase_V1):
         state.exported = True
         state.load = (0, 0)
         return item
+
+    def _hand_over(self, state: _SchedReq, item: ShmkvReqMeta) -> None:
+        """Give the workers the request's sequence, the first time they need it: for a
+        load alone, the lookup handle's descriptor (no hand-off to make, open or close;
+        the handle pins the blocks until the request finishes); for a step that saves,
+        one hand-off token per rank, each rank's own reference to write through."""
+        if item.save == (0, 0):
+            item.source = self._source(state)
+            if item.source is None:
+                item.tokens = []  # (the workers report the load failed)
+            state.peeked = True
+        else:
+            item.tokens = self._export(state)
+            state.exported = True
 
     def _source(self, state: _SchedReq) -> Optional[bytes]:
         """The descriptor the workers read a load through (its handle stays open); None
