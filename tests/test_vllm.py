@@ -1349,9 +1349,10 @@ def test_what_vllm_is_told_while_a_tier_copies_and_a_lookup_again_gets_its_own_a
         sched.shutdown()
 
 
-def _hit_step(connector, sched, req, block_ids, hit):
+def _hit_step(connector, sched, req, block_ids, hit, scheduled=None):
     """vLLM's side of a step that schedules ``req`` with ``hit`` tokens to load from
-    shmkv into ``block_ids``: the lookup, the allocation, the step's metadata."""
+    shmkv into ``block_ids`` and ``scheduled`` to compute (default: the rest of the
+    prompt): the lookup, the allocation, the step's metadata."""
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
@@ -1361,7 +1362,9 @@ def _hit_step(connector, sched, req, block_ids, hit):
     req.num_computed_tokens = hit
     out = SchedulerOutput.make_empty()
     out.scheduled_new_reqs = [NewRequestData.from_request(req, (list(block_ids),))]
-    out.num_scheduled_tokens = {req.request_id: len(req.prompt_token_ids) - hit}
+    if scheduled is None:
+        scheduled = len(req.prompt_token_ids) - hit
+    out.num_scheduled_tokens = {req.request_id: scheduled}
     return sched.build_connector_meta(out)
 
 
@@ -1422,7 +1425,7 @@ def test_a_load_alone_is_read_through_the_lookups_descriptor(
         # while the worker copies the first layer, and its blocks are given to a new
         # sequence that writes them before the copy ends.
         meta = _hit_step(connector, sched, reqs[1], (8, 9, 10, 11), 3 * BLOCK)
-        lookup = sched._reqs["r1"].handle
+        [lookup] = sched._pins["r1"]  # (done with: it pins the blocks until finished)
         copy = w._copy_layer
         lost = []
 
@@ -1451,5 +1454,90 @@ def test_a_load_alone_is_read_through_the_lookups_descriptor(
         lost[0].close()
         held[0].close()
         sched.request_finished(reqs[1], [8, 9, 10, 11])
+        sched.shutdown()
+        w.shutdown()
+
+
+def test_a_request_preempted_after_its_lookup_was_done_with_looks_up_again(
+    model_path, unique_name, connector
+):
+    """A request loads alone in its first step (through the lookup's descriptor), saves
+    the rest of its prompt in a later chunk (its hand-off then closed by the workers),
+    is preempted and resumed: it is looked up again and gets the whole prompt, loaded
+    with no error; the first lookup's reference, which pinned what the workers read,
+    goes when the request finishes."""
+    from vllm import SamplingParams
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+    from vllm.v1.request import Request
+
+    g = torch.Generator().manual_seed(3)
+    with (
+        shmkv.Coordinator(pool_config(256), name=unique_name) as coord,
+        shmkv.connect(coord.address) as client,
+    ):
+        vcfg = _vllm_config(model_path, address=coord.address)
+        sched = connector.ShmkvConnector(vcfg, KVConnectorRole.SCHEDULER, None)
+        w, caches = _worker(connector, model_path, coord.address, "cpu")
+        req = Request("r0", prompt(70, 3 * BLOCK + 5), SamplingParams(max_tokens=4), None)
+        salt = connector.request_salt(connector.model_namespace(vcfg, ""), req)
+        held = client.allocate(prompt=list(req.prompt_token_ids[: 2 * BLOCK]), cache_salt=salt)
+        for layer in range(LAYERS):
+            k, v = (torch.randn(2 * BLOCK, HEADS, DIM, generator=g) for _ in range(2))
+            held.write(layer, k, v, start=0)
+        held.commit()
+        before = client.stats()["sequences"]
+
+        def cached_step(computed, resumed=False, block_ids=None):
+            out = SchedulerOutput.make_empty()
+            out.scheduled_cached_reqs = CachedRequestData(
+                req_ids=["r0"],
+                resumed_req_ids={"r0"} if resumed else set(),
+                new_token_ids=[[]],
+                all_token_ids={},
+                new_block_ids=[(list(block_ids),) if block_ids else None],
+                num_computed_tokens=[computed],
+                num_output_tokens=[0],
+            )
+            out.num_scheduled_tokens = {"r0": 3 * BLOCK + 5 - computed}
+            return sched.build_connector_meta(out)
+
+        # step 1: 2 blocks loaded through the descriptor, a 16-token chunk computed
+        meta = _hit_step(connector, sched, req, (4, 5, 6, 7), 2 * BLOCK, scheduled=16)
+        [item] = meta.requests
+        assert item.source is not None and item.save == (0, 0)
+        w.bind_connector_metadata(meta)
+        _forward(w, caches)
+        # step 2: the prompt's third block saved through a hand-off, which the workers
+        # close after it: the scheduler is done with this lookup
+        meta = cached_step(2 * BLOCK + 16)
+        [item] = meta.requests
+        assert item.save == (2 * BLOCK, 3 * BLOCK) and item.tokens and item.done
+        w.bind_connector_metadata(meta)
+        _forward(w, caches)
+        assert w.get_block_ids_with_load_errors() == set()
+        assert client.stats()["sequences"] == before + 1  # the first lookup, pinned
+        # preempted (vLLM freed its blocks), then resumed: a new lookup, the whole prompt
+        assert sched.get_num_new_matched_tokens(req, 0) == (3 * BLOCK, False)
+        from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+        from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+        blocks = (8, 9, 10, 11)
+        sched.update_state_after_alloc(
+            req, KVCacheBlocks(([KVCacheBlock(i) for i in blocks],)), 3 * BLOCK
+        )
+        meta = cached_step(3 * BLOCK, resumed=True, block_ids=blocks)
+        [item] = meta.requests
+        assert item.load == (0, 3 * BLOCK) and item.source is not None
+        w.bind_connector_metadata(meta)
+        _forward(w, caches)
+        assert w.get_block_ids_with_load_errors() == set()
+        assert w.totals.data["num_load_errors"] == 0
+        assert w.totals.data["num_loaded_tokens"] == 5 * BLOCK
+        with client.allocate(prompt=list(req.prompt_token_ids[: 3 * BLOCK]), cache_salt=salt) as h:
+            _assert_loaded(connector, caches, h, [8, 9, 10])
+        sched.request_finished(req, list(blocks))
+        _until(lambda: client.stats()["sequences"] == before, "every lookup's reference")
+        held.close()
         sched.shutdown()
         w.shutdown()

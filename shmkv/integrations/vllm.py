@@ -377,7 +377,7 @@ class _SchedReq:
     saved: int = 0  # tokens [0, saved) are in the pool or sent to be saved
     exported: bool = False
     # The workers read a load through the handle's descriptor: the handle stays until the
-    # request finishes (request_finished), however early it has nothing more to do.
+    # request finishes (request_finished), however early the lookup is done with.
     peeked: bool = False
     # A tier still copies part of the hit into the pool (the allocate answered early):
     # vLLM is told the load is asynchronous, and the workers get it once it settled.
@@ -674,6 +674,9 @@ class ShmkvConnector(KVConnectorBase_V1):
                 # A cache is best effort: a lost block is recomputed, never fatal.
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
             self._reqs: Dict[str, _SchedReq] = {}
+            # lookups done with whose descriptors the workers read: released when the
+            # request finishes (see _finish)
+            self._pins: Dict[str, List[Any]] = {}
             self._closed: List[str] = []
             self._recv_dropped: List[str] = []
             # requests vLLM admitted as asynchronous loads, not handed to the workers yet
@@ -948,7 +951,7 @@ class ShmkvConnector(KVConnectorBase_V1):
             save = (state.saved, end) if end > state.saved and not state.pending else (0, 0)
             load = state.load
             if save == (0, 0) and load == (0, 0):
-                if not state.exported and not state.peeked and state.saved >= state.prompt_tokens:
+                if not state.exported and state.saved >= state.prompt_tokens:
                     # Nothing to load (vLLM's own cache had it) nor to save (shmkv has it
                     # all): no hand-off, no worker round trip; the lookup's pin goes.
                     self._finish(req_id, tell_workers=False)
@@ -963,8 +966,7 @@ class ShmkvConnector(KVConnectorBase_V1):
                 state.saved = save[1]
             if state.saved >= state.prompt_tokens:
                 item.done = True
-                if not state.peeked:
-                    self._finish(req_id, tell_workers=False)
+                self._finish(req_id, tell_workers=False)
             meta.requests.append(item)
         return meta
 
@@ -1014,14 +1016,24 @@ class ShmkvConnector(KVConnectorBase_V1):
             log.warning("shmkv: hand-off failed (%s); the workers recompute", exc)
             return []
 
-    def _finish(self, req_id: str, tell_workers: bool) -> None:
+    def _finish(self, req_id: str, tell_workers: bool, final: bool = False) -> None:
+        """The scheduler is done with ``req_id``'s lookup (a later lookup of the request,
+        after a preemption, starts anew). Its reference goes, unless the workers read a
+        load through its descriptor: that one pins the blocks they may still be copying
+        until the request is ``final`` (finished, or the connector shut down)."""
         state = self._reqs.pop(req_id, None)
+        if final:
+            for handle in self._pins.pop(req_id, ()):
+                _release(handle)
         if state is None:
             return
         if state.pending:  # its wait's answer, when it comes, goes to no one
             assert self._settler is not None  # (made by the lookup that set pending)
             self._settler.forget(state.ticket)
-        _release(state.handle)
+        if state.peeked and not final:
+            self._pins.setdefault(req_id, []).append(state.handle)
+        else:
+            _release(state.handle)
         if tell_workers and state.exported:
             self._closed.append(req_id)
 
@@ -1034,7 +1046,7 @@ class ShmkvConnector(KVConnectorBase_V1):
             # an asynchronous load not handed over: vLLM holds its blocks until the
             # workers report it received
             self._recv_dropped.append(request.request_id)
-        self._finish(request.request_id, tell_workers=True)
+        self._finish(request.request_id, tell_workers=True, final=True)
         return False, None
 
     # -- worker side ------------------------------------------------------------------------
@@ -1107,7 +1119,9 @@ class ShmkvConnector(KVConnectorBase_V1):
                 if item.load == (0, 0):
                     continue
                 if source is None:
-                    self._fail_load(item)
+                    # (a hand-off that could not be opened was logged as such)
+                    why = ShmkvError("no hand-off for this load") if item.tokens is None else None
+                    self._fail_load(item, why)
                     continue
             try:
                 loads.append((item, self._runs(source.block_table, item.block_ids, item.load)))
@@ -1129,10 +1143,21 @@ class ShmkvConnector(KVConnectorBase_V1):
         if self._loader is not None and self._layerwise:
             self._loader.start(pool, loads)
             return
+        copied = []
         for item, runs in loads:
             try:
                 for layer in range(len(self._k)):
                     self._copy_layer(pool, layer, runs, load=True)
+            except Exception as exc:  # noqa: BLE001 - a failed load is recomputed, never fatal
+                self._fail_load(item, exc)
+                continue
+            copied.append(item)
+        if self._peeks and pool.device.type == "cuda":
+            # The copies were only queued: a peeked sequence must outlive them, not the
+            # queueing, before its check vouches for the bytes.
+            torch.cuda.current_stream(pool.device).synchronize()
+        for item in copied:
+            try:
                 self._check_peeked(item)
             except Exception as exc:  # noqa: BLE001 - a failed load is recomputed, never fatal
                 self._fail_load(item, exc)
@@ -1409,8 +1434,8 @@ class ShmkvConnector(KVConnectorBase_V1):
     def shutdown(self):
         """Close every handle and the client."""
         if self._role == KVConnectorRole.SCHEDULER:
-            for req_id in list(self._reqs):
-                self._finish(req_id, tell_workers=False)
+            for req_id in list(self._reqs) + list(self._pins):
+                self._finish(req_id, tell_workers=False, final=True)
             if self._settler is not None:
                 self._settler.close()
         else:
