@@ -1395,6 +1395,10 @@ class ShmkvConnector(KVConnectorBase_V1):
             runs = self._runs(handle.block_table, item.block_ids, item.save)
             for layer in range(len(self._k)):
                 self._copy_layer(client.pool, layer, runs, load=False)
+            if client.pool.device.type == "cuda":
+                # queued only: published blocks must hold their bytes before anyone
+                # else may read them
+                torch.cuda.current_stream(client.pool.device).synchronize()
             # Not waited for: the bytes are in the pool now (vLLM may reuse its blocks),
             # and a refused commit is only a later miss (logged by wait_for_save).
             handle.commit(end, wait=False, start=start)
