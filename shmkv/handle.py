@@ -282,7 +282,8 @@ class SequenceView:
 
 class SequencePeek:
     """One sequence's block table as another process's handle holds it, read from the
-    shared tables with no round trip and no reference of its own (:meth:`Client.peek`).
+    shared tables with no round trip and no reference of its own (:meth:`Client.peek`);
+    ``block_table`` is the :class:`BlockTable` read then.
 
     The reader copies what it needs of the blocks, then calls :meth:`check`: the bytes it
     copied are the sequence's only if the sequence was still alive, holding the same
@@ -339,7 +340,7 @@ class SequencePeek:
         return self._client
 
     def check(self) -> None:
-        """Raise unless the sequence is still alive with the blocks :attr:`block_table`
+        """Raise unless the sequence is still alive with the blocks ``block_table``
         names (no round trip on x86).
 
         Raises:
