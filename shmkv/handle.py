@@ -298,7 +298,7 @@ class SequencePeek:
     def __init__(self, client, cache_id: int, slot: int):
         self._client = client
         self._view = SequenceView(cache_id, slot)
-        view = self._read()
+        view = self._view.read(self._client)
         bs = client.config.block_size
         self.block_table = BlockTable(
             tuple(view.blocks[: -(-view.num_tokens // bs)]), bs, view.num_tokens
@@ -326,9 +326,6 @@ class SequencePeek:
             raise InvalidArgument("malformed sequence descriptor (values out of range)")
         return cls(client, cache_id, slot)
 
-    def _read(self) -> SequenceView:
-        return self._view.read(self._client)
-
     @property
     def cache_id(self) -> str:
         """The sequence's id (as :attr:`KvCacheHandle.cache_id` gives it)."""
@@ -351,7 +348,7 @@ class SequencePeek:
         """
         self._client.check()
         self._view.generation = -1  # (read the whole row again)
-        view = self._read()
+        view = self._view.read(self._client)
         blocks = self.block_table.physical_blocks
         if tuple(view.blocks[: len(blocks)]) != blocks:
             raise StaleStep(f"the blocks of {self.cache_id} changed since they were peeked")
