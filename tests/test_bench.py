@@ -172,6 +172,62 @@ def test_vllm_report_from_a_record(tmp_path):
     assert "* (c) >= 3x faster than (a) at 4k: met (33.3x)" in md
     assert "* no-hit overhead <= 5 %: met (2.0 %)" in md
     assert "[vllm-x.json](vllm-x.json)" in md
+    assert "hits where (c) took less" not in md  # (no hook times in this record)
+
+
+def test_vllm_report_reads_pairs_and_hook_times(tmp_path):
+    """The per-rep pairs, the connectors' hook times and the no-hit cost are read from
+    the raw figures: (d)/(c) of each rep, hits where (c) took less, and hooks plus the
+    coordinator's CPU as a share of the wall time."""
+    from shmkv.bench import vllm
+
+    c, d = [0.010, 0.020, 0.030], [0.012, 0.018, 0.036]
+    hooks = {
+        "descriptor": {"own": [0.001, 0.001, 0.001], "copy": [0.001, 0.003, 0.001]},
+        "export": {"own": [0.002, 0.002, 0.002], "copy": [0.001, 0.001, 0.001]},
+        "example": {"own": [0.005, 0.001, 0.005], "copy": [0.0, 0.0, 0.0]},
+    }
+    row = {
+        "tokens": 4096,
+        "recompute": 1.0,
+        "vllm_hit": 0.02,
+        "shmkv_hit": 0.02,
+        "example_hit": 0.018,
+        "shmkv_cached": 3968,
+        "example_cached": 3968,
+        "raw": {"shmkv_hit": c, "example_hit": d},
+        "hooks": {t: {k: sorted(v)[1] for k, v in h.items()} for t, h in hooks.items()},
+        "hooks_raw": hooks,
+    }
+    record = {
+        "date": "d",
+        "vllm": "0.32.0",
+        "torch": "t",
+        "cpus": 2,
+        "reps": 3,
+        "model": {"layers": 4, "kv_heads": 2, "head_dim": 64, "kv_bytes_per_token": 4096},
+        "engine_startup_s": 30.0,
+        "ttft": [row],
+        "throughput_tokens_per_s": {"plain": 1000.0, "shmkv": 900.0},
+        "throughput_raw": {"plain": [1000.0, 900.0, 1100.0], "shmkv": [990.0, 700.0, 1089.0]},
+        "throughput_cost": {
+            "hooks_s": [0.01, 0.02],
+            "coordinator_cpu_s": [0.01, 0.0],
+            "wall_s": [1.0, 1.0],
+        },
+    }
+    base = tmp_path / "results" / "vllm"
+    base.parent.mkdir()
+    base.with_suffix(".json").write_text(json.dumps(record))
+    assert vllm.main(["--report-only", "--out", str(base)]) == 0
+    md = base.with_suffix(".md").read_text()
+    # pairs 1.2, 0.9, 1.2: the median of the medians says 0.90x, the pairs 1.20x
+    assert "4096: 0.90x; per rep, (d)/(c) of the pair: 4096: median 1.20x, 0.90-1.20" in md
+    # all hooks per hit: (c) 2, 4, 2 ms; (d) 5, 1, 5 ms
+    assert "| 4096 | 2.00 ms | 5.00 ms | 2.50x | 2 of 3 |" in md
+    # pairs 1 %, 22.2 %, 1 %: medians 10 %, missed; the pairs' median 1 %
+    assert "* no-hit overhead <= 5 %: missed (10.0 %; per pair of runs: median 1.0 %" in md
+    assert "together 2.00 % (2.00-2.00 %)" in md
 
 
 def test_metrics_summary_is_paired_medians():

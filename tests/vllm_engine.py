@@ -251,7 +251,7 @@ def __getattr__(name: str):
     vLLM loads the class."""
     if name == "NullHitConnector":
         return _null_hit_connector()
-    if name in ("TimedShmkvConnector", "TimedExportShmkvConnector"):
+    if name in ("TimedShmkvConnector", "TimedExportShmkvConnector", "TimedExampleConnector"):
         return _timed_connector(name)
     if name != "FaultyShmkvConnector":
         raise AttributeError(name)
@@ -347,10 +347,18 @@ def _timed_connector(name: str):
     each request's totals go to ``_HOOK_TIMES`` when vLLM reports it finished (the engine
     op ``hook_times`` takes them). ``TimedExportShmkvConnector`` also hands every request's
     sequence to the workers as hand-off tokens (``export``, ``open``, ``close``), as the
-    connector did before loads were read through the lookup's descriptor."""
+    connector did before loads were read through the lookup's descriptor.
+    ``TimedExampleConnector`` is vLLM's in-tree ``ExampleConnector`` timed the same way
+    (its loads, file reads and copies, all inside ``start_load_kv``: no ``copy`` of its
+    own)."""
     import time
 
-    from shmkv.integrations.vllm import ShmkvConnector
+    if name == "TimedExampleConnector":
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
+            ExampleConnector as base,
+        )
+    else:
+        from shmkv.integrations.vllm import ShmkvConnector as base
 
     current = {"hooks": {}, "copy": 0.0}
 
@@ -372,7 +380,8 @@ def _timed_connector(name: str):
 
         return run
 
-    namespace = {h: timed(getattr(ShmkvConnector, h)) for h in HOOKS + ("_copy_layer",)}
+    timed_names = HOOKS + (("_copy_layer",) if hasattr(base, "_copy_layer") else ())
+    namespace = {h: timed(getattr(base, h)) for h in timed_names}
     if name == "TimedExportShmkvConnector":
 
         def _hand_over(self, state, item):
@@ -380,6 +389,6 @@ def _timed_connector(name: str):
             state.exported = True
 
         namespace["_hand_over"] = _hand_over
-    cls = type(name, (ShmkvConnector,), namespace)
+    cls = type(name, (base,), namespace)
     globals()[name] = cls
     return cls

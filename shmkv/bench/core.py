@@ -336,6 +336,13 @@ def format_table(figures: List[Figure]) -> str:
 # -- ratios and spread ----------------------------------------------------------------------
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid``, all its threads (Linux ``/proc``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_model() -> str:
     """The CPU's model name as Linux reports it (``/proc/cpuinfo``), with the widest
     vector extension it lists ("avx512f", "avx2"), or "unknown": compute-bound

@@ -40,6 +40,7 @@ from .core import (
     BenchError,
     markdown_table,
     plot_path,
+    process_cpu_s,
     pyplot,
     result_base,
     spread,
@@ -121,13 +122,6 @@ def _phases(address, prompts, rates, phase_s, start_at, seed, queue) -> None:
     queue.put((seed, out))
 
 
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (Linux ``/proc``)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def one_k(
     cfg,
     prompts,
@@ -171,9 +165,9 @@ def one_k(
                 break
             begin = start_at + i * (phase_s + 1.0)
             time.sleep(max(0.0, begin - time.monotonic()))
-            cpu0, st0 = _cpu_s(coord.pid), client.stats()
+            cpu0, st0 = process_cpu_s(coord.pid), client.stats()
             time.sleep(max(0.0, begin + phase_s - time.monotonic()))
-            cpu1, st1 = _cpu_s(coord.pid), client.stats()
+            cpu1, st1 = process_cpu_s(coord.pid), client.stats()
             host0 = next(t for t in st0["tiers"] if t["tier"] == "host")
             host1 = next(t for t in st1["tiers"] if t["tier"] == "host")
             points.append(
