@@ -137,9 +137,31 @@ def test_vllm_suite_imports_without_vllm():
     assert "--report-only" in proc.stdout
 
 
-def test_vllm_report_from_a_record(tmp_path):
+def _vllm_report(base, rows, throughput, **extra) -> str:
+    """The vLLM suite's report (``--report-only``) of a record with ``rows`` of TTFT and
+    ``throughput`` (tokens/s, plain and shmkv), written at ``base`` (a ``results`` folder:
+    the plot goes to ``plots`` beside it)."""
     from shmkv.bench import vllm
 
+    record = {
+        "date": "d",
+        "vllm": "0.32.0",
+        "torch": "t",
+        "cpus": 2,
+        "reps": 2,
+        "model": {"layers": 4, "kv_heads": 2, "head_dim": 64, "kv_bytes_per_token": 4096},
+        "engine_startup_s": 30.0,
+        "ttft": rows,
+        "throughput_tokens_per_s": throughput,
+        **extra,
+    }
+    base.parent.mkdir(exist_ok=True)
+    base.with_suffix(".json").write_text(json.dumps(record))
+    assert vllm.main(["--report-only", "--out", str(base)]) == 0
+    return base.with_suffix(".md").read_text()
+
+
+def test_vllm_report_from_a_record(tmp_path):
     rows = [
         {
             "tokens": n,
@@ -152,22 +174,7 @@ def test_vllm_report_from_a_record(tmp_path):
         }
         for n, r in ((1024, 0.1), (4096, 0.4))
     ]
-    record = {
-        "date": "d",
-        "vllm": "0.32.0",
-        "torch": "t",
-        "cpus": 2,
-        "reps": 2,
-        "model": {"layers": 4, "kv_heads": 2, "head_dim": 64, "kv_bytes_per_token": 4096},
-        "engine_startup_s": 30.0,
-        "ttft": rows,
-        "throughput_tokens_per_s": {"plain": 1000.0, "shmkv": 980.0},
-    }
-    base = tmp_path / "results" / "vllm-x"
-    base.parent.mkdir()
-    base.with_suffix(".json").write_text(json.dumps(record))
-    assert vllm.main(["--report-only", "--out", str(base)]) == 0
-    md = base.with_suffix(".md").read_text()
+    md = _vllm_report(tmp_path / "results" / "vllm-x", rows, {"plain": 1000.0, "shmkv": 980.0})
     assert "| 4096 | 400.0 ms | 10.0 ms | 12.0 ms (3968 cached) |" in md
     assert "* (c) >= 3x faster than (a) at 4k: met (33.3x)" in md
     assert "* no-hit overhead <= 5 %: met (2.0 %)" in md
@@ -179,8 +186,6 @@ def test_vllm_report_reads_pairs_and_hook_times(tmp_path):
     """The per-rep pairs, the connectors' hook times and the no-hit cost are read from
     the raw figures: (d)/(c) of each rep, hits where (c) took less, and hooks plus the
     coordinator's CPU as a share of the wall time."""
-    from shmkv.bench import vllm
-
     c, d = [0.010, 0.020, 0.030], [0.012, 0.018, 0.036]
     hooks = {
         "descriptor": {"own": [0.001, 0.001, 0.001], "copy": [0.001, 0.003, 0.001]},
@@ -199,28 +204,17 @@ def test_vllm_report_reads_pairs_and_hook_times(tmp_path):
         "hooks": {t: {k: sorted(v)[1] for k, v in h.items()} for t, h in hooks.items()},
         "hooks_raw": hooks,
     }
-    record = {
-        "date": "d",
-        "vllm": "0.32.0",
-        "torch": "t",
-        "cpus": 2,
-        "reps": 3,
-        "model": {"layers": 4, "kv_heads": 2, "head_dim": 64, "kv_bytes_per_token": 4096},
-        "engine_startup_s": 30.0,
-        "ttft": [row],
-        "throughput_tokens_per_s": {"plain": 1000.0, "shmkv": 900.0},
-        "throughput_raw": {"plain": [1000.0, 900.0, 1100.0], "shmkv": [990.0, 700.0, 1089.0]},
-        "throughput_cost": {
+    md = _vllm_report(
+        tmp_path / "results" / "vllm",
+        [row],
+        {"plain": 1000.0, "shmkv": 900.0},
+        throughput_raw={"plain": [1000.0, 900.0, 1100.0], "shmkv": [990.0, 700.0, 1089.0]},
+        throughput_cost={
             "hooks_s": [0.01, 0.02],
             "coordinator_cpu_s": [0.01, 0.0],
             "wall_s": [1.0, 1.0],
         },
-    }
-    base = tmp_path / "results" / "vllm"
-    base.parent.mkdir()
-    base.with_suffix(".json").write_text(json.dumps(record))
-    assert vllm.main(["--report-only", "--out", str(base)]) == 0
-    md = base.with_suffix(".md").read_text()
+    )
     # pairs 1.2, 0.9, 1.2: the median of the medians says 0.90x, the pairs 1.20x
     assert "4096: 0.90x; per rep, (d)/(c) of the pair: 4096: median 1.20x, 0.90-1.20" in md
     # all hooks per hit: (c) 2, 4, 2 ms; (d) 5, 1, 5 ms
