@@ -29,7 +29,14 @@ if importlib.util.find_spec("vllm") is None:  # found without importing it (seco
 
 from conftest import _children, shm_entries, socket_files  # noqa: E402
 from test_remote import SERVER, RedisServer, _free_port  # noqa: E402
-from vllm_engine import BLOCK, Engine, connector_config, make_model, prompt  # noqa: E402
+from vllm_engine import (  # noqa: E402
+    BLOCK,
+    Engine,
+    connector_config,
+    make_model,
+    prompt,
+    sem_path,
+)
 
 import shmkv  # noqa: E402
 
@@ -117,6 +124,9 @@ def engines(tmp_path_factory, names):
             e.close()
         for e in started.values():
             ENGINE_PIDS.discard(e.proc.pid)
+        # the engines' semaphores (vLLM's and tqdm's locks) went with them
+        left = [n for e in started.values() for n in e.semaphores if os.path.exists(sem_path(n))]
+        assert not left, f"semaphores outlived their engines: {left}"
         # vLLM's CPU all-reduce segments of the TP engine (vllm_dist_<instance id>-...):
         # its rank processes are terminated at shutdown and never unlink them.
         for path in set(glob.glob("/dev/shm/vllm_dist_*")) - vllm_shm:

@@ -59,6 +59,51 @@ _FAULT = {"handoff": 0}  # requests whose hand-off tokens the next steps damage
 _HOOK_TIMES: list = []
 
 
+def _track_semaphores() -> set:
+    """The names of the POSIX semaphores this process creates from now on and has not
+    removed (tqdm's and vLLM's ``multiprocessing`` locks): the engine exits with
+    ``os._exit``, which runs no finalizer, so it removes them itself
+    (:func:`_unlink_semaphores`) rather than leave them in ``/dev/shm`` until the parent's
+    resource tracker ends."""
+    from multiprocessing import resource_tracker
+
+    names: set = set()
+    register, unregister = resource_tracker.register, resource_tracker.unregister
+
+    def tracked_register(name, rtype):
+        if rtype == "semaphore":
+            names.add(name)
+        register(name, rtype)
+
+    def tracked_unregister(name, rtype):
+        names.discard(name)
+        unregister(name, rtype)
+
+    resource_tracker.register, resource_tracker.unregister = tracked_register, tracked_unregister
+    return names
+
+
+def sem_path(name: str) -> str:
+    """Where Linux keeps the POSIX semaphore ``name`` (``/mp-...``)."""
+    return "/dev/shm/sem." + name.lstrip("/")
+
+
+def _unlink_semaphores(names: set) -> list:
+    """Remove the semaphores of :func:`_track_semaphores` (their holders keep them open)
+    and tell the resource tracker; returns their names, as created."""
+    import _multiprocessing
+    from multiprocessing import resource_tracker
+
+    done = sorted(names)
+    for name in done:
+        try:
+            _multiprocessing.sem_unlink(name)
+        except OSError:
+            pass  # removed already
+        resource_tracker.unregister(name, "semaphore")
+    return done
+
+
 def _serve(conn, model: str, kv: dict | None, options: dict) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -68,6 +113,7 @@ def _serve(conn, model: str, kv: dict | None, options: dict) -> None:
     # several engines share 2 CPUs: no binding of OpenMP threads to cores
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("OMP_NUM_THREADS", str(options.get("threads", 1)))
+    semaphores = _track_semaphores()
     import logging
 
     logging.getLogger("shmkv").addHandler(logging.StreamHandler())
@@ -104,7 +150,7 @@ def _serve(conn, model: str, kv: dict | None, options: dict) -> None:
             if op == "stop":
                 if options.get("tp", 1) > 1:
                     llm.llm_engine.engine_core.shutdown()  # stops the rank processes
-                conn.send(("ok", None))
+                conn.send(("stopped", _unlink_semaphores(semaphores)))
                 conn.close()
                 # vLLM's exit handlers take seconds; nothing of this process needs them
                 # (the engine core runs here, and shmkv's peers notice the closed socket)
@@ -173,6 +219,9 @@ class Engine:
         self.proc.start()
         child.close()
         self._pending = None
+        # the names of the semaphores the engine removed as it stopped (vLLM's and
+        # tqdm's locks: its os._exit runs no finalizer)
+        self.semaphores: list = []
         self.started = time.monotonic()
         self._timeout = timeout
 
@@ -217,7 +266,12 @@ class Engine:
         if self.proc.is_alive():
             try:
                 self.conn.send(("stop", None))
-                self.conn.poll(10)
+                deadline = time.monotonic() + 10
+                while self.conn.poll(max(0.0, deadline - time.monotonic())):
+                    status, value = self.conn.recv()  # (an answer still pending goes)
+                    if status == "stopped":
+                        self.semaphores = value
+                        break
             except (OSError, EOFError):
                 pass
             self.proc.join(10)
