@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -207,12 +208,12 @@ def test_vllm_report_reads_pairs_and_hook_times(tmp_path):
     md = _vllm_report(
         tmp_path / "results" / "vllm",
         [row],
-        {"plain": 1000.0, "shmkv": 900.0},
+        {"plain": 1000.0, "shmkv": 900.0, "timed": 910.0},
         throughput_raw={"plain": [1000.0, 900.0, 1100.0], "shmkv": [990.0, 700.0, 1089.0]},
         throughput_cost={
             "hooks_s": [0.01, 0.02],
             "coordinator_cpu_s": [0.01, 0.0],
-            "wall_s": [1.0, 1.0],
+            "wall_s": [1.0, 3.0],
         },
     )
     # pairs 1.2, 0.9, 1.2: the median of the medians says 0.90x, the pairs 1.20x
@@ -221,7 +222,34 @@ def test_vllm_report_reads_pairs_and_hook_times(tmp_path):
     assert "| 4096 | 2.00 ms | 5.00 ms | 2.50x | 2 of 3 |" in md
     # pairs 1 %, 22.2 %, 1 %: medians 10 %, missed; the pairs' median 1 %
     assert "* no-hit overhead <= 5 %: missed (10.0 %; per pair of runs: median 1.0 %" in md
-    assert "together 2.00 % (2.00-2.00 %)" in md
+    # over all the runs' wall time: hooks 0.03 / 4 s, coordinator 0.01 / 4 s; by run 2 %
+    # and 0.67 %
+    assert "hooks 0.75 %, coordinator 0.25 %, together 1.00 % (by run 0.67-2.00 %)" in md
+    assert "(`TimedShmkvConnector`; 910 tokens/s, median)" in md
+    assert "turned one place on each rep" in md
+
+
+def test_an_older_vllm_record_keeps_its_method():
+    """A record from before the hits were timed in a turning order is reported with the
+    order it was timed in."""
+    from shmkv.bench import vllm
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(
+        core.result_base("vllm-before-descriptors", os.path.join(root, "benchmarks")) + ".json"
+    ) as f:
+        record = json.load(f)
+    md = vllm.markdown(record)
+    assert "(c) and (c'') take turns going first." in md
+    assert "turned one place" not in md
+
+
+def test_process_cpu_s_counts_this_process_busy():
+    start, wall = core.process_cpu_s(os.getpid()), time.monotonic()
+    while time.monotonic() - wall < 0.3:
+        sum(range(1000))
+    spent = core.process_cpu_s(os.getpid()) - start
+    assert 0 < spent <= time.monotonic() - wall + 0.05
 
 
 def test_metrics_summary_is_paired_medians():

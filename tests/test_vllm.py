@@ -29,14 +29,7 @@ if importlib.util.find_spec("vllm") is None:  # found without importing it (seco
 
 from conftest import _children, shm_entries, socket_files  # noqa: E402
 from test_remote import SERVER, RedisServer, _free_port  # noqa: E402
-from vllm_engine import (  # noqa: E402
-    BLOCK,
-    Engine,
-    connector_config,
-    make_model,
-    prompt,
-    sem_path,
-)
+from vllm_engine import BLOCK, Engine, connector_config, make_model, prompt  # noqa: E402
 
 import shmkv  # noqa: E402
 
@@ -93,6 +86,12 @@ def names():
     return {"node1": tag + "-n1", "node2": tag + "-n2"}
 
 
+def _mapped_here() -> set:
+    """The ``/dev/shm`` files this process maps (its own POSIX semaphores among them)."""
+    with open("/proc/self/maps") as f:
+        return {line.split(None, 5)[5].strip() for line in f if "/dev/shm/" in line}
+
+
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory, names):
     model = make_model(str(tmp_path_factory.mktemp("model")))
@@ -112,6 +111,7 @@ def engines(tmp_path_factory, names):
     options = {"tp": {"tp": 2}}
     started = {}
     vllm_shm = set(glob.glob("/dev/shm/vllm_dist_*"))
+    semaphores = set(glob.glob("/dev/shm/sem.*"))
     try:
         for key, kv in specs.items():  # all five start at once
             started[key] = Engine(model, kv, **options.get(key, {}))
@@ -124,9 +124,10 @@ def engines(tmp_path_factory, names):
             e.close()
         for e in started.values():
             ENGINE_PIDS.discard(e.proc.pid)
-        # the engines' semaphores (vLLM's and tqdm's locks) went with them
-        left = [n for e in started.values() for n in e.semaphores if os.path.exists(sem_path(n))]
-        assert not left, f"semaphores outlived their engines: {left}"
+        # the engines' semaphores (vLLM's and tqdm's locks) went with them: none is new
+        # but those this process has open itself
+        left = set(glob.glob("/dev/shm/sem.*")) - semaphores - _mapped_here()
+        assert not left, f"semaphores outlived their engines: {sorted(left)}"
         # vLLM's CPU all-reduce segments of the TP engine (vllm_dist_<instance id>-...):
         # its rank processes are terminated at shutdown and never unlink them.
         for path in set(glob.glob("/dev/shm/vllm_dist_*")) - vllm_shm:

@@ -83,25 +83,18 @@ def _track_semaphores() -> set:
     return names
 
 
-def sem_path(name: str) -> str:
-    """Where Linux keeps the POSIX semaphore ``name`` (``/mp-...``)."""
-    return "/dev/shm/sem." + name.lstrip("/")
-
-
-def _unlink_semaphores(names: set) -> list:
+def _unlink_semaphores(names: set) -> None:
     """Remove the semaphores of :func:`_track_semaphores` (their holders keep them open)
-    and tell the resource tracker; returns their names, as created."""
+    and tell the resource tracker."""
     import _multiprocessing
     from multiprocessing import resource_tracker
 
-    done = sorted(names)
-    for name in done:
+    for name in sorted(names):
         try:
             _multiprocessing.sem_unlink(name)
         except OSError:
             pass  # removed already
         resource_tracker.unregister(name, "semaphore")
-    return done
 
 
 def _serve(conn, model: str, kv: dict | None, options: dict) -> None:
@@ -150,7 +143,8 @@ def _serve(conn, model: str, kv: dict | None, options: dict) -> None:
             if op == "stop":
                 if options.get("tp", 1) > 1:
                     llm.llm_engine.engine_core.shutdown()  # stops the rank processes
-                conn.send(("stopped", _unlink_semaphores(semaphores)))
+                _unlink_semaphores(semaphores)
+                conn.send(("stopped", None))
                 conn.close()
                 # vLLM's exit handlers take seconds; nothing of this process needs them
                 # (the engine core runs here, and shmkv's peers notice the closed socket)
@@ -219,9 +213,6 @@ class Engine:
         self.proc.start()
         child.close()
         self._pending = None
-        # the names of the semaphores the engine removed as it stopped (vLLM's and
-        # tqdm's locks: its os._exit runs no finalizer)
-        self.semaphores: list = []
         self.started = time.monotonic()
         self._timeout = timeout
 
@@ -268,9 +259,7 @@ class Engine:
                 self.conn.send(("stop", None))
                 deadline = time.monotonic() + 10
                 while self.conn.poll(max(0.0, deadline - time.monotonic())):
-                    status, value = self.conn.recv()  # (an answer still pending goes)
-                    if status == "stopped":
-                        self.semaphores = value
+                    if self.conn.recv()[0] == "stopped":  # (an answer still pending goes)
                         break
             except (OSError, EOFError):
                 pass

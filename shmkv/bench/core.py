@@ -337,7 +337,23 @@ def format_table(figures: List[Figure]) -> str:
 
 
 def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid``, all its threads (Linux ``/proc``)."""
+    """CPU seconds of process ``pid`` (Linux ``/proc``): the nanosecond run times of its
+    live threads (``task/*/schedstat``), else user + system time in clock ticks (10 ms:
+    too coarse for a run of a second or two)."""
+    total, read = 0, False
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        tasks = []
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+            read = True
+        except (OSError, ValueError, IndexError):
+            continue  # a thread gone meanwhile
+    if read:
+        return total / 1e9
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -76,6 +76,7 @@ HIT_KEYS = {
 }
 TIMED = {"shmkv2": "descriptor", "shmkv_export": "export", "example2": "example"}
 THROUGHPUT_REPS = 9  # at least; each pair of runs takes about 5 s
+COST_KEYS = ("hooks_s", "coordinator_cpu_s", "wall_s")
 
 
 def engine_driver() -> ModuleType:
@@ -210,7 +211,7 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
                 "null",
             ):
                 engines[key].generate([w], 1, 300)
-            for _ in range(reps):
+            for rep in range(reps):
                 seed += 1
                 p = ve.prompt(seed, n)
                 # Every engine computes or stores the prompt before any hit is timed, so
@@ -227,12 +228,13 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
                 engines["shmkv1"].generate([p], 1, 300)
                 engines["example1"].generate([p], 1, 300)
                 rec["vllm_hit"].append(ttft(engines["plain"], p))
-                # The hits from other engines, timed one right after another, each rep
-                # in an order turned one place on from the last: each takes each place
-                # equally often, and (c) and (d) of one rep meet the machine in about
-                # the same state (their ratio is read per rep, paired).
+                # The hits from other engines, timed one after another, each rep in an
+                # order turned one place on from the last (each takes each place equally
+                # often over a multiple of 5 reps): (c) and (d) of one rep, at most four
+                # places apart, meet the machine in about the same state (their ratio
+                # is read per rep, as a pair).
                 order = list(HIT_KEYS)
-                turn = seed % len(order)
+                turn = rep % len(order)
                 for key in order[turn:] + order[:turn]:
                     if key in TIMED:
                         engines[key].call("hook_times")  # (the untimed requests' records go)
@@ -269,8 +271,8 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
         # and the timed connector's engine, whose hooks' seconds, with the
         # coordinator's CPU seconds over its run, are what the connector cost there.
         tput: Dict[str, List[float]] = {"plain": [], "shmkv": [], "timed": []}
-        cost: Dict[str, List[float]] = {"hooks_s": [], "coordinator_cpu_s": [], "wall_s": []}
-        for rep in range(max(reps, THROUGHPUT_REPS)):
+        cost: Dict[str, List[float]] = {k: [] for k in COST_KEYS}
+        for rep in range(reps if args.quick else max(reps, THROUGHPUT_REPS)):
             for i, key in enumerate(("plain", "shmkv", "timed")):
                 eng = {"plain": "plain", "shmkv": "shmkv1", "timed": "shmkv2"}[key]
                 ps = [ve.prompt(50000 + 100 * rep + 30 * i + j, 1024) for j in range(8)]
@@ -406,9 +408,14 @@ def markdown(r: Dict[str, Any], name: str = NAME) -> str:
         "an external hit costs vLLM itself, the floor under (c) and (d). (c'') is (c) "
         "with every sequence handed to the workers as hand-off tokens (`export`, `open`, "
         "`close`: `TimedExportShmkvConnector`), the path loads took before the workers "
-        "read them through the lookup's descriptor. The hits from other engines ((c), "
-        "(c''), (d), (e), (c')) are timed one right after another, in an order turned one "
-        "place on each rep, so (d)/(c) is also read per rep, of the pair.",
+        "read them through the lookup's descriptor. "
+        + (
+            "The hits from other engines ((c), (c''), (d), (e), (c')) are timed one after "
+            "another, in an order turned one place on each rep, so (d)/(c) is also read "
+            "per rep, as a pair."
+            if "throughput_cost" in r
+            else "(c) and (c'') take turns going first."
+        ),
         "",
         markdown_table(rows),
     ]
@@ -483,7 +490,7 @@ def markdown(r: Dict[str, Any], name: str = NAME) -> str:
 
     cb = {n: row["shmkv_hit"] / row["vllm_hit"] for n, row in by.items()}
     dc = {n: row["example_hit"] / row["shmkv_hit"] for n, row in by.items()}
-    # (d)/(c) of each rep's pair, timed one right after the other
+    # (d)/(c) of each rep's pair, timed within the same rep
     paired = {
         n: sorted(d / c for c, d in zip(row["raw"]["shmkv_hit"], row["raw"]["example_hit"]))
         for n, row in by.items()
@@ -542,17 +549,18 @@ def markdown(r: Dict[str, Any], name: str = NAME) -> str:
         "",
     ]
     if cost and cost["wall_s"]:
-        hooks = [h / w for h, w in zip(cost["hooks_s"], cost["wall_s"])]
-        coord = [c / w for c, w in zip(cost["coordinator_cpu_s"], cost["wall_s"])]
-        both = sorted(h + c for h, c in zip(hooks, coord))
+        wall = sum(cost["wall_s"])
+        hooks, coord = sum(cost["hooks_s"]) / wall, sum(cost["coordinator_cpu_s"]) / wall
+        each = sorted((h + c) / w for h, c, w in zip(*(cost[k] for k in COST_KEYS)))
         lines += [
-            "What the connector costs in those runs, measured where it is spent rather than "
-            "as a difference of two noisy throughputs: the seconds inside its hooks in the "
-            "engine (lookups, saves' copies into the pool, commits; `TimedShmkvConnector`) "
-            "and the coordinator's CPU seconds, each as a share of the run's wall time, "
-            f"median of {len(both)} runs: hooks {median(hooks) * 100:.2f} %, coordinator "
-            f"{median(coord) * 100:.2f} %, together {median(both) * 100:.2f} % "
-            f"({both[0] * 100:.2f}-{both[-1] * 100:.2f} %).",
+            "What the connector costs in such runs, measured where it is spent rather than "
+            "as a difference of two noisy throughputs, on the engine of (c), whose hooks are "
+            f"timed (`TimedShmkvConnector`; {t['timed']:.0f} tokens/s, median): the seconds "
+            "inside its hooks (lookups, the saves' copies into the pool, commits) and the "
+            "coordinator's CPU seconds, as shares of the wall time of all "
+            f"{len(each)} runs together: hooks {hooks * 100:.2f} %, coordinator "
+            f"{coord * 100:.2f} %, together {(hooks + coord) * 100:.2f} % (by run "
+            f"{each[0] * 100:.2f}-{each[-1] * 100:.2f} %).",
             "",
         ]
     lines += [
