@@ -57,6 +57,7 @@ class Ops:
     _started_at: float
     client_counts: Dict[str, List[int]]
     _populator: Optional[Populator]
+    _loop_slice_ns: Optional[int]
     _promoting: Dict[int, int]
 
     def _name_client(self, conn, name: Optional[str]) -> None:
@@ -323,6 +324,11 @@ class Ops:
                 "pool_bytes": self.config.nbytes,
                 "block_bytes": self.config.block_nbytes,
                 "config": self.config.to_wire(),
+                # the loop thread's CPU slice while it serves (None: not asked for, or
+                # this kernel keeps no such request; see shmkv.sched)
+                "loop_slice_us": (
+                    None if self._loop_slice_ns is None else self._loop_slice_ns / 1e3
+                ),
             }
         )
         out["pool_memory"] = self.pool_memory_stats()

@@ -267,11 +267,13 @@ def test_stress_with_a_redis_store_reads_it_back_from_a_second_coordinator(tmp_p
 
 def test_serve_no_populate_and_hugepages_flags(tmp_path):
     """--no-populate leaves the pool unpopulated; --hugepages without free huge pages says
-    so plainly and serves from /dev/shm."""
+    so plainly and serves from /dev/shm; --loop-slice-us is the loop thread's slice."""
+    from test_control_plane import _slices_kept
+
     address = str(tmp_path / "serve.sock")
     argv = [sys.executable, "-m", "shmkv", "serve", "--address", address, "--num-blocks", "16"]
     proc = subprocess.Popen(
-        argv + ["--no-populate", "--hugepages"],
+        argv + ["--no-populate", "--hugepages", "--loop-slice-us", "2500"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -282,8 +284,10 @@ def test_serve_no_populate_and_hugepages_flags(tmp_path):
             out.append(lines.get(timeout=60))
             assert out[-1], "serve exited before it served"
         with shmkv.connect(address, timeout=10) as client:
-            memory = client.stats()["pool_memory"]
+            stats = client.stats()
+        memory = stats["pool_memory"]
         assert memory["populate"]["state"] == "off"
+        assert stats["loop_slice_us"] == (2500.0 if _slices_kept() else None)
         if not memory["hugepages"]:
             line = lines.get(timeout=10)
             assert line.startswith("  hugepages: not used,") and "huge pages" in line, line
@@ -296,3 +300,13 @@ def test_serve_no_populate_and_hugepages_flags(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def test_serve_refuses_a_loop_slice_outside_the_kernels_bounds(tmp_path):
+    argv = [sys.executable, "-m", "shmkv", "serve", "--address", str(tmp_path / "s.sock")]
+    proc = subprocess.run(
+        argv + ["--loop-slice-us", "50"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2
+    assert "must be 0 or lie in [100, 100000]" in proc.stderr
+    assert not (tmp_path / "s.sock").exists()

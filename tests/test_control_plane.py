@@ -752,3 +752,129 @@ def test_spin_us_zero_never_polls(small_config, unique_name):
         for _ in range(50):
             client.ping()
         assert calls == []
+
+
+# -- the order the loop serves ready connections in ---------------------------------------
+
+
+def test_a_client_sending_back_to_back_does_not_pass_one_that_waits(small_config, unique_name):
+    """epoll lists the socket it reported last ahead of sockets that became ready since:
+    a client whose next request comes at once must not be served again before one
+    whose request was already waiting. Both allocate; the cache ids' serials give the
+    order."""
+    import selectors
+    import socket
+
+    from shmkv import connections
+
+    coord = shmkv.Coordinator(small_config, name=unique_name)
+    coord.open()
+    selector = selectors.DefaultSelector()
+    peers = {}
+    try:
+        for conn_id in (1, 2):
+            mine, theirs = socket.socketpair()
+            mine.setblocking(False)
+            theirs.settimeout(5)
+            conn = connections._Conn(mine, conn_id, os.getpid(), coord.max_frame)
+            conn.greeted = True
+            coord._conns[conn_id] = conn
+            coord.table.add_connection(conn_id)
+            selector.register(mine, selectors.EVENT_READ, conn)
+            peers[conn_id] = (conn, theirs, protocol.FrameDecoder())
+
+        def send(conn_id, request_id):
+            peers[conn_id][1].sendall(
+                protocol.encode_request(request_id, "allocate", {"num_tokens": 3})
+            )
+
+        def serial(conn_id):  # of the sequence the answer gives
+            _, theirs, decoder = peers[conn_id]
+            while True:
+                frames = list(decoder.feed(theirs.recv(1 << 16)))
+                if frames:
+                    cache_id = protocol.parse_response(frames[0]).unwrap()["cache_id"]
+                    return cache_id >> coord.table.slot_bits
+
+        def ready_listing(first):  # the ready sockets, listed as epoll lists them
+            ready = selector.select(1.0)
+            return sorted(ready, key=lambda kv: kv[0].data.conn_id != first)
+
+        send(1, 10)  # the busy client is served ...
+        coord._serve_ready(selector, selector.select(1.0))
+        first = serial(1)
+        send(2, 20)  # ... another client's request comes, then the busy one's next
+        send(1, 11)
+        coord._serve_ready(selector, ready_listing(first=1))
+        waited, again = serial(2), serial(1)
+        assert first < waited < again  # the waiting client went first
+        coord.table.check_invariants()
+    finally:
+        selector.close()
+        for _, theirs, _ in peers.values():
+            theirs.close()
+        coord.close()
+
+
+# -- the loop thread's CPU slice (Coordinator.loop_slice_us, shmkv.sched) -------------------
+
+
+def _slices_kept() -> bool:
+    """Whether this kernel keeps a thread's requested slice (EEVDF, 6.12 and later)."""
+    from shmkv import sched
+
+    before = sched.thread_slice()
+    try:
+        return before is not None and sched.set_thread_slice(200_000) == 200_000
+    finally:
+        if before is not None:
+            sched.set_thread_slice(before)
+
+
+@pytest.mark.skipif(not _slices_kept(), reason="this kernel keeps no per-thread slice")
+def test_the_loop_thread_asks_for_a_short_slice_and_gives_it_back(small_config, unique_name):
+    """The serving thread runs with the slice asked for, read from the kernel by its
+    thread id; the thread's own slice is back once the loop ends."""
+    import threading
+
+    from shmkv import sched
+
+    for asked in (100.0, 2500.0):
+        coord = shmkv.Coordinator(small_config, name=unique_name, loop_slice_us=asked)
+        coord.open()
+        seen = {}
+
+        def serve(coord, seen):
+            seen["tid"], seen["before"] = threading.get_native_id(), sched.thread_slice()
+            coord.serve_forever()
+            seen["after"] = sched.thread_slice()
+
+        loop = threading.Thread(target=serve, args=(coord, seen))
+        loop.start()
+        try:
+            with shmkv.connect(coord.address, timeout=10) as client:
+                assert client.stats()["loop_slice_us"] == asked
+                assert sched.thread_slice(seen["tid"]) == asked * 1000
+        finally:
+            coord.stop()
+            loop.join(10)
+        assert not loop.is_alive()
+        assert seen["after"] == seen["before"] != asked * 1000
+
+
+def test_loop_slice_zero_leaves_the_thread_alone(small_config, unique_name):
+    from shmkv import sched
+
+    before = sched.thread_slice()
+    with (
+        shmkv.Coordinator(small_config, name=unique_name, loop_slice_us=0) as coord,
+        shmkv.connect(coord.address, timeout=10) as client,
+    ):
+        assert client.stats()["loop_slice_us"] is None
+        assert sched.thread_slice() == before
+
+
+@pytest.mark.parametrize("bad", [-1, 50, 99.9, 100001, float("nan"), float("inf"), True, "100"])
+def test_a_loop_slice_outside_the_kernels_bounds_is_refused(small_config, unique_name, bad):
+    with pytest.raises(errors.InvalidArgument, match="loop_slice_us must be 0 or"):
+        shmkv.Coordinator(small_config, name=unique_name, loop_slice_us=bad)

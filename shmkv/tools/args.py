@@ -60,6 +60,13 @@ spin_arg = _checked(
     "must lie in [0, 10000]",
     "Microseconds of polling, 0-10000.",
 )
+loop_slice_arg = _checked(
+    "loop_slice_arg",
+    _float,
+    lambda v: v == 0 or 100 <= v <= 100000,
+    "must be 0 or lie in [100, 100000]",
+    "Microseconds of CPU slice: 0, or 100-100000.",
+)
 fraction = _checked(
     "fraction", _float, lambda v: 0.0 <= v <= 1.0, "must lie in [0, 1]", "A number in [0, 1]."
 )

@@ -22,6 +22,7 @@ from .args import (
     device_arg,
     dtype_arg,
     log_level_arg,
+    loop_slice_arg,
     name_arg,
     non_negative_int,
     port_arg,
@@ -258,6 +259,7 @@ def cmd_serve(args) -> int:
         metrics_host=args.metrics_host,
         tiers=tier_specs(args),
         spin_us=DEFAULT_SPIN_US if args.spin_us is None else args.spin_us,
+        loop_slice_us=args.loop_slice_us,
         populate=not args.no_populate,
         hugepages=args.hugepages,
     )
@@ -435,6 +437,15 @@ def build_parser() -> Parser:
         help="after serving a request, poll this many microseconds for the next "
         "one before sleeping (skips a wake-up per request under load; 0: "
         "never; never on a one-CPU machine; default: 300)",
+    )
+    p.add_argument(
+        "--loop-slice-us",
+        type=loop_slice_arg,
+        default=100.0,
+        metavar="US",
+        help="the CPU slice the loop's thread asks the scheduler for (Linux 6.12+): "
+        "short, the loop is picked ahead of the clients it wakes (100-100000; 0: the "
+        "thread's own; default: 100)",
     )
     p.add_argument(
         "--no-populate",
