@@ -32,7 +32,12 @@ MAX_SLICE_NS = 100_000_000
 _ATTR = struct.Struct("IIqiIQQQII")
 _SCHED_OTHER = 0
 # sched_setattr / sched_getattr syscall numbers by machine (no libc wrapper before glibc 2.41)
-_SYSCALLS = {"x86_64": (314, 315), "aarch64": (274, 275), "ppc64le": (355, 356)}
+_SYSCALLS = {
+    "x86_64": (314, 315),
+    "aarch64": (274, 275),
+    "riscv64": (274, 275),
+    "ppc64le": (355, 356),
+}
 _libc = None
 
 

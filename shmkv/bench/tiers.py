@@ -1,6 +1,6 @@
 """Suite ``tiers``: benchmarks of the tiers under the pool (host memory, local disk).
 
-    shmkv bench --only tiers [--quick] [-- --only ping --spin-us 150]
+    shmkv bench --only tiers [--quick] [-- --only ping --spin-us 150 --loop-slice-us 0]
     shmkv bench --only tiers -- --make-trace benchmarks/traces/chat.jsonl
 
 Measures, each against its baseline:
@@ -406,8 +406,12 @@ def ping_run(
 
 
 def spin(args) -> dict:
-    """The coordinator's ``spin_us`` when ``--spin-us`` is given (else spawn's default)."""
-    return {} if args.spin_us is None else {"spin_us": args.spin_us}
+    """The coordinator's ``spin_us`` and ``loop_slice_us`` where ``--spin-us`` and
+    ``--loop-slice-us`` are given (else spawn's defaults)."""
+    options = {} if args.spin_us is None else {"spin_us": args.spin_us}
+    if args.loop_slice_us is not None:
+        options["loop_slice_us"] = args.loop_slice_us
+    return options
 
 
 def bench_pings(args, root) -> dict:
@@ -443,6 +447,7 @@ def bench_ping(args, root) -> dict:
             wait_idle(client)
             run = ping_run(coord.address, prompts, cfg.block_size, args.ping_cycles)
             run["p99_ratio"] = run["promoting"]["p99_us"] / run["idle"]["p99_us"]
+            run["loop_slice_us"] = client.stats()["loop_slice_us"]
             out[kind] = run
         shutil.rmtree(os.path.join(root, "ping"), ignore_errors=True)
     # The control: no tier, the same prompts are pool hits, allocated and released at the
@@ -782,6 +787,17 @@ def _commands(commands: dict) -> str:
     return "; ".join(f"`{command}` ({', '.join(names)})" for command, names in parts.items())
 
 
+def _slice_line(ping: dict) -> str:
+    """What CPU slice the coordinators' loop thread ran with (``loop_slice_us``)."""
+    own = "The coordinators' loop thread ran with its own CPU slice"
+    if "loop_slice_us" not in ping.get("disk", {}):
+        return f"{own} (a build before `loop_slice_us`)."
+    got = ping["disk"]["loop_slice_us"]
+    if got is None:
+        return f"{own} (`loop_slice_us` 0, or a kernel that keeps none)."
+    return f"The coordinators' loop thread asked for a CPU slice of {got:g} us (`loop_slice_us`)."
+
+
 def markdown(res: dict) -> str:
     lines = [
         "# Tiers under the pool",
@@ -839,6 +855,8 @@ def markdown(res: dict) -> str:
             'a ping ("promoted blocks/s": 0). "copies alone": a process copying '
             "as many blocks a second as the host run promoted, at the tier I/O "
             "process's priority, sending no request.",
+            "",
+            _slice_line(p),
             "",
             "| tier | idle p50 us | idle p99 us | promoting p50 us | promoting p99 us | "
             "p99 ratio | promoted blocks/s |",
@@ -972,6 +990,13 @@ def main(argv=None) -> int:
         type=float,
         default=None,
         help="the coordinator's spin_us in the ping runs (default: spawn's)",
+    )
+    parser.add_argument(
+        "--loop-slice-us",
+        type=float,
+        default=None,
+        help="the coordinator's loop_slice_us in the ping runs (default: the coordinator's; "
+        "0: the loop thread's own slice)",
     )
     parser.add_argument(
         "--decode-us",
