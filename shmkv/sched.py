@@ -31,6 +31,7 @@ MAX_SLICE_NS = 100_000_000
 # deadline, period, util_min, util_max.
 _ATTR = struct.Struct("IIqiIQQQII")
 _SCHED_OTHER = 0
+_RESET_ON_FORK = 0x01  # a sched_flags bit kept as the thread had it
 # sched_setattr / sched_getattr syscall numbers by machine (no libc wrapper before glibc 2.41)
 _SYSCALLS = {
     "x86_64": (314, 315),
@@ -41,11 +42,14 @@ _SYSCALLS = {
 _libc = None
 
 
-def _syscall(number: int, *args) -> int:
+def _syscall(number: int, tid: int, attr, *flags: int) -> int:
+    """``syscall(number, tid, attr, *flags)``: 0, or the errno. Every integer goes as a
+    C long: syscall(2) is variadic and reads each argument as one."""
     global _libc
     if _libc is None:
         _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-    if _libc.syscall(number, *args) == 0:
+    args = [ctypes.c_long(number), ctypes.c_long(tid), attr]
+    if _libc.syscall(*args, *(ctypes.c_long(flag) for flag in flags)) == 0:
         return 0
     return ctypes.get_errno() or -1
 
@@ -61,7 +65,7 @@ def _attr(tid: int) -> Optional[tuple]:
     if numbers is None:
         return None
     buf = ctypes.create_string_buffer(_ATTR.size)
-    if _syscall(numbers[1], ctypes.c_int(tid), buf, ctypes.c_uint(_ATTR.size), ctypes.c_uint(0)):
+    if _syscall(numbers[1], tid, buf, _ATTR.size, 0):
         return None
     return _ATTR.unpack(buf.raw)
 
@@ -76,9 +80,9 @@ def thread_slice(tid: int = 0) -> Optional[int]:
 
 def set_thread_slice(slice_ns: int) -> Optional[int]:
     """Ask for a slice of ``slice_ns`` for the calling thread (0: the kernel's default),
-    keeping its nice value. Returns the slice now in effect (the kernel clamps it), or
-    None when the kernel keeps no such request (nothing was changed then; logged at
-    DEBUG with why)."""
+    keeping its nice value and its reset-on-fork flag. Returns the slice now in effect
+    (the kernel clamps it), or None when the kernel keeps no such request (nothing was
+    changed then; logged at DEBUG with why)."""
     numbers, attr = _numbers(), _attr(0)
     if numbers is None or attr is None or attr[1] != _SCHED_OTHER:
         log.debug(
@@ -88,9 +92,12 @@ def set_thread_slice(slice_ns: int) -> Optional[int]:
         )
         return None
     request = ctypes.create_string_buffer(
-        _ATTR.pack(_ATTR.size, _SCHED_OTHER, 0, attr[3], 0, slice_ns, 0, 0, 0, 0), _ATTR.size
+        _ATTR.pack(
+            _ATTR.size, _SCHED_OTHER, attr[2] & _RESET_ON_FORK, attr[3], 0, slice_ns, 0, 0, 0, 0
+        ),
+        _ATTR.size,
     )
-    err = _syscall(numbers[0], ctypes.c_int(0), request, ctypes.c_uint(0))
+    err = _syscall(numbers[0], 0, request, 0)
     if err:
         log.debug("sched_setattr refused a slice of %d ns: %s", slice_ns, os.strerror(err))
         return None

@@ -130,11 +130,14 @@ def one_k(
     phase_s: float,
     ping_cycles: int,
     min_clients: int,
+    options: dict,
 ) -> List[dict]:
-    """Every offered rate with ``clients`` clients, on a coordinator of its own."""
+    """Every offered rate with ``clients`` clients, on a coordinator of its own
+    (``Coordinator.spawn`` with ``options``)."""
     spec = shmkv.HostTier((len(prompts) * PROMPT_BLOCKS + 8) * cfg.block_nbytes)
+    name = f"bench-load-{os.getpid()}"
     with (
-        shmkv.Coordinator.spawn(cfg, name=f"bench-load-{os.getpid()}", tiers=[spec]) as coord,
+        shmkv.Coordinator.spawn(cfg, name=name, tiers=[spec], **options) as coord,
         shmkv.connect(coord.address, timeout=120) as client,
     ):
         fill(client, prompts)
@@ -252,6 +255,16 @@ def main(argv=None) -> int:
     parser.add_argument("--phase-s", type=float, default=3.0, help="seconds per offered rate")
     parser.add_argument("--pool-blocks", type=int, default=256)
     parser.add_argument("--ping-cycles", type=int, default=5, help="0: no ping figure")
+    parser.add_argument(
+        "--spin-us", type=float, default=None, help="the coordinator's spin_us (default: spawn's)"
+    )
+    parser.add_argument(
+        "--loop-slice-us",
+        type=float,
+        default=None,
+        help="the coordinator's loop_slice_us (default: the coordinator's; 0: the loop "
+        "thread's own slice)",
+    )
     parser.add_argument("--out", default=None, help="default benchmarks/results/load")
     parser.add_argument("--plot", default=None, help="default benchmarks/plots/load.png")
     args = parser.parse_args(argv)
@@ -260,7 +273,14 @@ def main(argv=None) -> int:
     prompts = prompts_for(2 * args.pool_blocks // PROMPT_BLOCKS, PROMPT_BLOCKS, 16, seed=5)
     points: List[dict] = []
     for k in args.clients:
-        got = one_k(cfg, prompts, k, args.rates, args.phase_s, args.ping_cycles, min(args.clients))
+        options = {
+            name: value
+            for name, value in (("spin_us", args.spin_us), ("loop_slice_us", args.loop_slice_us))
+            if value is not None
+        }
+        got = one_k(
+            cfg, prompts, k, args.rates, args.phase_s, args.ping_cycles, min(args.clients), options
+        )
         points += got
         for p in got:
             print(
