@@ -394,7 +394,8 @@ class Coordinator(Connections):
         loop_slice_us: the CPU slice the loop's thread asks the scheduler for while it
             serves (Linux 6.12 and later; ``shmkv.sched``), in [100, 100000]; 0: the
             thread's own. Short (the default, 100), the loop is picked ahead of the
-            clients it answers, instead of waiting behind one it has just woken. The
+            clients it answers, instead of waiting behind one it has just woken. Threads
+            the loop starts meanwhile (tier copiers) get the kernel's default. The
             thread's slice is restored when the loop ends; ``stats()["loop_slice_us"]``
             says what is in effect (None: the kernel keeps no such request).
 
@@ -786,8 +787,11 @@ class Coordinator(Connections):
             return
         selector = selectors.DefaultSelector()
         own_slice = sched.thread_slice() if self.loop_slice_us else None
-        if own_slice is not None:
-            self._loop_slice_ns = sched.set_thread_slice(int(self.loop_slice_us * 1e3))
+        own_inherit = sched.slice_inherited() if own_slice is not None else None
+        if own_slice is not None:  # (threads the loop starts, tier copiers, keep the default)
+            self._loop_slice_ns = sched.set_thread_slice(
+                int(self.loop_slice_us * 1e3), inherit=False
+            )
         try:
             selector.register(listener, selectors.EVENT_READ, None)
             selector.register(wake, selectors.EVENT_READ, None)
@@ -798,7 +802,7 @@ class Coordinator(Connections):
             self.close()
             self._serving = False
             if self._loop_slice_ns is not None and own_slice is not None:
-                sched.set_thread_slice(own_slice)
+                sched.set_thread_slice(own_slice, inherit=own_inherit)
             self._loop_slice_ns = None
             log.info("coordinator %s stopped", self.address)
 

@@ -31,7 +31,7 @@ MAX_SLICE_NS = 100_000_000
 # deadline, period, util_min, util_max.
 _ATTR = struct.Struct("IIqiIQQQII")
 _SCHED_OTHER = 0
-_RESET_ON_FORK = 0x01  # a sched_flags bit kept as the thread had it
+_RESET_ON_FORK = 0x01  # sched_flags: what the thread starts gets the kernel's defaults
 # sched_setattr / sched_getattr syscall numbers by machine (no libc wrapper before glibc 2.41)
 _SYSCALLS = {
     "x86_64": (314, 315),
@@ -78,11 +78,21 @@ def thread_slice(tid: int = 0) -> Optional[int]:
     return attr[5] if attr is not None and attr[1] == _SCHED_OTHER else None
 
 
-def set_thread_slice(slice_ns: int) -> Optional[int]:
+def slice_inherited(tid: int = 0) -> Optional[bool]:
+    """Whether the threads and processes thread ``tid`` starts get its slice too (they do
+    unless it has the reset-on-fork flag); None where it cannot be read."""
+    attr = _attr(tid)
+    return None if attr is None else not attr[2] & _RESET_ON_FORK
+
+
+def set_thread_slice(slice_ns: int, inherit: Optional[bool] = None) -> Optional[int]:
     """Ask for a slice of ``slice_ns`` for the calling thread (0: the kernel's default),
-    keeping its nice value and its reset-on-fork flag. Returns the slice now in effect
-    (the kernel clamps it), or None when the kernel keeps no such request (nothing was
-    changed then; logged at DEBUG with why)."""
+    keeping its nice value. ``inherit``: whether the threads and processes it starts later
+    get that slice too (False sets its reset-on-fork flag: they start with the kernel's
+    default slice, and a negative nice value is not passed on either; True clears the
+    flag; None keeps it as it was). Returns the slice now in effect (the kernel clamps
+    it), or None when the kernel keeps no such request (nothing was changed then; logged
+    at DEBUG with why)."""
     numbers, attr = _numbers(), _attr(0)
     if numbers is None or attr is None or attr[1] != _SCHED_OTHER:
         log.debug(
@@ -91,10 +101,9 @@ def set_thread_slice(slice_ns: int) -> Optional[int]:
             platform.release(),
         )
         return None
+    flags = attr[2] & _RESET_ON_FORK if inherit is None else (0 if inherit else _RESET_ON_FORK)
     request = ctypes.create_string_buffer(
-        _ATTR.pack(
-            _ATTR.size, _SCHED_OTHER, attr[2] & _RESET_ON_FORK, attr[3], 0, slice_ns, 0, 0, 0, 0
-        ),
+        _ATTR.pack(_ATTR.size, _SCHED_OTHER, flags, attr[3], 0, slice_ns, 0, 0, 0, 0),
         _ATTR.size,
     )
     err = _syscall(numbers[0], 0, request, 0)

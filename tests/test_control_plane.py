@@ -846,8 +846,10 @@ def test_the_loop_thread_asks_for_a_short_slice_and_gives_it_back(small_config, 
 
         def serve(coord, seen):
             seen["tid"], seen["before"] = threading.get_native_id(), sched.thread_slice()
+            seen["inherit_before"] = sched.slice_inherited()
             coord.serve_forever()
             seen["after"] = sched.thread_slice()
+            seen["inherit_after"] = sched.slice_inherited()
 
         loop = threading.Thread(target=serve, args=(coord, seen))
         loop.start()
@@ -855,11 +857,43 @@ def test_the_loop_thread_asks_for_a_short_slice_and_gives_it_back(small_config, 
             with shmkv.connect(coord.address, timeout=10) as client:
                 assert client.stats()["loop_slice_us"] == asked
                 assert sched.thread_slice(seen["tid"]) == asked * 1000
+                assert sched.slice_inherited(seen["tid"]) is False  # not passed on
         finally:
             coord.stop()
             loop.join(10)
         assert not loop.is_alive()
         assert seen["after"] == seen["before"] != asked * 1000
+        assert seen["inherit_after"] is seen["inherit_before"] is True
+
+
+@pytest.mark.skipif(not _slices_kept(), reason="this kernel keeps no per-thread slice")
+def test_threads_a_thread_starts_get_its_slice_only_when_asked():
+    """The loop's short slice must not pass to the threads it starts (tier copiers): with
+    ``inherit=False`` they start with the kernel's default; with True they share it."""
+    import threading
+
+    from shmkv import sched
+
+    def started_by(inherit):
+        seen = {}
+
+        def parent():
+            seen["own"] = sched.set_thread_slice(150_000, inherit=inherit)
+            child = threading.Thread(target=lambda: seen.update(child=sched.thread_slice()))
+            child.start()
+            child.join(10)
+            seen["after"] = sched.thread_slice()
+
+        thread = threading.Thread(target=parent)  # (a fresh thread: the default slice)
+        default = sched.thread_slice()
+        thread.start()
+        thread.join(10)
+        return seen, default
+
+    seen, default = started_by(inherit=False)
+    assert seen["own"] == seen["after"] == 150_000 and seen["child"] == default != 150_000
+    seen, _ = started_by(inherit=True)
+    assert seen["own"] == seen["child"] == 150_000
 
 
 def test_loop_slice_zero_leaves_the_thread_alone(small_config, unique_name):
