@@ -74,7 +74,6 @@ class _Conn:
         "reason",
         "held",
         "held_bytes",
-        "served_at",
     )
 
     def __init__(self, sock: socket.socket, conn_id: int, pid: int, max_frame: int):
@@ -92,7 +91,6 @@ class _Conn:
         # after it, with their frame sizes, answered in order after it.
         self.held: Optional[List[Tuple[object, int]]] = None
         self.held_bytes = 0  # the frame bytes of ``held``
-        self.served_at = 0  # the loop's count of reads when this connection was last read
 
 
 class _Refused:
@@ -217,8 +215,6 @@ class Connections(Ops):
         )
 
     def _on_readable(self, conn: _Conn, selector) -> None:
-        """Read what ``conn`` sent and serve it; the answers wait in ``conn.outbuf``
-        for the loop's :meth:`_flush`."""
         try:
             data = conn.sock.recv(_RECV_SIZE)
         except (BlockingIOError, InterruptedError):
@@ -261,6 +257,7 @@ class Connections(Ops):
             conn.outbuf += protocol.encode_error(-1, exc)
             conn.closing = True
             conn.reason = f"protocol error: {exc}"
+        self._flush(conn, selector)
 
     def _flush(self, conn: _Conn, selector) -> None:
         if conn.conn_id not in self._conns:  # dropped while reading this round

@@ -69,15 +69,6 @@ MAX_SPIN_US = 10000.0
 DEFAULT_LOOP_SLICE_US = 100.0
 MIN_LOOP_SLICE_US, MAX_LOOP_SLICE_US = sched.MIN_SLICE_NS / 1e3, sched.MAX_SLICE_NS / 1e3
 _SPIN_WEIGHT = 0.05  # of the latest turn in the running rate of spins that catch a request
-
-
-def _read_order(ready: tuple) -> int:
-    """A ready socket's place in a turn: the listener and the wake-up socket first, then
-    connections by when they were last read (see ``Coordinator._serve_ready``)."""
-    conn = ready[0].data
-    return -1 if conn is None else conn.served_at
-
-
 # Pools of coordinators running in this process, by address: a client here uses the
 # original tensors (required for CUDA, whose IPC handles cannot be opened by their
 # exporter).
@@ -474,7 +465,6 @@ class Coordinator(Connections):
         # of its own (the placement that gains most) still polls.
         self._spin_s = self.spin_us * 1e-6 if (os.cpu_count() or 1) > 1 else 0.0
         self._served = False  # the last turn served a request
-        self._reads = 0  # connections read so far (their ``served_at`` order)
         self._turn_began = 0.0
         self._spin_hits = 0.0  # how often a spin caught (or would have caught) the next;
         # from none: a coordinator polls once it has seen requests come back to back
@@ -872,12 +862,6 @@ class Coordinator(Connections):
             os.sched_yield()  # a client waiting for this CPU runs first
 
     def _serve_ready(self, selector, ready) -> None:
-        """Serve the ready sockets, connections least recently read first: epoll lists
-        a socket it reported last time ahead of sockets that became ready since, so a
-        client sending back to back would otherwise be served again before one that
-        was already waiting."""
-        if len(ready) > 1:
-            ready.sort(key=_read_order)
         for key, events in ready:
             sock = key.fileobj
             if sock is self._listener:
@@ -891,10 +875,8 @@ class Coordinator(Connections):
             else:
                 conn = key.data
                 if events & selectors.EVENT_READ:
-                    self._reads += 1
-                    conn.served_at = self._reads
                     self._on_readable(conn, selector)
-                if conn.outbuf or conn.closing:
+                if events & selectors.EVENT_WRITE and not conn.closing:
                     self._flush(conn, selector)
 
     # -- tiers ---------------------------------------------------------------------------

@@ -754,68 +754,6 @@ def test_spin_us_zero_never_polls(small_config, unique_name):
         assert calls == []
 
 
-# -- the order the loop serves ready connections in ---------------------------------------
-
-
-def test_a_client_sending_back_to_back_does_not_pass_one_that_waits(small_config, unique_name):
-    """epoll lists the socket it reported last ahead of sockets that became ready since:
-    a client whose next request comes at once must not be served again before one
-    whose request was already waiting. Both allocate; the cache ids' serials give the
-    order."""
-    import selectors
-    import socket
-
-    from shmkv import connections
-
-    coord = shmkv.Coordinator(small_config, name=unique_name)
-    coord.open()
-    selector = selectors.DefaultSelector()
-    peers = {}
-    try:
-        for conn_id in (1, 2):
-            mine, theirs = socket.socketpair()
-            mine.setblocking(False)
-            theirs.settimeout(5)
-            conn = connections._Conn(mine, conn_id, os.getpid(), coord.max_frame)
-            conn.greeted = True
-            coord._conns[conn_id] = conn
-            coord.table.add_connection(conn_id)
-            selector.register(mine, selectors.EVENT_READ, conn)
-            peers[conn_id] = (conn, theirs, protocol.FrameDecoder())
-
-        def send(conn_id, request_id):
-            peers[conn_id][1].sendall(
-                protocol.encode_request(request_id, "allocate", {"num_tokens": 3})
-            )
-
-        def serial(conn_id):  # of the sequence the answer gives
-            _, theirs, decoder = peers[conn_id]
-            while True:
-                frames = list(decoder.feed(theirs.recv(1 << 16)))
-                if frames:
-                    cache_id = protocol.parse_response(frames[0]).unwrap()["cache_id"]
-                    return cache_id >> coord.table.slot_bits
-
-        def ready_listing(first):  # the ready sockets, listed as epoll lists them
-            ready = selector.select(1.0)
-            return sorted(ready, key=lambda kv: kv[0].data.conn_id != first)
-
-        send(1, 10)  # the busy client is served ...
-        coord._serve_ready(selector, selector.select(1.0))
-        first = serial(1)
-        send(2, 20)  # ... another client's request comes, then the busy one's next
-        send(1, 11)
-        coord._serve_ready(selector, ready_listing(first=1))
-        waited, again = serial(2), serial(1)
-        assert first < waited < again  # the waiting client went first
-        coord.table.check_invariants()
-    finally:
-        selector.close()
-        for _, theirs, _ in peers.values():
-            theirs.close()
-        coord.close()
-
-
 # -- the loop thread's CPU slice (Coordinator.loop_slice_us, shmkv.sched) -------------------
 
 

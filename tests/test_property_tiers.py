@@ -563,13 +563,13 @@ class TierStoreMachine(RuleBasedStateMachine):
             except BaseException as exc:  # noqa: BLE001 (raised below)
                 results["error"] = exc
 
-        # Rank 0's connection read last: the loop reads ready connections least recently
-        # read first (``Coordinator._serve_ready``), so once B runs again rank 1's commit is
-        # read before rank 0's release (which would otherwise close the sequence it
-        # commits). The store stays stopped until the new owner has written its K/V: a
-        # copy the store writer makes of those blocks then holds the new owner's bytes,
-        # whenever the writer runs (it waits on the store, within the tier's timeout).
-        b.b0.ping()
+        # Rank 1's connection served last: a level-triggered epoll lists the connection it
+        # reported last first, so once B runs again rank 1's commit is read before rank 0's
+        # release (which would otherwise close the sequence it commits). The store stays
+        # stopped until the new owner has written its K/V: a copy the store writer makes
+        # of those blocks then holds the new owner's bytes, whenever the writer runs (it
+        # waits on the store, within the tier's timeout).
+        b.b1.ping()
         store_pid = b.server.proc.pid
         threads = []
         try:
