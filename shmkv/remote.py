@@ -81,7 +81,7 @@ import time
 import zlib
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 import numpy as np
 
@@ -589,14 +589,14 @@ class RemoteTierSet:
         """As ``TierSet.max_wait``, for the local tiers (the store's threads wake the loop)."""
         return self.local.max_wait() if self.local is not None else math.inf
 
-    def tick(self, woken: bool = True) -> list:
+    def tick(self, woken: bool = True, waiting: Optional[Callable[[], bool]] = None) -> list:
         """Queue newly published blocks for writing, take finished work; returns the
-        promotions done (whose requests the coordinator answers now). ``woken``: as
-        ``TierSet.tick``."""
+        promotions done (whose requests the coordinator answers now). ``woken`` and
+        ``waiting``: as ``TierSet.tick``."""
         self._wake_pending = False
         finished, self._ready = self._ready, []
         if self.local is not None:
-            for local_promo in self.local.tick(woken):
+            for local_promo in self.local.tick(woken, waiting):
                 promo = self._by_local.pop(id(local_promo), None)
                 if promo is not None:
                     promo.local_done = True

@@ -135,6 +135,8 @@ _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 
 
 MAX_DISK_WRITES_IN_FLIGHT = 256  # blocks queued to the disk writer at once
 DEMOTION_CHUNK = 64
+# Blocks placed down the tiers between two looks at the loop's sockets (TierSet.tick).
+PLACE_CHUNK = 8
 # Host entries one search for a slot looks at, oldest first, for one already on disk
 # (with a disk tier): the search stays short when the disk is slow to take spills.
 HOST_SCAN = 512
@@ -991,6 +993,9 @@ class _Demotion:
     _disk_in_flight: int
     num_lost_evictions: int
     num_rescued_evictions: int
+    _num_placed: int
+    _deferred: bool
+    _waiting: Optional[Callable[[], bool]]
     _pool_u8: Any
     _pool_np: Any
 
@@ -1068,13 +1073,25 @@ class _Demotion:
                     return True
         return False
 
+    def _yield_to_clients(self) -> bool:
+        """True when this turn's placing should stop here, every ``PLACE_CHUNK`` blocks,
+        because a client waits (``tick``'s ``waiting``): what is left waits in the
+        backlog for the next turn, which the loop takes without sleeping (``max_wait``)."""
+        self._num_placed += 1
+        if self._waiting is None or self._num_placed % PLACE_CHUNK or not self._waiting():
+            return False
+        self._deferred = True
+        return True
+
     def _drain_backlog(self) -> None:
-        """Place the backlog's blocks, oldest first, until one must wait again."""
+        """Place the backlog's blocks, oldest first, until one must wait again (or a
+        client waits: :meth:`_yield_to_clients`)."""
         backlog, reading, block_key = self._backlog, self._reading, self.pool.block_key
-        while backlog:
+        while backlog and not self._deferred:
             block, key = next(iter(backlog.items()))
             if block_key[block] == key and not self._place(block, key, queued=True):
                 return  # no room yet: it stays first
+            self._yield_to_clients()
             del backlog[block]
             if reading.get(block, False) is None:  # (a copy placed now replaced the mark)
                 del reading[block]
@@ -1566,6 +1583,10 @@ class TierSet(_Promotions):
         self._new_demotes: List[_Copy] = []
         self._new_disk: List[_Copy] = []
         self._jobs_out = 0  # jobs handed to workers, not yet back in tick()
+        # This turn's placing (tick): blocks placed, whether it stopped for a client.
+        self._num_placed = 0
+        self._deferred = False
+        self._waiting: Optional[Callable[[], bool]] = None
         self._disk_in_flight = 0  # disk writes handed to the writer, not back yet
         self.num_lost_evictions = 0
         self.num_rescued_evictions = 0
@@ -1684,15 +1705,26 @@ class TierSet(_Promotions):
 
     # -- loop side: the turn ----------------------------------------------------------------
 
-    def tick(self, woken: bool = True) -> List[Promotion]:
+    def tick(
+        self, woken: bool = True, waiting: Optional[Callable[[], bool]] = None
+    ) -> List[Promotion]:
         """Take finished copies, schedule new ones; returns the finished promotions.
 
         ``woken``: the loop's wake socket was readable this turn. The I/O process sends
         a byte there after every completion, so on other turns it has none to take and
         is not polled (a turn that only served requests does no tier I/O), but for one
         turn every ``IO_PROCESS_CHECK_S`` while it has jobs: a process that died sends
-        no byte, and its jobs must not wait for one (see :meth:`max_wait`)."""
+        no byte, and its jobs must not wait for one (see :meth:`max_wait`).
+
+        ``waiting``: tells whether a client waits to be served (the loop's sockets
+        polled without sleeping). The blocks that became cached are placed down the
+        tiers ``PLACE_CHUNK`` at a time, and once a client waits the rest go to the
+        backlog for the next turn: a released sequence's blocks are a hundred
+        microseconds of Python, which a ping should not wait behind. They stay where
+        the pool evicts them last (``BlockPool.copying``), and an eviction of one
+        rescues it, as for any block in the backlog."""
         self._wake_pending = False
+        self._deferred, self._num_placed, self._waiting = False, 0, waiting
         finished: List[Promotion] = []
         if (
             self._proc is not None
@@ -1719,7 +1751,7 @@ class TierSet(_Promotions):
                 if (
                     key is not None
                     and block not in reading
-                    and (backlog or not self._place(block, key))
+                    and (backlog or self._yield_to_clients() or not self._place(block, key))
                 ):
                     backlog[block] = key
                     reading[block] = None
@@ -1736,6 +1768,8 @@ class TierSet(_Promotions):
         """The longest the loop may sleep before its next :meth:`tick`: while the I/O
         process has jobs, ``IO_PROCESS_CHECK_S`` (it is then polled even without a wake
         byte, so that a process that died is found and its jobs run in threads)."""
+        if self._deferred:  # placing stopped for a client: go on after serving it
+            return 0.0
         return IO_PROCESS_CHECK_S if self._proc is not None and self._jobs_out else math.inf
 
     @property

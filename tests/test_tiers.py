@@ -1120,13 +1120,13 @@ def test_a_promotion_pins_its_entries_before_its_turn_places_demotions(unique_na
     import socket
 
     from shmkv import protocol
-    from shmkv.connections import _Conn
+    from shmkv.connections import _Conn, make_selector
 
     monkeypatch.setattr(tiers_mod, "IO_PROCESS", False)
     cfg = make_config(num_blocks=8)
     coord = shmkv.Coordinator(cfg, name=unique_name, tiers=[shmkv.HostTier(4 * cfg.block_nbytes)])
     coord.open()
-    selector = selectors.DefaultSelector()
+    selector = make_selector()
     mine, theirs = socket.socketpair()
     try:
         table, tiers = coord.table, coord.tiers
@@ -1330,6 +1330,131 @@ def written_prompt(client, prompt):
         h.write(layer, k, v, start=0)
     h.commit()
     return h
+
+
+def _released_prompt(table, prompt) -> None:
+    """``prompt`` allocated, committed and released through the table: its blocks are
+    cached, and the next tick places them down the tiers."""
+    info = table.allocate(7, prompt=prompt)
+    table.commit(7, info["cache_id"], len(prompt))
+    table.release(7, info["cache_id"])
+
+
+def _settle(tiers, deadline_s=20.0) -> None:
+    deadline = time.monotonic() + deadline_s
+    tiers.tick()
+    while tiers.num_pending or tiers.num_promotions_in_flight:
+        assert time.monotonic() < deadline, "tier copies never finished"
+        time.sleep(0.005)
+        tiers.tick()
+
+
+def test_placing_stops_every_chunk_a_client_waits_and_goes_on_next_turn(unique_name, monkeypatch):
+    """A released 20-block prompt is placed ``PLACE_CHUNK`` blocks at a time: while a
+    client waits, the tick stops after the first chunk, the rest waits in the backlog
+    (where the pool evicts it last), and the loop must not sleep; the next tick, with
+    nobody waiting, places the rest, and the host tier ends up with every block."""
+    monkeypatch.setattr(tiers_mod, "IO_PROCESS", False)
+    chunk = tiers_mod.PLACE_CHUNK
+    cfg = make_config(num_blocks=24)
+    with shmkv.Coordinator(
+        cfg, name=unique_name, tiers=[shmkv.HostTier(24 * cfg.block_nbytes)]
+    ) as coord:
+        table, tiers = coord.table, coord.tiers
+        table.add_connection(7)
+        prompt = prompts_of(1, 20, seed=21)[0]
+        _released_prompt(table, prompt)
+        asked = []
+
+        def waiting() -> bool:
+            asked.append(len(tiers._backlog))
+            return True
+
+        tiers.tick(waiting=waiting)
+        assert asked == [0]  # one look, after a chunk, before anything waited
+        assert len(tiers._backlog) == 20 - (chunk - 1)
+        assert all(tiers._reading[b] is None for b in tiers._backlog)  # evicted last
+        assert tiers.max_wait() == 0.0
+        placed_first = [b for b in tiers._reading if b not in tiers._backlog]
+        # a prefix's first blocks are placed first (released last-first, placed reversed)
+        seq_blocks = [table.pool.prefix_index[k] for k in keys_of(prompt)]
+        assert sorted(placed_first) == sorted(seq_blocks[: chunk - 1])
+        tiers.tick(waiting=lambda: False)
+        assert not tiers._backlog
+        assert tiers.max_wait() != 0.0
+        _settle(tiers)
+        assert tiers.lookup(keys_of(prompt)) == 20
+        assert tiers.num_lost_evictions == 0
+        # Nobody asking (waiting None): everything in one tick, as before.
+        other = prompts_of(1, 3, seed=22)[0]
+        _released_prompt(table, other)
+        tiers.tick()
+        assert not tiers._backlog and tiers.max_wait() != 0.0
+        _settle(tiers)
+        assert tiers.lookup(keys_of(other)) == 3
+        table.check_invariants()
+
+
+def test_a_request_that_comes_while_the_loop_places_is_served_before_the_rest(
+    unique_name, monkeypatch
+):
+    """Through the coordinator's own turns: a ping arrives while the turn places a
+    released prompt's blocks; that turn stops placing after a chunk, the next one
+    (taken without sleeping) answers the ping and then places the rest."""
+    import selectors
+    import socket
+
+    from shmkv import protocol
+    from shmkv.connections import _Conn, make_selector
+
+    monkeypatch.setattr(tiers_mod, "IO_PROCESS", False)
+    cfg = make_config(num_blocks=24)
+    coord = shmkv.Coordinator(cfg, name=unique_name, tiers=[shmkv.HostTier(24 * cfg.block_nbytes)])
+    coord.open()
+    selector = make_selector()
+    mine, theirs = socket.socketpair()
+    try:
+        table, tiers = coord.table, coord.tiers
+        mine.setblocking(False)
+        conn = _Conn(mine, 7, os.getpid(), coord.max_frame)
+        conn.greeted = True
+        coord._conns[7] = conn
+        table.add_connection(7)
+        selector.register(mine, selectors.EVENT_READ, conn)
+        selector.register(coord._wake_r, selectors.EVENT_READ, None)
+        prompt = prompts_of(1, 20, seed=23)[0]
+        _released_prompt(table, prompt)
+        place = tiers._place
+        sent = []
+
+        def place_and_ping(block, key, queued=False):
+            if not sent:  # the ping arrives while the first block is placed
+                theirs.sendall(protocol.encode_request(1, "ping", {}))
+                sent.append(block)
+            return place(block, key, queued)
+
+        monkeypatch.setattr(tiers, "_place", place_and_ping)
+        coord._wake_w.send(b"t")  # (the turn takes the tiers' turn without waiting)
+        coord._turn(selector)
+        assert sent and tiers._backlog  # stopped placing for the ping
+        theirs.settimeout(0.0)
+        with pytest.raises(BlockingIOError):
+            theirs.recv(1 << 16)  # not answered yet
+        assert tiers.max_wait() == 0.0
+        began = time.monotonic()
+        coord._turn(selector)  # did not sleep: the ping, then the rest
+        assert time.monotonic() - began < 0.2
+        theirs.settimeout(5.0)
+        (obj,) = list(protocol.FrameDecoder().feed(theirs.recv(1 << 16)))
+        assert protocol.parse_response(obj).request_id == 1
+        assert not tiers._backlog
+        _settle(tiers)
+        assert tiers.lookup(keys_of(prompt)) == 20
+        table.check_invariants()
+    finally:
+        selector.close()
+        theirs.close()
+        coord.close()
 
 
 def test_a_burst_past_the_disk_writes_in_flight_reaches_disk_head_first(tmp_path, unique_name):
