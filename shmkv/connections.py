@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import select
 import selectors
 import socket
 import struct
@@ -48,6 +49,60 @@ _MAX_OUTBUF = 64 << 20
 # this many bytes of frames (past the byte bound they are refused, in order).
 MAX_HELD_REQUESTS = 1024
 MAX_HELD_BYTES = 64 << 20
+
+
+class _LevelSelector(selectors.DefaultSelector):
+    """Where epoll is missing: the platform's selector, in its own order."""
+
+    def rearm(self, fileobj, events: int) -> None:
+        """Nothing to do: every registration stays armed."""
+
+
+if hasattr(select, "EPOLLONESHOT"):
+
+    class ArrivalSelector(selectors.EpollSelector):
+        """The loop's selector: epoll, with every client connection (registered with
+        data) one-shot, so ready connections are listed in the order their requests
+        arrived. Level-triggered, epoll lists a socket it has just reported again ahead
+        of every socket that became ready since: a client sending back to back was
+        read again before a ping that had waited the whole turn. One-shot, a reported
+        connection is left out until :meth:`rearm`, which the loop calls as it reads
+        it: whatever arrives after that queues behind what arrived before. The
+        listener and the wake socket (no data) stay level-triggered."""
+
+        def _arm(self, key: selectors.SelectorKey, events: int) -> None:
+            mask = select.EPOLLONESHOT
+            if events & selectors.EVENT_READ:
+                mask |= select.EPOLLIN
+            if events & selectors.EVENT_WRITE:
+                mask |= select.EPOLLOUT
+            self._selector.modify(key.fd, mask)  # type: ignore[attr-defined]
+
+        def register(self, fileobj, events, data=None):
+            key = super().register(fileobj, events, data)
+            if data is not None:
+                self._arm(key, events)
+            return key
+
+        def modify(self, fileobj, events, data=None):
+            key = super().modify(fileobj, events, data)
+            if key.data is not None:  # (re-armed: a reported socket may be modified)
+                self._arm(key, events)
+            return key
+
+        def rearm(self, fileobj, events: int) -> None:
+            """Watch a reported connection again (each report disarms it)."""
+            self._arm(self.get_key(fileobj), events)
+
+    def make_selector() -> selectors.BaseSelector:
+        """The loop's selector (:class:`ArrivalSelector`)."""
+        return ArrivalSelector()
+
+else:  # pragma: no cover - epoll is Linux's
+
+    def make_selector() -> selectors.BaseSelector:
+        """The loop's selector: without epoll, the platform's."""
+        return _LevelSelector()
 
 
 def _shutdown_and_close(sock: socket.socket) -> None:
@@ -218,10 +273,14 @@ class Connections(Ops):
         try:
             data = conn.sock.recv(_RECV_SIZE)
         except (BlockingIOError, InterruptedError):
+            selector.rearm(conn.sock, conn.events)
             return
         except OSError as exc:
             self._drop(conn, selector, reason=f"receive failed: {exc.strerror}")
             return
+        # Watched again from here (ArrivalSelector): what it sends from now on queues
+        # behind what the others sent before; bytes still unread queue at once.
+        selector.rearm(conn.sock, conn.events)
         if not data:
             self._drop(conn, selector)
             return

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Union
 
 from . import protocol, sched, shm
 from .allocator import BlockPool
-from .connections import Connections, _Conn, _shutdown_and_close
+from .connections import Connections, _Conn, _shutdown_and_close, make_selector
 from .errors import (
     AccessDenied,
     CoordinatorTimeout,
@@ -520,6 +520,9 @@ class Coordinator(Connections):
         self._promoting: Dict[int, int] = {}  # cache id -> early promotions still copying
         self._settle_waiters: Dict[int, list] = {}  # cache id -> [(conn, request id)]
         self._woken = False  # the wake socket was readable this turn (see _turn)
+        # Connections found ready while the tiers placed blocks (_clients_waiting): their
+        # reports are taken (one-shot), so the next turn serves them first, not sleeping.
+        self._caught: list = []
         self._fd_warned_at = -math.inf
         # Names this coordinator instance (not its address, which a restart reuses), so
         # a step descriptor made against another coordinator is refused.
@@ -775,7 +778,7 @@ class Coordinator(Connections):
         if not serving or listener is None or wake is None:
             self.close()
             return
-        selector = selectors.DefaultSelector()
+        selector = make_selector()
         own_slice = sched.thread_slice() if self.loop_slice_us else None
         own_inherit = sched.slice_inherited() if own_slice is not None else None
         if own_slice is not None:  # (threads the loop starts, tier copiers, keep the default)
@@ -806,8 +809,9 @@ class Coordinator(Connections):
             if deadline is None
             else max(0.0, min(_MAX_WAIT_S, deadline - time.monotonic()))
         )
-        if self._to_promote:  # held requests answered last turn need copies: start them
-            wait = 0.0
+        caught, self._caught = self._caught, []
+        if self._to_promote or caught:  # held requests answered last turn need copies
+            wait = 0.0  # start them; connections caught waiting last turn: serve them
         elif self.tiers is not None:
             wait = min(wait, self.tiers.max_wait())
         if self._accept_paused_until:
@@ -817,15 +821,15 @@ class Coordinator(Connections):
             else:
                 wait = min(wait, 0.1)
         served, self._served = self._served, False
-        polls = served and self._spin_s
+        polls = served and self._spin_s and not caught
         ready = self._spin(selector, wait) if polls else None
-        caught = bool(ready)
+        hit = bool(ready)
         if not ready:
             ready = selector.select(wait)
-            caught = bool(polls) and _clock() - self._turn_began <= self._spin_s  # would it?
-        self._serve_ready(selector, ready)
+            hit = bool(polls) and _clock() - self._turn_began <= self._spin_s  # would it?
+        self._serve_ready(selector, caught + ready if caught else ready)
         if polls:  # a hit: a request, soon enough (not a tier wake-up or a connect)
-            self._spin_hits += _SPIN_WEIGHT * ((caught and self._served) - self._spin_hits)
+            self._spin_hits += _SPIN_WEIGHT * ((hit and self._served) - self._spin_hits)
         if self._to_promote or self._woken:
             # The requests that came in meanwhile go first (a ping should not wait for
             # copy jobs to be built and sent, or for finished copies to be taken back).
@@ -861,6 +865,15 @@ class Coordinator(Connections):
                 return ready
             os.sched_yield()  # a client waiting for this CPU runs first
 
+    def _clients_waiting(self, selector) -> bool:
+        """Whether a request waits (for the tiers' placing, ``TierSet.tick``): the
+        connections found ready are kept for the next turn, which serves them first
+        (their reports are taken: they are one-shot); the listener and the wake socket
+        stay ready for it."""
+        ready = selector.select(0)
+        self._caught += [item for item in ready if item[0].data is not None]
+        return bool(ready or self._caught)
+
     def _serve_ready(self, selector, ready) -> None:
         for key, events in ready:
             sock = key.fileobj
@@ -873,9 +886,13 @@ class Coordinator(Connections):
                 except BlockingIOError:
                     pass
             else:
-                conn = key.data
+                conn: _Conn = key.data
+                if self._conns.get(conn.conn_id) is not conn:
+                    continue  # dropped since it was reported (its descriptor may be reused)
                 if events & selectors.EVENT_READ:
-                    self._on_readable(conn, selector)
+                    self._on_readable(conn, selector)  # (watched again once it has read)
+                else:
+                    selector.rearm(conn.sock, conn.events)
                 if events & selectors.EVENT_WRITE and not conn.closing:
                     self._flush(conn, selector)
 
@@ -894,7 +911,7 @@ class Coordinator(Connections):
         """Let the tiers move blocks; answer the requests whose promotions are done,
         then the requests their connections sent meanwhile."""
         woken, self._woken = self._woken, False
-        for promotion in tiers.tick(woken):
+        for promotion in tiers.tick(woken, lambda: self._clients_waiting(selector)):
             if isinstance(promotion.context, list):  # answered early
                 self._settled(promotion.context, selector)
                 continue

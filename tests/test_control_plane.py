@@ -850,3 +850,114 @@ def test_loop_slice_zero_leaves_the_thread_alone(small_config, unique_name):
 def test_a_loop_slice_outside_the_kernels_bounds_is_refused(small_config, unique_name, bad):
     with pytest.raises(errors.InvalidArgument, match="loop_slice_us must be 0 or"):
         shmkv.Coordinator(small_config, name=unique_name, loop_slice_us=bad)
+
+
+# -- the order the loop reads connections in ---------------------------------------------------
+
+
+class _RawLoop:
+    """A coordinator driven turn by turn through its own loop, with connections made of
+    socket pairs (``theirs[i]`` is the client's end of connection ``i``)."""
+
+    def __init__(self, name: str, num: int):
+        import selectors
+        import socket
+
+        from shmkv.connections import _Conn, make_selector
+
+        self.coord = shmkv.Coordinator(
+            shmkv.PoolConfig(num_layers=L, num_kv_heads=H, head_dim=D, num_blocks=8, block_size=BS),
+            name=name,
+        )
+        self.coord.open()
+        self.selector = make_selector()
+        self.theirs = []
+        self.served: list = []
+        for i in range(num):
+            mine, theirs = socket.socketpair()
+            mine.setblocking(False)
+            theirs.settimeout(10.0)
+            conn = _Conn(mine, i, os.getpid(), self.coord.max_frame)
+            conn.greeted = True
+            self.coord._conns[i] = conn
+            self.coord.table.add_connection(i)
+            self.selector.register(mine, selectors.EVENT_READ, conn)
+            self.theirs.append(theirs)
+        handle = self.coord._handle
+
+        def recorded(conn, obj):
+            self.served.append(conn.conn_id)
+            handle(conn, obj)
+
+        self.coord._handle = recorded
+
+    def answers(self, i: int, num: int) -> list:
+        decoder, ids = protocol.FrameDecoder(), []
+        while len(ids) < num:
+            for obj in decoder.feed(self.theirs[i].recv(1 << 16)):
+                ids.append(protocol.parse_response(obj).request_id)
+        return ids
+
+    def close(self) -> None:
+        self.selector.close()
+        for sock in self.theirs:
+            sock.close()
+        self.coord.close()
+
+
+def test_ready_connections_are_served_in_the_order_their_requests_came(unique_name):
+    """Connection 0 was served last turn; then connection 1 sends, then 0 again. Both
+    are ready at the next turn, and 1, whose request came first, is served first (a
+    level-triggered epoll lists the socket it reported last first: a client sending
+    back to back went ahead of one that had waited the whole turn)."""
+    loop = _RawLoop(unique_name, 2)
+    try:
+        loop.theirs[0].sendall(protocol.encode_request(1, "ping", {}))
+        loop.coord._turn(loop.selector)
+        assert loop.answers(0, 1) == [1]
+        loop.theirs[1].sendall(protocol.encode_request(2, "ping", {}))
+        loop.theirs[0].sendall(protocol.encode_request(3, "ping", {}))
+        loop.served.clear()
+        loop.coord._turn(loop.selector)
+        assert loop.served == [1, 0]
+        assert loop.answers(1, 1) == [2] and loop.answers(0, 1) == [3]
+    finally:
+        loop.close()
+
+
+def test_a_connection_with_more_than_one_reads_worth_of_requests_is_served_to_the_last(
+    unique_name,
+):
+    """Past one receive's worth of frames: each report reads once and watches the
+    connection again, so the rest is reported on the next turns, every request
+    answered in order; a second connection is served meanwhile."""
+    from shmkv import connections
+
+    loop = _RawLoop(unique_name, 2)
+    try:
+        frames = b"".join(protocol.encode_request(i, "ping", {}) for i in range(40000))
+        assert len(frames) > 2 * connections._RECV_SIZE
+        loop.theirs[0].setblocking(False)
+        sent = 0
+        got: list = []
+        decoder = protocol.FrameDecoder()
+        deadline = time.monotonic() + 60
+        while len(got) < 40000:
+            assert time.monotonic() < deadline, f"{len(got)} of 40000 answered"
+            if sent < len(frames):
+                try:
+                    sent += loop.theirs[0].send(frames[sent:])
+                except BlockingIOError:
+                    pass
+            if not got:  # the other connection, once, while the first one's frames pour
+                loop.theirs[1].sendall(protocol.encode_request(7, "ping", {}))
+            loop.coord._turn(loop.selector)
+            try:
+                data = loop.theirs[0].recv(1 << 20)
+            except BlockingIOError:
+                data = b""
+            got += [protocol.parse_response(obj).request_id for obj in decoder.feed(data)]
+        assert got == list(range(40000))
+        assert 7 in loop.answers(1, 1)
+    finally:
+        loop.close()

@@ -302,7 +302,7 @@ class HeldConnection:
         monkeypatch.setattr(connections, "MAX_HELD_BYTES", 8192)
         self.coord = shmkv.Coordinator(cfg, name=name)
         self.coord.open()
-        self.selector = selectors.DefaultSelector()
+        self.selector = connections.make_selector()
         mine, self.theirs = socket.socketpair()
         mine.setblocking(False)
         self.conn = connections._Conn(mine, 7, os.getpid(), self.coord.max_frame)
