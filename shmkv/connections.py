@@ -79,12 +79,15 @@ if hasattr(select, "EPOLLONESHOT"):
             self._selector.modify(key.fd, mask)  # type: ignore[attr-defined]
 
         def register(self, fileobj, events, data=None):
+            """Register as the platform's selector does; a connection (data given)
+            one-shot."""
             key = super().register(fileobj, events, data)
             if data is not None:
                 self._arm(key, events)
             return key
 
         def modify(self, fileobj, events, data=None):
+            """Modify as the platform's selector does; a connection is watched again."""
             key = super().modify(fileobj, events, data)
             if key.data is not None:  # (re-armed: a reported socket may be modified)
                 self._arm(key, events)
