@@ -1110,53 +1110,62 @@ def cli_args(**kw):
     return argparse.Namespace(**kw)
 
 
+@contextlib.contextmanager
+def _driven_loop(unique_name, num_blocks: int, host_blocks: int):
+    """A coordinator with a host tier, driven turn by turn through its own loop
+    (``coord._turn(selector)``), with one connection (id 7) made of a socket pair:
+    yields ``(coord, selector, theirs)``, ``theirs`` the client's end."""
+    import selectors
+    import socket
+
+    from shmkv.connections import _Conn, make_selector
+
+    cfg = make_config(num_blocks=num_blocks)
+    coord = shmkv.Coordinator(
+        cfg, name=unique_name, tiers=[shmkv.HostTier(host_blocks * cfg.block_nbytes)]
+    )
+    coord.open()
+    selector = make_selector()
+    mine, theirs = socket.socketpair()
+    try:
+        mine.setblocking(False)
+        conn = _Conn(mine, 7, os.getpid(), coord.max_frame)
+        conn.greeted = True
+        coord._conns[7] = conn
+        coord.table.add_connection(7)
+        selector.register(mine, selectors.EVENT_READ, conn)
+        selector.register(coord._wake_r, selectors.EVENT_READ, None)
+        yield coord, selector, theirs
+    finally:
+        selector.close()
+        theirs.close()
+        coord.close()
+
+
 def test_a_promotion_pins_its_entries_before_its_turn_places_demotions(unique_name, monkeypatch):
     """A client's release and its next allocate arrive in one loop turn (two frames of
     one read, as after ``close_many(..., wait=False)``); the release's blocks are demoted
     into a full host tier that turn, whose oldest entries are the very ones the allocate
     hits. The hit holds: the promotion pins its entries before the turn places demotions.
     Driven turn by turn through the coordinator's own loop, with copies in its threads."""
-    import selectors
     import socket
 
     from shmkv import protocol
-    from shmkv.connections import _Conn, make_selector
 
     monkeypatch.setattr(tiers_mod, "IO_PROCESS", False)
-    cfg = make_config(num_blocks=8)
-    coord = shmkv.Coordinator(cfg, name=unique_name, tiers=[shmkv.HostTier(4 * cfg.block_nbytes)])
-    coord.open()
-    selector = make_selector()
-    mine, theirs = socket.socketpair()
-    try:
+    with _driven_loop(unique_name, num_blocks=8, host_blocks=4) as (coord, selector, theirs):
         table, tiers = coord.table, coord.tiers
-
-        def settle():
-            deadline = time.monotonic() + 20
-            tiers.tick()  # (places what became cached)
-            while tiers.num_pending or tiers.num_promotions_in_flight:
-                assert time.monotonic() < deadline, "tier copies never finished"
-                time.sleep(0.005)
-                tiers.tick()
-
-        mine.setblocking(False)
-        conn = _Conn(mine, 7, os.getpid(), coord.max_frame)
-        conn.greeted = True
-        coord._conns[7] = conn
-        table.add_connection(7)
-        selector.register(mine, selectors.EVENT_READ, conn)
-        selector.register(coord._wake_r, selectors.EVENT_READ, None)
         p, q, r = prompts_of(3, 2)
         for prompt in (p, q):  # p demoted first: the oldest entries of the full host tier
             info = table.allocate(7, prompt=prompt)
             table.commit(7, info["cache_id"], len(prompt))
             table.release(7, info["cache_id"])
-            settle()
+            _settle(tiers)
         ids, _ = table.allocate_counts(7, [8 * BS])  # evicts p and q from the pool
         table.release_many(7, ids.tolist())
         held = table.allocate(7, prompt=r)
         table.commit(7, held["cache_id"], len(r))  # published, still held
-        settle()
+        _settle(tiers)
         assert len(tiers.host.index) == 4
         theirs.sendall(
             protocol.encode_request(
@@ -1184,10 +1193,6 @@ def test_a_promotion_pins_its_entries_before_its_turn_places_demotions(unique_na
         assert answers[2][0]["num_cached"] == len(p)  # both blocks came from the tier
         assert tiers.host.counters["hits"] >= 2
         table.check_invariants()
-    finally:
-        selector.close()
-        theirs.close()
-        coord.close()
 
 
 def test_job_frames_of_columns_and_of_copies_are_the_same_and_come_back():
@@ -1401,27 +1406,11 @@ def test_a_request_that_comes_while_the_loop_places_is_served_before_the_rest(
     """Through the coordinator's own turns: a ping arrives while the turn places a
     released prompt's blocks; that turn stops placing after a chunk, the next one
     (taken without sleeping) answers the ping and then places the rest."""
-    import selectors
-    import socket
-
     from shmkv import protocol
-    from shmkv.connections import _Conn, make_selector
 
     monkeypatch.setattr(tiers_mod, "IO_PROCESS", False)
-    cfg = make_config(num_blocks=24)
-    coord = shmkv.Coordinator(cfg, name=unique_name, tiers=[shmkv.HostTier(24 * cfg.block_nbytes)])
-    coord.open()
-    selector = make_selector()
-    mine, theirs = socket.socketpair()
-    try:
+    with _driven_loop(unique_name, num_blocks=24, host_blocks=24) as (coord, selector, theirs):
         table, tiers = coord.table, coord.tiers
-        mine.setblocking(False)
-        conn = _Conn(mine, 7, os.getpid(), coord.max_frame)
-        conn.greeted = True
-        coord._conns[7] = conn
-        table.add_connection(7)
-        selector.register(mine, selectors.EVENT_READ, conn)
-        selector.register(coord._wake_r, selectors.EVENT_READ, None)
         prompt = prompts_of(1, 20, seed=23)[0]
         _released_prompt(table, prompt)
         place = tiers._place
@@ -1451,10 +1440,6 @@ def test_a_request_that_comes_while_the_loop_places_is_served_before_the_rest(
         _settle(tiers)
         assert tiers.lookup(keys_of(prompt)) == 20
         table.check_invariants()
-    finally:
-        selector.close()
-        theirs.close()
-        coord.close()
 
 
 def test_a_burst_past_the_disk_writes_in_flight_reaches_disk_head_first(tmp_path, unique_name):
