@@ -961,3 +961,31 @@ def test_a_connection_with_more_than_one_reads_worth_of_requests_is_served_to_th
         assert 7 in loop.answers(1, 1)
     finally:
         loop.close()
+
+
+def test_connections_caught_waiting_are_served_first_next_turn_or_skipped_once_dropped(
+    unique_name,
+):
+    """``_clients_waiting`` (asked while the tiers place blocks) takes the ready
+    connections' one-shot reports and keeps them: the next turn serves them without
+    sleeping, and one dropped meanwhile is skipped, its descriptor never read."""
+    loop = _RawLoop(unique_name, 3)
+    coord, selector = loop.coord, loop.selector
+    try:
+        assert not coord._clients_waiting(selector)
+        loop.theirs[0].sendall(protocol.encode_request(1, "ping", {}))
+        loop.theirs[1].sendall(protocol.encode_request(2, "ping", {}))
+        assert coord._clients_waiting(selector)
+        assert sorted(key.data.conn_id for key, _ in coord._caught) == [0, 1]
+        assert selector.select(0) == []  # taken: only the kept reports serve them now
+        coord._drop(coord._conns[1], selector)
+        began = time.monotonic()
+        coord._turn(selector)
+        assert time.monotonic() - began < 0.5  # it did not sleep
+        assert loop.served == [0] and not coord._caught
+        assert loop.answers(0, 1) == [1]
+        loop.theirs[2].sendall(protocol.encode_request(3, "ping", {}))
+        coord._turn(selector)  # the others are served as before
+        assert loop.answers(2, 1) == [3]
+    finally:
+        loop.close()
