@@ -1432,10 +1432,16 @@ def test_a_request_that_comes_while_the_loop_places_is_served_before_the_rest(
         assert tiers.max_wait() == 0.0
         began = time.monotonic()
         coord._turn(selector)  # did not sleep: the ping, then the rest
-        assert time.monotonic() - began < 0.2
         theirs.settimeout(5.0)
         (obj,) = list(protocol.FrameDecoder().feed(theirs.recv(1 << 16)))
         assert protocol.parse_response(obj).request_id == 1
+        # The first chunks' copies (worker threads) may finish meanwhile: their wake-up
+        # stops the placing again, for a turn that does not sleep either.
+        for _ in range(8):
+            if not tiers._backlog:
+                break
+            coord._turn(selector)
+        assert time.monotonic() - began < 0.2
         assert not tiers._backlog
         _settle(tiers)
         assert tiers.lookup(keys_of(prompt)) == 20
@@ -1822,7 +1828,7 @@ def test_the_pool_evicts_blocks_safe_in_a_tier_before_those_still_copying():
         assert pool.publish(block, bytes([block]) * 16)
     pool.decref(ids)  # cached, block 0 the oldest
     evicted = []
-    pool.on_evict = lambda block, key: evicted.append(block)
+    pool.on_evict = lambda blocks, keys: evicted.extend(blocks)
     pool.copying = {0, 1, 2, 6}
     assert pool.allocate(3, 2) == [3, 4, 5]
     assert pool.allocate(3, 2) == [7, 0, 1]
