@@ -44,8 +44,9 @@ while the old binding was still seen standing.
 
 Two hooks serve the tiers under the pool (``shmkv.tiers``), both None without tiers:
 ``newly_cached`` collects blocks that became cached (to be copied down behind the
-caller's back), and ``on_evict(block_id, key)`` is called as a cached block is evicted,
-before anyone can be told to write it. A third, ``copying`` (a container of block ids,
+caller's back), and ``on_evict(block_ids, keys)`` is called once per allocation that
+evicts, with the evicted blocks and the keys they had, before anyone can be told to
+write them. A third, ``copying`` (a container of block ids,
 or None), names the cached blocks whose copy down a tier is not done yet: eviction
 takes the other cached blocks first (least recently used first), so a block is lost
 to every tier only when nothing safe is left to evict.
@@ -55,7 +56,7 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from typing import Callable, Collection, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Collection, Iterable, List, Optional, Sequence, Union
 
 import numpy as np
 
@@ -115,7 +116,7 @@ class BlockPool:
         self.num_evictions = 0
         self.num_copies_discarded = 0
         self.newly_cached: Optional[List[int]] = None
-        self.on_evict: Optional[Callable[..., None]] = None  # (block_id, key); see the module doc
+        self.on_evict: Optional[Callable[..., None]] = None  # (block_ids, keys); see the module doc
         # (tiers) blocks whose copy down a tier is not done
         self.copying: Optional[Collection[int]] = None
 
@@ -159,20 +160,19 @@ class BlockPool:
         del self._free[len(self._free) - take :]
         ids.reverse()  # ascending ids from a fresh pool
         if num > take:  # evictions: the loop's hot path under tiers, so names are local
-            popitem, block_key, index = self._cached.popitem, self.block_key, self.prefix_index
-            if self.copying:  # blocks already safe in a tier go first
-                popitem = self._victims(num - take)
-            on_evict, key_gen = self.on_evict, self.key_gen
-            for _ in range(num - take):
-                block_id, _unused = popitem(last=False)
+            victims = self._victims(num - take)
+            block_key, index, key_gen = self.block_key, self.prefix_index, self.key_gen
+            keys = []
+            for block_id in victims:
                 key = block_key[block_id]
                 del index[key]
                 block_key[block_id] = None  # the one place a key is unbound
                 key_gen[block_id] += 1
-                if on_evict is not None:
-                    on_evict(block_id, key)
-                ids.append(block_id)
+                keys.append(key)
+            ids += victims
             self.num_evictions += num - take
+            if self.on_evict is not None:  # one call for them all (see the module doc)
+                self.on_evict(victims, keys)
         if len(ids) >= _BULK:
             where = np.array(ids, dtype=np.int64)
             self._ref_np[where] = 1
@@ -186,12 +186,15 @@ class BlockPool:
             owner[block_id] = block_owner
         return ids
 
-    def _victims(self, num: int) -> Callable[..., Tuple[int, None]]:
-        """A ``popitem`` for ``num`` evictions that takes the cached blocks not in
-        ``copying`` first, then those in it, each oldest first. Scans at most ``num``
-        blocks plus those in ``copying`` (the copies in flight and waiting)."""
-        copying, cached = self.copying, self._cached
-        assert copying is not None  # called only while a tier set watches the pool
+    def _victims(self, num: int) -> List[int]:
+        """The ``num`` cached blocks an allocation evicts, taken out of the LRU: the least
+        recently used first, except that under ``copying`` the blocks not in it go first,
+        then those in it, each oldest first (scanning at most ``num`` blocks plus those
+        in ``copying``: the copies in flight and waiting)."""
+        cached, copying = self._cached, self.copying
+        if not copying:
+            popitem = cached.popitem
+            return [popitem(last=False)[0] for _ in range(num)]
         safe: List[int] = []
         waiting: List[int] = []
         for block_id in cached:
@@ -201,14 +204,10 @@ class BlockPool:
                     break
             elif len(waiting) < num:
                 waiting.append(block_id)
-        order = iter(safe + waiting)
-
-        def pop(last: bool = False) -> Tuple[int, None]:
-            block_id = next(order)
+        victims = (safe + waiting)[:num]
+        for block_id in victims:
             del cached[block_id]
-            return block_id, None
-
-        return pop
+        return victims
 
     def allocate_each(self, owner_ids: Sequence[int]) -> Optional[List[int]]:
         """One block for each owner (a decode step's new blocks), in that order; None,
@@ -291,16 +290,30 @@ class BlockPool:
         Returns False when the key already names another block (a concurrent writer
         of the same prefix won) or this block already has a key.
         """
-        if key in self.prefix_index or self.block_key[block_id] is not None:
-            return False
-        assert self.ref_cnt[block_id] > 0, f"publish of unreferenced block {block_id}"
-        self.block_key[block_id] = key  # the one place a key is bound
-        self.key_gen[block_id] += 1
-        self.prefix_index[key] = block_id
-        if self.owner[block_id] != NO_OWNER:  # published blocks are immutable
-            self.owner[block_id] = NO_OWNER
-            self.epoch[0] += 1
-        return True
+        return self.publish_many((block_id,), (key,)) == 1
+
+    def publish_many(self, block_ids: Iterable[int], keys: Iterable[bytes]) -> int:
+        """:meth:`publish` each block under its key, in one call (a promotion's blocks);
+        returns how many were published."""
+        index, block_key, key_gen, owner = (
+            self.prefix_index,
+            self.block_key,
+            self.key_gen,
+            self.owner,
+        )
+        published = 0
+        for block_id, key in zip(block_ids, keys):
+            if key in index or block_key[block_id] is not None:
+                continue
+            assert self.ref_cnt[block_id] > 0, f"publish of unreferenced block {block_id}"
+            block_key[block_id] = key  # the one place a key is bound
+            key_gen[block_id] += 1
+            index[key] = block_id
+            if owner[block_id] != NO_OWNER:  # published blocks are immutable
+                owner[block_id] = NO_OWNER
+                self.epoch[0] += 1
+            published += 1
+        return published
 
     # -- keys and bytes (see the module doc) ----------------------------------------------
 

@@ -254,8 +254,8 @@ class Prefix(Handoffs):
                     pool.discard_copies(num_ok - i)
                     num_ok = i
                     break
-        for block_id, key in zip(record.blocks[:num_ok], record.keys):
-            pool.publish(block_id, key)  # False: the key was published meanwhile; fine
+        # (a key published meanwhile is skipped; fine)
+        pool.publish_many(record.blocks[:num_ok], record.keys)
         # The hit ends at this record's first missing block, unless an earlier part of
         # the same request ended it before (a local part ends, its store part comes
         # back with nothing): never later than it already ends, so never negative.

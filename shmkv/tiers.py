@@ -999,32 +999,33 @@ class _Demotion:
     _pool_u8: Any
     _pool_np: Any
 
-    def _on_evict(self, block: int, key: bytes) -> None:
-        """The pool evicts a cached block (called inside ``BlockPool.allocate``, before
-        anyone can be told to write it: its bytes are still the key's). A block whose
-        copy down a tier was not done is rescued: copied now, on the loop (see
+    def _on_evict(self, blocks: List[int], keys: List[bytes]) -> None:
+        """The pool evicts cached blocks (called once inside ``BlockPool.allocate``, before
+        anyone can be told to write them: their bytes are still their keys'). A block
+        whose copy down a tier was not done is rescued: copied now, on the loop (see
         :meth:`_rescue`); one no tier holds or can take is counted lost."""
-        unsafe = False
-        if self._reading and block in self._reading:
-            copy = self._reading.pop(block)
-            unsafe = True
-            if copy is not None:  # its demotion is still copying: cancel it
-                copy.cancelled = True
-                if self._gens is not None:  # and tell the I/O process (before anyone
-                    self._gens[block] += 1  # writes)
-            else:  # never copied: it leaves the backlog
-                self._backlog.pop(block, None)
-        host = self.host
-        if host is not None:  # the common case, first: the host tier has it
-            entry = host.index.get(key)
-            if entry is not None and entry.ready:
-                return
-        if self._held(key):
-            return
-        if unsafe and self._rescue(block, key):
-            self.num_rescued_evictions += 1
-        else:  # no tier has it, nor can take it now: lost
-            self.num_lost_evictions += 1
+        reading, host_index = self._reading, None if self.host is None else self.host.index
+        for block, key in zip(blocks, keys):
+            unsafe = False
+            if reading and block in reading:
+                copy = reading.pop(block)
+                unsafe = True
+                if copy is not None:  # its demotion is still copying: cancel it
+                    copy.cancelled = True
+                    if self._gens is not None:  # and tell the I/O process (before anyone
+                        self._gens[block] += 1  # writes)
+                else:  # never copied: it leaves the backlog
+                    self._backlog.pop(block, None)
+            if host_index is not None:  # the common case, first: the host tier has it
+                entry = host_index.get(key)
+                if entry is not None and entry.ready:
+                    continue
+            if self._held(key):
+                continue
+            if unsafe and self._rescue(block, key):
+                self.num_rescued_evictions += 1
+            else:  # no tier has it, nor can take it now: lost
+                self.num_lost_evictions += 1
 
     def _rescue(self, block: int, key: bytes) -> bool:
         """Copy an evicted block whose copy down a tier is not done, on the loop, now
