@@ -909,10 +909,8 @@ class Coordinator(Connections):
 
     def _tier_turn(self, tiers: Union[TierSet, RemoteTierSet], selector) -> None:
         """Let the tiers move blocks; answer the requests whose promotions are done,
-        then the requests their connections sent meanwhile. The answers are sent after
-        the other connections' requests that are ready by then are served."""
+        then the requests their connections sent meanwhile."""
         woken, self._woken = self._woken, False
-        answered = []
         for promotion in tiers.tick(woken, lambda: self._clients_waiting(selector)):
             if isinstance(promotion.context, list):  # answered early
                 self._settled(promotion.context, selector)
@@ -923,14 +921,7 @@ class Coordinator(Connections):
                 continue  # gone meanwhile: its references were dropped already
             conn.outbuf += protocol.encode_ok(request_id, result)
             self._answer_held(conn)
-            answered.append(conn)
-        if answered:
-            # The requests that came in meanwhile go first here too: the answers wake
-            # their clients, which may take this CPU; a ping should not wait behind that.
-            caught, self._caught = self._caught, []
-            self._serve_ready(selector, caught + selector.select(0))
-            for conn in answered:
-                self._flush(conn, selector)
+            self._flush(conn, selector)
 
 
 def freeze_startup_objects() -> None:

@@ -1116,8 +1116,9 @@ def _driven_loop(unique_name, num_blocks: int, host_blocks: int):
     (``coord._turn(selector)``), with one connection (id 7) made of a socket pair:
     yields ``(coord, selector, theirs)``, ``theirs`` the client's end."""
     import selectors
+    import socket
 
-    from shmkv.connections import make_selector
+    from shmkv.connections import _Conn, make_selector
 
     cfg = make_config(num_blocks=num_blocks)
     coord = shmkv.Coordinator(
@@ -1125,34 +1126,20 @@ def _driven_loop(unique_name, num_blocks: int, host_blocks: int):
     )
     coord.open()
     selector = make_selector()
-    theirs = None
+    mine, theirs = socket.socketpair()
     try:
-        theirs = _driven_connection(coord, selector, 7)
+        mine.setblocking(False)
+        conn = _Conn(mine, 7, os.getpid(), coord.max_frame)
+        conn.greeted = True
+        coord._conns[7] = conn
+        coord.table.add_connection(7)
+        selector.register(mine, selectors.EVENT_READ, conn)
         selector.register(coord._wake_r, selectors.EVENT_READ, None)
         yield coord, selector, theirs
     finally:
         selector.close()
-        if theirs is not None:
-            theirs.close()
+        theirs.close()
         coord.close()
-
-
-def _driven_connection(coord, selector, conn_id: int):
-    """A greeted connection ``conn_id`` of a driven loop (:func:`_driven_loop`), made of a
-    socket pair: returns the client's end (the caller closes it)."""
-    import selectors
-    import socket
-
-    from shmkv.connections import _Conn
-
-    mine, theirs = socket.socketpair()
-    mine.setblocking(False)
-    conn = _Conn(mine, conn_id, os.getpid(), coord.max_frame)
-    conn.greeted = True
-    coord._conns[conn_id] = conn
-    coord.table.add_connection(conn_id)
-    selector.register(mine, selectors.EVENT_READ, conn)
-    return theirs
 
 
 def test_a_promotion_pins_its_entries_before_its_turn_places_demotions(unique_name, monkeypatch):
@@ -1459,67 +1446,6 @@ def test_a_request_that_comes_while_the_loop_places_is_served_before_the_rest(
         _settle(tiers)
         assert tiers.lookup(keys_of(prompt)) == 20
         table.check_invariants()
-
-
-def test_a_request_that_comes_while_a_promotion_completes_is_served_before_its_answer(
-    unique_name, monkeypatch
-):
-    """A ping from another connection arrives while the loop completes a promotion: the
-    turn serves it before it sends the promotion's answer (which wakes the promoting
-    client, who may take the loop's CPU), and both are answered in that turn."""
-    from shmkv import protocol
-
-    monkeypatch.setattr(tiers_mod, "IO_PROCESS", False)
-    with _driven_loop(unique_name, num_blocks=8, host_blocks=8) as (coord, selector, theirs):
-        table, tiers = coord.table, coord.tiers
-        pinger = _driven_connection(coord, selector, 8)
-        try:
-            prompt = prompts_of(1, 4, seed=29)[0]
-            _released_prompt(table, prompt)
-            _settle(tiers)
-            ids, _ = table.allocate_counts(7, [8 * BS])  # evicts it from the pool
-            table.release_many(7, ids.tolist())
-            _settle(tiers)
-            assert tiers.lookup(keys_of(prompt)) == 4
-            finish, sent = table.finish_promotion, []
-
-            def finish_and_ping(record, num_ok):
-                if not sent:  # the ping arrives while the promotion completes
-                    pinger.sendall(protocol.encode_request(1, "ping", {}))
-                    sent.append(record)
-                return finish(record, num_ok)
-
-            monkeypatch.setattr(table, "finish_promotion", finish_and_ping)
-            flushed = []
-            flush = coord._flush
-
-            def recorded_flush(conn, selector):
-                flushed.append(conn.conn_id)
-                return flush(conn, selector)
-
-            monkeypatch.setattr(coord, "_flush", recorded_flush)
-            theirs.sendall(
-                protocol.encode_request(
-                    2,
-                    "allocate_many",
-                    {"requests": [{"num_tokens": 0, "prompt": protocol.pack_i64s(prompt)}]},
-                )
-            )
-            deadline = time.monotonic() + 20
-            while not sent:  # the turns read the allocation, then wait for its copies
-                coord._turn(selector)
-                assert time.monotonic() < deadline, "the promotion never completed"
-            assert flushed[-2:] == [8, 7]  # the ping first, then the promotion's answer
-            for sock, request_id in ((pinger, 1), (theirs, 2)):
-                sock.settimeout(5.0)
-                (obj,) = list(protocol.FrameDecoder().feed(sock.recv(1 << 16)))
-                response = protocol.parse_response(obj)
-                assert response.request_id == request_id
-                if request_id == 2:
-                    assert response.unwrap()[0]["num_cached"] == len(prompt)
-            table.check_invariants()
-        finally:
-            pinger.close()
 
 
 def test_a_burst_past_the_disk_writes_in_flight_reaches_disk_head_first(tmp_path, unique_name):
