@@ -290,30 +290,21 @@ class BlockPool:
         Returns False when the key already names another block (a concurrent writer
         of the same prefix won) or this block already has a key.
         """
-        return self.publish_many((block_id,), (key,)) == 1
+        if key in self.prefix_index or self.block_key[block_id] is not None:
+            return False
+        assert self.ref_cnt[block_id] > 0, f"publish of unreferenced block {block_id}"
+        self.block_key[block_id] = key  # the one place a key is bound
+        self.key_gen[block_id] += 1
+        self.prefix_index[key] = block_id
+        if self.owner[block_id] != NO_OWNER:  # published blocks are immutable
+            self.owner[block_id] = NO_OWNER
+            self.epoch[0] += 1
+        return True
 
     def publish_many(self, block_ids: Iterable[int], keys: Iterable[bytes]) -> int:
-        """:meth:`publish` each block under its key, in one call (a promotion's blocks);
-        returns how many were published."""
-        index, block_key, key_gen, owner = (
-            self.prefix_index,
-            self.block_key,
-            self.key_gen,
-            self.owner,
-        )
-        published = 0
-        for block_id, key in zip(block_ids, keys):
-            if key in index or block_key[block_id] is not None:
-                continue
-            assert self.ref_cnt[block_id] > 0, f"publish of unreferenced block {block_id}"
-            block_key[block_id] = key  # the one place a key is bound
-            key_gen[block_id] += 1
-            index[key] = block_id
-            if owner[block_id] != NO_OWNER:  # published blocks are immutable
-                owner[block_id] = NO_OWNER
-                self.epoch[0] += 1
-            published += 1
-        return published
+        """:meth:`publish` each block under its key (a promotion's blocks; no Python loop
+        around the calls); returns how many were published."""
+        return sum(map(self.publish, block_ids, keys))
 
     # -- keys and bytes (see the module doc) ----------------------------------------------
 
