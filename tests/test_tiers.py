@@ -1362,9 +1362,10 @@ def test_placing_stops_every_chunk_a_client_waits_and_goes_on_next_turn(unique_n
     monkeypatch.setattr(tiers_mod, "IO_PROCESS", False)
     chunk = tiers_mod.PLACE_CHUNK
     cfg = make_config(num_blocks=24)
-    with shmkv.Coordinator(
-        cfg, name=unique_name, tiers=[shmkv.HostTier(24 * cfg.block_nbytes)]
-    ) as coord:
+    # Opened, not serving: a loop thread woken by the first copies would tick meanwhile.
+    coord = shmkv.Coordinator(cfg, name=unique_name, tiers=[shmkv.HostTier(24 * cfg.block_nbytes)])
+    coord.open()
+    try:
         table, tiers = coord.table, coord.tiers
         table.add_connection(7)
         prompt = prompts_of(1, 20, seed=21)[0]
@@ -1398,6 +1399,8 @@ def test_placing_stops_every_chunk_a_client_waits_and_goes_on_next_turn(unique_n
         _settle(tiers)
         assert tiers.lookup(keys_of(other)) == 3
         table.check_invariants()
+    finally:
+        coord.close()
 
 
 def test_a_request_that_comes_while_the_loop_places_is_served_before_the_rest(
