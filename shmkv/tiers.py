@@ -1097,6 +1097,32 @@ class _Demotion:
             if reading.get(block, False) is None:  # (a copy placed now replaced the mark)
                 del reading[block]
 
+    def _touch_held(self, key: bytes, queued: bool = False) -> bool:
+        """Whether the first tier a cached block goes to holds its key already (an entry,
+        ready or being copied): then nothing is copied, the entry is marked recently used
+        (unless ``queued``: see :meth:`_place`), and a host entry the disk lacks is spilled
+        (an earlier write failed). A block promoted and released again ends here: a
+        dictionary look-up, no placing."""
+        host, disk = self.host, self.disk
+        if host is not None:
+            entry = host.index.get(key)
+            if entry is None:
+                return False
+            if not queued:
+                host.index.move_to_end(key)
+            if disk is not None and disk.disabled is None:
+                if key in disk.index:
+                    if not queued:
+                        disk.index.move_to_end(key)
+                elif entry.ready:
+                    self._spill[key] = None  # an earlier write failed (a full disk)
+            return True
+        if disk is None or disk.disabled is not None or key not in disk.index:
+            return False
+        if not queued:
+            disk.index.move_to_end(key)
+        return True
+
     def _place(self, block: int, key: bytes, queued: bool = False) -> bool:
         """A published block became cached: copy it to the first tier that lacks it.
 
@@ -1106,19 +1132,10 @@ class _Demotion:
         failing or not used, and there is no host tier); the loop does not retry those.
         ``queued``: ``move_to_end`` of an entry it finds is skipped (the block waited;
         it was used when it became cached, not now)."""
+        if self._touch_held(key, queued):
+            return True
         host, disk = self.host, self.disk
         if host is not None:
-            entry = host.index.get(key)
-            if entry is not None:
-                if not queued:
-                    host.index.move_to_end(key)
-                if disk is not None and disk.disabled is None:
-                    if key in disk.index:
-                        if not queued:
-                            disk.index.move_to_end(key)
-                    elif entry.ready:
-                        self._spill[key] = None  # an earlier write failed (a full disk)
-                return True
             slot = self._host_slot()
             if slot is not None:
                 entry = _Entry(slot)
@@ -1137,7 +1154,7 @@ class _Demotion:
                 return True
         if disk is None or disk.disabled is not None:
             return host is None  # the host tier's slots are all busy: wait for one
-        if key in disk.index:
+        if key in disk.index:  # (the host tier lacks it and is full: the disk has it)
             if not queued:
                 disk.index.move_to_end(key)
             return True
@@ -1747,13 +1764,12 @@ class TierSet(_Promotions):
             block_key, reading, backlog = self.pool.block_key, self._reading, self._backlog
             # A sequence's blocks are released (and cached) last-first: reversed, a
             # prefix's first blocks are placed first, and wait least when room runs out.
+            touch_held = self._touch_held
             for block in reversed(newly):
                 key = block_key[block]
-                if (
-                    key is not None
-                    and block not in reading
-                    and (backlog or self._yield_to_clients() or not self._place(block, key))
-                ):
+                if key is None or block in reading or touch_held(key):
+                    continue  # (held: no copy, and no look at the sockets for it)
+                if backlog or self._yield_to_clients() or not self._place(block, key):
                     backlog[block] = key
                     reading[block] = None
         if self._spill:

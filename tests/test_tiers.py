@@ -1403,6 +1403,50 @@ def test_placing_stops_every_chunk_a_client_waits_and_goes_on_next_turn(unique_n
         coord.close()
 
 
+@pytest.mark.parametrize("kind", ["host", "disk"])
+def test_released_blocks_a_tier_holds_already_are_touched_not_placed(
+    kind, unique_name, monkeypatch, tmp_path
+):
+    """A prompt whose blocks the first tier holds (promoted, or placed before) released
+    again: the tick copies nothing, puts nothing in the backlog and looks at no socket
+    for them, even with a client waiting; each entry becomes the tier's most recently
+    used, a prefix's first block first."""
+    monkeypatch.setattr(tiers_mod, "IO_PROCESS", False)
+    cfg = make_config(num_blocks=48)
+    spec = (
+        shmkv.HostTier(48 * cfg.block_nbytes)
+        if kind == "host"
+        else shmkv.DiskTier(str(tmp_path / "disk"), 1 << 30)
+    )
+    coord = shmkv.Coordinator(cfg, name=unique_name, tiers=[spec])
+    coord.open()
+    try:
+        table, tiers = coord.table, coord.tiers
+        table.add_connection(7)
+        prompt, other = prompts_of(2, 20, seed=24)
+        _released_prompt(table, prompt)
+        _settle(tiers)
+        _released_prompt(table, other)
+        _settle(tiers)
+        store = tiers.host if kind == "host" else tiers.disk
+        assert list(store.index)[-20:] == keys_of(other)
+        _released_prompt(table, prompt)  # pool hits: the same blocks, cached again
+        asked = []
+
+        def waiting() -> bool:
+            asked.append(len(tiers._backlog))
+            return True
+
+        tiers.tick(waiting=waiting)
+        assert asked == [] and not tiers._backlog and not tiers._reading
+        assert tiers.num_pending == 0 and tiers.max_wait() != 0.0
+        assert list(store.index)[-20:] == keys_of(prompt)
+        assert tiers.lookup(keys_of(prompt)) == 20
+        table.check_invariants()
+    finally:
+        coord.close()
+
+
 def test_a_request_that_comes_while_the_loop_places_is_served_before_the_rest(
     unique_name, monkeypatch
 ):
