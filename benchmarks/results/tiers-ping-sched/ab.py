@@ -10,7 +10,9 @@ its environment (a build switched by it), or this script acts on it:
 
 * ``PIN=1``: the coordinator's threads pinned to CPU 0, the tier I/O process's to CPU 1;
 * ``NICE=1``: the coordinator's loop thread (its main thread) at nice -5 (needs
-  CAP_SYS_NICE).
+  CAP_SYS_NICE);
+* ``SPIN0=1``: the coordinator started with ``spin_us=0`` (it sleeps at once after a turn
+  instead of polling for the next request).
 
 Prints each run's idle and promoting ping p99 and their ratio, then each variant's ratios.
 """
@@ -32,8 +34,9 @@ def one(kind, env):
     cfg = shmkv.PoolConfig(num_blocks=128, **bench.BIG)
     prompts = bench.prompts_for(8, 32, cfg.block_size, seed=3)
     tiers = [shmkv.HostTier((8 * 32 + 8) * cfg.block_nbytes)] if kind == "host" else []
+    options = {"spin_us": 0} if os.environ.get("SPIN0") == "1" else {}
     with (
-        shmkv.Coordinator.spawn(cfg, name=f"ab{os.getpid()}", tiers=tiers) as coord,
+        shmkv.Coordinator.spawn(cfg, name=f"ab{os.getpid()}", tiers=tiers, **options) as coord,
         shmkv.connect(coord.address, timeout=120) as client,
     ):
         if os.environ.get("PIN") == "1":
