@@ -21,7 +21,6 @@ Prints:
 
 import bisect
 import collections
-import itertools
 import multiprocessing as mp
 import os
 import re
@@ -48,35 +47,12 @@ def _comm(name):
 
 def _pinger(address, seconds, queue):
     _comm("pinger")
-    with shmkv.connect(address, timeout=60) as client:
-        for _ in range(50):
-            client.request("ping")
-        samples = []
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            t0 = time.monotonic()
-            client.request("ping")
-            samples.append((t0, time.monotonic() - t0))
-            time.sleep(0.0005)
-    queue.put(("pings", samples))
+    bench._pinger(address, seconds, queue)
 
 
-def _promoter(address, prompts, go, stop, queue, rate):
+def _promoter(address, prompts, block_size, go, stop, queue, rate):
     _comm("promoter")
-    turn = itertools.cycle(prompts)
-    num = 0
-    with shmkv.connect(address, timeout=60) as client:
-        queue.put(("ready", None))
-        while not stop.is_set():
-            if not go.wait(0.05):
-                continue
-            while go.is_set():
-                t1 = time.monotonic()
-                client.allocate(prompt=next(turn)).close()
-                num += 1
-                if rate:
-                    time.sleep(max(0.0, 1.0 / rate - (time.monotonic() - t1)))
-    queue.put(("allocations", num))
+    bench._promoter(address, prompts, block_size, go, stop, queue, rate)
 
 
 def record(kind, cycles, rate):
@@ -104,7 +80,8 @@ def record(kind, cycles, rate):
                     io_pids.update(int(tid) for tid in os.listdir(f"/proc/{child}/task"))
         queue, go, stop = ctx.Queue(), ctx.Event(), ctx.Event()
         promoter = ctx.Process(
-            target=_promoter, args=(coord.address, prompts, go, stop, queue, rate)
+            target=_promoter,
+            args=(coord.address, prompts, cfg.block_size, go, stop, queue, rate),
         )
         promoter.start()
         assert queue.get(timeout=60)[0] == "ready"
@@ -139,7 +116,7 @@ def record(kind, cycles, rate):
         promoter.join(30)
         pinger.join(30)
         pids = {"loop": coord.pid, "pinger": pinger.pid, "promoter": promoter.pid}
-    return results["pings"], phases, pids, io_pids, trace, results["allocations"]
+    return results["pings"], phases, pids, io_pids, trace, results["moved"][2]
 
 
 _SWITCH = re.compile(
