@@ -1006,7 +1006,7 @@ class _Demotion:
         :meth:`_rescue`); one no tier holds or can take is counted lost."""
         reading, host_index = self._reading, None if self.host is None else self.host.index
         for block, key in zip(blocks, keys):
-            unsafe = False
+            unsafe, copy = False, None
             if reading and block in reading:
                 copy = reading.pop(block)
                 unsafe = True
@@ -1026,6 +1026,27 @@ class _Demotion:
                 self.num_rescued_evictions += 1
             else:  # no tier has it, nor can take it now: lost
                 self.num_lost_evictions += 1
+                if copy is not None:
+                    self._forget_unfinished(copy)
+
+    def _forget_unfinished(self, copy: _Copy) -> None:
+        """Drop the tier entry a cancelled demotion was filling, now that its block is
+        lost: the key is in no tier, and the next block published under it must be
+        placed again (an entry left until the copy completes reads as "the tier has it"
+        to :meth:`_touch_held`, and that block would never go down). The completion
+        then finds the entry gone and only gives back what the copy reserved (its host
+        slot; its staging slot and its place among the disk writes in flight)."""
+        if copy.op == "p2h":
+            host = self.host
+            assert host is not None  # (a copy into the host tier)
+            if host.index.get(copy.key) is copy.entry:
+                del host.index[copy.key]
+        elif copy.op in ("p2s", "p2d"):
+            disk = self.disk
+            assert disk is not None  # (a copy towards the disk tier)
+            if disk.index.get(copy.key) is copy.entry:
+                del disk.index[copy.key]
+                disk.bytes -= disk.file_nbytes
 
     def _rescue(self, block: int, key: bytes) -> bool:
         """Copy an evicted block whose copy down a tier is not done, on the loop, now

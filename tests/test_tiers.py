@@ -1447,6 +1447,97 @@ def test_released_blocks_a_tier_holds_already_are_touched_not_placed(
         coord.close()
 
 
+def test_a_key_lost_mid_demotion_is_placed_again_when_published_again(unique_name, monkeypatch):
+    """Blocks evicted while their copies to the host tier are still running, with no
+    slot to rescue them into, are lost; the entries those copies were filling go with
+    them. The same keys published again in other blocks and released are placed as
+    any new block (the backlog while the cancelled copies hold the slots, then copied),
+    not taken for held by the tier; the host tier ends up with them."""
+    monkeypatch.setattr(tiers_mod, "IO_PROCESS", False)
+    gate = threading.Event()
+    copy_to_host = tier_io.Mover._op_p2h
+
+    def held_at_the_gate(self, copy):
+        assert gate.wait(20), "the test never opened the gate"
+        copy_to_host(self, copy)
+
+    monkeypatch.setattr(tier_io.Mover, "_op_p2h", held_at_the_gate)
+    cfg = make_config(num_blocks=4)
+    coord = shmkv.Coordinator(cfg, name=unique_name, tiers=[shmkv.HostTier(2 * cfg.block_nbytes)])
+    coord.open()
+    try:
+        table, tiers = coord.table, coord.tiers
+        table.add_connection(7)
+        prompt = prompts_of(1, 2, seed=31)[0]
+        _released_prompt(table, prompt)
+        tiers.tick()  # both blocks copying, both host slots taken
+        assert len(tiers._reading) == 2 and not tiers.host.free
+        other = table.allocate(7, num_tokens=4 * BS)  # evicts both: no slot to rescue into
+        assert tiers.num_lost_evictions == 2
+        assert not any(key in tiers.host.index for key in keys_of(prompt))
+        table.release(7, other["cache_id"])
+        _released_prompt(table, prompt)  # the same keys, published in other blocks
+        tiers.tick()
+        assert len(tiers._backlog) == 2  # to be placed once the slots come back
+        gate.set()
+        _settle(tiers)
+        assert tiers.lookup(keys_of(prompt)) == 2
+        assert tiers.num_lost_evictions == 2
+        table.check_invariants()
+    finally:
+        gate.set()
+        coord.close()
+
+
+@pytest.mark.parametrize("op", ["p2d", "p2s"])
+def test_a_key_lost_mid_demotion_to_disk_is_placed_again(op, unique_name, monkeypatch, tmp_path):
+    """The disk's side of the test above: demotions straight from the pool (``p2d``)
+    or through staging slots (``p2s``), held in flight; the blocks evicted with no
+    staging slot left to rescue them into are lost, their disk entries and the room
+    reserved for them dropped; published again, they are written, and the disk tier
+    ends up with every key, its byte count that of its files."""
+    monkeypatch.setattr(tiers_mod, "IO_PROCESS", False)
+    monkeypatch.setattr(tiers_mod, "DIRECT_DISK_DEMOTION", op == "p2d")
+    monkeypatch.setattr(tiers_mod, "STAGING_BLOCKS", 1 if op == "p2d" else 2)
+    monkeypatch.setattr(tiers_mod, "STAGING_RESCUE", 0)
+    gate = threading.Event()
+    demote = getattr(tier_io.Mover, "_op_" + op)
+
+    def held_at_the_gate(self, copy):
+        assert gate.wait(20), "the test never opened the gate"
+        demote(self, copy)
+
+    monkeypatch.setattr(tier_io.Mover, "_op_" + op, held_at_the_gate)
+    cfg = make_config(num_blocks=4)
+    spec = shmkv.DiskTier(str(tmp_path / "disk"), 1 << 30)
+    coord = shmkv.Coordinator(cfg, name=unique_name, tiers=[spec])
+    coord.open()
+    try:
+        table, tiers = coord.table, coord.tiers
+        disk = tiers.disk
+        table.add_connection(7)
+        prompt = prompts_of(1, 2, seed=32)[0]
+        _released_prompt(table, prompt)
+        tiers.tick()
+        assert len(tiers._reading) == 2
+        other = table.allocate(7, num_tokens=4 * BS)
+        lost = 1 if op == "p2d" else 2  # (p2d: one rescued through the staging slot)
+        assert tiers.num_lost_evictions == lost
+        assert sum(key not in disk.index for key in keys_of(prompt)) == lost
+        assert disk.bytes == (2 - lost) * disk.file_nbytes
+        table.release(7, other["cache_id"])
+        _released_prompt(table, prompt)
+        tiers.tick()
+        gate.set()
+        _settle(tiers)
+        assert tiers.lookup(keys_of(prompt)) == 2
+        assert disk.bytes == len(disk.index) * disk.file_nbytes == 2 * disk.file_nbytes
+        table.check_invariants()
+    finally:
+        gate.set()
+        coord.close()
+
+
 def test_a_request_that_comes_while_the_loop_places_is_served_before_the_rest(
     unique_name, monkeypatch
 ):
