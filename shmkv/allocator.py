@@ -43,20 +43,21 @@ before the allocation is answered, so nobody can have written the block's new by
 while the old binding was still seen standing.
 
 Two hooks serve the tiers under the pool (``shmkv.tiers``), both None without tiers:
-``newly_cached`` collects blocks that became cached (to be copied down behind the
-caller's back), and ``on_evict(block_ids, keys)`` is called once per allocation that
-evicts, with the evicted blocks and the keys they had, before anyone can be told to
-write them. A third, ``copying`` (a container of block ids,
+``newly_cached`` collects blocks that became cached (a dict used as an ordered set, to
+be copied down behind the caller's back), and ``on_evict(block_ids, keys)`` is called
+once per allocation that evicts, with the evicted blocks and the keys they had, before
+anyone can be told to write them. A third, ``copying`` (a container of block ids,
 or None), names the cached blocks whose copy down a tier is not done yet: eviction
-takes the other cached blocks first (least recently used first), so a block is lost
-to every tier only when nothing safe is left to evict.
+takes the other cached blocks first (least recently used first), and counts those in
+``newly_cached`` (not even placed yet) as not safe either, so a block is lost to every
+tier only when nothing safe is left to evict.
 """
 
 from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from typing import Callable, Collection, Iterable, List, Optional, Sequence, Union
+from typing import Callable, Collection, Dict, Iterable, List, Optional, Sequence, Union
 
 import numpy as np
 
@@ -115,7 +116,7 @@ class BlockPool:
         self.key_gen = array("q", bytes(8 * num_blocks))
         self.num_evictions = 0
         self.num_copies_discarded = 0
-        self.newly_cached: Optional[List[int]] = None
+        self.newly_cached: Optional[Dict[int, None]] = None
         self.on_evict: Optional[Callable[..., None]] = None  # (block_ids, keys); see the module doc
         # (tiers) blocks whose copy down a tier is not done
         self.copying: Optional[Collection[int]] = None
@@ -188,17 +189,17 @@ class BlockPool:
 
     def _victims(self, num: int) -> List[int]:
         """The ``num`` cached blocks an allocation evicts, taken out of the LRU: the least
-        recently used first, except that under ``copying`` the blocks not in it go first,
-        then those in it, each oldest first (scanning at most ``num`` blocks plus those
-        in ``copying``: the copies in flight and waiting)."""
-        cached, copying = self._cached, self.copying
-        if not copying:
+        recently used first, except that the blocks in neither ``copying`` nor
+        ``newly_cached`` go first, then the others, each oldest first (scanning at most
+        ``num`` blocks plus those: the copies in flight and waiting)."""
+        cached, copying, pending = self._cached, self.copying or (), self.newly_cached or ()
+        if not copying and not pending:
             popitem = cached.popitem
             return [popitem(last=False)[0] for _ in range(num)]
         safe: List[int] = []
         waiting: List[int] = []
         for block_id in cached:
-            if block_id not in copying:
+            if block_id not in copying and block_id not in pending:
                 safe.append(block_id)
                 if len(safe) == num:
                     break
@@ -244,7 +245,7 @@ class BlockPool:
                 else:
                     self._cached[block_id] = None
                     if self.newly_cached is not None:
-                        self.newly_cached.append(block_id)
+                        self.newly_cached[block_id] = None
 
     def free_private(self, block_ids: np.ndarray) -> None:
         """Drop the only reference of blocks that carry no key (a dead sequence's

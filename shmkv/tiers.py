@@ -1002,11 +1002,13 @@ class _Demotion:
     def _on_evict(self, blocks: List[int], keys: List[bytes]) -> None:
         """The pool evicts cached blocks (called once inside ``BlockPool.allocate``, before
         anyone can be told to write them: their bytes are still their keys'). A block
-        whose copy down a tier was not done is rescued: copied now, on the loop (see
-        :meth:`_rescue`); one no tier holds or can take is counted lost."""
+        whose copy down a tier was not done, or not even placed (cached since the last
+        tick), is rescued: copied now, on the loop (see :meth:`_rescue`); one no tier
+        holds or can take is counted lost."""
         reading, host_index = self._reading, None if self.host is None else self.host.index
+        pending = self.pool.newly_cached or ()  # cached this turn, not placed yet
         for block, key in zip(blocks, keys):
-            unsafe, copy = False, None
+            unsafe, copy = block in pending, None
             if reading and block in reading:
                 copy = reading.pop(block)
                 unsafe = True
@@ -1028,6 +1030,22 @@ class _Demotion:
                 self.num_lost_evictions += 1
                 if copy is not None:
                     self._forget_unfinished(copy)
+
+    def _spill_if_host_only(self, key: bytes) -> None:
+        """A demotion to disk was cancelled (its block evicted): if the block was rescued
+        into the host tier meanwhile, the key is there and, with that copy's entry gone,
+        not on disk; queue it to spill, as the disk holds every key the host tier does
+        (:meth:`_host_slot` drops only entries on disk)."""
+        host, disk = self.host, self.disk
+        entry = None if host is None else host.index.get(key)
+        if (
+            entry is not None
+            and entry.ready
+            and disk is not None
+            and disk.disabled is None
+            and key not in disk.index
+        ):
+            self._spill[key] = None
 
     def _forget_unfinished(self, copy: _Copy) -> None:
         """Drop the tier entry a cancelled demotion was filling, now that its block is
@@ -1358,6 +1376,8 @@ class _Demotion:
                 if disk.index.get(copy.key) is entry:
                     del disk.index[copy.key]
                     disk.bytes -= disk.file_nbytes
+                if copy.cancelled:
+                    self._spill_if_host_only(copy.key)
             elif op in ("h2d", "p2d", "s2d"):
                 assert disk is not None  # (a copy into the disk tier)
                 self._disk_in_flight -= 1
@@ -1371,8 +1391,9 @@ class _Demotion:
                 entry = copy.entry
                 mine = disk.index.get(copy.key) is entry
                 if op == "p2d" and not self._still_holds(copy):
-                    if copy.ok and not copy.cancelled and (mine or copy.key not in disk.index):
-                        self._new_disk.append(_Copy("del", copy.key))  # renamed in: remove
+                    # renamed in (its last cancel check passed before the eviction): remove
+                    if copy.ok and (mine or copy.key not in disk.index):
+                        self._new_disk.append(_Copy("del", copy.key))
                     copy.ok = False
                 if copy.ok and not copy.cancelled:
                     if mine:
@@ -1402,6 +1423,8 @@ class _Demotion:
                 if mine:
                     del disk.index[copy.key]
                     disk.bytes -= disk.file_nbytes
+                if op == "p2d" and copy.cancelled:
+                    self._spill_if_host_only(copy.key)
             elif op == "del" and copy.error is not None:
                 assert disk is not None  # (a file of the disk tier)
                 disk.counters["errors"] += 1
@@ -1648,7 +1671,7 @@ class TierSet(_Promotions):
             # bytes of that rank] (a block is a chunk of each layer's K and V).
             self._pool_u8 = [block_bytes(p) for p in memory.device_pools]
             self._pool_np = None if config.is_cuda else [t.numpy() for t in self._pool_u8]
-            self.pool.newly_cached = []
+            self.pool.newly_cached = {}
             self.pool.on_evict = self._on_evict
             self.pool.copying = self._reading
             if IO_PROCESS and not config.is_cuda and wake_sock is not None:
@@ -1781,7 +1804,7 @@ class TierSet(_Promotions):
             self._drain_backlog()
         newly = self.pool.newly_cached
         if newly:
-            self.pool.newly_cached = []
+            self.pool.newly_cached = {}
             block_key, reading, backlog = self.pool.block_key, self._reading, self._backlog
             # A sequence's blocks are released (and cached) last-first: reversed, a
             # prefix's first blocks are placed first, and wait least when room runs out.

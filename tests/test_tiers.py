@@ -1538,6 +1538,183 @@ def test_a_key_lost_mid_demotion_to_disk_is_placed_again(op, unique_name, monkey
         coord.close()
 
 
+class _Gate:
+    """Holds one kind of copy (``Mover._op_<op>``) until :meth:`open`: before the copy
+    runs, or with ``after`` once it ran (its completion not handed back yet);
+    ``only(copy)`` picks which copies wait."""
+
+    def __init__(self, monkeypatch, op, after=False, only=None):
+        self._open = threading.Event()
+        self._entered = threading.Semaphore(0)
+        run = getattr(tier_io.Mover, "_op_" + op)
+
+        def held(mover, copy):
+            if only is not None and not only(copy):
+                return run(mover, copy)
+            if after:
+                run(mover, copy)
+            self._entered.release()
+            assert self._open.wait(20), "the test never opened the gate"
+            if not after:
+                run(mover, copy)
+
+        monkeypatch.setattr(tier_io.Mover, "_op_" + op, held)
+
+    def open(self):
+        self._open.set()
+
+    def wait_entered(self):
+        assert self._entered.acquire(timeout=10), "no copy reached the gate"
+
+
+def _settled_balance(tiers, table) -> None:
+    """Every slot, byte and file accounted for once nothing is in flight."""
+    host, disk, staging = tiers.host, tiers.disk, tiers._staging
+    assert tiers.num_pending == 0 and tiers._disk_in_flight == 0 and not tiers._reading
+    if host is not None:
+        assert all(e.ready for e in host.index.values())
+        assert len(host.free) + len(host.index) == host.num_slots
+    if disk is not None:
+        assert disk.bytes == len(disk.index) * disk.file_nbytes
+        files = {bytes.fromhex(n[:32]) for n in os.listdir(disk.blocks_dir) if n.endswith(".kv")}
+        assert files == set(disk.index)
+    if staging is not None:
+        assert len(staging.free) == staging.num_slots
+    table.check_invariants()
+
+
+@pytest.mark.parametrize("op", ["p2d", "p2s"])
+def test_a_block_rescued_to_the_host_over_a_cancelled_disk_copy_still_spills(
+    op, unique_name, monkeypatch, tmp_path
+):
+    """A block on its way to disk (the host tier full) is evicted once a host slot is
+    free: rescued into the host tier. Its cancelled disk copy's completion drops the
+    disk entry, and queues the key to spill: the disk keeps every key the host tier
+    has, so the host tier, needing the slot later, can drop it (it is on disk)."""
+    monkeypatch.setattr(tiers_mod, "IO_PROCESS", False)
+    monkeypatch.setattr(tiers_mod, "DIRECT_DISK_DEMOTION", op == "p2d")
+    to_host = _Gate(monkeypatch, "p2h", only=lambda copy: copy.slot == 0)
+    to_disk = _Gate(monkeypatch, op)
+    cfg = make_config(num_blocks=2)
+    specs = [shmkv.HostTier(cfg.block_nbytes), shmkv.DiskTier(str(tmp_path / "disk"), 1 << 30)]
+    coord = shmkv.Coordinator(cfg, name=unique_name, tiers=specs)
+    coord.open()
+    try:
+        table, tiers = coord.table, coord.tiers
+        table.add_connection(7)
+        a, b = prompts_of(2, 1, seed=41)
+        _released_prompt(table, a)
+        tiers.tick()  # a: into the only host slot (held)
+        _released_prompt(table, b)
+        tiers.tick()  # b: to disk (held)
+        kb = keys_of(b)[0]
+        assert kb in tiers.disk.index and not tiers.host.free
+        first = table.allocate(7, num_tokens=BS)  # evicts a: rescued to a staging slot
+        to_host.open()  # a's cancelled copy gives the host slot back
+        deadline = time.monotonic() + 10
+        while not tiers.host.free:
+            assert time.monotonic() < deadline, "the host slot never came back"
+            time.sleep(0.005)
+            tiers.tick()
+        second = table.allocate(7, num_tokens=BS)  # evicts b: rescued into that slot
+        assert tiers.num_rescued_evictions == 2 and tiers.num_lost_evictions == 0
+        assert tiers.host.index[kb].ready
+        to_disk.open()
+        _settle(tiers)
+        assert kb in tiers.disk.index and tiers.disk.index[kb].ready
+        table.release(7, first["cache_id"])
+        table.release(7, second["cache_id"])
+        _released_prompt(table, prompts_of(1, 1, seed=43)[0])  # takes the host slot
+        _settle(tiers)
+        assert tiers.lookup(keys_of(b)) == 1
+        _settled_balance(tiers, table)
+    finally:
+        to_host.open()
+        to_disk.open()
+        coord.close()
+
+
+def test_a_block_file_written_before_its_copy_was_cancelled_is_removed(
+    unique_name, monkeypatch, tmp_path
+):
+    """A copy to disk that renamed its file in, then saw its block evicted (and lost)
+    before its completion came back: the file goes too, so the files on disk are
+    exactly the disk tier's entries, and its byte count theirs."""
+    monkeypatch.setattr(tiers_mod, "IO_PROCESS", False)
+    monkeypatch.setattr(tiers_mod, "DIRECT_DISK_DEMOTION", True)
+    monkeypatch.setattr(tiers_mod, "STAGING_BLOCKS", 1)
+    monkeypatch.setattr(tiers_mod, "STAGING_RESCUE", 0)
+    gate = _Gate(monkeypatch, "p2d", after=True)
+    cfg = make_config(num_blocks=2)
+    spec = shmkv.DiskTier(str(tmp_path / "disk"), 1 << 30)
+    coord = shmkv.Coordinator(cfg, name=unique_name, tiers=[spec])
+    coord.open()
+    try:
+        table, tiers = coord.table, coord.tiers
+        disk = tiers.disk
+        table.add_connection(7)
+        prompt = prompts_of(1, 2, seed=51)[0]
+        first_key = keys_of(prompt)[0]
+        _released_prompt(table, prompt)
+        tiers.tick()  # both to disk, one after the other
+        gate.wait_entered()  # the first block's file is in place, its completion held
+        other = table.allocate(7, num_tokens=2 * BS)  # one rescued (the staging slot), one lost
+        assert tiers.num_lost_evictions == 1 and tiers.num_rescued_evictions == 1
+        assert first_key not in disk.index
+        gate.open()
+        _settle(tiers)
+        table.release(7, other["cache_id"])
+        _settle(tiers)
+        _settled_balance(tiers, table)
+    finally:
+        gate.open()
+        coord.close()
+
+
+def test_blocks_released_and_evicted_in_one_turn_are_rescued(unique_name, monkeypatch):
+    """Blocks cached and evicted before the tiers' next turn looks at them (a release
+    and another client's allocation served in the same turn): not placed yet, so not
+    safe; rescued into the host tier's free slots, not lost. And a block just cached
+    counts as not safe for the eviction order too (copied like one still copying)."""
+    monkeypatch.setattr(tiers_mod, "IO_PROCESS", False)
+    cfg = make_config(num_blocks=2)
+    coord = shmkv.Coordinator(cfg, name=unique_name, tiers=[shmkv.HostTier(8 * cfg.block_nbytes)])
+    coord.open()
+    try:
+        table, tiers = coord.table, coord.tiers
+        table.add_connection(7)
+        prompt = prompts_of(1, 2, seed=61)[0]
+        _released_prompt(table, prompt)  # cached; no tick yet
+        other = table.allocate(7, num_tokens=2 * BS)  # the same turn: evicts both
+        assert tiers.num_lost_evictions == 0 and tiers.num_rescued_evictions == 2
+        assert tiers.lookup(keys_of(prompt)) == 2
+        tiers.tick()
+        table.release(7, other["cache_id"])
+        _settle(tiers)
+        assert tiers.lookup(keys_of(prompt)) == 2
+        _settled_balance(tiers, table)
+    finally:
+        coord.close()
+
+
+def test_the_pool_evicts_blocks_safe_in_a_tier_before_those_just_cached():
+    """``BlockPool`` alone: with ``newly_cached`` collecting, the blocks cached since it was
+    last taken go after every other cached block, oldest first among them."""
+    from shmkv.allocator import BlockPool
+
+    pool = BlockPool(4)
+    ids = pool.allocate(4, 1)
+    for i, block in enumerate(ids):
+        assert pool.publish(block, bytes([i]) * 16)
+    pool.decref(ids[:2])  # cached before collecting: safe
+    pool.newly_cached = {}
+    pool.decref(ids[2:])  # cached since: in newly_cached
+    assert list(pool.newly_cached) == ids[2:]
+    got = pool.allocate(3, 2)
+    assert got[:3] == [ids[0], ids[1], ids[2]]  # the safe ones first, then the oldest new
+    pool.check_invariants()
+
+
 def test_a_request_that_comes_while_the_loop_places_is_served_before_the_rest(
     unique_name, monkeypatch
 ):
