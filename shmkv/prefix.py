@@ -142,6 +142,9 @@ class Prefix(Handoffs):
         # blocks past them (their holder copied an earlier one on write, and the published
         # original went down a tier): those are hits too.
         promote = self.tiers.lookup(keys[len(hits) :]) if keys and self.tiers is not None else 0
+        if promote and keys:
+            assert self.tiers is not None  # (a tier found them)
+            self.tiers.keep_planned(keys[len(hits) : len(hits) + promote])
         later = self.pool.lookup(keys[len(hits) + promote :]) if promote and keys else []
         need -= len(later)
         return AllocationPlan(num_tokens, keys, tail, root, hits, need, request_id, promote, later)

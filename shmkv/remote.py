@@ -520,6 +520,11 @@ class RemoteTierSet:
         """Leading ``keys`` the local tiers hold (the store's are only maybe there)."""
         return self.local.lookup(keys) if self.local is not None else 0
 
+    def keep_planned(self, keys) -> None:
+        """The local tiers keep ``keys`` until their next tick (``TierSet.keep_planned``)."""
+        if self.local is not None:
+            self.local.keep_planned(keys)
+
     def promote(self, records: list) -> RemotePromotion:
         """Start copying the blocks of ``records`` in: the local tiers' part through the
         local ``TierSet``, the rest from the store; :meth:`tick` returns the promotion."""

@@ -92,7 +92,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict, deque
-from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -988,6 +988,7 @@ class _Demotion:
     _reading: Dict[int, Optional[_Copy]]
     _backlog: "OrderedDict[int, bytes]"
     _spill: "OrderedDict[bytes, None]"
+    _planned: Set[bytes]
     _new_demotes: List[_Copy]
     _new_disk: List[_Copy]
     _disk_in_flight: int
@@ -1237,8 +1238,9 @@ class _Demotion:
             on_disk = disk.index
         spill = self._spill
         # oldest first; busy entries are skipped
+        planned = self._planned
         for scanned, (key, entry) in enumerate(host.index.items(), start=1):
-            if entry.ready and not entry.pins:
+            if entry.ready and not entry.pins and key not in planned:
                 if on_disk is None:
                     break
                 target = on_disk.get(key)
@@ -1265,8 +1267,14 @@ class _Demotion:
         disk = self.disk
         assert disk is not None  # (called only with a disk tier)
         while disk.bytes + disk.file_nbytes > disk.capacity_bytes:
+            planned = self._planned
             victim = next(
-                (key for key, entry in disk.index.items() if entry.ready and not entry.pins), None
+                (
+                    key
+                    for key, entry in disk.index.items()
+                    if entry.ready and not entry.pins and key not in planned
+                ),
+                None,
             )
             if victim is None:
                 return False
@@ -1466,6 +1474,13 @@ class _Promotions(_Demotion):
         here is local), so a promotion of them fails only on a damaged file."""
         return self.lookup(keys)
 
+    def keep_planned(self, keys) -> None:
+        """``keys`` (found by :meth:`lookup`) are an allocation's plan: until the next
+        :meth:`tick`, by which the loop has started that promotion and pinned them, they
+        are not dropped to make room (for a block the same allocation, or another one
+        served before the promotion starts, evicts and rescues)."""
+        self._planned.update(keys)
+
     def promote(self, records: list) -> Promotion:
         """Start copying the blocks of ``records`` (``shmkv.sequences.PendingPromotion``)
         into their fresh pool blocks; :meth:`tick` returns the promotion when done."""
@@ -1485,7 +1500,7 @@ class _Promotions(_Demotion):
                     host.move_to_end(key)
                 else:
                     slots.append(-1)
-                    # (no entry: cannot happen after lookup())
+                    # (no entry: gone since lookup(), which keep_planned() prevents)
                     if disk is None or (entry := disk.get(key)) is None or not entry.ready:
                         ops.append(OP_NONE)
                         srcs.append(None)
@@ -1642,6 +1657,9 @@ class TierSet(_Promotions):
         # busy), a prefix's first blocks first: placed as room frees up (tick).
         self._backlog: "OrderedDict[int, bytes]" = OrderedDict()
         self._spill: "OrderedDict[bytes, None]" = OrderedDict()  # host keys to write to disk
+        # keys an allocation of this turn plans to promote (keep_planned): not dropped to
+        # make room before its promotion pins them; forgotten at the next tick
+        self._planned: Set[bytes] = set()
         self._new_demotes: List[_Copy] = []
         self._new_disk: List[_Copy] = []
         self._jobs_out = 0  # jobs handed to workers, not yet back in tick()
@@ -1786,6 +1804,7 @@ class TierSet(_Promotions):
         the pool evicts them last (``BlockPool.copying``), and an eviction of one
         rescues it, as for any block in the backlog."""
         self._wake_pending = False
+        self._planned.clear()  # (this turn's promotions have pinned what they read)
         self._deferred, self._num_placed, self._waiting = False, 0, waiting
         finished: List[Promotion] = []
         if (

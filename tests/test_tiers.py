@@ -1697,6 +1697,39 @@ def test_blocks_released_and_evicted_in_one_turn_are_rescued(unique_name, monkey
         coord.close()
 
 
+def test_an_allocation_keeps_the_tier_entries_its_plan_promotes(unique_name, monkeypatch):
+    """An allocation whose plan promotes a key from the host tier, and whose fresh block
+    evicts a block not copied yet: the rescue of that block may not drop the planned
+    key's entry to make room (the promotion would find nothing and the hit shrink). The
+    planned hit is served; the evicted block, with no room left, is counted lost."""
+    monkeypatch.setattr(tiers_mod, "IO_PROCESS", False)
+    monkeypatch.setattr(tiers_mod, "PLACE_CHUNK", 1)
+    cfg = make_config(num_blocks=1)
+    coord = shmkv.Coordinator(cfg, name=unique_name, tiers=[shmkv.HostTier(cfg.block_nbytes)])
+    coord.open()
+    try:
+        table, tiers = coord.table, coord.tiers
+        table.add_connection(7)
+        a, b = prompts_of(2, 1, seed=71)
+        _released_prompt(table, a)
+        _settle(tiers)  # a's key in the only host slot
+        _released_prompt(table, b)  # evicts a (safe in the host tier), b cached
+        tiers.tick(waiting=lambda: True)  # a client waits: b stays in the backlog
+        assert tiers._backlog and tiers.lookup(keys_of(a)) == 1
+        info = table.allocate(7, prompt=a)  # its fresh block evicts b: a rescue, no room
+        records = table.take_promotions()
+        assert records and tiers.num_rescued_evictions == 0 and tiers.num_lost_evictions == 1
+        promotion = tiers.promote(records)
+        assert list(promotion.ops) == [tier_io.OP_H2P]
+        _settle(tiers)
+        assert table._held(7, info["cache_id"]).num_cached == len(a)
+        tiers.tick()  # the plan is forgotten: the entry may make room again
+        assert not tiers._planned
+        table.check_invariants()
+    finally:
+        coord.close()
+
+
 def test_the_pool_evicts_blocks_safe_in_a_tier_before_those_just_cached():
     """``BlockPool`` alone: with ``newly_cached`` collecting, the blocks cached since it was
     last taken go after every other cached block, oldest first among them."""
