@@ -1403,145 +1403,29 @@ def test_placing_stops_every_chunk_a_client_waits_and_goes_on_next_turn(unique_n
         coord.close()
 
 
-@pytest.mark.parametrize("kind", ["host", "disk"])
-def test_released_blocks_a_tier_holds_already_are_touched_not_placed(
-    kind, unique_name, monkeypatch, tmp_path
-):
-    """A prompt whose blocks the first tier holds (promoted, or placed before) released
-    again: the tick copies nothing, puts nothing in the backlog and looks at no socket
-    for them, even with a client waiting; each entry becomes the tier's most recently
-    used, a prefix's first block first."""
+@contextlib.contextmanager
+def _threaded_tiers(monkeypatch, name, num_blocks, host_blocks=0, disk_dir=None):
+    """A coordinator opened, not served (a loop thread would tick meanwhile), its tier
+    copies in threads of this process: ``(table, tiers)``, connection 7 added."""
     monkeypatch.setattr(tiers_mod, "IO_PROCESS", False)
-    cfg = make_config(num_blocks=48)
-    spec = (
-        shmkv.HostTier(48 * cfg.block_nbytes)
-        if kind == "host"
-        else shmkv.DiskTier(str(tmp_path / "disk"), 1 << 30)
-    )
-    coord = shmkv.Coordinator(cfg, name=unique_name, tiers=[spec])
+    cfg = make_config(num_blocks=num_blocks)
+    specs = [shmkv.HostTier(host_blocks * cfg.block_nbytes)] if host_blocks else []
+    if disk_dir is not None:
+        specs.append(shmkv.DiskTier(str(disk_dir), 1 << 30))
+    coord = shmkv.Coordinator(cfg, name=name, tiers=specs)
     coord.open()
     try:
-        table, tiers = coord.table, coord.tiers
-        table.add_connection(7)
-        prompt, other = prompts_of(2, 20, seed=24)
-        _released_prompt(table, prompt)
-        _settle(tiers)
-        _released_prompt(table, other)
-        _settle(tiers)
-        store = tiers.host if kind == "host" else tiers.disk
-        assert list(store.index)[-20:] == keys_of(other)
-        _released_prompt(table, prompt)  # pool hits: the same blocks, cached again
-        asked = []
-
-        def waiting() -> bool:
-            asked.append(len(tiers._backlog))
-            return True
-
-        tiers.tick(waiting=waiting)
-        assert asked == [] and not tiers._backlog and not tiers._reading
-        assert tiers.num_pending == 0 and tiers.max_wait() != 0.0
-        assert list(store.index)[-20:] == keys_of(prompt)
-        assert tiers.lookup(keys_of(prompt)) == 20
-        table.check_invariants()
+        coord.table.add_connection(7)
+        yield coord.table, coord.tiers
     finally:
-        coord.close()
-
-
-def test_a_key_lost_mid_demotion_is_placed_again_when_published_again(unique_name, monkeypatch):
-    """Blocks evicted while their copies to the host tier are still running, with no
-    slot to rescue them into, are lost; the entries those copies were filling go with
-    them. The same keys published again in other blocks and released are placed as
-    any new block (the backlog while the cancelled copies hold the slots, then copied),
-    not taken for held by the tier; the host tier ends up with them."""
-    monkeypatch.setattr(tiers_mod, "IO_PROCESS", False)
-    gate = threading.Event()
-    copy_to_host = tier_io.Mover._op_p2h
-
-    def held_at_the_gate(self, copy):
-        assert gate.wait(20), "the test never opened the gate"
-        copy_to_host(self, copy)
-
-    monkeypatch.setattr(tier_io.Mover, "_op_p2h", held_at_the_gate)
-    cfg = make_config(num_blocks=4)
-    coord = shmkv.Coordinator(cfg, name=unique_name, tiers=[shmkv.HostTier(2 * cfg.block_nbytes)])
-    coord.open()
-    try:
-        table, tiers = coord.table, coord.tiers
-        table.add_connection(7)
-        prompt = prompts_of(1, 2, seed=31)[0]
-        _released_prompt(table, prompt)
-        tiers.tick()  # both blocks copying, both host slots taken
-        assert len(tiers._reading) == 2 and not tiers.host.free
-        other = table.allocate(7, num_tokens=4 * BS)  # evicts both: no slot to rescue into
-        assert tiers.num_lost_evictions == 2
-        assert not any(key in tiers.host.index for key in keys_of(prompt))
-        table.release(7, other["cache_id"])
-        _released_prompt(table, prompt)  # the same keys, published in other blocks
-        tiers.tick()
-        assert len(tiers._backlog) == 2  # to be placed once the slots come back
-        gate.set()
-        _settle(tiers)
-        assert tiers.lookup(keys_of(prompt)) == 2
-        assert tiers.num_lost_evictions == 2
-        table.check_invariants()
-    finally:
-        gate.set()
-        coord.close()
-
-
-@pytest.mark.parametrize("op", ["p2d", "p2s"])
-def test_a_key_lost_mid_demotion_to_disk_is_placed_again(op, unique_name, monkeypatch, tmp_path):
-    """The disk's side of the test above: demotions straight from the pool (``p2d``)
-    or through staging slots (``p2s``), held in flight; the blocks evicted with no
-    staging slot left to rescue them into are lost, their disk entries and the room
-    reserved for them dropped; published again, they are written, and the disk tier
-    ends up with every key, its byte count that of its files."""
-    monkeypatch.setattr(tiers_mod, "IO_PROCESS", False)
-    monkeypatch.setattr(tiers_mod, "DIRECT_DISK_DEMOTION", op == "p2d")
-    monkeypatch.setattr(tiers_mod, "STAGING_BLOCKS", 1 if op == "p2d" else 2)
-    monkeypatch.setattr(tiers_mod, "STAGING_RESCUE", 0)
-    gate = threading.Event()
-    demote = getattr(tier_io.Mover, "_op_" + op)
-
-    def held_at_the_gate(self, copy):
-        assert gate.wait(20), "the test never opened the gate"
-        demote(self, copy)
-
-    monkeypatch.setattr(tier_io.Mover, "_op_" + op, held_at_the_gate)
-    cfg = make_config(num_blocks=4)
-    spec = shmkv.DiskTier(str(tmp_path / "disk"), 1 << 30)
-    coord = shmkv.Coordinator(cfg, name=unique_name, tiers=[spec])
-    coord.open()
-    try:
-        table, tiers = coord.table, coord.tiers
-        disk = tiers.disk
-        table.add_connection(7)
-        prompt = prompts_of(1, 2, seed=32)[0]
-        _released_prompt(table, prompt)
-        tiers.tick()
-        assert len(tiers._reading) == 2
-        other = table.allocate(7, num_tokens=4 * BS)
-        lost = 1 if op == "p2d" else 2  # (p2d: one rescued through the staging slot)
-        assert tiers.num_lost_evictions == lost
-        assert sum(key not in disk.index for key in keys_of(prompt)) == lost
-        assert disk.bytes == (2 - lost) * disk.file_nbytes
-        table.release(7, other["cache_id"])
-        _released_prompt(table, prompt)
-        tiers.tick()
-        gate.set()
-        _settle(tiers)
-        assert tiers.lookup(keys_of(prompt)) == 2
-        assert disk.bytes == len(disk.index) * disk.file_nbytes == 2 * disk.file_nbytes
-        table.check_invariants()
-    finally:
-        gate.set()
         coord.close()
 
 
 class _Gate:
-    """Holds one kind of copy (``Mover._op_<op>``) until :meth:`open`: before the copy
-    runs, or with ``after`` once it ran (its completion not handed back yet);
-    ``only(copy)`` picks which copies wait."""
+    """Holds one kind of copy (``Mover._op_<op>``) until :meth:`open` (or the end of its
+    ``with``): before the copy runs, or with ``after`` once it ran (its completion not
+    handed back yet); ``only(copy)`` picks which copies wait. Enter it after the
+    coordinator, so that it opens before the coordinator waits for its copies."""
 
     def __init__(self, monkeypatch, op, after=False, only=None):
         self._open = threading.Event()
@@ -1559,6 +1443,12 @@ class _Gate:
                 run(mover, copy)
 
         monkeypatch.setattr(tier_io.Mover, "_op_" + op, held)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.open()
 
     def open(self):
         self._open.set()
@@ -1583,6 +1473,100 @@ def _settled_balance(tiers, table) -> None:
     table.check_invariants()
 
 
+@pytest.mark.parametrize("kind", ["host", "disk"])
+def test_released_blocks_a_tier_holds_already_are_touched_not_placed(
+    kind, unique_name, monkeypatch, tmp_path
+):
+    """A prompt whose blocks the first tier holds (promoted, or placed before) released
+    again: the tick copies nothing, puts nothing in the backlog and looks at no socket
+    for them, even with a client waiting; each entry becomes the tier's most recently
+    used, a prefix's first block first."""
+    host_blocks, disk_dir = (48, None) if kind == "host" else (0, tmp_path / "disk")
+    with _threaded_tiers(monkeypatch, unique_name, 48, host_blocks, disk_dir) as (table, tiers):
+        prompt, other = prompts_of(2, 20, seed=24)
+        _released_prompt(table, prompt)
+        _settle(tiers)
+        _released_prompt(table, other)
+        _settle(tiers)
+        store = tiers.host if kind == "host" else tiers.disk
+        assert list(store.index)[-20:] == keys_of(other)
+        _released_prompt(table, prompt)  # pool hits: the same blocks, cached again
+        asked = []
+
+        def waiting() -> bool:
+            asked.append(len(tiers._backlog))
+            return True
+
+        tiers.tick(waiting=waiting)
+        assert asked == [] and not tiers._backlog and not tiers._reading
+        assert tiers.num_pending == 0 and tiers.max_wait() != 0.0
+        assert list(store.index)[-20:] == keys_of(prompt)
+        assert tiers.lookup(keys_of(prompt)) == 20
+        table.check_invariants()
+
+
+def test_a_key_lost_mid_demotion_is_placed_again_when_published_again(unique_name, monkeypatch):
+    """Blocks evicted while their copies to the host tier are still running, with no
+    slot to rescue them into, are lost; the entries those copies were filling go with
+    them. The same keys published again in other blocks and released are placed as
+    any new block (the backlog while the cancelled copies hold the slots, then copied),
+    not taken for held by the tier; the host tier ends up with them."""
+    with (
+        _threaded_tiers(monkeypatch, unique_name, 4, host_blocks=2) as (table, tiers),
+        _Gate(monkeypatch, "p2h") as gate,
+    ):
+        prompt = prompts_of(1, 2, seed=31)[0]
+        _released_prompt(table, prompt)
+        tiers.tick()  # both blocks copying, both host slots taken
+        assert len(tiers._reading) == 2 and not tiers.host.free
+        other = table.allocate(7, num_tokens=4 * BS)  # evicts both: no slot to rescue into
+        assert tiers.num_lost_evictions == 2
+        assert not any(key in tiers.host.index for key in keys_of(prompt))
+        table.release(7, other["cache_id"])
+        _released_prompt(table, prompt)  # the same keys, published in other blocks
+        tiers.tick()
+        assert len(tiers._backlog) == 2  # to be placed once the slots come back
+        gate.open()
+        _settle(tiers)
+        assert tiers.lookup(keys_of(prompt)) == 2
+        assert tiers.num_lost_evictions == 2
+        _settled_balance(tiers, table)
+
+
+@pytest.mark.parametrize("op", ["p2d", "p2s"])
+def test_a_key_lost_mid_demotion_to_disk_is_placed_again(op, unique_name, monkeypatch, tmp_path):
+    """The disk's side of the test above: demotions straight from the pool (``p2d``)
+    or through staging slots (``p2s``), held in flight; the blocks evicted with no
+    staging slot left to rescue them into are lost, their disk entries and the room
+    reserved for them dropped; published again, they are written, and the disk tier
+    ends up with every key, its byte count that of its files."""
+    monkeypatch.setattr(tiers_mod, "DIRECT_DISK_DEMOTION", op == "p2d")
+    monkeypatch.setattr(tiers_mod, "STAGING_BLOCKS", 1 if op == "p2d" else 2)
+    monkeypatch.setattr(tiers_mod, "STAGING_RESCUE", 0)
+    with (
+        _threaded_tiers(monkeypatch, unique_name, 4, disk_dir=tmp_path / "disk") as (table, tiers),
+        _Gate(monkeypatch, op) as gate,
+    ):
+        disk = tiers.disk
+        prompt = prompts_of(1, 2, seed=32)[0]
+        _released_prompt(table, prompt)
+        tiers.tick()
+        assert len(tiers._reading) == 2
+        other = table.allocate(7, num_tokens=4 * BS)
+        lost = 1 if op == "p2d" else 2  # (p2d: one rescued through the staging slot)
+        assert tiers.num_lost_evictions == lost
+        assert sum(key not in disk.index for key in keys_of(prompt)) == lost
+        assert disk.bytes == (2 - lost) * disk.file_nbytes
+        table.release(7, other["cache_id"])
+        _released_prompt(table, prompt)
+        tiers.tick()
+        gate.open()
+        _settle(tiers)
+        assert tiers.lookup(keys_of(prompt)) == 2
+        assert len(disk.index) == 2
+        _settled_balance(tiers, table)
+
+
 @pytest.mark.parametrize("op", ["p2d", "p2s"])
 def test_a_block_rescued_to_the_host_over_a_cancelled_disk_copy_still_spills(
     op, unique_name, monkeypatch, tmp_path
@@ -1591,17 +1575,13 @@ def test_a_block_rescued_to_the_host_over_a_cancelled_disk_copy_still_spills(
     free: rescued into the host tier. Its cancelled disk copy's completion drops the
     disk entry, and queues the key to spill: the disk keeps every key the host tier
     has, so the host tier, needing the slot later, can drop it (it is on disk)."""
-    monkeypatch.setattr(tiers_mod, "IO_PROCESS", False)
     monkeypatch.setattr(tiers_mod, "DIRECT_DISK_DEMOTION", op == "p2d")
-    to_host = _Gate(monkeypatch, "p2h", only=lambda copy: copy.slot == 0)
-    to_disk = _Gate(monkeypatch, op)
-    cfg = make_config(num_blocks=2)
-    specs = [shmkv.HostTier(cfg.block_nbytes), shmkv.DiskTier(str(tmp_path / "disk"), 1 << 30)]
-    coord = shmkv.Coordinator(cfg, name=unique_name, tiers=specs)
-    coord.open()
-    try:
-        table, tiers = coord.table, coord.tiers
-        table.add_connection(7)
+    disk_dir = tmp_path / "disk"
+    with (
+        _threaded_tiers(monkeypatch, unique_name, 2, 1, disk_dir) as (table, tiers),
+        _Gate(monkeypatch, "p2h", only=lambda copy: copy.slot == 0) as to_host,
+        _Gate(monkeypatch, op) as to_disk,
+    ):
         a, b = prompts_of(2, 1, seed=41)
         _released_prompt(table, a)
         tiers.tick()  # a: into the only host slot (held)
@@ -1628,10 +1608,6 @@ def test_a_block_rescued_to_the_host_over_a_cancelled_disk_copy_still_spills(
         _settle(tiers)
         assert tiers.lookup(keys_of(b)) == 1
         _settled_balance(tiers, table)
-    finally:
-        to_host.open()
-        to_disk.open()
-        coord.close()
 
 
 def test_a_block_file_written_before_its_copy_was_cancelled_is_removed(
@@ -1640,49 +1616,32 @@ def test_a_block_file_written_before_its_copy_was_cancelled_is_removed(
     """A copy to disk that renamed its file in, then saw its block evicted (and lost)
     before its completion came back: the file goes too, so the files on disk are
     exactly the disk tier's entries, and its byte count theirs."""
-    monkeypatch.setattr(tiers_mod, "IO_PROCESS", False)
     monkeypatch.setattr(tiers_mod, "DIRECT_DISK_DEMOTION", True)
     monkeypatch.setattr(tiers_mod, "STAGING_BLOCKS", 1)
     monkeypatch.setattr(tiers_mod, "STAGING_RESCUE", 0)
-    gate = _Gate(monkeypatch, "p2d", after=True)
-    cfg = make_config(num_blocks=2)
-    spec = shmkv.DiskTier(str(tmp_path / "disk"), 1 << 30)
-    coord = shmkv.Coordinator(cfg, name=unique_name, tiers=[spec])
-    coord.open()
-    try:
-        table, tiers = coord.table, coord.tiers
-        disk = tiers.disk
-        table.add_connection(7)
+    with (
+        _threaded_tiers(monkeypatch, unique_name, 2, disk_dir=tmp_path / "disk") as (table, tiers),
+        _Gate(monkeypatch, "p2d", after=True) as gate,
+    ):
         prompt = prompts_of(1, 2, seed=51)[0]
-        first_key = keys_of(prompt)[0]
         _released_prompt(table, prompt)
         tiers.tick()  # both to disk, one after the other
         gate.wait_entered()  # the first block's file is in place, its completion held
         other = table.allocate(7, num_tokens=2 * BS)  # one rescued (the staging slot), one lost
         assert tiers.num_lost_evictions == 1 and tiers.num_rescued_evictions == 1
-        assert first_key not in disk.index
+        assert keys_of(prompt)[0] not in tiers.disk.index
         gate.open()
         _settle(tiers)
         table.release(7, other["cache_id"])
         _settle(tiers)
         _settled_balance(tiers, table)
-    finally:
-        gate.open()
-        coord.close()
 
 
 def test_blocks_released_and_evicted_in_one_turn_are_rescued(unique_name, monkeypatch):
     """Blocks cached and evicted before the tiers' next turn looks at them (a release
     and another client's allocation served in the same turn): not placed yet, so not
-    safe; rescued into the host tier's free slots, not lost. And a block just cached
-    counts as not safe for the eviction order too (copied like one still copying)."""
-    monkeypatch.setattr(tiers_mod, "IO_PROCESS", False)
-    cfg = make_config(num_blocks=2)
-    coord = shmkv.Coordinator(cfg, name=unique_name, tiers=[shmkv.HostTier(8 * cfg.block_nbytes)])
-    coord.open()
-    try:
-        table, tiers = coord.table, coord.tiers
-        table.add_connection(7)
+    safe; rescued into the host tier's free slots, not lost."""
+    with _threaded_tiers(monkeypatch, unique_name, 2, host_blocks=8) as (table, tiers):
         prompt = prompts_of(1, 2, seed=61)[0]
         _released_prompt(table, prompt)  # cached; no tick yet
         other = table.allocate(7, num_tokens=2 * BS)  # the same turn: evicts both
@@ -1693,8 +1652,6 @@ def test_blocks_released_and_evicted_in_one_turn_are_rescued(unique_name, monkey
         _settle(tiers)
         assert tiers.lookup(keys_of(prompt)) == 2
         _settled_balance(tiers, table)
-    finally:
-        coord.close()
 
 
 def test_an_allocation_keeps_the_tier_entries_its_plan_promotes(unique_name, monkeypatch):
@@ -1702,14 +1659,8 @@ def test_an_allocation_keeps_the_tier_entries_its_plan_promotes(unique_name, mon
     evicts a block not copied yet: the rescue of that block may not drop the planned
     key's entry to make room (the promotion would find nothing and the hit shrink). The
     planned hit is served; the evicted block, with no room left, is counted lost."""
-    monkeypatch.setattr(tiers_mod, "IO_PROCESS", False)
     monkeypatch.setattr(tiers_mod, "PLACE_CHUNK", 1)
-    cfg = make_config(num_blocks=1)
-    coord = shmkv.Coordinator(cfg, name=unique_name, tiers=[shmkv.HostTier(cfg.block_nbytes)])
-    coord.open()
-    try:
-        table, tiers = coord.table, coord.tiers
-        table.add_connection(7)
+    with _threaded_tiers(monkeypatch, unique_name, 1, host_blocks=1) as (table, tiers):
         a, b = prompts_of(2, 1, seed=71)
         _released_prompt(table, a)
         _settle(tiers)  # a's key in the only host slot
@@ -1726,8 +1677,6 @@ def test_an_allocation_keeps_the_tier_entries_its_plan_promotes(unique_name, mon
         tiers.tick()  # the plan is forgotten: the entry may make room again
         assert not tiers._planned
         table.check_invariants()
-    finally:
-        coord.close()
 
 
 def test_the_pool_evicts_blocks_safe_in_a_tier_before_those_just_cached():
