@@ -1033,10 +1033,11 @@ class _Demotion:
                     self._forget_unfinished(copy)
 
     def _spill_if_host_only(self, key: bytes) -> None:
-        """A demotion to disk was cancelled (its block evicted): if the block was rescued
-        into the host tier meanwhile, the key is there and, with that copy's entry gone,
-        not on disk; queue it to spill, as the disk holds every key the host tier does
-        (:meth:`_host_slot` drops only entries on disk)."""
+        """Queue ``key`` to spill to disk if the host tier has it ready and the disk (in
+        use) has no entry for it: the disk holds every key the host tier does
+        (:meth:`_host_slot` drops only entries on disk). Called where a key becomes
+        ready in the host tier, and where a cancelled demotion to disk drops its entry
+        (its block may have been rescued into the host tier meanwhile)."""
         host, disk = self.host, self.disk
         entry = None if host is None else host.index.get(key)
         if (
@@ -1084,8 +1085,7 @@ class _Demotion:
                 host.index[key] = _Entry(slot, ready=True)
                 host.num_ready += 1
                 host.counters["demotions"] += 1
-                if disk is not None and disk.disabled is None and key not in disk.index:
-                    self._spill[key] = None
+                self._spill_if_host_only(key)
                 return True
         if staging is None or not staging.free:
             return False
@@ -1150,12 +1150,9 @@ class _Demotion:
                 return False
             if not queued:
                 host.index.move_to_end(key)
-            if disk is not None and disk.disabled is None:
-                if key in disk.index:
-                    if not queued:
-                        disk.index.move_to_end(key)
-                elif entry.ready:
-                    self._spill[key] = None  # an earlier write failed (a full disk)
+                if disk is not None and disk.disabled is None and key in disk.index:
+                    disk.index.move_to_end(key)
+            self._spill_if_host_only(key)  # (ready, not on disk: an earlier write failed)
             return True
         if disk is None or disk.disabled is not None or key not in disk.index:
             return False
@@ -1266,8 +1263,8 @@ class _Demotion:
         """Make room for one file by deleting the disk's LRU blocks; False if it cannot."""
         disk = self.disk
         assert disk is not None  # (called only with a disk tier)
+        planned = self._planned
         while disk.bytes + disk.file_nbytes > disk.capacity_bytes:
-            planned = self._planned
             victim = next(
                 (
                     key
@@ -1359,8 +1356,7 @@ class _Demotion:
                     entry.ready = True
                     host.num_ready += 1
                     host.counters["demotions"] += 1
-                    if disk is not None and disk.disabled is None and copy.key not in disk.index:
-                        self._spill[copy.key] = None
+                    self._spill_if_host_only(copy.key)
                 else:
                     if copy.error is not None:
                         host.counters["errors"] += 1
