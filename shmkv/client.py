@@ -24,6 +24,7 @@ and data-plane reads and writes on handles need no lock at all.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 from array import array
@@ -31,16 +32,18 @@ from typing import ClassVar, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import protocol
+from . import protocol, tier_io
 from .batch import Batch, Step
 from .errors import HandleClosed, InvalidArgument, LimitExceeded, OutOfRange, WrongType
 from .handle import KvCacheHandle, SequencePeek, SequenceView
 from .hashing import pack_tokens, packed_block_keys, root_key, token_list
 from .layout import PoolConfig
 from .link import _Link
-from .memory import PoolMemory, attach_pool
+from .memory import PoolMemory, attach_pool, block_bytes
 from .tables import lock_free_reads
+from .tier_io import ClientCopies
 
+log = logging.getLogger("shmkv.client")
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_PICKLE_TTL = 300.0
 
@@ -54,7 +57,15 @@ class Client(_Link):
     tensor parallelism), ``timeout`` (seconds per request). Its connection (requests,
     :meth:`flush`, :meth:`posted_errors`, :meth:`check`, :meth:`is_alive`) is the part
     in ``shmkv.link``.
+
+    ``copy_promotions`` (default True): where the coordinator offers it (a CPU pool with
+    tiers), an allocation waiting for blocks from a tier copies them in itself, in this
+    process, instead of having the coordinator's I/O process copy them: the copies then
+    take this client's CPU time, not the other clients' (``shmkv.tiers``). Set it False
+    on a client to leave them to the coordinator.
     """
+
+    copy_promotions = True
 
     def __init__(
         self,
@@ -97,6 +108,10 @@ class Client(_Link):
         self._memory: Optional[PoolMemory] = None
         self._owns_memory = False
         self._closed = False
+        # Runs this client's own promotions (_tier_copies): None until the first
+        # allocation with a prompt asks, False where the coordinator cannot offer it.
+        self._copies: "Optional[ClientCopies | bool]" = None
+        self._copy_lock = threading.Lock()  # held while copies run (close waits for it)
         self._pid = os.getpid()
         self._handles: "set" = set()
         self._states: dict = {}
@@ -288,13 +303,17 @@ class Client(_Link):
             wire.append({k: v for k, v in req.items() if v is not None})
         parts = _split_requests(wire, self.max_frame)
         handles: list = []
+        copy = wait and any("prompt" in req for req in wire) and self._tier_copies() is not None
         try:
             for part in parts:
-                answer = (
-                    self.request("allocate_many", requests=part)
-                    if wait or "settle" not in self.features  # (an older coordinator waits)
-                    else self.request("allocate_many", requests=part, early=True)
-                )
+                if copy:  # the blocks a tier holds are copied here, then reported
+                    answer = self.request("allocate_many", requests=part, copy=True)
+                    if isinstance(answer, dict):
+                        answer = self._copy_in(answer["copy"])
+                elif wait or "settle" not in self.features:  # (an older coordinator waits)
+                    answer = self.request("allocate_many", requests=part)
+                else:
+                    answer = self.request("allocate_many", requests=part, early=True)
                 handles += [self._handle(info) for info in answer]
         except BaseException:
             # All or none across the parts too: the ones allocated are given back.
@@ -302,6 +321,47 @@ class Client(_Link):
                 self.close_many(handles)
             raise
         return handles
+
+    def _tier_copies(self) -> Optional[ClientCopies]:
+        """What runs this client's own promotions (``copy_promotions``), made at the first
+        allocation with a prompt where the coordinator offers it: the tier memory mapped
+        read-only (``tier_memory``). None where it does not, or where it could not be
+        made (the coordinator copies them then)."""
+        if self._copies is None:
+            self._copies = False
+            if "copy" in self.features and self.copy_promotions:
+                fds: List[int] = []
+                try:
+                    answer = self.request_fds("tier_memory", fds)
+                    if answer.get("tiers") is not None:
+                        assert self._memory is not None  # (mapped by the handshake)
+                        pool_np = [block_bytes(p).numpy() for p in self._memory.device_pools]
+                        owned, fds = fds, []  # (ClientCopies closes them, on failure too)
+                        self._copies = ClientCopies(pool_np, answer["tiers"], owned)
+                except (ValueError, OSError, KeyError, TypeError) as exc:
+                    log.warning("promotions stay with the coordinator: %s", exc)
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+        copies = self._copies
+        return copies if isinstance(copies, ClientCopies) else None
+
+    def _copy_in(self, wire: dict) -> list:
+        """Run the copies of a promotion the coordinator left to this client, report
+        them (``promoted``) and return the allocation's answer. Interrupted, the copies
+        are reported failed and the sequences closed before the error goes on."""
+        copies = self._copies
+        assert isinstance(copies, ClientCopies)  # (asked to copy only with one)
+        with self._copy_lock:
+            try:
+                statuses, errors = copies.run(wire)
+            except BaseException:
+                failed = bytes([tier_io.FAILED]) * len(wire["ops"])
+                infos = self.request("promoted", id=wire["id"], statuses=failed)
+                self.close_many([self._handle(info) for info in infos])
+                raise
+            reported = [[i, text] for i, text in errors.items()]
+            return self.request("promoted", id=wire["id"], statuses=statuses, errors=reported)
 
     def extend_many(self, items: Iterable[Tuple]) -> List[int]:
         """Reserve slots in several sequences in one round trip, all or none.
@@ -497,6 +557,10 @@ class Client(_Link):
         storage keeps the mapping) but no longer belong to any sequence."""
         if self._closed:
             return
+        # Copies into this client's promoted blocks end first: once it is gone, the
+        # coordinator frees those blocks for others. (Bounded: a promotion's copies.)
+        if self._copy_lock.acquire(timeout=max(self.timeout, 1.0)):
+            self._copy_lock.release()
         self._closed = True
         for handle in list(self._handles):
             handle._closed = True

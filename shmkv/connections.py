@@ -22,7 +22,7 @@ import socket
 import struct
 import time
 from bisect import bisect_left
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
 from . import protocol
 from .errors import (
@@ -132,6 +132,7 @@ class _Conn:
         "reason",
         "held",
         "held_bytes",
+        "copying",
     )
 
     def __init__(self, sock: socket.socket, conn_id: int, pid: int, max_frame: int):
@@ -149,6 +150,9 @@ class _Conn:
         # after it, with their frame sizes, answered in order after it.
         self.held: Optional[List[Tuple[object, int]]] = None
         self.held_bytes = 0  # the frame bytes of ``held``
+        # Promotions this connection's client copies itself (``copy``), by id, until it
+        # reports them (``promoted``); failed if it drops first.
+        self.copying: Optional[Dict[int, Any]] = None
 
 
 class _Refused:
@@ -170,6 +174,7 @@ class Connections(Ops):
     _listener: Optional[socket.socket]
     _conns: Dict[int, _Conn]
     _next_conn_id: int
+    _next_promotion_id: int
     _accept_paused_until: float
     _fd_warned_at: float
     max_connections: int
@@ -259,6 +264,11 @@ class Connections(Ops):
         # shutdown, not only close: a forked child's copy must not keep the client waiting
         _shutdown_and_close(conn.sock)
         released = 0
+        tiers = self._copy_tiers()
+        for promo in (conn.copying or {}).values():  # its client never said: none is in
+            assert tiers is not None  # (a promotion is left to a client only with them)
+            tiers.finish_in_client(promo, None, [])
+        conn.copying = None
         if self.table is not None:
             released = self.table.drop_connection(conn.conn_id)
         if count:
@@ -396,12 +406,22 @@ class Connections(Ops):
         self.num_ops += 1
         self.ops_by_type[op] = self.ops_by_type.get(op, 0) + 1
         if op == "hello":
-            self._send_hello(conn, request_id, result)
+            fds = self.memory.fds[:1] if self.config.is_cuda else self.memory.fds
+            self._send_with_fds(conn, request_id, result, fds)
+        elif op == "tier_memory":
+            tiers = self._copy_tiers()
+            fds = [] if tiers is None else tiers.client_memory()[1]
+            self._send_with_fds(conn, request_id, result, fds)
         elif self.table.promotions:  # a tier copies blocks in
             # Started at the end of this turn, after the requests that came in meanwhile
-            # (see _turn). Answered when they are in, or now when asked ``early``.
+            # (see _turn). Answered when they are in, or now when asked ``early``; or
+            # copied by the client, asked to ``copy``, which reports them (``promoted``).
             records = self.table.take_promotions()
-            if request.args.get("early") and self._promote_early(records):
+            tiers = self._copy_tiers() if request.args.get("copy") else None
+            if tiers is not None:
+                copy = self._promote_in_client(tiers, conn, records, result)
+                conn.outbuf += protocol.encode_ok(request_id, copy)
+            elif request.args.get("early") and self._promote_early(records):
                 conn.outbuf += protocol.encode_ok(request_id, result)
             else:
                 self._to_promote.append((records, (conn, request_id, result)))
@@ -418,6 +438,18 @@ class Connections(Ops):
         elapsed = _clock() - started
         latency[bisect_left(LATENCY_BUCKETS, elapsed)] += 1
         latency[-1] += elapsed
+
+    def _promote_in_client(self, tiers: "TierSet", conn: _Conn, records: list, result) -> dict:
+        """Promotions the asking client copies itself: their sources are pinned now, the
+        answer names the copies (``TierSet.client_copies``), and ``promoted`` finishes
+        them with ``result``, the allocation's answer."""
+        promo = tiers.promote(records, in_client=True)
+        promo.context = result
+        self._next_promotion_id += 1
+        if conn.copying is None:
+            conn.copying = {}
+        conn.copying[self._next_promotion_id] = promo
+        return {"copy": tiers.client_copies(promo, self._next_promotion_id)}
 
     def _promote_early(self, records: list) -> bool:
         """Promotions answered before their blocks are in: each record's info says how
@@ -483,14 +515,20 @@ class Connections(Ops):
                 break
             self._handle(conn, obj)
 
-    def _send_hello(self, conn: _Conn, request_id: int, result: dict) -> None:
-        """The handshake answer carries the pool's descriptors (SCM_RIGHTS)."""
-        frame = protocol.encode_ok(request_id, result)
-        fds = self.memory.fds[:1] if self.config.is_cuda else self.memory.fds
-        try:  # a new connection's send buffer is empty, so this never waits
-            sent = socket.send_fds(conn.sock, [frame], fds)
+    def _send_with_fds(self, conn: _Conn, request_id: int, result: dict, fds: List[int]) -> None:
+        """An answer that carries descriptors (SCM_RIGHTS): the handshake's (the pool's),
+        ``tier_memory``'s (the host tier's). They travel with the first byte still
+        unsent, so they arrive while the client reads up to this answer."""
+        data = bytes(conn.outbuf) + protocol.encode_ok(request_id, result)
+        conn.outbuf.clear()
+        try:  # (the send buffer holds an answer at least: this never waits)
+            sent = socket.send_fds(conn.sock, [data], fds) if fds else 0
+        except BlockingIOError:
+            sent = 0
+            conn.closing = True
+            conn.reason = "descriptors could not be sent: the client reads nothing"
         except OSError as exc:
             conn.closing = True
-            conn.reason = f"handshake send failed: {exc.strerror}"
+            conn.reason = f"descriptors could not be sent: {exc.strerror}"
             return
-        conn.outbuf += frame[sent:]
+        conn.outbuf += data[sent:]

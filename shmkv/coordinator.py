@@ -499,6 +499,7 @@ class Coordinator(Connections):
         self._thread: Optional[threading.Thread] = None
         self._conns: Dict[int, _Conn] = {}
         self._next_conn_id = 1
+        self._next_promotion_id = 0  # (promotions copied by their clients)
         self._stopping = False
         self._serving = False
         self._accept_paused_until = 0.0

@@ -170,6 +170,14 @@ class _Link:
 
     def request(self, op: str, **args):
         """Send one request and wait for its result (raises the mapped error)."""
+        return self._exchange(op, args)
+
+    def request_fds(self, op: str, fds: List[int], **args):
+        """:meth:`request` for an answer that carries descriptors: they are appended to
+        ``fds`` (the caller closes them), the ones that came before an error too."""
+        return self._exchange(op, args, fds)
+
+    def _exchange(self, op: str, args: dict, fds: Optional[List[int]] = None):
         self.check()
         sock = self._sock
         assert sock is not None  # (connected by the handshake, never unset)
@@ -186,7 +194,11 @@ class _Link:
                             response.unwrap()
                         if self._posted:
                             self._took_posted(response)
-                    data = sock.recv(_RECV_SIZE)
+                    if fds is None:
+                        data = sock.recv(_RECV_SIZE)
+                    else:
+                        data, got, _flags, _addr = socket.recv_fds(sock, _RECV_SIZE, 4)
+                        fds += got
                     if not data:
                         self._gone = True
                         raise CoordinatorGone(self._gone_message())

@@ -25,6 +25,7 @@ from .memory import PoolMemory, Populator
 from .protocol import check_client_name
 from .sequences import SequenceTable
 from .tables import write_scales
+from .tiers import TierSet
 
 # What ``_op_settle`` returns for a sequence a tier still copies blocks into.
 SETTLE_LATER = object()
@@ -104,8 +105,20 @@ class Ops:
             "max_frame": self.max_frame,
             # what this coordinator serves beyond its protocol version's first release
             # (a client sends those arguments and ops only where they are listed)
-            "features": list(protocol.FEATURES),
+            "features": self._features(),
         }
+
+    def _features(self) -> List[str]:
+        """What the hello lists: ``protocol.FEATURES``, "copy" only where a client can
+        copy its own promotions (:meth:`_copy_tiers`)."""
+        copy = self._copy_tiers() is not None
+        return [f for f in protocol.FEATURES if copy or f != "copy"]
+
+    def _copy_tiers(self) -> Optional[TierSet]:
+        """The tiers whose promotions a client may copy itself: local ones (a
+        ``TierSet``, not the shared store's) under a CPU pool; else None."""
+        tiers = self.tiers
+        return tiers if isinstance(tiers, TierSet) and not self.config.is_cuda else None
 
     def _op_ping(self, conn):
         return {}
@@ -117,9 +130,10 @@ class Ops:
             conn.conn_id, num_tokens, prompt, cache_salt, request_id, keys, root
         )
 
-    def _op_allocate_many(self, conn, requests=None, counts=None, early=False):
+    def _op_allocate_many(self, conn, requests=None, counts=None, early=False, copy=False):
         # ``early``: answered at once though tier blocks are still coming (the
-        # coordinator's ``_handle``); ``settle`` waits for them.
+        # coordinator's ``_handle``); ``settle`` waits for them. ``copy``: the client
+        # copies them itself (``_promote_in_client``), where ``_copy_tiers`` allows.
         if (requests is None) == (counts is None):
             raise InvalidArgument("allocate_many takes one of requests and counts")
         if counts is not None:  # plain sequences of given lengths: packed both ways
@@ -180,6 +194,24 @@ class Ops:
 
     def _op_open(self, conn, token):
         return self.table.open(conn.conn_id, token)
+
+    def _op_tier_memory(self, conn):
+        # What a client needs to copy its own promotions; the host tier's read-only
+        # descriptor goes with the answer (``Coordinator._handle``).
+        tiers = self._copy_tiers()
+        return {"tiers": None if tiers is None else tiers.client_memory()[0]}
+
+    def _op_promoted(self, conn, id, statuses, errors=None):
+        # A client's report on the copies of a promotion it was asked to run (an
+        # allocation's answer with ``copy``): the promotion ends as a worker's would, and
+        # the answer is then the allocation's.
+        copying, tiers = conn.copying, self._copy_tiers()
+        promo = None if copying is None else copying.get(id)
+        if promo is None or tiers is None:
+            raise InvalidArgument(f"promoted: no promotion {id} waits for this client's copies")
+        tiers.finish_in_client(promo, statuses, errors or [])  # (raises, changing nothing)
+        del copying[id]
+        return promo.context
 
     def _op_settle(self, conn, cache_id):
         # A held sequence's hit once its promoted blocks are in: now, or, while a tier

@@ -34,8 +34,10 @@ if TYPE_CHECKING:  # (annotations only: the protocol imports no numpy)
 PROTOCOL_VERSION = 2  # 2: an allocation's prompt comes with its block keys
 # Additions to version 2 a client may use only with a coordinator whose hello lists them
 # (an older one closes the connection on an unknown argument or op): "settle", an
-# ``allocate_many`` answered ``early``, the ``settle`` op and ``commit``'s ``start``.
-FEATURES = ("settle",)
+# ``allocate_many`` answered ``early``, the ``settle`` op and ``commit``'s ``start``;
+# "copy", the ``tier_memory`` op, an ``allocate_many`` asked to ``copy`` its promotions
+# and the ``promoted`` op (the client copies its tier blocks in, ``shmkv.tiers``).
+FEATURES = ("settle", "copy")
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
 _HEADER = struct.Struct(">I")
 HEADER_SIZE = _HEADER.size
@@ -102,6 +104,7 @@ OPS = {
         "requests": ("list", False),
         "counts": ("i64s", False),
         "early": ("bool", False),
+        "copy": ("bool", False),
     },
     "extend": {"cache_id": ("int", True), "num_tokens": ("int", True), "tokens": ("ints", False)},
     "extend_many": {"items": ("list", True)},
@@ -124,6 +127,8 @@ OPS = {
     "export": {"cache_id": ("int", True), "ttl": ("num", True)},
     "open": {"token": ("bytes", True)},
     "settle": {"cache_id": ("int", True)},
+    "tier_memory": {},
+    "promoted": {"id": ("int", True), "statuses": ("bytes", True), "errors": ("list", False)},
     "stats": {},
     "set_kv_scales": {"layer": ("int", True), "k_scale": ("num", True), "v_scale": ("num", True)},
     # Batches: sequences as packed int64 arrays ("i64s": little-endian bytes), so a

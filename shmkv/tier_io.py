@@ -729,6 +729,79 @@ class Mover:
         raise Cancelled
 
 
+# -- a client's own promotions ----------------------------------------------------------------
+
+
+class ClientCopies:
+    """A client's side of copying its own promotions in (``shmkv.tiers``: promotion by
+    the client): the copies its allocation's answer names, run in this process.
+
+    Args:
+        pool_np: numpy uint8 ``[num_blocks, 2 * num_layers, chunk bytes]`` per rank, the
+            client's own mapping of the pool (``shmkv.memory.block_bytes``).
+        descriptor: the ``tier_memory`` answer (``TierSet.client_memory``): block bytes,
+            the host tier's ``[slots, slot bytes]`` or None, the block files (the
+            :meth:`BlockFiles.files_wire` form) or None.
+        fds: the host tier's read-only descriptor, if it has one; closed here (the
+            mapping stays).
+
+    Raises:
+        ValueError: the descriptor does not fit the pool or the descriptors passed.
+    """
+
+    def __init__(self, pool_np: list, descriptor: dict, fds: List[int]):
+        try:
+            host = None
+            shape = descriptor.get("host")
+            if shape is not None:
+                if len(fds) != 1:
+                    raise ValueError(f"the host tier came with {len(fds)} descriptors, not 1")
+                slots, nbytes = int(shape[0]), int(shape[1])
+                m = mmap.mmap(fds[0], slots * nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
+                host = np.frombuffer(m, dtype=np.uint8).reshape(slots, nbytes)
+            elif fds:
+                raise ValueError(f"{len(fds)} descriptors came without a host tier")
+            files = descriptor.get("files")
+            self.mover = Mover(
+                int(descriptor["block_nbytes"]),
+                pool_np=pool_np,
+                host_np=host,
+                files=None if files is None else BlockFiles.from_wire(files),
+            )
+        finally:
+            for fd in fds:
+                os.close(fd)
+        self.num_blocks = len(pool_np[0])
+        self.num_slots = 0 if host is None else len(host)
+
+    def run(self, wire: dict) -> Tuple[bytes, Dict[int, str]]:
+        """Run the copies of one promotion (``TierSet.client_copies``), in order:
+        (one status a copy, the error text of each that failed). A copy whose block or
+        slot is out of range fails; the others still run."""
+        ops, keys = wire["ops"], wire["keys"]
+        blocks, slots = wire["blocks"], wire["slots"]
+        n = len(ops)
+        if len(keys) != 16 * n or len(blocks) != 8 * n or len(slots) != 8 * n:
+            raise ValueError("a promotion's copies do not have one of each field a copy")
+        blocks = np.frombuffer(blocks, dtype="<i8").tolist()
+        slots = np.frombuffer(slots, dtype="<i8").tolist()
+        copies = []
+        for i, op in enumerate(ops):
+            copy = Copy(OPS[op] if op < len(OPS) else "none", keys[16 * i : 16 * i + 16])
+            copy.block, copy.slot = blocks[i], slots[i]
+            if copy.op not in ("h2p", "d2p"):
+                copy.cancelled = True  # (a block no tier had: nothing to copy)
+            elif not 0 <= copy.block < self.num_blocks or (
+                copy.op == "h2p" and not 0 <= copy.slot < self.num_slots
+            ):
+                copy.op, copy.error = "none", f"block {copy.block} or slot {copy.slot} out of range"
+            copies.append(copy)
+        self.mover.run(copies, lambda: False)
+        statuses = bytes(status_of(c) for c in copies)
+        errors = {i: c.error for i, c in enumerate(copies) if c.error is not None}
+        return statuses, errors
+
+
 # -- the worker threads ------------------------------------------------------------------------
 
 

@@ -194,18 +194,22 @@ def block_files(path) -> list:
     return sorted(os.listdir(os.path.join(path, "blocks")))
 
 
-@pytest.fixture(params=["process", "threads"])
+@pytest.fixture(params=["process", "threads", "client"])
 def io(request, monkeypatch):
-    """Where tier copies run: the tier I/O process (CPU pools' default) or threads."""
-    monkeypatch.setattr(tiers_mod, "IO_PROCESS", request.param == "process")
+    """Where tier copies run: the tier I/O process (CPU pools' default) or threads, every
+    copy; or "client", the I/O process but for promotions, which the allocating
+    client copies (``Client.copy_promotions``, the default)."""
+    monkeypatch.setattr(tiers_mod, "IO_PROCESS", request.param != "threads")
+    monkeypatch.setattr(shmkv.Client, "copy_promotions", request.param == "client")
     return request.param
 
 
 def inject(monkeypatch, io, fault: str) -> None:
-    """Fault ``fault`` of ``tier_faults`` wherever the copies run."""
-    if io == "process":
+    """Fault ``fault`` of ``tier_faults`` wherever the copies run (with "client", in the
+    I/O process and in this process, where the test's clients copy)."""
+    if io != "threads":
         monkeypatch.setattr(tiers_mod, "IO_PROCESS_PRELOAD", tier_faults.spec(fault))
-    else:
+    if io != "process":
         getattr(tier_faults, fault)(tier_io, monkeypatch.setattr)
 
 
@@ -900,6 +904,7 @@ def test_a_promotion_in_flight_when_the_io_process_dies_is_finished_by_threads(
     cfg = make_config(num_blocks=8)
     prompt = prompts_of(1, 3)[0]
     monkeypatch.setattr(tiers_mod, "IO_PROCESS_PRELOAD", tier_faults.spec("slow_h2p"))
+    monkeypatch.setattr(shmkv.Client, "copy_promotions", False)  # (the I/O process copies)
     caplog.set_level(logging.WARNING, logger="shmkv.tiers")
     with (
         shmkv.Coordinator(

@@ -55,3 +55,14 @@ def disk_full(mod, set_attr=setattr) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     set_attr(mod.BlockFiles, "write_block", full)
+
+
+def failing_promotions(mod, set_attr=setattr) -> None:
+    """Every copy into the pool from the host tier or a block file fails (an I/O error),
+    wherever it runs."""
+
+    def fail(self, copy):
+        raise OSError(errno.EIO, "Input/output error (injected)")
+
+    set_attr(mod.Mover, "_op_h2p", fail)
+    set_attr(mod.Mover, "_op_d2p", fail)
