@@ -1036,6 +1036,10 @@ def main(argv=None) -> int:
         )
         if tiers_mod.IO_PROCESS
         else "threads of the coordinator"
+    ) + (
+        "; promotions: copied by the allocating client (Client.copy_promotions)"
+        if shmkv.Client.copy_promotions
+        else ""
     )
     only = set(args.only or ["disk", "host", "ping", "cold", "chat", "restart"])
     try:
