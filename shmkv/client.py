@@ -58,14 +58,15 @@ class Client(_Link):
     :meth:`flush`, :meth:`posted_errors`, :meth:`check`, :meth:`is_alive`) is the part
     in ``shmkv.link``.
 
-    ``copy_promotions`` (default True): where the coordinator offers it (a CPU pool with
-    tiers), an allocation waiting for blocks from a tier copies them in itself, in this
-    process, instead of having the coordinator's I/O process copy them: the copies then
-    take this client's CPU time, not the other clients' (``shmkv.tiers``). Set it False
-    on a client to leave them to the coordinator.
+    ``copy_promotions``: where the coordinator offers it (a CPU pool with tiers), an
+    allocation waiting for blocks from a tier copies them in itself, in this process,
+    instead of having the coordinator's tier I/O process copy them: the copies then take
+    this client's CPU time, not the other clients' (``shmkv.tiers``). None (the default):
+    unless the coordinator runs in this process, whose loop would then wait for the GIL
+    behind the copies. True or False, set on a client or on the class: always, or never.
     """
 
-    copy_promotions = True
+    copy_promotions: Optional[bool] = None
 
     def __init__(
         self,
@@ -329,7 +330,10 @@ class Client(_Link):
         made (the coordinator copies them then)."""
         if self._copies is None:
             self._copies = False
-            if "copy" in self.features and self.copy_promotions:
+            wanted = self.copy_promotions
+            if wanted is None:  # (a coordinator in this process: its loop shares our GIL)
+                wanted = self.coordinator_pid != os.getpid()
+            if "copy" in self.features and wanted:
                 fds: List[int] = []
                 try:
                     answer = self.request_fds("tier_memory", fds)

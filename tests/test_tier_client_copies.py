@@ -33,6 +33,13 @@ import shmkv
 from shmkv import hashing, tier_io, tiers as tiers_mod
 
 
+@pytest.fixture(autouse=True)
+def clients_copy(monkeypatch):
+    """Clients copy their promotions here though the coordinator runs in this process
+    (where they would not by default: ``Client.copy_promotions``)."""
+    monkeypatch.setattr(shmkv.Client, "copy_promotions", True)
+
+
 def _tier_spec(kind, tmp_path, cfg):
     if kind == "host":
         return shmkv.HostTier(8 * cfg.block_nbytes)
@@ -67,6 +74,7 @@ def _promote_slowly_then_wait(address, prompt, started):
     (killed by the test in the middle of its copies)."""
     tier_faults.slow_h2p(tier_io)
     with shmkv.connect(address, timeout=20) as client:
+        assert client.copy_promotions is None  # (the default: a coordinator of another process)
         started.set()
         client.allocate(prompt=prompt)
         time.sleep(60)
@@ -232,3 +240,26 @@ def test_close_waits_for_the_clients_own_copies(unique_name, monkeypatch):
         assert (tier(st, "host")["promotions"], tier(st, "host")["errors"]) == (2, 0)
         assert st["tier_io"]["promotions_in_flight"] == 0
         assert [e.pins for e in coord.tiers.host.index.values()] == [0, 0]
+
+
+def test_by_default_a_client_copies_only_where_the_coordinator_is_another_process(
+    unique_name, monkeypatch
+):
+    # In the coordinator's own process the copies would hold the GIL its loop needs: the
+    # tier I/O process copies them; a client of a coordinator of its own copies them.
+    monkeypatch.setattr(shmkv.Client, "copy_promotions", None)
+    cfg = make_config(num_blocks=8)
+    prompt = prompts_of(1, 2)[0]
+    with tier_coordinator(cfg, unique_name) as (coord, client):
+        in_tier_only(client, prompt)
+        assert read_prompt(client, prompt) == (len(prompt), True)
+        assert client._tier_copies() is None
+    tiers = [shmkv.HostTier(8 * cfg.block_nbytes)]
+    with (
+        shmkv.Coordinator.spawn(cfg, name=unique_name + "s", tiers=tiers) as coord,
+        shmkv.connect(coord.address, timeout=20) as client,
+    ):
+        in_tier_only(client, prompt)
+        assert read_prompt(client, prompt) == (len(prompt), True)
+        assert client._tier_copies() is not None
+        assert tier(wait_idle(client), "host")["promotions"] == 2
