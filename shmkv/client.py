@@ -113,6 +113,7 @@ class Client(_Link):
         # allocation with a prompt asks, False where the coordinator cannot offer it.
         self._copies: "Optional[ClientCopies | bool]" = None
         self._copy_lock = threading.Lock()  # held while copies run (close waits for it)
+        self._stop_copies = False  # set by close: copies not begun fail
         self._pid = os.getpid()
         self._handles: "set" = set()
         self._states: dict = {}
@@ -358,7 +359,7 @@ class Client(_Link):
         assert isinstance(copies, ClientCopies)  # (asked to copy only with one)
         with self._copy_lock:
             try:
-                statuses, errors = copies.run(wire)
+                statuses, errors = copies.run(wire, lambda: self._stop_copies)
             except BaseException:
                 failed = bytes([tier_io.FAILED]) * len(wire["ops"])
                 infos = self.request("promoted", id=wire["id"], statuses=failed)
@@ -562,9 +563,19 @@ class Client(_Link):
         if self._closed:
             return
         # Copies into this client's promoted blocks end first: once it is gone, the
-        # coordinator frees those blocks for others. (Bounded: a promotion's copies.)
-        if self._copy_lock.acquire(timeout=max(self.timeout, 1.0)):
+        # coordinator frees those blocks for others, and a copy that lands after would
+        # overwrite another sequence's K/V. Waited for up to the timeout; from then on
+        # no copy begins (those still running, or waiting for the lock, skip theirs) and
+        # the one under way ends.
+        wait = max(self.timeout, 1.0)
+        done = self._copy_lock.acquire(timeout=wait)
+        self._stop_copies = True
+        if not done:
+            done = self._copy_lock.acquire(timeout=wait)  # (one block's copy)
+        if done:
             self._copy_lock.release()
+        else:
+            log.warning("closed while a copy into a promoted block has run for %.0f s", wait)
         self._closed = True
         for handle in list(self._handles):
             handle._closed = True

@@ -133,6 +133,7 @@ class _Conn:
         "held",
         "held_bytes",
         "copying",
+        "fds",
     )
 
     def __init__(self, sock: socket.socket, conn_id: int, pid: int, max_frame: int):
@@ -153,6 +154,9 @@ class _Conn:
         # Promotions this connection's client copies itself (``copy``), by id, until it
         # reports them (``promoted``); failed if it drops first.
         self.copying: Optional[Dict[int, Any]] = None
+        # Descriptors an answer in ``outbuf`` carries that its first send could not
+        # take (the client had not read its earlier answers): they go with the next.
+        self.fds: Optional[List[int]] = None
 
 
 class _Refused:
@@ -336,7 +340,11 @@ class Connections(Ops):
             return
         try:
             while conn.outbuf:
-                sent = conn.sock.send(conn.outbuf)
+                if conn.fds is not None:  # (with the first byte unsent: before the answer)
+                    sent = socket.send_fds(conn.sock, [conn.outbuf], conn.fds)
+                    conn.fds = None
+                else:
+                    sent = conn.sock.send(conn.outbuf)
                 del conn.outbuf[:sent]
         except (BlockingIOError, InterruptedError):
             pass
@@ -521,12 +529,15 @@ class Connections(Ops):
         unsent, so they arrive while the client reads up to this answer."""
         data = bytes(conn.outbuf) + protocol.encode_ok(request_id, result)
         conn.outbuf.clear()
-        try:  # (the send buffer holds an answer at least: this never waits)
-            sent = socket.send_fds(conn.sock, [data], fds) if fds else 0
-        except BlockingIOError:
+        try:
+            if conn.fds is not None:  # others wait to go (a client that reads later)
+                conn.fds = conn.fds + fds
+                sent = 0
+            else:
+                sent = socket.send_fds(conn.sock, [data], fds) if fds else 0
+        except BlockingIOError:  # its earlier answers fill the socket: sent with the next
             sent = 0
-            conn.closing = True
-            conn.reason = "descriptors could not be sent: the client reads nothing"
+            conn.fds = fds
         except OSError as exc:
             conn.closing = True
             conn.reason = f"descriptors could not be sent: {exc.strerror}"

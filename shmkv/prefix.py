@@ -262,16 +262,17 @@ class Prefix(Handoffs):
         # The hit ends at this record's first missing block, unless an earlier part of
         # the same request ended it before (a local part ends, its store part comes
         # back with nothing): never later than it already ends, so never negative.
-        if num_ok < len(record.blocks):
-            lost = seq.num_committed - min(seq.num_committed, record.first + num_ok)
-        else:
-            lost = 0
+        # (The hit's blocks, not the committed ones: a holder answered early may have
+        # committed blocks of its own past the hit already.)
+        end = record.first + num_ok
+        hit = -(-seq.num_cached // self.block_size)  # (a truncate may end it mid-block)
+        lost = hit - min(hit, end) if num_ok < len(record.blocks) else 0
         if lost:
-            seq.num_committed -= lost
-            seq.num_cached -= lost * self.block_size
+            tokens = seq.num_cached - end * self.block_size
+            seq.num_committed = min(seq.num_committed, end)
+            seq.num_cached = end * self.block_size
             seq.rank_tokens = [seq.num_cached] * self.tp_size
             record.info["num_cached"] = seq.num_cached
-            tokens = lost * self.block_size
             self._count_hits(record.client, -lost, lost, -tokens, tokens)
             if "promoting" in record.info:
                 # Answered early (``wait=False``): its holders were told of a longer hit

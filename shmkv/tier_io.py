@@ -741,12 +741,15 @@ class ClientCopies:
             client's own mapping of the pool (``shmkv.memory.block_bytes``).
         descriptor: the ``tier_memory`` answer (``TierSet.client_memory``): block bytes,
             the host tier's ``[slots, slot bytes]`` or None, the block files (the
-            :meth:`BlockFiles.files_wire` form) or None.
+            :meth:`BlockFiles.files_wire` form) or None, and their folder's device and
+            inode.
         fds: the host tier's read-only descriptor, if it has one; closed here (the
             mapping stays).
 
     Raises:
-        ValueError: the descriptor does not fit the pool or the descriptors passed.
+        ValueError: the descriptor does not fit the pool or the descriptors passed, or
+            the block files' folder is another one here.
+        OSError: the block files' folder cannot be seen here.
     """
 
     def __init__(self, pool_np: list, descriptor: dict, fds: List[int]):
@@ -762,6 +765,13 @@ class ClientCopies:
             elif fds:
                 raise ValueError(f"{len(fds)} descriptors came without a host tier")
             files = descriptor.get("files")
+            if files is not None:  # the coordinator's folder, not another at its path
+                st = os.stat(files["blocks_dir"])
+                if [st.st_dev, st.st_ino] != descriptor.get("files_id"):
+                    raise ValueError(
+                        f"the disk tier's folder {files['blocks_dir']} is another one in "
+                        "this process (a mount namespace of its own?)"
+                    )
             self.mover = Mover(
                 int(descriptor["block_nbytes"]),
                 pool_np=pool_np,
@@ -774,10 +784,13 @@ class ClientCopies:
         self.num_blocks = len(pool_np[0])
         self.num_slots = 0 if host is None else len(host)
 
-    def run(self, wire: dict) -> Tuple[bytes, Dict[int, str]]:
+    def run(
+        self, wire: dict, stopping: Callable[[], bool] = lambda: False
+    ) -> Tuple[bytes, Dict[int, str]]:
         """Run the copies of one promotion (``TierSet.client_copies``), in order:
         (one status a copy, the error text of each that failed). A copy whose block or
-        slot is out of range fails; the others still run."""
+        slot is out of range fails; the others still run. Once ``stopping()`` (the
+        client closes), the copies not begun fail."""
         ops, keys = wire["ops"], wire["keys"]
         blocks, slots = wire["blocks"], wire["slots"]
         n = len(ops)
@@ -796,7 +809,7 @@ class ClientCopies:
             ):
                 copy.op, copy.error = "none", f"block {copy.block} or slot {copy.slot} out of range"
             copies.append(copy)
-        self.mover.run(copies, lambda: False)
+        self.mover.run(copies, stopping)
         statuses = bytes(status_of(c) for c in copies)
         errors = {i: c.error for i, c in enumerate(copies) if c.error is not None}
         return statuses, errors

@@ -1562,6 +1562,15 @@ class _Promotions(_Demotion):
         host, files = self.host, self._files()
         out: Dict[str, Any] = {"block_nbytes": self.config.block_nbytes, "host": None}
         out["files"] = None if files is None else files.files_wire()
+        if files is not None:
+            # Which folder it is: a client that sees another one at its path (a mount
+            # namespace of its own) would find no file there, and report every block it
+            # was asked to copy missing, which removes the genuine files.
+            try:
+                st = os.stat(files.blocks_dir)
+            except OSError:
+                return None, []
+            out["files_id"] = [st.st_dev, st.st_ino]
         fds = []
         if host is not None:
             fd = host.read_only_fd()
@@ -1590,7 +1599,8 @@ class _Promotions(_Demotion):
         a copy from host memory.
 
         Raises:
-            InvalidArgument: ``statuses`` is not one byte a copy (nothing changed).
+            InvalidArgument: ``statuses`` is not one byte a copy, or ``errors`` not
+                ``[index, text]`` pairs of distinct copies (nothing changed).
         """
         ops = promo.ops
         if statuses is None:
@@ -1598,6 +1608,21 @@ class _Promotions(_Demotion):
         if not isinstance(statuses, bytes) or len(statuses) != len(ops):
             got = len(statuses) if isinstance(statuses, bytes) else type(statuses).__name__
             raise InvalidArgument(f"promoted: {len(ops)} statuses expected, got {got}")
+        texts: Dict[int, str] = {}
+        for item in errors if len(errors) <= len(ops) else [f"{len(errors)} items"]:
+            if not (
+                isinstance(item, (list, tuple))
+                and len(item) == 2
+                and type(item[0]) is int
+                and 0 <= item[0] < len(ops)
+                and item[0] not in texts
+                and isinstance(item[1], str)
+            ):
+                raise InvalidArgument(
+                    f"promoted: errors are [copy index, text] pairs, one a copy of the "
+                    f"{len(ops)} at most; got {item!r:.100}"
+                )
+            texts[item[0]] = item[1][:500]
         if OP_NONE in ops or statuses.count(OK) != len(ops):
             fixed = bytearray(statuses)
             for i, (op, status) in enumerate(zip(ops, statuses)):
@@ -1606,10 +1631,6 @@ class _Promotions(_Demotion):
                 elif status != OK and not (status == DAMAGED and op == OP_D2P):
                     fixed[i] = tier_io.FAILED
             statuses = bytes(fixed)
-        texts = {}
-        for item in errors:
-            if isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], int):
-                texts[item[0]] = str(item[1])[:500]
         self._complete_promotion(promo, statuses, texts)
 
     def _take_promotion(self, job: _Job) -> Promotion:

@@ -6,11 +6,15 @@ processes), real files. What is shown: the copies run in the client and not in t
 I/O process; a client killed in the middle of its copies leaves nothing pinned or held
 and publishes nothing; reports that do not fit the promotion are refused and change
 nothing; the host tier reaches clients read-only; a client waits for its copies before
-it closes.
+it closes. And what a hostile review found: no copy lands after its client has closed
+(one that ran past the wait, one that waited for another's), a failed report after a
+commit past the hit, malformed error items, ``tier_memory`` behind unread answers, a
+client that sees another folder at the disk tier's path.
 """
 
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -20,17 +24,20 @@ from conftest import SPAWN, join_or_kill
 from test_tiers import (
     BS,
     RawConnection,
+    block_files,
     in_tier_only,
     make_config,
     prompts_of,
     read_prompt,
     tier,
     tier_coordinator,
+    token_kv,
     wait_idle,
+    write_prompt,
 )
 
 import shmkv
-from shmkv import hashing, tier_io, tiers as tiers_mod
+from shmkv import hashing, protocol, tier_io, tiers as tiers_mod
 
 
 @pytest.fixture(autouse=True)
@@ -124,8 +131,6 @@ def _copy_request(prompt):
 
 def _last_answer(raw):
     """The response (not unwrapped) to the last request ``raw`` sent."""
-    from shmkv import protocol
-
     want = raw._next - 1
     deadline = time.monotonic() + 20
     while True:
@@ -229,7 +234,7 @@ def test_close_waits_for_the_clients_own_copies(unique_name, monkeypatch):
         thread = threading.Thread(target=allocate)
         thread.start()
         deadline = time.monotonic() + 20
-        while coord.tiers.num_promotions_in_flight != 1:
+        while not client._copy_lock.locked():  # (its copies have begun)
             assert time.monotonic() < deadline
             time.sleep(0.01)
         client.close()
@@ -263,3 +268,275 @@ def test_by_default_a_client_copies_only_where_the_coordinator_is_another_proces
         assert read_prompt(client, prompt) == (len(prompt), True)
         assert client._tier_copies() is not None
         assert tier(wait_idle(client), "host")["promotions"] == 2
+
+
+# -- found by a hostile review -----------------------------------------------------------------
+
+
+def test_close_that_stops_waiting_ends_the_copies_before_the_connection(unique_name, monkeypatch):
+    # A client (timeout 1 s) whose copies take 3 s is closed from another thread while it
+    # copies. The coordinator frees its promoted blocks once the connection is gone, and
+    # another client writes another prompt into them: no copy of the closed client may
+    # land there after (it did: the prompt read back was wrong).
+    tier_faults.slow_h2p(tier_io, monkeypatch.setattr)  # (this process: the client's copies)
+    cfg = make_config(num_blocks=6)
+    prompt, other = prompts_of(2, 6)
+    with tier_coordinator(cfg, unique_name) as (coord, writer):
+        in_tier_only(writer, prompt)
+        free = writer.stats()["free_blocks"] + writer.stats()["cached_blocks"]
+        closing = shmkv.connect(coord.address, timeout=1)
+        got = {}
+
+        def allocate():
+            try:
+                got["handle"] = closing.allocate(prompt=prompt)
+            except shmkv.ShmkvError as exc:
+                got["error"] = exc
+
+        thread = threading.Thread(target=allocate)
+        thread.start()
+        try:
+            deadline = time.monotonic() + 20
+            while not closing._copy_lock.locked():  # (its copies have begun)
+                assert time.monotonic() < deadline, "the copies never began"
+                time.sleep(0.01)
+            closing.close()
+            write_prompt(writer, other)  # (into the blocks the closed client had)
+        finally:
+            thread.join(20)
+        assert not thread.is_alive()
+        assert read_prompt(writer, other) == (len(other), True)
+        st = wait_idle(writer)
+        assert st["tier_io"]["promotions_in_flight"] == 0
+        assert not [e.pins for e in coord.tiers.host.index.values() if e.pins]
+        assert st["free_blocks"] + st["cached_blocks"] == free
+
+
+def test_a_copy_that_waits_for_a_closing_client_never_begins(unique_name, monkeypatch):
+    # Two threads of one client allocate while close() waits for the first one's copies:
+    # the second one's copies, which wait for the first's, must not begin once close()
+    # has gone on (they did, into blocks the coordinator had freed and given to another
+    # prompt, whose K/V read back wrong).
+    tier_faults.slow_h2p(tier_io, monkeypatch.setattr)  # (this process: the client's copies)
+    cfg = make_config(num_blocks=6)
+    first, second = prompts_of(2, 3)
+    other = prompts_of(1, 6, seed=3)[0]
+    with tier_coordinator(cfg, unique_name) as (coord, writer):
+        in_tier_only(writer, first, second)
+        client = shmkv.connect(coord.address, timeout=20)
+        got = {}
+
+        def allocate(prompt):
+            try:
+                got[prompt[0]] = client.allocate(prompt=prompt)
+            except shmkv.ShmkvError as exc:
+                got[prompt[0]] = exc
+
+        def until_in_flight(num):
+            deadline = time.monotonic() + 20
+            while coord.tiers.num_promotions_in_flight != num:
+                assert time.monotonic() < deadline, "the promotion never started"
+                time.sleep(0.005)
+
+        threads = [threading.Thread(target=allocate, args=(first,))]
+        threads[0].start()
+        until_in_flight(1)
+        deadline = time.monotonic() + 20
+        while not client._copy_lock.locked():  # (its copies have begun)
+            assert time.monotonic() < deadline, "the copies never began"
+            time.sleep(0.005)
+        threads.append(threading.Thread(target=client.close))
+        threads[1].start()  # (waits for the first one's copies)
+        time.sleep(0.05)
+        threads.append(threading.Thread(target=allocate, args=(second,)))
+        threads[2].start()  # (its copies wait for the first one's too)
+        try:
+            until_in_flight(2)
+            threads[1].join(20)
+            write_prompt(writer, other)  # (into the blocks the closed client had)
+        finally:
+            for thread in threads:
+                thread.join(20)
+        assert not any(thread.is_alive() for thread in threads)
+        assert read_prompt(writer, other) == (len(other), True)
+        st = wait_idle(writer)
+        assert st["tier_io"]["promotions_in_flight"] == 0
+        assert not [e.pins for e in coord.tiers.host.index.values() if e.pins]
+
+
+def _prompt_past_the_tier(prompt):
+    """``prompt`` and one more block no tier holds."""
+    return prompt + [7] * BS
+
+
+def test_a_failed_report_after_a_commit_past_the_hit_never_makes_it_negative(unique_name):
+    # A sequence committed past its promoted blocks before its client reports them all
+    # failed: the hit ends at its first promoted block (0), not below it; the hit and
+    # miss counters move the promoted blocks only (the answer said num_cached -4, and
+    # one block more than was a hit moved to the misses).
+    cfg = make_config(num_blocks=16)
+    prompt = prompts_of(1, 2)[0]
+    longer = _prompt_past_the_tier(prompt)
+    with tier_coordinator(cfg, unique_name) as (coord, client):
+        in_tier_only(client, prompt)
+        before = client.stats()
+        raw = RawConnection(coord.address)
+        try:
+            raw.send(_copy_request(longer))
+            copy = raw.wait(2)[1]["copy"]
+            conn = next(c for c in coord._conns.values() if c.copying)
+            cache_id = conn.copying[copy["id"]].context[0]["cache_id"]
+            raw.send(("commit", {"cache_id": cache_id, "num_tokens": len(longer)}))
+            _last_answer(raw).unwrap()
+            failed = bytes([tier_io.FAILED]) * 2
+            raw.send(("promoted", {"id": copy["id"], "statuses": failed}))
+            infos = _last_answer(raw).unwrap()
+            assert infos[0]["num_cached"] == 0
+        finally:
+            raw.close()
+        after = wait_idle(client)
+        moved = {k: after[k] - before[k] for k in after if k.startswith("prefix_")}
+        assert moved["prefix_hit_blocks"] == 0 and moved["prefix_miss_blocks"] == 3
+        assert moved["prefix_hit_tokens"] == 0 and moved["prefix_miss_tokens"] == len(longer)
+
+
+def test_an_early_answer_committed_past_before_its_promotion_fails_settles_at_zero(
+    unique_name, monkeypatch
+):
+    # The same through the public API, where the I/O process copies: an allocation
+    # answered early (wait=False) is written past its hit and committed, then every
+    # promoted block fails. settle() said -4.
+    monkeypatch.setattr(tiers_mod, "IO_PROCESS_PRELOAD", tier_faults.spec("late_failing_h2p"))
+    cfg = make_config(num_blocks=16)
+    prompt = prompts_of(1, 2)[0]
+    longer = _prompt_past_the_tier(prompt)
+    with tier_coordinator(cfg, unique_name) as (coord, client):
+        in_tier_only(client, prompt)
+        h = client.allocate(prompt=longer, wait=False)
+        assert (h.num_cached_tokens, h.num_promoting_tokens) == (len(prompt), len(prompt))
+        for layer in range(h.num_layers):
+            k, v = token_kv(longer, layer, h.num_heads, h.head_dim)
+            h.write(layer, k[len(prompt) :], v[len(prompt) :], start=len(prompt))
+        h.commit(start=len(prompt))
+        assert coord.tiers.num_promotions_in_flight == 1  # (committed before it failed)
+        assert h.settle() == 0
+        h.close()
+        st = wait_idle(client)
+        assert st["prefix_hit_blocks"] >= 0 and st["prefix_hit_tokens"] >= 0
+
+
+def test_malformed_error_items_are_refused_and_change_nothing(unique_name):
+    cfg = make_config(num_blocks=8)
+    prompt = prompts_of(1, 2)[0]
+    with tier_coordinator(cfg, unique_name) as (coord, client):
+        in_tier_only(client, prompt)
+        raw = RawConnection(coord.address)
+        try:
+            raw.send(_copy_request(prompt))
+            copy = raw.wait(2)[1]["copy"]
+            ok = bytes([tier_io.OK]) * 2
+            for errors in (
+                [["0", "text"]],  # an index that is not an int
+                [[0]],  # no text
+                [[0, 5]],  # a text that is not one
+                [[2, "text"]],  # a copy it does not have
+                [[-1, "text"]],
+                [[0, "a"], [0, "b"]],  # two for one copy
+                [[0, "a"], [1, "b"], [0, "c"]],  # more than there are copies
+                [[True, "text"]],
+                ["0: text"],
+            ):
+                raw.send(("promoted", {"id": copy["id"], "statuses": ok, "errors": errors}))
+                with pytest.raises(shmkv.InvalidArgument, match="promoted: errors"):
+                    _last_answer(raw).unwrap()
+            assert coord.tiers.num_promotions_in_flight == 1  # nothing changed
+            assert [e.pins for e in coord.tiers.host.index.values()] == [1, 1]
+            raw.send(("promoted", {"id": copy["id"], "statuses": ok, "errors": [[1, "x"]]}))
+            assert _last_answer(raw).unwrap()[0]["num_cached"] == len(prompt)
+        finally:
+            raw.close()
+        wait_idle(client)
+        assert [e.pins for e in coord.tiers.host.index.values()] == [0, 0]
+
+
+def test_tier_memory_after_answers_the_client_has_not_read_yet(unique_name):
+    # A client that sends many requests and tier_memory at once, and reads them a second
+    # later (its answers fill the socket meanwhile), gets the host tier's descriptor
+    # with them; it was dropped ("descriptors could not be sent").
+    cfg = make_config(num_blocks=8)
+    with tier_coordinator(cfg, unique_name) as (coord, client):
+        raw = RawConnection(coord.address)
+        fds: list = []
+        try:
+            raw.wait(1)
+            pings = 60000  # (their answers: more than a socket holds)
+            raw.send(*[("ping", {})] * pings, ("tier_memory", {}))
+            time.sleep(1)
+            answers: dict = {}
+            deadline = time.monotonic() + 20
+            while pings + 1 not in answers:
+                assert time.monotonic() < deadline
+                data, got, _flags, _addr = socket.recv_fds(raw.sock, 1 << 16, 4)
+                fds += got
+                assert data, "the coordinator closed the connection"
+                for obj in raw._decoder.feed(data):
+                    response = protocol.parse_response(obj)
+                    answers[response.request_id] = response
+            assert answers[pings + 1].unwrap()["tiers"]["host"] == [8, cfg.block_nbytes]
+            assert len(fds) == 1
+            raw.send(("ping", {}))
+            _last_answer(raw).unwrap()  # still connected
+        finally:
+            for fd in fds:
+                os.close(fd)
+            raw.close()
+
+
+def _read_in_another_mount_namespace(address, blocks_dir, prompt, out):
+    """A client whose view of the disk tier's folder is another (empty) folder: a mount
+    namespace of its own with a tmpfs over it. Puts (cached tokens, exact) on ``out``,
+    or the reason it cannot run."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    ms_rec, ms_private, clone_newns = 0x4000, 0x40000, 0x00020000
+    if (
+        libc.unshare(clone_newns) != 0
+        or libc.mount(b"none", b"/", None, ms_rec | ms_private, None) != 0
+        or libc.mount(b"tmpfs", blocks_dir.encode(), b"tmpfs", 0, None) != 0
+    ):
+        out.put(os.strerror(ctypes.get_errno()))
+        return
+    assert os.listdir(blocks_dir) == []
+    with shmkv.connect(address, timeout=20) as client:
+        client.copy_promotions = True
+        out.put(read_prompt(client, prompt))
+
+
+def test_a_client_that_sees_another_folder_leaves_the_block_files_alone(tmp_path, unique_name):
+    # A client in another mount namespace (a container, say) finds no block file at the
+    # disk tier's path: that is no damage, and the genuine files stay (each one it was
+    # asked to copy was removed). Its promotions are left to the coordinator.
+    cfg = make_config(num_blocks=8)
+    prompt = prompts_of(1, 3)[0]
+    spec = shmkv.DiskTier(str(tmp_path / "disk"), 1 << 24)
+    with tier_coordinator(cfg, unique_name, spec) as (coord, client):
+        in_tier_only(client, prompt)
+        files = block_files(tmp_path / "disk")
+        assert len(files) == 3
+        out = SPAWN.Queue()
+        child = SPAWN.Process(
+            target=_read_in_another_mount_namespace,
+            args=(coord.address, str(tmp_path / "disk" / "blocks"), prompt, out),
+        )
+        child.start()
+        try:
+            got = out.get(timeout=60)
+        finally:
+            join_or_kill(child)
+        if isinstance(got, str):
+            pytest.skip(f"no mount namespace of its own here: {got}")
+        assert got == (len(prompt), True)
+        disk = tier(wait_idle(client), "disk")
+        assert (disk["removed_damaged"], disk["errors"], disk["blocks"]) == (0, 0, 3)
+        assert block_files(tmp_path / "disk") == files

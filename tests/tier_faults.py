@@ -66,3 +66,16 @@ def failing_promotions(mod, set_attr=setattr) -> None:
 
     set_attr(mod.Mover, "_op_h2p", fail)
     set_attr(mod.Mover, "_op_d2p", fail)
+
+
+def late_failing_h2p(mod, set_attr=setattr) -> None:
+    """Copies from the host tier to the pool fail (an I/O error) half a second after
+    they begin, one at a time."""
+    one_at_a_time = threading.Lock()
+
+    def fail(self, copy):
+        with one_at_a_time:
+            time.sleep(0.5)
+        raise OSError(errno.EIO, "Input/output error (injected)")
+
+    set_attr(mod.Mover, "_op_h2p", fail)
