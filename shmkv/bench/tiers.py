@@ -1044,8 +1044,9 @@ def main(argv=None) -> int:
         if tiers_mod.IO_PROCESS
         else "threads of the coordinator"
     ) + (
-        "; promotions: copied by the allocating client (Client.copy_promotions)"
-        if shmkv.Client.copy_promotions
+        "; promotions: copied by the allocating client, whose coordinator runs in a "
+        "process of its own (Client.copy_promotions)"
+        if shmkv.Client.copy_promotions is not False
         else ""
     )
     only = set(args.only or ["disk", "host", "ping", "cold", "chat", "restart"])
