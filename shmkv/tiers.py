@@ -42,13 +42,14 @@ never waits for them.
   cannot be read back (a damaged file) ends the hit at the blocks before it.
 * Promotion by the client (a CPU pool): a client that asks (``allocate_many``'s
   ``copy``) gets its promotion's copies in the answer and runs them itself
-  (:class:`ClientCopies`: the host tier mapped read-only, the block files read and
-  checked as the I/O process does), then reports one status a block (``promoted``);
+  (``shmkv.tier_io.ClientCopies``: the host tier mapped read-only, the block files read
+  and checked as the I/O process does), then reports one status a block (``promoted``);
   the loop finishes the promotion as it would a worker's. The copies then cost the
   client that needs them, not the other clients: measured on 2 cores, ping p99 while
-  another client promoted at full speed fell from about 2.2x idle to the no-tier
-  control's level. The sources stay pinned and the blocks held until the report, or
-  until the client's connection drops (every copy then counts as failed).
+  another client promoted at full speed went from 2.1-2.4x idle to 1.6-2.0x, the
+  no-tier control's level (``docs/benchmarks.md``). The sources stay pinned and the
+  blocks held until the report, or until the client's connection drops (every copy
+  then counts as failed).
 * Cancellation without a lock: a worker copies a pool block first and reads the
   copy's cancel state after (the copy's ``cancelled`` flag in threads; the block's
   generation in shared memory for the I/O process, see ``shmkv.tier_io``). The loop

@@ -12,6 +12,7 @@ commit past the hit, malformed error items, ``tier_memory`` behind unread answer
 client that sees another folder at the disk tier's path.
 """
 
+import contextlib
 import os
 import signal
 import socket
@@ -129,6 +130,18 @@ def _copy_request(prompt):
     )
 
 
+@contextlib.contextmanager
+def _raw_promotion(coord, prompt):
+    """A connection speaking the wire protocol by hand that allocated ``prompt`` asking
+    to copy its promotion: ``(raw, copy)``, the copies its answer named."""
+    raw = RawConnection(coord.address)
+    try:
+        raw.send(_copy_request(prompt))
+        yield raw, raw.wait(2)[1]["copy"]
+    finally:
+        raw.close()
+
+
 def _last_answer(raw):
     """The response (not unwrapped) to the last request ``raw`` sent."""
     want = raw._next - 1
@@ -148,10 +161,7 @@ def test_reports_that_do_not_fit_the_promotion_are_refused_and_change_nothing(un
     prompt = prompts_of(1, 2)[0]
     with tier_coordinator(cfg, unique_name) as (coord, client):
         in_tier_only(client, prompt)
-        raw = RawConnection(coord.address)
-        try:
-            raw.send(_copy_request(prompt))
-            copy = raw.wait(2)[1]["copy"]
+        with _raw_promotion(coord, prompt) as (raw, copy):
             assert copy["ops"] == bytes([tier_io.OP_H2P]) * 2
             assert coord.tiers.num_promotions_in_flight == 1
             ok = bytes([tier_io.OK])
@@ -177,8 +187,6 @@ def test_reports_that_do_not_fit_the_promotion_are_refused_and_change_nothing(un
             raw.send(("promoted", {"id": copy["id"], "statuses": ok * 2}))  # again
             with pytest.raises(shmkv.InvalidArgument):
                 _last_answer(raw).unwrap()
-        finally:
-            raw.close()
 
 
 def test_a_connection_that_drops_before_its_report_unpins_its_sources(unique_name):
@@ -380,10 +388,7 @@ def test_a_failed_report_after_a_commit_past_the_hit_never_makes_it_negative(uni
     with tier_coordinator(cfg, unique_name) as (coord, client):
         in_tier_only(client, prompt)
         before = client.stats()
-        raw = RawConnection(coord.address)
-        try:
-            raw.send(_copy_request(longer))
-            copy = raw.wait(2)[1]["copy"]
+        with _raw_promotion(coord, longer) as (raw, copy):
             conn = next(c for c in coord._conns.values() if c.copying)
             cache_id = conn.copying[copy["id"]].context[0]["cache_id"]
             raw.send(("commit", {"cache_id": cache_id, "num_tokens": len(longer)}))
@@ -392,8 +397,6 @@ def test_a_failed_report_after_a_commit_past_the_hit_never_makes_it_negative(uni
             raw.send(("promoted", {"id": copy["id"], "statuses": failed}))
             infos = _last_answer(raw).unwrap()
             assert infos[0]["num_cached"] == 0
-        finally:
-            raw.close()
         after = wait_idle(client)
         moved = {k: after[k] - before[k] for k in after if k.startswith("prefix_")}
         assert moved["prefix_hit_blocks"] == 0 and moved["prefix_miss_blocks"] == 3
@@ -430,10 +433,7 @@ def test_malformed_error_items_are_refused_and_change_nothing(unique_name):
     prompt = prompts_of(1, 2)[0]
     with tier_coordinator(cfg, unique_name) as (coord, client):
         in_tier_only(client, prompt)
-        raw = RawConnection(coord.address)
-        try:
-            raw.send(_copy_request(prompt))
-            copy = raw.wait(2)[1]["copy"]
+        with _raw_promotion(coord, prompt) as (raw, copy):
             ok = bytes([tier_io.OK]) * 2
             for errors in (
                 [["0", "text"]],  # an index that is not an int
@@ -453,8 +453,6 @@ def test_malformed_error_items_are_refused_and_change_nothing(unique_name):
             assert [e.pins for e in coord.tiers.host.index.values()] == [1, 1]
             raw.send(("promoted", {"id": copy["id"], "statuses": ok, "errors": [[1, "x"]]}))
             assert _last_answer(raw).unwrap()[0]["num_cached"] == len(prompt)
-        finally:
-            raw.close()
         wait_idle(client)
         assert [e.pins for e in coord.tiers.host.index.values()] == [0, 0]
 
