@@ -48,6 +48,14 @@ def clients_copy(monkeypatch):
     monkeypatch.setattr(shmkv.Client, "copy_promotions", True)
 
 
+def _until(condition, what: str, timeout: float = 20.0) -> None:
+    """Poll ``condition`` until it holds; fail with ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
 def _tier_spec(kind, tmp_path, cfg):
     if kind == "host":
         return shmkv.HostTier(8 * cfg.block_nbytes)
@@ -101,10 +109,7 @@ def test_a_client_killed_mid_copy_leaves_nothing_pinned_or_held(unique_name):
         child.start()
         try:
             assert started.wait(30)
-            deadline = time.monotonic() + 20
-            while coord.tiers.num_promotions_in_flight != 1:
-                assert time.monotonic() < deadline, "the child's promotion never started"
-                time.sleep(0.01)
+            _until(lambda: coord.tiers.num_promotions_in_flight == 1, "no promotion")
             entries = list(coord.tiers.host.index.values())
             assert [e.pins for e in entries] == [1, 1, 1]  # read by the child's copies
             os.kill(child.pid, signal.SIGKILL)
@@ -241,10 +246,7 @@ def test_close_waits_for_the_clients_own_copies(unique_name, monkeypatch):
 
         thread = threading.Thread(target=allocate)
         thread.start()
-        deadline = time.monotonic() + 20
-        while not client._copy_lock.locked():  # (its copies have begun)
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        _until(lambda: client._copy_lock.locked(), "the copies never began")
         client.close()
         closed = time.monotonic()
         thread.join(20)
@@ -304,10 +306,7 @@ def test_close_that_stops_waiting_ends_the_copies_before_the_connection(unique_n
         thread = threading.Thread(target=allocate)
         thread.start()
         try:
-            deadline = time.monotonic() + 20
-            while not closing._copy_lock.locked():  # (its copies have begun)
-                assert time.monotonic() < deadline, "the copies never began"
-                time.sleep(0.01)
+            _until(lambda: closing._copy_lock.locked(), "the copies never began")
             closing.close()
             write_prompt(writer, other)  # (into the blocks the closed client had)
         finally:
@@ -341,18 +340,12 @@ def test_a_copy_that_waits_for_a_closing_client_never_begins(unique_name, monkey
                 got[prompt[0]] = exc
 
         def until_in_flight(num):
-            deadline = time.monotonic() + 20
-            while coord.tiers.num_promotions_in_flight != num:
-                assert time.monotonic() < deadline, "the promotion never started"
-                time.sleep(0.005)
+            _until(lambda: coord.tiers.num_promotions_in_flight == num, "no promotion")
 
         threads = [threading.Thread(target=allocate, args=(first,))]
         threads[0].start()
         until_in_flight(1)
-        deadline = time.monotonic() + 20
-        while not client._copy_lock.locked():  # (its copies have begun)
-            assert time.monotonic() < deadline, "the copies never began"
-            time.sleep(0.005)
+        _until(lambda: client._copy_lock.locked(), "the copies never began")
         threads.append(threading.Thread(target=client.close))
         threads[1].start()  # (waits for the first one's copies)
         time.sleep(0.05)
