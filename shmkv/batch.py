@@ -30,12 +30,11 @@ from . import protocol, slots
 from .errors import HandleClosed, InvalidArgument, LimitExceeded, OutOfRange, StaleStep, WrongType
 from .handle import _views, check_kv_tensor
 from .hashing import token_list
-from .tables import CACHE_ID, GENERATION, LOCK, NUM_TOKENS, SEQ_FIELDS
+from .tables import CACHE_ID, GENERATION, LOCK, NUM_TOKENS, SEQ_FIELDS, writer_busy
 
 _DESC_MAGIC = b"SKVS"
 _DESC_VERSION = 1
 _DESC_HEADER = struct.Struct("<4sBxxxi8sI")  # magic, version, uniform count, instance, B
-_READ_TRIES = 1000
 # Writes of fewer new tokens copy rows in the pool's dtype, not in a wider copy unit.
 _UNIT_MIN_TOKENS = 64
 # Step.advance checks batches of up to this many sequences in a plain loop.
@@ -702,7 +701,8 @@ class Step:
         known = self.batch._known_tables if self.batch is not None else None
         if known is not None and known[0].shape[1] != max_blocks:
             known = None
-        for _ in range(_READ_TRIES):
+        tries, since = 0, 0.0
+        while True:
             before = seq_np[slot_ids]
             if known is None:
                 private = table_np[slot_ids, :max_blocks]
@@ -716,8 +716,7 @@ class Step:
             if _same(before[:, LOCK], seq_np[slot_ids, LOCK] & ~1):
                 break
             known = None  # (a torn re-read may have patched rows: read them all again)
-        else:
-            raise StaleStep("the step's block tables kept changing while being read")
+            tries, since = writer_busy(tries, since, "the step's block tables", StaleStep)
         if not _same(before[:, CACHE_ID], self._ids):
             raise StaleStep("a sequence of this step was closed; make a new step")
         self._generations = before[:, GENERATION]

@@ -32,6 +32,12 @@ even and the slot still holds the expected ``cache_id``. A reader that sees a
 ``num_tokens`` also sees the entries that cover it. ``generation`` changes whenever
 an entry changes, so a reader may keep a copy of the entries while it is unchanged.
 
+A read that meets a write in progress tries again: at once a few times, then giving
+its CPU away (the writer may be the process it is waiting for, descheduled mid-change
+on a busy machine), for up to ``READ_PATIENCE_S`` seconds in all (:func:`writer_busy`).
+A live coordinator holds a row odd for microseconds of its own running time; a read
+that waits that long met a coordinator stopped or dead mid-change.
+
 Memory ordering: these rules hold only where the CPU keeps stores in order and loads
 in order (x86-64, which is total store order). On a weakly ordered CPU (aarch64: Grace
 Hopper, Graviton; POWER; RISC-V) a reader could see a length before the entries that
@@ -57,8 +63,9 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 from array import array
-from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Callable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -70,6 +77,10 @@ if TYPE_CHECKING:
     from .layout import PoolConfig
 
 SEQ_FIELDS = 4
+# A seqlock read retries at once this many times, then yields its CPU between tries.
+READ_SPINS = 64
+# ...and gives up after this long (a live writer holds a row odd for microseconds).
+READ_PATIENCE_S = 5.0
 _ZEROS = array("i", bytes(4 * 4096))
 
 
@@ -351,22 +362,51 @@ def write_scales(
     lock[0] += 1
 
 
-def read_scales(
-    lock: memoryview, scales: memoryview[float], layer: int, tries: int = 10000
-) -> Tuple[float, float]:
+def writer_busy(
+    tries: int,
+    since: float,
+    what: str,
+    error: Callable[[str], Exception] = LimitExceeded,
+) -> Tuple[int, float]:
+    """The wait before a seqlock read's next try, after ``tries`` failed ones (the
+    module's retry rule). Returns the new ``(tries, since)`` for the next call: start
+    with ``(0, 0.0)``; ``since`` is when the waits began.
+
+    Raises:
+        ``error``: the reads of ``what`` kept meeting a change for ``READ_PATIENCE_S``.
+    """
+    tries += 1
+    if tries <= READ_SPINS:
+        return tries, since
+    now = time.monotonic()
+    if not since:
+        since = now
+    elif now - since > READ_PATIENCE_S:
+        raise error(
+            f"{what} kept changing for {READ_PATIENCE_S:g} s ({tries} reads): "
+            "the coordinator stopped or died mid-change"
+        )
+    if tries <= 2 * READ_SPINS:
+        os.sched_yield()
+    else:
+        time.sleep(min(0.001, 1e-5 * (tries - 2 * READ_SPINS)))
+    return tries, since
+
+
+def read_scales(lock: memoryview, scales: memoryview[float], layer: int) -> Tuple[float, float]:
     """One layer's ``(k_scale, v_scale)``, never half of an update.
 
     Raises:
-        LimitExceeded: the scales kept changing for ``tries`` reads.
+        LimitExceeded: the scales kept changing (:func:`writer_busy`).
     """
-    for _ in range(tries):
+    tries, since = 0, 0.0
+    while True:
         before = lock[0]
-        if before & 1:
-            continue
-        k_scale, v_scale = scales[2 * layer], scales[2 * layer + 1]
-        if lock[0] == before:
-            return k_scale, v_scale
-    raise LimitExceeded(f"K/V scales of layer {layer} kept changing for {tries} reads")
+        if not before & 1:
+            k_scale, v_scale = scales[2 * layer], scales[2 * layer + 1]
+            if lock[0] == before:
+                return k_scale, v_scale
+        tries, since = writer_busy(tries, since, f"K/V scales of layer {layer}")
 
 
 def read_row(
@@ -378,7 +418,6 @@ def read_row(
     cache_id: int,
     known_generation: int = -1,
     known_blocks: int = 0,
-    tries: int = 10000,
 ) -> Optional[Tuple[int, int, Optional[List[int]]]]:
     """One sequence's ``(num_tokens, generation, blocks)``, consistent (see the module
     rules). ``blocks`` is None when the caller's copy (``known_blocks`` entries read at
@@ -386,26 +425,21 @@ def read_row(
     slot no longer holds ``cache_id``.
 
     Raises:
-        LimitExceeded: the row kept changing for ``tries`` reads (a writer stuck
-            mid-change cannot happen with a live coordinator; a dead one is caught
-            by the caller's liveness check).
+        LimitExceeded: the row kept changing (:func:`writer_busy`).
     """
     base = slot * SEQ_FIELDS
-    for _ in range(tries):
+    tries, since = 0, 0.0
+    while True:
         lock = seq[base + LOCK]
-        if lock & 1:
-            continue
-        num_tokens = seq[base + NUM_TOKENS]
-        generation = seq[base + GENERATION]
-        blocks = None
-        needed = -(-num_tokens // block_size)
-        if generation != known_generation or needed > known_blocks:
-            row = slot * max_seq_blocks
-            blocks = table[row : row + needed].tolist()
-        owner_ok = seq[base + CACHE_ID] == cache_id
-        if seq[base + LOCK] != lock:
-            continue
-        if not owner_ok:
-            return None
-        return num_tokens, generation, blocks
-    raise LimitExceeded(f"block table of slot {slot} kept changing for {tries} reads")
+        if not lock & 1:
+            num_tokens = seq[base + NUM_TOKENS]
+            generation = seq[base + GENERATION]
+            blocks = None
+            needed = -(-num_tokens // block_size)
+            if generation != known_generation or needed > known_blocks:
+                row = slot * max_seq_blocks
+                blocks = table[row : row + needed].tolist()
+            owner_ok = seq[base + CACHE_ID] == cache_id
+            if seq[base + LOCK] == lock:
+                return (num_tokens, generation, blocks) if owner_ok else None
+        tries, since = writer_busy(tries, since, f"block table of slot {slot}")

@@ -1,6 +1,7 @@
 """The batch data plane: shared block tables, steps, descriptors, tensor parallelism."""
 
 import signal
+import threading
 import time
 
 import pytest
@@ -9,6 +10,8 @@ import workers
 from conftest import SPAWN, join_or_kill
 
 import shmkv
+import shmkv.tables
+from shmkv.tables import LOCK, READ_PATIENCE_S, SEQ_FIELDS
 
 L, H, D, BS = 2, 4, 8, 4
 
@@ -316,6 +319,68 @@ def test_reader_never_sees_a_table_the_coordinator_never_had(coord, client):
     unknown = [s for s in map(lambda s: (s[0], tuple(s[1])), seen) if s not in states]
     assert not unknown, f"tables the coordinator never had: {unknown[:3]}"
     assert len(seen) > 5
+
+
+def _held_odd(coord, slot, seconds: float, read):
+    """Run ``read`` in a thread while the coordinator's row ``slot`` (or, for None, its
+    K/V scales) stays mid-change (its seqlock odd) for ``seconds``, as when the
+    coordinator is descheduled there; returns what ``read`` returned or raised."""
+    if slot is None:
+        words, lock = coord.memory.scale_lock, 0
+    else:
+        words, lock = coord.table.tables.seq, slot * SEQ_FIELDS + LOCK
+    got = []
+    words[lock] += 1
+    try:
+        reader = threading.Thread(target=lambda: got.append(_outcome(read)), daemon=True)
+        reader.start()
+        time.sleep(seconds)
+    finally:
+        words[lock] += 1
+    reader.join(READ_PATIENCE_S + 5)
+    assert not reader.is_alive() and len(got) == 1
+    return got[0]
+
+
+def _outcome(read):
+    try:
+        return read()
+    except Exception as e:  # (returned for the test to check)
+        return e
+
+
+def test_a_read_waits_out_a_coordinator_descheduled_mid_change(coord, client):
+    """A row held odd for 0.3 s (thousands of tries) is read once it is even again,
+    by a handle and by a batch step, not refused after a count of tries; so are the
+    K/V scales."""
+    h = client.allocate(6)
+    slot = h._state.slot
+    expected = list(h.block_table.physical_blocks)
+    h._state.generation = -1  # (forces a full read of the row)
+    table = _held_odd(coord, slot, 0.3, lambda: h.block_table)
+    assert not isinstance(table, Exception), table
+    assert list(table.physical_blocks) == expected and table.sequence_length == 6
+    step = _held_odd(coord, slot, 0.3, lambda: client.batch([h]).prefill(start=0))
+    assert not isinstance(step, Exception), step
+    assert step.block_tables.tolist()[0][: len(expected)] == expected
+    client.set_kv_scales(1, 0.5, 2.0)
+    assert _held_odd(coord, None, 0.3, lambda: client.kv_scales(1)) == (0.5, 2.0)
+
+
+def test_a_read_of_a_row_stuck_mid_change_fails_after_its_patience(coord, client, monkeypatch):
+    monkeypatch.setattr(shmkv.tables, "READ_PATIENCE_S", 0.2)
+    h = client.allocate(6)
+    slot = h._state.slot
+    h._state.generation = -1
+    err = _held_odd(coord, slot, 0.6, lambda: h.block_table)
+    assert isinstance(err, shmkv.LimitExceeded), err
+    assert f"block table of slot {slot} kept changing for 0.2 s" in str(err)
+    err = _held_odd(coord, slot, 0.6, lambda: client.batch([h]).prefill(start=0))
+    assert isinstance(err, shmkv.StaleStep), err
+    assert "block tables kept changing for 0.2 s" in str(err)
+    err = _held_odd(coord, None, 0.6, lambda: client.kv_scales(0))
+    assert isinstance(err, shmkv.LimitExceeded) and "K/V scales of layer 0" in str(err), err
+    assert h.block_table.sequence_length == 6  # even again: read at once
 
 
 def test_sigkill_of_a_rank_mid_step_leaks_nothing(coord, client):
