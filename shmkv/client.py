@@ -341,8 +341,11 @@ class Client(_Link):
                     if answer.get("tiers") is not None:
                         assert self._memory is not None  # (mapped by the handshake)
                         pool_np = [block_bytes(p).numpy() for p in self._memory.device_pools]
+                        from . import native
+
+                        copy = native.copier() or np.copyto
                         owned, fds = fds, []  # (ClientCopies closes them, on failure too)
-                        self._copies = ClientCopies(pool_np, answer["tiers"], owned)
+                        self._copies = ClientCopies(pool_np, answer["tiers"], owned, copy)
                 except (ValueError, OSError, KeyError, TypeError) as exc:
                     log.warning("promotions stay with the coordinator: %s", exc)
                 finally:

@@ -1,12 +1,20 @@
-"""The native decode kernel: built from C source on first use, loaded with ctypes.
+"""Native code: built from C source on first use, loaded with ctypes.
 
-Owns compiling ``csrc/paged_decode.c`` with the machine's C compiler into a cached
-shared library, loading it, and :func:`paged_decode`, which calls it on torch
-tensors. :mod:`shmkv.attention` uses it for decode steps on CPU (one query token per
-sequence, float32, bfloat16 or float16): it reads each sequence's pages where they lie,
-once, instead of gathering them into a copy and running SDPA over the copy.
+Owns compiling the C sources in ``csrc/`` with the machine's C compiler into cached
+shared libraries, and loading them. Two libraries, built and trusted alike:
 
-Built once per machine and source: the library is named by a hash of the source, the
+* the decode kernel (``csrc/paged_decode.c``; :func:`decoder`, and
+  :func:`paged_decode`, which calls it on torch tensors). :mod:`shmkv.attention` uses it
+  for decode steps on CPU (one query token per sequence, float32, bfloat16 or float16):
+  it reads each sequence's pages where they lie, once, instead of gathering them into a
+  copy and running SDPA over the copy;
+* the tiers' row copy (``csrc/copy_rows.c``; :func:`copier`): block copies between the
+  pool and the host tier with stores that go past the caches
+  (:class:`shmkv.tier_io.RowCopy`), in a client that copies its own promotions and in
+  the tier I/O process, which loads the library the coordinator checked through the
+  descriptor it inherits (:func:`copier_fd`).
+
+Built once per machine and source: a library is named by a hash of its source, the
 compiler, its flags and the CPU, in :func:`cache_dir` (``$SHMKV_CACHE_DIR``, default
 ``$XDG_CACHE_HOME/shmkv``, else ``~/.cache/shmkv``), written under a temporary name and
 renamed into place, so processes that build at once do not see each other's partial
@@ -26,8 +34,9 @@ private directory instead (removed once loaded). Each refusal is logged, with wh
 
 Optional by design: without a C compiler (``$CC``, else ``cc``, ``gcc``, ``clang``), when
 the build fails, or with ``SHMKV_NATIVE=0`` in the environment, :func:`decoder`
-returns None and attention takes its torch path. Why it failed is logged once
-(logger ``shmkv.native``) and kept in :func:`status`.
+returns None and attention takes its torch path, and :func:`copier` returns None and
+the tiers copy with numpy. Why it failed is logged once (logger ``shmkv.native``) and
+kept in :func:`status` / :func:`copy_status`.
 """
 
 from __future__ import annotations
@@ -46,17 +55,20 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import List, Optional, TypedDict
+from typing import Any, Callable, List, NamedTuple, Optional, TypedDict
 
 import torch
 
 log = logging.getLogger("shmkv.native")
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "paged_decode.c")
+COPY_SOURCE = os.path.join(os.path.dirname(SOURCE), "copy_rows.c")
 # Tried in order: the first set the compiler takes. -ffast-math lets the compiler use
 # vector exp and reorder sums (results differ from SDPA's in the last bits, as SDPA's
 # differ between its own kernels); the kernel keeps every value finite.
 FLAG_SETS = (["-O3", "-march=native", "-ffast-math"], ["-O3", "-ffast-math"])
+# The row copy: the CPU's widest streaming stores, else the baseline's (SSE2 on x86-64).
+COPY_FLAG_SETS = (["-O2", "-march=native"], ["-O2"])
 # Part of the library's name: a build whose output is made differently gets a new name.
 BUILD_KIND = "c-then-link-v2"
 BUILD_TIMEOUT_S = 60.0
@@ -74,14 +86,19 @@ _lock = threading.Lock()
 
 
 class _State(TypedDict):
-    """What :func:`decoder` found (written once, under ``_lock``)."""
+    """What :func:`decoder` or :func:`copier` found (written once, under ``_lock``)."""
 
-    fn: Optional[dict]  # the loaded kernels by dtype; None: not (yet) available
+    fn: Any  # what the library's ``bind`` made of it; None: not (yet) available
     tried: bool
-    status: str  # what status() returns
+    status: str  # what status() / copy_status() return
 
 
-_state: _State = {"fn": None, "tried": False, "status": "not built yet"}
+def _new_state() -> _State:
+    return {"fn": None, "tried": False, "status": "not built yet"}
+
+
+_state: _State = _new_state()
+_copy_state: _State = _new_state()
 _pool: Optional[ThreadPoolExecutor] = None
 
 
@@ -228,9 +245,9 @@ def _run(command: list) -> Optional[str]:
     return None if proc.returncode == 0 else (err.strip()[-400:] or f"exit {proc.returncode}")
 
 
-def _prune(directory: str, keep: str) -> None:
-    """Remove libraries of earlier sources or builds not used for PRUNE_AFTER_S (a cache
-    shared by machines keeps each machine's current one)."""
+def _prune(directory: str, keep: str, prefix: str = "paged_decode") -> None:
+    """Remove the libraries named ``prefix-*`` of earlier sources or builds not used for
+    PRUNE_AFTER_S (a cache shared by machines keeps each machine's current one)."""
     now = time.time()
     try:
         names = os.listdir(directory)
@@ -238,7 +255,7 @@ def _prune(directory: str, keep: str) -> None:
         return
     for name in names:
         path = os.path.join(directory, name)
-        if name.startswith("paged_decode-") and name.endswith(".so") and path != keep:
+        if name.startswith(prefix + "-") and name.endswith(".so") and path != keep:
             try:
                 if now - os.stat(path).st_atime > PRUNE_AFTER_S:
                     os.unlink(path)
@@ -246,17 +263,20 @@ def _prune(directory: str, keep: str) -> None:
                 pass
 
 
-def _library_names(cc: str) -> List[str]:
-    """The library's file name for each of :data:`FLAG_SETS`, built with ``cc``: a hash
-    of the source, the compiler and its version, the flags, the build kind and the CPU.
-    Raises OSError / SubprocessError when the source cannot be read or ``cc`` run."""
-    with open(SOURCE, "rb") as f:
+def _library_names(cc: str, lib: Optional["_Library"] = None) -> List[str]:
+    """A library's file name (the decode kernel's by default) for each of its flag sets,
+    built with ``cc``: a hash of the source, the compiler and its version, the flags,
+    the build kind and the CPU. Raises OSError / SubprocessError when the source cannot
+    be read or ``cc`` run."""
+    lib = lib or DECODE
+    with open(lib.source, "rb") as f:
         source = f.read()
     version = subprocess.run(
         [cc, "--version"], capture_output=True, timeout=30, start_new_session=True
     ).stdout
     return [
-        "paged_decode-"
+        lib.name
+        + "-"
         + hashlib.sha256(
             b"\0".join(
                 [
@@ -271,15 +291,17 @@ def _library_names(cc: str) -> List[str]:
             )
         ).hexdigest()[:20]
         + ".so"
-        for flags in FLAG_SETS
+        for flags in lib.flag_sets
     ]
 
 
-def _compile(cc: str, flags: list, directory: str, path: str) -> Optional[str]:
-    """Build the library into ``path`` in ``directory`` (under a temporary name, then
-    renamed over whatever is there); None when it was built, else why not."""
+def _compile(
+    cc: str, flags: list, directory: str, path: str, source: str = SOURCE
+) -> Optional[str]:
+    """Build the library of ``source`` into ``path`` in ``directory`` (under a temporary
+    name, then renamed over whatever is there); None when it was built, else why not."""
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-paged_decode-", suffix=".so", dir=directory)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-shmkv-", suffix=".so", dir=directory)
         os.close(fd)
     except OSError as exc:
         return f"cannot write to the cache directory {directory}: {exc}"
@@ -289,7 +311,7 @@ def _compile(cc: str, flags: list, directory: str, path: str) -> Optional[str]:
         # start-up code that sets flush-to-zero for the whole process (subnormals
         # would read as zero in every computation, torch's included).
         for command in (
-            [cc, *flags, "-fPIC", "-c", "-o", obj, SOURCE],
+            [cc, *flags, "-fPIC", "-c", "-o", obj, source],
             [cc, "-shared", "-o", tmp, obj, "-lm"],
         ):
             failed = _run(command)
@@ -306,17 +328,19 @@ def _compile(cc: str, flags: list, directory: str, path: str) -> Optional[str]:
                 os.unlink(leftover)
 
 
-def _build() -> tuple:
-    """(the loaded kernels by dtype, None) or (None, why not)."""
+def _build(lib: Optional["_Library"] = None) -> tuple:
+    """(what ``lib.bind`` made of the loaded library, None) or (None, why not), for
+    ``lib`` (the decode kernel by default)."""
+    lib = lib or DECODE
     if os.environ.get("SHMKV_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
         return None, "disabled by SHMKV_NATIVE"
     cc = _compiler()
     if cc is None:
         return None, "no C compiler found (set CC, or install cc/gcc/clang)"
     try:
-        names = _library_names(cc)
+        names = _library_names(cc, lib)
     except (OSError, subprocess.SubprocessError) as exc:
-        return None, f"cannot read the kernel source or run {cc}: {exc}"
+        return None, f"cannot read the source {lib.source} or run {cc}: {exc}"
     directory = cache_dir() if os.path.isdir(_FD_DIR) else None
     private = None
     if directory is None:
@@ -326,24 +350,24 @@ def _build() -> tuple:
             return None, f"cannot make a private directory to build in: {exc}"
     errors = []
     try:
-        for flags, name in zip(FLAG_SETS, names):
+        for flags, name in zip(lib.flag_sets, names):
             path = os.path.join(directory, name)
             if os.path.lexists(path):
                 try:
-                    return load(path), None
+                    return _load(path, lib)
                 except UntrustedLibrary as exc:
                     log.warning("shmkv: %s; building a new one in its place", exc)
                 except (OSError, AttributeError) as exc:
                     errors.append(f"loading {path}: {exc}")
                     continue
-            failed = _compile(cc, flags, directory, path)
+            failed = _compile(cc, flags, directory, path, lib.source)
             if failed:
                 errors.append(f"{' '.join(flags)}: {failed}")
                 continue
             if private is None:
-                _prune(directory, keep=path)
+                _prune(directory, keep=path, prefix=lib.name)
             try:
-                return load(path), None
+                return _load(path, lib)
             except (OSError, AttributeError) as exc:
                 errors.append(f"loading {path}: {exc}")
     finally:
@@ -353,8 +377,19 @@ def _build() -> tuple:
 
 
 def load(path: str) -> dict:
-    """The kernels of the built library at ``path``, ``{dtype: fn}`` for each of
-    :data:`DTYPES`.
+    """The kernels of the built decode library at ``path``, ``{dtype: fn}`` for each of
+    :data:`DTYPES`, loaded as :func:`open_library` does.
+
+    Raises:
+        UntrustedLibrary: the file fails the check (nothing of it has run).
+        OSError / AttributeError: it cannot be opened or loaded, or lacks the kernels.
+    """
+    return _bind_decode(*open_library(path))
+
+
+def open_library(path: str) -> tuple:
+    """The built library at ``path``, loaded: ``(ctypes.CDLL, the descriptor it was
+    loaded through)``.
 
     The file is opened without following a symbolic link and checked on the open
     descriptor before anything is loaded: a regular file, owned by this user, writable
@@ -365,7 +400,7 @@ def load(path: str) -> dict:
 
     Raises:
         UntrustedLibrary: the file fails the check (nothing of it has run).
-        OSError / AttributeError: it cannot be opened or loaded, or lacks the kernels.
+        OSError: it cannot be opened or loaded.
     """
     try:
         fd = os.open(
@@ -384,6 +419,14 @@ def load(path: str) -> dict:
         os.close(fd)
         raise
     _loaded_fds.append(fd)
+    return lib, fd
+
+
+def _load(path: str, lib: "_Library") -> tuple:
+    return lib.bind(*open_library(path)), None
+
+
+def _bind_decode(lib: ctypes.CDLL, _fd: int) -> dict:
     kernels = {
         torch.float32: lib.shmkv_paged_decode_f32,
         torch.bfloat16: lib.shmkv_paged_decode_bf16,
@@ -396,30 +439,89 @@ def load(path: str) -> dict:
     return kernels
 
 
+def _bind_copy(lib: ctypes.CDLL, fd: int) -> Any:
+    from .tier_io import RowCopy
+
+    return RowCopy(lib, fd)
+
+
+class _Library(NamedTuple):
+    """One library built from one source: ``name`` starts its file names, ``title`` names
+    it in messages; ``bind`` makes
+    what callers get from the loaded library and the descriptor it was loaded through
+    (and raises AttributeError where a symbol is missing); ``without`` says what takes
+    its place when it is not available."""
+
+    name: str
+    title: str
+    source: str
+    flag_sets: tuple
+    bind: Callable[[ctypes.CDLL, int], Any]
+    without: str
+
+
+DECODE = _Library(
+    "paged_decode",
+    "native decode kernel",
+    SOURCE,
+    FLAG_SETS,
+    _bind_decode,
+    "attention takes its torch path",
+)
+COPY = _Library(
+    "copy_rows",
+    "native row copy",
+    COPY_SOURCE,
+    COPY_FLAG_SETS,
+    _bind_copy,
+    "the tiers copy with numpy",
+)
+
+
+def _get(lib: _Library, state: _State) -> Any:
+    """What ``lib`` gives (built or loaded on the first call), or None."""
+    if state["tried"]:
+        return state["fn"]
+    with _lock:
+        if not state["tried"]:
+            fn, why = _build(lib)
+            state["fn"] = fn
+            state["status"] = "loaded" if fn is not None else why
+            if fn is None and why != "disabled by SHMKV_NATIVE":
+                log.warning("shmkv: the %s is not available, %s: %s", lib.title, lib.without, why)
+            state["tried"] = True
+    return state["fn"]
+
+
 def decoder() -> Optional[dict]:
     """The loaded kernels, ``{dtype: fn}`` for each of :data:`DTYPES`, or None when
     they are not available (see :func:`status`). Builds or loads them on the first
     call; later calls return what that one found."""
-    if _state["tried"]:
-        return _state["fn"]
-    with _lock:
-        if not _state["tried"]:
-            fn, why = _build()
-            _state["fn"] = fn
-            _state["status"] = "loaded" if fn is not None else why
-            if fn is None and why != "disabled by SHMKV_NATIVE":
-                log.warning(
-                    "shmkv: the native decode kernel is not available, attention takes "
-                    "its torch path: %s",
-                    why,
-                )
-            _state["tried"] = True
-    return _state["fn"]
+    return _get(DECODE, _state)
 
 
 def status() -> str:
-    """``"loaded"``, ``"not built yet"``, or why the kernel is not available."""
+    """``"loaded"``, ``"not built yet"``, or why the decode kernel is not available."""
     return _state["status"]
+
+
+def copier() -> Optional[Any]:
+    """The tiers' row copy (:class:`shmkv.tier_io.RowCopy`), or None when it is not
+    available (see :func:`copy_status`): the tiers then copy with numpy. Builds or loads
+    it on the first call; later calls return what that one found."""
+    return _get(COPY, _copy_state)
+
+
+def copier_fd() -> Optional[int]:
+    """The descriptor :func:`copier`'s library was loaded through (checked, kept open),
+    for a child that loads the same file (the tier I/O process); None without one."""
+    copy = copier()
+    return None if copy is None else copy.fd
+
+
+def copy_status() -> str:
+    """``"loaded"``, ``"not built yet"``, or why the row copy is not available."""
+    return _copy_state["status"]
 
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -77,6 +77,7 @@ if __name__ == "__main__":  # run as the I/O process: this file's folder is no p
 
     del sys.path[0]
 
+import ctypes
 import errno
 import json
 import mmap
@@ -569,6 +570,60 @@ def _read_all(fd: int, buffers: list) -> int:
 # -- the copies ------------------------------------------------------------------------------
 
 
+class RowCopy:
+    """``np.copyto(dst, src)`` for the tiers' block copies, with the native row copy
+    (``csrc/copy_rows.c``): stores that go past the caches, where the CPU has them.
+
+    Built and loaded by ``shmkv.native.copier`` (its trust rules); the tier I/O process
+    loads the same file through the descriptor it inherits (:meth:`inherited`).
+
+    Args:
+        lib: the loaded library.
+        fd: the descriptor it was loaded through (kept open by whoever loaded it).
+
+    Raises:
+        AttributeError: the library lacks the copy.
+    """
+
+    def __init__(self, lib: ctypes.CDLL, fd: int):
+        fn = lib.shmkv_copy_rows
+        i64 = ctypes.c_int64
+        fn.argtypes = [ctypes.c_void_p, i64, ctypes.c_void_p, i64, i64, i64]
+        fn.restype = ctypes.c_int
+        self._fn, self.fd = fn, fd
+
+    @classmethod
+    def inherited(cls, fd: int) -> "RowCopy":
+        """The library a parent checked and loaded, from its descriptor ``fd`` (kept
+        open: the loader knows the library by that name)."""
+        return cls(ctypes.CDLL(f"/proc/self/fd/{fd}"), fd)
+
+    def __call__(self, dst: np.ndarray, src: np.ndarray) -> None:
+        """Copy ``src`` into ``dst``: 2-D uint8 of one shape whose rows are each one run
+        of bytes; ``dst`` writable and not overlapping ``src``.
+
+        Raises:
+            ValueError: arrays of another kind (nothing is copied).
+        """
+        if (
+            dst.ndim != 2
+            or dst.shape != src.shape
+            or dst.dtype != np.uint8
+            or src.dtype != np.uint8
+            or dst.strides[1] != 1
+            or src.strides[1] != 1
+            or not dst.flags.writeable
+        ):
+            raise ValueError(
+                f"a row copy takes two 2-D uint8 arrays of one shape with rows of "
+                f"adjacent bytes, got {dst.dtype}{list(dst.shape)} strides {dst.strides} "
+                f"from {src.dtype}{list(src.shape)} strides {src.strides}"
+            )
+        rows, width = dst.shape
+        if rows and width:
+            self._fn(dst.ctypes.data, dst.strides[0], src.ctypes.data, src.strides[0], rows, width)
+
+
 class Mover:
     """Runs copies between the pool, the host tier and the block files.
 
@@ -585,6 +640,8 @@ class Mover:
         staging_np: numpy ``[slots, block_nbytes]`` of the staging slots (blocks on their
             way to disk), or None.
         staging_t: the same as a torch tensor (needed with ``pool_u8``), or None.
+        copy: copies a block between ``pool_np`` and flat memory (``np.copyto``, or
+            a :class:`RowCopy`).
 
     ``check``, when set, is called before each copy (the I/O process exits there if
     the coordinator is gone).
@@ -604,8 +661,10 @@ class Mover:
         pinned: bool = False,
         staging_np=None,
         staging_t=None,
+        copy: Callable[[np.ndarray, np.ndarray], Any] = np.copyto,
     ):
         self.block_nbytes = block_nbytes
+        self.copy = copy
         self.pool_np, self.pool_u8 = pool_np, pool_u8
         self.host_np, self.host_t = host_np, host_t
         self.staging_np, self.staging_t = staging_np, staging_t
@@ -660,10 +719,10 @@ class Mover:
     # torch copy_ of one block, whose dispatch and threading cost dominate).
 
     def _pool_to(self, block: int, dst, dst_np) -> None:
-        pool_to_flat(self.pool_np, self.pool_u8, block, dst, dst_np)
+        pool_to_flat(self.pool_np, self.pool_u8, block, dst, dst_np, self.copy)
 
     def _to_pool(self, src, src_np, block: int) -> None:
-        flat_to_pool(src, src_np, self.pool_np, self.pool_u8, block)
+        flat_to_pool(src, src_np, self.pool_np, self.pool_u8, block, self.copy)
 
     def _files(self) -> BlockFiles:
         """The block files (the loop schedules a copy to or from disk only with a disk
@@ -745,6 +804,8 @@ class ClientCopies:
             inode.
         fds: the host tier's read-only descriptor, if it has one; closed here (the
             mapping stays).
+        copy: copies a block between the pool and flat memory (``np.copyto``, or a
+            :class:`RowCopy`).
 
     Raises:
         ValueError: the descriptor does not fit the pool or the descriptors passed, or
@@ -752,7 +813,13 @@ class ClientCopies:
         OSError: the block files' folder cannot be seen here.
     """
 
-    def __init__(self, pool_np: list, descriptor: dict, fds: List[int]):
+    def __init__(
+        self,
+        pool_np: list,
+        descriptor: dict,
+        fds: List[int],
+        copy: Callable[[np.ndarray, np.ndarray], Any] = np.copyto,
+    ):
         try:
             host = None
             shape = descriptor.get("host")
@@ -777,6 +844,7 @@ class ClientCopies:
                 pool_np=pool_np,
                 host_np=host,
                 files=None if files is None else BlockFiles.from_wire(files),
+                copy=copy,
             )
         finally:
             for fd in fds:
@@ -1128,17 +1196,17 @@ def _map(fd: int, nbytes: int, rows: int):
     return np.frombuffer(m, dtype=np.uint8).reshape(rows, nbytes // rows)
 
 
-def pool_to_flat(pool_np, pool_u8, block: int, dst, dst_np) -> None:
+def pool_to_flat(pool_np, pool_u8, block: int, dst, dst_np, copy=np.copyto) -> None:
     """Copy block ``block`` of every rank's pool (``pool_np``: numpy ``[num_blocks, 2 *
-    num_layers, chunk bytes]`` per rank, a CPU pool; else ``pool_u8``, the same as torch
-    tensors) into the flat buffer ``dst_np`` (numpy) / ``dst`` (torch, for ``pool_u8``):
-    rank after rank, each rank's chunks in order."""
+    num_layers, chunk bytes]`` per rank, a CPU pool, copied with ``copy``; else
+    ``pool_u8``, the same as torch tensors) into the flat buffer ``dst_np`` (numpy) /
+    ``dst`` (torch, for ``pool_u8``): rank after rank, each rank's chunks in order."""
     offset = 0
     if pool_np is not None:
         for rank in pool_np:
             rows = rank[block]  # [2 * num_layers, chunk bytes]: the block's chunks
             n = rows.size
-            np.copyto(dst_np[offset : offset + n].reshape(rows.shape), rows)
+            copy(_flat_rows(dst_np, offset, rows.shape), rows)
             offset += n
         return
     for rank in pool_u8:
@@ -1148,7 +1216,16 @@ def pool_to_flat(pool_np, pool_u8, block: int, dst, dst_np) -> None:
         offset += n
 
 
-def flat_to_pool(src, src_np, pool_np, pool_u8, block: int) -> None:
+def _flat_rows(flat: np.ndarray, offset: int, shape: tuple) -> np.ndarray:
+    """``flat[offset:]`` as ``shape``; ValueError where ``flat`` is too short (a slice
+    past the end is shorter, and a row copy trusts its shapes)."""
+    n = shape[0] * shape[1]
+    if offset + n > flat.shape[0]:
+        raise ValueError(f"{flat.shape[0]} bytes hold no block of {n} at offset {offset}")
+    return flat[offset : offset + n].reshape(shape)
+
+
+def flat_to_pool(src, src_np, pool_np, pool_u8, block: int, copy=np.copyto) -> None:
     """The inverse of :func:`pool_to_flat`: the flat ``src_np`` / ``src`` into block
     ``block`` of every rank's pool."""
     offset = 0
@@ -1156,7 +1233,7 @@ def flat_to_pool(src, src_np, pool_np, pool_u8, block: int) -> None:
         for rank in pool_np:
             rows = rank[block]
             n = rows.size
-            np.copyto(rows, src_np[offset : offset + n].reshape(rows.shape))
+            copy(rows, _flat_rows(src_np, offset, rows.shape))
             offset += n
         return
     import torch
@@ -1205,6 +1282,12 @@ class _Process:
             spec[name][0] for name in ("host", "staging") if spec.get(name) is not None
         ]:
             os.close(fd)  # the mappings stay
+        copy: Callable[[np.ndarray, np.ndarray], Any] = np.copyto
+        if spec.get("copy_lib") is not None:  # the native row copy the coordinator loaded
+            try:
+                copy = RowCopy.inherited(spec["copy_lib"])
+            except (OSError, AttributeError) as exc:
+                print(f"shmkv tier I/O: copying with numpy: {exc}", file=sys.stderr)
         self.mover = Mover(
             spec["block_nbytes"],
             pool_np=[pool],
@@ -1212,6 +1295,7 @@ class _Process:
             files=files,
             gens=gens,
             staging_np=staging,
+            copy=copy,
         )
         self.mover.check = self.exit_if_orphaned
         # This thread (reading jobs) keeps the priority the process started with, and so

@@ -1819,6 +1819,15 @@ class TierSet(_Promotions):
         disk = self.disk
         return disk if disk is not None and disk.disabled is None else None
 
+    def _row_copy(self) -> Callable[[np.ndarray, np.ndarray], Any]:
+        """What copies a CPU pool's blocks to and from flat memory: the native row copy
+        (``shmkv.native.copier``), else ``np.copyto``."""
+        if self._pool_np is None:
+            return np.copyto
+        from . import native
+
+        return native.copier() or np.copyto
+
     def _start_threads(self) -> None:
         host, staging = self.host, self._staging
         mover = Mover(
@@ -1832,6 +1841,7 @@ class TierSet(_Promotions):
             pinned=self.config.is_cuda,
             staging_np=None if staging is None else staging.np,
             staging_t=None if staging is None else staging.data,
+            copy=self._row_copy(),
         )
         _shorten_switch_interval()
         self._switch = True
@@ -1860,7 +1870,12 @@ class TierSet(_Promotions):
                 "workers": self.num_workers,
                 "policy": tier_io.IO_PROCESS_POLICY,
                 "preload": IO_PROCESS_PRELOAD,
+                "copy_lib": None,
             }
+            copy = self._row_copy()
+            if isinstance(copy, tier_io.RowCopy):  # (the descriptor stays open here)
+                spec["copy_lib"] = copy.fd
+                fds.append(copy.fd)
             for name, store in (("host", host), ("staging", self._staging)):
                 if store is not None:
                     spec[name] = [store.fd, store.num_slots, store.slot_nbytes]

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -371,6 +372,7 @@ ref = torch.cat([torch.nn.functional.scaled_dot_product_attention(
     for b, n in enumerate([9, 12])])
 torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)
 print("STATUS", native.status())
+print("COPY", "loaded" if native.copier() is not None else native.copy_status())
 """
 
 
@@ -399,6 +401,7 @@ def test_disabled_by_the_environment(tmp_path):
     done = _child({"SHMKV_NATIVE": "0", "SHMKV_CACHE_DIR": str(tmp_path)}, CHILD)
     assert done.returncode == 0, done.stderr
     assert "STATUS disabled by SHMKV_NATIVE" in done.stdout
+    assert "COPY disabled by SHMKV_NATIVE" in done.stdout
     assert not os.listdir(tmp_path)  # nothing built
 
 
@@ -406,7 +409,9 @@ def test_a_failing_compiler_leaves_the_torch_path_and_says_why(tmp_path):
     done = _child({"CC": "false", "SHMKV_CACHE_DIR": str(tmp_path)}, CHILD)
     assert done.returncode == 0, done.stderr
     assert "STATUS building with" in done.stdout and "failed" in done.stdout
+    assert "COPY building with" in done.stdout
     assert "native decode kernel is not available" in done.stderr
+    assert "native row copy is not available, the tiers copy with numpy" in done.stderr
     assert not os.listdir(tmp_path)  # no partial library left behind
 
 
@@ -415,13 +420,16 @@ def test_a_fresh_cache_directory_is_built_into_then_reused(tmp_path):
     cache = tmp_path / "cache"
     done = _child({"SHMKV_CACHE_DIR": str(cache)}, CHILD)
     assert done.returncode == 0, done.stderr
-    assert "STATUS loaded" in done.stdout
-    built = os.listdir(cache)
-    assert len(built) == 1 and built[0].startswith("paged_decode-") and built[0].endswith(".so")
-    stamp = os.stat(cache / built[0]).st_mtime_ns
+    assert "STATUS loaded" in done.stdout and "COPY loaded" in done.stdout
+    built = sorted(os.listdir(cache))
+    assert len(built) == 2 and all(name.endswith(".so") for name in built)
+    assert built[0].startswith("copy_rows-") and built[1].startswith("paged_decode-")
+    stamps = [os.stat(cache / name).st_mtime_ns for name in built]
     again = _child({"SHMKV_CACHE_DIR": str(cache)}, CHILD)
     assert again.returncode == 0 and "STATUS loaded" in again.stdout, again.stderr
-    assert os.listdir(cache) == built and os.stat(cache / built[0]).st_mtime_ns == stamp
+    assert "COPY loaded" in again.stdout
+    assert sorted(os.listdir(cache)) == built
+    assert [os.stat(cache / name).st_mtime_ns for name in built] == stamps
 
 
 def test_a_home_that_cannot_be_written_builds_in_a_private_temporary_directory(
@@ -516,9 +524,10 @@ def planted(tmp_path):
     return lib, marker
 
 
-def plant(lib, directory, mode=0o755, link=False):
-    """Put ``lib`` under every name the kernel's library could have in ``directory``."""
-    names = native._library_names(native._compiler())
+def plant(lib, directory, mode=0o755, link=False, library=None):
+    """Put ``lib`` under every name the kernel's library (or ``library``'s) could have in
+    ``directory``."""
+    names = native._library_names(native._compiler(), library)
     for name in names:
         path = os.path.join(directory, name)
         if link:
@@ -715,3 +724,68 @@ def test_with_umask_000_the_cache_directory_is_created_0700(tmp_path):
         timeout=180,
     )
     assert done.returncode == 0 and "UMASK OK" in done.stdout, done.stderr
+
+
+# -- the tiers' row copy -------------------------------------------------------------------
+
+
+def _rows_at(buf, start, rows, width, gap):
+    """``rows`` rows of ``width`` bytes of ``buf`` from ``start``, ``gap`` bytes apart."""
+    return buf[start : start + rows * (width + gap)].reshape(rows, -1)[:, :width]
+
+
+@needs_cc
+@pytest.mark.parametrize("width", [1, 15, 127, 511, 512, 513, 1000, 4096 + 7, 32768])
+def test_the_row_copy_writes_numpys_bytes_and_nothing_around_them(width):
+    """Rows streamed past the caches (512 bytes and wider) or copied plainly, into rows
+    that start on any byte and lie apart: every byte of each row, none between them."""
+    copy = native.copier()
+    assert copy is not None, native.copy_status()
+    rng = np.random.default_rng(width)
+    rows, gap = 5, 77
+    for start in (0, 1, 8, 16, 31):
+        buf = rng.integers(0, 256, size=start + rows * (width + gap), dtype=np.uint8)
+        expected = buf.copy()
+        src = rng.integers(0, 256, size=3 + rows * width, dtype=np.uint8)[3:].reshape(rows, -1)
+        np.copyto(_rows_at(expected, start, rows, width, gap), src)
+        copy(_rows_at(buf, start, rows, width, gap), src)
+        assert np.array_equal(buf, expected), start
+
+
+@needs_cc
+def test_the_row_copy_refuses_arrays_it_cannot_copy_and_writes_nothing():
+    copy = native.copier()
+    assert copy is not None, native.copy_status()
+    dst = np.zeros((4, 1024), dtype=np.uint8)
+    src = np.ones((4, 1024), dtype=np.uint8)
+    read_only = np.zeros((4, 1024), dtype=np.uint8)
+    read_only.flags.writeable = False
+    for bad_dst, bad_src in (
+        (dst, src[:3]),  # another shape
+        (dst[:, :512], src[:, ::2]),  # a row of bytes not adjacent
+        (dst[:, ::2], src[:, :512]),
+        (dst.view(np.int32), src.view(np.int32)),  # not bytes
+        (dst.reshape(-1), src.reshape(-1)),  # not rows
+        (read_only, src),
+    ):
+        with pytest.raises(ValueError, match="a row copy takes two 2-D uint8 arrays"):
+            copy(bad_dst, bad_src)
+    assert not dst.any() and not read_only.any()
+
+
+@needs_cc
+def test_a_planted_row_copy_library_is_rebuilt_not_loaded(planted, tmp_path, monkeypatch, caplog):
+    lib, marker = planted
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    paths = plant(lib, cache, mode=0o666, library=native.COPY)
+    monkeypatch.setenv("SHMKV_CACHE_DIR", str(cache))
+    with caplog.at_level(logging.WARNING, logger="shmkv"):
+        copy, why = native._build(native.COPY)
+    assert not marker.exists()
+    assert why is None and "refusing to load" in refusals(caplog)
+    assert os.path.basename(os.readlink(f"/proc/self/fd/{copy.fd}")) == os.path.basename(paths[0])
+    assert not os.stat(paths[0]).st_mode & 0o022  # this user's own build took its place
+    dst, src = np.zeros((2, 4096), dtype=np.uint8), np.arange(8192, dtype=np.uint8).reshape(2, -1)
+    copy(dst, src)
+    assert np.array_equal(dst, src)

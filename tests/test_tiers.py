@@ -294,6 +294,46 @@ def test_bytes_equal_after_demote_and_promote_read_from_another_process(
         coord.table.check_invariants()
 
 
+@pytest.mark.parametrize("row_copy", ["native", "numpy"])
+def test_wide_rows_move_exactly_with_the_native_row_copy_or_numpys(
+    tmp_path, unique_name, row_copy, monkeypatch
+):
+    """Rows of 592 bytes (streamed past the caches, every other one 16 bytes off a
+    32-byte line) go to the host tier and on to disk and come back, copied by the I/O
+    process and by the allocating client: with the native row copy, which both load
+    (the I/O process through the descriptor the coordinator checked), and with numpy's
+    copy where it is not available."""
+    from shmkv import native
+
+    if row_copy == "numpy":
+        monkeypatch.setattr(native, "copier", lambda: None)
+    elif native.copier() is None:
+        pytest.skip(f"no native row copy here: {native.copy_status()}")
+    monkeypatch.setattr(shmkv.Client, "copy_promotions", True)
+    cfg = make_config(num_blocks=16, num_kv_heads=1, head_dim=37)
+    assert cfg.block_size * 37 * 4 == 592
+    specs = [shmkv.HostTier(8 * cfg.block_nbytes), shmkv.DiskTier(tmp_path / "tier", 1 << 20)]
+    prompts = prompts_of(5, 3)  # 15 blocks: the host tier's 8 and the rest on disk
+    with (
+        shmkv.Coordinator(cfg, name=unique_name, tiers=specs) as coord,
+        shmkv.connect(coord.address, timeout=20) as client,
+    ):
+        with open(f"/proc/{io_process_of(os.getpid()).pid}/maps") as f:
+            maps = f.read()
+        assert ("/copy_rows-" in maps) == (row_copy == "native")
+        assert [write_prompt(client, p) for p in prompts] == [0] * 5
+        wait_idle(client)
+        evict_all(client)
+        st = wait_idle(client)
+        assert st["prefix_index_blocks"] == 0 and st["tier_io"]["lost_evictions"] == 0
+        assert [read_prompt(client, p) for p in prompts] == [(12, True)] * 5
+        mover = client._copies.mover
+        assert isinstance(mover.copy, tier_io.RowCopy) == (row_copy == "native")
+        st = wait_idle(client)
+        assert sum(t["promotions"] for t in st["tiers"]) == 15
+        coord.table.check_invariants()
+
+
 def test_working_set_4x_the_pool_is_served_from_the_tiers(tmp_path, unique_name):
     cfg = make_config(num_blocks=16)
     prompts = prompts_of(16, 4)  # 64 blocks: four times the pool
