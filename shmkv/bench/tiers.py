@@ -1082,6 +1082,14 @@ def main(argv=None) -> int:
         if shmkv.Client.copy_promotions is not False
         else ""
     )
+    from .. import native
+
+    res["tier_copies"] += (
+        "; blocks copied between the pool and host memory by the native row copy "
+        "(stores past the caches)"
+        if native.copier() is not None
+        else f"; blocks copied with numpy (no native row copy: {native.copy_status()})"
+    )
     only = set(args.only or ["disk", "host", "ping", "cold", "chat", "restart"])
     try:
         steps = (
