@@ -575,7 +575,11 @@ class RowCopy:
     (``csrc/copy_rows.c``): stores that go past the caches, where the CPU has them.
 
     Built and loaded by ``shmkv.native.copier`` (its trust rules); the tier I/O process
-    loads the same file through the descriptor it inherits (:meth:`inherited`).
+    loads the same file through the descriptor it inherits (:meth:`inherited`). A copy
+    of fewer than ``min_bytes`` goes to ``np.copyto``: it costs less to call, and bytes
+    that few may as well stay in the caches. The trade: a block whose destination
+    already sits in the caches (the same buffers copied over and over) copies at about
+    half numpy's speed streamed; tier copies sweep far more memory than the caches hold.
 
     Args:
         lib: the loaded library.
@@ -584,6 +588,8 @@ class RowCopy:
     Raises:
         AttributeError: the library lacks the copy.
     """
+
+    min_bytes = 128 << 10
 
     def __init__(self, lib: ctypes.CDLL, fd: int):
         fn = lib.shmkv_copy_rows
@@ -620,7 +626,9 @@ class RowCopy:
                 f"from {src.dtype}{list(src.shape)} strides {src.strides}"
             )
         rows, width = dst.shape
-        if rows and width:
+        if rows * width < self.min_bytes:
+            np.copyto(dst, src)
+        else:
             self._fn(dst.ctypes.data, dst.strides[0], src.ctypes.data, src.strides[0], rows, width)
 
 

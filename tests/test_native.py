@@ -736,11 +736,14 @@ def _rows_at(buf, start, rows, width, gap):
 
 @needs_cc
 @pytest.mark.parametrize("width", [1, 15, 127, 511, 512, 513, 1000, 4096 + 7, 32768])
-def test_the_row_copy_writes_numpys_bytes_and_nothing_around_them(width):
-    """Rows streamed past the caches (512 bytes and wider) or copied plainly, into rows
-    that start on any byte and lie apart: every byte of each row, none between them."""
+@pytest.mark.parametrize("path", ["native", "numpy"])
+def test_the_row_copy_writes_numpys_bytes_and_nothing_around_them(width, path, monkeypatch):
+    """Rows streamed past the caches (512 bytes and wider) or copied plainly by the native
+    code, or handed to numpy (a small copy), into rows that start on any byte and lie
+    apart: every byte of each row, none between them."""
     copy = native.copier()
     assert copy is not None, native.copy_status()
+    monkeypatch.setattr(copy, "min_bytes", 0 if path == "native" else 1 << 30)
     rng = np.random.default_rng(width)
     rows, gap = 5, 77
     for start in (0, 1, 8, 16, 31):

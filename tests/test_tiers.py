@@ -298,11 +298,11 @@ def test_bytes_equal_after_demote_and_promote_read_from_another_process(
 def test_wide_rows_move_exactly_with_the_native_row_copy_or_numpys(
     tmp_path, unique_name, row_copy, monkeypatch
 ):
-    """Rows of 592 bytes (streamed past the caches, every other one 16 bytes off a
-    32-byte line) go to the host tier and on to disk and come back, copied by the I/O
-    process and by the allocating client: with the native row copy, which both load
-    (the I/O process through the descriptor the coordinator checked), and with numpy's
-    copy where it is not available."""
+    """Blocks of 4 rows of 32,784 bytes (streamed past the caches, every other row 16
+    bytes off a 32-byte line) go to the host tier and on to disk and come back, copied
+    by the I/O process and by the allocating client: with the native row copy, which
+    both load (the I/O process through the descriptor the coordinator checked), and
+    with numpy's copy where it is not available."""
     from shmkv import native
 
     if row_copy == "numpy":
@@ -310,9 +310,10 @@ def test_wide_rows_move_exactly_with_the_native_row_copy_or_numpys(
     elif native.copier() is None:
         pytest.skip(f"no native row copy here: {native.copy_status()}")
     monkeypatch.setattr(shmkv.Client, "copy_promotions", True)
-    cfg = make_config(num_blocks=16, num_kv_heads=1, head_dim=37)
-    assert cfg.block_size * 37 * 4 == 592
-    specs = [shmkv.HostTier(8 * cfg.block_nbytes), shmkv.DiskTier(tmp_path / "tier", 1 << 20)]
+    cfg = make_config(num_blocks=16, num_kv_heads=1, head_dim=2049)
+    row = cfg.block_size * 2049 * 4
+    assert row % 32 == 16 and cfg.block_nbytes == 4 * row >= tier_io.RowCopy.min_bytes
+    specs = [shmkv.HostTier(8 * cfg.block_nbytes), shmkv.DiskTier(tmp_path / "tier", 1 << 23)]
     prompts = prompts_of(5, 3)  # 15 blocks: the host tier's 8 and the rest on disk
     with (
         shmkv.Coordinator(cfg, name=unique_name, tiers=specs) as coord,
