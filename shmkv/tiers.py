@@ -50,6 +50,11 @@ never waits for them.
   no-tier control's level (``docs/benchmarks.md``). The sources stay pinned and the
   blocks held until the report, or until the client's connection drops (every copy
   then counts as failed).
+* The bytes: under a CPU pool, whoever copies (a client, the I/O process, the
+  coordinator's threads) moves a block between the pool and host memory with the
+  native row copy, whose stores go past the caches (``shmkv.native.copier``,
+  ``shmkv.tier_io.RowCopy``), else with ``np.copyto``; the I/O process loads the
+  library the coordinator checked, by the descriptor it inherits (``TierSet._row_copy``).
 * Cancellation without a lock: a worker copies a pool block first and reads the
   copy's cancel state after (the copy's ``cancelled`` flag in threads; the block's
   generation in shared memory for the I/O process, see ``shmkv.tier_io``). The loop
