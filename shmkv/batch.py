@@ -30,7 +30,7 @@ from . import protocol, slots
 from .errors import HandleClosed, InvalidArgument, LimitExceeded, OutOfRange, StaleStep, WrongType
 from .handle import _views, check_kv_tensor
 from .hashing import token_list
-from .tables import CACHE_ID, GENERATION, LOCK, NUM_TOKENS, SEQ_FIELDS, writer_busy
+from .tables import CACHE_ID, GENERATION, LOCK, NUM_TOKENS, SEQ_FIELDS, reads_held, writer_busy
 
 _DESC_MAGIC = b"SKVS"
 _DESC_VERSION = 1
@@ -612,7 +612,7 @@ class Step:
             rows = seq_np[slot_ids]
             if (
                 bool((starts % bs == 0).any())
-                or not _same(rows[:, LOCK], seq_np[slot_ids, LOCK] & ~1)
+                or not reads_held(rows[:, LOCK], seq_np[slot_ids, LOCK])
                 or not _same(rows[:, CACHE_ID], self._ids)
                 or not _same(rows[:, GENERATION], root._generations)
                 or not bool((rows[:, NUM_TOKENS] > starts).all())
@@ -711,12 +711,12 @@ class Step:
                 changed = np.flatnonzero(before[:, GENERATION] != known[1])
                 if changed.shape[0]:
                     private[changed] = table_np[slot_ids[changed], :max_blocks]
-            # unchanged and even (no write in progress): ``after & ~1`` differs from an
-            # odd ``before`` even when both reads saw the same odd value
-            if _same(before[:, LOCK], seq_np[slot_ids, LOCK] & ~1):
+            if reads_held(before[:, LOCK], seq_np[slot_ids, LOCK]):
                 break
             known = None  # (a torn re-read may have patched rows: read them all again)
-            tries, since = writer_busy(tries, since, "the step's block tables", StaleStep)
+            tries, since = writer_busy(
+                tries, since, "the step's block tables", StaleStep, self.client.check
+            )
         if not _same(before[:, CACHE_ID], self._ids):
             raise StaleStep("a sequence of this step was closed; make a new step")
         self._generations = before[:, GENERATION]

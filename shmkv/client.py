@@ -551,7 +551,7 @@ class Client(_Link):
         assert self._memory is not None  # (mapped by the handshake)
         lock, scales = self._memory.scale_lock, self._memory.scales
         assert lock is not None and scales is not None  # (mapped until the client closes)
-        return read_scales(lock, scales, layer)
+        return read_scales(lock, scales, layer, self.check)
 
     def ping(self) -> None:
         """One empty round trip."""

@@ -232,8 +232,9 @@ class SequenceView:
         self.index_cache: dict = {}  # position-to-row index tensors for ``blocks``
         self.num_handles = 0
 
-    def refresh(self, memory, block_size: int) -> "SequenceView":
-        """Read the shared row again (no round trip); returns self."""
+    def refresh(self, memory, block_size: int, alive=None) -> "SequenceView":
+        """Read the shared row again (no round trip; ``alive``: the client's ``check``,
+        for a row left mid-change, ``shmkv.tables``); returns self."""
         got = read_row(
             memory.seq,
             memory.table,
@@ -243,6 +244,7 @@ class SequenceView:
             self.cache_id,
             self.generation,
             len(self.blocks),
+            alive,
         )
         return self._apply(got)
 
@@ -251,7 +253,7 @@ class SequenceView:
         :meth:`refresh_asking`; returns self."""
         if not client.lock_free:
             return self.refresh_asking(client)
-        return self.refresh(client._memory, client.config.block_size)
+        return self.refresh(client._memory, client.config.block_size, client.check)
 
     def refresh_asking(self, client) -> "SequenceView":
         """:meth:`refresh` for a client that may not read the tables lock-free: the row

@@ -12,14 +12,16 @@ shared libraries, and loading them. Two libraries, built and trusted alike:
   pool and the host tier with stores that go past the caches
   (:class:`shmkv.tier_io.RowCopy`), in a client that copies its own promotions and in
   the tier I/O process, which loads the library the coordinator checked through the
-  descriptor it inherits (:func:`copier_fd`).
+  descriptor it inherits (``RowCopy.fd``).
 
 Built once per machine and source: a library is named by a hash of its source, the
 compiler, its flags and the CPU, in :func:`cache_dir` (``$SHMKV_CACHE_DIR``, default
 ``$XDG_CACHE_HOME/shmkv``, else ``~/.cache/shmkv``), written under a temporary name and
 renamed into place, so processes that build at once do not see each other's partial
-files. Nothing is compiled at import: the first decode call builds (about half a
-second) and later ones, in any process, load.
+files. Nothing is compiled at import: a library is built by its first use (about
+half a second for the decode kernel: the first decode call; for the row copy: a
+coordinator starting with tiers over a CPU pool, or a client's first promotion it
+copies), and later uses, in any process, load it.
 
 Only a library this user built is ever loaded: loading runs its code (constructors run
 at ``dlopen``, before any symbol is looked up), and its name is a hash anyone on the
@@ -193,7 +195,7 @@ def cache_dir() -> Optional[str]:
             return path
         log.log(
             logging.WARNING if unsafe else logging.INFO,
-            "shmkv: not using %s for the native kernel's library: it %s",
+            "shmkv: not using %s for the native libraries: it %s",
             path,
             why,
         )
@@ -510,13 +512,6 @@ def copier() -> Optional[Any]:
     available (see :func:`copy_status`): the tiers then copy with numpy. Builds or loads
     it on the first call; later calls return what that one found."""
     return _get(COPY, _copy_state)
-
-
-def copier_fd() -> Optional[int]:
-    """The descriptor :func:`copier`'s library was loaded through (checked, kept open),
-    for a child that loads the same file (the tier I/O process); None without one."""
-    copy = copier()
-    return None if copy is None else copy.fd
 
 
 def copy_status() -> str:

@@ -36,7 +36,9 @@ A read that meets a write in progress tries again: at once a few times, then giv
 its CPU away (the writer may be the process it is waiting for, descheduled mid-change
 on a busy machine), for up to ``READ_PATIENCE_S`` seconds in all (:func:`writer_busy`).
 A live coordinator holds a row odd for microseconds of its own running time; a read
-that waits that long met a coordinator stopped or dead mid-change.
+that waits that long met a coordinator stopped or dead mid-change. A reader that can
+tell whether the coordinator lives (a client: its socket hung up) checks, once it
+gives its CPU away, and fails at once with ``CoordinatorGone``.
 
 Memory ordering: these rules hold only where the CPU keeps stores in order and loads
 in order (x86-64, which is total store order). On a weakly ordered CPU (aarch64: Grace
@@ -367,17 +369,22 @@ def writer_busy(
     since: float,
     what: str,
     error: Callable[[str], Exception] = LimitExceeded,
+    alive: Optional[Callable[[], None]] = None,
 ) -> Tuple[int, float]:
     """The wait before a seqlock read's next try, after ``tries`` failed ones (the
     module's retry rule). Returns the new ``(tries, since)`` for the next call: start
-    with ``(0, 0.0)``; ``since`` is when the waits began.
+    with ``(0, 0.0)``; ``since`` is when the waits began. ``alive`` (a client's
+    ``check``) is called before each wait past the first tries.
 
     Raises:
         ``error``: the reads of ``what`` kept meeting a change for ``READ_PATIENCE_S``.
+        What ``alive`` raises: the coordinator is gone.
     """
     tries += 1
     if tries <= READ_SPINS:
         return tries, since
+    if alive is not None:
+        alive()
     now = time.monotonic()
     if not since:
         since = now
@@ -393,8 +400,22 @@ def writer_busy(
     return tries, since
 
 
-def read_scales(lock: memoryview, scales: memoryview[float], layer: int) -> Tuple[float, float]:
-    """One layer's ``(k_scale, v_scale)``, never half of an update.
+def reads_held(before: np.ndarray, after: np.ndarray) -> bool:
+    """Whether rows read at once between two reads of their locks (``before``, then
+    ``after``) are consistent, the reader rule for many rows: every lock even at the
+    first read and the same at the second. (Masking ``after`` instead would accept a
+    write that began during the read: ``before`` even, ``after`` odd.)"""
+    return bool(((before & ~1) == after).all())
+
+
+def read_scales(
+    lock: memoryview,
+    scales: memoryview[float],
+    layer: int,
+    alive: Optional[Callable[[], None]] = None,
+) -> Tuple[float, float]:
+    """One layer's ``(k_scale, v_scale)``, never half of an update (``alive`` as for
+    :func:`writer_busy`).
 
     Raises:
         LimitExceeded: the scales kept changing (:func:`writer_busy`).
@@ -406,7 +427,9 @@ def read_scales(lock: memoryview, scales: memoryview[float], layer: int) -> Tupl
             k_scale, v_scale = scales[2 * layer], scales[2 * layer + 1]
             if lock[0] == before:
                 return k_scale, v_scale
-        tries, since = writer_busy(tries, since, f"K/V scales of layer {layer}")
+        tries, since = writer_busy(
+            tries, since, f"K/V scales of layer {layer}", LimitExceeded, alive
+        )
 
 
 def read_row(
@@ -418,11 +441,12 @@ def read_row(
     cache_id: int,
     known_generation: int = -1,
     known_blocks: int = 0,
+    alive: Optional[Callable[[], None]] = None,
 ) -> Optional[Tuple[int, int, Optional[List[int]]]]:
     """One sequence's ``(num_tokens, generation, blocks)``, consistent (see the module
     rules). ``blocks`` is None when the caller's copy (``known_blocks`` entries read at
     ``known_generation``) is current and covers ``num_tokens``. Returns None when the
-    slot no longer holds ``cache_id``.
+    slot no longer holds ``cache_id``. ``alive`` as for :func:`writer_busy`.
 
     Raises:
         LimitExceeded: the row kept changing (:func:`writer_busy`).
@@ -442,4 +466,6 @@ def read_row(
             owner_ok = seq[base + CACHE_ID] == cache_id
             if seq[base + LOCK] == lock:
                 return (num_tokens, generation, blocks) if owner_ok else None
-        tries, since = writer_busy(tries, since, f"block table of slot {slot}")
+        tries, since = writer_busy(
+            tries, since, f"block table of slot {slot}", LimitExceeded, alive
+        )

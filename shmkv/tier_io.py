@@ -609,7 +609,8 @@ class RowCopy:
         of bytes; ``dst`` writable and not overlapping ``src``.
 
         Raises:
-            ValueError: arrays of another kind (nothing is copied).
+            ValueError: arrays of another kind, or ones that may overlap (nothing is
+                copied).
         """
         if (
             dst.ndim != 2
@@ -625,6 +626,8 @@ class RowCopy:
                 f"adjacent bytes, got {dst.dtype}{list(dst.shape)} strides {dst.strides} "
                 f"from {src.dtype}{list(src.shape)} strides {src.strides}"
             )
+        if np.may_share_memory(dst, src):  # (bounds only: cheap)
+            raise ValueError("a row copy's source and destination overlap")
         rows, width = dst.shape
         if rows * width < self.min_bytes:
             np.copyto(dst, src)

@@ -1,16 +1,19 @@
 """The batch data plane: shared block tables, steps, descriptors, tensor parallelism."""
 
 import signal
+import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 import workers
-from conftest import SPAWN, join_or_kill
+from conftest import SPAWN, join_or_kill, shm_entries
 
 import shmkv
 import shmkv.tables
+from shmkv.coordinator import remove_stale_socket
 from shmkv.tables import LOCK, READ_PATIENCE_S, SEQ_FIELDS
 
 L, H, D, BS = 2, 4, 8, 4
@@ -381,6 +384,100 @@ def test_a_read_of_a_row_stuck_mid_change_fails_after_its_patience(coord, client
     err = _held_odd(coord, None, 0.6, lambda: client.kv_scales(0))
     assert isinstance(err, shmkv.LimitExceeded) and "K/V scales of layer 0" in str(err), err
     assert h.block_table.sequence_length == 6  # even again: read at once
+
+
+def test_a_row_a_killed_coordinator_left_mid_change_reads_as_gone(
+    cfg, unique_name, tmp_path, monkeypatch
+):
+    """Reads of a row (and of the K/V scales) that a SIGKILLed coordinator left
+    mid-change fail with CoordinatorGone as soon as they give their CPU away, not
+    after the patience a live coordinator gets (set long here)."""
+    monkeypatch.setattr(shmkv.tables, "READ_PATIENCE_S", 600.0)
+    address = str(tmp_path / "c.sock")
+    ours, theirs = SPAWN.Pipe()
+    proc = SPAWN.Process(
+        target=workers.coordinator_killed_mid_change, args=(cfg.to_wire(), address, theirs)
+    )
+    proc.start()
+    try:
+        assert ours.poll(60) and ours.recv() == "ready"
+        client = shmkv.connect(address, timeout=20)
+        h = client.allocate(12)
+        ours.send(h._state.slot)
+        proc.join(30)
+        assert proc.exitcode == -signal.SIGKILL
+        h._state.generation = -1  # (a full read of the row)
+        with pytest.raises(shmkv.CoordinatorGone):
+            _ = h.block_table
+        with pytest.raises(shmkv.CoordinatorGone):
+            client.kv_scales(0)
+        with pytest.raises(shmkv.CoordinatorGone):
+            client.batch([h]).prefill(start=0)
+        client.close()
+    finally:
+        join_or_kill(proc, 10)
+        remove_stale_socket(address)
+    assert not shm_entries()
+
+
+def _racing(real: np.ndarray, reader: str, on_read):
+    """``real`` as an array that calls ``on_read(n)`` after the n-th indexing by the
+    function ``reader`` (a write of the coordinator beginning or ending right then)."""
+    calls = [0]
+
+    class Racing(np.ndarray):
+        def __getitem__(self, index):
+            got = np.ndarray.__getitem__(real, index)
+            if sys._getframe(1).f_code.co_name == reader:
+                calls[0] += 1
+                on_read(calls[0])
+            return got
+
+    return real.view(Racing), calls
+
+
+def test_a_step_never_takes_tables_read_while_a_change_began(coord, client, monkeypatch):
+    """A change that begins during a step's read of the tables (the row's lock even at
+    the first read, odd at the second) is not taken: the step reads again once the
+    change is done and holds a table the coordinator had."""
+    client.allocate(24)
+    h = client.allocate(24)  # 6 blocks
+    slot, want = h._state.slot, list(h.block_table.physical_blocks)
+    seq, memory = coord.table.tables.seq, client._memory
+    real, lock = memory.table_np, slot * SEQ_FIELDS + LOCK
+
+    def writer(n):
+        if n == 1:  # begins: lock odd, entries being zeroed (a truncate, say)
+            seq[lock] += 1
+            real[slot, 2:6] = 0
+        elif n == 2:  # ends: here put back as they were
+            real[slot, 2:6] = want[2:6]
+            seq[lock] += 1
+
+    racing, calls = _racing(real, "_read_tables", writer)
+    monkeypatch.setattr(memory, "table_np", racing)
+    step = client.batch([h]).prefill(start=0)
+    assert calls[0] == 3  # torn, mid-change, then whole
+    assert step.block_tables.tolist()[0][:6] == want
+
+
+def test_advance_never_takes_rows_read_while_a_change_began(coord, client, monkeypatch):
+    monkeypatch.setattr(shmkv.batch, "_PLAIN_MAX_SEQS", 0)  # the rows checked by numpy
+    hs = client.allocate_many([13, 6])
+    step = client.batch(hs).prefill(start=[8, 1], num_tokens=1)
+    seq, memory = coord.table.tables.seq, client._memory
+    lock = hs[0]._state.slot * SEQ_FIELDS + LOCK
+
+    def writer(n):
+        if n == 1:  # a change begins right after the rows were read
+            seq[lock] += 1
+
+    racing, calls = _racing(memory.seq_np, "advance", writer)
+    monkeypatch.setattr(memory, "seq_np", racing)
+    assert step.advance() is None and calls[0] == 2
+    seq[lock] += 1  # the change ends (nothing of these rows changed)
+    assert step.advance() is not None
+    client.close_many(hs)
 
 
 def test_sigkill_of_a_rank_mid_step_leaks_nothing(coord, client):

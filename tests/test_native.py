@@ -774,6 +774,13 @@ def test_the_row_copy_refuses_arrays_it_cannot_copy_and_writes_nothing():
         with pytest.raises(ValueError, match="a row copy takes two 2-D uint8 arrays"):
             copy(bad_dst, bad_src)
     assert not dst.any() and not read_only.any()
+    buf = np.arange(1 << 20, dtype=np.uint8).reshape(2, -1)
+    before = buf.copy()
+    quarter = 1 << 18
+    src = buf.reshape(-1)[quarter : 3 * quarter].reshape(2, quarter)  # overlaps both rows
+    with pytest.raises(ValueError, match="overlap"):
+        copy(buf[:, :quarter], src)
+    assert np.array_equal(buf, before)
 
 
 @needs_cc

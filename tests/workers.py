@@ -306,3 +306,16 @@ def peek_and_read(address, descriptor, n, seed, results):
                 ok = ok and torch.equal(got, want)
         peek.check()
         results.put((ok, table.sequence_length, len(table.physical_blocks) * bs >= n))
+
+
+def coordinator_killed_mid_change(config_wire, address, conn):
+    """A coordinator that, sent a slot, leaves that row's seqlock and the K/V scales'
+    odd (a change under way) and is SIGKILLed right there."""
+    from shmkv.tables import LOCK, SEQ_FIELDS
+
+    with shmkv.Coordinator(shmkv.PoolConfig.from_wire(config_wire), address=address) as coord:
+        conn.send("ready")
+        slot = conn.recv()
+        coord.table.tables.seq[slot * SEQ_FIELDS + LOCK] += 1
+        coord.memory.scale_lock[0] += 1
+        os.kill(os.getpid(), signal.SIGKILL)
