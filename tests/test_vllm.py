@@ -1339,6 +1339,9 @@ def test_what_vllm_is_told_while_a_tier_copies_and_a_lookup_again_gets_its_own_a
             sched.request_finished(req, [])
         first.close()
         _until(lambda: not (sched._settler._wanted or sched._settler._done), "an answer stayed")
+        # the scheduler's releases are posted on its own connection (not waited for):
+        # until they are served its lookups hold their blocks in the pool
+        _until(lambda: client.stats()["sequences"] == base - 1, "the scheduler's lookups stayed")
         # a wait whose time is over gives up at once: it only drops its hand-off
         wait_idle(client)
         gate.clear()
