@@ -557,6 +557,23 @@ class Client(_Link):
         """One empty round trip."""
         self.request("ping")
 
+    def count_hits(self, hit_tokens: int, miss_tokens: int) -> None:
+        """Add to this client's name's prefix hit and miss counters (``/metrics``:
+        ``shmkv_client_prefix_*_tokens_total``) what an engine took from the cache and
+        what it computed instead, where its own prefix cache answered the rest of the
+        prompt, so that the counters say what the engine loaded rather than what its
+        lookups found. Sent without waiting (:meth:`flush` raises a refusal); a no-op on
+        a coordinator that does not count reports.
+
+        Raises:
+            InvalidArgument: a count that is not an int >= 0.
+        """
+        for name, value in (("hit_tokens", hit_tokens), ("miss_tokens", miss_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidArgument(f"{name} must be an int >= 0, got {value!r}")
+        if "count_hits" in self.features and (hit_tokens or miss_tokens):
+            self._post("count_hits", hit_tokens=hit_tokens, miss_tokens=miss_tokens)
+
     # -- teardown ------------------------------------------------------------------------
 
     def close(self) -> None:

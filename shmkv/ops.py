@@ -32,6 +32,7 @@ SETTLE_LATER = object()
 
 # Client names counted apart in ``/metrics`` (a bound on the label's values).
 MAX_CLIENT_NAMES = 64
+MAX_COUNTED_TOKENS = 1 << 40  # the most tokens one count_hits report may add
 
 
 class Ops:
@@ -121,6 +122,20 @@ class Ops:
         return tiers if isinstance(tiers, TierSet) and not self.config.is_cuda else None
 
     def _op_ping(self, conn):
+        return {}
+
+    def _op_count_hits(self, conn, hit_tokens, miss_tokens):
+        # Engines that answer part of a prompt from their own prefix cache report what
+        # they took from this one (shmkv.integrations.vllm): only their name's counters.
+        for name, value in (("hit_tokens", hit_tokens), ("miss_tokens", miss_tokens)):
+            if not 0 <= value <= MAX_COUNTED_TOKENS:
+                raise OutOfRange(
+                    f"count_hits: {name}={value} must lie in [0, {MAX_COUNTED_TOKENS}]"
+                )
+        counts = self.table.client_counts.get(conn.conn_id)
+        if counts is not None:
+            counts[0] += hit_tokens
+            counts[1] += miss_tokens
         return {}
 
     def _op_allocate(

@@ -36,8 +36,9 @@ PROTOCOL_VERSION = 2  # 2: an allocation's prompt comes with its block keys
 # (an older one closes the connection on an unknown argument or op): "settle", an
 # ``allocate_many`` answered ``early``, the ``settle`` op and ``commit``'s ``start``;
 # "copy", the ``tier_memory`` op, an ``allocate_many`` asked to ``copy`` its promotions
-# and the ``promoted`` op (the client copies its tier blocks in, ``shmkv.tiers``).
-FEATURES = ("settle", "copy")
+# and the ``promoted`` op (the client copies its tier blocks in, ``shmkv.tiers``);
+# "count_hits", the ``count_hits`` op (an engine's report of what it loaded).
+FEATURES = ("settle", "copy", "count_hits")
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
 _HEADER = struct.Struct(">I")
 HEADER_SIZE = _HEADER.size
@@ -130,6 +131,9 @@ OPS = {
     "tier_memory": {},
     "promoted": {"id": ("int", True), "statuses": ("bytes", True), "errors": ("list", False)},
     "stats": {},
+    # What an engine reports it took from the cache (its own prefix cache answered the
+    # rest): added to its client name's hit and miss counters, nothing else.
+    "count_hits": {"hit_tokens": ("int", True), "miss_tokens": ("int", True)},
     "set_kv_scales": {"layer": ("int", True), "k_scale": ("num", True), "v_scale": ("num", True)},
     # Batches: sequences as packed int64 arrays ("i64s": little-endian bytes), so a
     # step of any size is one small frame and decodes without a Python loop.

@@ -542,6 +542,7 @@ class RemoteTierSet:
                     record.keys[:num_local],
                     record.blocks[:num_local],
                     None if gens is None else gens[:num_local],
+                    record.client,  # (a part that comes up short moves its client's hits)
                 )
                 local_records.append(local_rec)
             if num_local < len(record.keys):
@@ -552,6 +553,7 @@ class RemoteTierSet:
                     record.keys[num_local:],
                     record.blocks[num_local:],
                     None if gens is None else gens[num_local:],
+                    record.client,
                 )
                 promo.fetches.append(
                     _Fetch(store_rec, record.seq.keys, store_rec.first, self._codec())
