@@ -484,3 +484,34 @@ def test_every_series_is_documented_in_operations(small_config, unique_name, tmp
         }
     assert given - table == set(), "not documented"
     assert table - given == set(), "documented but not exported"
+
+
+def test_an_engine_reports_what_it_loaded_under_its_own_name(unique_name):
+    """``count_hits`` adds an engine's own report (what it loaded, what it computed
+    instead) to its name's counters only; bad counts are refused and change nothing."""
+    cfg = shmkv.PoolConfig(
+        num_layers=1, num_kv_heads=1, head_dim=4, num_blocks=16, block_size=4, dtype=torch.float32
+    )
+    with shmkv.Coordinator(cfg, name=unique_name, metrics_port=0) as coord:
+        with (
+            shmkv.connect(coord.address, name="engine-r", timeout=10) as engine,
+            shmkv.connect(coord.address, name="other", timeout=10) as other,
+        ):
+            engine.count_hits(96, 40)
+            engine.count_hits(0, 0)  # (nothing to send)
+            engine.flush()
+            m = scrape(coord)
+            assert _hit_and_miss(m, "engine-r") == (96, 40)
+            assert _hit_and_miss(m, "other") == (0, 0)
+            assert value(m, "shmkv_prefix_hit_tokens_total") == 0  # the pool's own: untouched
+            for bad in (-1, 1.5, True, "3"):
+                with pytest.raises(shmkv.InvalidArgument, match="hit_tokens"):
+                    engine.count_hits(bad, 0)
+            engine._post("count_hits", hit_tokens=(1 << 40) + 1, miss_tokens=0)
+            with pytest.raises(shmkv.OutOfRange, match="count_hits"):
+                engine.flush()
+            engine._post("count_hits", hit_tokens=-5, miss_tokens=0)
+            with pytest.raises(shmkv.OutOfRange, match="count_hits"):
+                engine.flush()
+            assert engine.is_alive()
+            assert _hit_and_miss(scrape(coord), "engine-r") == (96, 40)

@@ -919,3 +919,26 @@ def test_an_early_answer_settles_at_what_the_store_had(redis_server, unique_name
         assert never.settle() == 0
         assert b._promoting == {} and b._settle_waiters == {}
         b.table.check_invariants()
+
+
+@needs_server
+def test_per_client_counts_follow_what_the_store_returned(redis_server, unique_name):
+    """Blocks asked of the store count as a client's hits until the store answers: those
+    it did not have move to that client's misses, as they do in the pool's own counts,
+    so the clients' counts keep summing to the pool's."""
+    prompt = list(range(3000, 3024))  # 6 full blocks
+    with (
+        shmkv.Coordinator(_config(), name=unique_name + "a", tiers=[_tier(redis_server)]) as a,
+        shmkv.Coordinator(_config(), name=unique_name + "b", tiers=[_tier(redis_server)]) as b,
+        shmkv.connect(a.address, timeout=10) as ca,
+        shmkv.connect(b.address, name="engine-b", timeout=10) as cb,
+    ):
+        _prefill(ca, prompt[:8], seed=3).close()  # the store holds the first 2 blocks
+        _flush(a)
+        h = cb.allocate(prompt=prompt)
+        assert h.num_cached_tokens == 8
+        h.close()
+        counts = b.client_counts["engine-b"]
+        st = cb.stats()
+        assert counts == [8, 16]
+        assert counts == [st["prefix_hit_tokens"], st["prefix_miss_tokens"]]
