@@ -220,30 +220,81 @@ def _print_tiers(stats: dict) -> None:
         )
 
 
+# Run by for_model in a child process: transformers' config classes import torch._dynamo,
+# which imports triton where it is installed (vLLM's CPU wheel brings it), and triton's
+# nanobind module prints some 30 lines of "nanobind: leaked ..." when a process that
+# imported it exits. The coordinator imports neither; the child leaves by os._exit.
+_READ_MODEL_CONFIG = """
+import json, os, sys
+try:
+    from transformers import AutoConfig
+    from shmkv.integrations.transformers import pool_config
+    cfg = AutoConfig.from_pretrained(sys.argv[1])
+    pool = pool_config(cfg, num_blocks=1, block_size=int(sys.argv[2]))
+    out = dict(num_layers=pool.num_layers, num_kv_heads=pool.num_kv_heads,
+               head_dim=pool.head_dim, dtype=str(pool.dtype).replace("torch.", ""))
+except (OSError, ValueError) as exc:
+    out = dict(error=f"no Hugging Face config there ({exc})")
+except BaseException as exc:
+    out = dict(error=f"its config could not be read ({type(exc).__name__}: {exc})")
+sys.stdout.write("\\n" + json.dumps(out) + "\\n")
+sys.stdout.flush()
+os._exit(0)
+"""
+MODEL_CONFIG_TIMEOUT_S = 300.0  # (importing transformers takes seconds on a busy host)
+
+
 def for_model(args) -> None:
     """``serve --for-model PATH``: the pool's layers, KV heads and head size, and its dtype
     unless ``--dtype`` is given, from the Hugging Face config at PATH (a model directory or
-    its ``config.json``), as :func:`shmkv.integrations.transformers.pool_config` reads them."""
-    from transformers import AutoConfig
+    its ``config.json``), as :func:`shmkv.integrations.transformers.pool_config` reads them.
 
-    from ..integrations.transformers import pool_config
+    The config is read in a child process (see ``_READ_MODEL_CONFIG``), once per ``args``.
 
-    path = args.for_model
-    if os.path.isfile(path):
-        path = os.path.dirname(os.path.abspath(path))
-    try:
-        model_config = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError) as exc:
-        from ..errors import InvalidArgument
+    Raises:
+        InvalidArgument: no config at PATH, or one that could not be read.
+    """
+    import subprocess
 
-        raise InvalidArgument(
-            f"--for-model {args.for_model}: no Hugging Face config there ({exc})"
-        ) from None
-    derived = pool_config(model_config, num_blocks=1, block_size=args.block_size)
-    args.num_layers, args.num_kv_heads = derived.num_layers, derived.num_kv_heads
-    args.head_dim = derived.head_dim
+    from ..errors import InvalidArgument
+
+    derived = getattr(args, "_model_layout", None)
+    if derived is None:
+        path = args.for_model
+        if os.path.isfile(path):
+            path = os.path.dirname(os.path.abspath(path))
+        here = os.path.abspath(__file__)
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(here)))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        try:
+            child = subprocess.run(
+                [sys.executable, "-c", _READ_MODEL_CONFIG, path, str(args.block_size)],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=MODEL_CONFIG_TIMEOUT_S,
+            )
+        except subprocess.TimeoutExpired:
+            raise InvalidArgument(
+                f"--for-model {args.for_model}: reading its config took over "
+                f"{MODEL_CONFIG_TIMEOUT_S:.0f} s"
+            ) from None
+        lines = child.stdout.strip().splitlines()
+        try:
+            derived = json.loads(lines[-1])
+        except (IndexError, ValueError):
+            raise InvalidArgument(
+                f"--for-model {args.for_model}: its config could not be read "
+                f"({child.stderr.strip()[-2000:] or f'exit status {child.returncode}'})"
+            ) from None
+        if "error" in derived:
+            raise InvalidArgument(f"--for-model {args.for_model}: {derived['error']}")
+        args._model_layout = derived
+    args.num_layers, args.num_kv_heads = derived["num_layers"], derived["num_kv_heads"]
+    args.head_dim = derived["head_dim"]
     if args.dtype is None:
-        args.dtype = str(derived.dtype).replace("torch.", "")
+        args.dtype = derived["dtype"]
 
 
 def cmd_serve(args) -> int:
