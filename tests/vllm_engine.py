@@ -59,6 +59,28 @@ _FAULT = {"handoff": 0}  # requests whose hand-off tokens the next steps damage
 _HOOK_TIMES: list = []
 
 
+_SALTS: set = set()  # the cache salts this engine's lookups used (option record_salts)
+
+
+def _record_salts() -> None:
+    """Note every ``cache_salt`` this process's shmkv clients allocate under (through
+    ``Client.allocate_many``, which ``allocate`` calls) in ``_SALTS``: a test then reads
+    the pool under the engine's own keys (``client.allocate(prompt=..., cache_salt=salt)``)
+    without knowing how the connector makes them."""
+    from shmkv.client import Client
+
+    allocate_many = Client.allocate_many
+
+    def recorded_allocate_many(self, requests, *args, **kwargs):
+        requests = list(requests)
+        for req in requests:
+            if isinstance(req, dict) and req.get("cache_salt") is not None:
+                _SALTS.add(bytes(req["cache_salt"]))
+        return allocate_many(self, requests, *args, **kwargs)
+
+    Client.allocate_many = recorded_allocate_many
+
+
 def _track_semaphores() -> set:
     """The names of the POSIX semaphores this process creates from now on and has not
     removed (tqdm's and vLLM's ``multiprocessing`` locks): the engine exits with
@@ -107,6 +129,8 @@ def _serve(conn, model: str, kv: dict | None, options: dict) -> None:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("OMP_NUM_THREADS", str(options.get("threads", 1)))
     semaphores = _track_semaphores()
+    if options.get("record_salts"):
+        _record_salts()
     import logging
 
     logging.getLogger("shmkv").addHandler(logging.StreamHandler())
@@ -121,7 +145,7 @@ def _serve(conn, model: str, kv: dict | None, options: dict) -> None:
         dtype="float32",
         max_model_len=options.get("max_model_len", 2048),
         enforce_eager=True,
-        block_size=BLOCK,
+        block_size=options.get("block_size", BLOCK),
         max_num_seqs=options.get("max_num_seqs", 8),
         max_num_batched_tokens=options.get("max_num_batched_tokens", 2048),
         enable_prefix_caching=options.get("prefix_caching", True),
@@ -158,6 +182,8 @@ def _serve(conn, model: str, kv: dict | None, options: dict) -> None:
             elif op == "hook_times":  # the timed connectors' records since the last ask
                 conn.send(("ok", _HOOK_TIMES.copy()))
                 _HOOK_TIMES.clear()
+            elif op == "salts":  # the cache salts shmkv was asked under (record_salts)
+                conn.send(("ok", sorted(_SALTS)))
             elif op == "fault":
                 previous, _FAULT["handoff"] = _FAULT["handoff"], args
                 conn.send(("ok", previous))
@@ -276,12 +302,16 @@ def connector_config(
     module: str = "shmkv.integrations.vllm",
     **extra,
 ) -> dict:
-    """``KVTransferConfig`` keywords for shmkv at ``address``."""
+    """``KVTransferConfig`` keywords for shmkv at ``address``: the engine connects again
+    at once to a coordinator started later, and its lookups wait up to 10 s (not the
+    default tens of ms: several engines share this machine's two CPUs, and a test whose
+    hit matters must not see a late lookup as a miss)."""
+    settings = {"shmkv.address": address, "shmkv.retry_s": 0, "shmkv.lookup_timeout_s": 10}
     return dict(
         kv_connector=connector,
         kv_connector_module_path=module,
         kv_role="kv_both",
-        kv_connector_extra_config={"shmkv.address": address, "shmkv.retry_s": 0, **extra},
+        kv_connector_extra_config={**settings, **extra},
     )
 
 

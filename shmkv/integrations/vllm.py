@@ -13,8 +13,12 @@ How a request goes through it:
 
 * **Scheduler side** (:meth:`ShmkvConnector.get_num_new_matched_tokens`): one
   ``client.allocate(prompt=...)`` over the prompt's full vLLM blocks, under a salt made of
-  the model's identity (name or path, revision, dtype, KV cache dtype), the request's LoRA
-  adapter and ``cache_salt``, and ``"shmkv.salt"``. The handle's ``num_cached_tokens``,
+  the model's identity (the checkpoint's content or ``"shmkv.model_id"``, the effective
+  config, dtype, KV cache dtype, ``"shmkv.salt"``: ``shmkv.integrations.vllm_identity``),
+  the request's LoRA adapter's content, its images and prompt embeddings, and its
+  ``cache_salt``. It is asked on a thread of the scheduler's own (:class:`_Courier`),
+  which vLLM's scheduler thread waits for at most ``"shmkv.lookup_timeout_s"`` (a later
+  answer is a miss). The handle's ``num_cached_tokens``,
   rounded down to whole vLLM blocks (and short of the prompt's last token, which vLLM
   must compute), is the hit. The handle pins the hit blocks until the workers have loaded
   them, and its other slots receive the blocks vLLM computes. The allocate is answered
@@ -46,21 +50,31 @@ How a request goes through it:
   that fails is dropped (a later miss, nothing worse). With no coordinator the scheduler
   answers "no hit" and tries to connect again after ``"shmkv.retry_s"`` seconds.
 
-vLLM's paged K/V layouts, as :func:`kv_views` reads them (every one gives K and V views of
-``[num_blocks, num_kv_heads, block_size, head_size]``):
+vLLM's paged K/V layouts, as :func:`kv_views` reads them: every one gives K and V views of
+``[num_blocks, num_kv_heads, block_size, head_size]`` (block, head, token, dimension) whose
+strides follow vLLM's order, so the copies through them leave the pool in its own layout
+(``[block, layer, K|V, token, head, dim]``) whatever vLLM's, for every pool block size that
+divides vLLM's block size:
 
-* ``"cpu"``: the CPU backend's ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``,
-  each (block, head) run holding ``block_size`` K rows then ``block_size`` V rows;
+* ``"cpu"``: the CPU back end's ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``:
+  per (block, head), ``block_size * head_size`` K values, then as many V values. V is
+  token-major (``[block_size, head_size]``), K dimension-major (``[head_size,
+  block_size]``), as vLLM's vector kernels write them. vLLM picks its kernel path per CPU,
+  dtype and shape; :meth:`ShmkvConnector.register_kv_caches` has vLLM's own write op place
+  a probe on the path the engine uses and refuses one that keeps K/V otherwise
+  (:func:`check_cpu_layout`: the AMX path's bfloat16 tiles, Arm's BFMMLA);
 * ``"split"``: vLLM 0.32's standardized ``[num_blocks, num_kv_heads, block_size,
-  2 * head_size]`` of FlashAttention on CUDA, K and V side by side in the last dimension;
+  2 * head_size]`` of FlashAttention on CUDA (any memory order of those dimensions), K and
+  V side by side in the last dimension;
 * ``"flash"``: the older FlashAttention ``[2, num_blocks, block_size, num_kv_heads,
   head_size]``.
+
+Each is checked against vLLM's own writes and a reference forward
+(``tests/test_vllm_oracle.py``).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import queue
 import re
@@ -75,11 +89,23 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 import shmkv
 from shmkv.errors import InvalidArgument, ShmkvError
+from shmkv.integrations.vllm_identity import (
+    key_tokens,
+    model_identity,
+    model_namespace as model_namespace,  # (public: re-exported)
+    request_salt,
+)
 from shmkv.protocol import check_client_name
+
+try:  # where each loaded token came from (vLLM 0.32)
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:  # pragma: no cover
+    CacheHitSource = None  # type: ignore[misc, assignment]
 
 try:  # vLLM 0.32 has connector stats; older releases may not
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -90,14 +116,143 @@ log = logging.getLogger("shmkv.vllm")
 
 LAYOUTS = ("cpu", "split", "flash")
 DEFAULT_RETRY_S = 5.0
-HANDOFF_TTL_S = 60.0
+# The longest vLLM's scheduler thread waits for the coordinator in one lookup or hand-off
+# (a slower answer counts as a miss; see _Courier).
+DEFAULT_LOOKUP_TIMEOUT_S = 0.05
+# An unopened hand-off pins its blocks this long: the workers open a step's hand-offs
+# when the step starts, well within it, unless their engine died (Ctrl-C of vllm serve).
+HANDOFF_TTL_S = 10.0
+# The longest a worker waits, before a step's loads, to connect to the coordinator the
+# scheduler looked them up in (after a restart); a failure is reported to the scheduler.
+CONNECT_WAIT_S = 2.0
+# The client timeout (handshakes, and requests on the workers' own threads).
+CLIENT_TIMEOUT_S = 10.0
 LAYER_WAIT_S = 30.0  # the longest a layer's attention waits for its load before giving up
 SETTLE_TIMEOUT_S = 60.0  # the longest an asynchronous load waits for a tier's copies
 
 
 class ConnectorConfigError(shmkv.InvalidArgument):
     """The connector's configuration and the coordinator's pool do not fit together
-    (block sizes, layers, heads, head size, dtype, or a missing address)."""
+    (block sizes, layers, heads, head size, dtype, or a missing address), or a
+    ``kv_connector_extra_config`` key is unknown or has an invalid value."""
+
+
+class ConnectorLayoutError(ConnectorConfigError, shmkv.LayoutMismatch):
+    """The coordinator's pool is not laid out for this engine: its block size, tensor
+    parallel size, layers, KV heads, head size or dtype."""
+
+
+def expected_layout(vllm_config) -> Optional[Dict[str, Any]]:
+    """The pool layout (layers, all ranks' KV heads, head size, dtype) the engine of
+    ``vllm_config`` will register, as far as its model config tells (None when it does
+    not: a model whose layers are not all plain attention; the workers' tensors are
+    checked at registration anyway)."""
+    mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    try:
+        if getattr(mc, "is_hybrid", False) or getattr(mc, "is_attention_free", False):
+            return None
+        layers = mc.get_num_layers_by_block_type(pc, "attention")
+        heads = mc.get_num_kv_heads(pc) * pc.tensor_parallel_size
+        head_dim = mc.get_head_size()
+        dtype = mc.dtype if cc.cache_dtype in ("auto", None) else None
+    except Exception:  # noqa: BLE001 - an unusual model: checked at registration only
+        return None
+    if not isinstance(dtype, torch.dtype):
+        return None  # a quantized KV cache: its storage dtype is the backend's
+    return dict(
+        num_layers=int(layers),
+        kv_heads=int(heads),
+        head_dim=int(head_dim),
+        dtype=str(dtype).replace("torch.", ""),
+    )
+
+
+def lookup_name(name: str) -> str:
+    """The client name of the scheduler's lookups: ``name`` and ``.lookup`` (``name``
+    shortened to keep within the 64 characters of a client name)."""
+    return name[: 64 - len(LOOKUP_SUFFIX)] + LOOKUP_SUFFIX
+
+
+LOOKUP_SUFFIX = ".lookup"
+
+
+def _text(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConnectorConfigError(f"{key!r} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _seconds(low: float, high: float) -> Callable[[str, Any], float]:
+    def check(key: str, value: Any) -> float:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not low <= float(value) <= high
+        ):
+            raise ConnectorConfigError(
+                f"{key!r} must be a number of seconds in [{low:g}, {high:g}], got {value!r}"
+            )
+        return float(value)
+
+    return check
+
+
+def _choice(*allowed: str) -> Callable[[str, Any], str]:
+    def check(key: str, value: Any) -> str:
+        if value not in allowed:
+            raise ConnectorConfigError(f"{key!r} must be one of {allowed}, got {value!r}")
+        return value
+
+    return check
+
+
+def _boolean(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConnectorConfigError(f"{key!r} must be true or false, got {value!r}")
+    return value
+
+
+def _salt(key: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ConnectorConfigError(f"{key!r} must be a string, got {value!r}")
+    return value
+
+
+# Every key the connector reads from ``kv_connector_extra_config``, with its check. Any
+# other key is refused at start-up: a misspelled ``"shmkv.slat"`` would otherwise leave
+# a tenant unsalted, sharing K/V with every unsalted engine.
+SETTINGS: Dict[str, Callable[[str, Any], Any]] = {
+    "shmkv.name": _text,
+    "shmkv.address": _text,
+    "shmkv.salt": _salt,
+    "shmkv.model_id": _text,
+    "shmkv.client_name": _text,
+    "shmkv.retry_s": _seconds(0.0, 3600.0),
+    "shmkv.lookup_timeout_s": _seconds(0.001, 60.0),
+    "shmkv.handoff_ttl_s": _seconds(1.0, 3600.0),
+    "shmkv.kv_layout": _choice(*LAYOUTS),
+    "shmkv.on_load_error": _choice("recompute", "fail"),
+    "shmkv.prefault": _boolean,
+    "shmkv.layerwise": _boolean,
+}
+
+
+def check_settings(extra: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """``kv_connector_extra_config`` checked: every key known (:data:`SETTINGS`), every
+    value of its kind and range; returns the checked values (numbers as floats).
+
+    Raises:
+        ConnectorConfigError: an unknown key (the message names the accepted ones), or
+            an invalid value (the message says what is accepted).
+    """
+    extra = dict(extra or {})
+    unknown = sorted(str(key) for key in extra if key not in SETTINGS)
+    if unknown:
+        raise ConnectorConfigError(
+            f"unknown kv_connector_extra_config key(s) {unknown} for ShmkvConnector; "
+            f"accepted: {sorted(SETTINGS)}"
+        )
+    return {key: SETTINGS[key](key, value) for key, value in extra.items()}
 
 
 # -- layouts --------------------------------------------------------------------------------
@@ -119,7 +274,10 @@ def detect_layout(kv: torch.Tensor) -> str:
 
 def kv_views(kv: torch.Tensor, layout: str) -> Tuple[torch.Tensor, torch.Tensor]:
     """Zero-copy K and V views ``[num_blocks, num_kv_heads, block_size, head_size]`` of one
-    layer's vLLM cache tensor in ``layout`` (``"cpu"``, ``"split"`` or ``"flash"``).
+    layer's vLLM cache tensor in ``layout`` (``"cpu"``, ``"split"`` or ``"flash"``): element
+    ``[b, h, t, d]`` is dimension ``d`` of head ``h`` of token ``t`` of block ``b``, wherever
+    vLLM keeps it (the views' strides carry vLLM's order; for ``"cpu"`` see
+    :func:`check_cpu_layout`).
 
     Raises:
         ConnectorConfigError: a tensor that does not have that layout.
@@ -131,8 +289,14 @@ def kv_views(kv: torch.Tensor, layout: str) -> Tuple[torch.Tensor, torch.Tensor]
                 f"2 * head_size], got {tuple(kv.shape)}"
             )
         nb, heads, bs, width = kv.shape
-        both = kv.view(nb, heads, 2, bs, width // 2)  # the CPU kernels' own view, split
-        return both[:, :, 0], both[:, :, 1]
+        # Per (block, head): block_size * head_size K values, then as many V values
+        # (cpu_attn.py views the tensor [blocks, heads, 2 * block_size, head_size] and
+        # chunks it). V is token-major; K is dimension-major, [head_size, block_size]
+        # (the kernels' "column-major" K, csrc/cpu/cpu_attn_vec.hpp): its view is a
+        # transpose, so every copy through it puts tokens where the pool wants them.
+        both = kv.view(nb, heads, 2, bs * (width // 2))
+        k = both[:, :, 0].unflatten(-1, (width // 2, bs)).transpose(2, 3)
+        return k, both[:, :, 1].unflatten(-1, (bs, width // 2))
     if layout == "split":
         if kv.dim() != 4 or kv.shape[-1] % 2:
             raise ConnectorConfigError(
@@ -149,6 +313,107 @@ def kv_views(kv: torch.Tensor, layout: str) -> Tuple[torch.Tensor, torch.Tensor]
             )
         return kv[0].permute(0, 2, 1, 3), kv[1].permute(0, 2, 1, 3)
     raise ConnectorConfigError(f"shmkv.kv_layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+_FP8_CACHE = {"fp8_e5m2": "float8_e5m2"}  # other "fp8*" KV caches are e4m3 (uint8 on the CPU)
+
+
+def check_cpu_layout(
+    kv: torch.Tensor, isa: str, kv_cache_dtype: str = "auto", dtype: Optional[torch.dtype] = None
+) -> None:
+    """Check that vLLM's CPU attention on kernel path ``isa`` keeps K and V where
+    :func:`kv_views` ``(kv, "cpu")`` reads them, by vLLM's own write op: it writes a probe
+    of every (token, head, dim) of one block of ``kv``'s shape, ``dtype`` K/V (the model's;
+    ``kv``'s own by default) into a ``kv_cache_dtype`` cache, and each value must land
+    where the views put it.
+
+    vLLM picks the path per CPU, model dtype, block size, head size and KV-cache dtype
+    (``cpu_attn.py``'s ``_get_attn_isa``). Its vector paths (``"vec"``, ``"vec16"``, Arm's
+    ``"neon"`` for float32 and float16) keep K dimension-major and V token-major; its AMX
+    path (``"amx"``, bfloat16 on CPUs with AMX tiles) and Arm's bfloat16 BFMMLA kernels
+    pack them for their tiles, which the connector does not copy.
+
+    Raises:
+        ConnectorConfigError: K/V kept otherwise (the message says what to change), or
+            vLLM's op cannot write the probe.
+    """
+    try:
+        from vllm import _custom_ops as ops
+
+        write = ops.cpu_attn_reshape_and_cache
+    except (ImportError, AttributeError) as exc:
+        raise ConnectorConfigError(
+            f"cannot check vLLM's CPU KV cache layout without its CPU ops ({exc}); set "
+            '"shmkv.kv_layout" to the layout of your back end'
+        ) from None
+    heads, bs, width = min(kv.shape[1], 2), kv.shape[2], kv.shape[3]  # (2 heads show their order)
+    quantized = kv_cache_dtype.startswith("fp8")
+    src_dtype = (dtype or torch.bfloat16) if quantized else kv.dtype
+    stored = getattr(torch, _FP8_CACHE.get(kv_cache_dtype, "float8_e4m3fn")) if quantized else None
+    scratch = torch.zeros((1, heads, bs, width), dtype=kv.dtype)
+    k_cache, v_cache = scratch.view(1, heads, 2 * bs, width // 2).chunk(2, dim=2)
+    # Each pass writes one base-4 digit of every value's index, as 1..4 (exact in every
+    # dtype down to fp8): where a value lands is read back digit by digit.
+    index = torch.arange(bs * heads * (width // 2)).view(bs, heads, width // 2)
+    landed = torch.zeros(scratch.numel(), dtype=torch.int64)
+    for power in range(max(1, ((index.numel() - 1).bit_length() + 1) // 2)):
+        digits = (((index >> (2 * power)) & 3) + 1).to(src_dtype)
+        scratch.zero_()
+        try:
+            write(
+                digits,
+                digits,
+                k_cache,
+                v_cache,
+                torch.arange(bs),
+                isa,
+                kv_cache_dtype=kv_cache_dtype,
+            )
+        except (RuntimeError, NotImplementedError) as exc:
+            raise ConnectorConfigError(
+                f"vLLM's CPU attention ({isa}) cannot write a {kv_cache_dtype} KV cache of "
+                f"{tuple(kv.shape)} here ({exc})"
+            ) from None
+        got = (scratch if stored is None else scratch.view(stored)).float().flatten().round().long()
+        landed += (got - 1).clamp(0, 3) << (2 * power)
+    landed[got == 0] = -1  # (written nowhere: every pass writes 1..4)
+    positions = torch.arange(scratch.numel()).view(scratch.shape)
+    for name, view in zip("KV", kv_views(positions, "cpu")):
+        # view[0, h, t, d]: where the connector reads (t, h, d); it must hold (t, h, d)
+        if not torch.equal(landed[view[0]], index.permute(1, 0, 2)):
+            raise ConnectorConfigError(
+                f"vLLM's CPU attention on its {isa!r} path keeps {name} of a "
+                f"{src_dtype} model ({kv_cache_dtype} KV cache) in a layout the connector "
+                "does not copy (packed for its kernels' tiles), so it would store wrong "
+                "K/V: run the model in float16 or float32 (vLLM's vector paths), or "
+                "without the connector"
+            )
+
+
+def cpu_attn_isas(vllm_config, layer_names: List[str], kv: torch.Tensor) -> List[str]:
+    """The kernel paths vLLM's CPU attention takes for ``layer_names`` (caches like
+    ``kv``): the ``isa`` its metadata builders set on the layers before the caches are
+    registered, else the path vLLM picks for the model's dtype, block and head size and
+    KV-cache dtype on this CPU."""
+    context = vllm_config.compilation_config.static_forward_context
+    found = {str(isa) for isa in (getattr(context.get(n), "isa", None) for n in layer_names) if isa}
+    if found:
+        return sorted(found)
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except ImportError as exc:
+        raise ConnectorConfigError(
+            f"cannot tell which kernel path vLLM's CPU attention takes ({exc}), so not "
+            "where it keeps K and V: this vLLM is not one the connector supports"
+        ) from None
+    return [
+        _get_attn_isa(
+            vllm_config.model_config.dtype,
+            kv.shape[2],
+            kv.shape[3] // 2,
+            vllm_config.cache_config.cache_dtype,
+        )
+    ]
 
 
 def copy_runs(
@@ -197,7 +462,9 @@ def assign(dst: torch.Tensor, src: torch.Tensor, parallel: bool = True) -> None:
     458 KB K and V copies into cold blocks: 0.56 ms, against 0.80 ms for torch's
     parallel copy of the same strided views); larger ones are torch's, whose threads
     then pay (an 8k-token hit: 3.2 ms, against 5.5 ms for one thread). Elsewhere torch's
-    copy, queued on the current stream."""
+    copy, queued on the current stream. (Those figures predate the CPU layout's K views
+    as the transpose they are, :func:`kv_views`: a K copy now gathers across
+    ``block_size``-strided rows, several times the time of a V copy of as many bytes.)"""
     width = _SAME_WIDTH_INT.get(dst.element_size())
     if (
         width is not None
@@ -251,39 +518,6 @@ def tp_shard_heads(num_kv_heads: int, tp_rank: int, tp_size: int) -> range:
     return range(tp_rank * per, (tp_rank + 1) * per)
 
 
-# -- identity -------------------------------------------------------------------------------
-
-
-def model_namespace(vllm_config, salt: str = "") -> bytes:
-    """The namespace every prefix key of this engine's model lives under: 32 bytes from
-    the model's name or path, revision, dtype, KV cache dtype and the connector's
-    ``"shmkv.salt"``. Engines of another model, revision or dtype never share bytes."""
-    mc, cc = vllm_config.model_config, vllm_config.cache_config
-    identity = {
-        "model": str(mc.model),
-        "revision": mc.revision,
-        "dtype": str(mc.dtype),
-        "kv_cache_dtype": str(cc.cache_dtype),
-        "salt": str(salt),
-    }
-    digest = hashlib.blake2b(b"shmkv.integrations.vllm model\0", digest_size=32)
-    digest.update(json.dumps(identity, sort_keys=True).encode())
-    return digest.digest()
-
-
-def request_salt(namespace: bytes, request) -> bytes:
-    """The ``cache_salt`` of one request's prefix keys: the model namespace, the request's
-    LoRA adapter (name and id) and its own ``cache_salt``."""
-    digest = hashlib.blake2b(namespace, digest_size=32)
-    lora = getattr(request, "lora_request", None)
-    if lora is not None:
-        digest.update(f"\0lora\0{lora.lora_name}\0{lora.lora_int_id}".encode())
-    salt = getattr(request, "cache_salt", None)
-    if salt:
-        digest.update(b"\0salt\0" + str(salt).encode())
-    return digest.digest()
-
-
 # -- metadata -------------------------------------------------------------------------------
 
 
@@ -315,6 +549,9 @@ class ShmkvReqMeta:
     # blocks of ``load`` from ``valid`` on did not arrive (load errors).
     recv: bool = False
     valid: Optional[int] = None
+    # Tokens of the prompt vLLM asked shmkv for and shmkv did not have (computed):
+    # reported to the coordinator as misses (rank 0, count_hits).
+    missed: int = 0
 
 
 @dataclass
@@ -327,6 +564,9 @@ class ShmkvConnectorMetadata(KVConnectorMetadata):
     # asynchronous loads of requests finished before they were handed over: reported
     # finished receiving with nothing copied (vLLM frees their blocks then)
     recv_dropped: List[str] = field(default_factory=list)
+    # the instance id of the coordinator the scheduler is connected to ("" for none): a
+    # worker not connected to it connects at once (after a coordinator restart)
+    coordinator: str = ""
 
 
 COUNTS = ("num_loaded_tokens", "num_saved_tokens", "num_load_errors", "num_async_loads")
@@ -386,6 +626,9 @@ class _SchedReq:
     ticket: int = 0  # the pending wait's (``_Settler``)
     resident: int = 0  # leading hit tokens in the pool at the lookup, whole vLLM blocks
     sure: int = 0  # leading hit tokens in the pool or this host's tiers, whole vLLM blocks
+    cap: int = 0  # the most tokens shmkv could give (the prompt less its last token)
+    local: int = 0  # tokens vLLM's own prefix cache had when it last asked
+    missed: int = 0  # tokens asked for and not found, for the workers to report
 
 
 def client_name(given: Optional[str], engine_id: Optional[str]) -> str:
@@ -403,13 +646,6 @@ def client_name(given: Optional[str], engine_id: Optional[str]) -> str:
             raise ConnectorConfigError(f"shmkv.client_name: {exc}") from None
     name = re.sub(r"[^A-Za-z0-9_.:/-]", "_", f"vllm-{engine_id or 'engine'}")
     return name[:64]
-
-
-def _flag(extra: dict, key: str, default: bool = True) -> bool:
-    value = extra.get(key, default)
-    if not isinstance(value, bool):
-        raise ConnectorConfigError(f"{key!r} must be true or false, got {value!r}")
-    return value
 
 
 class _Run:
@@ -621,12 +857,240 @@ class _Settler:
         self._thread.join(1.0)
 
 
+class _Late(ShmkvError):
+    """The coordinator did not answer within the caller's time (counted as a miss)."""
+
+
+class _Job:
+    __slots__ = ("fn", "abandon", "done", "lock", "late", "result", "error")
+
+    def __init__(self, fn: Callable[[Any], Any], abandon: Optional[Callable[[Any], None]]):
+        self.fn, self.abandon = fn, abandon
+        self.done = threading.Event()
+        self.lock = threading.Lock()
+        self.late = False
+        self.result: Any = None
+        self.error: Optional[BaseException] = None
+
+
+class _Courier:
+    """One connection to the coordinator, used only from a daemon thread of its own, so
+    that none of vLLM's threads ever waits on the socket or on a handshake.
+
+    :meth:`call` hands the thread a request (a function of the client) and waits at most
+    ``timeout`` for its answer (the scheduler's ``"shmkv.lookup_timeout_s"``, tens of
+    ms): a later answer is a miss, and what it made (a lookup's handle) goes to
+    ``abandon`` on the thread (which releases it). While a request is outstanding past
+    that time (a coordinator that stopped answering), further calls give up at once
+    (:meth:`stuck`), so requests with nothing to look up never queue behind it.
+    :meth:`post` queues a request nobody waits for (releases, counts, a connect).
+
+    The thread (re)connects before a request when it has no live client: at once after a
+    client was found gone (a restarted coordinator serves the next lookup), and
+    ``retry_s`` after a failed attempt; with ``poll``, also on its own while it has none
+    (every ``retry_s``, at least ``MIN_POLL_S``), so that a coordinator started after the
+    engine serves its first request. ``client`` is the live client or None (read from
+    any thread; only the courier's thread sets it); ``instance``, its coordinator's.
+    """
+
+    MIN_POLL_S = 0.1
+
+    def __init__(
+        self,
+        dial: Callable[[], Any],
+        retry_s: float,
+        client=None,
+        name: str = "shmkv-courier",
+        poll: bool = False,
+    ):
+        self._dial = dial
+        self._retry_s = retry_s
+        self._poll = poll
+        self.client = client
+        self._down_until = 0.0
+        self._jobs: "queue.Queue[Optional[_Job]]" = queue.Queue()
+        self._busy_since: Optional[float] = None
+        self._kicked = False
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def instance(self) -> Optional[str]:
+        """The instance id of the coordinator the live client is connected to, or None."""
+        client = self.client
+        return client.instance if client is not None and client.is_alive() else None
+
+    def stuck(self, timeout: float) -> bool:
+        """Whether a request has been under way for longer than ``timeout``."""
+        since = self._busy_since
+        return since is not None and time.monotonic() - since > timeout
+
+    def call(
+        self,
+        fn: Callable[[Any], Any],
+        timeout: float,
+        abandon: Optional[Callable[[Any], None]] = None,
+    ) -> Any:
+        """``fn(client)`` on the thread; its result within ``timeout`` seconds.
+
+        Raises:
+            _Late: no answer in time (or an earlier request is still under way past it).
+            shmkv.CoordinatorGone: no coordinator to ask (connecting failed).
+            Exception: what ``fn`` raised.
+        """
+        if self.stuck(timeout):
+            raise _Late("the coordinator has not answered an earlier request")
+        job = _Job(fn, abandon)
+        self._jobs.put(job)
+        if not job.done.wait(timeout):
+            with job.lock:
+                if not job.done.is_set():
+                    job.late = True
+                    raise _Late(f"no answer within {timeout * 1000:.0f} ms")
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    def post(self, fn: Callable[[Any], Any]) -> None:
+        """``fn(client)`` on the thread, in order with the other requests, not waited
+        for (a failure is logged at debug level: releases of a gone coordinator's
+        references, say, which went with it)."""
+        self._jobs.put(_Job(fn, None))
+
+    def kick(self) -> None:
+        """Connect now if there is no live client (once per kick until it is tried)."""
+        if not self._kicked and self.instance is None:
+            self._kicked = True
+            self._jobs.put(_Job(lambda client: None, None))
+
+    def connect_now(self, timeout: float) -> Optional[str]:
+        """Connect unless connected (waiting at most ``timeout``); the coordinator's
+        instance id, or None when there is none (the attempt may go on after the wait)."""
+        if self.instance is None:
+            try:
+                self.call(lambda client: None, timeout)
+            except (ShmkvError, OSError):
+                return None
+        return self.instance
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Stop after the queued requests (at most ``timeout`` seconds; the thread is a
+        daemon, so a stuck request cannot hold up exit) and close the client."""
+        self._jobs.put(None)
+        self._thread.join(timeout)
+        client, self.client = self.client, None
+        if client is not None and not self._thread.is_alive():
+            _quietly_close(client)
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                job = self._jobs.get(timeout=self._idle_wait())
+            except queue.Empty:  # (polling: time to try connecting again)
+                try:
+                    self._live()
+                except Exception:  # noqa: BLE001 - logged by the dial; tried again later
+                    pass
+                continue
+            if job is None:
+                return
+            self._busy_since = time.monotonic()
+            result: Any = None
+            error: Optional[BaseException] = None
+            try:
+                self._kicked = False
+                result = job.fn(self._live())
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                error = exc
+            finally:
+                self._busy_since = None
+            with job.lock:
+                if not job.late:
+                    job.result, job.error = result, error
+                    job.done.set()
+                    continue
+            if error is None and job.abandon is not None:
+                try:
+                    job.abandon(result)
+                except Exception as exc:  # noqa: BLE001 - a late answer's leftovers
+                    log.debug("shmkv: dropping a late answer failed (%s)", exc)
+            elif error is not None:
+                log.debug("shmkv: a request nobody waits for failed (%s)", error)
+
+    def _idle_wait(self) -> Optional[float]:
+        """How long the idle thread waits for a request before it tries to connect on
+        its own (None: not before a request, when connected or not polling)."""
+        if not self._poll or self.instance is not None:
+            return None
+        return max(self._down_until - time.monotonic(), self.MIN_POLL_S)
+
+    def _live(self):
+        client = self.client
+        if client is not None and client.is_alive():
+            return client
+        if client is not None:
+            self.client = None
+            _quietly_close(client)
+            self._down_until = 0.0  # gone: the next coordinator is asked for at once
+            log.warning(
+                "shmkv: the coordinator at %s went away; connecting again", _address_of(client)
+            )
+        if time.monotonic() < self._down_until:
+            raise shmkv.CoordinatorGone("no coordinator connected (retrying later)")
+        try:
+            client = self._dial()
+        except Exception:
+            self._down_until = time.monotonic() + self._retry_s
+            raise
+        self.client = client
+        return client
+
+
+def _release_found(found: Tuple[Any, Any]) -> None:
+    """Release the handle of a lookup answered too late (none when the lookup was not
+    made)."""
+    if found[0] is not None:
+        _release(found[0])
+
+
+def _quietly_close(client) -> None:
+    try:
+        client.close()
+    except Exception:  # noqa: BLE001 - a dead coordinator's client closes as it can
+        pass
+
+
+def _address_of(client) -> str:
+    return str(getattr(client, "address", "?"))
+
+
+@dataclass
+class ShmkvWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker to scheduler, when it changes: the instance id of the coordinator each
+    tensor-parallel rank is connected to (``""``: none). The scheduler promises a hit
+    only while every rank is connected to the coordinator its own lookups asked."""
+
+    instances: Dict[int, str] = field(default_factory=dict)
+
+    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "ShmkvWorkerMetadata":
+        """Every rank's report (a rank reports only its own)."""
+        merged = dict(self.instances)
+        if isinstance(other, ShmkvWorkerMetadata):
+            merged.update(other.instances)
+        return ShmkvWorkerMetadata(merged)
+
+
 class ShmkvConnector(KVConnectorBase_V1):
     """vLLM KV connector over a shmkv coordinator (see the module docstring).
 
-    ``kv_connector_extra_config`` keys: ``"shmkv.name"`` or ``"shmkv.address"`` (which
-    coordinator), ``"shmkv.salt"`` (a namespace of your own), ``"shmkv.retry_s"``
-    (seconds before connecting again after the coordinator was found gone, default 5),
+    ``kv_connector_extra_config`` keys (any other is refused, :func:`check_settings`):
+    ``"shmkv.name"`` or ``"shmkv.address"`` (which coordinator), ``"shmkv.salt"`` (a
+    namespace of your own), ``"shmkv.model_id"`` (the checkpoint's identity, instead of a
+    digest of its files), ``"shmkv.client_name"`` (the engine's name in the coordinator's
+    metrics), ``"shmkv.retry_s"`` (seconds between failed attempts to connect, default
+    5), ``"shmkv.lookup_timeout_s"`` (the longest the scheduler thread waits for the
+    coordinator, default 0.05), ``"shmkv.handoff_ttl_s"`` (how long a hand-off nobody
+    opened pins its blocks, default 10),
     ``"shmkv.kv_layout"`` (``"cpu"``, ``"split"`` or ``"flash"``; detected by default),
     ``"shmkv.on_load_error"`` (``"recompute"``, the default, or ``"fail"``),
     ``"shmkv.prefault"`` (map the whole CPU pool into each worker when it connects,
@@ -638,35 +1102,64 @@ class ShmkvConnector(KVConnectorBase_V1):
     the forward by more than the copy it hides, ``shmkv bench --only vllm``).
 
     Raises (at start-up):
-        ConnectorConfigError: no address; a pool block size that does not divide vLLM's
-            block size; a pool whose layers, heads, head size or dtype differ from the
-            model's K/V (the message says what to set).
+        ConnectorConfigError: no address; an unknown key or an invalid value; pipeline
+            parallelism; a CPU attention path whose K/V layout the connector does not copy.
+        ConnectorLayoutError: (also a ``shmkv.LayoutMismatch``) a pool block size that
+            does not divide vLLM's block size; a pool of another tensor-parallel size; a
+            pool whose layers, heads, head size or dtype differ from the model's K/V (the
+            message says what to set).
     """
 
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        extra = check_settings(self._kv_transfer_config.kv_connector_extra_config)
+        if "shmkv.address" in extra and "shmkv.name" in extra:
+            raise ConnectorConfigError(
+                'give "shmkv.name" or "shmkv.address" in kv_connector_extra_config, not both'
+            )
         self._address = extra.get("shmkv.address")
-        if self._address is None and extra.get("shmkv.name"):
-            self._address = shmkv.default_address(str(extra["shmkv.name"]))
+        if self._address is None and "shmkv.name" in extra:
+            self._address = shmkv.default_address(extra["shmkv.name"])
         if self._address is None:
             raise ConnectorConfigError(
                 'ShmkvConnector needs kv_connector_extra_config={"shmkv.name": NAME} or '
                 '{"shmkv.address": PATH}: the coordinator to use (shmkv serve --name NAME)'
             )
         self._address = str(self._address)
-        self._retry_s = float(extra.get("shmkv.retry_s", DEFAULT_RETRY_S))
+        pp_size = vllm_config.parallel_config.pipeline_parallel_size
+        if pp_size > 1:
+            # Each stage holds only its own layers, and would need its own layer offset,
+            # hand-off and commit; until then, refused before any stage maps a layer.
+            raise ConnectorConfigError(
+                f"ShmkvConnector does not support pipeline parallelism "
+                f"(pipeline_parallel_size={pp_size}); run with pipeline_parallel_size=1 "
+                f"(tensor parallelism is supported)"
+            )
+        self._retry_s = extra.get("shmkv.retry_s", DEFAULT_RETRY_S)
+        self._lookup_timeout_s = extra.get("shmkv.lookup_timeout_s", DEFAULT_LOOKUP_TIMEOUT_S)
+        self._handoff_ttl_s = extra.get("shmkv.handoff_ttl_s", HANDOFF_TTL_S)
         self._client_name = client_name(
             extra.get("shmkv.client_name"), self._kv_transfer_config.engine_id
         )
+        if role == KVConnectorRole.SCHEDULER:
+            # The scheduler's lookups count apart, under NAME.lookup (what they found);
+            # NAME counts what the engine loaded and computed (count_hits, rank 0).
+            self._client_name = lookup_name(self._client_name)
         self._layout = extra.get("shmkv.kv_layout")
-        self._prefault = _flag(extra, "shmkv.prefault")
-        self._layerwise_wanted = _flag(extra, "shmkv.layerwise", default=False)
+        self._prefault = extra.get("shmkv.prefault", True)
+        self._layerwise_wanted = extra.get("shmkv.layerwise", False)
         self._block_size = vllm_config.cache_config.block_size
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
-        self._namespace = model_namespace(vllm_config, extra.get("shmkv.salt", ""))
+        self._expected = expected_layout(vllm_config)
+        identity = model_identity(
+            vllm_config, extra.get("shmkv.salt", ""), extra.get("shmkv.model_id")
+        )
+        self._namespace = identity.namespace
+        log.info("shmkv: prefix keys under namespace %s", identity.describe())
         self._client: Optional[shmkv.Client] = None
-        self._down_until = 0.0
+        self.connected = False  # the last connection attempt's outcome (logged on change)
+        self._tried = False  # (the first failed attempt is logged as a warning)
+        self._refused = ""  # why the last pool was refused (logged once per reason)
         self._stats = ShmkvConnectorStats()
         self.totals = ShmkvConnectorStats()  # the same counts since the connector started
         if role == KVConnectorRole.SCHEDULER:
@@ -683,7 +1176,16 @@ class ShmkvConnector(KVConnectorBase_V1):
             self._waiting: Dict[str, _SchedReq] = {}
             self._settler: Optional[_Settler] = None  # made by the first early answer
             self._tp_rank: Optional[int] = None
-            self._connect(strict=True)  # refuses a misfit pool at start-up when it is up
+            client = self._connect_at_start()  # refuses a misfit pool now, when it is up
+            self._courier = _Courier(
+                self._dial, self._retry_s, client, "shmkv-scheduler", poll=True
+            )
+            self._pool_is_cuda = client is not None and client.config.is_cuda
+            # What each worker rank last reported (ShmkvWorkerMetadata): the instance id of
+            # the coordinator it is connected to, or "!" and the one it failed to reach.
+            self._worker_reports: Dict[int, str] = {}
+            self._gate_logged = False
+            self.num_late_lookups = 0  # lookups not answered in time (counted as misses)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -701,7 +1203,18 @@ class ShmkvConnector(KVConnectorBase_V1):
             self._layerwise: Optional[bool] = None
             self._waited: set = set()
             self._failed_reqs: set = set()  # requests whose load failed in this step
+            # Requests whose load failed in a step that computed over it: nothing of them
+            # is saved until they finish (a step scheduled before vLLM heard of the failure
+            # still computes over the prefix that never loaded).
+            self._poisoned: set = set()
             self._recving: set = set()  # asynchronous loads done, not yet reported
+            self._reported: Optional[str] = None  # the instance last told the scheduler
+            self._unreached = ""  # a coordinator the scheduler named that this one missed
+            # Loads of this step that count as hits (rank 0 reports them: count_hits).
+            self._hit_tokens = self._miss_tokens = 0
+            # Connects before the model loads, so a misfit pool is refused at once.
+            client = self._connect_at_start()
+            self._courier = _Courier(self._dial, self._retry_s, client, "shmkv-worker")
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -710,18 +1223,9 @@ class ShmkvConnector(KVConnectorBase_V1):
 
     # -- the coordinator --------------------------------------------------------------------
 
-    def _connect(self, strict: bool = False):
-        """The live client, connecting (again) when none is; None while the coordinator
-        is gone (tried again ``retry_s`` after it was last found gone). A coordinator
-        whose pool does not fit raises :class:`ConnectorConfigError` when ``strict`` (at
-        start-up), else is treated as gone (a restarted one with another layout)."""
-        client = self._client
-        if client is not None and client.is_alive():
-            return client
-        if client is not None:
-            self._drop_client("the coordinator went away")
-        if time.monotonic() < self._down_until:
-            return None
+    def _dial(self):
+        """A new client of the coordinator, its pool checked (:meth:`_check_pool`, and
+        vLLM's tensors once registered); logs and raises why when there is none."""
         # Only a worker copies through the pool; the scheduler never touches its pages.
         prefault = self._prefault and self._role != KVConnectorRole.SCHEDULER
         try:
@@ -732,66 +1236,118 @@ class ShmkvConnector(KVConnectorBase_V1):
                     tp_size=self._tp_size,
                     name=self._client_name,
                     prefault=prefault,
+                    timeout=CLIENT_TIMEOUT_S,
                 )
             else:
-                client = shmkv.connect(self._address, name=self._client_name, prefault=prefault)
+                client = shmkv.connect(
+                    self._address,
+                    name=self._client_name,
+                    prefault=prefault,
+                    timeout=CLIENT_TIMEOUT_S,
+                )
         except (ShmkvError, OSError) as exc:
-            self._down_until = time.monotonic() + self._retry_s
-            log.warning(
-                "shmkv coordinator at %s unavailable (%s); no hits, retry in %.0f s",
+            log.log(
+                logging.WARNING if self.connected or not self._tried else logging.DEBUG,
+                "shmkv: coordinator at %s unavailable (%s); no hits, retry in %.0f s",
                 self._address,
                 exc,
                 self._retry_s,
             )
-            return None
+            self._tried = True
+            self._set_connected(False)
+            raise
         try:
             self._check_pool(client.config)
-            if prefault:
-                log.info("shmkv: pool mapped into this worker in %.2f s", client.prefault_s)
             if self._role != KVConnectorRole.SCHEDULER and self._k:
                 self._check_layers(client.config, *self._shape)
         except ConnectorConfigError as exc:
             client.close()
-            if strict:
-                raise
-            self._down_until = time.monotonic() + self._retry_s
-            log.error("shmkv: %s; not using it, retry in %.0f s", exc, self._retry_s)
-            return None
-        self._client = client
+            if str(exc) != self._refused:  # (once per reason, not at every retry)
+                self._refused = str(exc)
+                log.error("shmkv: %s; not using it, retry in %.0f s", exc, self._retry_s)
+            self._set_connected(False)
+            raise
+        if prefault:
+            log.info("shmkv: pool mapped into this worker in %.2f s", client.prefault_s)
+        log.info(
+            "shmkv: connected to the coordinator at %s (instance %s)",
+            self._address,
+            client.instance,
+        )
+        self._set_connected(True)
         return client
 
-    def _drop_client(self, why: str) -> None:
-        client, self._client = self._client, None
-        self._down_until = time.monotonic() + self._retry_s
-        log.warning("shmkv: %s; no hits, retry in %.0f s", why, self._retry_s)
-        if self._role != KVConnectorRole.SCHEDULER:
+    def _connect_at_start(self):
+        """Connect at start-up, on the calling thread: a pool that does not fit raises
+        :class:`ConnectorConfigError` now, before the model loads; a coordinator that is
+        not up is only logged (None: the courier connects later)."""
+        try:
+            return self._dial()
+        except ConnectorConfigError:
+            raise
+        except (ShmkvError, OSError):
+            return None
+
+    def _set_connected(self, up: bool) -> None:
+        """Note (and log, once per change) whether this side is connected."""
+        if up != self.connected:
+            self.connected = up
+            if not up:
+                log.warning("shmkv: disconnected from the coordinator at %s", self._address)
+
+    def _connect(self):
+        """(Worker side.) The live client, or None while there is none (the courier
+        then connects on its own thread). A new client drops the handles of the last."""
+        client = self._courier.client
+        if client is None or not client.is_alive():
+            self._courier.kick()
+            client = None
+        if client is not self._client:
+            self._client = client
             self._handles.clear()  # their coordinator is gone with them
-        # The scheduler keeps its requests: one whose hit vLLM was told of still gets its
-        # metadata, with no hand-off (the export fails), so the workers report the load as
-        # failed and vLLM recomputes it, instead of reading blocks nobody wrote.
-        if client is not None:
-            try:
-                client.close()
-            except Exception:  # noqa: BLE001 - a dead coordinator's client closes as it can
-                pass
+        return client
 
     def _check_pool(self, cfg) -> None:
+        """Refuse a pool this engine cannot use: its block size must divide vLLM's, it
+        must be built for vLLM's tensor-parallel size, and its layers, KV heads, head size
+        and dtype must be the model's (as far as the model config tells, on both sides at
+        start-up: before the model loads; the workers check vLLM's tensors again in
+        :meth:`register_kv_caches`).
+
+        Raises:
+            ConnectorLayoutError: a pool of another layout (the message says what to run).
+        """
         if self._block_size % cfg.block_size:
             divisors = [d for d in (16, 32, 64, 128) if self._block_size % d == 0]
-            raise ConnectorConfigError(
+            raise ConnectorLayoutError(
                 f"shmkv pool block size {cfg.block_size} does not divide vLLM's block size "
                 f"{self._block_size}: start the coordinator with --block-size one of "
                 f"{divisors} (or vLLM with --block-size a multiple of {cfg.block_size} that "
                 f"its kernels take)"
             )
+        if self._tp_size > 1 and cfg.tp_size != self._tp_size:
+            # (an engine without tensor parallelism reads and writes whole blocks: any
+            # pool's; a rank of a TP engine needs the pool's head shard of that rank)
+            raise ConnectorLayoutError(
+                f"the shmkv pool at {self._address} is built for tensor_parallel_size "
+                f"{cfg.tp_size}, this engine runs {self._tp_size}: start the coordinator "
+                f"with --tp-size {self._tp_size}"
+            )
+        if self._expected is not None:
+            self._check_shape(cfg, self._expected)
 
     def _check_layers(self, cfg, heads: int, head_dim: int, dtype) -> None:
-        want = dict(
-            num_layers=len(self._k),
-            kv_heads=heads * self._tp_size,
-            head_dim=head_dim,
-            dtype=str(dtype).replace("torch.", ""),
+        self._check_shape(
+            cfg,
+            dict(
+                num_layers=len(self._k),
+                kv_heads=heads * self._tp_size,
+                head_dim=head_dim,
+                dtype=str(dtype).replace("torch.", ""),
+            ),
         )
+
+    def _check_shape(self, cfg, want: Dict[str, Any]) -> None:
         have = dict(
             num_layers=cfg.num_layers,
             kv_heads=cfg.num_kv_heads,
@@ -799,11 +1355,11 @@ class ShmkvConnector(KVConnectorBase_V1):
             dtype=str(cfg.dtype).replace("torch.", ""),
         )
         if want != have:
-            raise ConnectorConfigError(
-                f"the shmkv pool at {self._address} holds {have}, this model's K/V is "
-                f"{want}: start it with shmkv serve --for-model MODEL_PATH (or --num-layers "
+            raise ConnectorLayoutError(
+                f"the shmkv pool at {self._address} holds {have}, this engine's K/V is "
+                f"{want}: start the coordinator with shmkv serve --num-layers "
                 f"{want['num_layers']} --num-kv-heads {want['kv_heads']} --head-dim "
-                f"{head_dim} --dtype {want['dtype']})"
+                f"{want['head_dim']} --dtype {want['dtype']} --tp-size {self._tp_size}"
             )
 
     # -- scheduler side ---------------------------------------------------------------------
@@ -822,6 +1378,7 @@ class ShmkvConnector(KVConnectorBase_V1):
                 return 0, False
         if state.pending and request.request_id not in self._waiting:
             self._take_settled(state)  # (settled by now? then the hit is final)
+        state.local = num_computed_tokens
         num = max(0, state.hit - num_computed_tokens)
         # What vLLM is told: synchronous unless a tier still copies blocks it needs;
         # not known yet (None: vLLM asks again) while some of those are only maybe in
@@ -834,46 +1391,83 @@ class ShmkvConnector(KVConnectorBase_V1):
         state.told_async = True
         return num, True
 
+    def _gate_open(self, instance: str) -> bool:
+        """Whether hits from coordinator ``instance`` may be promised: not while a worker
+        rank's last report says it failed to reach it (it connects again on its next
+        step, and says so). A worker that is not connected to the coordinator a step's
+        metadata names connects before it loads (:meth:`start_load_kv`), so after a
+        coordinator restart the scheduler's first lookups are loaded, not failed."""
+        blocked = "!" + instance
+        if not any(self._worker_reports.get(r) == blocked for r in range(self._tp_size)):
+            self._gate_logged = False
+            return True
+        if not self._gate_logged:
+            self._gate_logged = True
+            log.warning(
+                "shmkv: a worker could not connect to coordinator instance %s; no hits "
+                "are promised until it does",
+                instance,
+            )
+        return False
+
+    def update_connector_output(self, connector_output) -> None:
+        """Take the workers' reports of which coordinator they are connected to."""
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, ShmkvWorkerMetadata):
+            self._worker_reports.update(meta.instances)
+
     def _lookup(self, request) -> Optional[_SchedReq]:
-        prompt = list(request.prompt_token_ids or ())
+        prompt = key_tokens(request)  # (zeros for a prompt of embeddings alone)
         bs = self._block_size
         full = len(prompt) // bs * bs
         if full == 0:
             return None
-        client = self._connect()
-        if client is None:
+        # The salt covers the request's adapter, multimodal inputs and prompt embeddings;
+        # None for an adapter whose files are not here: such a request is not cached.
+        salt = request_salt(self._namespace, request)
+        if salt is None:
             return None
+
+        def lookup(client):
+            if not self._gate_open(client.instance):
+                return None, None
+            handle = client.allocate(prompt=prompt[:full], cache_salt=salt, wait=False)
+            if not handle.num_promoting_tokens:
+                return handle, None
+            try:  # for the thread that waits for the tier copies
+                return handle, handle.export(ttl=2 * SETTLE_TIMEOUT_S)
+            except BaseException:
+                _release(handle)
+                raise
+
         try:
-            handle = client.allocate(
-                prompt=prompt[:full],
-                cache_salt=request_salt(self._namespace, request),
-                wait=False,
+            handle, settle = self._courier.call(
+                lookup,
+                self._lookup_timeout_s,
+                abandon=_release_found,
             )
-        except (
-            shmkv.CoordinatorGone,
-            shmkv.CoordinatorTimeout,
-            shmkv.ProtocolError,
-            OSError,
-        ) as exc:
-            self._drop_client(f"lookup failed ({exc})")
+        except _Late as exc:
+            log.debug("shmkv: lookup of %s counted as a miss (%s)", request.request_id, exc)
+            self.num_late_lookups += 1
             return None
         except ShmkvError as exc:  # no room, a prompt past max_seq_len: this one is not cached
-            log.info("shmkv: request %s not cached (%s)", request.request_id, exc)
+            log.info("shmkv: request %s not looked up (%s)", request.request_id, exc)
             return None
-        settle = None
-        if handle.num_promoting_tokens:  # for the thread that waits for the tier copies
-            try:
-                settle = handle.export(ttl=HANDOFF_TTL_S)
-            except (ShmkvError, OSError) as exc:
-                _release(handle)
-                if not client.is_alive():
-                    self._drop_client(f"lookup failed ({exc})")
-                else:
-                    log.info("shmkv: request %s not cached (%s)", request.request_id, exc)
-                return None
+        except OSError as exc:
+            log.info("shmkv: request %s not looked up (%s)", request.request_id, exc)
+            return None
+        if handle is None:  # (a worker cannot reach this coordinator: _gate_open)
+            return None
         cached = handle.num_cached_tokens
-        hit = min(cached // bs * bs, (len(prompt) - 1) // bs * bs)
-        state = _SchedReq(handle=handle, prompt_tokens=full, hit=hit, cached=cached, saved=cached)
+        cap = min(full, (len(prompt) - 1) // bs * bs)
+        state = _SchedReq(
+            handle=handle,
+            prompt_tokens=full,
+            hit=min(cached // bs * bs, cap),
+            cached=cached,
+            saved=cached,
+            cap=cap,
+        )
         if settle is not None:  # a tier copies part of the hit in: wait off this thread
             state.pending = True
             state.resident = handle.num_resident_tokens // bs * bs
@@ -901,12 +1495,37 @@ class ShmkvConnector(KVConnectorBase_V1):
             state.saved = min(state.saved, cached)
         return True
 
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int):
+        """Where the ``num_external_tokens`` loaded for ``request`` come from: the pool
+        (host memory for a CPU pool, ``host``; another process's device memory for a CUDA
+        pool, ``p2p``) for the blocks that were in it at the lookup, a tier below it or
+        the shared store for the rest (``external_unspecified``: the coordinator does not
+        say which)."""
+        state = self._reqs.get(request.request_id)
+        if num_external_tokens <= 0:
+            return {}
+        if state is None or CacheHitSource is None:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        start = state.hit - num_external_tokens
+        resident = state.resident if state.ticket else state.hit  # (ticket: tiers copied)
+        in_pool = max(0, min(resident, state.hit) - start)
+        pool = CacheHitSource.P2P if self._pool_is_cuda else CacheHitSource.HOST
+        sources = {
+            pool: in_pool,
+            CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens - in_pool,
+        }
+        return {source: num for source, num in sources.items() if num > 0}
+
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         """Note the vLLM blocks of ``request`` and the tokens to load into them."""
         state = self._reqs.get(request.request_id)
         if state is None:
             return
         state.block_ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
+        # The coordinator counts, under this engine's name, what the engine took from it
+        # (the workers report loads) and, here, what it asked for and computed instead,
+        # not what the lookup found: vLLM's own cache may have had most of the prompt.
+        state.missed = max(0, state.cap - state.local - num_external_tokens)
         if num_external_tokens > 0:
             state.load = (state.hit - num_external_tokens, state.hit)
             # vLLM was told the load is asynchronous: the request waits for the workers
@@ -918,9 +1537,13 @@ class ShmkvConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output) -> ShmkvConnectorMetadata:
         """This step's loads and saves, with the hand-off tokens of new requests."""
-        meta = ShmkvConnectorMetadata(closed=self._closed, recv_dropped=self._recv_dropped)
+        meta = ShmkvConnectorMetadata(
+            closed=self._closed,
+            recv_dropped=self._recv_dropped,
+            coordinator=self._courier.instance or "",
+        )
         self._closed, self._recv_dropped = [], []
-        self._log_refused()
+        self._courier.post(self._log_refused)
         for req_id, waiting in list(self._waiting.items()):
             if self._take_settled(waiting):
                 del self._waiting[req_id]
@@ -954,11 +1577,16 @@ class ShmkvConnector(KVConnectorBase_V1):
                 if not state.exported and state.saved >= state.prompt_tokens:
                     # Nothing to load (vLLM's own cache had it) nor to save (shmkv has it
                     # all): no hand-off, no worker round trip; the lookup's pin goes.
-                    self._finish(req_id, tell_workers=False)
+                    self._finish(req_id, tell_workers=True)
                 continue
             item = ShmkvReqMeta(
-                req_id=req_id, block_ids=list(state.block_ids), load=load, save=save
+                req_id=req_id,
+                block_ids=list(state.block_ids),
+                load=load,
+                save=save,
+                missed=state.missed,
             )
+            state.missed = 0
             if not state.exported:
                 self._hand_over(state, item)
             state.load = (0, 0)
@@ -1010,11 +1638,23 @@ class ShmkvConnector(KVConnectorBase_V1):
             return None
 
     def _export(self, state: _SchedReq) -> List[bytes]:
+        """One hand-off token per rank (asked on the courier's thread, waited for at most
+        ``"shmkv.lookup_timeout_s"``); an empty list when there are none: the workers
+        then save nothing and report a load as failed (vLLM recomputes it). A late
+        answer's tokens are left to expire (``"shmkv.handoff_ttl_s"``)."""
+        handle, ttl, num = state.handle, self._handoff_ttl_s, self._tp_size
         try:
-            return [state.handle.export(ttl=HANDOFF_TTL_S) for _ in range(self._tp_size)]
+            return self._courier.call(
+                lambda client: [handle.export(ttl=ttl) for _ in range(num)],
+                self._lookup_timeout_s,
+            )
         except (ShmkvError, OSError) as exc:
             log.warning("shmkv: hand-off failed (%s); the workers recompute", exc)
             return []
+
+    def _drop(self, handle) -> None:
+        """(Scheduler side.) Release ``handle`` on the courier's thread, not waited for."""
+        self._courier.post(lambda client: _release(handle))
 
     def _finish(self, req_id: str, tell_workers: bool, final: bool = False) -> None:
         """The scheduler is done with ``req_id``'s lookup (a later lookup of the request,
@@ -1024,7 +1664,7 @@ class ShmkvConnector(KVConnectorBase_V1):
         state = self._reqs.pop(req_id, None)
         if final:
             for handle in self._pins.pop(req_id, ()):
-                _release(handle)
+                self._drop(handle)
         if state is None:
             return
         if state.pending:  # its wait's answer, when it comes, goes to no one
@@ -1033,8 +1673,8 @@ class ShmkvConnector(KVConnectorBase_V1):
         if state.peeked and not final:
             self._pins.setdefault(req_id, []).append(state.handle)
         else:
-            _release(state.handle)
-        if tell_workers and state.exported:
+            self._drop(state.handle)
+        if tell_workers and (state.exported or state.peeked):
             self._closed.append(req_id)
 
     def request_finished(self, request, block_ids):
@@ -1062,6 +1702,18 @@ class ShmkvConnector(KVConnectorBase_V1):
         names = sorted(kv_caches, key=index)
         first = kv_caches[names[0]]
         layout = self._layout or detect_layout(first)
+        kind = layout
+        if layout == "cpu":  # its kernels' K/V order varies with the CPU: checked here
+            isas = cpu_attn_isas(self._vllm_config, names, first)
+            kind = f"cpu, {'/'.join(isas)} kernels"
+            for isa in isas:
+                model_dtype = self._vllm_config.model_config.dtype
+                check_cpu_layout(
+                    first,
+                    isa,
+                    str(self._vllm_config.cache_config.cache_dtype),
+                    model_dtype if isinstance(model_dtype, torch.dtype) else None,
+                )
         self._k, self._v = [], []
         self._layer_index = {name: i for i, name in enumerate(names)}
         for name in names:
@@ -1083,9 +1735,15 @@ class ShmkvConnector(KVConnectorBase_V1):
             heads,
             head_dim,
             bs,
-            layout,
+            kind,
         )
-        self._connect(strict=True)  # refuses a misfit pool at start-up when it is up
+        client = self._connect()
+        if client is not None:  # (else the courier checks the tensors when it connects)
+            try:
+                self._check_layers(client.config, *self._shape)
+            except ConnectorConfigError:
+                self._courier.close()
+                raise
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         """Open this step's hand-offs and copy every hit block of the step into vLLM's
@@ -1104,9 +1762,18 @@ class ShmkvConnector(KVConnectorBase_V1):
         for req_id in meta.closed:
             self._close(req_id)
         self._recving.update(meta.recv_dropped)
+        if meta.coordinator and self._courier.instance != meta.coordinator:
+            # The scheduler looked up in a coordinator this worker is not connected to (a
+            # restarted one): connect before loading, or the loads would fail. One that
+            # cannot be reached in time is reported (build_connector_worker_meta), and
+            # the scheduler promises nothing more until this worker connects.
+            got = self._courier.connect_now(CONNECT_WAIT_S)
+            self._unreached = "" if got == meta.coordinator else meta.coordinator
+            self._connect()
         loads: List[Tuple[ShmkvReqMeta, List[Tuple[int, int, int, int]]]] = []
         opened: List[Any] = []  # the handles and peeks of loads
         for item in meta.requests:
+            self._miss_tokens += item.missed
             if item.source is not None and item.load != (0, 0) and not item.recv:
                 source = self._peek(item)
                 if source is None:
@@ -1176,8 +1843,7 @@ class ShmkvConnector(KVConnectorBase_V1):
             peek = client.peek(item.source)
         except (ShmkvError, OSError) as exc:
             self._fail_load(item, exc)
-            if not client.is_alive():
-                self._drop_client("the coordinator went away")
+            self._connect()  # (a coordinator found gone: the courier connects again)
             return None
         self._peeks[item.req_id] = peek
         return peek
@@ -1300,6 +1966,8 @@ class ShmkvConnector(KVConnectorBase_V1):
         handle = self._handles.get(item.req_id)
         if handle is not None or item.tokens is None:
             return handle
+        if item.req_id in self._poisoned:
+            return None  # (saves nothing until it finishes: see wait_for_save)
         if not item.tokens:
             return None
         client = self._connect()
@@ -1309,8 +1977,7 @@ class ShmkvConnector(KVConnectorBase_V1):
             handle = client.open(item.tokens[self._tp_rank or 0])  # (a worker: set)
         except (ShmkvError, OSError, IndexError) as exc:
             log.warning("shmkv: hand-off of %s could not be opened (%s)", item.req_id, exc)
-            if not client.is_alive():
-                self._drop_client("the coordinator went away")
+            self._connect()  # (a coordinator found gone: the courier connects again)
             return None
         self._handles[item.req_id] = handle
         return handle
@@ -1325,6 +1992,8 @@ class ShmkvConnector(KVConnectorBase_V1):
             log.warning("shmkv: load of %s failed (%s); vLLM recomputes", item.req_id, exc)
         if in_step:
             self._failed_reqs.add(item.req_id)
+            self._poisoned.add(item.req_id)
+        self._miss_tokens += max(0, item.load[1] - item.load[0])
         first = item.load[0] // self._block_size
         last = -(-item.load[1] // self._block_size)
         self._load_errors.update(item.block_ids[first:last])
@@ -1361,10 +2030,13 @@ class ShmkvConnector(KVConnectorBase_V1):
         if not isinstance(meta, ShmkvConnectorMetadata):
             return
         for item in meta.requests:
-            if item.req_id in self._failed_reqs:
-                # Its attention read a prefix that was not loaded: nothing this step
-                # computed for it may be published (vLLM recomputes it, uncached).
-                self._close(item.req_id)
+            if item.req_id in self._poisoned:
+                # Its attention read a prefix that was not loaded (in this step or one
+                # before it): nothing computed for it may be published until it finishes
+                # (vLLM recomputes it, uncached).
+                self._drop_handle(item.req_id)
+                if item.done:
+                    self._close(item.req_id)
                 continue
             handle = self._handles.get(item.req_id)
             if handle is not None and item.save != (0, 0):
@@ -1373,10 +2045,11 @@ class ShmkvConnector(KVConnectorBase_V1):
                 self._close(item.req_id)
         self._log_refused()
 
-    def _log_refused(self) -> None:
+    def _log_refused(self, client=None) -> None:
         """Log what the coordinator refused of the requests sent without waiting (commits
-        and releases: a refused commit is a save not cached)."""
-        client = self._client
+        and releases: a refused commit is a save not cached); of ``client``, or the
+        worker's own."""
+        client = client if client is not None else self._client
         if client is not None:
             for op, exc in client.posted_errors():
                 log.warning("shmkv: %s refused (%s); that save is not cached", op, exc)
@@ -1409,6 +2082,11 @@ class ShmkvConnector(KVConnectorBase_V1):
         self._count("num_saved_tokens", end - start)
 
     def _close(self, req_id: str) -> None:
+        """The request is done with (finished, or all saved): drop its handle."""
+        self._poisoned.discard(req_id)
+        self._drop_handle(req_id)
+
+    def _drop_handle(self, req_id: str) -> None:
         handle = self._handles.pop(req_id, None)
         if handle is not None:
             _release(handle)
@@ -1422,6 +2100,29 @@ class ShmkvConnector(KVConnectorBase_V1):
     def _count(self, name: str, num: int) -> None:
         self._stats.data[name] += num
         self.totals.data[name] += num
+        if name == "num_loaded_tokens":
+            self._hit_tokens += num
+
+    def build_connector_worker_meta(self):
+        """(Worker side, after each step.) Report to the coordinator what this step
+        loaded and failed to load (rank 0 only, for the whole engine: its per-client
+        counters), and to the scheduler which coordinator this rank is connected to,
+        when that changed (:class:`ShmkvWorkerMetadata`)."""
+        client = self._connect()
+        counts = self._hit_tokens or self._miss_tokens
+        if counts and not self._tp_rank and client is not None:
+            try:
+                client.count_hits(self._hit_tokens, self._miss_tokens)
+            except (ShmkvError, OSError) as exc:
+                log.debug("shmkv: hit counts not sent (%s)", exc)
+        self._hit_tokens = self._miss_tokens = 0
+        instance = client.instance if client is not None else ""
+        if self._unreached and self._unreached != instance:
+            instance = "!" + self._unreached
+        if instance == self._reported:
+            return None
+        self._reported = instance
+        return ShmkvWorkerMetadata({self._tp_rank or 0: instance})
 
     def get_kv_connector_stats(self):
         """Loaded and saved tokens and failed loads since the last call."""
@@ -1449,9 +2150,6 @@ class ShmkvConnector(KVConnectorBase_V1):
                 self._loader.close()
             for req_id in list(self._handles):
                 self._close(req_id)
-        client, self._client = self._client, None
-        if client is not None:
-            try:
-                client.close()
-            except (ShmkvError, OSError):
-                pass
+        # (closing the client drops every reference it still held, released or not)
+        self._client = None
+        self._courier.close()
