@@ -100,6 +100,7 @@ from shmkv.integrations.vllm_identity import (
     model_namespace as model_namespace,  # (public: re-exported)
     request_salt,
 )
+from shmkv.integrations.vllm_log import log_through_vllm
 from shmkv.protocol import check_client_name
 
 try:  # where each loaded token came from (vLLM 0.32)
@@ -115,7 +116,7 @@ except ImportError:  # pragma: no cover
 log = logging.getLogger("shmkv.vllm")
 
 LAYOUTS = ("cpu", "split", "flash")
-DEFAULT_RETRY_S = 5.0
+DEFAULT_RETRY_S = 1.0  # (a failed attempt on this host costs a connect() that fails at once)
 # The longest vLLM's scheduler thread waits for the coordinator in one lookup or hand-off
 # (a slower answer counts as a miss; see _Courier).
 DEFAULT_LOOKUP_TIMEOUT_S = 0.05
@@ -1088,7 +1089,7 @@ class ShmkvConnector(KVConnectorBase_V1):
     namespace of your own), ``"shmkv.model_id"`` (the checkpoint's identity, instead of a
     digest of its files), ``"shmkv.client_name"`` (the engine's name in the coordinator's
     metrics), ``"shmkv.retry_s"`` (seconds between failed attempts to connect, default
-    5), ``"shmkv.lookup_timeout_s"`` (the longest the scheduler thread waits for the
+    1), ``"shmkv.lookup_timeout_s"`` (the longest the scheduler thread waits for the
     coordinator, default 0.05), ``"shmkv.handoff_ttl_s"`` (how long a hand-off nobody
     opened pins its blocks, default 10),
     ``"shmkv.kv_layout"`` (``"cpu"``, ``"split"`` or ``"flash"``; detected by default),
@@ -1111,6 +1112,7 @@ class ShmkvConnector(KVConnectorBase_V1):
     """
 
     def __init__(self, vllm_config, role, kv_cache_config=None):
+        log_through_vllm()  # "shmkv: ..." lines in vLLM's log (vllm serve's processes)
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = check_settings(self._kv_transfer_config.kv_connector_extra_config)
         if "shmkv.address" in extra and "shmkv.name" in extra:
