@@ -7,6 +7,7 @@ its arguments without measuring anything.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -38,6 +39,7 @@ EXPECTED = {
     "vllm",
     "warm",
     "load",
+    "serving",
 }
 OTHERS = sorted(EXPECTED - set(SECTIONS))
 
@@ -112,7 +114,9 @@ def test_name_and_out_reach_the_suite(capsys, tmp_path):
     assert line.endswith(f"--out {os.path.join(out, 'results', 'mine')}")
 
 
-@pytest.mark.parametrize("name,committed", [("metrics", "metrics-scrape"), ("vllm", "vllm")])
+@pytest.mark.parametrize(
+    "name,committed", [("metrics", "metrics-scrape"), ("vllm", "vllm"), ("serving", "serving")]
+)
 def test_moved_suites_write_their_committed_names(name, committed):
     module = bench.suite_module(name)
     full, quick = module.cli_args(False, "benchmarks"), module.cli_args(True, "benchmarks")
@@ -396,3 +400,225 @@ def test_load_suite_runs_on_a_small_pool(tmp_path):
     assert point["clients"] == 1 and point["achieved_ops_s"] > 0
     assert sum(op["n"] for op in point["ops"].values()) > 0
     assert record["ping"]["p99_ratio"] > 0
+
+
+# -- the serving suite's pure parts (no server starts here) -----------------------------------
+
+
+def test_serving_suite_imports_without_vllm():
+    """``shmkv.bench.serving`` and its options need no vLLM (the client and the servers
+    import it in their own processes)."""
+    code = (
+        "import sys; sys.modules['vllm'] = None\n"
+        "from shmkv.bench import serving\n"
+        "try:\n    serving.main(['--help'])\nexcept SystemExit as e:\n"
+        "    assert e.code == 0, e.code\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "--report-only" in proc.stdout and "--rates" in proc.stdout
+
+
+def test_serving_tokenizer_gives_back_the_ids_it_decoded(tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import PreTrainedTokenizerFast
+
+    from shmkv.bench import serving
+
+    serving.save_tokenizer(str(tmp_path), 64)
+    tok = PreTrainedTokenizerFast.from_pretrained(str(tmp_path))
+    ids = [5, 0, 63, 1, 2, 17, 17]
+    text = tok.decode(ids)
+    assert text == serving.words(ids) == "w5 <unk> w63 <s> </s> w17 w17"
+    assert tok(text, add_special_tokens=True).input_ids == ids
+    assert tok.vocab_size == 64 and tok.eos_token_id == 2
+
+
+def test_serving_chat_dataset_grows_each_session_from_the_shared_system_prompt():
+    from shmkv.bench import serving
+
+    header = {"system": [100, 101, 102, 103]}
+    turns = [
+        {"session": 0, "user": [1, 2], "reply": [3]},
+        {"session": 1, "user": [4], "reply": [5, 6]},
+        {"session": 2, "user": [7], "reply": [8]},  # beyond the sessions kept
+        {"session": 0, "user": [9], "reply": [10]},
+    ]
+    lines = serving.chat_dataset(header, turns, sessions=2, vocab=50, seed=1, out=8)
+    assert [x["session"] for x in lines] == [0, 1, 0]
+    prompts = [x["prompt"].split() for x in lines]
+    assert [len(p) for p in prompts] == [6, 5, 6 + 1 + 1]
+    assert prompts[0][:4] == prompts[1][:4] == prompts[2][:4]  # one system prompt
+    assert prompts[2][:6] == prompts[0]  # the session's history, then its new turn
+    assert all(x["output_tokens"] == 8 for x in lines)
+    ids = {int(w[1:]) for p in prompts for w in p}
+    assert ids <= set(range(serving.FIRST_WORD, 50))
+    again = serving.chat_dataset(header, turns, sessions=2, vocab=50, seed=1, out=8)
+    other = serving.chat_dataset(header, turns, sessions=2, vocab=50, seed=2, out=8)
+    assert again == lines and other != lines
+
+
+def test_serving_zipf_dataset_makes_one_prefix_most_requests():
+    from shmkv.bench import serving
+
+    lines = serving.zipf_dataset(400, 8, 20, 5, 2.0, vocab=512, seed=3, out=4)
+    counts = [sum(x["prefix"] == k for x in lines) for k in range(8)]
+    assert counts[0] > 0.55 * len(lines) and counts[0] == max(counts)
+    prompts = [x["prompt"].split() for x in lines]
+    assert all(len(p) == 25 for p in prompts)
+    firsts = [p[:20] for p, x in zip(prompts, lines) if x["prefix"] == 0]
+    assert all(f == firsts[0] for f in firsts)
+    assert len({" ".join(p[20:]) for p in prompts}) == len(lines)  # fresh suffixes
+
+
+def test_serving_dataset_args_write_a_custom_file_per_run(tmp_path):
+    from shmkv.bench import serving
+
+    shape = serving.sizes(True)
+    argv = serving.dataset_args("zipf", shape["zipf"], 7, str(tmp_path), 512)
+    path = argv[argv.index("--dataset-path") + 1]
+    with open(path) as f:
+        assert len(f.readlines()) == int(argv[argv.index("--num-prompts") + 1])
+    assert argv[argv.index("--dataset-name") + 1] == "custom"
+    assert "--disable-shuffle" in argv and argv[argv.index("--seed") + 1] == "7"
+    header = {"system": [1, 2, 3]}
+    turns = [{"session": 0, "user": [4], "reply": [5]}, {"session": 1, "user": [6], "reply": []}]
+    argv = serving.dataset_args(
+        "chat", {"sessions": 1, "out": 4}, 8, str(tmp_path), 64, (header, turns)
+    )
+    assert argv[argv.index("--num-prompts") + 1] == "1"
+    argv = serving.dataset_args("prefix", shape["prefix"], 9, str(tmp_path), 512)
+    assert argv[argv.index("--dataset-name") + 1] == "prefix_repetition"
+    with pytest.raises(ValueError):
+        serving.dataset_args("nosuch", {}, 1, str(tmp_path), 512)
+
+
+def test_serving_metrics_deltas():
+    from shmkv.bench import serving
+
+    text = (
+        "# HELP x\n"
+        'vllm:request_success_total{engine="0",finished_reason="length"} 5.0\n'
+        'vllm:request_success_total{engine="0",finished_reason="stop"} 1.0\n'
+        'vllm:prompt_tokens_by_source_total{engine="0",source="local_compute"} 300.0\n'
+        'vllm:prompt_tokens_by_source_total{engine="0",source="local_cache_hit"} 128.0\n'
+        'shmkv_client_prefix_hit_tokens_total{client="replica-1"} 256\n'
+    )
+    after = serving.parse_metrics(text)
+    assert serving.metric(after, "vllm:request_success_total") == 6.0
+    assert serving.metric(after, "shmkv_client_prefix_hit_tokens_total", client="replica-1") == 256
+    assert serving.metric(after, "shmkv_client_prefix_hit_tokens_total", client="replica-2") == 0
+    before = serving.parse_metrics('vllm:request_success_total{engine="0"} 2.0\n')
+    assert serving.replica_delta(before, after) == {
+        "requests": 4.0,
+        "local_compute": 300.0,
+        "local_cache_hit": 128.0,
+        "external_kv_transfer": 0.0,
+    }
+    hooks = serving.hook_delta(
+        {"build_connector_meta": [1.0, 10]},
+        {
+            "build_connector_meta": [1.5, 20],
+            "bind_connector_metadata": [0.2, 20],
+            "_copy_layer": [0.1, 4],
+            "get_finished": [0.0, 20],
+        },
+    )
+    assert hooks["build_connector_meta"] == [0.5, 10]
+    step = serving.per_step(hooks)
+    assert step["steps"] == 10 and step["scheduler_us_per_step"] == pytest.approx(50000)
+    assert step["worker_us_per_step"] == pytest.approx(10000)  # 0.2 s over 20 binds
+    assert step["copies_s"] == 0.1
+
+
+def _serving_run(ds, dep, rate, fraction, tput, ttft, tpot, **extra):
+    replicas = [
+        {"requests": 4, "local_compute": 100, "local_cache_hit": 50, "external_kv_transfer": 50}
+    ] * (1 if dep == "e" else 3)
+    return {
+        "name": f"{ds}-{dep}-{rate}",
+        "raw": f"{ds}-{dep}-{rate}.json",
+        "dataset": ds,
+        "deployment": dep,
+        "offered_rate": rate,
+        "rate_fraction": fraction,
+        "duration": 2.0,
+        "request_throughput": tput,
+        "output_throughput": tput * 16,
+        "p50_ttft_ms": ttft,
+        "p99_ttft_ms": ttft * 2,
+        "p50_tpot_ms": tpot,
+        "p99_tpot_ms": tpot * 2,
+        "p50_itl_ms": tpot,
+        "replicas": replicas,
+        **extra,
+    }
+
+
+def test_serving_report_states_each_target(tmp_path):
+    """``--report-only`` from a record: each target with its ratio, met or not, every run
+    linked to its raw file, the decode probe's ratios."""
+    from shmkv.bench import serving
+
+    runs = []
+    # (c) 2x (a) at saturation and a quarter of its TTFT: met; chat misses both
+    for ds, speed, ttft in (("prefix", 2.0, 0.25), ("chat", 1.2, 0.5)):
+        for dep, f in (("a", 1.0), ("b", 1.1), ("c", speed), ("d", speed), ("e", 0.5)):
+            hooks = {}
+            if dep in "cd":
+                hooks = {"coordinator_cpu_share": 0.02, "shmkv_loaded": [0, 128, 256]}
+                hooks["hooks_per_step"] = [serving.per_step({"build_connector_meta": [0.01, 10]})]
+            runs.append(_serving_run(ds, dep, "inf", None, 4.0 * f, 900 / f, 10.0, **hooks))
+            ms = 400 * (ttft if dep == "c" else 1)
+            runs.append(_serving_run(ds, dep, 2.0, 0.5, 2.0, ms, 10.5 if dep == "c" else 10.0))
+    for dep, f in (("a", 1.0), ("b", 1.0), ("c", 1.1), ("d", 1.0), ("e", 0.5)):
+        runs.append(_serving_run("zipf", dep, "inf", None, 3.0 * f, 500, 10.0))
+    for dep, f in (("a", 1.0), ("b", 1.0), ("c", 0.98), ("d", 1.0), ("e", 0.5)):
+        runs.append(_serving_run("random", dep, "inf", None, 3.0 * f, 500, 10.0 * f))
+    probe = [
+        _serving_run("probe", dep, "inf", None, 1.0, 20, tpot, rep=0)
+        for dep, tpot in (("a", 8.0), ("c", 8.4))
+    ]
+    record = {
+        "date": "d", "quick": False, "vllm": "0.32.0", "vllm_router": "0.1.17", "torch": "t",
+        "cpus": 2, "cpu_model": "", "model": {"layers": 4, "kv_heads": 2, "head_dim": 64,
+        "hidden": 256, "vocab": 512}, "pool_blocks": 2048, "block_size": 128,
+        "shapes": serving.sizes(False), "rate_fractions": [0.5], "startup_s": 100.0,
+        "total_s": 600.0, "load_start": [1.0, 1.0, 1.0], "load_end": [2.0, 2.0, 2.0],
+        "other_processes": ["python (30%)"], "dev_shm_left": [], "raw_dir": "serving-x",
+        "runs": runs, "probe": probe,
+    }  # fmt: skip
+    base = tmp_path / "results" / "serving-x"
+    base.parent.mkdir()
+    base.with_suffix(".json").write_text(json.dumps(record))
+    assert serving.main(["--report-only", "--out", str(base)]) == 0
+    md = base.with_suffix(".md").read_text()
+    verdicts = {t["target"]: (round(t["ratio"], 2), t["met"]) for t in serving.targets(record)}
+    assert verdicts["prefix: (c) >= 1.5x (a) throughput at saturation"] == (2.0, True)
+    assert verdicts["prefix: TTFT p50 (c) <= 1/3 (a) at 0.5x (a)'s saturated rate"] == (
+        0.25,
+        True,
+    )
+    assert verdicts["chat: (c) >= 1.5x (a) throughput at saturation"] == (1.2, False)
+    assert verdicts["zipf: (c) > (b) throughput at saturation"] == (1.1, True)
+    assert verdicts["zipf: TTFT p99 (c) < (b) at saturation"] == (1.0, False)
+    assert verdicts["random (no prefix): (c) within 3 % of (a) throughput at saturation"] == (
+        0.98,
+        True,
+    )
+    assert verdicts["prefix: TPOT p50 (c) <= 1.1x (a) at 0.5x"] == (1.05, True)
+    assert (
+        "| prefix: (c) >= 1.5x (a) throughput at saturation | 8.00 / 4.00 req/s | 2.00 | met |"
+        in md
+    )
+    assert (
+        "| chat: (c) >= 1.5x (a) throughput at saturation | 4.80 / 4.00 req/s | 1.20 | NOT met |"
+        in md
+    )
+    assert "[json](serving-x/prefix-c-inf.json)" in md
+    assert "| TPOT p50 | 8.00 ms | 8.40 ms | 1.05 |" in md
+    assert "25% / 25% / 50%" in md  # cached / loaded / computed prompt tokens
+    assert "(c) 0 / 128 / 256" in md
+    assert "**The whole deployment shares these 2 CPUs**" in md
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "plots" / "serving-x.png").exists()

@@ -12,7 +12,7 @@ plots):
 * the suites run on their own with ``--only NAME``, each writing
   ``benchmarks/results/NAME.*`` (``NAME-quick.*`` with ``--quick``): ``prefix``,
   ``attention``, ``native``, ``transformers``, ``tiers``, ``remote``, ``metrics``,
-  ``vllm``, ``warm``, ``load``. A suite's own options follow ``--``:
+  ``vllm``, ``warm``, ``load``, ``serving``. A suite's own options follow ``--``:
   ``shmkv bench --only tiers -- --only ping --spin-us 150``.
 
 ``--only`` may name several; the sections among them run first, as one record.
@@ -51,6 +51,7 @@ SUITES = {
     "vllm": ("vllm", "vLLM with ShmkvConnector: TTFT and no-hit throughput"),
     "warm": ("warm", "decode steps on a new pool: cold, populated, prefaulted, warm"),
     "load": ("load", "1-8 clients at rising offered rates: p50/p99/p999 per op, loop CPU"),
+    "serving": ("serving", "vllm serve x3 behind vllm-router, with and without shmkv"),
 }
 assert set(SECTIONS) <= set(SUITES)
 
