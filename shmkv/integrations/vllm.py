@@ -988,6 +988,7 @@ class _Courier:
             try:
                 job = self._jobs.get(timeout=self._idle_wait())
             except queue.Empty:  # (polling: time to try connecting again)
+                self._busy_since = time.monotonic()  # (a handshake that hangs is stuck too)
                 try:
                     self._live()
                 except Exception:  # noqa: BLE001 - logged by the dial; tried again later
