@@ -18,10 +18,13 @@ first, only when no free block is left. Running short is a normal outcome:
 ``owner`` is shared with workers (a read-only shared-memory array in their
 processes): ``owner[b] == cache_id`` means sequence ``cache_id`` may write block
 ``b`` in place; 0 means a write must first ask the coordinator (the block is shared,
-published, free, or not yet claimed). Only the coordinator writes it. ``epoch[0]``
-moves whenever a block stops being writable by the sequence that owned it (shared by
-a fork or a prefix hit, or published), so a writer that checked ``owner`` need not
-check again until the epoch moves.
+published, free, or not yet claimed), and :data:`PROMOTING` (-1) that a lower tier is
+still copying its bytes in (:meth:`BlockPool.hold_promoting`): nobody writes it in
+place, and a reader that holds no reference refuses it (``shmkv.handle.SequencePeek``).
+Only the coordinator writes it. ``epoch[0]`` moves whenever a block stops being
+writable by the sequence that owned it (shared by a fork or a prefix hit, or
+published), so a writer that checked ``owner`` need not check again until the epoch
+moves.
 
 Keys and bytes: the one invariant every copy keeps. **A block's bytes are only ever
 stored under a key while that block still holds that key.** It is enforced here, next
@@ -62,6 +65,8 @@ from typing import Callable, Collection, Dict, Iterable, List, Optional, Sequenc
 import numpy as np
 
 NO_OWNER = 0
+# ``owner`` of a block a lower tier is copying into (a promotion's, until it ends).
+PROMOTING = -1
 # Blocks a bulk call takes or frees with array stores rather than a loop. Below this a
 # loop costs less where it matters: the coordinator's loop runs cold after its sleeps, and
 # cold, numpy's stores of 32 blocks took 68 us against the loop's 30 (warm: 2 against 4).
@@ -223,7 +228,7 @@ class BlockPool:
                 assert block_id in cached, f"incref of free block {block_id}"
                 del cached[block_id]
             ref_cnt[block_id] += 1
-            if owner[block_id] != NO_OWNER:  # shared now: writes must copy first
+            if owner[block_id] > NO_OWNER:  # shared now: writes must copy first
                 owner[block_id] = NO_OWNER
                 self.epoch[0] += 1
 
@@ -258,12 +263,34 @@ class BlockPool:
     def claim(self, block_id: int, owner_id: int) -> bool:
         """Make ``owner_id`` the in-place writer of a block only it references.
 
-        Returns False when the block is shared or published (the caller must copy).
+        Returns False when the block is shared, published or still being promoted (the
+        caller must copy).
         """
-        if self.ref_cnt[block_id] == 1 and self.block_key[block_id] is None:
+        if (
+            self.ref_cnt[block_id] == 1
+            and self.block_key[block_id] is None
+            and self.owner[block_id] != PROMOTING
+        ):
             self.owner[block_id] = owner_id
             return True
         return False
+
+    def hold_promoting(self, block_ids: Sequence[int]) -> None:
+        """A promotion's own hold on the fresh blocks a lower tier copies into: one more
+        reference each, and ``owner`` :data:`PROMOTING` until :meth:`end_promoting`."""
+        self.incref(block_ids)
+        owner = self.owner
+        for block_id in block_ids:
+            owner[block_id] = PROMOTING
+
+    def end_promoting(self, block_ids: Sequence[int]) -> None:
+        """The copies into ``block_ids`` are over (each arrived or not): they are no longer
+        marked as coming in. Their hold is dropped by the caller (:meth:`decref`), once it
+        has published the ones that arrived."""
+        owner = self.owner
+        for block_id in block_ids:
+            if owner[block_id] == PROMOTING:
+                owner[block_id] = NO_OWNER
 
     # -- prefix index ------------------------------------------------------------------
 

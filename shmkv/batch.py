@@ -948,14 +948,22 @@ class Step:
         """Declare every sequence's first ``seq_lens`` tokens written by this client
         (its rank under tensor parallelism), in one round trip. Full blocks with known
         token ids are published once every rank has committed them. Returns the number
-        of blocks published by this call."""
-        self.client.check()
-        return self.client.request(
-            "commit_batch",
+        of blocks published by this call.
+
+        The commit says where each sequence's writes began (the step's first position,
+        ``handle.commit(start=)``): a step that writes from the settled hit of an
+        allocation answered early whose promotion came up short publishes what it wrote
+        (``shmkv.prefix``, early answers)."""
+        client = self.client
+        client.check()
+        args = dict(
             ids=self._ids.astype("<i8").tobytes(),
             num_tokens=(self._starts + self._counts).astype("<i8").tobytes(),
-            tp_rank=self.client.tp_rank,
+            tp_rank=client.tp_rank,
         )
+        if "commit_starts" in client.features:  # (an older coordinator refuses the argument)
+            args["starts"] = self._starts.astype("<i8").tobytes()
+        return client.request("commit_batch", **args)
 
     # -- descriptors -------------------------------------------------------------------------
 

@@ -167,13 +167,18 @@ class Client(_Link):
 
     # -- shared-table reads and ownership ----------------------------------------------------
 
-    def _rows(self, slots, width: int, blocks=None) -> tuple:
+    def _rows(self, slots, width: int, blocks=None, row_owners: bool = False) -> tuple:
         """Rows of the shared tables, read by the coordinator (for a client that may not
         read them lock-free): ``(seq int64 [n, 4], table int32 [n, width], owner int64
-        of each of blocks, or None)``."""
+        of each of blocks, or None)``; with ``row_owners``, a fourth item: the owner of
+        each entry of ``table`` (int64 ``[n, width]``), or None from a coordinator that
+        does not send them (it marks no block as being promoted)."""
         args = {"slots": protocol.pack_i64s(np.asarray(slots, dtype=np.int64)), "width": int(width)}
         if blocks is not None:
             args["blocks"] = protocol.pack_i64s(np.asarray(blocks, dtype=np.int64))
+        asked = row_owners and "row_owners" in self.features
+        if asked:
+            args["row_owners"] = True
         got = self.request("rows", **args)
         seq = np.frombuffer(got["seq"], dtype="<i8").astype(np.int64).reshape(-1, 4)
         table = (
@@ -184,7 +189,14 @@ class Client(_Link):
         owner = (
             np.frombuffer(got["owner"], dtype="<i8").astype(np.int64) if "owner" in got else None
         )
-        return seq, table, owner
+        if not row_owners:
+            return seq, table, owner
+        row_owner = (
+            np.frombuffer(got["row_owner"], dtype="<i8").astype(np.int64).reshape(table.shape)
+            if asked
+            else None
+        )
+        return seq, table, owner, row_owner
 
     def _check_own(self, handle) -> None:
         if getattr(handle, "_client", None) is not self:
@@ -456,6 +468,8 @@ class Client(_Link):
             WrongType: ``descriptor`` is not bytes.
             InvalidArgument: it is malformed or from another coordinator.
             UnknownCache: the sequence is closed.
+            NotSettled: the sequence was allocated with ``wait=False`` and a tier is still
+                copying its blocks in (a holder's ``settle()`` waits for them).
         """
         self.check()
         return SequencePeek.from_descriptor(self, descriptor)

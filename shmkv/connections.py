@@ -185,7 +185,7 @@ class Connections(Ops):
     latency: Dict[str, list]
     _to_promote: list
     _promoting: Dict[int, int]
-    _settle_waiters: Dict[int, List[Tuple[_Conn, int]]]
+    _settle_waiters: Dict[int, List[Tuple[_Conn, int, str]]]
     _served: bool
     tiers: Optional[Union["TierSet", "RemoteTierSet"]]
 
@@ -435,7 +435,8 @@ class Connections(Ops):
                 self._to_promote.append((records, (conn, request_id, result)))
                 conn.held = []
         elif result is SETTLE_LATER:  # answered by _settled, as the requests after it
-            self._settle_waiters.setdefault(request.args["cache_id"], []).append((conn, request_id))
+            waiter = (conn, request_id, op)
+            self._settle_waiters.setdefault(request.args["cache_id"], []).append(waiter)
             conn.held = []
         else:
             conn.outbuf += protocol.encode_ok(request_id, result)
@@ -469,40 +470,38 @@ class Connections(Ops):
         tiers = self.tiers
         assert tiers is not None, "promotions are planned only against tiers"
         try:
-            marks = [
-                (len(record.blocks), record.first, tiers.held_here(record.keys))
-                for record in records
-            ]
+            marks = [tiers.held_here(record.keys) for record in records]
         except Exception:  # a bug here must not take the coordinator down
             log.exception("early answer failed; the allocation waits for its promotions")
             return False
+        self.table.answer_early(records, marks)
         cache_ids = []
-        for record, (num, first, here) in zip(records, marks):
-            info, cache_id = record.info, record.seq.cache_id
-            info["promoting"] = info.get("promoting", 0) + num
-            info["promoting_from"] = min(info.get("promoting_from", first), first)
-            info["fetching"] = info.get("fetching", 0) + num - here
+        for record in records:
+            cache_id = record.seq.cache_id
             self._promoting[cache_id] = self._promoting.get(cache_id, 0) + 1
             cache_ids.append(cache_id)
         self._to_promote.append((records, cache_ids))
         return True
 
     def _settled(self, cache_ids: List[int], selector) -> None:
-        """An early promotion is done: answer the ``settle`` requests of the sequences
-        it was the last one copying into, with their hit now (shorter than the early
-        answer said when a block did not arrive), then what their connections sent
-        meanwhile."""
+        """An early promotion is done: answer the requests that waited for the sequences
+        it was the last one copying into (``settle``: their hit now, shorter than the
+        early answer said when a block did not arrive; ``fork``: the fork of the settled
+        sequence), then what their connections sent meanwhile."""
         for cache_id in cache_ids:
             left = self._promoting[cache_id] - 1
             if left:
                 self._promoting[cache_id] = left
                 continue
             del self._promoting[cache_id]
-            for conn, request_id in self._settle_waiters.pop(cache_id, ()):
+            for conn, request_id, op in self._settle_waiters.pop(cache_id, ()):
                 if self._conns.get(conn.conn_id) is not conn:
                     continue  # gone meanwhile
-                try:  # (still held: the connection's release waits behind the settle)
-                    answer = {"num_cached": self.table.settled(conn.conn_id, cache_id)}
+                try:  # (still held: the connection's release waits behind the request)
+                    if op == "fork":
+                        answer = self.table.fork(conn.conn_id, cache_id)
+                    else:
+                        answer = {"num_cached": self.table.settled(conn.conn_id, cache_id)}
                     conn.outbuf += protocol.encode_ok(request_id, answer)
                 except ShmkvError as exc:
                     conn.outbuf += protocol.encode_error(request_id, exc)

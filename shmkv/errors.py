@@ -82,3 +82,11 @@ class StaleStep(ShmkvError):
     """A step (or a step descriptor) no longer matches its sequences: one was closed,
     or a block it writes was shared or published since the step was made. Make a new
     step; nothing was written."""
+
+
+class NotSettled(ShmkvError):
+    """A lower tier is still copying blocks of the sequence into the pool (an allocation
+    answered early, ``allocate(..., wait=False)``): until that promotion has settled only
+    the sequence's holders use it. Raised by a view that holds no reference and cannot
+    wait (:meth:`~shmkv.client.Client.peek`); a holder's ``handle.settle()`` waits for
+    the blocks, after which the view may be made again."""

@@ -288,8 +288,15 @@ class Growth(Prefix):
         return self._info(seq)
 
     def fork(self, conn_id: int, cache_id: int) -> dict:
-        """A new sequence sharing every block of ``cache_id`` (copy-on-write on writes)."""
+        """A new sequence sharing every block of ``cache_id`` (copy-on-write on writes),
+        with its committed blocks and its loss guard (``shmkv.prefix``, early answers).
+
+        Raises:
+            NotSettled: a tier still copies blocks of it in (the coordinator holds a fork
+                asked then until they are in).
+        """
         parent = self._held(conn_id, cache_id)
+        self.check_settled(parent, "fork")
         self.tables.check_slots(1)
         child = self._new_sequence(parent.root, None)
         self.pool.incref(parent.block_ids)
@@ -301,6 +308,7 @@ class Growth(Prefix):
         child.tail_tokens = list(parent.tail_tokens)
         child.num_committed = parent.num_committed
         child.rank_tokens = list(parent.rank_tokens)
+        child.gap = None if parent.gap is None else list(parent.gap)
         self._publish(child)
         self._ref(conn_id, child)
         return self._info(child)
@@ -365,6 +373,9 @@ class Growth(Prefix):
             seq.num_committed = min(seq.num_committed, full)
             seq.rank_tokens = [min(done, num) for done in seq.rank_tokens]
             seq.num_cached = min(seq.num_cached, num)
+            if seq.gap is not None:  # (cut below the lost blocks, the guard ends)
+                seq.gap = [min(done, num) for done in seq.gap]
+                self._maybe_end_gap(seq)
         if released:
             # Writers that checked their blocks' owners check again: a released block is
             # no longer theirs to write, though their handle stays open.

@@ -30,9 +30,11 @@ from typing import Any, List, Literal, Optional, Sequence, Tuple, overload
 import torch
 
 from . import protocol, slots
+from .allocator import PROMOTING
 from .errors import (
     HandleClosed,
     InvalidArgument,
+    NotSettled,
     OutOfRange,
     StaleStep,
     UnknownCache,
@@ -255,17 +257,25 @@ class SequenceView:
             return self.refresh_asking(client)
         return self.refresh(client._memory, client.config.block_size, client.check)
 
-    def refresh_asking(self, client) -> "SequenceView":
+    def refresh_asking(self, client, owners: Optional[list] = None) -> "SequenceView":
         """:meth:`refresh` for a client that may not read the tables lock-free: the row
-        comes from the coordinator (``shmkv.tables``, memory ordering)."""
+        comes from the coordinator (``shmkv.tables``, memory ordering). ``owners``: a list
+        that gets the owner of each of the row's blocks, read with it (left empty by a
+        coordinator that does not send them)."""
         width = client._memory.layout.max_seq_blocks
-        seq, table, _owner = client._rows([self.slot], width)
+        row_owner = None
+        if owners is None:
+            seq, table, _owner = client._rows([self.slot], width)
+        else:
+            seq, table, _owner, row_owner = client._rows([self.slot], width, row_owners=True)
         row = seq[0]
         got = None
         if int(row[CACHE_ID]) == self.cache_id:
             num_tokens = int(row[NUM_TOKENS])
             needed = -(-num_tokens // client.config.block_size)
             got = (num_tokens, int(row[GENERATION]), table[0, :needed].tolist())
+            if owners is not None and row_owner is not None:
+                owners += row_owner[0, :needed].tolist()
         return self._apply(got)
 
     def _apply(self, got) -> "SequenceView":
@@ -293,6 +303,11 @@ class SequencePeek:
     throughout, and a live sequence's blocks are never handed to another). Meant for a
     prefix no holder writes any more (committed blocks); a holder's truncate and
     re-extend in place is not told apart.
+
+    A sequence allocated with ``wait=False`` whose blocks a tier is still copying in is
+    refused (``NotSettled``): its bytes are not there yet, and a peek cannot wait. Once a
+    holder's ``settle()`` has returned, its first ``settle()`` tokens are readable; blocks
+    past them hold what its holder writes.
     """
 
     __slots__ = ("_client", "_view", "block_table")
@@ -300,11 +315,32 @@ class SequencePeek:
     def __init__(self, client, cache_id: int, slot: int):
         self._client = client
         self._view = SequenceView(cache_id, slot)
-        view = self._view.read(self._client)
+        view = self._read()
         bs = client.config.block_size
         self.block_table = BlockTable(
             tuple(view.blocks[: -(-view.num_tokens // bs)]), bs, view.num_tokens
         )
+
+    def _read(self) -> SequenceView:
+        """The sequence's row, read again; raises ``NotSettled`` when one of its blocks is
+        still being promoted (``shmkv.allocator.PROMOTING`` in the shared owner array,
+        read after the row, or with it where the row comes from the coordinator)."""
+        client = self._client
+        if client.lock_free:
+            view = self._view.read(client)
+            owner = client.owner
+            coming = sum(owner[b] == PROMOTING for b in view.blocks)
+        else:
+            owners: list = []
+            view = self._view.refresh_asking(client, owners)
+            coming = owners.count(PROMOTING)
+        if coming:
+            raise NotSettled(
+                f"{self.cache_id} was answered before its tier blocks were in "
+                f"(allocate(..., wait=False)): {coming} of its blocks are still being "
+                "copied in. A holder's settle() waits for them; peek after that"
+            )
+        return view
 
     @classmethod
     def from_descriptor(cls, client, data) -> "SequencePeek":
@@ -345,12 +381,13 @@ class SequencePeek:
         Raises:
             UnknownCache: the sequence was closed (its blocks may have been reused).
             StaleStep: its blocks changed since the peek.
+            NotSettled: a tier is still copying some of its blocks in.
             CoordinatorGone: this client's coordinator is gone (a device pool's memory
                 went with it).
         """
         self._client.check()
         self._view.generation = -1  # (read the whole row again)
-        view = self._view.read(self._client)
+        view = self._read()
         blocks = self.block_table.physical_blocks
         if tuple(view.blocks[: len(blocks)]) != blocks:
             raise StaleStep(f"the blocks of {self.cache_id} changed since they were peeked")
@@ -515,8 +552,9 @@ class KvCacheHandle:
     @property
     def num_promoting_tokens(self) -> int:
         """Of :attr:`num_cached_tokens`, those a tier was still copying into the pool when
-        the allocation was answered (``allocate(..., wait=False)``); 0 once
-        :meth:`settle` returned. Do not read them before."""
+        the allocation was answered (``allocate(..., wait=False)``), or when this handle
+        was made on such a sequence (a clone, a fixed-length view, a handle opened from a
+        hand-off); 0 once :meth:`settle` returned. Do not read them before."""
         self._live()
         return self._promoting
 
@@ -709,8 +747,11 @@ class KvCacheHandle:
 
         ``start``: where this client's writes began. After an allocation answered early
         (``wait=False``) whose promotion came up short, nothing from the first block that
-        did not arrive on is published until a commit says it wrote from there (or
-        before): write from what :meth:`settle` returns, and pass it here.
+        did not arrive on is published until this client's commits say it wrote all it
+        committed again from there: write from what :meth:`settle` returns, and pass it
+        here; a write in chunks passes each chunk's start (a chunk counts when it starts
+        within what the chunks before it wrote). Commits sent before the promotion has
+        settled publish nothing until it has.
         """
         self._check_open()
         n = self.num_tokens if num_tokens is None else num_tokens
@@ -723,21 +764,30 @@ class KvCacheHandle:
         return self._client.request("commit", **args)
 
     def clone_handle(self) -> "KvCacheHandle":
-        """A new reference to the same sequence (no copy)."""
+        """A new reference to the same sequence (no copy). On a sequence allocated with
+        ``wait=False`` whose tier blocks are still coming, the clone says so
+        (:attr:`num_promoting_tokens`) and its :meth:`settle` waits for them."""
         self._check_open()
         return KvCacheHandle._from_info(
             self._client, self._client.request("clone", cache_id=self._cache_id), self._view_len
         )
 
     def fork(self) -> "KvCacheHandle":
-        """A new sequence (new cache id) sharing every block; writes copy first."""
+        """A new sequence (new cache id) sharing every block; writes copy first.
+
+        On a sequence allocated with ``wait=False`` whose tier blocks are still coming,
+        the fork waits for them, as :meth:`settle` does (the connection's other requests
+        wait behind it), and forks the settled sequence. A fork keeps what its parent
+        may publish: after a promotion that came up short, nothing from the first block
+        that did not arrive on until it is written again (``commit(start=)``)."""
         self._check_open()
         return KvCacheHandle._from_info(
             self._client, self._client.request("fork", cache_id=self._cache_id)
         )
 
     def with_sequence_length(self, num_tokens: int) -> "KvCacheHandle":
-        """A new reference to the same sequence that views its first ``num_tokens``."""
+        """A new reference to the same sequence that views its first ``num_tokens`` (told
+        of tier blocks still coming, as :meth:`clone_handle` is)."""
         seq_len = self._check_open().num_tokens
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
             raise WrongType(f"num_tokens must be an int, got {type(num_tokens).__name__}")
@@ -750,7 +800,9 @@ class KvCacheHandle:
     def export(self, ttl: float = 60.0) -> bytes:
         """A one-shot hand-off token; ``client.open(token)`` in any process of this user
         gives a new reference. The sequence stays alive until opened or ``ttl`` expires,
-        even if this process exits."""
+        even if this process exits. A handle opened while tier blocks of an allocation
+        answered early are still coming says so (:attr:`num_promoting_tokens`); its
+        :meth:`settle` waits for them."""
         self._check_open()
         return self._client.request("export", cache_id=self._cache_id, ttl=ttl)
 
@@ -761,7 +813,8 @@ class KvCacheHandle:
         the sequence alive. Unlike :meth:`export`, it makes no request and holds nothing:
         a reader whose copy outlived the sequence finds out in
         :meth:`SequencePeek.check`. Gives no access a client lacks already (every client
-        maps the whole pool).
+        maps the whole pool). A peek refuses (``NotSettled``) while tier blocks of an
+        allocation answered early are still coming: :meth:`settle` first.
 
         Raises:
             HandleClosed: the handle is closed.

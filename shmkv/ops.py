@@ -27,7 +27,8 @@ from .sequences import SequenceTable
 from .tables import write_scales
 from .tiers import TierSet
 
-# What ``_op_settle`` returns for a sequence a tier still copies blocks into.
+# What ``_op_settle`` and ``_op_fork`` return for a sequence a tier still copies blocks
+# into: the coordinator answers them once the blocks are in (``_settled``).
 SETTLE_LATER = object()
 
 # Client names counted apart in ``/metrics`` (a bound on the label's values).
@@ -192,6 +193,11 @@ class Ops:
         return self.table.clone(conn.conn_id, cache_id)
 
     def _op_fork(self, conn, cache_id):
+        # A fork of a sequence a tier still copies blocks into waits for them, as a
+        # settle does (``SETTLE_LATER``; ``Coordinator._settled`` forks it then).
+        if cache_id in self._promoting:
+            self.table.info(conn.conn_id, cache_id)  # (only a holder may wait)
+            return SETTLE_LATER
         return self.table.fork(conn.conn_id, cache_id)
 
     def _op_release(self, conn, cache_id):
@@ -280,7 +286,7 @@ class Ops:
             conn.conn_id, protocol.unpack_i64s(ids), protocol.unpack_i64s(num_tokens)
         )
 
-    def _op_commit_batch(self, conn, ids, num_tokens, tp_rank=None):
+    def _op_commit_batch(self, conn, ids, num_tokens, tp_rank=None, starts=None):
         self._check_rank(conn, tp_rank)
         # A rank of a tensor-parallel pool may commit its shard of a step it rebuilt from
         # a descriptor (it holds no reference); everyone else only what it holds.
@@ -291,12 +297,14 @@ class Ops:
             protocol.unpack_i64s(num_tokens),
             tp_rank,
             rank_connection=rank_connection,
+            starts=None if starts is None else protocol.unpack_i64s(starts),
         )
 
-    def _op_rows(self, conn, slots, width, blocks=None):
+    def _op_rows(self, conn, slots, width, blocks=None, row_owners=False):
         """Rows of the shared tables read on the writer's thread (``shmkv.tables``, memory
-        ordering): ``seq`` (int64 ``[n, 4]``), ``table`` (int32 ``[n, width]``) and the
-        ``owner`` of each of ``blocks``."""
+        ordering): ``seq`` (int64 ``[n, 4]``), ``table`` (int32 ``[n, width]``), the
+        ``owner`` of each of ``blocks``, and with ``row_owners`` the ``row_owner`` of each
+        entry of ``table`` (int64 ``[n, width]``: a peek's blocks still being promoted)."""
         memory, layout = self.memory, self.memory.layout
         seq_np, table_np, owner = memory.seq_np, memory.table_np, memory.owner_t
         assert seq_np is not None and table_np is not None and owner is not None, (
@@ -307,10 +315,13 @@ class Ops:
             raise OutOfRange(f"width {width} outside [0, {layout.max_seq_blocks}]")
         if where.shape[0] and (int(where.min()) < 0 or int(where.max()) >= layout.max_sequences):
             raise OutOfRange(f"slots outside [0, {layout.max_sequences})")
+        table = table_np[where, :width]
         out = {
             "seq": seq_np[where].astype("<i8").tobytes(),
-            "table": table_np[where, :width].astype("<i4").tobytes(),
+            "table": table.astype("<i4").tobytes(),
         }
+        if row_owners:
+            out["row_owner"] = owner.numpy()[table].astype("<i8").tobytes()
         if blocks is not None:
             ids = np.frombuffer(blocks, dtype="<i8")
             if ids.shape[0] and (int(ids.min()) < 0 or int(ids.max()) >= layout.num_blocks):

@@ -7,16 +7,36 @@ anything changes, then applied; plain allocations by count; promotions from the 
 commits, which publish full blocks once every tensor-parallel rank has written them.
 The rule that bytes are stored under a key only while the block holds it is the
 allocator's (``shmkv.allocator``); a promotion checks it before it publishes.
+
+Early answers. An allocation may be answered before its promoted blocks are in
+(``allocate(..., wait=False)``, the coordinator's ``_promote_early``). The rule for such a
+sequence is kept here, and every path asks it here:
+
+* Until its promotion has settled (``Sequence.promoting``: blocks still coming) only its
+  holders use it. The blocks coming in are marked ``PROMOTING`` in the shared ``owner``
+  array (:meth:`~shmkv.allocator.BlockPool.hold_promoting`), so a peek, which holds no
+  reference and cannot wait, refuses them (``NotSettled``); a clone, a fixed-length view
+  and a handle opened from a hand-off say in their info what is still coming
+  (:meth:`~shmkv.rows.Sequence.info`), and ``settle`` waits for it; a fork waits for it
+  too (the coordinator holds the request until the promotion ends), and
+  :meth:`check_settled` refuses one that did not. A commit meanwhile is recorded and
+  publishes nothing; what it made ready is published once the last of its blocks is in.
+* After a promotion answered early came up short, nothing from the first block that did
+  not arrive on is published until every rank has written it again
+  (``Sequence.gap``: per rank, how far it has written contiguously from there, moved by
+  commits whose ``start`` lies within what it had written; a batch step's commit gives
+  each sequence's start too). A fork keeps the guard; a truncate shortens it.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import List, NamedTuple, Optional, Sequence as Seq, Union
 
 import numpy as np
 
 from . import hashing
-from .errors import InvalidArgument, OutOfRange, PoolExhausted, WrongType
+from .errors import InvalidArgument, NotSettled, OutOfRange, PoolExhausted, WrongType
 from .handoffs import Handoffs
 from .rows import MAX_REQUEST_ID, MAX_SALT_BYTES, Sequence, _check_count, format_cache_id
 from .tables import NUM_TOKENS
@@ -203,7 +223,8 @@ class Prefix(Handoffs):
             info = self._info(seq)
             results.append(info)
             if promote and keys is not None:  # (only prompts with keys promote)
-                self.pool.incref(new[:promote])  # the promotion's own hold
+                self.pool.hold_promoting(new[:promote])  # the promotion's own hold
+                seq.promoting, seq.promoting_from = promote, len(hits)
                 self.promotions.append(
                     PendingPromotion(
                         seq,
@@ -242,15 +263,41 @@ class Prefix(Handoffs):
         promotions, self.promotions = self.promotions, []
         return promotions
 
+    def answer_early(self, records: Seq[PendingPromotion], here: Seq[int]) -> None:
+        """The allocation of ``records`` is answered before their blocks are in: each
+        record's answer says how many blocks still come (``promoting``), from which block
+        of the sequence on (``promoting_from``), and how many of them are only asked of
+        the shared store, which may not have them (``fetching``: all but ``here[i]``, the
+        leading ones the local tiers hold). A loss then guards the sequence (see the
+        module doc)."""
+        for record, num_here in zip(records, here):
+            info, num = record.info, len(record.blocks)
+            info["promoting"] = info.get("promoting", 0) + num
+            info["promoting_from"] = min(info.get("promoting_from", record.first), record.first)
+            info["fetching"] = info.get("fetching", 0) + num - num_here
+            record.seq.fetching += num - num_here
+
+    def check_settled(self, seq: Sequence, what: str) -> None:
+        """Raise ``NotSettled`` while a tier still copies blocks of ``seq`` in (see the
+        module doc): ``what`` cannot be done to it before."""
+        if seq.promoting:
+            raise NotSettled(
+                f"{what} of {format_cache_id(seq.cache_id)}: a tier still copies "
+                f"{seq.promoting} of its blocks in (answered early); settle() first"
+            )
+
     def finish_promotion(self, record: PendingPromotion, num_ok: int) -> int:
         """The bytes of the first ``num_ok`` promoted blocks are in: publish them under
         their keys. A block after them did not arrive (a damaged file), so the hit ends
         there, pool hits past the promoted blocks included: the answer's ``num_cached``
-        shrinks and the caller writes the rest (copying those shared blocks on write).
-        Drops the promotion's hold (the sequence may be gone by now: its connection
-        closed). Returns how many blocks were published (fewer than ``num_ok`` when a
-        block changed under its copy: ``BlockPool.still_holds``)."""
+        shrinks and the caller writes the rest (copying those shared blocks on write);
+        a sequence answered early is guarded from then on (see the module doc). Drops the
+        promotion's hold (the sequence may be gone by now: its connection closed); once
+        the last of the sequence's promoted blocks is in, publishes what its commits made
+        ready meanwhile. Returns how many blocks were published (fewer than ``num_ok``
+        when a block changed under its copy: ``BlockPool.still_holds``)."""
         pool, seq = self.pool, record.seq
+        pool.end_promoting(record.blocks)
         if record.gens is not None:  # a block that changed under the copy ends the hit
             for i in range(num_ok):
                 if not pool.still_holds(record.blocks[i], None, record.gens[i]):
@@ -259,6 +306,7 @@ class Prefix(Handoffs):
                     break
         # (a key published meanwhile is skipped; fine)
         pool.publish_many(record.blocks[:num_ok], record.keys)
+        seq.promoting -= len(record.blocks)
         # The hit ends at this record's first missing block, unless an earlier part of
         # the same request ended it before (a local part ends, its store part comes
         # back with nothing): never later than it already ends, so never negative.
@@ -271,19 +319,25 @@ class Prefix(Handoffs):
             tokens = seq.num_cached - end * self.block_size
             seq.num_committed = min(seq.num_committed, end)
             seq.num_cached = end * self.block_size
-            seq.rank_tokens = [seq.num_cached] * self.tp_size
             record.info["num_cached"] = seq.num_cached
             self._count_hits(record.client, -lost, lost, -tokens, tokens)
             if "promoting" in record.info:
                 # Answered early (``wait=False``): its holders were told of a longer hit
                 # and may have written from there on, never into the blocks that did not
                 # arrive. Nothing from the first of them on is published until every rank
-                # has committed a write that starts at or before it (``_commit``).
-                first_lost = seq.num_committed
-                if seq.gap is not None:
-                    first_lost = min(first_lost, seq.gap[0])
-                seq.gap = (first_lost, set(range(self.tp_size)))
+                # has written it again (``_commit``); what they committed stays recorded.
+                lost_at = seq.num_committed * self.block_size
+                gap = seq.gap
+                seq.gap = (
+                    [lost_at] * self.tp_size if gap is None else [min(g, lost_at) for g in gap]
+                )
+            else:  # answered now: nobody has written from the longer hit
+                seq.rank_tokens = [seq.num_cached] * self.tp_size
         pool.decref(reversed(record.blocks))
+        if not seq.promoting:
+            seq.fetching = 0
+            if self.sequences.get(seq.cache_id) is seq:  # (still alive)
+                self._publish_ready(seq)
         return num_ok
 
     def settled(self, conn_id: int, cache_id: int) -> int:
@@ -380,7 +434,7 @@ class Prefix(Handoffs):
         Full blocks with known token ids become prefix-cache hits once every rank has
         committed them. ``start``: where this commit's writes began (the hit it wrote
         after), which a sequence whose early-answered promotion came up short needs
-        (see :meth:`finish_promotion`). Returns how many leading blocks are published now.
+        (see the module doc). Returns how many leading blocks are published now.
         """
         seq = self._held(conn_id, cache_id)
         _check_count("num_tokens", num_tokens)
@@ -406,16 +460,31 @@ class Prefix(Handoffs):
             ranks = (tp_rank,)
         for rank in ranks:
             seq.rank_tokens[rank] = max(seq.rank_tokens[rank], num_tokens)
+        if seq.promoting:  # recorded; published once its blocks are in (finish_promotion)
+            return seq.num_committed
         gap = seq.gap
-        if gap is not None and start is not None and start <= gap[0] * self.block_size:
-            gap[1].difference_update(ranks)  # these ranks wrote the blocks that were lost
-            if not gap[1]:
-                seq.gap = gap = None
+        if gap is not None:
+            if start is not None:
+                for rank in ranks:  # written again from within what it had: contiguous
+                    if start <= gap[rank]:
+                        gap[rank] = max(gap[rank], num_tokens)
+            self._maybe_end_gap(seq)
+        return self._publish_ready(seq)
+
+    def _maybe_end_gap(self, seq: Sequence) -> None:
+        """The loss guard ends once every rank has written again all it committed."""
+        gap = seq.gap
+        if gap is not None and all(map(operator.ge, gap, seq.rank_tokens)):
+            seq.gap = None
+
+    def _publish_ready(self, seq: Sequence) -> int:
+        """Publish the full keyed blocks every rank has committed, up to the loss guard
+        (see the module doc); returns how many leading blocks are published now."""
         if not seq.keys:
             return seq.num_committed
         ready = min(min(seq.rank_tokens) // self.block_size, len(seq.keys))
-        if gap is not None:  # nobody has written the lost blocks (of every rank) yet
-            ready = min(ready, gap[0])
+        if seq.gap is not None:  # nobody has written the lost blocks (of every rank) yet
+            ready = min(ready, min(seq.gap) // self.block_size)
         for index in range(seq.num_committed, ready):
             if self.pool.publish(seq.block_ids[index], seq.keys[index]):
                 self.counters["published_blocks"] += 1
@@ -434,13 +503,22 @@ class Prefix(Handoffs):
         num_tokens: Seq[int],
         tp_rank: Optional[int] = None,
         rank_connection: bool = False,
+        starts: Optional[Seq[int]] = None,
     ) -> int:
         """:meth:`commit` for every sequence of a batch, all or none checked first.
 
         ``rank_connection``: the connection is a tensor-parallel rank that may commit
         its shard of sequences it does not hold (a step it rebuilt from a descriptor).
+        ``starts``: where each sequence's writes began (:meth:`commit`'s ``start``).
         Returns the number of blocks published by this call.
         """
+        if starts is not None:
+            if len(starts) != len(cache_ids):
+                raise InvalidArgument(
+                    f"starts needs one entry per sequence ({len(cache_ids)}), got {len(starts)}"
+                )
+            if len(starts) and min(starts) < 0:
+                raise InvalidArgument(f"starts must be >= 0, got {min(starts)}")
         slot_ids = self._light_slots(conn_id, cache_ids, any_holder=rank_connection)
         if slot_ids is not None:
             # plain sequences without objects: no prefix keys, so nothing to publish;
@@ -472,6 +550,10 @@ class Prefix(Handoffs):
                     f"has {seq.num_tokens} reserved"
                 )
         before = self.counters["published_blocks"]
-        for seq, num in zip(seqs, num_tokens):
-            self._commit(seq, num, tp_rank)
+        if starts is None:
+            for seq, num in zip(seqs, num_tokens):
+                self._commit(seq, num, tp_rank)
+        else:
+            for seq, num, start in zip(seqs, num_tokens, starts):
+                self._commit(seq, num, tp_rank, start)
         return self.counters["published_blocks"] - before

@@ -37,8 +37,10 @@ PROTOCOL_VERSION = 2  # 2: an allocation's prompt comes with its block keys
 # ``allocate_many`` answered ``early``, the ``settle`` op and ``commit``'s ``start``;
 # "copy", the ``tier_memory`` op, an ``allocate_many`` asked to ``copy`` its promotions
 # and the ``promoted`` op (the client copies its tier blocks in, ``shmkv.tiers``);
-# "count_hits", the ``count_hits`` op (an engine's report of what it loaded).
-FEATURES = ("settle", "copy", "count_hits")
+# "count_hits", the ``count_hits`` op (an engine's report of what it loaded);
+# "commit_starts", ``commit_batch``'s ``starts`` (where each sequence's writes began);
+# "row_owners", the ``rows`` op's ``row_owners`` (the owners of the rows' blocks).
+FEATURES = ("settle", "copy", "count_hits", "commit_starts", "row_owners")
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
 _HEADER = struct.Struct(">I")
 HEADER_SIZE = _HEADER.size
@@ -58,6 +60,7 @@ ERROR_CODES = {
     10: errors.AccessDenied,
     11: errors.LayoutMismatch,
     12: errors.StaleStep,
+    13: errors.NotSettled,
 }
 _CODE_OF = {cls: code for code, cls in ERROR_CODES.items()}
 
@@ -152,10 +155,16 @@ OPS = {
         "ids": ("i64s", True),
         "num_tokens": ("i64s", True),
         "tp_rank": ("int", False),
+        "starts": ("i64s", False),
     },
     # Rows of the shared tables (and owners of blocks), for readers that may not read
     # them lock-free (``shmkv.tables.lock_free_reads``).
-    "rows": {"slots": ("i64s", True), "width": ("int", True), "blocks": ("i64s", False)},
+    "rows": {
+        "slots": ("i64s", True),
+        "width": ("int", True),
+        "blocks": ("i64s", False),
+        "row_owners": ("bool", False),
+    },
 }
 
 

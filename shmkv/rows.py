@@ -19,7 +19,7 @@ Pure: no torch, no sockets, no I/O.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence as Seq, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence as Seq, Union
 
 import numpy as np
 
@@ -62,6 +62,9 @@ class Sequence:
         "request_id",
         "slot",
         "gap",
+        "promoting",
+        "promoting_from",
+        "fetching",
     )
 
     def __init__(
@@ -84,12 +87,20 @@ class Sequence:
         self.num_cached = 0  # tokens reused from the prefix cache at allocate
         self.request_id = request_id  # None: the default, format_cache_id(cache_id)
         self.slot = -1  # row in the shared tables
-        # (first block lost, ranks yet to write from there) after an early-answered
-        # promotion came up short (Prefix.finish_promotion, Prefix._commit)
-        self.gap: Optional[Tuple[int, Set[int]]] = None
+        # The early-answer state (``shmkv.prefix``, where its rule is kept): blocks a lower
+        # tier still copies in, the first of them, and how many of them only the shared
+        # store may have; and after an early-answered promotion came up short, per rank,
+        # how far it has written again from the first lost block on (None: no loss).
+        self.promoting = 0
+        self.promoting_from = 0
+        self.fetching = 0
+        self.gap: Optional[List[int]] = None
 
     def info(self) -> dict:
-        return {
+        """What a handle on the sequence is made from; while a tier still copies blocks
+        in, also how many (``promoting``), from which block on (``promoting_from``) and
+        how many of them only the shared store may have (``fetching``)."""
+        out = {
             "cache_id": self.cache_id,
             "slot": self.slot,
             "blocks": list(self.block_ids),
@@ -97,6 +108,11 @@ class Sequence:
             "num_cached": self.num_cached,
             "request_id": self.request_id,
         }
+        if self.promoting:
+            out["promoting"] = self.promoting
+            out["promoting_from"] = self.promoting_from
+            out["fetching"] = min(self.fetching, self.promoting)
+        return out
 
 
 def _same(a: np.ndarray, b: np.ndarray) -> bool:
