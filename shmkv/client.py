@@ -113,7 +113,9 @@ class Client(_Link):
         # allocation with a prompt asks, False where the coordinator cannot offer it.
         self._copies: "Optional[ClientCopies | bool]" = None
         self._copy_lock = threading.Lock()  # held while copies run (close waits for it)
+        self._copy_thread: Optional[int] = None  # the thread running them (holds the lock)
         self._stop_copies = False  # set by close: copies not begun fail
+        self._close_after_copies = False  # close() came from that thread (a signal handler)
         self._pid = os.getpid()
         self._handles: "set" = set()
         self._states: dict = {}
@@ -372,16 +374,38 @@ class Client(_Link):
         are reported failed and the sequences closed before the error goes on."""
         copies = self._copies
         assert isinstance(copies, ClientCopies)  # (asked to copy only with one)
-        with self._copy_lock:
-            try:
-                statuses, errors = copies.run(wire, lambda: self._stop_copies)
-            except BaseException:
+        try:
+            with self._copy_lock:
+                self._copy_thread = threading.get_ident()
+                try:
+                    return self._run_copies(copies, wire)
+                finally:
+                    self._copy_thread = None
+        finally:
+            if self._close_after_copies:  # no copy runs now: close as close() was asked
+                self.close()
+
+    def _run_copies(self, copies: ClientCopies, wire: dict) -> list:
+        """(Holding the copy lock.) :meth:`_copy_in`'s copies and their report. Closed
+        meanwhile from this thread (:meth:`close` from a signal handler), nothing is
+        reported (the connection's close fails every copy and drops the sequences)."""
+        try:
+            statuses, errors = copies.run(wire, lambda: self._stop_copies)
+        except BaseException:
+            if not self._close_after_copies:
                 failed = bytes([tier_io.FAILED]) * len(wire["ops"])
                 infos = self.request("promoted", id=wire["id"], statuses=failed)
                 self.close_many([self._handle(info) for info in infos])
-                raise
+            raise
+        if not self._close_after_copies:
             reported = [[i, text] for i, text in errors.items()]
-            return self.request("promoted", id=wire["id"], statuses=statuses, errors=reported)
+            infos = self.request("promoted", id=wire["id"], statuses=statuses, errors=reported)
+        if self._close_after_copies:  # (asked during the copies, or during the report)
+            raise HandleClosed(
+                "the client was closed while it copied its promotion in (from a signal "
+                "handler on this thread); the allocation was given back"
+            )
+        return infos
 
     def extend_many(self, items: Iterable[Tuple]) -> List[int]:
         """Reserve slots in several sequences in one round trip, all or none.
@@ -593,8 +617,20 @@ class Client(_Link):
     def close(self) -> None:
         """Disconnect. The coordinator drops every reference this client held; handles
         turn invalid. Idempotent. Pool views already handed out stay readable (their
-        storage keeps the mapping) but no longer belong to any sequence."""
+        storage keeps the mapping) but no longer belong to any sequence.
+
+        Copies of this client's own promotions end first (an allocation copying them
+        then raises ``HandleClosed``). Called on the thread that runs them (a signal
+        handler that interrupted them), it cannot wait for them: it returns at once, no
+        further copy begins, and the client closes as soon as the copy under way ends.
+        """
         if self._closed:
+            return
+        if self._copy_thread == threading.get_ident():
+            # Re-entered on the thread that holds the copy lock: waiting for it would wait
+            # for ourselves, and closing now would free the blocks the interrupted copy
+            # still writes. _copy_in closes once the copy under way has ended.
+            self._stop_copies = self._close_after_copies = True
             return
         # Copies into this client's promoted blocks end first: once it is gone, the
         # coordinator frees those blocks for others, and a copy that lands after would

@@ -12,6 +12,8 @@ publishing of a block nobody wrote shows as wrong bytes read back by another req
 
 import contextlib
 import errno
+import os
+import signal
 import threading
 import time
 
@@ -24,6 +26,8 @@ from test_tiers import (
     read_prompt,
     tier_coordinator,
     token_kv,
+    wait_idle,
+    write_prompt,
 )
 
 import shmkv
@@ -287,3 +291,73 @@ def test_a_batch_commit_with_bad_starts_is_refused_and_changes_nothing(unique_na
         assert read_prompt(other, PROMPT) == (3 * BS, True)
         light.close()
         h.close()
+
+
+def test_close_from_a_signal_handler_during_the_clients_own_copies(unique_name, monkeypatch):
+    """A signal handler closes the client while that same thread runs the client's own
+    promotion copies. close() cannot wait for them (it waited 2 x the timeout for the
+    lock its own thread held, then closed the connection; the interrupted copy then
+    landed in blocks the coordinator had freed and given to another prompt). It returns
+    at once; the copy under way ends, no other begins, then the client closes and the
+    allocation raises ``HandleClosed``. Another prompt written meanwhile reads back
+    exactly."""
+    monkeypatch.setattr(shmkv.Client, "copy_promotions", True)
+    cfg = make_config(num_blocks=6)
+    prompt, other = prompts_of(2, 6)
+    orig = tier_io.Mover._op_h2p
+    gate, closed = threading.Event(), threading.Event()
+    state: dict = {"copies": 0}
+
+    def copy_in(mover, copy):
+        state["copies"] += 1
+        if state["copies"] == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)  # (its handler runs in this thread, now)
+        gate.wait(20)
+        orig(mover, copy)
+
+    def on_signal(signum, frame):
+        began = time.monotonic()
+        state["client"].close()
+        state["close_s"] = time.monotonic() - began
+        closed.set()
+
+    with tier_coordinator(cfg, unique_name) as (coord, writer):
+        in_tier_only(writer, prompt)
+        free = writer.stats()["free_blocks"] + writer.stats()["cached_blocks"]
+        client = state["client"] = shmkv.connect(coord.address, timeout=1)
+
+        def write_other():
+            closed.wait(20)
+            try:
+                write_prompt(writer, other)  # (into the blocks the closing client had)
+                state["wrote"] = True
+            except shmkv.PoolExhausted:  # (they are still held: the client is not gone)
+                state["wrote"] = False
+            finally:
+                gate.set()
+
+        writer_thread = threading.Thread(target=write_other)
+        writer_thread.start()
+        monkeypatch.setattr(tier_io.Mover, "_op_h2p", copy_in)
+        previous = signal.signal(signal.SIGUSR1, on_signal)
+        try:
+            with pytest.raises(shmkv.HandleClosed):
+                client.allocate(prompt=prompt)
+        finally:
+            signal.signal(signal.SIGUSR1, previous)
+            gate.set()
+            closed.set()
+            writer_thread.join(20)
+            client.close()
+        monkeypatch.setattr(tier_io.Mover, "_op_h2p", orig)
+        assert state["close_s"] < 0.5, "close() waited for the copies its own thread ran"
+        assert state["copies"] == 1  # the one under way ended; no other began
+        assert not client.is_alive()
+        if state["wrote"]:
+            assert read_prompt(writer, other) == (len(other), True)
+        st = wait_idle(writer)
+        assert st["tier_io"]["promotions_in_flight"] == 0
+        assert not [e.pins for e in coord.tiers.host.index.values() if e.pins]
+        assert st["free_blocks"] + st["cached_blocks"] == free
+        write_prompt(writer, other)
+        assert read_prompt(writer, other) == (len(other), True)
