@@ -509,12 +509,23 @@ def test_serving_metrics_deltas():
     assert serving.metric(after, "shmkv_client_prefix_hit_tokens_total", client="replica-1") == 256
     assert serving.metric(after, "shmkv_client_prefix_hit_tokens_total", client="replica-2") == 0
     before = serving.parse_metrics('vllm:request_success_total{engine="0"} 2.0\n')
-    assert serving.replica_delta(before, after) == {
+    delta = serving.replica_delta(before, after)
+    assert {k: delta[k] for k in ("requests", *serving.SOURCES)} == {
         "requests": 4.0,
         "local_compute": 300.0,
         "local_cache_hit": 128.0,
         "external_kv_transfer": 0.0,
     }
+    steps = serving.parse_metrics(
+        'vllm:iteration_tokens_total_bucket{engine="0",le="16.0"} 6.0\n'
+        'vllm:iteration_tokens_total_bucket{engine="0",le="32.0"} 8.0\n'
+        'vllm:iteration_tokens_total_count{engine="0"} 10.0\n'
+        'vllm:inter_token_latency_seconds_sum{engine="0"} 0.5\n'
+        'vllm:inter_token_latency_seconds_count{engine="0"} 50.0\n'
+    )
+    summary = serving.step_summary({"replicas": [serving.replica_delta({}, steps)] * 2})
+    assert summary["steps"] == 20 and summary["prefill_step_share"] == pytest.approx(0.2)
+    assert summary["server_itl_ms"] == pytest.approx(10.0)
     hooks = serving.hook_delta(
         {"build_connector_meta": [1.0, 10]},
         {

@@ -142,7 +142,7 @@ def sizes(quick: bool) -> Dict[str, Dict[str, Any]]:
         "chat": dict(sessions=8, out=16),
         "zipf": dict(num_prefixes=8, prefix_len=2048, suffix_len=64, requests=32, s=2.0, out=16),
         "random": dict(input_len=1024, requests=24, out=16),
-        "probe": dict(input_len=32, out=96, requests=6, reps=2),
+        "probe": dict(input_len=32, out=96, requests=6, reps=3),
     }
 
 
@@ -325,9 +325,24 @@ def metric(metrics: Dict[str, float], name: str, **labels: str) -> float:
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 
+# vLLM's histograms read as (name, labels) -> key of the replica's record: its engine
+# steps and their tokens (a step of more than DECODE_STEP_TOKENS carries a prefill
+# chunk: no run here decodes that many requests at once), and the inter-token latency
+# its API server saw (immune to the client's reads bunching streamed tokens)
+DECODE_STEP_TOKENS = 32
+HISTOGRAMS = {
+    "steps": ("vllm:iteration_tokens_total_count", {}),
+    "step_tokens": ("vllm:iteration_tokens_total_sum", {}),
+    "decode_steps": ("vllm:iteration_tokens_total_bucket", {"le": f"{DECODE_STEP_TOKENS:.1f}"}),
+    "itl_s": ("vllm:inter_token_latency_seconds_sum", {}),
+    "itl_n": ("vllm:inter_token_latency_seconds_count", {}),
+}
+
+
 def replica_delta(before: Dict[str, float], after: Dict[str, float]) -> Dict[str, float]:
-    """What one replica did between two scrapes: requests finished and prompt tokens by
-    source."""
+    """What one replica did between two scrapes: requests finished, prompt tokens by
+    source, engine steps (all, and those of at most :data:`DECODE_STEP_TOKENS` tokens)
+    and the server-side inter-token latency (seconds, tokens)."""
     out = {
         "requests": metric(after, "vllm:request_success_total")
         - metric(before, "vllm:request_success_total")
@@ -335,7 +350,23 @@ def replica_delta(before: Dict[str, float], after: Dict[str, float]) -> Dict[str
     for src in SOURCES:
         name = "vllm:prompt_tokens_by_source_total"
         out[src] = metric(after, name, source=src) - metric(before, name, source=src)
+    for key, (name, labels) in HISTOGRAMS.items():
+        out[key] = metric(after, name, **labels) - metric(before, name, **labels)
     return out
+
+
+def step_summary(rec: Dict[str, Any]) -> Dict[str, float]:
+    """A run's engine steps over all its replicas: how many, the share that carried a
+    prefill chunk, and the mean inter-token latency the servers saw (ms)."""
+    reps = rec["replicas"]
+    steps = sum(r.get("steps", 0.0) for r in reps)
+    decode = sum(r.get("decode_steps", 0.0) for r in reps)
+    itl_n = sum(r.get("itl_n", 0.0) for r in reps)
+    return {
+        "steps": steps,
+        "prefill_step_share": 1 - decode / steps if steps else 0.0,
+        "server_itl_ms": sum(r.get("itl_s", 0.0) for r in reps) / itl_n * 1e3 if itl_n else 0.0,
+    }
 
 
 def hook_delta(before: Dict[str, list], after: Dict[str, list]) -> Dict[str, list]:
@@ -1106,6 +1137,7 @@ def probe_summary(r: Dict[str, Any]) -> Dict[str, Any]:
                 k: median([p[k] for p in recs])
                 for k in ("p50_tpot_ms", "p99_tpot_ms", "p50_itl_ms", "p50_ttft_ms")
             }
+            out[key]["server_itl_ms"] = median([step_summary(p)["server_itl_ms"] for p in recs])
     recs = [p for p in r.get("probe", []) if p["deployment"] == "c" and "hooks_per_step" in p]
     if recs:
         sched = [
@@ -1278,6 +1310,7 @@ def markdown(r: Dict[str, Any], name: str = NAME) -> str:
                             ("p50_tpot_ms", "TPOT p50"),
                             ("p99_tpot_ms", "TPOT p99"),
                             ("p50_itl_ms", "ITL p50"),
+                            ("server_itl_ms", "server ITL mean"),
                         )
                     ],
                 ]
@@ -1292,36 +1325,45 @@ def markdown(r: Dict[str, Any], name: str = NAME) -> str:
                 f"{hooks['worker']:.0f} us (against a TPOT p50 of {pc['p50_tpot_ms']:.1f} ms).",
                 "",
             ]
-        steps = [
-            (x, h)
-            for x in runs
-            if x["deployment"] == "c" and "hooks_per_step" in x
-            for h in x["hooks_per_step"]
-            if h["steps"]
-        ]
-        if steps:
-            rows = [["dataset", "rate", "steps", "scheduler us/step", "worker us/step",
-                     "copies s", "hooks share of the run's wall time"]]  # fmt: skip
-            for x in [x for x in runs if x["deployment"] == "c" and "hooks_per_step" in x]:
-                hs = [h for h in x["hooks_per_step"] if h["steps"]]
-                if not hs:
+        rows = [
+            [
+                "dataset", "rate", "TPOT p50 (a) / (c)", "(c)/(a)",
+                "server ITL mean (a) / (c)", "steps with a prefill chunk (a) / (c)",
+                "(c) connector us/step: scheduler / worker", "(c) hooks, share of the run",
+            ]
+        ]  # fmt: skip
+        for ds in DATASETS:
+            for rate in _rates(runs, ds):
+                a, c = _find(runs, ds, "a", rate), _find(runs, ds, "c", rate)
+                if not (a and c):
                     continue
+                sa, sc = step_summary(a), step_summary(c)
+                hs = [h for h in c.get("hooks_per_step", []) if h["steps"]]
                 total = sum(h["scheduler_s"] + h["worker_s"] for h in hs)
                 rows.append(
                     [
-                        x["dataset"],
-                        _fmt_rate(x),
-                        sum(h["steps"] for h in hs),
-                        f"{median([h['scheduler_us_per_step'] for h in hs]):.0f}",
-                        f"{median([h['worker_us_per_step'] for h in hs]):.0f}",
-                        f"{sum(h['copies_s'] for h in hs):.3f}",
-                        f"{total / x['duration'] / len(hs):.1%} a replica",
+                        ds,
+                        _fmt_rate(a),
+                        f"{a['p50_tpot_ms']:.1f} / {c['p50_tpot_ms']:.1f} ms",
+                        f"{c['p50_tpot_ms'] / a['p50_tpot_ms']:.2f}" if a["p50_tpot_ms"] else "-",
+                        f"{sa['server_itl_ms']:.1f} / {sc['server_itl_ms']:.1f} ms",
+                        f"{sa['prefill_step_share']:.0%} / {sc['prefill_step_share']:.0%}",
+                        f"{median([h['scheduler_us_per_step'] for h in hs]):.0f} / "
+                        f"{median([h['worker_us_per_step'] for h in hs]):.0f}"
+                        if hs
+                        else "-",
+                        f"{total / c['duration'] / len(hs):.1%} a replica" if hs else "-",
                     ]
                 )
+        if len(rows) > 1:
             lines += [
-                "The connector's hooks in every (c) run (median over the replicas; the "
-                "copies between the pool and vLLM's blocks are inside the worker's hooks, "
-                "shown apart as well):",
+                "Every dataset and rate, (a) beside (c): the client's TPOT p50; the mean "
+                "inter-token latency the servers saw (`vllm:inter_token_latency_seconds`, "
+                "free of the client's reads bunching streamed tokens); the share of engine "
+                f"steps that carried a prefill chunk (more than {DECODE_STEP_TOKENS} tokens, "
+                "`vllm:iteration_tokens_total`); and in (c) the connector's hooks per engine "
+                "step (median over the replicas; the copies between the pool and vLLM's "
+                "blocks are inside the worker's) and their share of the run's wall time.",
                 "",
                 markdown_table(rows),
                 "",
