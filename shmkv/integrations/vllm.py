@@ -993,6 +993,8 @@ class _Courier:
                     self._live()
                 except Exception:  # noqa: BLE001 - logged by the dial; tried again later
                     pass
+                finally:
+                    self._busy_since = None
                 continue
             if job is None:
                 return
