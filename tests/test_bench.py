@@ -599,6 +599,20 @@ def test_serving_report_states_each_target(tmp_path):
         "other_processes": ["python (30%)"], "dev_shm_left": [], "raw_dir": "serving-x",
         "runs": runs, "probe": probe,
     }  # fmt: skip
+    # one saturated pair again: (c)'s server ITL 30 ms against 20, its hooks 2.5 ms a step
+    steps = {"steps": 10, "decode_steps": 8, "itl_n": 100}
+    record["pairs"] = [
+        _serving_run("zipf", "a", "inf", None, 3.0, 500, 20.0, rep=0),
+        _serving_run(
+            "zipf", "c", "inf", None, 3.0, 500, 30.0, rep=0,
+            hooks=[{"get_num_new_matched_tokens": [0.04, 4]}],
+            hooks_per_step=[serving.per_step(
+                {"build_connector_meta": [0.02, 10], "bind_connector_metadata": [0.005, 10]}
+            )],
+        ),
+    ]  # fmt: skip
+    for p, itl in zip(record["pairs"], (2.0, 3.0)):
+        p["replicas"] = [dict(r, **steps, itl_s=itl) for r in p["replicas"]]
     base = tmp_path / "results" / "serving-x"
     base.parent.mkdir()
     base.with_suffix(".json").write_text(json.dumps(record))
@@ -631,5 +645,9 @@ def test_serving_report_states_each_target(tmp_path):
     assert "25% / 25% / 50%" in md  # cached / loaded / computed prompt tokens
     assert "(c) 0 / 128 / 256" in md
     assert "**The whole deployment shares these 2 CPUs**" in md
+    assert (
+        "| 1 | 20.0 / 30.0 ms | 1.50 | 20.0 / 30.0 ms | 1.50 | 2.50 | 25% | 10.0 | 20% / 20% |"
+        in md
+    )
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "plots" / "serving-x.png").exists()

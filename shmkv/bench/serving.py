@@ -810,6 +810,7 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
     others = busy_processes()
     runs: List[Dict[str, Any]] = []
     probe: List[Dict[str, Any]] = []
+    pairs: List[Dict[str, Any]] = []
     startup = 0.0
     try:
         coord_proc = Proc(
@@ -946,6 +947,22 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
                 )  # fmt: skip
                 rec.update(dataset="probe", deployment=key, rep=rep)
                 probe.append(rec)
+        # The saturated runs of one dataset again, (a) and (c) taking turns: whether its
+        # TPOT ratio holds from run to run, beside the connector's hook time per step
+        if args.tpot_dataset in datasets:
+            for rep in range(args.tpot_pairs):
+                for key in ("a", "c") if rep % 2 == 0 else ("c", "a"):
+                    argv = dataset_args(
+                        args.tpot_dataset, shape[args.tpot_dataset], next(seed), work, ve.VOCAB,
+                        trace,
+                    )  # fmt: skip
+                    argv += ["--request-rate", "inf"]
+                    rec = run_one(
+                        client, deps[key], coord if key == "c" else None,
+                        f"pairs-{args.tpot_dataset}-{key}-{rep}", argv, raw_dir,
+                    )  # fmt: skip
+                    rec.update(dataset=args.tpot_dataset, deployment=key, rep=rep)
+                    pairs.append(rec)
         with_shmkv = [r["proc"] for r in replicas["shmkv"]] + [coord_proc]
         shm = mapped_shm(p for proc in with_shmkv for p in _tree_pids(proc.pid))
     finally:
@@ -989,6 +1006,7 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
         "raw_dir": os.path.basename(raw_dir),
         "runs": runs,
         "probe": probe,
+        "pairs": pairs,
     }
 
 
@@ -1149,6 +1167,71 @@ def probe_summary(r: Dict[str, Any]) -> Dict[str, Any]:
             "worker": median(work) if work else 0.0,
         }
     return out
+
+
+def lookup_ms(rec: Dict[str, Any]) -> float:
+    """Mean milliseconds of one lookup (``get_num_new_matched_tokens``, the scheduler's
+    call per new request) over a run's replicas."""
+    secs = sum(h.get("get_num_new_matched_tokens", [0.0, 0])[0] for h in rec.get("hooks", []))
+    calls = sum(h.get("get_num_new_matched_tokens", [0.0, 0])[1] for h in rec.get("hooks", []))
+    return secs / calls * 1e3 if calls else 0.0
+
+
+def pairs_markdown(r: Dict[str, Any]) -> List[str]:
+    """The repeated saturated pairs of (a) and (c): TPOT and server ITL of each, and (c)'s
+    connector time per engine step against its extra inter-token latency."""
+    pairs = r.get("pairs") or []
+    reps = sorted({p["rep"] for p in pairs})
+    rows: List[List[object]] = [
+        [
+            "pair", "TPOT p50 (a) / (c)", "(c)/(a)", "server ITL mean (a) / (c)", "(c)/(a)",
+            "(c) connector ms/step: scheduler + worker", "of (c)'s extra ITL",
+            "(c) ms per lookup", "steps with a prefill chunk (a) / (c)",
+        ]
+    ]  # fmt: skip
+    ratios = []
+    for rep in reps:
+        a = next((p for p in pairs if p["rep"] == rep and p["deployment"] == "a"), None)
+        c = next((p for p in pairs if p["rep"] == rep and p["deployment"] == "c"), None)
+        if not (a and c):
+            continue
+        sa, sc = step_summary(a), step_summary(c)
+        hs = [h for h in c.get("hooks_per_step", []) if h["steps"]]
+        per_step = (
+            median([(h["scheduler_us_per_step"] + h["worker_us_per_step"]) / 1e3 for h in hs])
+            if hs
+            else 0.0
+        )
+        extra = sc["server_itl_ms"] - sa["server_itl_ms"]
+        ratios.append(c["p50_tpot_ms"] / a["p50_tpot_ms"] if a["p50_tpot_ms"] else float("nan"))
+        rows.append(
+            [
+                f"{rep + 1}",
+                f"{a['p50_tpot_ms']:.1f} / {c['p50_tpot_ms']:.1f} ms",
+                f"{ratios[-1]:.2f}",
+                f"{sa['server_itl_ms']:.1f} / {sc['server_itl_ms']:.1f} ms",
+                f"{sc['server_itl_ms'] / sa['server_itl_ms']:.2f}" if sa["server_itl_ms"] else "-",
+                f"{per_step:.2f}",
+                f"{per_step / extra:.0%}" if extra > 0 else "(no extra)",
+                f"{lookup_ms(c):.1f}",
+                f"{sa['prefill_step_share']:.0%} / {sc['prefill_step_share']:.0%}",
+            ]
+        )
+    if len(rows) == 1:
+        return []
+    ds = pairs[0]["dataset"]
+    return [
+        f"The saturated `{ds}` runs of (a) and (c) again, {len(rows) - 1} pairs taking turns "
+        f"(TPOT p50 (c)/(a) by pair: {', '.join(f'{q:.2f}' for q in ratios)}; median "
+        f"{median(ratios):.2f}). The connector's time per engine step (scheduler and worker "
+        "hooks, median over the replicas) is set against (c)'s extra server-side "
+        "inter-token latency; a lookup is the scheduler's call per new request, a round "
+        "trip to the coordinator that vLLM's scheduler thread waits for (at most "
+        "`shmkv.lookup_timeout_s`, 50 ms).",
+        "",
+        markdown_table(rows),
+        "",
+    ]
 
 
 def _fmt_rate(rec: dict) -> str:
@@ -1325,6 +1408,7 @@ def markdown(r: Dict[str, Any], name: str = NAME) -> str:
                 f"{hooks['worker']:.0f} us (against a TPOT p50 of {pc['p50_tpot_ms']:.1f} ms).",
                 "",
             ]
+        lines += pairs_markdown(r)
         rows = [
             [
                 "dataset", "rate", "TPOT p50 (a) / (c)", "(c)/(a)",
@@ -1433,6 +1517,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     ap.add_argument("--pool-blocks", type=int, default=2048, help="the pool's blocks (128 tokens)")
     ap.add_argument("--seed", type=int, default=1000, help="first dataset seed")
+    ap.add_argument(
+        "--tpot-dataset",
+        choices=DATASETS,
+        default="zipf",
+        help="the dataset whose saturated runs of (a) and (c) are repeated in pairs at the "
+        "end, for TPOT (default: zipf)",
+    )
+    ap.add_argument(
+        "--tpot-pairs", type=int, default=None, help="how many such pairs (default 3, 1 quick)"
+    )
     ap.add_argument("--trace", default=None, help="the chat trace (default: the committed one)")
     ap.add_argument(
         "--report-only", action="store_true", help="rewrite OUT.md and the plot from OUT.json"
@@ -1444,6 +1538,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "results go to the folder OUT/, the plot to plots/NAME.png beside results/",
     )
     args = ap.parse_args(argv)
+    if args.tpot_pairs is None:
+        args.tpot_pairs = 1 if args.quick else 3
     base = args.out or result_base(NAME)
     args.raw_dir = base
     if args.report_only:
