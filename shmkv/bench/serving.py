@@ -1456,8 +1456,8 @@ def markdown(r: Dict[str, Any], name: str = NAME) -> str:
 
 
 def plot(r: Dict[str, Any], path: str) -> bool:
-    """Throughput at saturation and TTFT p50 at the sustained rate, per dataset and
-    deployment; False (nothing written) without matplotlib."""
+    """Throughput at saturation, TTFT p50 and TPOT p50 at the sustained rate, per dataset
+    and deployment; False (nothing written) without matplotlib."""
     try:
         plt = pyplot()
     except ImportError:
@@ -1465,7 +1465,7 @@ def plot(r: Dict[str, Any], path: str) -> bool:
         return False
     runs = r["runs"]
     datasets = [ds for ds in DATASETS if any(x["dataset"] == ds for x in runs)]
-    fig, axes = plt.subplots(2, len(datasets), figsize=(3.2 * len(datasets), 6.4), squeeze=False)
+    fig, axes = plt.subplots(3, len(datasets), figsize=(3.2 * len(datasets), 9.0), squeeze=False)
     keys = list(DEPLOYMENTS)
     for col, ds in enumerate(datasets):
         f = _sustained(runs, ds)
@@ -1473,6 +1473,7 @@ def plot(r: Dict[str, Any], path: str) -> bool:
             (
                 ("inf", "request_throughput", "requests/s at saturation"),
                 (f, "p50_ttft_ms", f"TTFT p50 (ms) at {f:.2g}x (a)" if f else "TTFT p50 (ms)"),
+                (f, "p50_tpot_ms", f"TPOT p50 (ms) at {f:.2g}x (a)" if f else "TPOT p50 (ms)"),
             )
         ):
             ax = axes[row][col]
