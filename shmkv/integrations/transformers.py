@@ -85,6 +85,7 @@ from ..client import Client
 from ..errors import InvalidArgument, WrongType
 from ..handle import KvCacheHandle
 from ..layout import PoolConfig
+from .hf_config import kv_layout
 
 if TYPE_CHECKING:
     from ..batch import Batch
@@ -150,16 +151,13 @@ def pool_config(
             mirror, dense) and with left padding; see docs/transformers.md for the
             tolerance.
     """
-    text = model_config.get_text_config(decoder=True)
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    layout = kv_layout(model_config)
     if dtype is None:
-        dtype = getattr(text, "dtype", None) or torch.float32
+        dtype = layout.dtype or torch.float32
     return PoolConfig(
-        num_layers=text.num_hidden_layers,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
         num_blocks=num_blocks,
         block_size=block_size,
         dtype=dtype,

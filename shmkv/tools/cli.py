@@ -228,11 +228,9 @@ _READ_MODEL_CONFIG = """
 import json, os, sys
 try:
     from transformers import AutoConfig
-    from shmkv.integrations.transformers import pool_config
-    cfg = AutoConfig.from_pretrained(sys.argv[1])
-    pool = pool_config(cfg, num_blocks=1, block_size=int(sys.argv[2]))
-    out = dict(num_layers=pool.num_layers, num_kv_heads=pool.num_kv_heads,
-               head_dim=pool.head_dim, dtype=str(pool.dtype).replace("torch.", ""))
+    from shmkv.integrations.hf_config import kv_layout
+    layout = kv_layout(AutoConfig.from_pretrained(sys.argv[1]))
+    out = dict(layout._asdict(), dtype=str(layout.dtype or "float32").replace("torch.", ""))
 except (OSError, ValueError) as exc:
     out = dict(error=f"no Hugging Face config there ({exc})")
 except BaseException as exc:
@@ -247,7 +245,8 @@ MODEL_CONFIG_TIMEOUT_S = 300.0  # (importing transformers takes seconds on a bus
 def for_model(args) -> None:
     """``serve --for-model PATH``: the pool's layers, KV heads and head size, and its dtype
     unless ``--dtype`` is given, from the Hugging Face config at PATH (a model directory or
-    its ``config.json``), as :func:`shmkv.integrations.transformers.pool_config` reads them.
+    its ``config.json``), as :func:`shmkv.integrations.transformers.pool_config` reads them
+    (:func:`shmkv.integrations.hf_config.kv_layout`).
 
     The config is read in a child process (see ``_READ_MODEL_CONFIG``), once per ``args``.
 
@@ -269,7 +268,7 @@ def for_model(args) -> None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         try:
             child = subprocess.run(
-                [sys.executable, "-c", _READ_MODEL_CONFIG, path, str(args.block_size)],
+                [sys.executable, "-c", _READ_MODEL_CONFIG, path],
                 capture_output=True,
                 text=True,
                 env=env,
