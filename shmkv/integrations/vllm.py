@@ -1455,6 +1455,9 @@ class ShmkvConnector(KVConnectorBase_V1):
             log.debug("shmkv: lookup of %s counted as a miss (%s)", request.request_id, exc)
             self.num_late_lookups += 1
             return None
+        except shmkv.CoordinatorGone as exc:  # (said once, as the connection went)
+            log.debug("shmkv: request %s not looked up (%s)", request.request_id, exc)
+            return None
         except ShmkvError as exc:  # no room, a prompt past max_seq_len: this one is not cached
             log.info("shmkv: request %s not looked up (%s)", request.request_id, exc)
             return None
