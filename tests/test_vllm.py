@@ -871,10 +871,12 @@ def test_tp_rank_r_maps_onto_shmkv_head_shard_r(unique_name, connector):
 
 def test_serve_for_model_takes_the_pool_layout_from_the_model(model_path, tmp_path):
     """``shmkv serve --for-model PATH`` serves a pool with the model's layers, KV heads,
-    head size and dtype; the dtype flag still wins when given."""
+    head size and the dtype vLLM runs it in by default (a float32 checkpoint: bfloat16,
+    as ``vllm serve --dtype auto``); the dtype flag still wins when given."""
     import subprocess
     import sys
 
+    from shmkv.tools import cli
     from shmkv.tools.cli import _config, build_parser, for_model
 
     args = build_parser().parse_args(["serve", "--for-model", model_path, "--block-size", "32"])
@@ -884,14 +886,16 @@ def test_serve_for_model_takes_the_pool_layout_from_the_model(model_path, tmp_pa
         2,
         2,
         32,
-        "float32",
+        "bfloat16",
         32,
     )
+    for given, want in (("float16", "float16"), ("bfloat16", "bfloat16"), (None, "bfloat16")):
+        assert cli.vllm_auto_dtype(given) == want
     args = build_parser().parse_args(
-        ["serve", "--for-model", model_path + "/config.json", "--dtype", "bfloat16"]
+        ["serve", "--for-model", model_path + "/config.json", "--dtype", "float32"]
     )
     for_model(args)
-    assert _config(args).dtype == "bfloat16"
+    assert _config(args).dtype == "float32"
     assert _config(build_parser().parse_args(["serve"])).dtype == "float16"  # as before
     address = str(tmp_path / "lm.sock")
     proc = subprocess.Popen(
@@ -921,11 +925,11 @@ def test_serve_for_model_takes_the_pool_layout_from_the_model(model_path, tmp_pa
                 time.sleep(0.05)
         with client:
             c = client.config
-            assert (c.num_layers, c.num_kv_heads, c.head_dim, c.dtype) == (2, 2, 32, "float32")
+            assert (c.num_layers, c.num_kv_heads, c.head_dim, c.dtype) == (2, 2, 32, "bfloat16")
     finally:
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 0 and "2 layers, 2 kv heads x 32, float32" in out
+    assert proc.returncode == 0 and "2 layers, 2 kv heads x 32, bfloat16" in out
 
 
 def test_copy_runs_are_one_per_vllm_block_when_pool_blocks_are_consecutive(connector):

@@ -4,7 +4,8 @@ docs/vllm.md ("Several replicas behind a router") tells users to start them.
 Started once for the module, each a process of its own (:func:`coordinator_command`,
 :func:`server_command`, :func:`router_command` are the documented commands):
 
-* a coordinator, ``python -m shmkv serve --for-model MODEL --name NAME --block-size 32``;
+* a coordinator, ``python -m shmkv serve --for-model MODEL --name NAME --block-size 32
+  --dtype float32``;
 * replicas ``a`` and ``b``: vLLM's OpenAI-compatible server (its API server, engine-core
   and worker processes) with ``--kv-transfer-config`` naming the coordinator, and ``ref``,
   the same server without the connector, whose outputs every answer must equal;
@@ -86,6 +87,8 @@ def coordinator_command(model: str, name: str) -> list:
         "32",
         "--num-blocks",
         "1024",
+        "--dtype",
+        "float32",  # (the servers run --dtype float32; vLLM's default would be bfloat16)
         "--metrics-port",
         "0",
     ]

@@ -828,6 +828,8 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
                 str(BLOCK),
                 "--num-blocks",
                 str(args.pool_blocks),
+                "--dtype",
+                "float32",  # (the servers run --dtype float32)
                 "--metrics-port",
                 "0",
             ],  # fmt: skip

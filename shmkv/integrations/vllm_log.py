@@ -16,6 +16,7 @@ does not change vLLM's loggers, the root logger, or a ``shmkv`` level already se
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 
 def log_through_vllm() -> bool:
@@ -33,7 +34,7 @@ def log_through_vllm() -> bool:
         return False
     if all(h in shmkv_log.handlers for h in handlers):
         return True
-    logger = shmkv_log
+    logger: Optional[logging.Logger] = shmkv_log
     while logger is not None:
         if any(not isinstance(h, logging.NullHandler) for h in logger.handlers):
             return False  # configured by the program: its own choice

@@ -244,7 +244,8 @@ MODEL_CONFIG_TIMEOUT_S = 300.0  # (importing transformers takes seconds on a bus
 
 def for_model(args) -> None:
     """``serve --for-model PATH``: the pool's layers, KV heads and head size, and its dtype
-    unless ``--dtype`` is given, from the Hugging Face config at PATH (a model directory or
+    unless ``--dtype`` is given (as vLLM runs the model: :func:`vllm_auto_dtype`), from
+    the Hugging Face config at PATH (a model directory or
     its ``config.json``), as :func:`shmkv.integrations.transformers.pool_config` reads them
     (:func:`shmkv.integrations.hf_config.kv_layout`).
 
@@ -293,7 +294,16 @@ def for_model(args) -> None:
     args.num_layers, args.num_kv_heads = derived["num_layers"], derived["num_kv_heads"]
     args.head_dim = derived["head_dim"]
     if args.dtype is None:
-        args.dtype = derived["dtype"]
+        args.dtype = vllm_auto_dtype(derived["dtype"])
+
+
+def vllm_auto_dtype(config_dtype: str) -> str:
+    """The dtype ``vllm serve --dtype auto`` (its default) runs a model of ``config_dtype``
+    in, so its K/V cache's: the config's float16 or bfloat16 as it is, a float32 (or
+    unset) config downcast to bfloat16, as vLLM does on CPUs and on GPUs of compute
+    capability 8 and up (vLLM's ``_resolve_auto_dtype``; a GPU without bfloat16 runs
+    float16: pass ``--dtype float16`` there, as for any other ``vllm serve --dtype``)."""
+    return config_dtype if config_dtype in ("float16", "bfloat16") else "bfloat16"
 
 
 def cmd_serve(args) -> int:
@@ -541,9 +551,10 @@ def build_parser() -> Parser:
         "--for-model",
         default=None,
         metavar="PATH",
-        help="take --num-layers, --num-kv-heads, --head-dim and (unless given) "
-        "--dtype from the Hugging Face config of the model at PATH (what "
-        "vllm serve PATH runs)",
+        help="take --num-layers, --num-kv-heads and --head-dim from the Hugging Face "
+        "config of the model at PATH, and (unless given) --dtype as vllm serve PATH "
+        "runs it: the config's float16 or bfloat16, bfloat16 for a float32 config (give "
+        "--dtype to match any other vllm serve --dtype)",
     )
     _pool_args(p)
     p.set_defaults(func=cmd_serve, dtype=None)
