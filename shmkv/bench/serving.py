@@ -138,10 +138,10 @@ def sizes(quick: bool) -> Dict[str, Dict[str, Any]]:
             "probe": dict(input_len=32, out=32, requests=3, reps=1),
         }
     return {
-        "prefix": dict(num_prefixes=4, prefix_len=3072, suffix_len=64, requests=32, out=16),
-        "chat": dict(sessions=8, out=16),
-        "zipf": dict(num_prefixes=8, prefix_len=2048, suffix_len=64, requests=32, s=2.0, out=16),
-        "random": dict(input_len=1024, requests=24, out=16),
+        "prefix": dict(num_prefixes=4, prefix_len=3072, suffix_len=64, requests=24, out=16),
+        "chat": dict(sessions=6, out=16),
+        "zipf": dict(num_prefixes=8, prefix_len=2048, suffix_len=64, requests=24, s=2.0, out=16),
+        "random": dict(input_len=1024, requests=16, out=16),
         "probe": dict(input_len=32, out=96, requests=6, reps=3),
     }
 
@@ -810,7 +810,6 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
     others = busy_processes()
     runs: List[Dict[str, Any]] = []
     probe: List[Dict[str, Any]] = []
-    pairs: List[Dict[str, Any]] = []
     startup = 0.0
     try:
         coord_proc = Proc(
@@ -917,24 +916,34 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
             i = 0
             while i < len(rates):
                 rate = rates[i]
-                # (a) first at inf (its throughput sets the lower rates), then (a) and
-                # (c) side by side, (b) and (d) side by side, each pair turned every rate
-                order = ("a", "c", "b", "d", "e") if i % 2 == 0 else ("c", "a", "d", "b", "e")
-                for key in order:
-                    tag = "inf" if rate == "inf" else f"{rate:.3g}"
-                    argv = dataset_args(ds, shape[ds], next(seed), work, ve.VOCAB, trace)
-                    argv += ["--request-rate", "inf" if rate == "inf" else str(rate)]
-                    rec = run_one(
-                        client, deps[key], coord if key in "cd" else None,
-                        f"{ds}-{key}-rate-{tag}", argv, raw_dir,
-                    )  # fmt: skip
-                    rec.update(dataset=ds, deployment=key, rate_fraction=None)
-                    if rate != "inf":
-                        rec["rate_fraction"] = rate / x_a
-                    runs.append(rec)
-                    if x_a is None:
-                        x_a = rec["request_throughput"]
-                        rates += [f * x_a for f in reversed(fractions)]
+                tag = "inf" if rate == "inf" else f"{rate:.3g}"
+                for rnd in range(args.rounds):
+                    # every deployment in the first round, (a) first at inf (its
+                    # throughput sets the lower rates); the later rounds repeat the pairs
+                    # the targets compare, (a) with (c) (and (b) for zipf), their order
+                    # turned each round
+                    if rnd == 0:
+                        order = (
+                            ("a", "c", "b", "d", "e") if i % 2 == 0 else ("c", "a", "d", "b", "e")
+                        )
+                    else:
+                        order = ("a", "c") if (i + rnd) % 2 == 0 else ("c", "a")
+                        if ds == "zipf":
+                            order = ("b",) + order if rnd % 2 else order + ("b",)
+                    for key in order:
+                        argv = dataset_args(ds, shape[ds], next(seed), work, ve.VOCAB, trace)
+                        argv += ["--request-rate", "inf" if rate == "inf" else str(rate)]
+                        rec = run_one(
+                            client, deps[key], coord if key in "cd" else None,
+                            f"{ds}-{key}-rate-{tag}-{rnd}", argv, raw_dir,
+                        )  # fmt: skip
+                        rec.update(dataset=ds, deployment=key, rate_fraction=None, round=rnd)
+                        if rate != "inf":
+                            rec["rate_fraction"] = rate / x_a
+                        runs.append(rec)
+                        if x_a is None:
+                            x_a = rec["request_throughput"]
+                            rates += [f * x_a for f in reversed(fractions)]
                 i += 1
         # TPOT with next to no prefill beside the decodes: short prompts, long outputs,
         # one request in flight per replica, (a) and (c) taking turns
@@ -949,22 +958,6 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
                 )  # fmt: skip
                 rec.update(dataset="probe", deployment=key, rep=rep)
                 probe.append(rec)
-        # The saturated runs of one dataset again, (a) and (c) taking turns: whether its
-        # TPOT ratio holds from run to run, beside the connector's hook time per step
-        if args.tpot_dataset in datasets:
-            for rep in range(args.tpot_pairs):
-                for key in ("a", "c") if rep % 2 == 0 else ("c", "a"):
-                    argv = dataset_args(
-                        args.tpot_dataset, shape[args.tpot_dataset], next(seed), work, ve.VOCAB,
-                        trace,
-                    )  # fmt: skip
-                    argv += ["--request-rate", "inf"]
-                    rec = run_one(
-                        client, deps[key], coord if key == "c" else None,
-                        f"pairs-{args.tpot_dataset}-{key}-{rep}", argv, raw_dir,
-                    )  # fmt: skip
-                    rec.update(dataset=args.tpot_dataset, deployment=key, rep=rep)
-                    pairs.append(rec)
         with_shmkv = [r["proc"] for r in replicas["shmkv"]] + [coord_proc]
         shm = mapped_shm(p for proc in with_shmkv for p in _tree_pids(proc.pid))
     finally:
@@ -1008,7 +1001,7 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
         "raw_dir": os.path.basename(raw_dir),
         "runs": runs,
         "probe": probe,
-        "pairs": pairs,
+        "rounds": args.rounds,
     }
 
 
@@ -1054,18 +1047,69 @@ def busy_processes(threshold: float = 0.2, span: float = 2.0) -> List[str]:
 # -- the report --------------------------------------------------------------------------------
 
 
-def _find(runs: List[dict], ds: str, dep: str, rate) -> Optional[dict]:
+def _all(runs: List[dict], ds: str, dep: str, rate) -> List[dict]:
+    """Every round's run of ``dep`` on ``ds`` at ``rate`` (``inf`` or a fraction)."""
+    out = []
     for r in runs:
-        if r["dataset"] == ds and r["deployment"] == dep:
-            if rate == "inf" and r["offered_rate"] == "inf":
-                return r
-            if (
-                rate != "inf"
-                and r["offered_rate"] != "inf"
-                and math.isclose(r["rate_fraction"], rate, rel_tol=1e-6)
-            ):
-                return r
-    return None
+        if r["dataset"] != ds or r["deployment"] != dep:
+            continue
+        at_inf = rate == "inf" and r["offered_rate"] == "inf"
+        at_rate = (
+            rate not in (None, "inf")
+            and r["offered_rate"] != "inf"
+            and math.isclose(r["rate_fraction"], rate, rel_tol=1e-6)
+        )
+        if at_inf or at_rate:
+            out.append(r)
+    return sorted(out, key=lambda r: r.get("round", 0))
+
+
+def _sum_dicts(dicts: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for d in dicts:
+        for k, v in d.items():
+            if isinstance(v, list):  # a hook's [seconds, calls]
+                t = out.setdefault(k, [0.0, 0])
+                t[0] += v[0]
+                t[1] += v[1]
+            else:
+                out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def _find(runs: List[dict], ds: str, dep: str, rate) -> Optional[dict]:
+    """The run of ``dep`` on ``ds`` at ``rate``; over several rounds, one record of them:
+    the median of each figure, counts (requests, prompt tokens, steps, hook seconds)
+    added up, ``n`` the rounds and ``raws`` their files."""
+    recs = _all(runs, ds, dep, rate)
+    if len(recs) <= 1:
+        return dict(recs[0], n=1, raws=[recs[0]["raw"]]) if recs else None
+    agg = dict(recs[0], n=len(recs), raws=[r["raw"] for r in recs])
+    for k in KEEP + ("coordinator_cpu_share",):
+        values = [r[k] for r in recs if r.get(k) is not None]
+        if values:
+            agg[k] = median(values)
+    agg["duration"] = sum(r["duration"] for r in recs)
+    agg["replicas"] = [_sum_dicts(reps) for reps in zip(*(r["replicas"] for r in recs))]
+    if all("hooks" in r for r in recs):
+        agg["hooks"] = [_sum_dicts(h) for h in zip(*(r["hooks"] for r in recs))]
+        agg["hooks_per_step"] = [per_step(h) for h in agg["hooks"]]
+    for k in ("shmkv_loaded", "shmkv_computed"):
+        if all(k in r for r in recs):
+            agg[k] = [sum(v) for v in zip(*(r[k] for r in recs))]
+    return agg
+
+
+def paired(runs: List[dict], ds: str, x: str, y: str, rate, key: str) -> List[float]:
+    """``key`` of ``x`` over ``key`` of ``y``, round by round (the runs of a round one
+    right after the other), for the rounds that ran both."""
+    ys = {r.get("round", 0): r for r in _all(runs, ds, y, rate)}
+    out = []
+    for r in _all(runs, ds, x, rate):
+        other = ys.get(r.get("round", 0))
+        if other is not None and other.get(key) and r.get(key) is not None:
+            out.append(r[key] / other[key])
+    return out
 
 
 def _rates(runs: List[dict], ds: str) -> List[Any]:
@@ -1086,63 +1130,45 @@ def _share(rec: dict, key: str) -> float:
 
 
 def targets(r: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """Each target of the suite in the record ``r``: what, the measured ratio, met."""
+    """Each target of the suite in the record ``r``: what, the measured ratio (the median
+    of the rounds' paired ratios), met, and the figures behind it."""
     runs = r["runs"]
     out: List[Dict[str, Any]] = []
 
-    def add(what, ratio, ok, detail):
-        out.append(dict(target=what, ratio=ratio, met=bool(ok), detail=detail))
+    def add(what, ds, x, y, rate, key, ok, unit):
+        qs = paired(runs, ds, x, y, rate, key)
+        if not qs:
+            return
+        q = median(qs)
+        fx, fy = _find(runs, ds, x, rate), _find(runs, ds, y, rate)
+        assert fx is not None and fy is not None
+        fmt = "{:.2f}" if unit == "req/s" else ("{:.1f}" if "tpot" in key else "{:.0f}")
+        detail = f"{fmt.format(fx[key])} / {fmt.format(fy[key])} {unit}"
+        if len(qs) > 1:
+            detail += f"; by round {', '.join(f'{v:.2f}' for v in qs)}"
+        out.append(dict(target=what, ratio=q, met=bool(ok(q)), detail=detail, rounds=qs))
 
+    tput = "request_throughput"
     for ds in ("prefix", "chat"):
-        a, c = _find(runs, ds, "a", "inf"), _find(runs, ds, "c", "inf")
-        if a and c:
-            q = c["request_throughput"] / a["request_throughput"]
-            add(
-                f"{ds}: (c) >= 1.5x (a) throughput at saturation", q, q >= 1.5,
-                f"{c['request_throughput']:.2f} / {a['request_throughput']:.2f} req/s",
-            )  # fmt: skip
+        add(f"{ds}: (c) >= 1.5x (a) throughput at saturation", ds, "c", "a", "inf", tput,
+            lambda q: q >= 1.5, "req/s")  # fmt: skip
         f = _sustained(runs, ds)
-        a, c = _find(runs, ds, "a", f), _find(runs, ds, "c", f)
-        if a and c:
-            q = c["p50_ttft_ms"] / a["p50_ttft_ms"]
-            add(
-                f"{ds}: TTFT p50 (c) <= 1/3 (a) at {f:.2g}x (a)'s saturated rate", q, q <= 1 / 3,
-                f"{c['p50_ttft_ms']:.0f} / {a['p50_ttft_ms']:.0f} ms",
-            )  # fmt: skip
-    b, c = _find(runs, "zipf", "b", "inf"), _find(runs, "zipf", "c", "inf")
-    if b and c:
-        q = c["request_throughput"] / b["request_throughput"]
-        add(
-            "zipf: (c) > (b) throughput at saturation", q, q > 1,
-            f"{c['request_throughput']:.2f} / {b['request_throughput']:.2f} req/s",
-        )  # fmt: skip
+        if f is not None:
+            add(f"{ds}: TTFT p50 (c) <= 1/3 (a) at {f:.2g}x (a)'s saturated rate", ds, "c",
+                "a", f, "p50_ttft_ms", lambda q: q <= 1 / 3, "ms")  # fmt: skip
+    add("zipf: (c) > (b) throughput at saturation", "zipf", "c", "b", "inf", tput,
+        lambda q: q > 1, "req/s")  # fmt: skip
     for rate in _rates(runs, "zipf"):
-        b, c = _find(runs, "zipf", "b", rate), _find(runs, "zipf", "c", rate)
-        if b and c:
-            q = c["p99_ttft_ms"] / b["p99_ttft_ms"]
-            at = "saturation" if rate == "inf" else f"{rate:.2g}x (a)'s saturated rate"
-            add(
-                f"zipf: TTFT p99 (c) < (b) at {at}", q, q < 1,
-                f"{c['p99_ttft_ms']:.0f} / {b['p99_ttft_ms']:.0f} ms",
-            )  # fmt: skip
-    a, c = _find(runs, "random", "a", "inf"), _find(runs, "random", "c", "inf")
-    if a and c:
-        q = c["request_throughput"] / a["request_throughput"]
-        add(
-            "random (no prefix): (c) within 3 % of (a) throughput at saturation", q,
-            abs(q - 1) <= 0.03,
-            f"{c['request_throughput']:.2f} / {a['request_throughput']:.2f} req/s",
-        )  # fmt: skip
+        at = "saturation" if rate == "inf" else f"{rate:.2g}x (a)'s saturated rate"
+        add(f"zipf: TTFT p99 (c) < (b) at {at}", "zipf", "c", "b", rate, "p99_ttft_ms",
+            lambda q: q < 1, "ms")  # fmt: skip
+    add("random (no prefix): (c) within 3 % of (a) throughput at saturation", "random", "c",
+        "a", "inf", tput, lambda q: abs(q - 1) <= 0.03, "req/s")  # fmt: skip
     for ds in DATASETS:
         for rate in _rates(runs, ds):
-            a, c = _find(runs, ds, "a", rate), _find(runs, ds, "c", rate)
-            if a and c and a.get("p50_tpot_ms") and c.get("p50_tpot_ms"):
-                q = c["p50_tpot_ms"] / a["p50_tpot_ms"]
-                at = "saturation" if rate == "inf" else f"{rate:.2g}x"
-                add(
-                    f"{ds}: TPOT p50 (c) <= 1.1x (a) at {at}", q, q <= 1.1,
-                    f"{c['p50_tpot_ms']:.1f} / {a['p50_tpot_ms']:.1f} ms",
-                )  # fmt: skip
+            at = "saturation" if rate == "inf" else f"{rate:.2g}x"
+            add(f"{ds}: TPOT p50 (c) <= 1.1x (a) at {at}", ds, "c", "a", rate, "p50_tpot_ms",
+                lambda q: q <= 1.1, "ms")  # fmt: skip
     return out
 
 
@@ -1171,69 +1197,14 @@ def probe_summary(r: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def lookup_ms(rec: Dict[str, Any]) -> float:
+def lookup_ms(recs: Sequence[Dict[str, Any]]) -> float:
     """Mean milliseconds of one lookup (``get_num_new_matched_tokens``, the scheduler's
-    call per new request) over a run's replicas."""
-    secs = sum(h.get("get_num_new_matched_tokens", [0.0, 0])[0] for h in rec.get("hooks", []))
-    calls = sum(h.get("get_num_new_matched_tokens", [0.0, 0])[1] for h in rec.get("hooks", []))
-    return secs / calls * 1e3 if calls else 0.0
-
-
-def pairs_markdown(r: Dict[str, Any]) -> List[str]:
-    """The repeated saturated pairs of (a) and (c): TPOT and server ITL of each, and (c)'s
-    connector time per engine step against its extra inter-token latency."""
-    pairs = r.get("pairs") or []
-    reps = sorted({p["rep"] for p in pairs})
-    rows: List[List[object]] = [
-        [
-            "pair", "TPOT p50 (a) / (c)", "(c)/(a)", "server ITL mean (a) / (c)", "(c)/(a)",
-            "(c) connector ms/step: scheduler + worker", "of (c)'s extra ITL",
-            "(c) ms per lookup", "steps with a prefill chunk (a) / (c)",
-        ]
-    ]  # fmt: skip
-    ratios = []
-    for rep in reps:
-        a = next((p for p in pairs if p["rep"] == rep and p["deployment"] == "a"), None)
-        c = next((p for p in pairs if p["rep"] == rep and p["deployment"] == "c"), None)
-        if not (a and c):
-            continue
-        sa, sc = step_summary(a), step_summary(c)
-        hs = [h for h in c.get("hooks_per_step", []) if h["steps"]]
-        per_step = (
-            median([(h["scheduler_us_per_step"] + h["worker_us_per_step"]) / 1e3 for h in hs])
-            if hs
-            else 0.0
-        )
-        extra = sc["server_itl_ms"] - sa["server_itl_ms"]
-        ratios.append(c["p50_tpot_ms"] / a["p50_tpot_ms"] if a["p50_tpot_ms"] else float("nan"))
-        rows.append(
-            [
-                f"{rep + 1}",
-                f"{a['p50_tpot_ms']:.1f} / {c['p50_tpot_ms']:.1f} ms",
-                f"{ratios[-1]:.2f}",
-                f"{sa['server_itl_ms']:.1f} / {sc['server_itl_ms']:.1f} ms",
-                f"{sc['server_itl_ms'] / sa['server_itl_ms']:.2f}" if sa["server_itl_ms"] else "-",
-                f"{per_step:.2f}",
-                f"{per_step / extra:.0%}" if extra > 0 else "(no extra)",
-                f"{lookup_ms(c):.1f}",
-                f"{sa['prefill_step_share']:.0%} / {sc['prefill_step_share']:.0%}",
-            ]
-        )
-    if len(rows) == 1:
-        return []
-    ds = pairs[0]["dataset"]
-    return [
-        f"The saturated `{ds}` runs of (a) and (c) again, {len(rows) - 1} pairs taking turns "
-        f"(TPOT p50 (c)/(a) by pair: {', '.join(f'{q:.2f}' for q in ratios)}; median "
-        f"{median(ratios):.2f}). The connector's time per engine step (scheduler and worker "
-        "hooks, median over the replicas) is set against (c)'s extra server-side "
-        "inter-token latency; a lookup is the scheduler's call per new request, a round "
-        "trip to the coordinator that vLLM's scheduler thread waits for (at most "
-        "`shmkv.lookup_timeout_s`, 50 ms).",
-        "",
-        markdown_table(rows),
-        "",
+    call per new request, a round trip to the coordinator) over runs and replicas."""
+    hooks = [
+        h.get("get_num_new_matched_tokens", [0.0, 0]) for x in recs for h in x.get("hooks", [])
     ]
+    calls = sum(h[1] for h in hooks)
+    return sum(h[0] for h in hooks) / calls * 1e3 if calls else 0.0
 
 
 def _fmt_rate(rec: dict) -> str:
@@ -1340,7 +1311,7 @@ def markdown(r: Dict[str, Any], name: str = NAME) -> str:
                         f"{x['coordinator_cpu_share']:.1%}"
                         if "coordinator_cpu_share" in x
                         else "-",
-                        f"[json]({raw}/{x['raw']})",
+                        " ".join(f"[{i + 1}]({raw}/{f})" for i, f in enumerate(x["raws"])),
                     ]
                 )
         lines += [markdown_table(rows), ""]
@@ -1410,7 +1381,6 @@ def markdown(r: Dict[str, Any], name: str = NAME) -> str:
                 f"{hooks['worker']:.0f} us (against a TPOT p50 of {pc['p50_tpot_ms']:.1f} ms).",
                 "",
             ]
-        lines += pairs_markdown(r)
         rows = [
             [
                 "dataset", "rate", "TPOT p50 (a) / (c)", "(c)/(a)",
@@ -1521,16 +1491,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--pool-blocks", type=int, default=2048, help="the pool's blocks (128 tokens)")
     ap.add_argument("--seed", type=int, default=1000, help="first dataset seed")
     ap.add_argument(
-        "--tpot-dataset",
-        choices=DATASETS,
-        default="zipf",
-        help="the dataset whose saturated runs of (a) and (c) are repeated in pairs at the "
-        "end, for TPOT (default: zipf)",
+        "--rounds",
+        type=int,
+        default=None,
+        help="rounds of each dataset and rate: every deployment in the first, (a) and (c) "
+        "(and (b) on zipf) in the others; figures are medians over the rounds, target "
+        "ratios medians of the rounds' pairs (default 3, 1 quick)",
     )
-    ap.add_argument(
-        "--tpot-pairs", type=int, default=None, help="how many such pairs (default 3, 1 quick)"
-    )
-    ap.add_argument("--trace", default=None, help="the chat trace (default: the committed one)")
     ap.add_argument(
         "--report-only", action="store_true", help="rewrite OUT.md and the plot from OUT.json"
     )
@@ -1541,8 +1508,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "results go to the folder OUT/, the plot to plots/NAME.png beside results/",
     )
     args = ap.parse_args(argv)
-    if args.tpot_pairs is None:
-        args.tpot_pairs = 1 if args.quick else 3
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 3
     base = args.out or result_base(NAME)
     args.raw_dir = base
     if args.report_only:
