@@ -416,7 +416,8 @@ def test_serving_suite_imports_without_vllm():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "--report-only" in proc.stdout and "--rates" in proc.stdout
+    for option in ("--report-only", "--rates", "--rounds", "--datasets", "--trace", "--quick"):
+        assert option in proc.stdout
 
 
 def test_serving_tokenizer_gives_back_the_ids_it_decoded(tmp_path):

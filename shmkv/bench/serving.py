@@ -1490,6 +1490,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     ap.add_argument("--pool-blocks", type=int, default=2048, help="the pool's blocks (128 tokens)")
     ap.add_argument("--seed", type=int, default=1000, help="first dataset seed")
+    ap.add_argument("--trace", default=None, help="the chat trace (default: the committed one)")
     ap.add_argument(
         "--rounds",
         type=int,
