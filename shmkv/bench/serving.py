@@ -110,7 +110,6 @@ ROUTES = {
 DATASETS = ("prefix", "chat", "zipf", "random")
 # What the servers run with here: quiet, offline, and fit for a shared 2-CPU machine.
 SERVER_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of vLLM's own KV cache per replica
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "OMP_NUM_THREADS": "1",
     "TORCHDYNAMO_DISABLE": "1",
@@ -119,6 +118,13 @@ SERVER_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
 }
+UNSET_ENV = ("VLLM_CPU_KVCACHE_SPACE",)  # it would override --kv-cache-memory-bytes
+# vLLM's own KV cache per replica (--kv-cache-memory-bytes; VLLM_CPU_KVCACHE_SPACE, whole
+# GiB only, is taken out of the servers' environment): 64k tokens of this model, several
+# runs' prompts. With 1 GiB each, six replicas grew to some 17 GiB and the kernel's OOM
+# killer ended a worker on this 23 GiB machine shared with other jobs.
+KV_CACHE_BYTES = 256 << 20
+MEMORY_NEEDED = 12 << 30  # what the six replicas, coordinator and routers took at most
 START_TIMEOUT_S = 900.0  # seven servers starting at once on two busy CPUs
 RUN_TIMEOUT_S = 900.0  # one vllm bench serve run
 PERCENTILES = "50,99"
@@ -497,7 +503,10 @@ class Proc:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env={**os.environ, **(env or {})},
+                env={
+                    **{k: v for k, v in os.environ.items() if k not in UNSET_ENV},
+                    **(env or {}),
+                },
                 start_new_session=True,
             )
         self.pid = self.proc.pid
@@ -574,6 +583,7 @@ def server_command(model: str, port: int, kv: Optional[dict]) -> List[str]:
         "--max-model-len", str(MAX_MODEL_LEN),
         "--enforce-eager",
         "--seed", "0",
+        "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
     ]  # fmt: skip
     if kv is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv)]
@@ -773,6 +783,24 @@ def check_requirements() -> None:
             "vLLM's custom dataset reads JSONL with pandas (.venv/bin/pip install pandas)"
         )
     router_binary()
+    available = memory_available()
+    if available is not None and available < MEMORY_NEEDED:
+        raise BenchError(
+            f"{available / 2**30:.1f} GiB of memory available, the deployment needs about "
+            f"{MEMORY_NEEDED / 2**30:.0f} GiB (six vLLM servers): not started"
+        )
+
+
+def memory_available() -> Optional[int]:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def measure(args: argparse.Namespace) -> Dict[str, Any]:
@@ -807,6 +835,7 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
     shm: set = set()
     t_start = time.monotonic()
     load_start = os.getloadavg()
+    mem_start = memory_available()
     others = busy_processes()
     runs: List[Dict[str, Any]] = []
     probe: List[Dict[str, Any]] = []
@@ -989,6 +1018,8 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
             kv_bytes_per_token=LAYERS * 2 * KV_HEADS * HEAD_DIM * 4,
         ),  # fmt: skip
         "pool_blocks": args.pool_blocks,
+        "kv_cache_bytes": KV_CACHE_BYTES,
+        "memory_available_start": mem_start,
         "block_size": BLOCK,
         "shapes": shape,
         "rate_fractions": fractions,
@@ -1235,8 +1266,9 @@ def markdown(r: Dict[str, Any], name: str = NAME) -> str:
         f"Model: a random Llama ({m['layers']} layers, hidden {m['hidden']}, "
         f"{m['kv_heads']} KV heads x {m['head_dim']}, float32, vocabulary {m['vocab']} "
         "words of a word-level tokenizer built here), `--max-model-len "
-        f"{MAX_MODEL_LEN} --enforce-eager`, vLLM's CPU block size 128, 1 GiB of vLLM KV "
-        f"cache per replica. Pool: {r['pool_blocks']} blocks of {r['block_size']} tokens. "
+        f"{MAX_MODEL_LEN} --enforce-eager`, vLLM's CPU block size 128, "
+        f"{r.get('kv_cache_bytes', 1 << 30) / 2**20:.0f} MiB of vLLM KV cache per replica. "
+        f"Pool: {r['pool_blocks']} blocks of {r['block_size']} tokens. "
         "The (c)/(d) replicas load `TimedShmkvConnector` (the connector with its hooks "
         "timed, `shmkv/bench/timed_connector.py`). Every run sends prompts no replica has "
         "seen. Rates: `inf` sends every request at once (saturation); the lower rates are "
@@ -1488,7 +1520,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="offered rates below saturation, as fractions of (a)'s request throughput at "
         "rate inf on the same dataset (default: 0.5)",
     )
-    ap.add_argument("--pool-blocks", type=int, default=2048, help="the pool's blocks (128 tokens)")
+    ap.add_argument(
+        "--pool-blocks", type=int, default=1024, help="the pool's blocks (128 tokens, 512 KiB)"
+    )
     ap.add_argument("--seed", type=int, default=1000, help="first dataset seed")
     ap.add_argument("--trace", default=None, help="the chat trace (default: the committed one)")
     ap.add_argument(
