@@ -14,12 +14,12 @@ sequence is kept here, and every path asks it here:
 
 * Until its promotion has settled (``Sequence.promoting``: blocks still coming) only its
   holders use it. The blocks coming in are marked ``PROMOTING`` in the shared ``owner``
-  array (:meth:`~shmkv.allocator.BlockPool.hold_promoting`), so a peek, which holds no
+  array (``BlockPool.hold_promoting``), so a peek, which holds no
   reference and cannot wait, refuses them (``NotSettled``); a clone, a fixed-length view
   and a handle opened from a hand-off say in their info what is still coming
   (:meth:`~shmkv.rows.Sequence.info`), and ``settle`` waits for it; a fork waits for it
   too (the coordinator holds the request until the promotion ends), and
-  :meth:`check_settled` refuses one that did not. A commit meanwhile is recorded and
+  :meth:`Prefix.check_settled` refuses one that did not. A commit meanwhile is recorded and
   publishes nothing; what it made ready is published once the last of its blocks is in.
 * After a promotion answered early came up short, nothing from the first block that did
   not arrive on is published until every rank has written it again
