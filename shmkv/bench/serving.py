@@ -813,21 +813,25 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
     shape = sizes(args.quick)
     datasets = list(args.datasets)
     fractions = sorted(args.rates)
+    trace = load_trace(args.trace)
     work = tempfile.mkdtemp(prefix="shmkv-bench-serving-")
+    try:
+        logs = os.path.join(work, "logs")
+        os.makedirs(logs)
+        runtime = os.path.join(work, "runtime")
+        os.makedirs(runtime, mode=0o700)
+        model = ve.make_model(
+            os.path.join(work, "model"), layers=LAYERS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+            hidden=HIDDEN,
+        )  # fmt: skip
+        save_tokenizer(model, ve.VOCAB)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
     raw_dir = args.raw_dir
     os.makedirs(raw_dir, exist_ok=True)
     for old in glob.glob(os.path.join(raw_dir, "*.json")):
         os.remove(old)  # the record names every file of this run
-    logs = os.path.join(work, "logs")
-    os.makedirs(logs)
-    runtime = os.path.join(work, "runtime")
-    os.makedirs(runtime, mode=0o700)
-    model = ve.make_model(
-        os.path.join(work, "model"), layers=LAYERS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
-        hidden=HIDDEN,
-    )  # fmt: skip
-    save_tokenizer(model, ve.VOCAB)
-    trace = load_trace(args.trace)
     name = f"bench-serving-{os.getpid()}"
     env = {**SERVER_ENV, "SHMKV_RUNTIME_DIR": runtime}
     procs: List[Proc] = []
@@ -1415,9 +1419,10 @@ def markdown(r: Dict[str, Any], name: str = NAME) -> str:
             ]
         rows = [
             [
-                "dataset", "rate", "TPOT p50 (a) / (c)", "(c)/(a)",
+                "dataset", "rate", "TPOT p50 (a) / (c)", "(c)/(a) of the medians",
                 "server ITL mean (a) / (c)", "steps with a prefill chunk (a) / (c)",
                 "(c) connector us/step: scheduler / worker", "(c) hooks, share of the run",
+                "(c) ms per lookup",
             ]
         ]  # fmt: skip
         for ds in DATASETS:
@@ -1441,17 +1446,22 @@ def markdown(r: Dict[str, Any], name: str = NAME) -> str:
                         if hs
                         else "-",
                         f"{total / c['duration'] / len(hs):.1%} a replica" if hs else "-",
+                        f"{lookup_ms(_all(runs, ds, 'c', rate)):.1f}",
                     ]
                 )
         if len(rows) > 1:
             lines += [
-                "Every dataset and rate, (a) beside (c): the client's TPOT p50; the mean "
+                "Every dataset and rate, (a) beside (c) (medians over the rounds; counts "
+                "over all of them): the client's TPOT p50; the mean "
                 "inter-token latency the servers saw (`vllm:inter_token_latency_seconds`, "
                 "free of the client's reads bunching streamed tokens); the share of engine "
                 f"steps that carried a prefill chunk (more than {DECODE_STEP_TOKENS} tokens, "
                 "`vllm:iteration_tokens_total`); and in (c) the connector's hooks per engine "
                 "step (median over the replicas; the copies between the pool and vLLM's "
-                "blocks are inside the worker's) and their share of the run's wall time.",
+                "blocks are inside the worker's) and their share of the run's wall time; "
+                "a lookup (`get_num_new_matched_tokens`, once a new request) is a round trip "
+                "to the coordinator that vLLM's scheduler thread waits for, wall time (on an "
+                "oversubscribed host it includes the time either side waits for a CPU).",
                 "",
                 markdown_table(rows),
                 "",
