@@ -1282,6 +1282,12 @@ def markdown(r: Dict[str, Any], name: str = NAME) -> str:
         "below); all figures: "
         f"[{name}.json]({name}.json).",
         "",
+        f"Rounds: {r.get('rounds', 1)} of each dataset and rate; every deployment in the "
+        "first, (a) and (c) (and (b) on zipf) in every round. A row's figures are medians "
+        "over its rounds, its counts (requests by replica, prompt tokens, hook seconds) "
+        "sums over them, its raw files linked by round; a target's ratio is the median of "
+        "the rounds' pairs, each pair run one right after the other.",
+        "",
         "Deployments: "
         + "; ".join(f"({k}) {v}" for k, v in DEPLOYMENTS.items())
         + ". Cache aware is vllm-router's `cache_aware` policy (a prefix tree of the "
@@ -1357,7 +1363,8 @@ def markdown(r: Dict[str, Any], name: str = NAME) -> str:
                 "Tokens each (c)/(d) replica's workers loaded from shmkv at `inf` "
                 "(coordinator's `shmkv_client_prefix_hit_tokens_total`): "
                 + "; ".join(
-                    f"({x['deployment']}) " + " / ".join(f"{v:.0f}" for v in x["shmkv_loaded"])
+                    f"({x['deployment']}, round {x.get('round', 0) + 1}) "
+                    + " / ".join(f"{v:.0f}" for v in x["shmkv_loaded"])
                     for x in shm
                 )
                 + "."
