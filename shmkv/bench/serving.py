@@ -955,6 +955,7 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
                     # throughput sets the lower rates); the later rounds repeat the pairs
                     # the targets compare, (a) with (c) (and (b) for zipf), their order
                     # turned each round
+                    order: Tuple[str, ...]
                     if rnd == 0:
                         order = (
                             ("a", "c", "b", "d", "e") if i % 2 == 0 else ("c", "a", "d", "b", "e")
