@@ -1,5 +1,5 @@
 # Two entry points for a fresh machine; each installs what it needs into .venv.
-.PHONY: demo test lint typecheck docs bench bench-quick bench-vllm stress setup
+.PHONY: demo test lint typecheck docs bench bench-quick bench-vllm bench-serving stress setup
 # The API reference and docs/ pages, nitpicky: a broken reference or link fails the build
 # (-E: every page read anew, so a reference broken by a change elsewhere is seen too).
 SPHINX = .venv/bin/python -m sphinx -E -W --keep-going -n -q -b html docs build/docs/html
@@ -48,6 +48,12 @@ bench-vllm:
 	./scripts/setup.sh test
 	./scripts/setup.sh plot
 	.venv/bin/shmkv bench --only vllm
+
+# vllm serve replicas behind vllm-router, with and without shmkv (about 11 minutes here)
+bench-serving:
+	./scripts/setup.sh test
+	./scripts/setup.sh serving
+	.venv/bin/shmkv bench --only serving
 
 stress:
 	./scripts/setup.sh

