@@ -310,3 +310,17 @@ def test_serve_refuses_a_loop_slice_outside_the_kernels_bounds(tmp_path):
     assert proc.returncode == 2
     assert "must be 0 or lie in [100, 100000]" in proc.stderr
     assert not (tmp_path / "s.sock").exists()
+
+
+def test_stress_start_does_not_wait_for_a_worker_that_already_finished():
+    # A worker can do all its operations and exit before a slower one is up. Its slot is
+    # closed then (no longer ready) but finished: waiting for it to be ready again hung
+    # the run until the start timeout.
+    from shmkv.tools.stress import StressRun
+
+    args = cli.build_parser().parse_args(["stress", "--workers", "2", "--ops", "4"])
+    run = StressRun(args)
+    done, up = run.slots
+    done.finished = True  # reported "done", exited, and its slot was closed
+    up.ready = True
+    run._wait_ready(timeout=1.0)  # returns: raised "workers not ready within 1.0 s" before

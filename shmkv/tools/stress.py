@@ -788,7 +788,9 @@ class StressRun(_Checks):
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        while not all(s.ready or s.gone for s in self.slots):
+        # a worker may do all its operations and exit before a slower one is up: its slot
+        # is closed (not ready) but finished, and will not come back
+        while not all(s.ready or s.finished or s.gone for s in self.slots):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"workers not ready within {timeout} s")
             self._pump(0.1)
