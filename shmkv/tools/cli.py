@@ -249,7 +249,9 @@ def for_model(args) -> None:
     its ``config.json``), as :func:`shmkv.integrations.transformers.pool_config` reads them
     (:func:`shmkv.integrations.hf_config.kv_layout`).
 
-    The config is read in a child process (see ``_READ_MODEL_CONFIG``), once per ``args``.
+    A plain decoder's ``config.json`` is read here as JSON
+    (:func:`shmkv.integrations.hf_config.plain_layout`); any other config by transformers,
+    in a child process (see ``_READ_MODEL_CONFIG``), once per ``args``.
 
     Raises:
         InvalidArgument: no config at PATH, or one that could not be read.
@@ -257,12 +259,15 @@ def for_model(args) -> None:
     import subprocess
 
     from ..errors import InvalidArgument
+    from ..integrations.hf_config import plain_layout
 
     derived = getattr(args, "_model_layout", None)
+    path = args.for_model
+    if os.path.isfile(path):
+        path = os.path.dirname(os.path.abspath(path))
     if derived is None:
-        path = args.for_model
-        if os.path.isfile(path):
-            path = os.path.dirname(os.path.abspath(path))
+        derived = plain_layout(path)  # (a plain decoder's config.json: no child needed)
+    if derived is None:
         here = os.path.abspath(__file__)
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(here)))
         env = dict(os.environ)
