@@ -2,8 +2,8 @@
  *
  * Reads each sequence's K/V where it lies (its pages, through its block table), once,
  * with no gathered copy: the scores of a page's tokens, an online softmax across
- * pages, the weighted sum of V. Built and loaded by shmkv/native.py; nothing here
- * knows Python or torch.
+ * pages, the weighted sum of V. Loaded by shmkv/native.py; nothing here knows Python
+ * or torch.
  *
  * Layout. A page is one layer's K (or V) of one block: [block_size, num_kv_heads,
  * head_dim] contiguous. Page p starts at k_base + p * page_stride (and v_base + ...).
@@ -12,6 +12,15 @@
  * float32, bfloat16 and float16 (the 16-bit ones widened to float32 as loaded; scores,
  * softmax and sums in float32; the output rounded to nearest even).
  *
+ * Instruction sets. Built with the package (setup.py) for the compiler's baseline, never
+ * for the building machine's CPU, so that one build runs on any CPU of its architecture.
+ * The kernel's loops (paged_decode_isa.h) are compiled once per instruction set: plain
+ * C for the baseline (x86-64's SSE2, aarch64's NEON, ...), and on x86-64 also AVX2 (with
+ * FMA and F16C) and AVX-512, through target attributes. Each entry point runs the widest
+ * one the CPU (and the OS, which must save its registers) supports, chosen once when the
+ * library is loaded. Each instance is also exported under its own name (..._avx2) so that
+ * the tests can check every one this CPU runs.
+ *
  * Returns 0, or SHMKV_BAD_PAGE when a table entry names a page outside
  * [0, num_pages) (nothing after it is written), or SHMKV_NO_MEMORY.
  */
@@ -19,13 +28,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-/* SHMKV_SOFT_F16: convert float16 in plain vector code even where the CPU could (the
- * tests build it so, to check that code on any machine). */
-#if defined(__AVX512F__) && !defined(SHMKV_SOFT_F16)
-#define HW_F16 16   /* 16 lanes at once */
-#include <immintrin.h>
-#elif defined(__F16C__) && !defined(SHMKV_SOFT_F16)
-#define HW_F16 8    /* 8 lanes at once (AVX2 machines) */
+#if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -41,10 +45,14 @@ typedef uint32_t v16u __attribute__((vector_size(64)));
 #define BF16 1   /* the top half of a float32's bits */
 #define F16 2    /* IEEE binary16 */
 
+/* The helpers below carry no instruction set of their own: always inlined, they are
+ * compiled as part of each instance's functions, for that instance's instruction set. */
+#define HELPER static inline __attribute__((always_inline))
+
 /* float16 bits (in 32-bit lanes) to float32 bits: normal numbers move their exponent,
  * infinities and NaNs keep theirs at the top, subnormals and zeros are renormalized
  * with one float subtraction. Whole vectors: no branch. */
-static inline v16u f16_bits_to_f32(v16u w) {
+HELPER v16u f16_bits_to_f32(v16u w) {
     const v16u shifted_exp = (v16u){0} + (0x7c00u << 13);
     v16u o = (w & 0x7fffu) << 13;
     const v16u exp = o & shifted_exp;
@@ -61,7 +69,7 @@ static inline v16u f16_bits_to_f32(v16u w) {
     return o | ((w & 0x8000u) << 16);
 }
 
-static inline float f16_to_f32(uint16_t h) {
+HELPER float f16_to_f32(uint16_t h) {
     const v16u o = f16_bits_to_f32((v16u){0} + h);
     float f;
     memcpy(&f, &o, sizeof f);
@@ -69,7 +77,7 @@ static inline float f16_to_f32(uint16_t h) {
 }
 
 /* float32 to float16, rounded to nearest even; overflow to infinity, NaN stays NaN. */
-static inline uint16_t f32_to_f16(float f) {
+HELPER uint16_t f32_to_f16(float f) {
     uint32_t x;
     memcpy(&x, &f, sizeof x);
     const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
@@ -91,40 +99,7 @@ static inline uint16_t f32_to_f16(float f) {
     return o | sign;
 }
 
-/* Loads of element i of an array of `kind`, widened to float32. */
-static inline v16 load16(const void *base, int64_t i, const int kind) {
-    v16 v;
-    if (kind == F32) {
-        memcpy(&v, (const float *)base + i, sizeof v);
-    } else {
-        v16h h;
-        memcpy(&h, (const uint16_t *)base + i, sizeof h);
-#if HW_F16 == 16
-        if (kind == F16) {   /* the CPU converts: one vcvtph2ps */
-            __m256i hv;
-            memcpy(&hv, &h, sizeof hv);
-            const __m512 f = _mm512_cvtph_ps(hv);
-            memcpy(&v, &f, sizeof v);
-            return v;
-        }
-#elif HW_F16 == 8
-        if (kind == F16) {   /* two vcvtph2ps */
-            __m128i lo, hi;
-            memcpy(&lo, &h, sizeof lo);
-            memcpy(&hi, (const char *)&h + sizeof lo, sizeof hi);
-            const __m256 f[2] = {_mm256_cvtph_ps(lo), _mm256_cvtph_ps(hi)};
-            memcpy(&v, f, sizeof v);
-            return v;
-        }
-#endif
-        const v16u w = __builtin_convertvector(h, v16u);
-        const v16u bits = kind == BF16 ? w << 16 : f16_bits_to_f32(w);
-        memcpy(&v, &bits, sizeof v);
-    }
-    return v;
-}
-
-static inline float load1(const void *base, int64_t i, const int kind) {
+HELPER float load1(const void *base, int64_t i, const int kind) {
     if (kind == F32) return ((const float *)base)[i];
     const uint16_t h = ((const uint16_t *)base)[i];
     if (kind == F16) return f16_to_f32(h);
@@ -134,7 +109,7 @@ static inline float load1(const void *base, int64_t i, const int kind) {
     return f;
 }
 
-static inline void store1(void *base, int64_t i, float f, const int kind) {
+HELPER void store1(void *base, int64_t i, float f, const int kind) {
     if (kind == F32) {
         ((float *)base)[i] = f;
     } else if (kind == F16) {
@@ -148,7 +123,7 @@ static inline void store1(void *base, int64_t i, float f, const int kind) {
 }
 
 /* The sum of x's lanes (the compiler reduces them with shuffles; plain C for any). */
-static inline float hsum16(v16 x) {
+HELPER float hsum16(v16 x) {
     float r = 0.f;
     for (int i = 0; i < 16; i++) r += x[i];
     return r;
@@ -162,15 +137,15 @@ static inline float hsum16(v16 x) {
 #define AHEAD_BYTES 98304
 #endif
 
-static inline void fetch(const char *p, int64_t nbytes) {
+HELPER void fetch(const char *p, int64_t nbytes) {
     for (int64_t off = 0; off < nbytes; off += 64) __builtin_prefetch(p + off, 0, 1);
 }
 
 /* Softmax bookkeeping of one page, shared by both kernels: the page's scores s[i][t]
  * become weights, each head's running max m, sum l and output acc rescaled. The first
  * page of a row starts them (whatever m, l and acc held). */
-static inline void page_softmax(float *s, float *m, float *l, float *acc, int64_t heads,
-                                int64_t bs, int64_t n, int64_t dim, int first) {
+HELPER void page_softmax(float *s, float *m, float *l, float *acc, int64_t heads, int64_t bs,
+                         int64_t n, int64_t dim, int first) {
     for (int64_t i = 0; i < heads; i++) {
         float *si = s + i * bs;
         float top = first ? si[0] : m[i];
@@ -197,147 +172,77 @@ static inline void page_softmax(float *s, float *m, float *l, float *acc, int64_
 /* Scratch of a call, in floats: acc, the query as float32, scores, max, sum. */
 #define WORK_FLOATS(heads, dim, bs) (2 * (heads) * (dim) + (heads) * (bs) + 2 * (heads))
 
-/* head_dim a multiple of 16 (nc chunks of 16), known at compile time per instance. */
-static inline __attribute__((always_inline)) int decode_vec(const int nc, const int kind,
-                                                            ARGS) {
-    const int64_t dim = (int64_t)nc * 16, group = heads / kv_heads, tok = kv_heads * dim;
-    const int64_t esize = kind == F32 ? 4 : 2;
-    int64_t ahead = AHEAD_BYTES / (2 * bs * tok * esize);
-    ahead = ahead < 1 ? 1 : ahead > 64 ? 64 : ahead;
-    v16 *acc = (v16 *)work;                                  /* heads * nc */
-    float *qf = work + heads * dim;                          /* heads * dim */
-    float *s = qf + heads * dim;                             /* heads * bs */
-    float *m = s + heads * bs, *l = m + heads;
-    for (int64_t b = 0; b < rows; b++) {
-        const int64_t len = lens[b];
-        const int32_t *row = table + b * table_row;
-        for (int64_t i = 0; i < heads * dim; i++) qf[i] = load1(q, b * heads * dim + i, kind);
-        for (int64_t i = 0; i < heads; i++) { m[i] = 0.f; l[i] = 0.f; }
-        for (int64_t i = 0; i < heads * nc; i++) acc[i] = (v16){0};
-        const int64_t pages = (len + bs - 1) / bs;
-        for (int64_t j = 0; j < pages; j++) {
-            const int64_t page = row[j];
-            if (page < 0 || page >= num_pages) return SHMKV_BAD_PAGE;
-            for (int64_t a = j == 0 ? 1 : ahead; a <= ahead && j + a < pages; a++) {
-                const int64_t next = row[j + a];
-                if (next >= 0 && next < num_pages) {
-                    fetch((const char *)k_base + next * page_stride * esize, bs * tok * esize);
-                    fetch((const char *)v_base + next * page_stride * esize, bs * tok * esize);
-                }
-            }
-            const int64_t n = len - j * bs < bs ? len - j * bs : bs;
-            const int64_t base = page * page_stride;
-            for (int64_t h = 0; h < kv_heads; h++) {
-                for (int64_t g = 0; g < group; g++) {
-                    const int64_t i = h * group + g;
-                    v16 qv[16];
-                    for (int c = 0; c < nc; c++) qv[c] = load16(qf, i * dim + c * 16, F32) * scale;
-                    float *si = s + i * bs;
-                    for (int64_t t = 0; t < n; t++) {
-                        const int64_t at = base + t * tok + h * dim;
-                        v16 x = qv[0] * load16(k_base, at, kind);
-                        for (int c = 1; c < nc; c++) x += qv[c] * load16(k_base, at + c * 16, kind);
-                        si[t] = hsum16(x);
-                    }
-                }
-            }
-            page_softmax(s, m, l, (float *)acc, heads, bs, n, dim, j == 0);
-            for (int64_t h = 0; h < kv_heads; h++) {
-                for (int64_t g = 0; g < group; g++) {
-                    const int64_t i = h * group + g;
-                    v16 a[16];
-                    for (int c = 0; c < nc; c++) a[c] = acc[i * nc + c];
-                    const float *si = s + i * bs;
-                    for (int64_t t = 0; t < n; t++) {
-                        const int64_t at = base + t * tok + h * dim;
-                        const float w = si[t];
-                        for (int c = 0; c < nc; c++) a[c] += w * load16(v_base, at + c * 16, kind);
-                    }
-                    for (int c = 0; c < nc; c++) acc[i * nc + c] = a[c];
-                }
-            }
-        }
-        for (int64_t i = 0; i < heads; i++) {
-            const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-            for (int c = 0; c < nc; c++) {
-                const v16 r = acc[i * nc + c] * inv;
-                for (int e = 0; e < 16; e++)
-                    store1(out, b * heads * dim + i * dim + c * 16 + e, r[e], kind);
-            }
-        }
-    }
-    return 0;
+/* The entry points' parameters: q, pages and out of one element type; page_stride in
+ * elements. */
+#define ENTRY_PARAMS const void *q, const void *k_base, const void *v_base,              \
+    int64_t page_stride, int64_t num_pages, const int32_t *table, int64_t table_row,     \
+    const int64_t *lens, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,      \
+    int64_t bs, float scale, void *out
+#define ENTRY_PASS q, k_base, v_base, page_stride, num_pages, table, table_row, lens, rows, \
+    heads, kv_heads, dim, bs, scale, out
+
+#define CONCAT(a, b) a##_##b
+#define NAMED(name, isa) CONCAT(name, isa)
+
+/* The instances: ISA names them, TARGET lets the compiler use its instructions, HW_F16
+ * is how many float16 lanes the CPU converts in one instruction (0: plain vector code). */
+#define ISA portable
+#define TARGET
+#define HW_F16 0
+#include "paged_decode_isa.h"
+#undef ISA
+#undef TARGET
+#undef HW_F16
+
+#if defined(__x86_64__)
+#define ISA avx2
+#define TARGET __attribute__((target("avx2,fma,f16c")))
+#define HW_F16 8
+#include "paged_decode_isa.h"
+#undef ISA
+#undef TARGET
+#undef HW_F16
+
+#define ISA avx512
+#define TARGET __attribute__((target("avx512f,avx2,fma,f16c")))
+#define HW_F16 16
+#include "paged_decode_isa.h"
+#undef ISA
+#undef TARGET
+#undef HW_F16
+
+/* Which instance the entry points run: 0 portable, 1 avx2, 2 avx512. Set once, when the
+ * library is loaded (before any entry point can be called). */
+static int level;
+
+__attribute__((constructor)) static void choose_level(void) {
+    __builtin_cpu_init();
+    unsigned int eax, ebx, ecx, edx;
+    const int f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C);
+    if (f16c && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        level = __builtin_cpu_supports("avx512f") ? 2 : 1;
 }
 
-/* Any head_dim: the same steps, plain loops. */
-static inline __attribute__((always_inline)) int decode_any(int64_t dim, const int kind,
-                                                            ARGS) {
-    const int64_t group = heads / kv_heads, tok = kv_heads * dim;
-    float *acc = work, *qf = work + heads * dim, *s = qf + heads * dim;
-    float *m = s + heads * bs, *l = m + heads;
-    for (int64_t b = 0; b < rows; b++) {
-        const int64_t len = lens[b];
-        const int32_t *row = table + b * table_row;
-        for (int64_t i = 0; i < heads * dim; i++) qf[i] = load1(q, b * heads * dim + i, kind);
-        for (int64_t i = 0; i < heads; i++) { m[i] = 0.f; l[i] = 0.f; }
-        for (int64_t i = 0; i < heads * dim; i++) acc[i] = 0.f;
-        const int64_t pages = (len + bs - 1) / bs;
-        for (int64_t j = 0; j < pages; j++) {
-            const int64_t page = row[j];
-            if (page < 0 || page >= num_pages) return SHMKV_BAD_PAGE;
-            const int64_t n = len - j * bs < bs ? len - j * bs : bs;
-            const int64_t base = page * page_stride;
-            for (int64_t t = 0; t < n; t++)
-                for (int64_t i = 0; i < heads; i++) {
-                    const float *qi = qf + i * dim;
-                    const int64_t at = base + t * tok + (i / group) * dim;
-                    float dot = 0.f;
-                    for (int64_t d = 0; d < dim; d++) dot += qi[d] * load1(k_base, at + d, kind);
-                    s[i * bs + t] = dot * scale;
-                }
-            page_softmax(s, m, l, acc, heads, bs, n, dim, j == 0);
-            for (int64_t t = 0; t < n; t++)
-                for (int64_t i = 0; i < heads; i++) {
-                    const int64_t at = base + t * tok + (i / group) * dim;
-                    const float w = s[i * bs + t];
-                    float *ai = acc + i * dim;
-                    for (int64_t d = 0; d < dim; d++) ai[d] += w * load1(v_base, at + d, kind);
-                }
-        }
-        for (int64_t i = 0; i < heads; i++) {
-            const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-            for (int64_t d = 0; d < dim; d++)
-                store1(out, b * heads * dim + i * dim + d, acc[i * dim + d] * inv, kind);
-        }
+#define DISPATCH(name)                                                                     \
+    int name(ENTRY_PARAMS) {                                                               \
+        if (level == 2) return name##_avx512(ENTRY_PASS);                                  \
+        if (level == 1) return name##_avx2(ENTRY_PASS);                                    \
+        return name##_portable(ENTRY_PASS);                                                \
     }
-    return 0;
+static const char *const LEVELS[] = {"portable", "avx2", "avx512"};
+#else
+static const int level = 0;
+#define DISPATCH(name)                                                                     \
+    int name(ENTRY_PARAMS) { return name##_portable(ENTRY_PASS); }
+static const char *const LEVELS[] = {"portable"};
+#endif
+
+/* The entry points shmkv/native.py binds: the widest instance this CPU runs. */
+DISPATCH(shmkv_paged_decode_f32)
+DISPATCH(shmkv_paged_decode_bf16)
+DISPATCH(shmkv_paged_decode_f16)
+
+/* The instance the entry points run: "portable", "avx2" or "avx512". */
+const char *shmkv_paged_decode_isa(void) {
+    return LEVELS[level];
 }
-
-static inline __attribute__((always_inline)) int decode(int64_t dim, const int kind, ARGS) {
-    switch (dim) {
-    case 16: return decode_vec(1, kind, PASS);
-    case 32: return decode_vec(2, kind, PASS);
-    case 64: return decode_vec(4, kind, PASS);
-    case 128: return decode_vec(8, kind, PASS);
-    case 256: return decode_vec(16, kind, PASS);
-    default: return decode_any(dim, kind, PASS);
-    }
-}
-
-/* The entry points: q, pages and out of one element type; page_stride in elements. */
-#define ENTRY(name, kind)                                                                  \
-    int name(const void *q, const void *k_base, const void *v_base, int64_t page_stride,  \
-             int64_t num_pages, const int32_t *table, int64_t table_row,                  \
-             const int64_t *lens, int64_t rows, int64_t heads, int64_t kv_heads,          \
-             int64_t dim, int64_t bs, float scale, void *out) {                           \
-        const size_t bytes = (size_t)WORK_FLOATS(heads, dim, bs) * sizeof(float);         \
-        float *work = aligned_alloc(64, (bytes + 63) / 64 * 64);                          \
-        if (work == NULL) return SHMKV_NO_MEMORY;                                         \
-        const int rc = decode(dim, kind, PASS);                                           \
-        free(work);                                                                       \
-        return rc;                                                                        \
-    }
-
-ENTRY(shmkv_paged_decode_f32, F32)
-ENTRY(shmkv_paged_decode_bf16, BF16)
-ENTRY(shmkv_paged_decode_f16, F16)
