@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv with shmkv installed (editable) and the extras named as arguments.
+# Creates .venv with shmkv installed (editable, its native libraries built in place by
+# setup.py) and the extras named as arguments.
 # Prefers a torch that is already installed (in .venv or the system Python); installs
 # torch==2.13.0 (the CPU build) only where none is present.
 set -euo pipefail
@@ -33,7 +34,10 @@ extras="${1:-}"
 spec="."
 [ -n "$extras" ] && spec=".[${extras}]"
 stamp=".venv/.shmkv-installed-${extras:-base}"
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+# The install also builds the native libraries (setup.py: shmkv/csrc, into shmkv/ for an
+# editable install), so a change to setup.py or to their sources installs again.
+if [ ! -f "$stamp" ] \
+        || [ -n "$(find pyproject.toml setup.py shmkv/csrc -newer "$stamp" -print -quit)" ]; then
     quietly .venv/bin/pip install --quiet --disable-pip-version-check -e "$spec"
     touch "$stamp"
 fi

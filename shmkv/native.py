@@ -1,81 +1,63 @@
-"""Native code: built from C source on first use, loaded with ctypes.
+"""Native code: C built with the package, loaded with ctypes.
 
-Owns compiling the C sources in ``csrc/`` with the machine's C compiler into cached
-shared libraries, and loading them. Two libraries, built and trusted alike:
+Owns finding and loading the shared libraries built from ``csrc/`` when shmkv was
+installed, and the calls into the decode kernel. Two libraries:
 
-* the decode kernel (``csrc/paged_decode.c``; :func:`decoder`, and
-  :func:`paged_decode`, which calls it on torch tensors). :mod:`shmkv.attention` uses it
-  for decode steps on CPU (one query token per sequence, float32, bfloat16 or float16):
-  it reads each sequence's pages where they lie, once, instead of gathering them into a
-  copy and running SDPA over the copy;
+* the decode kernel (``csrc/paged_decode.c``; :func:`decoder`, and :func:`paged_decode`,
+  which calls it on torch tensors). :mod:`shmkv.attention` uses it for decode steps on
+  CPU (one query token per sequence, float32, bfloat16 or float16): it reads each
+  sequence's pages where they lie, once, instead of gathering them into a copy and
+  running SDPA over the copy;
 * the tiers' row copy (``csrc/copy_rows.c``; :func:`copier`): block copies between the
   pool and the host tier with stores that go past the caches
-  (:class:`shmkv.tier_io.RowCopy`), in a client that copies its own promotions and in
-  the tier I/O process, which loads the library the coordinator checked through the
-  descriptor it inherits (``RowCopy.fd``).
+  (:class:`shmkv.tier_io.RowCopy`), in a client that copies its own promotions, in the
+  coordinator's threads and in the tier I/O process, which loads the same file by its
+  path (:func:`library_path`).
 
-Built once per machine and source: a library is named by a hash of its source, the
-compiler, its flags and the CPU, in :func:`cache_dir` (``$SHMKV_CACHE_DIR``, default
-``$XDG_CACHE_HOME/shmkv``, else ``~/.cache/shmkv``), written under a temporary name and
-renamed into place, so processes that build at once do not see each other's partial
-files. Nothing is compiled at import: a library is built by its first use (about
-half a second for the decode kernel: the first decode call; for the row copy: a
-coordinator starting with tiers over a CPU pool, or a client's first promotion it
-copies), and later uses, in any process, load it.
+Built when the package is built, never at run time: ``setup.py`` declares each C file
+a setuptools ``Extension`` (``optional=True``), so ``pip install`` compiles them with
+the C compiler Python was built with (``$CC`` overrides it), and ``pip install -e .``
+(which ``make test`` runs through ``scripts/setup.sh``) builds them in place, next to
+this file. setuptools rather than scikit-build-core or meson-python: the package
+already builds with setuptools, the sources are two small C files with no dependencies,
+and users need no CMake or meson (only a C compiler, and not even that: see below).
+The libraries are plain C (no Python C API), named as extension modules are
+(``_paged_decode`` and ``_copy_rows`` with the interpreter's extension suffix) and
+loaded from this file's directory: installed with the package, they are trusted as its
+Python files are.
 
-Only a library this user built is ever loaded: loading runs its code (constructors run
-at ``dlopen``, before any symbol is looked up), and its name is a hash anyone on the
-machine can work out. So the cache directory is used only when it is a real directory
-(not a symbolic link) owned by this user and writable by no one else (created 0700,
-whatever the umask); a library in it is opened without following links and checked on
-the open descriptor (a regular file, owned by this user, writable by no one else), then
-loaded through that descriptor (``/proc/self/fd/N``), so nothing can be swapped in
-between the check and the load. A library that fails the check is rebuilt in its
-place; a directory that fails it is not used, and the kernel is built in a fresh
-private directory instead (removed once loaded). Each refusal is logged, with why.
+Compiled for the compiler's baseline, never for the building machine's CPU
+(``-march=native``): the C picks its AVX2 or AVX-512 code at run time from what the CPU
+reports (:func:`isa`), so one build runs on any x86-64, and on aarch64 (which builds
+the portable code alone).
 
-Optional by design: without a C compiler (``$CC``, else ``cc``, ``gcc``, ``clang``), when
-the build fails, or with ``SHMKV_NATIVE=0`` in the environment, :func:`decoder`
-returns None and attention takes its torch path, and :func:`copier` returns None and
-the tiers copy with numpy. Why it failed is logged once (logger ``shmkv.native``) and
-kept in :func:`status` / :func:`copy_status`.
+Optional by design: where the package was built without a C compiler (or the build
+failed), or with ``SHMKV_NATIVE=0`` in the environment, :func:`decoder` returns None and
+attention takes its torch path, and :func:`copier` returns None and the tiers copy with
+numpy. Why is logged once (logger ``shmkv.native``), kept in :func:`status` /
+:func:`copy_status`, and shown by ``shmkv stats`` (:func:`report`).
 """
 
 from __future__ import annotations
 
 import ctypes
-import errno
-import hashlib
+import importlib.machinery
 import logging
 import os
-import platform
-import shutil
-import signal
-import stat
-import subprocess
-import tempfile
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, List, NamedTuple, Optional, TypedDict
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple, TypedDict
 
 import torch
 
 log = logging.getLogger("shmkv.native")
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "paged_decode.c")
-COPY_SOURCE = os.path.join(os.path.dirname(SOURCE), "copy_rows.c")
-# Tried in order: the first set the compiler takes. -ffast-math lets the compiler use
-# vector exp and reorder sums (results differ from SDPA's in the last bits, as SDPA's
-# differ between its own kernels); the kernel keeps every value finite.
-FLAG_SETS = (["-O3", "-march=native", "-ffast-math"], ["-O3", "-ffast-math"])
-# The row copy: the CPU's widest streaming stores, else the baseline's (SSE2 on x86-64).
-COPY_FLAG_SETS = (["-O2", "-march=native"], ["-O2"])
-# Part of the library's name: a build whose output is made differently gets a new name.
-BUILD_KIND = "c-then-link-v2"
-BUILD_TIMEOUT_S = 60.0
-# A built library no process loaded for this long goes when another is built.
-PRUNE_AFTER_S = 30 * 86400.0
+# Where the build puts the libraries: beside this file (site-packages/shmkv, or the
+# checkout's shmkv/ for an editable install).
+LIBRARY_DIR = os.path.dirname(os.path.abspath(__file__))
+# The decode kernel's instances, narrowest first: the CPU runs those up to the one
+# :func:`isa` names.
+ISAS = ("portable", "avx2", "avx512")
 BAD_PAGE, NO_MEMORY = 1, 2
 # Below this many (keys x heads x head_dim) a call runs on one thread: handing rows to
 # other threads costs more than it saves.
@@ -91,12 +73,13 @@ class _State(TypedDict):
     """What :func:`decoder` or :func:`copier` found (written once, under ``_lock``)."""
 
     fn: Any  # what the library's ``bind`` made of it; None: not (yet) available
+    isa: Optional[str]  # the instruction set it runs
     tried: bool
     status: str  # what status() / copy_status() return
 
 
 def _new_state() -> _State:
-    return {"fn": None, "tried": False, "status": "not built yet"}
+    return {"fn": None, "isa": None, "tried": False, "status": "not loaded yet"}
 
 
 _state: _State = _new_state()
@@ -104,390 +87,98 @@ _copy_state: _State = _new_state()
 _pool: Optional[ThreadPoolExecutor] = None
 
 
-class UntrustedLibrary(PermissionError):
-    """A library or cache directory refused because another user could have written it
-    (wrong owner, group or others may write, a symbolic link, not a regular file)."""
+def library_path(name: str) -> Optional[str]:
+    """The built library ``name`` (``"_paged_decode"``, ``"_copy_rows"``) in
+    :data:`LIBRARY_DIR`, or None when the package was built without it."""
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = os.path.join(LIBRARY_DIR, name + suffix)
+        if os.path.isfile(path):
+            return path
+    return None
 
 
-# Where this process's open descriptors can be named for dlopen (Linux). Without it
-# libraries are only loaded from a fresh private directory made for the build.
-_FD_DIR = "/proc/self/fd"
-# Descriptors of the loaded libraries, kept open: the loader knows a library by the name
-# it was opened with (/proc/self/fd/N), and would hand back the first one for a later
-# library opened under a reused N.
-_loaded_fds: List[int] = []
+def _disabled() -> bool:
+    return os.environ.get("SHMKV_NATIVE", "1").strip().lower() in ("0", "false", "no", "off")
 
 
-def _untrusted(info: os.stat_result, directory: bool) -> Optional[str]:
-    """Why a file or directory of this ``lstat``/``fstat`` result could hold another
-    user's code, or None when only this user can have written it."""
-    if stat.S_ISLNK(info.st_mode):
-        return "is a symbolic link"
-    if directory and not stat.S_ISDIR(info.st_mode):
-        return "is not a directory"
-    if not directory and not stat.S_ISREG(info.st_mode):
-        return "is not a regular file"
-    if info.st_uid != os.geteuid():
-        return f"is owned by uid {info.st_uid}, not by this user (uid {os.geteuid()})"
-    if info.st_mode & 0o022:
+def _load(lib: "_Library") -> tuple:
+    """``(what lib.bind made of the loaded library, the instruction set it runs, None)``,
+    or ``(None, None, why not)``."""
+    if _disabled():
+        return None, None, "disabled by SHMKV_NATIVE"
+    path = library_path(lib.name)
+    if path is None:
         return (
-            f"can be written by its group or others (mode "
-            f"{stat.S_IMODE(info.st_mode):o}; chmod go-w it, or remove it)"
+            None,
+            None,
+            f"not built: no {lib.name}{importlib.machinery.EXTENSION_SUFFIXES[0]} in "
+            f"{LIBRARY_DIR} (shmkv was installed without a C compiler, or the build "
+            "failed); install a C compiler (cc) and reinstall shmkv (in a checkout: "
+            "pip install -e .)",
         )
-    return None
-
-
-def _make_dirs(path: str) -> None:
-    """Create ``path`` and missing parents, each 0700 whatever the umask (mkdir's mode is
-    cut by the umask; a umask of 000 would otherwise leave nothing cut from 0777)."""
-    parent = os.path.dirname(path)
-    if parent and parent != path and not os.path.lexists(parent):
-        _make_dirs(parent)
     try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        return
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    try:
-        os.fchmod(fd, 0o700)
-    finally:
-        os.close(fd)
+        fn, isa = lib.bind(path)
+    except (OSError, AttributeError) as exc:
+        return None, None, f"cannot load {path}: {exc}"
+    return fn, isa, None
 
 
-def _private_dir(path: str) -> tuple:
-    """``(None, False)`` when ``path`` is (made, if missing) a directory only this user
-    can write: not a link, owned by this user, not writable by group or others, writable
-    by this user. Else ``(why not, whether someone else could write it)``."""
-    try:
-        _make_dirs(path)
-        why = _untrusted(os.lstat(path), directory=True)
-    except OSError as exc:
-        return f"cannot be created or read ({exc})", False
-    if why is not None:
-        return why, True
-    if not os.access(path, os.W_OK | os.X_OK):
-        return "cannot be written by this user", False
-    return None, False
+def _decode_library(path: str) -> Tuple[ctypes.CDLL, str]:
+    lib = ctypes.CDLL(path)
+    chosen = lib.shmkv_paged_decode_isa
+    chosen.argtypes, chosen.restype = [], ctypes.c_char_p
+    return lib, chosen().decode()
 
 
-def cache_dir() -> Optional[str]:
-    """Where built libraries are kept, or None when no directory may be used (the kernel
-    is then built in a fresh private directory, removed once loaded).
-
-    ``$SHMKV_CACHE_DIR`` when set, else the user's cache directory
-    (``$XDG_CACHE_HOME/shmkv``, else ``~/.cache/shmkv``), else (a home that cannot be
-    written, as in some containers) ``shmkv-UID`` in the temporary directory. A
-    directory is used only when it is not a symbolic link, is owned by this user and
-    can be written by no one else; a missing one is created 0700. Why one was refused
-    is logged (logger ``shmkv.native``): a warning when someone else could write it."""
-    explicit = os.environ.get("SHMKV_CACHE_DIR")
-    if explicit:
-        candidates = [explicit]
-    else:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        candidates = [
-            os.path.join(base, "shmkv"),
-            os.path.join(tempfile.gettempdir(), f"shmkv-{os.getuid()}"),
-        ]
-    for path in candidates:
-        why, unsafe = _private_dir(path)
-        if why is None:
-            return path
-        log.log(
-            logging.WARNING if unsafe else logging.INFO,
-            "shmkv: not using %s for the native libraries: it %s",
-            path,
-            why,
-        )
-    return None
-
-
-def _compiler() -> Optional[str]:
-    for name in ([os.environ["CC"]] if os.environ.get("CC") else []) + ["cc", "gcc", "clang"]:
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
-
-
-def _cpu_flags() -> str:
-    """What -march=native depends on: the CPU's feature flags (Linux), else the machine."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _run(command: list) -> Optional[str]:
-    """Run a compiler step; None when it succeeded, else why not. On a timeout the
-    whole process group goes (the driver's cc1 and ld with it)."""
-    try:
-        proc = subprocess.Popen(
-            command,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-    except OSError as exc:
-        return str(exc)
-    try:
-        _out, err = proc.communicate(timeout=BUILD_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except OSError:
-            pass
-        proc.communicate()
-        return f"{command[0]} took over {BUILD_TIMEOUT_S:g} s"
-    return None if proc.returncode == 0 else (err.strip()[-400:] or f"exit {proc.returncode}")
-
-
-def _prune(directory: str, keep: str, prefix: str = "paged_decode") -> None:
-    """Remove the libraries named ``prefix-*`` of earlier sources or builds not used for
-    PRUNE_AFTER_S (a cache shared by machines keeps each machine's current one)."""
-    now = time.time()
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return
-    for name in names:
-        path = os.path.join(directory, name)
-        if name.startswith(prefix + "-") and name.endswith(".so") and path != keep:
-            try:
-                if now - os.stat(path).st_atime > PRUNE_AFTER_S:
-                    os.unlink(path)
-            except OSError:
-                pass
-
-
-def _library_names(cc: str, lib: Optional["_Library"] = None) -> List[str]:
-    """A library's file name (the decode kernel's by default) for each of its flag sets,
-    built with ``cc``: a hash of the source, the compiler and its version, the flags,
-    the build kind and the CPU. Raises OSError / SubprocessError when the source cannot
-    be read or ``cc`` run."""
-    lib = lib or DECODE
-    with open(lib.source, "rb") as f:
-        source = f.read()
-    version = subprocess.run(
-        [cc, "--version"], capture_output=True, timeout=30, start_new_session=True
-    ).stdout
-    return [
-        lib.name
-        + "-"
-        + hashlib.sha256(
-            b"\0".join(
-                [
-                    source,
-                    cc.encode(),
-                    version,
-                    " ".join(flags).encode(),
-                    BUILD_KIND.encode(),
-                    platform.machine().encode(),
-                    _cpu_flags().encode(),
-                ]
-            )
-        ).hexdigest()[:20]
-        + ".so"
-        for flags in lib.flag_sets
-    ]
-
-
-def _compile(
-    cc: str, flags: list, directory: str, path: str, source: str = SOURCE
-) -> Optional[str]:
-    """Build the library of ``source`` into ``path`` in ``directory`` (under a temporary
-    name, then renamed over whatever is there); None when it was built, else why not."""
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-shmkv-", suffix=".so", dir=directory)
-        os.close(fd)
-    except OSError as exc:
-        return f"cannot write to the cache directory {directory}: {exc}"
-    obj = tmp[:-3] + ".o"
-    try:
-        # Compiled with the flags, linked without them: a link with -ffast-math adds
-        # start-up code that sets flush-to-zero for the whole process (subnormals
-        # would read as zero in every computation, torch's included).
-        for command in (
-            [cc, *flags, "-fPIC", "-c", "-o", obj, source],
-            [cc, "-shared", "-o", tmp, obj, "-lm"],
-        ):
-            failed = _run(command)
-            if failed:
-                return failed
-        os.chmod(tmp, 0o755)  # the linker's mode follows the umask
-        os.replace(tmp, path)
-        return None
-    except (OSError, subprocess.SubprocessError) as exc:
-        return str(exc)
-    finally:
-        for leftover in (tmp, obj):
-            if os.path.exists(leftover):
-                os.unlink(leftover)
-
-
-def _build(lib: Optional["_Library"] = None) -> tuple:
-    """(what ``lib.bind`` made of the loaded library, None) or (None, why not), for
-    ``lib`` (the decode kernel by default)."""
-    lib = lib or DECODE
-    if os.environ.get("SHMKV_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
-        return None, "disabled by SHMKV_NATIVE"
-    cc = _compiler()
-    if cc is None:
-        return None, "no C compiler found (set CC, or install cc/gcc/clang)"
-    try:
-        names = _library_names(cc, lib)
-    except (OSError, subprocess.SubprocessError) as exc:
-        return None, f"cannot read the source {lib.source} or run {cc}: {exc}"
-    directory = cache_dir() if os.path.isdir(_FD_DIR) else None
-    private = None
-    if directory is None:
-        try:
-            private = directory = tempfile.mkdtemp(prefix="shmkv-build-")  # 0700, ours
-        except OSError as exc:
-            return None, f"cannot make a private directory to build in: {exc}"
-    errors = []
-    try:
-        for flags, name in zip(lib.flag_sets, names):
-            path = os.path.join(directory, name)
-            if os.path.lexists(path):
-                try:
-                    return _load(path, lib)
-                except UntrustedLibrary as exc:
-                    log.warning("shmkv: %s; building a new one in its place", exc)
-                except (OSError, AttributeError) as exc:
-                    errors.append(f"loading {path}: {exc}")
-                    continue
-            failed = _compile(cc, flags, directory, path, lib.source)
-            if failed:
-                errors.append(f"{' '.join(flags)}: {failed}")
-                continue
-            if private is None:
-                _prune(directory, keep=path, prefix=lib.name)
-            try:
-                return _load(path, lib)
-            except (OSError, AttributeError) as exc:
-                errors.append(f"loading {path}: {exc}")
-    finally:
-        if private is not None:
-            shutil.rmtree(private, ignore_errors=True)  # what is loaded stays mapped
-    return None, f"building with {cc} failed: " + "; ".join(errors)
-
-
-def load(path: str) -> dict:
-    """The kernels of the built decode library at ``path``, ``{dtype: fn}`` for each of
-    :data:`DTYPES`, loaded as :func:`open_library` does.
-
-    Raises:
-        UntrustedLibrary: the file fails the check (nothing of it has run).
-        OSError / AttributeError: it cannot be opened or loaded, or lacks the kernels.
-    """
-    return _bind_decode(*open_library(path))
-
-
-def open_library(path: str) -> tuple:
-    """The built library at ``path``, loaded: ``(ctypes.CDLL, the descriptor it was
-    loaded through)``.
-
-    The file is opened without following a symbolic link and checked on the open
-    descriptor before anything is loaded: a regular file, owned by this user, writable
-    by no one else. It is then loaded through that descriptor (``/proc/self/fd/N``),
-    which stays open: what was checked is what runs. (Where there is no
-    ``/proc/self/fd`` it is loaded by path after the check; :func:`decoder` then loads
-    only from a fresh private directory.)
-
-    Raises:
-        UntrustedLibrary: the file fails the check (nothing of it has run).
-        OSError: it cannot be opened or loaded.
-    """
-    try:
-        fd = os.open(
-            path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
-        )
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise UntrustedLibrary(f"refusing to load {path}: it is a symbolic link") from None
-        raise
-    try:
-        why = _untrusted(os.fstat(fd), directory=False)
-        if why is not None:
-            raise UntrustedLibrary(f"refusing to load {path}: it {why}")
-        lib = ctypes.CDLL(f"{_FD_DIR}/{fd}" if os.path.isdir(_FD_DIR) else path)
-    except BaseException:
-        os.close(fd)
-        raise
-    _loaded_fds.append(fd)
-    return lib, fd
-
-
-def _load(path: str, lib: "_Library") -> tuple:
-    return lib.bind(*open_library(path)), None
-
-
-def _bind_decode(lib: ctypes.CDLL, _fd: int) -> dict:
+def _bind_decode(path: str, isa: Optional[str] = None) -> Tuple[dict, str]:
+    lib, chosen = _decode_library(path)
+    suffix = "" if isa is None else "_" + isa
     kernels = {
-        torch.float32: lib.shmkv_paged_decode_f32,
-        torch.bfloat16: lib.shmkv_paged_decode_bf16,
-        torch.float16: lib.shmkv_paged_decode_f16,
+        torch.float32: getattr(lib, "shmkv_paged_decode_f32" + suffix),
+        torch.bfloat16: getattr(lib, "shmkv_paged_decode_bf16" + suffix),
+        torch.float16: getattr(lib, "shmkv_paged_decode_f16" + suffix),
     }
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     for fn in kernels.values():
         fn.argtypes = [p, p, p, i64, i64, p, i64, p, i64, i64, i64, i64, i64, ctypes.c_float, p]
         fn.restype = ctypes.c_int
-    return kernels
+    return kernels, chosen if isa is None else isa
 
 
-def _bind_copy(lib: ctypes.CDLL, fd: int) -> Any:
+def _bind_copy(path: str) -> Tuple[Any, str]:
     from .tier_io import RowCopy
 
-    return RowCopy(lib, fd)
+    copy = RowCopy(path)
+    return copy, copy.isa
 
 
 class _Library(NamedTuple):
-    """One library built from one source: ``name`` starts its file names, ``title`` names
-    it in messages; ``bind`` makes
-    what callers get from the loaded library and the descriptor it was loaded through
-    (and raises AttributeError where a symbol is missing); ``without`` says what takes
-    its place when it is not available."""
+    """One library built from one source: ``name`` is its file's (without the extension
+    suffix), ``title`` names it in messages; ``bind`` loads the file at a path and makes
+    what callers get of it, with the instruction set it runs (and raises OSError or
+    AttributeError where it cannot); ``without`` says what takes its place when it is not
+    available."""
 
     name: str
     title: str
-    source: str
-    flag_sets: tuple
-    bind: Callable[[ctypes.CDLL, int], Any]
+    bind: Callable[[str], Tuple[Any, str]]
     without: str
 
 
 DECODE = _Library(
-    "paged_decode",
-    "native decode kernel",
-    SOURCE,
-    FLAG_SETS,
-    _bind_decode,
-    "attention takes its torch path",
+    "_paged_decode", "native decode kernel", _bind_decode, "attention takes its torch path"
 )
-COPY = _Library(
-    "copy_rows",
-    "native row copy",
-    COPY_SOURCE,
-    COPY_FLAG_SETS,
-    _bind_copy,
-    "the tiers copy with numpy",
-)
+COPY = _Library("_copy_rows", "native row copy", _bind_copy, "the tiers copy with numpy")
 
 
 def _get(lib: _Library, state: _State) -> Any:
-    """What ``lib`` gives (built or loaded on the first call), or None."""
+    """What ``lib`` gives (loaded on the first call), or None."""
     if state["tried"]:
         return state["fn"]
     with _lock:
         if not state["tried"]:
-            fn, why = _build(lib)
-            state["fn"] = fn
+            fn, isa, why = _load(lib)
+            state["fn"], state["isa"] = fn, isa
             state["status"] = "loaded" if fn is not None else why
             if fn is None and why != "disabled by SHMKV_NATIVE":
                 log.warning("shmkv: the %s is not available, %s: %s", lib.title, lib.without, why)
@@ -497,26 +188,66 @@ def _get(lib: _Library, state: _State) -> Any:
 
 def decoder() -> Optional[dict]:
     """The loaded kernels, ``{dtype: fn}`` for each of :data:`DTYPES`, or None when
-    they are not available (see :func:`status`). Builds or loads them on the first
-    call; later calls return what that one found."""
+    they are not available (see :func:`status`). Loads them on the first call; later
+    calls return what that one found."""
     return _get(DECODE, _state)
 
 
 def status() -> str:
-    """``"loaded"``, ``"not built yet"``, or why the decode kernel is not available."""
+    """``"loaded"``, ``"not loaded yet"``, or why the decode kernel is not available."""
     return _state["status"]
+
+
+def isa() -> Optional[str]:
+    """The instance of the decode kernel :func:`decoder`'s kernels run, the widest this
+    CPU supports: ``"avx512"``, ``"avx2"`` (with FMA and F16C) or ``"portable"``; None
+    when they are not loaded (yet)."""
+    return _state["isa"]
+
+
+def isa_kernels(name: str) -> dict:
+    """The decode kernels of one instance (one of :data:`ISAS`, up to :func:`isa`),
+    ``{dtype: fn}`` as :func:`decoder`'s, whichever this CPU would choose: for the
+    tests and benchmarks that compare them.
+
+    Raises:
+        LookupError: the kernel is not available (see :func:`status`).
+        ValueError: an instance this CPU cannot run, or not one of :data:`ISAS`.
+    """
+    if decoder() is None:
+        raise LookupError(f"the native decode kernel is not available: {status()}")
+    chosen = _state["isa"]
+    runs = ISAS[: ISAS.index(chosen) + 1] if chosen in ISAS else ()
+    if name not in runs:
+        raise ValueError(
+            f"no decode kernel instance {name!r}: this CPU runs the {', '.join(runs)} ones"
+        )
+    path = library_path(DECODE.name)
+    assert path is not None  # (decoder() loaded it)
+    return _bind_decode(path, name)[0]
 
 
 def copier() -> Optional[Any]:
     """The tiers' row copy (:class:`shmkv.tier_io.RowCopy`), or None when it is not
-    available (see :func:`copy_status`): the tiers then copy with numpy. Builds or loads
-    it on the first call; later calls return what that one found."""
+    available (see :func:`copy_status`): the tiers then copy with numpy. Loads it on
+    the first call; later calls return what that one found."""
     return _get(COPY, _copy_state)
 
 
 def copy_status() -> str:
-    """``"loaded"``, ``"not built yet"``, or why the row copy is not available."""
+    """``"loaded"``, ``"not loaded yet"``, or why the row copy is not available."""
     return _copy_state["status"]
+
+
+def report() -> Dict[str, str]:
+    """The native code of this installation, as ``shmkv stats`` shows it (loading each
+    library not tried yet): ``{"decode": ..., "row_copy": ...}``, each ``"loaded
+    (ISA)"`` or why it is not available (then the torch path or numpy's copy runs)."""
+    decoder(), copier()
+    return {
+        name: f"loaded ({state['isa']})" if state["fn"] is not None else state["status"]
+        for name, state in (("decode", _state), ("row_copy", _copy_state))
+    }
 
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

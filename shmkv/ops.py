@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from . import protocol
+from . import native, protocol
 from .errors import InvalidArgument, OutOfRange, ProtocolError, WrongType
 from .layout import PoolConfig
 from .memory import PoolMemory, Populator
@@ -363,7 +363,8 @@ class Ops:
         return counts
 
     def stats(self) -> dict:
-        """Counters of the pool, the prefix cache, connections and operations."""
+        """Counters of the pool, the prefix cache, connections and operations, and
+        whether the native code is loaded (``native``: see ``shmkv.native.report``)."""
         out = self.table.stats()
         uptime = max(time.monotonic() - self._started_at, 1e-9)
         out.update(
@@ -390,6 +391,8 @@ class Ops:
             }
         )
         out["pool_memory"] = self.pool_memory_stats()
+        # the native code of this installation: the kernel or its fallback, and why
+        out["native"] = native.report()
         if self.tiers is not None:
             out["tiers"] = self.tiers.stats()
             out["tier_io"] = self.tiers.io_stats()

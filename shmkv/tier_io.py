@@ -574,35 +574,46 @@ class RowCopy:
     """``np.copyto(dst, src)`` for the tiers' block copies, with the native row copy
     (``csrc/copy_rows.c``): stores that go past the caches, where the CPU has them.
 
-    Built and loaded by ``shmkv.native.copier`` (its trust rules); the tier I/O process
-    loads the same file through the descriptor it inherits (:meth:`inherited`). A copy
-    of fewer than ``min_bytes`` goes to ``np.copyto``: it costs less to call, and bytes
-    that few may as well stay in the caches. The trade: a block whose destination
-    already sits in the caches (the same buffers copied over and over) copies at about
-    half numpy's speed streamed; tier copies sweep far more memory than the caches hold.
+    Loaded by ``shmkv.native.copier`` from the library built with the package; the tier
+    I/O process loads the same file by its path. A copy of fewer than ``min_bytes`` goes
+    to ``np.copyto``: it costs less to call, and bytes that few may as well stay in the
+    caches. The trade: a block whose destination already sits in the caches (the same
+    buffers copied over and over) copies at about half numpy's speed streamed; tier
+    copies sweep far more memory than the caches hold.
 
     Args:
-        lib: the loaded library.
-        fd: the descriptor it was loaded through (kept open by whoever loaded it).
+        path: the built library (``shmkv.native.library_path("_copy_rows")``).
+        isa: how to copy rows of 512 bytes and more, one of :attr:`ISAS` up to the widest
+            this CPU runs (for the tests that compare them); by default that widest one.
 
     Raises:
-        AttributeError: the library lacks the copy.
+        OSError: the library cannot be loaded.
+        AttributeError: it lacks the copy.
+        ValueError: an ``isa`` this CPU cannot run, or not one of :attr:`ISAS`.
+
+    ``path`` and ``isa`` (the way it copies wide rows) stay readable.
     """
 
     min_bytes = 128 << 10
+    # narrowest first: "portable" is memcpy; "sse2" and "avx" stream 16 and 32 bytes a store
+    ISAS = ("portable", "sse2", "avx")
 
-    def __init__(self, lib: ctypes.CDLL, fd: int):
-        fn = lib.shmkv_copy_rows
+    def __init__(self, path: str, isa: Optional[str] = None):
+        lib = ctypes.CDLL(path)
+        chosen = lib.shmkv_copy_rows_isa
+        chosen.argtypes, chosen.restype = [], ctypes.c_char_p
+        widest = chosen().decode()
+        if isa is not None and (
+            isa not in self.ISAS
+            or widest not in self.ISAS
+            or self.ISAS.index(isa) > self.ISAS.index(widest)
+        ):
+            raise ValueError(f"this CPU copies rows up to {widest!r}, not {isa!r}")
+        fn = getattr(lib, "shmkv_copy_rows" if isa is None else "shmkv_copy_rows_" + isa)
         i64 = ctypes.c_int64
         fn.argtypes = [ctypes.c_void_p, i64, ctypes.c_void_p, i64, i64, i64]
         fn.restype = ctypes.c_int
-        self._fn, self.fd = fn, fd
-
-    @classmethod
-    def inherited(cls, fd: int) -> "RowCopy":
-        """The library a parent checked and loaded, from its descriptor ``fd`` (kept
-        open: the loader knows the library by that name)."""
-        return cls(ctypes.CDLL(f"/proc/self/fd/{fd}"), fd)
+        self._fn, self.path, self.isa = fn, path, widest if isa is None else isa
 
     def __call__(self, dst: np.ndarray, src: np.ndarray) -> None:
         """Copy ``src`` into ``dst``: 2-D uint8 of one shape whose rows are each one run
@@ -1296,7 +1307,7 @@ class _Process:
         copy: Callable[[np.ndarray, np.ndarray], Any] = np.copyto
         if spec.get("copy_lib") is not None:  # the native row copy the coordinator loaded
             try:
-                copy = RowCopy.inherited(spec["copy_lib"])
+                copy = RowCopy(spec["copy_lib"])
             except (OSError, AttributeError) as exc:
                 print(f"shmkv tier I/O: copying with numpy: {exc}", file=sys.stderr)
         self.mover = Mover(

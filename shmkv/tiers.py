@@ -54,7 +54,7 @@ never waits for them.
   coordinator's threads) moves a block between the pool and host memory with the
   native row copy, whose stores go past the caches (``shmkv.native.copier``,
   ``shmkv.tier_io.RowCopy``), else with ``np.copyto``; the I/O process loads the
-  library the coordinator checked, by the descriptor it inherits (``TierSet._row_copy``).
+  library the coordinator loaded, by its path in the package (``TierSet._row_copy``).
 * Cancellation without a lock: a worker copies a pool block first and reads the
   copy's cancel state after (the copy's ``cancelled`` flag in threads; the block's
   generation in shared memory for the I/O process, see ``shmkv.tier_io``). The loop
@@ -1878,9 +1878,8 @@ class TierSet(_Promotions):
                 "copy_lib": None,
             }
             copy = self._row_copy()
-            if isinstance(copy, tier_io.RowCopy):  # (the descriptor stays open here)
-                spec["copy_lib"] = copy.fd
-                fds.append(copy.fd)
+            if isinstance(copy, tier_io.RowCopy):  # the I/O process loads the same file
+                spec["copy_lib"] = copy.path
             for name, store in (("host", host), ("staging", self._staging)):
                 if store is not None:
                     spec[name] = [store.fd, store.num_slots, store.slot_nbytes]

@@ -1,14 +1,15 @@
 """The native decode kernel (shmkv.native) against a dense float64 reference and against
-the torch path, and what happens without it."""
+the torch path, each of its instruction-set instances this CPU runs, the row copy, and
+what happens where the package was built without them."""
 
 from __future__ import annotations
 
-import logging
+import importlib.machinery
 import os
 import shutil
-import stat
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import numpy as np
@@ -18,9 +19,17 @@ import torch.nn.functional as F
 
 from shmkv import native
 from shmkv.attention import PagedAttentionPlan, paged_attention
+from shmkv.tier_io import RowCopy
 
 TOLERANCE = dict(rtol=2e-5, atol=2e-5)
-HAS_CC = native._compiler() is not None
+ROOT = Path(__file__).resolve().parents[1]
+# The compiler setuptools builds the package's libraries with: where there is one, the
+# install (scripts/setup.sh) must have built them.
+HAS_CC = (
+    shutil.which((os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()[0])
+    is not None
+)
+BUILT = native.library_path(native.DECODE.name) is not None
 
 
 def pool_pages(num_blocks, num_layers, block_size, kv_heads, head_dim, layer, seed=0):
@@ -77,13 +86,45 @@ def sdpa_calls(monkeypatch):
     return counted(monkeypatch, F, "scaled_dot_product_attention")
 
 
-needs_cc = pytest.mark.skipif(not HAS_CC, reason="no C compiler: the kernel cannot be built")
+needs_build = pytest.mark.skipif(
+    not BUILT, reason="the package was built without the native libraries (no C compiler)"
+)
 
 
-@needs_cc
-def test_the_kernel_builds_and_loads_here():
+def test_the_libraries_are_built_with_the_package_and_load_here():
+    if not HAS_CC:
+        pytest.skip("no C compiler: the package was built without its native libraries")
     assert native.decoder() is not None, native.status()
     assert native.status() == "loaded"
+    assert native.isa() in native.ISAS
+    copy = native.copier()
+    assert copy is not None, native.copy_status()
+    assert copy.isa in RowCopy.ISAS
+    for name in (native.DECODE.name, native.COPY.name):
+        path = native.library_path(name)
+        assert path is not None and os.path.dirname(path) == os.path.dirname(native.__file__)
+
+
+def test_the_decode_kernel_chooses_the_widest_instance_the_cpu_reports():
+    # paged_decode.c's cpuid test against the kernel's own view of /proc/cpuinfo.
+    if native.decoder() is None:
+        pytest.skip(f"no native kernel: {native.status()}")
+    flags = set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    if os.uname().machine != "x86_64":
+        want = "portable"
+    elif {"avx512f", "avx2", "fma", "f16c"} <= flags:
+        want = "avx512"
+    elif {"avx2", "fma", "f16c"} <= flags:
+        want = "avx2"
+    else:
+        want = "portable"
+    assert native.isa() == want
+    assert native.report()["decode"] == f"loaded ({want})"
 
 
 # bfloat16 and float16: K/V and queries rounded to them, the result rounded to them
@@ -95,7 +136,7 @@ TOLERANCES = {
 }
 
 
-@needs_cc
+@needs_build
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("dim", [8, 16, 32, 64, 80, 128, 256])
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
@@ -113,7 +154,7 @@ def test_decode_matches_reference_without_sdpa(dim, group, dtype, monkeypatch):
     )
 
 
-@needs_cc
+@needs_build
 @pytest.mark.parametrize("block_size", [1, 4, 32])
 def test_block_sizes_scale_and_the_torch_path_agree(block_size, monkeypatch):
     lens = [3, 70, 33]
@@ -129,7 +170,7 @@ def test_block_sizes_scale_and_the_torch_path_agree(block_size, monkeypatch):
     torch.testing.assert_close(got, torch_path, **TOLERANCE)
 
 
-@needs_cc
+@needs_build
 def test_packed_decodes_beside_a_prefill(monkeypatch):
     # A prefill of 5 query tokens takes SDPA; the decode rows of the same call the kernel.
     lens = [40, 9, 77]
@@ -147,7 +188,7 @@ def test_packed_decodes_beside_a_prefill(monkeypatch):
     )
 
 
-@needs_cc
+@needs_build
 def test_rows_split_over_threads_give_the_same_result(monkeypatch):
     lens = [2000, 1500, 1999, 700]
     q, k_pages, v_pages, table = batch(lens, 8, 2, 64, 16, seed=5)
@@ -175,7 +216,7 @@ def test_rows_split_over_threads_give_the_same_result(monkeypatch):
     )
 
 
-@needs_cc
+@needs_build
 def test_a_bad_page_id_is_an_error_not_a_crash():
     lens = [20, 20]
     q, k_pages, v_pages, table = batch(lens, 4, 2, 32, 16)
@@ -192,7 +233,7 @@ def test_a_bad_page_id_is_an_error_not_a_crash():
         paged_attention(q, k_pages, v_pages, bad, lens)
 
 
-@needs_cc
+@needs_build
 def test_the_next_decode_steps_plan_reads_one_key_more():
     lens = [30, 30, 30]  # room for two more keys in the blocks
     q, k_pages, v_pages, table = batch(lens, 8, 2, 32, 16, seed=6)
@@ -208,7 +249,7 @@ def test_the_next_decode_steps_plan_reads_one_key_more():
         )
 
 
-@needs_cc
+@needs_build
 def test_the_kernels_own_entry_refuses_what_it_cannot_take():
     lens = torch.tensor([20, 20])
     q, k_pages, v_pages, table = batch([20, 20], 4, 2, 32, 16)
@@ -236,7 +277,7 @@ def test_the_kernels_own_entry_refuses_what_it_cannot_take():
     )
 
 
-@needs_cc
+@needs_build
 def test_scores_far_below_zero_still_give_their_softmax():
     # Every score below -1e30 (a sentinel maximum there would give zeros): still a softmax.
     lens = [40]
@@ -249,7 +290,7 @@ def test_scores_far_below_zero_still_give_their_softmax():
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
 
 
-@needs_cc
+@needs_build
 def test_bfloat16_is_closer_to_the_exact_result_than_the_torch_path(monkeypatch):
     # Scores and sums in float32, one rounding at the end: never worse than SDPA in
     # bfloat16 over the gathered copy.
@@ -277,42 +318,26 @@ def _kernel_of_values(kernels, v_rows: torch.Tensor, keys: int) -> torch.Tensor:
     ).reshape(-1, 16)
 
 
-F16_BUILDS = {
-    "plain-code conversion": ["-DSHMKV_SOFT_F16"],
-    "F16C without AVX-512": ["-mno-avx512f", "-mavx2", "-mf16c"],
-}
+def _runnable(isa: str) -> dict:
+    """The decode kernels of instance ``isa``; skips the test where this CPU cannot run
+    it (an AVX-512 instance without AVX-512, any x86 one off x86)."""
+    try:
+        return native.isa_kernels(isa)
+    except ValueError as exc:
+        pytest.skip(str(exc))
 
 
-@pytest.fixture(params=["as built", *F16_BUILDS])
-def f16_kernels(request, tmp_path):
-    """The kernels as shmkv builds them here (the CPU's own float16 conversion where it
-    has one), a build that converts in plain vector code, as on CPUs without it, and one
-    that uses F16C's 8-lane conversion, as on AVX2 machines."""
-    if request.param == "as built":
+@pytest.fixture(params=["as chosen", *native.ISAS])
+def f16_kernels(request):
+    """The kernels this CPU is given (its own float16 conversion where it has one), and
+    each instance it can run: plain vector code (as on CPUs without a conversion), F16C's
+    8-lane conversion (AVX2) and AVX-512's 16-lane one."""
+    if request.param == "as chosen":
         return native.decoder()
-    if request.param == "F16C without AVX-512" and "f16c" not in native._cpu_flags().split():
-        pytest.skip("this CPU has no F16C")
-    cc = native._compiler()
-    obj, lib = str(tmp_path / "f16.o"), str(tmp_path / "f16.so")
-    for command in (
-        [
-            cc,
-            *native.FLAG_SETS[0],
-            *F16_BUILDS[request.param],
-            "-fPIC",
-            "-c",
-            "-o",
-            obj,
-            native.SOURCE,
-        ],
-        [cc, "-shared", "-o", lib, obj, "-lm"],
-    ):
-        failed = native._run(command)
-        assert not failed, failed
-    return native.load(lib)
+    return _runnable(request.param)
 
 
-@needs_cc
+@needs_build
 def test_float16_values_are_read_and_rounded_as_torch_does(f16_kernels):
     bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
     values = bits.view(torch.float16)
@@ -332,6 +357,31 @@ def test_float16_values_are_read_and_rounded_as_torch_does(f16_kernels):
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
+@needs_build
+@pytest.mark.parametrize("isa", native.ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_every_instance_this_cpu_runs_matches_the_reference(isa, dtype):
+    kernels = _runnable(isa)
+    lens = [1, 37, 64, 100]
+    for dim in (8, 32, 80, 128):  # plain loops and vector instances
+        q, k_pages, v_pages, table = batch(lens, 4, 2, dim, 16, seed=dim)
+        q, k_pages, v_pages = q.to(dtype), k_pages.to(dtype), v_pages.to(dtype)
+        got = native.paged_decode(kernels, q, k_pages, v_pages, table, torch.tensor(lens), 0.2)
+        want = reference(q, k_pages, v_pages, table, lens, scale=0.2)
+        torch.testing.assert_close(got.double(), want, **TOLERANCES[dtype])
+
+
+def test_an_instance_the_cpu_cannot_run_is_refused(monkeypatch):
+    if native.decoder() is None:
+        pytest.skip(f"no native kernel: {native.status()}")
+    monkeypatch.setitem(native._state, "isa", "portable")  # as on a CPU without AVX2
+    with pytest.raises(ValueError, match="this CPU runs the portable ones"):
+        native.isa_kernels("avx2")
+    with pytest.raises(ValueError, match="this CPU runs the portable ones"):
+        native.isa_kernels("sse9")
+    assert set(native.isa_kernels("portable")) == set(native.DTYPES)
+
+
 def test_other_dtypes_and_quantized_pages_take_the_torch_path(monkeypatch):
     lens = [12, 30]
     q, k_pages, v_pages, table = batch(lens, 4, 2, 32, 16, seed=4)
@@ -347,10 +397,11 @@ def test_other_dtypes_and_quantized_pages_take_the_torch_path(monkeypatch):
     assert not native.usable(q, k_pages.transpose(2, 3), v_pages.transpose(2, 3))
 
 
-def _child(env: dict, code: str) -> subprocess.CompletedProcess:
+def _child(env: dict, code: str, cwd=None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-c", code],
         env={**os.environ, **env},
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=180,
@@ -362,10 +413,12 @@ import torch, logging
 logging.basicConfig(level=logging.WARNING)
 from shmkv import native
 from shmkv.attention import paged_attention
+print("FROM", native.__file__)
 torch.manual_seed(0)
 k = torch.randn(8, 4, 2, 32); v = torch.randn(8, 4, 2, 32); q = torch.randn(2, 4, 32)
 table = torch.tensor([[0, 3, 5], [7, 1, 2]], dtype=torch.int32)
-out = paged_attention(q, k, v, table, [9, 12])
+for _ in range(2):  # (a second call: nothing more is logged)
+    out = paged_attention(q, k, v, table, [9, 12])
 ref = torch.cat([torch.nn.functional.scaled_dot_product_attention(
     q[b][:, None], k[table[b]].reshape(-1, 2, 32)[:n].repeat_interleave(2, 1).transpose(0, 1),
     v[table[b]].reshape(-1, 2, 32)[:n].repeat_interleave(2, 1).transpose(0, 1))[None, :, 0]
@@ -373,6 +426,7 @@ ref = torch.cat([torch.nn.functional.scaled_dot_product_attention(
 torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)
 print("STATUS", native.status())
 print("COPY", "loaded" if native.copier() is not None else native.copy_status())
+print("REPORT", native.report())
 """
 
 
@@ -388,70 +442,73 @@ print("SUBNORMALS OK")
 """
 
 
-@needs_cc
-def test_loading_the_kernel_leaves_the_process_floating_point_alone(tmp_path):
+@needs_build
+def test_loading_the_kernel_leaves_the_process_floating_point_alone():
     # A library linked with -ffast-math sets flush-to-zero for the whole process at load:
-    # subnormals would then read as zero everywhere. Built fresh, then loaded from cache.
-    for _ in range(2):
-        done = _child({"SHMKV_CACHE_DIR": str(tmp_path)}, SUBNORMALS)
-        assert done.returncode == 0 and "SUBNORMALS OK" in done.stdout, done.stderr
+    # subnormals would then read as zero everywhere (setup.py compiles with it, links
+    # without it).
+    done = _child({}, SUBNORMALS)
+    assert done.returncode == 0 and "SUBNORMALS OK" in done.stdout, done.stderr
 
 
-def test_disabled_by_the_environment(tmp_path):
-    done = _child({"SHMKV_NATIVE": "0", "SHMKV_CACHE_DIR": str(tmp_path)}, CHILD)
+def test_disabled_by_the_environment():
+    done = _child({"SHMKV_NATIVE": "0"}, CHILD)
     assert done.returncode == 0, done.stderr
     assert "STATUS disabled by SHMKV_NATIVE" in done.stdout
     assert "COPY disabled by SHMKV_NATIVE" in done.stdout
-    assert not os.listdir(tmp_path)  # nothing built
+    assert "not available" not in done.stderr  # asked for: nothing to warn about
 
 
-def test_a_failing_compiler_leaves_the_torch_path_and_says_why(tmp_path):
-    done = _child({"CC": "false", "SHMKV_CACHE_DIR": str(tmp_path)}, CHILD)
+def test_a_package_built_without_a_compiler_installs_and_runs_on_the_fallbacks(tmp_path):
+    """The package built where the C compiler fails (``CC=/bin/false``): the build
+    succeeds without the libraries (optional extensions), and a process that imports it
+    decodes on the torch path (the right result), copies with numpy, says why in
+    status(), copy_status() and report() (what ``shmkv stats`` shows), and logs each
+    once."""
+    src = tmp_path / "src"
+    shutil.copytree(
+        ROOT / "shmkv", src / "shmkv", ignore=shutil.ignore_patterns("*.so", "__pycache__")
+    )
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    built = subprocess.run(
+        [sys.executable, "setup.py", "build_ext", "--inplace"],
+        cwd=src,
+        env={**os.environ, "CC": "/bin/false"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert built.returncode == 0, built.stderr
+    assert 'building extension "shmkv._paged_decode" failed' in built.stderr
+    assert 'building extension "shmkv._copy_rows" failed' in built.stderr
+    assert not list((src / "shmkv").glob("*.so"))
+    done = _child({"PYTHONPATH": str(src)}, CHILD, cwd=src)
     assert done.returncode == 0, done.stderr
-    assert "STATUS building with" in done.stdout and "failed" in done.stdout
-    assert "COPY building with" in done.stdout
-    assert "native decode kernel is not available" in done.stderr
-    assert "native row copy is not available, the tiers copy with numpy" in done.stderr
-    assert not os.listdir(tmp_path)  # no partial library left behind
+    assert f"FROM {src / 'shmkv' / 'native.py'}" in done.stdout  # the copy, not the checkout
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    assert f"STATUS not built: no _paged_decode{suffix} in {src / 'shmkv'} (" in done.stdout
+    assert "without a C compiler" in done.stdout
+    assert "COPY not built: no _copy_rows" in done.stdout
+    assert "REPORT {'decode': 'not built: no _paged_decode" in done.stdout
+    assert "'row_copy': 'not built: no _copy_rows" in done.stdout
+    kernel = "the native decode kernel is not available, attention takes its torch path"
+    assert done.stderr.count(kernel) == 1
+    assert done.stderr.count("native row copy is not available, the tiers copy with numpy") == 1
 
 
-@needs_cc
-def test_a_fresh_cache_directory_is_built_into_then_reused(tmp_path):
-    cache = tmp_path / "cache"
-    done = _child({"SHMKV_CACHE_DIR": str(cache)}, CHILD)
-    assert done.returncode == 0, done.stderr
-    assert "STATUS loaded" in done.stdout and "COPY loaded" in done.stdout
-    built = sorted(os.listdir(cache))
-    assert len(built) == 2 and all(name.endswith(".so") for name in built)
-    assert built[0].startswith("copy_rows-") and built[1].startswith("paged_decode-")
-    stamps = [os.stat(cache / name).st_mtime_ns for name in built]
-    again = _child({"SHMKV_CACHE_DIR": str(cache)}, CHILD)
-    assert again.returncode == 0 and "STATUS loaded" in again.stdout, again.stderr
-    assert "COPY loaded" in again.stdout
-    assert sorted(os.listdir(cache)) == built
-    assert [os.stat(cache / name).st_mtime_ns for name in built] == stamps
+def test_stats_say_whether_the_native_code_is_loaded(coord, client):
+    assert client.stats()["native"] == native.report()
+    want = {
+        "decode": f"loaded ({native.isa()})" if native.decoder() else native.status(),
+        "row_copy": f"loaded ({native.copier().isa})" if native.copier() else native.copy_status(),
+    }
+    assert native.report() == want
+    if BUILT:
+        assert want["decode"] in {f"loaded ({isa})" for isa in native.ISAS}
 
 
-def test_a_home_that_cannot_be_written_builds_in_a_private_temporary_directory(
-    tmp_path, monkeypatch
-):
-    home = tmp_path / "home"
-    home.mkdir()
-    (home / ".cache").write_text("a file where the cache directory would go")
-    temp = tmp_path / "tmp"
-    temp.mkdir()
-    monkeypatch.delenv("SHMKV_CACHE_DIR", raising=False)
-    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
-    monkeypatch.setenv("HOME", str(home))
-    monkeypatch.setattr(native.tempfile, "tempdir", str(temp))
-    private = temp / f"shmkv-{os.getuid()}"
-    assert native.cache_dir() == str(private)
-    assert private.is_dir() and not private.stat().st_mode & 0o077
-    private.chmod(0o777)  # one others could write is never used
-    assert native.cache_dir() != str(private)
-
-
-@needs_cc
+@needs_build
 def test_generate_decodes_through_the_kernel_equal_to_dynamic_cache(monkeypatch):
     pytest.importorskip("transformers")
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
@@ -493,239 +550,6 @@ def test_generate_decodes_through_the_kernel_equal_to_dynamic_cache(monkeypatch)
     assert len(calls) >= 11 * config.num_hidden_layers  # every decode step, every layer
 
 
-# -- only a library this user built is loaded ---------------------------------------------
-
-PLANTED_C = r"""
-#include <stdio.h>
-__attribute__((constructor)) static void planted(void) {
-    FILE *f = fopen(MARKER, "w");
-    if (f) { fputs("the planted library ran", f); fclose(f); }
-}
-"""
-
-
-@pytest.fixture
-def planted(tmp_path):
-    """(a library whose constructor writes a marker file, the marker's path): what
-    another user could leave where shmkv looks for its kernel. Loading it once in a
-    child shows the marker does appear when it is loaded; then the marker is removed."""
-    marker = tmp_path / "marker"
-    src, lib = tmp_path / "planted.c", tmp_path / "planted.so"
-    src.write_text(PLANTED_C)
-    failed = native._run(
-        [native._compiler(), "-shared", "-fPIC", f'-DMARKER="{marker}"', "-o", str(lib), str(src)]
-    )
-    assert not failed, failed
-    subprocess.run(
-        [sys.executable, "-c", f"import ctypes; ctypes.CDLL({str(lib)!r})"], check=True, timeout=60
-    )
-    assert marker.read_text() == "the planted library ran"
-    marker.unlink()
-    return lib, marker
-
-
-def plant(lib, directory, mode=0o755, link=False, library=None):
-    """Put ``lib`` under every name the kernel's library (or ``library``'s) could have in
-    ``directory``."""
-    names = native._library_names(native._compiler(), library)
-    for name in names:
-        path = os.path.join(directory, name)
-        if link:
-            os.symlink(lib, path)
-        else:
-            shutil.copyfile(lib, path)
-            os.chmod(path, mode)
-    return [os.path.join(directory, name) for name in names]
-
-
-def built_kernels_work(kernels):
-    assert kernels is not None
-    lens = [20, 7]
-    q, k_pages, v_pages, table = batch(lens, 4, 2, 32, 16)
-    got = native.paged_decode(kernels, q, k_pages, v_pages, table, torch.tensor(lens), 0.1)
-    torch.testing.assert_close(
-        got.double(), reference(q, k_pages, v_pages, table, lens, scale=0.1), **TOLERANCE
-    )
-
-
-def refusals(caplog) -> str:
-    return " ".join(
-        r.getMessage()
-        for r in caplog.records
-        if r.name.startswith("shmkv") and r.levelno >= logging.WARNING
-    )
-
-
-@needs_cc
-def test_a_library_that_fails_the_check_is_refused_before_any_of_it_runs(planted, tmp_path):
-    lib, marker = planted
-    cases = tmp_path / "cases"
-    cases.mkdir(mode=0o700)
-    writable = cases / "writable.so"
-    shutil.copyfile(lib, writable)
-    writable.chmod(0o666)
-    group = cases / "group.so"
-    shutil.copyfile(lib, group)
-    group.chmod(0o775)
-    link = cases / "link.so"
-    link.symlink_to(lib)
-    fifo = cases / "fifo.so"
-    os.mkfifo(fifo)
-    refused = {
-        writable: "written by its group or others",
-        group: "group or others",
-        link: "symbolic link",
-        fifo: "not a regular file",
-    }
-    if os.geteuid() == 0:
-        foreign = cases / "foreign.so"
-        shutil.copyfile(lib, foreign)
-        os.chown(foreign, 65534, 65534)
-        refused[foreign] = "owned by uid 65534"
-    for path, why in refused.items():
-        with pytest.raises(native.UntrustedLibrary, match=why):
-            native.load(str(path))
-        assert not marker.exists(), path
-    with pytest.raises(PermissionError):  # UntrustedLibrary is one
-        native.load(str(writable))
-
-
-@needs_cc
-@pytest.mark.parametrize("case", ["mode 0666", "symlink", "other uid"])
-def test_a_planted_library_in_the_cache_is_rebuilt_not_loaded(
-    case, planted, tmp_path, monkeypatch, caplog
-):
-    if case == "other uid" and os.geteuid() != 0:
-        pytest.skip("giving a file to another uid needs root")
-    lib, marker = planted
-    cache = tmp_path / "cache"
-    cache.mkdir(mode=0o700)
-    paths = plant(lib, cache, mode=0o666 if case == "mode 0666" else 0o755, link=case == "symlink")
-    if case == "other uid":
-        for path in paths:
-            os.chown(path, 65534, 65534)
-    monkeypatch.setenv("SHMKV_CACHE_DIR", str(cache))
-    with caplog.at_level(logging.WARNING, logger="shmkv"):
-        kernels, why = native._build()
-    assert not marker.exists()
-    assert why is None
-    built_kernels_work(kernels)
-    assert "refusing to load" in refusals(caplog)
-    # the planted file was replaced by this user's own build, which later loads take
-    info = os.lstat(paths[0])
-    assert stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid()
-    assert not info.st_mode & 0o022
-    assert Path(paths[0]).read_bytes() != lib.read_bytes()
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="shmkv"):
-        kernels, why = native._build()
-    assert why is None and not refusals(caplog)
-    built_kernels_work(kernels)
-
-
-@needs_cc
-@pytest.mark.parametrize("case", ["mode 0777", "symlink", "other uid"])
-def test_a_cache_directory_others_could_write_is_not_used(
-    case, planted, tmp_path, monkeypatch, caplog
-):
-    if case == "other uid" and os.geteuid() != 0:
-        pytest.skip("giving a directory to another uid needs root")
-    lib, marker = planted
-    real = tmp_path / "real"
-    real.mkdir(mode=0o700)
-    paths = plant(lib, real)  # files that pass the check themselves
-    cache = real
-    if case == "mode 0777":
-        real.chmod(0o777)
-    elif case == "symlink":
-        cache = tmp_path / "link"
-        cache.symlink_to(real)
-    else:
-        os.chown(real, 65534, 65534)
-    temp = tmp_path / "tmp"
-    temp.mkdir(mode=0o700)
-    monkeypatch.setattr(native.tempfile, "tempdir", str(temp))
-    monkeypatch.setenv("SHMKV_CACHE_DIR", str(cache))
-    with caplog.at_level(logging.WARNING, logger="shmkv"):
-        assert native.cache_dir() is None
-        kernels, why = native._build()
-    assert not marker.exists()
-    assert why is None
-    built_kernels_work(kernels)  # built in a private directory instead
-    assert f"not using {cache}" in refusals(caplog)
-    assert all(Path(p).read_bytes() == lib.read_bytes() for p in paths)  # left alone
-    assert not os.listdir(temp)  # the private build directory is gone
-
-
-@needs_cc
-def test_a_default_cache_directory_others_could_write_falls_back_to_a_private_one(
-    planted, tmp_path, monkeypatch, caplog
-):
-    lib, marker = planted
-    xdg = tmp_path / "xdg"
-    (xdg / "shmkv").mkdir(parents=True)
-    (xdg / "shmkv").chmod(0o777)
-    plant(lib, xdg / "shmkv")
-    temp = tmp_path / "tmp"
-    temp.mkdir()
-    monkeypatch.delenv("SHMKV_CACHE_DIR", raising=False)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(xdg))
-    monkeypatch.setattr(native.tempfile, "tempdir", str(temp))
-    with caplog.at_level(logging.WARNING, logger="shmkv"):
-        kernels, why = native._build()
-    assert not marker.exists()
-    assert why is None
-    built_kernels_work(kernels)
-    assert "can be written by its group or others" in refusals(caplog)
-    private = temp / f"shmkv-{os.getuid()}"
-    assert [n for n in os.listdir(private) if n.endswith(".so")]
-
-
-@needs_cc
-def test_a_planted_library_is_not_loaded_by_a_process_that_decodes(planted, tmp_path):
-    # End to end: a 0777 cache directory holding the planted library; the process still
-    # gets the kernel (built privately), says why, and the planted code never runs.
-    lib, marker = planted
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    cache.chmod(0o777)
-    plant(lib, cache)
-    done = _child({"SHMKV_CACHE_DIR": str(cache)}, CHILD)
-    assert not marker.exists()
-    assert done.returncode == 0, done.stderr
-    assert "STATUS loaded" in done.stdout
-    assert "not using" in done.stderr and "group or others" in done.stderr
-
-
-UMASK_CHILD = """
-import os, stat, sys
-os.umask(0)
-from shmkv import native
-where = native.cache_dir()
-assert where == os.path.join(sys.argv[1], "a", "b", "shmkv"), where
-for path in (sys.argv[1] + "/a", sys.argv[1] + "/a/b", where):
-    assert stat.S_IMODE(os.lstat(path).st_mode) == 0o700, (path, oct(os.lstat(path).st_mode))
-assert native.decoder() is not None, native.status()
-built = [n for n in os.listdir(where) if n.endswith(".so")]
-assert len(built) == 1
-assert not os.stat(os.path.join(where, built[0])).st_mode & 0o022
-print("UMASK OK")
-"""
-
-
-@needs_cc
-def test_with_umask_000_the_cache_directory_is_created_0700(tmp_path):
-    env = {"XDG_CACHE_HOME": str(tmp_path / "a" / "b")}
-    done = subprocess.run(
-        [sys.executable, "-c", UMASK_CHILD, str(tmp_path)],
-        env={k: v for k, v in {**os.environ, **env}.items() if k != "SHMKV_CACHE_DIR"},
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert done.returncode == 0 and "UMASK OK" in done.stdout, done.stderr
-
-
 # -- the tiers' row copy -------------------------------------------------------------------
 
 
@@ -734,16 +558,22 @@ def _rows_at(buf, start, rows, width, gap):
     return buf[start : start + rows * (width + gap)].reshape(rows, -1)[:, :width]
 
 
-@needs_cc
+@needs_build
 @pytest.mark.parametrize("width", [1, 15, 127, 511, 512, 513, 1000, 4096 + 7, 32768])
-@pytest.mark.parametrize("path", ["native", "numpy"])
+@pytest.mark.parametrize("path", ["native", "numpy", *RowCopy.ISAS])
 def test_the_row_copy_writes_numpys_bytes_and_nothing_around_them(width, path, monkeypatch):
     """Rows streamed past the caches (512 bytes and wider) or copied plainly by the native
-    code, or handed to numpy (a small copy), into rows that start on any byte and lie
-    apart: every byte of each row, none between them."""
+    code (the way this CPU is given, and each way it can run: memcpy, SSE2, AVX), or
+    handed to numpy (a small copy), into rows that start on any byte and lie apart: every
+    byte of each row, none between them."""
     copy = native.copier()
     assert copy is not None, native.copy_status()
-    monkeypatch.setattr(copy, "min_bytes", 0 if path == "native" else 1 << 30)
+    if path in RowCopy.ISAS:
+        try:
+            copy = RowCopy(copy.path, isa=path)
+        except ValueError as exc:
+            pytest.skip(str(exc))
+    monkeypatch.setattr(copy, "min_bytes", 1 << 30 if path == "numpy" else 0)
     rng = np.random.default_rng(width)
     rows, gap = 5, 77
     for start in (0, 1, 8, 16, 31):
@@ -755,10 +585,12 @@ def test_the_row_copy_writes_numpys_bytes_and_nothing_around_them(width, path, m
         assert np.array_equal(buf, expected), start
 
 
-@needs_cc
+@needs_build
 def test_the_row_copy_refuses_arrays_it_cannot_copy_and_writes_nothing():
     copy = native.copier()
     assert copy is not None, native.copy_status()
+    with pytest.raises(ValueError, match="this CPU copies rows up to"):
+        RowCopy(copy.path, isa="neon")  # not one of RowCopy.ISAS
     dst = np.zeros((4, 1024), dtype=np.uint8)
     src = np.ones((4, 1024), dtype=np.uint8)
     read_only = np.zeros((4, 1024), dtype=np.uint8)
@@ -781,21 +613,3 @@ def test_the_row_copy_refuses_arrays_it_cannot_copy_and_writes_nothing():
     with pytest.raises(ValueError, match="overlap"):
         copy(buf[:, :quarter], src)
     assert np.array_equal(buf, before)
-
-
-@needs_cc
-def test_a_planted_row_copy_library_is_rebuilt_not_loaded(planted, tmp_path, monkeypatch, caplog):
-    lib, marker = planted
-    cache = tmp_path / "cache"
-    cache.mkdir(mode=0o700)
-    paths = plant(lib, cache, mode=0o666, library=native.COPY)
-    monkeypatch.setenv("SHMKV_CACHE_DIR", str(cache))
-    with caplog.at_level(logging.WARNING, logger="shmkv"):
-        copy, why = native._build(native.COPY)
-    assert not marker.exists()
-    assert why is None and "refusing to load" in refusals(caplog)
-    assert os.path.basename(os.readlink(f"/proc/self/fd/{copy.fd}")) == os.path.basename(paths[0])
-    assert not os.stat(paths[0]).st_mode & 0o022  # this user's own build took its place
-    dst, src = np.zeros((2, 4096), dtype=np.uint8), np.arange(8192, dtype=np.uint8).reshape(2, -1)
-    copy(dst, src)
-    assert np.array_equal(dst, src)
