@@ -22,9 +22,10 @@ mask alone does not stop NaN or inf there (``0 * NaN`` in P@V, ``inf - inf`` in 
 scores), so whatever bytes lie there contribute exactly nothing (zeroing only those
 slots costs next to nothing). On CPU, a group of one query per sequence (decode) in
 float32, bfloat16 or float16 goes to the native kernel instead (``shmkv.native``,
-built from C on first use): it reads each sequence's pages in place, once, with no
+built from C with the package): it reads each sequence's pages in place, once, with no
 gathered copy and no padding to the longest member, and no key past a length; where
-it is not built (no C compiler, ``SHMKV_NATIVE=0``) the torch path above runs. On a GPU,
+it is not built (no C compiler at install) or is turned off (``SHMKV_NATIVE=0``) the
+torch path above runs. On a GPU,
 FlashAttention's ``flash_attn_with_kvcache(..., block_table=)`` and FlashInfer's paged
 kernels read the same pages in place, without the gather (see ``docs/transformers.md``).
 
