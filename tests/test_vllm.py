@@ -29,7 +29,7 @@ if importlib.util.find_spec("vllm") is None:  # found without importing it (seco
 
 from conftest import _children, shm_entries, socket_files  # noqa: E402
 from test_remote import SERVER, RedisServer, _free_port  # noqa: E402
-from vllm_engine import BLOCK, Engine, connector_config, make_model, prompt  # noqa: E402
+from vllm_engine import BLOCK, Engine, connector_config, make_model, matched, prompt  # noqa: E402
 
 import shmkv  # noqa: E402
 
@@ -1068,7 +1068,7 @@ def test_a_local_hit_shmkv_holds_whole_makes_no_hand_off(model_path, unique_name
         out = SchedulerOutput.make_empty()
         for req in reqs:
             # vLLM's own prefix cache has the 3 blocks: nothing external to load
-            assert sched.get_num_new_matched_tokens(req, 3 * BLOCK) == (0, False)
+            assert matched(sched, req, 3 * BLOCK) == (0, False)
             blocks = KVCacheBlocks(([KVCacheBlock(i) for i in (4, 5, 6, 7)],))
             sched.update_state_after_alloc(req, blocks, 0)
             req.num_computed_tokens = 3 * BLOCK
@@ -1110,10 +1110,10 @@ def test_a_coordinator_lost_within_a_step_fails_the_load_it_promised(
         h.commit()
         h.close()
         sched = connector.ShmkvConnector(vcfg, KVConnectorRole.SCHEDULER, None)
-        assert sched.get_num_new_matched_tokens(req, 0) == (3 * BLOCK, False)
+        assert matched(sched, req, 0) == (3 * BLOCK, False)
     # the coordinator is gone now
     other = Request("r2", prompt(17, 2 * BLOCK + 1), SamplingParams(max_tokens=1), None)
-    assert sched.get_num_new_matched_tokens(other, 0) == (0, False)
+    assert matched(sched, other, 0) == (0, False)
     sched.update_state_after_alloc(
         req, KVCacheBlocks(([KVCacheBlock(i) for i in (4, 5, 6, 7)],)), 3 * BLOCK
     )
@@ -1222,8 +1222,8 @@ def test_a_prefix_coming_up_from_a_tier_loads_asynchronously(
         w, caches = _worker(connector, model_path, coord.address, "cpu")
         ids = {"r0": [4, 5, 6], "r1": [7, 8, 9]}
         for req in reqs:
-            assert sched.get_num_new_matched_tokens(req, 0) == (2 * BLOCK, True)
-            assert sched.get_num_new_matched_tokens(req, 0) == (2 * BLOCK, True)  # again
+            assert matched(sched, req, 0) == (2 * BLOCK, True)
+            assert matched(sched, req, 0) == (2 * BLOCK, True)  # again
             blocks = KVCacheBlocks(([KVCacheBlock(i) for i in ids[req.request_id]],))
             sched.update_state_after_alloc(req, blocks, 2 * BLOCK)
         assert len(coord._promoting) == 2  # both answered before their copies
@@ -1312,11 +1312,11 @@ def test_what_vllm_is_told_while_a_tier_copies_and_a_lookup_again_gets_its_own_a
         base = client.stats()["sequences"]
         sched = connector.ShmkvConnector(vcfg, KVConnectorRole.SCHEDULER, None)
         # vLLM's own cache has both blocks: nothing to wait for
-        assert sched.get_num_new_matched_tokens(covered, 2 * BLOCK) == (0, False)
+        assert matched(sched, covered, 2 * BLOCK) == (0, False)
         # vLLM may load 1 block of `exact` (its last token must be computed): in the pool
-        assert sched.get_num_new_matched_tokens(exact, 0) == (BLOCK, False)
+        assert matched(sched, exact, 0) == (BLOCK, False)
         # `again`: looked up, covered by vLLM, dropped in the step's metadata unsettled
-        assert sched.get_num_new_matched_tokens(again, 2 * BLOCK) == (0, False)
+        assert matched(sched, again, 2 * BLOCK) == (0, False)
         sched.update_state_after_alloc(again, KVCacheBlocks(([KVCacheBlock(3)],)), 0)
         again.num_computed_tokens = 2 * BLOCK
         out = SchedulerOutput.make_empty()
@@ -1336,8 +1336,8 @@ def test_what_vllm_is_told_while_a_tier_copies_and_a_lookup_again_gets_its_own_a
         _in_host_tier(client, connector, namespace, [], torch.Generator())  # out again
         # looked up again from 0 (preempted): a tier copies it again, so asynchronously
         again.num_computed_tokens = 0
-        assert sched.get_num_new_matched_tokens(again, 0) == (2 * BLOCK, True)
-        assert sched.get_num_new_matched_tokens(exact, 0) == (BLOCK, False)
+        assert matched(sched, again, 0) == (2 * BLOCK, True)
+        assert matched(sched, exact, 0) == (BLOCK, False)
         gate.set()
         for req in (covered, exact, again):
             sched.request_finished(req, [])
@@ -1375,7 +1375,7 @@ def _hit_step(connector, sched, req, block_ids, hit, scheduled=None):
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 
-    assert sched.get_num_new_matched_tokens(req, 0) == (hit, False)
+    assert matched(sched, req, 0) == (hit, False)
     sched.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(i) for i in block_ids],)), hit)
     req.num_computed_tokens = hit
     out = SchedulerOutput.make_empty()
@@ -1536,7 +1536,7 @@ def test_a_request_preempted_after_its_lookup_was_done_with_looks_up_again(
         assert w.get_block_ids_with_load_errors() == set()
         assert client.stats()["sequences"] == before + 1  # the first lookup, pinned
         # preempted (vLLM freed its blocks), then resumed: a new lookup, the whole prompt
-        assert sched.get_num_new_matched_tokens(req, 0) == (3 * BLOCK, False)
+        assert matched(sched, req, 0) == (3 * BLOCK, False)
         from vllm.v1.core.kv_cache_manager import KVCacheBlocks
         from vllm.v1.core.kv_cache_utils import KVCacheBlock
 

@@ -22,7 +22,7 @@ if importlib.util.find_spec("vllm") is None:  # found without importing it (seco
         allow_module_level=True,
     )
 
-from vllm_engine import BLOCK, connector_config, make_model, prompt  # noqa: E402
+from vllm_engine import BLOCK, connector_config, make_model, matched, prompt  # noqa: E402
 
 import shmkv  # noqa: E402
 
@@ -232,10 +232,11 @@ def test_a_pool_laid_out_for_another_engine_is_refused_before_the_model_loads(
 def test_a_stopped_coordinator_costs_a_lookup_its_timeout_and_nothing_more(
     vc, model_path, unique_name
 ):
-    """With the coordinator stopped (SIGSTOP), a lookup waits ``shmkv.lookup_timeout_s``
-    and counts as a miss; later lookups give up at once instead of queueing behind it
-    (not the client's 10 s each). Once it runs again, hits come back and the lookup
-    answered late is released, not left holding its blocks."""
+    """With the coordinator stopped (SIGSTOP), vLLM's thread never waits on it: a lookup
+    says "not yet" (None: vLLM schedules others and asks again) until
+    ``shmkv.lookup_timeout_s`` passed, then counts as a miss; later lookups give up at once
+    instead of queueing behind it (not the client's 10 s each). Once it runs again, hits
+    come back and the lookup answered late is released, not left holding its blocks."""
     sched_role, _ = roles()
     coord = shmkv.Coordinator.spawn(pool_config(), name=unique_name)
     try:
@@ -249,20 +250,35 @@ def test_a_stopped_coordinator_costs_a_lookup_its_timeout_and_nothing_more(
             baseline = client.stats()["sequences"]
             sched = vc.ShmkvConnector(vcfg, sched_role)
             try:
-                assert sched.get_num_new_matched_tokens(reqs[0], 0) == (3 * BLOCK, False)
+                assert matched(sched, reqs[0], 0) == (3 * BLOCK, False)
                 os.kill(coord.pid, signal.SIGSTOP)
+                calls: list = []  # each call's answer and seconds on vLLM's thread
+
+                def ask(req):
+                    while True:
+                        t0 = time.monotonic()
+                        answer = sched.get_num_new_matched_tokens(req, 0)
+                        calls.append((answer, time.monotonic() - t0))
+                        if answer[0] is not None:
+                            return answer
+                        time.sleep(0.005)  # (a step)
+
                 try:
                     t0 = time.monotonic()
-                    answers = [sched.get_num_new_matched_tokens(r, 0) for r in reqs[1:]]
+                    answers = [ask(r) for r in reqs[1:]]
                     waited = time.monotonic() - t0
                 finally:
                     os.kill(coord.pid, signal.SIGCONT)
                 assert answers == [(0, False)] * 3
                 assert waited < 5.0, f"three lookups took {waited:.1f} s"  # (10 s each before)
                 assert sched.num_late_lookups == 3
+                # the first said "not yet" until its time was up; no call held vLLM's thread
+                assert calls[0][0] == (None, False)
+                slowest = max(seconds for _, seconds in calls)
+                assert slowest < 1.0, f"a call took {slowest:.2f} s"  # (0.05 s each before)
                 # running again: the next lookup of a waiting request hits
                 until(
-                    lambda: sched.get_num_new_matched_tokens(reqs[1], 0) == (3 * BLOCK, False),
+                    lambda: matched(sched, reqs[1], 0) == (3 * BLOCK, False),
                     "a hit after SIGCONT",
                 )
                 sched.request_finished(reqs[0], [])
@@ -275,6 +291,63 @@ def test_a_stopped_coordinator_costs_a_lookup_its_timeout_and_nothing_more(
             finally:
                 sched.shutdown()
     finally:
+        os.kill(coord.pid, signal.SIGCONT)
+        coord.stop()
+
+
+def test_a_step_hands_over_what_the_lookup_made_and_a_dropped_request_pins_nothing(
+    vc, model_path, unique_name
+):
+    """The hand-offs a saving request's first step gives the workers are made with its
+    lookup, on the courier's thread: building the step's metadata asks the coordinator
+    nothing (here it is stopped meanwhile, and the step still carries the hand-off). A
+    request vLLM drops before scheduling it, its lookup answered or not yet, leaves
+    nothing pinned: its references and unused hand-offs go at once, not when they
+    expire."""
+    sched_role, worker_role = roles()
+    coord = shmkv.Coordinator.spawn(pool_config(), name=unique_name)
+    sched = worker = None
+    try:
+        vcfg = vllm_config(model_path, coord.address, **{"shmkv.handoff_ttl_s": 60})
+        saving = request("s1", prompt(90, 2 * BLOCK + 3))
+        with shmkv.connect(coord.address, timeout=10) as client:
+            sched = vc.ShmkvConnector(vcfg, sched_role)
+            worker = vc.ShmkvConnector(vcfg, worker_role)
+            kv = caches()
+            worker.register_kv_caches(kv)
+            assert matched(sched, saving, 0) == (0, False)
+            os.kill(coord.pid, signal.SIGSTOP)
+            try:
+                meta = schedule(sched, saving, [1, 2, 3], 0, 2 * BLOCK + 3)
+            finally:
+                os.kill(coord.pid, signal.SIGCONT)
+            [item] = meta.requests
+            assert item.save == (0, 2 * BLOCK) and len(item.tokens) == 1
+            for layer in range(LAYERS):  # the forward's K/V, saved through the hand-off
+                k, v = vc.kv_views(kv[f"model.layers.{layer}.self_attn.attn"], "cpu")
+                k[1:3], v[1:3] = 3.0 + layer, -3.0 - layer
+            step(worker, meta)
+            sched.request_finished(saving, [1, 2, 3])
+            reader = request("s2", list(saving.prompt_token_ids))
+            assert matched(sched, reader, 0) == (2 * BLOCK, False)
+            sched.request_finished(reader, [])
+            until(lambda: client.stats()["sequences"] == 0, "the saved request's references")
+            # dropped with its answer there (sequence and hand-off made), and dropped before
+            # its answer came: both released now, not in 60 s
+            dropped = [request(f"d{i}", prompt(91 + i, 2 * BLOCK + 3)) for i in range(2)]
+            assert matched(sched, dropped[0], 0) == (0, False)
+            os.kill(coord.pid, signal.SIGSTOP)
+            try:
+                assert sched.get_num_new_matched_tokens(dropped[1], 0) == (None, False)
+            finally:
+                os.kill(coord.pid, signal.SIGCONT)
+            for req in dropped:
+                sched.request_finished(req, [])
+            until(lambda: client.stats()["sequences"] == 0, "the dropped requests' references")
+    finally:
+        for side in (sched, worker):
+            if side is not None:
+                side.shutdown()
         os.kill(coord.pid, signal.SIGCONT)
         coord.stop()
 
@@ -303,7 +376,7 @@ def test_after_a_coordinator_restart_workers_connect_before_they_load(vc, model_
         with shmkv.connect(second.address, timeout=10) as client:
             seed_prefix(client, vc, vcfg, req, 3 * BLOCK, value=5.0)
             got = until(
-                lambda: sched.get_num_new_matched_tokens(req, 0)[0],
+                lambda: matched(sched, req, 0)[0],
                 "a hit from the new coordinator within the scheduler's polling",
             )
             assert got == 3 * BLOCK
@@ -355,15 +428,15 @@ def test_no_hit_is_promised_while_a_worker_cannot_reach_the_coordinator(
             down = vc.ShmkvWorkerMetadata({0: "!" + instance})
             sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=down))
             before = client.stats()["sequences"]
-            assert sched.get_num_new_matched_tokens(reqs[0], 0) == (0, False)
+            assert matched(sched, reqs[0], 0) == (0, False)
             assert client.stats()["sequences"] == before  # no lookup was made
             up = vc.ShmkvWorkerMetadata({0: instance})
             sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=up))
-            assert sched.get_num_new_matched_tokens(reqs[1], 0) == (2 * BLOCK, False)
+            assert matched(sched, reqs[1], 0) == (2 * BLOCK, False)
             # a report about another (an older) coordinator does not close the gate
             old = vc.ShmkvWorkerMetadata({0: "!" + "0" * 16})
             sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=old))
-            assert sched.get_num_new_matched_tokens(reqs[2], 0) == (2 * BLOCK, False)
+            assert matched(sched, reqs[2], 0) == (2 * BLOCK, False)
             for req in reqs:
                 sched.request_finished(req, [])
         finally:
@@ -383,7 +456,7 @@ def test_short_hand_offs_and_no_pins_after_the_scheduler_goes(vc, model_path, un
         req = request("r1", prompt(80, 2 * BLOCK + 3))
         sched = vc.ShmkvConnector(vcfg, sched_role)
         try:
-            assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+            assert matched(sched, req, 0) == (0, False)
             meta = schedule(sched, req, [1, 2, 3], 0, 2 * BLOCK + 3)
             [item] = meta.requests
             assert item.save == (0, 2 * BLOCK) and len(item.tokens) == 1
@@ -476,13 +549,13 @@ def test_hits_say_where_they_came_from_and_the_engine_reports_what_it_loaded(
         worker.register_kv_caches(caches())
         try:
             # vLLM's own cache holds the first block of r1: it asks for the rest
-            assert sched.get_num_new_matched_tokens(hit, BLOCK) == (2 * BLOCK, False)
+            assert matched(sched, hit, BLOCK) == (2 * BLOCK, False)
             meta = schedule(sched, hit, [0, 1, 2, 3, 4], 2 * BLOCK, 5)
             assert sched.get_external_cache_hit_sources(hit, 2 * BLOCK) == {
                 CacheHitSource.HOST: 2 * BLOCK
             }
             assert step(worker, meta).invalid_block_ids == set()
-            assert sched.get_num_new_matched_tokens(miss, 0) == (0, False)
+            assert matched(sched, miss, 0) == (0, False)
             step(worker, schedule(sched, miss, [5, 6, 7], 0, 300))
             for req in (hit, miss):
                 sched.request_finished(req, [])

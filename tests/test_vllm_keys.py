@@ -26,7 +26,7 @@ if importlib.util.find_spec("vllm") is None:  # found without importing it (seco
         allow_module_level=True,
     )
 
-from vllm_engine import BLOCK, Engine, connector_config, make_model, prompt  # noqa: E402
+from vllm_engine import BLOCK, Engine, connector_config, make_model, matched, prompt  # noqa: E402
 
 import shmkv  # noqa: E402
 
@@ -393,7 +393,7 @@ def test_the_scheduler_finds_no_hit_for_another_image_or_other_embeddings(models
                 "e1 again": _request("e1b", prompt_embeds=e1.clone()),
                 "e2": _request("e2", prompt_embeds=e2),
             }
-            got = {k: sched.get_num_new_matched_tokens(r, 0) for k, r in asked.items()}
+            got = {k: matched(sched, r, 0) for k, r in asked.items()}
             assert got == {
                 "cat again": (3 * BLOCK, False),
                 "dog": (0, False),
@@ -406,7 +406,7 @@ def test_the_scheduler_finds_no_hit_for_another_image_or_other_embeddings(models
 
             before = client.stats()["sequences"]
             lost = _request("lost", lora_request=LoRARequest("x", 1, "/nonexistent/adapter"))
-            assert sched.get_num_new_matched_tokens(lost, 0) == (0, False)
+            assert matched(sched, lost, 0) == (0, False)
             assert client.stats()["sequences"] == before
             for req in list(asked.values()) + [lost]:
                 sched.request_finished(req, [])

@@ -51,6 +51,17 @@ def prompt(seed: int, n: int, prefix=()) -> list:
     return list(prefix) + [rng.randrange(1, VOCAB) for _ in range(n - len(prefix))]
 
 
+def matched(sched, request, num_computed_tokens: int = 0, timeout: float = 10.0):
+    """What a scheduler-side connector answers vLLM for ``request``, asked again while it
+    says it does not know yet (None), as vLLM's scheduler asks at each step."""
+    deadline = time.monotonic() + timeout
+    while True:
+        answer = sched.get_num_new_matched_tokens(request, num_computed_tokens)
+        if answer[0] is not None or time.monotonic() > deadline:
+            return answer
+        time.sleep(0.001)
+
+
 # -- the engine child -----------------------------------------------------------------------
 
 _FAULT = {"handoff": 0}  # requests whose hand-off tokens the next steps damage

@@ -17,20 +17,24 @@ How a request goes through it:
   config, dtype, KV cache dtype, ``"shmkv.salt"``: ``shmkv.integrations.vllm_identity``),
   the request's LoRA adapter's content, its images and prompt embeddings, and its
   ``cache_salt``. It is asked on a thread of the scheduler's own (:class:`_Courier`),
-  which vLLM's scheduler thread waits for at most ``"shmkv.lookup_timeout_s"`` (a later
-  answer is a miss). The handle's ``num_cached_tokens``,
-  rounded down to whole vLLM blocks (and short of the prompt's last token, which vLLM
-  must compute), is the hit. The handle pins the hit blocks until the workers have loaded
-  them, and its other slots receive the blocks vLLM computes. The allocate is answered
-  at once (``wait=False``) also when a tier still copies part of the hit into the pool:
-  from this host's tiers the load is then asynchronous (``load_async``, handed to the
-  workers once a thread of the scheduler's has seen the copies settle); while the shared
-  store is asked, the hit is "not known yet" (None) and vLLM asks again.
+  which vLLM's scheduler thread waits for at most ``LOOKUP_WAIT_S`` a step: an answer
+  not there yet is "not known yet" (None; vLLM schedules others and asks again next
+  step), and one not there ``"shmkv.lookup_timeout_s"`` after it was asked is a miss. A
+  request that will save gets its workers' hand-offs in the same job. The handle's
+  ``num_cached_tokens``, rounded down to whole vLLM blocks (and short of the prompt's last
+  token, which vLLM must compute), is the hit. The handle pins the hit blocks until the
+  workers have loaded them, and its other slots receive the blocks vLLM computes. The
+  allocate is answered at once (``wait=False``) also when a tier still copies part of
+  the hit into the pool: from this host's tiers the load is then asynchronous
+  (``load_async``, handed to the workers once a thread of the scheduler's has seen the
+  copies settle); while the shared store is asked, the hit is "not known yet" (None) and
+  vLLM asks again.
 * **Metadata** (:meth:`build_connector_meta`): per request and step, a few ints (which
   vLLM blocks, which token ranges to load and to save) and, for a load alone, the
   lookup handle's descriptor (``handle.descriptor()``: no request; the handle pins the
   blocks until the request finishes), or, the first time a request saves, one hand-off
-  token per tensor-parallel rank (``handle.export``). No other round trip per step.
+  token per tensor-parallel rank (``handle.export``, made with the lookup). No round
+  trip on vLLM's thread per step.
 * **Worker side**: :meth:`start_load_kv` reads a load's pool blocks through the
   descriptor (``client.peek``: no round trip, no reference), or opens the hand-offs,
   and copies the hit blocks into vLLM's paged tensors before the forward (with
@@ -81,7 +85,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
@@ -117,9 +121,13 @@ log = logging.getLogger("shmkv.vllm")
 
 LAYOUTS = ("cpu", "split", "flash")
 DEFAULT_RETRY_S = 1.0  # (a failed attempt on this host costs a connect() that fails at once)
-# The longest vLLM's scheduler thread waits for the coordinator in one lookup or hand-off
-# (a slower answer counts as a miss; see _Courier).
+# How long a lookup may take before it counts as a miss (its request waits for it, others
+# are scheduled meanwhile), and the longest vLLM's scheduler thread waits for a hand-off
+# made in a step (see _Courier).
 DEFAULT_LOOKUP_TIMEOUT_S = 0.05
+# The longest vLLM's scheduler thread waits for lookups' answers in one step: one not
+# there by then is asked for again at the next step (vLLM schedules others meanwhile).
+LOOKUP_WAIT_S = 0.002
 # An unopened hand-off pins its blocks this long: the workers open a step's hand-offs
 # when the step starts, well within it, unless their engine died (Ctrl-C of vllm serve).
 HANDOFF_TTL_S = 10.0
@@ -630,6 +638,19 @@ class _SchedReq:
     cap: int = 0  # the most tokens shmkv could give (the prompt less its last token)
     local: int = 0  # tokens vLLM's own prefix cache had when it last asked
     missed: int = 0  # tokens asked for and not found, for the workers to report
+    # The workers' hand-offs, made with the lookup (a request that saves needs them in its
+    # first step; made then, they would cost vLLM's thread a round trip), and when.
+    tokens: Optional[List[bytes]] = None
+    tokens_at: float = 0.0
+
+
+class _Asked(NamedTuple):
+    """A lookup asked of the courier and not answered yet."""
+
+    job: "_Job"
+    deadline: float  # when it counts as a miss (time.monotonic())
+    full: int  # the prompt's tokens in whole vLLM blocks (what the lookup asks for)
+    prompt_len: int
 
 
 def client_name(given: Optional[str], engine_id: Optional[str]) -> str:
@@ -862,6 +883,10 @@ class _Late(ShmkvError):
     """The coordinator did not answer within the caller's time (counted as a miss)."""
 
 
+class _NotYet(Exception):
+    """A request queued for the courier has no answer yet (:meth:`_Courier.take`)."""
+
+
 class _Job:
     __slots__ = ("fn", "abandon", "done", "lock", "late", "result", "error")
 
@@ -939,18 +964,57 @@ class _Courier:
             shmkv.CoordinatorGone: no coordinator to ask (connecting failed).
             Exception: what ``fn`` raised.
         """
+        job = self.submit(fn, timeout, abandon)
+        try:
+            return self.take(job, timeout)
+        except _NotYet:
+            if self.abandon(job):
+                return self.take(job, 0)  # (answered as it was given up)
+            raise _Late(f"no answer within {timeout * 1000:.0f} ms") from None
+
+    def submit(
+        self,
+        fn: Callable[[Any], Any],
+        timeout: float,
+        abandon: Optional[Callable[[Any], None]] = None,
+    ) -> _Job:
+        """Queue ``fn(client)`` for the thread; :meth:`take` its answer, or
+        :meth:`abandon` it (then ``abandon(result)`` runs on the thread once it is made).
+
+        Raises:
+            _Late: an earlier request is still under way ``timeout`` after it began (a
+                coordinator that stopped answering): nothing is queued.
+        """
         if self.stuck(timeout):
             raise _Late("the coordinator has not answered an earlier request")
         job = _Job(fn, abandon)
         self._jobs.put(job)
-        if not job.done.wait(timeout):
-            with job.lock:
-                if not job.done.is_set():
-                    job.late = True
-                    raise _Late(f"no answer within {timeout * 1000:.0f} ms")
+        return job
+
+    @staticmethod
+    def take(job: _Job, wait: float) -> Any:
+        """The answer of ``job`` (waiting at most ``wait`` seconds for it).
+
+        Raises:
+            _NotYet: not answered yet.
+            Exception: what the request raised.
+        """
+        if not job.done.wait(wait):
+            raise _NotYet()
         if job.error is not None:
             raise job.error
         return job.result
+
+    @staticmethod
+    def abandon(job: _Job) -> bool:
+        """Nobody takes ``job``'s answer: what it makes goes to its ``abandon`` on the
+        thread. False when that is so; True when it was answered already (the caller
+        takes it, and disposes of it)."""
+        with job.lock:
+            if job.done.is_set():
+                return True
+            job.late = True
+            return False
 
     def post(self, fn: Callable[[Any], Any]) -> None:
         """``fn(client)`` on the thread, in order with the other requests, not waited
@@ -1050,11 +1114,23 @@ class _Courier:
         return client
 
 
-def _release_found(found: Tuple[Any, Any]) -> None:
-    """Release the handle of a lookup answered too late (none when the lookup was not
-    made)."""
-    if found[0] is not None:
-        _release(found[0])
+def _drop_tokens(client, tokens: List[bytes]) -> None:
+    """Open and drop hand-offs nobody will open (each would pin its blocks until it
+    expires); on the courier's thread."""
+    for token in tokens:
+        try:
+            _release(client.open(token))
+        except (ShmkvError, OSError):
+            pass  # expired, or its coordinator gone: it pins nothing
+
+
+def _release_found(found: Tuple[Any, Any, Any]) -> None:
+    """Release what a lookup nobody took made: its handle and hand-offs (none when the
+    lookup was not made)."""
+    handle, settle, tokens = found
+    if handle is not None:
+        _drop_tokens(handle.client, ([settle] if settle else []) + (tokens or []))
+        _release(handle)
 
 
 def _quietly_close(client) -> None:
@@ -1092,8 +1168,8 @@ class ShmkvConnector(KVConnectorBase_V1):
     namespace of your own), ``"shmkv.model_id"`` (the checkpoint's identity, instead of a
     digest of its files), ``"shmkv.client_name"`` (the engine's name in the coordinator's
     metrics), ``"shmkv.retry_s"`` (seconds between failed attempts to connect, default
-    1), ``"shmkv.lookup_timeout_s"`` (the longest the scheduler thread waits for the
-    coordinator, default 0.05), ``"shmkv.handoff_ttl_s"`` (how long a hand-off nobody
+    1), ``"shmkv.lookup_timeout_s"`` (how long a lookup may take before it is a miss,
+    default 0.05), ``"shmkv.handoff_ttl_s"`` (how long a hand-off nobody
     opened pins its blocks, default 10),
     ``"shmkv.kv_layout"`` (``"cpu"``, ``"split"`` or ``"flash"``; detected by default),
     ``"shmkv.on_load_error"`` (``"recompute"``, the default, or ``"fail"``),
@@ -1172,6 +1248,9 @@ class ShmkvConnector(KVConnectorBase_V1):
                 # A cache is best effort: a lost block is recomputed, never fatal.
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
             self._reqs: Dict[str, _SchedReq] = {}
+            # lookups asked of the courier, not answered yet: (job, when it is a miss)
+            self._asking: Dict[str, _Asked] = {}
+            self._lookup_waited = False  # a lookup waited for its answer in this step
             # lookups done with whose descriptors the workers read: released when the
             # request finishes (see _finish)
             self._pins: Dict[str, List[Any]] = {}
@@ -1378,7 +1457,10 @@ class ShmkvConnector(KVConnectorBase_V1):
         have them. 0 when the coordinator is gone."""
         state = self._reqs.get(request.request_id)
         if state is None:
-            state = self._lookup(request)
+            try:
+                state = self._lookup(request)
+            except _NotYet:  # asked, no answer yet: vLLM schedules others and asks again
+                return None, False
             if state is None:
                 return 0, False
         if state.pending and request.request_id not in self._waiting:
@@ -1422,59 +1504,64 @@ class ShmkvConnector(KVConnectorBase_V1):
             self._worker_reports.update(meta.instances)
 
     def _lookup(self, request) -> Optional[_SchedReq]:
-        prompt = key_tokens(request)  # (zeros for a prompt of embeddings alone)
-        bs = self._block_size
-        full = len(prompt) // bs * bs
-        if full == 0:
-            return None
-        # The salt covers the request's adapter, multimodal inputs and prompt embeddings;
-        # None for an adapter whose files are not here: such a request is not cached.
-        salt = request_salt(self._namespace, request)
-        if salt is None:
-            return None
+        """The state of ``request``'s lookup; None when it missed or cannot be made.
 
-        def lookup(client):
-            if not self._gate_open(client.instance):
-                return None, None
-            handle = client.allocate(prompt=prompt[:full], cache_salt=salt, wait=False)
-            if not handle.num_promoting_tokens:
-                return handle, None
-            try:  # for the thread that waits for the tier copies
-                return handle, handle.export(ttl=2 * SETTLE_TIMEOUT_S)
-            except BaseException:
-                _release(handle)
-                raise
+        The lookup runs on the courier's thread: vLLM's thread waits at most
+        ``LOOKUP_WAIT_S`` for lookups in one step, so that a busy coordinator or a busy host
+        never holds up a step (decodes) for a round trip. An answer not there yet raises
+        ``_NotYet`` (vLLM asks again next step); one not there ``"shmkv.lookup_timeout_s"``
+        after it was asked is a miss, and what it made is released when it comes.
 
+        Raises:
+            _NotYet: asked, not answered yet.
+        """
+        req_id = request.request_id
+        asked = self._asking.get(req_id)
+        if asked is None:
+            asked = self._ask(request)
+            if asked is None:
+                return None
+            self._asking[req_id] = asked
+        job, deadline = asked.job, asked.deadline
+        # One wait a step at most, however many requests wait for their lookups (their
+        # answers come in order); waiting also lets the courier's thread take the GIL
+        # from a scheduler that would otherwise spin through empty steps.
+        wait = 0.0 if self._lookup_waited else LOOKUP_WAIT_S
+        if not job.done.is_set():
+            self._lookup_waited = True
         try:
-            handle, settle = self._courier.call(
-                lookup,
-                self._lookup_timeout_s,
-                abandon=_release_found,
-            )
-        except _Late as exc:
-            log.debug("shmkv: lookup of %s counted as a miss (%s)", request.request_id, exc)
+            handle, settle, tokens = self._courier.take(job, wait)
+        except _NotYet:
+            if time.monotonic() < deadline or self._courier.abandon(job):
+                raise
+            del self._asking[req_id]
+            log.debug("shmkv: lookup of %s counted as a miss (no answer in time)", req_id)
             self.num_late_lookups += 1
             return None
         except shmkv.CoordinatorGone as exc:  # (said once, as the connection went)
-            log.debug("shmkv: request %s not looked up (%s)", request.request_id, exc)
+            del self._asking[req_id]
+            log.debug("shmkv: request %s not looked up (%s)", req_id, exc)
             return None
-        except ShmkvError as exc:  # no room, a prompt past max_seq_len: this one is not cached
-            log.info("shmkv: request %s not looked up (%s)", request.request_id, exc)
+        except (ShmkvError, OSError) as exc:  # no room, a prompt past max_seq_len
+            del self._asking[req_id]
+            log.info("shmkv: request %s not looked up (%s)", req_id, exc)
             return None
-        except OSError as exc:
-            log.info("shmkv: request %s not looked up (%s)", request.request_id, exc)
-            return None
+        del self._asking[req_id]
+        prompt_tokens, prompt_len = asked.full, asked.prompt_len
         if handle is None:  # (a worker cannot reach this coordinator: _gate_open)
             return None
+        bs = self._block_size
         cached = handle.num_cached_tokens
-        cap = min(full, (len(prompt) - 1) // bs * bs)
+        cap = min(prompt_tokens, (prompt_len - 1) // bs * bs)
         state = _SchedReq(
             handle=handle,
-            prompt_tokens=full,
+            prompt_tokens=prompt_tokens,
             hit=min(cached // bs * bs, cap),
             cached=cached,
             saved=cached,
             cap=cap,
+            tokens=tokens,
+            tokens_at=time.monotonic(),
         )
         if settle is not None:  # a tier copies part of the hit in: wait off this thread
             state.pending = True
@@ -1485,6 +1572,45 @@ class ShmkvConnector(KVConnectorBase_V1):
             state.ticket = self._settler.submit(settle)
         self._reqs[request.request_id] = state
         return state
+
+    def _ask(self, request) -> Optional[_Asked]:
+        """Queue ``request``'s lookup on the courier's thread: its sequence (the longest
+        cached prefix pinned), a hand-off to wait on when a tier still copies part of it,
+        and, when the request will save, the workers' hand-offs. None when there is
+        nothing to look up, or no coordinator answering."""
+        prompt = key_tokens(request)  # (zeros for a prompt of embeddings alone)
+        full = len(prompt) // self._block_size * self._block_size
+        if full == 0:
+            return None
+        # The salt covers the request's adapter, multimodal inputs and prompt embeddings;
+        # None for an adapter whose files are not here: such a request is not cached.
+        salt = request_salt(self._namespace, request)
+        if salt is None:
+            return None
+        ttl, ranks = self._handoff_ttl_s, self._tp_size
+
+        def lookup(client):
+            if not self._gate_open(client.instance):
+                return None, None, None
+            handle = client.allocate(prompt=prompt[:full], cache_salt=salt, wait=False)
+            settle = tokens = None
+            try:
+                if handle.num_promoting_tokens:  # for the thread that waits for the copies
+                    settle = handle.export(ttl=2 * SETTLE_TIMEOUT_S)
+                if handle.num_cached_tokens < full:  # it saves: each rank's hand-off
+                    tokens = [handle.export(ttl=ttl) for _ in range(ranks)]
+            except BaseException:
+                _release_found((handle, settle, tokens))
+                raise
+            return handle, settle, tokens
+
+        try:
+            job = self._courier.submit(lookup, self._lookup_timeout_s, _release_found)
+        except _Late as exc:
+            log.debug("shmkv: lookup of %s counted as a miss (%s)", request.request_id, exc)
+            self.num_late_lookups += 1
+            return None
+        return _Asked(job, time.monotonic() + self._lookup_timeout_s, full, len(prompt))
 
     def _take_settled(self, state: _SchedReq) -> bool:
         """Whether the tier copies of ``state``'s lookup are done; if so its hit is the
@@ -1551,6 +1677,7 @@ class ShmkvConnector(KVConnectorBase_V1):
             coordinator=self._courier.instance or "",
         )
         self._closed, self._recv_dropped = [], []
+        self._lookup_waited = False  # (a new step: a lookup may wait again, see _lookup)
         self._courier.post(self._log_refused)
         for req_id, waiting in list(self._waiting.items()):
             if self._take_settled(waiting):
@@ -1633,8 +1760,18 @@ class ShmkvConnector(KVConnectorBase_V1):
                 item.tokens = []  # (the workers report the load failed)
             state.peeked = True
         else:
-            item.tokens = self._export(state)
+            item.tokens = self._made_tokens(state) or self._export(state)
             state.exported = True
+
+    def _made_tokens(self, state: _SchedReq) -> Optional[List[bytes]]:
+        """The hand-offs made with the lookup, while they have at least half their time
+        to live (a request that waited longer gets new ones)."""
+        tokens, state.tokens = state.tokens, None
+        if tokens and time.monotonic() - state.tokens_at < self._handoff_ttl_s / 2:
+            return tokens
+        if tokens:
+            self._courier.post(lambda client: _drop_tokens(client, tokens))
+        return None
 
     def _source(self, state: _SchedReq) -> Optional[bytes]:
         """The descriptor the workers read a load through (its handle stays open); None
@@ -1670,11 +1807,21 @@ class ShmkvConnector(KVConnectorBase_V1):
         load through its descriptor: that one pins the blocks they may still be copying
         until the request is ``final`` (finished, or the connector shut down)."""
         state = self._reqs.pop(req_id, None)
+        asked = self._asking.pop(req_id, None)
+        if asked is not None and self._courier.abandon(asked.job):
+            try:  # answered, never taken: what it made goes
+                found = self._courier.take(asked.job, 0)
+                self._courier.post(lambda client: _release_found(found))
+            except Exception:  # noqa: BLE001 - a failed lookup made nothing
+                pass
         if final:
             for handle in self._pins.pop(req_id, ()):
                 self._drop(handle)
         if state is None:
             return
+        tokens, state.tokens = state.tokens, None
+        if tokens:  # hand-offs made with the lookup, never handed to the workers
+            self._courier.post(lambda client: _drop_tokens(client, tokens))
         if state.pending:  # its wait's answer, when it comes, goes to no one
             assert self._settler is not None  # (made by the lookup that set pending)
             self._settler.forget(state.ticket)
@@ -2147,7 +2294,7 @@ class ShmkvConnector(KVConnectorBase_V1):
     def shutdown(self):
         """Close every handle and the client."""
         if self._role == KVConnectorRole.SCHEDULER:
-            for req_id in list(self._reqs) + list(self._pins):
+            for req_id in {*self._reqs, *self._pins, *self._asking}:
                 self._finish(req_id, tell_workers=False, final=True)
             if self._settler is not None:
                 self._settler.close()
