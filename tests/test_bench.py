@@ -641,3 +641,38 @@ def test_serving_report_states_each_target(tmp_path):
     assert "**The whole deployment shares these 2 CPUs**" in md
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "plots" / "serving-x.png").exists()
+
+
+def test_serving_ttft_dip_splits_requests_by_when_they_started():
+    from shmkv.bench import serving
+
+    starts = [0.0, 1.0, 2.0, 10.0, 11.0, 19.0, 30.0]
+    ttfts = [0.1, 0.2, 0.3, 2.0, None, 1.0, 0.1]  # (None: a failed request)
+    dip = serving.ttft_dip(starts, ttfts, kill=9.0, up=12.0)
+    assert dip["before"] == {"requests": 3, "p50_ms": 200.0, "max_ms": 300.0}
+    assert dip["during"] == {"requests": 1, "p50_ms": 2000.0, "max_ms": 2000.0}  # < up + 5 s
+    assert dip["after"] == {"requests": 2, "p50_ms": 550.0, "max_ms": 1000.0}
+    empty = serving.ttft_dip([], [], kill=1.0, up=2.0)
+    assert empty["during"] == {"requests": 0, "p50_ms": None, "max_ms": None}
+
+
+def test_serving_damage_overwrites_the_middle_of_block_files_keeping_their_size(tmp_path):
+    from shmkv.bench import serving
+
+    blocks = tmp_path / "blocks"
+    (blocks / "ab").mkdir(parents=True)
+    files = {}
+    for i in range(5):
+        path = blocks / "ab" / f"{i}.blk"
+        path.write_bytes(bytes(16384))
+        files[f"ab/{i}.blk"] = path
+    damaged = serving.damage_block_files(str(blocks), 3)
+    assert len(damaged) == 3 and set(damaged) <= set(files)
+    for rel, path in files.items():
+        data = path.read_bytes()
+        assert len(data) == 16384
+        changed = [i for i, b in enumerate(data) if b]
+        if rel in damaged:  # random bytes in [6144, 10240), nothing else
+            assert changed and min(changed) >= 6144 and max(changed) < 10240
+        else:
+            assert not changed

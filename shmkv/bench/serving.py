@@ -69,6 +69,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -142,6 +143,16 @@ def sizes(quick: bool) -> Dict[str, Dict[str, Any]]:
             "zipf": dict(num_prefixes=4, prefix_len=1024, suffix_len=32, requests=12, s=2.0, out=8),
             "random": dict(input_len=512, requests=8, out=8),
             "probe": dict(input_len=32, out=32, requests=3, reps=1),
+            "faults": dict(
+                num_prefixes=8,
+                prefix_len=1024,
+                suffix_len=32,
+                requests=40,
+                s=1.0,
+                out=8,
+                rate=2.0,
+                pool_blocks=48,
+            ),
         }
     return {
         "prefix": dict(num_prefixes=4, prefix_len=3072, suffix_len=64, requests=24, out=16),
@@ -149,6 +160,18 @@ def sizes(quick: bool) -> Dict[str, Dict[str, Any]]:
         "zipf": dict(num_prefixes=8, prefix_len=2048, suffix_len=64, requests=24, s=2.0, out=16),
         "random": dict(input_len=1024, requests=16, out=16),
         "probe": dict(input_len=32, out=96, requests=6, reps=3),
+        # faults under load: 12 prefixes of 8 blocks (96) over a pool of 48, a host tier of
+        # 16 and a disk tier; Poisson arrivals at a rate every deployment sustains here
+        "faults": dict(
+            num_prefixes=12,
+            prefix_len=1024,
+            suffix_len=64,
+            requests=72,
+            s=1.0,
+            out=16,
+            rate=2.0,
+            pool_blocks=48,
+        ),
     }
 
 
@@ -590,6 +613,37 @@ def server_command(model: str, port: int, kv: Optional[dict]) -> List[str]:
     return cmd
 
 
+def coordinator_command(
+    model: str, name: str, pool_blocks: int, tier_dir: Optional[str] = None
+) -> List[str]:
+    """``shmkv serve`` as the replicas' coordinator (with a host and a disk tier in
+    ``tier_dir``, for the faults run)."""
+    cmd = [
+        sys.executable, "-m", "shmkv", "serve",
+        "--for-model", model,
+        "--name", name,
+        "--block-size", str(BLOCK),
+        "--num-blocks", str(pool_blocks),
+        "--dtype", "float32",  # (the servers run --dtype float32)
+        "--metrics-port", "0",
+    ]  # fmt: skip
+    if tier_dir is not None:
+        cmd += ["--host-tier-size", "8M", "--disk-tier", tier_dir, "--disk-tier-size", "1G"]
+    return cmd
+
+
+def metrics_url(proc: "Proc") -> Optional[str]:
+    """The ``/metrics`` address a coordinator printed once it serves (None before)."""
+    try:
+        with open(proc.log) as f:
+            for line in f:
+                if "metrics: http://" in line:
+                    return line.split("metrics: ", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
 def connector_config(name: str, client: str) -> dict:
     """``--kv-transfer-config`` of a shmkv replica: the connector with its hooks timed."""
     return {
@@ -705,8 +759,11 @@ def run_one(
     name: str,
     argv: List[str],
     raw_dir: str,
+    texts: bool = False,
 ) -> Dict[str, Any]:
-    """One ``vllm bench serve`` run against ``dep``; its record."""
+    """One ``vllm bench serve`` run against ``dep``; its record (with ``texts``, also
+    each request's generated text, start time, TTFT and error under ``"detail"``: the
+    saved raw file keeps no texts)."""
     before = _snapshot(dep, coord)
     full = argv + [
         "--backend", "vllm",
@@ -729,6 +786,11 @@ def run_one(
     with open(path) as f:
         raw = json.load(f)
     trim_raw(path)
+    detail = None
+    if texts:
+        detail = {
+            k: raw.get(k) or [] for k in ("generated_texts", "start_times", "ttfts", "errors")
+        }
     rec: Dict[str, Any] = {
         "name": name,
         "raw": os.path.basename(path),
@@ -762,6 +824,8 @@ def run_one(
             - metric(before["coord"], name_miss, client=r["client"])
             for r in dep.replicas
         ]
+    if detail is not None:
+        rec["detail"] = detail
     rate = raw.get("request_rate")
     rec["offered_rate"] = rate if rate == "inf" else float(rate)
     print(
@@ -773,6 +837,185 @@ def run_one(
         flush=True,
     )
     return rec
+
+
+# -- faults under load -----------------------------------------------------------------------
+
+
+def run_faults(
+    client: Helper,
+    deps: Dict[str, "Deployment"],
+    coord_proc: "Proc",
+    procs: List["Proc"],
+    model: str,
+    name: str,
+    env: Dict[str, str],
+    work: str,
+    raw_dir: str,
+    shape: Dict[str, Any],
+    seed: int,
+    vocab: int,
+) -> Dict[str, Any]:
+    """Faults while ``vllm bench serve`` sends a Zipf workload at a rate every deployment
+    sustains: (a) runs it first, the no-connector reference; then the coordinator is
+    replaced by one with a host and a disk tier under a pool the workload overflows
+    (eviction all along), and (c) runs the same prompts while this process SIGKILLs that
+    coordinator and starts another at once on the same disk tier (30 % into the run),
+    then damages disk-tier block files (60 % in). The record: failed requests and
+    errors, greedy outputs equal to (a)'s, the restart's timings (SIGKILL to serving, to
+    the first hit), TTFT around the kill (:func:`ttft_dip`), the last coordinator's tier
+    counts."""
+    tier_dir = os.path.join(work, "tier")
+    cmd = coordinator_command(model, name, shape["pool_blocks"], tier_dir)
+    logs = os.path.dirname(coord_proc.log)
+    argv = dataset_args("zipf", shape, seed, work, vocab)
+    argv += ["--request-rate", str(shape["rate"])]
+    ref = run_one(client, deps["a"], None, "faults-a", argv, raw_dir, texts=True)
+    coord_proc.stop(signal.SIGTERM)
+    first = Proc("coordinator-faults-1", cmd, os.path.join(logs, "coordinator-faults-1.log"), env)
+    procs.append(first)
+    url = wait_for("the faults coordinator", lambda: metrics_url(first), 120, [first])
+    wait_for(
+        "the (c) replicas connected to it",
+        lambda: (
+            metric(parse_metrics(http_get(url) or ""), "shmkv_connections_open") >= 2 * REPLICAS
+        ),
+        120,
+        [first],
+    )
+    events: Dict[str, Any] = {}
+    duration = shape["requests"] / shape["rate"]
+    injector = threading.Thread(
+        target=_inject,
+        args=(events, first, cmd, env, logs, procs, tier_dir, duration),
+        name="faults",
+        daemon=True,
+    )
+    injector.start()
+    rec = run_one(client, deps["c"], None, "faults-c", argv, raw_dir, texts=True)
+    events["run_done"] = True
+    injector.join(60)
+    tiers = _tier_stats(os.path.join(env["SHMKV_RUNTIME_DIR"], f"{name}.sock"))
+    a, c = ref.pop("detail"), rec.pop("detail")
+    equal = sum(x == y for x, y in zip(a["generated_texts"], c["generated_texts"]))
+    kill, up = events.get("kill"), events.get("up")
+    out: Dict[str, Any] = {
+        "shape": shape,
+        "reference": ref,
+        "run": rec,
+        "requests": len(c["generated_texts"]),
+        "failed": int(rec.get("failed") or 0),
+        "errors": sum(1 for e in c["errors"] if e),
+        "outputs_equal": equal,
+        "reference_failed": int(ref.get("failed") or 0),
+        "damaged_files": events.get("damaged", []),
+        "tiers": tiers,
+        "injector_error": events.get("error"),
+    }
+    if kill is not None and up is not None:
+        out["restart_s"] = up - kill
+        out["first_hit_s"] = events["hit"] - kill if "hit" in events else None
+        out["ttft"] = ttft_dip(c["start_times"], c["ttfts"], kill, up)
+    return out
+
+
+def _inject(
+    events: Dict[str, Any],
+    first: "Proc",
+    cmd: List[str],
+    env: Dict[str, str],
+    logs: str,
+    procs: List["Proc"],
+    tier_dir: str,
+    duration: float,
+) -> None:
+    """The faults of :func:`run_faults`, on a thread of their own; what happened and
+    when (``time.monotonic()``, the clock of the client's request start times) goes to
+    ``events``."""
+    try:
+        t0 = time.monotonic()
+        time.sleep(0.3 * duration)
+        events["kill"] = time.monotonic()
+        os.kill(first.pid, signal.SIGKILL)
+        first.proc.wait(30)
+        second = Proc(
+            "coordinator-faults-2", cmd, os.path.join(logs, "coordinator-faults-2.log"), env
+        )
+        procs.append(second)
+        events["second"] = second
+        url = wait_for("the restarted coordinator", lambda: metrics_url(second), 120, [second],
+                       every=0.05)  # fmt: skip
+        events["up"] = time.monotonic()
+        damage_at = t0 + 0.6 * duration
+        while not events.get("run_done") and time.monotonic() < t0 + 3 * duration:
+            if "hit" not in events:
+                m = parse_metrics(http_get(url, 2) or "")
+                hits = sum(
+                    v for k, v in m.items() if k.startswith("shmkv_client_prefix_hit_tokens")
+                )
+                if hits > 0:
+                    events["hit"] = time.monotonic()
+            if "damaged" not in events and time.monotonic() >= damage_at:
+                events["damaged"] = damage_block_files(os.path.join(tier_dir, "blocks"), 8)
+            time.sleep(0.1)
+    except Exception as exc:  # noqa: BLE001 - reported in the record
+        events["error"] = f"{type(exc).__name__}: {exc}"
+
+
+def damage_block_files(directory: str, most: int, seed: int = 0) -> List[str]:
+    """Overwrite 4 KiB in the middle of up to ``most`` block files under ``directory``
+    with random bytes (their sizes unchanged); the damaged files, relative."""
+    files = sorted(os.path.join(root, f) for root, _, names in os.walk(directory) for f in names)
+    rng = random.Random(seed)
+    damaged = []
+    for path in rng.sample(files, min(most, len(files))):
+        try:
+            size = os.path.getsize(path)
+            with open(path, "r+b") as f:
+                f.seek(max(0, size // 2 - 2048))
+                f.write(rng.randbytes(min(4096, size)))
+            damaged.append(os.path.relpath(path, directory))
+        except OSError:
+            pass  # (a file the tier removed meanwhile)
+    return damaged
+
+
+def _tier_stats(address: str) -> Optional[List[dict]]:
+    """The tiers' counts of the coordinator at ``address`` (None when none answers)."""
+    import shmkv
+
+    try:
+        with shmkv.connect(address, timeout=10) as probe:
+            return probe.stats().get("tiers")
+    except (shmkv.ShmkvError, OSError):
+        return None
+
+
+def ttft_dip(
+    start_times: Sequence[float],
+    ttfts: Sequence[float],
+    kill: float,
+    up: float,
+    settle: float = 5.0,
+) -> Dict[str, Any]:
+    """TTFT (ms) of the requests started before the coordinator was killed, between the
+    kill and ``settle`` seconds after its successor served, and after that: count, p50
+    and max of each (the clocks are ``time.monotonic()``'s)."""
+    spans = {"before": [], "during": [], "after": []}  # type: Dict[str, List[float]]
+    for start, ttft in zip(start_times, ttfts):
+        if not ttft:
+            continue  # (a failed request: counted apart)
+        key = "before" if start < kill else "during" if start < up + settle else "after"
+        spans[key].append(ttft * 1000)
+    out: Dict[str, Any] = {}
+    for key, values in spans.items():
+        values.sort()
+        out[key] = {
+            "requests": len(values),
+            "p50_ms": median(values) if values else None,
+            "max_ms": values[-1] if values else None,
+        }
+    return out
 
 
 def check_requirements() -> None:
@@ -843,28 +1086,12 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
     others = busy_processes()
     runs: List[Dict[str, Any]] = []
     probe: List[Dict[str, Any]] = []
+    faults: Optional[Dict[str, Any]] = None
     startup = 0.0
     try:
         coord_proc = Proc(
             "coordinator",
-            [
-                sys.executable,
-                "-m",
-                "shmkv",
-                "serve",
-                "--for-model",
-                model,
-                "--name",
-                name,
-                "--block-size",
-                str(BLOCK),
-                "--num-blocks",
-                str(args.pool_blocks),
-                "--dtype",
-                "float32",  # (the servers run --dtype float32)
-                "--metrics-port",
-                "0",
-            ],  # fmt: skip
+            coordinator_command(model, name, args.pool_blocks),
             os.path.join(logs, "coordinator.log"),
             env,
         )
@@ -889,18 +1116,10 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
                 procs.append(r["proc"])
                 replicas[kind].append(r)
 
-        def coordinator_metrics():
-            try:
-                with open(coord_proc.log) as f:
-                    for line in f:
-                        if "metrics: http://" in line:
-                            return line.split("metrics: ", 1)[1].strip()
-            except OSError:
-                pass
-            return None
-
         coord = {
-            "metrics": wait_for("the coordinator", coordinator_metrics, 120, [coord_proc]),
+            "metrics": wait_for(
+                "the coordinator", lambda: metrics_url(coord_proc), 120, [coord_proc]
+            ),
             "pid": coord_proc.pid,
         }
         # the client's imports overlap the servers' start
@@ -994,6 +1213,13 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
                 probe.append(rec)
         with_shmkv = [r["proc"] for r in replicas["shmkv"]] + [coord_proc]
         shm = mapped_shm(p for proc in with_shmkv for p in _tree_pids(proc.pid))
+        if args.faults:
+            print("faults:", file=sys.stderr, flush=True)
+            faults = run_faults(
+                client, deps, coord_proc, procs, model, name, env, work, raw_dir,
+                shape["faults"], next(seed), ve.VOCAB,
+            )  # fmt: skip
+            shm |= mapped_shm(p for proc in with_shmkv for p in _tree_pids(proc.pid))
     finally:
         if client is not None:
             client.stop(30)
@@ -1037,6 +1263,7 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
         "raw_dir": os.path.basename(raw_dir),
         "runs": runs,
         "probe": probe,
+        "faults": faults,
         "rounds": args.rounds,
     }
 
@@ -1474,7 +1701,83 @@ def markdown(r: Dict[str, Any], name: str = NAME) -> str:
                 markdown_table(rows),
                 "",
             ]
+    if r.get("faults"):
+        lines += faults_markdown(r["faults"])
     return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def faults_markdown(f: Dict[str, Any]) -> List[str]:
+    """The faults-under-load section of the report (:func:`run_faults`'s record)."""
+    sh, run = f["shape"], f["run"]
+    lines = [
+        "## Faults under load",
+        "",
+        f"{sh['requests']} requests over {sh['num_prefixes']} prefixes of "
+        f"{sh['prefix_len']} tokens (Zipf weights 1/rank^{sh['s']:g}), suffixes of "
+        f"{sh['suffix_len']}, {sh['out']} tokens out, Poisson arrivals at "
+        f"{sh['rate']:g} req/s; (a) first (the reference), then (c) on a coordinator with "
+        f"a pool of {sh['pool_blocks']} blocks (the prefixes are "
+        f"{sh['num_prefixes'] * sh['prefix_len'] // BLOCK}), an 8 MiB host tier and a disk "
+        "tier: SIGKILLed 30 % into the run and started again at once on the same disk "
+        "tier, and 60 % in, disk-tier block files damaged (4 KiB of random bytes in "
+        "each).",
+        "",
+    ]
+    rows = [
+        ["", "(a) reference", "(c) with the faults"],
+        ["requests failed", str(f["reference_failed"]), f"{f['failed']} ({f['errors']} errors)"],
+        [
+            "req/s, TTFT p50 / p99",
+            f"{f['reference']['request_throughput']:.2f}, "
+            f"{f['reference']['p50_ttft_ms']:.0f} / {f['reference']['p99_ttft_ms']:.0f} ms",
+            f"{run['request_throughput']:.2f}, {run['p50_ttft_ms']:.0f} / "
+            f"{run['p99_ttft_ms']:.0f} ms",
+        ],
+        ["greedy outputs equal to (a)'s", "-", f"{f['outputs_equal']} of {f['requests']}"],
+    ]
+    lines += [markdown_table(rows), ""]
+    if "restart_s" in f:
+        hit = f.get("first_hit_s")
+        lines += [
+            f"The restart: the new coordinator served {f['restart_s']:.2f} s after the "
+            "SIGKILL (`shmkv serve --for-model`, started at once), and the first hit "
+            + (f"on it came {hit:.2f} s after the SIGKILL." if hit is not None else "never came.")
+            + " TTFT by when a request started:",
+            "",
+        ]
+        t = f["ttft"]
+        rows = [["requests started", "count", "TTFT p50", "TTFT max"]]
+        for key, label in (
+            ("before", "before the SIGKILL"),
+            ("during", "from it to 5 s after the restart"),
+            ("after", "later"),
+        ):
+            x = t[key]
+            rows.append(
+                [
+                    label,
+                    str(x["requests"]),
+                    f"{x['p50_ms']:.0f} ms" if x["p50_ms"] is not None else "-",
+                    f"{x['max_ms']:.0f} ms" if x["max_ms"] is not None else "-",
+                ]
+            )
+        lines += [markdown_table(rows), ""]
+    if f.get("tiers"):
+        parts = [
+            f"{t['tier']}: {t['demotions']} demotions, {t['promotions']} promotions, "
+            f"{t['errors']} errors"
+            for t in f["tiers"]
+        ]
+        lines += [
+            f"Damaged: {len(f['damaged_files'])} disk-tier block files. The restarted "
+            f"coordinator's tiers over the rest of the run: {'; '.join(parts)} (a damaged "
+            "file fails its checksum when read: an error, a miss, and the block is "
+            "computed again).",
+            "",
+        ]
+    if f.get("injector_error"):
+        lines += [f"The fault injection failed: {f['injector_error']}", ""]
+    return lines
 
 
 def plot(r: Dict[str, Any], path: str) -> bool:
@@ -1542,6 +1845,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "--pool-blocks", type=int, default=1024, help="the pool's blocks (128 tokens, 512 KiB)"
     )
     ap.add_argument("--seed", type=int, default=1000, help="first dataset seed")
+    ap.add_argument(
+        "--no-faults",
+        dest="faults",
+        action="store_false",
+        help="skip the last phase: faults under load (the coordinator SIGKILLed and "
+        "restarted, disk-tier files damaged, a pool the workload overflows)",
+    )
     ap.add_argument("--trace", default=None, help="the chat trace (default: the committed one)")
     ap.add_argument(
         "--rounds",
