@@ -352,6 +352,32 @@ def test_a_step_hands_over_what_the_lookup_made_and_a_dropped_request_pins_nothi
         coord.stop()
 
 
+def test_an_idle_scheduler_connects_to_a_restarted_coordinator_before_any_request(
+    vc, model_path, unique_name
+):
+    """A coordinator restarted while no request came: the scheduler notices on its own
+    (every ``shmkv.retry_s``) and connects to the new one, so the next request's lookup
+    is answered by it rather than spent on reconnecting."""
+    sched_role, _ = roles()
+
+    def connections(coord) -> int:
+        with shmkv.connect(coord.address, timeout=10) as probe:
+            return probe.stats()["connections"] - 1  # (less the probe)
+
+    sched = None
+    try:
+        with shmkv.Coordinator(pool_config(), name=unique_name) as first:
+            vcfg = vllm_config(model_path, first.address, **{"shmkv.retry_s": 0.2})
+            sched = vc.ShmkvConnector(vcfg, sched_role)
+            assert connections(first) == 1
+        with shmkv.Coordinator(pool_config(), name=unique_name) as second:
+            until(lambda: connections(second) == 1, "the idle scheduler connected again")
+            assert sched.connected
+    finally:
+        if sched is not None:
+            sched.shutdown()
+
+
 def test_after_a_coordinator_restart_workers_connect_before_they_load(vc, model_path, unique_name):
     """SIGKILL the coordinator and start another at the same address: the scheduler
     connects to it at once (not ``retry_s`` later), and a worker still on the dead one

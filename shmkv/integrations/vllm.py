@@ -915,8 +915,10 @@ class _Courier:
     client was found gone (a restarted coordinator serves the next lookup), and
     ``retry_s`` after a failed attempt; with ``poll``, also on its own while it has none
     (every ``retry_s``, at least ``MIN_POLL_S``), so that a coordinator started after the
-    engine serves its first request. ``client`` is the live client or None (read from
-    any thread; only the courier's thread sets it); ``instance``, its coordinator's.
+    engine serves its first request, and it checks a live client as often while idle, so
+    that one restarted while no request came is connected before the next one. ``client``
+    is the live client or None (read from any thread; only the courier's thread sets it);
+    ``instance``, its coordinator's.
     """
 
     MIN_POLL_S = 0.1
@@ -1086,10 +1088,15 @@ class _Courier:
                 log.debug("shmkv: a request nobody waits for failed (%s)", error)
 
     def _idle_wait(self) -> Optional[float]:
-        """How long the idle thread waits for a request before it tries to connect on
-        its own (None: not before a request, when connected or not polling)."""
-        if not self._poll or self.instance is not None:
+        """How long the idle thread waits for a request before it checks its connection
+        on its own, connecting when there is none (None: not before a request, when not
+        polling). Connected, it looks every ``retry_s`` (a coordinator that went away
+        while the engine was idle is replaced before the next request, which then hits).
+        """
+        if not self._poll:
             return None
+        if self.instance is not None:
+            return max(self._retry_s, self.MIN_POLL_S)
         return max(self._down_until - time.monotonic(), self.MIN_POLL_S)
 
     def _live(self):
