@@ -354,9 +354,14 @@ def __getattr__(name: str):
                 state.handle.close()  # the lookup's reference goes, as a lost one's would
             return descriptor
 
+        def _made_tokens(self, state):  # (the hand-offs made with the lookup)
+            return self._damaged(state, super()._made_tokens(state))
+
         def _export(self, state):
-            tokens = super()._export(state)
-            if _FAULT["handoff"] > 0 and state.load != (0, 0):
+            return self._damaged(state, super()._export(state))
+
+        def _damaged(self, state, tokens):
+            if tokens and _FAULT["handoff"] > 0 and state.load != (0, 0):
                 _FAULT["handoff"] -= 1
                 state.handle.close()  # the lookup's reference goes, as a lost one's would
                 return [t[:-1] + bytes([t[-1] ^ 0xFF]) for t in tokens]
