@@ -302,6 +302,26 @@ def test_a_sequence_lost_between_lookup_and_load_is_recomputed(engines, names):
         assert b2["num_cached_tokens"] == HIT
 
 
+def test_a_hand_off_lost_between_lookup_and_a_load_that_saves_is_recomputed(engines, names):
+    """A request that loads a prefix and saves the blocks after it gets hand-off tokens
+    (made with its lookup): with its sequence lost and its token damaged before the
+    workers open it, the load fails and is recomputed, nothing is saved through it, and
+    the output is the reference engine's."""
+    p = prompt(5, PROMPT)
+    longer = p[: 4 * BLOCK] + prompt(6, PROMPT - 4 * BLOCK)
+    want = engines["ref"].generate([longer], 16)[0]
+    with shmkv.Coordinator(pool_config(), name=names["node1"]):
+        fresh(engines["a"], [p])
+        before = engines["b"].call("totals")
+        engines["b"].call("fault", 1)
+        b = fresh(engines["b"], [longer], 16)[0]
+        assert engines["b"].call("fault", 0) == 0, "the fault did not fire"
+        same_output(b, want)
+        changed = delta(engines["b"].call("totals"), before)
+        assert changed.get("num_load_errors") == 1 and not changed.get("num_loaded_tokens")
+        assert not changed.get("num_saved_tokens")
+
+
 def test_a_sigkilled_coordinator_leaves_the_engines_serving(engines, names):
     p1, p2, p3 = prompt(5, PROMPT), prompt(6, PROMPT), prompt(7, PROMPT)
     want = engines["ref"].generate([p1, p2, p3], 24)
