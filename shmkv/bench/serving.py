@@ -878,7 +878,8 @@ def run_faults(
     wait_for(
         "the (c) replicas connected to it",
         lambda: (
-            metric(parse_metrics(http_get(url) or ""), "shmkv_connections_open") >= 2 * REPLICAS
+            # the schedulers (each replica's workers connect at its next step)
+            metric(parse_metrics(http_get(url) or ""), "shmkv_connections_open") >= REPLICAS
         ),
         120,
         [first],
