@@ -68,10 +68,10 @@ nitpicky = True
 nitpick_ignore = [
     ("py:class", "shmkv.memory.PoolMemory"),
     ("py:meth", "_spin"),
-    # the coordinator's tier machinery (shmkv/tiers.py, shmkv/remote.py), named by those
-    # modules' docstrings; TierSet is being split, and neither is for users
+    # the coordinator's tier machinery (shmkv/tiers/, shmkv/remote.py), named by those
+    # modules' docstrings; neither is for users
     ("py:class", "TierSet"),
-    ("py:class", "shmkv.tiers.TierSet"),  # (as Ops._copy_tiers's return annotation)
+    ("py:class", "shmkv.tiers.tier_set.TierSet"),  # (as Ops._copy_tiers's return annotation)
     ("py:meth", "TierSet.tick"),
     ("py:class", "RemoteTierSet"),
 ]

@@ -25,6 +25,7 @@ from conftest import SPAWN, join_or_kill, shm_entries
 import shmkv
 from shmkv import tier_io, tiers as tiers_mod
 from shmkv.coordinator import remove_stale_socket
+from shmkv.tiers import specs as tier_specs
 
 BS = 4
 
@@ -1092,11 +1093,11 @@ def test_bad_construction_gives_clear_errors(tmp_path, unique_name, monkeypatch)
         return real_open(path, *args, **kw)
 
     with monkeypatch.context() as m:
-        m.setattr(tiers_mod.os, "open", read_only)
+        m.setattr(os, "open", read_only)
         with pytest.raises(shmkv.ShmkvError, match="read-only filesystem"):
             shmkv.DiskTier(tmp_path / "ro", 1 << 20)
     with monkeypatch.context() as m:
-        m.setattr(tiers_mod, "_free_bytes", lambda path: 0)
+        m.setattr(tier_specs, "_free_bytes", lambda path: 0)
         with pytest.raises(shmkv.ShmkvError, match="full filesystem"):
             shmkv.DiskTier(tmp_path / "full", 1 << 20)
     # Two coordinators on one directory: the second is refused, whatever its process.
@@ -1420,20 +1421,21 @@ def test_placing_stops_every_chunk_a_client_waits_and_goes_on_next_turn(unique_n
         asked = []
 
         def waiting() -> bool:
-            asked.append(len(tiers._backlog))
+            asked.append(len(tiers._demotion._backlog))
             return True
 
         tiers.tick(waiting=waiting)
         assert asked == [0]  # one look, after a chunk, before anything waited
-        assert len(tiers._backlog) == 20 - (chunk - 1)
-        assert all(tiers._reading[b] is None for b in tiers._backlog)  # evicted last
+        assert len(tiers._demotion._backlog) == 20 - (chunk - 1)
+        # evicted last
+        assert all(tiers._demotion._reading[b] is None for b in tiers._demotion._backlog)
         assert tiers.max_wait() == 0.0
-        placed_first = [b for b in tiers._reading if b not in tiers._backlog]
+        placed_first = [b for b in tiers._demotion._reading if b not in tiers._demotion._backlog]
         # a prefix's first blocks are placed first (released last-first, placed reversed)
         seq_blocks = [table.pool.prefix_index[k] for k in keys_of(prompt)]
         assert sorted(placed_first) == sorted(seq_blocks[: chunk - 1])
         tiers.tick(waiting=lambda: False)
-        assert not tiers._backlog
+        assert not tiers._demotion._backlog
         assert tiers.max_wait() != 0.0
         _settle(tiers)
         assert tiers.lookup(keys_of(prompt)) == 20
@@ -1442,7 +1444,7 @@ def test_placing_stops_every_chunk_a_client_waits_and_goes_on_next_turn(unique_n
         other = prompts_of(1, 3, seed=22)[0]
         _released_prompt(table, other)
         tiers.tick()
-        assert not tiers._backlog and tiers.max_wait() != 0.0
+        assert not tiers._demotion._backlog and tiers.max_wait() != 0.0
         _settle(tiers)
         assert tiers.lookup(keys_of(other)) == 3
         table.check_invariants()
@@ -1507,7 +1509,11 @@ class _Gate:
 def _settled_balance(tiers, table) -> None:
     """Every slot, byte and file accounted for once nothing is in flight."""
     host, disk, staging = tiers.host, tiers.disk, tiers._staging
-    assert tiers.num_pending == 0 and tiers._disk_in_flight == 0 and not tiers._reading
+    assert (
+        tiers.num_pending == 0
+        and tiers._demotion._disk_in_flight == 0
+        and not tiers._demotion._reading
+    )
     if host is not None:
         assert all(e.ready for e in host.index.values())
         assert len(host.free) + len(host.index) == host.num_slots
@@ -1541,11 +1547,11 @@ def test_released_blocks_a_tier_holds_already_are_touched_not_placed(
         asked = []
 
         def waiting() -> bool:
-            asked.append(len(tiers._backlog))
+            asked.append(len(tiers._demotion._backlog))
             return True
 
         tiers.tick(waiting=waiting)
-        assert asked == [] and not tiers._backlog and not tiers._reading
+        assert asked == [] and not tiers._demotion._backlog and not tiers._demotion._reading
         assert tiers.num_pending == 0 and tiers.max_wait() != 0.0
         assert list(store.index)[-20:] == keys_of(prompt)
         assert tiers.lookup(keys_of(prompt)) == 20
@@ -1565,14 +1571,14 @@ def test_a_key_lost_mid_demotion_is_placed_again_when_published_again(unique_nam
         prompt = prompts_of(1, 2, seed=31)[0]
         _released_prompt(table, prompt)
         tiers.tick()  # both blocks copying, both host slots taken
-        assert len(tiers._reading) == 2 and not tiers.host.free
+        assert len(tiers._demotion._reading) == 2 and not tiers.host.free
         other = table.allocate(7, num_tokens=4 * BS)  # evicts both: no slot to rescue into
         assert tiers.num_lost_evictions == 2
         assert not any(key in tiers.host.index for key in keys_of(prompt))
         table.release(7, other["cache_id"])
         _released_prompt(table, prompt)  # the same keys, published in other blocks
         tiers.tick()
-        assert len(tiers._backlog) == 2  # to be placed once the slots come back
+        assert len(tiers._demotion._backlog) == 2  # to be placed once the slots come back
         gate.open()
         _settle(tiers)
         assert tiers.lookup(keys_of(prompt)) == 2
@@ -1598,7 +1604,7 @@ def test_a_key_lost_mid_demotion_to_disk_is_placed_again(op, unique_name, monkey
         prompt = prompts_of(1, 2, seed=32)[0]
         _released_prompt(table, prompt)
         tiers.tick()
-        assert len(tiers._reading) == 2
+        assert len(tiers._demotion._reading) == 2
         other = table.allocate(7, num_tokens=4 * BS)
         lost = 1 if op == "p2d" else 2  # (p2d: one rescued through the staging slot)
         assert tiers.num_lost_evictions == lost
@@ -1713,7 +1719,7 @@ def test_an_allocation_keeps_the_tier_entries_its_plan_promotes(unique_name, mon
         _settle(tiers)  # a's key in the only host slot
         _released_prompt(table, b)  # evicts a (safe in the host tier), b cached
         tiers.tick(waiting=lambda: True)  # a client waits: b stays in the backlog
-        assert tiers._backlog and tiers.lookup(keys_of(a)) == 1
+        assert tiers._demotion._backlog and tiers.lookup(keys_of(a)) == 1
         info = table.allocate(7, prompt=a)  # its fresh block evicts b: a rescue, no room
         records = table.take_promotions()
         assert records and tiers.num_rescued_evictions == 0 and tiers.num_lost_evictions == 1
@@ -1722,7 +1728,7 @@ def test_an_allocation_keeps_the_tier_entries_its_plan_promotes(unique_name, mon
         _settle(tiers)
         assert table._held(7, info["cache_id"]).num_cached == len(a)
         tiers.tick()  # the plan is forgotten: the entry may make room again
-        assert not tiers._planned
+        assert not tiers._demotion._planned
         table.check_invariants()
 
 
@@ -1757,7 +1763,7 @@ def test_a_request_that_comes_while_the_loop_places_is_served_before_the_rest(
         table, tiers = coord.table, coord.tiers
         prompt = prompts_of(1, 20, seed=23)[0]
         _released_prompt(table, prompt)
-        place = tiers._place
+        place = tiers._demotion._place
         sent = []
 
         def place_and_ping(block, key, queued=False):
@@ -1766,10 +1772,10 @@ def test_a_request_that_comes_while_the_loop_places_is_served_before_the_rest(
                 sent.append(block)
             return place(block, key, queued)
 
-        monkeypatch.setattr(tiers, "_place", place_and_ping)
+        monkeypatch.setattr(tiers._demotion, "_place", place_and_ping)
         coord._wake_w.send(b"t")  # (the turn takes the tiers' turn without waiting)
         coord._turn(selector)
-        assert sent and tiers._backlog  # stopped placing for the ping
+        assert sent and tiers._demotion._backlog  # stopped placing for the ping
         theirs.settimeout(0.0)
         with pytest.raises(BlockingIOError):
             theirs.recv(1 << 16)  # not answered yet
@@ -1782,11 +1788,11 @@ def test_a_request_that_comes_while_the_loop_places_is_served_before_the_rest(
         # The first chunks' copies (worker threads) may finish meanwhile: their wake-up
         # stops the placing again, for a turn that does not sleep either.
         for _ in range(8):
-            if not tiers._backlog:
+            if not tiers._demotion._backlog:
                 break
             coord._turn(selector)
         assert time.monotonic() - began < 0.2
-        assert not tiers._backlog
+        assert not tiers._demotion._backlog
         _settle(tiers)
         assert tiers.lookup(keys_of(prompt)) == 20
         table.check_invariants()
