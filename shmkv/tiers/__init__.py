@@ -26,7 +26,8 @@ One file a part, each opening with what it owns::
 The parts are objects that TierSet makes and holds, not a chain of subclasses: each is
 the only writer of its own state, and is handed the stores and the parts below it when
 made. The indexes have one writer, the demotion part; the promotion part and the scan
-change them (pins, a damaged file, the files found at start) by calling it.
+change them (pins, a damaged file, the files found at start) by calling it. (A store's
+``counters`` are statistics: each part counts its own events there.)
 
 Imports: each other (never this ``__init__``, which only re-exports), and of shmkv only
 ``errors``, ``shm``, ``memory``, ``protocol``, ``native`` and ``tier_io`` (the bytes the
