@@ -19,7 +19,8 @@ How a request goes through it:
   ``cache_salt``. It is asked on a thread of the scheduler's own (:class:`_Courier`),
   which vLLM's scheduler thread waits for at most ``LOOKUP_WAIT_S`` a step: an answer
   not there yet is "not known yet" (None; vLLM schedules others and asks again next
-  step), and one not there ``"shmkv.lookup_timeout_s"`` after it was asked is a miss. A
+  step), and one not there ``"shmkv.lookup_timeout_s"`` after the courier began it (or
+  queued behind one that is, a coordinator that stopped answering) is a miss. A
   request that will save gets its workers' hand-offs in the same job. The handle's
   ``num_cached_tokens``, rounded down to whole vLLM blocks (and short of the prompt's last
   token, which vLLM must compute), is the hit. The handle pins the hit blocks until the
@@ -648,7 +649,6 @@ class _Asked(NamedTuple):
     """A lookup asked of the courier and not answered yet."""
 
     job: "_Job"
-    deadline: float  # when it counts as a miss (time.monotonic())
     full: int  # the prompt's tokens in whole vLLM blocks (what the lookup asks for)
     prompt_len: int
 
@@ -888,13 +888,14 @@ class _NotYet(Exception):
 
 
 class _Job:
-    __slots__ = ("fn", "abandon", "done", "lock", "late", "result", "error")
+    __slots__ = ("fn", "abandon", "done", "lock", "late", "started", "result", "error")
 
     def __init__(self, fn: Callable[[Any], Any], abandon: Optional[Callable[[Any], None]]):
         self.fn, self.abandon = fn, abandon
         self.done = threading.Event()
         self.lock = threading.Lock()
-        self.late = False
+        self.late = False  # given up by its caller: its result goes to ``abandon``
+        self.started: Optional[float] = None  # when the thread began it (monotonic)
         self.result: Any = None
         self.error: Optional[BaseException] = None
 
@@ -939,6 +940,7 @@ class _Courier:
         self._jobs: "queue.Queue[Optional[_Job]]" = queue.Queue()
         self._busy_since: Optional[float] = None
         self._kicked = False
+        self._closing = False
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
@@ -1042,12 +1044,15 @@ class _Courier:
 
     def close(self, timeout: float = 1.0) -> None:
         """Stop after the queued requests (at most ``timeout`` seconds; the thread is a
-        daemon, so a stuck request cannot hold up exit) and close the client."""
+        daemon, so a stuck request cannot hold up exit) and close the client; a thread
+        still stuck then makes no new connection, and closes the client when it ends."""
+        self._closing = True
         self._jobs.put(None)
         self._thread.join(timeout)
-        client, self.client = self.client, None
-        if client is not None and not self._thread.is_alive():
-            _quietly_close(client)
+        if not self._thread.is_alive():
+            client, self.client = self.client, None
+            if client is not None:
+                _quietly_close(client)
 
     def _serve(self) -> None:
         while True:
@@ -1063,8 +1068,14 @@ class _Courier:
                     self._busy_since = None
                 continue
             if job is None:
+                client, self.client = self.client, None
+                if client is not None:
+                    _quietly_close(client)
                 return
-            self._busy_since = time.monotonic()
+            with job.lock:
+                if job.late:  # given up before it began (a lookup past its time): skipped
+                    continue
+                job.started = self._busy_since = time.monotonic()
             result: Any = None
             error: Optional[BaseException] = None
             try:
@@ -1110,6 +1121,8 @@ class _Courier:
             log.warning(
                 "shmkv: the coordinator at %s went away; connecting again", _address_of(client)
             )
+        if self._closing:
+            raise shmkv.CoordinatorGone("the connector is shutting down")
         if time.monotonic() < self._down_until:
             raise shmkv.CoordinatorGone("no coordinator connected (retrying later)")
         try:
@@ -1131,10 +1144,10 @@ def _drop_tokens(client, tokens: List[bytes]) -> None:
             pass  # expired, or its coordinator gone: it pins nothing
 
 
-def _release_found(found: Tuple[Any, Any, Any]) -> None:
+def _release_found(found: Tuple[Any, Any, Any, float]) -> None:
     """Release what a lookup nobody took made: its handle and hand-offs (none when the
     lookup was not made)."""
-    handle, settle, tokens = found
+    handle, settle, tokens, _made_at = found
     if handle is not None:
         _drop_tokens(handle.client, ([settle] if settle else []) + (tokens or []))
         _release(handle)
@@ -1510,14 +1523,17 @@ class ShmkvConnector(KVConnectorBase_V1):
         if isinstance(meta, ShmkvWorkerMetadata):
             self._worker_reports.update(meta.instances)
 
-    def _lookup(self, request) -> Optional[_SchedReq]:
+    def _lookup(self, request, wait: Optional[float] = None) -> Optional[_SchedReq]:
         """The state of ``request``'s lookup; None when it missed or cannot be made.
 
         The lookup runs on the courier's thread: vLLM's thread waits at most
         ``LOOKUP_WAIT_S`` for lookups in one step, so that a busy coordinator or a busy host
         never holds up a step (decodes) for a round trip. An answer not there yet raises
         ``_NotYet`` (vLLM asks again next step); one not there ``"shmkv.lookup_timeout_s"``
-        after it was asked is a miss, and what it made is released when it comes.
+        after the courier began it, or queued behind one that is (a coordinator that
+        stopped answering), is a miss, and what it made is released when it comes (one
+        that had not begun is never made). Lookups queued behind others answered in time
+        wait their turn.
 
         Raises:
             _NotYet: asked, not answered yet.
@@ -1529,17 +1545,26 @@ class ShmkvConnector(KVConnectorBase_V1):
             if asked is None:
                 return None
             self._asking[req_id] = asked
-        job, deadline = asked.job, asked.deadline
-        # One wait a step at most, however many requests wait for their lookups (their
-        # answers come in order); waiting also lets the courier's thread take the GIL
-        # from a scheduler that would otherwise spin through empty steps.
-        wait = 0.0 if self._lookup_waited else LOOKUP_WAIT_S
-        if not job.done.is_set():
-            self._lookup_waited = True
+        job = asked.job
+        if wait is None:
+            # One wait a step at most, however many requests wait for their lookups
+            # (their answers come in order); waiting also lets the courier's thread take
+            # the GIL from a scheduler that would otherwise spin through empty steps.
+            wait = 0.0 if self._lookup_waited else LOOKUP_WAIT_S
+            if not job.done.is_set():
+                self._lookup_waited = True
         try:
-            handle, settle, tokens = self._courier.take(job, wait)
+            handle, settle, tokens, made_at = self._courier.take(job, wait)
         except _NotYet:
-            if time.monotonic() < deadline or self._courier.abandon(job):
+            # Late: under way for longer than the timeout, or queued behind a request
+            # that is (a coordinator that stopped answering); one queued behind others
+            # that are answered in time waits its turn.
+            started, timeout = job.started, self._lookup_timeout_s
+            if started is None:
+                late = self._courier.stuck(timeout)
+            else:
+                late = time.monotonic() - started > timeout
+            if not late or self._courier.abandon(job):
                 raise
             del self._asking[req_id]
             log.debug("shmkv: lookup of %s counted as a miss (no answer in time)", req_id)
@@ -1568,7 +1593,7 @@ class ShmkvConnector(KVConnectorBase_V1):
             saved=cached,
             cap=cap,
             tokens=tokens,
-            tokens_at=time.monotonic(),
+            tokens_at=made_at,
         )
         if settle is not None:  # a tier copies part of the hit in: wait off this thread
             state.pending = True
@@ -1598,18 +1623,19 @@ class ShmkvConnector(KVConnectorBase_V1):
 
         def lookup(client):
             if not self._gate_open(client.instance):
-                return None, None, None
+                return None, None, None, 0.0
             handle = client.allocate(prompt=prompt[:full], cache_salt=salt, wait=False)
-            settle = tokens = None
+            settle, tokens = None, []
             try:
                 if handle.num_promoting_tokens:  # for the thread that waits for the copies
                     settle = handle.export(ttl=2 * SETTLE_TIMEOUT_S)
                 if handle.num_cached_tokens < full:  # it saves: each rank's hand-off
-                    tokens = [handle.export(ttl=ttl) for _ in range(ranks)]
+                    for _ in range(ranks):
+                        tokens.append(handle.export(ttl=ttl))
             except BaseException:
-                _release_found((handle, settle, tokens))
+                _release_found((handle, settle, tokens, 0.0))  # (the tokens made so far too)
                 raise
-            return handle, settle, tokens
+            return handle, settle, tokens or None, time.monotonic()
 
         try:
             job = self._courier.submit(lookup, self._lookup_timeout_s, _release_found)
@@ -1617,7 +1643,7 @@ class ShmkvConnector(KVConnectorBase_V1):
             log.debug("shmkv: lookup of %s counted as a miss (%s)", request.request_id, exc)
             self.num_late_lookups += 1
             return None
-        return _Asked(job, time.monotonic() + self._lookup_timeout_s, full, len(prompt))
+        return _Asked(job, full, len(prompt))
 
     def _take_settled(self, state: _SchedReq) -> bool:
         """Whether the tier copies of ``state``'s lookup are done; if so its hit is the
@@ -1660,6 +1686,17 @@ class ShmkvConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         """Note the vLLM blocks of ``request`` and the tokens to load into them."""
         state = self._reqs.get(request.request_id)
+        asked = self._asking.get(request.request_id)
+        if state is None and asked is not None:
+            # Scheduled while its lookup was "not known yet": vLLM does so with a request
+            # that does not read the prefix cache (prompt logprobs), which still saves.
+            # Its answer, if here, is taken now; else the lookup is dropped (released when
+            # it comes) and the request computes and saves nothing.
+            try:
+                state = self._lookup(request, wait=0.0)
+            except _NotYet:
+                del self._asking[request.request_id]
+                self._drop_asked(asked)
         if state is None:
             return
         state.block_ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
@@ -1751,7 +1788,7 @@ class ShmkvConnector(KVConnectorBase_V1):
             recv=True,
             valid=max(start, min(end, state.hit)),
         )
-        item.tokens = self._export(state)
+        item.tokens = self._made_tokens(state) or self._export(state)
         state.exported = True
         state.load = (0, 0)
         return item
@@ -1815,12 +1852,8 @@ class ShmkvConnector(KVConnectorBase_V1):
         until the request is ``final`` (finished, or the connector shut down)."""
         state = self._reqs.pop(req_id, None)
         asked = self._asking.pop(req_id, None)
-        if asked is not None and self._courier.abandon(asked.job):
-            try:  # answered, never taken: what it made goes
-                found = self._courier.take(asked.job, 0)
-                self._courier.post(lambda client: _release_found(found))
-            except Exception:  # noqa: BLE001 - a failed lookup made nothing
-                pass
+        if asked is not None:
+            self._drop_asked(asked)
         if final:
             for handle in self._pins.pop(req_id, ()):
                 self._drop(handle)
@@ -1838,6 +1871,17 @@ class ShmkvConnector(KVConnectorBase_V1):
             self._drop(state.handle)
         if tell_workers and (state.exported or state.peeked):
             self._closed.append(req_id)
+
+    def _drop_asked(self, asked: _Asked) -> None:
+        """Nobody takes the answer of lookup ``asked``: what it made is released, now if
+        it was answered, else by the courier when it is (or never made, when it had not
+        begun)."""
+        if self._courier.abandon(asked.job):
+            try:
+                found = self._courier.take(asked.job, 0)
+            except Exception:  # noqa: BLE001 - a failed lookup made nothing
+                return
+            self._courier.post(lambda client: _release_found(found))
 
     def request_finished(self, request, block_ids):
         """Drops the request's references. Saves finish within the step that computed the
