@@ -29,7 +29,7 @@ if importlib.util.find_spec("vllm") is None:  # found without importing it (seco
 
 from conftest import _children, shm_entries, socket_files  # noqa: E402
 from test_remote import SERVER, RedisServer, _free_port  # noqa: E402
-from vllm_engine import BLOCK, Engine, connector_config, make_model, matched, prompt  # noqa: E402
+from vllm_engine import BLOCK, Engine, connector_config, drained, make_model, matched, prompt  # noqa: E402
 
 import shmkv  # noqa: E402
 
@@ -1098,6 +1098,7 @@ def test_a_local_hit_shmkv_holds_whole_makes_no_hand_off(model_path, unique_name
         meta = sched.build_connector_meta(out)
         [item] = meta.requests  # reqs[1]: its blocks are saved from vLLM's
         assert item.req_id == "r1" and item.save == (0, 3 * BLOCK) and len(item.tokens) == 1
+        drained(sched)  # (the release was posted to the courier with the step)
         assert client.stats()["sequences"] == before + 1  # held's reference dropped
         for req in reqs:
             sched.request_finished(req, [4, 5, 6, 7])

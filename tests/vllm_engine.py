@@ -62,6 +62,12 @@ def matched(sched, request, num_computed_tokens: int = 0, timeout: float = 10.0)
         time.sleep(0.001)
 
 
+def drained(sched, timeout: float = 10.0) -> None:
+    """Wait until a scheduler-side connector's courier has done what was queued on it so
+    far (its releases are posted, not waited for: vLLM's thread never waits on them)."""
+    sched._courier.call(lambda client: None, timeout)
+
+
 # -- the engine child -----------------------------------------------------------------------
 
 _FAULT = {"handoff": 0}  # requests whose hand-off tokens the next steps damage
