@@ -1,9 +1,9 @@
 """The native libraries, built with the package (the rest of the metadata is in pyproject.toml).
 
-Two plain C shared libraries (no Python C API), loaded with ctypes by ``shmkv.native``
-from where the build puts them: next to ``shmkv/native.py``, ``_paged_decode`` and
+Two plain C shared libraries (no Python C API), loaded with ctypes by ``shmkv.kernels.native``
+from where the build puts them: next to ``shmkv/kernels/native.py``, ``_paged_decode`` and
 ``_copy_rows`` with the interpreter's extension suffix (an editable install builds them
-in place, in ``shmkv/``). Each is optional: without a C compiler, or when a build fails,
+in place, in ``shmkv/kernels/``). Each is optional: without a C compiler, or when a build fails,
 the install still succeeds and shmkv runs its numpy/torch paths (``shmkv stats`` says so).
 
 Compiled for the compiler's baseline, never ``-march=native``: the C chooses its AVX2 and
@@ -28,16 +28,16 @@ class build_plain_c(build_ext):
 setup(
     ext_modules=[
         Extension(
-            "shmkv._paged_decode",
-            sources=["shmkv/csrc/paged_decode.c"],
-            depends=["shmkv/csrc/paged_decode_isa.h"],
+            "shmkv.kernels._paged_decode",
+            sources=["shmkv/kernels/csrc/paged_decode.c"],
+            depends=["shmkv/kernels/csrc/paged_decode_isa.h"],
             extra_compile_args=["-O3", "-ffast-math", "-Wno-psabi"],
             libraries=["m"],
             optional=True,
         ),
         Extension(
-            "shmkv._copy_rows",
-            sources=["shmkv/csrc/copy_rows.c"],
+            "shmkv.kernels._copy_rows",
+            sources=["shmkv/kernels/csrc/copy_rows.c"],
             extra_compile_args=["-O3"],
             optional=True,
         ),

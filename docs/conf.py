@@ -66,9 +66,9 @@ nitpicky = True
 # ``PoolMemory`` are the coordinator's bookkeeping and memory (being split into modules
 # of their own: to document once that settles), ``_spin`` is private.
 nitpick_ignore = [
-    ("py:class", "shmkv.memory.PoolMemory"),
+    ("py:class", "shmkv.memory.pool.PoolMemory"),
     ("py:meth", "_spin"),
-    # the coordinator's tier machinery (shmkv/tiers/, shmkv/remote.py), named by those
+    # the coordinator's tier machinery (shmkv/tiers/, shmkv/tiers/redis_store.py), named by those
     # modules' docstrings; neither is for users
     ("py:class", "TierSet"),
     ("py:class", "shmkv.tiers.tier_set.TierSet"),  # (as Ops._copy_tiers's return annotation)
@@ -79,7 +79,7 @@ nitpick_ignore_regex = [
     (r"py:.*", r"(torch|numpy|np|transformers|msgpack|redis|prometheus_client)(\..*)?"),
     (r"py:class", r"(Tensor|ndarray|socket\.socket|selectors\..*)"),
     (r"py:class", r"array(\.array)?"),  # the standard library's typed arrays
-    # typing.Sequence as some modules import it (``Sequence`` is shmkv.rows' class)
+    # typing.Sequence as some modules import it (``Sequence`` is shmkv.coordinator.rows' class)
     (r"py:class", r"Seq"),
 ]
 
@@ -90,8 +90,8 @@ html_show_sourcelink = False
 
 # -- shmkv names by any of their import paths ---------------------------------------------
 # The API reference documents each class and function where it is defined
-# (``shmkv.client.Client``), while docstrings also name them as users import them
-# (``shmkv.Client``, ``PoolConfig`` from a module that imports it, ``shmkv.memory.storage_view``
+# (``shmkv.client.client.Client``), while docstrings also name them as users import them
+# (``shmkv.Client``, ``PoolConfig`` from a module that imports it, ``shmkv.memory.pool.storage_view``
 # kept there for compatibility). An unresolved reference to a shmkv name is looked up by
 # importing it and retried under the name of the object it is; a reference whose object
 # is not documented under its own name still fails the build.

@@ -34,10 +34,11 @@ extras="${1:-}"
 spec="."
 [ -n "$extras" ] && spec=".[${extras}]"
 stamp=".venv/.shmkv-installed-${extras:-base}"
-# The install also builds the native libraries (setup.py: shmkv/csrc, into shmkv/ for an
+# The install also builds the native libraries (setup.py: shmkv/kernels/csrc, into
+# shmkv/kernels/ for an
 # editable install), so a change to setup.py or to their sources installs again.
 if [ ! -f "$stamp" ] \
-        || [ -n "$(find pyproject.toml setup.py shmkv/csrc -newer "$stamp" -print -quit)" ]; then
+        || [ -n "$(find pyproject.toml setup.py shmkv/kernels/csrc -newer "$stamp" -print -quit)" ]; then
     quietly .venv/bin/pip install --quiet --disable-pip-version-check -e "$spec"
     touch "$stamp"
 fi

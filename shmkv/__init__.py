@@ -13,10 +13,11 @@ import logging as _logging
 
 _logging.getLogger("shmkv").addHandler(_logging.NullHandler())
 
-from .batch import Batch, Step
-from .client import Client, connect
-from .coordinator import Coordinator, SpawnedCoordinator, default_address
-from .errors import (
+from shmkv.client.batch import Batch, Step
+from shmkv.client.client import Client, connect
+from shmkv.client.handle import BlockTable, CacheHandleStats, KvCacheHandle, SequencePeek
+from shmkv.coordinator.server import Coordinator, SpawnedCoordinator, default_address
+from shmkv.errors import (
     AccessDenied,
     CoordinatorGone,
     CoordinatorTimeout,
@@ -34,10 +35,9 @@ from .errors import (
     UnknownCache,
     WrongType,
 )
-from .handle import BlockTable, CacheHandleStats, KvCacheHandle, SequencePeek
-from .layout import PoolConfig
-from .remote import RedisTier
-from .tiers import DiskTier, HostTier
+from shmkv.memory.layout import PoolConfig
+from shmkv.tiers import DiskTier, HostTier
+from shmkv.tiers.redis_store import RedisTier
 
 __version__ = "0.1.0"
 

@@ -88,5 +88,5 @@ class NotSettled(ShmkvError):
     """A lower tier is still copying blocks of the sequence into the pool (an allocation
     answered early, ``allocate(..., wait=False)``): until that promotion has settled only
     the sequence's holders use it. Raised by a view that holds no reference and cannot
-    wait (:meth:`~shmkv.client.Client.peek`); a holder's ``handle.settle()`` waits for
+    wait (:meth:`~shmkv.client.client.Client.peek`); a holder's ``handle.settle()`` waits for
     the blocks, after which the view may be made again."""

@@ -18,7 +18,7 @@ from array import array
 from functools import lru_cache
 from typing import Iterable, List, Optional, Sequence, SupportsIndex, cast
 
-from .errors import WrongType
+from shmkv.errors import WrongType
 
 KEY_SIZE = 16
 _BIG_ENDIAN = sys.byteorder == "big"

@@ -3,7 +3,7 @@
 Owns framing (4-byte big-endian length prefix + one msgpack body), strict decoding,
 the table of message types with the arguments each takes, and the table of error
 codes. Bytes go in, validated messages come out, bytes to send come back; sockets,
-threads and selectors live in ``shmkv.coordinator`` and ``shmkv.client``.
+threads and selectors live in ``shmkv.coordinator.server`` and ``shmkv.client.client``.
 
 Envelopes::
 
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Union
 
 import msgpack
 
-from . import errors
+from shmkv import errors
 
 if TYPE_CHECKING:  # (annotations only: the protocol imports no numpy)
     import numpy as np
@@ -158,7 +158,7 @@ OPS = {
         "starts": ("i64s", False),
     },
     # Rows of the shared tables (and owners of blocks), for readers that may not read
-    # them lock-free (``shmkv.tables.lock_free_reads``).
+    # them lock-free (``shmkv.memory.tables.lock_free_reads``).
     "rows": {
         "slots": ("i64s", True),
         "width": ("int", True),

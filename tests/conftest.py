@@ -43,7 +43,7 @@ import torch  # noqa: E402
 import shmkv  # noqa: E402
 
 SPAWN = multiprocessing.get_context("spawn")
-_SHM_NAME = re.compile(r"^shmkv-(\d+)-[0-9a-f]+$")  # shmkv.shm names segments by owner pid
+_SHM_NAME = re.compile(r"^shmkv-(\d+)-[0-9a-f]+$")  # shmkv.memory.shm names segments by owner pid
 _OUR_PIDS = {os.getpid()}  # this process and every descendant seen so far
 
 

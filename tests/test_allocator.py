@@ -4,8 +4,8 @@ eviction, copy-on-write, hand-offs."""
 import pytest
 
 from shmkv import errors, hashing
-from shmkv.allocator import BlockPool
-from shmkv.sequences import SequenceTable
+from shmkv.coordinator.allocator import BlockPool
+from shmkv.coordinator.sequences import SequenceTable
 
 BS = 4
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shmkv import native
-from shmkv.attention import AttentionWorkspace, PagedAttentionPlan, paged_attention
+from shmkv.kernels import native
+from shmkv.kernels.attention import AttentionWorkspace, PagedAttentionPlan, paged_attention
 
 HEAD_DIM = 16
 NUM_KV_HEADS = 2
@@ -373,7 +373,7 @@ def test_far_apart_lengths_and_prefills_get_their_own_calls(monkeypatch):
 
 def test_without_enable_gqa_folds_heads(monkeypatch):
     """The torch < 2.5 path (query heads folded into rows) gives the same result."""
-    import shmkv.attention as attention
+    import shmkv.kernels.attention as attention
 
     counts, seq_lens = [12, 1, 3], [12, 40, 20]
     q, k_pages, v_pages, table, locs = packed_batch(counts, seq_lens, 4, 4, torch.float32, 5)

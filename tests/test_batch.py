@@ -12,9 +12,9 @@ import workers
 from conftest import SPAWN, join_or_kill, shm_entries
 
 import shmkv
-import shmkv.tables
-from shmkv.coordinator import remove_stale_socket
-from shmkv.tables import LOCK, READ_PATIENCE_S, SEQ_FIELDS
+import shmkv.memory.tables
+from shmkv.coordinator.server import remove_stale_socket
+from shmkv.memory.tables import LOCK, READ_PATIENCE_S, SEQ_FIELDS
 
 L, H, D, BS = 2, 4, 8, 4
 
@@ -371,7 +371,7 @@ def test_a_read_waits_out_a_coordinator_descheduled_mid_change(coord, client):
 
 
 def test_a_read_of_a_row_stuck_mid_change_fails_after_its_patience(coord, client, monkeypatch):
-    monkeypatch.setattr(shmkv.tables, "READ_PATIENCE_S", 0.2)
+    monkeypatch.setattr(shmkv.memory.tables, "READ_PATIENCE_S", 0.2)
     h = client.allocate(6)
     slot = h._state.slot
     h._state.generation = -1
@@ -392,7 +392,7 @@ def test_a_row_a_killed_coordinator_left_mid_change_reads_as_gone(
     """Reads of a row (and of the K/V scales) that a SIGKILLed coordinator left
     mid-change fail with CoordinatorGone as soon as they give their CPU away, not
     after the patience a live coordinator gets (set long here)."""
-    monkeypatch.setattr(shmkv.tables, "READ_PATIENCE_S", 600.0)
+    monkeypatch.setattr(shmkv.memory.tables, "READ_PATIENCE_S", 600.0)
     address = str(tmp_path / "c.sock")
     ours, theirs = SPAWN.Pipe()
     proc = SPAWN.Process(
@@ -462,7 +462,7 @@ def test_a_step_never_takes_tables_read_while_a_change_began(coord, client, monk
 
 
 def test_advance_never_takes_rows_read_while_a_change_began(coord, client, monkeypatch):
-    monkeypatch.setattr(shmkv.batch, "_PLAIN_MAX_SEQS", 0)  # the rows checked by numpy
+    monkeypatch.setattr(shmkv.client.batch, "_PLAIN_MAX_SEQS", 0)  # the rows checked by numpy
     hs = client.allocate_many([13, 6])
     step = client.batch(hs).prefill(start=[8, 1], num_tokens=1)
     seq, memory = coord.table.tables.seq, client._memory
@@ -517,7 +517,7 @@ def same_step(got, want):
 
 @pytest.mark.parametrize("plain_max", [32, 0])  # checked in a loop, or by numpy
 def test_advance_is_the_next_decode_step_while_the_tables_hold(client, plain_max, monkeypatch):
-    monkeypatch.setattr(shmkv.batch, "_PLAIN_MAX_SEQS", plain_max)
+    monkeypatch.setattr(shmkv.client.batch, "_PLAIN_MAX_SEQS", plain_max)
     hs = client.allocate_many([13, 6])  # slots reserved past the steps below
     batch = client.batch(hs)
     step = batch.prefill(start=[8, 1], num_tokens=1)

@@ -143,7 +143,7 @@ def test_serve_serves_metrics_and_logs_connections(tmp_path):
             proc.kill()
             proc.wait(timeout=10)
     assert "stopped" in out
-    assert "INFO shmkv.coordinator: connection 1 from pid" in err  # --log-level info
+    assert "INFO shmkv.coordinator.server: connection 1 from pid" in err  # --log-level info
     assert "dropped: closed by the client" in err
     assert not os.path.exists(address)
 

@@ -12,9 +12,9 @@ from test_batch import BS, D, H, L, cfg, client, coord, expected_kv, write_step 
 
 import shmkv
 from shmkv import errors, protocol
-from shmkv.allocator import BlockPool
-from shmkv.sequences import SequenceTable
-from shmkv.tables import CACHE_ID, NUM_TOKENS
+from shmkv.coordinator.allocator import BlockPool
+from shmkv.coordinator.sequences import SequenceTable
+from shmkv.memory.tables import CACHE_ID, NUM_TOKENS
 
 
 def make_table(num_blocks=64, max_sequences=16):
@@ -148,7 +148,7 @@ def test_a_kept_batch_copies_a_block_a_fork_shared_since():
 
 
 def test_a_connection_keeps_its_newest_batches():
-    from shmkv.sequences import MAX_KEPT
+    from shmkv.coordinator.sequences import MAX_KEPT
 
     table = make_table(num_blocks=256, max_sequences=MAX_KEPT + 4)
     ids, _ = table.allocate_counts(1, [1] * (MAX_KEPT + 1))
@@ -286,7 +286,7 @@ def test_a_dropped_connection_frees_plain_and_object_sequences():
 
 
 def test_a_batch_steps_on_when_its_kept_batch_was_dropped(client, monkeypatch):
-    monkeypatch.setattr(shmkv.sequences, "MAX_KEPT", 4)  # (the coordinator's thread)
+    monkeypatch.setattr(shmkv.coordinator.sequences, "MAX_KEPT", 4)  # (the coordinator's thread)
     hs = client.allocate_many([3, 1, 2])
     first = client.batch(hs)
     write_step(first.extend(1))
@@ -307,7 +307,7 @@ def test_a_batch_steps_on_when_its_kept_batch_was_dropped(client, monkeypatch):
 
 
 def test_run_index_is_a_slice_only_for_one_ascending_run():
-    from shmkv.tables import run_index
+    from shmkv.memory.tables import run_index
 
     run = np.arange(40, 72, dtype=np.int64)
     assert run_index(run) == slice(40, 72)
@@ -434,7 +434,7 @@ def test_decode_steps_of_prompt_sequences_stay_exact_with_forks(client):
 
 
 def test_a_batch_the_coordinator_did_not_keep_asks_again(client):
-    from shmkv.batch import _KEEP_RETRY
+    from shmkv.client.batch import _KEEP_RETRY
 
     hs = [client.allocate(prompt=list(range(300 + 10 * i, 305 + 10 * i))) for i in range(2)]
     extra = hs[0].clone_handle()  # a second holder: not keepable for now
@@ -500,7 +500,7 @@ def _random_kept_run(seed: int, steps: int = 300) -> None:
     kept step that says "same" describing the rows exactly."""
     import random
 
-    from shmkv.tables import GENERATION
+    from shmkv.memory.tables import GENERATION
 
     rng = random.Random(seed)
     now = [0.0]
@@ -754,12 +754,13 @@ def test_spin_us_zero_never_polls(small_config, unique_name):
         assert calls == []
 
 
-# -- the loop thread's CPU slice (Coordinator.loop_slice_us, shmkv.sched) -------------------
+# -- the loop thread's CPU slice (Coordinator.loop_slice_us, shmkv.coordinator.sched)
+# -------------------
 
 
 def _slices_kept() -> bool:
     """Whether this kernel keeps a thread's requested slice (EEVDF, 6.12 and later)."""
-    from shmkv import sched
+    from shmkv.coordinator import sched
 
     before = sched.thread_slice()
     try:
@@ -775,7 +776,7 @@ def test_the_loop_thread_asks_for_a_short_slice_and_gives_it_back(small_config, 
     thread id; the thread's own slice is back once the loop ends."""
     import threading
 
-    from shmkv import sched
+    from shmkv.coordinator import sched
 
     for asked in (100.0, 2500.0):
         coord = shmkv.Coordinator(small_config, name=unique_name, loop_slice_us=asked)
@@ -810,7 +811,7 @@ def test_threads_a_thread_starts_get_its_slice_only_when_asked():
     ``inherit=False`` they start with the kernel's default; with True they share it."""
     import threading
 
-    from shmkv import sched
+    from shmkv.coordinator import sched
 
     def started_by(inherit):
         seen = {}
@@ -835,7 +836,7 @@ def test_threads_a_thread_starts_get_its_slice_only_when_asked():
 
 
 def test_loop_slice_zero_leaves_the_thread_alone(small_config, unique_name):
-    from shmkv import sched
+    from shmkv.coordinator import sched
 
     before = sched.thread_slice()
     with (
@@ -863,7 +864,7 @@ class _RawLoop:
         import selectors
         import socket
 
-        from shmkv.connections import _Conn, make_selector
+        from shmkv.coordinator.connections import _Conn, make_selector
 
         self.coord = shmkv.Coordinator(
             shmkv.PoolConfig(num_layers=L, num_kv_heads=H, head_dim=D, num_blocks=8, block_size=BS),
@@ -931,7 +932,7 @@ def test_a_connection_with_more_than_one_reads_worth_of_requests_is_served_to_th
     """Past one receive's worth of frames: each report reads once and watches the
     connection again, so the rest is reported on the next turns, every request
     answered in order; a second connection is served meanwhile."""
-    from shmkv import connections
+    from shmkv.coordinator import connections
 
     loop = _RawLoop(unique_name, 2)
     try:

@@ -1,4 +1,4 @@
-"""Point-to-point moves between two nodes (``shmkv.distributed``): two spawned
+"""Point-to-point moves between two nodes (``shmkv.integrations.distributed``): two spawned
 processes, each with its own coordinator (its own pool) and a Gloo process group of
 world size 2 over loopback."""
 
@@ -55,7 +55,7 @@ def _digest(t: torch.Tensor) -> str:
 def node(rank: int, port: int, name: str, role: str, prompt: list, extra: dict, results):
     """One node: its own coordinator and client, a group of two (Gloo unless ``extra``
     says ``backend``), one move."""
-    from shmkv import distributed as sd
+    from shmkv.integrations import distributed as sd
 
     device = extra.get("device", "cpu")
     if device != "cpu":

@@ -31,7 +31,8 @@ from test_tiers import (
 )
 
 import shmkv
-from shmkv import hashing, protocol, tier_io, tiers as tiers_mod
+from shmkv import hashing, protocol, tiers as tiers_mod
+from shmkv.memory import block_io
 
 POISON = 0xAB  # what a failed copy leaves in its pool block
 
@@ -44,7 +45,7 @@ class Held:
         self.gate = threading.Event()
         self.fail: set = set()
         self.num_copied = 0
-        orig = tier_io.Mover._op_h2p
+        orig = block_io.Mover._op_h2p
         held = self
 
         def op(mover, copy):
@@ -57,7 +58,7 @@ class Held:
             orig(mover, copy)
             held.num_copied += 1
 
-        monkeypatch.setattr(tier_io.Mover, "_op_h2p", op)
+        monkeypatch.setattr(block_io.Mover, "_op_h2p", op)
 
 
 @pytest.fixture
@@ -304,7 +305,7 @@ def test_close_from_a_signal_handler_during_the_clients_own_copies(unique_name, 
     monkeypatch.setattr(shmkv.Client, "copy_promotions", True)
     cfg = make_config(num_blocks=6)
     prompt, other = prompts_of(2, 6)
-    orig = tier_io.Mover._op_h2p
+    orig = block_io.Mover._op_h2p
     gate, closed = threading.Event(), threading.Event()
     state: dict = {"copies": 0}
 
@@ -338,7 +339,7 @@ def test_close_from_a_signal_handler_during_the_clients_own_copies(unique_name, 
 
         writer_thread = threading.Thread(target=write_other)
         writer_thread.start()
-        monkeypatch.setattr(tier_io.Mover, "_op_h2p", copy_in)
+        monkeypatch.setattr(block_io.Mover, "_op_h2p", copy_in)
         previous = signal.signal(signal.SIGUSR1, on_signal)
         try:
             with pytest.raises(shmkv.HandleClosed):
@@ -349,14 +350,14 @@ def test_close_from_a_signal_handler_during_the_clients_own_copies(unique_name, 
             closed.set()
             writer_thread.join(20)
             client.close()
-        monkeypatch.setattr(tier_io.Mover, "_op_h2p", orig)
+        monkeypatch.setattr(block_io.Mover, "_op_h2p", orig)
         assert state["close_s"] < 0.5, "close() waited for the copies its own thread ran"
         assert state["copies"] == 1  # the one under way ended; no other began
         assert not client.is_alive()
         if state["wrote"]:
             assert read_prompt(writer, other) == (len(other), True)
         st = wait_idle(writer)
-        assert st["tier_io"]["promotions_in_flight"] == 0
+        assert st["block_io"]["promotions_in_flight"] == 0
         assert not [e.pins for e in coord.tiers.host.index.values() if e.pins]
         assert st["free_blocks"] + st["cached_blocks"] == free
         write_prompt(writer, other)

@@ -40,7 +40,8 @@ import pytest
 import torch
 
 import shmkv
-from shmkv import hashing, tier_io, tiers as tiers_mod
+from shmkv import hashing, tiers as tiers_mod
+from shmkv.memory import block_io
 
 L, H, D, BS = 2, 2, 4, 4
 NUM_BLOCKS = 24
@@ -122,8 +123,8 @@ class StepCopier:
     def run_promotions(self) -> None:
         """Every promotion queued or run, to its end (in the order they came)."""
         with self.lock:
-            jobs = [job for queue, job in self.jobs if queue == tier_io.PROMOTE]
-            self.jobs = [(q, j) for q, j in self.jobs if q != tier_io.PROMOTE]
+            jobs = [job for queue, job in self.jobs if queue == block_io.PROMOTE]
+            self.jobs = [(q, j) for q, j in self.jobs if q != block_io.PROMOTE]
             ran, self.ran = self.ran, []
         for job in ran:
             self.finish(job)
@@ -133,8 +134,8 @@ class StepCopier:
     def run_demotions(self) -> None:
         """Every demotion queued, in the order they came (the host tier takes them)."""
         with self.lock:
-            jobs = [job for queue, job in self.jobs if queue != tier_io.PROMOTE]
-            self.jobs = [(q, j) for q, j in self.jobs if q == tier_io.PROMOTE]
+            jobs = [job for queue, job in self.jobs if queue != block_io.PROMOTE]
+            self.jobs = [(q, j) for q, j in self.jobs if q == block_io.PROMOTE]
         for job in jobs:
             self._run(job, False)
 
@@ -609,7 +610,7 @@ def _failing_copies(monkeypatch, walk_ref: list) -> None:
     """Copies from the host tier into the pool fail now and then (at the walk's rate, per
     run of copies): from a copy picked at random on, every one of the run fails after
     leaving :data:`POISON` in its block, as copies do whose source went bad half-way."""
-    run, op_h2p = tier_io.Mover.run, tier_io.Mover._op_h2p
+    run, op_h2p = block_io.Mover.run, block_io.Mover._op_h2p
     doomed: set = set()
 
     def run_copies(mover, copies, stopping):
@@ -630,8 +631,8 @@ def _failing_copies(monkeypatch, walk_ref: list) -> None:
             raise OSError(errno.EIO, "Input/output error (injected)")
         op_h2p(mover, copy)
 
-    monkeypatch.setattr(tier_io.Mover, "run", run_copies)
-    monkeypatch.setattr(tier_io.Mover, "_op_h2p", copy_in)
+    monkeypatch.setattr(block_io.Mover, "run", run_copies)
+    monkeypatch.setattr(block_io.Mover, "_op_h2p", copy_in)
 
 
 @pytest.mark.parametrize("seed", range(SEEDS))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import shmkv
-from shmkv.layout import PoolConfig
+from shmkv.memory.layout import PoolConfig
 
 
 def test_shape_and_sizes():
@@ -60,7 +60,7 @@ def test_fingerprint_depends_on_layout():
 def test_pool_larger_than_dev_shm_fails_before_allocating(unique_name):
     import os
 
-    from shmkv.shm import shm_free_bytes
+    from shmkv.memory.shm import shm_free_bytes
 
     before = set(os.listdir("/dev/shm"))
     free = shm_free_bytes()
@@ -104,7 +104,7 @@ def test_pool_is_stored_layer_major(client, small_config):
 def test_block_bytes_are_a_block_in_block_order(client, small_config):
     """What tiers, remote stores and transfers copy out of the pool for a block is its
     [num_layers, 2, block_size, heads, head_dim] values in that order."""
-    from shmkv.memory import block_bytes
+    from shmkv.memory.pool import block_bytes
 
     pool = client.pool
     pool.copy_(torch.randn(pool.shape))

@@ -11,7 +11,7 @@ import pytest
 from conftest import SPAWN, join_or_kill
 
 import shmkv
-from shmkv.coordinator import default_address, runtime_dir
+from shmkv.coordinator.server import default_address, runtime_dir
 from shmkv.tools import cli
 
 

@@ -297,7 +297,7 @@ class HeldConnection:
         import selectors
         import socket
 
-        from shmkv import connections
+        from shmkv.coordinator import connections
 
         monkeypatch.setattr(connections, "MAX_HELD_BYTES", 8192)
         self.coord = shmkv.Coordinator(cfg, name=name)
@@ -406,7 +406,7 @@ def test_requests_held_again_behind_a_second_promotion_count_again(held, monkeyp
 
 
 def test_tables_are_read_lock_free_only_where_loads_and_stores_keep_their_order(monkeypatch):
-    from shmkv.tables import lock_free_reads
+    from shmkv.memory.tables import lock_free_reads
 
     monkeypatch.delenv("SHMKV_TABLE_READS", raising=False)
     assert lock_free_reads("x86_64") and lock_free_reads("AMD64")

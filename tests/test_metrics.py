@@ -329,7 +329,7 @@ def test_idle_connections_make_no_threads_and_a_scrape_still_succeeds(small_conf
 
 
 def test_an_idle_connection_is_closed_after_its_timeout(small_config, unique_name):
-    from shmkv.metrics import MetricsServer
+    from shmkv.coordinator.metrics import MetricsServer
 
     with shmkv.Coordinator(small_config, name=unique_name) as coord:
         server = MetricsServer(coord, 0, timeout=0.3)
@@ -410,13 +410,13 @@ def test_a_loopback_bind_logs_no_warning(small_config, unique_name, caplog):
     caplog.set_level(logging.WARNING, logger="shmkv")
     with shmkv.Coordinator(small_config, name=unique_name, metrics_port=0):
         pass
-    assert not [r for r in caplog.records if r.name.startswith("shmkv.metrics")]
+    assert not [r for r in caplog.records if r.name.startswith("shmkv.coordinator.metrics")]
 
 
 def test_the_collector_gives_the_endpoints_series(small_config, unique_name):
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from shmkv.metrics import CoordinatorCollector
+    from shmkv.coordinator.metrics import CoordinatorCollector
 
     with shmkv.Coordinator(small_config, name=unique_name, metrics_port=0) as coord:
         with shmkv.connect(coord.address, timeout=10) as client:
@@ -464,7 +464,7 @@ def test_every_series_is_documented_in_operations(small_config, unique_name, tmp
     import pathlib
     import re
 
-    from shmkv.metrics import families
+    from shmkv.coordinator.metrics import families
 
     doc = (pathlib.Path(__file__).parent.parent / "docs" / "operations.md").read_text()
     table = {

@@ -1,4 +1,4 @@
-"""The native decode kernel (shmkv.native) against a dense float64 reference and against
+"""The native decode kernel (shmkv.kernels.native) against a dense float64 reference and against
 the torch path, each of its instruction-set instances this CPU runs, the row copy, and
 what happens where the package was built without them."""
 
@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shmkv import native
-from shmkv.attention import PagedAttentionPlan, paged_attention
-from shmkv.tier_io import RowCopy
+from shmkv.kernels import native
+from shmkv.kernels.attention import PagedAttentionPlan, paged_attention
+from shmkv.memory.block_io import RowCopy
 
 TOLERANCE = dict(rtol=2e-5, atol=2e-5)
 ROOT = Path(__file__).resolve().parents[1]
@@ -411,8 +411,8 @@ def _child(env: dict, code: str, cwd=None) -> subprocess.CompletedProcess:
 CHILD = """
 import torch, logging
 logging.basicConfig(level=logging.WARNING)
-from shmkv import native
-from shmkv.attention import paged_attention
+from shmkv.kernels import native
+from shmkv.kernels.attention import paged_attention
 print("FROM", native.__file__)
 torch.manual_seed(0)
 k = torch.randn(8, 4, 2, 32); v = torch.randn(8, 4, 2, 32); q = torch.randn(2, 4, 32)
@@ -432,7 +432,7 @@ print("REPORT", native.report())
 
 SUBNORMALS = """
 import torch
-from shmkv import native
+from shmkv.kernels import native
 assert native.decoder() is not None, native.status()
 tiny = 2.2250738585072014e-308 / 4          # a float64 subnormal, computed after the load
 assert tiny > 0 and tiny * 3 > 0
@@ -480,14 +480,15 @@ def test_a_package_built_without_a_compiler_installs_and_runs_on_the_fallbacks(t
         timeout=120,
     )
     assert built.returncode == 0, built.stderr
-    assert 'building extension "shmkv._paged_decode" failed' in built.stderr
-    assert 'building extension "shmkv._copy_rows" failed' in built.stderr
-    assert not list((src / "shmkv").glob("*.so"))
+    assert 'building extension "shmkv.kernels._paged_decode" failed' in built.stderr
+    assert 'building extension "shmkv.kernels._copy_rows" failed' in built.stderr
+    assert not list((src / "shmkv").rglob("*.so"))
     done = _child({"PYTHONPATH": str(src)}, CHILD, cwd=src)
     assert done.returncode == 0, done.stderr
-    assert f"FROM {src / 'shmkv' / 'native.py'}" in done.stdout  # the copy, not the checkout
+    kernels = src / "shmkv" / "kernels"
+    assert f"FROM {kernels / 'native.py'}" in done.stdout  # the copy, not the checkout
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-    assert f"STATUS not built: no _paged_decode{suffix} in {src / 'shmkv'} (" in done.stdout
+    assert f"STATUS not built: no _paged_decode{suffix} in {kernels} (" in done.stdout
     assert "without a C compiler" in done.stdout
     assert "COPY not built: no _copy_rows" in done.stdout
     assert "REPORT {'decode': 'not built: no _paged_decode" in done.stdout

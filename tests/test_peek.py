@@ -9,7 +9,7 @@ import workers
 from conftest import SPAWN, join_or_kill
 
 import shmkv
-from shmkv.handle import _PEEK, _PEEK_MAGIC, _PEEK_VERSION
+from shmkv.client.handle import _PEEK, _PEEK_MAGIC, _PEEK_VERSION
 
 
 def _write(h, seed: int) -> None:

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import shmkv
-from shmkv import memory as pool_memory, metrics, shm
+from shmkv.coordinator import metrics
 from shmkv.errors import InvalidArgument, LayoutMismatch
+from shmkv.memory import pool as pool_memory, shm
 
 MIB = 1 << 20
 
@@ -205,7 +206,7 @@ def test_hugepages_fall_back_plainly_when_none_are_free(caplog):
     if free_huge_pages() >= 8:
         pytest.skip("this machine has free huge pages: the fallback cannot be seen")
     cfg = config(8)
-    with caplog.at_level(logging.WARNING, logger="shmkv.memory"):
+    with caplog.at_level(logging.WARNING, logger="shmkv.memory.pool"):
         coord = shmkv.Coordinator(cfg, name=f"pop-{uuid.uuid4().hex[:8]}", hugepages=True)
         coord.start()
     try:

@@ -156,7 +156,7 @@ def test_sigkilled_worker_blocks_come_back(coord, client):
 
 def _loader_item(args):
     address, index = args
-    client = shmkv.client.process_client(address, None, None)
+    client = shmkv.client.client.process_client(address, None, None)
     h = client.allocate(5 + index)
     k = torch.full((5 + index, 4, 8), float(index))
     h.write(2, k, k, start=0)

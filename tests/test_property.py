@@ -439,7 +439,7 @@ class PoolMachine(RuleBasedStateMachine):
         table = self.coord.table
         table.check_invariants()
         live = table.live()
-        assert {shmkv.sequences.format_cache_id(c) for c in live} == set(self.seqs)
+        assert {shmkv.coordinator.sequences.format_cache_id(c) for c in live} == set(self.seqs)
         for cid, count in self.refs.items():
             assert live[int(cid[3:], 16)] == count
 

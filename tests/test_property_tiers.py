@@ -56,7 +56,7 @@ from hypothesis.stateful import (
 
 import shmkv
 from shmkv import hashing
-from shmkv.remote import HEADER_SIZE
+from shmkv.tiers.redis_store import HEADER_SIZE
 
 redis = pytest.importorskip(
     "redis", reason="the redis client is not installed: pip install -e '.[test]'"
@@ -340,7 +340,7 @@ class TierStoreMachine(RuleBasedStateMachine):
         step0.write_all(shard(kv, 0))
         step1 = self.a1.step_from(step0.descriptor())
         step1.write_all(shard(kv, 1))
-        ids = {shmkv.sequences.format_cache_id(c) for c in step0.cache_ids.tolist()}
+        ids = {shmkv.coordinator.sequences.format_cache_id(c) for c in step0.cache_ids.tolist()}
         self.rank1_steps = (self.rank1_steps + [(step1, ids)])[-4:]
         return step1
 
@@ -649,7 +649,7 @@ class TierStoreMachine(RuleBasedStateMachine):
         self.a0.flush()  # a release sent without waiting is served first
         table = self.coord.table
         table.check_invariants()
-        live = {shmkv.sequences.format_cache_id(c) for c in table.live()}
+        live = {shmkv.coordinator.sequences.format_cache_id(c) for c in table.live()}
         assert live == set(self.seqs)
 
     @invariant()

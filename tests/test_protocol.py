@@ -95,8 +95,9 @@ def test_protocol_and_allocator_import_without_torch():
         "import sys, importlib.util, types; sys.modules['torch'] = None\n"
         "pkg = types.ModuleType('shmkv'); pkg.__path__ = ['shmkv']\n"
         "sys.modules['shmkv'] = pkg\n"
-        "import shmkv.protocol, shmkv.allocator, shmkv.sequences, shmkv.hashing\n"
-        "import shmkv.layout\n"
+        "import shmkv.protocol, shmkv.hashing\n"
+        "import shmkv.coordinator.allocator, shmkv.coordinator.sequences\n"
+        "import shmkv.memory.layout\n"
     )
     subprocess.run(
         [sys.executable, "-c", code],

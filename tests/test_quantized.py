@@ -17,7 +17,7 @@ import torch
 from conftest import SPAWN, join_or_kill
 
 import shmkv
-from shmkv.attention import AttentionWorkspace, paged_attention
+from shmkv.kernels.attention import AttentionWorkspace, paged_attention
 
 DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8]
 QMAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0, torch.int8: 127.0}

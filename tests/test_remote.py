@@ -1,4 +1,4 @@
-"""The Redis/Valkey tier (``shmkv.remote``) against a real ``redis-server``.
+"""The Redis/Valkey tier (``shmkv.tiers.redis_store``) against a real ``redis-server``.
 
 Each test that needs a store starts its own server process on a free loopback port
 (no persistence) and kills it at teardown. Two coordinators in this process stand for
@@ -20,7 +20,7 @@ import torch
 
 import shmkv
 from shmkv import hashing
-from shmkv.remote import HEADER_SIZE, Codec, RedisTier, split_specs
+from shmkv.tiers.redis_store import HEADER_SIZE, Codec, RedisTier, split_specs
 
 redis = pytest.importorskip(
     "redis", reason="the redis client is not installed: pip install -e '.[test]'"

@@ -18,7 +18,7 @@ import torch
 from conftest import SPAWN, join_or_kill
 
 import shmkv
-from shmkv.coordinator import runtime_dir
+from shmkv.coordinator.server import runtime_dir
 
 STATE_KEYS = (
     "num_blocks",
@@ -707,7 +707,7 @@ def squat_as_nobody(address: str, queue, inbox) -> None:
 
 @root_only
 def test_another_uid_cannot_block_a_named_coordinator(small_config, unique_name):
-    address = shmkv.coordinator.default_address(unique_name)
+    address = shmkv.coordinator.server.default_address(unique_name)
     to_child, from_child = SPAWN.Queue(), SPAWN.Queue()
     child = SPAWN.Process(target=squat_as_nobody, args=(address, from_child, to_child))
     child.start()
@@ -718,9 +718,9 @@ def test_another_uid_cannot_block_a_named_coordinator(small_config, unique_name)
         with shmkv.Coordinator(small_config, name=unique_name) as coord:
             with shmkv.connect(coord.address, timeout=10) as client:
                 assert client.allocate(4).num_tokens == 4
-            assert os.path.exists(shmkv.coordinator.lock_path(address))
+            assert os.path.exists(shmkv.coordinator.server.lock_path(address))
         assert not os.path.lexists(address)
-        assert not os.path.lexists(shmkv.coordinator.lock_path(address))
+        assert not os.path.lexists(shmkv.coordinator.server.lock_path(address))
     finally:
         to_child.put("stop")
         assert join_or_kill(child) == 0
@@ -765,7 +765,7 @@ def test_a_symbolic_link_at_the_lock_path_is_refused(small_config, tmp_path):
     assert target.read_text() == "keep"
     assert sorted(os.listdir(tmp_path)) == ["c.sock.lock", "elsewhere"]
     with pytest.raises(shmkv.AccessDenied, match="symbolic link"):
-        shmkv.coordinator.remove_stale_socket(address)
+        shmkv.coordinator.server.remove_stale_socket(address)
 
 
 @pytest.mark.parametrize("kind", ["directory", "fifo", "socket"])
@@ -784,7 +784,7 @@ def test_a_lock_path_that_is_not_a_file_is_refused_and_left_alone(small_config, 
         with pytest.raises(shmkv.AccessDenied, match="lock file"):
             shmkv.Coordinator(small_config, address=address).open()
         with pytest.raises(shmkv.AccessDenied, match="lock file"):
-            shmkv.coordinator.remove_stale_socket(address)
+            shmkv.coordinator.server.remove_stale_socket(address)
         assert sorted(os.listdir(tmp_path)) == ["c.sock.lock"]  # no socket, the entry kept
     finally:
         if planted is not None:
@@ -808,7 +808,7 @@ def test_a_killed_coordinators_lock_is_free_and_its_files_are_replaced(small_con
     assert os.listdir(tmp_path) == []
     spawned = shmkv.SpawnedCoordinator.start(small_config, address=address)
     spawned.kill()
-    assert shmkv.coordinator.remove_stale_socket(address)
+    assert shmkv.coordinator.server.remove_stale_socket(address)
     assert os.listdir(tmp_path) == []
 
 

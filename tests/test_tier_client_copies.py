@@ -38,7 +38,8 @@ from test_tiers import (
 )
 
 import shmkv
-from shmkv import hashing, protocol, tier_io, tiers as tiers_mod
+from shmkv import hashing, protocol, tiers as tiers_mod
+from shmkv.memory import block_io
 
 
 @pytest.fixture(autouse=True)
@@ -82,13 +83,13 @@ def test_the_client_copies_what_the_io_process_cannot(tmp_path, unique_name, mon
         assert read_prompt(client, prompt) == (len(prompt), True)
         st = wait_idle(client)
         assert tier(st, kind)["promotions"] == 3
-        assert st["tier_io"]["promotions_in_flight"] == 0
+        assert st["block_io"]["promotions_in_flight"] == 0
 
 
 def _promote_slowly_then_wait(address, prompt, started):
     """A client whose copies from the host tier take 0.5 s each: it allocates the prompt
     (killed by the test in the middle of its copies)."""
-    tier_faults.slow_h2p(tier_io)
+    tier_faults.slow_h2p(block_io)
     with shmkv.connect(address, timeout=20) as client:
         assert client.copy_promotions is None  # (the default: a coordinator of another process)
         started.set()
@@ -116,7 +117,7 @@ def test_a_client_killed_mid_copy_leaves_nothing_pinned_or_held(unique_name):
         finally:
             join_or_kill(child)
         st = wait_idle(client)
-        assert st["tier_io"]["promotions_in_flight"] == 0
+        assert st["block_io"]["promotions_in_flight"] == 0
         assert [e.pins for e in coord.tiers.host.index.values()] == [0, 0, 0]
         assert st["free_blocks"] + st["cached_blocks"] == free  # its blocks came back
         # Nothing it half-copied was published: the prompt is still a tier hit, exact.
@@ -167,9 +168,9 @@ def test_reports_that_do_not_fit_the_promotion_are_refused_and_change_nothing(un
     with tier_coordinator(cfg, unique_name) as (coord, client):
         in_tier_only(client, prompt)
         with _raw_promotion(coord, prompt) as (raw, copy):
-            assert copy["ops"] == bytes([tier_io.OP_H2P]) * 2
+            assert copy["ops"] == bytes([block_io.OP_H2P]) * 2
             assert coord.tiers.num_promotions_in_flight == 1
-            ok = bytes([tier_io.OK])
+            ok = bytes([block_io.OK])
             for args in (
                 {"id": copy["id"] + 1, "statuses": ok * 2},  # not a promotion of its own
                 {"id": copy["id"], "statuses": ok},  # one status short
@@ -182,7 +183,7 @@ def test_reports_that_do_not_fit_the_promotion_are_refused_and_change_nothing(un
             assert coord.tiers.num_promotions_in_flight == 1
             assert [e.pins for e in coord.tiers.host.index.values()] == [1, 1]
             # A host copy reported damaged is a failure (nothing to remove): the hit ends.
-            damaged = bytes([tier_io.OK, tier_io.DAMAGED])
+            damaged = bytes([block_io.OK, block_io.DAMAGED])
             raw.send(("promoted", {"id": copy["id"], "statuses": damaged}))
             infos = _last_answer(raw).unwrap()
             assert infos[0]["num_cached"] == BS  # the first block only
@@ -233,7 +234,7 @@ def test_the_host_tier_reaches_clients_read_only(unique_name):
 
 
 def test_close_waits_for_the_clients_own_copies(unique_name, monkeypatch):
-    tier_faults.slow_h2p(tier_io, monkeypatch.setattr)  # (this process: the client's copies)
+    tier_faults.slow_h2p(block_io, monkeypatch.setattr)  # (this process: the client's copies)
     cfg = make_config(num_blocks=8)
     prompt = prompts_of(1, 2)[0]
     with tier_coordinator(cfg, unique_name, clients=2) as (coord, writer, client):
@@ -253,7 +254,7 @@ def test_close_waits_for_the_clients_own_copies(unique_name, monkeypatch):
         assert got["done"] <= closed  # the copies and their report came first
         st = wait_idle(writer)
         assert (tier(st, "host")["promotions"], tier(st, "host")["errors"]) == (2, 0)
-        assert st["tier_io"]["promotions_in_flight"] == 0
+        assert st["block_io"]["promotions_in_flight"] == 0
         assert [e.pins for e in coord.tiers.host.index.values()] == [0, 0]
 
 
@@ -288,7 +289,7 @@ def test_close_that_stops_waiting_ends_the_copies_before_the_connection(unique_n
     # copies. The coordinator frees its promoted blocks once the connection is gone, and
     # another client writes another prompt into them: no copy of the closed client may
     # land there after (it did: the prompt read back was wrong).
-    tier_faults.slow_h2p(tier_io, monkeypatch.setattr)  # (this process: the client's copies)
+    tier_faults.slow_h2p(block_io, monkeypatch.setattr)  # (this process: the client's copies)
     cfg = make_config(num_blocks=6)
     prompt, other = prompts_of(2, 6)
     with tier_coordinator(cfg, unique_name) as (coord, writer):
@@ -314,7 +315,7 @@ def test_close_that_stops_waiting_ends_the_copies_before_the_connection(unique_n
         assert not thread.is_alive()
         assert read_prompt(writer, other) == (len(other), True)
         st = wait_idle(writer)
-        assert st["tier_io"]["promotions_in_flight"] == 0
+        assert st["block_io"]["promotions_in_flight"] == 0
         assert not [e.pins for e in coord.tiers.host.index.values() if e.pins]
         assert st["free_blocks"] + st["cached_blocks"] == free
 
@@ -324,7 +325,7 @@ def test_a_copy_that_waits_for_a_closing_client_never_begins(unique_name, monkey
     # the second one's copies, which wait for the first's, must not begin once close()
     # has gone on (they did, into blocks the coordinator had freed and given to another
     # prompt, whose K/V read back wrong).
-    tier_faults.slow_h2p(tier_io, monkeypatch.setattr)  # (this process: the client's copies)
+    tier_faults.slow_h2p(block_io, monkeypatch.setattr)  # (this process: the client's copies)
     cfg = make_config(num_blocks=6)
     first, second = prompts_of(2, 3)
     other = prompts_of(1, 6, seed=3)[0]
@@ -361,7 +362,7 @@ def test_a_copy_that_waits_for_a_closing_client_never_begins(unique_name, monkey
         assert not any(thread.is_alive() for thread in threads)
         assert read_prompt(writer, other) == (len(other), True)
         st = wait_idle(writer)
-        assert st["tier_io"]["promotions_in_flight"] == 0
+        assert st["block_io"]["promotions_in_flight"] == 0
         assert not [e.pins for e in coord.tiers.host.index.values() if e.pins]
 
 
@@ -386,7 +387,7 @@ def test_a_failed_report_after_a_commit_past_the_hit_never_makes_it_negative(uni
             cache_id = conn.copying[copy["id"]].context[0]["cache_id"]
             raw.send(("commit", {"cache_id": cache_id, "num_tokens": len(longer)}))
             _last_answer(raw).unwrap()
-            failed = bytes([tier_io.FAILED]) * 2
+            failed = bytes([block_io.FAILED]) * 2
             raw.send(("promoted", {"id": copy["id"], "statuses": failed}))
             infos = _last_answer(raw).unwrap()
             assert infos[0]["num_cached"] == 0
@@ -427,7 +428,7 @@ def test_malformed_error_items_are_refused_and_change_nothing(unique_name):
     with tier_coordinator(cfg, unique_name) as (coord, client):
         in_tier_only(client, prompt)
         with _raw_promotion(coord, prompt) as (raw, copy):
-            ok = bytes([tier_io.OK]) * 2
+            ok = bytes([block_io.OK]) * 2
             for errors in (
                 [["0", "text"]],  # an index that is not an int
                 [[0]],  # no text

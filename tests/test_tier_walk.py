@@ -21,8 +21,9 @@ import pytest
 from test_tiers import BS, _settled_balance, make_config, prompts_of
 
 import shmkv
-from shmkv import tier_io, tiers as tiers_mod
+from shmkv import tiers as tiers_mod
 from shmkv.errors import PoolExhausted
+from shmkv.memory import block_io
 
 
 class _StepCopier:
@@ -45,8 +46,8 @@ class _StepCopier:
             return True
         if not self.jobs:
             return False
-        first_disk = next((i for i, (q, _) in enumerate(self.jobs) if q == tier_io.DISK), None)
-        picks = [i for i, (q, _) in enumerate(self.jobs) if q != tier_io.DISK or i == first_disk]
+        first_disk = next((i for i, (q, _) in enumerate(self.jobs) if q == block_io.DISK), None)
+        picks = [i for i, (q, _) in enumerate(self.jobs) if q != block_io.DISK or i == first_disk]
         _, job = self.jobs.pop(rng.choice(picks))
         self.mover.run(job.copies, lambda: False)
         if self.split:
@@ -78,7 +79,7 @@ def walk(
     if host_blocks:
         specs.append(shmkv.HostTier(host_blocks * cfg.block_nbytes))
     if disk:
-        file_nbytes = tier_io.HEADER_SIZE + cfg.block_nbytes
+        file_nbytes = block_io.HEADER_SIZE + cfg.block_nbytes
         specs.append(shmkv.DiskTier(str(disk_dir), disk_files * file_nbytes))
     coord = shmkv.Coordinator(cfg, name=name, tiers=specs)
     coord.open()
@@ -156,7 +157,7 @@ def walk(
         if disk_store is not None:
             for key in disk_store.index:
                 with open(disk_store.file_path(key), "rb") as f:
-                    payload = np.frombuffer(f.read()[tier_io.HEADER_SIZE :], np.uint8)
+                    payload = np.frombuffer(f.read()[block_io.HEADER_SIZE :], np.uint8)
                 assert (payload == _pattern(key, nbytes)).all(), "a block file"
             if host is not None and not (
                 disk_store.counters["dropped"] or disk_store.counters["errors"]

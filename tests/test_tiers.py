@@ -23,9 +23,9 @@ import torch
 from conftest import SPAWN, join_or_kill, shm_entries
 
 import shmkv
-from shmkv import tier_io, tiers as tiers_mod
-from shmkv.coordinator import remove_stale_socket
-from shmkv.tiers import specs as tier_specs
+from shmkv import tiers as tiers_mod
+from shmkv.coordinator.server import remove_stale_socket
+from shmkv.memory import block_io, specs as tier_specs
 
 BS = 4
 
@@ -93,7 +93,7 @@ def wait_idle(client, timeout=30.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         st = client.stats()
-        io = st["tier_io"]
+        io = st["block_io"]
         if not io["pending"] and not io["scanning"] and not io["promotions_in_flight"]:
             return st
         if time.monotonic() > deadline:
@@ -211,7 +211,7 @@ def inject(monkeypatch, io, fault: str) -> None:
     if io != "threads":
         monkeypatch.setattr(tiers_mod, "IO_PROCESS_PRELOAD", tier_faults.spec(fault))
     if io != "process":
-        getattr(tier_faults, fault)(tier_io, monkeypatch.setattr)
+        getattr(tier_faults, fault)(block_io, monkeypatch.setattr)
 
 
 def io_process_of(pid: int) -> psutil.Process:
@@ -219,7 +219,7 @@ def io_process_of(pid: int) -> psutil.Process:
     deadline = time.monotonic() + 20
     while True:
         for child in psutil.Process(pid).children():
-            if tier_io.__file__ in child.cmdline():
+            if block_io.__file__ in child.cmdline():
                 return child
         assert time.monotonic() < deadline, "no tier I/O process"
         time.sleep(0.01)
@@ -286,7 +286,7 @@ def test_bytes_equal_after_demote_and_promote_read_from_another_process(
         evict_all(client)
         st = wait_idle(client)
         assert st["prefix_index_blocks"] == 0  # nothing left in the pool
-        assert st["tier_io"]["lost_evictions"] == 0
+        assert st["block_io"]["lost_evictions"] == 0
         got = run_child(_reader, coord.address, prompts)
         assert got == [(12, True)] * 3
         st = wait_idle(client)
@@ -304,7 +304,7 @@ def test_wide_rows_move_exactly_with_the_native_row_copy_or_numpys(
     by the I/O process and by the allocating client: with the native row copy, which
     both load (the I/O process by the path the coordinator loaded it from), and with
     numpy's copy where it is not available."""
-    from shmkv import native
+    from shmkv.kernels import native
 
     if row_copy == "numpy":
         monkeypatch.setattr(native, "copier", lambda: None)
@@ -313,7 +313,7 @@ def test_wide_rows_move_exactly_with_the_native_row_copy_or_numpys(
     monkeypatch.setattr(shmkv.Client, "copy_promotions", True)
     cfg = make_config(num_blocks=16, num_kv_heads=1, head_dim=2049)
     row = cfg.block_size * 2049 * 4
-    assert row % 32 == 16 and cfg.block_nbytes == 4 * row >= tier_io.RowCopy.min_bytes
+    assert row % 32 == 16 and cfg.block_nbytes == 4 * row >= block_io.RowCopy.min_bytes
     specs = [shmkv.HostTier(8 * cfg.block_nbytes), shmkv.DiskTier(tmp_path / "tier", 1 << 23)]
     prompts = prompts_of(5, 3)  # 15 blocks: the host tier's 8 and the rest on disk
     with (
@@ -328,10 +328,10 @@ def test_wide_rows_move_exactly_with_the_native_row_copy_or_numpys(
         wait_idle(client)
         evict_all(client)
         st = wait_idle(client)
-        assert st["prefix_index_blocks"] == 0 and st["tier_io"]["lost_evictions"] == 0
+        assert st["prefix_index_blocks"] == 0 and st["block_io"]["lost_evictions"] == 0
         assert [read_prompt(client, p) for p in prompts] == [(12, True)] * 5
         mover = client._copies.mover
-        assert isinstance(mover.copy, tier_io.RowCopy) == (row_copy == "native")
+        assert isinstance(mover.copy, block_io.RowCopy) == (row_copy == "native")
         st = wait_idle(client)
         assert sum(t["promotions"] for t in st["tiers"]) == 15
         coord.table.check_invariants()
@@ -355,7 +355,7 @@ def test_working_set_4x_the_pool_is_served_from_the_tiers(tmp_path, unique_name)
             assert read_prompt(client, p) == (16, True)
         st = wait_idle(client)
         assert st["evictions"] > 64
-        assert st["tier_io"]["lost_evictions"] == 0
+        assert st["block_io"]["lost_evictions"] == 0
         host, disk = tier(st, "host"), tier(st, "disk")
         assert host["promotions"] > 0 and disk["promotions"] > 0
         assert host["blocks"] <= 24 and disk["blocks"] == 64
@@ -516,7 +516,7 @@ def test_pipelined_requests_that_each_need_a_promotion_are_all_answered(
     second is held until the first's copies are in, and needs copies of its own: they
     start in the very next turn, not when something else wakes the loop (here it would
     sleep a minute)."""
-    from shmkv import coordinator as coordinator_mod
+    from shmkv.coordinator import server as coordinator_mod
     from shmkv.protocol import pack_i64s
 
     monkeypatch.setattr(coordinator_mod, "_MAX_WAIT_S", 60.0)
@@ -562,14 +562,14 @@ def test_an_early_answer_leaves_the_connection_free_and_settle_waits_for_the_byt
         assert h.num_promoting_tokens == len(prompt)
         assert h.num_fetching_tokens == 0  # all on this host
         client.ping()  # not held behind the copies
-        assert client.stats()["tier_io"]["promotions_in_flight"] == 1
+        assert client.stats()["block_io"]["promotions_in_flight"] == 1
         assert coord._promoting == {h._cache_id: 1}
         with pytest.raises(shmkv.UnknownCache):  # only a holder settles
             other.request("settle", cache_id=h._cache_id)
         # a handle opened from a hand-off waits as well (it cannot know what is coming)
         opened = other.open(h.export(ttl=30))
         assert opened.settle() == len(prompt)
-        assert client.stats()["tier_io"]["promotions_in_flight"] == 0
+        assert client.stats()["block_io"]["promotions_in_flight"] == 0
         opened.close()
         assert h.settle() == len(prompt)
         assert h.num_promoting_tokens == 0
@@ -712,7 +712,7 @@ def test_an_older_coordinator_is_asked_to_wait(unique_name, monkeypatch):
         in_tier_only(client, prompt)
         h = client.allocate(prompt=prompt, wait=False)
         assert (h.num_cached_tokens, h.num_promoting_tokens) == (len(prompt), 0)
-        assert client.stats()["tier_io"]["promotions_in_flight"] == 0  # it waited
+        assert client.stats()["block_io"]["promotions_in_flight"] == 0  # it waited
         assert h.settle() == len(prompt)
         assert "settle" not in coord.ops_by_type and client.is_alive()
         h.close()
@@ -882,10 +882,10 @@ def test_io_process_runs_niced_and_dies_with_a_killed_coordinator(tmp_path, uniq
             lowest = [
                 tid
                 for tid in tids
-                if os.getpriority(os.PRIO_PROCESS, tid) == tier_io.IO_PROCESS_NICE
+                if os.getpriority(os.PRIO_PROCESS, tid) == block_io.IO_PROCESS_NICE
             ]
             assert len(lowest) == 3  # the 2 workers and the disk writer
-            if tier_io.IO_PROCESS_POLICY == "idle" and hasattr(os, "SCHED_IDLE"):
+            if block_io.IO_PROCESS_POLICY == "idle" and hasattr(os, "SCHED_IDLE"):
                 assert all(os.sched_getscheduler(tid) == os.SCHED_IDLE for tid in lowest)
             # The rest (the thread reading jobs, the urgent workers) run SCHED_BATCH: their
             # wake-ups never preempt the loop or a client.
@@ -934,7 +934,7 @@ def test_threads_take_over_when_the_io_process_dies(tmp_path, unique_name, caplo
         wait_idle(client)
         assert run_child(_reader, coord.address, prompts) == [(12, True)] * 3
         st = wait_idle(client)
-        assert st["tier_io"]["lost_evictions"] == 0
+        assert st["block_io"]["lost_evictions"] == 0
         coord.table.check_invariants()
 
 
@@ -1166,7 +1166,7 @@ def _driven_loop(unique_name, num_blocks: int, host_blocks: int):
     import selectors
     import socket
 
-    from shmkv.connections import _Conn, make_selector
+    from shmkv.coordinator.connections import _Conn, make_selector
 
     cfg = make_config(num_blocks=num_blocks)
     coord = shmkv.Coordinator(
@@ -1248,17 +1248,17 @@ def test_job_frames_of_columns_and_of_copies_are_the_same_and_come_back():
     ``Copy`` objects, and decodes to them in the I/O process; its completion comes back
     on the loop's job as one status a copy plus the error text of each failed one, and on
     a job of copies as their outcomes. A completion of no job in flight is refused."""
-    ops = [tier_io.OP_H2P, tier_io.OP_D2P, tier_io.OP_NONE]
+    ops = [block_io.OP_H2P, block_io.OP_D2P, block_io.OP_NONE]
     blocks, slots, keys = [5, 7, 9], [2, -1, -1], [b"a" * 16, b"b" * 16, b"c" * 16]
-    frame = tier_io.encode_columns(42, tier_io.PROMOTE, ops, blocks, slots, [0, 0, 0], keys)
+    frame = block_io.encode_columns(42, block_io.PROMOTE, ops, blocks, slots, [0, 0, 0], keys)
     copies = [
-        tier_io.Copy(tier_io.OPS[op], key, block=block, slot=slot)
+        block_io.Copy(block_io.OPS[op], key, block=block, slot=slot)
         for op, block, slot, key in zip(ops, blocks, slots, keys)
     ]
-    assert tier_io.encode_job(tier_io.PROMOTE, tier_io.Job(copies, job_id=42)) == frame
-    (body,) = tier_io.split_frames(bytearray(frame))
-    queue, job = tier_io.decode_job(body)
-    assert queue == tier_io.PROMOTE and job.job_id == 42
+    assert block_io.encode_job(block_io.PROMOTE, block_io.Job(copies, job_id=42)) == frame
+    (body,) = block_io.split_frames(bytearray(frame))
+    queue, job = block_io.decode_job(body)
+    assert queue == block_io.PROMOTE and job.job_id == 42
     assert [(c.op, c.block, c.slot, c.key) for c in job.copies] == [
         ("h2p", 5, 2, b"a" * 16),
         ("d2p", 7, -1, b"b" * 16),
@@ -1266,33 +1266,39 @@ def test_job_frames_of_columns_and_of_copies_are_the_same_and_come_back():
     ]
     job.copies[0].ok = True  # the I/O process ran them: in, damaged,
     job.copies[1].damaged, job.copies[1].error = True, "payload checksum"  # cancelled
-    (done,) = tier_io.split_frames(bytearray(tier_io.encode_done(job)))
-    columns = tier_io.Job(None, "promotion", job_id=42, num_copies=3)
-    assert tier_io.apply_done(done, {42: columns}) is columns
-    assert columns.statuses == bytes([tier_io.OK, tier_io.DAMAGED, tier_io.CANCELLED])
+    (done,) = block_io.split_frames(bytearray(block_io.encode_done(job)))
+    columns = block_io.Job(None, "promotion", job_id=42, num_copies=3)
+    assert block_io.apply_done(done, {42: columns}) is columns
+    assert columns.statuses == bytes([block_io.OK, block_io.DAMAGED, block_io.CANCELLED])
     assert columns.errors == {1: "payload checksum"}
-    mine = [tier_io.Copy(c.op, c.key, block=c.block, slot=c.slot) for c in job.copies]
-    tier_io.apply_done(done, {42: tier_io.Job(mine, job_id=42)})
+    mine = [block_io.Copy(c.op, c.key, block=c.block, slot=c.slot) for c in job.copies]
+    block_io.apply_done(done, {42: block_io.Job(mine, job_id=42)})
     assert [(c.ok, c.damaged, c.error) for c in mine] == [
         (True, False, None),
         (False, True, "payload checksum"),
         (False, False, None),
     ]
     with pytest.raises(ValueError):
-        tier_io.apply_done(done, {})  # no such job in flight
+        block_io.apply_done(done, {})  # no such job in flight
     with pytest.raises(ValueError):
-        tier_io.apply_done(done, {42: tier_io.Job(None, job_id=42, num_copies=2)})
+        block_io.apply_done(done, {42: block_io.Job(None, job_id=42, num_copies=2)})
     # A long job is framed the same way, without keeping a Struct of its size.
-    n = tier_io._JOB_FRAMES_MAX + 1
-    long_frame = tier_io.encode_columns(
-        43, tier_io.DEMOTE, [tier_io.OP_H2P] * n, list(range(n)), [-1] * n, [0] * n, [b"k" * 16] * n
+    n = block_io._JOB_FRAMES_MAX + 1
+    long_frame = block_io.encode_columns(
+        43,
+        block_io.DEMOTE,
+        [block_io.OP_H2P] * n,
+        list(range(n)),
+        [-1] * n,
+        [0] * n,
+        [b"k" * 16] * n,
     )
-    (long_body,) = tier_io.split_frames(bytearray(long_frame))
-    assert [c.block for c in tier_io.decode_job(long_body)[1].copies] == list(range(n))
-    assert n not in tier_io._JOB_FRAMES
+    (long_body,) = block_io.split_frames(bytearray(long_frame))
+    assert [c.block for c in block_io.decode_job(long_body)[1].copies] == list(range(n))
+    assert n not in block_io._JOB_FRAMES
 
 
-@pytest.mark.parametrize("iov_max", [tier_io.IOV_MAX, 3])
+@pytest.mark.parametrize("iov_max", [block_io.IOV_MAX, 3])
 def test_a_block_file_reads_straight_into_the_pools_strided_rows(tmp_path, monkeypatch, iov_max):
     """A block read from disk into its place in a layer-major pool: one row per layer's K
     or V, the rows a pool's worth of chunks apart, more rows than one preadv may take
@@ -1300,9 +1306,9 @@ def test_a_block_file_reads_straight_into_the_pools_strided_rows(tmp_path, monke
     untouched; a damaged file is refused."""
     import numpy as np
 
-    monkeypatch.setattr(tier_io, "IOV_MAX", iov_max)
+    monkeypatch.setattr(block_io, "IOV_MAX", iov_max)
     rows, chunk, num_blocks = 8, 48, 5
-    files = tier_io.BlockFiles(
+    files = block_io.BlockFiles(
         str(tmp_path), "s1", b"n" * 16, (4, 4, 2, 3, 1, b"f4"), rows * chunk, fsync=False
     )
     payload = np.random.default_rng(0).integers(0, 256, rows * chunk, dtype=np.uint8)
@@ -1312,11 +1318,11 @@ def test_a_block_file_reads_straight_into_the_pools_strided_rows(tmp_path, monke
     assert np.array_equal(pool[3].reshape(-1), payload)
     assert not pool[[0, 1, 2, 4]].any()
     with open(files.file_path(b"k" * 16), "r+b") as f:  # one payload byte flipped
-        f.seek(tier_io.HEADER_SIZE + 5 * chunk + 7)
+        f.seek(block_io.HEADER_SIZE + 5 * chunk + 7)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
-    with pytest.raises(tier_io.Damaged, match="checksum"):
+    with pytest.raises(block_io.Damaged, match="checksum"):
         files.read_block(b"k" * 16, pool[1])
 
 
@@ -1328,9 +1334,9 @@ def test_block_file_io_moves_at_most_io_chunk_bytes_a_call(tmp_path, monkeypatch
     or a full pipe may make it), and the bytes still arrive whole and in order."""
     import numpy as np
 
-    monkeypatch.setattr(tier_io, "IO_CHUNK", 100)
+    monkeypatch.setattr(block_io, "IO_CHUNK", 100)
     rows, chunk, num_blocks = 8, 48, 3
-    files = tier_io.BlockFiles(
+    files = block_io.BlockFiles(
         str(tmp_path), "s1", b"n" * 16, (4, 4, 2, 3, 1, b"f4"), rows * chunk, fsync=False
     )
     calls = []
@@ -1346,12 +1352,12 @@ def test_block_file_io_moves_at_most_io_chunk_bytes_a_call(tmp_path, monkeypatch
 
         return call
 
-    monkeypatch.setattr(tier_io.os, "pwritev", wrap(os.pwritev))
-    monkeypatch.setattr(tier_io.os, "preadv", wrap(os.preadv))
+    monkeypatch.setattr(block_io.os, "pwritev", wrap(os.pwritev))
+    monkeypatch.setattr(block_io.os, "preadv", wrap(os.preadv))
     payload = np.random.default_rng(1).integers(0, 256, rows * chunk, dtype=np.uint8)
     files.write_block(b"k" * 16, payload)
     written = list(calls)
-    assert os.path.getsize(files.file_path(b"k" * 16)) == tier_io.HEADER_SIZE + rows * chunk
+    assert os.path.getsize(files.file_path(b"k" * 16)) == block_io.HEADER_SIZE + rows * chunk
     calls.clear()
     pool = np.zeros((rows, num_blocks, chunk), dtype=np.uint8).transpose(1, 0, 2)
     files.read_block(b"k" * 16, pool[1])
@@ -1360,7 +1366,7 @@ def test_block_file_io_moves_at_most_io_chunk_bytes_a_call(tmp_path, monkeypatch
     flat = np.zeros(rows * chunk, dtype=np.uint8)
     files.read_block(b"k" * 16, flat)
     assert np.array_equal(flat, payload)
-    total = tier_io.HEADER_SIZE + rows * chunk
+    total = block_io.HEADER_SIZE + rows * chunk
     for sizes in (written, calls):
         assert sizes and max(sizes) <= 100
         assert len(sizes) >= -(-total // 100)
@@ -1479,7 +1485,7 @@ class _Gate:
     def __init__(self, monkeypatch, op, after=False, only=None):
         self._open = threading.Event()
         self._entered = threading.Semaphore(0)
-        run = getattr(tier_io.Mover, "_op_" + op)
+        run = getattr(block_io.Mover, "_op_" + op)
 
         def held(mover, copy):
             if only is not None and not only(copy):
@@ -1491,7 +1497,7 @@ class _Gate:
             if not after:
                 run(mover, copy)
 
-        monkeypatch.setattr(tier_io.Mover, "_op_" + op, held)
+        monkeypatch.setattr(block_io.Mover, "_op_" + op, held)
 
     def __enter__(self):
         return self
@@ -1724,7 +1730,7 @@ def test_an_allocation_keeps_the_tier_entries_its_plan_promotes(unique_name, mon
         records = table.take_promotions()
         assert records and tiers.num_rescued_evictions == 0 and tiers.num_lost_evictions == 1
         promotion = tiers.promote(records)
-        assert list(promotion.ops) == [tier_io.OP_H2P]
+        assert list(promotion.ops) == [block_io.OP_H2P]
         _settle(tiers)
         assert table._held(7, info["cache_id"]).num_cached == len(a)
         tiers.tick()  # the plan is forgotten: the entry may make room again
@@ -1735,7 +1741,7 @@ def test_an_allocation_keeps_the_tier_entries_its_plan_promotes(unique_name, mon
 def test_the_pool_evicts_blocks_safe_in_a_tier_before_those_just_cached():
     """``BlockPool`` alone: with ``newly_cached`` collecting, the blocks cached since it was
     last taken go after every other cached block, oldest first among them."""
-    from shmkv.allocator import BlockPool
+    from shmkv.coordinator.allocator import BlockPool
 
     pool = BlockPool(4)
     ids = pool.allocate(4, 1)
@@ -1880,7 +1886,7 @@ def test_a_pool_filled_back_to_back_keeps_its_first_prompt_on_a_tier(
         if kinds == "host"
         else shmkv.DiskTier(tmp_path, 1 << 20)
     )
-    if kinds == "disk, staged":  # as off x86 (tier_io: memory ordering)
+    if kinds == "disk, staged":  # as off x86 (block_io: memory ordering)
         monkeypatch.setattr(tiers_mod, "DIRECT_DISK_DEMOTION", False)
     prompts = prompts_of(8, 3, seed=5)
     with (
@@ -1893,17 +1899,17 @@ def test_a_pool_filled_back_to_back_keeps_its_first_prompt_on_a_tier(
         assert st["evictions"] == 8
         on_tier = [coord.tiers.lookup(keys_of(p)) for p in prompts]
         in_pool = [len(coord.table.pool.lookup(keys_of(p))) for p in prompts]
-        assert on_tier[0] == 3, (on_tier, in_pool, st["tier_io"])
+        assert on_tier[0] == 3, (on_tier, in_pool, st["block_io"])
         # Nothing silent: every block is in the pool, on the tier, or counted lost.
         lost = sum(3 - max(t, c) for t, c in zip(on_tier, in_pool))
-        assert lost == st["tier_io"]["lost_evictions"]
-        from shmkv import metrics  # and the counters are exported
+        assert lost == st["block_io"]["lost_evictions"]
+        from shmkv.coordinator import metrics  # and the counters are exported
 
         series = {name: samples for name, _kind, _doc, samples in metrics.families(coord)}
         for name in ("lost", "rescued"):
             (sample,) = series[f"shmkv_tier_{name}_evictions"]
             assert sample[0] == f"shmkv_tier_{name}_evictions_total"
-            assert sample[2] == st["tier_io"][f"{name}_evictions"]
+            assert sample[2] == st["block_io"][f"{name}_evictions"]
         assert read_prompt(client, prompts[0]) == (12, True)
 
 
@@ -2104,9 +2110,9 @@ def test_disk_demotion_through_checked_staging_slots_serves_exact_bytes(
     monkeypatch.setattr(tiers_mod, "DIRECT_DISK_DEMOTION", direct)
     ops = []
     if io == "threads":  # which copies ran (the I/O process's are its own)
-        real = tier_io.Mover.run
+        real = block_io.Mover.run
         monkeypatch.setattr(
-            tier_io.Mover,
+            block_io.Mover,
             "run",
             lambda self, copies, stopping: (
                 ops.extend(c.op for c in copies),
@@ -2164,13 +2170,13 @@ def test_a_tier_io_process_that_never_gets_ready_leaves_the_copies_to_threads(
         wait_idle(client)
         evict_all(client)
         assert read_prompt(client, prompt) == (12, True)
-        assert wait_idle(client)["tier_io"]["lost_evictions"] == 0
+        assert wait_idle(client)["block_io"]["lost_evictions"] == 0
 
 
 def test_the_pool_evicts_blocks_safe_in_a_tier_before_those_still_copying():
     """``BlockPool.copying`` (the tiers' blocks copying or waiting): an eviction takes the
     other cached blocks first, least recently used first, then those, oldest first."""
-    from shmkv.allocator import BlockPool
+    from shmkv.coordinator.allocator import BlockPool
 
     pool = BlockPool(8)
     ids = pool.allocate(8, 1)
@@ -2212,7 +2218,7 @@ def test_an_eviction_spares_a_block_whose_disk_write_is_under_way(
         assert st["evictions"] == 3
         assert len(coord.table.pool.lookup(keys_of(b))) == 3
         assert coord.table.pool.lookup(keys_of(a)) == []
-        io_st = st["tier_io"]
+        io_st = st["block_io"]
         assert io_st["lost_evictions"] == 0 and io_st["rescued_evictions"] == 0
         assert read_prompt(client, a) == (12, True) and read_prompt(client, b) == (12, True)
 
@@ -2245,7 +2251,7 @@ def test_a_block_evicted_while_its_copy_waits_is_rescued_by_the_loop(
     else:
         import runpy
 
-        runpy.run_path(str(fault))["slow"](tier_io, monkeypatch.setattr)
+        runpy.run_path(str(fault))["slow"](block_io, monkeypatch.setattr)
     if kinds == "disk, staged":
         monkeypatch.setattr(tiers_mod, "DIRECT_DISK_DEMOTION", False)
     cfg = make_config(num_blocks=4)
@@ -2263,8 +2269,8 @@ def test_a_block_evicted_while_its_copy_waits_is_rescued_by_the_loop(
         client.allocate(4 * BS).close()  # 1 free + 3 evicted
         st = wait_idle(client)
         assert st["evictions"] == 3
-        assert st["tier_io"]["rescued_evictions"] == 3
-        assert st["tier_io"]["lost_evictions"] == 0
+        assert st["block_io"]["rescued_evictions"] == 3
+        assert st["block_io"]["lost_evictions"] == 0
         assert coord.tiers.lookup(keys_of(prompt)) == 3
         assert read_prompt(client, prompt) == (12, True)  # promoted back, exact
         if coord.tiers._staging is not None:

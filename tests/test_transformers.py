@@ -322,10 +322,10 @@ def test_decode_over_reserved_slots_advances_steps(attn, model_coord, monkeypatc
 
         monkeypatch.setattr(cls, name, call)
 
-    counting(shmkv.batch.Step, "advance", "advance")
-    counting(shmkv.batch.Batch, "prefill", "prefill")
-    counting(shmkv.batch.Batch, "extend", "extend")
-    counting(shmkv.attention.PagedAttentionPlan, "__init__", "plan")
+    counting(shmkv.client.batch.Step, "advance", "advance")
+    counting(shmkv.client.batch.Batch, "prefill", "prefill")
+    counting(shmkv.client.batch.Batch, "extend", "extend")
+    counting(shmkv.kernels.attention.PagedAttentionPlan, "__init__", "plan")
     with shmkv.connect(model_coord(model).address, timeout=20) as client:
         with ShmkvCache(client, **CACHE[attn]) as cache:
             greedy(model, ids, cache)
@@ -1006,7 +1006,7 @@ class PrefillPrompts(torch.utils.data.Dataset):
         return len(self.prompts)
 
     def __getitem__(self, index: int) -> dict:
-        from shmkv.client import process_client
+        from shmkv.client.client import process_client
 
         model = build(self.kind, attn="shmkv")
         client = process_client(self.address, None, None)

@@ -173,7 +173,7 @@ def wait_idle(client, timeout=30.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         st = client.stats()
-        io = st.get("tier_io") or {}
+        io = st.get("block_io") or {}
         if not io.get("pending") and not io.get("scanning") and not io.get("promotions_in_flight"):
             return st
         assert time.monotonic() < deadline, f"tiers still busy after {timeout} s: {io}"
@@ -1171,17 +1171,18 @@ def _gated_host_tier(monkeypatch):
     event to be set (at most 30 s)."""
     import threading
 
-    from shmkv import tier_io, tiers as tiers_mod
+    from shmkv import tiers as tiers_mod
+    from shmkv.memory import block_io
 
     gate = threading.Event()
     monkeypatch.setattr(tiers_mod, "IO_PROCESS", False)
-    h2p = tier_io.Mover._op_h2p
+    h2p = block_io.Mover._op_h2p
 
     def gated(self, copy):
         assert gate.wait(30), "the test never opened the gate"
         h2p(self, copy)
 
-    monkeypatch.setattr(tier_io.Mover, "_op_h2p", gated)
+    monkeypatch.setattr(block_io.Mover, "_op_h2p", gated)
     return gate
 
 

@@ -1,8 +1,8 @@
-"""Faults injected into ``shmkv.tier_io`` for the tier tests.
+"""Faults injected into ``shmkv.memory.block_io`` for the tier tests.
 
 The tier I/O process runs them before it serves (``shmkv.tiers.IO_PROCESS_PRELOAD`` =
-``"<this file>:<function>"``, called with its ``tier_io`` module); a test whose copies
-run in threads calls them on ``shmkv.tier_io`` with ``monkeypatch.setattr``. Each one
+``"<this file>:<function>"``, called with its ``block_io`` module); a test whose copies
+run in threads calls them on ``shmkv.memory.block_io`` with ``monkeypatch.setattr``. Each one
 replaces one method of the module's classes.
 """
 

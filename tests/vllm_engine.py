@@ -84,7 +84,7 @@ def _record_salts() -> None:
     ``Client.allocate_many``, which ``allocate`` calls) in ``_SALTS``: a test then reads
     the pool under the engine's own keys (``client.allocate(prompt=..., cache_salt=salt)``)
     without knowing how the connector makes them."""
-    from shmkv.client import Client
+    from shmkv.client.client import Client
 
     allocate_many = Client.allocate_many
 

@@ -311,7 +311,7 @@ def peek_and_read(address, descriptor, n, seed, results):
 def coordinator_killed_mid_change(config_wire, address, conn):
     """A coordinator that, sent a slot, leaves that row's seqlock and the K/V scales'
     odd (a change under way) and is SIGKILLed right there."""
-    from shmkv.tables import LOCK, SEQ_FIELDS
+    from shmkv.memory.tables import LOCK, SEQ_FIELDS
 
     with shmkv.Coordinator(shmkv.PoolConfig.from_wire(config_wire), address=address) as coord:
         conn.send("ready")

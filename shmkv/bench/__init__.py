@@ -29,8 +29,8 @@ import importlib
 import sys
 import time
 
-from .core import BenchError, Figure, Options  # noqa: F401  (the suites' shared names)
-from .sections import SECTIONS
+from shmkv.bench.core import BenchError, Figure, Options  # noqa: F401  (the suites' shared names)
+from shmkv.bench.sections import SECTIONS
 
 # name -> (module under shmkv.bench, what it measures)
 SUITES = {
@@ -92,7 +92,7 @@ def cmd_bench(args) -> int:
         steps = plan(args)
     except ValueError as exc:
         args.bench_parser.error(str(exc))
-    from . import core
+    from shmkv.bench import core
 
     core.OUT_DIR = args.out
     if args.dry_run:
@@ -109,7 +109,7 @@ def cmd_bench(args) -> int:
     failed = []
     for name, what in steps:
         if name == "sections":
-            from .sections import cmd_sections
+            from shmkv.bench.sections import cmd_sections
 
             only = list(what) if args.only else None
             rc = cmd_sections(argparse.Namespace(**{**vars(args), "only": only}))
@@ -132,7 +132,7 @@ def cmd_bench(args) -> int:
 
 def add_parser(sub) -> None:
     """Register ``shmkv bench`` on an argparse subparsers object."""
-    from ..tools.args import name_arg, non_negative_int, path_arg, positive_int
+    from shmkv.tools.args import name_arg, non_negative_int, path_arg, positive_int
 
     p = sub.add_parser(
         "bench",

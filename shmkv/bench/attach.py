@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Dict, List
 
-from .core import (
+from shmkv.bench.core import (
     GIB,
     MIB,
     Figure,
@@ -38,7 +38,7 @@ def _child_attach(conn, address: str, baseline: str, repeats: int, touch: bool) 
 
     import torch
 
-    from ..client import connect
+    from shmkv.client.client import connect
 
     ready = _next_command(conn)  # start timing only when the parent says so
     if ready is None:
@@ -48,7 +48,7 @@ def _child_attach(conn, address: str, baseline: str, repeats: int, touch: bool) 
     cold = time.perf_counter() - t0
     result = {"cold_s": cold, "attached": memory_of()}
     if touch:  # map every page of the pool by reading one byte of each
-        from ..memory import storage_view
+        from shmkv.memory.pool import storage_view
 
         pages = storage_view(client.pool).reshape(-1).view(torch.uint8)[::4096]
         pages.sum()
@@ -77,8 +77,8 @@ def _pool_sweep(opts: Options, cleanup: _Cleanup, cache: dict) -> list:
     """For each pool size: spawn a coordinator, attach a fresh worker, read memory."""
     if "pools" in cache:
         return cache["pools"]
-    from ..coordinator import Coordinator
-    from ..shm import shm_free_bytes
+    from shmkv.coordinator.server import Coordinator
+    from shmkv.memory.shm import shm_free_bytes
 
     sizes = [64 * MIB, 256 * MIB, GIB] + ([] if opts.quick else [4 * GIB, 8 * GIB])
     block_size = 16
@@ -129,7 +129,7 @@ def _child_attach_wait(conn) -> None:
     """A fresh worker: import everything, then attach when told (see ``_child_attach``)."""
     import torch  # noqa: F401  (imports are outside the timed region)
 
-    from .. import client  # noqa: F401
+    from shmkv.client import client  # noqa: F401
 
     args = _next_command(conn)
     if args is None:

@@ -1,4 +1,4 @@
-"""Suite ``attention``: shmkv.attention.paged_attention against the first (reference)
+"""Suite ``attention``: shmkv.kernels.attention.paged_attention against the first (reference)
 implementation.
 
 One attention-layer call per case, on one CPU thread, with K/V pages laid out as in
@@ -23,9 +23,9 @@ import time
 
 import torch
 
-from ..attention import AttentionWorkspace, paged_attention
-from ..memory import pool_view
-from .core import result_base, write_results
+from shmkv.bench.core import result_base, write_results
+from shmkv.kernels.attention import AttentionWorkspace, paged_attention
+from shmkv.memory.pool import pool_view
 
 NUM_LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 8, 2, 32, 16
 WAYS = ("baseline", "batch", "packed", "+ws")
@@ -158,7 +158,7 @@ def run_case(name, seq_lens, counts, dtype, seconds):
 
 def markdown(record: dict) -> str:
     """The record as the suite's Markdown table."""
-    from .core import markdown_table
+    from shmkv.bench.core import markdown_table
 
     head = (
         f"`paged_attention` against the reference implementation it replaced, one "

@@ -14,8 +14,8 @@ import os
 import time
 from typing import Callable, Dict, List
 
-from .control import _rates
-from .core import (
+from shmkv.bench.control import _rates
+from shmkv.bench.core import (
     BenchError,
     Figure,
     Helper,
@@ -63,7 +63,7 @@ def _floor_rows(slot_mapping, num_layers: int, num_blocks: int, block_size: int)
 def _rows(pool, heads: int, head_dim: int):
     """A pool view (all heads, or a rank's shard) as ``[rows, heads, head_dim]`` in
     storage order, the rows :func:`_floor_rows` counts."""
-    from ..memory import storage_view
+    from shmkv.memory.pool import storage_view
 
     return storage_view(pool).view(-1, heads, head_dim)
 
@@ -108,8 +108,8 @@ def _decode_point(opts: Options, cleanup: _Cleanup, num_seqs: int, context_kv, k
     floor, interleaved, on one pool whose sequences share a committed context."""
     import torch
 
-    from ..client import connect
-    from ..coordinator import Coordinator
+    from shmkv.client.client import connect
+    from shmkv.coordinator.server import Coordinator
 
     per_run = _steps_per_run(num_seqs)
     num_steps = per_run * (opts.repeats + 1) + 1  # + the checked step
@@ -239,7 +239,7 @@ def _child_tp_rank(conn, address: str, num_seqs: int, threads: int) -> None:
     write this rank's head shard; reports how long each part took."""
     import torch
 
-    from ..client import connect
+    from shmkv.client.client import connect
 
     torch.set_num_threads(threads)
     client = connect(address, tp_rank=1, tp_size=2)
@@ -277,8 +277,8 @@ def _tp_point(opts: Options, cleanup: _Cleanup) -> dict:
     its 4 of the 8 heads. Against the floor of one rank's shard."""
     import torch
 
-    from ..client import connect
-    from ..coordinator import Coordinator
+    from shmkv.client.client import connect
+    from shmkv.coordinator.server import Coordinator
 
     num_seqs, repeats = BATCH_TP_SEQS, 3 * opts.repeats  # steps of a few ms: more runs
     cfg = _model_config(
@@ -388,8 +388,8 @@ def _prefill_point(opts: Options, cleanup: _Cleanup) -> dict:
     per-layer writes) against ``copy_`` of the same bytes between two tensors."""
     import torch
 
-    from ..client import connect
-    from ..coordinator import Coordinator
+    from shmkv.client.client import connect
+    from shmkv.coordinator.server import Coordinator
 
     num_prompts, tokens = BATCH_PREFILL
     cfg = _model_config(num_prompts * tokens // 16 + 8)
@@ -445,7 +445,7 @@ def _prefill_point(opts: Options, cleanup: _Cleanup) -> dict:
 def _codec_fn(op: str, args: dict, result) -> Callable[[], None]:
     """Both sides' msgpack work for one request: encode, decode and validate the request,
     encode and decode the answer (no socket)."""
-    from .. import protocol
+    from shmkv import protocol
 
     def run():
         request = protocol.encode_request(7, op, args)
@@ -466,12 +466,12 @@ def _control_point(opts: Options, cleanup: _Cleanup) -> dict:
     both sides' msgpack work is timed on the same messages. ``request`` is the raw
     ``extend_batch`` request ``batch.extend`` sends, without building the ``Step``.
     """
-    from .. import protocol
-    from ..allocator import BlockPool
-    from ..client import connect
-    from ..coordinator import Coordinator
-    from ..layout import PoolConfig
-    from ..sequences import SequenceTable
+    from shmkv import protocol
+    from shmkv.client.client import connect
+    from shmkv.coordinator.allocator import BlockPool
+    from shmkv.coordinator.sequences import SequenceTable
+    from shmkv.coordinator.server import Coordinator
+    from shmkv.memory.layout import PoolConfig
 
     num = BATCH_CONTROL_SEQS
     # The coordinator's work does not depend on block bytes: a tiny block keeps the pool small.

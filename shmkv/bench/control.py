@@ -13,7 +13,7 @@ import struct
 import time
 from typing import TYPE_CHECKING, Callable, Dict, List
 
-from .core import (
+from shmkv.bench.core import (
     BenchError,
     Figure,
     Helper,
@@ -27,12 +27,12 @@ from .core import (
 )
 
 if TYPE_CHECKING:
-    from ..allocator import BlockPool
+    from shmkv.coordinator.allocator import BlockPool
 
 
 def _child_echo(conn, path: str) -> None:
     """A raw msgpack echo server with the coordinator's framing, one connection."""
-    from .. import protocol
+    from shmkv import protocol
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -64,7 +64,7 @@ class _EchoClient:
     """The baseline client: encode, send, receive and decode one frame, nothing else."""
 
     def __init__(self, path: str):
-        from .. import protocol
+        from shmkv import protocol
 
         self.protocol = protocol
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -91,10 +91,10 @@ class _EchoClient:
 def bench_control(opts: Options, cleanup: _Cleanup, series: dict) -> List[Figure]:
     """Round-trip latency against a raw echo server, batched allocate/free throughput,
     and the in-process allocator alone."""
-    from ..allocator import BlockPool
-    from ..client import connect
-    from ..coordinator import Coordinator, runtime_dir
-    from ..layout import PoolConfig
+    from shmkv.client.client import connect
+    from shmkv.coordinator.allocator import BlockPool
+    from shmkv.coordinator.server import Coordinator, runtime_dir
+    from shmkv.memory.layout import PoolConfig
 
     # The coordinator's work does not depend on block bytes: a tiny block keeps the pool small.
     cfg = PoolConfig(

@@ -253,7 +253,7 @@ def _unique(tag: str) -> str:
 
 
 def _model_config(num_blocks: int, block_size: int = 16, **overrides):
-    from ..layout import PoolConfig
+    from shmkv.memory.layout import PoolConfig
 
     shape = dict(MODEL, **overrides)
     return PoolConfig(num_blocks=num_blocks, block_size=block_size, device="cpu", **shape)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import List
 
-from .core import (
+from shmkv.bench.core import (
     BenchError,
     Figure,
     Options,
@@ -41,8 +41,8 @@ def bench_data(opts: Options, cleanup: _Cleanup, series: dict) -> List[Figure]:
     """Write and gather bandwidth against a contiguous copy of the same bytes."""
     import torch
 
-    from ..client import connect
-    from ..coordinator import Coordinator
+    from shmkv.client.client import connect
+    from shmkv.coordinator.server import Coordinator
 
     lengths = (128, 1024, 4096) if opts.quick else (128, 256, 512, 1024, 2048, 4096, 8192)
     block_sizes = (8, 16, 32, 64)

@@ -10,7 +10,7 @@ import os
 import time
 from typing import Dict, List
 
-from .core import (
+from shmkv.bench.core import (
     SPAWN,
     BenchError,
     Figure,
@@ -46,7 +46,7 @@ def _child_producer(conn, address: str, tokens: int, threads: int, torch_queue, 
 
     import torch
 
-    from ..client import connect
+    from shmkv.client.client import connect
 
     torch.set_num_threads(threads)
     client = connect(address)
@@ -103,7 +103,7 @@ def _child_consumer(conn, address: str, tokens: int, threads: int, torch_queue, 
 
     import torch
 
-    from ..client import connect
+    from shmkv.client.client import connect
 
     torch.set_num_threads(threads)
     client = connect(address)
@@ -142,7 +142,7 @@ def bench_handoff(opts: Options, cleanup: _Cleanup, series: dict) -> List[Figure
     """End-to-end hand-off of one sequence's K/V from a producer to a consumer process."""
     import torch.multiprocessing as tmp
 
-    from ..coordinator import Coordinator
+    from shmkv.coordinator.server import Coordinator
 
     tokens = 2048
     cfg = _model_config(2 * (tokens // 16) + 8, 16)

@@ -34,8 +34,7 @@ import time
 from typing import Any, Dict, List
 
 import shmkv
-
-from .core import (
+from shmkv.bench.core import (
     SPAWN,
     BenchError,
     markdown_table,
@@ -46,7 +45,7 @@ from .core import (
     spread,
     write_results,
 )
-from .tiers import evict_all, fill, ping_run, prompts_for, wait_idle
+from shmkv.bench.tiers import evict_all, fill, ping_run, prompts_for, wait_idle
 
 OPS = ("allocate", "extend", "commit", "close")
 ROUND = ["allocate"] + ["extend"] * 12 + ["commit", "extend", "close"]  # 16 ops

@@ -32,8 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 import shmkv
-
-from .core import SPAWN, p99, result_base, spread, write_results
+from shmkv.bench.core import SPAWN, p99, result_base, spread, write_results
 
 BOUND = 1.2
 NAME = "metrics-scrape"

@@ -37,10 +37,10 @@ from typing import Any, Callable, Dict, List, Mapping, Tuple
 import torch
 import torch.nn.functional as F
 
-from .. import native
-from ..attention import AttentionWorkspace, PagedAttentionPlan, paged_attention
-from ..memory import pool_view
-from .core import result_base, write_results
+from shmkv.bench.core import result_base, write_results
+from shmkv.kernels import native
+from shmkv.kernels.attention import AttentionWorkspace, PagedAttentionPlan, paged_attention
+from shmkv.memory.pool import pool_view
 
 BLOCK = 16
 # (label, query heads, K/V heads, head_dim, layers in the pool)

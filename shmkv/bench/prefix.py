@@ -18,11 +18,10 @@ from typing import Callable
 import torch
 
 import shmkv
-
-from .. import hashing
-from ..allocator import BlockPool
-from ..sequences import SequenceTable
-from .core import result_base, write_results
+from shmkv import hashing
+from shmkv.bench.core import result_base, write_results
+from shmkv.coordinator.allocator import BlockPool
+from shmkv.coordinator.sequences import SequenceTable
 
 BS = 16
 

@@ -6,7 +6,7 @@ two-node chat trace.
    store into its pool (lookup, checks, copies). Against: a raw pipelined ``GET`` of
    the same keys on the same connection (B's reader client). Timed end to end as the
    allocate call, median of the repeats.
-2. Prefill -> decode move: ``shmkv.distributed.send_sequence`` / ``recv_sequence``
+2. Prefill -> decode move: ``shmkv.integrations.distributed.send_sequence`` / ``recv_sequence``
    between two processes, each with its own coordinator, over Gloo on loopback.
    Against: a raw ``send``/``recv`` of the same bytes plus the same one-word ack.
 3. Two-node chat trace: multi-turn conversations whose turns a load balancer without
@@ -41,10 +41,9 @@ from typing import Any, Dict, List, Optional
 import torch
 
 import shmkv
-
-from .. import hashing
-from ..remote import RemoteTierSet
-from .core import BenchError, result_base, trace_path, write_results
+from shmkv import hashing
+from shmkv.bench.core import BenchError, result_base, trace_path, write_results
+from shmkv.tiers.redis_store import RemoteTierSet
 
 
 def free_port() -> int:
@@ -161,7 +160,7 @@ def bench_pull(server: RedisServer, cfg: shmkv.PoolConfig, num_blocks: int, repe
             values = pipe.execute()
             assert all(v is not None for v in values)
 
-        from shmkv.remote import BATCH_BYTES, GET_BATCH
+        from shmkv.tiers.redis_store import BATCH_BYTES, GET_BATCH
 
         span = max(1, min(GET_BATCH, BATCH_BYTES // store.codec.value_nbytes))
 
@@ -228,7 +227,7 @@ def bench_pull(server: RedisServer, cfg: shmkv.PoolConfig, num_blocks: int, repe
 
 
 def _move_node(rank, port, cfg_wire, num_tokens, repeat, results):
-    from shmkv import distributed as sd
+    from shmkv.integrations import distributed as sd
 
     torch.distributed.init_process_group(
         "gloo",

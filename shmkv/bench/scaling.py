@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, List
 
-from .core import (
+from shmkv.bench.core import (
     Figure,
     Helper,
     Options,
@@ -28,7 +28,7 @@ def _child_scaling(conn, address: str) -> None:
     """One worker of the scaling run: control-plane ops or data-plane bytes until a deadline."""
     import torch
 
-    from ..client import connect
+    from shmkv.client.client import connect
 
     torch.set_num_threads(1)  # one thread per worker: the workers share the machine
     client = connect(address)
@@ -68,7 +68,7 @@ def _child_scaling(conn, address: str) -> None:
 
 def bench_scaling(opts: Options, cleanup: _Cleanup, series: dict) -> List[Figure]:
     """Aggregate ops/s and bandwidth with several workers on one coordinator."""
-    from ..coordinator import Coordinator
+    from shmkv.coordinator.server import Coordinator
 
     counts = (1, 2, 4) if opts.quick else (1, 2, 4, 8)
     duration = 0.3 if opts.quick else 1.0

@@ -17,10 +17,10 @@ import platform
 import time
 from typing import List
 
-from .attach import bench_attach, bench_memory
-from .batch import _split, bench_batch
-from .control import bench_control
-from .core import (
+from shmkv.bench.attach import bench_attach, bench_memory
+from shmkv.bench.batch import _split, bench_batch
+from shmkv.bench.control import bench_control
+from shmkv.bench.core import (
     MIB,
     MODEL,
     Figure,
@@ -36,9 +36,9 @@ from .core import (
     table_rows,
     write_results,
 )
-from .data import _REFERENCE, DATA_OPS, bench_data
-from .handoff import bench_handoff
-from .scaling import bench_scaling
+from shmkv.bench.data import _REFERENCE, DATA_OPS, bench_data
+from shmkv.bench.handoff import bench_handoff
+from shmkv.bench.scaling import bench_scaling
 
 SECTIONS = ("data", "attach", "control", "handoff", "scaling", "memory", "batch")
 
@@ -334,7 +334,7 @@ def run(opts: Options) -> dict:
     series: dict = {}
     cache: dict = {}
     timings = {}
-    from ..tools.progress import ProgressBar  # a live bar on a terminal, nothing otherwise
+    from shmkv.tools.progress import ProgressBar  # a live bar on a terminal, nothing otherwise
 
     bar = ProgressBar("bench", total=sum(s in opts.sections for s in SECTIONS), unit="sections")
     try:

@@ -75,7 +75,7 @@ import urllib.error
 import urllib.request
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from .core import (
+from shmkv.bench.core import (
     BenchError,
     Helper,
     cpu_model,
@@ -700,7 +700,7 @@ def _client_main(conn, log_dir: str) -> None:
     from vllm.benchmarks.serve import add_cli_args, main as bench_main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from .core import _next_command
+    from shmkv.bench.core import _next_command
 
     conn.send("ready")
     while True:
@@ -1050,7 +1050,7 @@ def memory_available() -> Optional[int]:
 def measure(args: argparse.Namespace) -> Dict[str, Any]:
     """Start the replicas, routers and coordinator, run every dataset on every
     deployment, stop everything: the record :func:`markdown` reads."""
-    from .vllm import engine_driver
+    from shmkv.bench.vllm import engine_driver
 
     check_requirements()
     ve = engine_driver()

@@ -26,7 +26,7 @@ Measures, each against its baseline:
   on disk (and until the background scan has checked every header).
 
 The coordinator runs in its own process (``Coordinator.spawn``), its tier copies in its
-tier I/O process (``shmkv.tier_io``: the pools here are CPU pools); clients here and in
+tier I/O process (``shmkv.memory.block_io``: the pools here are CPU pools); clients here and in
 spawned processes. Results go to ``OUT.json`` and ``OUT.md``.
 """
 
@@ -50,10 +50,10 @@ import numpy as np
 import torch
 
 import shmkv
-
-from .. import tier_io, tiers as tiers_mod
-from ..memory import block_bytes
-from .core import SPAWN, p99, result_base, trace_path, write_results
+from shmkv import tiers as tiers_mod
+from shmkv.bench.core import SPAWN, p99, result_base, trace_path, write_results
+from shmkv.memory import block_io
+from shmkv.memory.pool import block_bytes
 
 # PoolConfig's keywords. An 8B-class model's block (32 layers, 8 KV heads of 128, fp16,
 # 16 tokens): 2 MiB.
@@ -73,7 +73,7 @@ def wait_idle(client, timeout=600.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         st = client.stats()
-        io = st.get("tier_io") or {"pending": 0, "scanning": False, "promotions_in_flight": 0}
+        io = st.get("block_io") or {"pending": 0, "scanning": False, "promotions_in_flight": 0}
         if not (io["pending"] or io["scanning"] or io["promotions_in_flight"]):
             return st
         if time.monotonic() > deadline:
@@ -206,7 +206,7 @@ def bench_host_bandwidth(args, root) -> dict:
     blocks = args.prompt_blocks
     num_blocks = args.host_blocks
     prompts = prompts_for(num_blocks // blocks, blocks, cfg.block_size, seed=2)
-    from shmkv import shm
+    from shmkv.memory import shm
 
     fd = shm.create_segment(num_blocks * cfg.block_nbytes, "bench")
     try:
@@ -222,9 +222,9 @@ def bench_host_bandwidth(args, root) -> dict:
         shmkv.connect(coord.address, timeout=120) as client,
     ):
         fill(client, prompts)
-        # A block's place in the pool: 2 * num_layers chunks (shmkv.memory.block_bytes).
+        # A block's place in the pool: 2 * num_layers chunks (shmkv.memory.pool.block_bytes).
         pool = block_bytes(client.pool).numpy()
-        from .. import native
+        from shmkv.kernels import native
 
         row_copy = native.copier()
         rates: list = []
@@ -346,7 +346,7 @@ def _copier(block_nbytes, go, stop, queue, rate):
     priority (SCHED_IDLE where there is one), while ``go`` is set; no request at all."""
     import numpy as np
 
-    if getattr(os, "SCHED_IDLE", None) is not None and tier_io.IO_PROCESS_POLICY == "idle":
+    if getattr(os, "SCHED_IDLE", None) is not None and block_io.IO_PROCESS_POLICY == "idle":
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     num = max(1, (64 << 20) // block_nbytes)
     src = np.ones((num, block_nbytes), dtype=np.uint8)
@@ -648,7 +648,7 @@ def replay(address, header, requests, verify=True, decode_us=500.0) -> dict:
         "blocks_wrong": bad,
         "evictions": st["evictions"],
         "tiers": st.get("tiers"),
-        "tier_io": st.get("tier_io"),
+        "block_io": st.get("block_io"),
     }
 
 
@@ -785,7 +785,7 @@ def bench_restart(args, root) -> dict:
                 if cached:
                     t_hit = time.perf_counter()
                     break
-            while client.stats()["tier_io"]["scanning"]:
+            while client.stats()["block_io"]["scanning"]:
                 time.sleep(0.001)
             t_scan = time.perf_counter()
             disk = next(t for t in client.stats()["tiers"] if t["tier"] == "disk")
@@ -974,7 +974,7 @@ def markdown(res: dict) -> str:
                 f"| {label} | {r['hit_rate']:.1%} | {r['prompt_tokens']} | "
                 f"{r['prefill_tokens']} | {r['blocks_checked']} ({r['blocks_wrong']}) |"
             )
-        io = c["pool + host tier (1x pool) + disk tier"].get("tier_io") or {}
+        io = c["pool + host tier (1x pool) + disk tier"].get("block_io") or {}
         lines += [
             "",
             f"Pool evictions whose block no tier had yet (write-behind behind): "
@@ -1070,9 +1070,9 @@ def main(argv=None) -> int:
     res.pop("command", None)  # (one command for the whole file, before parts had theirs)
     res["tier_copies"] = (
         (
-            f"tier I/O process, workers at {tier_io.IO_PROCESS_POLICY} "
+            f"tier I/O process, workers at {block_io.IO_PROCESS_POLICY} "
             f"priority (normal-priority ones after "
-            f"{tier_io.URGENT_AFTER_S * 1e3:g} ms without progress)"
+            f"{block_io.URGENT_AFTER_S * 1e3:g} ms without progress)"
         )
         if tiers_mod.IO_PROCESS
         else "threads of the coordinator"
@@ -1082,7 +1082,7 @@ def main(argv=None) -> int:
         if shmkv.Client.copy_promotions is not False
         else ""
     )
-    from .. import native
+    from shmkv.kernels import native
 
     res["tier_copies"] += (
         "; blocks copied between the pool and host memory by the native row copy "

@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Dict, List
 
-from ..integrations.vllm import ShmkvConnector
+from shmkv.integrations.vllm import ShmkvConnector
 
 HOOK_DIR_ENV = "SHMKV_BENCH_HOOK_DIR"
 DUMP_EVERY_S = 0.5

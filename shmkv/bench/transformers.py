@@ -44,10 +44,9 @@ from typing import Any, Dict, List
 import torch
 
 import shmkv
-
-from .. import native
-from ..integrations.transformers import ShmkvCache, cache_argument, pool_config
-from .core import plot_path, pyplot, result_base, write_results
+from shmkv.bench.core import plot_path, pyplot, result_base, write_results
+from shmkv.integrations.transformers import ShmkvCache, cache_argument, pool_config
+from shmkv.kernels import native
 
 # MistralConfig's keywords
 MODEL: Dict[str, Any] = dict(
@@ -244,7 +243,7 @@ def markdown(results: dict) -> str:
 
 def _native_words(status) -> str:
     if status == "loaded":
-        return "the native kernel (`shmkv.native`), reading the pool's pages in place"
+        return "the native kernel (`shmkv.kernels.native`), reading the pool's pages in place"
     return f"the torch path (gather + SDPA; the native kernel: {status or 'not recorded'})"
 
 
@@ -315,7 +314,7 @@ def main(argv=None) -> int:
         "their slots in a round trip each) instead of one cropped back",
     )
     args = parser.parse_args(argv)
-    from . import core
+    from shmkv.bench import core
 
     args.out = args.out or core.OUT_DIR
     repeats = args.repeats or (3 if args.quick else 5)

@@ -44,7 +44,7 @@ import time
 from types import ModuleType
 from typing import Any, Dict, List, Optional, Sequence
 
-from .core import (
+from shmkv.bench.core import (
     BenchError,
     cpu_model,
     markdown_table,

@@ -36,7 +36,7 @@ import sys
 import time
 from typing import Any, Dict, List
 
-from .core import (
+from shmkv.bench.core import (
     BenchError,
     _model_config,
     _same_bits,
@@ -93,8 +93,8 @@ def one_run(num_blocks: int, num_seqs: int, num_steps: int, groups: int, hugepag
     """One run of the four states, each pool new."""
     import torch
 
-    from ..client import connect
-    from ..coordinator import Coordinator
+    from shmkv.client.client import connect
+    from shmkv.coordinator.server import Coordinator
 
     cfg = _model_config(num_blocks)
     gen = torch.Generator().manual_seed(0)

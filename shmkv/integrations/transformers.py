@@ -20,7 +20,7 @@ Which path a layer takes, decided once per forward:
 
 * **paged** — the model runs ``attn_implementation="shmkv"`` and its mask is the plain
   causal mask with left padding at most: the cache writes the new K/V and hands the
-  layer only the new tokens, and the layer calls :func:`shmkv.attention.paged_attention`
+  layer only the new tokens, and the layer calls :func:`shmkv.kernels.attention.paged_attention`
   over the pool with the step's block tables and lengths. With ``mirror=True`` a decode
   step (one new token per row) attends instead with one SDPA over the cache's
   *mirror*: every row's K/V copied in per-layer buffers of this process, kept current
@@ -80,15 +80,15 @@ except ImportError as exc:  # transformers before per-layer caches and attention
         "AttentionInterface (5.x): pip install -U transformers"
     ) from exc
 
-from ..attention import AttentionWorkspace, PagedAttentionPlan, paged_attention
-from ..client import Client
-from ..errors import InvalidArgument, WrongType
-from ..handle import KvCacheHandle
-from ..layout import PoolConfig
-from .hf_config import kv_layout
+from shmkv.client.client import Client
+from shmkv.client.handle import KvCacheHandle
+from shmkv.errors import InvalidArgument, WrongType
+from shmkv.integrations.hf_config import kv_layout
+from shmkv.kernels.attention import AttentionWorkspace, PagedAttentionPlan, paged_attention
+from shmkv.memory.layout import PoolConfig
 
 if TYPE_CHECKING:
-    from ..batch import Batch
+    from shmkv.client.batch import Batch
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -283,7 +283,7 @@ def model_cache_salt(model_config, cache_salt: Optional[bytes] = None) -> bytes:
     models built locally from equal configs (no name, same fields) are indistinguishable
     from their configs: give them a ``name_or_path`` or a ``cache_salt`` of their own.
     Pass the result as ``cache_salt`` to ``client.allocate(prompt=...)`` (or to
-    :func:`shmkv.distributed.send_sequence`) to share prefixes with these caches.
+    :func:`shmkv.integrations.distributed.send_sequence`) to share prefixes with these caches.
 
     Raises:
         WrongType: ``cache_salt`` that is not bytes, or no config or model.
@@ -410,7 +410,7 @@ def shmkv_attention_forward(
     ``query`` is ``[batch, heads, q_len, head_dim]``; returns ``([batch, q_len, heads,
     head_dim], None)``. When the layer's :class:`ShmkvCache` runs this forward on the
     paged path, ``key``/``value`` are only the new tokens (already in the pool) and the
-    layer attends with :func:`~shmkv.attention.paged_attention` over the pool. Otherwise
+    layer attends with :func:`~shmkv.kernels.attention.paged_attention` over the pool. Otherwise
     (no cache, another cache, a dense forward) it is transformers' SDPA attention on the
     ``key``/``value`` it is given.
     """

@@ -2,11 +2,12 @@
 
 Owns the lower tiers of the cache (:class:`HostTier`, :class:`DiskTier`), their
 indexes, and which copies run when (:class:`TierSet`). The copies themselves, the
-on-disk block format and the tier I/O process are ``shmkv.tier_io``. Does not decide
-which pool block is free, cached or referenced (``shmkv.allocator``), which sequence
-a block belongs to (``shmkv.sequences``), nor answer requests (``shmkv.coordinator``:
+on-disk block format and the tier I/O process are ``shmkv.memory.block_io``. Does not decide
+which pool block is free, cached or referenced (``shmkv.coordinator.allocator``), which sequence
+a block belongs to (``shmkv.coordinator.sequences``), nor answer requests
+(``shmkv.coordinator.server``:
 its loop calls :meth:`TierSet.tick` and answers the promotions that come back
-finished). The Redis store under these tiers is ``shmkv.remote``.
+finished). The Redis store under these tiers is ``shmkv.tiers.redis_store``.
 
 One file a part, each opening with what it owns::
 
@@ -30,10 +31,11 @@ change them (pins, a damaged file, the files found at start) by calling it. (A s
 ``counters`` are statistics: each part counts its own events there.)
 
 Imports: each other (never this ``__init__``, which only re-exports), and of shmkv only
-``errors``, ``shm``, ``memory``, ``protocol``, ``native`` and ``tier_io`` (the bytes the
-tiers move; the client side copies with it too, so it lives outside this package and
-runs as a script). Not the coordinator, the sequence table nor the client: the table
-and its pool are handed in, and the coordinator calls in.
+``errors``, ``protocol``, ``memory`` (the pool, ``shm``, and ``block_io``: the bytes the
+tiers move, which the client's copies use too and the I/O process runs as a script) and
+``kernels.native``. The Redis store takes one record, ``PendingPromotion``, from the
+coordinator's sequence table; no other part imports the coordinator, the sequence table
+or the client: the table and its pool are handed in, and the coordinator calls in.
 
 Knobs: ``shmkv.tiers.IO_PROCESS`` and the other names of ``knobs.NAMES`` are set here,
 on the package, which sets them in ``shmkv.tiers.knobs`` too: the parts read them there
@@ -43,7 +45,7 @@ what the next coordinator uses.
 Every index (which key a tier holds, where, LRU order, pins, byte counts) is read
 and written by the coordinator's loop thread only. Copies run off the loop -- under a
 CPU pool in the tier I/O process, a low-priority child of the coordinator; under a
-CUDA pool in worker threads (``shmkv.tier_io`` says why) -- and report back; the loop
+CUDA pool in worker threads (``shmkv.memory.block_io`` says why) -- and report back; the loop
 never waits for them.
 
 * Demotion is write-behind. A published block that becomes cached in the pool is
@@ -66,15 +68,15 @@ never waits for them.
 * Memory ordering: a copy's own cancel check is lock-free and sound only on x86; the
   loop keeps a copy out of the pool only if its block still held the key when the
   completion came back, and off x86 writes no block file straight from the pool
-  (``DIRECT_DISK_DEMOTION``; ``shmkv.tier_io`` says why).
+  (``DIRECT_DISK_DEMOTION``; ``shmkv.memory.block_io`` says why).
 * Promotion: an allocation whose prompt continues, past the pool's longest hit, in a
   tier gets fresh pool blocks for those keys, all or nothing with the rest of the
-  request (``shmkv.sequences``). Workers copy the bytes in; the loop then publishes
+  request (``shmkv.coordinator.sequences``). Workers copy the bytes in; the loop then publishes
   the blocks under their keys and the coordinator answers the request. A block that
   cannot be read back (a damaged file) ends the hit at the blocks before it.
 * Promotion by the client (a CPU pool): a client that asks (``allocate_many``'s
   ``copy``) gets its promotion's copies in the answer and runs them itself
-  (``shmkv.tier_io.ClientCopies``: the host tier mapped read-only, the block files read
+  (``shmkv.memory.block_io.ClientCopies``: the host tier mapped read-only, the block files read
   and checked as the I/O process does), then reports one status a block (``promoted``);
   the loop finishes the promotion as it would a worker's. The copies then cost the
   client that needs them, not the other clients: measured on 2 cores, ping p99 while
@@ -84,12 +86,12 @@ never waits for them.
   then counts as failed).
 * The bytes: under a CPU pool, whoever copies (a client, the I/O process, the
   coordinator's threads) moves a block between the pool and host memory with the
-  native row copy, whose stores go past the caches (``shmkv.native.copier``,
-  ``shmkv.tier_io.RowCopy``), else with ``np.copyto``; the I/O process loads the
+  native row copy, whose stores go past the caches (``shmkv.kernels.native.copier``,
+  ``shmkv.memory.block_io.RowCopy``), else with ``np.copyto``; the I/O process loads the
   library the coordinator loaded, by its path in the package (``TierSet._row_copy``).
 * Cancellation without a lock: a worker copies a pool block first and reads the
   copy's cancel state after (the copy's ``cancelled`` flag in threads; the block's
-  generation in shared memory for the I/O process, see ``shmkv.tier_io``). The loop
+  generation in shared memory for the I/O process, see ``shmkv.memory.block_io``). The loop
   sets it when it evicts the block, before it can answer anyone who would then write
   that block, so a copy that saw no cancel was taken from unchanged bytes.
 
@@ -124,12 +126,12 @@ import sys
 import types
 from typing import Any
 
-from ..tier_io import HEADER_SIZE
-from . import knobs
+from shmkv.memory.block_io import HEADER_SIZE
+from shmkv.tiers import knobs
 
 # The knobs, as this package's attributes: setting one here sets it in knobs too (see
 # _Package), where the parts read it.
-from .knobs import (
+from shmkv.tiers.knobs import (
     DEMOTION_CHUNK as DEMOTION_CHUNK,
     DIRECT_DISK_DEMOTION as DIRECT_DISK_DEMOTION,
     DISK_FULL_BACKOFF_S as DISK_FULL_BACKOFF_S,
@@ -146,9 +148,9 @@ from .knobs import (
     STAGING_BLOCKS as STAGING_BLOCKS,
     STAGING_RESCUE as STAGING_RESCUE,
 )
-from .promotions import Promotion
-from .specs import DiskTier, HostTier, check_specs, check_trusted_dir, parse_size
-from .tier_set import TierSet
+from shmkv.tiers.promotions import Promotion
+from shmkv.tiers.specs import DiskTier, HostTier, check_specs, check_trusted_dir, parse_size
+from shmkv.tiers.tier_set import TierSet
 
 __all__ = [
     "HostTier",

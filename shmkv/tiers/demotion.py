@@ -16,7 +16,7 @@ through :meth:`Demotion.pin_sources`, :meth:`Demotion.unpin` and
 :meth:`Demotion.remove_damaged`; the disk scan (``shmkv.tiers.scan``) indexes what it
 finds through :meth:`Demotion.add_found`, :meth:`Demotion.order_found` and
 :meth:`Demotion.trim_disk`. Runs no copy and knows not where copies run (threads or the
-I/O process: ``TierSet``). Imports ``shmkv.tier_io`` and ``shmkv.tiers.knobs`` /
+I/O process: ``TierSet``). Imports ``shmkv.memory.block_io`` and ``shmkv.tiers.knobs`` /
 ``entry`` / ``host_store`` / ``disk_store``.
 """
 
@@ -27,11 +27,11 @@ import time
 from collections import OrderedDict
 from typing import Callable, Dict, List, Optional, Set
 
-from ..tier_io import DEMOTE, DISK, OP_H2P, Copy, Job, pool_to_flat
-from . import knobs
-from .disk_store import DiskStore
-from .entry import Entry
-from .host_store import HostStore
+from shmkv.memory.block_io import DEMOTE, DISK, OP_H2P, Copy, Job, pool_to_flat
+from shmkv.tiers import knobs
+from shmkv.tiers.disk_store import DiskStore
+from shmkv.tiers.entry import Entry
+from shmkv.tiers.host_store import HostStore
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class Demotion:
     another); cut apart, each piece would need the others' state.
 
     Args:
-        pool: the :class:`~shmkv.allocator.BlockPool` (its hooks: :meth:`hook`).
+        pool: the :class:`~shmkv.coordinator.allocator.BlockPool` (its hooks: :meth:`hook`).
         host, disk: the tiers' stores (None for a tier not configured).
         staging: the disk tier's staging slots (None without a disk tier in use).
         pool_u8, pool_np: byte views of every rank's pool by block (``pool_np`` None
@@ -96,7 +96,7 @@ class Demotion:
 
     def hook(self) -> None:
         """Have the pool collect the blocks that become cached, call :meth:`on_evict`,
-        and evict the blocks being copied down last (``shmkv.allocator``'s hooks)."""
+        and evict the blocks being copied down last (``shmkv.coordinator.allocator``'s hooks)."""
         pool = self.pool
         pool.newly_cached = {}
         pool.on_evict = self.on_evict
@@ -457,7 +457,7 @@ class Demotion:
         entry.src_gen = self.pool.key_gen[block]  # checked as the copy completes
         disk.index[key] = entry
         gen = 0 if self._gens is None else int(self._gens[block])
-        if staged:  # through a staging slot, checked by the loop (tier_io: memory ordering)
+        if staged:  # through a staging slot, checked by the loop (block_io: memory ordering)
             copy = Copy("p2s", key, block=block, slot=staging.free.pop(), entry=entry, gen=gen)
             self._new_demotes.append(copy)
         else:

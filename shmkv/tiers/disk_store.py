@@ -1,5 +1,5 @@
 """The disk tier bound to one pool (:class:`DiskStore`): its directory, lock, namespace,
-index and counters; its block files are a :class:`~shmkv.tier_io.BlockFiles`.
+index and counters; its block files are a :class:`~shmkv.memory.block_io.BlockFiles`.
 
 Owns the directory's lifetime for this coordinator: the lock file (one coordinator a
 directory; a forked child drops its copy of the lock), the namespace file (which blocks
@@ -8,8 +8,8 @@ now (disabled, full, or a quantized pool's scales moved), and :meth:`DiskStore.s
 Which keys it holds is decided by the demotion part (``shmkv.tiers.demotion``), the only
 code that changes its index and byte count; the scan (``shmkv.tiers.scan``) rebuilds the
 index at start through that part, and sets ``scanning``. The block file format is
-``shmkv.tier_io``'s; the directory layout is in ``shmkv.tiers``' docstring. Imports
-``shmkv.errors``, ``shmkv.tier_io`` and ``shmkv.tiers.specs`` / ``entry``.
+``shmkv.memory.block_io``'s; the directory layout is in ``shmkv.tiers``' docstring. Imports
+``shmkv.errors``, ``shmkv.memory.block_io`` and ``shmkv.tiers.specs`` / ``entry``.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import weakref
 from collections import OrderedDict
 from typing import Optional
 
-from ..errors import ShmkvError
-from ..tier_io import FORMAT_VERSION, HEADER_SIZE, BlockFiles, NotRegular, open_regular
-from .entry import Entry
-from .specs import DiskTier, check_trusted_dir, check_writable
+from shmkv.errors import ShmkvError
+from shmkv.memory.block_io import FORMAT_VERSION, HEADER_SIZE, BlockFiles, NotRegular, open_regular
+from shmkv.tiers.entry import Entry
+from shmkv.tiers.specs import DiskTier, check_trusted_dir, check_writable
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class DiskStore(BlockFiles):
         # holds the scales in force at open, and while the pool's differ from them the
         # tier neither serves nor stores (same_scales).
         self._scale_lock: Optional[memoryview] = None  # the pool's seqlock word and
-        self._scales: Optional[memoryview] = None  # K/V scales (shmkv.memory)
+        self._scales: Optional[memoryview] = None  # K/V scales (shmkv.memory.pool)
         scales = None
         if config.is_quantized and memory is not None and memory.scales is not None:
             self._scale_lock, self._scales = memory.scale_lock, memory.scales

@@ -5,7 +5,7 @@ Owns the segment (made, mapped, registered with CUDA under a GPU pool, closed), 
 read-only descriptor clients map, and :meth:`HostStore.stats`. Which key sits in which
 slot is decided by the demotion part (``shmkv.tiers.demotion``), the only code that
 changes the index and the free list; the promotion part reads them. The same class makes
-a disk tier's staging slots. Imports ``shmkv.shm``, ``shmkv.errors`` and
+a disk tier's staging slots. Imports ``shmkv.memory.shm``, ``shmkv.errors`` and
 ``shmkv.tiers.specs`` / ``entry``.
 """
 
@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, List, Optional
 
 import numpy as np
 
-from .. import shm
-from ..errors import InvalidArgument
-from .entry import Entry
-from .specs import HostTier
+from shmkv.errors import InvalidArgument
+from shmkv.memory import shm
+from shmkv.tiers.entry import Entry
+from shmkv.tiers.specs import HostTier
 
 if TYPE_CHECKING:
     import torch

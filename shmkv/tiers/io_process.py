@@ -3,9 +3,10 @@ jobs, take its completions, stop it.
 
 Owns the child process and its socket (a forked child of the coordinator drops its copy
 of the socket). What the process runs, and the frames both sides speak, are
-``shmkv.tier_io`` (run as a script: ``python shmkv/tier_io.py SPEC``); which jobs go to
+``shmkv.memory.block_io`` (run as a script: ``python shmkv/memory/block_io.py SPEC``); which jobs go
+to
 it, and what happens when it dies, are ``shmkv.tiers.tier_set``'s. Imports only
-``shmkv.tier_io``.
+``shmkv.memory.block_io``.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import time
 import weakref
 from typing import Optional
 
-from .. import tier_io
-from ..tier_io import Job
+from shmkv.memory import block_io
+from shmkv.memory.block_io import Job
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ _POLL_RECV = 1 << 16  # bytes a recv of the I/O process's completions asks for
 
 
 class IoProcess:
-    """Start the tier I/O process (``shmkv.tier_io``), send it jobs, take its completions,
+    """Start the tier I/O process (``shmkv.memory.block_io``), send it jobs, take its completions,
     stop it. Loop thread only; nothing here blocks but :meth:`close`.
 
     Args:
@@ -49,11 +50,11 @@ class IoProcess:
         mine, theirs = socket.socketpair()
         try:
             spec = dict(spec, sock=theirs.fileno())
-            # A fresh interpreter running tier_io.py by path (no torch, no shmkv import):
+            # A fresh interpreter running block_io.py by path (no torch, no shmkv import):
             # not multiprocessing, whose daemonic coordinator process may have no
             # children and whose spawn would re-run an unguarded __main__.
             self.proc = subprocess.Popen(
-                [sys.executable, tier_io.__file__, json.dumps(spec)],
+                [sys.executable, block_io.__file__, json.dumps(spec)],
                 pass_fds=fds + [theirs.fileno()],
                 stdin=subprocess.DEVNULL,
                 close_fds=True,
@@ -76,7 +77,7 @@ class IoProcess:
         :meth:`close`)."""
         sock, proc = self.sock, self.proc
         assert sock is not None and proc is not None  # (started in __init__, not closed)
-        want = tier_io.encode_ready()
+        want = block_io.encode_ready()
         got = bytearray()
         deadline = time.monotonic() + timeout
         try:
@@ -111,10 +112,10 @@ class IoProcess:
         self._next_id = self._next_id % 0xFFFFFFFF + 1
         self.jobs[job.job_id] = job
         if job.copies is not None:
-            self._out += tier_io.encode_job(queue, job)
+            self._out += block_io.encode_job(queue, job)
             return
         promo = job.promotion
-        self._out += tier_io.encode_columns(
+        self._out += block_io.encode_columns(
             job.job_id,
             queue,
             promo.ops,
@@ -156,9 +157,9 @@ class IoProcess:
             if len(data) < _POLL_RECV:  # all there was: no second recv (and its exception)
                 break
         finished = []
-        for body in tier_io.split_frames(self._in):
+        for body in block_io.split_frames(self._in):
             try:
-                finished.append(tier_io.apply_done(body, self.jobs))
+                finished.append(block_io.apply_done(body, self.jobs))
             except (ValueError, struct.error) as exc:
                 log.error("tier I/O process sent a bad completion (%s); stopping it", exc)
                 self.alive = False

@@ -6,14 +6,14 @@ Owns these numbers and nothing else. The parts of ``shmkv.tiers`` read them here
 set before a coordinator opens takes effect. Set them on the package,
 ``shmkv.tiers.IO_PROCESS = False`` (tests do, through ``monkeypatch``): it re-exports
 them and writes a knob set there here too (set here only, the package's copy would
-not follow). Imports only ``shmkv.tier_io``.
+not follow). Imports only ``shmkv.memory.block_io``.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-from .. import tier_io
+from shmkv.memory import block_io
 
 MAX_DISK_WRITES_IN_FLIGHT = 256  # blocks queued to the disk writer at once
 DEMOTION_CHUNK = 64
@@ -24,19 +24,19 @@ PLACE_CHUNK = 8
 HOST_SCAN = 512
 # Staging slots of host memory under a disk tier: a block the pool evicts before its copy
 # down a tier is done is copied here by the loop at once (and written to disk from
-# here); off x86 every block goes to disk through one (``tier_io``: memory ordering).
+# here); off x86 every block goes to disk through one (``block_io``: memory ordering).
 STAGING_BLOCKS = 64
 STAGING_RESCUE = 16  # of them kept for rescues (the others carry the writes off x86)
 # Blocks are written to disk straight from the pool (``p2d``) only where the CPU keeps
-# loads in order; elsewhere through a staging slot the loop has checked (``tier_io``).
-DIRECT_DISK_DEMOTION = tier_io.STRONG_ORDER
+# loads in order; elsewhere through a staging slot the loop has checked (``block_io``).
+DIRECT_DISK_DEMOTION = block_io.STRONG_ORDER
 SCAN_CHUNK = 2048  # keys merged into the disk index per loop turn
 DISK_FULL_BACKOFF_S = 1.0  # after ENOSPC, demotion to disk pauses this long
-# Where a CPU pool's copies run: True, the tier I/O process (``shmkv.tier_io``); False,
+# Where a CPU pool's copies run: True, the tier I/O process (``shmkv.memory.block_io``); False,
 # worker threads of the coordinator, as a CUDA pool's always do.
 IO_PROCESS = True
 # For tests: "path.py:function", run by the tier I/O process before it serves, with
-# the ``tier_io`` module as argument (to inject faults there). None in production.
+# the ``block_io`` module as argument (to inject faults there). None in production.
 IO_PROCESS_PRELOAD: Optional[str] = None
 IO_PROCESS_EXIT_S = 15.0  # close() waits this long for the I/O process, then kills
 # The coordinator opens once its I/O process has mapped the pool and serves (or after this

@@ -10,7 +10,7 @@ counted, each record finished against the sequence table up to its first failed 
 Reads the tiers' indexes and changes them only through the demotion part
 (``shmkv.tiers.demotion``: pins, a damaged file's removal); where the job runs (threads
 or the I/O process) is ``TierSet``'s, which it is handed as ``start``. Imports
-``shmkv.protocol``, ``shmkv.errors``, ``shmkv.tier_io`` and ``shmkv.tiers.demotion`` /
+``shmkv.protocol``, ``shmkv.errors``, ``shmkv.memory.block_io`` and ``shmkv.tiers.demotion`` /
 ``host_store`` / ``disk_store``.
 """
 
@@ -20,23 +20,23 @@ import logging
 import os
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .. import tier_io
-from ..errors import InvalidArgument
-from ..protocol import pack_i64s
-from ..tier_io import DAMAGED, OK, OP_D2P, OP_H2P, OP_NONE, OPS, Copy, Job
-from .demotion import Demotion
-from .disk_store import DiskStore
-from .host_store import HostStore
+from shmkv.errors import InvalidArgument
+from shmkv.memory import block_io
+from shmkv.memory.block_io import DAMAGED, OK, OP_D2P, OP_H2P, OP_NONE, OPS, Copy, Job
+from shmkv.protocol import pack_i64s
+from shmkv.tiers.demotion import Demotion
+from shmkv.tiers.disk_store import DiskStore
+from shmkv.tiers.host_store import HostStore
 
 log = logging.getLogger(__name__)
 
 
 class Promotion:
     """Blocks being promoted for one request. ``context`` is the coordinator's (whom to
-    answer); ``records`` are the ``shmkv.sequences`` records it finishes.
+    answer); ``records`` are the ``shmkv.coordinator.sequences`` records it finishes.
 
     Its copies are columns, one item a block, record after record (``row_lens`` blocks
-    each): op codes (``tier_io.OPS``), pool blocks, host slots, keys, and the tier entry
+    each): op codes (``block_io.OPS``), pool blocks, host slots, keys, and the tier entry
     each reads and pins (None for a block no tier could serve). A promotion is the loop's
     hot path, so it makes no object per block: the job frame is packed from the columns
     and its outcomes come back as one status byte a block."""
@@ -65,7 +65,7 @@ class Promotion:
         self.context: Any = None
 
     def copies(self) -> list:
-        """The promotion as ``tier_io.Copy`` objects (for worker threads)."""
+        """The promotion as ``block_io.Copy`` objects (for worker threads)."""
         out = []
         for op, block, slot, key in zip(self.ops, self.blocks, self.slots, self.keys):
             copy = Copy(OPS[op], key, block=block, slot=slot)
@@ -79,8 +79,8 @@ class Promotions:
     doc).
 
     Args:
-        config: the pool's :class:`~shmkv.layout.PoolConfig`.
-        table: the :class:`~shmkv.sequences.SequenceTable` (records are finished there).
+        config: the pool's :class:`~shmkv.memory.layout.PoolConfig`.
+        table: the :class:`~shmkv.coordinator.sequences.SequenceTable` (records are finished there).
         host, disk: the tiers' stores (None for a tier not configured).
         files: the disk tier's store if it is in use (not disabled), else None.
         demotion: the part that pins and unpins entries and removes damaged files.
@@ -126,7 +126,8 @@ class Promotions:
         return self.lookup(keys)
 
     def promote(self, records: list, in_client: bool = False) -> Promotion:
-        """Start copying the blocks of ``records`` (``shmkv.sequences.PendingPromotion``)
+        """Start copying the blocks of ``records``
+        (``shmkv.coordinator.sequences.PendingPromotion``)
         into their fresh pool blocks; ``TierSet.tick`` returns the promotion when done. With
         ``in_client``, the asking client copies them (:meth:`client_copies`) and
         :meth:`finish_in_client` takes its report instead."""
@@ -209,7 +210,7 @@ class Promotions:
 
     def finish_in_client(self, promo: Promotion, statuses: Optional[bytes], errors: list) -> None:
         """The client of ``promo`` (started ``in_client``) reported its copies: one
-        ``tier_io`` status a copy (None: none reported, its connection dropped, so none
+        ``block_io`` status a copy (None: none reported, its connection dropped, so none
         counts as done), and ``[index, text]`` of the copies that failed. A status a
         copy cannot have is taken as a failure: OK for a block no tier had, damaged for
         a copy from host memory.
@@ -220,7 +221,7 @@ class Promotions:
         """
         ops = promo.ops
         if statuses is None:
-            statuses = bytes([tier_io.FAILED]) * len(ops)
+            statuses = bytes([block_io.FAILED]) * len(ops)
         if not isinstance(statuses, bytes) or len(statuses) != len(ops):
             got = len(statuses) if isinstance(statuses, bytes) else type(statuses).__name__
             raise InvalidArgument(f"promoted: {len(ops)} statuses expected, got {got}")
@@ -243,9 +244,9 @@ class Promotions:
             fixed = bytearray(statuses)
             for i, (op, status) in enumerate(zip(ops, statuses)):
                 if op == OP_NONE:
-                    fixed[i] = tier_io.CANCELLED
+                    fixed[i] = block_io.CANCELLED
                 elif status != OK and not (status == DAMAGED and op == OP_D2P):
-                    fixed[i] = tier_io.FAILED
+                    fixed[i] = block_io.FAILED
             statuses = bytes(fixed)
         self._complete(promo, statuses, texts)
 
@@ -258,14 +259,14 @@ class Promotions:
         if statuses is None:  # it ran in threads: the outcomes are on its copies
             copies = job.copies
             assert copies is not None
-            statuses = bytes(tier_io.status_of(c) for c in copies)
+            statuses = bytes(block_io.status_of(c) for c in copies)
             errors = {i: c.error for i, c in enumerate(copies) if c.error is not None}
         assert errors is not None  # (the I/O process's completion sets both)
         self._complete(promo, statuses, errors)
         return promo
 
     def _complete(self, promo: Promotion, statuses: bytes, errors: dict) -> None:
-        """A promotion's copies are done (``statuses``: one ``tier_io`` status a copy):
+        """A promotion's copies are done (``statuses``: one ``block_io`` status a copy):
         count them, unpin their sources, and publish each record's blocks up to its
         first copy that failed."""
         self.num_in_flight -= 1

@@ -5,7 +5,7 @@ Owns its thread (names first, so that hits start at once; then every header, che
 then the LRU order by modification time), the queue it posts to, and the disk store's
 ``scanning`` flag. The loop merges what was posted a bounded amount a turn
 (:meth:`DiskScan.merge`), into the index through the demotion part
-(``shmkv.tiers.demotion``), which alone changes it. Imports ``shmkv.tier_io`` and
+(``shmkv.tiers.demotion``), which alone changes it. Imports ``shmkv.memory.block_io`` and
 ``shmkv.tiers.knobs`` / ``disk_store`` / ``demotion``.
 """
 
@@ -18,10 +18,10 @@ import threading
 from collections import deque
 from typing import Any, Callable, Deque, Optional, Tuple
 
-from ..tier_io import Damaged
-from . import knobs
-from .demotion import Demotion
-from .disk_store import DiskStore
+from shmkv.memory.block_io import Damaged
+from shmkv.tiers import knobs
+from shmkv.tiers.demotion import Demotion
+from shmkv.tiers.disk_store import DiskStore
 
 log = logging.getLogger(__name__)
 

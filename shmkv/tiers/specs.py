@@ -4,7 +4,7 @@ Owns the tier specs (:class:`HostTier`, :class:`DiskTier`), sizes (:func:`parse_
 the checks of a ``tiers=`` list (:func:`check_specs`) and of a disk tier's directory
 (:func:`check_trusted_dir`, ``check_writable``: whom it trusts, whether it can be
 written). Opens no tier (``shmkv.tiers.host_store``, ``shmkv.tiers.disk_store``).
-Imports only ``shmkv.errors`` and ``shmkv.tier_io`` (how a file is opened safely).
+Imports only ``shmkv.errors`` and ``shmkv.memory.block_io`` (how a file is opened safely).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import re
 import secrets
 import stat
 
-from ..errors import InvalidArgument, ShmkvError, WrongType
-from ..tier_io import open_regular
+from shmkv.errors import InvalidArgument, ShmkvError, WrongType
+from shmkv.memory.block_io import open_regular
 
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([kmgtp]?)(i?b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}

@@ -1,8 +1,8 @@
 """The tiers of one coordinator as one object (:class:`TierSet`): what the coordinator's
-loop, its request handlers and the remote store (``shmkv.remote``) call.
+loop, its request handlers and the remote store (``shmkv.tiers.redis_store``) call.
 
 Owns the tiers' lifetime (the stores opened and closed), the pool's byte views, where
-the copies run -- worker threads (``shmkv.tier_io.Copier``) or the tier I/O process
+the copies run -- worker threads (``shmkv.memory.block_io.Copier``) or the tier I/O process
 (``shmkv.tiers.io_process``): started, handed jobs, polled, and replaced by threads
 should the process die -- and the loop's turn (:meth:`TierSet.tick`). It composes three
 parts, made here, each the only writer of its own state and handed what it uses:
@@ -17,8 +17,9 @@ parts, made here, each the only writer of its own state and handed what it uses:
   store, the demotion part and the loop's wake.
 
 Every finished job comes back through :meth:`TierSet.tick`, which hands a promotion's to
-the promotion part and the others to the demotion part. Imports ``shmkv.shm``,
-``shmkv.memory``, ``shmkv.tier_io``, ``shmkv.native`` (when a CPU pool's copies start)
+the promotion part and the others to the demotion part. Imports ``shmkv.memory.shm``,
+``shmkv.memory.pool``, ``shmkv.memory.block_io``, ``shmkv.kernels.native`` (when a CPU pool's copies
+start)
 and the modules of ``shmkv.tiers`` but its ``__init__``.
 """
 
@@ -37,17 +38,17 @@ from typing import Any, Callable, Deque, List, Optional, Tuple
 
 import numpy as np
 
-from .. import shm, tier_io
-from ..memory import block_bytes
-from ..tier_io import PROMOTE, WORKER_NICE, Copier, Job, Mover
-from . import knobs
-from .demotion import Demotion
-from .disk_store import DiskStore
-from .host_store import HostStore
-from .io_process import IoProcess
-from .promotions import Promotion, Promotions
-from .scan import DiskScan
-from .specs import HostTier
+from shmkv.memory import block_io, shm
+from shmkv.memory.block_io import PROMOTE, WORKER_NICE, Copier, Job, Mover
+from shmkv.memory.pool import block_bytes
+from shmkv.tiers import knobs
+from shmkv.tiers.demotion import Demotion
+from shmkv.tiers.disk_store import DiskStore
+from shmkv.tiers.host_store import HostStore
+from shmkv.tiers.io_process import IoProcess
+from shmkv.tiers.promotions import Promotion, Promotions
+from shmkv.tiers.scan import DiskScan
+from shmkv.tiers.specs import HostTier
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ class TierSet:
     thread: :meth:`lookup` (from a prefix lookup), :meth:`promote`, :meth:`tick`
     (every loop turn), :meth:`stats`, :meth:`close`. The copies run in the tier I/O
     process (a CPU pool, with ``IO_PROCESS`` and a ``wake_sock``) or in worker threads
-    (a CUDA pool); see ``shmkv.tier_io``. Should the I/O process die, the copies it
+    (a CUDA pool); see ``shmkv.memory.block_io``. Should the I/O process die, the copies it
     had fail (promotions end their hit there, demotions are not kept) and worker
     threads take over, with a warning.
 
@@ -93,9 +94,9 @@ class TierSet:
 
     Args:
         specs: checked ``tiers=`` list (see :func:`~shmkv.tiers.specs.check_specs`).
-        config: the pool's :class:`~shmkv.layout.PoolConfig`.
-        memory: the pool's :class:`~shmkv.memory.PoolMemory`.
-        table: the :class:`~shmkv.sequences.SequenceTable` (its pool gets the hooks).
+        config: the pool's :class:`~shmkv.memory.layout.PoolConfig`.
+        memory: the pool's :class:`~shmkv.memory.pool.PoolMemory`.
+        table: the :class:`~shmkv.coordinator.sequences.SequenceTable` (its pool gets the hooks).
         wake: called from a worker thread to wake the loop.
         num_workers: threads for promotions and host copies (in either place).
         wake_sock: the loop's wake socket (write end); the I/O process sends a byte on
@@ -103,7 +104,7 @@ class TierSet:
 
     While worker threads run, the process's GIL switch interval is at most
     ``GIL_SWITCH_INTERVAL_S`` (see there why) and the threads run niced
-    (``WORKER_NICE``); the I/O process runs at ``shmkv.tier_io.IO_PROCESS_POLICY``.
+    (``WORKER_NICE``); the I/O process runs at ``shmkv.memory.block_io.IO_PROCESS_POLICY``.
 
     Raises:
         ShmkvError and subclasses: a tier cannot be opened (nothing is left open).
@@ -205,7 +206,8 @@ class TierSet:
         self._demotion.keep_planned(keys)
 
     def promote(self, records: list, in_client: bool = False) -> Promotion:
-        """Start copying the blocks of ``records`` (``shmkv.sequences.PendingPromotion``)
+        """Start copying the blocks of ``records``
+        (``shmkv.coordinator.sequences.PendingPromotion``)
         into their fresh pool blocks; :meth:`tick` returns the promotion when done. With
         ``in_client``, the asking client copies them (:meth:`client_copies`) and
         :meth:`finish_in_client` takes its report instead."""
@@ -220,12 +222,12 @@ class TierSet:
 
     def client_copies(self, promo: Promotion, promo_id: int) -> dict:
         """The copies of ``promo`` (started ``in_client``) as its client runs them
-        (``shmkv.tier_io.ClientCopies``): op codes, pool blocks, host slots, keys."""
+        (``shmkv.memory.block_io.ClientCopies``): op codes, pool blocks, host slots, keys."""
         return self._promotions.client_copies(promo, promo_id)
 
     def finish_in_client(self, promo: Promotion, statuses: Optional[bytes], errors: list) -> None:
         """The client of ``promo`` (started ``in_client``) reported its copies: one
-        ``tier_io`` status a copy (None: its connection dropped, so none counts as
+        ``block_io`` status a copy (None: its connection dropped, so none counts as
         done), and ``[index, text]`` of the copies that failed.
 
         Raises:
@@ -258,10 +260,10 @@ class TierSet:
 
     def _row_copy(self) -> Callable[[np.ndarray, np.ndarray], Any]:
         """What copies a CPU pool's blocks to and from flat memory: the native row copy
-        (``shmkv.native.copier``), else ``np.copyto``."""
+        (``shmkv.kernels.native.copier``), else ``np.copyto``."""
         if self._pool_np is None:
             return np.copyto
-        from .. import native
+        from shmkv.kernels import native
 
         return native.copier() or np.copyto
 
@@ -305,12 +307,12 @@ class TierSet:
                 "host": None,
                 "files": None if files is None else files.files_wire(),
                 "workers": self.num_workers,
-                "policy": tier_io.IO_PROCESS_POLICY,
+                "policy": block_io.IO_PROCESS_POLICY,
                 "preload": knobs.IO_PROCESS_PRELOAD,
                 "copy_lib": None,
             }
             copy = self._row_copy()
-            if isinstance(copy, tier_io.RowCopy):  # the I/O process loads the same file
+            if isinstance(copy, block_io.RowCopy):  # the I/O process loads the same file
                 spec["copy_lib"] = copy.path
             for name, store in (("host", host), ("staging", self._staging)):
                 if store is not None:

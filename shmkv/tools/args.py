@@ -101,8 +101,8 @@ def socket_path(text: str) -> str:
 
 def dtype_arg(text: str) -> str:
     """A pool dtype name (float32, float16, bfloat16, float8_e4m3fn, float8_e5m2, int8)."""
-    from ..errors import ShmkvError
-    from ..layout import dtype_name
+    from shmkv.errors import ShmkvError
+    from shmkv.memory.layout import dtype_name
 
     try:
         return dtype_name(text)
@@ -112,8 +112,8 @@ def dtype_arg(text: str) -> str:
 
 def device_arg(text: str) -> str:
     """'cpu' or 'cuda[:N]'."""
-    from ..errors import ShmkvError
-    from ..layout import normalize_device
+    from shmkv.errors import ShmkvError
+    from shmkv.memory.layout import normalize_device
 
     try:
         return normalize_device(text)

@@ -17,7 +17,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Dict, List, Union
 
-from .args import (
+from shmkv.tools.args import (
     LOG_LEVELS,
     device_arg,
     dtype_arg,
@@ -33,8 +33,8 @@ from .args import (
 )
 
 if TYPE_CHECKING:  # (the tiers are imported when serve asks for them)
-    from ..remote import RedisTier
-    from ..tiers import DiskTier, HostTier
+    from shmkv.tiers import DiskTier, HostTier
+    from shmkv.tiers.redis_store import RedisTier
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -121,8 +121,8 @@ def _pool_args(p: argparse.ArgumentParser, blocks: int = 1024) -> None:
 
 
 def _config(args):
-    from ..errors import InvalidArgument
-    from ..layout import DTYPE_SIZES, PoolConfig
+    from shmkv.errors import InvalidArgument
+    from shmkv.memory.layout import DTYPE_SIZES, PoolConfig
 
     num_blocks = args.num_blocks or args.default_num_blocks
     dtype = args.dtype or "float16"  # serve's default is None (see --for-model)
@@ -156,15 +156,15 @@ def _config(args):
 
 
 def _address(args) -> str:
-    from ..coordinator import default_address
+    from shmkv.coordinator.server import default_address
 
     return args.address or default_address(args.name)
 
 
 def size_arg(text: str) -> int:
     """A size in bytes: a number, or with K, M, G or T (powers of 1024): 8G, 512M."""
-    from ..errors import ShmkvError
-    from ..tiers import parse_size
+    from shmkv.errors import ShmkvError
+    from shmkv.tiers import parse_size
 
     try:
         value = parse_size(text)
@@ -177,8 +177,8 @@ def size_arg(text: str) -> int:
 
 def tier_specs(args) -> list:
     """The tiers of ``serve --host-tier-size / --disk-tier / --disk-tier-size``."""
-    from ..errors import InvalidArgument
-    from ..tiers import DiskTier, HostTier
+    from shmkv.errors import InvalidArgument
+    from shmkv.tiers import DiskTier, HostTier
 
     if (args.disk_tier is None) != (args.disk_tier_size is None):
         raise InvalidArgument("--disk-tier DIR and --disk-tier-size SIZE go together")
@@ -188,7 +188,7 @@ def tier_specs(args) -> list:
     if args.disk_tier is not None:
         specs.append(DiskTier(args.disk_tier, args.disk_tier_size))
     if getattr(args, "redis_tier", None) is not None:
-        from ..remote import RedisTier
+        from shmkv.tiers.redis_store import RedisTier
 
         specs.append(RedisTier(args.redis_tier))
     return specs
@@ -258,8 +258,8 @@ def for_model(args) -> None:
     """
     import subprocess
 
-    from ..errors import InvalidArgument
-    from ..integrations.hf_config import plain_layout
+    from shmkv.errors import InvalidArgument
+    from shmkv.integrations.hf_config import plain_layout
 
     derived = getattr(args, "_model_layout", None)
     path = args.for_model
@@ -312,7 +312,7 @@ def vllm_auto_dtype(config_dtype: str) -> str:
 
 
 def cmd_serve(args) -> int:
-    from ..coordinator import DEFAULT_SPIN_US, Coordinator
+    from shmkv.coordinator.server import DEFAULT_SPIN_US, Coordinator
 
     if args.for_model:
         for_model(args)
@@ -329,7 +329,7 @@ def cmd_serve(args) -> int:
         hugepages=args.hugepages,
     )
     coord.open()
-    from ..coordinator import freeze_startup_objects
+    from shmkv.coordinator.server import freeze_startup_objects
 
     freeze_startup_objects()
     signal.signal(signal.SIGINT, lambda *_: coord.stop())
@@ -355,7 +355,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_stats(args) -> int:
-    from ..client import connect
+    from shmkv.client.client import connect
 
     with connect(_address(args), timeout=args.timeout) as client:
         if args.watch is not None:
@@ -550,7 +550,7 @@ def build_parser() -> Parser:
         default=None,
         metavar="URL",
         help="share committed blocks with other nodes through Redis/Valkey at "
-        "URL (redis://host:6379/0); see shmkv.remote",
+        "URL (redis://host:6379/0); see shmkv.tiers.redis_store",
     )
     p.add_argument(
         "--for-model",
@@ -602,8 +602,8 @@ def build_parser() -> Parser:
     )
     p.set_defaults(func=cmd_stats)
 
-    from .. import bench
-    from . import demo, stress
+    from shmkv import bench
+    from shmkv.tools import demo, stress
 
     for module in (demo, stress, bench):
         module.add_parser(sub)
@@ -650,7 +650,7 @@ def main(argv=None) -> int:
     serve = parser.subcommands["serve"]
     setup_logging(args.log_level or ("info" if args.func is cmd_serve else "warning"))
     if args.func is cmd_serve:
-        from ..errors import ShmkvError
+        from shmkv.errors import ShmkvError
 
         try:  # arguments that are fine alone but not together (heads vs tp_size, say)
             if args.for_model:
@@ -658,7 +658,7 @@ def main(argv=None) -> int:
             _config(args)
         except ShmkvError as exc:
             serve.error(str(exc))
-    from ..errors import ShmkvError
+    from shmkv.errors import ShmkvError
 
     try:
         return args.func(args)

@@ -21,7 +21,7 @@ import warnings
 
 import torch
 
-from .progress import ProgressBar
+from shmkv.tools.progress import ProgressBar
 
 SYSTEM_PREFIX = 48  # tokens every prompt shares
 
@@ -72,7 +72,7 @@ class PrefillDataset(torch.utils.data.Dataset):
         return len(self.lengths)
 
     def __getitem__(self, index: int):
-        from ..client import process_client
+        from shmkv.client.client import process_client
 
         client = process_client(self.address, None, None)
         cfg = client.config
@@ -119,9 +119,9 @@ def run(
     quiet: bool = False,
 ) -> dict:
     """Run the demo; returns its summary. Raises AssertionError on any wrong value."""
-    from ..client import connect
-    from ..coordinator import Coordinator
-    from ..layout import PoolConfig
+    from shmkv.client.client import connect
+    from shmkv.coordinator.server import Coordinator
+    from shmkv.memory.layout import PoolConfig
 
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     cfg = PoolConfig(
@@ -271,7 +271,7 @@ def run(
 
 
 def add_parser(sub) -> None:
-    from .args import dtype_arg, non_negative_int, positive_int
+    from shmkv.tools.args import dtype_arg, non_negative_int, positive_int
 
     p = sub.add_parser("demo", help="prefill in DataLoader workers, decode here, verify all")
     p.add_argument(
@@ -310,7 +310,7 @@ def add_parser(sub) -> None:
 
 def _cmd(args) -> int:
     if args.model:
-        from . import demo_model
+        from shmkv.tools import demo_model
 
         return demo_model.main(args)
     try:

@@ -52,7 +52,7 @@ def build_model(dtype: str, attn: str = "sdpa"):
     ``attn``: its attention implementation ("shmkv" registers with the integration)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ..integrations.transformers import register
+    from shmkv.integrations.transformers import register
 
     register()
     torch.manual_seed(SEED)
@@ -87,8 +87,8 @@ class PrefillDataset(torch.utils.data.Dataset):
         return self.num_prompts
 
     def __getitem__(self, index: int) -> dict:
-        from ..client import process_client
-        from ..integrations.transformers import ShmkvCache, prefill
+        from shmkv.client.client import process_client
+        from shmkv.integrations.transformers import ShmkvCache, prefill
 
         global _worker_model
         if _worker_model is None:
@@ -124,7 +124,7 @@ def reference(model, prompts: list, steps: int) -> tuple:
     flow."""
     from transformers import DynamicCache
 
-    from ..integrations.transformers import cache_argument
+    from shmkv.integrations.transformers import cache_argument
 
     key = cache_argument(model)
     outputs, decode_s = [], []
@@ -182,8 +182,8 @@ def run(
 ) -> dict:
     """Run the demo; returns its summary. Raises AssertionError when anything differs
     from single-process generation or is left behind."""
-    from .. import Coordinator, connect
-    from ..integrations.transformers import ShmkvCache, cache_argument, pool_config
+    from shmkv import Coordinator, connect
+    from shmkv.integrations.transformers import ShmkvCache, cache_argument, pool_config
 
     if num_prompts < 1 or decode_steps < 1 or workers < 1:
         raise ValueError("--prompts, --decode-steps and --workers must be at least 1")
@@ -320,7 +320,7 @@ def main(args) -> int:
             "shmkv demo --model: needs transformers (pip install 'shmkv[transformers]')", flush=True
         )
         return 2
-    from ..layout import dtype_name
+    from shmkv.memory.layout import dtype_name
 
     def say(*a):
         print(*a, flush=True)

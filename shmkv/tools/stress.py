@@ -48,8 +48,8 @@ import traceback
 from multiprocessing.connection import wait as mp_wait
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
-from .progress import ProgressBar, enabled as progress_enabled
-from .stress_checks import (
+from shmkv.tools.progress import ProgressBar, enabled as progress_enabled
+from shmkv.tools.stress_checks import (
     _MODULUS,
     _NUM_PREFIXES,
     TOKEN_TAG_BASE,
@@ -63,8 +63,8 @@ if TYPE_CHECKING:  # (the library is imported by the run, not by the command lin
     from multiprocessing.connection import Connection
     from multiprocessing.process import BaseProcess
 
-    from ..client import Client
-    from ..coordinator import SpawnedCoordinator
+    from shmkv.client.client import Client
+    from shmkv.coordinator.server import SpawnedCoordinator
 
 EXPECTED_ERRORS = ("PoolExhausted", "HandoffError")
 _STATS_EVERY_S = 0.25
@@ -133,7 +133,7 @@ class _Worker:
 
     def timed(self, name: str, fn, *args, **kwargs):
         """Run one API call, recording its latency and outcome; re-raises errors."""
-        from ..errors import CoordinatorGone
+        from shmkv.errors import CoordinatorGone
 
         self.last_op = name
         t0 = time.perf_counter()
@@ -245,7 +245,7 @@ class _Worker:
     # -- operations ----------------------------------------------------------------------
 
     def op_allocate(self) -> None:
-        from ..errors import PoolExhausted
+        from shmkv.errors import PoolExhausted
 
         n = self.rng.randrange(0, 3 * self.block_size + 1)
         try:
@@ -258,7 +258,7 @@ class _Worker:
             self.write_range(tracked, 0, [self.new_tag()] * n)
 
     def op_prefix_allocate(self) -> None:
-        from ..errors import PoolExhausted
+        from shmkv.errors import PoolExhausted
 
         index = self.rng.randrange(self.opts.get("num_prefixes", _NUM_PREFIXES))
         prefix = prefix_tokens(index, (2 + index % 3) * self.block_size)
@@ -280,7 +280,7 @@ class _Worker:
         self.timed("commit", h.commit)
 
     def op_extend(self) -> None:
-        from ..errors import PoolExhausted
+        from shmkv.errors import PoolExhausted
 
         tracked = self.pick()
         if tracked is None or len(tracked.tags) >= self.opts["max_tokens"]:
@@ -294,7 +294,7 @@ class _Worker:
         self.write_range(tracked, start, [self.new_tag()] * n)
 
     def op_extend_many(self) -> None:
-        from ..errors import PoolExhausted
+        from shmkv.errors import PoolExhausted
 
         room = [t for t in self.seqs if len(t.tags) < self.opts["max_tokens"]]
         if len(room) < 2:
@@ -314,7 +314,7 @@ class _Worker:
         of the batch written with one copy (the batch data plane)."""
         import torch
 
-        from ..errors import PoolExhausted, StaleStep
+        from shmkv.errors import PoolExhausted, StaleStep
 
         room = [t for t in self.seqs if len(t.tags) < self.opts["max_tokens"]]
         if not room:
@@ -344,7 +344,7 @@ class _Worker:
             tracked.tags[start : start + len(tags)] = tags
 
     def op_write(self) -> None:
-        from ..errors import PoolExhausted
+        from shmkv.errors import PoolExhausted
 
         tracked = self.pick()
         if tracked is None or not tracked.tags:
@@ -401,7 +401,7 @@ class _Worker:
             self.drop(tracked)
 
     def open_token(self, token: bytes, tags: List[int]) -> None:
-        from ..errors import HandoffError
+        from shmkv.errors import HandoffError
 
         try:
             h = self.timed("open", self.client.open, token)
@@ -457,8 +457,8 @@ class _Prefix:
 def _worker_main(slot: int, address: str, conn, seed: int, opts: dict) -> None:
     """Entry point of a worker process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
-    from ..client import connect
-    from ..errors import CoordinatorGone
+    from shmkv.client.client import connect
+    from shmkv.errors import CoordinatorGone
 
     worker = None
     try:
@@ -703,7 +703,7 @@ class StressRun(_Checks):
     # -- the run -------------------------------------------------------------------------
 
     def _config(self):
-        from ..layout import PoolConfig
+        from shmkv.memory.layout import PoolConfig
 
         a = self.args
         return PoolConfig(
@@ -732,8 +732,8 @@ class StressRun(_Checks):
                 shutil.rmtree(self.tier_dir, ignore_errors=True)
 
     def _run(self, config, name: str, shm_before: set) -> dict:
-        from ..client import connect
-        from ..coordinator import Coordinator
+        from shmkv.client.client import connect
+        from shmkv.coordinator.server import Coordinator
 
         a = self.args
         coord = self.coord = Coordinator.spawn(
@@ -1144,7 +1144,7 @@ def format_report(report: dict) -> str:
 
 def add_parser(sub) -> None:
     """Register the ``stress`` subcommand on an argparse subparsers object."""
-    from .args import (
+    from shmkv.tools.args import (
         fraction,
         name_arg,
         non_negative_float,
@@ -1282,8 +1282,8 @@ def _cmd(args) -> int:
         print("shmkv stress: --tier-dir needs --tiers", file=sys.stderr)
         return 2
     if args.redis:
-        from ..errors import ShmkvError
-        from ..remote import RedisTier
+        from shmkv.errors import ShmkvError
+        from shmkv.tiers.redis_store import RedisTier
 
         try:
             RedisTier(args.redis)

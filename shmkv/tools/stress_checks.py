@@ -22,9 +22,9 @@ import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Union
 
 if TYPE_CHECKING:  # (the library is imported by the run, not by the command line)
-    from ..client import Client
-    from ..remote import RedisTier
-    from ..tiers import DiskTier, HostTier
+    from shmkv.client.client import Client
+    from shmkv.tiers import DiskTier, HostTier
+    from shmkv.tiers.redis_store import RedisTier
 
 TOKEN_TAG_BASE = 1 << 30
 # Values must be exact in the pool dtype: integers below 2**(mantissa bits + 1).
@@ -90,8 +90,8 @@ class _Checks:
     def _tier_specs(self, config) -> list:
         """The tiers under the pool: host memory (a quarter of the pool) and a disk
         directory (four times the pool) with ``--tiers``, the store with ``--redis``."""
-        from ..remote import RedisTier
-        from ..tiers import DiskTier, HostTier
+        from shmkv.tiers import DiskTier, HostTier
+        from shmkv.tiers.redis_store import RedisTier
 
         a = self.args
         specs: List[Union[HostTier, DiskTier, RedisTier]] = []
@@ -139,7 +139,7 @@ class _Checks:
         the tags every worker writes (``label``: where the hits come from). Closed after."""
         import torch
 
-        from ..errors import PoolExhausted
+        from shmkv.errors import PoolExhausted
 
         cfg = client.config
         out = {"prefixes": 0, "hit_tokens": 0, "corrupted": 0, "exhausted": 0}
@@ -179,9 +179,9 @@ class _Checks:
 
     def _check_store(self, config, name: str) -> None:
         """A second coordinator (another node) on the same store reads every prefix."""
-        from ..client import connect
-        from ..coordinator import Coordinator
-        from ..remote import RedisTier
+        from shmkv.client.client import connect
+        from shmkv.coordinator.server import Coordinator
+        from shmkv.tiers.redis_store import RedisTier
 
         node = Coordinator(
             config, name=f"{name}-node2", tiers=[RedisTier(self.args.redis, timeout=2.0)]
@@ -203,7 +203,7 @@ class _Checks:
         """Open an undeliverable token in the parent, verify it, and close it."""
         import torch
 
-        from ..errors import HandoffError
+        from shmkv.errors import HandoffError
 
         assert self.client is not None  # (connected by _run)
         try:
@@ -261,9 +261,9 @@ class _Checks:
     def _check_restart(self, config, name: str) -> dict:
         """After the coordinator's death: stale socket, fresh start (on the same tiers,
         whose prefixes it serves with the bytes written before the kill), clean stop."""
-        from ..client import connect
-        from ..coordinator import Coordinator, default_address
-        from ..errors import CoordinatorGone
+        from shmkv.client.client import connect
+        from shmkv.coordinator.server import Coordinator, default_address
+        from shmkv.errors import CoordinatorGone
 
         out: Dict[str, object] = {
             "parent_client_saw_gone": False,

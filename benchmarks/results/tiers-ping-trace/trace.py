@@ -22,7 +22,7 @@ import threading
 from time import monotonic_ns
 
 import shmkv
-from shmkv import allocator, connections, coordinator, prefix, refs
+from shmkv.coordinator import allocator, connections, server as coordinator, prefix, refs
 from shmkv.bench import tiers as bench
 
 POOL_BLOCKS, PROMPT_BLOCKS, CYCLES = 128, 32, 20

@@ -9,7 +9,8 @@ import os
 import time
 
 import shmkv
-from shmkv import coordinator, hashing
+from shmkv.coordinator import server as coordinator
+from shmkv import hashing
 from shmkv.bench import tiers as bench
 
 CONN = 7

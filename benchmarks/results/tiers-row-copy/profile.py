@@ -6,7 +6,8 @@ import sys
 import time
 
 import shmkv
-from shmkv import client as client_mod, tier_io
+from shmkv.client import client as client_mod
+from shmkv.memory import block_io as tier_io
 from shmkv.bench import tiers as bt
 
 spent: collections.Counter = collections.Counter()
