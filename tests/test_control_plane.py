@@ -754,8 +754,7 @@ def test_spin_us_zero_never_polls(small_config, unique_name):
         assert calls == []
 
 
-# -- the loop thread's CPU slice (Coordinator.loop_slice_us, shmkv.coordinator.sched)
-# -------------------
+# -- the loop thread's CPU slice (Coordinator.loop_slice_us, shmkv.coordinator.sched) ------
 
 
 def _slices_kept() -> bool:

@@ -2,13 +2,12 @@
 
 Owns the step of many sequences by ``count`` tokens each with a fixed number of array
 operations (plain sequences without objects, and ones with objects that only their
-connection holds), the growth of those that open a block, and kept batches: a decode
-batch checked once and then stepped with no per-step checks while nothing else
-changes its sequences (the row version of ``shmkv.coordinator.rows``). Each fast path returns
-None, having changed nothing, when the batch does not qualify: the facade
-(``shmkv.coordinator.sequences``) then takes the general path (``shmkv.coordinator.growth``), which
-names any
-error.
+connection holds), the growth of those that open a block, and kept batches: a decode batch
+checked once and then stepped with no per-step checks while nothing else changes its
+sequences (the row version of ``shmkv.coordinator.rows``). Each fast path returns None,
+having changed nothing, when the batch does not qualify: the facade
+(``shmkv.coordinator.sequences``) then takes the general path
+(``shmkv.coordinator.growth``), which names any error.
 """
 
 from __future__ import annotations

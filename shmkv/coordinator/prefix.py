@@ -183,11 +183,11 @@ class Prefix(Handoffs):
         A request is ``{"num_tokens": n, "prompt": [ids] | None, "cache_salt": bytes,
         "request_id": str, "keys": bytes}``. With a prompt, the longest published prefix
         of full blocks is reused and ``num_cached`` says how many tokens are already
-        present. ``keys``: the prompt's full blocks' prefix keys, as its client hashed
-        them (see :meth:`_prompt_keys`); hashed here when absent. ``root`` (instead of
+        present. ``keys``: the prompt's full blocks' prefix keys, as its client hashed them
+        (see :meth:`_prompt_keys`); hashed here when absent. ``root`` (instead of
         ``cache_salt``): the root key the keys chain from, as
-        :meth:`~shmkv.coordinator.refs.Refs.info`
-        gives it (a sequence moved from another node keeps its salt's keys).
+        :meth:`~shmkv.coordinator.refs.Refs.info` gives it (a sequence moved from another
+        node keeps its salt's keys).
         """
         plans = [self._plan_allocate(req) for req in requests]
         self.tables.check_slots(len(plans))

@@ -87,11 +87,11 @@ class Sequence:
         self.num_cached = 0  # tokens reused from the prefix cache at allocate
         self.request_id = request_id  # None: the default, format_cache_id(cache_id)
         self.slot = -1  # row in the shared tables
-        # The early-answer state (``shmkv.coordinator.prefix``, where its rule is kept): blocks a
-        # lower
-        # tier still copies in, the first of them, and how many of them only the shared
-        # store may have; and after an early-answered promotion came up short, per rank,
-        # how far it has written again from the first lost block on (None: no loss).
+        # The early-answer state (``shmkv.coordinator.prefix``, where its rule is kept):
+        # blocks a lower tier still copies in, the first of them, and how many of them only
+        # the shared store may have; and after an early-answered promotion came up short,
+        # per rank, how far it has written again from the first lost block on (None: no
+        # loss).
         self.promoting = 0
         self.promoting_from = 0
         self.fetching = 0

@@ -3,11 +3,10 @@
 Owns the socket's address (the runtime directory, the address lock, permissions,
 stale-file cleanup), the pool's lifetime, and the single-threaded select loop that
 serves it; it is the only writer of block metadata. The loop's parts: connections
-(accepting, frames, held requests, dispatch, answers) in ``shmkv.coordinator.connections``, the
-request handlers in ``shmkv.coordinator.ops``. Framing and validation are in ``shmkv.protocol``;
-block and sequence rules in ``shmkv.coordinator.allocator`` and ``shmkv.coordinator.sequences``;
-memory in
-``shmkv.memory.pool``.
+(accepting, frames, held requests, dispatch, answers) in ``shmkv.coordinator.connections``,
+the request handlers in ``shmkv.coordinator.ops``. Framing and validation are in
+``shmkv.protocol``; block and sequence rules in ``shmkv.coordinator.allocator`` and
+``shmkv.coordinator.sequences``; memory in ``shmkv.memory.pool``.
 
 Three ways to run it: :meth:`Coordinator.start` (a thread of this process),
 :meth:`Coordinator.spawn` (its own process, tied to this one's lifetime: a
@@ -68,8 +67,7 @@ _MAX_WAIT_S = 1.0
 DEFAULT_SPIN_US = 300.0
 MAX_SPIN_US = 10000.0
 # The CPU slice the loop's thread asks for (``shmkv.coordinator.sched``): short, so that the
-# scheduler
-# picks the loop ahead of the clients it wakes; the kernel's bounds otherwise.
+# scheduler picks the loop ahead of the clients it wakes; the kernel's bounds otherwise.
 DEFAULT_LOOP_SLICE_US = 100.0
 MIN_LOOP_SLICE_US, MAX_LOOP_SLICE_US = sched.MIN_SLICE_NS / 1e3, sched.MAX_SLICE_NS / 1e3
 _SPIN_WEIGHT = 0.05  # of the latest turn in the running rate of spins that catch a request

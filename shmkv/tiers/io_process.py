@@ -1,11 +1,9 @@
 """The tier I/O process from the loop's side (:class:`IoProcess`): start it, send it
 jobs, take its completions, stop it.
-
-Owns the child process and its socket (a forked child of the coordinator drops its copy
-of the socket). What the process runs, and the frames both sides speak, are
-``shmkv.memory.block_io`` (run as a script: ``python shmkv/memory/block_io.py SPEC``); which jobs go
-to
-it, and what happens when it dies, are ``shmkv.tiers.tier_set``'s. Imports only
+ Owns the child process and its socket (a forked child of the coordinator drops its copy of
+the socket). What the process runs, and the frames both sides speak, are
+``shmkv.memory.block_io`` (run as a script: ``python shmkv/memory/block_io.py SPEC``); which
+jobs go to it, and what happens when it dies, are ``shmkv.tiers.tier_set``'s. Imports only
 ``shmkv.memory.block_io``.
 """
 

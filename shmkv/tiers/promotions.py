@@ -126,9 +126,8 @@ class Promotions:
         return self.lookup(keys)
 
     def promote(self, records: list, in_client: bool = False) -> Promotion:
-        """Start copying the blocks of ``records``
-        (``shmkv.coordinator.sequences.PendingPromotion``)
-        into their fresh pool blocks; ``TierSet.tick`` returns the promotion when done. With
+        """Start copying the blocks of ``records`` (``PendingPromotion`` records, of
+        ``shmkv.coordinator.prefix``) into their fresh pool blocks; ``TierSet.tick`` returns the promotion when done. With
         ``in_client``, the asking client copies them (:meth:`client_copies`) and
         :meth:`finish_in_client` takes its report instead."""
         promo = Promotion(records)

@@ -3,12 +3,11 @@
 Owns the store's key names and value format, the worker threads that talk to the
 store, its health (timeouts, backoff, reconnection), and :class:`RemoteTierSet`,
 which the coordinator drives in place of a plain ``shmkv.tiers.TierSet`` when a
-``RedisTier`` is configured: it keeps the local tiers (host, disk) as they are and
-adds the store under them. Does not decide which pool block is free or cached
-(``shmkv.coordinator.allocator``), nor what a sequence holds (``shmkv.coordinator.sequences``), nor
-answer
-requests (``shmkv.coordinator.server``). Keeps no index of what the store holds: the store
-is asked.
+``RedisTier`` is configured: it keeps the local tiers (host, disk) as they are and adds the
+store under them. Does not decide which pool block is free or cached
+(``shmkv.coordinator.allocator``), nor what a sequence holds
+(``shmkv.coordinator.sequences``), nor answer requests (``shmkv.coordinator.server``). Keeps
+no index of what the store holds: the store is asked.
 
 * Writes are write-behind. A commit that publishes a block appends it to
   ``SequenceTable.newly_published``; the loop moves it to a bounded queue (full: the

@@ -15,12 +15,10 @@ parts, made here, each the only writer of its own state and handed what it uses:
   ``TierSet._start_promotion`` (where its job runs).
 * ``DiskScan`` (``shmkv.tiers.scan``): the disk index rebuilt at start. Handed the disk
   store, the demotion part and the loop's wake.
-
-Every finished job comes back through :meth:`TierSet.tick`, which hands a promotion's to
+ Every finished job comes back through :meth:`TierSet.tick`, which hands a promotion's to
 the promotion part and the others to the demotion part. Imports ``shmkv.memory.shm``,
-``shmkv.memory.pool``, ``shmkv.memory.block_io``, ``shmkv.kernels.native`` (when a CPU pool's copies
-start)
-and the modules of ``shmkv.tiers`` but its ``__init__``.
+``shmkv.memory.pool``, ``shmkv.memory.block_io``, ``shmkv.kernels.native`` (when a CPU
+pool's copies start) and the modules of ``shmkv.tiers`` but its ``__init__``.
 """
 
 from __future__ import annotations
@@ -206,9 +204,8 @@ class TierSet:
         self._demotion.keep_planned(keys)
 
     def promote(self, records: list, in_client: bool = False) -> Promotion:
-        """Start copying the blocks of ``records``
-        (``shmkv.coordinator.sequences.PendingPromotion``)
-        into their fresh pool blocks; :meth:`tick` returns the promotion when done. With
+        """Start copying the blocks of ``records`` (``PendingPromotion`` records, of
+        ``shmkv.coordinator.prefix``) into their fresh pool blocks; :meth:`tick` returns the promotion when done. With
         ``in_client``, the asking client copies them (:meth:`client_copies`) and
         :meth:`finish_in_client` takes its report instead."""
         return self._promotions.promote(records, in_client)
