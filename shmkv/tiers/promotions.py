@@ -127,9 +127,9 @@ class Promotions:
 
     def promote(self, records: list, in_client: bool = False) -> Promotion:
         """Start copying the blocks of ``records`` (``PendingPromotion`` records, of
-        ``shmkv.coordinator.prefix``) into their fresh pool blocks; ``TierSet.tick`` returns the promotion when done. With
-        ``in_client``, the asking client copies them (:meth:`client_copies`) and
-        :meth:`finish_in_client` takes its report instead."""
+        ``shmkv.coordinator.prefix``) into their fresh pool blocks; ``TierSet.tick`` returns
+        the promotion when done. With ``in_client``, the asking client copies them
+        (:meth:`client_copies`) and :meth:`finish_in_client` takes its report instead."""
         promo = Promotion(records)
         host = self.host.index if self.host is not None else None
         disk = self.disk.index if self.disk is not None else None

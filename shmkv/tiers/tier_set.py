@@ -205,9 +205,9 @@ class TierSet:
 
     def promote(self, records: list, in_client: bool = False) -> Promotion:
         """Start copying the blocks of ``records`` (``PendingPromotion`` records, of
-        ``shmkv.coordinator.prefix``) into their fresh pool blocks; :meth:`tick` returns the promotion when done. With
-        ``in_client``, the asking client copies them (:meth:`client_copies`) and
-        :meth:`finish_in_client` takes its report instead."""
+        ``shmkv.coordinator.prefix``) into their fresh pool blocks; :meth:`tick` returns the
+        promotion when done. With ``in_client``, the asking client copies them
+        (:meth:`client_copies`) and :meth:`finish_in_client` takes its report instead."""
         return self._promotions.promote(records, in_client)
 
     def client_memory(self) -> Tuple[Optional[dict], List[int]]:
