@@ -25,7 +25,8 @@ from conftest import SPAWN, join_or_kill, shm_entries
 import shmkv
 from shmkv import tiers as tiers_mod
 from shmkv.coordinator.server import remove_stale_socket
-from shmkv.memory import block_io, specs as tier_specs
+from shmkv.memory import block_io
+from shmkv.tiers import specs as tier_specs
 
 BS = 4
 
