@@ -373,11 +373,11 @@ def test_far_apart_lengths_and_prefills_get_their_own_calls(monkeypatch):
 
 def test_without_enable_gqa_folds_heads(monkeypatch):
     """The torch < 2.5 path (query heads folded into rows) gives the same result."""
-    import shmkv.kernels.attention as attention
+    import shmkv.kernels.gather as gather_mod
 
     counts, seq_lens = [12, 1, 3], [12, 40, 20]
     q, k_pages, v_pages, table, locs = packed_batch(counts, seq_lens, 4, 4, torch.float32, 5)
-    monkeypatch.setattr(attention, "_HAS_ENABLE_GQA", False)
+    monkeypatch.setattr(gather_mod, "HAS_ENABLE_GQA", False)
     got = paged_attention(q, k_pages, v_pages, table, seq_lens, query_start_loc=locs)
     want = varlen_reference(q, k_pages, v_pages, table, seq_lens, locs)
     torch.testing.assert_close(got.double(), want, **TOLERANCE[torch.float32])
