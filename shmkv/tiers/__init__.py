@@ -23,6 +23,10 @@ One file a part, each opening with what it owns::
     scan.py        DiskScan: the disk index rebuilt from its directory at start
     tier_set.py    TierSet: what the coordinator drives; opens the tiers, runs the
                    copies (threads or the I/O process), holds the three parts above
+    redis_format.py  RedisTier, split_specs, Codec: the shared store's configuration,
+                   key names and value format (pure)
+    redis_store.py RemoteTierSet: a TierSet with the store under it (its worker
+                   threads, health, write-behind and lookups)
 
 The parts are objects that TierSet makes and holds, not a chain of subclasses: each is
 the only writer of its own state, and is handed the stores and the parts below it when
