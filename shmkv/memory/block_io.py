@@ -8,6 +8,11 @@ loop (``shmkv.tiers``), which decides every copy; this module only carries them 
 and reports how each went. Imports neither torch nor the rest of shmkv, so that the
 I/O process starts in a fraction of a second (it runs this file as a script).
 
+One module of about 1,400 lines, on purpose: the I/O process runs this file by path,
+with no package on its import path, so what it runs (the copies, the block file format,
+the frames, the copier threads) has to be in this file; split, it would import its
+other parts by path, or import the package and torch with them.
+
 Where copies run (chosen by ``shmkv.tiers.TierSet``):
 
 * A CPU pool: in the **tier I/O process**, a child of the coordinator whose workers

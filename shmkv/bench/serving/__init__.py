@@ -69,7 +69,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from typing import List, Optional, Sequence
 
 from shmkv.bench.core import result_base, write_results
@@ -192,7 +191,3 @@ def cli_args(quick: bool, out_dir: str, name: Optional[str] = None) -> List[str]
     writes ``serving-quick``, not the committed ``serving``)."""
     name = name or ("serving-quick" if quick else None)
     return (["--quick"] if quick else []) + (["--out", result_base(name, out_dir)] if name else [])
-
-
-if __name__ == "__main__":
-    sys.exit(main())
