@@ -45,7 +45,8 @@ from shmkv.bench.core import (
     spread,
     write_results,
 )
-from shmkv.bench.tiers import evict_all, fill, ping_run, prompts_for, wait_idle
+from shmkv.bench.tiers.common import evict_all, fill, prompts_for, wait_idle
+from shmkv.bench.tiers.ping import ping_run
 
 OPS = ("allocate", "extend", "commit", "close")
 ROUND = ["allocate"] + ["extend"] * 12 + ["commit", "extend", "close"]  # 16 ops
