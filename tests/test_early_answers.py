@@ -357,7 +357,7 @@ def test_close_from_a_signal_handler_during_the_clients_own_copies(unique_name, 
         if state["wrote"]:
             assert read_prompt(writer, other) == (len(other), True)
         st = wait_idle(writer)
-        assert st["block_io"]["promotions_in_flight"] == 0
+        assert st["tier_io"]["promotions_in_flight"] == 0
         assert not [e.pins for e in coord.tiers.host.index.values() if e.pins]
         assert st["free_blocks"] + st["cached_blocks"] == free
         write_prompt(writer, other)

@@ -83,7 +83,7 @@ def test_the_client_copies_what_the_io_process_cannot(tmp_path, unique_name, mon
         assert read_prompt(client, prompt) == (len(prompt), True)
         st = wait_idle(client)
         assert tier(st, kind)["promotions"] == 3
-        assert st["block_io"]["promotions_in_flight"] == 0
+        assert st["tier_io"]["promotions_in_flight"] == 0
 
 
 def _promote_slowly_then_wait(address, prompt, started):
@@ -117,7 +117,7 @@ def test_a_client_killed_mid_copy_leaves_nothing_pinned_or_held(unique_name):
         finally:
             join_or_kill(child)
         st = wait_idle(client)
-        assert st["block_io"]["promotions_in_flight"] == 0
+        assert st["tier_io"]["promotions_in_flight"] == 0
         assert [e.pins for e in coord.tiers.host.index.values()] == [0, 0, 0]
         assert st["free_blocks"] + st["cached_blocks"] == free  # its blocks came back
         # Nothing it half-copied was published: the prompt is still a tier hit, exact.
@@ -254,7 +254,7 @@ def test_close_waits_for_the_clients_own_copies(unique_name, monkeypatch):
         assert got["done"] <= closed  # the copies and their report came first
         st = wait_idle(writer)
         assert (tier(st, "host")["promotions"], tier(st, "host")["errors"]) == (2, 0)
-        assert st["block_io"]["promotions_in_flight"] == 0
+        assert st["tier_io"]["promotions_in_flight"] == 0
         assert [e.pins for e in coord.tiers.host.index.values()] == [0, 0]
 
 
@@ -315,7 +315,7 @@ def test_close_that_stops_waiting_ends_the_copies_before_the_connection(unique_n
         assert not thread.is_alive()
         assert read_prompt(writer, other) == (len(other), True)
         st = wait_idle(writer)
-        assert st["block_io"]["promotions_in_flight"] == 0
+        assert st["tier_io"]["promotions_in_flight"] == 0
         assert not [e.pins for e in coord.tiers.host.index.values() if e.pins]
         assert st["free_blocks"] + st["cached_blocks"] == free
 
@@ -362,7 +362,7 @@ def test_a_copy_that_waits_for_a_closing_client_never_begins(unique_name, monkey
         assert not any(thread.is_alive() for thread in threads)
         assert read_prompt(writer, other) == (len(other), True)
         st = wait_idle(writer)
-        assert st["block_io"]["promotions_in_flight"] == 0
+        assert st["tier_io"]["promotions_in_flight"] == 0
         assert not [e.pins for e in coord.tiers.host.index.values() if e.pins]
 
 

@@ -94,7 +94,7 @@ def wait_idle(client, timeout=30.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         st = client.stats()
-        io = st["block_io"]
+        io = st["tier_io"]
         if not io["pending"] and not io["scanning"] and not io["promotions_in_flight"]:
             return st
         if time.monotonic() > deadline:
@@ -287,7 +287,7 @@ def test_bytes_equal_after_demote_and_promote_read_from_another_process(
         evict_all(client)
         st = wait_idle(client)
         assert st["prefix_index_blocks"] == 0  # nothing left in the pool
-        assert st["block_io"]["lost_evictions"] == 0
+        assert st["tier_io"]["lost_evictions"] == 0
         got = run_child(_reader, coord.address, prompts)
         assert got == [(12, True)] * 3
         st = wait_idle(client)
@@ -329,7 +329,7 @@ def test_wide_rows_move_exactly_with_the_native_row_copy_or_numpys(
         wait_idle(client)
         evict_all(client)
         st = wait_idle(client)
-        assert st["prefix_index_blocks"] == 0 and st["block_io"]["lost_evictions"] == 0
+        assert st["prefix_index_blocks"] == 0 and st["tier_io"]["lost_evictions"] == 0
         assert [read_prompt(client, p) for p in prompts] == [(12, True)] * 5
         mover = client._copies.mover
         assert isinstance(mover.copy, block_io.RowCopy) == (row_copy == "native")
@@ -356,7 +356,7 @@ def test_working_set_4x_the_pool_is_served_from_the_tiers(tmp_path, unique_name)
             assert read_prompt(client, p) == (16, True)
         st = wait_idle(client)
         assert st["evictions"] > 64
-        assert st["block_io"]["lost_evictions"] == 0
+        assert st["tier_io"]["lost_evictions"] == 0
         host, disk = tier(st, "host"), tier(st, "disk")
         assert host["promotions"] > 0 and disk["promotions"] > 0
         assert host["blocks"] <= 24 and disk["blocks"] == 64
@@ -563,14 +563,14 @@ def test_an_early_answer_leaves_the_connection_free_and_settle_waits_for_the_byt
         assert h.num_promoting_tokens == len(prompt)
         assert h.num_fetching_tokens == 0  # all on this host
         client.ping()  # not held behind the copies
-        assert client.stats()["block_io"]["promotions_in_flight"] == 1
+        assert client.stats()["tier_io"]["promotions_in_flight"] == 1
         assert coord._promoting == {h._cache_id: 1}
         with pytest.raises(shmkv.UnknownCache):  # only a holder settles
             other.request("settle", cache_id=h._cache_id)
         # a handle opened from a hand-off waits as well (it cannot know what is coming)
         opened = other.open(h.export(ttl=30))
         assert opened.settle() == len(prompt)
-        assert client.stats()["block_io"]["promotions_in_flight"] == 0
+        assert client.stats()["tier_io"]["promotions_in_flight"] == 0
         opened.close()
         assert h.settle() == len(prompt)
         assert h.num_promoting_tokens == 0
@@ -713,7 +713,7 @@ def test_an_older_coordinator_is_asked_to_wait(unique_name, monkeypatch):
         in_tier_only(client, prompt)
         h = client.allocate(prompt=prompt, wait=False)
         assert (h.num_cached_tokens, h.num_promoting_tokens) == (len(prompt), 0)
-        assert client.stats()["block_io"]["promotions_in_flight"] == 0  # it waited
+        assert client.stats()["tier_io"]["promotions_in_flight"] == 0  # it waited
         assert h.settle() == len(prompt)
         assert "settle" not in coord.ops_by_type and client.is_alive()
         h.close()
@@ -935,7 +935,7 @@ def test_threads_take_over_when_the_io_process_dies(tmp_path, unique_name, caplo
         wait_idle(client)
         assert run_child(_reader, coord.address, prompts) == [(12, True)] * 3
         st = wait_idle(client)
-        assert st["block_io"]["lost_evictions"] == 0
+        assert st["tier_io"]["lost_evictions"] == 0
         coord.table.check_invariants()
 
 
@@ -1900,17 +1900,17 @@ def test_a_pool_filled_back_to_back_keeps_its_first_prompt_on_a_tier(
         assert st["evictions"] == 8
         on_tier = [coord.tiers.lookup(keys_of(p)) for p in prompts]
         in_pool = [len(coord.table.pool.lookup(keys_of(p))) for p in prompts]
-        assert on_tier[0] == 3, (on_tier, in_pool, st["block_io"])
+        assert on_tier[0] == 3, (on_tier, in_pool, st["tier_io"])
         # Nothing silent: every block is in the pool, on the tier, or counted lost.
         lost = sum(3 - max(t, c) for t, c in zip(on_tier, in_pool))
-        assert lost == st["block_io"]["lost_evictions"]
+        assert lost == st["tier_io"]["lost_evictions"]
         from shmkv.coordinator import metrics  # and the counters are exported
 
         series = {name: samples for name, _kind, _doc, samples in metrics.families(coord)}
         for name in ("lost", "rescued"):
             (sample,) = series[f"shmkv_tier_{name}_evictions"]
             assert sample[0] == f"shmkv_tier_{name}_evictions_total"
-            assert sample[2] == st["block_io"][f"{name}_evictions"]
+            assert sample[2] == st["tier_io"][f"{name}_evictions"]
         assert read_prompt(client, prompts[0]) == (12, True)
 
 
@@ -2171,7 +2171,7 @@ def test_a_tier_io_process_that_never_gets_ready_leaves_the_copies_to_threads(
         wait_idle(client)
         evict_all(client)
         assert read_prompt(client, prompt) == (12, True)
-        assert wait_idle(client)["block_io"]["lost_evictions"] == 0
+        assert wait_idle(client)["tier_io"]["lost_evictions"] == 0
 
 
 def test_the_pool_evicts_blocks_safe_in_a_tier_before_those_still_copying():
@@ -2219,7 +2219,7 @@ def test_an_eviction_spares_a_block_whose_disk_write_is_under_way(
         assert st["evictions"] == 3
         assert len(coord.table.pool.lookup(keys_of(b))) == 3
         assert coord.table.pool.lookup(keys_of(a)) == []
-        io_st = st["block_io"]
+        io_st = st["tier_io"]
         assert io_st["lost_evictions"] == 0 and io_st["rescued_evictions"] == 0
         assert read_prompt(client, a) == (12, True) and read_prompt(client, b) == (12, True)
 
@@ -2270,8 +2270,8 @@ def test_a_block_evicted_while_its_copy_waits_is_rescued_by_the_loop(
         client.allocate(4 * BS).close()  # 1 free + 3 evicted
         st = wait_idle(client)
         assert st["evictions"] == 3
-        assert st["block_io"]["rescued_evictions"] == 3
-        assert st["block_io"]["lost_evictions"] == 0
+        assert st["tier_io"]["rescued_evictions"] == 3
+        assert st["tier_io"]["lost_evictions"] == 0
         assert coord.tiers.lookup(keys_of(prompt)) == 3
         assert read_prompt(client, prompt) == (12, True)  # promoted back, exact
         if coord.tiers._staging is not None:

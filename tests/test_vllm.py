@@ -173,7 +173,7 @@ def wait_idle(client, timeout=30.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         st = client.stats()
-        io = st.get("block_io") or {}
+        io = st.get("tier_io") or {}
         if not io.get("pending") and not io.get("scanning") and not io.get("promotions_in_flight"):
             return st
         assert time.monotonic() < deadline, f"tiers still busy after {timeout} s: {io}"

@@ -139,7 +139,7 @@ def replay(address, header, requests, verify=True, decode_us=500.0) -> dict:
         "blocks_wrong": bad,
         "evictions": st["evictions"],
         "tiers": st.get("tiers"),
-        "block_io": st.get("block_io"),
+        "tier_io": st.get("tier_io"),
     }
 
 

@@ -30,7 +30,7 @@ def wait_idle(client, timeout=600.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         st = client.stats()
-        io = st.get("block_io") or {"pending": 0, "scanning": False, "promotions_in_flight": 0}
+        io = st.get("tier_io") or {"pending": 0, "scanning": False, "promotions_in_flight": 0}
         if not (io["pending"] or io["scanning"] or io["promotions_in_flight"]):
             return st
         if time.monotonic() > deadline:

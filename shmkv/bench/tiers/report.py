@@ -177,7 +177,7 @@ def markdown(res: dict) -> str:
                 f"| {label} | {r['hit_rate']:.1%} | {r['prompt_tokens']} | "
                 f"{r['prefill_tokens']} | {r['blocks_checked']} ({r['blocks_wrong']}) |"
             )
-        io = c["pool + host tier (1x pool) + disk tier"].get("block_io") or {}
+        io = c["pool + host tier (1x pool) + disk tier"].get("tier_io") or {}
         lines += [
             "",
             f"Pool evictions whose block no tier had yet (write-behind behind): "

@@ -113,7 +113,7 @@ def bench_restart(args, root) -> dict:
                 if cached:
                     t_hit = time.perf_counter()
                     break
-            while client.stats()["block_io"]["scanning"]:
+            while client.stats()["tier_io"]["scanning"]:
                 time.sleep(0.001)
             t_scan = time.perf_counter()
             disk = next(t for t in client.stats()["tiers"] if t["tier"] == "disk")
