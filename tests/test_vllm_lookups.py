@@ -337,7 +337,8 @@ def test_a_burst_of_lookups_queued_on_the_courier_all_hit(vc, model_path, unique
 
     num = 200
     with shmkv.Coordinator.spawn(pool_config(4096), name=unique_name) as coord:
-        vcfg = vllm_config(model_path, coord.address, **{"shmkv.lookup_timeout_s": 0.1})
+        # (the default timeout: a queue of this many lookups takes longer than it)
+        vcfg = vllm_config(model_path, coord.address, **{"shmkv.lookup_timeout_s": 0.05})
         reqs = [request(f"b{i}", prompt(500 + i, 2 * BLOCK + 5)) for i in range(num)]
         with shmkv.connect(coord.address, timeout=10) as client:
             for req in reqs:
