@@ -640,13 +640,17 @@ def _gated_worker(connector, model_path, address, gate_layer):
 
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    class Gated(connector.ShmkvConnector):
+    class GatedWorker(connector.ShmkvConnectorWorker):
         gate = threading.Event()
 
         def _copy_layer(self, pool, layer, runs, load, parallel=True):
             if layer == gate_layer and threading.current_thread() is not threading.main_thread():
                 self.gate.wait(30)
             return super()._copy_layer(pool, layer, runs, load, parallel)
+
+    class Gated(connector.ShmkvConnector):
+        worker_class = GatedWorker
+        gate = GatedWorker.gate
 
     cfg = _vllm_config(model_path, address=address, **{"shmkv.layerwise": True})
     w = Gated(cfg, KVConnectorRole.WORKER, None)
@@ -731,7 +735,9 @@ def test_a_layer_load_that_fails_or_runs_late_is_recomputed_and_nothing_hangs(
     reported, nothing raises into vLLM. A copy still under way 2 x LAYER_WAIT_S after
     its step leaves later loads copied before the forward (and it signals nothing of
     theirs)."""
-    monkeypatch.setattr(connector, "LAYER_WAIT_S", 0.3)
+    from shmkv.integrations.vllm import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "LAYER_WAIT_S", 0.3)  # (read where it is used)
     with (
         shmkv.Coordinator(pool_config(256), name=unique_name) as coord,
         shmkv.connect(coord.address) as client,
@@ -743,17 +749,17 @@ def test_a_layer_load_that_fails_or_runs_late_is_recomputed_and_nothing_hangs(
         # raises: a copy of layer 1 fails on the thread
         w.gate.set()
         w.bind_connector_metadata(_load_meta(connector, h, [7, 9], req_id="r2"))
-        real = connector.ShmkvConnector._copy_layer
+        real = connector.ShmkvConnectorWorker._copy_layer
 
         def broken(self, pool, layer, runs, load, parallel=True):
             if layer == 1:
                 raise RuntimeError("copy failed")
             return real(self, pool, layer, runs, load, parallel)
 
-        monkeypatch.setattr(connector.ShmkvConnector, "_copy_layer", broken)
+        monkeypatch.setattr(connector.ShmkvConnectorWorker, "_copy_layer", broken)
         _forward(w, caches)
         assert w.get_block_ids_with_load_errors() == {7, 9}
-        monkeypatch.setattr(connector.ShmkvConnector, "_copy_layer", real)
+        monkeypatch.setattr(connector.ShmkvConnectorWorker, "_copy_layer", real)
         # late: layer 0 held past LAYER_WAIT_S; layer 1's wait then returns at once
         w.gate.clear()
         w.bind_connector_metadata(_load_meta(connector, h, [5, 3]))
@@ -787,7 +793,9 @@ def test_a_request_whose_load_failed_saves_nothing_of_that_step(
     """A prefix hit and a new block of one request in one step: its load fails (a layer
     late), so the block its attention computed from the unloaded prefix is not saved,
     and a later lookup hits the prefix only."""
-    monkeypatch.setattr(connector, "LAYER_WAIT_S", 0.3)
+    from shmkv.integrations.vllm import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "LAYER_WAIT_S", 0.3)  # (read where it is used)
     with (
         shmkv.Coordinator(pool_config(256), name=unique_name) as coord,
         shmkv.connect(coord.address) as client,
@@ -1345,7 +1353,8 @@ def test_what_vllm_is_told_while_a_tier_copies_and_a_lookup_again_gets_its_own_a
         out.scheduled_new_reqs.append(NewRequestData.from_request(again, ([1, 2, 3],)))
         out.num_scheduled_tokens["a"] = 5
         sched.build_connector_meta(out)
-        assert "a" not in sched._reqs  # shmkv holds it all, nothing to save: dropped
+        # shmkv holds it all, nothing to save: dropped
+        assert "a" not in sched.connector_scheduler._reqs
         gate.set()
         # the copies done and the waits' own references dropped: only the scheduler's
         # two lookups left (covered, exact), so `again`'s blocks can leave the pool
@@ -1364,7 +1373,8 @@ def test_what_vllm_is_told_while_a_tier_copies_and_a_lookup_again_gets_its_own_a
         for req in (covered, exact, again):
             sched.request_finished(req, [])
         first.close()
-        _until(lambda: not (sched._settler._wanted or sched._settler._done), "an answer stayed")
+        settler = sched.connector_scheduler._settler
+        _until(lambda: not (settler._wanted or settler._done), "an answer stayed")
         # the scheduler's releases are posted on its own connection (not waited for):
         # until they are served its lookups hold their blocks in the pool
         _until(lambda: client.stats()["sequences"] == base - 1, "the scheduler's lookups stayed")
@@ -1465,8 +1475,9 @@ def test_a_load_alone_is_read_through_the_lookups_descriptor(
         # while the worker copies the first layer, and its blocks are given to a new
         # sequence that writes them before the copy ends.
         meta = _hit_step(connector, sched, reqs[1], (8, 9, 10, 11), 3 * BLOCK)
-        [lookup] = sched._pins["r1"]  # (done with: it pins the blocks until finished)
-        copy = w._copy_layer
+        # (done with: it pins the blocks until finished)
+        [lookup] = sched.connector_scheduler._pins["r1"]
+        copy = w.connector_worker._copy_layer
         lost = []
 
         def copy_then_lose(pool, layer, runs, load, parallel=True):
@@ -1484,7 +1495,7 @@ def test_a_load_alone_is_read_through_the_lookups_descriptor(
                 assert set(blocks) <= set(other.block_table.physical_blocks)
                 lost.append(other)
 
-        monkeypatch.setattr(w, "_copy_layer", copy_then_lose)
+        monkeypatch.setattr(w.connector_worker, "_copy_layer", copy_then_lose)
         w.bind_connector_metadata(meta)
         _forward(w, caches)
         assert lost, "the copy did not run"

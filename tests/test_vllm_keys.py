@@ -110,7 +110,7 @@ def namespace(connector, model, **kwargs) -> bytes:
     (no coordinator is needed: it only warns that none is there)."""
     sched = _scheduler(connector, _vllm_config(model, **kwargs))
     try:
-        return sched._namespace
+        return sched.connector_scheduler._namespace
     finally:
         sched.shutdown()
 
@@ -194,7 +194,7 @@ def test_the_namespace_and_its_inputs_are_logged_at_start(models, connector, cap
 
 
 def test_the_identity_module_is_what_the_connector_exports(connector):
-    from shmkv.integrations import vllm_identity
+    from shmkv.integrations.vllm import identity as vllm_identity
 
     assert connector.model_namespace is vllm_identity.model_namespace
     assert connector.request_salt is vllm_identity.request_salt
@@ -204,7 +204,7 @@ def test_the_identity_module_is_what_the_connector_exports(connector):
 
 
 def test_a_large_files_digest_reads_a_bounded_part_of_it(tmp_path):
-    from shmkv.integrations.vllm_identity import SAMPLE_BYTES, file_digest
+    from shmkv.integrations.vllm.identity import SAMPLE_BYTES, file_digest
 
     big = tmp_path / "model-00001-of-00002.safetensors"
     with open(big, "wb") as f:  # 8 GiB, sparse: no disk, and reading it all would take long
@@ -229,7 +229,7 @@ def test_a_hub_checkpoint_is_identified_by_its_cached_files_or_its_commit(
 ):
     import huggingface_hub
 
-    from shmkv.integrations.vllm_identity import checkpoint_identity
+    from shmkv.integrations.vllm.identity import checkpoint_identity
 
     commit = "0123456789abcdef0123456789abcdef01234567"
     repo = tmp_path / "hub" / "models--org--tiny"
@@ -375,7 +375,7 @@ def test_the_scheduler_finds_no_hit_for_another_image_or_other_embeddings(models
         vcfg = _vllm_config(models["a"], address=coord.address)
         sched = _scheduler(connector, vcfg)
         try:
-            ns = sched._namespace
+            ns = sched.connector_scheduler._namespace
             held = [
                 _request("cat", mm_features=[_image("cat")]),
                 _request("e1", prompt_embeds=e1),

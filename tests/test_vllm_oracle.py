@@ -157,7 +157,9 @@ def test_the_layout_check_refuses_views_that_read_k_as_token_rows(monkeypatch):
         both = kv.view(nb, heads, 2, bs, width // 2)
         return both[:, :, 0], both[:, :, 1]
 
-    monkeypatch.setattr(connector, "kv_views", token_rows)
+    from shmkv.integrations.vllm import layout
+
+    monkeypatch.setattr(layout, "kv_views", token_rows)
     with pytest.raises(connector.ConnectorConfigError, match="keeps K"):
         connector.check_cpu_layout(_vllm_cache("cpu", 2, 128), _cpu_isa(128))
 

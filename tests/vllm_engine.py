@@ -65,7 +65,7 @@ def matched(sched, request, num_computed_tokens: int = 0, timeout: float = 10.0)
 def drained(sched, timeout: float = 10.0) -> None:
     """Wait until a scheduler-side connector's courier has done what was queued on it so
     far (its releases are posted, not waited for: vLLM's thread never waits on them)."""
-    sched._courier.call(lambda client: None, timeout)
+    sched.connector_scheduler._courier.call(lambda client: None, timeout)
 
 
 # -- the engine child -----------------------------------------------------------------------
@@ -345,13 +345,10 @@ def __getattr__(name: str):
         return _timed_connector(name)
     if name != "FaultyShmkvConnector":
         raise AttributeError(name)
-    from shmkv.integrations.vllm import ShmkvConnector
+    from shmkv.integrations.vllm import ShmkvConnector, ShmkvConnectorScheduler
 
-    class FaultyShmkvConnector(ShmkvConnector):
-        """:class:`ShmkvConnector` whose scheduler loses the sequence of the next
-        ``_FAULT["handoff"]`` requests that have a hit to load, between the lookup and the
-        load: a load read through the handle's descriptor finds the sequence gone, a
-        hand-off token is damaged (the workers cannot open it)."""
+    class FaultyScheduler(ShmkvConnectorScheduler):
+        """The scheduler side, losing the sequences of :class:`FaultyShmkvConnector`."""
 
         def _source(self, state):
             descriptor = super()._source(state)
@@ -372,6 +369,14 @@ def __getattr__(name: str):
                 state.handle.close()  # the lookup's reference goes, as a lost one's would
                 return [t[:-1] + bytes([t[-1] ^ 0xFF]) for t in tokens]
             return tokens
+
+    class FaultyShmkvConnector(ShmkvConnector):
+        """:class:`ShmkvConnector` whose scheduler loses the sequence of the next
+        ``_FAULT["handoff"]`` requests that have a hit to load, between the lookup and the
+        load: a load read through the handle's descriptor finds the sequence gone, a
+        hand-off token is damaged (the workers cannot open it)."""
+
+        scheduler_class = FaultyScheduler
 
     globals()[name] = FaultyShmkvConnector
     return FaultyShmkvConnector
@@ -475,15 +480,21 @@ def _timed_connector(name: str):
 
         return run
 
-    timed_names = HOOKS + (("_copy_layer",) if hasattr(base, "_copy_layer") else ())
-    namespace = {h: timed(getattr(base, h)) for h in timed_names}
+    namespace = {h: timed(getattr(base, h)) for h in HOOKS}
+    if hasattr(base, "worker_class"):  # (the copies are the worker side's)
+        worker = base.worker_class
+        namespace["worker_class"] = type(
+            name + "Worker", (worker,), {"_copy_layer": timed(worker._copy_layer)}
+        )
     if name == "TimedExportShmkvConnector":
 
         def _hand_over(self, state, item):
             item.tokens = self._export(state)
             state.exported = True
 
-        namespace["_hand_over"] = _hand_over
+        namespace["scheduler_class"] = type(
+            name + "Scheduler", (base.scheduler_class,), {"_hand_over": _hand_over}
+        )
     cls = type(name, (base,), namespace)
     globals()[name] = cls
     return cls

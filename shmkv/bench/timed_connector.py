@@ -19,12 +19,13 @@ import threading
 import time
 from typing import Dict, List
 
-from shmkv.integrations.vllm import ShmkvConnector
+from shmkv.integrations.vllm import ShmkvConnector, ShmkvConnectorWorker
 
 HOOK_DIR_ENV = "SHMKV_BENCH_HOOK_DIR"
 DUMP_EVERY_S = 0.5
 # vLLM's connector hooks (scheduler side, then worker side), and the copies between the
-# pool and vLLM's blocks, which run inside start_load_kv and wait_for_save
+# pool and vLLM's blocks, which run inside start_load_kv and wait_for_save (the worker
+# side's _copy_layer)
 HOOKS = (
     "get_num_new_matched_tokens",
     "update_state_after_alloc",
@@ -93,8 +94,14 @@ def _timed(name: str, method):
     return run
 
 
+class TimedShmkvConnectorWorker(ShmkvConnectorWorker):
+    """The connector's worker side, its copies timed (``_copy_layer`` in :data:`HOOKS`)."""
+
+
 class TimedShmkvConnector(ShmkvConnector):
     """The connector, each hook in :data:`HOOKS` timed (see the module's doc)."""
+
+    worker_class = TimedShmkvConnectorWorker
 
     def __init__(self, vllm_config, role, kv_cache_config=None):
         _start_writer()
@@ -104,3 +111,7 @@ class TimedShmkvConnector(ShmkvConnector):
 for _name in HOOKS:
     if hasattr(ShmkvConnector, _name):
         setattr(TimedShmkvConnector, _name, _timed(_name, getattr(ShmkvConnector, _name)))
+    elif hasattr(ShmkvConnectorWorker, _name):
+        setattr(
+            TimedShmkvConnectorWorker, _name, _timed(_name, getattr(ShmkvConnectorWorker, _name))
+        )
