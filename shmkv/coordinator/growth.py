@@ -227,11 +227,8 @@ class Growth:
                 assert new is not None  # (counted above)
                 rows.append_blocks(seq, new, old)  # blocks first, the length below
         lens = array("q", bytes(8 * len(seqs)))
-        rows.add_tokens(seqs, counts, lens)
-        extend_keys = self._prefix.extend_keys
-        for i, (seq, num) in enumerate(zip(seqs, counts)):
-            if num and seq.keys_open:
-                extend_keys(seq, num, tokens[i] if tokens is not None else None)
+        for i in rows.add_tokens(seqs, counts, lens):
+            self._prefix.extend_keys(seqs[i], counts[i], tokens[i] if tokens is not None else None)
         return lens
 
     def prepare_batch(

@@ -357,18 +357,24 @@ class Rows:
         seq.num_tokens = num_tokens
         self.tables.set_length(seq.slot, num_tokens)
 
-    def add_tokens(self, seqs: List[Sequence], counts: Seq[int], lengths: array[int]) -> None:
+    def add_tokens(self, seqs: List[Sequence], counts: Seq[int], lengths: array[int]) -> List[int]:
         """``counts[i]`` more tokens in ``seqs[i]``, whose blocks hold them already;
-        ``lengths`` gets every sequence's length after (the general step's result)."""
+        ``lengths`` gets every sequence's length after (the general step's result).
+        Returns the indices of the sequences that grew and still take prefix keys (the
+        caller extends their keys)."""
         table_seq, stride = self.tables.seq, SEQ_FIELDS
+        keyed = []
         for i, (seq, num) in enumerate(zip(seqs, counts)):
             if num:
                 new_len = seq.num_tokens + num
                 seq.num_tokens = new_len
                 table_seq[seq.slot * stride + NUM_TOKENS] = new_len
+                if seq.keys_open:
+                    keyed.append(i)
                 lengths[i] = new_len
             else:
                 lengths[i] = seq.num_tokens
+        return keyed
 
     def replace_block(self, seq: Sequence, index: int, block_id: int) -> None:
         """Block ``index`` of ``seq`` is ``block_id`` now (its copy on write)."""
