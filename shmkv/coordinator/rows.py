@@ -153,7 +153,7 @@ class Rows:
         pool: the block pool (blocks of released rows go back to it).
         block_size: tokens per block.
         tp_size: tensor-parallel ranks (a new :class:`Sequence` counts per rank).
-        tables: the writer of the shared block tables; this part is its only user.
+        tables: the writer of the shared block tables; this part alone stores through it.
         arrays: ``(seq, table, owner)`` numpy views of the shared tables and the owner
             array (see :class:`~shmkv.coordinator.sequences.SequenceTable`).
         max_seq_len: tokens one sequence may hold.
