@@ -121,6 +121,14 @@ class Decode:
         if conn_id in self.conn_steps:
             self.conn_steps[conn_id] += 1
 
+    def check_invariants(self) -> None:
+        """Assert the rows' kept counts are the kept batches' (tests and stress)."""
+        kept_count = np.zeros_like(self._rows.kept_count)
+        for batches in self.kept.values():
+            for kept in batches.values():
+                kept_count[kept.where] += 1
+        assert np.array_equal(kept_count, self._rows.kept_count)
+
     def extend_uniform(
         self, conn_id: int, cache_ids: Seq[int], slots: Seq[int], count: int
     ) -> Optional[np.ndarray]:

@@ -123,6 +123,13 @@ class Handoffs:
         self.counters["expired_handoffs"] += expired
         return expired
 
+    def token_refs(self) -> Dict[int, int]:
+        """How many references outstanding tokens hold, by cache id (the invariants)."""
+        refs: Dict[int, int] = {}
+        for handoff in self.handoffs.values():
+            refs[handoff.cache_id] = refs.get(handoff.cache_id, 0) + 1
+        return refs
+
     def next_deadline(self) -> Optional[float]:
         """The earliest hand-off deadline, for the server loop's select timeout."""
         while self._heap and self._heap[0][1] not in self.handoffs:

@@ -248,3 +248,25 @@ class Refs:
                 del refs[cache_id]
                 held[seq.slot] = False
             self.unref(seq, count)
+
+    def check_invariants(self, token_refs: Dict[int, int]) -> None:
+        """Assert every sequence's reference count is the references that exist: its
+        connections' and ``token_refs`` (the hand-off tokens', by cache id), and that each
+        connection's held slots are what it holds (tests and stress)."""
+        rows = self._rows
+        seq_np, light_np, mask = rows.seq_np, rows.light_np, rows.slot_mask
+        for slot in np.flatnonzero(light_np).tolist():
+            holders = [conn for conn, held in self.held_np.items() if held[slot]]
+            assert holders == [int(rows.light_conn[slot])]
+            assert int(seq_np[slot, CACHE_ID]) not in self.conn_refs[holders[0]]
+        refs = dict(token_refs)
+        for conn in self.conn_refs.values():
+            for cache_id, count in conn.items():
+                refs[cache_id] = refs.get(cache_id, 0) + count
+        light = seq_np[np.flatnonzero(light_np), CACHE_ID].tolist()
+        refs.update(dict.fromkeys(light, 1))  # each held once, by its connection
+        assert refs == rows.live()
+        for conn_id, held in self.held_np.items():
+            assert {int(seq_np[slot, CACHE_ID]) for slot in np.flatnonzero(held).tolist()} == set(
+                self.conn_refs[conn_id]
+            ) | {cache_id for cache_id in light if rows.light_conn[cache_id & mask] == conn_id}

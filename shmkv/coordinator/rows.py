@@ -445,6 +445,28 @@ class Rows:
             if seq is not None:
                 seq.block_ids.append(block)
 
+    def check_invariants(self) -> List[int]:
+        """Assert each row agrees with its sequence (tests and stress); returns, per
+        block, how many rows hold it (what its reference count must be)."""
+        pool, seq_np, mask = self.pool, self.seq_np, self.slot_mask
+        expected = [0] * pool.num_blocks
+        for seq in self.sequences.values():
+            assert seq.num_refs > 0
+            assert len(seq.block_ids) == self.blocks_for(seq.num_tokens)
+            for block_id in seq.block_ids:
+                expected[block_id] += 1
+        assert int(self.light_np.sum()) == self.num_light
+        for slot in np.flatnonzero(self.light_np).tolist():  # plain ones without objects
+            cache_id = int(seq_np[slot, CACHE_ID])
+            assert cache_id & mask == slot and cache_id not in self.sequences
+            used = int(self.num_blocks_np[slot])
+            assert used == self.blocks_for(int(seq_np[slot, NUM_TOKENS]))
+            for block_id in self.table_np[slot, :used].tolist():
+                expected[block_id] += 1
+                assert pool.owner[block_id] == cache_id
+                assert pool.block_key[block_id] is None
+        return expected
+
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks that hold ``num_tokens`` tokens."""
         return -(-num_tokens // self.block_size)

@@ -63,7 +63,7 @@ from shmkv.coordinator.rows import (
     _check_count,
     format_cache_id,
 )
-from shmkv.memory.tables import CACHE_ID, NUM_TOKENS, SEQ_FIELDS, TableLayout, TableWriter
+from shmkv.memory.tables import SEQ_FIELDS, TableLayout, TableWriter
 
 __all__ = [
     "SequenceTable",
@@ -476,45 +476,10 @@ class SequenceTable:
         return out
 
     def check_invariants(self) -> None:
-        """Assert ref counts equal the references that exist (tests and stress)."""
-        rows, refs_part, pool = self._rows, self._refs, self.pool
-        pool.check_invariants()
-        seq_np, light_np, mask = rows.seq_np, rows.light_np, rows.slot_mask
-        expected = [0] * pool.num_blocks
-        for seq in rows.sequences.values():
-            assert seq.num_refs > 0
-            assert len(seq.block_ids) == rows.blocks_for(seq.num_tokens)
-            for block_id in seq.block_ids:
-                expected[block_id] += 1
-        assert int(light_np.sum()) == rows.num_light
-        kept_count = np.zeros_like(rows.kept_count)
-        for batches in self._decode.kept.values():
-            for kept in batches.values():
-                kept_count[kept.where] += 1
-        assert np.array_equal(kept_count, rows.kept_count)
-        for slot in np.flatnonzero(light_np).tolist():  # plain ones without objects
-            cache_id = int(seq_np[slot, CACHE_ID])
-            assert cache_id & mask == slot and cache_id not in rows.sequences
-            holders = [conn for conn, held in refs_part.held_np.items() if held[slot]]
-            assert holders == [int(rows.light_conn[slot])]
-            assert cache_id not in refs_part.conn_refs[holders[0]]
-            used = int(rows.num_blocks_np[slot])
-            assert used == rows.blocks_for(int(seq_np[slot, NUM_TOKENS]))
-            for block_id in rows.table_np[slot, :used].tolist():
-                expected[block_id] += 1
-                assert pool.owner[block_id] == cache_id
-                assert pool.block_key[block_id] is None
-        assert expected == list(pool.ref_cnt), "ref counts differ from the block tables"
-        refs: Dict[int, int] = {}
-        for conn in refs_part.conn_refs.values():
-            for cache_id, count in conn.items():
-                refs[cache_id] = refs.get(cache_id, 0) + count
-        for handoff in self.handoffs.values():
-            refs[handoff.cache_id] = refs.get(handoff.cache_id, 0) + 1
-        light = seq_np[np.flatnonzero(light_np), CACHE_ID].tolist()
-        refs.update(dict.fromkeys(light, 1))  # each held once, by its connection
-        assert refs == rows.live()
-        for conn_id, held in refs_part.held_np.items():
-            assert {int(seq_np[slot, CACHE_ID]) for slot in np.flatnonzero(held).tolist()} == set(
-                refs_part.conn_refs[conn_id]
-            ) | {cache_id for cache_id in light if rows.light_conn[cache_id & mask] == conn_id}
+        """Assert ref counts equal the references that exist (tests and stress): each
+        part's own checks, and the pool's counts against the rows'."""
+        self.pool.check_invariants()
+        expected = self._rows.check_invariants()
+        self._decode.check_invariants()
+        assert expected == list(self.pool.ref_cnt), "ref counts differ from the block tables"
+        self._refs.check_invariants(self._handoffs.token_refs())
