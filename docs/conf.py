@@ -64,9 +64,12 @@ nitpicky = True
 # Internal names that public docstrings mention but the reference does not document
 # (each one by name; nothing else of shmkv may be ignored): ``SequenceTable`` and
 # ``PoolMemory`` are the coordinator's bookkeeping and memory (being split into modules
-# of their own: to document once that settles), ``_spin`` is private.
+# of their own: to document once that settles), ``BlockPool`` and ``TableWriter`` what
+# the sequence table's parts are handed (named by their signatures), ``_spin`` is private.
 nitpick_ignore = [
     ("py:class", "shmkv.memory.pool.PoolMemory"),
+    ("py:class", "shmkv.coordinator.allocator.BlockPool"),
+    ("py:class", "shmkv.memory.tables.TableWriter"),
     ("py:meth", "_spin"),
     # the coordinator's tier machinery (shmkv/tiers/, shmkv/tiers/redis_store.py), named by those
     # modules' docstrings; neither is for users

@@ -30,8 +30,8 @@ def test_plain_sequences_get_an_object_only_when_a_call_needs_one():
     assert not table.sequences and table.num_sequences == 4
     assert table.stats()["sequences"] == 4
     assert ((ids & ((1 << table.slot_bits) - 1)) == slots).all()  # the id carries its slot
-    assert table._seq_np[slots, CACHE_ID].tolist() == ids.tolist()
-    assert table._seq_np[slots, NUM_TOKENS].tolist() == [0, 3, 4, 9]
+    assert table._rows.seq_np[slots, CACHE_ID].tolist() == ids.tolist()
+    assert table._rows.seq_np[slots, NUM_TOKENS].tolist() == [0, 3, 4, 9]
     table.check_invariants()
     child = table.fork(1, int(ids[3]))["cache_id"]  # the parent gets its object
     assert set(table.sequences) == {int(ids[3]), child}
@@ -62,7 +62,7 @@ def test_release_of_plain_sequences_checks_every_id_first():
     ids, slots = table.allocate_counts(1, [5, 5])
     other, _ = table.allocate_counts(2, [1])
     forged = int(ids[0]) + (1 << table.slot_bits)  # the right slot, another serial
-    before = (table.pool.num_free, table.num_sequences, table._seq_np.copy())
+    before = (table.pool.num_free, table.num_sequences, table._rows.seq_np.copy())
     for bad in (
         [int(ids[0]), forged],
         [int(ids[0]), int(other[0])],
@@ -72,7 +72,7 @@ def test_release_of_plain_sequences_checks_every_id_first():
         with pytest.raises(errors.UnknownCache):
             table.release_many(1, bad)
         assert (table.pool.num_free, table.num_sequences) == before[:2]
-        assert (table._seq_np == before[2]).all()
+        assert (table._rows.seq_np == before[2]).all()
     with pytest.raises(errors.UnknownCache):  # a commit names only what it holds
         table.commit_batch(1, [int(ids[0]), int(other[0])], [0, 0])
     with pytest.raises(errors.OutOfRange):
@@ -88,9 +88,9 @@ def test_a_kept_batch_is_checked_again_once_its_sequences_change():
     assert batch and table.keep_batch(2, ids.tolist()) == 0  # another connection's
     done = table.extend_kept(1, batch, 1, seen=0)
     assert done["same"] and done["steps"] == 1 and "lens" not in done
-    assert table._seq_np[slots, NUM_TOKENS].tolist() == [4, 5, 8]
+    assert table._rows.seq_np[slots, NUM_TOKENS].tolist() == [4, 5, 8]
     assert done["grown"].tolist() == [1]  # 4 tokens filled its block
-    assert done["blocks"].tolist() == [table._table_np[slots[1], 1]]
+    assert done["blocks"].tolist() == [table._rows.table_np[slots[1], 1]]
     done = table.extend_kept(1, batch, 1, seen=0)  # our rows are a step behind
     assert done["lens"].tolist() == [5, 6, 9] and not done["same"]
     assert table.extend_kept(2, batch, 1, seen=2) is None  # not that connection's
@@ -102,18 +102,18 @@ def test_a_kept_batch_is_checked_again_once_its_sequences_change():
     for _ in range(12):  # 16 steps on, each sequence opened exactly one more block
         done = table.extend_kept(1, batch, 1, seen=done["steps"])
         assert done["same"]
-    assert table._seq_np[slots, NUM_TOKENS].tolist() == [20, 20, 23]
-    assert table._num_blocks_np[slots].tolist() == [5, 5, 6]
+    assert table._rows.seq_np[slots, NUM_TOKENS].tolist() == [20, 20, 23]
+    assert table._rows.num_blocks_np[slots].tolist() == [5, 5, 6]
     table.check_invariants()
     table.release_many(1, [int(ids[1])])
     with pytest.raises(errors.UnknownCache):
         table.extend_kept(1, batch, 1, seen=4)
-    assert table._seq_np[slots[[0, 2]], NUM_TOKENS].tolist() == [20, 23]  # nothing changed
+    assert table._rows.seq_np[slots[[0, 2]], NUM_TOKENS].tolist() == [20, 23]  # nothing changed
     new_ids, new_slots = table.allocate_counts(1, [0])
     assert new_slots.tolist() == [slots[1]]  # the freed slot, a new id
     with pytest.raises(errors.UnknownCache):
         table.extend_kept(1, batch, 1, seen=4)
-    assert table._seq_np[new_slots, NUM_TOKENS].tolist() == [0]
+    assert table._rows.seq_np[new_slots, NUM_TOKENS].tolist() == [0]
     with pytest.raises(errors.InvalidArgument):
         table.extend_kept(1, batch, 0, seen=4)
     table.check_invariants()
@@ -143,7 +143,7 @@ def test_a_kept_batch_copies_a_block_a_fork_shared_since():
     done = table.extend_kept(1, batch, 1, seen=1)
     assert not done["same"] and list(done["lens"]) == [7, 7]
     assert len(copies) == 1 and copies[0][0] == table.sequences[child].block_ids[1]
-    assert table._table_np[slots[0], 1] == copies[0][1]
+    assert table._rows.table_np[slots[0], 1] == copies[0][1]
     table.check_invariants()
 
 
@@ -286,7 +286,7 @@ def test_a_dropped_connection_frees_plain_and_object_sequences():
 
 
 def test_a_batch_steps_on_when_its_kept_batch_was_dropped(client, monkeypatch):
-    monkeypatch.setattr(shmkv.coordinator.sequences, "MAX_KEPT", 4)  # (the coordinator's thread)
+    monkeypatch.setattr(shmkv.coordinator.decode, "MAX_KEPT", 4)  # (the coordinator's thread)
     hs = client.allocate_many([3, 1, 2])
     first = client.batch(hs)
     write_step(first.extend(1))
@@ -355,8 +355,8 @@ def test_a_batch_of_prompt_sequences_is_kept_once_its_keys_close():
     assert [len(table.sequences[i].block_ids) for i in ids] == [5, 5, 5]
     for i, slot in zip(ids, slots):
         seq = table.sequences[i]
-        assert table._table_np[slot, :5].tolist() == seq.block_ids
-        assert table._seq_np[slot, NUM_TOKENS] == seq.num_tokens
+        assert table._rows.table_np[slot, :5].tolist() == seq.block_ids
+        assert table._rows.seq_np[slot, NUM_TOKENS] == seq.num_tokens
     # A commit publishes full blocks only: the batch stays kept.
     table.commit(1, ids[0], 16)
     assert table.extend_kept(1, batch, 1, seen=seen)["same"]
@@ -511,24 +511,24 @@ def _random_kept_run(seed: int, steps: int = 300) -> None:
     held = {1: [], 2: []}  # cache ids each connection holds (a clone twice)
     batches = []  # [ids, kept batch id, (steps, rows) last seen]
     tokens = [rng.randrange(5) for _ in range(400)]
-    mask = table._slot_mask
+    mask = table._rows.slot_mask
 
     def length(cache_id):
-        return int(table._seq_np[cache_id & mask, NUM_TOKENS])
+        return int(table._rows.seq_np[cache_id & mask, NUM_TOKENS])
 
     def rows(ids):
         slots = [c & mask for c in ids]
         return (
-            table._table_np[slots].copy(),
-            table._seq_np[slots, NUM_TOKENS].copy(),
-            table._seq_np[slots, GENERATION].copy(),
+            table._rows.table_np[slots].copy(),
+            table._rows.seq_np[slots, NUM_TOKENS].copy(),
+            table._rows.seq_np[slots, GENERATION].copy(),
         )
 
     def check_writable(ids, old, count):
         for cache_id, start in zip(ids, old):
             for pos in range(start, start + count):
-                block = int(table._table_np[cache_id & mask, pos // BS])
-                assert table._owner_np[block] == cache_id, (seed, cache_id, pos)
+                block = int(table._rows.table_np[cache_id & mask, pos // BS])
+                assert table._rows.owner_np[block] == cache_id, (seed, cache_id, pos)
 
     ops = [
         "alloc_prompt",
@@ -663,9 +663,9 @@ def _random_kept_run(seed: int, steps: int = 300) -> None:
         table.check_invariants()
         for seq in table.sequences.values():
             slot = seq.slot
-            assert table._table_np[slot, : len(seq.block_ids)].tolist() == seq.block_ids
-            assert int(table._num_blocks_np[slot]) == len(seq.block_ids)
-            assert int(table._seq_np[slot, NUM_TOKENS]) == seq.num_tokens
+            assert table._rows.table_np[slot, : len(seq.block_ids)].tolist() == seq.block_ids
+            assert int(table._rows.num_blocks_np[slot]) == len(seq.block_ids)
+            assert int(table._rows.seq_np[slot, NUM_TOKENS]) == seq.num_tokens
 
 
 @pytest.mark.parametrize("first_seed", [0, 20, 40])

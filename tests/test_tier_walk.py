@@ -120,7 +120,7 @@ def walk(
                 if records:
                     tiers.promote(records)
                 cache_id = info["cache_id"]
-                seq = table.sequences.get(cache_id) or table._held(7, cache_id)
+                seq = table.sequences.get(cache_id) or table._refs.held(7, cache_id)
                 for i in range(seq.num_committed, len(seq.block_ids)):
                     rows = pool_np[seq.block_ids[i]]
                     rows[...] = _pattern(seq.keys[i], nbytes).reshape(rows.shape)

@@ -1733,7 +1733,7 @@ def test_an_allocation_keeps_the_tier_entries_its_plan_promotes(unique_name, mon
         promotion = tiers.promote(records)
         assert list(promotion.ops) == [block_io.OP_H2P]
         _settle(tiers)
-        assert table._held(7, info["cache_id"]).num_cached == len(a)
+        assert table._refs.held(7, info["cache_id"]).num_cached == len(a)
         tiers.tick()  # the plan is forgotten: the entry may make room again
         assert not tiers._demotion._planned
         table.check_invariants()

@@ -9,13 +9,14 @@ published, promoted or evicted. Where each is decided::
     connections.py  the loop's sockets: accept, read frames, refuse, drop, tick
     ops.py          one handler per wire operation: checks the arguments, calls the
                     sequence table, answers
-    sequences.py    SequenceTable: every operation on sequences, all or nothing
+    sequences.py    SequenceTable: every operation on sequences, all or nothing; it
+                    composes the parts below, each an object that alone writes its data
     rows.py         one row per sequence: its blocks, lengths and the table writer
     refs.py         references: who holds a sequence, and freeing what nobody holds
     handoffs.py     hand-off tokens between processes
-    prefix.py       the prefix index: allocation with a cached prefix, publishing
-    growth.py       growing a sequence, copy-on-write forks, commits
-    decode.py       decode steps over many sequences (batches)
+    prefix.py       the prefix index: allocation with a cached prefix, commits, publishing
+    growth.py       growing a sequence, copy-on-write, forks, truncates
+    decode.py       decode steps over many sequences (batches), kept batches
     allocator.py    BlockAllocator: free blocks, ref counts, LRU eviction
     metrics.py      the Prometheus endpoint
     sched.py        the CPU time slice the loop asks the kernel for

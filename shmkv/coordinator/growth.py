@@ -1,26 +1,61 @@
-"""Growth of sequences: extends, copy-on-write, prepared writes and forks.
+"""Growth of sequences: extends, copy-on-write, prepared writes, forks and truncates.
 
 Owns reserving more slots in a sequence or in every sequence of a batch (the general
-path, one sequence at a time; the array fast paths are ``shmkv.coordinator.decode``), making the
-blocks a write needs writable in place (claimed when only this sequence holds them,
-else copied on write), and forking a sequence (every block shared, copy-on-write on
-the next write). Each call plans, checks everything, then applies (all or none).
+path, one sequence at a time; the array fast paths are ``shmkv.coordinator.decode``),
+making the blocks a write needs writable in place (claimed when only this sequence
+holds them, else copied on write, through the ``copy_block`` callback, counted in
+``cow_copies``), forking a sequence (every block shared, copy-on-write on the next
+write) and truncating one. Each call plans, checks everything, then applies (all or
+none).
+
+Owns no table state of its own: a sequence's blocks and length are stored by
+``shmkv.coordinator.rows`` (:meth:`~shmkv.coordinator.rows.Rows.append_blocks`,
+:meth:`~shmkv.coordinator.rows.Rows.set_length`,
+:meth:`~shmkv.coordinator.rows.Rows.add_tokens`,
+:meth:`~shmkv.coordinator.rows.Rows.replace_block`,
+:meth:`~shmkv.coordinator.rows.Rows.truncate`, :meth:`~shmkv.coordinator.rows.Rows.publish`),
+its prefix keys and commits by ``shmkv.coordinator.prefix``
+(:meth:`~shmkv.coordinator.prefix.Prefix.extend_keys`,
+:meth:`~shmkv.coordinator.prefix.Prefix.inherit`,
+:meth:`~shmkv.coordinator.prefix.Prefix.truncate_keys`,
+:meth:`~shmkv.coordinator.prefix.Prefix.check_settled`), and its references by
+``shmkv.coordinator.refs`` (:meth:`~shmkv.coordinator.refs.Refs.held`,
+:meth:`~shmkv.coordinator.refs.Refs.batch_sequences`,
+:meth:`~shmkv.coordinator.refs.Refs.ref`). Blocks come from and go back to the pool.
 """
 
 from __future__ import annotations
 
 from array import array
-from typing import List, Optional, Sequence as Seq, Tuple, Union
+from typing import Callable, List, Optional, Sequence as Seq, Tuple, Union
 
 from shmkv import hashing
 from shmkv.coordinator.prefix import Prefix
-from shmkv.coordinator.rows import Sequence, _check_count, format_cache_id
+from shmkv.coordinator.refs import Refs
+from shmkv.coordinator.rows import Rows, Sequence, _check_count, format_cache_id
 from shmkv.errors import InvalidArgument, OutOfRange, PoolExhausted, WrongType
-from shmkv.memory.tables import NUM_TOKENS, SEQ_FIELDS
 
 
-class Growth(Prefix):
-    """Extends, copy-on-write, prepared writes and forks (see the module doc)."""
+class Growth:
+    """Extends, copy-on-write, prepared writes, forks and truncates (see the module doc).
+
+    Args:
+        rows: the rows part (every store of blocks and lengths).
+        refs: the references part (what a connection holds).
+        prefix: the prefix part (keys, commits, the early-answer rule).
+        copy_block: ``copy_block(src, dst)`` copies one block's K/V bytes (all ranks).
+    """
+
+    def __init__(
+        self, rows: Rows, refs: Refs, prefix: Prefix, copy_block: Callable[[int, int], None]
+    ):
+        self._rows = rows
+        self._refs = refs
+        self._prefix = prefix
+        self.pool = rows.pool
+        self.block_size = rows.block_size
+        self.copy_block = copy_block
+        self.counters = {"cow_copies": 0}
 
     def _writable(self, seq: Sequence, index: int) -> bool:
         """Whether block ``index`` of ``seq`` can be written in place (claims it if so)."""
@@ -36,13 +71,13 @@ class Growth(Prefix):
         )
 
     def _cow(self, seq: Sequence, index: int) -> None:
-        self._touch(seq.slot)
+        """Give block ``index`` of ``seq`` a private copy (the caller counted it)."""
+        self._rows.touch(seq.slot)
         old = seq.block_ids[index]
         new = self.pool.allocate(1, seq.cache_id)
         assert new is not None
         self.copy_block(old, new[0])
-        seq.block_ids[index] = new[0]
-        self.tables.replace(seq.slot, index, new[0])
+        self._rows.replace_block(seq, index, new[0])
         self.pool.decref((old,))
         self.counters["cow_copies"] += 1
 
@@ -53,7 +88,7 @@ class Growth(Prefix):
             raise WrongType(
                 "extend item must be [cache_id, num_tokens] or [cache_id, num_tokens, tokens]"
             )
-        seq = self._held(conn_id, item[0])
+        seq = self._refs.held(conn_id, item[0])
         num = _check_count("num_tokens", item[1])
         tokens = item[2] if len(item) == 3 else None
         if tokens is not None:
@@ -64,8 +99,8 @@ class Growth(Prefix):
             except (OverflowError, TypeError):
                 raise InvalidArgument("token ids must be ints in the int64 range") from None
         partial = seq.num_tokens % self.block_size
-        self._check_length(seq.num_tokens + num, lambda: format_cache_id(seq.cache_id))
-        total = self._blocks_for(seq.num_tokens + num)
+        self._rows.check_length(seq.num_tokens + num, lambda: format_cache_id(seq.cache_id))
+        total = self._rows.blocks_for(seq.num_tokens + num)
         need = total - len(seq.block_ids)
         copy_last = bool(num and partial and self._needs_copy(seq, len(seq.block_ids) - 1))
         return seq, num, tokens, need, copy_last
@@ -78,8 +113,6 @@ class Growth(Prefix):
         ``blocks`` replaces the block table from index ``table_from`` on. A shared
         partly filled last block gets a private copy first (copy-on-write).
         """
-        if conn_id in self._conn_steps:
-            self._conn_steps[conn_id] += 1
         plans = [self._plan_extend(conn_id, item) for item in items]
         if len({id(plan[0]) for plan in plans}) != len(plans):
             raise InvalidArgument("extend_many names a sequence twice")
@@ -99,15 +132,13 @@ class Growth(Prefix):
                 else:
                     self._writable(seq, table_from)
             start = seq.num_tokens
-            seq.num_tokens += num
             if need_blocks:
                 new = self.pool.allocate(need_blocks, seq.cache_id)
                 assert new is not None  # (counted above)
-                self.tables.append(seq.slot, len(seq.block_ids), new, seq.num_tokens)
-                seq.block_ids += new
+                self._rows.append_blocks(seq, new, start + num)
             else:
-                self.tables.set_length(seq.slot, seq.num_tokens)
-            self._extend_keys(seq, num, tokens)
+                self._rows.set_length(seq, start + num)
+            self._prefix.extend_keys(seq, num, tokens)
             results.append(
                 {
                     "start": start,
@@ -118,14 +149,7 @@ class Growth(Prefix):
             )
         return results
 
-    def extend(
-        self, conn_id: int, cache_id: int, num_tokens: int, tokens: Optional[List[int]] = None
-    ) -> dict:
-        """Reserve ``num_tokens`` more slots at the end of a sequence (see :meth:`extend_many`)."""
-        item = [cache_id, num_tokens] if tokens is None else [cache_id, num_tokens, tokens]
-        return self.extend_many(conn_id, [item])[0]
-
-    def _extend_general(
+    def extend_general(
         self,
         conn_id: int,
         cache_ids: Seq[int],
@@ -135,7 +159,7 @@ class Growth(Prefix):
         """``SequenceTable.extend_batch`` one sequence at a time: any counts, token ids,
         copies of shared last blocks, new blocks; names every error. ``counts`` were
         checked to lie in ``[0, max_seq_len]`` (the facade did)."""
-        seqs = self._batch_sequences(conn_id, cache_ids)
+        seqs = self._refs.batch_sequences(conn_id, cache_ids)
         num_seqs = len(seqs)
         if isinstance(counts, int):
             counts = [counts] * num_seqs
@@ -157,7 +181,7 @@ class Growth(Prefix):
                 except (OverflowError, TypeError):
                     raise InvalidArgument("token ids must be ints in the int64 range") from None
         bs, owner, pool = self.block_size, self.pool.owner, self.pool
-        max_len = self.max_seq_len
+        max_len = self._rows.max_seq_len
         # Pass 1, check and count. Most decode steps add a token to a block the sequence
         # already owns; only the others (a new block, a shared last block) are listed.
         need, special = 0, []
@@ -166,7 +190,7 @@ class Growth(Prefix):
                 continue
             old = seq.num_tokens
             if old + num > max_len:
-                self._check_length(old + num, format_cache_id(seq.cache_id))
+                self._rows.check_length(old + num, format_cache_id(seq.cache_id))
             have = len(seq.block_ids)
             if old + num <= have * bs and (
                 not old % bs or owner[seq.block_ids[-1]] == seq.cache_id
@@ -188,8 +212,7 @@ class Growth(Prefix):
                 f"evictable (num_blocks={pool.num_blocks}); free handles or raise num_blocks"
             )
         # Pass 2, apply: the plain case is a length store; the listed ones take blocks.
-        tables = self.tables
-        table_seq, stride = tables.seq, SEQ_FIELDS
+        rows = self._rows
         for i in special:
             seq, num = seqs[i], counts[i]
             old, have = seq.num_tokens, len(seq.block_ids)
@@ -202,19 +225,10 @@ class Growth(Prefix):
             if total > have:
                 new = pool.allocate(total - have, seq.cache_id)
                 assert new is not None  # (counted above)
-                tables.append(seq.slot, have, new, old)  # blocks first, the length below
-                seq.block_ids += new
+                rows.append_blocks(seq, new, old)  # blocks first, the length below
         lens = array("q", bytes(8 * len(seqs)))
-        for i, (seq, num) in enumerate(zip(seqs, counts)):
-            if num:
-                new_len = seq.num_tokens + num
-                seq.num_tokens = new_len
-                table_seq[seq.slot * stride + NUM_TOKENS] = new_len
-                if seq.keys_open:
-                    self._extend_keys(seq, num, tokens[i] if tokens is not None else None)
-                lens[i] = new_len
-            else:
-                lens[i] = seq.num_tokens
+        for i in rows.add_tokens(seqs, counts, lens):
+            self._prefix.extend_keys(seqs[i], counts[i], tokens[i] if tokens is not None else None)
         return lens
 
     def prepare_batch(
@@ -223,9 +237,7 @@ class Growth(Prefix):
         """Make slots ``[starts[i], starts[i] + counts[i])`` of each sequence writable in
         place (a step over slots already reserved, such as a prompt's prefill), all or
         none. Returns every sequence's current length (int64 array)."""
-        if conn_id in self._conn_steps:
-            self._conn_steps[conn_id] += 1
-        seqs = self._batch_sequences(conn_id, cache_ids)
+        seqs = self._refs.batch_sequences(conn_id, cache_ids)
         if not len(starts) == len(counts) == len(seqs):
             raise InvalidArgument(
                 f"starts and counts need one entry per sequence "
@@ -263,7 +275,7 @@ class Growth(Prefix):
         Blocks only this sequence references are claimed; shared or published blocks
         get a private copy (copy-on-write). Returns the sequence's info (full table).
         """
-        seq = self._held(conn_id, cache_id)
+        seq = self._refs.held(conn_id, cache_id)
         _check_count("start", start)
         _check_count("num_tokens", num_tokens)
         if start + num_tokens > seq.num_tokens:
@@ -285,7 +297,7 @@ class Growth(Prefix):
                     self._cow(seq, i)
                 else:
                     self._writable(seq, i)
-        return self._info(seq)
+        return seq.info()
 
     def fork(self, conn_id: int, cache_id: int) -> dict:
         """A new sequence sharing every block of ``cache_id`` (copy-on-write on writes),
@@ -295,23 +307,16 @@ class Growth(Prefix):
             NotSettled: a tier still copies blocks of it in (the coordinator holds a fork
                 asked then until they are in).
         """
-        parent = self._held(conn_id, cache_id)
-        self.check_settled(parent, "fork")
-        self.tables.check_slots(1)
-        child = self._new_sequence(parent.root, None)
+        parent = self._refs.held(conn_id, cache_id)
+        self._prefix.check_settled(parent, "fork")
+        self._rows.check_slots(1)
+        child = self._rows.new_sequence(parent.root, None)
         self.pool.incref(parent.block_ids)
-        self._touch(parent.slot)  # its last block is shared now
-        child.block_ids = list(parent.block_ids)
-        child.num_tokens = parent.num_tokens
-        child.keys = list(parent.keys) if parent.keys is not None else None
-        child.keys_open = parent.keys_open
-        child.tail_tokens = list(parent.tail_tokens)
-        child.num_committed = parent.num_committed
-        child.rank_tokens = list(parent.rank_tokens)
-        child.gap = None if parent.gap is None else list(parent.gap)
-        self._publish(child)
-        self._ref(conn_id, child)
-        return self._info(child)
+        self._rows.touch(parent.slot)  # its last block is shared now
+        self._prefix.inherit(parent, child)
+        self._rows.publish(child, list(parent.block_ids), parent.num_tokens)
+        self._refs.ref(conn_id, child)
+        return child.info()
 
     def truncate_batch(self, conn_id: int, cache_ids: Seq[int], num_tokens: Seq[int]) -> int:
         """Shorten each sequence of a batch to ``num_tokens[i]`` tokens, all or none: its
@@ -327,9 +332,7 @@ class Growth(Prefix):
         A step made before the truncate that writes a released block fails on its next
         write (the epoch moves, and the block is no longer the sequence's).
         """
-        if conn_id in self._conn_steps:
-            self._conn_steps[conn_id] += 1
-        seqs = self._batch_sequences(conn_id, cache_ids)
+        seqs = self._refs.batch_sequences(conn_id, cache_ids)
         if len(num_tokens) != len(seqs):
             raise InvalidArgument(
                 f"num_tokens needs one entry per sequence ({len(seqs)}), got {len(num_tokens)}"
@@ -347,35 +350,15 @@ class Growth(Prefix):
                     f"truncate of {format_cache_id(seq.cache_id)} to {num} tokens: it holds "
                     f"{seq.num_tokens} (a truncate only shortens)"
                 )
-        bs, released = self.block_size, 0
+        released = 0
         for seq, num in zip(seqs, num_tokens):
             if num == seq.num_tokens:
                 continue
-            keep = self._blocks_for(num)
-            dropped = seq.block_ids[keep:]
-            del seq.block_ids[keep:]
-            seq.num_tokens = num
-            self._touch(seq.slot)
-            self.tables.truncate(seq.slot, keep, num)
+            dropped = self._rows.truncate(seq, num)
             if dropped:
                 self.pool.decref(reversed(dropped))  # (tail first, as a release does)
                 released += len(dropped)
-            full = num // bs
-            if seq.keys is not None:
-                if len(seq.keys) > full:
-                    del seq.keys[full:]
-                    seq.tail_tokens = []
-                    if num % bs:
-                        seq.keys_open = False
-                else:
-                    del seq.tail_tokens[num - len(seq.keys) * bs :]
-                self._keys_open_mv[seq.slot] = bool(seq.keys_open)
-            seq.num_committed = min(seq.num_committed, full)
-            seq.rank_tokens = [min(done, num) for done in seq.rank_tokens]
-            seq.num_cached = min(seq.num_cached, num)
-            if seq.gap is not None:  # (cut below the lost blocks, the guard ends)
-                seq.gap = [min(done, num) for done in seq.gap]
-                self._maybe_end_gap(seq)
+            self._prefix.truncate_keys(seq, num)
         if released:
             # Writers that checked their blocks' owners check again: a released block is
             # no longer theirs to write, though their handle stays open.

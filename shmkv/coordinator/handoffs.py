@@ -1,8 +1,15 @@
 """Hand-offs: a reference that waits, with a deadline, for another process to open it.
 
-Owns the hand-off tokens (version, id, a 128-bit secret), the reference each holds,
-opening one (the reference moves to the opener's connection) and expiry (an unopened
-token's reference is dropped at its deadline). Handles pickle through this path.
+Owns the hand-off tokens (version, id, a 128-bit secret), their deadlines, opening one
+(the reference moves to the opener's connection), expiry (an unopened token's
+reference is dropped at its deadline) and the counts of each. Handles pickle through
+this path.
+
+Does not own references: a token's reference is counted by ``shmkv.coordinator.refs``,
+through its :meth:`~shmkv.coordinator.refs.Refs.held`,
+:meth:`~shmkv.coordinator.refs.Refs.hold_for_token`,
+:meth:`~shmkv.coordinator.refs.Refs.take_token_ref` and
+:meth:`~shmkv.coordinator.refs.Refs.unref`.
 """
 
 from __future__ import annotations
@@ -10,22 +17,50 @@ from __future__ import annotations
 import heapq
 import hmac
 import os
-from typing import Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from shmkv.coordinator.refs import Refs
-from shmkv.coordinator.rows import TOKEN_SIZE, TOKEN_VERSION
+from shmkv.coordinator.rows import TOKEN_SIZE, TOKEN_VERSION, Rows
 from shmkv.errors import HandoffError, InvalidArgument, LimitExceeded, WrongType
 
 
 class _Handoff:
+    """One outstanding token: its secret, the sequence it names and its deadline."""
+
     __slots__ = ("secret", "cache_id", "deadline")
 
     def __init__(self, secret: bytes, cache_id: int, deadline: float):
         self.secret, self.cache_id, self.deadline = secret, cache_id, deadline
 
 
-class Handoffs(Refs):
-    """Hand-off tokens and their expiry (see the module doc)."""
+class Handoffs:
+    """Hand-off tokens and their expiry (see the module doc).
+
+    Args:
+        rows: the rows part (the sequences a token names).
+        refs: the references part (a token's reference is counted there).
+        max_handoffs: outstanding hand-off tokens allowed at once.
+        max_handoff_ttl: the longest ``ttl`` an export may ask for, in seconds.
+        clock: monotonic clock (seconds).
+    """
+
+    def __init__(
+        self,
+        rows: Rows,
+        refs: Refs,
+        max_handoffs: int,
+        max_handoff_ttl: float,
+        clock: Callable[[], float],
+    ):
+        self._rows = rows
+        self._refs = refs
+        self.max_handoffs = max_handoffs
+        self.max_handoff_ttl = max_handoff_ttl
+        self.clock = clock
+        self.handoffs: Dict[int, _Handoff] = {}
+        self._heap: List[Tuple[float, int]] = []
+        self._next_id = 1
+        self.counters = {"exported_handoffs": 0, "opened_handoffs": 0, "expired_handoffs": 0}
 
     def export(self, conn_id: int, cache_id: int, ttl: float) -> bytes:
         """A one-shot token that gives its opener a reference, until ``ttl`` seconds pass.
@@ -33,7 +68,7 @@ class Handoffs(Refs):
         The token holds its own reference, so the sequence outlives its producer.
         It carries a 128-bit random secret: knowing the cache id is not enough.
         """
-        seq = self._held(conn_id, cache_id)
+        seq = self._refs.held(conn_id, cache_id)
         if (
             isinstance(ttl, bool)
             or not isinstance(ttl, (int, float))
@@ -48,14 +83,13 @@ class Handoffs(Refs):
                 f"{len(self.handoffs)} hand-offs outstanding, the limit is "
                 f"{self.max_handoffs}; open or let some expire first"
             )
-        handoff_id = self._next_handoff_id
-        self._next_handoff_id += 1
+        handoff_id = self._next_id
+        self._next_id += 1
         secret = os.urandom(16)
         deadline = self.clock() + float(ttl)
         self.handoffs[handoff_id] = _Handoff(secret, seq.cache_id, deadline)
-        heapq.heappush(self._handoff_heap, (deadline, handoff_id))
-        seq.num_refs += 1
-        self._touch(seq.slot)  # its opener may extend it too
+        heapq.heappush(self._heap, (deadline, handoff_id))
+        self._refs.hold_for_token(seq)
         self.counters["exported_handoffs"] += 1
         return bytes([TOKEN_VERSION]) + handoff_id.to_bytes(8, "big") + secret
 
@@ -71,28 +105,33 @@ class Handoffs(Refs):
         if handoff is None or not hmac.compare_digest(handoff.secret, token[9:]):
             raise HandoffError("unknown hand-off token: forged, already opened, or expired")
         del self.handoffs[handoff_id]
-        seq = self.sequences[handoff.cache_id]
-        seq.num_refs -= 1  # the token's reference moves to the connection
-        self._ref(conn_id, seq)
-        self._touch(seq.slot)
+        seq = self._rows.sequences[handoff.cache_id]
+        self._refs.take_token_ref(conn_id, seq)
         self.counters["opened_handoffs"] += 1
-        return self._info(seq)
+        return seq.info()
 
     def expire(self, now: Optional[float] = None) -> int:
         """Drop hand-offs past their deadline; returns how many expired."""
         now = self.clock() if now is None else now
-        heap, expired = self._handoff_heap, 0
+        heap, expired = self._heap, 0
         while heap and heap[0][0] <= now:
             _deadline, handoff_id = heapq.heappop(heap)
             handoff = self.handoffs.pop(handoff_id, None)
             if handoff is not None:
                 expired += 1
-                self._unref(self.sequences[handoff.cache_id])
+                self._refs.unref(self._rows.sequences[handoff.cache_id])
         self.counters["expired_handoffs"] += expired
         return expired
 
+    def token_refs(self) -> Dict[int, int]:
+        """How many references outstanding tokens hold, by cache id (the invariants)."""
+        refs: Dict[int, int] = {}
+        for handoff in self.handoffs.values():
+            refs[handoff.cache_id] = refs.get(handoff.cache_id, 0) + 1
+        return refs
+
     def next_deadline(self) -> Optional[float]:
         """The earliest hand-off deadline, for the server loop's select timeout."""
-        while self._handoff_heap and self._handoff_heap[0][1] not in self.handoffs:
-            heapq.heappop(self._handoff_heap)
-        return self._handoff_heap[0][0] if self._handoff_heap else None
+        while self._heap and self._heap[0][1] not in self.handoffs:
+            heapq.heappop(self._heap)
+        return self._heap[0][0] if self._heap else None

@@ -2,11 +2,24 @@
 
 Owns an allocation's plan (:class:`AllocationPlan`: the prompt's keys, its hits in the
 pool, what a lower tier promotes, the blocks it needs), checked in full before
-anything changes, then applied; plain allocations by count; promotions from the tiers
-(:class:`PendingPromotion`) and their completion; prefix keys as sequences grow; and
-commits, which publish full blocks once every tensor-parallel rank has written them.
-The rule that bytes are stored under a key only while the block holds it is the
-allocator's (``shmkv.coordinator.allocator``); a promotion checks it before it publishes.
+anything changes, then applied; promotions from the tiers (:class:`PendingPromotion`)
+and their completion; a sequence's prefix keys as it grows (``Sequence.keys``,
+``keys_open``, ``tail_tokens``: written here only, a fork's and a truncate's through
+:meth:`Prefix.inherit` and :meth:`Prefix.truncate_keys`); commits, which publish full
+blocks once every tensor-parallel rank has written them (``num_committed``,
+``rank_tokens``); the early-answer state below (``num_cached``, ``promoting``,
+``fetching``, ``gap``); the hit and miss counts, per client too; the tiers and the
+blocks published for a shared store (``newly_published``).
+
+Does not own rows, slots or lengths (``shmkv.coordinator.rows``: this part uses its
+:meth:`~shmkv.coordinator.rows.Rows.new_sequence`,
+:meth:`~shmkv.coordinator.rows.Rows.publish`,
+:meth:`~shmkv.coordinator.rows.Rows.set_keys_open` and its checks), nor references
+(``shmkv.coordinator.refs``: :meth:`~shmkv.coordinator.refs.Refs.ref`,
+:meth:`~shmkv.coordinator.refs.Refs.held` and its batch checks). Plain allocations by
+count are the rows' (:meth:`~shmkv.coordinator.rows.Rows.allocate_light`). The rule that
+bytes are stored under a key only while the block holds it is the allocator's
+(``shmkv.coordinator.allocator``); a promotion checks it before it publishes.
 
 Early answers. An allocation may be answered before its promoted blocks are in
 (``allocate(..., wait=False)``, the coordinator's ``_promote_early``). The rule for such a
@@ -31,15 +44,16 @@ sequence is kept here, and every path asks it here:
 from __future__ import annotations
 
 import operator
-from typing import List, NamedTuple, Optional, Sequence as Seq, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence as Seq
 
 import numpy as np
 
 from shmkv import hashing
-from shmkv.coordinator.handoffs import Handoffs
+from shmkv.coordinator.refs import Refs
 from shmkv.coordinator.rows import (
     MAX_REQUEST_ID,
     MAX_SALT_BYTES,
+    Rows,
     Sequence,
     _check_count,
     format_cache_id,
@@ -88,8 +102,46 @@ class PendingPromotion:
         self.client = client  # the asking client's counts (SequenceTable.client_counts)
 
 
-class Prefix(Handoffs):
-    """Allocations, prefix keys, promotions and commits (see the module doc)."""
+class Prefix:
+    """Allocations, prefix keys, promotions and commits (see the module doc).
+
+    Args:
+        rows: the rows part (new sequences, their rows, the length bound).
+        refs: the references part (who holds what is allocated).
+    """
+
+    def __init__(self, rows: Rows, refs: Refs):
+        self._rows = rows
+        self._refs = refs
+        self.pool = rows.pool
+        self.block_size = rows.block_size
+        self.tp_size = rows.tp_size
+        # Lower tiers (``shmkv.tiers.TierSet``, set by the coordinator): a prefix that
+        # misses the pool continues there. ``promotions``: what the last allocate must
+        # copy in before it is answered (the coordinator takes them).
+        self.tiers: Any = None
+        self.promotions: List[PendingPromotion] = []
+        # Blocks a commit published, as ``(block_id, the sequence's keys, index,
+        # key generation)``, for a shared store to write behind
+        # (``shmkv.tiers.redis_store``, which sets and takes it); None without one. The
+        # keys list only grows, so ``keys[:index + 1]`` stays this block's chain.
+        self.newly_published: Optional[list] = None
+        # Per connection: the ``[hit tokens, miss tokens]`` of its prompts, a list the
+        # coordinator shares among the connections of one client name (``/metrics``);
+        # every connection has one, so they sum to the two counters below.
+        self.client_counts: Dict[int, List[int]] = {}
+        self.counters = {
+            "prefix_hit_tokens": 0,
+            "prefix_miss_tokens": 0,
+            "prefix_hit_blocks": 0,
+            "prefix_miss_blocks": 0,
+            "published_blocks": 0,
+        }
+
+    def drop_connection(self, conn_id: int) -> None:
+        """Forget a closed connection's hit counts (its client name's list stays with
+        the coordinator)."""
+        self.client_counts.pop(conn_id, None)
 
     def _prompt_keys(self, sent: Optional[bytes], packed: bytes, root: bytes) -> List[bytes]:
         """The prefix keys of a prompt's full blocks: the ones its client hashed and sent
@@ -158,9 +210,9 @@ class Prefix(Handoffs):
             raise InvalidArgument("cache_salt needs a prompt")
         elif req.get("keys") is not None or req.get("root") is not None:
             raise InvalidArgument("keys and root come with the prompt they were hashed from")
-        self._check_length(num_tokens, "allocate")
+        self._rows.check_length(num_tokens, "allocate")
         hits = self.pool.lookup(keys) if keys else []
-        need = self._blocks_for(num_tokens) - len(hits)
+        need = self._rows.blocks_for(num_tokens) - len(hits)
         if need > self.pool.num_blocks:
             raise PoolExhausted(
                 f"pool exhausted: need {need} blocks for {num_tokens} tokens, "
@@ -190,7 +242,7 @@ class Prefix(Handoffs):
         node keeps its salt's keys).
         """
         plans = [self._plan_allocate(req) for req in requests]
-        self.tables.check_slots(len(plans))
+        self._rows.check_slots(len(plans))
         need = sum(plan.need for plan in plans)
         cached_hits = {
             b for plan in plans for b in plan.hits + plan.later if self.pool.ref_cnt[b] == 0
@@ -207,17 +259,15 @@ class Prefix(Handoffs):
         results = []
         client = self.client_counts.get(conn_id)
         for num_tokens, keys, tail, root, hits, need_blocks, request_id, promote, later in plans:
-            seq = self._new_sequence(root, request_id)
+            seq = self._rows.new_sequence(root, request_id)
             new = self.pool.allocate(need_blocks, seq.cache_id)
             assert new is not None
-            seq.block_ids = hits + new[:promote] + later + new[promote:]
-            seq.num_tokens = num_tokens
             # promoted blocks count once their bytes are in
             num_hit = len(hits) + promote + len(later)
             seq.num_cached = num_hit * self.block_size
             seq.num_committed = num_hit
             seq.rank_tokens = [seq.num_cached] * self.tp_size
-            self._publish(seq)
+            self._rows.publish(seq, hits + new[:promote] + later + new[promote:], num_tokens)
             if keys is not None:
                 seq.keys = keys
                 seq.tail_tokens = list(tail)
@@ -228,8 +278,8 @@ class Prefix(Handoffs):
                     seq.num_cached,
                     num_tokens - seq.num_cached,
                 )
-            self._ref(conn_id, seq)
-            info = self._info(seq)
+            self._refs.ref(conn_id, seq)
+            info = seq.info()
             results.append(info)
             if promote and keys is not None:  # (only prompts with keys promote)
                 self.pool.hold_promoting(new[:promote])  # the promotion's own hold
@@ -345,82 +395,57 @@ class Prefix(Handoffs):
         pool.decref(reversed(record.blocks))
         if not seq.promoting:
             seq.fetching = 0
-            if self.sequences.get(seq.cache_id) is seq:  # (still alive)
+            if self._rows.sequences.get(seq.cache_id) is seq:  # (still alive)
                 self._publish_ready(seq)
         return num_ok
 
     def settled(self, conn_id: int, cache_id: int) -> int:
         """The hit of held sequence ``cache_id`` once its early promotions have ended
         (the ``settle`` answer)."""
-        return self._held(conn_id, cache_id).num_cached
+        return self._refs.held(conn_id, cache_id).num_cached
 
-    def allocate_counts(self, conn_id: int, counts: Seq[int]) -> tuple:
-        """Allocate one plain sequence (no prompt) per count, all or none: the fast form
-        of :meth:`allocate_many` for a scheduler admitting many requests at once, with a
-        fixed number of array operations (the sequences get no objects, see the module
-        doc). Returns ``(cache_ids, slots)`` as int64 arrays."""
-        tokens = np.asarray(counts, dtype=np.int64).reshape(-1)
-        num = tokens.shape[0]
-        self._check_counts("num_tokens", tokens)  # (before any arithmetic on them)
-        hi = int(tokens.max()) if num else 0
-        lo = int(tokens.min()) if num else 0
-        bs, pool, tables = self.block_size, self.pool, self.tables
-        blocks = (tokens + bs - 1) // bs
-        longest = (hi + bs - 1) // bs
-        tables.check_slots(num)
-        uniform = lo == hi  # (a scheduler admitting requests of one size)
-        need = num * longest if uniform else int(blocks.sum())
-        if need > pool.num_available:
-            raise PoolExhausted(
-                f"pool exhausted: need {need} blocks, {pool.num_available} free or evictable "
-                f"(num_blocks={pool.num_blocks}); free handles or raise num_blocks"
-            )
-        slot_ids = np.array(tables.take(num), dtype=np.int64)
-        serial = self._next_serial
-        self._next_serial += num
-        cache_ids = (np.arange(serial, serial + num, dtype=np.int64) << self.slot_bits) | slot_ids
-        owners = cache_ids if uniform and longest == 1 else np.repeat(cache_ids, blocks)
-        taken = np.array(pool.allocate(need, owners), dtype=np.int64)
-        tables.assign_many(slot_ids, cache_ids, taken, blocks, tokens)
-        self._light_np[slot_ids] = True
-        self._light_conn[slot_ids] = conn_id
-        self._num_light += num
-        self._held_np[conn_id][slot_ids] = True
-        return cache_ids, slot_ids
+    def inherit(self, parent: Sequence, child: Sequence) -> None:
+        """A fork ``child`` of ``parent`` (not published yet) takes its prefix keys, its
+        commits and its loss guard (see the module doc)."""
+        child.keys = list(parent.keys) if parent.keys is not None else None
+        child.keys_open = parent.keys_open
+        child.tail_tokens = list(parent.tail_tokens)
+        child.num_committed = parent.num_committed
+        child.rank_tokens = list(parent.rank_tokens)
+        child.gap = None if parent.gap is None else list(parent.gap)
 
-    def allocate(
-        self,
-        conn_id: int,
-        num_tokens: int = 0,
-        prompt: Union[List[int], bytes, None] = None,
-        cache_salt: Optional[bytes] = None,
-        request_id: Optional[str] = None,
-        keys: Optional[bytes] = None,
-        root: Optional[bytes] = None,
-    ) -> dict:
-        """Allocate one sequence (see :meth:`allocate_many`)."""
-        return self.allocate_many(
-            conn_id,
-            [
-                {
-                    "num_tokens": num_tokens,
-                    "prompt": prompt,
-                    "cache_salt": cache_salt,
-                    "request_id": request_id,
-                    "keys": keys,
-                    "root": root,
-                }
-            ],
-        )[0]
+    def truncate_keys(self, seq: Sequence, num: int) -> None:
+        """``seq`` was shortened to ``num`` tokens: its prefix keys past the new end go
+        (when the end falls inside a keyed block, it gets no keys from there on), and its
+        commits, hit and loss guard are cut there."""
+        bs = self.block_size
+        full = num // bs
+        if seq.keys is not None:
+            if len(seq.keys) > full:
+                del seq.keys[full:]
+                seq.tail_tokens = []
+                if num % bs:
+                    seq.keys_open = False
+            else:
+                del seq.tail_tokens[num - len(seq.keys) * bs :]
+            self._rows.set_keys_open(seq)
+        seq.num_committed = min(seq.num_committed, full)
+        seq.rank_tokens = [min(done, num) for done in seq.rank_tokens]
+        seq.num_cached = min(seq.num_cached, num)
+        if seq.gap is not None:  # (cut below the lost blocks, the guard ends)
+            seq.gap = [min(done, num) for done in seq.gap]
+            self._maybe_end_gap(seq)
 
-    def _extend_keys(self, seq: Sequence, num: int, tokens: Optional[List[int]]) -> None:
+    def extend_keys(self, seq: Sequence, num: int, tokens: Optional[List[int]]) -> None:
+        """The prefix keys of ``seq`` after ``num`` more tokens, ``tokens`` their ids (None:
+        unknown, so no later block gets a key)."""
         if not seq.keys_open or not num:
             return
         if tokens is None:
             # Token ids of this stretch are unknown: blocks from here on get no key,
             # the keys already computed stay publishable.
             seq.keys_open, seq.tail_tokens = False, []
-            self._keys_open_np[seq.slot] = False
+            self._rows.set_keys_open(seq)
             return
         tail = seq.tail_tokens + tokens
         # keys_open: the sequence has a root, and its keys are a list
@@ -445,7 +470,7 @@ class Prefix(Handoffs):
         after), which a sequence whose early-answered promotion came up short needs
         (see the module doc). Returns how many leading blocks are published now.
         """
-        seq = self._held(conn_id, cache_id)
+        seq = self._refs.held(conn_id, cache_id)
         _check_count("num_tokens", num_tokens)
         if start is not None:
             _check_count("start", start)
@@ -528,7 +553,7 @@ class Prefix(Handoffs):
                 )
             if len(starts) and min(starts) < 0:
                 raise InvalidArgument(f"starts must be >= 0, got {min(starts)}")
-        slot_ids = self._light_slots(conn_id, cache_ids, any_holder=rank_connection)
+        slot_ids = self._refs.light_slots(conn_id, cache_ids, any_holder=rank_connection)
         if slot_ids is not None:
             # plain sequences without objects: no prefix keys, so nothing to publish;
             # the checks only
@@ -537,7 +562,7 @@ class Prefix(Handoffs):
             if len(num_tokens) != len(cache_ids):
                 raise InvalidArgument(f"num_tokens needs one entry per sequence ({len(cache_ids)})")
             wanted = np.asarray(num_tokens, dtype=np.int64)
-            have = self._seq_np[slot_ids, NUM_TOKENS]
+            have = self._rows.seq_np[slot_ids, NUM_TOKENS]
             bad = (wanted < 0) | (wanted > have)
             if bad.any():
                 i = int(np.argmax(bad))
@@ -547,7 +572,7 @@ class Prefix(Handoffs):
                     "reserved"
                 )
             return 0
-        seqs = self._batch_sequences(conn_id, cache_ids, any_live=rank_connection)
+        seqs = self._refs.batch_sequences(conn_id, cache_ids, any_live=rank_connection)
         if tp_rank is not None and not 0 <= tp_rank < self.tp_size:
             raise InvalidArgument(f"tp_rank must be in [0, {self.tp_size}), got {tp_rank}")
         if len(num_tokens) != len(seqs):

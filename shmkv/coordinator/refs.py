@@ -1,10 +1,20 @@
 """Connections and their references to sequences.
 
-Owns which connection holds how many references to which sequence, the slots each
-connection holds (for checks over a whole batch at once), dropping everything a
-closed connection held, ``info``, ``clone`` and ``release``. A sequence lives while
-a reference to it exists; the last one going frees its slot and drops its blocks
-(tail first into the pool's LRU).
+Owns which connection holds how many references to which sequence (``Refs.conn_refs``,
+and ``Sequence.num_refs``, which also counts the references hand-off tokens hold), the
+slots each connection holds (for checks over a whole batch at once), dropping
+everything a closed connection held, ``info``, ``clone`` and ``release``. A sequence
+lives while a reference to it exists; the last one going has
+:meth:`~shmkv.coordinator.rows.Rows.drop` free its slot and drop its blocks (tail first
+into the pool's LRU).
+
+Does not own the rows, slots or plain sequences (``shmkv.coordinator.rows``: this part
+uses its :meth:`~shmkv.coordinator.rows.Rows.light_slot`,
+:meth:`~shmkv.coordinator.rows.Rows.take_object`,
+:meth:`~shmkv.coordinator.rows.Rows.release_light`,
+:meth:`~shmkv.coordinator.rows.Rows.drop` and :meth:`~shmkv.coordinator.rows.Rows.touch`),
+nor the tokens themselves (``shmkv.coordinator.handoffs``, which moves a token's
+reference through :meth:`Refs.hold_for_token` and :meth:`Refs.take_token_ref`).
 """
 
 from __future__ import annotations
@@ -18,44 +28,55 @@ from shmkv.errors import InvalidArgument, UnknownCache, WrongType
 from shmkv.memory.tables import CACHE_ID, run_index
 
 
-class Refs(Rows):
-    """References of connections to sequences (see the module doc)."""
+class Refs:
+    """References of connections to sequences (see the module doc).
+
+    Args:
+        rows: the rows part, whose sequences these references hold.
+    """
+
+    def __init__(self, rows: Rows):
+        self._rows = rows
+        # Per connection: its references to sequences with objects (a plain sequence
+        # without one is held once, by the connection ``Rows.light_conn`` names), and
+        # every slot it holds, as an array and a memoryview over it (one-slot stores).
+        self.conn_refs: Dict[int, Dict[int, int]] = {}
+        self.held_np: Dict[int, np.ndarray] = {}
+        self._held_mv: Dict[int, memoryview] = {}
+        self._scratch = np.zeros(rows.tables.layout.max_sequences, dtype=np.int64)
 
     def add_connection(self, conn_id: int) -> None:
+        """A new connection, holding nothing yet."""
         self.conn_refs[conn_id] = {}
-        self._conn_steps[conn_id] = 0
-        self._kept[conn_id] = {}
-        held = self._held_np[conn_id] = np.zeros(self.tables.layout.max_sequences, dtype=bool)
+        held = self.held_np[conn_id] = np.zeros(self._rows.tables.layout.max_sequences, dtype=bool)
         self._held_mv[conn_id] = held.data
 
     def drop_connection(self, conn_id: int) -> int:
         """Drop every reference the connection holds; returns how many were dropped."""
+        rows = self._rows
         refs = self.conn_refs.pop(conn_id, {})
-        self.client_counts.pop(conn_id, None)
-        held = self._held_np.pop(conn_id, None)
+        held = self.held_np.pop(conn_id, None)
         self._held_mv.pop(conn_id, None)
-        self._conn_steps.pop(conn_id, None)
-        for gone in self._kept.pop(conn_id, {}).values():
-            self._kept_count[gone.where] -= 1
         dropped = 0
         if held is not None:
-            light = np.flatnonzero(held & self._light_np)
-            self._release_light(light, held)
+            light = np.flatnonzero(held & rows.light_np)
+            held[rows.release_light(light)] = False
             dropped = int(light.shape[0])
         for cache_id, count in refs.items():
             dropped += count
-            self._unref(self.sequences[cache_id], count)
+            self.unref(rows.sequences[cache_id], count)
         return dropped
 
-    def _held(self, conn_id: int, cache_id: object) -> Sequence:
-        """The sequence, if this connection holds a reference to it."""
+    def held(self, conn_id: int, cache_id: object) -> Sequence:
+        """The sequence, if this connection holds a reference to it (a plain one gets
+        its object now)."""
         if isinstance(cache_id, bool) or not isinstance(cache_id, int):
             raise WrongType(f"cache_id must be an int, got {type(cache_id).__name__}")
         refs = self.conn_refs.get(conn_id)
         if refs is not None:
             if cache_id in refs:
-                return self.sequences[cache_id]
-            slot = self._light_slot(cache_id)
+                return self._rows.sequences[cache_id]
+            slot = self._rows.light_slot(cache_id)
             if slot >= 0 and self._held_mv[conn_id][slot]:
                 return self._materialize(slot)
         raise UnknownCache(
@@ -64,7 +85,26 @@ class Refs(Rows):
             " another connection's)"
         )
 
-    def _ref(self, conn_id: int, seq: Sequence) -> None:
+    def _materialize(self, slot: int) -> Sequence:
+        """The :class:`~shmkv.coordinator.rows.Sequence` of the plain sequence in
+        ``slot``; its holder's reference moves to ``conn_refs``."""
+        seq, conn_id = self._rows.take_object(slot)
+        seq.num_refs = 1
+        self.conn_refs[conn_id][seq.cache_id] = 1
+        return seq
+
+    def live_seq(self, cache_id: int) -> Optional[Sequence]:
+        """The live sequence ``cache_id`` (made from its row if it has no object yet), or
+        None."""
+        seq = self._rows.sequences.get(cache_id)
+        if seq is None:
+            slot = self._rows.light_slot(cache_id)
+            if slot >= 0:
+                seq = self._materialize(slot)
+        return seq
+
+    def ref(self, conn_id: int, seq: Sequence) -> None:
+        """One more reference of this connection to ``seq``."""
         refs = self.conn_refs[conn_id]
         count = refs.get(seq.cache_id, 0)
         refs[seq.cache_id] = count + 1
@@ -72,15 +112,30 @@ class Refs(Rows):
             self._held_mv[conn_id][seq.slot] = True
         seq.num_refs += 1
 
-    def _unref(self, seq: Sequence, count: int = 1) -> None:
-        self._touch(seq.slot)
+    def unref(self, seq: Sequence, count: int = 1) -> None:
+        """``count`` references to ``seq`` fewer; the last one drops it."""
+        self._rows.touch(seq.slot)
         seq.num_refs -= count
         if seq.num_refs == 0:
-            del self.sequences[seq.cache_id]
-            self.tables.release(seq.slot, len(seq.block_ids))
-            self.pool.decref(reversed(seq.block_ids))  # tail first into the LRU
+            self._rows.drop(seq)
 
-    def _light_slots(
+    def hold_light(self, conn_id: int, slots: np.ndarray) -> None:
+        """This connection holds the new plain sequences in ``slots``
+        (:meth:`~shmkv.coordinator.rows.Rows.allocate_light`)."""
+        self.held_np[conn_id][slots] = True
+
+    def hold_for_token(self, seq: Sequence) -> None:
+        """A hand-off token holds a reference to ``seq`` now; its opener may extend it."""
+        seq.num_refs += 1
+        self._rows.touch(seq.slot)
+
+    def take_token_ref(self, conn_id: int, seq: Sequence) -> None:
+        """A hand-off token's reference to ``seq`` moves to this connection."""
+        seq.num_refs -= 1
+        self.ref(conn_id, seq)
+        self._rows.touch(seq.slot)
+
+    def light_slots(
         self, conn_id: int, cache_ids: Seq[int], any_holder: bool = False
     ) -> Optional[np.ndarray]:
         """The slots of ``cache_ids`` when they are distinct plain sequences without
@@ -88,9 +143,9 @@ class Refs(Rows):
         with array operations; None otherwise (the caller's general path then checks
         them one by one and names any error)."""
         ids = np.asarray(cache_ids, dtype=np.int64)
-        return self._checked_rows(conn_id, ids, ids & self._slot_mask, any_holder, light=True)
+        return self.checked_rows(conn_id, ids, ids & self._rows.slot_mask, any_holder, light=True)
 
-    def _checked_rows(
+    def checked_rows(
         self,
         conn_id: int,
         ids: np.ndarray,
@@ -103,7 +158,7 @@ class Refs(Rows):
         ``any_holder``), and with ``light`` each a plain sequence without an object;
         checked with a fixed number of array operations. None otherwise."""
         num = ids.shape[0]
-        held = self._held_np.get(conn_id)
+        held = self.held_np.get(conn_id)
         if not num or held is None or where.shape[0] != num or int(ids.min()) <= 0:
             return None
         rows = run_index(where)
@@ -112,9 +167,9 @@ class Refs(Rows):
                 return None
         elif int(where.min()) < 0 or int(where.max()) >= held.shape[0]:
             return None
-        if light and not self._light_np[rows].all():
+        if light and not self._rows.light_np[rows].all():
             return None
-        if not ((any_holder or held[rows].all()) and _same(self._seq_np[rows, CACHE_ID], ids)):
+        if not ((any_holder or held[rows].all()) and _same(self._rows.seq_np[rows, CACHE_ID], ids)):
             return None
         if not isinstance(rows, slice):
             order = np.arange(num)
@@ -123,7 +178,7 @@ class Refs(Rows):
                 return None
         return where
 
-    def _batch_sequences(
+    def batch_sequences(
         self, conn_id: int, cache_ids: Seq[int], any_live: bool = False
     ) -> List[Sequence]:
         """The sequences named by a batch, each held by this connection (or merely live,
@@ -133,7 +188,7 @@ class Refs(Rows):
         seqs = []
         for cache_id in cache_ids:
             try:
-                seq = self._live_seq(cache_id) if any_live else self._held(conn_id, cache_id)
+                seq = self.live_seq(cache_id) if any_live else self.held(conn_id, cache_id)
             except UnknownCache:
                 seq = None
             if seq is None:
@@ -145,44 +200,38 @@ class Refs(Rows):
         return seqs
 
     def info(self, conn_id: int, cache_id: int) -> dict:
-        """A held sequence's :meth:`_info`, with ``root``: the root key its prefix keys
-        chain from (its salt's; None without a prompt), which a move carries."""
-        seq = self._held(conn_id, cache_id)
-        out = self._info(seq)
+        """A held sequence's :meth:`~shmkv.coordinator.rows.Sequence.info`, with
+        ``root``: the root key its prefix keys chain from (its salt's; None without a
+        prompt), which a move carries."""
+        seq = self.held(conn_id, cache_id)
+        out = seq.info()
         out["root"] = seq.root
         return out
 
-    def _info(self, seq: Sequence) -> dict:
-        """A sequence's slot in the shared tables, table and length."""
-        return seq.info()
-
     def clone(self, conn_id: int, cache_id: int) -> dict:
         """A new reference to the same sequence (no copy)."""
-        seq = self._held(conn_id, cache_id)
-        self._ref(conn_id, seq)
-        self._touch(seq.slot)  # two references now: no kept batch steps it
-        return self._info(seq)
-
-    def release(self, conn_id: int, cache_id: int) -> None:
-        """Drop one reference this connection holds."""
-        self.release_many(conn_id, [cache_id])
+        seq = self.held(conn_id, cache_id)
+        self.ref(conn_id, seq)
+        self._rows.touch(seq.slot)  # two references now: no kept batch steps it
+        return seq.info()
 
     def release_many(self, conn_id: int, cache_ids: Seq[int]) -> None:
         """Drop one reference per listed id (an id may repeat); all or none."""
+        rows = self._rows
         refs = self.conn_refs.get(conn_id, {})
         light = len(cache_ids) > 8
         if not light:  # (a loop: cold, a generator expression cost the loop more)
             for cache_id in cache_ids:
-                if type(cache_id) is int and self._light_slot(cache_id) >= 0:
+                if type(cache_id) is int and rows.light_slot(cache_id) >= 0:
                     light = True
                     break
-        slot_ids = self._light_slots(conn_id, cache_ids) if light else None
+        slot_ids = self.light_slots(conn_id, cache_ids) if light else None
         if slot_ids is not None:  # plain sequences without objects: array operations
-            self._release_light(slot_ids, self._held_np[conn_id])
+            self.held_np[conn_id][rows.release_light(slot_ids)] = False
             return
         wanted: Dict[int, int] = {}
         for cache_id in cache_ids:
-            self._held(conn_id, cache_id)
+            self.held(conn_id, cache_id)
             wanted[cache_id] = wanted.get(cache_id, 0) + 1
         for cache_id, count in wanted.items():
             if refs[cache_id] < count:
@@ -194,8 +243,30 @@ class Refs(Rows):
         held = self._held_mv[conn_id]
         for cache_id, count in wanted.items():
             refs[cache_id] -= count
-            seq = self.sequences[cache_id]
+            seq = rows.sequences[cache_id]
             if not refs[cache_id]:
                 del refs[cache_id]
                 held[seq.slot] = False
-            self._unref(seq, count)
+            self.unref(seq, count)
+
+    def check_invariants(self, token_refs: Dict[int, int]) -> None:
+        """Assert every sequence's reference count is the references that exist: its
+        connections' and ``token_refs`` (the hand-off tokens', by cache id), and that each
+        connection's held slots are what it holds (tests and stress)."""
+        rows = self._rows
+        seq_np, light_np, mask = rows.seq_np, rows.light_np, rows.slot_mask
+        for slot in np.flatnonzero(light_np).tolist():
+            holders = [conn for conn, held in self.held_np.items() if held[slot]]
+            assert holders == [int(rows.light_conn[slot])]
+            assert int(seq_np[slot, CACHE_ID]) not in self.conn_refs[holders[0]]
+        refs = dict(token_refs)
+        for conn in self.conn_refs.values():
+            for cache_id, count in conn.items():
+                refs[cache_id] = refs.get(cache_id, 0) + count
+        light = seq_np[np.flatnonzero(light_np), CACHE_ID].tolist()
+        refs.update(dict.fromkeys(light, 1))  # each held once, by its connection
+        assert refs == rows.live()
+        for conn_id, held in self.held_np.items():
+            assert {int(seq_np[slot, CACHE_ID]) for slot in np.flatnonzero(held).tolist()} == set(
+                self.conn_refs[conn_id]
+            ) | {cache_id for cache_id in light if rows.light_conn[cache_id & mask] == conn_id}

@@ -1,19 +1,23 @@
 """The sequence table: the coordinator's metadata above the block level, as one facade.
 
-Owns the state of sequences and composes the parts that change it, each in the file
-named after it (lower parts first; a part calls only the parts below it):
+Composes the parts that own the state of sequences, each an object made once in
+:meth:`SequenceTable.__init__` and handed the parts below it (a part calls only those;
+each is the only writer of its own data, and says so in its module doc):
 
-* ``shmkv.coordinator.rows``: sequences as rows of the shared tables, cache ids and slots, plain
-  sequences without objects, the row version kept batches check, the length bound;
+* ``shmkv.coordinator.rows``: sequences as rows of the shared tables, cache ids and slots,
+  plain sequences without objects, every store into the shared tables, the row version
+  kept batches check, the length bound;
 * ``shmkv.coordinator.refs``: connections and their references, release, clone, info;
 * ``shmkv.coordinator.handoffs``: hand-off tokens (export, open, expiry);
 * ``shmkv.coordinator.prefix``: allocations (planned, checked, then applied), prefix keys,
-  promotions from the tiers, commits and publication;
-* ``shmkv.coordinator.growth``: extends, copy-on-write, prepared writes, forks (the general path);
+  promotions from the tiers, commits and publication, hit counts;
+* ``shmkv.coordinator.growth``: extends, copy-on-write, prepared writes, forks, truncates
+  (the general path);
 * ``shmkv.coordinator.decode``: the array fast paths of a batch step and kept batches;
-* here: the state itself (made once, in :meth:`SequenceTable.__init__`), the choice
-  between a fast path and the general one (:meth:`SequenceTable.extend_batch`,
-  :meth:`SequenceTable.extend_kept`), stats and the invariants.
+* here: every wire operation, each handed to the part that does it, the ones that
+  span parts orchestrated here (connections, plain allocations, the choice between a
+  fast path and the general one: :meth:`SequenceTable.extend_batch`,
+  :meth:`SequenceTable.extend_kept`), stats and the invariants over all the parts.
 
 Every public method is one wire operation and either succeeds completely or raises
 and changes nothing (all-or-nothing). Every change to a block table or a length is
@@ -39,24 +43,27 @@ from __future__ import annotations
 
 import time
 from array import array
-from typing import Callable, Dict, List, Optional, Sequence as Seq, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence as Seq, Union
 
 import numpy as np
 
 from shmkv.coordinator.allocator import BlockPool
-from shmkv.coordinator.decode import Decode, _Kept
-from shmkv.coordinator.handoffs import _Handoff
-from shmkv.coordinator.prefix import AllocationPlan, PendingPromotion
+from shmkv.coordinator.decode import MAX_KEPT, Decode
+from shmkv.coordinator.growth import Growth
+from shmkv.coordinator.handoffs import Handoffs, _Handoff
+from shmkv.coordinator.prefix import AllocationPlan, PendingPromotion, Prefix
+from shmkv.coordinator.refs import Refs
 from shmkv.coordinator.rows import (
     MAX_REQUEST_ID,
     MAX_SALT_BYTES,
     TOKEN_SIZE,
     TOKEN_VERSION,
+    Rows,
     Sequence,
     _check_count,
     format_cache_id,
 )
-from shmkv.memory.tables import CACHE_ID, NUM_TOKENS, SEQ_FIELDS, TableLayout, TableWriter
+from shmkv.memory.tables import SEQ_FIELDS, TableLayout, TableWriter
 
 __all__ = [
     "SequenceTable",
@@ -71,10 +78,8 @@ __all__ = [
     "TOKEN_VERSION",
 ]
 
-MAX_KEPT = 64  # kept batches per connection (SequenceTable.keep_batch)
 
-
-class SequenceTable(Decode):
+class SequenceTable:
     """The coordinator's sequence-level state machine.
 
     Args:
@@ -111,92 +116,279 @@ class SequenceTable(Decode):
         self.pool = pool
         self.block_size = block_size
         self.tp_size = tp_size
-        self.copy_block = copy_block
-        self.max_handoffs = max_handoffs
-        self.max_handoff_ttl = max_handoff_ttl
-        self.clock = clock
         if tables is None:
             layout = TableLayout(pool.num_blocks, max_sequences, max_seq_blocks or pool.num_blocks)
             _owner, _epoch, seq, table = layout.views(bytearray(layout.nbytes))
             tables = TableWriter(layout, seq, table)
         self.tables = tables
         layout = tables.layout
-        # Tokens one sequence may hold (PoolConfig.max_seq_len), exactly, not rounded up
-        # to whole blocks. Every count and length is checked against it (in Python ints)
-        # before any array arithmetic, which therefore never leaves int64.
-        self.max_seq_len = (
-            max_seq_len if max_seq_len is not None else layout.max_seq_blocks * block_size
-        )
         if arrays is None:
             arrays = (
                 np.frombuffer(tables.seq, dtype=np.int64).reshape(-1, SEQ_FIELDS),
                 np.frombuffer(tables.table, dtype=np.int32).reshape(-1, layout.max_seq_blocks),
                 pool._owner_np,
             )
-        self._seq_np, self._table_np, self._owner_np = arrays
-        self._seq_flat = self._seq_np.reshape(-1)  # (a view: the rows are contiguous)
-        self._num_blocks_np = np.frombuffer(tables.num_blocks, dtype=np.int64)
-        # Slots whose sequence still extends its prefix keys (``Sequence.keys_open``),
-        # and, per connection, the slots it holds: what a batch step checks at once.
-        self._keys_open_np = np.zeros(layout.max_sequences, dtype=bool)
-        self._held_np: Dict[int, np.ndarray] = {}
-        # Memoryviews over the same arrays, for the one-slot reads and writes of every
-        # allocation and release: after the loop's sleeps a numpy scalar index costs it
-        # about twice a memoryview's (its code comes back from memory too).
-        self._keys_open_mv = self._keys_open_np.data
-        self._held_mv: Dict[int, memoryview] = {}
-        self._scratch = np.zeros(layout.max_sequences, dtype=np.int64)
-        # A cache id carries its slot in its low bits: ``(serial << slot_bits) | slot``,
-        # the serial never reused, so any id finds its row with no lookup table.
-        self.slot_bits = max(1, (layout.max_sequences - 1).bit_length())
-        self._slot_mask = (1 << self.slot_bits) - 1
-        # Sequences with a Python object, and the slots of the plain ones without (see
-        # the module doc), with the one connection holding each. ``conn_refs`` counts
-        # a connection's references to sequences with objects only.
-        self.sequences: Dict[int, Sequence] = {}
-        self._light_np = np.zeros(layout.max_sequences, dtype=bool)
-        self._light_mv = self._light_np.data
-        self._light_conn = np.zeros(layout.max_sequences, dtype=np.int64)
-        self._num_light = 0
-        # Moves whenever a sequence in a kept batch changes outside its steps (see
-        # :meth:`_touch`); ``_kept_count`` says which slots some kept batch holds.
-        # ``_conn_steps`` moves with every call of a connection that may change its
-        # rows. A kept batch (:meth:`keep_batch`) stays checked while both stand still.
-        self._kept_version = 0
-        self._kept_count = np.zeros(layout.max_sequences, dtype=np.int32)
-        self._kept_count_mv = self._kept_count.data
-        self._conn_steps: Dict[int, int] = {}
-        self._kept: Dict[int, Dict[int, _Kept]] = {}
-        self._next_kept = 1
-        self.conn_refs: Dict[int, Dict[int, int]] = {}
-        # Lower tiers (``shmkv.tiers.TierSet``, set by the coordinator): a prefix that
-        # misses the pool continues there. ``promotions``: what the last allocate must
-        # copy in before it is answered (the coordinator takes them).
-        self.tiers = None
-        self.promotions: List[PendingPromotion] = []
-        # Blocks a commit published, as ``(block_id, the sequence's keys, index)``, for
-        # a shared store to write behind (``shmkv.tiers.redis_store``); None without one. The keys
-        # list only grows, so ``keys[:index + 1]`` stays this block's chain.
-        self.newly_published: Optional[list] = None
-        self.handoffs: Dict[int, _Handoff] = {}
-        self._handoff_heap: list = []
-        self._next_serial = 1
-        self._next_handoff_id = 1
-        # Per connection: the ``[hit tokens, miss tokens]`` of its prompts, a list the
-        # coordinator shares among the connections of one client name (``/metrics``);
-        # every connection has one, so they sum to the two counters below.
-        self.client_counts: Dict[int, List[int]] = {}
-        self.counters = {
-            "prefix_hit_tokens": 0,
-            "prefix_miss_tokens": 0,
-            "prefix_hit_blocks": 0,
-            "prefix_miss_blocks": 0,
-            "cow_copies": 0,
-            "published_blocks": 0,
-            "exported_handoffs": 0,
-            "opened_handoffs": 0,
-            "expired_handoffs": 0,
+        self.max_seq_len = (
+            max_seq_len if max_seq_len is not None else layout.max_seq_blocks * block_size
+        )
+        # The parts, each handed the ones below it.
+        self._rows = Rows(pool, block_size, tp_size, tables, arrays, self.max_seq_len)
+        self._refs = Refs(self._rows)
+        self._handoffs = Handoffs(self._rows, self._refs, max_handoffs, max_handoff_ttl, clock)
+        self._prefix = Prefix(self._rows, self._refs)
+        self._growth = Growth(self._rows, self._refs, self._prefix, copy_block)
+        self._decode = Decode(self._rows, self._refs)
+        self.slot_bits = self._rows.slot_bits
+
+    @property
+    def sequences(self) -> Dict[int, Sequence]:
+        """The live sequences that have a Python object, by cache id (the plain ones
+        without are rows only: see the module doc)."""
+        return self._rows.sequences
+
+    @property
+    def num_sequences(self) -> int:
+        """Live sequences."""
+        return self._rows.num_sequences
+
+    def live(self) -> Dict[int, int]:
+        """Every live sequence's cache id and its reference count (makes no object)."""
+        return self._rows.live()
+
+    @property
+    def conn_refs(self) -> Dict[int, Dict[int, int]]:
+        """Per connection, its references to sequences with objects."""
+        return self._refs.conn_refs
+
+    @property
+    def handoffs(self) -> Dict[int, _Handoff]:
+        """The outstanding hand-off tokens, by id."""
+        return self._handoffs.handoffs
+
+    @property
+    def tiers(self) -> Any:
+        """The lower tiers (``shmkv.tiers.TierSet``, set by the coordinator), or None."""
+        return self._prefix.tiers
+
+    @tiers.setter
+    def tiers(self, tiers: Any) -> None:
+        self._prefix.tiers = tiers
+
+    @property
+    def promotions(self) -> List[PendingPromotion]:
+        """The promotions the last allocate started (see :meth:`take_promotions`)."""
+        return self._prefix.promotions
+
+    @property
+    def newly_published(self) -> Optional[list]:
+        """Blocks commits published, for a shared store to write behind (it sets this to
+        a list, and takes it); None without one."""
+        return self._prefix.newly_published
+
+    @newly_published.setter
+    def newly_published(self, published: Optional[list]) -> None:
+        self._prefix.newly_published = published
+
+    @property
+    def client_counts(self) -> Dict[int, List[int]]:
+        """Per connection, the ``[hit tokens, miss tokens]`` of its prompts (the
+        coordinator sets each connection's list)."""
+        return self._prefix.client_counts
+
+    @property
+    def counters(self) -> Dict[str, int]:
+        """The table's counters, gathered from the parts that keep them (a new dict)."""
+        prefix, handoffs = self._prefix.counters, self._handoffs.counters
+        return {
+            "prefix_hit_tokens": prefix["prefix_hit_tokens"],
+            "prefix_miss_tokens": prefix["prefix_miss_tokens"],
+            "prefix_hit_blocks": prefix["prefix_hit_blocks"],
+            "prefix_miss_blocks": prefix["prefix_miss_blocks"],
+            "cow_copies": self._growth.counters["cow_copies"],
+            "published_blocks": prefix["published_blocks"],
+            **handoffs,
         }
+
+    # Connections and references (shmkv.coordinator.refs).
+
+    def add_connection(self, conn_id: int) -> None:
+        """A new connection, holding nothing."""
+        self._refs.add_connection(conn_id)
+        self._decode.add_connection(conn_id)
+
+    def drop_connection(self, conn_id: int) -> int:
+        """Drop every reference the connection holds, its kept batches and its hit
+        counts; returns how many references were dropped."""
+        self._prefix.drop_connection(conn_id)
+        self._decode.drop_connection(conn_id)
+        return self._refs.drop_connection(conn_id)
+
+    def info(self, conn_id: int, cache_id: int) -> dict:
+        """A held sequence's info (see :meth:`~shmkv.coordinator.refs.Refs.info`)."""
+        return self._refs.info(conn_id, cache_id)
+
+    def clone(self, conn_id: int, cache_id: int) -> dict:
+        """A new reference to the same sequence (no copy)."""
+        return self._refs.clone(conn_id, cache_id)
+
+    def release(self, conn_id: int, cache_id: int) -> None:
+        """Drop one reference this connection holds."""
+        self._refs.release_many(conn_id, [cache_id])
+
+    def release_many(self, conn_id: int, cache_ids: Seq[int]) -> None:
+        """Drop one reference per listed id (an id may repeat); all or none."""
+        self._refs.release_many(conn_id, cache_ids)
+
+    # Hand-offs (shmkv.coordinator.handoffs).
+
+    def export(self, conn_id: int, cache_id: int, ttl: float) -> bytes:
+        """A one-shot hand-off token (see :meth:`~shmkv.coordinator.handoffs.Handoffs.export`)."""
+        return self._handoffs.export(conn_id, cache_id, ttl)
+
+    def open(self, conn_id: int, token: bytes) -> dict:
+        """Turn a hand-off token into a reference held by this connection."""
+        return self._handoffs.open(conn_id, token)
+
+    def expire(self, now: Optional[float] = None) -> int:
+        """Drop hand-offs past their deadline; returns how many expired."""
+        return self._handoffs.expire(now)
+
+    def next_deadline(self) -> Optional[float]:
+        """The earliest hand-off deadline, for the server loop's select timeout."""
+        return self._handoffs.next_deadline()
+
+    # Allocations, promotions and commits (shmkv.coordinator.prefix).
+
+    def allocate_many(self, conn_id: int, requests: Seq[dict]) -> List[dict]:
+        """Allocate one sequence per request, all or none (see
+        :meth:`~shmkv.coordinator.prefix.Prefix.allocate_many`)."""
+        return self._prefix.allocate_many(conn_id, requests)
+
+    def allocate(
+        self,
+        conn_id: int,
+        num_tokens: int = 0,
+        prompt: Union[List[int], bytes, None] = None,
+        cache_salt: Optional[bytes] = None,
+        request_id: Optional[str] = None,
+        keys: Optional[bytes] = None,
+        root: Optional[bytes] = None,
+    ) -> dict:
+        """Allocate one sequence (see :meth:`allocate_many`)."""
+        return self._prefix.allocate_many(
+            conn_id,
+            [
+                {
+                    "num_tokens": num_tokens,
+                    "prompt": prompt,
+                    "cache_salt": cache_salt,
+                    "request_id": request_id,
+                    "keys": keys,
+                    "root": root,
+                }
+            ],
+        )[0]
+
+    def allocate_counts(self, conn_id: int, counts: Seq[int]) -> tuple:
+        """Allocate one plain sequence (no prompt) per count, all or none: the fast form
+        of :meth:`allocate_many` for a scheduler admitting many requests at once, with a
+        fixed number of array operations (the sequences get no objects, see the module
+        doc). Returns ``(cache_ids, slots)`` as int64 arrays."""
+        cache_ids, slot_ids = self._rows.allocate_light(conn_id, counts)
+        self._refs.hold_light(conn_id, slot_ids)
+        return cache_ids, slot_ids
+
+    def take_promotions(self) -> List[PendingPromotion]:
+        """The promotions the last allocate started (the coordinator copies them in)."""
+        return self._prefix.take_promotions()
+
+    def answer_early(self, records: Seq[PendingPromotion], here: Seq[int]) -> None:
+        """The allocation of ``records`` is answered before their blocks are in (see
+        :meth:`~shmkv.coordinator.prefix.Prefix.answer_early`)."""
+        self._prefix.answer_early(records, here)
+
+    def check_settled(self, seq: Sequence, what: str) -> None:
+        """Raise ``NotSettled`` while a tier still copies blocks of ``seq`` in."""
+        self._prefix.check_settled(seq, what)
+
+    def finish_promotion(self, record: PendingPromotion, num_ok: int) -> int:
+        """The bytes of the first ``num_ok`` promoted blocks are in (see
+        :meth:`~shmkv.coordinator.prefix.Prefix.finish_promotion`); returns how many
+        blocks were published."""
+        return self._prefix.finish_promotion(record, num_ok)
+
+    def settled(self, conn_id: int, cache_id: int) -> int:
+        """The hit of held sequence ``cache_id`` once its early promotions have ended."""
+        return self._prefix.settled(conn_id, cache_id)
+
+    def commit(
+        self,
+        conn_id: int,
+        cache_id: int,
+        num_tokens: int,
+        tp_rank: Optional[int] = None,
+        start: Optional[int] = None,
+    ) -> int:
+        """Declare the first ``num_tokens`` slots fully written (see
+        :meth:`~shmkv.coordinator.prefix.Prefix.commit`); returns how many leading blocks
+        are published now."""
+        return self._prefix.commit(conn_id, cache_id, num_tokens, tp_rank, start)
+
+    def commit_batch(
+        self,
+        conn_id: int,
+        cache_ids: Seq[int],
+        num_tokens: Seq[int],
+        tp_rank: Optional[int] = None,
+        rank_connection: bool = False,
+        starts: Optional[Seq[int]] = None,
+    ) -> int:
+        """:meth:`commit` for every sequence of a batch, all or none checked first (see
+        :meth:`~shmkv.coordinator.prefix.Prefix.commit_batch`); returns the number of
+        blocks published."""
+        return self._prefix.commit_batch(
+            conn_id, cache_ids, num_tokens, tp_rank, rank_connection, starts
+        )
+
+    # Growth (shmkv.coordinator.growth) and the decode fast paths (.decode).
+
+    def extend_many(self, conn_id: int, items: Seq) -> List[dict]:
+        """Reserve token slots in several sequences, all or none (see
+        :meth:`~shmkv.coordinator.growth.Growth.extend_many`)."""
+        self._decode.note_call(conn_id)
+        return self._growth.extend_many(conn_id, items)
+
+    def extend(
+        self, conn_id: int, cache_id: int, num_tokens: int, tokens: Optional[List[int]] = None
+    ) -> dict:
+        """Reserve ``num_tokens`` more slots at the end of a sequence (see :meth:`extend_many`)."""
+        item = [cache_id, num_tokens] if tokens is None else [cache_id, num_tokens, tokens]
+        return self.extend_many(conn_id, [item])[0]
+
+    def prepare_batch(
+        self, conn_id: int, cache_ids: Seq[int], starts: Seq[int], counts: Seq[int]
+    ) -> array:
+        """Make slots already reserved writable in place in each sequence of a batch (see
+        :meth:`~shmkv.coordinator.growth.Growth.prepare_batch`)."""
+        self._decode.note_call(conn_id)
+        return self._growth.prepare_batch(conn_id, cache_ids, starts, counts)
+
+    def prepare_write(self, conn_id: int, cache_id: int, start: int, num_tokens: int) -> dict:
+        """Make the blocks of slots ``[start, start + num_tokens)`` writable in place (see
+        :meth:`~shmkv.coordinator.growth.Growth.prepare_write`)."""
+        return self._growth.prepare_write(conn_id, cache_id, start, num_tokens)
+
+    def fork(self, conn_id: int, cache_id: int) -> dict:
+        """A new sequence sharing every block of ``cache_id`` (see
+        :meth:`~shmkv.coordinator.growth.Growth.fork`)."""
+        return self._growth.fork(conn_id, cache_id)
+
+    def truncate_batch(self, conn_id: int, cache_ids: Seq[int], num_tokens: Seq[int]) -> int:
+        """Shorten each sequence of a batch, all or none (see
+        :meth:`~shmkv.coordinator.growth.Growth.truncate_batch`); returns the number of
+        blocks released."""
+        self._decode.note_call(conn_id)
+        return self._growth.truncate_batch(conn_id, cache_ids, num_tokens)
 
     def extend_batch(
         self,
@@ -213,23 +405,23 @@ class SequenceTable(Decode):
         (checked), for the vectorized decode path.
 
         The counts are checked first, then the decode fast path
-        (:meth:`~shmkv.coordinator.decode.Decode._extend_uniform`) is tried, and when the batch does
-        not qualify (nothing changed) the general path
-        (:meth:`~shmkv.coordinator.growth.Growth._extend_general`) steps it and names any error.
+        (:meth:`~shmkv.coordinator.decode.Decode.extend_uniform`) is tried, and when the
+        batch does not qualify (nothing changed) the general path
+        (:meth:`~shmkv.coordinator.growth.Growth.extend_general`) steps it and names any
+        error.
 
         Returns the length of every sequence after the step (int64 array).
         """
-        if conn_id in self._conn_steps:
-            self._conn_steps[conn_id] += 1
+        self._decode.note_call(conn_id)
         if isinstance(counts, int):
-            self._check_counts("count", [_check_count("count", counts)])
+            self._rows.check_counts("count", [_check_count("count", counts)])
         else:
-            self._check_counts("counts", counts)
+            self._rows.check_counts("counts", counts)
         if slots is not None and tokens is None and type(counts) is int and counts > 0:
-            lens = self._extend_uniform(conn_id, cache_ids, slots, counts)
+            lens = self._decode.extend_uniform(conn_id, cache_ids, slots, counts)
             if lens is not None:
                 return lens
-        return self._extend_general(conn_id, cache_ids, counts, tokens)
+        return self._growth.extend_general(conn_id, cache_ids, counts, tokens)
 
     def keep_batch(self, conn_id: int, cache_ids: Seq[int]) -> int:
         """Keep a batch of sequences held by this connection for :meth:`extend_kept`:
@@ -239,25 +431,7 @@ class SequenceTable(Decode):
         (see :meth:`~shmkv.coordinator.decode.Decode._keepable`; then step it with
         :meth:`extend_batch`).
         A connection keeps its ``MAX_KEPT`` newest batches."""
-        kept = self._kept.get(conn_id)
-        if kept is None:
-            return 0
-        keep = self._keepable(conn_id, cache_ids)
-        if keep is None:
-            return 0
-        if len(kept) >= MAX_KEPT:
-            self._kept_count[kept.pop(next(iter(kept))).where] -= 1
-        batch_id = self._next_kept
-        self._next_kept += 1
-        kept[batch_id] = _Kept(
-            np.asarray(cache_ids, dtype=np.int64),
-            keep[0],
-            self._kept_version,
-            self._conn_steps[conn_id],
-            keep[1],
-        )
-        self._kept_count[keep[0]] += 1
-        return batch_id
+        return self._decode.keep_batch(conn_id, cache_ids)
 
     def extend_kept(self, conn_id: int, batch_id: int, count: int, seen: int) -> Optional[dict]:
         """:meth:`extend_batch` of ``count`` more tokens in every sequence of a kept
@@ -271,37 +445,20 @@ class SequenceTable(Decode):
         step). None when the batch is not kept (never, dropped for a newer one, or
         another connection's): step it with :meth:`extend_batch`.
         """
-        kept = self._kept.get(conn_id, {}).get(batch_id)
+        decode = self._decode
+        kept = decode.kept_batch(conn_id, batch_id)
         if kept is None:
             return None
         count = _check_count("count", count, 1)
-        self._check_length(count, "count")
-        current = (
-            kept.version == self._kept_version and kept.conn_steps == self._conn_steps[conn_id]
-        )
-        self._conn_steps[conn_id] += 1
-        done = self._step_kept(kept, count) if current else None
-        kept.steps += 1
-        if done is None:  # rechecked, and any error named, by the general path
-            kept.version = -1
+        self._rows.check_length(count, "count")
+        out = decode.step(conn_id, kept, count, seen)
+        if out is None:  # rechecked, and any error named, by the general path
             lens = self.extend_batch(conn_id, kept.ids.tolist(), count, None, kept.where.tolist())
-            keep = self._keepable(conn_id, kept.ids)
-            if keep is not None:
-                kept.reset(self._kept_version, self._conn_steps[conn_id], keep[1])
-            return {"steps": kept.steps, "same": False, "lens": lens}
-        kept.conn_steps = self._conn_steps[conn_id]
-        grown, blocks = done
-        out = {
-            "steps": kept.steps,
-            "same": seen == kept.steps - 1,
-            "grown": grown,
-            "blocks": blocks,
-        }
-        if not out["same"]:
-            out["lens"] = self._seq_flat[kept.lengths_at]
+            return decode.after_general(conn_id, kept, lens)
         return out
 
     def stats(self) -> dict:
+        """The pool's and the table's figures and counters (the ``stats`` answer)."""
         pool = self.pool
         out = {
             "num_blocks": pool.num_blocks,
@@ -319,47 +476,10 @@ class SequenceTable(Decode):
         return out
 
     def check_invariants(self) -> None:
-        """Assert ref counts equal the references that exist (tests and stress)."""
+        """Assert ref counts equal the references that exist (tests and stress): each
+        part's own checks, and the pool's counts against the rows'."""
         self.pool.check_invariants()
-        expected = [0] * self.pool.num_blocks
-        for seq in self.sequences.values():
-            assert seq.num_refs > 0
-            assert len(seq.block_ids) == self._blocks_for(seq.num_tokens)
-            for block_id in seq.block_ids:
-                expected[block_id] += 1
-        assert int(self._light_np.sum()) == self._num_light
-        kept_count = np.zeros_like(self._kept_count)
-        for batches in self._kept.values():
-            for kept in batches.values():
-                kept_count[kept.where] += 1
-        assert np.array_equal(kept_count, self._kept_count)
-        for slot in np.flatnonzero(self._light_np).tolist():  # plain ones without objects
-            cache_id = int(self._seq_np[slot, CACHE_ID])
-            assert cache_id & self._slot_mask == slot and cache_id not in self.sequences
-            holders = [conn for conn, held in self._held_np.items() if held[slot]]
-            assert holders == [int(self._light_conn[slot])]
-            assert cache_id not in self.conn_refs[holders[0]]
-            used = int(self._num_blocks_np[slot])
-            assert used == self._blocks_for(int(self._seq_np[slot, NUM_TOKENS]))
-            for block_id in self._table_np[slot, :used].tolist():
-                expected[block_id] += 1
-                assert self.pool.owner[block_id] == cache_id
-                assert self.pool.block_key[block_id] is None
+        expected = self._rows.check_invariants()
+        self._decode.check_invariants()
         assert expected == list(self.pool.ref_cnt), "ref counts differ from the block tables"
-        refs: Dict[int, int] = {}
-        for conn in self.conn_refs.values():
-            for cache_id, count in conn.items():
-                refs[cache_id] = refs.get(cache_id, 0) + count
-        for handoff in self.handoffs.values():
-            refs[handoff.cache_id] = refs.get(handoff.cache_id, 0) + 1
-        light = self._seq_np[np.flatnonzero(self._light_np), CACHE_ID].tolist()
-        refs.update(dict.fromkeys(light, 1))  # each held once, by its connection
-        assert refs == self.live()
-        for conn_id, held in self._held_np.items():
-            assert {
-                int(self._seq_np[slot, CACHE_ID]) for slot in np.flatnonzero(held).tolist()
-            } == set(self.conn_refs[conn_id]) | {
-                cache_id
-                for cache_id in light
-                if self._light_conn[cache_id & self._slot_mask] == conn_id
-            }
+        self._refs.check_invariants(self._handoffs.token_refs())
