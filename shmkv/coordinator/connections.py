@@ -440,6 +440,10 @@ class Connections:
     # -- requests ------------------------------------------------------------------------
 
     def _handle(self, conn: _Conn, obj) -> None:
+        """Serve one decoded request of ``conn``: an error answer for one refused in
+        step, else its handler's (``Ops._op_NAME``) answer, now, with descriptors, or
+        later (held behind the promotions it started, or until an early one is in);
+        counted and timed."""
         started = _clock()
         kind = type(obj)
         if kind is protocol.OversizedFrame or kind is _Refused:

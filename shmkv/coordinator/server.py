@@ -17,6 +17,11 @@ Three ways to run it: :meth:`Coordinator.start` (a thread of this process),
 :meth:`Coordinator.spawn` (its own process, tied to this one's lifetime: a
 :class:`SpawnedCoordinator`, at the end of this module), and ``shmkv serve`` (the
 foreground of a terminal).
+
+The module is over 800 lines because the address helpers (``runtime_dir``,
+``default_address``, ``lock_path``, ``remove_stale_socket``), ``LOCAL_POOLS`` and
+:class:`SpawnedCoordinator` are imported from here by the rest of the tree; they could
+move to a module of their own.
 """
 
 from __future__ import annotations
@@ -403,6 +408,12 @@ class Coordinator:
     Raises:
         ShmkvError: the address is served by a live coordinator, or the pool cannot
             be allocated (with what to change).
+
+    The class is over 600 lines because its option checks, its lifecycle (open, stop,
+    close, fork), the loop and the read-only views of its parts' counters share one
+    object's fields; what the loop serves is in its parts,
+    :class:`~shmkv.coordinator.connections.Connections` and
+    :class:`~shmkv.coordinator.ops.Ops`.
     """
 
     def __init__(
