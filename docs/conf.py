@@ -74,7 +74,7 @@ nitpick_ignore = [
     # the coordinator's tier machinery (shmkv/tiers/, shmkv/tiers/redis_store.py), named by those
     # modules' docstrings; neither is for users
     ("py:class", "TierSet"),
-    ("py:class", "shmkv.tiers.tier_set.TierSet"),  # (as Ops._copy_tiers's return annotation)
+    ("py:class", "shmkv.tiers.tier_set.TierSet"),  # (as Ops.copy_tiers's return annotation)
     ("py:meth", "TierSet.tick"),
     ("py:class", "RemoteTierSet"),
 ]

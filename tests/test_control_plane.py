@@ -883,13 +883,13 @@ class _RawLoop:
             self.coord.table.add_connection(i)
             self.selector.register(mine, selectors.EVENT_READ, conn)
             self.theirs.append(theirs)
-        handle = self.coord._handle
+        handle = self.coord._connections._handle
 
         def recorded(conn, obj):
             self.served.append(conn.conn_id)
             handle(conn, obj)
 
-        self.coord._handle = recorded
+        self.coord._connections._handle = recorded
 
     def answers(self, i: int, num: int) -> list:
         decoder, ids = protocol.FrameDecoder(), []
@@ -978,7 +978,7 @@ def test_connections_caught_waiting_are_served_first_next_turn_or_skipped_once_d
         assert coord._clients_waiting(selector)
         assert sorted(key.data.conn_id for key, _ in coord._caught) == [0, 1]
         assert selector.select(0) == []  # taken: only the kept reports serve them now
-        coord._drop(coord._conns[1], selector)
+        coord._connections.drop(coord._conns[1], selector)
         began = time.monotonic()
         coord._turn(selector)
         assert time.monotonic() - began < 0.5  # it did not sleep

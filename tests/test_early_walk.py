@@ -663,7 +663,7 @@ def test_early_answers_walk(seed, monkeypatch, unique_name):
             walk = Walk(seed, coord, client, other)
             walk.copier = copier
             walk_ref[0] = walk
-            monkeypatch.setattr(coord, "_op_ping", lambda conn: {"bad": walk.check_on_loop()})
+            monkeypatch.setattr(coord._ops, "_op_ping", lambda conn: {"bad": walk.check_on_loop()})
             try:
                 walk.run(STEPS)
             finally:

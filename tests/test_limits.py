@@ -319,7 +319,7 @@ class HeldConnection:
     def read_until(self, n: int) -> None:
         while len(self.conn.held) < n:
             assert time.monotonic() < self.deadline, f"read {len(self.conn.held)} of {n} frames"
-            self.coord._on_readable(self.conn, self.selector)
+            self.coord._connections.on_readable(self.conn, self.selector)
 
     def kinds(self) -> list:
         return [type(obj).__name__ for obj, _ in self.conn.held]
@@ -361,8 +361,8 @@ def test_requests_held_behind_a_promotion_are_bounded_in_bytes(held):
     assert held.kinds() == ["list", "list", "_Refused", "_Refused", "list"]
     assert "the limit is 8192" in str(conn.held[2][0].error)
     assert conn.held_bytes == sum(size for _, size in conn.held)
-    coord._answer_held(conn)  # the wait ends: answered in order
-    coord._flush(conn, held.selector)
+    coord._connections.answer_held(conn)  # the wait ends: answered in order
+    coord._connections.flush(conn, held.selector)
     decoder, answers = protocol.FrameDecoder(), []
     held.theirs.settimeout(5)
     while len(answers) < 5:
@@ -385,15 +385,15 @@ def test_requests_held_again_behind_a_second_promotion_count_again(held, monkeyp
     coord, conn = held.coord, held.conn
     held.send(_allocate_frame(100), _allocate_frame(101))
     held.read_until(2)
-    handle = coord._handle
+    handle = coord._connections._handle
 
     def waits_again(c, obj):  # request 100 waits for a tier too
         handle(c, obj)
         if protocol.request_id_of(obj) == 100:
             c.held = []
 
-    monkeypatch.setattr(coord, "_handle", waits_again)
-    coord._answer_held(conn)
+    monkeypatch.setattr(coord._connections, "_handle", waits_again)
+    coord._connections.answer_held(conn)
     assert [protocol.request_id_of(obj) for obj, _ in conn.held] == [101]
     assert conn.held_bytes == conn.held[0][1] > 3000  # still counted
     held.send(_allocate_frame(102), _allocate_frame(103))

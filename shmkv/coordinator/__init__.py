@@ -5,10 +5,12 @@ referenced, what a sequence holds, who may read or write it, and when a block is
 published, promoted or evicted. Where each is decided::
 
     server.py       Coordinator, SpawnedCoordinator: the loop, its address, its lock,
-                    start and stop; drives the tiers (``shmkv.tiers``)
-    connections.py  the loop's sockets: accept, read frames, refuse, drop, tick
-    ops.py          one handler per wire operation: checks the arguments, calls the
-                    sequence table, answers
+                    start and stop, the counters' stats; drives the tiers
+                    (``shmkv.tiers``); holds the two parts below, made with the pool
+    connections.py  Connections: the loop's client sockets: accept, read frames,
+                    refuse, dispatch, hold what waits for a tier, answer, drop
+    ops.py          Ops: one handler per wire operation: checks the arguments, calls
+                    the sequence table, answers
     sequences.py    SequenceTable: every operation on sequences, all or nothing; it
                     composes the parts below, each an object that alone writes its data
     rows.py         one row per sequence: its blocks, lengths and the table writer

@@ -1,20 +1,29 @@
-"""The coordinator's connections: one part of :class:`~shmkv.coordinator.server.Coordinator`.
+"""The coordinator's connections: every client socket the loop serves, and its state.
 
 Owns what happens to a client's connection inside the coordinator's loop: accepting it
 (the peer's uid, ``max_connections``, running out of descriptors), reading its frames
-(oversized ones refused in step), the requests it sends while one of its requests waits
-for a tier promotion (held, bounded by :data:`MAX_HELD_REQUESTS` and
-:data:`MAX_HELD_BYTES`, answered in order), dispatching each request to its
-``_op_NAME`` handler (``shmkv.coordinator.ops``) and timing it, writing the answers back (the
-handshake's with the pool's descriptors), and dropping the connection with every
-reference it held. The loop itself, the socket's address and the pool's lifetime are
-``shmkv.coordinator.server``'s.
+(oversized ones refused in step), the handshake's state (greeted, its rank), the
+requests it sends while one of its requests waits for a tier promotion (held, bounded
+by :data:`MAX_HELD_REQUESTS` and :data:`MAX_HELD_BYTES`, answered in order; with them
+the ``settle`` and ``fork`` requests that wait for an early promotion), dispatching
+each request to its handler (``Ops._op_NAME``, ``shmkv.coordinator.ops``) and timing
+it, writing the answers back (the handshake's with the pool's descriptors), the
+connection counters (accepted, refused, dropped, requests by op, errors, latency),
+the promotions this turn's requests need (``to_promote``), and
+dropping a connection with every reference it held.
+
+Not the loop (which socket is ready, when to sleep, driving the tiers), nor the
+listener's address and lifetime, nor the pool: those are
+:class:`~shmkv.coordinator.server.Coordinator`'s, which calls :class:`Connections`
+through its public methods. Not what a request does: that is the handlers'
+(:class:`~shmkv.coordinator.ops.Ops`).
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import select
 import selectors
@@ -22,13 +31,14 @@ import socket
 import struct
 import time
 from bisect import bisect_left
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from shmkv import protocol
 from shmkv.coordinator.metrics import (
     LATENCY_BUCKETS,  # the request latency histogram's bucket bounds
 )
 from shmkv.coordinator.ops import SETTLE_LATER, Ops
+from shmkv.coordinator.sequences import SequenceTable
 from shmkv.errors import (
     AccessDenied,
     LimitExceeded,
@@ -39,7 +49,6 @@ from shmkv.errors import (
 
 if TYPE_CHECKING:
     from shmkv.tiers import TierSet
-    from shmkv.tiers.redis_store import RemoteTierSet
 
 log = logging.getLogger("shmkv.coordinator.server")
 _clock = time.perf_counter
@@ -171,29 +180,61 @@ class _Refused:
         self.request_id, self.error = request_id, error
 
 
-class Connections(Ops):
-    """The connection side of the coordinator (see the module doc); the coordinator's
-    loop calls :meth:`_accept` and :meth:`_on_readable` / :meth:`_flush` as its
-    selector reports sockets ready."""
+class Connections:
+    """The client connections of a serving coordinator (see the module doc). The
+    coordinator's loop calls :meth:`accept` when its listener is ready,
+    :meth:`on_readable` and :meth:`flush` as its selector reports a connection,
+    :meth:`take_to_promote` to start the promotions requests need, and
+    :meth:`promotion_done` as the tiers finish them.
 
-    # The coordinator's state these methods use (made by ``Coordinator.__init__``).
-    _listener: Optional[socket.socket]
-    _conns: Dict[int, _Conn]
-    _next_conn_id: int
-    _next_promotion_id: int
-    _accept_paused_until: float
-    _fd_warned_at: float
-    max_connections: int
-    latency: Dict[str, list]
-    _to_promote: list
-    _promoting: Dict[int, int]
-    _settle_waiters: Dict[int, List[Tuple[_Conn, int, str]]]
-    _served: bool
-    tiers: Optional[Union["TierSet", "RemoteTierSet"]]
+    Args:
+        ops: the request handlers (``shmkv.coordinator.ops``).
+        table: the sequence table (connections are added to it and dropped from it;
+            the promotions a request planned are taken from it).
+        listener: the coordinator's listening socket, accepted from (its address and
+            lifetime are the coordinator's).
+        max_connections: clients connected at once; more are refused.
+        max_frame: the largest request frame in bytes.
+    """
 
-    def _accept(self, selector) -> None:
+    def __init__(
+        self,
+        ops: Ops,
+        table: SequenceTable,
+        listener: socket.socket,
+        max_connections: int,
+        max_frame: int,
+    ):
+        self._ops = ops
+        self._table = table
+        self._listener = listener
+        self.max_connections = max_connections
+        self.max_frame = max_frame
+        self.conns: Dict[int, _Conn] = {}  # conn id -> the connection, while it is open
+        self._next_conn_id = 1
+        self._next_promotion_id = 0  # (promotions copied by their clients)
+        # While out of descriptors: when to listen again (0.0: listening, see accept)
+        self.accept_paused_until = 0.0
+        self._fd_warned_at = -math.inf
+        self.num_ops = 0
+        self.ops_by_type: Dict[str, int] = {}
+        self.num_refused = 0
+        self.num_dropped = 0
+        self.num_accepted = 0
+        self.num_errors = 0
+        self.latency: Dict[str, list] = {}  # op -> [count per LATENCY_BUCKETS bucket..., sum]
+        # promotions this turn's requests need (see take_to_promote): (records, whom to
+        # answer when done: (connection, request id, answer), or the cache ids of an
+        # early answer)
+        self.to_promote: list = []
+        # cache id -> the requests waiting for its early promotions: [(conn, request id, op)]
+        self.settle_waiters: Dict[int, List[Tuple[_Conn, int, str]]] = {}
+
+    def accept(self, selector) -> None:
+        """Accept every connection waiting on the listener (or refuse it, with an error
+        frame: another uid's, or past ``max_connections``); out of descriptors, stop
+        listening for a moment (see :meth:`maybe_resume_accept`)."""
         listener = self._listener
-        assert listener is not None, "only a serving loop accepts"
         while True:
             try:
                 sock, _ = listener.accept()
@@ -203,9 +244,9 @@ class Connections(Ops):
                 if exc.errno in (errno.EMFILE, errno.ENFILE):
                     # Out of descriptors: stop listening for a moment instead of spinning
                     # on a listener that stays readable; connected clients are served.
-                    selector.unregister(self._listener)
+                    selector.unregister(listener)
                     now = time.monotonic()
-                    self._accept_paused_until = now + 0.1
+                    self.accept_paused_until = now + 0.1
                     if now - self._fd_warned_at > 10.0:  # once per 10 s, not per retry
                         self._fd_warned_at = now
                         log.warning(
@@ -224,14 +265,14 @@ class Connections(Ops):
                 log.warning(
                     "refused pid %d: uid %d is not this coordinator's uid %d", pid, uid, os.getuid()
                 )
-            elif len(self._conns) >= self.max_connections:
+            elif len(self.conns) >= self.max_connections:
                 refusal = LimitExceeded(
-                    f"{len(self._conns)} connections open, the limit is {self.max_connections}"
+                    f"{len(self.conns)} connections open, the limit is {self.max_connections}"
                 )
                 log.warning(
                     "refused pid %d: limit hit: %d connections open (max_connections=%d)",
                     pid,
-                    len(self._conns),
+                    len(self.conns),
                     self.max_connections,
                 )
             if refusal is not None:
@@ -246,13 +287,22 @@ class Connections(Ops):
             sock.setblocking(False)
             conn = _Conn(sock, self._next_conn_id, pid, self.max_frame)
             self._next_conn_id += 1
-            self._conns[conn.conn_id] = conn
+            self.conns[conn.conn_id] = conn
             self.num_accepted += 1
-            self.table.add_connection(conn.conn_id)
+            self._table.add_connection(conn.conn_id)
             selector.register(sock, selectors.EVENT_READ, conn)
-            log.info("connection %d from pid %d (%d open)", conn.conn_id, pid, len(self._conns))
+            log.info("connection %d from pid %d (%d open)", conn.conn_id, pid, len(self.conns))
 
-    def _drop(
+    def maybe_resume_accept(self, selector) -> bool:
+        """While accepting is paused (out of descriptors): listen again once the pause
+        is over. True while it still lasts."""
+        if time.monotonic() < self.accept_paused_until:
+            return True
+        self.accept_paused_until = 0.0
+        selector.register(self._listener, selectors.EVENT_READ, None)
+        return False
+
+    def drop(
         self,
         conn: _Conn,
         selector=None,
@@ -260,7 +310,11 @@ class Connections(Ops):
         reason: str = "closed by the client",
         level: int = logging.INFO,
     ) -> None:
-        if self._conns.pop(conn.conn_id, None) is None:
+        """Close ``conn`` (unregistered from ``selector`` when given) and release every
+        reference it held; the promotions its client was copying fail. Counted as
+        dropped unless ``count`` is False; logged at ``level`` with its ``reason`` (or
+        the one it was closing for). Does nothing for a connection already dropped."""
+        if self.conns.pop(conn.conn_id, None) is None:
             return
         if selector is not None:
             try:
@@ -269,14 +323,12 @@ class Connections(Ops):
                 pass
         # shutdown, not only close: a forked child's copy must not keep the client waiting
         _shutdown_and_close(conn.sock)
-        released = 0
-        tiers = self._copy_tiers()
+        tiers = self._ops.copy_tiers()
         for promo in (conn.copying or {}).values():  # its client never said: none is in
             assert tiers is not None  # (a promotion is left to a client only with them)
             tiers.finish_in_client(promo, None, [])
         conn.copying = None
-        if self.table is not None:
-            released = self.table.drop_connection(conn.conn_id)
+        released = self._table.drop_connection(conn.conn_id)
         if count:
             self.num_dropped += 1
         log.log(
@@ -288,20 +340,34 @@ class Connections(Ops):
             released,
         )
 
-    def _on_readable(self, conn: _Conn, selector) -> None:
+    def drop_all(self) -> None:
+        """Drop every connection, uncounted: the coordinator is stopping."""
+        for conn in list(self.conns.values()):
+            self.drop(conn, count=False, reason="the coordinator is stopping", level=logging.DEBUG)
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: close this process's copies of the connections' sockets
+        and forget them, their references untouched (they are the parent's)."""
+        for conn in self.conns.values():
+            conn.sock.close()
+        self.conns = {}
+
+    def on_readable(self, conn: _Conn, selector) -> None:
+        """Read what ``conn`` sent (once: its selector report is re-armed here), serve
+        or hold each request in it, and send what is answered."""
         try:
             data = conn.sock.recv(_RECV_SIZE)
         except (BlockingIOError, InterruptedError):
             selector.rearm(conn.sock, conn.events)
             return
         except OSError as exc:
-            self._drop(conn, selector, reason=f"receive failed: {exc.strerror}")
+            self.drop(conn, selector, reason=f"receive failed: {exc.strerror}")
             return
         # Watched again from here (ArrivalSelector): what it sends from now on queues
         # behind what the others sent before; bytes still unread queue at once.
         selector.rearm(conn.sock, conn.events)
         if not data:
-            self._drop(conn, selector)
+            self.drop(conn, selector)
             return
         try:
             decoder = conn.decoder
@@ -335,10 +401,12 @@ class Connections(Ops):
             conn.outbuf += protocol.encode_error(-1, exc)
             conn.closing = True
             conn.reason = f"protocol error: {exc}"
-        self._flush(conn, selector)
+        self.flush(conn, selector)
 
-    def _flush(self, conn: _Conn, selector) -> None:
-        if conn.conn_id not in self._conns:  # dropped while reading this round
+    def flush(self, conn: _Conn, selector) -> None:
+        """Send what ``conn`` has to send (what the socket takes now; the rest when it
+        is writable); drop it when it was closing, or when its client reads too little."""
+        if conn.conn_id not in self.conns:  # dropped while reading this round
             return
         try:
             while conn.outbuf:
@@ -351,13 +419,13 @@ class Connections(Ops):
         except (BlockingIOError, InterruptedError):
             pass
         except OSError as exc:
-            self._drop(conn, selector, reason=f"send failed: {exc.strerror}")
+            self.drop(conn, selector, reason=f"send failed: {exc.strerror}")
             return
         if conn.closing:
-            self._drop(conn, selector, level=logging.WARNING)  # an error frame was tried above
+            self.drop(conn, selector, level=logging.WARNING)  # an error frame was tried above
             return
         if len(conn.outbuf) > _MAX_OUTBUF:
-            self._drop(
+            self.drop(
                 conn,
                 selector,
                 level=logging.WARNING,
@@ -372,6 +440,10 @@ class Connections(Ops):
     # -- requests ------------------------------------------------------------------------
 
     def _handle(self, conn: _Conn, obj) -> None:
+        """Serve one decoded request of ``conn``: an error answer for one refused in
+        step, else its handler's (``Ops._op_NAME``) answer, now, with descriptors, or
+        later (held behind the promotions it started, or until an early one is in);
+        counted and timed."""
         started = _clock()
         kind = type(obj)
         if kind is protocol.OversizedFrame or kind is _Refused:
@@ -388,7 +460,7 @@ class Connections(Ops):
             request = protocol.parse_request(obj)
             if not conn.greeted and request.op != "hello":
                 raise ProtocolError("the first request must be hello")
-            handler = getattr(self, "_op_" + request.op)
+            handler = getattr(self._ops, "_op_" + request.op)
             result = handler(conn, **request.args)
         except ProtocolError as exc:
             self.num_errors += 1
@@ -412,33 +484,32 @@ class Connections(Ops):
             )
             return
         op = request.op
-        self._served = True
         self.num_ops += 1
         self.ops_by_type[op] = self.ops_by_type.get(op, 0) + 1
         if op == "hello":
-            fds = self.memory.fds[:1] if self.config.is_cuda else self.memory.fds
-            self._send_with_fds(conn, request_id, result, fds)
+            conn.greeted = True
+            conn.tp_rank = request.args.get("tp_rank")  # (checked by the handler)
+            self._send_with_fds(conn, request_id, result, self._ops.descriptors(op))
         elif op == "tier_memory":
-            tiers = self._copy_tiers()
-            fds = [] if tiers is None else tiers.client_memory()[1]
-            self._send_with_fds(conn, request_id, result, fds)
-        elif self.table.promotions:  # a tier copies blocks in
+            self._send_with_fds(conn, request_id, result, self._ops.descriptors(op))
+        elif self._table.promotions:  # a tier copies blocks in
             # Started at the end of this turn, after the requests that came in meanwhile
-            # (see _turn). Answered when they are in, or now when asked ``early``; or
-            # copied by the client, asked to ``copy``, which reports them (``promoted``).
-            records = self.table.take_promotions()
-            tiers = self._copy_tiers() if request.args.get("copy") else None
+            # (see take_to_promote). Answered when they are in, or now when asked
+            # ``early``; or copied by the client, asked to ``copy``, which reports them
+            # (``promoted``).
+            records = self._table.take_promotions()
+            tiers = self._ops.copy_tiers() if request.args.get("copy") else None
             if tiers is not None:
                 copy = self._promote_in_client(tiers, conn, records, result)
                 conn.outbuf += protocol.encode_ok(request_id, copy)
             elif request.args.get("early") and self._promote_early(records):
                 conn.outbuf += protocol.encode_ok(request_id, result)
             else:
-                self._to_promote.append((records, (conn, request_id, result)))
+                self.to_promote.append((records, (conn, request_id, result)))
                 conn.held = []
         elif result is SETTLE_LATER:  # answered by _settled, as the requests after it
             waiter = (conn, request_id, op)
-            self._settle_waiters.setdefault(request.args["cache_id"], []).append(waiter)
+            self.settle_waiters.setdefault(request.args["cache_id"], []).append(waiter)
             conn.held = []
         else:
             conn.outbuf += protocol.encode_ok(request_id, result)
@@ -463,54 +534,60 @@ class Connections(Ops):
         return {"copy": tiers.client_copies(promo, self._next_promotion_id)}
 
     def _promote_early(self, records: list) -> bool:
-        """Promotions answered before their blocks are in: each record's info says how
-        many blocks still come (``promoting``), from which block of the sequence on
-        (``promoting_from``), and how many of them are only asked of the shared store,
-        which may not have them (``fetching``); its sequence counts in ``_promoting``
-        until they are in, and ``settle`` on it waits (see :meth:`_settled`). False (the
-        request then waits as one not asked early) if the answer could not be made."""
-        tiers = self.tiers
-        assert tiers is not None, "promotions are planned only against tiers"
-        try:
-            marks = [tiers.held_here(record.keys) for record in records]
-        except Exception:  # a bug here must not take the coordinator down
-            log.exception("early answer failed; the allocation waits for its promotions")
+        """Promotions answered before their blocks are in (``Ops.promote_early``), to
+        start at the end of the turn; ``settle`` or ``fork`` on their sequences waits
+        until they are in (:meth:`_settled`). False (the request then waits as one not
+        asked early) if the answer could not be made."""
+        cache_ids = self._ops.promote_early(records)
+        if cache_ids is None:
             return False
-        self.table.answer_early(records, marks)
-        cache_ids = []
-        for record in records:
-            cache_id = record.seq.cache_id
-            self._promoting[cache_id] = self._promoting.get(cache_id, 0) + 1
-            cache_ids.append(cache_id)
-        self._to_promote.append((records, cache_ids))
+        self.to_promote.append((records, cache_ids))
         return True
+
+    def take_to_promote(self) -> list:
+        """The promotions this turn's requests need, taken: ``(records, context)``, the
+        context to set on each promotion the loop starts (``TierSet.promote``), handed
+        back to :meth:`promotion_done` when it is done."""
+        to_promote, self.to_promote = self.to_promote, []
+        return to_promote
+
+    def promotion_done(self, context, selector) -> None:
+        """A promotion the loop started (its ``context``, from :meth:`take_to_promote`)
+        is done: answer the request that waited for it (gone meanwhile: nothing; its
+        references were dropped already), then what its connection sent meanwhile; for
+        one answered early, the requests that waited for its sequences."""
+        if isinstance(context, list):  # answered early
+            self._settled(context, selector)
+            return
+        asked, request_id, result = context
+        conn = self.conns.get(asked.conn_id)
+        if conn is None or conn is not asked:
+            return
+        conn.outbuf += protocol.encode_ok(request_id, result)
+        self.answer_held(conn)
+        self.flush(conn, selector)
 
     def _settled(self, cache_ids: List[int], selector) -> None:
         """An early promotion is done: answer the requests that waited for the sequences
         it was the last one copying into (``settle``: their hit now, shorter than the
         early answer said when a block did not arrive; ``fork``: the fork of the settled
         sequence), then what their connections sent meanwhile."""
+        ops = self._ops
         for cache_id in cache_ids:
-            left = self._promoting[cache_id] - 1
-            if left:
-                self._promoting[cache_id] = left
+            if not ops.end_promotion(cache_id):
                 continue
-            del self._promoting[cache_id]
-            for conn, request_id, op in self._settle_waiters.pop(cache_id, ()):
-                if self._conns.get(conn.conn_id) is not conn:
+            for conn, request_id, op in self.settle_waiters.pop(cache_id, ()):
+                if self.conns.get(conn.conn_id) is not conn:
                     continue  # gone meanwhile
                 try:  # (still held: the connection's release waits behind the request)
-                    if op == "fork":
-                        answer = self.table.fork(conn.conn_id, cache_id)
-                    else:
-                        answer = {"num_cached": self.table.settled(conn.conn_id, cache_id)}
+                    answer = ops.answer_settled(conn, cache_id, op)
                     conn.outbuf += protocol.encode_ok(request_id, answer)
                 except ShmkvError as exc:
                     conn.outbuf += protocol.encode_error(request_id, exc)
-                self._answer_held(conn)
-                self._flush(conn, selector)
+                self.answer_held(conn)
+                self.flush(conn, selector)
 
-    def _answer_held(self, conn: _Conn) -> None:
+    def answer_held(self, conn: _Conn) -> None:
         """Serve, in order, the requests ``conn`` sent while one waited for a tier. One
         that waits again holds the rest once more, their bytes counted again against
         MAX_HELD_BYTES (with what arrives meanwhile)."""

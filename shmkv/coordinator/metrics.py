@@ -5,7 +5,7 @@ of every series (all ``shmkv_*``, listed in ``docs/operations.md``) and the boun
 that endpoint. Counters are not kept here: at each scrape :func:`render` reads the
 coordinator's plain ints, its per-op latency buckets and the sequence table's
 counters (single reads of ints and lists, safe under the GIL), so the coordinator's
-loop does no metrics work beyond adding to a few lists (see ``Coordinator._handle``)
+loop does no metrics work beyond adding to a few lists (see ``Connections._handle``)
 and never waits on a scrape. Does not change any state of the coordinator.
 
 The endpoint is a surface other local processes (or machines) reach, so it is
@@ -44,7 +44,7 @@ log = logging.getLogger("shmkv.coordinator.metrics")
 # Upper bounds (seconds) of the request latency histogram's buckets; one more bucket
 # holds everything slower. Each op type of a coordinator keeps ``[count per bucket...,
 # sum]`` as a plain list: observing a request is a clock read, a bisect and two adds
-# (see ``Coordinator._handle``). Here, not in the coordinator, so that the coordinator
+# (see ``Connections._handle``). Here, not in the coordinator, so that the coordinator
 # imports this module and never the other way round.
 LATENCY_BUCKETS = (
     25e-6,

@@ -1,35 +1,45 @@
 """The requests a coordinator answers: one handler per wire operation.
 
 Owns turning each validated request (``shmkv.protocol.OPS``) into a call of the
-sequence table (``shmkv.coordinator.sequences``) or a read of the pool's state, and checking what a
-connection may ask (its tensor-parallel rank, a layer's scales, the rows it reads).
-Does no I/O: :class:`~shmkv.coordinator.server.Coordinator`'s loop reads, decodes and
-dispatches requests (``Coordinator._handle``) and sends the answers these handlers
-return. A handler's error is the caller's (a :class:`~shmkv.errors.ShmkvError`, sent
-back with its code), and changes nothing.
+sequence table (``shmkv.coordinator.sequences``) or a read of the pool's state,
+checking what a connection may ask (its tensor-parallel rank, a layer's scales, the
+rows it reads), and two pieces of state: the prompt counts by client name (read by
+``/metrics``) and the sequences that early-answered promotions still copy into
+(``Ops.promoting``, which holds back ``settle`` and ``fork`` on them).
+
+Does no I/O and holds no connection: :class:`~shmkv.coordinator.connections.Connections`
+reads, decodes and dispatches requests to ``Ops._op_NAME(conn, **args)``, sends the
+answers, and holds the requests that wait. A handler reads the asking connection's
+record (``conn``); the one field it changes is ``conn.copying``, from which
+``promoted`` takes the promotion it finishes. A handler's error is the caller's (a
+:class:`~shmkv.errors.ShmkvError`, sent back with its code), and changes nothing.
+The counters of the whole coordinator (``stats``) are
+:class:`~shmkv.coordinator.server.Coordinator`'s, which this part is handed.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
-import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
 from shmkv import protocol
 from shmkv.coordinator.sequences import SequenceTable
 from shmkv.errors import InvalidArgument, OutOfRange, ProtocolError, WrongType
-from shmkv.kernels import native
 from shmkv.memory.layout import PoolConfig
-from shmkv.memory.pool import PoolMemory, Populator
+from shmkv.memory.pool import PoolMemory
 from shmkv.memory.tables import write_scales
 from shmkv.protocol import check_client_name
 from shmkv.tiers import TierSet
 
+log = logging.getLogger("shmkv.coordinator.server")
+
 # What ``_op_settle`` and ``_op_fork`` return for a sequence a tier still copies blocks
-# into: the coordinator answers them once the blocks are in (``_settled``).
+# into: the connection holds them, and :meth:`Ops.answer_settled` answers them once the
+# blocks are in.
 SETTLE_LATER = object()
 
 # Client names counted apart in ``/metrics`` (a bound on the label's values).
@@ -38,31 +48,45 @@ MAX_COUNTED_TOKENS = 1 << 40  # the most tokens one count_hits report may add
 
 
 class Ops:
-    """The handlers of :class:`~shmkv.coordinator.server.Coordinator`: ``_op_NAME(conn, **args)``
-    answers the wire op ``NAME`` (see the module doc)."""
+    """The request handlers of a serving coordinator: ``_op_NAME(conn, **args)``
+    answers the wire op ``NAME`` (see the module doc).
 
-    # The coordinator's state the handlers read (made by ``Coordinator.__init__`` and
-    # ``Coordinator.open``).
-    config: PoolConfig
-    memory: PoolMemory
-    table: SequenceTable
-    tiers: Any
-    instance: str
-    max_handoff_ttl: float
-    max_frame: int
-    address: str
-    metrics_address: Optional[tuple]
-    num_ops: int
-    ops_by_type: Dict[str, int]
-    num_refused: int
-    num_dropped: int
-    num_accepted: int
-    num_errors: int
-    _started_at: float
-    client_counts: Dict[str, List[int]]
-    _populator: Optional[Populator]
-    _loop_slice_ns: Optional[int]
-    _promoting: Dict[int, int]
+    Args:
+        config: the pool's configuration.
+        memory: the pool's memory (its descriptors go with the handshake).
+        table: the sequence table every handler calls.
+        tiers: the tiers under the pool (a ``TierSet`` or the shared store's), or None.
+        instance: the coordinator instance's name (see ``Coordinator.instance``).
+        max_handoff_ttl: the longest hand-off ttl, told to clients in the handshake.
+        max_frame: the largest request frame, told to clients in the handshake.
+        stats: the coordinator's counters (``Coordinator.stats``), the answer to ``stats``.
+    """
+
+    def __init__(
+        self,
+        config: PoolConfig,
+        memory: PoolMemory,
+        table: SequenceTable,
+        tiers: Any,
+        *,
+        instance: str,
+        max_handoff_ttl: float,
+        max_frame: int,
+        stats: Callable[[], dict],
+    ):
+        self.config = config
+        self.memory = memory
+        self.table = table
+        self.tiers = tiers
+        self.instance = instance
+        self.max_handoff_ttl = max_handoff_ttl
+        self.max_frame = max_frame
+        self._stats = stats
+        # client name -> [prompt tokens hit, missed], shared by its connections (see
+        # _name_client); kept when they close, for /metrics
+        self.client_counts: Dict[str, List[int]] = {}
+        # cache id -> early-answered promotions still copying into it (see promote_early)
+        self.promoting: Dict[int, int] = {}
 
     def _name_client(self, conn, name: Optional[str]) -> None:
         """Count the prompts of ``conn`` under its client name (``/metrics``, at most
@@ -94,8 +118,7 @@ class Ops:
             )
         if name is not None:
             check_client_name(name)
-        conn.greeted = True
-        conn.tp_rank = tp_rank
+        # (the connection records itself greeted, and its rank, once this is answered)
         self._name_client(conn, name)
         return {
             "version": protocol.PROTOCOL_VERSION,
@@ -113,11 +136,11 @@ class Ops:
 
     def _features(self) -> List[str]:
         """What the hello lists: ``protocol.FEATURES``, "copy" only where a client can
-        copy its own promotions (:meth:`_copy_tiers`)."""
-        copy = self._copy_tiers() is not None
+        copy its own promotions (:meth:`copy_tiers`)."""
+        copy = self.copy_tiers() is not None
         return [f for f in protocol.FEATURES if copy or f != "copy"]
 
-    def _copy_tiers(self) -> Optional[TierSet]:
+    def copy_tiers(self) -> Optional[TierSet]:
         """The tiers whose promotions a client may copy itself: local ones (a
         ``TierSet``, not the shared store's) under a CPU pool; else None."""
         tiers = self.tiers
@@ -149,8 +172,8 @@ class Ops:
 
     def _op_allocate_many(self, conn, requests=None, counts=None, early=False, copy=False):
         # ``early``: answered at once though tier blocks are still coming (the
-        # coordinator's ``_handle``); ``settle`` waits for them. ``copy``: the client
-        # copies them itself (``_promote_in_client``), where ``_copy_tiers`` allows.
+        # connections' ``_handle``); ``settle`` waits for them. ``copy``: the client
+        # copies them itself (``_promote_in_client``), where ``copy_tiers`` allows.
         if (requests is None) == (counts is None):
             raise InvalidArgument("allocate_many takes one of requests and counts")
         if counts is not None:  # plain sequences of given lengths: packed both ways
@@ -195,8 +218,8 @@ class Ops:
 
     def _op_fork(self, conn, cache_id):
         # A fork of a sequence a tier still copies blocks into waits for them, as a
-        # settle does (``SETTLE_LATER``; ``Coordinator._settled`` forks it then).
-        if cache_id in self._promoting:
+        # settle does (``SETTLE_LATER``; ``answer_settled`` forks it then).
+        if cache_id in self.promoting:
             self.table.info(conn.conn_id, cache_id)  # (only a holder may wait)
             return SETTLE_LATER
         return self.table.fork(conn.conn_id, cache_id)
@@ -219,15 +242,15 @@ class Ops:
 
     def _op_tier_memory(self, conn):
         # What a client needs to copy its own promotions; the host tier's read-only
-        # descriptor goes with the answer (``Coordinator._handle``).
-        tiers = self._copy_tiers()
+        # descriptor goes with the answer (``descriptors``).
+        tiers = self.copy_tiers()
         return {"tiers": None if tiers is None else tiers.client_memory()[0]}
 
     def _op_promoted(self, conn, id, statuses, errors=None):
         # A client's report on the copies of a promotion it was asked to run (an
         # allocation's answer with ``copy``): the promotion ends as a worker's would, and
         # the answer is then the allocation's.
-        copying, tiers = conn.copying, self._copy_tiers()
+        copying, tiers = conn.copying, self.copy_tiers()
         promo = None if copying is None else copying.get(id)
         if promo is None or tiers is None:
             raise InvalidArgument(f"promoted: no promotion {id} waits for this client's copies")
@@ -237,9 +260,9 @@ class Ops:
 
     def _op_settle(self, conn, cache_id):
         # A held sequence's hit once its promoted blocks are in: now, or, while a tier
-        # still copies them, when it is done (``SETTLE_LATER``: the coordinator holds the
-        # answer, see ``Coordinator._settled``).
-        if cache_id in self._promoting:
+        # still copies them, when it is done (``SETTLE_LATER``: the connection holds the
+        # answer, see ``answer_settled``).
+        if cache_id in self.promoting:
             self.table.info(conn.conn_id, cache_id)  # (only a holder may wait)
             return SETTLE_LATER
         return {"num_cached": self.table.settled(conn.conn_id, cache_id)}
@@ -331,7 +354,7 @@ class Ops:
         return out
 
     def _op_stats(self, conn):
-        return self.stats()
+        return self._stats()
 
     def _op_set_kv_scales(self, conn, layer, k_scale, v_scale):
         if not 0 <= layer < self.config.num_layers:
@@ -343,72 +366,59 @@ class Ops:
         assert lock is not None and scales is not None, "a served pool is mapped"
         write_scales(lock, scales, layer, float(k_scale), float(v_scale))
 
-    def block_counts(self) -> Dict[str, Dict[str, int]]:
-        """Blocks by tier and state, ``{tier: {state: n}}``: ``pool`` (free, cached,
-        referenced), ``host`` (free, cached) and ``disk`` (cached), each lower tier only
-        when configured. Read by the metrics exporter (``shmkv.coordinator.metrics``), which labels
-        every series with the tier and the state."""
-        pool = self.table.pool
-        counts = {
-            "pool": {
-                "free": pool.num_free,
-                "cached": pool.num_cached,
-                "referenced": pool.num_referenced,
-            }
-        }
+    # -- what the connections ask of the handlers ------------------------------------------
+
+    def descriptors(self, op: str) -> List[int]:
+        """The descriptors the answer to ``op`` carries (SCM_RIGHTS): for ``hello`` the
+        pool's (a CUDA pool's metadata segment only), for ``tier_memory`` the host
+        tier's (none where clients copy no promotions)."""
+        if op == "hello":
+            return self.memory.fds[:1] if self.config.is_cuda else self.memory.fds
+        tiers = self.copy_tiers()
+        return [] if tiers is None else tiers.client_memory()[1]
+
+    def promote_early(self, records: list) -> Optional[List[int]]:
+        """Promotions answered before their blocks are in: each record's info says how
+        many blocks still come (``promoting``), from which block of the sequence on
+        (``promoting_from``), and how many of them are only asked of the shared store,
+        which may not have them (``fetching``); its sequence counts in
+        ``promoting`` until :meth:`end_promotion`, and ``settle`` or ``fork`` on it
+        waits. Returns the records' cache ids, or None (nothing changed: the request
+        then waits as one not asked early) if the answer could not be made."""
         tiers = self.tiers
-        if tiers is not None and tiers.host is not None:
-            counts["host"] = {"free": len(tiers.host.free), "cached": tiers.host.num_ready}
-        if tiers is not None and tiers.disk is not None:
-            counts["disk"] = {"cached": tiers.disk.num_ready}
-        return counts
+        assert tiers is not None, "promotions are planned only against tiers"
+        try:
+            marks = [tiers.held_here(record.keys) for record in records]
+        except Exception:  # a bug here must not take the coordinator down
+            log.exception("early answer failed; the allocation waits for its promotions")
+            return None
+        self.table.answer_early(records, marks)
+        cache_ids = []
+        promoting = self.promoting
+        for record in records:
+            cache_id = record.seq.cache_id
+            promoting[cache_id] = promoting.get(cache_id, 0) + 1
+            cache_ids.append(cache_id)
+        return cache_ids
 
-    def stats(self) -> dict:
-        """Counters of the pool, the prefix cache, connections and operations, and
-        whether the native code is loaded (``native``: see ``shmkv.kernels.native.report``)."""
-        out = self.table.stats()
-        uptime = max(time.monotonic() - self._started_at, 1e-9)
-        out.update(
-            {
-                "address": self.address,
-                "pid": os.getpid(),
-                "uptime_s": uptime,
-                "ops": self.num_ops,
-                "ops_per_s": self.num_ops / uptime,
-                "ops_by_type": dict(self.ops_by_type),
-                "refused_connections": self.num_refused,
-                "dropped_connections": self.num_dropped,
-                "accepted_connections": self.num_accepted,
-                "request_errors": self.num_errors,
-                "metrics_port": (None if self.metrics_address is None else self.metrics_address[1]),
-                "pool_bytes": self.config.nbytes,
-                "block_bytes": self.config.block_nbytes,
-                "config": self.config.to_wire(),
-                # the loop thread's CPU slice while it serves (None: not asked for, or
-                # this kernel keeps no such request; see shmkv.coordinator.sched)
-                "loop_slice_us": (
-                    None if self._loop_slice_ns is None else self._loop_slice_ns / 1e3
-                ),
-            }
-        )
-        out["pool_memory"] = self.pool_memory_stats()
-        # the native code of this installation: the kernel or its fallback, and why
-        out["native"] = native.report()
-        if self.tiers is not None:
-            out["tiers"] = self.tiers.stats()
-            out["tier_io"] = self.tiers.io_stats()
-        return out
+    def end_promotion(self, cache_id: int) -> bool:
+        """An early promotion into ``cache_id`` is done; True when it was the last one
+        copying into it (the requests waiting for it are answered then)."""
+        left = self.promoting[cache_id] - 1
+        if left:
+            self.promoting[cache_id] = left
+            return False
+        del self.promoting[cache_id]
+        return True
 
-    def pool_memory_stats(self) -> dict:
-        """How the pool's memory is backed, and how far its background populate is."""
-        memory = self.memory
-        if self._populator is not None:
-            populate = self._populator.stats()
-        else:  # not asked for, or a CUDA pool (its memory is the device's)
-            total = 0 if self.config.is_cuda else self.config.nbytes
-            populate = dict(state="off", bytes=0, total_bytes=total, seconds=0.0, error="")
-        return {
-            "hugepages": memory.hugepages,
-            "hugepages_fallback": memory.hugepages_fallback,
-            "populate": populate,
-        }
+    def answer_settled(self, conn, cache_id: int, op: str) -> Any:
+        """The answer to a ``settle`` or ``fork`` that waited (``SETTLE_LATER``) for
+        the blocks of ``cache_id``, now that they are in: its hit (shorter than the
+        early answer said when a block did not arrive), or its fork.
+
+        Raises:
+            ShmkvError: as the op would have (the caller answers it with the error).
+        """
+        if op == "fork":
+            return self.table.fork(conn.conn_id, cache_id)
+        return {"num_cached": self.table.settled(conn.conn_id, cache_id)}

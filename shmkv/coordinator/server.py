@@ -1,17 +1,27 @@
 """The coordinator: owns the pool and serves its metadata over a Unix socket.
 
 Owns the socket's address (the runtime directory, the address lock, permissions,
-stale-file cleanup), the pool's lifetime, and the single-threaded select loop that
-serves it; it is the only writer of block metadata. The loop's parts: connections
-(accepting, frames, held requests, dispatch, answers) in ``shmkv.coordinator.connections``,
-the request handlers in ``shmkv.coordinator.ops``. Framing and validation are in
-``shmkv.protocol``; block and sequence rules in ``shmkv.coordinator.allocator`` and
-``shmkv.coordinator.sequences``; memory in ``shmkv.memory.pool``.
+stale-file cleanup), the pool's lifetime, the tiers' lifetime, and the single-threaded
+select loop that serves it; it is the only writer of block metadata. The loop (which
+socket is ready, when to poll or sleep, starting promotions and driving the tiers,
+expiring hand-offs) is :class:`Coordinator`'s; it holds two parts, made when the pool
+is, each the only writer of its own state: the connections
+(:class:`~shmkv.coordinator.connections.Connections`: sockets, frames, held requests,
+dispatch, answers, their counters) and the request handlers
+(:class:`~shmkv.coordinator.ops.Ops`). :meth:`Coordinator.stats` gathers the counters
+of all three. Framing and validation are in ``shmkv.protocol``; block and sequence
+rules in ``shmkv.coordinator.allocator`` and ``shmkv.coordinator.sequences``; memory in
+``shmkv.memory.pool``.
 
 Three ways to run it: :meth:`Coordinator.start` (a thread of this process),
 :meth:`Coordinator.spawn` (its own process, tied to this one's lifetime: a
 :class:`SpawnedCoordinator`, at the end of this module), and ``shmkv serve`` (the
 foreground of a terminal).
+
+The module is over 800 lines because the address helpers (``runtime_dir``,
+``default_address``, ``lock_path``, ``remove_stale_socket``), ``LOCAL_POOLS`` and
+:class:`SpawnedCoordinator` are imported from here by the rest of the tree; they could
+move to a module of their own.
 """
 
 from __future__ import annotations
@@ -20,7 +30,6 @@ import errno
 import fcntl
 import gc
 import logging
-import math
 import multiprocessing
 import os
 import selectors
@@ -37,6 +46,7 @@ from shmkv import protocol
 from shmkv.coordinator import sched
 from shmkv.coordinator.allocator import BlockPool
 from shmkv.coordinator.connections import Connections, _Conn, _shutdown_and_close, make_selector
+from shmkv.coordinator.ops import Ops
 from shmkv.coordinator.sequences import SequenceTable
 from shmkv.errors import (
     AccessDenied,
@@ -45,6 +55,7 @@ from shmkv.errors import (
     ShmkvError,
     WrongType,
 )
+from shmkv.kernels import native
 from shmkv.memory import shm
 from shmkv.memory.layout import PoolConfig
 from shmkv.memory.pool import PoolMemory, Populator, create_pool
@@ -360,7 +371,7 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class Coordinator(Connections):
+class Coordinator:
     """Owns a KV block pool and serves it to worker processes.
 
     Args:
@@ -397,6 +408,12 @@ class Coordinator(Connections):
     Raises:
         ShmkvError: the address is served by a live coordinator, or the pool cannot
             be allocated (with what to change).
+
+    The class is over 600 lines because its option checks, its lifecycle (open, stop,
+    close, fork), the loop and the read-only views of its parts' counters share one
+    object's fields; what the loop serves is in its parts,
+    :class:`~shmkv.coordinator.connections.Connections` and
+    :class:`~shmkv.coordinator.ops.Ops`.
     """
 
     def __init__(
@@ -466,7 +483,7 @@ class Coordinator(Connections):
         # The machine's count, not this process's affinity: a coordinator pinned to a core
         # of its own (the placement that gains most) still polls.
         self._spin_s = self.spin_us * 1e-6 if (os.cpu_count() or 1) > 1 else 0.0
-        self._served = False  # the last turn served a request
+        self._num_ops_seen = 0  # requests served when the last turn began (see _turn)
         self._turn_began = 0.0
         self._spin_hits = 0.0  # how often a spin caught (or would have caught) the next;
         # from none: a coordinator polls once it has seen requests come back to back
@@ -484,49 +501,31 @@ class Coordinator(Connections):
         self.max_handoff_ttl = float(max_handoff_ttl)
         self.metrics_port = metrics_port
         self.metrics_host = metrics_host
-        self.metrics_address = None  # (host, port) once the metrics server listens
+        self.metrics_address: Optional[tuple] = None  # (host, port) once the metrics server listens
         self._metrics: Optional[MetricsServer] = None
         local_tiers, self._remote_spec = split_specs(tiers)
         self._tier_specs = check_specs(local_tiers)
         self.tiers: Optional[Union[TierSet, RemoteTierSet]] = None  # a store over tiers
         # Fields that teardown may meet half-built default to "nothing to release". The
-        # pool and its table are None until open() and after close(); the handlers (Ops)
-        # run only in between, so Ops types them as set.
-        self.memory = None  # type: ignore[assignment]  # see above
-        self.table = None  # type: ignore[assignment]  # see above
+        # pool, its table and the loop's parts (made with them) are None until open();
+        # the loop runs only after it, so they are typed as set.
+        self.memory: PoolMemory = None  # type: ignore[assignment]  # see above
+        self.table: SequenceTable = None  # type: ignore[assignment]  # see above
+        self._ops: Ops = None  # type: ignore[assignment]  # see above
+        self._connections: Connections = None  # type: ignore[assignment]  # see above
         self._listener: Optional[socket.socket] = None
         self._lock_fd: Optional[int] = None  # the address lock (see _take_lock)
         self._wake_r: Optional[socket.socket] = None
         self._wake_w: Optional[socket.socket] = None
         self._thread: Optional[threading.Thread] = None
-        self._conns: Dict[int, _Conn] = {}
-        self._next_conn_id = 1
-        self._next_promotion_id = 0  # (promotions copied by their clients)
         self._stopping = False
         self._serving = False
-        self._accept_paused_until = 0.0
         self._close_lock = threading.RLock()  # re-entrant: stop() may run in a signal handler
         self._started_at = 0.0
-        self.num_ops = 0
-        self.ops_by_type: Dict[str, int] = {}
-        self.num_refused = 0
-        self.num_dropped = 0
-        self.num_accepted = 0
-        self.num_errors = 0
-        self.latency: Dict[str, list] = {}  # op -> [count per LATENCY_BUCKETS bucket..., sum]
-        # client name -> [prompt tokens hit, missed], shared by its connections (see
-        # Ops._name_client); kept when they close, for /metrics
-        self.client_counts: Dict[str, List[int]] = {}
-        # promotions this turn's requests need (see _turn): (records, whom to answer when
-        # done: (connection, request id, answer), or the cache ids of an early answer)
-        self._to_promote: list = []
-        self._promoting: Dict[int, int] = {}  # cache id -> early promotions still copying
-        self._settle_waiters: Dict[int, list] = {}  # cache id -> [(conn, request id)]
         self._woken = False  # the wake socket was readable this turn (see _turn)
         # Connections found ready while the tiers placed blocks (_clients_waiting): their
         # reports are taken (one-shot), so the next turn serves them first, not sleeping.
         self._caught: list = []
-        self._fd_warned_at = -math.inf
         # Names this coordinator instance (not its address, which a restart reuses), so
         # a step descriptor made against another coordinator is refused.
         self.instance = os.urandom(8).hex()
@@ -598,6 +597,19 @@ class Coordinator(Connections):
                     self._wake_for_tiers,
                 )
                 self.table.tiers = self.tiers
+            self._ops = Ops(
+                self.config,
+                memory,
+                self.table,
+                self.tiers,
+                instance=self.instance,
+                max_handoff_ttl=self.max_handoff_ttl,
+                max_frame=self.max_frame,
+                stats=self.stats,
+            )
+            self._connections = Connections(
+                self._ops, self.table, listener, self.max_connections, self.max_frame
+            )
             if self.metrics_port is not None:
                 from shmkv.coordinator.metrics import MetricsServer
 
@@ -680,8 +692,8 @@ class Coordinator(Connections):
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
-        for conn in list(self._conns.values()):
-            self._drop(conn, count=False, reason="the coordinator is stopping", level=logging.DEBUG)
+        if self._connections is not None:
+            self._connections.drop_all()
         if self._listener is not None:
             _shutdown_and_close(self._listener)  # refuses connects from any process
             self._listener = None
@@ -721,9 +733,8 @@ class Coordinator(Connections):
         self._close_lock = threading.RLock()  # re-entrant: stop() may run in a signal handler
         self._stopping = True
         self._serving = False
-        for conn in self._conns.values():
-            conn.sock.close()
-        self._conns = {}
+        if self._connections is not None:
+            self._connections.forget_after_fork()
         self.tiers = None  # its threads are the parent's; shmkv.tiers drops the disk lock
         self._populator = None  # (so is this one's)
         if self._metrics is not None:
@@ -763,6 +774,142 @@ class Coordinator(Connections):
         return SpawnedCoordinator.start(
             config, name=name, address=address, timeout=timeout, **options
         )
+
+    # -- counters ------------------------------------------------------------------------
+    # Kept by the loop's parts (made by open()): the connections count connections and
+    # requests, the handlers the prompts by client name.
+
+    @property
+    def num_ops(self) -> int:
+        """Requests answered without an error."""
+        return self._connections.num_ops
+
+    @property
+    def ops_by_type(self) -> Dict[str, int]:
+        """Requests answered without an error, by op (read only)."""
+        return self._connections.ops_by_type
+
+    @property
+    def num_errors(self) -> int:
+        """Requests answered with an error (any code)."""
+        return self._connections.num_errors
+
+    @property
+    def num_accepted(self) -> int:
+        """Connections accepted."""
+        return self._connections.num_accepted
+
+    @property
+    def num_refused(self) -> int:
+        """Connections refused (another uid's, or past ``max_connections``)."""
+        return self._connections.num_refused
+
+    @property
+    def num_dropped(self) -> int:
+        """Connections closed while the coordinator served."""
+        return self._connections.num_dropped
+
+    @property
+    def latency(self) -> Dict[str, list]:
+        """The request latency histogram by op: a count per bucket of
+        ``shmkv.coordinator.metrics.LATENCY_BUCKETS`` (and one past the last), then the
+        sum of seconds (read only; read by the metrics exporter at scrape time)."""
+        return self._connections.latency
+
+    @property
+    def client_counts(self) -> Dict[str, List[int]]:
+        """Prompt tokens hit and missed, ``[hit, missed]`` by client name (read only;
+        see ``Client(name=...)``), kept when its connections close."""
+        return self._ops.client_counts
+
+    # The loop's parts' state, read by the metrics exporter and the tests (read only).
+
+    @property
+    def _conns(self) -> Dict[int, _Conn]:
+        return self._connections.conns
+
+    @property
+    def _to_promote(self) -> list:
+        return self._connections.to_promote
+
+    @property
+    def _settle_waiters(self) -> Dict[int, list]:
+        return self._connections.settle_waiters
+
+    @property
+    def _promoting(self) -> Dict[int, int]:
+        return self._ops.promoting
+
+    def block_counts(self) -> Dict[str, Dict[str, int]]:
+        """Blocks by tier and state, ``{tier: {state: n}}``: ``pool`` (free, cached,
+        referenced), ``host`` (free, cached) and ``disk`` (cached), each lower tier only
+        when configured. Read by the metrics exporter (``shmkv.coordinator.metrics``), which labels
+        every series with the tier and the state."""
+        pool = self.table.pool
+        counts = {
+            "pool": {
+                "free": pool.num_free,
+                "cached": pool.num_cached,
+                "referenced": pool.num_referenced,
+            }
+        }
+        tiers = self.tiers
+        if tiers is not None and tiers.host is not None:
+            counts["host"] = {"free": len(tiers.host.free), "cached": tiers.host.num_ready}
+        if tiers is not None and tiers.disk is not None:
+            counts["disk"] = {"cached": tiers.disk.num_ready}
+        return counts
+
+    def stats(self) -> dict:
+        """Counters of the pool, the prefix cache, connections and operations, and
+        whether the native code is loaded (``native``: see ``shmkv.kernels.native.report``)."""
+        out = self.table.stats()
+        connections = self._connections
+        uptime = max(time.monotonic() - self._started_at, 1e-9)
+        out.update(
+            {
+                "address": self.address,
+                "pid": os.getpid(),
+                "uptime_s": uptime,
+                "ops": connections.num_ops,
+                "ops_per_s": connections.num_ops / uptime,
+                "ops_by_type": dict(connections.ops_by_type),
+                "refused_connections": connections.num_refused,
+                "dropped_connections": connections.num_dropped,
+                "accepted_connections": connections.num_accepted,
+                "request_errors": connections.num_errors,
+                "metrics_port": (None if self.metrics_address is None else self.metrics_address[1]),
+                "pool_bytes": self.config.nbytes,
+                "block_bytes": self.config.block_nbytes,
+                "config": self.config.to_wire(),
+                # the loop thread's CPU slice while it serves (None: not asked for, or
+                # this kernel keeps no such request; see shmkv.coordinator.sched)
+                "loop_slice_us": (
+                    None if self._loop_slice_ns is None else self._loop_slice_ns / 1e3
+                ),
+            }
+        )
+        out["pool_memory"] = self.pool_memory_stats()
+        # the native code of this installation: the kernel or its fallback, and why
+        out["native"] = native.report()
+        if self.tiers is not None:
+            out["tiers"] = self.tiers.stats()
+            out["tier_io"] = self.tiers.io_stats()
+        return out
+
+    def pool_memory_stats(self) -> dict:
+        """How the pool's memory is backed, and how far its background populate is."""
+        memory = self.memory
+        if self._populator is not None:
+            populate = self._populator.stats()
+        else:  # not asked for, or a CUDA pool (its memory is the device's)
+            total = 0 if self.config.is_cuda else self.config.nbytes
+            populate = dict(state="off", bytes=0, total_bytes=total, seconds=0.0, error="")
+        return {
+            "hugepages": memory.hugepages,
+            "hugepages_fallback": memory.hugepages_fallback,
+            "populate": populate,
+        }
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -812,18 +959,18 @@ class Coordinator(Connections):
             if deadline is None
             else max(0.0, min(_MAX_WAIT_S, deadline - time.monotonic()))
         )
+        connections = self._connections
         caught, self._caught = self._caught, []
-        if self._to_promote or caught:  # held requests answered last turn need copies
+        if connections.to_promote or caught:  # held requests answered last turn need copies
             wait = 0.0  # start them; connections caught waiting last turn: serve them
         elif self.tiers is not None:
             wait = min(wait, self.tiers.max_wait())
-        if self._accept_paused_until:
-            if time.monotonic() >= self._accept_paused_until:
-                self._accept_paused_until = 0.0
-                selector.register(self._listener, selectors.EVENT_READ, None)
-            else:
-                wait = min(wait, 0.1)
-        served, self._served = self._served, False
+        if connections.accept_paused_until and connections.maybe_resume_accept(selector):
+            wait = min(wait, 0.1)
+        # Whether the last turn served a request, and (below) whether this one does: the
+        # connections count what they serve.
+        num_ops = connections.num_ops
+        served, self._num_ops_seen = num_ops != self._num_ops_seen, num_ops
         polls = served and self._spin_s and not caught
         ready = self._spin(selector, wait) if polls else None
         hit = bool(ready)
@@ -832,18 +979,18 @@ class Coordinator(Connections):
             hit = bool(polls) and _clock() - self._turn_began <= self._spin_s  # would it?
         self._serve_ready(selector, caught + ready if caught else ready)
         if polls:  # a hit: a request, soon enough (not a tier wake-up or a connect)
-            self._spin_hits += _SPIN_WEIGHT * ((hit and self._served) - self._spin_hits)
-        if self._to_promote or self._woken:
+            now_served = connections.num_ops != num_ops
+            self._spin_hits += _SPIN_WEIGHT * ((hit and now_served) - self._spin_hits)
+        if connections.to_promote or self._woken:
             # The requests that came in meanwhile go first (a ping should not wait for
             # copy jobs to be built and sent, or for finished copies to be taken back).
             self._serve_ready(selector, selector.select(0))
-        if self._to_promote:
+        if connections.to_promote:
             # The copies start before this turn's tier work places demotions that could
             # evict the entries they read.
-            to_promote, self._to_promote = self._to_promote, []
             tiers = self.tiers
             assert tiers is not None, "promotions are planned only against tiers"
-            for records, context in to_promote:
+            for records, context in connections.take_to_promote():
                 tiers.promote(records).context = context
         if self.tiers is not None:
             self._tier_turn(self.tiers, selector)
@@ -878,10 +1025,11 @@ class Coordinator(Connections):
         return bool(ready or self._caught)
 
     def _serve_ready(self, selector, ready) -> None:
+        connections = self._connections
         for key, events in ready:
             sock = key.fileobj
             if sock is self._listener:
-                self._accept(selector)
+                connections.accept(selector)
             elif sock is self._wake_r:
                 self._woken = True
                 try:
@@ -890,14 +1038,14 @@ class Coordinator(Connections):
                     pass
             else:
                 conn: _Conn = key.data
-                if self._conns.get(conn.conn_id) is not conn:
+                if connections.conns.get(conn.conn_id) is not conn:
                     continue  # dropped since it was reported (its descriptor may be reused)
                 if events & selectors.EVENT_READ:
-                    self._on_readable(conn, selector)  # (watched again once it has read)
+                    connections.on_readable(conn, selector)  # (watched again once it has read)
                 else:
                     selector.rearm(conn.sock, conn.events)
                 if events & selectors.EVENT_WRITE and not conn.closing:
-                    self._flush(conn, selector)
+                    connections.flush(conn, selector)
 
     # -- tiers ---------------------------------------------------------------------------
 
@@ -914,17 +1062,9 @@ class Coordinator(Connections):
         """Let the tiers move blocks; answer the requests whose promotions are done,
         then the requests their connections sent meanwhile."""
         woken, self._woken = self._woken, False
+        connections = self._connections
         for promotion in tiers.tick(woken, lambda: self._clients_waiting(selector)):
-            if isinstance(promotion.context, list):  # answered early
-                self._settled(promotion.context, selector)
-                continue
-            asked, request_id, result = promotion.context
-            conn = self._conns.get(asked.conn_id)
-            if conn is None or conn is not asked:
-                continue  # gone meanwhile: its references were dropped already
-            conn.outbuf += protocol.encode_ok(request_id, result)
-            self._answer_held(conn)
-            self._flush(conn, selector)
+            connections.promotion_done(promotion.context, selector)
 
 
 def freeze_startup_objects() -> None:
