@@ -243,11 +243,11 @@ def test_an_oversized_request_is_split_or_refused_and_the_connection_stays(
             client.request("allocate", num_tokens=0, prompt=b"\0" * (80 << 10))
         # and the coordinator answers one it gets from a peer that does not check
         body = msgpack.packb([77, "allocate", {"prompt": b"\0" * (80 << 10)}])
-        with client._lock:
-            client._sock.sendall(struct.pack(">I", len(body)) + body)
+        with client._link._lock:
+            client._link._sock.sendall(struct.pack(">I", len(body)) + body)
             answer = None
             while answer is None:
-                for obj in client._decoder.feed(client._sock.recv(1 << 16)):
+                for obj in client._link._decoder.feed(client._link._sock.recv(1 << 16)):
                     answer = protocol.parse_response(obj)
         assert answer.request_id == 77 and answer.code == 4
         assert "exceeds the maximum" in answer.message

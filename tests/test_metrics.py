@@ -507,10 +507,10 @@ def test_an_engine_reports_what_it_loaded_under_its_own_name(unique_name):
             for bad in (-1, 1.5, True, "3"):
                 with pytest.raises(shmkv.InvalidArgument, match="hit_tokens"):
                     engine.count_hits(bad, 0)
-            engine._post("count_hits", hit_tokens=(1 << 40) + 1, miss_tokens=0)
+            engine._link.post("count_hits", hit_tokens=(1 << 40) + 1, miss_tokens=0)
             with pytest.raises(shmkv.OutOfRange, match="count_hits"):
                 engine.flush()
-            engine._post("count_hits", hit_tokens=-5, miss_tokens=0)
+            engine._link.post("count_hits", hit_tokens=-5, miss_tokens=0)
             with pytest.raises(shmkv.OutOfRange, match="count_hits"):
                 engine.flush()
             assert engine.is_alive()

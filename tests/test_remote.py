@@ -681,14 +681,14 @@ def test_a_block_reused_in_the_turn_it_was_published_is_never_stored_under_its_o
         h.write_all(torch.full((3, 2, BS, 4, 8), 1.0), start=0)
         # the store answers nobody for a second (the tier's timeout is longer)
         store.execute_command("CLIENT", "PAUSE", "1000", "ALL")
-        real = ca._sock
-        ca._sock = _Corked(real, 3)
+        real = ca._link._sock
+        ca._link._sock = _Corked(real, 3)
         try:
-            ca._post("commit", cache_id=h._cache_id, num_tokens=BS)
+            ca._link.post("commit", cache_id=h._cache_id, num_tokens=BS)
             ca.close_many([h], wait=False)
             taker = ca.allocate(num_tokens=num_blocks * BS)  # the whole pool
         finally:
-            ca._sock = real
+            ca._link._sock = real
         assert a.table.pool.num_evictions == 1  # the published block was taken
         taker.write_all(torch.full((3, 2, num_blocks * BS, 4, 8), 9.0), start=0)
         ca.flush()

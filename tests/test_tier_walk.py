@@ -156,7 +156,7 @@ def walk(
                 assert (host.np[entry.slot] == _pattern(key, nbytes)).all(), "a host slot"
         if disk_store is not None:
             for key in disk_store.index:
-                with open(disk_store.file_path(key), "rb") as f:
+                with open(disk_store.files.file_path(key), "rb") as f:
                     payload = np.frombuffer(f.read()[block_io.HEADER_SIZE :], np.uint8)
                 assert (payload == _pattern(key, nbytes)).all(), "a block file"
             if host is not None and not (

@@ -6,7 +6,8 @@ the slot arithmetic both use::
 
     client.py   Client, connect(): attach once, allocate, open, peek, stats; copies a
                 promotion's blocks itself when the coordinator asks it to
-    link.py     the socket to the coordinator: connect, frames, timeouts, reconnect
+    link.py     Link: the socket to the coordinator (connect, frames, timeouts, a
+                coordinator gone), held by each client
     handle.py   KvCacheHandle: one sequence (write, read, commit, fork, export)
     batch.py    Batch, Step: many sequences advanced by one decode step
     slots.py    (block table, position) -> slot in the pool

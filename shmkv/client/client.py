@@ -5,8 +5,11 @@ batches and steps, stats, KV scales), mapping the pool without copying from the
 handshake's descriptors, and the per-process registry that lets pickled handles find a
 client when they are unpickled. The socket itself (the handshake, the peer's uid,
 request ids, timeouts, requests sent without waiting, detecting a gone coordinator) is
-``shmkv.client.link``'s, a part :class:`Client` inherits. Handles themselves are in
-``shmkv.client.handle``, batches and steps in ``shmkv.client.batch``.
+the ``shmkv.client.link.Link`` a :class:`Client` holds (``_link``): the client makes
+it, greets through it (``greet``), sends through ``exchange`` and ``post``, asks it
+``check`` and ``is_alive``, and closes it (``close``); :meth:`Client.request`,
+:meth:`Client.flush` and the rest of the connection's API pass through to it. Handles
+themselves are in ``shmkv.client.handle``, batches and steps in ``shmkv.client.batch``.
 
 Unpickling rule: a pickled handle is opened by a client of *the receiving process*
 for the same coordinator, so it gets the receiver's tensor-parallel rank, never the
@@ -19,6 +22,10 @@ any spelling of a coordinator's socket path finds the rank's client.
 
 A :class:`Client` is thread-safe: one request is on the wire at a time (a lock),
 and data-plane reads and writes on handles need no lock at all.
+
+The module runs past 800 lines and :class:`Client` past 600 because the class is the
+public API: each request a user can make is a documented method here, while the work
+behind them is the link's, the handles' and the batches'.
 """
 
 from __future__ import annotations
@@ -35,8 +42,15 @@ import numpy as np
 from shmkv import protocol
 from shmkv.client.batch import Batch, Step
 from shmkv.client.handle import KvCacheHandle, SequencePeek, SequenceView
-from shmkv.client.link import _Link
-from shmkv.errors import HandleClosed, InvalidArgument, LimitExceeded, OutOfRange, WrongType
+from shmkv.client.link import Link
+from shmkv.errors import (
+    HandleClosed,
+    InvalidArgument,
+    LimitExceeded,
+    OutOfRange,
+    ShmkvError,
+    WrongType,
+)
 from shmkv.hashing import pack_tokens, packed_block_keys, root_key, token_list
 from shmkv.memory import block_io
 from shmkv.memory.block_io import ClientCopies
@@ -49,15 +63,16 @@ DEFAULT_TIMEOUT = 30.0
 DEFAULT_PICKLE_TTL = 300.0
 
 
-class Client(_Link):
+class Client:
     """A connection to a coordinator, with its pool mapped zero copy.
 
     Use :func:`connect` to make one. Attributes: ``address``, ``config``
     (:class:`PoolConfig`), ``tp_rank`` / ``tp_size`` (None when this client sees all
     heads), ``pool`` (this client's 6-d view of the pool: its head shard under
-    tensor parallelism), ``timeout`` (seconds per request). Its connection (requests,
-    :meth:`flush`, :meth:`posted_errors`, :meth:`check`, :meth:`is_alive`) is the part
-    in ``shmkv.client.link``.
+    tensor parallelism), ``timeout`` (seconds per request), ``features`` (what the
+    coordinator offers: its hello's ``protocol.FEATURES``). Its connection (requests,
+    :meth:`flush`, :meth:`posted_errors`, :meth:`check`, :meth:`is_alive`,
+    ``max_frame``) is the ``shmkv.client.link.Link`` it holds.
 
     ``copy_promotions``: where the coordinator offers it (a CPU pool with tiers), an
     allocation waiting for blocks from a tier copies them in itself, in this process,
@@ -68,6 +83,7 @@ class Client(_Link):
     """
 
     copy_promotions: Optional[bool] = None
+    features: frozenset  # (set by the handshake)
 
     def __init__(
         self,
@@ -99,14 +115,12 @@ class Client(_Link):
             or not 0 <= tp_rank < tp_size
         ):
             raise InvalidArgument(f"tp_rank={tp_rank!r} must lie in [0, tp_size={tp_size!r})")
-        self._given_address = str(address)
         self.address = _normal(address)
+        self._link = Link(str(address), self.address, timeout, trust_uid)
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.trust_uid = trust_uid
         self.name = name
-        self.timeout = timeout
         self.pickle_ttl = pickle_ttl
-        self._init_link()  # the socket and its requests: shmkv.client.link
         self._memory: Optional[PoolMemory] = None
         self._owns_memory = False
         self._closed = False
@@ -117,13 +131,12 @@ class Client(_Link):
         self._copy_thread: Optional[int] = None  # the thread running them (holds the lock)
         self._stop_copies = False  # set by close: copies not begun fail
         self._close_after_copies = False  # close() came from that thread (a signal handler)
-        self._pid = os.getpid()
         self._handles: "set" = set()
         self._states: dict = {}
         self.num_closed = 0  # handles closed so far (a batch re-checks its handles when it moves)
         self.prefault_s = 0.0  # how long prefault= took
         try:
-            self._handshake()
+            self._handshake(str(address))
             if prefault:
                 assert self._memory is not None  # (mapped by the handshake)
                 self.prefault_s = self._memory.prefault()
@@ -134,10 +147,11 @@ class Client(_Link):
 
     # -- the pool, from the handshake --------------------------------------------------------
 
-    def _handshake(self) -> None:
+    def _handshake(self, given_address: str) -> None:
         fds: List[int] = []  # the pool's descriptors, from the hello's answer
         try:
-            hello = self._greet(fds)
+            hello = self._link.greet(fds, self.tp_rank, self.tp_size, self.name)
+            self.features = frozenset(hello.get("features") or ())
             config = PoolConfig.from_wire(hello["pool"])
             self.config = config
             self.coordinator_pid = hello["coordinator_pid"]
@@ -146,7 +160,7 @@ class Client(_Link):
             self.pickle_ttl = min(self.pickle_ttl, float(hello["max_handoff_ttl"]))
             from shmkv.coordinator.server import LOCAL_POOLS
 
-            local = LOCAL_POOLS.get(self._given_address) or next(
+            local = LOCAL_POOLS.get(given_address) or next(
                 (m for a, m in list(LOCAL_POOLS.items()) if _normal(a) == self.address), None
             )
             if local is not None and config.is_cuda:
@@ -167,6 +181,55 @@ class Client(_Link):
         # Whether handles and steps read the shared tables lock-free, or ask (``rows``):
         # see ``shmkv.memory.tables`` on memory ordering.
         self.lock_free = lock_free_reads()
+
+    # -- the connection (the link's) ---------------------------------------------------------
+
+    def request(self, op: str, **args):
+        """Send one request and wait for its result (raises the mapped error)."""
+        return self._link.exchange(op, args)
+
+    def request_fds(self, op: str, fds: List[int], **args):
+        """:meth:`request` for an answer that carries descriptors: they are appended to
+        ``fds`` (the caller closes them), the ones that came before an error too."""
+        return self._link.exchange(op, args, fds)
+
+    def is_alive(self) -> bool:
+        """False once the coordinator has hung up or this client was closed (no round trip)."""
+        return self._link.is_alive()
+
+    def check(self) -> None:
+        """Raise ``HandleClosed`` or ``CoordinatorGone`` unless the client is usable."""
+        self._link.check()
+
+    def posted_errors(self) -> List[Tuple[str, ShmkvError]]:
+        """The ``(op, error)`` of each request sent without waiting that the coordinator
+        refused, as answers came in so far (never waits; the list is emptied). At most
+        the first 64 are kept between two calls."""
+        return self._link.posted_errors()
+
+    def flush(self) -> None:
+        """Wait until the coordinator has served every request this client sent without
+        waiting (``close_many(..., wait=False)``); raise the first one it refused.
+
+        Raises:
+            ShmkvError: what the coordinator answered a request sent without waiting.
+        """
+        self._link.flush()
+
+    @property
+    def max_frame(self) -> int:
+        """The largest request the coordinator reads, in bytes (from its hello): a larger
+        one is split (``allocate_many``) or refused before it is sent."""
+        return self._link.max_frame
+
+    @property
+    def timeout(self) -> float:
+        """Seconds to wait for any answer before ``CoordinatorTimeout``."""
+        return self._link.timeout
+
+    @timeout.setter
+    def timeout(self, value: float) -> None:
+        self._link.timeout = value
 
     # -- shared-table reads and ownership ----------------------------------------------------
 
@@ -458,7 +521,7 @@ class Client(_Link):
             if wait:
                 self.request("release_many", ids=ids)
             else:
-                self._post("release_many", ids=ids)
+                self._link.post("release_many", ids=ids)
         finally:
             self._handles.difference_update(live)
             for h in live:
@@ -611,7 +674,7 @@ class Client(_Link):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InvalidArgument(f"{name} must be an int >= 0, got {value!r}")
         if "count_hits" in self.features and (hit_tokens or miss_tokens):
-            self._post("count_hits", hit_tokens=hit_tokens, miss_tokens=miss_tokens)
+            self._link.post("count_hits", hit_tokens=hit_tokens, miss_tokens=miss_tokens)
 
     # -- teardown ------------------------------------------------------------------------
 
@@ -648,6 +711,7 @@ class Client(_Link):
         else:
             log.warning("closed while a copy into a promoted block has run for %.0f s", wait)
         self._closed = True
+        self._link.close()
         for handle in list(self._handles):
             handle._closed = True
         self._handles.clear()
@@ -655,8 +719,7 @@ class Client(_Link):
         _forget(self)
 
     def _teardown(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
+        self._link.close()
         if self._memory is not None and self._owns_memory:
             self._memory.close()
 
@@ -667,7 +730,7 @@ class Client(_Link):
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else ("gone" if self._gone else "open")
+        state = "closed" if self._closed else ("gone" if self._link.gone else "open")
         return f"<shmkv.Client {self.address} {state}>"
 
     # :func:`open_pickled`, set below the class: what a pickled handle is rebuilt by.
@@ -732,7 +795,7 @@ def _clients_of(address: str) -> List[Client]:
     address = _normal(address)
     pid = os.getpid()
     with _registry_lock:
-        found = [c for c in _registry if c.address == address and c._pid == pid]
+        found = [c for c in _registry if c.address == address and c._link.pid == pid]
     return [c for c in found if c.is_alive()]
 
 

@@ -761,7 +761,7 @@ class KvCacheHandle:
         if start is not None and "settle" in self._client.features:
             args["start"] = start
         if not wait:
-            self._client._post("commit", **args)
+            self._client._link.post("commit", **args)
             return None
         return self._client.request("commit", **args)
 

@@ -1,4 +1,5 @@
-"""The client's link to its coordinator: one part of :class:`~shmkv.client.client.Client`.
+"""The client's link to its coordinator: a :class:`Link` that each
+:class:`~shmkv.client.client.Client` holds.
 
 Owns the client's socket and what travels on it: connecting, refusing a coordinator of
 another uid before a byte is sent (``SO_PEERCRED``), the hello and the descriptors its
@@ -6,9 +7,12 @@ answer carries, request ids and one request on the wire at a time (``_lock``), t
 coordinator's largest frame (``max_frame``, checked before sending), requests sent
 without waiting and what the coordinator refused of them (``flush``,
 ``posted_errors``), timeouts, and noticing a coordinator that is gone (``check``,
-``is_alive``) with the reason it gave. Mapping the pool from the hello's descriptors,
-handles, batches and the per-process registry are ``shmkv.client.client``'s; frames, ops and
-error codes are ``shmkv.protocol``'s.
+``is_alive``) with the reason it gave. It knows nothing of the client that holds it:
+the client hands it the address, the timeout and the uid to trust when it makes it,
+the hello's identity (rank, name) when it greets, and closes it when the client
+closes. Mapping the pool from the hello's descriptors, the features the coordinator
+offers, handles, batches and the per-process registry are ``shmkv.client.client``'s;
+frames, ops and error codes are ``shmkv.protocol``'s.
 
 A stream that timed out, broke or sent what cannot be decoded is out of step: the link
 marks the coordinator gone and every later request raises ``CoordinatorGone``.
@@ -39,25 +43,32 @@ _MAX_POSTED_ERRORS = 64  # refusals of requests sent without waiting, kept for f
 _UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 
 
-class _Link:
-    """The connection part of :class:`~shmkv.client.client.Client` (see the module)."""
+class Link:
+    """One connection to a coordinator, made for a client (see the module).
 
-    # Set by ``Client.__init__`` before the link connects.
-    address: str  # resolved, for messages
-    _given_address: str  # as given, to connect to
-    timeout: float
-    trust_uid: Optional[int]
-    tp_rank: Optional[int]
-    tp_size: Optional[int]
-    name: Optional[str]
-    _pid: int  # the process the client was made in
-    _closed: bool
-    # Set by the hello.
-    max_frame: int
-    features: frozenset  # the coordinator's ``protocol.FEATURES`` (its hello's list)
+    Args:
+        given_address: the coordinator's socket path as given, to connect to (the
+            resolved path may be past the 108 bytes a socket path holds).
+        address: the path resolved, for messages.
+        timeout: seconds to wait for any answer (the socket's, from :meth:`greet` on).
+        trust_uid: a uid besides this process's (and root) that the coordinator may run
+            as.
 
-    def _init_link(self) -> None:
-        """The link's state before it connects (nothing to close yet)."""
+    Attributes: ``address``, ``timeout``, ``pid`` (the process it was made in: it is
+    unusable in any other), ``closed`` (by :meth:`close`), ``gone`` (the coordinator hung
+    up, or the stream is out of step), ``max_frame`` (the coordinator's largest request,
+    from the hello). Nothing is connected until :meth:`greet`.
+    """
+
+    max_frame: int  # (set by the hello)
+
+    def __init__(self, given_address: str, address: str, timeout: float, trust_uid: Optional[int]):
+        self._given_address = given_address
+        self.address = address
+        self.timeout = timeout
+        self._trust_uid = trust_uid
+        self.pid = os.getpid()
+        self.closed = False
         self._lock = threading.Lock()
         self._poll_lock = threading.Lock()
         self._next_id = 1
@@ -66,15 +77,23 @@ class _Link:
         self._posted: dict = {}  # request id -> op, of requests sent without waiting
         self._posted_errors: list = []
         self._sock: Optional[socket.socket] = None
-        self._poll = select.poll()  # (registered with the socket by _greet)
-        self._gone = False
+        self._poll = select.poll()  # (registered with the socket by greet)
+        self.gone = False
 
     # -- the handshake -----------------------------------------------------------------------
 
-    def _greet(self, fds: List[int]) -> Dict[str, Any]:
-        """Connect, check the peer's uid, send the hello and return the coordinator's
-        answer. The descriptors that come with it are appended to ``fds``, which the
-        caller closes (on failure too)."""
+    def greet(
+        self, fds: List[int], tp_rank: Optional[int], tp_size: Optional[int], name: Optional[str]
+    ) -> Dict[str, Any]:
+        """Connect, check the peer's uid, send the hello (this process, and the rank and
+        name it gives) and return the coordinator's answer. The descriptors that come
+        with it are appended to ``fds``, which the caller closes (on failure too).
+
+        Raises:
+            CoordinatorGone: nothing serves the address, or it hung up.
+            AccessDenied: the coordinator runs as another uid (nothing was sent).
+            CoordinatorTimeout: no answer within the timeout.
+        """
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock = sock
         sock.settimeout(self.timeout)
@@ -84,10 +103,10 @@ class _Link:
             raise CoordinatorGone(f"no coordinator at {self.address} ({exc.strerror})") from None
         self._check_peer(sock)  # before a byte is sent: the hello names this process
         args: Dict[str, Any] = {"version": protocol.PROTOCOL_VERSION, "pid": os.getpid()}
-        if self.tp_rank is not None:
-            args.update(tp_rank=self.tp_rank, tp_size=self.tp_size)
-        if self.name is not None:
-            args["name"] = self.name
+        if tp_rank is not None:
+            args.update(tp_rank=tp_rank, tp_size=tp_size)
+        if name is not None:
+            args["name"] = name
         try:
             sock.sendall(protocol.encode_request(0, "hello", args))
         except (BrokenPipeError, ConnectionResetError):
@@ -116,7 +135,6 @@ class _Link:
         # The largest request the coordinator reads: a larger one is split or refused
         # here, before anything is sent.
         self.max_frame = int(hello.get("max_frame", protocol.DEFAULT_MAX_FRAME))
-        self.features = frozenset(hello.get("features") or ())
         self._poll.register(sock, select.POLLHUP | select.POLLERR)
         return hello
 
@@ -128,7 +146,7 @@ class _Link:
         _pid, uid, _gid = _UCRED.unpack(
             sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
         )
-        if uid not in (os.getuid(), 0, self.trust_uid):
+        if uid not in (os.getuid(), 0, self._trust_uid):
             raise AccessDenied(
                 f"the coordinator at {self.address} runs as uid {uid}, not as this user "
                 f"(uid {os.getuid()}); nothing was sent. Pass connect(..., trust_uid={uid}) "
@@ -142,24 +160,31 @@ class _Link:
         # in the common one-thread case.
         with self._poll_lock:
             if self._poll.poll(0):
-                self._gone = True
-        return self._gone
+                self.gone = True
+        return self.gone
 
     def is_alive(self) -> bool:
-        """False once the coordinator has hung up or this client was closed (no round trip)."""
-        if self._closed or self._gone:
+        """False once the coordinator has hung up or this link was closed (no round trip)."""
+        if self.closed or self.gone:
             return False
         return not self._hung_up()
 
     def check(self) -> None:
-        """Raise ``HandleClosed`` or ``CoordinatorGone`` unless the client is usable."""
-        if self._closed:
+        """Raise ``HandleClosed`` or ``CoordinatorGone`` unless the link is usable."""
+        if self.closed:
             raise HandleClosed("client is closed")
-        if self._gone or (os.getpid() != self._pid) or self._hung_up():
+        if self.gone or (os.getpid() != self.pid) or self._hung_up():
             raise CoordinatorGone(self._gone_message())
 
+    def close(self) -> None:
+        """Close the socket (the coordinator then drops what its client held); later
+        requests raise ``HandleClosed``. Idempotent."""
+        self.closed = True
+        if self._sock is not None:
+            self._sock.close()
+
     def _gone_message(self) -> str:
-        if os.getpid() != self._pid:
+        if os.getpid() != self.pid:
             return (
                 "this client was made in another process (fork); connect again in this "
                 "process (use the spawn start method)"
@@ -168,16 +193,10 @@ class _Link:
 
     # -- requests ----------------------------------------------------------------------------
 
-    def request(self, op: str, **args):
-        """Send one request and wait for its result (raises the mapped error)."""
-        return self._exchange(op, args)
-
-    def request_fds(self, op: str, fds: List[int], **args):
-        """:meth:`request` for an answer that carries descriptors: they are appended to
-        ``fds`` (the caller closes them), the ones that came before an error too."""
-        return self._exchange(op, args, fds)
-
-    def _exchange(self, op: str, args: dict, fds: Optional[List[int]] = None):
+    def exchange(self, op: str, args: dict, fds: Optional[List[int]] = None):
+        """Send one request and wait for its result (raises the mapped error). With
+        ``fds``, the descriptors the answer carries are appended to it (the caller closes
+        them), the ones that came before an error too."""
         self.check()
         sock = self._sock
         assert sock is not None  # (connected by the handshake, never unset)
@@ -190,7 +209,7 @@ class _Link:
                         if response.request_id == request_id:
                             return response.unwrap()
                         if response.request_id == -1:  # the coordinator dropped us
-                            self._gone = True
+                            self.gone = True
                             response.unwrap()
                         if self._posted:
                             self._took_posted(response)
@@ -200,34 +219,34 @@ class _Link:
                         data, got, _flags, _addr = socket.recv_fds(sock, _RECV_SIZE, 4)
                         fds += got
                     if not data:
-                        self._gone = True
+                        self.gone = True
                         raise CoordinatorGone(self._gone_message())
                     self._pending.extend(self._decoder.feed(data))
             except socket.timeout:
-                self._gone = True  # the stream is out of step now; stop using it
+                self.gone = True  # the stream is out of step now; stop using it
                 raise CoordinatorTimeout(f"{op} got no answer within {self.timeout} s") from None
             except ProtocolError:
-                self._gone = True  # an undecodable answer: the stream cannot be trusted
+                self.gone = True  # an undecodable answer: the stream cannot be trusted
                 raise
             except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError):
-                self._gone = True
+                self.gone = True
                 raise self._drop_reason() from None
 
-    def _post(self, op: str, **args) -> None:
+    def post(self, op: str, **args) -> None:
         """Send a request without waiting for its answer. The coordinator serves it
-        before any later request of this client; :meth:`request` takes its answer on the
+        before any later request of this link; :meth:`exchange` takes its answer on the
         way, and :meth:`flush` raises what it refused."""
         self.check()
         with self._lock:
             try:
                 self._posted[self._send(op, args)] = op
             except socket.timeout:
-                self._gone = True  # part of a frame may be out: the stream is out of step
+                self.gone = True  # part of a frame may be out: the stream is out of step
                 raise CoordinatorTimeout(
                     f"{op} could not be sent within {self.timeout} s"
                 ) from None
             except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError):
-                self._gone = True
+                self.gone = True
                 raise self._drop_reason() from None
 
     def _send(self, op: str, args: dict) -> int:
@@ -269,14 +288,14 @@ class _Link:
         return errors
 
     def flush(self) -> None:
-        """Wait until the coordinator has served every request this client sent without
-        waiting (``close_many(..., wait=False)``); raise the first one it refused.
+        """Wait until the coordinator has served every request this link sent without
+        waiting (:meth:`post`); raise the first one it refused.
 
         Raises:
             ShmkvError: what the coordinator answered a request sent without waiting.
         """
         if self._posted:
-            self.request("ping")  # answered after everything sent before it
+            self.exchange("ping", {})  # answered after everything sent before it
         with self._lock:
             errors, self._posted_errors = self._posted_errors, []
         if errors:

@@ -1,5 +1,6 @@
 """The disk tier bound to one pool (:class:`DiskStore`): its directory, lock, namespace,
-index and counters; its block files are a :class:`~shmkv.memory.block_io.BlockFiles`.
+index and counters; its block files are a :class:`~shmkv.memory.block_io.BlockFiles` it
+holds (``files``).
 
 Owns the directory's lifetime for this coordinator: the lock file (one coordinator a
 directory; a forked child drops its copy of the lock), the namespace file (which blocks
@@ -8,7 +9,10 @@ now (disabled, full, or a quantized pool's scales moved), and :meth:`DiskStore.s
 Which keys it holds is decided by the demotion part (``shmkv.tiers.demotion``), the only
 code that changes its index and byte count; the scan (``shmkv.tiers.scan``) rebuilds the
 index at start through that part, and sets ``scanning``. The block file format is
-``shmkv.memory.block_io``'s; the directory layout is in ``shmkv.tiers``' docstring. Imports
+``shmkv.memory.block_io``'s: the store makes its ``files`` with this pool's namespace and
+block shape and reads its ``payload_nbytes`` and ``session``; the copies (``Mover``, the
+tier I/O process), the scan and clients read and write blocks through that object, never
+through the store. The directory layout is in ``shmkv.tiers``' docstring. Imports
 ``shmkv.errors``, ``shmkv.memory.block_io`` and ``shmkv.tiers.specs`` / ``entry``.
 """
 
@@ -47,8 +51,12 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class DiskStore(BlockFiles):
-    """The disk tier's index and directory; its block files are a :class:`BlockFiles`."""
+class DiskStore:
+    """The disk tier's index and directory. Its block files are the :class:`BlockFiles`
+    it holds (``files``), made here with the blocks folder (``blocks_dir``), this pool's
+    namespace and its block shape: that object alone reads and writes block files (the
+    copies and the scan call it; the tier I/O process and clients make their own from
+    its :meth:`~BlockFiles.files_wire`)."""
 
     name = "disk"
 
@@ -70,8 +78,9 @@ class DiskStore(BlockFiles):
         # another num_blocks hits the blocks it left.
         self.fingerprint = config.block_fingerprint(scales)
         self.salt_digest = hashlib.blake2b(spec.salt, digest_size=16).hexdigest()
-        super().__init__(
-            os.path.join(self.path, "blocks"),
+        self.blocks_dir = os.path.join(self.path, "blocks")
+        self.files = BlockFiles(
+            self.blocks_dir,
             secrets.token_hex(6),
             hashlib.blake2b(
                 f"{self.fingerprint}/{self.salt_digest}".encode(), digest_size=16
@@ -87,7 +96,7 @@ class DiskStore(BlockFiles):
             config.block_nbytes,
             spec.fsync,
         )
-        self.file_nbytes = HEADER_SIZE + self.payload_nbytes
+        self.file_nbytes = HEADER_SIZE + self.files.payload_nbytes
         self.disabled: Optional[str] = None
         self.scanning = False
         self.full_until = 0.0
@@ -169,7 +178,7 @@ class DiskStore(BlockFiles):
             "version": FORMAT_VERSION,
             "fingerprint": self.fingerprint,
             "salt_digest": self.salt_digest,
-            "block_nbytes": self.payload_nbytes,
+            "block_nbytes": self.files.payload_nbytes,
             "layout": {
                 k: v
                 for k, v in config.to_wire().items()
@@ -181,7 +190,7 @@ class DiskStore(BlockFiles):
             with open(fd, "rb") as f:
                 found = json.loads(f.read(1 << 16))
         except FileNotFoundError:
-            tmp = f"{ns_path}.tmp-{self.session}"
+            tmp = f"{ns_path}.tmp-{self.files.session}"
             try:
                 fd, _st = open_regular(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
                 with open(fd, "w") as f:

@@ -22,7 +22,17 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from shmkv.errors import InvalidArgument
 from shmkv.memory import block_io
-from shmkv.memory.block_io import DAMAGED, OK, OP_D2P, OP_H2P, OP_NONE, OPS, Copy, Job
+from shmkv.memory.block_io import (
+    DAMAGED,
+    OK,
+    OP_D2P,
+    OP_H2P,
+    OP_NONE,
+    OPS,
+    BlockFiles,
+    Copy,
+    Job,
+)
 from shmkv.protocol import pack_i64s
 from shmkv.tiers.demotion import Demotion
 from shmkv.tiers.disk_store import DiskStore
@@ -82,7 +92,7 @@ class Promotions:
         config: the pool's :class:`~shmkv.memory.layout.PoolConfig`.
         table: the :class:`~shmkv.coordinator.sequences.SequenceTable` (records are finished there).
         host, disk: the tiers' stores (None for a tier not configured).
-        files: the disk tier's store if it is in use (not disabled), else None.
+        files: the disk tier's block files if it is in use (not disabled), else None.
         demotion: the part that pins and unpins entries and removes damaged files.
         start: hands a promotion's copies to the workers (``TierSet``).
     """
@@ -93,7 +103,7 @@ class Promotions:
         table,
         host: Optional[HostStore],
         disk: Optional[DiskStore],
-        files: Optional[DiskStore],
+        files: Optional[BlockFiles],
         demotion: Demotion,
         start: Callable[[Promotion], None],
     ):

@@ -131,7 +131,7 @@ class DiskScan:
                             self._wake()
                         continue
                     tmp = _TMP_RE.match(item.name)
-                    if tmp and tmp.group(1) != disk.session:  # left by a killed writer
+                    if tmp and tmp.group(1) != disk.files.session:  # left by a killed writer
                         try:
                             os.unlink(item.path)
                             incomplete += 1
@@ -147,7 +147,7 @@ class DiskScan:
                 if self._stopping:
                     return
                 try:
-                    mtime, _crc = disk.read_header(key)
+                    mtime, _crc = disk.files.read_header(key)
                     ages.append((mtime, key))
                 except FileNotFoundError:
                     continue

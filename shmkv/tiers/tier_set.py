@@ -37,7 +37,7 @@ from typing import Any, Callable, Deque, List, Optional, Tuple
 import numpy as np
 
 from shmkv.memory import block_io, shm
-from shmkv.memory.block_io import PROMOTE, WORKER_NICE, Copier, Job, Mover
+from shmkv.memory.block_io import PROMOTE, WORKER_NICE, BlockFiles, Copier, Job, Mover
 from shmkv.memory.pool import block_bytes
 from shmkv.tiers import knobs
 from shmkv.tiers.demotion import Demotion
@@ -178,8 +178,8 @@ class TierSet:
             self._promotions = Promotions(
                 config, table, self.host, self.disk, files, self._demotion, self._start_promotion
             )
-            if files is not None:
-                self._scan = DiskScan(files, self._demotion, self._wake)
+            if self.disk is not None and files is not None:  # (a disk tier in use)
+                self._scan = DiskScan(self.disk, self._demotion, self._wake)
                 self._scan.start()
         except BaseException:
             self.close()
@@ -250,10 +250,10 @@ class TierSet:
 
     # -- where copies run ------------------------------------------------------------------
 
-    def _files(self) -> Optional[DiskStore]:
-        """The disk tier's store if it is in use (not disabled)."""
+    def _files(self) -> Optional[BlockFiles]:
+        """The disk tier's block files if it is in use (not disabled)."""
         disk = self.disk
-        return disk if disk is not None and disk.disabled is None else None
+        return disk.files if disk is not None and disk.disabled is None else None
 
     def _row_copy(self) -> Callable[[np.ndarray, np.ndarray], Any]:
         """What copies a CPU pool's blocks to and from flat memory: the native row copy

@@ -6,8 +6,14 @@ routes hand-off tokens between workers, SIGKILLs and restarts workers (and, when
 asked, the coordinator), shows progress on stderr, judges the run and writes the
 report. The value scheme below and the checks the parent makes itself (hand-offs it
 opens, the leak count at the end, every prefix read back from the tiers, the store and
-a restarted coordinator) are in :mod:`.stress_checks`. It uses only the public API; it
-does not reach into the coordinator's state.
+a restarted coordinator) are in :mod:`.stress_checks`: the run holds a
+:class:`~shmkv.tools.stress_checks.Checks` (``checks``), which keeps the tally of
+values verified and reads corrupted, and calls it to make the tiers
+(:meth:`~shmkv.tools.stress_checks.Checks.tier_specs`), count the workers' reports
+(:meth:`~shmkv.tools.stress_checks.Checks.add_reads`), open tokens nobody took
+(:meth:`~shmkv.tools.stress_checks.Checks.open_here`) and run the checks at the end,
+handing it the parent's client each time. It uses only the public API; it does not
+reach into the coordinator's state.
 
 Every K/V value a worker writes is a function of a per-position *tag* and the
 (layer, K/V, position, head, dim) coordinates. A worker keeps the tag of every
@@ -40,7 +46,6 @@ import math
 import multiprocessing
 import os
 import random
-import shutil
 import signal
 import sys
 import time
@@ -53,7 +58,7 @@ from shmkv.tools.stress_checks import (
     _MODULUS,
     _NUM_PREFIXES,
     TOKEN_TAG_BASE,
-    _Checks,
+    Checks,
     expected_kv,
     prefix_tokens,
     token_tags,
@@ -541,28 +546,26 @@ class _Slot:
         return self.conn, self.process
 
 
-class StressRun(_Checks):
-    """The parent of a stress run: starts, routes, kills, restarts, checks, reports.
+class StressRun:
+    """The parent of a stress run: starts, routes, kills, restarts, reports; its
+    :class:`~shmkv.tools.stress_checks.Checks` (``checks``) checks and tallies.
 
     Args:
         args: the parsed command line (see :func:`add_parser`).
     """
 
     def __init__(self, args):
-        super().__init__()
         self.args = args
+        self.checks = Checks(args)
         self.rng = random.Random(args.seed)
         self.ctx = multiprocessing.get_context("spawn")
         self.slots = [_Slot(i) for i in range(args.workers)]
         self.ops: Dict[str, int] = {}
         self.errors: Dict[str, int] = {}
         self.latency: Dict[str, List[float]] = {}
-        self.corrupted = 0
-        self.verified = 0
-        self.samples: List[str] = []
         self.crashes: List[str] = []
-        self.pending_tokens: list = []
-        self.handoffs = {"sent": 0, "routed": 0, "drained": 0, "drain_expired": 0}
+        self.pending_tokens: list = []  # hand-off tokens no worker has taken yet
+        self.handoffs = {"sent": 0, "routed": 0}  # (the ones the parent opens: checks')
         self.kills = 0
         self.restarts = 0
         self.hung = 0
@@ -595,7 +598,7 @@ class StressRun(_Checks):
             "max_seqs": self.args.max_seqs,
             "max_tokens": self.args.max_tokens,
             "quota": self._quota(slot),
-            "num_prefixes": self._num_prefixes(),
+            "num_prefixes": self.checks.num_prefixes(),
         }
         seed = self.args.seed * 1_000_003 + slot.index * 1009 + slot.generation
         assert self.coord is not None  # (started by _run)
@@ -650,9 +653,7 @@ class StressRun(_Checks):
                 self.errors[name] = self.errors.get(name, 0) + count
             for name, values in latency.items():
                 self.latency.setdefault(name, []).extend(values)
-            self.corrupted += corrupted
-            self.verified += verified
-            self.samples += samples[: max(0, 10 - len(self.samples))]
+            self.checks.add_reads(verified, corrupted, samples)
         elif kind == "ready":
             slot.ready, slot.pid = True, message[2]
         elif kind == "token":
@@ -681,7 +682,8 @@ class StressRun(_Checks):
         if self.coordinator_killed_at is not None:
             return
         if self._stopping:
-            return self._open_here(token, tags)
+            assert self.client is not None  # (connected by _run)
+            return self.checks.open_here(self.client, token, tags)
         targets = [
             s
             for s in self.slots
@@ -728,8 +730,7 @@ class StressRun(_Checks):
         try:
             return self._run(config, name, shm_before)
         finally:
-            if self.tier_dir is not None and not a.tier_dir:
-                shutil.rmtree(self.tier_dir, ignore_errors=True)
+            self.checks.remove_tier_dir()
 
     def _run(self, config, name: str, shm_before: set) -> dict:
         from shmkv.client.client import connect
@@ -739,7 +740,7 @@ class StressRun(_Checks):
         coord = self.coord = Coordinator.spawn(
             config,
             name=name,
-            tiers=self._tier_specs(config) or None,
+            tiers=self.checks.tier_specs(config) or None,
             max_handoff_ttl=max(60.0, a.handoff_ttl),
         )
         address = coord.address
@@ -766,13 +767,14 @@ class StressRun(_Checks):
                     self._close_slot(slot)
         elapsed = self.ended - self.started
         if self.coordinator_killed_at is None:
-            leak = self._final_check()
+            pending, self.pending_tokens = self.pending_tokens, []
+            leak = self.checks.final_check(self.client, pending)
             if a.tiers or a.redis:
-                self._evict_pool(self.client)
-                self.check_prefixes(self.client, "tiers, the pool evicted")
-                leak["tiers"] = self._wait_tiers_idle(self.client).get("tiers")
+                self.checks.evict_pool(self.client)
+                self.checks.check_prefixes(self.client, "tiers, the pool evicted")
+                leak["tiers"] = self.checks.wait_tiers_idle(self.client).get("tiers")
                 if a.redis:
-                    self._check_store(config, name)
+                    self.checks.check_store(config, name)
             self.client.close()
             self.coord.stop()
             restart = None
@@ -781,7 +783,7 @@ class StressRun(_Checks):
                 "blocks_leaked": None,
                 "note": "the coordinator was killed: its pool died with it",
             }
-            restart = self._check_restart(config, name)
+            restart = self.checks.check_restart(self.client, config, name)
         socket_left = os.path.exists(address)
         shm_left = sorted(set(shm_entries()) - shm_before)
         return self._report(config, elapsed, leak, shm_left, socket_left, restart)
@@ -937,7 +939,7 @@ class StressRun(_Checks):
             completed=done,
             info=(
                 f"{ops}{total / max(elapsed, 1e-9):.0f} ops/s  errors {errors}  "
-                f"kills {self.kills}  corrupted {self.corrupted}"
+                f"kills {self.kills}  corrupted {self.checks.corrupted}"
             ),
         )
         if final:
@@ -978,10 +980,10 @@ class StressRun(_Checks):
             "errors": dict(sorted(self.errors.items())),
             "unexpected_errors": unexpected,
             "latency_ms": latency,
-            "values_verified": self.verified,
-            "corrupted_reads": self.corrupted,
-            "corruption_samples": self.samples,
-            "handoffs": self.handoffs,
+            "values_verified": self.checks.verified,
+            "corrupted_reads": self.checks.corrupted,
+            "corruption_samples": self.checks.samples,
+            "handoffs": {**self.handoffs, **self.checks.handoffs},
             "worker_kills": self.kills,
             "worker_restarts": self.restarts,
             "worker_crashes": self.crashes,
@@ -989,12 +991,12 @@ class StressRun(_Checks):
             "hung_workers": self.hung,
             "shm_entries_left": shm_left,
             "socket_left": socket_left,
-            "prefix_checks": self.prefix_checks,
+            "prefix_checks": self.checks.prefix_checks,
         }
         report.update(leak)
         failures = []
-        if self.corrupted:
-            failures.append(f"{self.corrupted} corrupted reads")
+        if self.checks.corrupted:
+            failures.append(f"{self.checks.corrupted} corrupted reads")
         if leak.get("blocks_leaked"):
             failures.append(f"{leak['blocks_leaked']} blocks leaked")
         if shm_left:

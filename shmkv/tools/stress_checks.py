@@ -5,18 +5,22 @@ per-position *tag* and the (layer, K/V, position, head, dim) coordinates
 (:func:`expected_kv`), and the tag of a prompt position is a function of its token id
 alone (:func:`token_tags`), so a shared prefix (:func:`prefix_tokens`) written by any
 process can be checked by any other. Owns, too, the checks the parent makes itself
-(:class:`_Checks`, which :class:`~shmkv.tools.stress.StressRun` inherits): hand-off
-tokens no worker could take are opened and read here; at the end hand-offs in flight
-are waited out and leaked blocks counted; with tiers, every shared prefix is read back
-once the pool is evicted, from the store through a second coordinator, and from the
-restarted coordinator after ``--kill-coordinator``; and the tiers put under the pool
-for that. It does not start, route or kill workers, check what the workers read, or
-decide whether the run passed (:mod:`shmkv.tools.stress` does).
+(:class:`Checks`, an object :class:`~shmkv.tools.stress.StressRun` holds and calls):
+hand-off tokens no worker could take are opened and read here; at the end hand-offs in
+flight are waited out and leaked blocks counted; with tiers, every shared prefix is read
+back once the pool is evicted, from the store through a second coordinator, and from the
+restarted coordinator after ``--kill-coordinator``; and the tiers put under the pool for
+that (and their temporary directory). It keeps the run's tally of values verified and
+reads found corrupted, the parent's and, as the run passes on their reports, the
+workers'. It does not start, route or kill workers, check what the workers read, or
+decide whether the run passed (:mod:`shmkv.tools.stress` does); the run hands it the
+parent's client and the tokens it could not deliver with each call that needs them.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Union
@@ -61,33 +65,43 @@ def token_tags(tokens: List[int]) -> List[int]:
     return [TOKEN_TAG_BASE + t for t in tokens]
 
 
-class _Checks:
-    """The parent's checks of a stress run, and the tiers it puts under the pool.
+class Checks:
+    """The parent's checks of a stress run, the tiers it puts under the pool, and the
+    run's tally of verified values and corrupted reads (see the module).
 
-    A base of :class:`~shmkv.tools.stress.StressRun`: the attributes annotated below
-    without a value are the run's (set by it); the tallies of verified values, corrupted
-    reads and their samples are shared with the workers' reports.
+    Args:
+        args: the parsed command line.
+
+    Attributes (read by the run for its progress and report): ``verified``,
+    ``corrupted``, ``samples`` (the first corrupted reads, described), ``handoffs``
+    (tokens the parent opened itself: ``drained``, or ``drain_expired`` before it could),
+    ``prefix_checks`` (the parent's reads of every prefix, by where they came from).
     """
 
-    args: Any  # the parsed command line
-    client: Optional[Client]  # the parent's client of the run's coordinator
-    verified: int
-    corrupted: int
-    samples: List[str]
-    handoffs: Dict[str, int]
-    pending_tokens: list  # hand-off tokens no worker has taken yet
-
-    def __init__(self) -> None:
+    def __init__(self, args: Any) -> None:
+        self.args = args
+        self.verified = 0
+        self.corrupted = 0
+        self.samples: List[str] = []
+        self.handoffs = {"drained": 0, "drain_expired": 0}
         self.tier_dir: Optional[str] = None  # the disk tier's directory (with --tiers)
         self.prefix_checks: Dict[str, dict] = {}  # the parent's reads of every prefix
 
+    def add_reads(self, verified: int, corrupted: int, samples: List[str]) -> None:
+        """Count what a worker reported it verified and found corrupted (the first ten
+        samples are kept)."""
+        self.corrupted += corrupted
+        self.verified += verified
+        self.samples += samples[: max(0, 10 - len(self.samples))]
+
     # -- tiers and the store -------------------------------------------------------------
 
-    def _num_prefixes(self) -> int:
+    def num_prefixes(self) -> int:
+        """How many shared prompt prefixes the workers use (more with tiers)."""
         a = self.args
         return _NUM_PREFIXES_TIERED if a.tiers or a.redis else _NUM_PREFIXES
 
-    def _tier_specs(self, config) -> list:
+    def tier_specs(self, config) -> list:
         """The tiers under the pool: host memory (a quarter of the pool) and a disk
         directory (four times the pool) with ``--tiers``, the store with ``--redis``."""
         from shmkv.tiers import DiskTier, HostTier
@@ -104,7 +118,13 @@ class _Checks:
             specs.append(RedisTier(a.redis, timeout=2.0, max_backoff=1.0))
         return specs
 
-    def _wait_tiers_idle(self, client, timeout: float = 30.0) -> dict:
+    def remove_tier_dir(self) -> None:
+        """Remove the disk tier's directory, where :meth:`tier_specs` made a temporary
+        one (never ``--tier-dir``'s)."""
+        if self.tier_dir is not None and not self.args.tier_dir:
+            shutil.rmtree(self.tier_dir, ignore_errors=True)
+
+    def wait_tiers_idle(self, client, timeout: float = 30.0) -> dict:
         """Stats once no tier copy, promotion or store write is pending (or ``timeout``)."""
         deadline = time.monotonic() + timeout
         while True:
@@ -121,10 +141,10 @@ class _Checks:
                 return stats
             time.sleep(0.02)
 
-    def _evict_pool(self, client) -> None:
+    def evict_pool(self, client) -> None:
         """Take every free and cached block once (evicting every cached one), then give
         them back: prefixes read next come from the tiers (once their copies are done)."""
-        self._wait_tiers_idle(client)
+        self.wait_tiers_idle(client)
         stats = client.stats()
         cfg = client.config
         tokens = (stats["free_blocks"] + stats["cached_blocks"]) * cfg.block_size
@@ -132,7 +152,7 @@ class _Checks:
         counts = [per] * (tokens // per) + ([tokens % per] if tokens % per else [])
         if counts:
             client.close_many(client.allocate_many(counts))
-        self._wait_tiers_idle(client)
+        self.wait_tiers_idle(client)
 
     def check_prefixes(self, client, label: str) -> dict:
         """Allocate every shared prefix through ``client`` and compare what it hits with
@@ -143,7 +163,7 @@ class _Checks:
 
         cfg = client.config
         out = {"prefixes": 0, "hit_tokens": 0, "corrupted": 0, "exhausted": 0}
-        for index in range(self._num_prefixes()):
+        for index in range(self.num_prefixes()):
             tokens = prefix_tokens(index, (2 + index % 3) * cfg.block_size)
             try:
                 h = client.allocate(prompt=tokens)
@@ -177,7 +197,7 @@ class _Checks:
         self.prefix_checks[label] = out
         return out
 
-    def _check_store(self, config, name: str) -> None:
+    def check_store(self, config, name: str) -> None:
         """A second coordinator (another node) on the same store reads every prefix."""
         from shmkv.client.client import connect
         from shmkv.coordinator.server import Coordinator
@@ -190,7 +210,7 @@ class _Checks:
         try:
             with connect(node.address, timeout=self.args.client_timeout) as client:
                 self.check_prefixes(client, "store, read by a second coordinator")
-                stats = self._wait_tiers_idle(client)
+                stats = self.wait_tiers_idle(client)
                 self.prefix_checks["store, read by a second coordinator"]["store"] = stats["tiers"][
                     -1
                 ]
@@ -199,15 +219,15 @@ class _Checks:
 
     # -- the parent's reads --------------------------------------------------------------
 
-    def _open_here(self, token: bytes, tags: List[int]) -> None:
-        """Open an undeliverable token in the parent, verify it, and close it."""
+    def open_here(self, client: Client, token: bytes, tags: List[int]) -> None:
+        """Open an undeliverable token through the parent's ``client``, verify it, and
+        close it."""
         import torch
 
         from shmkv.errors import HandoffError
 
-        assert self.client is not None  # (connected by _run)
         try:
-            h = self.client.open(token)
+            h = client.open(token)
         except HandoffError:
             self.handoffs["drain_expired"] += 1
             return
@@ -220,19 +240,18 @@ class _Checks:
             self.samples.append(f"parent: hand-off {h.cache_id} differs from its tags")
         h.close()
 
-    def _final_check(self) -> dict:
-        """Drain undelivered tokens, wait out hand-offs in flight, measure leaks."""
-        pending, self.pending_tokens = self.pending_tokens, []
+    def final_check(self, client: Client, pending: list) -> dict:
+        """Open the ``(token, tags)`` no worker took (``pending``) through the parent's
+        ``client``, wait out hand-offs in flight, measure leaks."""
         for token, tags in pending:
-            self._open_here(token, tags)
+            self.open_here(client, token, tags)
         deadline = time.monotonic() + self.args.handoff_ttl + 10.0
-        assert self.client is not None  # (connected by _run)
-        stats = self.client.stats()
+        stats = client.stats()
         while (
             stats["handoffs"] or stats["referenced_blocks"] or stats["sequences"]
         ) and time.monotonic() < deadline:
             time.sleep(0.1)
-            stats = self.client.stats()
+            stats = client.stats()
         keys = (
             "num_blocks",
             "free_blocks",
@@ -258,9 +277,10 @@ class _Checks:
             "final_stats": {k: stats.get(k) for k in keys},
         }
 
-    def _check_restart(self, config, name: str) -> dict:
-        """After the coordinator's death: stale socket, fresh start (on the same tiers,
-        whose prefixes it serves with the bytes written before the kill), clean stop."""
+    def check_restart(self, client: Client, config, name: str) -> dict:
+        """After the coordinator's death: the parent's ``client`` sees it gone (and is
+        closed), stale socket, fresh start (on the same tiers, whose prefixes it serves
+        with the bytes written before the kill), clean stop."""
         from shmkv.client.client import connect
         from shmkv.coordinator.server import Coordinator, default_address
         from shmkv.errors import CoordinatorGone
@@ -269,28 +289,27 @@ class _Checks:
             "parent_client_saw_gone": False,
             "stale_socket": os.path.exists(default_address(name)),
         }
-        assert self.client is not None  # (connected by _run)
         try:
-            self.client.stats()
+            client.stats()
         except CoordinatorGone:
             out["parent_client_saw_gone"] = True
-        self.client.close()
+        client.close()
         try:
-            coord = Coordinator.spawn(config, name=name, tiers=self._tier_specs(config) or None)
+            coord = Coordinator.spawn(config, name=name, tiers=self.tier_specs(config) or None)
         except Exception as exc:
             out["restart"] = f"failed: {type(exc).__name__}: {exc}"
             return out
         try:
-            with connect(coord.address, timeout=10) as client:
-                stats = client.stats()
+            with connect(coord.address, timeout=10) as restarted:
+                stats = restarted.stats()
                 out["restart"] = (
                     "ok"
                     if stats["free_blocks"] == config.num_blocks
                     else f"unexpected stats {stats}"
                 )
                 if self.args.tiers or self.args.redis:
-                    self._wait_tiers_idle(client)  # the disk's index is scanned
-                    self.check_prefixes(client, "restarted coordinator's tiers")
+                    self.wait_tiers_idle(restarted)  # the disk's index is scanned
+                    self.check_prefixes(restarted, "restarted coordinator's tiers")
         finally:
             coord.stop()
         out["socket_removed_after_stop"] = not os.path.exists(coord.address)
