@@ -16,6 +16,10 @@ rows of the sequences that opened a block patched in.
 
 Does not talk to the socket itself (it asks its client) and owns no position
 arithmetic (``shmkv.client.slots``).
+
+Over 1,000 lines, and :class:`Step` just over 600, on purpose: a step's fast paths (the
+kept batch, the uniform step, the descriptor another rank rebuilds it from) share its
+preallocated tensors and must stay one object's plain attribute reads on the hot path.
 """
 
 from __future__ import annotations
