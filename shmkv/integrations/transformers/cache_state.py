@@ -140,7 +140,7 @@ class _Forward:
         self.query_shape: Optional[torch.Size] = None
         self.out_shape: Optional[Tuple[int, int, int, int]] = None
         self.mirror = False  # a decode step over the mirror (paged path),
-        self.append = False  # by _append (dtype, device, grad mode allow it)
+        self.append = False  # by _CacheAttention.append (dtype, device, grad mode allow it)
         # (padding mask or None, warm) for it; False: not yet
         self.mirror_mask: Union[Literal[False], Tuple[Optional[torch.Tensor], bool]] = False
 
@@ -157,11 +157,11 @@ class _CacheState:
     count, else -1); ``ahead`` says decode steps reserved slots no row stores yet (given
     back when the handles are asked for; any other change of the rows keeps them, as a
     crop does), ``check_below`` the padded length below which a forward's positions are
-    checked. The steps (``cache_steps.py``) change the rows through :meth:`allocate`,
-    :meth:`decode`, :meth:`extended`, :meth:`written`, :meth:`unpublish`,
-    :meth:`gave_back`; the cache through :meth:`set_rows`, :meth:`select`, :meth:`crop`,
-    :meth:`adopt`, :meth:`set_unpublished`, :meth:`take_owned` and
-    :meth:`close_owned`."""
+    checked. The steps (``cache_steps.py``) change the rows through :meth:`decode`,
+    :meth:`written`, :meth:`unpublish` and :meth:`gave_back`; the cache through
+    :meth:`allocate`, :meth:`set_rows`, :meth:`select`, :meth:`crop`, :meth:`adopt`,
+    :meth:`set_unpublished`, :meth:`take_owned` and :meth:`close_owned`. The attention
+    paths only read them."""
 
     def __init__(self, client: Optional[Client], check_below: int) -> None:
         self.client = client
