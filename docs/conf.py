@@ -216,10 +216,10 @@ def _no_inline_type(app, what, name, obj, options, lines):
 
 
 # -- a class built from private parts shows the parts' members, not their names ----------
-# ``ShmkvCache`` is written as private parts (``_CacheSteps``, ``_CacheAttention``, one
-# job each) over transformers' ``Cache``. Users see one class: the parts' names are
-# dropped from its "Bases:" line, and the reference lists the parts' public members as
-# the class's own (``:inherited-members:`` in api.rst stops at the public base).
+# A public class that subclasses a private shmkv class shows one class to users: the
+# private bases' names are dropped from its "Bases:" line, and the reference lists
+# their public members as the class's own (``:inherited-members:`` in api.rst stops at
+# the public base).
 
 
 def _public_bases(app, name, obj, options, bases):

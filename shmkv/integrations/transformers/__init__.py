@@ -57,26 +57,30 @@ One file a concern, each opening with what it owns::
     attention.py        the "shmkv" mask and attention functions (shmkv_attention_forward,
                         register, use_shmkv_attention) and the hand-over by which a
                         forward tells its cache that its layers attend over the pool
-    cache_state.py      the cache's layers, one forward's step, the fields the cache's
-                        parts share and the bookkeeping of its rows
-    cache_steps.py      a forward's step: slots reserved (one round trip), the path
-                        chosen, positions checked, K/V written
-    cache_attention.py  how a layer attends: paged, over the mirror, or dense
+    cache_state.py      the cache's layers, one forward's step record, and its rows
+                        (_CacheState: handles, per-row bookkeeping)
+    cache_steps.py      a forward's step (_CacheSteps): slots reserved (one round
+                        trip), the path chosen, positions checked, K/V written
+    cache_attention.py  how a layer attends (_CacheAttention): paged, over the mirror,
+                        or dense
     cache.py            ShmkvCache: making one, the Cache interface, commit, close,
-                        pickling
+                        pickling; it holds the three parts above and delegates
     prompts.py          prefill, left_pad, cache_argument: running prompts through a
                         model over a cache
 
 No file is named after a function the package exports (``prefill``, ``pool_config``):
 a submodule of that name would hide it from ``import ... as``. The cache is four files
-because it is one object of two parts: :class:`ShmkvCache` inherits the steps and the
-attention paths, base classes over the state they share (``cache_state.py`` declares
-every field); the cut keeps a file to one concern without changing what a forward does.
+because it is one object of three parts: :class:`ShmkvCache` holds its rows, its steps
+and its attention paths, plain objects each the only writer of its data (the steps and
+the attention paths read the rows and change them through the rows' named methods; the
+attention paths read the step's pool and forward); the cut keeps a file to one concern
+without changing what a forward does.
 
 Imports point down the list above: ``config`` imports none of these files;
 ``attention`` only ``config`` (it reaches the cache through the members its
 ``_AttendingCache`` names); the cache's files import ``attention`` (the hand-over),
-``config`` and each other, ``cache_state`` first and ``cache`` last; ``prompts``
+``config`` and each other, ``cache_state`` first, then ``cache_steps``,
+``cache_attention``, and ``cache`` last; ``prompts``
 imports ``cache`` and ``config``. None imports this ``__init__``, which only checks the
 transformers release and re-exports. Of shmkv they import ``errors``, ``client``,
 ``memory.layout``, ``kernels.attention`` and ``integrations.hf_config``.

@@ -3,11 +3,14 @@
 Owns making a cache (from a client, from handles, from prompts with prefix reuse), the
 ``Cache`` interface transformers calls (``get_mask_sizes``, ``update``, ``crop``,
 ``reorder_cache``, ...), what the cache holds (handles, lengths, the last forward's
-path), ``commit`` (publishing rows for prefix reuse), closing and pickling. A forward's
-step is ``cache_steps.py`` and how its layers attend ``cache_attention.py``: the two
-parts :class:`ShmkvCache` inherits, over the state of ``cache_state.py``. Imports of
-shmkv: ``client``, ``errors``, ``kernels.attention`` and, of this package, ``config``,
-``attention`` (the mask hand-over) and the cache's parts.
+path), ``commit`` (publishing rows for prefix reuse), closing and pickling, and the
+hand-over with the "shmkv" mask and attention functions (the claim, the positions, the
+key handed to a layer). :class:`ShmkvCache` holds
+three parts and delegates to them: its rows (``_CacheState``, ``cache_state.py``), each
+forward's step (``_CacheSteps``, ``cache_steps.py``) and how its layers attend
+(``_CacheAttention``, ``cache_attention.py``). Imports of shmkv: ``client``, ``errors``
+and, of this package, ``config``, ``attention`` (the mask hand-over) and the cache's
+parts.
 """
 
 from __future__ import annotations
@@ -20,21 +23,24 @@ from transformers.cache_utils import Cache
 from shmkv.client.client import Client
 from shmkv.client.handle import KvCacheHandle
 from shmkv.errors import InvalidArgument, WrongType
-from shmkv.integrations.transformers.attention import _MASK_SIZES, _mask_position_ids
+from shmkv.integrations.transformers.attention import (
+    _MASK_SIZES,
+    _mask_position_ids,
+    _ShmkvMask,
+)
 from shmkv.integrations.transformers.cache_attention import _CacheAttention
-from shmkv.integrations.transformers.cache_state import _NEVER, _ShmkvLayer
+from shmkv.integrations.transformers.cache_state import _NEVER, _CacheState, _Forward, _ShmkvLayer
 from shmkv.integrations.transformers.cache_steps import _CacheSteps
 from shmkv.integrations.transformers.config import (
     _check_full_attention,
     _config_of,
     model_cache_salt,
 )
-from shmkv.kernels.attention import AttentionWorkspace
 
 __all__ = ["ShmkvCache"]
 
 
-class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
+class ShmkvCache(Cache):
     """A transformers ``Cache`` backed by shmkv sequences, one per batch row.
 
     Pass it to ``model.generate`` or to ``model(...)`` with ``use_cache=True`` (by the
@@ -83,6 +89,16 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
 
     Raises:
         WrongType / InvalidArgument: for a bad source or a mismatched model.
+
+    Made of three parts, each the only writer of its data: the rows (``_rows``, a
+    ``_CacheState``: handles and per-row state, changed through its ``set_rows``,
+    ``select``, ``crop``, ``adopt``, ``take_owned``, ``close_owned``), the step
+    (``_steps``, a ``_CacheSteps``: ``begin``, ``write``, ``give_back``, ``forget``) and
+    the attention paths (``_attn``, a ``_CacheAttention``: ``append``, ``dense``,
+    ``mirror``, ``attend``, ``crop``, ``select``, ``close``; ``_attend`` is its
+    ``attend``). The cache itself owns its layers, the mirror setting, the hand-over
+    fields the "shmkv" functions read and write (``_claim``, ``_positions``,
+    ``_pending``) and its lifetime.
     """
 
     # Its own layers only (update, which would add others, is overridden); transformers
@@ -101,12 +117,18 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
         if mirror is not None and not isinstance(mirror, bool):
             raise WrongType(f"mirror must be True, False or None, got {type(mirror).__name__}")
         self._mirror = mirror  # None: decided at the first forward (off if quantized)
-        self._mirror_kv = None  # (layer, K, V) of the mirror for the layer's attention
-        # (The types of the fields the parts share: _CacheState.)
-        self._client = None
-        self._handles = None
-        self._owned = set()
-        self._commit_upto = None
+        # The parts: the rows (handles and per-row state), each forward's step, and how
+        # layers attend (made once the number of layers is known).
+        # Row positions from which K/V is checked to be at its own position: every one
+        # below that of a cache that may publish (from_prompts: its prompts; handles: not
+        # known), none of a cache made from a client (its sequences carry no token ids).
+        self._rows = rows = _CacheState(
+            source if isinstance(source, Client) else None,
+            0 if isinstance(source, Client) else _NEVER,
+        )
+        self._steps = _CacheSteps(rows)
+        self._attn: _CacheAttention
+        self._commit_upto: Optional[int] = None
         self._closed = False
         self._config_checked = False
         # model_cache_salt(model_config) if given, and whether model_config was a model (the
@@ -116,36 +138,13 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
         self._expandable = False  # from_prompts, before its first forward: may fork rows
         # The position_ids of the forward whose mask is being built (None: transformers'
         # default, the padded positions); taken by that forward's first update.
-        self._positions = None
-        # Row positions from which K/V is checked to be at its own position: every one
-        # below that of a cache that may publish (from_prompts: its prompts; handles: not
-        # known), none of a cache made from a client (its sequences carry no token ids).
-        self._check_below = 0 if isinstance(source, Client) else _NEVER
-        self._claim = None  # set by the mask function, per forward
-        self._pending = None  # key handed to a layer on the paged path
-        self._fwd = None
-        self._batch = None
-        self._pages = None
-        self._pool = None  # the client's pool view (set with _batch)
-        self._dense_bufs = None  # per layer (K, V) buffers, dense path
-        self._dense_len = []  # per layer: padded positions they hold
-        # Gathered K/V goes into scratch memory kept across layers and steps.
-        self._workspace = AttentionWorkspace()
-        # Per row (int64 [B]): left padding not stored, tokens stored (valid K/V in every
-        # layer), slots the sequence holds. For the decode fast path: ``_aligned`` is the
-        # common stored length when no row has padding, else -1; ``_reserved`` the fewest
-        # slots a row holds; ``_uniform_lens`` their common count, else -1.
-        self._pad = self._stored_t = self._lens = None
-        self._any_pad = False
-        self._aligned = self._reserved = self._uniform_lens = -1
-        # Decode steps reserved slots ahead that no row stores yet (given back when the
-        # handles are asked for; any other change of the rows keeps them, as a crop does).
-        self._ahead = False
+        self._positions: Optional[torch.Tensor] = None
+        self._claim: Optional[_ShmkvMask] = None  # set by the mask function, per forward
+        self._pending: Optional[torch.Tensor] = None  # key handed to a layer, paged path
         self._last_path: Optional[str] = None
         if padding_side not in (None, "left"):
             raise InvalidArgument(f"padding_side must be 'left' or None, got {padding_side!r}")
         if isinstance(source, Client):
-            self._client = source
             num_layers = source.config.num_layers
             if num_tokens:
                 raise InvalidArgument("num_tokens needs handles; a new cache starts empty")
@@ -176,8 +175,8 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
                 raise InvalidArgument(
                     f"num_tokens={num_tokens} outside [0, {shortest}] (the tokens the handles hold)"
                 )
-            self._handles = handles
-            self._set_rows(
+            rows.adopt(handles, owned=False)
+            rows.set_rows(
                 pads, stored if stored is not None else [num_tokens] * len(handles), lengths
             )
             num_layers = handles[0].num_layers
@@ -187,6 +186,9 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
             self._model_salt = model_cache_salt(model_config)
             self._salt_of_model = model_config is not _config_of(model_config)[0]
         self._initial_tokens = num_tokens
+        self._attn = _CacheAttention(rows, self._steps, num_layers)
+        # The paged path of the "shmkv" attention function, called by it per layer.
+        self._attend = self._attn.attend
         super().__init__(layers=[_ShmkvLayer(self, i, num_tokens) for i in range(num_layers)])
 
     @classmethod
@@ -206,7 +208,7 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
         for layer in cache.layers:
             layer.num_tokens = num_tokens
         cache._initial_tokens = num_tokens
-        cache._set_rows(pads, stored, lens)
+        cache._rows.set_rows(pads, stored, lens)
         return cache
 
     @classmethod
@@ -329,11 +331,9 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
         except BaseException:
             client.close_many(handles)
             raise
-        cache._client = client
-        cache._owned.update(handles)
+        cache._rows.adopt(handles, owned=True, client=client, check_below=width)
         cache._commit_upto = width
         cache._expandable = True
-        cache._check_below = width
         return cache
 
     # -- what the cache holds --------------------------------------------------------------
@@ -342,18 +342,19 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
     def handles(self) -> List[KvCacheHandle]:
         """The sequences, one per batch row (empty before the first forward of a cache
         made from a client)."""
-        self._give_back()
-        return list(self._handles or [])
+        self._steps.give_back()
+        return list(self._rows.handles or [])
 
     @property
     def handle(self) -> KvCacheHandle:
         """The one sequence of a batch-1 cache."""
-        self._give_back()
-        if not self._handles or len(self._handles) != 1:
+        self._steps.give_back()
+        handles = self._rows.handles
+        if not handles or len(handles) != 1:
             raise InvalidArgument(
-                f"the cache holds {len(self._handles or [])} sequences, not one; use .handles"
+                f"the cache holds {len(handles or [])} sequences, not one; use .handles"
             )
-        return self._handles[0]
+        return handles[0]
 
     @property
     def num_cached_tokens(self) -> int:
@@ -376,7 +377,8 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
     @property
     def left_padding(self) -> List[int]:
         """Left padding of each row that the cache does not store."""
-        return [] if self._pad is None else self._pad.tolist()
+        pad = self._rows.pad
+        return [] if pad is None else pad.tolist()
 
     def commit(self) -> int:
         """Publish the full blocks every layer has written, for prefix reuse (only
@@ -390,16 +392,13 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
         self._check_open()
         n = self.num_tokens
         published = []
-        if self._handles:
-            assert self._pad is not None  # (set with the rows)
+        rows = self._rows
+        if rows.handles:
+            assert rows.pad is not None  # (set with the rows)
             written = (
-                (n - self._pad)
-                .clamp(min=0)
-                .minimum(self._stored)
-                .minimum(self._unpublished)
-                .tolist()
+                (n - rows.pad).clamp(min=0).minimum(rows.stored).minimum(rows.unpublished).tolist()
             )
-            published = [h.commit(min(w, h.num_tokens)) for h, w in zip(self._handles, written)]
+            published = [h.commit(min(w, h.num_tokens)) for h, w in zip(rows.handles, written)]
         if self._commit_upto is not None and n >= self._commit_upto:
             self._commit_upto = None
         return published[0] if published else 0
@@ -433,7 +432,7 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
         if not layer.is_initialized:
             layer.lazy_initialization(key_states, value_states)
         start, n = layer.num_tokens, key_states.shape[2]
-        fwd = self._fwd
+        fwd = self._steps.fwd
         if self._pending is not None:
             self._pending = None
             raise InvalidArgument(
@@ -442,33 +441,66 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
                 "forward?); run the model with attn_implementation='shmkv' throughout"
             )
         if fwd is None or fwd.start != start or fwd.n != n or layer_idx in fwd.layers_done:
-            fwd = self._fwd = self._begin(start, key_states)
+            fwd = self._begin(start, key_states)
             self._last_path = "paged" if fwd.paged else "dense"
-            fwd.mirror = fwd.paged and n == 1 and bool(self._mirror) and fwd.select is None
-            pool = self._pool
-            assert pool is not None  # (set with the batch, by _begin)
-            fwd.append = (
-                fwd.mirror
-                and key_states.dtype == pool.dtype
-                and key_states.device == pool.device
-                and not torch.is_grad_enabled()
-            )
         fwd.layers_done.add(layer_idx)
-        if fwd.append and self._append(fwd, layer_idx, key_states, value_states):
+        if fwd.append and self._attn.append(fwd, layer_idx, key_states, value_states):
+            self._pending = key_states
             layer.num_tokens = start + 1
             return key_states, value_states
-        self._write(fwd, layer_idx, key_states, value_states)
+        self._steps.write(fwd, layer_idx, key_states, value_states)
         layer.num_tokens = start + n
         if fwd.paged:
             self._pending = key_states
             if fwd.mirror:
                 # Decode: the attention function reads the mirror, brought up to date here.
-                self._mirror_kv = (
-                    layer_idx,
-                    *self._dense(fwd, layer_idx, key_states, value_states),
-                )
+                self._attn.mirror(fwd, layer_idx, key_states, value_states)
             return key_states, value_states
-        return self._dense(fwd, layer_idx, key_states, value_states)
+        return self._attn.dense(fwd, layer_idx, key_states, value_states)
+
+    def _begin(self, start: int, key_states: torch.Tensor) -> _Forward:
+        """The first update of a forward: the rows checked against it (allocated,
+        expanded), then its step (which path, which slots: one round trip)."""
+        claim, self._claim = self._claim, None
+        positions, self._positions = self._positions, None
+        _MASK_SIZES.__dict__.pop("cache", None)
+        batch, heads, n, head_dim = key_states.shape
+        rows = self._rows
+        if rows.handles is None:
+            rows.allocate(batch)
+        assert rows.handles is not None  # (allocated above)
+        count = len(rows.handles)
+        if count != batch and self._expandable and batch % count == 0:
+            # generate(num_return_sequences=k or num_beams=k) repeats every row k times
+            # before its first forward (repeat_interleave): the sequences are forked so.
+            self.batch_repeat_interleave(batch // count)
+        self._expandable = False
+        handles = rows.handles
+        if len(handles) != batch:
+            raise InvalidArgument(
+                f"the cache holds {len(handles)} sequences, the model ran a batch of {batch}"
+            )
+        first = handles[0]
+        if (heads, head_dim) != (first.num_heads, first.head_dim):
+            raise InvalidArgument(
+                f"the model's K/V is {heads} heads x {head_dim}, the pool holds "
+                f"{first.num_heads} x {first.head_dim}; size the pool with "
+                "pool_config(model.config)"
+            )
+        if self._commit_upto is not None and start >= self._commit_upto:
+            self.commit()  # before slots without token ids end the sequences' prefix keys
+        if self._mirror is None:  # off unless asked for: it holds a second copy
+            self._mirror = False
+        return self._steps.begin(start, key_states, claim, positions, self._mirror)
+
+    @property
+    def _any_pad(self) -> bool:
+        """Whether a row holds left padding (read by the "shmkv" mask function)."""
+        return self._rows.any_pad
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidArgument("this ShmkvCache is closed")
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens layer ``layer_idx`` holds (left padding included)."""
@@ -496,19 +528,11 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
         self._fit_rows()
 
     def _fit_rows(self) -> None:
-        self._pending = self._mirror_kv = None
+        self._pending = None
         n = self.num_tokens
-        self._dense_len = [min(v, n) for v in self._dense_len]
-        if self._pad is None:
-            return
-        self._pad = self._pad.clamp(max=n)
-        self._stored = self._stored.minimum((n - self._pad).clamp(min=0))
-        # rows cropped to before their first misplaced token hold none any more
-        self._unpublished = torch.where(
-            self._stored <= self._unpublished, _NEVER, self._unpublished
-        )
-        self._refresh_rows()
-        self._fwd = None
+        self._attn.crop(n)
+        if self._rows.crop(n):
+            self._steps.forget()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row ``i`` becomes old row ``beam_idx[i]``; a row taken twice is forked
@@ -521,44 +545,19 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat every row ``repeats`` times in place (forks share blocks, copy-on-write)."""
-        if self._handles is None:
+        handles = self._rows.handles
+        if handles is None:
             return
-        self._select([b for b in range(len(self._handles)) for _ in range(repeats)])
+        self._select([b for b in range(len(handles)) for _ in range(repeats)])
 
     def _select(self, rows: List[int]) -> None:
         self._check_open()
-        if self._handles is None:
+        if self._rows.handles is None:
             return
-        old = self._handles
-        taken: set = set()
-        new = []
-        for b in rows:
-            if b in taken:
-                child = old[b].fork()
-                self._owned.add(child)
-                new.append(child)
-            else:
-                taken.add(b)
-                new.append(old[b])
-        self._handles = new
-        self._batch = self._fwd = None
-        index = torch.tensor(rows, dtype=torch.int64)
-        if self._dense_bufs is not None:  # as DynamicCache reorders its tensors
-            self._dense_bufs = [
-                None if bufs is None else tuple(b.index_select(0, index.to(b.device)) for b in bufs)
-                for bufs in self._dense_bufs
-            ]
-        assert self._pad is not None and self._lens is not None  # (set with the rows)
-        self._set_rows(
-            self._pad[index], self._stored[index], self._lens[index], self._unpublished[index]
-        )
-        self._close_owned([h for b, h in enumerate(old) if b not in taken])
-
-    def _close_owned(self, handles) -> None:
-        for h in handles:
-            if h in self._owned:
-                self._owned.discard(h)
-                h.close()
+        dropped = self._rows.select(rows)
+        self._steps.forget(batch=True)
+        self._attn.select(rows)
+        self._rows.close_owned(dropped)
 
     # -- lifetime --------------------------------------------------------------------------
 
@@ -567,19 +566,19 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
         open). Idempotent; the cache cannot be used afterwards."""
         if self._closed:
             return
-        owned, self._owned = list(self._owned), set()
+        owned = self._rows.take_owned()
         try:
             if (
                 self._commit_upto is not None
                 and self.num_tokens
-                and all(h.is_valid() for h in self._handles or [])
+                and all(h.is_valid() for h in self._rows.handles or [])
             ):
                 self.commit()
         finally:
             self._closed = True
-            self._batch = self._fwd = self._pending = self._claim = self._mirror_kv = None
-            self._dense_bufs = None
-            self._workspace = None
+            self._pending = self._claim = None
+            self._steps.forget(batch=True)
+            self._attn.close()
             for h in owned:
                 h.close()
 
@@ -593,23 +592,25 @@ class ShmkvCache(_CacheSteps, _CacheAttention, Cache):
         """Pickles as its handles (each through a hand-off), its length and each row's
         left padding; the copy owns the handles it opens."""
         self._check_open()
-        if self._handles is None:
+        rows = self._rows
+        if rows.handles is None:
             raise InvalidArgument("an empty ShmkvCache holds no sequence to hand over")
-        assert self._pad is not None  # (set with the rows)
+        assert rows.pad is not None  # (set with the rows)
         return (
             _rebuild,
             (
-                list(self._handles),
+                list(rows.handles),
                 self.num_tokens,
-                self._pad.tolist(),
-                self._stored.tolist(),
+                rows.pad.tolist(),
+                rows.stored.tolist(),
                 self._mirror,
-                self._unpublished.tolist(),
+                rows.unpublished.tolist(),
             ),
         )
 
     def __repr__(self) -> str:
-        rows = len(self._handles) if self._handles is not None else 0
+        handles = self._rows.handles
+        rows = len(handles) if handles is not None else 0
         return f"<ShmkvCache {rows} sequences x {self.num_tokens} tokens>"
 
 
@@ -623,8 +624,8 @@ def _rebuild(handles, num_tokens, pads=None, stored=None, mirror=None, unpublish
         mirror=mirror,
     )
     if unpublished is not None:
-        cache._unpublished = torch.as_tensor(unpublished, dtype=torch.int64)
-    cache._owned.update(handles)
+        cache._rows.set_unpublished(unpublished)
+    cache._rows.adopt(handles, owned=True)
     return cache
 
 

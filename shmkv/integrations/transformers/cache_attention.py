@@ -4,42 +4,125 @@ over every row's whole K/V in buffers kept across steps.
 
 Owns the paged path's attention plan and calls into
 :func:`shmkv.kernels.attention.paged_attention`, the mirror's SDPA, and the dense
-buffers (grown, refilled from the pool where they lack positions). Which path a forward
-takes is decided by its first update (``cache_steps.py``); the ``"shmkv"`` attention
-function that calls in here is ``attention.py``. Imports of shmkv: ``errors``,
-``kernels.attention`` and ``cache_state`` of this package.
+buffers (grown, refilled from the pool where they lack positions; the mirror is these
+buffers, appended to by a decode step). Which path a forward takes is decided by its
+first update (``cache_steps.py``); the ``"shmkv"`` attention function that calls in
+here is ``attention.py``. Imports of shmkv: ``errors``, ``kernels.attention`` and, of
+this package, ``cache_state`` and ``cache_steps``.
 """
 
 from __future__ import annotations
+
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from shmkv.errors import InvalidArgument
 from shmkv.integrations.transformers.cache_state import _QUANTIZED, _CacheState, _Forward, _quantize
-from shmkv.kernels.attention import PagedAttentionPlan, paged_attention
+from shmkv.integrations.transformers.cache_steps import _CacheSteps
+from shmkv.kernels.attention import AttentionWorkspace, PagedAttentionPlan, paged_attention
 
 # Decode over the mirror reads K/V into the CPU caches before SDPA from this many
-# elements of K per layer (256 KiB of float32) up; see ShmkvCache._attend_mirror.
+# elements of K per layer (256 KiB of float32) up; see _CacheAttention._attend_mirror.
 _WARM_MIN_NUMEL = 1 << 16
 
 
-class _CacheAttention(_CacheState):
+class _CacheAttention:
     """How a layer of a :class:`ShmkvCache` attends: over the paged pool through the step's
     block tables, over a mirrored copy, or densely (see the package docstring for which
-    path a forward takes). Part of ShmkvCache (its state)."""
+    path a forward takes).
 
-    def _scales(self, layer_idx: int) -> tuple:
-        """The layer's ``(k_scale, v_scale)`` of a quantized pool (shared memory)."""
-        assert self._batch is not None  # (made by the forward's first update)
-        return self._batch.client.kv_scales(layer_idx)
+    Owns the layers' views of the pool's pages, the scratch memory gathered K/V goes
+    into (kept across layers and steps), the dense buffers (per layer (K, V)
+    ``[batch, kv_heads, capacity, head_dim]`` and the padded positions they hold; the
+    mirror is these buffers) and the mirror's K/V handed from a layer's update to its
+    attention.
+    Reads the rows (``handles``, ``pad``, ``any_pad``) of its :class:`_CacheState` and
+    the ``pool`` of its :class:`_CacheSteps`, whose ``scales`` it calls."""
+
+    def __init__(self, rows: _CacheState, steps: _CacheSteps, num_layers: int) -> None:
+        self.rows = rows
+        self.steps = steps
+        self.num_layers = num_layers
+        self._pages: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
+        self._workspace: Optional[AttentionWorkspace] = AttentionWorkspace()
+        self._dense_bufs: Optional[List[Optional[Tuple[torch.Tensor, ...]]]] = None
+        self._dense_len: List[int] = []
+        # (layer, K, V) of the mirror for the layer's attention, set by its update
+        self.mirror_kv: Optional[Tuple[int, torch.Tensor, torch.Tensor]] = None
+
+    def crop(self, n: int) -> None:
+        """The buffers hold no position from ``n`` on."""
+        self.mirror_kv = None
+        self._dense_len = [min(v, n) for v in self._dense_len]
+
+    def select(self, rows: List[int]) -> None:
+        """Row ``i`` of the buffers becomes old row ``rows[i]`` (as ``DynamicCache``
+        reorders its tensors)."""
+        if self._dense_bufs is None:
+            return
+        index = torch.tensor(rows, dtype=torch.int64)
+        self._dense_bufs = [
+            None if bufs is None else tuple(b.index_select(0, index.to(b.device)) for b in bufs)
+            for bufs in self._dense_bufs
+        ]
+
+    def close(self) -> None:
+        """Let go of the buffers and scratch memory."""
+        self.mirror_kv = None
+        self._dense_bufs = None
+        self._workspace = None
+
+    def append(
+        self, fwd: _Forward, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> bool:
+        """A decode step over the mirror, in the fewest calls: write the new token of
+        every row into the pool and append it to the layer's mirror, which holds every
+        position before it and has room for it (its attention then reads the mirror).
+        False (nothing done) when any of that does not hold: the cache then takes the
+        general way. (``fwd.append`` says the forward's dtype, device and grad mode allow
+        it.)"""
+        bufs = self._dense_bufs[layer_idx] if self._dense_bufs is not None else None
+        start = fwd.start
+        if (
+            bufs is None
+            or self._dense_len[layer_idx] != start
+            or bufs[0].shape[2] <= start
+            or bufs[0].shape[0] != key_states.shape[0]
+            or bufs[0].dtype != key_states.dtype
+            or value_states.dtype != key_states.dtype
+            or bufs[0].device != key_states.device
+            or not key_states.is_contiguous()
+            or not value_states.is_contiguous()
+        ):
+            return False
+        batch, heads, _, head_dim = key_states.shape
+        fwd.step.write(
+            layer_idx,
+            key_states.view(batch, heads, head_dim),
+            value_states.view(batch, heads, head_dim),
+        )
+        k_buf, v_buf = bufs
+        k_buf.narrow(2, start, 1).copy_(key_states)
+        v_buf.narrow(2, start, 1).copy_(value_states)
+        self._dense_len[layer_idx] = start + 1
+        self.mirror_kv = (layer_idx, k_buf.narrow(2, 0, start + 1), v_buf.narrow(2, 0, start + 1))
+        return True
+
+    def mirror(
+        self, fwd: _Forward, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> None:
+        """A decode step over the mirror the general way: the layer's mirror brought up to
+        date with its new K/V (see :meth:`dense`), for its attention."""
+        self.mirror_kv = (layer_idx, *self.dense(fwd, layer_idx, key_states, value_states))
 
     def _attn_pages(self, layer_idx: int) -> tuple:
         """``(k_pages, v_pages)`` of layer ``layer_idx`` for paged_attention: the layer's
         own views of the pool, ``[num_blocks, block_size, kv_heads, head_dim]`` (each one
         contiguous run of pages: the pool is stored layer-major)."""
         if self._pages is None:
-            pool = self._pool
+            pool = self.steps.pool
             assert pool is not None  # (set with the batch)
             self._pages = [(pool[:, i, 0], pool[:, i, 1]) for i in range(pool.shape[1])]
         return self._pages[layer_idx]
@@ -48,9 +131,11 @@ class _CacheAttention(_CacheState):
         """The step's block tables (the ids of the pages :meth:`_attn_pages` gives)."""
         return step.block_tables
 
-    def _attend(self, module, query: torch.Tensor, scaling, dropout, is_causal, kwargs):
-        """The paged path of the "shmkv" attention function: ``query`` ``[batch, heads,
-        n, head_dim]`` against the pool through the step's block tables."""
+    def attend(self, module, query: torch.Tensor, scaling, dropout, is_causal, kwargs):
+        """The paged path of the "shmkv" attention function (``ShmkvCache._attend``):
+        ``query`` ``[batch, heads, n, head_dim]`` against the pool through the step's
+        block tables, or against the mirror when the layer's update brought it up to
+        date."""
         if (
             dropout
             or kwargs.get("softcap") is not None
@@ -65,9 +150,9 @@ class _CacheAttention(_CacheState):
                 "without dropout, softcap, sinks, biases or windows; this layer "
                 "needs one: use attn_implementation='sdpa'"
             )
-        fwd = self._fwd
+        fwd = self.steps.fwd
         assert fwd is not None  # (this forward's, made by its first update)
-        mirror, self._mirror_kv = self._mirror_kv, None
+        mirror, self.mirror_kv = self.mirror_kv, None
         if mirror is not None and mirror[0] == module.layer_idx:
             return self._attend_mirror(fwd, query, mirror[1], mirror[2], scaling)
         k_pages, v_pages = self._attn_pages(module.layer_idx)
@@ -81,7 +166,7 @@ class _CacheAttention(_CacheState):
             fwd.out_shape = (batch, n, heads, head_dim)
         scales = {}
         if k_pages.dtype in _QUANTIZED:  # dequantized on the way into attention
-            scales["k_scale"], scales["v_scale"] = self._scales(module.layer_idx)
+            scales["k_scale"], scales["v_scale"] = self.steps.scales(module.layer_idx)
         if query.shape != fwd.query_shape:  # a layer unlike the first: planned on its own
             return paged_attention(
                 query.transpose(1, 2),
@@ -123,10 +208,11 @@ class _CacheAttention(_CacheState):
         made = fwd.mirror_mask
         if made is False:  # once per step: every layer has the same padding and size
             mask = None
-            if self._any_pad:
-                assert self._pad is not None  # (set with the rows)
+            rows = self.rows
+            if rows.any_pad:
+                assert rows.pad is not None  # (set with the rows)
                 positions = torch.arange(k.shape[2], device=k.device)
-                mask = (positions[None, :] >= self._pad.to(k.device)[:, None])[:, None, None]
+                mask = (positions[None, :] >= rows.pad.to(k.device)[:, None])[:, None, None]
             made = fwd.mirror_mask = (mask, k.device.type == "cpu" and k.numel() >= _WARM_MIN_NUMEL)
         mask, warm = made
         if warm:
@@ -145,7 +231,7 @@ class _CacheAttention(_CacheState):
         )
         return out.view(batch, 1, heads, head_dim)
 
-    def _dense(
+    def dense(
         self, fwd: _Forward, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor
     ) -> tuple:
         """The dense path: the layer's whole K/V, ``[batch, kv_heads, tokens, head_dim]``
@@ -163,10 +249,11 @@ class _CacheAttention(_CacheState):
         )
         valid = min(self._dense_len[layer_idx], start)
         if valid == start and fwd.select is None:
-            assert self._handles is not None  # (the forward's rows)
-            first = self._handles[0]
+            handles = self.rows.handles
+            assert handles is not None  # (the forward's rows)
+            first = handles[0]
             quantized = first.dtype in _QUANTIZED
-            scales = self._scales(layer_idx) if quantized else (None, None)
+            scales = self.steps.scales(layer_idx) if quantized else (None, None)
             for buf, new, scale in zip(bufs, (key_states, value_states), scales):
                 new = new.detach()
                 if quantized:  # hold what the pool holds: the stored value times its scale
@@ -187,9 +274,9 @@ class _CacheAttention(_CacheState):
     ) -> tuple:
         """This layer's K and V buffers ``[batch, kv_heads, capacity, head_dim]``, grown
         (doubling, keeping what they hold) to at least ``kv_length`` tokens."""
-        if self._dense_bufs is None or len(self._dense_bufs) != len(self.layers):
-            self._dense_bufs = [None] * len(self.layers)
-            self._dense_len = [0] * len(self.layers)
+        if self._dense_bufs is None or len(self._dense_bufs) != self.num_layers:
+            self._dense_bufs = [None] * self.num_layers
+            self._dense_len = [0] * self.num_layers
         bufs = self._dense_bufs[layer_idx]
         if bufs is not None and (
             bufs[0].shape[0] != batch or bufs[0].dtype != dtype or bufs[0].device != device
@@ -213,13 +300,14 @@ class _CacheAttention(_CacheState):
 
     def _fill(self, fwd: _Forward, layer_idx: int, bufs: tuple, lo: int, hi: int) -> None:
         """Gather padded positions ``[lo, hi)`` of every row from the pool into ``bufs``."""
-        assert self._handles is not None and self._pad is not None  # (the forward's rows)
-        pool = self._handles[0]._client.pool
+        handles, row_pad = self.rows.handles, self.rows.pad
+        assert handles is not None and row_pad is not None  # (the forward's rows)
+        pool = handles[0]._client.pool
         bs = pool.shape[3]
         batch = bufs[0].shape[0]
         heads, head_dim = pool.shape[4], pool.shape[5]
         if fwd.dense_index is None or fwd.dense_index[0] != lo:
-            pos = torch.arange(lo, hi)[None, :] - self._pad[:, None]  # position in the row
+            pos = torch.arange(lo, hi)[None, :] - row_pad[:, None]  # position in the row
             pad = pos < 0
             pos = pos.clamp(min=0)
             blocks = fwd.step.block_tables.to(torch.int64).gather(1, pos // bs)
@@ -242,7 +330,7 @@ class _CacheAttention(_CacheState):
                 got = pages.view(-1, heads, head_dim).index_select(0, rows)
             got = got.view(batch, hi - lo, heads, head_dim)
             if got.dtype in _QUANTIZED:  # dequantized first: float8 has no masked_fill
-                got = got.float() * self._scales(layer_idx)[which]
+                got = got.float() * self.steps.scales(layer_idx)[which]
             if fwd.dense_pad is not None:  # whatever the padding's slots hold (NaN, inf)
                 got.masked_fill_(fwd.dense_pad[:, :, None, None], 0)
             buf[:, :, lo:hi].copy_(got.transpose(1, 2))

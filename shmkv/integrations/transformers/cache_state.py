@@ -1,31 +1,26 @@
-"""What the parts of a :class:`ShmkvCache` share: its layers, one forward's step, and
-the cache's fields with the bookkeeping of its rows.
+"""The rows of a :class:`ShmkvCache`, its layers and one forward's step record.
 
 Owns :class:`_ShmkvLayer` (one model layer of the cache: the tokens it holds),
 :class:`_Forward` (what the first layer's update of a forward reserved, for every
-layer), :class:`_CacheState` (the fields ``ShmkvCache.__init__`` sets, declared for the
-type checker, and the per-row state: left padding, tokens stored, slots held, where
-publishing stops, and what the decode fast path reads off them) and the quantization of
-K/V into a quantized pool. The steps, the attention paths and the cache itself
-(``cache_steps.py``, ``cache_attention.py``, ``cache.py``) build on it; it imports none
-of them. Imports of shmkv: ``client`` (types), ``kernels.attention`` (types) and
-``attention`` of this package (the mask a forward claims).
+layer), :class:`_CacheState` (the cache's rows: the client and handles, the handles it
+owns, and per row the left padding, tokens stored, slots held, where publishing stops,
+and what the decode fast path reads off them) and the quantization of K/V into a
+quantized pool. The steps, the attention paths and the cache itself
+(``cache_steps.py``, ``cache_attention.py``, ``cache.py``) hold a :class:`_CacheState`
+and change it only through its methods; it imports none of them. Imports of shmkv:
+``client`` (types) and ``kernels.attention`` (types).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Literal, Optional, Sequence, Set, Tuple, Union
+from typing import List, Literal, Optional, Set, Tuple, Union
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from shmkv.client.client import Client
 from shmkv.client.handle import KvCacheHandle
-from shmkv.integrations.transformers.attention import _ShmkvMask
-from shmkv.kernels.attention import AttentionWorkspace, PagedAttentionPlan
-
-if TYPE_CHECKING:
-    from shmkv.client.batch import Batch
+from shmkv.kernels.attention import PagedAttentionPlan
 
 # "No position": above any row position.
 _NEVER = 1 << 62
@@ -145,90 +140,178 @@ class _Forward:
         self.query_shape: Optional[torch.Size] = None
         self.out_shape: Optional[Tuple[int, int, int, int]] = None
         self.mirror = False  # a decode step over the mirror (paged path),
-        self.append = False  # by _append (dtype, device, grad mode allow it)
+        self.append = False  # by _CacheAttention.append (dtype, device, grad mode allow it)
         # (padding mask or None, warm) for it; False: not yet
         self.mirror_mask: Union[Literal[False], Tuple[Optional[torch.Tensor], bool]] = False
 
 
 class _CacheState:
-    """The state of a :class:`ShmkvCache` that its parts (:class:`_CacheSteps`,
-    :class:`_CacheAttention`) share. The fields are declared here for the type checker:
-    ``ShmkvCache.__init__`` sets every one and says what each holds. The per-row fields
-    (``_pad``, ``_stored``, ``_lens``, ``_unpublished``) are set together by
-    :meth:`_set_rows`, and :meth:`_refresh_rows` derives from them what the decode fast
-    path reads (``_any_pad``, ``_aligned``, ``_reserved``, ``_uniform_lens``)."""
+    """The rows of a :class:`ShmkvCache`, and the only code that writes them: the client
+    (a cache made from one), the handles (one per batch row) and those the cache owns,
+    and per row (int64 ``[B]``) the left padding not stored (``pad``), the tokens stored,
+    valid K/V in every layer (``stored``), the slots the sequence holds (``lens``) and
+    the first position whose K/V may have been computed at another position
+    (``unpublished``; commit stops there). For the decode fast path it derives from them
+    ``any_pad``, ``aligned`` (the common stored length when no row has padding, else
+    -1), ``reserved`` (the fewest slots a row holds) and ``uniform_lens`` (their common
+    count, else -1); ``ahead`` says decode steps reserved slots no row stores yet (given
+    back when the handles are asked for; any other change of the rows keeps them, as a
+    crop does), ``check_below`` the padded length below which a forward's positions are
+    checked. The steps (``cache_steps.py``) change the rows through :meth:`decode`,
+    :meth:`written`, :meth:`unpublish` and :meth:`gave_back`; the cache through
+    :meth:`allocate`, :meth:`set_rows`, :meth:`select`, :meth:`crop`, :meth:`adopt`,
+    :meth:`set_unpublished`, :meth:`take_owned` and :meth:`close_owned`. The attention
+    paths only read them."""
 
-    layers: Sequence[CacheLayerMixin]
-    _mirror: Optional[bool]
-    _mirror_kv: Optional[Tuple[int, torch.Tensor, torch.Tensor]]
-    _client: Optional[Client]
-    _handles: Optional[List[KvCacheHandle]]
-    _owned: Set[KvCacheHandle]
-    _commit_upto: Optional[int]
-    _closed: bool
-    _expandable: bool
-    _positions: Optional[torch.Tensor]
-    _check_below: int
-    _claim: Optional[_ShmkvMask]
-    _pending: Optional[torch.Tensor]
-    _fwd: Optional[_Forward]
-    _batch: Optional[Batch]
-    _pages: Optional[List[Tuple[torch.Tensor, torch.Tensor]]]
-    _pool: Optional[torch.Tensor]
-    _dense_bufs: Optional[List[Optional[Tuple[torch.Tensor, ...]]]]
-    _dense_len: List[int]
-    _workspace: Optional[AttentionWorkspace]
-    _pad: Optional[torch.Tensor]
-    _stored_t: Optional[torch.Tensor]
-    _lens: Optional[torch.Tensor]
-    _unpublished: torch.Tensor
-    _any_pad: bool
-    _aligned: int
-    _reserved: int
-    _uniform_lens: int
-    _ahead: bool
-
-    if TYPE_CHECKING:  # defined by ShmkvCache and _CacheAttention
-
-        def _scales(self, layer_idx: int) -> tuple: ...
-
-        def commit(self) -> int: ...
-
-        def batch_repeat_interleave(self, repeats: int) -> None: ...
+    def __init__(self, client: Optional[Client], check_below: int) -> None:
+        self.client = client
+        self.handles: Optional[List[KvCacheHandle]] = None
+        self.owned: Set[KvCacheHandle] = set()
+        self.check_below = check_below
+        self.pad: Optional[torch.Tensor] = None
+        self._stored: Optional[torch.Tensor] = None
+        self.lens: Optional[torch.Tensor] = None
+        self.unpublished = torch.empty(0, dtype=torch.int64)
+        self.any_pad = False
+        self.aligned = self.reserved = self.uniform_lens = -1
+        self.ahead = False
 
     @property
-    def _stored(self) -> torch.Tensor:
-        stored = self._stored_t
-        if stored is None:  # left so by a decode step: every row holds _aligned tokens
-            assert self._pad is not None  # (set with the rows)
-            stored = self._stored_t = torch.full_like(self._pad, self._aligned)
+    def stored(self) -> torch.Tensor:
+        """Tokens stored per row (int64 ``[B]``)."""
+        stored = self._stored
+        if stored is None:  # left so by a decode step: every row holds `aligned` tokens
+            assert self.pad is not None  # (set with the rows)
+            stored = self._stored = torch.full_like(self.pad, self.aligned)
         return stored
 
-    @_stored.setter
-    def _stored(self, value: torch.Tensor) -> None:
-        self._stored_t = value
-
-    def _set_rows(self, pads, stored, lens, unpublished=None) -> None:
-        self._pad = torch.as_tensor(pads, dtype=torch.int64)
+    def set_rows(self, pads, stored, lens, unpublished=None) -> None:
+        """Every row's state at once (``unpublished`` None: nothing misplaced)."""
+        self.pad = torch.as_tensor(pads, dtype=torch.int64)
         self._stored = torch.as_tensor(stored, dtype=torch.int64)
-        self._lens = torch.as_tensor(lens, dtype=torch.int64)
-        # Per row: the first position whose K/V may have been computed at another position
-        # (a forward that numbered the row from its padding); commit stops there.
-        self._unpublished = (
-            torch.full_like(self._pad, _NEVER)
+        self.lens = torch.as_tensor(lens, dtype=torch.int64)
+        self.unpublished = (
+            torch.full_like(self.pad, _NEVER)
             if unpublished is None
             else torch.as_tensor(unpublished, dtype=torch.int64)
         )
-        self._refresh_rows()
+        self._refresh()
 
-    def _refresh_rows(self) -> None:
-        self._ahead = False
-        pad, lens = self._pad, self._lens
+    def set_unpublished(self, unpublished) -> None:
+        """Where publishing stops, per row (a pickled cache's)."""
+        self.unpublished = torch.as_tensor(unpublished, dtype=torch.int64)
+
+    def adopt(
+        self,
+        handles,
+        owned: bool,
+        client: Optional[Client] = None,
+        check_below: Optional[int] = None,
+    ) -> None:
+        """Hold ``handles`` (one per row); ``owned``: the cache closes them; ``client``:
+        the client they were allocated from; ``check_below``: the padded length below
+        which a forward's positions are checked from now on."""
+        self.handles = handles
+        if owned:
+            self.owned.update(handles)
+        if client is not None:
+            self.client = client
+        if check_below is not None:
+            self.check_below = check_below
+
+    def allocate(self, batch: int) -> None:
+        """A cache made from a client: ``batch`` empty sequences of its own."""
+        assert self.client is not None  # (a cache made from a client)
+        self.handles = self.client.allocate_many([0] * batch)
+        self.owned.update(self.handles)
+        self.set_rows([0] * batch, [0] * batch, [0] * batch)
+
+    def decode(self, kv_length: int, added: int = 0, ahead: int = 0) -> None:
+        """A decode step stored ``kv_length`` tokens in every row; ``added``: slots it
+        reserved in every row (0: none), ``ahead`` of them past ``kv_length``."""
+        if added:
+            assert self.lens is not None  # (set with the rows)
+            self.lens += added
+            self.reserved = self.uniform_lens = kv_length + ahead
+            self.ahead = bool(ahead)
+        self.aligned = kv_length
+        self._stored = None  # every row: kv_length (made into a tensor when needed)
+
+    def written(self, pad: torch.Tensor, ends: torch.Tensor) -> None:
+        """A forward wrote each row up to ``ends`` (its left padding now ``pad``)."""
+        assert self.lens is not None  # (set with the rows)
+        self.pad = pad
+        self._stored = torch.maximum(self.stored, ends)
+        self.lens = torch.maximum(self.lens, ends)
+        self._refresh()
+
+    def unpublish(self, first: torch.Tensor) -> None:
+        """Rows' K/V from ``first`` on was computed at other positions."""
+        self.unpublished = torch.minimum(self.unpublished, first)
+
+    def gave_back(self, truncated: bool) -> None:
+        """The slots reserved ahead are settled; ``truncated``: they went back, and every
+        row holds ``aligned`` slots."""
+        self.ahead = False
+        if truncated:
+            assert self.lens is not None  # (set with the rows)
+            self.lens = torch.full_like(self.lens, self.aligned)
+            self.reserved = self.uniform_lens = self.aligned
+
+    def crop(self, n: int) -> bool:
+        """Rows fit a padded length ``n``; False when there are no rows yet."""
+        if self.pad is None:
+            return False
+        self.pad = self.pad.clamp(max=n)
+        self._stored = self.stored.minimum((n - self.pad).clamp(min=0))
+        # rows cropped to before their first misplaced token hold none any more
+        self.unpublished = torch.where(self.stored <= self.unpublished, _NEVER, self.unpublished)
+        self._refresh()
+        return True
+
+    def select(self, rows: List[int]) -> List[KvCacheHandle]:
+        """Row ``i`` becomes old row ``rows[i]`` (a row taken twice is forked); returns the
+        handles no row takes."""
+        old = self.handles
+        assert old is not None and self.pad is not None and self.lens is not None
+        taken: set = set()
+        new = []
+        for b in rows:
+            if b in taken:
+                child = old[b].fork()
+                self.owned.add(child)
+                new.append(child)
+            else:
+                taken.add(b)
+                new.append(old[b])
+        self.handles = new
+        index = torch.tensor(rows, dtype=torch.int64)
+        self.set_rows(
+            self.pad[index], self.stored[index], self.lens[index], self.unpublished[index]
+        )
+        return [h for b, h in enumerate(old) if b not in taken]
+
+    def take_owned(self) -> List[KvCacheHandle]:
+        """Every owned handle, now the caller's to close."""
+        owned, self.owned = list(self.owned), set()
+        return owned
+
+    def close_owned(self, handles) -> None:
+        """Close those of ``handles`` the cache owns."""
+        for h in handles:
+            if h in self.owned:
+                self.owned.discard(h)
+                h.close()
+
+    def _refresh(self) -> None:
+        self.ahead = False
+        pad, lens = self.pad, self.lens
         assert pad is not None and lens is not None  # (set with the rows)
-        self._any_pad = bool(pad.any())
-        first = int(self._stored[0]) if len(self._stored) else 0
-        uniform = not self._any_pad and bool((self._stored == first).all())
-        self._aligned = first if uniform else -1
+        self.any_pad = bool(pad.any())
+        stored = self.stored
+        first = int(stored[0]) if len(stored) else 0
+        uniform = not self.any_pad and bool((stored == first).all())
+        self.aligned = first if uniform else -1
         low, high = (int(x) for x in torch.aminmax(lens)) if len(lens) else (0, 0)
-        self._reserved = low
-        self._uniform_lens = low if low == high else -1
+        self.reserved = low
+        self.uniform_lens = low if low == high else -1

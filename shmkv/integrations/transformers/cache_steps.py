@@ -6,15 +6,16 @@ path (paged or dense), checking that each written token sits at its own position
 ``commit`` may publish), writing each layer's K/V into the pool, and giving back the
 slots reserved ahead. How layers attend is ``cache_attention.py``; the ``Cache``
 interface, construction and lifetime are ``cache.py``. Imports of shmkv: ``errors`` and,
-of this package, ``attention`` (the mask hand-over) and ``cache_state``.
+of this package, ``cache_state``.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Optional
+
 import torch
 
 from shmkv.errors import InvalidArgument
-from shmkv.integrations.transformers.attention import _MASK_SIZES
 from shmkv.integrations.transformers.cache_state import (
     _NEVER,
     _QUANTIZED,
@@ -23,88 +24,65 @@ from shmkv.integrations.transformers.cache_state import (
     _quantize,
 )
 
+if TYPE_CHECKING:
+    from shmkv.client.batch import Batch
 
-class _CacheSteps(_CacheState):
+
+class _CacheSteps:
     """The step each forward makes over a :class:`ShmkvCache`'s rows: reserving the new
     tokens' slots (one batch step), checking each written token sits at its own position
-    (what ``commit`` may publish), and writing K/V. Part of ShmkvCache (its state)."""
+    (what ``commit`` may publish), and writing K/V.
 
-    def _append(
-        self, fwd: _Forward, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor
-    ) -> bool:
-        """A decode step over the mirror, in the fewest calls: write the new token of
-        every row into the pool and append it to the layer's mirror, which holds every
-        position before it and has room for it. False (nothing done) when any of that
-        does not hold: :meth:`update` then takes the general way. (``fwd.append`` says
-        the forward's dtype, device and grad mode allow it.)"""
-        bufs = self._dense_bufs[layer_idx] if self._dense_bufs is not None else None
-        start = fwd.start
-        if (
-            bufs is None
-            or self._dense_len[layer_idx] != start
-            or bufs[0].shape[2] <= start
-            or bufs[0].shape[0] != key_states.shape[0]
-            or bufs[0].dtype != key_states.dtype
-            or value_states.dtype != key_states.dtype
-            or bufs[0].device != key_states.device
-            or not key_states.is_contiguous()
-            or not value_states.is_contiguous()
-        ):
-            return False
-        batch, heads, _, head_dim = key_states.shape
-        fwd.step.write(
-            layer_idx,
-            key_states.view(batch, heads, head_dim),
-            value_states.view(batch, heads, head_dim),
+    Owns the rows' shmkv ``Batch`` (``batch``), the pool it writes (``pool``) and the
+    current forward's :class:`_Forward` (``fwd``). Reads the rows of its
+    :class:`_CacheState` and changes them through its ``decode``, ``written``,
+    ``unpublish`` and ``gave_back``."""
+
+    def __init__(self, rows: _CacheState) -> None:
+        self.rows = rows
+        self.fwd: Optional[_Forward] = None
+        self.batch: Optional[Batch] = None
+        self.pool: Optional[torch.Tensor] = None
+
+    def forget(self, batch: bool = False) -> None:
+        """Forget the last forward (``batch``: and the batch, for rows that changed)."""
+        self.fwd = None
+        if batch:
+            self.batch = None
+
+    def scales(self, layer_idx: int) -> tuple:
+        """The layer's ``(k_scale, v_scale)`` of a quantized pool (shared memory)."""
+        assert self.batch is not None  # (made by the forward's first update)
+        return self.batch.client.kv_scales(layer_idx)
+
+    def begin(
+        self, start: int, key_states: torch.Tensor, claim, positions, mirror: bool
+    ) -> _Forward:
+        """The first update of a forward over rows checked to match it: which path,
+        which slots (one round trip). ``claim``: the "shmkv" mask's, or None;
+        ``positions``: the forward's ``position_ids``; ``mirror``: decode steps on the
+        paged path attend over the mirror."""
+        fwd = self.fwd = self._begin(start, key_states, claim, positions)
+        fwd.mirror = fwd.paged and fwd.n == 1 and mirror and fwd.select is None
+        pool = self.pool
+        assert pool is not None  # (set with the batch)
+        fwd.append = (
+            fwd.mirror
+            and key_states.dtype == pool.dtype
+            and key_states.device == pool.device
+            and not torch.is_grad_enabled()
         )
-        k_buf, v_buf = bufs
-        k_buf.narrow(2, start, 1).copy_(key_states)
-        v_buf.narrow(2, start, 1).copy_(value_states)
-        self._dense_len[layer_idx] = start + 1
-        self._pending = key_states
-        self._mirror_kv = (layer_idx, k_buf.narrow(2, 0, start + 1), v_buf.narrow(2, 0, start + 1))
-        return True
+        return fwd
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise InvalidArgument("this ShmkvCache is closed")
-
-    def _begin(self, start: int, key_states: torch.Tensor) -> _Forward:
-        """The first update of a forward: which path, which slots (one round trip)."""
-        claim, self._claim = self._claim, None
-        positions, self._positions = self._positions, None
-        _MASK_SIZES.__dict__.pop("cache", None)
+    def _begin(self, start: int, key_states: torch.Tensor, claim, positions) -> _Forward:
+        rows = self.rows
+        handles = rows.handles
+        assert handles is not None  # (checked by the cache)
         batch, heads, n, head_dim = key_states.shape
-        if self._handles is None:
-            assert self._client is not None  # (a cache made from a client)
-            self._handles = self._client.allocate_many([0] * batch)
-            self._owned.update(self._handles)
-            self._set_rows([0] * batch, [0] * batch, [0] * batch)
-        rows = len(self._handles)
-        if rows != batch and self._expandable and batch % rows == 0:
-            # generate(num_return_sequences=k or num_beams=k) repeats every row k times
-            # before its first forward (repeat_interleave): the sequences are forked so.
-            self.batch_repeat_interleave(batch // rows)
-        self._expandable = False
-        if len(self._handles) != batch:
-            raise InvalidArgument(
-                f"the cache holds {len(self._handles)} sequences, the model ran a batch of {batch}"
-            )
-        first = self._handles[0]
-        if (heads, head_dim) != (first.num_heads, first.head_dim):
-            raise InvalidArgument(
-                f"the model's K/V is {heads} heads x {head_dim}, the pool holds "
-                f"{first.num_heads} x {first.head_dim}; size the pool with "
-                "pool_config(model.config)"
-            )
-        if self._commit_upto is not None and start >= self._commit_upto:
-            self.commit()  # before slots without token ids end the sequences' prefix keys
-        if self._batch is None:
-            client = self._client if self._client is not None else first._client
-            self._batch = client.batch(self._handles)
-            self._pool = client.pool
-            if self._mirror is None:  # off unless asked for: it holds a second copy
-                self._mirror = False
+        if self.batch is None:
+            client = rows.client if rows.client is not None else handles[0]._client
+            self.batch = client.batch(handles)
+            self.pool = client.pool
         kv_length = start + n
         padding = None
         paged = claim is not None and (claim.batch_size, claim.q_length, claim.kv_length) == (
@@ -115,9 +93,9 @@ class _CacheSteps(_CacheState):
         if paged:
             assert claim is not None  # (what paged says)
             padding = claim.padding
-            if padding is not None and not self._any_pad and bool(padding.all()):
+            if padding is not None and not rows.any_pad and bool(padding.all()):
                 padding = None
-            elif padding is None and self._any_pad:
+            elif padding is None and rows.any_pad:
                 raise InvalidArgument(
                     "this ShmkvCache holds rows with left padding, and the "
                     "forward has no attention mask: pass the attention mask "
@@ -125,13 +103,13 @@ class _CacheSteps(_CacheState):
                 )
         if (
             padding is None
-            and self._aligned == start
-            and (self._reserved >= kv_length or self._uniform_lens == start)
+            and rows.aligned == start
+            and (rows.reserved >= kv_length or rows.uniform_lens == start)
         ):
             # Decode fast path: every row holds exactly `start` tokens, no padding; the
             # new ones go into slots already reserved (after a crop, say: no round trip)
             # or into slots reserved now at the end of every row.
-            last = self._fwd
+            last = self.fwd
             # the last forward, when this one is the step after it (one token on); else None
             prev = (
                 last
@@ -139,22 +117,21 @@ class _CacheSteps(_CacheState):
                 else None
             )
             step = None
-            if self._reserved >= kv_length:
+            added = ahead = 0
+            if rows.reserved >= kv_length:
                 if prev is not None:  # the step after the last one, from its tables: no table read
                     step = prev.step.next_decode()
                 if step is None:
-                    step = self._batch.prefill(start=start, num_tokens=n)
+                    assert self.batch is not None  # (made above)
+                    step = self.batch.prefill(start=start, num_tokens=n)
             else:
                 # A decode step reserves the rest of the rows' last blocks too (no block
                 # more), which the next steps take with no round trip; the rows' stored
                 # counts, not their slots, say what they hold (as after a crop).
-                assert self._batch is not None  # (made by _begin)
-                ahead = -kv_length % self._batch.client.config.block_size if n == 1 else 0
+                assert self.batch is not None  # (made above)
+                ahead = -kv_length % self.batch.client.config.block_size if n == 1 else 0
                 step = self._extend(n, ahead)
-                assert self._lens is not None  # (set with the rows)
-                self._lens += n + ahead
-                self._reserved = self._uniform_lens = kv_length + ahead
-                self._ahead = bool(ahead)
+                added = n + ahead
             plan = None
             if (
                 prev is not None
@@ -166,22 +143,21 @@ class _CacheSteps(_CacheState):
             ):
                 # The same blocks, one more key each: the last step's attention plan moved on.
                 plan = prev.plan._next_decode()
-            if positions is not None and start < self._check_below:
+            if positions is not None and start < rows.check_below:
                 self._check_positions(positions, start, n, None, None)
-            self._aligned = kv_length
-            self._stored_t = None  # every row: kv_length (made into a tensor when needed)
+            rows.decode(kv_length, added, ahead)
             fwd = _Forward(start, n, step, paged, None)
             if plan is not None:
                 assert prev is not None  # (whose plan moved on)
                 fwd.plan, fwd.query_shape, fwd.out_shape = plan, prev.query_shape, prev.out_shape
             return fwd
-        pad = self._pad
+        pad = rows.pad
         assert pad is not None  # (set with the rows)
         if padding is not None:
             # Skip new leading padding in rows that hold nothing yet; the mask must then
             # be exactly "padding, then tokens" for the paged path.
             lead = (~padding).cumprod(1).sum(1)
-            fresh = (self._stored == 0) & (pad >= start)
+            fresh = (rows.stored == 0) & (pad >= start)
             pad = torch.where(fresh, torch.maximum(pad, lead.clamp(max=kv_length)), pad)
             expected = torch.arange(kv_length)[None, :] >= pad[:, None]
             if bool((padding & ~expected).any()):
@@ -190,7 +166,7 @@ class _CacheSteps(_CacheState):
                     "padding (not stored); keep the mask of the padded prompts"
                 )
             paged = torch.equal(padding, expected)
-        stored, lens = self._stored, self._lens
+        stored, lens = rows.stored, rows.lens
         assert lens is not None  # (set with the rows)
         skip = (pad + stored - start).clamp(0, n)  # new tokens a row does not write
         if bool((pad + stored < start).any()):
@@ -204,18 +180,17 @@ class _CacheSteps(_CacheState):
         need = (ends - lens).clamp(min=0)
         uniform = not bool(skip.any())
         if not bool(need.any()):
-            step = self._batch.prefill(start=hstart, num_tokens=n if uniform else counts)
+            assert self.batch is not None  # (made above)
+            step = self.batch.prefill(start=hstart, num_tokens=n if uniform else counts)
         elif torch.equal(hstart, lens):
             step = self._extend(n if uniform else counts)
         else:
             self._extend(need)
-            step = self._batch.prefill(start=hstart, num_tokens=counts)
-        self._pad = pad
-        if start < self._check_below:
+            assert self.batch is not None  # (made above)
+            step = self.batch.prefill(start=hstart, num_tokens=counts)
+        if start < rows.check_below:
             self._check_positions(positions, start, n, pad, skip)
-        self._stored = torch.maximum(stored, ends)
-        self._lens = torch.maximum(lens, ends)
-        self._refresh_rows()
+        rows.written(pad, ends)
         select = None
         if not uniform:
             select = (torch.arange(n)[None, :] >= skip[:, None]).reshape(-1).nonzero().squeeze(1)
@@ -252,17 +227,17 @@ class _CacheSteps(_CacheState):
         if not bool(wrong.any()):
             return
         first = torch.where(wrong, own.expand_as(wrong), _NEVER).amin(1)
-        self._unpublished = torch.minimum(self._unpublished, first)
+        self.rows.unpublish(first)
 
     def _extend(self, counts, reserve: int = 0):
         """``batch.extend(counts, reserve=reserve)``: one round trip (copy-on-write of
         forked rows' shared last blocks included)."""
-        assert self._batch is not None  # (made by _begin)
-        return self._batch.extend(counts, reserve=reserve)
+        assert self.batch is not None  # (made by begin)
+        return self.batch.extend(counts, reserve=reserve)
 
-    def _write(self, fwd: _Forward, layer_idx: int, key_states, value_states) -> None:
+    def write(self, fwd: _Forward, layer_idx: int, key_states, value_states) -> None:
         """One batch write of the layer's new K/V (the rows ``fwd.select`` names)."""
-        pool = self._pool
+        pool = self.pool
         assert pool is not None  # (set with the batch, by _begin)
         batch, heads, n, head_dim = key_states.shape
         if (
@@ -286,7 +261,7 @@ class _CacheSteps(_CacheState):
         if fwd.select is not None:
             k, v = k.index_select(0, fwd.select), v.index_select(0, fwd.select)
         if pool.dtype in _QUANTIZED:
-            k_scale, v_scale = self._scales(layer_idx)
+            k_scale, v_scale = self.scales(layer_idx)
             k = _quantize(k.to(pool.device), pool.dtype, k_scale)
             v = _quantize(v.to(pool.device), pool.dtype, v_scale)
         elif k.dtype != pool.dtype or k.device != pool.device:
@@ -294,19 +269,19 @@ class _CacheSteps(_CacheState):
             v = v.to(device=pool.device, dtype=pool.dtype)
         fwd.step.write(layer_idx, k.contiguous(), v.contiguous())
 
-    def _give_back(self) -> None:
+    def give_back(self) -> None:
         """Slots decode steps reserved ahead and did not write go back (one round trip),
         so that every handle holds what its row stored. Kept, as after a crop, when a
         sequence has another reference (a truncate is refused then)."""
-        if not self._ahead:
+        rows = self.rows
+        if not rows.ahead:
             return
-        self._ahead = False
-        assert self._batch is not None and self._lens is not None  # (set by the step)
-        if self._aligned < 0 or self._uniform_lens <= self._aligned:
-            return
-        try:
-            self._batch.truncate(self._aligned)
-        except InvalidArgument:
-            return
-        self._lens = torch.full_like(self._lens, self._aligned)
-        self._reserved = self._uniform_lens = self._aligned
+        assert self.batch is not None  # (made by the step that reserved ahead)
+        truncated = False
+        if rows.aligned >= 0 and rows.uniform_lens > rows.aligned:
+            try:
+                self.batch.truncate(rows.aligned)
+                truncated = True
+            except InvalidArgument:
+                pass
+        rows.gave_back(truncated)
