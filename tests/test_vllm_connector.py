@@ -22,24 +22,20 @@ if importlib.util.find_spec("vllm") is None:  # found without importing it (seco
         allow_module_level=True,
     )
 
-from vllm_engine import BLOCK, connector_config, make_model, matched, prompt  # noqa: E402
+from vllm_engine import BLOCK, make_model, matched, prompt  # noqa: E402
+from vllm_sched import (  # noqa: E402
+    DIM,
+    HEADS,
+    LAYERS,
+    caches,
+    pool_config,
+    roles,
+    step,
+    until,
+    vllm_config,
+)
 
 import shmkv  # noqa: E402
-
-LAYERS, HEADS, DIM = 2, 2, 32  # make_model()'s
-
-
-def pool_config(num_blocks: int = 256, **kw) -> shmkv.PoolConfig:
-    spec = dict(
-        num_layers=LAYERS,
-        num_kv_heads=HEADS,
-        head_dim=DIM,
-        num_blocks=num_blocks,
-        block_size=32,
-        dtype=torch.float32,
-    )
-    spec.update(kw)
-    return shmkv.PoolConfig(**spec)
 
 
 @pytest.fixture(scope="module")
@@ -53,25 +49,6 @@ def vc():
     from shmkv.integrations import vllm as module
 
     return module
-
-
-def vllm_config(model, address, parallel=None, **extra):
-    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig
-
-    return VllmConfig(
-        model_config=ModelConfig(
-            model=model, skip_tokenizer_init=True, dtype="float32", max_model_len=2048
-        ),
-        cache_config=CacheConfig(block_size=BLOCK),
-        parallel_config=ParallelConfig(**(parallel or {})),
-        kv_transfer_config=KVTransferConfig(**connector_config(address, **extra)),
-    )
-
-
-def roles():
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-
-    return KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER
 
 
 def request(req_id: str, toks):
@@ -94,13 +71,6 @@ def seed_prefix(client, vc, vcfg, req, num_tokens: int, value: float = 1.0) -> N
     h.close()
 
 
-def caches(nb: int = 8) -> dict:
-    return {
-        f"model.layers.{i}.self_attn.attn": torch.zeros(nb, HEADS, BLOCK, 2 * DIM)
-        for i in range(LAYERS)
-    }
-
-
 def schedule(sched, req, block_ids, num_external: int, num_tokens: int):
     """What vLLM's scheduler does with a new request the connector promised
     ``num_external`` tokens of: allocate its blocks, then build the step's metadata."""
@@ -116,31 +86,6 @@ def schedule(sched, req, block_ids, num_external: int, num_tokens: int):
     out.scheduled_new_reqs = [NewRequestData.from_request(req, (list(block_ids),))]
     out.num_scheduled_tokens = {req.request_id: num_tokens}
     return sched.build_connector_meta(out)
-
-
-def step(worker, meta):
-    """What vLLM's model runner does with a step's metadata around the forward."""
-    from vllm.v1.outputs import KVConnectorOutput
-
-    worker.bind_connector_metadata(meta)
-    worker.start_load_kv(None)
-    worker.wait_for_save()
-    errors = worker.get_block_ids_with_load_errors()
-    out = KVConnectorOutput(
-        invalid_block_ids=errors, kv_connector_worker_meta=worker.build_connector_worker_meta()
-    )
-    worker.clear_connector_metadata()
-    return out
-
-
-def until(cond, what: str, timeout: float = 15.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
 
 
 # -- settings and start-up checks -----------------------------------------------------------

@@ -32,26 +32,20 @@ if importlib.util.find_spec("vllm") is None:  # found without importing it (seco
     )
 
 from conftest import _children, shm_entries, socket_files  # noqa: E402
-from vllm_engine import BLOCK, connector_config, make_model, matched, prompt  # noqa: E402
+from vllm_engine import BLOCK, make_model, matched, prompt  # noqa: E402
+from vllm_sched import (  # noqa: E402
+    DIM,
+    HEADS,
+    LAYERS,
+    caches,
+    pool_config,
+    roles,
+    step,
+    until,
+    vllm_config,
+)
 
 import shmkv  # noqa: E402
-
-LAYERS, HEADS, DIM = 2, 2, 32  # make_model()'s
-
-pytestmark = pytest.mark.timeout(120)
-
-
-def pool_config(num_blocks: int = 256, **kw) -> shmkv.PoolConfig:
-    spec = dict(
-        num_layers=LAYERS,
-        num_kv_heads=HEADS,
-        head_dim=DIM,
-        num_blocks=num_blocks,
-        block_size=32,
-        dtype=torch.float32,
-    )
-    spec.update(kw)
-    return shmkv.PoolConfig(**spec)
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +59,9 @@ def vc():
     from shmkv.integrations import vllm as module
 
     return module
+
+
+pytestmark = pytest.mark.timeout(120)
 
 
 MODULE_PIDS: set = set()  # the module's coordinator (it lives for the whole module)
@@ -127,25 +124,6 @@ def sides(vc, model_path, spawned):
         side.shutdown()
 
 
-def vllm_config(model, address, parallel=None, **extra):
-    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig
-
-    return VllmConfig(
-        model_config=ModelConfig(
-            model=model, skip_tokenizer_init=True, dtype="float32", max_model_len=2048
-        ),
-        cache_config=CacheConfig(block_size=BLOCK),
-        parallel_config=ParallelConfig(**(parallel or {})),
-        kv_transfer_config=KVTransferConfig(**connector_config(address, **extra)),
-    )
-
-
-def roles():
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-
-    return KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER
-
-
 def request(req_id: str, toks, **sampling):
     from vllm import SamplingParams
     from vllm.v1.request import Request
@@ -162,13 +140,6 @@ def seed_prefix(client, vc, vcfg, req, num_tokens: int) -> None:
         h.write(layer, k, -k, start=0)
     h.commit()
     h.close()
-
-
-def caches(nb: int = 8) -> dict:
-    return {
-        f"model.layers.{i}.self_attn.attn": torch.zeros(nb, HEADS, BLOCK, 2 * DIM)
-        for i in range(LAYERS)
-    }
 
 
 def scheduled(sched, reqs_blocks, num_external: int = 0):
@@ -198,31 +169,6 @@ def empty_step(sched):
     from vllm.v1.core.sched.output import SchedulerOutput
 
     return sched.build_connector_meta(SchedulerOutput.make_empty())
-
-
-def step(worker, meta):
-    """What vLLM's model runner does with a step's metadata around the forward."""
-    from vllm.v1.outputs import KVConnectorOutput
-
-    worker.bind_connector_metadata(meta)
-    worker.start_load_kv(None)
-    worker.wait_for_save()
-    errors = worker.get_block_ids_with_load_errors()
-    out = KVConnectorOutput(
-        invalid_block_ids=errors, kv_connector_worker_meta=worker.build_connector_worker_meta()
-    )
-    worker.clear_connector_metadata()
-    return out
-
-
-def until(cond, what: str, timeout: float = 15.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
 
 
 def counts(address: str) -> dict:
