@@ -34,6 +34,7 @@ TOKEN_TAG_BASE = 1 << 30
 # Values must be exact in the pool dtype: integers below 2**(mantissa bits + 1).
 _MODULUS = {"float32": 65521, "float64": 65521, "float16": 2039, "bfloat16": 251}
 _NUM_PREFIXES = 4
+EXPECTED_ERRORS = ("PoolExhausted", "HandoffError")  # errors a worker may meet under pressure
 _NUM_PREFIXES_TIERED = 24  # with tiers: more shared prefix blocks than the pool holds
 
 
