@@ -94,10 +94,10 @@ html_show_sourcelink = False
 # -- shmkv names by any of their import paths ---------------------------------------------
 # The API reference documents each class and function where it is defined
 # (``shmkv.client.client.Client``), while docstrings also name them as users import them
-# (``shmkv.Client``, ``PoolConfig`` from a module that imports it, ``shmkv.memory.pool.storage_view``
-# kept there for compatibility). An unresolved reference to a shmkv name is looked up by
-# importing it and retried under the name of the object it is; a reference whose object
-# is not documented under its own name still fails the build.
+# (``shmkv.Client``, ``PoolConfig`` from a module that imports it,
+# ``shmkv.memory.pool.storage_view`` kept there for compatibility). An unresolved reference
+# to a shmkv name is looked up by importing it and retried under the name of the object it
+# is; a reference whose object is not documented under its own name still fails the build.
 
 
 def _canonical(target: str, modname: str):

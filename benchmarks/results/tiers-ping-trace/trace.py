@@ -22,8 +22,9 @@ import threading
 from time import monotonic_ns
 
 import shmkv
-from shmkv.coordinator import allocator, connections, server as coordinator, prefix, refs
-from shmkv.bench import tiers as bench
+from shmkv.bench.tiers import common as bench
+from shmkv.bench.tiers.ping import ping_run
+from shmkv.coordinator import allocator, connections, prefix, refs, server as coordinator
 
 POOL_BLOCKS, PROMPT_BLOCKS, CYCLES = 128, 32, 20
 DISK = f"/tmp/shmkv-trace-{os.getpid()}"
@@ -67,7 +68,7 @@ def _driver(address, kind, rate, queue):
             bench.evict_all(client)
             bench.wait_idle(client)
         queue.put(("filled", None))
-        run = bench.ping_run(address, prompts, cfg.block_size, CYCLES, rate=rate, samples=True)
+        run = ping_run(address, prompts, cfg.block_size, CYCLES, rate=rate, samples=True)
     queue.put(("run", run))
 
 

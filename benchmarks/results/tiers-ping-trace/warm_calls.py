@@ -9,9 +9,9 @@ import os
 import time
 
 import shmkv
-from shmkv.coordinator import server as coordinator
 from shmkv import hashing
 from shmkv.bench import tiers as bench
+from shmkv.coordinator import server as coordinator
 
 CONN = 7
 ROUNDS = 2000

@@ -6,9 +6,9 @@ import sys
 import time
 
 import shmkv
+from shmkv.bench import tiers as bt
 from shmkv.client import client as client_mod
 from shmkv.memory import block_io as tier_io
-from shmkv.bench import tiers as bt
 
 spent: collections.Counter = collections.Counter()
 calls: collections.Counter = collections.Counter()
