@@ -29,6 +29,7 @@ if importlib.util.find_spec("vllm") is None:  # found without importing it (seco
 
 from conftest import _children, shm_entries, socket_files  # noqa: E402
 from test_remote import SERVER, RedisServer, _free_port  # noqa: E402
+from tier_faults import gated_host_tier  # noqa: E402
 from vllm_engine import BLOCK, Engine, connector_config, drained, make_model, matched, prompt  # noqa: E402
 
 import shmkv  # noqa: E402
@@ -1174,26 +1175,6 @@ def _until(cond, what: str, timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def _gated_host_tier(monkeypatch):
-    """Copies from the host tier to the pool run in threads and wait for the returned
-    event to be set (at most 30 s)."""
-    import threading
-
-    from shmkv import tiers as tiers_mod
-    from shmkv.memory import block_io
-
-    gate = threading.Event()
-    monkeypatch.setattr(tiers_mod, "IO_PROCESS", False)
-    h2p = block_io.Mover._op_h2p
-
-    def gated(self, copy):
-        assert gate.wait(30), "the test never opened the gate"
-        h2p(self, copy)
-
-    monkeypatch.setattr(block_io.Mover, "_op_h2p", gated)
-    return gate
-
-
 def _in_host_tier(client, connector, namespace, reqs, g):
     """Write and commit each request's full vLLM blocks, then push them out of the pool:
     they are in the host tier only."""
@@ -1225,7 +1206,7 @@ def test_a_prefix_coming_up_from_a_tier_loads_asynchronously(
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-    gate = _gated_host_tier(monkeypatch)
+    gate = gated_host_tier(monkeypatch)
     cfg = pool_config(64)
     host = shmkv.HostTier(64 * cfg.block_nbytes)
     toks = [prompt(40, 2 * BLOCK + 5), prompt(41, 2 * BLOCK + 5)]
@@ -1317,7 +1298,7 @@ def test_what_vllm_is_told_while_a_tier_copies_and_a_lookup_again_gets_its_own_a
     from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
     from vllm.v1.request import Request
 
-    gate = _gated_host_tier(monkeypatch)
+    gate = gated_host_tier(monkeypatch)
     cfg = pool_config(64)
     with (
         shmkv.Coordinator(

@@ -18,7 +18,6 @@ import contextlib
 import importlib.util
 import os
 import signal
-import threading
 import time
 import uuid
 
@@ -32,6 +31,7 @@ if importlib.util.find_spec("vllm") is None:  # found without importing it (seco
     )
 
 from conftest import _children, shm_entries, socket_files  # noqa: E402
+from tier_faults import gated_host_tier  # noqa: E402
 from vllm_engine import BLOCK, make_model, matched, prompt  # noqa: E402
 from vllm_sched import (  # noqa: E402
     DIM,
@@ -338,24 +338,6 @@ def test_a_request_scheduled_while_its_lookup_is_not_known_yet_still_saves(sides
 # -- an asynchronous load -------------------------------------------------------------------
 
 
-def _gated_host_tier(monkeypatch):
-    """Copies from the host tier to the pool run in threads and wait for the returned
-    event to be set (at most 30 s)."""
-    from shmkv import tiers as tiers_mod
-    from shmkv.memory import block_io
-
-    gate = threading.Event()
-    monkeypatch.setattr(tiers_mod, "IO_PROCESS", False)
-    h2p = block_io.Mover._op_h2p
-
-    def gated(self, copy):
-        assert gate.wait(30), "the test never opened the gate"
-        h2p(self, copy)
-
-    monkeypatch.setattr(block_io.Mover, "_op_h2p", gated)
-    return gate
-
-
 def _wait_idle(client) -> None:
     """Wait until the coordinator's tier copies are done."""
     keys = ("pending", "scanning", "promotions_in_flight")
@@ -375,7 +357,7 @@ def test_an_asynchronous_load_is_handed_over_with_the_lookups_handoffs(
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-    gate = _gated_host_tier(monkeypatch)
+    gate = gated_host_tier(monkeypatch)
     cfg = pool_config(64)
     with (
         shmkv.Coordinator(

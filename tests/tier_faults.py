@@ -79,3 +79,21 @@ def late_failing_h2p(mod, set_attr=setattr) -> None:
         raise OSError(errno.EIO, "Input/output error (injected)")
 
     set_attr(mod.Mover, "_op_h2p", fail)
+
+
+def gated_host_tier(monkeypatch) -> threading.Event:
+    """Copies from the host tier to the pool run in threads of this process and each
+    waits for the returned event to be set (at most 30 s)."""
+    from shmkv import tiers as tiers_mod
+    from shmkv.memory import block_io
+
+    gate = threading.Event()
+    monkeypatch.setattr(tiers_mod, "IO_PROCESS", False)
+    h2p = block_io.Mover._op_h2p
+
+    def gated(self, copy):
+        assert gate.wait(30), "the test never opened the gate"
+        h2p(self, copy)
+
+    monkeypatch.setattr(block_io.Mover, "_op_h2p", gated)
+    return gate
