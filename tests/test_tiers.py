@@ -2224,14 +2224,19 @@ def test_an_eviction_spares_a_block_whose_disk_write_is_under_way(
         assert read_prompt(client, a) == (12, True) and read_prompt(client, b) == (12, True)
 
 
-_SLOW_DEMOTIONS = '''import time
+_GATED_DEMOTIONS = '''import os
+import time
 
 
-def slow(mod, set_attr=setattr):
-    """Demotions out of the pool start half a second late."""
+def gated(mod, set_attr=setattr):
+    """Demotions out of the pool wait for the gate file to exist (at most 30 s)."""
+    gate = os.environ["SHMKV_TEST_DEMOTION_GATE"]
     for op in ("_op_p2h", "_op_p2d", "_op_p2s"):
         def late(self, copy, orig=getattr(mod.Mover, op)):
-            time.sleep(0.5)
+            deadline = time.monotonic() + 30
+            while not os.path.exists(gate):
+                assert time.monotonic() < deadline, "the test never opened the gate"
+                time.sleep(0.005)
             orig(self, copy)
         set_attr(mod.Mover, op, late)
 '''
@@ -2241,18 +2246,21 @@ def slow(mod, set_attr=setattr):
 def test_a_block_evicted_while_its_copy_waits_is_rescued_by_the_loop(
     tmp_path, unique_name, monkeypatch, io, kinds
 ):
-    """Every cached block is still copying (demotions slowed) when an allocation evicts
-    them: the loop copies each at eviction, into a host slot or through a staging slot to
-    disk, and the late copies, cancelled, change nothing. Counted as rescued, none lost;
-    the bytes served afterwards are exact."""
-    fault = tmp_path / "slow_demotions.py"
-    fault.write_text(_SLOW_DEMOTIONS)
-    if io == "process":
-        monkeypatch.setattr(tiers_mod, "IO_PROCESS_PRELOAD", f"{fault}:slow")
-    else:
+    """Every cached block is still copying (demotions held until the allocation is
+    answered) when an allocation evicts them: the loop copies each at eviction, into a
+    host slot or through a staging slot to disk, and the late copies, cancelled, change
+    nothing. Counted as rescued, none lost; the bytes served afterwards are exact."""
+    fault, gate = tmp_path / "gated_demotions.py", tmp_path / "gate"
+    fault.write_text(_GATED_DEMOTIONS)
+    monkeypatch.setenv("SHMKV_TEST_DEMOTION_GATE", str(gate))  # (the I/O process's too)
+    # wherever the copies run (as inject() does): with "client", demotions run in the I/O
+    # process, and only promotions in this process
+    if io != "threads":
+        monkeypatch.setattr(tiers_mod, "IO_PROCESS_PRELOAD", f"{fault}:gated")
+    if io != "process":
         import runpy
 
-        runpy.run_path(str(fault))["slow"](block_io, monkeypatch.setattr)
+        runpy.run_path(str(fault))["gated"](block_io, monkeypatch.setattr)
     if kinds == "disk, staged":
         monkeypatch.setattr(tiers_mod, "DIRECT_DISK_DEMOTION", False)
     cfg = make_config(num_blocks=4)
@@ -2266,11 +2274,12 @@ def test_a_block_evicted_while_its_copy_waits_is_rescued_by_the_loop(
         shmkv.Coordinator(cfg, name=unique_name, tiers=[spec]) as coord,
         shmkv.connect(coord.address, timeout=20) as client,
     ):
-        write_prompt(client, prompt)  # its copies start late
+        write_prompt(client, prompt)  # its copies wait at the gate
         client.allocate(4 * BS).close()  # 1 free + 3 evicted
+        gate.touch()
         st = wait_idle(client)
         assert st["evictions"] == 3
-        assert st["tier_io"]["rescued_evictions"] == 3
+        assert st["tier_io"]["rescued_evictions"] == 3, st["tier_io"]
         assert st["tier_io"]["lost_evictions"] == 0
         assert coord.tiers.lookup(keys_of(prompt)) == 3
         assert read_prompt(client, prompt) == (12, True)  # promoted back, exact
