@@ -125,6 +125,9 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
     )
     coord = shmkv.Coordinator.spawn(cfg, name=name)
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # an idle engine leaves the CPUs alone
+    # vLLM's IPC sockets (the TP engine's) go to the work directory and go with it: vLLM
+    # leaves them in /tmp when its processes are stopped without its exit handlers
+    os.environ["VLLM_RPC_BASE_PATH"] = work
     opts = dict(
         max_model_len=max(sizes) + 256,
         max_num_batched_tokens=max(sizes) + 256,

@@ -115,7 +115,9 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
     for old in glob.glob(os.path.join(raw_dir, "*.json")):
         os.remove(old)  # the record names every file of this run
     name = f"bench-serving-{os.getpid()}"
-    env = {**SERVER_ENV, "SHMKV_RUNTIME_DIR": runtime}
+    # the coordinator's socket and vLLM's IPC sockets (which vLLM leaves behind when its
+    # engine core is killed) in a directory of this run, removed with it
+    env = {**SERVER_ENV, "SHMKV_RUNTIME_DIR": runtime, "VLLM_RPC_BASE_PATH": runtime}
     procs: List[Proc] = []
     client: Optional[Helper] = None
     shm: set = set()
