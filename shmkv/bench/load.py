@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue as queue_mod
 import random
 import sys
 import time
@@ -52,6 +53,7 @@ OPS = ("allocate", "extend", "commit", "close")
 ROUND = ["allocate"] + ["extend"] * 12 + ["commit", "extend", "close"]  # 16 ops
 BATCH = 4  # sequences a client's decode batch holds
 PROMPT_BLOCKS = 4
+READY_TIMEOUT_S = 120.0  # clients import torch and connect before the first phase
 MODEL: Dict[str, Any] = dict(
     num_layers=8, num_kv_heads=8, head_dim=128, block_size=16, dtype="float16"
 )
@@ -62,22 +64,30 @@ def _pct(values: List[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
-def _client(address, prompts, rates, phase_s, start_at, seed, queue) -> None:
+def _client(address, prompts, rates, phase_s, start, seed, ready, queue) -> None:
     """:func:`_phases`, its failure put on the queue (the parent raises it at once)."""
     try:
-        _phases(address, prompts, rates, phase_s, start_at, seed, queue)
+        _phases(address, prompts, rates, phase_s, start, seed, ready, queue)
     except BaseException as e:
         queue.put((seed, f"{type(e).__name__}: {e}"))
         raise
 
 
-def _phases(address, prompts, rates, phase_s, start_at, seed, queue) -> None:
-    """Run every phase (one offered rate each, from ``start_at``, ``phase_s`` apart plus a
-    pause): the round's ops open loop at ``rate`` a second; put each phase's latencies
-    per op and the ops done."""
+def _phases(address, prompts, rates, phase_s, start, seed, ready, queue) -> None:
+    """Once connected, say so on ``ready`` and wait for the parent to set the start time
+    (``start``, a shared double: every client ready). Then run every phase (one offered
+    rate each, from the start time, ``phase_s`` apart plus a pause): the round's ops open
+    loop at ``rate`` a second; put each phase's latencies per op and the ops done."""
     rng = random.Random(seed)
     out = []
     with shmkv.connect(address, timeout=60) as client:
+        ready.put(seed)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not start.value:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no start time within {READY_TIMEOUT_S} s")
+            time.sleep(0.005)
+        start_at = start.value
         handles: list = []
         batch = step = None
         for i, rate in enumerate(rates):
@@ -122,6 +132,22 @@ def _phases(address, prompts, rates, phase_s, start_at, seed, queue) -> None:
     queue.put((seed, out))
 
 
+def _start_when_ready(ready, failures, clients: int, start) -> float:
+    """Wait until every client is connected, then set and return the start time every
+    client reads from ``start``. A failure (on ``failures``, where the phases find it) or
+    :data:`READY_TIMEOUT_S` ends the wait early: those connected then run without the
+    others, and the results say what failed."""
+    waiting = set(range(clients))
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while waiting and failures.empty() and time.monotonic() < deadline:
+        try:
+            waiting.discard(ready.get(timeout=0.05))
+        except queue_mod.Empty:
+            pass
+    start.value = start_at = time.monotonic() + 0.2
+    return start_at
+
+
 def one_k(
     cfg,
     prompts,
@@ -143,8 +169,7 @@ def one_k(
         fill(client, prompts)
         evict_all(client)
         wait_idle(client)
-        q = SPAWN.Queue()
-        start_at = time.monotonic() + 8.0  # the clients import and connect first
+        q, ready, start = SPAWN.Queue(), SPAWN.Queue(), SPAWN.Value("d", 0.0)
         procs = [
             SPAWN.Process(
                 target=_client,
@@ -153,8 +178,9 @@ def one_k(
                     prompts,
                     [r / clients for r in rates],
                     phase_s,
-                    start_at,
+                    start,
                     s,
+                    ready,
                     q,
                 ),
             )
@@ -162,6 +188,7 @@ def one_k(
         ]
         for p in procs:
             p.start()
+        start_at = _start_when_ready(ready, q, clients, start)
         points = []
         for i, rate in enumerate(rates):
             if not q.empty():  # a client failed (its phases' results come at the end)
