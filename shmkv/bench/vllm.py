@@ -132,6 +132,7 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
         max_model_len=max(sizes) + 256,
         max_num_batched_tokens=max(sizes) + 256,
         threads=args.threads,
+        kv_cache_bytes=1 << 30,  # vLLM's own cache: a GiB each, its CPU default
     )
     ex_dir = os.path.join(work, "example")
     os.makedirs(ex_dir)
