@@ -20,6 +20,7 @@ The last test stops replica ``b``.
 from __future__ import annotations
 
 import glob
+import http.client
 import importlib.util
 import json
 import os
@@ -27,11 +28,13 @@ import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 
@@ -173,6 +176,13 @@ def _tree(pid: int) -> list:
         return [root] + root.children(recursive=True)
     except psutil.Error:
         return []
+
+
+def _is_resource_tracker(proc) -> bool:
+    try:
+        return "resource_tracker" in " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
 
 
 def _mapped_shm(procs) -> set:
@@ -364,18 +374,9 @@ def complete(
 ) -> dict:
     """One greedy ``/v1/completions`` request: the tokens, their log-probabilities and the
     prompt tokens the server had cached (its own prefix cache and the connector's)."""
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "logprobs": 1,
-        "ignore_eos": True,
-        "return_tokens_as_token_ids": True,
-    }
     request = urllib.request.Request(
         url + "/v1/completions",
-        data=json.dumps(body).encode(),
+        data=completion_body(model, prompt, max_tokens),
         headers={"Content-Type": "application/json"},
     )
     with urllib.request.urlopen(request, timeout=timeout) as r:
@@ -387,6 +388,20 @@ def complete(
         "logprobs": choice["logprobs"]["token_logprobs"],
         "cached": details.get("cached_tokens") or 0,
     }
+
+
+def completion_body(model: str, prompt: list, max_tokens: int) -> bytes:
+    """A greedy ``/v1/completions`` request's body, with log-probabilities and token ids."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logprobs": 1,
+        "ignore_eos": True,
+        "return_tokens_as_token_ids": True,
+    }
+    return json.dumps(body).encode()
 
 
 def parse_metrics(text: str) -> dict:
@@ -715,8 +730,8 @@ def test_sigint_of_a_replica_leaves_no_sequence_held_and_nothing_in_dev_shm(serv
     stays stopped.)
 
     vLLM 0.32's API server, stopped with requests in flight, waits for their connections
-    to close (and ignores a second Ctrl-C): here the clients give up after
-    ``patience`` s, as clients do."""
+    to close (and ignores a second Ctrl-C): here the clients give up (hang up) once
+    nothing is held, as clients do, or after ``patience`` s."""
     b = servers["b"]
     procs = _tree(b.proc.pid)
     assert len(procs) >= 3, procs  # the API server, the engine core, a worker
@@ -731,12 +746,34 @@ def test_sigint_of_a_replica_leaves_no_sequence_held_and_nothing_in_dev_shm(serv
             "handoffs": metric(metrics, "shmkv_handoffs_outstanding"),
         }
 
+    address = urllib.parse.urlsplit(b.url)
+    clients: list = []
+
     def long_request(seed):
         p = [random.Random(seed).randrange(1, VOCAB) for _ in range(1900)]  # 15 vLLM blocks
+        conn = http.client.HTTPConnection(address.hostname, address.port, timeout=patience)
+        clients.append(conn)
         try:
-            complete(b.url, b.model, p, 1, timeout=patience)
+            conn.request(
+                "POST",
+                "/v1/completions",
+                completion_body(b.model, p, 1),
+                {"Content-Type": "application/json"},
+            )
+            conn.getresponse().read()
         except Exception:  # noqa: BLE001 - the server went away, or the client gave up
             pass
+        finally:
+            conn.close()
+
+    def hang_up():
+        for conn in clients:
+            sock = conn.sock
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass  # closed already
 
     def running(proc) -> bool:
         try:
@@ -766,7 +803,10 @@ def test_sigint_of_a_replica_leaves_no_sequence_held_and_nothing_in_dev_shm(serv
     assert seen is not None, "no sequence seen held while b prefilled 40 long prompts"
     b.proc.proc.send_signal(signal.SIGINT)
     t0 = time.monotonic()
-    engine = [p for p in procs if p.pid != b.proc.pid]
+    # (multiprocessing's resource tracker, the API server's child too, goes with the API
+    # server, which waits for the clients)
+    engine = [p for p in procs if p.pid != b.proc.pid and not _is_resource_tracker(p)]
+    assert len(engine) >= 2, procs  # the engine core and a worker
     _wait_for("the engine core and worker exiting", lambda: not any(map(running, engine)), 30)
     nothing = {"sequences": 0, "referenced": 0, "handoffs": 0}
     _wait_for(
@@ -774,6 +814,7 @@ def test_sigint_of_a_replica_leaves_no_sequence_held_and_nothing_in_dev_shm(serv
         lambda: held(coordinator.metrics()) == nothing,
         HANDOFF_TTL_S + 5 - (time.monotonic() - t0),
     )
+    hang_up()  # the clients give up
     code = b.proc.stop(signal.SIGINT, timeout=patience + 30)
     assert code is not None, f"the API server did not exit:\n{b.proc.tail()}"
     for t in threads:
