@@ -54,6 +54,13 @@ import torch  # noqa: E402
 import shmkv  # noqa: E402
 
 SPAWN = multiprocessing.get_context("spawn")
+# Processes started ahead of the module that uses them (a test module's ``start_ahead``):
+# neither they nor their descendants are a test's leftovers; ``AHEAD_CLOSERS`` stop what
+# no module took (the session ended before it).
+AHEAD_PIDS: set = set()
+AHEAD_CLOSERS: list = []
+# tests: about two minutes of this suite before the module's first (0: none starts ahead)
+AHEAD_LEAD = int(os.environ.get("SHMKV_TEST_AHEAD_LEAD", "270"))
 _SHM_NAME = re.compile(r"^shmkv-(\d+)-[0-9a-f]+$")  # shmkv.memory.shm names segments by owner pid
 _OUR_PIDS = {os.getpid()}  # this process and every descendant seen so far
 
@@ -96,8 +103,13 @@ def _children() -> list:
     out = []
     for proc in procs:
         try:
-            if "resource_tracker" not in " ".join(proc.cmdline()):
-                out.append(proc)
+            if "resource_tracker" in " ".join(proc.cmdline()):
+                continue
+            if AHEAD_PIDS and (
+                proc.pid in AHEAD_PIDS or any(q.pid in AHEAD_PIDS for q in proc.parents())
+            ):
+                continue
+            out.append(proc)
         except psutil.Error:
             pass
     return out
@@ -124,6 +136,28 @@ def _reap(grace: float) -> list:
 def socket_files() -> set:
     """Files in this session's runtime directory (``$SHMKV_RUNTIME_DIR``)."""
     return set(os.listdir(RUNTIME_DIR))
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """A module with a ``start_ahead(config)`` function gets it called :data:`AHEAD_LEAD`
+    tests before its first one (vLLM's engines: they start niced, on the CPU time the
+    tests before them leave idle)."""
+    seen = set()
+    for index, item in enumerate(items):
+        module = getattr(item, "module", None)
+        if module is None or module in seen or not hasattr(module, "start_ahead"):
+            continue
+        seen.add(module)
+        if AHEAD_LEAD and index >= AHEAD_LEAD:  # (nearer the start, it starts its own)
+            _AHEAD_AT.setdefault(items[index - AHEAD_LEAD].nodeid, []).append(module)
+
+
+_AHEAD_AT: dict = {}  # test id -> the modules to start ahead as it starts
+
+
+def pytest_runtest_setup(item) -> None:
+    for module in _AHEAD_AT.pop(item.nodeid, ()):
+        module.start_ahead(item.config)
 
 
 @pytest.fixture(autouse=True)
@@ -158,6 +192,8 @@ def _no_leaks():
 def _no_leaks_session():
     before = shm_entries()
     yield
+    for close in AHEAD_CLOSERS:
+        close()
     leaked = _reap(grace=5.0)
     left = shm_entries() - before
     assert not leaked, f"child processes outlived the test session: {leaked}"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
+import shutil
 import signal
 import time
 
@@ -27,7 +28,7 @@ if importlib.util.find_spec("vllm") is None:  # found without importing it (seco
         allow_module_level=True,
     )
 
-from conftest import _children, shm_entries, socket_files  # noqa: E402
+from conftest import AHEAD_CLOSERS, AHEAD_PIDS, _children, shm_entries, socket_files  # noqa: E402
 from test_remote import SERVER, RedisServer, _free_port  # noqa: E402
 from tier_faults import gated_host_tier  # noqa: E402
 from vllm_engine import BLOCK, Engine, connector_config, drained, make_model, matched, prompt  # noqa: E402
@@ -81,10 +82,17 @@ def _no_leaks():
     assert not socket_files() - sockets_before, "socket files outlived the test"
 
 
-@pytest.fixture(scope="module")
-def names():
+_AHEAD: dict = {}  # what start_ahead() started, for the fixtures to take
+
+
+def _names() -> dict:
     tag = f"vllm-{os.getpid()}-{time.monotonic_ns() % 10**8}"
     return {"node1": tag + "-n1", "node2": tag + "-n2"}
+
+
+@pytest.fixture(scope="module")
+def names():
+    return _AHEAD.setdefault("names", _names())
 
 
 def _mapped_here() -> set:
@@ -93,9 +101,8 @@ def _mapped_here() -> set:
         return {line.split(None, 5)[5].strip() for line in f if "/dev/shm/" in line}
 
 
-@pytest.fixture(scope="module")
-def engines(tmp_path_factory, names):
-    model = make_model(str(tmp_path_factory.mktemp("model")))
+def _start_engines(model: str, names: dict, **extra) -> dict:
+    """The module's five engines, started at once (not waited for)."""
     n1, n2 = (shmkv.default_address(names[k]) for k in ("node1", "node2"))
     specs = {
         "ref": None,
@@ -111,20 +118,63 @@ def engines(tmp_path_factory, names):
     }
     options = {"tp": {"tp": 2}}
     started = {}
-    vllm_shm = set(glob.glob("/dev/shm/vllm_dist_*"))
-    semaphores = set(glob.glob("/dev/shm/sem.*"))
     try:
-        for key, kv in specs.items():  # all five start at once
-            started[key] = Engine(model, kv, **options.get(key, {}))
+        for key, kv in specs.items():
+            started[key] = Engine(model, kv, **options.get(key, {}), **extra)
             ENGINE_PIDS.add(started[key].proc.pid)
+    except BaseException:
+        _close_engines(started)
+        raise
+    return started
+
+
+def _close_engines(started: dict) -> None:
+    for e in started.values():
+        e.close()
+    for e in started.values():
+        ENGINE_PIDS.discard(e.proc.pid)
+        AHEAD_PIDS.discard(e.proc.pid)
+
+
+def start_ahead(config) -> None:
+    """Called by conftest a couple of minutes of tests before this module's first: the
+    engines start niced, on the CPU time those tests leave idle, and the ``engines``
+    fixture takes them (started here when the module runs alone)."""
+    import tempfile
+
+    directory = tempfile.mkdtemp(prefix="shmkv-vllm-model-")
+    _AHEAD.update(
+        directory=directory,
+        vllm_shm=set(glob.glob("/dev/shm/vllm_dist_*")),
+        semaphores=set(glob.glob("/dev/shm/sem.*")),
+    )
+    model = make_model(os.path.join(directory, "model"))
+    _AHEAD["engines"] = _start_engines(model, _AHEAD.setdefault("names", _names()), nice=10)
+    AHEAD_PIDS.update(e.proc.pid for e in _AHEAD["engines"].values())
+
+    def close_unused() -> None:
+        _close_engines(_AHEAD.pop("engines", {}))
+        shutil.rmtree(_AHEAD.pop("directory", ""), ignore_errors=True)
+
+    AHEAD_CLOSERS.append(close_unused)
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory, names):
+    started = _AHEAD.pop("engines", None)
+    if started is None:
+        vllm_shm = set(glob.glob("/dev/shm/vllm_dist_*"))
+        semaphores = set(glob.glob("/dev/shm/sem.*"))
+        started = _start_engines(make_model(str(tmp_path_factory.mktemp("model"))), names)
+    else:  # (started ahead, before the tests in between)
+        vllm_shm, semaphores = _AHEAD["vllm_shm"], _AHEAD["semaphores"]
+    try:
         for e in started.values():
             e.wait_ready()
         yield started
     finally:
-        for e in started.values():
-            e.close()
-        for e in started.values():
-            ENGINE_PIDS.discard(e.proc.pid)
+        _close_engines(started)
+        shutil.rmtree(_AHEAD.pop("directory", ""), ignore_errors=True)
         # the engines' semaphores (vLLM's and tqdm's locks) went with them: none is new
         # but those this process has open itself
         left = set(glob.glob("/dev/shm/sem.*")) - semaphores - _mapped_here()

@@ -138,6 +138,8 @@ def _unlink_semaphores(names: set) -> None:
 
 
 def _serve(conn, model: str, kv: dict | None, options: dict) -> None:
+    if options.get("nice"):  # (started ahead of its tests: it takes the CPU time left idle)
+        os.nice(options["nice"])
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
     # vLLM's own KV cache: 128 MiB unless asked (128k tokens of make_model's defaults; vLLM
     # zeroes all of it at start, and its CPU default, a GiB, costs each engine a second)

@@ -188,6 +188,7 @@ def run(
     if num_prompts < 1 or decode_steps < 1 or workers < 1:
         raise ValueError("--prompts, --decode-steps and --workers must be at least 1")
     model = build_model(dtype)
+    others = set(multiprocessing.active_children())  # the caller's: not the demo's to check
     prompts = [prompt_tokens(i) for i in range(num_prompts)]
     blocks = sum(-(-(len(p) + decode_steps) // BLOCK_SIZE) for p in prompts) + 16
     cfg = pool_config(model.config, num_blocks=blocks, block_size=BLOCK_SIZE, dtype=dtype)
@@ -251,9 +252,10 @@ def run(
             got.append([item["first"]] + out)
         stats = client.stats()
         assert stats["referenced_blocks"] == 0, f"blocks still referenced: {stats}"
-    for proc in multiprocessing.active_children():
+    workers_left = [p for p in multiprocessing.active_children() if p not in others]
+    for proc in workers_left:
         proc.join(10)
-    assert not multiprocessing.active_children(), "worker processes outlived the demo"
+    assert not [p for p in workers_left if p.is_alive()], "worker processes outlived the demo"
     leftovers = [n for n in os.listdir("/dev/shm") if n.startswith(f"shmkv-{os.getpid()}-")]
     assert not leftovers, f"left in /dev/shm: {leftovers}"
     assert not os.path.exists(coord.address), "socket file left behind"
