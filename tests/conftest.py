@@ -93,6 +93,14 @@ def shm_entries() -> set:
     return out
 
 
+def is_resource_tracker(proc: psutil.Process) -> bool:
+    """multiprocessing's resource tracker: a long-lived child of whoever used it."""
+    try:
+        return "resource_tracker" in " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+
+
 def _children() -> list:
     """Child processes, less multiprocessing's own long-lived resource tracker."""
     try:
@@ -103,7 +111,7 @@ def _children() -> list:
     out = []
     for proc in procs:
         try:
-            if "resource_tracker" in " ".join(proc.cmdline()):
+            if is_resource_tracker(proc):
                 continue
             if AHEAD_PIDS and (
                 proc.pid in AHEAD_PIDS or any(q.pid in AHEAD_PIDS for q in proc.parents())

@@ -136,27 +136,37 @@ def _close_engines(started: dict) -> None:
         AHEAD_PIDS.discard(e.proc.pid)
 
 
+def _remove_ahead_model() -> None:
+    directory = _AHEAD.pop("directory", None)
+    if directory is not None:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def start_ahead(config) -> None:
     """Called by conftest a couple of minutes of tests before this module's first: the
     engines start niced, on the CPU time those tests leave idle, and the ``engines``
-    fixture takes them (started here when the module runs alone)."""
+    fixture takes them. Where this fails, the fixture starts its own (and meets the
+    failure itself, not the unrelated test now starting)."""
     import tempfile
-
-    directory = tempfile.mkdtemp(prefix="shmkv-vllm-model-")
-    _AHEAD.update(
-        directory=directory,
-        vllm_shm=set(glob.glob("/dev/shm/vllm_dist_*")),
-        semaphores=set(glob.glob("/dev/shm/sem.*")),
-    )
-    model = make_model(os.path.join(directory, "model"))
-    _AHEAD["engines"] = _start_engines(model, _AHEAD.setdefault("names", _names()), nice=10)
-    AHEAD_PIDS.update(e.proc.pid for e in _AHEAD["engines"].values())
 
     def close_unused() -> None:
         _close_engines(_AHEAD.pop("engines", {}))
-        shutil.rmtree(_AHEAD.pop("directory", ""), ignore_errors=True)
+        _remove_ahead_model()
 
     AHEAD_CLOSERS.append(close_unused)
+    _AHEAD.update(
+        directory=tempfile.mkdtemp(prefix="shmkv-vllm-model-"),
+        vllm_shm=set(glob.glob("/dev/shm/vllm_dist_*")),
+        semaphores=set(glob.glob("/dev/shm/sem.*")),
+    )
+    try:
+        model = make_model(os.path.join(_AHEAD["directory"], "model"))
+        started = _start_engines(model, _AHEAD.setdefault("names", _names()), nice=10)
+    except Exception:  # noqa: BLE001 - the fixture starts the engines again and reports
+        _remove_ahead_model()
+        return
+    AHEAD_PIDS.update(e.proc.pid for e in started.values())
+    _AHEAD["engines"] = started
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +184,7 @@ def engines(tmp_path_factory, names):
         yield started
     finally:
         _close_engines(started)
-        shutil.rmtree(_AHEAD.pop("directory", ""), ignore_errors=True)
+        _remove_ahead_model()
         # the engines' semaphores (vLLM's and tqdm's locks) went with them: none is new
         # but those this process has open itself
         left = set(glob.glob("/dev/shm/sem.*")) - semaphores - _mapped_here()

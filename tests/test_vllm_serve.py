@@ -47,7 +47,7 @@ if importlib.util.find_spec("vllm") is None:  # found without importing it (seco
         allow_module_level=True,
     )
 
-from conftest import _children, shm_entries, socket_files  # noqa: E402
+from conftest import _children, is_resource_tracker, shm_entries, socket_files  # noqa: E402
 from test_remote import _free_port  # noqa: E402
 from vllm_engine import VOCAB, make_model  # noqa: E402
 
@@ -176,13 +176,6 @@ def _tree(pid: int) -> list:
         return [root] + root.children(recursive=True)
     except psutil.Error:
         return []
-
-
-def _is_resource_tracker(proc) -> bool:
-    try:
-        return "resource_tracker" in " ".join(proc.cmdline())
-    except psutil.Error:
-        return False
 
 
 def _mapped_shm(procs) -> set:
@@ -805,7 +798,7 @@ def test_sigint_of_a_replica_leaves_no_sequence_held_and_nothing_in_dev_shm(serv
     t0 = time.monotonic()
     # (multiprocessing's resource tracker, the API server's child too, goes with the API
     # server, which waits for the clients)
-    engine = [p for p in procs if p.pid != b.proc.pid and not _is_resource_tracker(p)]
+    engine = [p for p in procs if p.pid != b.proc.pid and not is_resource_tracker(p)]
     assert len(engine) >= 2, procs  # the engine core and a worker
     _wait_for("the engine core and worker exiting", lambda: not any(map(running, engine)), 30)
     nothing = {"sequences": 0, "referenced": 0, "handoffs": 0}
