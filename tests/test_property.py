@@ -15,11 +15,9 @@ allocation evicts, and so whether a later prompt hits or the pool runs out, depe
 the I/O's timing. Hypothesis needs the same draws to give the same run, or it fails the
 test as flaky. The pool racing its tiers is ``tests/test_property_tiers.py``'s subject.
 
-Each example draws where the tier copies run: in threads of the coordinator, or in its
-I/O process (whose start is most of an example's time). 100 examples by default
-(``SHMKV_PROPERTY_EXAMPLES``), sized by planted defects: a copy-on-write that does not
-copy was found after 2 to 50 examples, and a shared block written in place went unfound
-in 100 examples for one seed in two. Fewer would miss them.
+100 examples by default (``SHMKV_PROPERTY_EXAMPLES``), sized by planted defects: a
+copy-on-write that does not copy was found after 2 to 50 examples, and a shared block
+written in place went unfound in 100 examples for one seed in three. Fewer would miss them.
 """
 
 import shutil
@@ -41,7 +39,7 @@ from hypothesis.stateful import (
 )
 
 import shmkv
-from shmkv import hashing, tiers as tiers_mod
+from shmkv import hashing
 
 L, H, D, BS, NUM_BLOCKS = 2, 1, 2, 2, 24
 VOCAB = [3, 5, 7]  # a tiny vocabulary, so prompts share prefixes often
@@ -92,8 +90,7 @@ class PoolMachine(RuleBasedStateMachine):
         )
         self.tier_dir = tempfile.mkdtemp(prefix="shmkv-prop-tier-")
         self.prompts_seen = []
-        self.io = None  # where the tier copies run: the first rule draws it
-        self.coord = self.client = None  # started by the first rule
+        self._start_coordinator()
         self.seqs = {}  # cache id -> Seq (shared by clones)
         self.refs = {}  # cache id -> live handles
         self.values_rng = torch.Generator().manual_seed(0)
@@ -103,21 +100,14 @@ class PoolMachine(RuleBasedStateMachine):
             shmkv.HostTier(8 * self.cfg.block_nbytes),  # small: its LRU works too
             shmkv.DiskTier(self.tier_dir, 1 << 20),
         ]
-        in_process = tiers_mod.IO_PROCESS
-        tiers_mod.IO_PROCESS = self.io == "process"
-        try:
-            self.coord = shmkv.Coordinator(
-                self.cfg, name=f"prop-{uuid.uuid4().hex[:12]}", tiers=tiers
-            ).start()
-        finally:
-            tiers_mod.IO_PROCESS = in_process
+        self.coord = shmkv.Coordinator(
+            self.cfg, name=f"prop-{uuid.uuid4().hex[:12]}", tiers=tiers
+        ).start()
         self.client = shmkv.connect(self.coord.address, timeout=20)
 
     def teardown(self):
-        if self.client is not None:
-            self.client.close()
-        if self.coord is not None:
-            self.coord.stop()
+        self.client.close()
+        self.coord.stop()
         shutil.rmtree(self.tier_dir, ignore_errors=True)
 
     def _tiers_idle(self):
@@ -137,12 +127,8 @@ class PoolMachine(RuleBasedStateMachine):
         self.refs[h.cache_id] = self.refs.get(h.cache_id, 0) + 1
         return h
 
-    @initialize(target=handles, n=st.integers(0, 9), io=st.sampled_from(["threads", "process"]))
-    def first(self, n, io):
-        """The coordinator, with its tier copies in threads of its own or in its I/O
-        process (which takes most of an example's time to start), and a sequence."""
-        self.io = io
-        self._start_coordinator()
+    @initialize(target=handles, n=st.integers(0, 9))
+    def first(self, n):
         return self._track(self.client.allocate(n), Seq(n))
 
     @rule(target=handles, n=st.integers(0, 9))
