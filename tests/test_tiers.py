@@ -1409,6 +1409,22 @@ def _settle(tiers, deadline_s=20.0) -> None:
         tiers.tick()
 
 
+def test_blocks_cached_and_not_placed_yet_are_pending(unique_name, monkeypatch):
+    """Blocks a release cached, before the turn that places them, count as pending (the
+    stats' ``"pending"``): the loop may serve a request before that turn, and a caller
+    that waits for the tiers to be idle (the pool model test, ``shmkv stress``) must not
+    see them idle while which blocks the next allocation evicts still depends on when
+    the turn comes (those not placed yet are evicted last)."""
+    with _threaded_tiers(monkeypatch, unique_name, 48, host_blocks=48) as (table, tiers):
+        (prompt,) = prompts_of(1, 6, seed=33)
+        _released_prompt(table, prompt)
+        assert len(tiers.pool.newly_cached) == 6  # (no turn yet)
+        assert tiers.num_pending == 6 and tiers.io_stats()["pending"] == 6
+        _settle(tiers)
+        assert not tiers.pool.newly_cached and tiers.num_pending == 0
+        assert tiers.lookup(keys_of(prompt)) == 6
+
+
 def test_placing_stops_every_chunk_a_client_waits_and_goes_on_next_turn(unique_name, monkeypatch):
     """A released 20-block prompt is placed ``PLACE_CHUNK`` blocks at a time: while a
     client waits, the tick stops after the first chunk, the rest waits in the backlog

@@ -132,8 +132,16 @@ class Demotion:
 
     @property
     def num_waiting(self) -> int:
-        """Blocks waiting for a tier: copies not sent yet, spills, and the backlog."""
-        return len(self._spill) + len(self._new_demotes) + len(self._new_disk) + len(self._backlog)
+        """Blocks waiting for a tier: those the pool cached since the last turn (not placed
+        yet: a request served before the turn sees them), copies not sent yet, spills,
+        and the backlog."""
+        return (
+            len(self.pool.newly_cached or ())
+            + len(self._spill)
+            + len(self._new_demotes)
+            + len(self._new_disk)
+            + len(self._backlog)
+        )
 
     def place_cached(self) -> None:
         """Place what waits for a tier: the backlog first, then the blocks the pool
