@@ -2,7 +2,8 @@
 docs/vllm.md ("Several replicas behind a router") tells users to start them.
 
 Started once for the module, each a process of its own (:func:`coordinator_command`,
-:func:`server_command`, :func:`router_command` are the documented commands):
+:func:`server_command`, :func:`router_command` are the documented commands; in a full
+run the servers start minutes ahead, before their coordinator: :func:`start_ahead`):
 
 * a coordinator, ``python -m shmkv serve --for-model MODEL --name NAME --block-size 32
   --dtype float32``;
