@@ -323,6 +323,35 @@ def test_an_idle_scheduler_connects_to_a_restarted_coordinator_before_any_reques
             sched.shutdown()
 
 
+def test_an_idle_worker_connects_to_a_coordinator_started_after_it_and_restarted(
+    vc, model_path, unique_name
+):
+    """A worker whose coordinator was not up at its start connects on its own once it
+    serves (every ``shmkv.retry_s``), with no step to make it, and so again after a
+    restart: its first load then does not wait for a connection (mapping and
+    prefaulting the pool), which on a busy host outlasted that wait and was missed."""
+    _, worker_role = roles()
+
+    def connections(coord) -> int:
+        with shmkv.connect(coord.address, timeout=10) as probe:
+            return probe.stats()["connections"] - 1  # (less the probe)
+
+    worker = None
+    try:
+        vcfg = vllm_config(model_path, shmkv.default_address(unique_name), **{"shmkv.retry_s": 0.2})
+        worker = vc.ShmkvConnector(vcfg, worker_role)
+        worker.register_kv_caches(caches())
+        assert not worker.connected
+        with shmkv.Coordinator(pool_config(), name=unique_name) as first:
+            until(lambda: connections(first) == 1, "the idle worker connected")
+            assert worker.connected
+        with shmkv.Coordinator(pool_config(), name=unique_name) as second:
+            until(lambda: connections(second) == 1, "the idle worker connected again")
+    finally:
+        if worker is not None:
+            worker.shutdown()
+
+
 def test_after_a_coordinator_restart_workers_connect_before_they_load(vc, model_path, unique_name):
     """SIGKILL the coordinator and start another at the same address: the scheduler
     connects to it at once (not ``retry_s`` later), and a worker still on the dead one

@@ -206,9 +206,14 @@ class ShmkvConnectorWorker:
         # Loads of this step that count as hits (rank 0 reports them: count_hits).
         self._hit_tokens = self._miss_tokens = 0
         self._dialer = Dialer(settings, self._tp_rank, settings.prefault, self._check_registered)
-        # Connects before the model loads, so a misfit pool is refused at once.
+        # Connects before the model loads, so a misfit pool is refused at once. While idle
+        # it connects on its own (a coordinator started, or restarted, after the engine):
+        # connecting maps and prefaults the pool, which a first load would otherwise wait
+        # for (up to CONNECT_WAIT_S), and miss on a busy host.
         client = self._dialer.connect_at_start()
-        self._courier = _Courier(self._dialer.dial, settings.retry_s, client, "shmkv-worker")
+        self._courier = _Courier(
+            self._dialer.dial, settings.retry_s, client, "shmkv-worker", poll=True
+        )
 
     @property
     def connected(self) -> bool:
@@ -267,18 +272,21 @@ class ShmkvConnectorWorker:
                     str(self._vllm_config.cache_config.cache_dtype),
                     model_dtype if isinstance(model_dtype, torch.dtype) else None,
                 )
-        self._k, self._v = [], []
-        self._layer_index = {name: i for i, name in enumerate(names)}
+        ks, vs = [], []
         for name in names:
             k, v = kv_views(kv_caches[name], layout)
-            self._k.append(k)
-            self._v.append(v)
-        nb, heads, bs, head_dim = self._k[0].shape
+            ks.append(k)
+            vs.append(v)
+        nb, heads, bs, head_dim = ks[0].shape
         if bs != self._block_size:
             raise ConnectorConfigError(
                 f"vLLM's KV cache has blocks of {bs} tokens, its config says {self._block_size}"
             )
+        # (the courier's thread may connect meanwhile and checks what is registered:
+        # the shape first, then whole lists)
+        self._layer_index = {name: i for i, name in enumerate(names)}
         self._shape = (heads, head_dim, first.dtype)
+        self._k, self._v = ks, vs
         if first.device.type == "cpu" and self._layerwise_wanted and self._loader is None:
             self._loader = _LayerLoader(len(names), self._copy_layer)
         log.info(
