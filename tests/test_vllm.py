@@ -19,6 +19,7 @@ import shutil
 import signal
 import time
 
+import psutil
 import pytest
 import torch
 
@@ -33,6 +34,7 @@ from conftest import (  # noqa: E402
     AHEAD_PIDS,
     _children,
     ahead_mapped_shm,
+    mapped_shm,
     shm_entries,
     socket_files,
 )
@@ -176,6 +178,18 @@ def start_ahead(config) -> None:
     _AHEAD["engines"] = started
 
 
+def _engines_semaphores(started: dict) -> set:
+    """The POSIX semaphores the engines' processes (and their descendants) hold open."""
+    procs = []
+    for e in started.values():
+        try:
+            root = psutil.Process(e.proc.pid)
+            procs += [root] + root.children(recursive=True)
+        except psutil.Error:
+            pass
+    return {path for path in mapped_shm(procs) if path.startswith("/dev/shm/sem.")}
+
+
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory, names):
     started = _AHEAD.pop("engines", None)
@@ -190,13 +204,18 @@ def engines(tmp_path_factory, names):
             e.wait_ready()
         yield started
     finally:
+        held = _engines_semaphores(started)
         _close_engines(started)
         _remove_ahead_model()
         # the engines' semaphores (vLLM's and tqdm's locks) went with them: none is new
-        # but those this process has open itself
-        # (those of another module's processes started ahead are theirs)
+        # but those this process has open itself. While another module's processes are
+        # starting ahead (their start-up makes semaphores too, not all of them held
+        # open), the engines' are those they held open as they were stopped.
         theirs = ahead_mapped_shm()
-        left = set(glob.glob("/dev/shm/sem.*")) - semaphores - _mapped_here() - theirs
+        if AHEAD_PIDS:
+            left = {path for path in held if os.path.exists(path)} - _mapped_here() - theirs
+        else:
+            left = set(glob.glob("/dev/shm/sem.*")) - semaphores - _mapped_here()
         assert not left, f"semaphores outlived their engines: {sorted(left)}"
         # vLLM's CPU all-reduce segments of the TP engine (vllm_dist_<instance id>-...):
         # its rank processes are terminated at shutdown and never unlink them.
