@@ -297,6 +297,12 @@ def test_a_step_hands_over_what_the_lookup_made_and_a_dropped_request_pins_nothi
         coord.stop()
 
 
+def _connections(coord) -> int:
+    """The coordinator's client connections, less the probe that asks."""
+    with shmkv.connect(coord.address, timeout=10) as probe:
+        return probe.stats()["connections"] - 1
+
+
 def test_an_idle_scheduler_connects_to_a_restarted_coordinator_before_any_request(
     vc, model_path, unique_name
 ):
@@ -305,18 +311,14 @@ def test_an_idle_scheduler_connects_to_a_restarted_coordinator_before_any_reques
     is answered by it rather than spent on reconnecting."""
     sched_role, _ = roles()
 
-    def connections(coord) -> int:
-        with shmkv.connect(coord.address, timeout=10) as probe:
-            return probe.stats()["connections"] - 1  # (less the probe)
-
     sched = None
     try:
         with shmkv.Coordinator(pool_config(), name=unique_name) as first:
             vcfg = vllm_config(model_path, first.address, **{"shmkv.retry_s": 0.2})
             sched = vc.ShmkvConnector(vcfg, sched_role)
-            assert connections(first) == 1
+            assert _connections(first) == 1
         with shmkv.Coordinator(pool_config(), name=unique_name) as second:
-            until(lambda: connections(second) == 1, "the idle scheduler connected again")
+            until(lambda: _connections(second) == 1, "the idle scheduler connected again")
             assert sched.connected
     finally:
         if sched is not None:
@@ -332,10 +334,6 @@ def test_an_idle_worker_connects_to_a_coordinator_started_after_it_and_restarted
     prefaulting the pool), which on a busy host outlasted that wait and was missed."""
     _, worker_role = roles()
 
-    def connections(coord) -> int:
-        with shmkv.connect(coord.address, timeout=10) as probe:
-            return probe.stats()["connections"] - 1  # (less the probe)
-
     worker = None
     try:
         vcfg = vllm_config(model_path, shmkv.default_address(unique_name), **{"shmkv.retry_s": 0.2})
@@ -343,10 +341,10 @@ def test_an_idle_worker_connects_to_a_coordinator_started_after_it_and_restarted
         worker.register_kv_caches(caches())
         assert not worker.connected
         with shmkv.Coordinator(pool_config(), name=unique_name) as first:
-            until(lambda: connections(first) == 1, "the idle worker connected")
+            until(lambda: _connections(first) == 1, "the idle worker connected")
             assert worker.connected
         with shmkv.Coordinator(pool_config(), name=unique_name) as second:
-            until(lambda: connections(second) == 1, "the idle worker connected again")
+            until(lambda: _connections(second) == 1, "the idle worker connected again")
     finally:
         if worker is not None:
             worker.shutdown()
