@@ -150,17 +150,19 @@ def mapped_shm(procs) -> set:
     return mapped_by_pids(proc.pid for proc in procs)
 
 
+def process_tree(pid: int) -> list:
+    """The process ``pid`` and its live descendants (none when it is gone)."""
+    try:
+        root = psutil.Process(pid)
+        return [root] + root.children(recursive=True)
+    except psutil.Error:
+        return []
+
+
 def ahead_mapped_shm() -> set:
     """The ``/dev/shm`` files that processes started ahead, and their descendants, map
     (semaphores, vLLM's segments): not another module's leftovers."""
-    procs = []
-    for pid in list(AHEAD_PIDS):
-        try:
-            root = psutil.Process(pid)
-            procs += [root] + root.children(recursive=True)
-        except psutil.Error:
-            pass
-    return mapped_shm(procs)
+    return mapped_shm([proc for pid in list(AHEAD_PIDS) for proc in process_tree(pid)])
 
 
 def socket_files() -> set:

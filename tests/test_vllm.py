@@ -19,7 +19,6 @@ import shutil
 import signal
 import time
 
-import psutil
 import pytest
 import torch
 
@@ -35,6 +34,7 @@ from conftest import (  # noqa: E402
     _children,
     ahead_mapped_shm,
     mapped_shm,
+    process_tree,
     shm_entries,
     socket_files,
 )
@@ -180,13 +180,7 @@ def start_ahead(config) -> None:
 
 def _engines_semaphores(started: dict) -> set:
     """The POSIX semaphores the engines' processes (and their descendants) hold open."""
-    procs = []
-    for e in started.values():
-        try:
-            root = psutil.Process(e.proc.pid)
-            procs += [root] + root.children(recursive=True)
-        except psutil.Error:
-            pass
+    procs = [proc for e in started.values() for proc in process_tree(e.proc.pid)]
     return {path for path in mapped_shm(procs) if path.startswith("/dev/shm/sem.")}
 
 

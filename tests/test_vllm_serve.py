@@ -58,6 +58,7 @@ from conftest import (  # noqa: E402
     _children,
     is_resource_tracker,
     mapped_shm,
+    process_tree,
     shm_entries,
     socket_files,
 )
@@ -197,15 +198,6 @@ def router_command(port: int, workers: list, metrics_port: int) -> list:
 # -- processes -----------------------------------------------------------------------------
 
 
-def _tree(pid: int) -> list:
-    """The process ``pid`` and its live descendants."""
-    try:
-        root = psutil.Process(pid)
-        return [root] + root.children(recursive=True)
-    except psutil.Error:
-        return []
-
-
 def environment(changes: dict) -> dict:
     """This process's environment with ``changes`` (a value of None: unset)."""
     env = dict(os.environ)
@@ -257,7 +249,7 @@ class Proc:
         """Every thread of the process and its descendants back to the normal policy
         (where this user may raise it again: root, or ``RLIMIT_NICE`` allows; else it
         stays idle, only slower)."""
-        for proc in _tree(self.pid):
+        for proc in process_tree(self.pid):
             try:
                 tids = [t.id for t in proc.threads()]
             except psutil.Error:
@@ -539,7 +531,7 @@ def _stop_servers(started: dict) -> set:
     ``/dev/shm`` files their processes mapped that are left, removed."""
     mapped: set = set()
     for server in started.values():
-        mapped |= mapped_shm(_tree(server.proc.pid))
+        mapped |= mapped_shm(process_tree(server.proc.pid))
         server.proc.stop(again=True)
         AHEAD_PIDS.discard(server.proc.pid)
     return _remove_left(mapped)
@@ -882,7 +874,7 @@ def test_sigint_of_a_replica_leaves_no_sequence_held_and_nothing_in_dev_shm(serv
     to close (and ignores a second Ctrl-C): here the clients give up (hang up) once
     nothing is held, as clients do, or after ``patience`` s."""
     b = servers["b"]
-    procs = _tree(b.proc.pid)
+    procs = process_tree(b.proc.pid)
     assert len(procs) >= 3, procs  # the API server, the engine core, a worker
     mapped = mapped_shm(procs)
     assert mapped, "the server's processes map no /dev/shm file"
