@@ -14,7 +14,7 @@ import logging as _logging
 _logging.getLogger("shmkv").addHandler(_logging.NullHandler())
 
 from shmkv.client.batch import Batch, Step
-from shmkv.client.client import Client, connect
+from shmkv.client.client import Client, Computing, connect
 from shmkv.client.handle import BlockTable, CacheHandleStats, KvCacheHandle, SequencePeek
 from shmkv.coordinator.server import Coordinator, SpawnedCoordinator, default_address
 from shmkv.errors import (
@@ -47,6 +47,7 @@ __all__ = [
     "BlockTable",
     "CacheHandleStats",
     "Client",
+    "Computing",
     "Coordinator",
     "CoordinatorGone",
     "CoordinatorTimeout",

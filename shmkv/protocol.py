@@ -39,8 +39,10 @@ PROTOCOL_VERSION = 2  # 2: an allocation's prompt comes with its block keys
 # and the ``promoted`` op (the client copies its tier blocks in, ``shmkv.tiers``);
 # "count_hits", the ``count_hits`` op (an engine's report of what it loaded);
 # "commit_starts", ``commit_batch``'s ``starts`` (where each sequence's writes began);
-# "row_owners", the ``rows`` op's ``row_owners`` (the owners of the rows' blocks).
-FEATURES = ("settle", "copy", "count_hits", "commit_starts", "row_owners")
+# "row_owners", the ``rows`` op's ``row_owners`` (the owners of the rows' blocks);
+# "computing", the ``computing`` op (how much of a prompt others are computing now) and
+# an allocation's ``defer`` (not made while others compute its prompt's next blocks).
+FEATURES = ("settle", "copy", "count_hits", "commit_starts", "row_owners", "computing")
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
 _HEADER = struct.Struct(">I")
 HEADER_SIZE = _HEADER.size
@@ -103,12 +105,18 @@ OPS = {
         "request_id": ("str", False),
         "keys": ("bytes", False),
         "root": ("bytes", False),
+        "defer": ("bool", False),
     },
     "allocate_many": {
         "requests": ("list", False),
         "counts": ("i64s", False),
         "early": ("bool", False),
         "copy": ("bool", False),
+    },
+    "computing": {
+        "prompt": ("tokens", True),
+        "cache_salt": ("bytes", False),
+        "keys": ("bytes", False),
     },
     "extend": {"cache_id": ("int", True), "num_tokens": ("int", True), "tokens": ("ints", False)},
     "extend_many": {"items": ("list", True)},

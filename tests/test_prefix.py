@@ -228,3 +228,135 @@ def test_a_prompt_comes_with_its_block_keys_from_the_client(client, monkeypatch)
     after = client.stats()
     for name in ("referenced_blocks", "sequences", "prefix_hit_blocks", "prefix_miss_blocks"):
         assert after[name] == before[name], name
+
+
+def _wait_computing(client, prompt, want, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while client.computing(prompt) != want and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return client.computing(prompt)
+
+
+def test_computing_counts_the_blocks_another_client_writes_until_it_commits(coord, client):
+    prompt = list(range(300, 323))  # 5 full blocks of 4 + 3 tokens
+    counted = client.stats()["prefix_miss_tokens"], client.stats()["prefix_hit_tokens"]
+    assert client.computing(prompt) == (0, 0)
+    with shmkv.connect(coord.address, timeout=10) as other:
+        writer = other.allocate(prompt=prompt)
+        assert writer.num_cached_tokens == 0
+        assert client.computing(prompt) == (0, 20)
+        assert client.computing(prompt + [1, 2, 3, 4, 5]) == (0, 20)  # its next block: no one's
+        assert client.computing(prompt[:9] + [0] + prompt[10:]) == (0, 8)  # up to where it differs
+        assert client.computing(prompt, cache_salt=b"tenant") == (0, 0)
+        assert other.computing(prompt) == (0, 0)  # its own sequence: not waited for
+        kv = workers.token_kv(prompt, 0, writer.num_heads, writer.head_dim)
+        for layer in range(writer.num_layers):
+            writer.write(layer, kv[0], kv[1], start=0)
+        writer.commit(8)  # two blocks published: the rest is still being computed
+        assert client.computing(prompt) == (8, 12)
+        writer.commit(len(prompt))
+        assert client.computing(prompt) == (20, 0)
+        writer.close()
+        assert client.computing(prompt) == (20, 0)  # cached, not computed
+        # a writer that releases before it commits stops counting at once
+        again = other.allocate(prompt=list(range(900, 912)))
+        assert client.computing(list(range(900, 912))) == (0, 12)
+        again.close()
+        assert client.computing(list(range(900, 912))) == (0, 0)
+    # asking allocated nothing and counted nothing: the misses are the writers' (23 + 12)
+    st = client.stats()
+    assert (st["prefix_miss_tokens"], st["prefix_hit_tokens"]) == (counted[0] + 35, counted[1])
+    assert st["referenced_blocks"] == 0
+
+
+def test_computing_stops_counting_a_writer_killed_before_it_commits(coord, client):
+    prompt = list(range(600, 616))  # 4 full blocks
+    q, go = SPAWN.Queue(), SPAWN.Event()
+    p = SPAWN.Process(target=workers.allocate_then_die, args=(coord.address, prompt, q, go))
+    p.start()
+    try:
+        assert q.get(timeout=30) == 0
+        assert client.computing(prompt) == (0, 16)
+    finally:
+        go.set()
+        join_or_kill(p)
+    assert _wait_computing(client, prompt, (0, 0)) == (0, 0)
+    h = client.allocate(prompt=prompt)  # and the one that asks now computes it itself
+    assert h.num_cached_tokens == 0
+    with shmkv.connect(coord.address, timeout=10) as other:
+        assert other.computing(prompt) == (0, 16)
+        h.close()
+        assert other.computing(prompt) == (0, 0)
+
+
+def test_the_in_flight_index_stays_bounded_by_the_pool(coord, client):
+    prefix = coord.table._prefix  # (the coordinator's own part: no client sees its size)
+    bound = 2 * coord.config.num_blocks + 1024
+    for i in range(2 * bound // 4):
+        client.allocate(prompt=list(range(10_000 + 16 * i, 10_016 + 16 * i))).close()
+    assert len(prefix.in_flight) <= bound + 4
+    with shmkv.connect(coord.address, timeout=10) as other:
+        live = other.allocate(prompt=list(range(16)))
+        assert client.computing(list(range(16))) == (0, 16)
+        live.close()
+
+
+def test_computing_refuses_bad_prompts_and_changes_nothing(coord, client):
+    with pytest.raises(shmkv.InvalidArgument):
+        client.computing([2**63])
+    with pytest.raises(shmkv.WrongType):
+        client.request("computing", prompt=b"123")  # not whole int64 token ids
+    with pytest.raises(shmkv.InvalidArgument):
+        client.request("computing", prompt=b"\0" * 32, keys=b"short")
+    assert client.computing([]) == (0, 0)
+    assert client.stats()["referenced_blocks"] == 0
+
+
+def test_allocate_defers_to_another_clients_computation_and_counts_nothing(coord, client):
+    prompt = list(range(700, 723))  # 5 full blocks + 3
+    with shmkv.connect(coord.address, timeout=10) as other:
+        writer = other.allocate(prompt=prompt, defer=True)  # nobody computes it: allocated
+        assert isinstance(writer, shmkv.KvCacheHandle) and writer.num_cached_tokens == 0
+        before = client.stats()
+        deferred = client.allocate(prompt=prompt, defer=True)
+        assert deferred == shmkv.Computing(cached_tokens=0, computing_tokens=20)
+        mixed = client.allocate_many(
+            [dict(prompt=prompt, defer=True), dict(prompt=list(range(800, 808)), defer=True)]
+        )
+        assert mixed[0] == (0, 20) and isinstance(mixed[1], shmkv.KvCacheHandle)
+        mixed[1].close()
+        after = client.stats()
+        assert after["sequences"] == before["sequences"]
+        assert after["prefix_miss_tokens"] == before["prefix_miss_tokens"] + 8  # the second
+        assert isinstance(other.allocate(prompt=prompt, defer=True), shmkv.KvCacheHandle)
+        plain = client.allocate(prompt=prompt)  # without defer: computed again, as before
+        assert plain.num_cached_tokens == 0
+        plain.close()
+        kv = workers.token_kv(prompt, 0, writer.num_heads, writer.head_dim)
+        for layer in range(writer.num_layers):
+            writer.write(layer, kv[0], kv[1], start=0)
+        writer.commit(12)
+        assert client.allocate(prompt=prompt, defer=True) == (12, 8)
+        writer.commit(len(prompt))
+        hit = client.allocate(prompt=prompt, defer=True)
+        assert hit.num_cached_tokens == 20
+        hit.close()
+
+
+def test_of_processes_racing_to_allocate_one_prompt_with_defer_exactly_one_computes(coord):
+    prompts = [list(range(1000 + 40 * i, 1000 + 40 * i + 17)) for i in range(10)]  # 50 blocks of 64
+    q, start, done = SPAWN.Queue(), SPAWN.Event(), SPAWN.Event()
+    procs = [
+        SPAWN.Process(target=workers.defer_racer, args=(coord.address, prompts, start, q, done))
+        for _ in range(3)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        start.set()
+        got = [q.get(timeout=30) for _ in procs]
+    finally:
+        done.set()
+        for p in procs:
+            join_or_kill(p)
+    assert [sum(column) for column in zip(*got)] == [1] * len(prompts), got

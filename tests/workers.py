@@ -319,3 +319,25 @@ def coordinator_killed_mid_change(config_wire, address, conn):
         coord.table.tables.seq[slot * SEQ_FIELDS + LOCK] += 1
         coord.memory.scale_lock[0] += 1
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def allocate_then_die(address, prompt, queue, go):
+    """Allocate a prompt (it computes it: nothing cached), say so, and once told to,
+    SIGKILL ourselves before committing anything."""
+    client = shmkv.connect(address, timeout=20)
+    h = client.allocate(prompt=prompt)
+    queue.put(h.num_cached_tokens)
+    queue.close()
+    queue.join_thread()
+    go.wait(30)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def defer_racer(address, prompts, start, queue, done):
+    """Allocate each prompt with ``defer=True`` once ``start`` is set; report which were
+    allocated (the others were deferred to another process), hold them until ``done``."""
+    with shmkv.connect(address, timeout=20) as client:
+        start.wait(30)
+        got = [client.allocate(prompt=p, defer=True) for p in prompts]
+        queue.put([not isinstance(g, shmkv.Computing) for g in got])
+        done.wait(30)

@@ -35,7 +35,7 @@ import logging
 import os
 import threading
 from array import array
-from typing import ClassVar, Iterable, List, Optional, Sequence, Tuple
+from typing import ClassVar, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -61,6 +61,15 @@ from shmkv.memory.tables import lock_free_reads
 log = logging.getLogger("shmkv.client.client")
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_PICKLE_TTL = 300.0
+
+
+class Computing(NamedTuple):
+    """A prompt others are computing: its tokens in the pool, and how many after them
+    other clients' live sequences compute now (:meth:`Client.computing`; what
+    ``allocate(..., defer=True)`` answers instead of a handle)."""
+
+    cached_tokens: int
+    computing_tokens: int
 
 
 class Client:
@@ -303,6 +312,7 @@ class Client:
         cache_salt: Optional[bytes] = None,
         request_id: Optional[str] = None,
         wait: bool = True,
+        defer: bool = False,
     ):
         """A new sequence with ``num_tokens`` reserved slots (one round trip).
 
@@ -317,8 +327,16 @@ class Client:
         ``handle.num_promoting_tokens`` of the cached tokens are still on their way, and
         ``handle.settle()`` waits for them (a scheduler that has other work meanwhile).
 
+        With ``defer=True``, a prompt whose blocks right after its cached prefix other
+        clients are computing now (:meth:`computing`) is not allocated: the answer is a
+        :class:`Computing` instead of a handle (nothing allocated, nothing counted), and
+        an allocation asked again once they committed hits them. The coordinator decides
+        it in the same turn as the allocation: of two clients that ask at once, one
+        computes and the other is told to wait.
+
         Raises:
             PoolExhausted: not enough free or evictable blocks (nothing changed).
+            ShmkvError: ``defer`` with a coordinator that predates it.
         """
         return self.allocate_many(
             [
@@ -327,6 +345,7 @@ class Client:
                     prompt=prompt,
                     cache_salt=cache_salt,
                     request_id=request_id,
+                    defer=defer or None,
                 )
             ],
             wait=wait,
@@ -336,7 +355,8 @@ class Client:
         """Allocate several sequences in one round trip, all or none.
 
         Each request is an int (``num_tokens``) or a dict of :meth:`allocate`'s arguments
-        (``wait`` as there, for all of them).
+        (``wait`` as there, for all of them); one with ``defer`` is answered by a
+        :class:`Computing` where others compute its prompt.
         """
         requests = list(requests)
         if requests and set(map(type, requests)) == {int}:  # plain lengths: packed both ways
@@ -380,6 +400,13 @@ class Client:
                 if not req.get("num_tokens"):
                     req["num_tokens"] = len(prompt)
             req.setdefault("num_tokens", 0)
+            if not req.get("defer"):
+                req.pop("defer", None)
+            elif "computing" not in self.features:
+                raise ShmkvError(
+                    "this coordinator cannot defer an allocation to others computing its "
+                    "prompt (an older version: 'computing' is not in client.features)"
+                )
             wire.append({k: v for k, v in req.items() if v is not None})
         parts = _split_requests(wire, self.max_frame)
         handles: list = []
@@ -394,11 +421,17 @@ class Client:
                     answer = self.request("allocate_many", requests=part)
                 else:
                     answer = self.request("allocate_many", requests=part, early=True)
-                handles += [self._handle(info) for info in answer]
+                handles += [
+                    self._handle(info)
+                    if "computing" not in info
+                    else Computing(info["cached"], info["computing"])
+                    for info in answer
+                ]
         except BaseException:
             # All or none across the parts too: the ones allocated are given back.
-            if handles:
-                self.close_many(handles)
+            made = [h for h in handles if not isinstance(h, Computing)]
+            if made:
+                self.close_many(made)
             raise
         return handles
 
@@ -658,6 +691,40 @@ class Client:
     def ping(self) -> None:
         """One empty round trip."""
         self.request("ping")
+
+    def computing(self, prompt: Sequence[int], cache_salt: Optional[bytes] = None) -> Computing:
+        """How much of ``prompt`` the pool holds, and how much right after that other
+        clients are computing now (one round trip; nothing is allocated or counted), in
+        whole blocks.
+
+        ``computing_tokens`` counts the prompt's next full blocks that live sequences of
+        other connections allocated without a hit and have not committed yet: once their
+        writers commit them, an :meth:`allocate` of the same prompt hits them. A writer
+        that releases its sequence, or dies, stops counting at once. An engine with
+        other work may wait for them instead of computing them again (the vLLM connector
+        does, see ``shmkv.wait_computing_s``).
+
+        Raises:
+            ShmkvError: the coordinator does not answer this (it predates it: ``"computing"``
+                not in ``client.features``).
+        """
+        if "computing" not in self.features:
+            raise ShmkvError(
+                "this coordinator does not tell what others are computing (an older "
+                "version: 'computing' is not in client.features)"
+            )
+        try:
+            packed = pack_tokens(token_list(prompt))
+        except OverflowError:
+            raise InvalidArgument("prompt token ids must be ints in the int64 range") from None
+        req = {"prompt": packed}
+        if cache_salt is not None:
+            req["cache_salt"] = cache_salt
+        if cache_salt is None or isinstance(cache_salt, bytes):
+            bs = self.config.block_size
+            req["keys"] = b"".join(packed_block_keys(packed, bs, root_key(cache_salt)))
+        answer = self.request("computing", **req)
+        return Computing(answer["cached"], answer["computing"])
 
     def count_hits(self, hit_tokens: int, miss_tokens: int) -> None:
         """Add to this client's name's prefix hit and miss counters (``/metrics``:

@@ -164,10 +164,18 @@ class Ops:
         return {}
 
     def _op_allocate(
-        self, conn, num_tokens, prompt=None, cache_salt=None, request_id=None, keys=None, root=None
+        self,
+        conn,
+        num_tokens,
+        prompt=None,
+        cache_salt=None,
+        request_id=None,
+        keys=None,
+        root=None,
+        defer=False,
     ):
         return self.table.allocate(
-            conn.conn_id, num_tokens, prompt, cache_salt, request_id, keys, root
+            conn.conn_id, num_tokens, prompt, cache_salt, request_id, keys, root, defer
         )
 
     def _op_allocate_many(self, conn, requests=None, counts=None, early=False, copy=False):
@@ -188,6 +196,13 @@ class Ops:
             except ProtocolError as exc:  # a bad sub-request is a bad argument, not a bad stream
                 raise WrongType(f"allocate_many: {exc}") from None
         return self.table.allocate_many(conn.conn_id, checked)
+
+    def _op_computing(self, conn, prompt, cache_salt=None, keys=None):
+        # Read only: how much of the prompt is cached, and how much after that other
+        # connections' sequences are computing (an engine may wait for it).
+        return self.table.computing(
+            conn.conn_id, {"prompt": prompt, "cache_salt": cache_salt, "keys": keys}
+        )
 
     def _op_extend(self, conn, cache_id, num_tokens, tokens=None):
         return self.table.extend(conn.conn_id, cache_id, num_tokens, tokens)

@@ -44,7 +44,7 @@ sequence is kept here, and every path asks it here:
 from __future__ import annotations
 
 import operator
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence as Seq
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence as Seq, Tuple
 
 import numpy as np
 
@@ -74,6 +74,9 @@ class AllocationPlan(NamedTuple):
     request_id: Optional[str]  #: its request id, if the client named one
     promote: int  #: blocks a lower tier copies in after the pool hits
     later: List[int]  #: pool blocks that hit again after the promoted ones
+    #: blocks after the pool hits that others compute now, for a request that defers to
+    #: them (``defer``): then nothing is allocated
+    computing: int = 0
 
 
 class PendingPromotion:
@@ -130,6 +133,12 @@ class Prefix:
         # coordinator shares among the connections of one client name (``/metrics``);
         # every connection has one, so they sum to the two counters below.
         self.client_counts: Dict[int, List[int]] = {}
+        # The in-flight index: a prompt block's key -> the live sequence computing it
+        # (allocated without a hit there), the block's index in it and the connection
+        # that allocated it. Entries are checked when read (``_computes``), never kept
+        # up to date: a commit, a release or a truncate makes one stale, and stale ones
+        # are swept as the index grows (see ``computing``).
+        self.in_flight: Dict[bytes, Tuple[Sequence, int, int]] = {}
         self.counters = {
             "prefix_hit_tokens": 0,
             "prefix_miss_tokens": 0,
@@ -161,7 +170,11 @@ class Prefix:
             )
         return hashing.split_keys(sent)
 
-    def _plan_allocate(self, req: dict) -> AllocationPlan:
+    def _request_keys(
+        self, req: dict
+    ) -> Tuple[int, Optional[List[bytes]], List[int], Optional[bytes], Optional[str]]:
+        """An allocation request checked: its length, its prompt's full blocks' keys (None
+        without a prompt), the token ids after them, its root key and its request id."""
         num_tokens = _check_count("num_tokens", req.get("num_tokens", 0))
         prompt = req.get("prompt")
         salt = req.get("cache_salt")
@@ -210,8 +223,18 @@ class Prefix:
             raise InvalidArgument("cache_salt needs a prompt")
         elif req.get("keys") is not None or req.get("root") is not None:
             raise InvalidArgument("keys and root come with the prompt they were hashed from")
+        return num_tokens, keys, tail, root, request_id
+
+    def _plan_allocate(self, conn_id: int, req: dict) -> AllocationPlan:
+        num_tokens, keys, tail, root, request_id = self._request_keys(req)
         self._rows.check_length(num_tokens, "allocate")
         hits = self.pool.lookup(keys) if keys else []
+        if keys and req.get("defer"):
+            computing = self._computing_from(conn_id, keys, len(hits))
+            if computing:  # others compute what follows: nothing is allocated
+                return AllocationPlan(
+                    num_tokens, keys, tail, root, hits, 0, request_id, 0, [], computing
+                )
         need = self._rows.blocks_for(num_tokens) - len(hits)
         if need > self.pool.num_blocks:
             raise PoolExhausted(
@@ -239,9 +262,15 @@ class Prefix:
         (see :meth:`_prompt_keys`); hashed here when absent. ``root`` (instead of
         ``cache_salt``): the root key the keys chain from, as
         :meth:`~shmkv.coordinator.refs.Refs.info` gives it (a sequence moved from another
-        node keeps its salt's keys).
+        node keeps its salt's keys). ``defer``: when sequences of other connections are
+        computing the prompt's blocks right after its longest published prefix (see
+        :meth:`computing`), that request is not allocated and its answer is
+        ``{"cached": tokens, "computing": tokens}`` (nothing counted): decided in the
+        same turn as the allocation, so of two engines that ask at once, one computes
+        and the other defers.
         """
-        plans = [self._plan_allocate(req) for req in requests]
+        planned = [self._plan_allocate(conn_id, req) for req in requests]
+        plans = [plan for plan in planned if not plan.computing]
         self._rows.check_slots(len(plans))
         need = sum(plan.need for plan in plans)
         cached_hits = {
@@ -258,7 +287,12 @@ class Prefix:
             self.pool.incref(plan.later)
         results = []
         client = self.client_counts.get(conn_id)
-        for num_tokens, keys, tail, root, hits, need_blocks, request_id, promote, later in plans:
+        bs = self.block_size
+        for plan in planned:
+            if plan.computing:
+                results.append({"cached": len(plan.hits) * bs, "computing": plan.computing * bs})
+                continue
+            num_tokens, keys, tail, root, hits, need_blocks, request_id, promote, later, _ = plan
             seq = self._rows.new_sequence(root, request_id)
             new = self.pool.allocate(need_blocks, seq.cache_id)
             assert new is not None
@@ -271,6 +305,8 @@ class Prefix:
             if keys is not None:
                 seq.keys = keys
                 seq.tail_tokens = list(tail)
+                if num_hit < len(keys):
+                    self._note_computing(conn_id, seq, num_hit)
                 self._count_hits(
                     client,
                     num_hit,
@@ -296,6 +332,67 @@ class Prefix:
                     )
                 )
         return results
+
+    def _note_computing(self, conn_id: int, seq: Sequence, first: int) -> None:
+        """``seq`` (allocated by connection ``conn_id``) computes its prompt's blocks from
+        ``first`` on: each key it will publish names it in the in-flight index, unless a
+        live sequence already does (that one started first)."""
+        index = self.in_flight
+        if len(index) > 2 * self.pool.num_blocks + 1024:  # stale entries: sweep them
+            for key in [k for k, entry in index.items() if not self._computes(k, entry)]:
+                del index[key]
+        keys = seq.keys
+        assert keys is not None  # (a prompt's)
+        for i in range(first, len(keys)):
+            key = keys[i]
+            entry = index.get(key)
+            if entry is None or not self._computes(key, entry):
+                index[key] = (seq, i, conn_id)
+
+    def _computes(self, key: bytes, entry: Tuple[Sequence, int, int]) -> bool:
+        """Whether the in-flight entry of ``key`` still holds: its sequence is alive, has
+        not committed that block yet, and still has ``key`` there (a truncate and a new
+        extend may have changed it)."""
+        seq, i, _ = entry
+        keys = seq.keys
+        return (
+            self._rows.sequences.get(seq.cache_id) is seq
+            and seq.num_committed <= i
+            and keys is not None
+            and i < len(keys)
+            and keys[i] == key
+        )
+
+    def computing(self, conn_id: int, req: dict) -> dict:
+        """How much of a prompt is in the pool, and how much after that other connections'
+        live sequences are computing now: ``{"cached": tokens, "computing": tokens}``.
+
+        ``req`` is an allocation request (:meth:`allocate_many`'s, ``num_tokens``
+        aside); nothing is allocated, counted or changed. ``computing`` counts the blocks
+        right after the pool's longest prefix that sequences allocated by another
+        connection hold uncommitted under the prompt's keys: they will be published once
+        their writers commit them (an engine that has other work may wait for that rather
+        than compute them again). A writer that releases its sequence, or dies, stops
+        counting at once.
+        """
+        _, keys, _, _, _ = self._request_keys(req)
+        if not keys:
+            return {"cached": 0, "computing": 0}
+        hits = len(self.pool.lookup(keys))
+        bs = self.block_size
+        return {"cached": hits * bs, "computing": self._computing_from(conn_id, keys, hits) * bs}
+
+    def _computing_from(self, conn_id: int, keys: List[bytes], first: int) -> int:
+        """How many of ``keys`` from ``first`` on, in a row, sequences of connections
+        other than ``conn_id`` compute now (see :meth:`computing`)."""
+        index = self.in_flight
+        num = 0
+        for key in keys[first:]:
+            entry = index.get(key)
+            if entry is None or entry[2] == conn_id or not self._computes(key, entry):
+                break
+            num += 1
+        return num
 
     def _count_hits(
         self,

@@ -264,6 +264,11 @@ class SequenceTable:
         :meth:`~shmkv.coordinator.prefix.Prefix.allocate_many`)."""
         return self._prefix.allocate_many(conn_id, requests)
 
+    def computing(self, conn_id: int, req: dict) -> dict:
+        """How much of a prompt is cached, and how much after that others compute now
+        (see :meth:`~shmkv.coordinator.prefix.Prefix.computing`)."""
+        return self._prefix.computing(conn_id, req)
+
     def allocate(
         self,
         conn_id: int,
@@ -273,6 +278,7 @@ class SequenceTable:
         request_id: Optional[str] = None,
         keys: Optional[bytes] = None,
         root: Optional[bytes] = None,
+        defer: bool = False,
     ) -> dict:
         """Allocate one sequence (see :meth:`allocate_many`)."""
         return self._prefix.allocate_many(
@@ -285,6 +291,7 @@ class SequenceTable:
                     "request_id": request_id,
                     "keys": keys,
                     "root": root,
+                    "defer": defer,
                 }
             ],
         )[0]
