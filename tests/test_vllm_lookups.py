@@ -679,3 +679,120 @@ def test_a_coordinator_killed_during_a_lookup_and_restarted_serves_the_next(
         first.kill()
         if second is not None:
             second.stop()
+
+
+# -- waiting for a prefix another engine is computing ---------------------------------------
+
+WAITS = {"shmkv.handoff_ttl_s": 60, "shmkv.lookup_timeout_s": 0.5}
+
+
+def unknown_for(sched, req, seconds: float, local: int = 0) -> bool:
+    """Whether the connector answers "not known yet" for ``req`` at every step of
+    ``seconds``, as vLLM asks (every millisecond here)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if sched.get_num_new_matched_tokens(req, local) != (None, False):
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def test_a_request_waits_for_the_prefix_another_engine_computes_and_loads_it(sides, spawned):
+    """Engine A looks up a prompt first and computes it; engine B's request of the same
+    prompt, asked meanwhile, is "not known yet" until A's workers saved it, then loads
+    all of A's full blocks instead of computing them again."""
+    sched_a, worker_a, _ = sides(**WAITS, **{"shmkv.wait_computing_s": 30})
+    sched_b, worker_b, _ = sides(**WAITS, **{"shmkv.wait_computing_s": 30})
+    base = counts(spawned.address)
+    toks = prompt(41, 3 * BLOCK + 5)
+    ra, rb = request("wa", toks), request("wb", list(toks))
+    assert matched(sched_a, ra, 0) == (0, False)  # A computes it
+    assert unknown_for(sched_b, rb, 0.3)  # B waits for A
+    assert sched_b.num_computing_waits == 1 and sched_a.num_computing_waits == 0
+    out = step(worker_a, schedule(sched_a, ra, [1, 2, 3, 4], 0, 3 * BLOCK + 5))
+    assert out.invalid_block_ids == set()
+    assert worker_a.totals.data["num_saved_tokens"] == 3 * BLOCK
+    assert matched(sched_b, rb, 0) == (3 * BLOCK, False)
+    out = step(worker_b, schedule(sched_b, rb, [5, 6, 7, 8], 3 * BLOCK, 5))
+    assert out.invalid_block_ids == set()
+    assert worker_b.totals.data["num_loaded_tokens"] == 3 * BLOCK
+    assert worker_b.totals.data["num_saved_tokens"] == 0
+    for sched, req in ((sched_a, ra), (sched_b, rb)):
+        sched.request_finished(req, [])
+    step(worker_a, empty_step(sched_a))
+    step(worker_b, empty_step(sched_b))
+    assert sched_b.num_computing_waits == 1
+    settled(spawned.address, base, "every lookup released")
+
+
+def test_a_waiting_request_follows_a_chunked_prefill_and_stops_when_the_writer_stalls(
+    sides, spawned
+):
+    """A writer that publishes its prefix chunk by chunk keeps the other engine waiting
+    while it makes progress; once it publishes nothing for ``shmkv.wait_computing_s``,
+    the waiting request takes what is there and computes the rest (and saves it)."""
+    sched_a, worker_a, _ = sides(**WAITS, **{"shmkv.wait_computing_s": 0.6})
+    sched_b, worker_b, _ = sides(**WAITS, **{"shmkv.wait_computing_s": 0.6})
+    base = counts(spawned.address)
+    toks = prompt(42, 4 * BLOCK + 1)
+    ra, rb = request("ca", toks), request("cb", list(toks))
+    assert matched(sched_a, ra, 0) == (0, False)
+    assert unknown_for(sched_b, rb, 0.4)
+    # A's first chunk: two blocks published, two still being computed
+    meta = schedule(sched_a, ra, [1, 2, 3, 4, 5], 0, 2 * BLOCK)
+    assert step(worker_a, meta).invalid_block_ids == set()
+    published = time.monotonic()
+    assert unknown_for(sched_b, rb, 0.4)  # progress: B waits on past its first 0.6 s
+    # A stalls: B gives up 0.6 s after it saw the chunk (and a poll), with the chunk
+    assert matched(sched_b, rb, 0) == (2 * BLOCK, False)
+    assert 0.55 < time.monotonic() - published < 5.0
+    meta = schedule(sched_b, rb, [6, 7, 8, 9, 10], 2 * BLOCK, 2 * BLOCK + 1)
+    [item] = meta.requests
+    assert item.load == (0, 2 * BLOCK) and item.save == (2 * BLOCK, 4 * BLOCK)
+    assert step(worker_b, meta).invalid_block_ids == set()
+    for sched, req in ((sched_a, ra), (sched_b, rb)):
+        sched.request_finished(req, [])
+    step(worker_a, empty_step(sched_a))
+    step(worker_b, empty_step(sched_b))
+    settled(spawned.address, base, "every lookup released")
+
+
+def test_a_writer_that_finishes_without_saving_frees_the_waiting_request_at_once(sides, spawned):
+    """A writer aborted before it computed anything releases its sequence: the request
+    waiting for it looks up again within a poll and computes the prompt itself."""
+    sched_a, worker_a, _ = sides(**WAITS, **{"shmkv.wait_computing_s": 60})
+    sched_b, worker_b, _ = sides(**WAITS, **{"shmkv.wait_computing_s": 60})
+    base = counts(spawned.address)
+    toks = prompt(43, 2 * BLOCK + 7)
+    ra, rb = request("aa", toks), request("ab", list(toks))
+    assert matched(sched_a, ra, 0) == (0, False)
+    assert unknown_for(sched_b, rb, 0.2)
+    sched_a.request_finished(ra, [])  # aborted before it was scheduled
+    step(worker_a, empty_step(sched_a))
+    began = time.monotonic()
+    assert matched(sched_b, rb, 0) == (0, False)
+    assert time.monotonic() - began < 5.0  # far from the 60 s it would wait for a writer
+    sched_b.request_finished(rb, [])
+    step(worker_b, empty_step(sched_b))
+    settled(spawned.address, base, "every lookup released")
+
+
+def test_no_wait_where_it_is_off_or_vllms_own_cache_has_the_prefix(sides, spawned):
+    """``shmkv.wait_computing_s`` 0 never waits; nor does a request whose engine's own
+    prefix cache already holds what the other engine computes."""
+    sched_a, worker_a, _ = sides(**WAITS)
+    sched_off, _, _ = sides(**WAITS, **{"shmkv.wait_computing_s": 0})
+    sched_b, _, _ = sides(**WAITS)
+    base = counts(spawned.address)
+    toks = prompt(44, 2 * BLOCK + 2)
+    ra = request("oa", toks)
+    assert matched(sched_a, ra, 0) == (0, False)
+    off = request("ob", list(toks))
+    assert matched(sched_off, off, 0) == (0, False) and sched_off.num_computing_waits == 0
+    local = request("oc", list(toks))
+    assert matched(sched_b, local, 2 * BLOCK) == (0, False)
+    assert sched_b.num_computing_waits == 0
+    for sched, req in ((sched_a, ra), (sched_off, off), (sched_b, local)):
+        sched.request_finished(req, [])
+    step(worker_a, empty_step(sched_a))
+    settled(spawned.address, base, "every lookup released")

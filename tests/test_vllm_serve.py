@@ -793,6 +793,45 @@ def test_data_parallel_ranks_of_one_server_load_the_prefixes_the_other_computed(
         assert _after(coord_before, coordinator, hit, 0, client=f"vllm-{DP_ENGINE}_dp{first}") == 0
 
 
+def test_replicas_sent_one_new_prefix_at_once_compute_it_once(servers, coordinator):
+    """Both replicas get a request on one new prefix at the same moment. The first lookup
+    the coordinator takes computes it; the other replica's request waits for it
+    (``shmkv.wait_computing_s``: "not known yet" to vLLM, which schedules the rest) and
+    loads it, rather than both computing it side by side. Outputs are the reference
+    server's; the coordinator counts the load under the replica that waited."""
+    a, b, ref = servers["a"], servers["b"], servers["ref"]
+    hit = "shmkv_client_prefix_hit_tokens_total"
+    for seed in (70, 72, 74):  # three rounds: either replica may be the first
+        p1, p2 = prompt(seed, prefix_seed=700 + seed), prompt(seed + 1, prefix_seed=700 + seed)
+        want1, want2 = ref.complete(p1), ref.complete(p2)
+        coord_before = coordinator.metrics()
+        got: dict = {}
+        start = threading.Barrier(2, timeout=30)
+
+        def send(key, server, p, got=got, start=start):
+            start.wait()
+            got[key] = server.complete(p)
+
+        threads = [
+            threading.Thread(target=send, args=(k, s, p), daemon=True)
+            for k, s, p in (("a", a, p1), ("b", b, p2))
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(REQUEST_TIMEOUT_S + 10)
+        assert set(got) == {"a", "b"}, got
+        same_output(got["a"], want1)
+        same_output(got["b"], want2)
+        assert sorted(g["cached"] for g in got.values()) == [0, PREFIX], got
+        loader = "a" if got["a"]["cached"] else "b"
+        other = "b" if loader == "a" else "a"
+        assert _after(coord_before, coordinator, hit, PREFIX, client=f"replica-{loader}") == (
+            PREFIX
+        )
+        assert _after(coord_before, coordinator, hit, 0, client=f"replica-{other}") == 0
+
+
 def test_replicas_answer_through_a_coordinator_killed_and_hit_again_after_its_restart(
     servers, coordinator
 ):

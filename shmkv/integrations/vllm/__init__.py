@@ -110,10 +110,15 @@ from shmkv.integrations.vllm.metadata import (
     ShmkvReqMeta,
     ShmkvWorkerMetadata,
 )
-from shmkv.integrations.vllm.scheduler import LOOKUP_WAIT_S, ShmkvConnectorScheduler
+from shmkv.integrations.vllm.scheduler import (
+    COMPUTING_POLL_S,
+    LOOKUP_WAIT_S,
+    ShmkvConnectorScheduler,
+)
 from shmkv.integrations.vllm.settings import (
     DEFAULT_LOOKUP_TIMEOUT_S,
     DEFAULT_RETRY_S,
+    DEFAULT_WAIT_COMPUTING_S,
     HANDOFF_TTL_S,
     LAYOUTS,
     LOOKUP_SUFFIX,
@@ -135,10 +140,12 @@ from shmkv.integrations.vllm.worker import (
 
 __all__ = [
     "CLIENT_TIMEOUT_S",
+    "COMPUTING_POLL_S",
     "CONNECT_WAIT_S",
     "COUNTS",
     "DEFAULT_LOOKUP_TIMEOUT_S",
     "DEFAULT_RETRY_S",
+    "DEFAULT_WAIT_COMPUTING_S",
     "HANDOFF_TTL_S",
     "LAYER_WAIT_S",
     "LAYOUTS",

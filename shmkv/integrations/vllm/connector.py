@@ -105,6 +105,12 @@ class ShmkvConnector(KVConnectorBase_V1):
         return self._scheduler.num_late_lookups
 
     @property
+    def num_computing_waits(self) -> int:
+        """(Scheduler side.) Requests that waited for a prefix another engine was
+        computing (``"shmkv.wait_computing_s"``), rather than computing it too."""
+        return self._scheduler.num_computing_waits
+
+    @property
     def requires_kv_delivery(self) -> bool:
         """False: a dropped save is only a later miss."""
         return False

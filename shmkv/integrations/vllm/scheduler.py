@@ -51,6 +51,13 @@ log = logging.getLogger("shmkv.vllm")
 # The longest vLLM's scheduler thread waits for lookups' answers in one step: one not
 # there by then is asked for again at the next step (vLLM schedules others meanwhile).
 LOOKUP_WAIT_S = 0.002
+# How often a request that waits for a prefix another engine is computing asks again
+# whether it is there (``"shmkv.wait_computing_s"``).
+COMPUTING_POLL_S = 0.02
+# The longest vLLM's thread sleeps in a step that scheduled nothing while requests wait
+# for prefixes others compute (an idle engine would otherwise spin through empty steps,
+# taking a CPU from the engines that compute them).
+IDLE_WAIT_S = 0.01
 
 
 @dataclass
@@ -82,6 +89,21 @@ class _SchedReq:
     tokens_at: float = 0.0
 
 
+@dataclass
+class _Deferred:
+    """A request waiting for the prefix others compute (``"shmkv.wait_computing_s"``)."""
+
+    cached: int  # the pool's part of its prompt when last asked
+    until: float  # when it stops waiting (monotonic): no progress for that long
+    next_ask: float  # when it asks again
+
+
+def _release_lookup(found: Any) -> None:
+    """Release what a lookup nobody took made (a ``Computing`` answer made nothing)."""
+    if not isinstance(found, shmkv.Computing):
+        _release_found(found)
+
+
 class _Asked(NamedTuple):
     """A lookup asked of the courier and not answered yet."""
 
@@ -105,6 +127,7 @@ class ShmkvConnectorScheduler:
         self._retry_s = settings.retry_s
         self._lookup_timeout_s = settings.lookup_timeout_s
         self._handoff_ttl_s = settings.handoff_ttl_s
+        self._wait_computing_s = settings.wait_computing_s
         self._client_name = settings.client_name
         self._block_size = settings.block_size
         self._tp_size = settings.tp_size
@@ -121,6 +144,9 @@ class ShmkvConnectorScheduler:
         # requests vLLM admitted as asynchronous loads, not handed to the workers yet
         self._waiting: Dict[str, _SchedReq] = {}
         self._settler: Optional[_Settler] = None  # made by the first early answer
+        # requests waiting for prefixes other engines are computing now
+        self._deferred: Dict[str, _Deferred] = {}
+        self._idle_step = False  # the last step scheduled nothing
         # Only a worker copies through the pool; the scheduler never touches its pages.
         self._dialer = Dialer(settings, tp_rank=None, prefault=False)
         client = self._dialer.connect_at_start()  # refuses a misfit pool now, when it is up
@@ -133,6 +159,8 @@ class ShmkvConnectorScheduler:
         self._worker_reports: Dict[int, str] = {}
         self._gate_logged = False
         self.num_late_lookups = 0  # lookups not answered in time (counted as misses)
+        # requests that waited for a prefix another engine was computing
+        self.num_computing_waits = 0
 
     @property
     def connected(self) -> bool:
@@ -145,11 +173,16 @@ class ShmkvConnectorScheduler:
         memory, disk) still copies some of the blocks vLLM needs into the pool, False when
         those are there (or nothing is needed). None (vLLM asks again later, scheduling
         others meanwhile) while some of them are asked of the shared store, which may not
-        have them. 0 when the coordinator is gone."""
+        have them, or while another engine is computing the prompt's next blocks (see
+        ``"shmkv.wait_computing_s"``). 0 when the coordinator is gone."""
         state = self._reqs.get(request.request_id)
         if state is None:
+            deferred = self._deferred.get(request.request_id)
+            if deferred is not None and time.monotonic() < deferred.next_ask:
+                self._idle_wait(deferred.next_ask)
+                return None, False
             try:
-                state = self._lookup(request)
+                state = self._lookup(request, local=num_computed_tokens)
             except _NotYet:  # asked, no answer yet: vLLM schedules others and asks again
                 return None, False
             if state is None:
@@ -168,6 +201,14 @@ class ShmkvConnectorScheduler:
             return None, False
         state.told_async = True
         return num, True
+
+    def _idle_wait(self, until: float) -> None:
+        """In a step after one that scheduled nothing, sleep once until ``until`` (at
+        most ``IDLE_WAIT_S``): an engine whose requests all wait for others' prefixes
+        would otherwise spin through empty steps on a CPU those engines need."""
+        if self._idle_step and not self._lookup_waited:
+            self._lookup_waited = True
+            time.sleep(max(0.0, min(until - time.monotonic(), IDLE_WAIT_S)))
 
     def _gate_open(self, instance: str) -> bool:
         """Whether hits from coordinator ``instance`` may be promised: not while a worker
@@ -194,7 +235,7 @@ class ShmkvConnectorScheduler:
         if isinstance(meta, ShmkvWorkerMetadata):
             self._worker_reports.update(meta.instances)
 
-    def _lookup(self, request, wait: Optional[float] = None) -> Optional[_SchedReq]:
+    def _lookup(self, request, wait: Optional[float] = None, local: int = 0) -> Optional[_SchedReq]:
         """The state of ``request``'s lookup; None when it missed or cannot be made.
 
         The lookup runs on the courier's thread: vLLM's thread waits at most
@@ -204,10 +245,13 @@ class ShmkvConnectorScheduler:
         after the courier began it, or queued behind one that is (a coordinator that
         stopped answering), is a miss, and what it made is released when it comes (one
         that had not begun is never made). Lookups queued behind others answered in time
-        wait their turn.
+        wait their turn. A request whose prompt's next blocks another engine is computing
+        now waits for them (``_NotYet``) while that engine publishes more of them at
+        least every ``"shmkv.wait_computing_s"``, unless vLLM's own cache (``local``
+        tokens) has them; it asks again every ``COMPUTING_POLL_S``.
 
         Raises:
-            _NotYet: asked, not answered yet.
+            _NotYet: asked, not answered yet; or others compute what it would load.
         """
         req_id = request.request_id
         asked = self._asking.get(req_id)
@@ -225,7 +269,7 @@ class ShmkvConnectorScheduler:
             if not job.done.is_set():
                 self._lookup_waited = True
         try:
-            handle, settle, tokens, made_at = self._courier.take(job, wait)
+            found = self._courier.take(job, wait)
         except _NotYet:
             # Late: under way for longer than the timeout, or queued behind a request
             # that is (a coordinator that stopped answering); one queued behind others
@@ -250,6 +294,11 @@ class ShmkvConnectorScheduler:
             log.info("shmkv: request %s not looked up (%s)", req_id, exc)
             return None
         del self._asking[req_id]
+        if isinstance(found, shmkv.Computing):
+            self._defer(req_id, found, local)
+            raise _NotYet()
+        self._deferred.pop(req_id, None)
+        handle, settle, tokens, made_at = found
         prompt_tokens, prompt_len = asked.full, asked.prompt_len
         if handle is None:  # (a worker cannot reach this coordinator: _gate_open)
             return None
@@ -276,6 +325,23 @@ class ShmkvConnectorScheduler:
         self._reqs[request.request_id] = state
         return state
 
+    def _defer(self, req_id: str, found: shmkv.Computing, local: int) -> None:
+        """Request ``req_id`` waits for the blocks others compute (see :meth:`_lookup`)."""
+        now = time.monotonic()
+        deferred = self._deferred.get(req_id)
+        cached, computing = found
+        if cached + computing <= local:  # vLLM's own cache has them: ask again now
+            self._deferred[req_id] = _Deferred(cached, now, now)
+            return
+        if deferred is None:
+            deferred = _Deferred(cached, now + self._wait_computing_s, now)
+            self._deferred[req_id] = deferred
+            self.num_computing_waits += 1
+            log.debug("shmkv: %s waits for %d tokens others compute", req_id, computing)
+        elif cached > deferred.cached:  # they published more: wait on
+            deferred.cached, deferred.until = cached, now + self._wait_computing_s
+        deferred.next_ask = now + COMPUTING_POLL_S
+
     def _ask(self, request) -> Optional[_Asked]:
         """Queue ``request``'s lookup on the courier's thread: its sequence (the longest
         cached prefix pinned), a hand-off to wait on when a tier still copies part of it,
@@ -291,11 +357,19 @@ class ShmkvConnectorScheduler:
         if salt is None:
             return None
         ttl, ranks = self._handoff_ttl_s, self._tp_size
+        # Whether to ask first if others compute its next blocks (then it waits for them)
+        deferred = self._deferred.get(request.request_id)
+        wait = self._wait_computing_s > 0 and (
+            deferred is None or time.monotonic() < deferred.until
+        )
 
         def lookup(client):
             if not self._gate_open(client.instance):
                 return None, None, None, 0.0
-            handle = client.allocate(prompt=prompt[:full], cache_salt=salt, wait=False)
+            defer = wait and "computing" in client.features
+            handle = client.allocate(prompt=prompt[:full], cache_salt=salt, wait=False, defer=defer)
+            if isinstance(handle, shmkv.Computing):  # others compute its next blocks: it waits
+                return handle
             settle, tokens = None, []
             try:
                 if handle.num_promoting_tokens:  # for the thread that waits for the copies
@@ -309,7 +383,7 @@ class ShmkvConnectorScheduler:
             return handle, settle, tokens or None, time.monotonic()
 
         try:
-            job = self._courier.submit(lookup, self._lookup_timeout_s, _release_found)
+            job = self._courier.submit(lookup, self._lookup_timeout_s, _release_lookup)
         except _Late as exc:
             log.debug("shmkv: lookup of %s counted as a miss (%s)", request.request_id, exc)
             self.num_late_lookups += 1
@@ -366,8 +440,9 @@ class ShmkvConnectorScheduler:
             try:
                 state = self._lookup(request, wait=0.0)
             except _NotYet:
-                del self._asking[request.request_id]
+                self._asking.pop(request.request_id, None)
                 self._drop_asked(asked)
+        self._deferred.pop(request.request_id, None)  # (scheduled: it computes now)
         if state is None:
             return
         state.block_ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
@@ -393,6 +468,7 @@ class ShmkvConnectorScheduler:
         )
         self._closed, self._recv_dropped = [], []
         self._lookup_waited = False  # (a new step: a lookup may wait again, see _lookup)
+        self._idle_step = not scheduler_output.total_num_scheduled_tokens
         self._courier.post(log_refused)
         for req_id, waiting in list(self._waiting.items()):
             if self._take_settled(waiting):
@@ -522,6 +598,7 @@ class ShmkvConnectorScheduler:
         load through its descriptor: that one pins the blocks they may still be copying
         until the request is ``final`` (finished, or the connector shut down)."""
         state = self._reqs.pop(req_id, None)
+        self._deferred.pop(req_id, None)
         asked = self._asking.pop(req_id, None)
         if asked is not None:
             self._drop_asked(asked)
@@ -552,7 +629,7 @@ class ShmkvConnectorScheduler:
                 found = self._courier.take(asked.job, 0)
             except Exception:  # noqa: BLE001 - a failed lookup made nothing
                 return
-            self._courier.post(lambda client: _release_found(found))
+            self._courier.post(lambda client: _release_lookup(found))
 
     def request_finished(self, request, block_ids):
         """Drops the request's references. Saves finish within the step that computed the

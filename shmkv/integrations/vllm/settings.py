@@ -21,6 +21,9 @@ from shmkv.errors import InvalidArgument
 from shmkv.protocol import check_client_name
 
 LAYOUTS = ("cpu", "split", "flash")
+# A request whose prefix another engine is computing right now waits for it while that
+# engine publishes more of it at least this often (seconds), rather than computing it too.
+DEFAULT_WAIT_COMPUTING_S = 5.0
 DEFAULT_RETRY_S = 1.0  # (a failed attempt on this host costs a connect() that fails at once)
 # How long a lookup may take before it counts as a miss (its request waits for it, others
 # are scheduled meanwhile), and the longest vLLM's scheduler thread waits for a hand-off
@@ -130,6 +133,7 @@ SETTINGS: Dict[str, Callable[[str, Any], Any]] = {
     "shmkv.retry_s": _seconds(0.0, 3600.0),
     "shmkv.lookup_timeout_s": _seconds(0.001, 60.0),
     "shmkv.handoff_ttl_s": _seconds(1.0, 3600.0),
+    "shmkv.wait_computing_s": _seconds(0.0, 600.0),
     "shmkv.kv_layout": _choice(*LAYOUTS),
     "shmkv.on_load_error": _choice("recompute", "fail"),
     "shmkv.prefault": _boolean,
@@ -182,6 +186,7 @@ class ConnectorSettings:
     retry_s: float
     lookup_timeout_s: float
     handoff_ttl_s: float
+    wait_computing_s: float  # 0: a request never waits for a prefix another computes
     client_name: str  # (the scheduler's: NAME.lookup, see lookup_name)
     layout: Optional[str]  # "shmkv.kv_layout", None: detected from vLLM's tensors
     prefault: bool
@@ -234,6 +239,7 @@ def read_settings(vllm_config, kv_transfer_config, scheduler: bool) -> Connector
         retry_s=extra.get("shmkv.retry_s", DEFAULT_RETRY_S),
         lookup_timeout_s=extra.get("shmkv.lookup_timeout_s", DEFAULT_LOOKUP_TIMEOUT_S),
         handoff_ttl_s=extra.get("shmkv.handoff_ttl_s", HANDOFF_TTL_S),
+        wait_computing_s=extra.get("shmkv.wait_computing_s", DEFAULT_WAIT_COMPUTING_S),
         client_name=name,
         layout=extra.get("shmkv.kv_layout"),
         prefault=extra.get("shmkv.prefault", True),
