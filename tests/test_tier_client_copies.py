@@ -532,3 +532,38 @@ def test_a_client_that_sees_another_folder_leaves_the_block_files_alone(tmp_path
         disk = tier(wait_idle(client), "disk")
         assert (disk["removed_damaged"], disk["errors"], disk["blocks"]) == (0, 0, 3)
         assert block_files(tmp_path / "disk") == files
+
+
+def test_an_allocation_copied_in_by_the_client_beside_one_deferred_to_another(
+    unique_name, monkeypatch
+):
+    """One ``allocate_many`` of two prompts with ``defer``: the first, in the host tier
+    only, is copied in by the client; the second, which another client is computing, is
+    answered ``Computing`` (nothing allocated). Both come back in order; a copy that
+    fails gives back the allocated one and skips the deferred answer."""
+    cfg = make_config(num_blocks=8)
+    tiered, computed = prompts_of(2, 2, seed=7)
+    with tier_coordinator(cfg, unique_name, clients=2) as (coord, client, other):
+        in_tier_only(client, tiered)
+        writer = other.allocate(prompt=computed)
+        got = client.allocate_many(
+            [dict(prompt=tiered, defer=True), dict(prompt=computed, defer=True)]
+        )
+        assert isinstance(got[0], shmkv.KvCacheHandle)
+        assert got[0].num_cached_tokens == len(tiered) and got[0].num_promoting_tokens == 0
+        assert got[1] == shmkv.Computing(0, len(computed))
+        assert read_prompt(client, tiered) == (len(tiered), True)
+        got[0].close()
+        in_tier_only(client, tiered)
+        before = client.stats()["sequences"]
+
+        def interrupted(self, wire, stopping):
+            raise KeyboardInterrupt  # (a signal in the middle of the copies)
+
+        with monkeypatch.context() as patch, pytest.raises(KeyboardInterrupt):
+            patch.setattr(block_io.ClientCopies, "run", interrupted)
+            client.allocate_many(
+                [dict(prompt=tiered, defer=True), dict(prompt=computed, defer=True)]
+            )
+        assert client.stats()["sequences"] == before
+        writer.close()

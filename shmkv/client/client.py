@@ -492,7 +492,7 @@ class Client:
             if not self._close_after_copies:
                 failed = bytes([block_io.FAILED]) * len(wire["ops"])
                 infos = self.request("promoted", id=wire["id"], statuses=failed)
-                self.close_many([self._handle(info) for info in infos])
+                self.close_many([self._handle(i) for i in infos if "computing" not in i])
             raise
         if not self._close_after_copies:
             reported = [[i, text] for i, text in errors.items()]
