@@ -564,6 +564,8 @@ def start_ahead(config) -> None:
 
     def close_unused() -> None:
         _stop_servers(_AHEAD.pop("servers", {}))
+        for proc in _AHEAD.pop("spares", {}).values():
+            proc.stop(signal.SIGKILL)
         shutil.rmtree(directory, ignore_errors=True)
 
     AHEAD_CLOSERS.append(close_unused)
@@ -576,6 +578,12 @@ def start_ahead(config) -> None:
         return
     AHEAD_PIDS.update(server.proc.pid for server in started.values())
     _AHEAD.update(directory=directory, model=model, name=name, servers=started)
+    try:
+        spares = _start_spares(model, directory, idle=True)
+    except Exception:  # noqa: BLE001 - the fixture starts its own
+        return
+    AHEAD_PIDS.update(proc.pid for proc in spares.values())
+    _AHEAD["spares"] = spares
 
 
 @pytest.fixture(scope="module")
@@ -609,15 +617,38 @@ def coordinator(model, logs, spare_coordinators):
         coord.stop()
 
 
-@pytest.fixture(scope="module")
-def spare_coordinators(model, logs):
-    """Two more coordinators for the model (``--for-model``), for a test to stop: SIGINT
-    and SIGTERM (the ``coordinator`` fixture waits for them to serve)."""
-    procs = {}
+def _start_spares(model: str, logs: pathlib.Path, idle: bool = False) -> dict:
+    """Two more coordinators for the model, one for each signal a test stops one with;
+    their sockets in a runtime directory of their own (started ahead, a socket file that
+    appeared in the session's during another module's test would fail its check)."""
+    runtime = logs / "run"
+    runtime.mkdir(mode=0o700, exist_ok=True)
+    procs: dict = {}
     try:
         for sig in (signal.SIGINT, signal.SIGTERM):
             name = f"spare-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            procs[sig] = Proc(coordinator_command(model, name), str(logs / f"{sig.name}.log"))
+            log = str(logs / f"{sig.name}.log")
+            env = {"SHMKV_RUNTIME_DIR": str(runtime)}
+            procs[sig] = Proc(coordinator_command(model, name), log, env=env, idle=idle)
+    except BaseException:
+        for proc in procs.values():
+            proc.stop(signal.SIGKILL)
+        raise
+    return procs
+
+
+@pytest.fixture(scope="module")
+def spare_coordinators(model, logs):
+    """Two more coordinators for the model (``--for-model``), for a test to stop: SIGINT
+    and SIGTERM (started ahead with the servers, or now; the ``coordinator`` fixture
+    waits for them to serve)."""
+    procs = _AHEAD.pop("spares", None)
+    if procs is None:
+        procs = _start_spares(model, logs)
+    try:
+        for proc in procs.values():
+            proc.unidle()
+            AHEAD_PIDS.discard(proc.pid)
         yield procs
     finally:
         for proc in procs.values():
