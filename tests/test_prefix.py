@@ -309,6 +309,11 @@ def test_computing_refuses_bad_prompts_and_changes_nothing(coord, client):
     with pytest.raises(shmkv.InvalidArgument):
         client.request("computing", prompt=b"\0" * 32, keys=b"short")
     assert client.computing([]) == (0, 0)
+    # longer than a sequence may be (here: than the pool): refused before it is hashed
+    with pytest.raises((shmkv.LimitExceeded, shmkv.PoolExhausted), match="computing"):
+        client.request("computing", prompt=b"\0" * 8 * (coord.config.max_seq_len + 1))
+    with pytest.raises(shmkv.WrongType):
+        client.request("allocate", num_tokens=0, prompt=b"\0" * 32, defer=1)
     assert client.stats()["referenced_blocks"] == 0
 
 
@@ -328,6 +333,8 @@ def test_allocate_defers_to_another_clients_computation_and_counts_nothing(coord
         after = client.stats()
         assert after["sequences"] == before["sequences"]
         assert after["prefix_miss_tokens"] == before["prefix_miss_tokens"] + 8  # the second
+        assert after["deferred_allocations"] == before["deferred_allocations"] + 2
+        assert client.allocate(prompt=prompt, defer=1) == (0, 20)  # (any truthy value)
         assert isinstance(other.allocate(prompt=prompt, defer=True), shmkv.KvCacheHandle)
         plain = client.allocate(prompt=prompt)  # without defer: computed again, as before
         assert plain.num_cached_tokens == 0

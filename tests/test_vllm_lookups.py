@@ -796,3 +796,27 @@ def test_no_wait_where_it_is_off_or_vllms_own_cache_has_the_prefix(sides, spawne
         sched.request_finished(req, [])
     step(worker_a, empty_step(sched_a))
     settled(spawned.address, base, "every lookup released")
+
+
+def test_a_request_scheduled_before_its_deferred_answer_was_taken_computes_and_waits_not(
+    sides, spawned
+):
+    """vLLM schedules a request that skips the prefix cache whatever the connector says:
+    its lookup, answered "others compute it", is dropped; it computes, saves nothing (the
+    other engine saves the blocks) and does not count as a wait."""
+    sched_a, worker_a, _ = sides(**WAITS)
+    sched_b, worker_b, _ = sides(**WAITS)
+    base = counts(spawned.address)
+    toks = prompt(45, 2 * BLOCK + 9)
+    ra, rb = request("pa", toks), request("pb", list(toks), prompt_logprobs=1)
+    assert matched(sched_a, ra, 0) == (0, False)
+    with stopped(spawned):
+        assert sched_b.get_num_new_matched_tokens(rb, 0) == (None, False)
+    until(lambda: answered(sched_b, "pb"), "the lookup answered")
+    assert schedule(sched_b, rb, [1, 2, 3], 0, 2 * BLOCK + 9).requests == []
+    assert sched_b.num_computing_waits == 0
+    for sched, req in ((sched_a, ra), (sched_b, rb)):
+        sched.request_finished(req, [])
+    step(worker_a, empty_step(sched_a))
+    step(worker_b, empty_step(sched_b))
+    settled(spawned.address, base, "every lookup released")

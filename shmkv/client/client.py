@@ -345,7 +345,7 @@ class Client:
                     prompt=prompt,
                     cache_salt=cache_salt,
                     request_id=request_id,
-                    defer=defer or None,
+                    defer=True if defer else None,
                 )
             ],
             wait=wait,
@@ -407,6 +407,8 @@ class Client:
                     "this coordinator cannot defer an allocation to others computing its "
                     "prompt (an older version: 'computing' is not in client.features)"
                 )
+            else:
+                req["defer"] = True  # (a truthy value of any type: the wire takes a bool)
             wire.append({k: v for k, v in req.items() if v is not None})
         parts = _split_requests(wire, self.max_frame)
         handles: list = []

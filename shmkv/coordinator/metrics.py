@@ -179,6 +179,11 @@ def families(coord, latency: bool = True) -> List[Family]:
             "published_blocks",
             "Blocks published for prefix reuse (committed by every rank)",
         ),
+        (
+            "shmkv_deferred_allocations",
+            "deferred_allocations",
+            "Allocations with defer not made: another client was computing their prompt",
+        ),
     ):
         counter(name, doc, counters.get(key, 0))
     by_client = sorted((name, tuple(counts)) for name, counts in list(coord.client_counts.items()))

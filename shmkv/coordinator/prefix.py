@@ -133,18 +133,20 @@ class Prefix:
         # coordinator shares among the connections of one client name (``/metrics``);
         # every connection has one, so they sum to the two counters below.
         self.client_counts: Dict[int, List[int]] = {}
-        # The in-flight index: a prompt block's key -> the live sequence computing it
-        # (allocated without a hit there), the block's index in it and the connection
-        # that allocated it. Entries are checked when read (``_computes``), never kept
-        # up to date: a commit, a release or a truncate makes one stale, and stale ones
-        # are swept as the index grows (see ``computing``).
-        self.in_flight: Dict[bytes, Tuple[Sequence, int, int]] = {}
+        # The in-flight index: a prompt block's key -> the cache id of the live sequence
+        # computing it (allocated without a hit there), the block's index in it and the
+        # connection that allocated it. Entries are checked when read (``_computes``),
+        # never kept up to date: a commit, a release or a truncate makes one stale, and
+        # stale ones are swept as the index grows past twice the pool (live entries are
+        # uncommitted blocks of live sequences: at most the pool's), a few ints each.
+        self.in_flight: Dict[bytes, Tuple[int, int, int]] = {}
         self.counters = {
             "prefix_hit_tokens": 0,
             "prefix_miss_tokens": 0,
             "prefix_hit_blocks": 0,
             "prefix_miss_blocks": 0,
             "published_blocks": 0,
+            "deferred_allocations": 0,
         }
 
     def drop_connection(self, conn_id: int) -> None:
@@ -232,6 +234,7 @@ class Prefix:
         if keys and req.get("defer"):
             computing = self._computing_from(conn_id, keys, len(hits))
             if computing:  # others compute what follows: nothing is allocated
+                self.counters["deferred_allocations"] += 1
                 return AllocationPlan(
                     num_tokens, keys, tail, root, hits, 0, request_id, 0, [], computing
                 )
@@ -347,21 +350,18 @@ class Prefix:
             key = keys[i]
             entry = index.get(key)
             if entry is None or not self._computes(key, entry):
-                index[key] = (seq, i, conn_id)
+                index[key] = (seq.cache_id, i, conn_id)
 
-    def _computes(self, key: bytes, entry: Tuple[Sequence, int, int]) -> bool:
-        """Whether the in-flight entry of ``key`` still holds: its sequence is alive, has
-        not committed that block yet, and still has ``key`` there (a truncate and a new
-        extend may have changed it)."""
-        seq, i, _ = entry
+    def _computes(self, key: bytes, entry: Tuple[int, int, int]) -> bool:
+        """Whether the in-flight entry of ``key`` still holds: its sequence is alive (a
+        cache id is never used again), has not committed that block yet, and still has
+        ``key`` there (a truncate and a new extend may have changed it)."""
+        cache_id, i, _ = entry
+        seq = self._rows.sequences.get(cache_id)
+        if seq is None or seq.num_committed > i:
+            return False
         keys = seq.keys
-        return (
-            self._rows.sequences.get(seq.cache_id) is seq
-            and seq.num_committed <= i
-            and keys is not None
-            and i < len(keys)
-            and keys[i] == key
-        )
+        return keys is not None and i < len(keys) and keys[i] == key
 
     def computing(self, conn_id: int, req: dict) -> dict:
         """How much of a prompt is in the pool, and how much after that other connections'
@@ -375,7 +375,8 @@ class Prefix:
         than compute them again). A writer that releases its sequence, or dies, stops
         counting at once.
         """
-        _, keys, _, _, _ = self._request_keys(req)
+        num_tokens, keys, _, _, _ = self._request_keys(req)
+        self._rows.check_length(num_tokens, "computing")
         if not keys:
             return {"cached": 0, "computing": 0}
         hits = len(self.pool.lookup(keys))

@@ -206,6 +206,7 @@ class SequenceTable:
             "prefix_miss_blocks": prefix["prefix_miss_blocks"],
             "cow_copies": self._growth.counters["cow_copies"],
             "published_blocks": prefix["published_blocks"],
+            "deferred_allocations": prefix["deferred_allocations"],
             **handoffs,
         }
 

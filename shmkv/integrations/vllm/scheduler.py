@@ -235,7 +235,9 @@ class ShmkvConnectorScheduler:
         if isinstance(meta, ShmkvWorkerMetadata):
             self._worker_reports.update(meta.instances)
 
-    def _lookup(self, request, wait: Optional[float] = None, local: int = 0) -> Optional[_SchedReq]:
+    def _lookup(
+        self, request, wait: Optional[float] = None, local: int = 0, scheduled: bool = False
+    ) -> Optional[_SchedReq]:
         """The state of ``request``'s lookup; None when it missed or cannot be made.
 
         The lookup runs on the courier's thread: vLLM's thread waits at most
@@ -295,7 +297,8 @@ class ShmkvConnectorScheduler:
             return None
         del self._asking[req_id]
         if isinstance(found, shmkv.Computing):
-            self._defer(req_id, found, local)
+            if not scheduled:  # (``scheduled``: vLLM runs it now; it computes, no wait)
+                self._defer(req_id, found, local)
             raise _NotYet()
         self._deferred.pop(req_id, None)
         handle, settle, tokens, made_at = found
@@ -438,7 +441,7 @@ class ShmkvConnectorScheduler:
             # Its answer, if here, is taken now; else the lookup is dropped (released when
             # it comes) and the request computes and saves nothing.
             try:
-                state = self._lookup(request, wait=0.0)
+                state = self._lookup(request, wait=0.0, scheduled=True)
             except _NotYet:
                 self._asking.pop(request.request_id, None)
                 self._drop_asked(asked)
