@@ -41,8 +41,17 @@ PROTOCOL_VERSION = 2  # 2: an allocation's prompt comes with its block keys
 # "commit_starts", ``commit_batch``'s ``starts`` (where each sequence's writes began);
 # "row_owners", the ``rows`` op's ``row_owners`` (the owners of the rows' blocks);
 # "computing", the ``computing`` op (how much of a prompt others are computing now) and
-# an allocation's ``defer`` (not made while others compute its prompt's next blocks).
-FEATURES = ("settle", "copy", "count_hits", "commit_starts", "row_owners", "computing")
+# an allocation's ``defer`` (not made while others compute its prompt's next blocks);
+# "bound_handoffs", ``export``'s ``bound`` (a token that goes with its maker's connection).
+FEATURES = (
+    "settle",
+    "copy",
+    "count_hits",
+    "commit_starts",
+    "row_owners",
+    "computing",
+    "bound_handoffs",
+)
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
 _HEADER = struct.Struct(">I")
 HEADER_SIZE = _HEADER.size
@@ -136,7 +145,7 @@ OPS = {
     "fork": {"cache_id": ("int", True)},
     "release": {"cache_id": ("int", True)},
     "release_many": {"cache_ids": ("ints", False), "ids": ("i64s", False)},
-    "export": {"cache_id": ("int", True), "ttl": ("num", True)},
+    "export": {"cache_id": ("int", True), "ttl": ("num", True), "bound": ("bool", False)},
     "open": {"token": ("bytes", True)},
     "settle": {"cache_id": ("int", True)},
     "tier_memory": {},

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+import workers
 from conftest import SPAWN, join_or_kill
 
 import shmkv
@@ -328,3 +329,36 @@ def test_short_stress_run_with_kills_passes(tmp_path, unique_name):
         assert report["ops"].get(op, 0) > 0, op
     assert "PASSED" in proc.stdout
     assert not os.path.exists(shmkv.default_address(unique_name))
+
+
+def test_bound_handoffs_go_with_their_killed_maker_and_opened_ones_stay(coord, client):
+    """Hand-offs exported ``bound`` pin nothing once their maker's process is killed
+    (long before their 60 s deadline): an unopened one goes with its connection; one
+    opened before the kill is the opener's reference and stays; a plain one lives on
+    until opened or expired."""
+    q, go = SPAWN.Queue(), SPAWN.Event()
+    child = SPAWN.Process(target=workers.export_bound_then_die, args=(coord.address, q, go))
+    child.start()
+    try:
+        opened_token, unopened_token, plain_token = q.get(timeout=60)
+        opened = client.open(opened_token)
+        assert client.stats()["handoffs"] == 2
+    finally:
+        go.set()
+    join_or_kill(child, 10)
+    wait_until(lambda: client.stats()["handoffs"] == 1, timeout=5.0)
+    with pytest.raises(shmkv.HandoffError):
+        client.open(unopened_token)
+    plain = client.open(plain_token)  # outlived its maker, as plain hand-offs do
+    assert opened.num_tokens == plain.num_tokens == 8
+    stats = client.stats()
+    assert (stats["sequences"], stats["handoffs"], stats["expired_handoffs"]) == (2, 0, 1)
+    opened.close()
+    plain.close()
+    assert client.stats()["referenced_blocks"] == 0
+    with shmkv.connect(coord.address, timeout=10) as other:  # a clean close drops them too
+        h = other.allocate(4)
+        token = h.export(ttl=60, bound=True)
+    with pytest.raises(shmkv.HandoffError):
+        client.open(token)
+    assert client.stats()["referenced_blocks"] == 0

@@ -22,7 +22,7 @@ if importlib.util.find_spec("vllm") is None:  # found without importing it (seco
         allow_module_level=True,
     )
 
-from vllm_engine import BLOCK, make_model, matched, prompt  # noqa: E402
+from vllm_engine import BLOCK, drained, make_model, matched, prompt  # noqa: E402
 from vllm_sched import (  # noqa: E402
     DIM,
     HEADS,
@@ -441,16 +441,17 @@ def test_no_hit_is_promised_while_a_worker_cannot_reach_the_coordinator(
             sched.shutdown()
 
 
-def test_short_hand_offs_and_no_pins_after_the_scheduler_goes(vc, model_path, unique_name):
-    """A hand-off the workers never open (their engine was killed) holds its blocks for
-    ``shmkv.handoff_ttl_s`` (10 s by default), not a minute."""
+def test_unopened_hand_offs_go_with_the_scheduler_that_made_them(vc, model_path, unique_name):
+    """A hand-off the workers never open (their engine was killed, or stopped) is bound to
+    the scheduler's connection: it goes with it, long before ``shmkv.handoff_ttl_s`` (60 s
+    here), and pins nothing. While the scheduler lives it holds its sequence."""
     sched_role, _ = roles()
     assert vc.HANDOFF_TTL_S <= 10
     with (
         shmkv.Coordinator(pool_config(), name=unique_name) as coord,
         shmkv.connect(coord.address, timeout=10) as client,
     ):
-        vcfg = vllm_config(model_path, coord.address, **{"shmkv.handoff_ttl_s": 1})
+        vcfg = vllm_config(model_path, coord.address, **{"shmkv.handoff_ttl_s": 60})
         req = request("r1", prompt(80, 2 * BLOCK + 3))
         sched = vc.ShmkvConnector(vcfg, sched_role)
         try:
@@ -458,11 +459,15 @@ def test_short_hand_offs_and_no_pins_after_the_scheduler_goes(vc, model_path, un
             meta = schedule(sched, req, [1, 2, 3], 0, 2 * BLOCK + 3)
             [item] = meta.requests
             assert item.save == (0, 2 * BLOCK) and len(item.tokens) == 1
-            held = client.stats()["sequences"]
+            sched.request_finished(req, [])  # (the scheduler's own reference goes)
+            drained(sched)
+            assert client.stats()["sequences"] == 1  # the unopened hand-off holds it
+            assert client.stats()["handoffs"] == 1
         finally:
             sched.shutdown()  # (as when vLLM kills the engine: nobody opens the hand-off)
-        assert client.stats()["sequences"] == held  # the unopened hand-off still holds it
-        until(lambda: client.stats()["sequences"] == 0, "the hand-off expired", timeout=10)
+        began = time.monotonic()
+        until(lambda: client.stats()["sequences"] == 0, "the hand-off went", timeout=10)
+        assert time.monotonic() - began < 10 and client.stats()["handoffs"] == 0
 
 
 # -- loads that fail, hit sources, counts ---------------------------------------------------

@@ -341,3 +341,17 @@ def defer_racer(address, prompts, start, queue, done):
         got = [client.allocate(prompt=p, defer=True) for p in prompts]
         queue.put([not isinstance(g, shmkv.Computing) for g in got])
         done.wait(30)
+
+
+def export_bound_then_die(address, queue, go):
+    """Export two bound hand-offs and one plain one of three sequences, hand the tokens
+    to the parent, and once told to, SIGKILL ourselves (nobody opened the bound ones)."""
+    client = shmkv.connect(address, timeout=20)
+    bound = [client.allocate(8), client.allocate(8)]
+    plain = client.allocate(8)
+    tokens = [h.export(ttl=60, bound=True) for h in bound] + [plain.export(ttl=60)]
+    queue.put(tokens)
+    queue.close()
+    queue.join_thread()
+    go.wait(30)
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -44,6 +44,7 @@ from shmkv.errors import (
     InvalidArgument,
     NotSettled,
     OutOfRange,
+    ShmkvError,
     StaleStep,
     UnknownCache,
     WrongType,
@@ -805,14 +806,28 @@ class KvCacheHandle:
             self._client, self._client.request("clone", cache_id=self._cache_id), num_tokens
         )
 
-    def export(self, ttl: float = 60.0) -> bytes:
+    def export(self, ttl: float = 60.0, bound: bool = False) -> bytes:
         """A one-shot hand-off token; ``client.open(token)`` in any process of this user
         gives a new reference. The sequence stays alive until opened or ``ttl`` expires,
-        even if this process exits. A handle opened while tier blocks of an allocation
-        answered early are still coming says so (:attr:`num_promoting_tokens`); its
-        :meth:`settle` waits for them."""
+        even if this process exits, unless ``bound``: then an unopened token also goes
+        when this client's connection closes (its process exited or was killed), for a
+        token whose openers die with its maker (an engine's scheduler and its workers).
+        A handle opened while tier blocks of an allocation answered early are still
+        coming says so (:attr:`num_promoting_tokens`); its :meth:`settle` waits for them.
+
+        Raises:
+            ShmkvError: ``bound`` with a coordinator that predates it
+                (``"bound_handoffs"`` not in ``client.features``).
+        """
         self._check_open()
-        return self._client.request("export", cache_id=self._cache_id, ttl=ttl)
+        if not bound:
+            return self._client.request("export", cache_id=self._cache_id, ttl=ttl)
+        if "bound_handoffs" not in self._client.features:
+            raise ShmkvError(
+                "this coordinator cannot bind a hand-off to its maker's connection (an "
+                "older version: 'bound_handoffs' is not in client.features)"
+            )
+        return self._client.request("export", cache_id=self._cache_id, ttl=ttl, bound=True)
 
     def descriptor(self) -> bytes:
         """A few bytes from which another process attached to the same coordinator reads

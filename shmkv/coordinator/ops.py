@@ -249,8 +249,8 @@ class Ops:
             conn.conn_id, cache_ids if ids is None else protocol.unpack_i64s(ids)
         )
 
-    def _op_export(self, conn, cache_id, ttl):
-        return self.table.export(conn.conn_id, cache_id, ttl)
+    def _op_export(self, conn, cache_id, ttl, bound=False):
+        return self.table.export(conn.conn_id, cache_id, ttl, bound)
 
     def _op_open(self, conn, token):
         return self.table.open(conn.conn_id, token)

@@ -218,11 +218,12 @@ class SequenceTable:
         self._decode.add_connection(conn_id)
 
     def drop_connection(self, conn_id: int) -> int:
-        """Drop every reference the connection holds, its kept batches and its hit
-        counts; returns how many references were dropped."""
+        """Drop every reference the connection holds, the bound hand-offs it exported
+        and nobody opened, its kept batches and its hit counts; returns how many
+        references were dropped (the hand-offs' included)."""
         self._prefix.drop_connection(conn_id)
         self._decode.drop_connection(conn_id)
-        return self._refs.drop_connection(conn_id)
+        return self._handoffs.drop_connection(conn_id) + self._refs.drop_connection(conn_id)
 
     def info(self, conn_id: int, cache_id: int) -> dict:
         """A held sequence's info (see :meth:`~shmkv.coordinator.refs.Refs.info`)."""
@@ -242,9 +243,9 @@ class SequenceTable:
 
     # Hand-offs (shmkv.coordinator.handoffs).
 
-    def export(self, conn_id: int, cache_id: int, ttl: float) -> bytes:
+    def export(self, conn_id: int, cache_id: int, ttl: float, bound: bool = False) -> bytes:
         """A one-shot hand-off token (see :meth:`~shmkv.coordinator.handoffs.Handoffs.export`)."""
-        return self._handoffs.export(conn_id, cache_id, ttl)
+        return self._handoffs.export(conn_id, cache_id, ttl, bound)
 
     def open(self, conn_id: int, token: bytes) -> dict:
         """Turn a hand-off token into a reference held by this connection."""

@@ -374,12 +374,13 @@ class ShmkvConnectorScheduler:
             if isinstance(handle, shmkv.Computing):  # others compute its next blocks: it waits
                 return handle
             settle, tokens = None, []
+            bound = "bound_handoffs" in client.features  # (they die with this engine)
             try:
                 if handle.num_promoting_tokens:  # for the thread that waits for the copies
-                    settle = handle.export(ttl=2 * SETTLE_TIMEOUT_S)
+                    settle = handle.export(ttl=2 * SETTLE_TIMEOUT_S, bound=bound)
                 if handle.num_cached_tokens < full:  # it saves: each rank's hand-off
                     for _ in range(ranks):
-                        tokens.append(handle.export(ttl=ttl))
+                        tokens.append(handle.export(ttl=ttl, bound=bound))
             except BaseException:
                 _release_found((handle, settle, tokens, 0.0))  # (the tokens made so far too)
                 raise
@@ -582,11 +583,13 @@ class ShmkvConnectorScheduler:
         then save nothing and report a load as failed (vLLM recomputes it). A late
         answer's tokens are left to expire (``"shmkv.handoff_ttl_s"``)."""
         handle, ttl, num = state.handle, self._handoff_ttl_s, self._tp_size
+
+        def export(client) -> List[bytes]:
+            bound = "bound_handoffs" in client.features  # (they die with this engine)
+            return [handle.export(ttl=ttl, bound=bound) for _ in range(num)]
+
         try:
-            return self._courier.call(
-                lambda client: [handle.export(ttl=ttl) for _ in range(num)],
-                self._lookup_timeout_s,
-            )
+            return self._courier.call(export, self._lookup_timeout_s)
         except (ShmkvError, OSError) as exc:
             log.warning("shmkv: hand-off failed (%s); the workers recompute", exc)
             return []
