@@ -697,17 +697,38 @@ def unknown_for(sched, req, seconds: float, local: int = 0) -> bool:
     return True
 
 
+def racing(sides, spawned, wait_s: float, seed: int, length: int, waited: float = 0.2):
+    """Engines A and B (``shmkv.wait_computing_s`` = ``wait_s``) and requests ``ra``,
+    ``rb`` of one prompt: A looked it up first (a miss: it computes), and B's request has
+    been "not known yet" for ``waited`` s. Returns ``(A, B, ra, rb, base)`` (each engine
+    ``(scheduler, worker)``; ``base``: the coordinator's counts before)."""
+    settings = {**WAITS, "shmkv.wait_computing_s": wait_s}
+    sched_a, worker_a, _ = sides(**settings)
+    sched_b, worker_b, _ = sides(**settings)
+    base = counts(spawned.address)
+    toks = prompt(seed, length)
+    ra, rb = request(f"{seed}a", toks), request(f"{seed}b", list(toks))
+    assert matched(sched_a, ra, 0) == (0, False)  # A computes it
+    assert unknown_for(sched_b, rb, waited)  # B waits for A
+    return (sched_a, worker_a), (sched_b, worker_b), ra, rb, base
+
+
+def finish(spawned, base, *done) -> None:
+    """Finish each ``(engine, request)``, let the workers hear it, and check that the
+    coordinator holds what it held at ``base``."""
+    for (sched, _), req in done:
+        sched.request_finished(req, [])
+    for (sched, worker), _ in done:
+        step(worker, empty_step(sched))
+    settled(spawned.address, base, "every lookup released")
+
+
 def test_a_request_waits_for_the_prefix_another_engine_computes_and_loads_it(sides, spawned):
     """Engine A looks up a prompt first and computes it; engine B's request of the same
     prompt, asked meanwhile, is "not known yet" until A's workers saved it, then loads
     all of A's full blocks instead of computing them again."""
-    sched_a, worker_a, _ = sides(**WAITS, **{"shmkv.wait_computing_s": 30})
-    sched_b, worker_b, _ = sides(**WAITS, **{"shmkv.wait_computing_s": 30})
-    base = counts(spawned.address)
-    toks = prompt(41, 3 * BLOCK + 5)
-    ra, rb = request("wa", toks), request("wb", list(toks))
-    assert matched(sched_a, ra, 0) == (0, False)  # A computes it
-    assert unknown_for(sched_b, rb, 0.3)  # B waits for A
+    a, b, ra, rb, base = racing(sides, spawned, 30, 41, 3 * BLOCK + 5, waited=0.3)
+    (sched_a, worker_a), (sched_b, worker_b) = a, b
     assert sched_b.num_computing_waits == 1 and sched_a.num_computing_waits == 0
     out = step(worker_a, schedule(sched_a, ra, [1, 2, 3, 4], 0, 3 * BLOCK + 5))
     assert out.invalid_block_ids == set()
@@ -717,12 +738,8 @@ def test_a_request_waits_for_the_prefix_another_engine_computes_and_loads_it(sid
     assert out.invalid_block_ids == set()
     assert worker_b.totals.data["num_loaded_tokens"] == 3 * BLOCK
     assert worker_b.totals.data["num_saved_tokens"] == 0
-    for sched, req in ((sched_a, ra), (sched_b, rb)):
-        sched.request_finished(req, [])
-    step(worker_a, empty_step(sched_a))
-    step(worker_b, empty_step(sched_b))
+    finish(spawned, base, (a, ra), (b, rb))
     assert sched_b.num_computing_waits == 1
-    settled(spawned.address, base, "every lookup released")
 
 
 def test_a_waiting_request_follows_a_chunked_prefill_and_stops_when_the_writer_stalls(
@@ -731,13 +748,8 @@ def test_a_waiting_request_follows_a_chunked_prefill_and_stops_when_the_writer_s
     """A writer that publishes its prefix chunk by chunk keeps the other engine waiting
     while it makes progress; once it publishes nothing for ``shmkv.wait_computing_s``,
     the waiting request takes what is there and computes the rest (and saves it)."""
-    sched_a, worker_a, _ = sides(**WAITS, **{"shmkv.wait_computing_s": 0.6})
-    sched_b, worker_b, _ = sides(**WAITS, **{"shmkv.wait_computing_s": 0.6})
-    base = counts(spawned.address)
-    toks = prompt(42, 4 * BLOCK + 1)
-    ra, rb = request("ca", toks), request("cb", list(toks))
-    assert matched(sched_a, ra, 0) == (0, False)
-    assert unknown_for(sched_b, rb, 0.4)
+    a, b, ra, rb, base = racing(sides, spawned, 0.6, 42, 4 * BLOCK + 1, waited=0.4)
+    (sched_a, worker_a), (sched_b, worker_b) = a, b
     # A's first chunk: two blocks published, two still being computed
     meta = schedule(sched_a, ra, [1, 2, 3, 4, 5], 0, 2 * BLOCK)
     assert step(worker_a, meta).invalid_block_ids == set()
@@ -750,31 +762,20 @@ def test_a_waiting_request_follows_a_chunked_prefill_and_stops_when_the_writer_s
     [item] = meta.requests
     assert item.load == (0, 2 * BLOCK) and item.save == (2 * BLOCK, 4 * BLOCK)
     assert step(worker_b, meta).invalid_block_ids == set()
-    for sched, req in ((sched_a, ra), (sched_b, rb)):
-        sched.request_finished(req, [])
-    step(worker_a, empty_step(sched_a))
-    step(worker_b, empty_step(sched_b))
-    settled(spawned.address, base, "every lookup released")
+    finish(spawned, base, (a, ra), (b, rb))
 
 
 def test_a_writer_that_finishes_without_saving_frees_the_waiting_request_at_once(sides, spawned):
     """A writer aborted before it computed anything releases its sequence: the request
     waiting for it looks up again within a poll and computes the prompt itself."""
-    sched_a, worker_a, _ = sides(**WAITS, **{"shmkv.wait_computing_s": 60})
-    sched_b, worker_b, _ = sides(**WAITS, **{"shmkv.wait_computing_s": 60})
-    base = counts(spawned.address)
-    toks = prompt(43, 2 * BLOCK + 7)
-    ra, rb = request("aa", toks), request("ab", list(toks))
-    assert matched(sched_a, ra, 0) == (0, False)
-    assert unknown_for(sched_b, rb, 0.2)
+    a, b, ra, rb, base = racing(sides, spawned, 60, 43, 2 * BLOCK + 7)
+    (sched_a, worker_a), (sched_b, _) = a, b
     sched_a.request_finished(ra, [])  # aborted before it was scheduled
     step(worker_a, empty_step(sched_a))
     began = time.monotonic()
     assert matched(sched_b, rb, 0) == (0, False)
     assert time.monotonic() - began < 5.0  # far from the 60 s it would wait for a writer
-    sched_b.request_finished(rb, [])
-    step(worker_b, empty_step(sched_b))
-    settled(spawned.address, base, "every lookup released")
+    finish(spawned, base, (b, rb))
 
 
 def test_no_wait_where_it_is_off_or_vllms_own_cache_has_the_prefix(sides, spawned):
@@ -804,19 +805,15 @@ def test_a_request_scheduled_before_its_deferred_answer_was_taken_computes_and_w
     """vLLM schedules a request that skips the prefix cache whatever the connector says:
     its lookup, answered "others compute it", is dropped; it computes, saves nothing (the
     other engine saves the blocks) and does not count as a wait."""
-    sched_a, worker_a, _ = sides(**WAITS)
-    sched_b, worker_b, _ = sides(**WAITS)
+    settings = {**WAITS, "shmkv.wait_computing_s": 5}
+    a, b = sides(**settings)[:2], sides(**settings)[:2]
     base = counts(spawned.address)
     toks = prompt(45, 2 * BLOCK + 9)
     ra, rb = request("pa", toks), request("pb", list(toks), prompt_logprobs=1)
-    assert matched(sched_a, ra, 0) == (0, False)
+    assert matched(a[0], ra, 0) == (0, False)
     with stopped(spawned):
-        assert sched_b.get_num_new_matched_tokens(rb, 0) == (None, False)
-    until(lambda: answered(sched_b, "pb"), "the lookup answered")
-    assert schedule(sched_b, rb, [1, 2, 3], 0, 2 * BLOCK + 9).requests == []
-    assert sched_b.num_computing_waits == 0
-    for sched, req in ((sched_a, ra), (sched_b, rb)):
-        sched.request_finished(req, [])
-    step(worker_a, empty_step(sched_a))
-    step(worker_b, empty_step(sched_b))
-    settled(spawned.address, base, "every lookup released")
+        assert b[0].get_num_new_matched_tokens(rb, 0) == (None, False)
+    until(lambda: answered(b[0], "pb"), "the lookup answered")
+    assert schedule(b[0], rb, [1, 2, 3], 0, 2 * BLOCK + 9).requests == []
+    assert b[0].num_computing_waits == 0
+    finish(spawned, base, (a, ra), (b, rb))
