@@ -824,43 +824,52 @@ def test_data_parallel_ranks_of_one_server_load_the_prefixes_the_other_computed(
         assert _after(coord_before, coordinator, hit, 0, client=f"vllm-{DP_ENGINE}_dp{first}") == 0
 
 
+def at_once(sends: dict) -> dict:
+    """``{key: (server, prompt, rank)}`` sent at the same moment, one thread each; their
+    answers by key."""
+    got: dict = {}
+    start = threading.Barrier(len(sends), timeout=30)
+
+    def send(key, server, p, rank):
+        start.wait()
+        got[key] = server.complete(p, rank=rank)
+
+    threads = [
+        threading.Thread(target=send, args=(key, *spec), daemon=True) for key, spec in sends.items()
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(REQUEST_TIMEOUT_S + 10)
+    assert set(got) == set(sends), got
+    return got
+
+
 def test_replicas_sent_one_new_prefix_at_once_compute_it_once(servers, coordinator):
-    """Both replicas get a request on one new prefix at the same moment. The first lookup
-    the coordinator takes computes it; the other replica's request waits for it
-    (``shmkv.wait_computing_s``: "not known yet" to vLLM, which schedules the rest) and
-    loads it, rather than both computing it side by side. Outputs are the reference
-    server's; the coordinator counts the load under the replica that waited."""
-    a, b, ref = servers["a"], servers["b"], servers["ref"]
+    """Both replicas get a request on one new prefix at the same moment, and so do both
+    data-parallel ranks of replica ``dp``. The first lookup the coordinator takes
+    computes it; the other engine's request waits for it (``shmkv.wait_computing_s``:
+    "not known yet" to vLLM, which schedules the rest) and loads it, rather than both
+    computing it side by side. Outputs are the reference server's; the coordinator
+    counts the load under the engine that waited."""
+    a, b, dp, ref = servers["a"], servers["b"], servers["dp"], servers["ref"]
     hit = "shmkv_client_prefix_hit_tokens_total"
-    for seed in (70, 72, 74):  # three rounds: either replica may be the first
+    pairs = [({"a": (a, None), "b": (b, None)}, "replica-{}", seed) for seed in (70, 72, 74)]
+    pairs.append(({0: (dp, 0), 1: (dp, 1)}, f"vllm-{DP_ENGINE}_dp{{}}", 76))
+    for engines, client, seed in pairs:  # (either engine may be the first)
         p1, p2 = prompt(seed, prefix_seed=700 + seed), prompt(seed + 1, prefix_seed=700 + seed)
-        want1, want2 = ref.complete(p1), ref.complete(p2)
+        prompts = dict(zip(engines, (p1, p2)))
+        wants = {key: ref.complete(p) for key, p in prompts.items()}
         coord_before = coordinator.metrics()
-        got: dict = {}
-        start = threading.Barrier(2, timeout=30)
-
-        def send(key, server, p, got=got, start=start):
-            start.wait()
-            got[key] = server.complete(p)
-
-        threads = [
-            threading.Thread(target=send, args=(k, s, p), daemon=True)
-            for k, s, p in (("a", a, p1), ("b", b, p2))
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(REQUEST_TIMEOUT_S + 10)
-        assert set(got) == {"a", "b"}, got
-        same_output(got["a"], want1)
-        same_output(got["b"], want2)
+        got = at_once({key: (srv, prompts[key], rank) for key, (srv, rank) in engines.items()})
+        for key in engines:
+            same_output(got[key], wants[key])
         assert sorted(g["cached"] for g in got.values()) == [0, PREFIX], got
-        loader = "a" if got["a"]["cached"] else "b"
-        other = "b" if loader == "a" else "a"
-        assert _after(coord_before, coordinator, hit, PREFIX, client=f"replica-{loader}") == (
-            PREFIX
-        )
-        assert _after(coord_before, coordinator, hit, 0, client=f"replica-{other}") == 0
+        loader = next(key for key in engines if got[key]["cached"])
+        other = next(key for key in engines if key != loader)
+        loaded = _after(coord_before, coordinator, hit, PREFIX, client=client.format(loader))
+        assert loaded == PREFIX
+        assert _after(coord_before, coordinator, hit, 0, client=client.format(other)) == 0
 
 
 def test_replicas_answer_through_a_coordinator_killed_and_hit_again_after_its_restart(
