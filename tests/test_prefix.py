@@ -242,7 +242,10 @@ def test_computing_counts_the_blocks_another_client_writes_until_it_commits(coor
     counted = client.stats()["prefix_miss_tokens"], client.stats()["prefix_hit_tokens"]
     assert client.computing(prompt) == (0, 0)
     with shmkv.connect(coord.address, timeout=10) as other:
-        writer = other.allocate(prompt=prompt)
+        plain = other.allocate(prompt=prompt)  # a plain allocation is never waited for
+        assert client.computing(prompt) == (0, 0)
+        plain.close()
+        writer = other.allocate(prompt=prompt, defer=True)
         assert writer.num_cached_tokens == 0
         assert client.computing(prompt) == (0, 20)
         assert client.computing(prompt + [1, 2, 3, 4, 5]) == (0, 20)  # its next block: no one's
@@ -259,13 +262,13 @@ def test_computing_counts_the_blocks_another_client_writes_until_it_commits(coor
         writer.close()
         assert client.computing(prompt) == (20, 0)  # cached, not computed
         # a writer that releases before it commits stops counting at once
-        again = other.allocate(prompt=list(range(900, 912)))
+        again = other.allocate(prompt=list(range(900, 912)), defer=True)
         assert client.computing(list(range(900, 912))) == (0, 12)
         again.close()
         assert client.computing(list(range(900, 912))) == (0, 0)
-    # asking allocated nothing and counted nothing: the misses are the writers' (23 + 12)
+    # asking allocated nothing and counted nothing: the misses are the writers' (23 + 23 + 12)
     st = client.stats()
-    assert (st["prefix_miss_tokens"], st["prefix_hit_tokens"]) == (counted[0] + 35, counted[1])
+    assert (st["prefix_miss_tokens"], st["prefix_hit_tokens"]) == (counted[0] + 58, counted[1])
     assert st["referenced_blocks"] == 0
 
 
@@ -281,7 +284,7 @@ def test_computing_stops_counting_a_writer_killed_before_it_commits(coord, clien
         go.set()
         join_or_kill(p)
     assert _wait_computing(client, prompt, (0, 0)) == (0, 0)
-    h = client.allocate(prompt=prompt)  # and the one that asks now computes it itself
+    h = client.allocate(prompt=prompt, defer=True)  # the one that asks now computes it
     assert h.num_cached_tokens == 0
     with shmkv.connect(coord.address, timeout=10) as other:
         assert other.computing(prompt) == (0, 16)
@@ -293,10 +296,10 @@ def test_the_in_flight_index_stays_bounded_by_the_pool(coord, client):
     prefix = coord.table._prefix  # (the coordinator's own part: no client sees its size)
     bound = 2 * coord.config.num_blocks + 1024
     for i in range(2 * bound // 4):
-        client.allocate(prompt=list(range(10_000 + 16 * i, 10_016 + 16 * i))).close()
+        client.allocate(prompt=list(range(10_000 + 16 * i, 10_016 + 16 * i)), defer=True).close()
     assert len(prefix.in_flight) <= bound + 4
     with shmkv.connect(coord.address, timeout=10) as other:
-        live = other.allocate(prompt=list(range(16)))
+        live = other.allocate(prompt=list(range(16)), defer=True)
         assert client.computing(list(range(16))) == (0, 16)
         live.close()
 

@@ -545,7 +545,7 @@ def test_an_allocation_copied_in_by_the_client_beside_one_deferred_to_another(
     tiered, computed = prompts_of(2, 2, seed=7)
     with tier_coordinator(cfg, unique_name, clients=2) as (coord, client, other):
         in_tier_only(client, tiered)
-        writer = other.allocate(prompt=computed)
+        writer = other.allocate(prompt=computed, defer=True)
         got = client.allocate_many(
             [dict(prompt=tiered, defer=True), dict(prompt=computed, defer=True)]
         )

@@ -322,10 +322,10 @@ def coordinator_killed_mid_change(config_wire, address, conn):
 
 
 def allocate_then_die(address, prompt, queue, go):
-    """Allocate a prompt (it computes it: nothing cached), say so, and once told to,
-    SIGKILL ourselves before committing anything."""
+    """Allocate a prompt with ``defer`` (it computes it: nothing cached), say so, and
+    once told to, SIGKILL ourselves before committing anything."""
     client = shmkv.connect(address, timeout=20)
-    h = client.allocate(prompt=prompt)
+    h = client.allocate(prompt=prompt, defer=True)
     queue.put(h.num_cached_tokens)
     queue.close()
     queue.join_thread()

@@ -332,7 +332,9 @@ class Client:
         :class:`Computing` instead of a handle (nothing allocated, nothing counted), and
         an allocation asked again once they committed hits them. The coordinator decides
         it in the same turn as the allocation: of two clients that ask at once, one
-        computes and the other is told to wait.
+        computes and the other is told to wait. A sequence allocated with ``defer`` is
+        one others wait for in turn (commit what you compute, promptly); a plain
+        allocation is never waited for.
 
         Raises:
             PoolExhausted: not enough free or evictable blocks (nothing changed).
@@ -700,8 +702,9 @@ class Client:
         whole blocks.
 
         ``computing_tokens`` counts the prompt's next full blocks that live sequences of
-        other connections allocated without a hit and have not committed yet: once their
-        writers commit them, an :meth:`allocate` of the same prompt hits them. A writer
+        other connections, allocated with ``defer=True``, got without a hit and have not
+        committed yet: once their writers commit them, an :meth:`allocate` of the same
+        prompt hits them. A writer
         that releases its sequence, or dies, stops counting at once. An engine with
         other work may wait for them instead of computing them again (the vLLM connector
         does, see ``shmkv.wait_computing_s``).

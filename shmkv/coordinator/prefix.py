@@ -270,7 +270,10 @@ class Prefix:
         :meth:`computing`), that request is not allocated and its answer is
         ``{"cached": tokens, "computing": tokens}`` (nothing counted): decided in the
         same turn as the allocation, so of two engines that ask at once, one computes
-        and the other defers.
+        and the other defers. A sequence allocated with ``defer`` is itself one that
+        others wait for: its uncommitted prompt blocks go into the in-flight index (a
+        plain allocation costs the index nothing, and is never waited for: its client
+        has not said it commits what it computes).
         """
         planned = [self._plan_allocate(conn_id, req) for req in requests]
         plans = [plan for plan in planned if not plan.computing]
@@ -291,7 +294,7 @@ class Prefix:
         results = []
         client = self.client_counts.get(conn_id)
         bs = self.block_size
-        for plan in planned:
+        for plan, req in zip(planned, requests):
             if plan.computing:
                 results.append({"cached": len(plan.hits) * bs, "computing": plan.computing * bs})
                 continue
@@ -308,7 +311,7 @@ class Prefix:
             if keys is not None:
                 seq.keys = keys
                 seq.tail_tokens = list(tail)
-                if num_hit < len(keys):
+                if num_hit < len(keys) and req.get("defer"):
                     self._note_computing(conn_id, seq, num_hit)
                 self._count_hits(
                     client,
@@ -365,12 +368,13 @@ class Prefix:
 
     def computing(self, conn_id: int, req: dict) -> dict:
         """How much of a prompt is in the pool, and how much after that other connections'
-        live sequences are computing now: ``{"cached": tokens, "computing": tokens}``.
+        live sequences allocated with ``defer`` are computing now: ``{"cached": tokens,
+        "computing": tokens}``.
 
         ``req`` is an allocation request (:meth:`allocate_many`'s, ``num_tokens``
         aside); nothing is allocated, counted or changed. ``computing`` counts the blocks
-        right after the pool's longest prefix that sequences allocated by another
-        connection hold uncommitted under the prompt's keys: they will be published once
+        right after the pool's longest prefix that sequences allocated (with ``defer``)
+        by another connection hold uncommitted under the prompt's keys: they will be published once
         their writers commit them (an engine that has other work may wait for that rather
         than compute them again). A writer that releases its sequence, or dies, stops
         counting at once.
