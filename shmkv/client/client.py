@@ -384,23 +384,9 @@ class Client:
             req = dict(req)
             prompt = req.get("prompt")
             if prompt is not None:
-                prompt = token_list(prompt)
-                try:  # packed: the coordinator neither decodes nor checks each token
-                    req["prompt"] = pack_tokens(prompt)
-                except OverflowError:
-                    raise InvalidArgument(
-                        "prompt token ids must be ints in the int64 range"
-                    ) from None
-                # Its full blocks' prefix keys, hashed here rather than in the
-                # coordinator's loop, which every client waits on (a salt that is not
-                # bytes is left to the coordinator to refuse).
-                salt = req.get("cache_salt")
-                if salt is None or isinstance(salt, bytes):
-                    req["keys"] = b"".join(
-                        packed_block_keys(req["prompt"], self.config.block_size, root_key(salt))
-                    )
+                self._pack_prompt(req)
                 if not req.get("num_tokens"):
-                    req["num_tokens"] = len(prompt)
+                    req["num_tokens"] = len(req["prompt"]) // 8
             req.setdefault("num_tokens", 0)
             if not req.get("defer"):
                 req.pop("defer", None)
@@ -438,6 +424,25 @@ class Client:
                 self.close_many(made)
             raise
         return handles
+
+    def _pack_prompt(self, req: dict) -> dict:
+        """``req``'s prompt packed (int64 LE bytes: the coordinator neither decodes nor
+        checks each token) and its full blocks' prefix keys added, hashed here rather
+        than in the coordinator's loop, which every client waits on (a salt that is not
+        bytes is left to the coordinator to refuse); returns ``req``.
+
+        Raises:
+            InvalidArgument: a token id outside the int64 range.
+        """
+        try:
+            req["prompt"] = pack_tokens(token_list(req["prompt"]))
+        except OverflowError:
+            raise InvalidArgument("prompt token ids must be ints in the int64 range") from None
+        salt = req.get("cache_salt")
+        if salt is None or isinstance(salt, bytes):
+            root = root_key(salt)
+            req["keys"] = b"".join(packed_block_keys(req["prompt"], self.config.block_size, root))
+        return req
 
     def _tier_copies(self) -> Optional[ClientCopies]:
         """What runs this client's own promotions (``copy_promotions``), made at the first
@@ -718,17 +723,8 @@ class Client:
                 "this coordinator does not tell what others are computing (an older "
                 "version: 'computing' is not in client.features)"
             )
-        try:
-            packed = pack_tokens(token_list(prompt))
-        except OverflowError:
-            raise InvalidArgument("prompt token ids must be ints in the int64 range") from None
-        req = {"prompt": packed}
-        if cache_salt is not None:
-            req["cache_salt"] = cache_salt
-        if cache_salt is None or isinstance(cache_salt, bytes):
-            bs = self.config.block_size
-            req["keys"] = b"".join(packed_block_keys(packed, bs, root_key(cache_salt)))
-        answer = self.request("computing", **req)
+        req = self._pack_prompt({"prompt": prompt, "cache_salt": cache_salt})
+        answer = self.request("computing", **{k: v for k, v in req.items() if v is not None})
         return Computing(answer["cached"], answer["computing"])
 
     def count_hits(self, hit_tokens: int, miss_tokens: int) -> None:
