@@ -76,10 +76,9 @@ START_TIMEOUT_S = 420.0  # four servers starting at once on two busy CPUs
 REQUEST_TIMEOUT_S = 120.0
 SERVER_PIDS: set = set()  # the module's long-lived processes (and their descendants)
 # The servers start this many tests ahead of the module (conftest calls start_ahead):
-# about five minutes of this suite here, after tests/test_property.py. Tests beside a
-# start-up slow down, even one at the idle priority: test_property's model checks
-# threefold, test_reliability's stress runs twofold (starting after those, 510 tests
-# ahead, was slower still in a fresh-clone run: 647 s against 601 s).
+# about five minutes of this suite here, after tests/test_property.py. They run at the
+# idle priority in an autogroup of nice 19 (:func:`_sched_idle`): at the idle priority
+# alone, test_reliability beside their start-up ran 66 s, not 23 s.
 AHEAD_TESTS = 540
 _AHEAD: dict = {}  # what start_ahead() started, for the fixtures to take
 DP_ARGS = ("--data-parallel-size", "2")  # replica "dp": one API server, two engine cores
@@ -220,8 +219,22 @@ def _remove_left(paths: set) -> set:
     return left
 
 
+def _autogroup_nice(pid: int | str, nice: int) -> None:
+    """Set the nice value of the scheduler autogroup of ``pid``'s session, where the kernel
+    has autogroups and allows it (else nothing). A process in a session of its own
+    (``start_new_session``) is in an autogroup of its own, which shares the CPUs equally
+    with the test's whatever the policy of its threads: ``SCHED_IDLE`` alone would still
+    take half of them from the tests beside a start-up."""
+    try:
+        with open(f"/proc/{pid}/autogroup", "w") as f:
+            f.write(str(nice))
+    except OSError:
+        pass
+
+
 def _sched_idle() -> None:
     os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    _autogroup_nice("self", 19)  # (after setsid: the new session's autogroup)
 
 
 class Proc:
@@ -249,6 +262,7 @@ class Proc:
         """Every thread of the process and its descendants back to the normal policy
         (where this user may raise it again: root, or ``RLIMIT_NICE`` allows; else it
         stays idle, only slower)."""
+        _autogroup_nice(self.pid, 0)
         for proc in process_tree(self.pid):
             try:
                 tids = [t.id for t in proc.threads()]
