@@ -537,10 +537,40 @@ def test_serving_metrics_deltas():
         },
     )
     assert hooks["build_connector_meta"] == [0.5, 10]
+    counts = serving.hook_delta(
+        {"count:late_lookups": [0.0, 3]},
+        {"count:late_lookups": [0.0, 3], "count:computing_waits": [0.0, 5]},
+    )
+    assert counts == {"count:late_lookups": [0.0, 0], "count:computing_waits": [0.0, 5]}
     step = serving.per_step(hooks)
     assert step["steps"] == 10 and step["scheduler_us_per_step"] == pytest.approx(50000)
     assert step["worker_us_per_step"] == pytest.approx(10000)  # 0.2 s over 20 binds
     assert step["copies_s"] == 0.1
+
+
+def test_serving_reads_a_replicas_hook_files_and_its_schedulers_counters(tmp_path):
+    """Each process of a replica writes its hook totals (``TimedShmkvConnector``); the
+    scheduler's file also has its counters, read as ``count:NAME`` entries."""
+    from shmkv.bench.serving.deploy import read_hooks
+
+    (tmp_path / "1.json").write_text(
+        json.dumps(
+            {
+                "pid": 1,
+                "hooks": {"build_connector_meta": [0.5, 10]},
+                "counters": {"computing_waits": 4, "late_lookups": 1},
+            }
+        )
+    )
+    (tmp_path / "2.json").write_text(
+        json.dumps({"pid": 2, "hooks": {"build_connector_meta": [0.25, 5]}})
+    )
+    (tmp_path / "3.json").write_text("{half a fi")  # (being replaced): skipped
+    assert read_hooks(str(tmp_path)) == {
+        "build_connector_meta": [0.75, 15],
+        "count:computing_waits": [0.0, 4],
+        "count:late_lookups": [0.0, 1],
+    }
 
 
 def _serving_run(ds, dep, rate, fraction, tput, ttft, tpot, **extra):
@@ -581,6 +611,10 @@ def test_serving_report_states_each_target(tmp_path):
             if dep in "cd":
                 hooks = {"coordinator_cpu_share": 0.02, "shmkv_loaded": [0, 128, 256]}
                 hooks["hooks_per_step"] = [serving.per_step({"build_connector_meta": [0.01, 10]})]
+                hooks["hooks"] = [
+                    {"count:computing_waits": [0.0, waits], "count:late_lookups": [0.0, late]}
+                    for waits, late in ((2, 0), (0, 1), (1, 0))
+                ]
             runs.append(_serving_run(ds, dep, "inf", None, 4.0 * f, 900 / f, 10.0, **hooks))
             ms = 400 * (ttft if dep == "c" else 1)
             runs.append(_serving_run(ds, dep, 2.0, 0.5, 2.0, ms, 10.5 if dep == "c" else 10.0))
@@ -638,6 +672,7 @@ def test_serving_report_states_each_target(tmp_path):
     assert "| TPOT p50 | 8.00 ms | 8.40 ms | 1.05 |" in md
     assert "25% / 25% / 50%" in md  # cached / loaded / computed prompt tokens
     assert "(c, round 1) 0 / 128 / 256" in md  # loaded by each replica, labelled by round
+    assert "(c, round 1) waited 2 / 0 / 1, late 0 / 1 / 0" in md  # the schedulers' counters
     assert "**The whole deployment shares these 2 CPUs**" in md
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "plots" / "serving-x.png").exists()

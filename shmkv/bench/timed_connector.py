@@ -5,9 +5,12 @@ Loaded by a ``vllm serve`` replica as ``"kv_connector": "TimedShmkvConnector",
 "kv_connector_module_path": "shmkv.bench.timed_connector"``. Every process that builds
 the connector (vLLM's scheduler in the engine core, each worker) adds up, per hook, the
 seconds spent in it and its calls, and a daemon thread of that process writes the totals
-every half second to ``$SHMKV_BENCH_HOOK_DIR/PID.json`` (``{"role": ..., "hooks":
-{name: [seconds, calls]}}``; replaced atomically), where the benchmark reads them before
-and after each run. A hook costs two ``perf_counter`` calls more; nothing else changes.
+every half second to ``$SHMKV_BENCH_HOOK_DIR/PID.json`` (``{"pid": ..., "hooks":
+{name: [seconds, calls]}, "counters": {name: count}}``; replaced atomically), where the
+benchmark reads them before and after each run. The counters are the scheduler side's
+(:data:`COUNTERS`): lookups counted as misses for want of an answer in time, and
+requests that waited for a prefix another engine computed. A hook costs two
+``perf_counter`` calls more; nothing else changes.
 Without ``$SHMKV_BENCH_HOOK_DIR`` the totals are kept and never written.
 """
 
@@ -17,6 +20,7 @@ import json
 import os
 import threading
 import time
+import weakref
 from typing import Dict, List
 
 from shmkv.integrations.vllm import ShmkvConnector, ShmkvConnectorWorker
@@ -43,7 +47,11 @@ HOOKS = (
     "_copy_layer",
 )
 
+# The scheduler side's counters, by the name they are written under
+COUNTERS = {"late_lookups": "num_late_lookups", "computing_waits": "num_computing_waits"}
+
 _TOTALS: Dict[str, List[float]] = {}  # hook -> [seconds, calls], this process
+_SCHEDULERS: "weakref.WeakSet[TimedShmkvConnector]" = weakref.WeakSet()  # this process's
 _LOCK = threading.Lock()
 _STARTED: List[int] = []  # the pid whose writer thread runs (a fork starts its own)
 
@@ -51,6 +59,11 @@ _STARTED: List[int] = []  # the pid whose writer thread runs (a fork starts its 
 def _dump(directory: str) -> None:
     with _LOCK:
         record = {"pid": os.getpid(), "hooks": {k: list(v) for k, v in _TOTALS.items()}}
+    counters = dict.fromkeys(COUNTERS, 0)
+    for connector in list(_SCHEDULERS):
+        for name, attr in COUNTERS.items():
+            counters[name] += getattr(connector, attr)
+    record["counters"] = counters
     path = os.path.join(directory, f"{os.getpid()}.json")
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -106,6 +119,8 @@ class TimedShmkvConnector(ShmkvConnector):
     def __init__(self, vllm_config, role, kv_cache_config=None):
         _start_writer()
         super().__init__(vllm_config, role, kv_cache_config)
+        if self.connector_scheduler is not None:
+            _SCHEDULERS.add(self)
 
 
 for _name in HOOKS:

@@ -32,6 +32,7 @@ from shmkv.bench.serving.config import (
     UNSET_ENV,
 )
 from shmkv.bench.serving.records import (
+    COUNT,
     hook_delta,
     metric,
     parse_metrics,
@@ -253,14 +254,18 @@ def router_command(port: int, workers: List[str], policy: str) -> List[str]:
 
 
 def read_hooks(directory: str) -> Dict[str, list]:
-    """The hook totals of every process of one replica (summed)."""
+    """The hook totals of every process of one replica (summed), and its scheduler's
+    counters as ``"count:NAME": [0.0, count]``."""
     out: Dict[str, list] = {}
     for path in glob.glob(os.path.join(directory, "*.json")):
         try:
             with open(path) as f:
-                hooks = json.load(f)["hooks"]
+                record = json.load(f)
+            hooks = dict(record["hooks"])
         except (OSError, ValueError, KeyError):
             continue
+        for name, count in record.get("counters", {}).items():
+            hooks[COUNT + name] = [0.0, count]
         for k, (secs, calls) in hooks.items():
             t = out.setdefault(k, [0.0, 0])
             t[0] += secs

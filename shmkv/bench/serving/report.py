@@ -13,7 +13,14 @@ from shmkv.bench.core import (
     pyplot,
 )
 from shmkv.bench.serving.config import BLOCK, DATASETS, DEPLOYMENTS, MAX_MODEL_LEN, NAME, REPLICAS
-from shmkv.bench.serving.records import DECODE_STEP_TOKENS, KEEP, SOURCES, per_step, step_summary
+from shmkv.bench.serving.records import (
+    COUNT,
+    DECODE_STEP_TOKENS,
+    KEEP,
+    SOURCES,
+    per_step,
+    step_summary,
+)
 
 
 def _all(runs: List[dict], ds: str, dep: str, rate) -> List[dict]:
@@ -300,6 +307,26 @@ def markdown(r: Dict[str, Any], name: str = NAME) -> str:
                     f"({x['deployment']}, round {x.get('round', 0) + 1}) "
                     + " / ".join(f"{v:.0f}" for v in x["shmkv_loaded"])
                     for x in shm
+                )
+                + "."
+            )
+            lines.append("")
+        counted = [
+            x for x in shm if any(k.startswith(COUNT) for h in x.get("hooks", []) for k in h)
+        ]
+        if counted:
+
+            def count(x: dict, name: str) -> str:
+                return " / ".join(str(int(h.get(COUNT + name, [0.0, 0])[1])) for h in x["hooks"])
+
+            lines.append(
+                "Requests of each (c)/(d) replica at `inf` that waited for a prefix another "
+                "replica was computing, and lookups counted as misses for want of an "
+                "answer within `shmkv.lookup_timeout_s` (the scheduler's counters): "
+                + "; ".join(
+                    f"({x['deployment']}, round {x.get('round', 0) + 1}) waited "
+                    f"{count(x, 'computing_waits')}, late {count(x, 'late_lookups')}"
+                    for x in counted
                 )
                 + "."
             )
