@@ -108,8 +108,11 @@ def sides(vc, model_path, spawned):
     (the worker's caches registered), shut down at the end."""
     made = []
 
-    def make(**settings):
+    def make(budget=None, **settings):
+        """``budget``: vLLM's ``max_num_batched_tokens`` (its default otherwise)."""
         vcfg = vllm_config(model_path, spawned.address, **settings)
+        if budget is not None:
+            vcfg.scheduler_config.max_num_batched_tokens = budget
         sched_role, worker_role = roles()
         sched = vc.ShmkvConnector(vcfg, sched_role)
         made.append(sched)
@@ -283,8 +286,15 @@ def test_a_burst_of_lookups_queued_on_the_courier_all_hit(vc, model_path, unique
 
     num = 200
     with shmkv.Coordinator.spawn(pool_config(4096), name=unique_name) as coord:
-        # (the default timeout: a queue of this many lookups takes longer than it)
-        vcfg = vllm_config(model_path, coord.address, **{"shmkv.lookup_timeout_s": 0.05})
+        # (a short timeout: a queue of this many lookups takes longer than it; and no
+        # waiting for others, so that no lookup claims blocks: the test asks every request
+        # at every step and schedules none, where vLLM would schedule those answered, and
+        # the lookups past a step's budget of claims would wait for them)
+        vcfg = vllm_config(
+            model_path,
+            coord.address,
+            **{"shmkv.lookup_timeout_s": 0.05, "shmkv.wait_computing_s": 0},
+        )
         reqs = [request(f"b{i}", prompt(500 + i, 2 * BLOCK + 5)) for i in range(num)]
         with shmkv.connect(coord.address, timeout=10) as client:
             for req in reqs:
@@ -817,3 +827,34 @@ def test_a_request_scheduled_before_its_deferred_answer_was_taken_computes_and_w
     assert schedule(b[0], rb, [1, 2, 3], 0, 2 * BLOCK + 9).requests == []
     assert b[0].num_computing_waits == 0
     finish(spawned, base, (a, ra), (b, rb))
+
+
+def test_an_engine_claims_a_steps_budget_of_prompts_and_asks_for_the_rest_as_it_schedules(
+    sides, spawned
+):
+    """An engine whose lookups claim a step's token budget of prompts vLLM has not
+    scheduled yet puts off the next request's lookup, so that another engine computes
+    that prompt rather than waiting for one that would compute it steps later; once vLLM
+    schedules the first, the held request is asked for, and waits for the other engine.
+    A request whose prompt vLLM's own cache holds is never put off."""
+    settings = {**WAITS, "shmkv.wait_computing_s": 30}
+    a = sides(budget=2 * BLOCK, **settings)[:2]
+    b = sides(**settings)[:2]
+    (sched_a, worker_a), (sched_b, _) = a, b
+    base = counts(spawned.address)
+    first, second = prompt(46, 3 * BLOCK + 5), prompt(47, 3 * BLOCK + 5)
+    ra1, ra2 = request("ca1", first), request("ca2", second)
+    rb1, rb2 = request("cb1", list(first)), request("cb2", list(second))
+    assert matched(sched_a, ra1, 0) == (0, False)  # A computes the first: 3 blocks claimed
+    assert unknown_for(sched_a, ra2, 0.3)  # past A's budget: not asked
+    assert matched(sched_b, rb2, 0, timeout=2) == (0, False)  # so B computes the second
+    assert sched_b.num_computing_waits == 0
+    assert unknown_for(sched_b, rb1, 0.2) and sched_b.num_computing_waits == 1  # A's claim
+    ra3 = request("ca3", prompt(48, 2 * BLOCK + 3))
+    assert matched(sched_a, ra3, 2 * BLOCK, timeout=2) == (0, False)  # vLLM's cache has it
+    # vLLM schedules A's first request: A asks for its second, which B computes now
+    out = step(worker_a, schedule(sched_a, ra1, [1, 2, 3, 4], 0, 2 * BLOCK))
+    assert out.invalid_block_ids == set()
+    assert sched_a.num_computing_waits == 0
+    assert unknown_for(sched_a, ra2, 0.3) and sched_a.num_computing_waits == 1
+    finish(spawned, base, (a, ra1), (a, ra2), (a, ra3), (b, rb1), (b, rb2))

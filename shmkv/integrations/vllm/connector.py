@@ -40,7 +40,7 @@ class ShmkvConnector(KVConnectorBase_V1):
     digest of its files), ``"shmkv.client_name"`` (the engine's name in the coordinator's
     metrics), ``"shmkv.retry_s"`` (seconds between failed attempts to connect, default
     1), ``"shmkv.lookup_timeout_s"`` (how long a lookup may take before it is a miss,
-    default 0.05), ``"shmkv.handoff_ttl_s"`` (how long a hand-off nobody
+    default 1), ``"shmkv.handoff_ttl_s"`` (how long a hand-off nobody
     opened pins its blocks, default 10),
     ``"shmkv.kv_layout"`` (``"cpu"``, ``"split"`` or ``"flash"``; detected by default),
     ``"shmkv.on_load_error"`` (``"recompute"``, the default, or ``"fail"``),

@@ -319,8 +319,8 @@ class _Courier:
     that none of vLLM's threads ever waits on the socket or on a handshake.
 
     :meth:`call` hands the thread a request (a function of the client) and waits at most
-    ``timeout`` for its answer (the scheduler's ``"shmkv.lookup_timeout_s"``, tens of
-    ms): a later answer is a miss, and what it made (a lookup's handle) goes to
+    ``timeout`` for its answer (the scheduler's ``"shmkv.lookup_timeout_s"``, 1 s by
+    default): a later answer is a miss, and what it made (a lookup's handle) goes to
     ``abandon`` on the thread (which releases it). While a request is outstanding past
     that time (a coordinator that stopped answering), further calls give up at once
     (:meth:`stuck`), so requests with nothing to look up never queue behind it.

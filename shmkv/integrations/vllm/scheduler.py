@@ -87,6 +87,7 @@ class _SchedReq:
     # first step; made then, they would cost vLLM's thread a round trip), and when.
     tokens: Optional[List[bytes]] = None
     tokens_at: float = 0.0
+    defer: bool = False  # looked up with defer: others wait for the blocks it computes
 
 
 @dataclass
@@ -110,6 +111,7 @@ class _Asked(NamedTuple):
     job: "_Job"
     full: int  # the prompt's tokens in whole vLLM blocks (what the lookup asks for)
     prompt_len: int
+    defer: bool  # asked with defer: the coordinator notes the blocks it will compute
 
 
 class ShmkvConnectorScheduler:
@@ -128,6 +130,7 @@ class ShmkvConnectorScheduler:
         self._lookup_timeout_s = settings.lookup_timeout_s
         self._handoff_ttl_s = settings.handoff_ttl_s
         self._wait_computing_s = settings.wait_computing_s
+        self._step_tokens = settings.step_tokens
         self._client_name = settings.client_name
         self._block_size = settings.block_size
         self._tp_size = settings.tp_size
@@ -146,6 +149,10 @@ class ShmkvConnectorScheduler:
         self._settler: Optional[_Settler] = None  # made by the first early answer
         # requests waiting for prefixes other engines are computing now
         self._deferred: Dict[str, _Deferred] = {}
+        # Prompt tokens this engine told the coordinator it computes (a lookup made with
+        # defer, asked or answered), for requests vLLM has not scheduled yet: the other
+        # engines wait for them (see _holds_off)
+        self._claims: Dict[str, int] = {}
         self._idle_step = False  # the last step scheduled nothing
         # Only a worker copies through the pool; the scheduler never touches its pages.
         self._dialer = Dialer(settings, tp_rank=None, prefault=False)
@@ -181,10 +188,14 @@ class ShmkvConnectorScheduler:
             if deferred is not None and time.monotonic() < deferred.next_ask:
                 self._idle_wait(deferred.next_ask)
                 return None, False
+            if self._holds_off(request, num_computed_tokens):
+                return None, False
             try:
                 state = self._lookup(request, local=num_computed_tokens)
             except _NotYet:  # asked, no answer yet: vLLM schedules others and asks again
+                self._claim(request.request_id, None, num_computed_tokens)
                 return None, False
+            self._claim(request.request_id, state, num_computed_tokens)
             if state is None:
                 return 0, False
         if state.pending and request.request_id not in self._waiting:
@@ -201,6 +212,42 @@ class ShmkvConnectorScheduler:
             return None, False
         state.told_async = True
         return num, True
+
+    def _holds_off(self, request, local: int) -> bool:
+        """Whether ``request``'s first lookup waits for a later step: while the prompt
+        tokens this engine has claimed (:meth:`_claim`) and vLLM has not scheduled yet
+        fill a step's token budget (``max_num_batched_tokens``). A lookup made with
+        ``defer`` tells the other engines this one computes the prompt's next blocks, and
+        they wait for it; vLLM asks for every waiting request in a step, so without this
+        a saturated engine would claim its whole queue, computed one budget a step while
+        the others wait, idle. Not for a request whose prompt vLLM's own cache holds, nor
+        one that waits for others already (its claim is small)."""
+        req_id = request.request_id
+        if (
+            self._step_tokens <= 0
+            or self._wait_computing_s <= 0
+            or req_id in self._claims
+            or req_id in self._asking
+            or req_id in self._deferred
+            or sum(self._claims.values()) < self._step_tokens
+        ):
+            return False
+        return request.num_prompt_tokens - local >= self._block_size
+
+    def _claim(self, req_id: str, state: Optional[_SchedReq], local: int) -> None:
+        """Note what ``req_id``'s lookup claims: while asked with ``defer``, the prompt
+        past vLLM's own cache (``local``); answered, what the request computes and saves
+        past the hit; nothing once others compute it, or it missed."""
+        tokens = 0
+        asked = self._asking.get(req_id)
+        if asked is not None and asked.defer:
+            tokens = max(0, asked.full - local)
+        elif state is not None and state.defer and state.tokens:  # (tokens: it saves)
+            tokens = max(0, state.prompt_tokens - max(state.hit, local))
+        if tokens:
+            self._claims[req_id] = tokens
+        else:
+            self._claims.pop(req_id, None)
 
     def _idle_wait(self, until: float) -> None:
         """In a step after one that scheduled nothing, sleep once until ``until`` (at
@@ -317,6 +364,7 @@ class ShmkvConnectorScheduler:
             cap=cap,
             tokens=tokens,
             tokens_at=made_at,
+            defer=asked.defer,
         )
         if settle is not None:  # a tier copies part of the hit in: wait off this thread
             state.pending = True
@@ -392,7 +440,7 @@ class ShmkvConnectorScheduler:
             log.debug("shmkv: lookup of %s counted as a miss (%s)", request.request_id, exc)
             self.num_late_lookups += 1
             return None
-        return _Asked(job, full, len(prompt))
+        return _Asked(job, full, len(prompt), wait)
 
     def _take_settled(self, state: _SchedReq) -> bool:
         """Whether the tier copies of ``state``'s lookup are done; if so its hit is the
@@ -447,6 +495,7 @@ class ShmkvConnectorScheduler:
                 self._asking.pop(request.request_id, None)
                 self._drop_asked(asked)
         self._deferred.pop(request.request_id, None)  # (scheduled: it computes now)
+        self._claims.pop(request.request_id, None)
         if state is None:
             return
         state.block_ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
@@ -605,6 +654,7 @@ class ShmkvConnectorScheduler:
         until the request is ``final`` (finished, or the connector shut down)."""
         state = self._reqs.pop(req_id, None)
         self._deferred.pop(req_id, None)
+        self._claims.pop(req_id, None)
         asked = self._asking.pop(req_id, None)
         if asked is not None:
             self._drop_asked(asked)

@@ -27,8 +27,11 @@ DEFAULT_WAIT_COMPUTING_S = 5.0
 DEFAULT_RETRY_S = 1.0  # (a failed attempt on this host costs a connect() that fails at once)
 # How long a lookup may take before it counts as a miss (its request waits for it, others
 # are scheduled meanwhile), and the longest vLLM's scheduler thread waits for a hand-off
-# made in a step (see the courier).
-DEFAULT_LOOKUP_TIMEOUT_S = 0.05
+# made in a step (see the courier). A late lookup costs its request the whole prompt,
+# computed and not saved, while a coordinator that stopped answering costs this once (the
+# lookups after it miss at once): at 50 ms, saturated replicas on a 2-CPU host counted 3
+# of 24 lookups late and computed each of those prefixes again.
+DEFAULT_LOOKUP_TIMEOUT_S = 1.0
 # An unopened hand-off pins its blocks this long: the workers open a step's hand-offs
 # when the step starts, well within it, unless their engine died (Ctrl-C of vllm serve).
 HANDOFF_TTL_S = 10.0
@@ -197,6 +200,7 @@ class ConnectorSettings:
     block_size: int  # vLLM's
     tp_size: int
     expected: Optional[Dict[str, Any]]  # expected_layout(vllm_config)
+    step_tokens: int = 0  # vLLM's max_num_batched_tokens (0: not known)
 
 
 def read_settings(vllm_config, kv_transfer_config, scheduler: bool) -> ConnectorSettings:
@@ -250,4 +254,5 @@ def read_settings(vllm_config, kv_transfer_config, scheduler: bool) -> Connector
         block_size=vllm_config.cache_config.block_size,
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
         expected=expected_layout(vllm_config),
+        step_tokens=int(getattr(vllm_config.scheduler_config, "max_num_batched_tokens", None) or 0),
     )
