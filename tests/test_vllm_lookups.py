@@ -693,7 +693,8 @@ def test_a_coordinator_killed_during_a_lookup_and_restarted_serves_the_next(
 
 # -- waiting for a prefix another engine is computing ---------------------------------------
 
-WAITS = {"shmkv.handoff_ttl_s": 60, "shmkv.lookup_timeout_s": 0.5}
+# (the tests' prompts fit a step's budget: they wait for others whatever their length)
+WAITS = {"shmkv.handoff_ttl_s": 60, "shmkv.lookup_timeout_s": 0.5, "shmkv.wait_min_tokens": 0}
 
 
 def unknown_for(sched, req, seconds: float, local: int = 0) -> bool:
@@ -858,3 +859,28 @@ def test_an_engine_claims_a_steps_budget_of_prompts_and_asks_for_the_rest_as_it_
     assert sched_a.num_computing_waits == 0
     assert unknown_for(sched_a, ra2, 0.3) and sched_a.num_computing_waits == 1
     finish(spawned, base, (a, ra1), (a, ra2), (a, ra3), (b, rb1), (b, rb2))
+
+
+def test_a_prompt_that_fits_a_step_neither_waits_nor_is_waited_for(sides, spawned):
+    """By default a request waits for others, and claims its blocks for others to wait
+    for, only where it would compute more than a step's budget itself: a shorter prompt
+    is computed by each engine that gets it, a longer one by one of them."""
+    settings = {"shmkv.handoff_ttl_s": 60, "shmkv.lookup_timeout_s": 0.5}
+    settings["shmkv.wait_computing_s"] = 30
+    a = sides(budget=4 * BLOCK, **settings)[:2]
+    b = sides(budget=4 * BLOCK, **settings)[:2]
+    (sched_a, _), (sched_b, _) = a, b
+    base = counts(spawned.address)
+    short, long = prompt(49, 4 * BLOCK), prompt(50, 4 * BLOCK + 1)
+    ra1, rb1 = request("fa1", short), request("fb1", list(short))
+    ra2, rb2 = request("fa2", long), request("fb2", list(long))
+    assert matched(sched_a, ra1, 0) == (0, False)  # A computes the short one
+    assert matched(sched_b, rb1, 0, timeout=2) == (0, False)  # and so does B, at once
+    assert matched(sched_a, ra2, 0) == (0, False)  # A computes the long one
+    assert unknown_for(sched_b, rb2, 0.3)  # B waits for it
+    assert sched_b.num_computing_waits == 1 and sched_a.num_computing_waits == 0
+    # one block of the long one in B's own cache: what is left fits B's step
+    rb3 = request("fb3", list(long))
+    assert matched(sched_b, rb3, BLOCK, timeout=2) == (0, False)
+    assert sched_b.num_computing_waits == 1
+    finish(spawned, base, (a, ra1), (a, ra2), (b, rb1), (b, rb2), (b, rb3))

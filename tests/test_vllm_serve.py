@@ -123,10 +123,12 @@ def kv_transfer_config(
     name: str, client_name: str | None = None, engine_id: str | None = None
 ) -> str:
     """The ``--kv-transfer-config`` JSON of a replica. Its lookups wait up to 10 s for the
-    coordinator, not the default 50 ms: on a shared two-CPU machine the coordinator can
-    wait longer than that for a CPU, and a late answer counts as a miss. Without
+    coordinator, not the default 1 s: on a two-CPU machine running the rest of the suite
+    beside the servers, a late answer, a miss, would fail a test. Its requests wait for a
+    prefix another engine computes whatever their length (the test's prompts fit one
+    step's budget, for which they would not by default). Without
     ``client_name`` the coordinator counts the engine as ``vllm-ENGINE_ID``."""
-    extra: dict = {"shmkv.name": name, "shmkv.lookup_timeout_s": 10}
+    extra: dict = {"shmkv.name": name, "shmkv.lookup_timeout_s": 10, "shmkv.wait_min_tokens": 0}
     if client_name is not None:
         extra["shmkv.client_name"] = client_name
     config = {

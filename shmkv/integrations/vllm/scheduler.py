@@ -131,6 +131,7 @@ class ShmkvConnectorScheduler:
         self._handoff_ttl_s = settings.handoff_ttl_s
         self._wait_computing_s = settings.wait_computing_s
         self._step_tokens = settings.step_tokens
+        self._wait_min_tokens = settings.wait_min_tokens
         self._client_name = settings.client_name
         self._block_size = settings.block_size
         self._tp_size = settings.tp_size
@@ -213,6 +214,19 @@ class ShmkvConnectorScheduler:
         state.told_async = True
         return num, True
 
+    def _waits(self, prompt_len: int, local: int) -> bool:
+        """Whether a prompt of ``prompt_len`` tokens, ``local`` of them in vLLM's own
+        cache, is looked up with ``defer``: it waits for blocks another engine is
+        computing, and claims those it computes for others to wait for. Only where it
+        would compute more than ``"shmkv.wait_min_tokens"`` itself (by default a step's
+        budget, ``max_num_batched_tokens``): a prompt vLLM computes in one step costs
+        that step, no more than a wait (the other engine's step, then one of this
+        engine's), and waits for such prompts chain: a chat's next turn waits for the
+        turn before, which waits for the one before it."""
+        if self._wait_computing_s <= 0:
+            return False
+        return prompt_len - local > self._wait_min_tokens
+
     def _holds_off(self, request, local: int) -> bool:
         """Whether ``request``'s first lookup waits for a later step: while the prompt
         tokens this engine has claimed (:meth:`_claim`) and vLLM has not scheduled yet
@@ -220,19 +234,19 @@ class ShmkvConnectorScheduler:
         ``defer`` tells the other engines this one computes the prompt's next blocks, and
         they wait for it; vLLM asks for every waiting request in a step, so without this
         a saturated engine would claim its whole queue, computed one budget a step while
-        the others wait, idle. Not for a request whose prompt vLLM's own cache holds, nor
-        one that waits for others already (its claim is small)."""
+        the others wait, idle. Only for a request that would claim (:meth:`_waits`), and
+        not one that waits for others already (its claim is small)."""
         req_id = request.request_id
         if (
             self._step_tokens <= 0
-            or self._wait_computing_s <= 0
             or req_id in self._claims
             or req_id in self._asking
             or req_id in self._deferred
             or sum(self._claims.values()) < self._step_tokens
         ):
             return False
-        return request.num_prompt_tokens - local >= self._block_size
+        num = request.num_prompt_tokens
+        return num - local >= self._block_size and self._waits(num, local)
 
     def _claim(self, req_id: str, state: Optional[_SchedReq], local: int) -> None:
         """Note what ``req_id``'s lookup claims: while asked with ``defer``, the prompt
@@ -305,7 +319,7 @@ class ShmkvConnectorScheduler:
         req_id = request.request_id
         asked = self._asking.get(req_id)
         if asked is None:
-            asked = self._ask(request)
+            asked = self._ask(request, local)
             if asked is None:
                 return None
             self._asking[req_id] = asked
@@ -393,7 +407,7 @@ class ShmkvConnectorScheduler:
             deferred.cached, deferred.until = cached, now + self._wait_computing_s
         deferred.next_ask = now + COMPUTING_POLL_S
 
-    def _ask(self, request) -> Optional[_Asked]:
+    def _ask(self, request, local: int) -> Optional[_Asked]:
         """Queue ``request``'s lookup on the courier's thread: its sequence (the longest
         cached prefix pinned), a hand-off to wait on when a tier still copies part of it,
         and, when the request will save, the workers' hand-offs. None when there is
@@ -410,7 +424,7 @@ class ShmkvConnectorScheduler:
         ttl, ranks = self._handoff_ttl_s, self._tp_size
         # Whether to ask first if others compute its next blocks (then it waits for them)
         deferred = self._deferred.get(request.request_id)
-        wait = self._wait_computing_s > 0 and (
+        wait = self._waits(len(prompt), local) and (
             deferred is None or time.monotonic() < deferred.until
         )
 

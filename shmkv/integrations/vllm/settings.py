@@ -103,6 +103,14 @@ def _seconds(low: float, high: float) -> Callable[[str, Any], float]:
     return check
 
 
+def _tokens(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 2**31:
+        raise ConnectorConfigError(
+            f"{key!r} must be a whole number of tokens in [0, 2**31], got {value!r}"
+        )
+    return value
+
+
 def _choice(*allowed: str) -> Callable[[str, Any], str]:
     def check(key: str, value: Any) -> str:
         if value not in allowed:
@@ -137,6 +145,7 @@ SETTINGS: Dict[str, Callable[[str, Any], Any]] = {
     "shmkv.lookup_timeout_s": _seconds(0.001, 60.0),
     "shmkv.handoff_ttl_s": _seconds(1.0, 3600.0),
     "shmkv.wait_computing_s": _seconds(0.0, 600.0),
+    "shmkv.wait_min_tokens": _tokens,
     "shmkv.kv_layout": _choice(*LAYOUTS),
     "shmkv.on_load_error": _choice("recompute", "fail"),
     "shmkv.prefault": _boolean,
@@ -190,6 +199,9 @@ class ConnectorSettings:
     lookup_timeout_s: float
     handoff_ttl_s: float
     wait_computing_s: float  # 0: a request never waits for a prefix another computes
+    # A request waits for others (and claims its blocks for others to wait for) only where
+    # it would compute more prompt tokens than this itself: one step's budget by default
+    wait_min_tokens: int
     client_name: str  # (the scheduler's: NAME.lookup, see lookup_name)
     layout: Optional[str]  # "shmkv.kv_layout", None: detected from vLLM's tensors
     prefault: bool
@@ -234,6 +246,7 @@ def read_settings(vllm_config, kv_transfer_config, scheduler: bool) -> Connector
             f"(tensor parallelism is supported)"
         )
     name = client_name(extra.get("shmkv.client_name"), kv_transfer_config.engine_id)
+    step_tokens = int(getattr(vllm_config.scheduler_config, "max_num_batched_tokens", None) or 0)
     if scheduler:
         # The scheduler's lookups count apart, under NAME.lookup (what they found);
         # NAME counts what the engine loaded and computed (count_hits, rank 0).
@@ -244,6 +257,7 @@ def read_settings(vllm_config, kv_transfer_config, scheduler: bool) -> Connector
         lookup_timeout_s=extra.get("shmkv.lookup_timeout_s", DEFAULT_LOOKUP_TIMEOUT_S),
         handoff_ttl_s=extra.get("shmkv.handoff_ttl_s", HANDOFF_TTL_S),
         wait_computing_s=extra.get("shmkv.wait_computing_s", DEFAULT_WAIT_COMPUTING_S),
+        wait_min_tokens=extra.get("shmkv.wait_min_tokens", step_tokens),
         client_name=name,
         layout=extra.get("shmkv.kv_layout"),
         prefault=extra.get("shmkv.prefault", True),
@@ -254,5 +268,5 @@ def read_settings(vllm_config, kv_transfer_config, scheduler: bool) -> Connector
         block_size=vllm_config.cache_config.block_size,
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
         expected=expected_layout(vllm_config),
-        step_tokens=int(getattr(vllm_config.scheduler_config, "max_num_batched_tokens", None) or 0),
+        step_tokens=step_tokens,
     )
