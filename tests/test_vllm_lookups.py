@@ -884,3 +884,19 @@ def test_a_prompt_that_fits_a_step_neither_waits_nor_is_waited_for(sides, spawne
     assert matched(sched_b, rb3, BLOCK, timeout=2) == (0, False)
     assert sched_b.num_computing_waits == 1
     finish(spawned, base, (a, ra1), (a, ra2), (b, rb1), (b, rb2), (b, rb3))
+
+
+def test_a_claim_vllm_never_schedules_holds_the_next_lookup_no_longer_than_the_wait(sides, spawned):
+    """A claim vLLM does not schedule within ``shmkv.wait_computing_s`` (the others stop
+    waiting for it then) stops holding this engine's next lookups."""
+    settings = {**WAITS, "shmkv.wait_computing_s": 0.5}
+    a = sides(budget=2 * BLOCK, **settings)[:2]
+    sched_a = a[0]
+    base = counts(spawned.address)
+    ra1, ra2 = request("xa1", prompt(51, 3 * BLOCK + 5)), request("xa2", prompt(52, 3 * BLOCK))
+    assert matched(sched_a, ra1, 0) == (0, False)  # claimed, never scheduled
+    began = time.monotonic()
+    assert unknown_for(sched_a, ra2, 0.3)  # held while the claim is young
+    assert matched(sched_a, ra2, 0, timeout=5) == (0, False)  # then asked
+    assert 0.45 < time.monotonic() - began < 5.0
+    finish(spawned, base, (a, ra1), (a, ra2))

@@ -151,9 +151,9 @@ class ShmkvConnectorScheduler:
         # requests waiting for prefixes other engines are computing now
         self._deferred: Dict[str, _Deferred] = {}
         # Prompt tokens this engine told the coordinator it computes (a lookup made with
-        # defer, asked or answered), for requests vLLM has not scheduled yet: the other
-        # engines wait for them (see _holds_off)
-        self._claims: Dict[str, int] = {}
+        # defer, asked or answered), for requests vLLM has not scheduled yet, and since
+        # when: the other engines wait for them (see _holds_off)
+        self._claims: Dict[str, Tuple[int, float]] = {}
         self._idle_step = False  # the last step scheduled nothing
         # Only a worker copies through the pool; the scheduler never touches its pages.
         self._dialer = Dialer(settings, tp_rank=None, prefault=False)
@@ -235,15 +235,19 @@ class ShmkvConnectorScheduler:
         they wait for it; vLLM asks for every waiting request in a step, so without this
         a saturated engine would claim its whole queue, computed one budget a step while
         the others wait, idle. Only for a request that would claim (:meth:`_waits`), and
-        not one that waits for others already (its claim is small)."""
+        not one that waits for others already (its claim is small). A claim older than
+        ``"shmkv.wait_computing_s"`` no longer counts (the others stop waiting for a
+        writer that long without progress): no request is held for longer than that."""
         req_id = request.request_id
         if (
             self._step_tokens <= 0
             or req_id in self._claims
             or req_id in self._asking
             or req_id in self._deferred
-            or sum(self._claims.values()) < self._step_tokens
         ):
+            return False
+        since = time.monotonic() - self._wait_computing_s
+        if sum(tokens for tokens, at in self._claims.values() if at > since) < self._step_tokens:
             return False
         num = request.num_prompt_tokens
         return num - local >= self._block_size and self._waits(num, local)
@@ -259,7 +263,8 @@ class ShmkvConnectorScheduler:
         elif state is not None and state.defer and state.tokens:  # (tokens: it saves)
             tokens = max(0, state.prompt_tokens - max(state.hit, local))
         if tokens:
-            self._claims[req_id] = tokens
+            _, at = self._claims.get(req_id, (0, time.monotonic()))
+            self._claims[req_id] = (tokens, at)
         else:
             self._claims.pop(req_id, None)
 
