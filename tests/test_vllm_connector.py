@@ -119,6 +119,12 @@ def test_unknown_keys_and_invalid_values_are_refused_naming_what_is_accepted(
         for key, value in bad.items():
             with pytest.raises(vc.ConnectorConfigError, match=key.replace(".", r"\.")):
                 vc.ShmkvConnector(vllm_config(model_path, coord.address, **{key: value}), sched)
+        for value in (-1, 2**31 + 1, 1.5, True, "2048"):  # whole tokens, in [0, 2**31]
+            with pytest.raises(vc.ConnectorConfigError, match=r"shmkv\.wait_min_tokens"):
+                vc.ShmkvConnector(
+                    vllm_config(model_path, coord.address, **{"shmkv.wait_min_tokens": value}),
+                    sched,
+                )
         with pytest.raises(vc.ConnectorConfigError, match="not both"):
             vc.ShmkvConnector(
                 vllm_config(model_path, coord.address, **{"shmkv.name": unique_name}), sched
